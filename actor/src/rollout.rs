@@ -1,0 +1,397 @@
+//! Vectorised rollout: N environments, batched CPU inference, one segment per environment
+//! per `segment_len` steps.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rand::{Rng, SeedableRng};
+use rand_pcg::Pcg64Mcg;
+use tracing::{debug, info, warn};
+use volley_core::distributions::{log_softmax, sample_categorical};
+use volley_core::env::{Env, EnvError, VecEnv, VecStep};
+use volley_core::ids::{ActorId, PolicyVersion};
+use volley_core::policy::{ParamLayout, PolicyInference};
+use volley_core::spec::{RunSpec, SpecError};
+use volley_core::transport::{TrajectorySink, TransportError, WeightsFollower};
+use volley_core::wire::{EpisodeSummary, TrajectorySegment, Weights};
+
+/// Why an actor stopped with an error.
+#[derive(Debug, thiserror::Error)]
+pub enum ActorError {
+    /// This build cannot serve the run spec.
+    #[error("cannot serve run spec: {0}")]
+    Spec(#[from] SpecError),
+    /// An environment could not be built or reset.
+    #[error("environment: {0}")]
+    Env(#[from] EnvError),
+    /// The weights do not fit this actor's layout.
+    #[error("weights v{version} rejected: {reason}")]
+    Weights {
+        /// The version offered.
+        version: u64,
+        /// Why.
+        reason: String,
+    },
+    /// The transport failed for good.
+    #[error("transport: {0}")]
+    Transport(#[from] TransportError),
+}
+
+/// Counters an actor updates as it runs; shared with whoever reports progress.
+#[derive(Debug, Default)]
+pub struct ActorCounters {
+    /// Environment steps taken.
+    pub env_steps: AtomicU64,
+    /// Segments published.
+    pub segments_published: AtomicU64,
+    /// Episodes finished.
+    pub episodes: AtomicU64,
+    /// Environment failures (error or non-finite output), each followed by a reset.
+    pub env_errors: AtomicU64,
+    /// Weight versions switched to.
+    pub weight_updates: AtomicU64,
+    /// Nanoseconds spent blocked by transport backpressure.
+    pub throttled_nanos: AtomicU64,
+    /// Nanoseconds spent stepping environments.
+    pub env_nanos: AtomicU64,
+    /// Nanoseconds spent in policy inference.
+    pub inference_nanos: AtomicU64,
+}
+
+/// Per-environment segment under construction.
+#[derive(Debug, Default)]
+struct SegmentBuilder {
+    episode_id: u64,
+    segment_idx: u64,
+    episode_return: f32,
+    episode_len: u32,
+    episode_id_at_start: u64,
+    observations: Vec<f32>,
+    actions: Vec<u32>,
+    rewards: Vec<f32>,
+    terminated: Vec<u8>,
+    truncated: Vec<u8>,
+    behaviour_log_probs: Vec<f32>,
+    truncation_values: Vec<f32>,
+    initial_hidden: Vec<f32>,
+    finished_episodes: Vec<EpisodeSummary>,
+}
+
+/// Steps `n_envs` environments with the latest policy and produces segments.
+pub struct RolloutWorker {
+    spec: RunSpec,
+    layout: ParamLayout,
+    actor: ActorId,
+    envs: VecEnv<Box<dyn Env>>,
+    inference: PolicyInference,
+    weights: Option<Arc<Weights>>,
+    hidden: Vec<f32>,
+    logits: Vec<f32>,
+    log_probs: Vec<f32>,
+    values: Vec<f32>,
+    actions: Vec<usize>,
+    step: VecStep,
+    builders: Vec<SegmentBuilder>,
+    rng: Pcg64Mcg,
+    // Scratch for bootstrapping truncated episodes.
+    trunc_obs: Vec<f32>,
+    trunc_hidden: Vec<f32>,
+    trunc_logits: Vec<f32>,
+    trunc_values: Vec<f32>,
+    counters: Arc<ActorCounters>,
+}
+
+impl RolloutWorker {
+    /// Build the environments and policy for `spec`; refuses a spec this build cannot serve.
+    pub fn new(
+        spec: RunSpec,
+        actor: ActorId,
+        n_envs: usize,
+        seed: u64,
+        counters: Arc<ActorCounters>,
+    ) -> Result<Self, ActorError> {
+        let layout = spec.validate()?;
+        if n_envs == 0 {
+            return Err(ActorError::Env(EnvError::Config("n_envs must be at least 1".into())));
+        }
+        let envs = (0..n_envs).map(|_| spec.env.build()).collect::<Result<Vec<_>, _>>()?;
+        let envs = VecEnv::new(envs, seed)?;
+        let obs_dim = envs.obs_dim();
+        let n_actions = envs.n_actions();
+        let h = layout.recurrent_size();
+        let t_len = spec.segment_len;
+        let builders = (0..n_envs)
+            .map(|_| SegmentBuilder::with_capacity(t_len, obs_dim, h))
+            .collect();
+        Ok(RolloutWorker {
+            inference: PolicyInference::new(&layout, n_envs),
+            hidden: vec![0.0; n_envs * h],
+            logits: vec![0.0; n_envs * n_actions],
+            log_probs: vec![0.0; n_actions],
+            values: vec![0.0; n_envs],
+            actions: vec![0; n_envs],
+            step: VecStep::new(n_envs, obs_dim),
+            builders,
+            rng: Pcg64Mcg::seed_from_u64(seed ^ 0x5eed_ac70),
+            trunc_obs: Vec::new(),
+            trunc_hidden: Vec::new(),
+            trunc_logits: Vec::new(),
+            trunc_values: Vec::new(),
+            envs,
+            spec,
+            layout,
+            actor,
+            weights: None,
+            counters,
+        })
+    }
+
+    /// The policy version in use, if any weights arrived yet.
+    pub fn policy_version(&self) -> Option<PolicyVersion> {
+        self.weights.as_ref().map(|w| w.version)
+    }
+
+    /// Switch to new weights after checking layout and checksum.
+    pub fn set_weights(&mut self, weights: Arc<Weights>) -> Result<(), ActorError> {
+        weights
+            .verify(self.layout.hash(), self.layout.n_params())
+            .map_err(|err| ActorError::Weights { version: weights.version.0, reason: err.to_string() })?;
+        self.weights = Some(weights);
+        self.counters.weight_updates.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Step every environment `segment_len` times with the current weights and return one
+    /// segment per environment.
+    ///
+    /// # Panics
+    /// If no weights were set: callers wait for the first version before collecting.
+    pub fn collect_segments(&mut self) -> Vec<TrajectorySegment> {
+        let weights = self.weights.clone().expect("collect_segments needs weights: call set_weights first");
+        let params = &weights.params[..];
+        let n_envs = self.envs.n_envs();
+        let obs_dim = self.envs.obs_dim();
+        let n_actions = self.envs.n_actions();
+        let h = self.layout.recurrent_size();
+        for (env_idx, builder) in self.builders.iter_mut().enumerate() {
+            builder.begin(&self.hidden[env_idx * h..(env_idx + 1) * h]);
+        }
+        let mut env_time = Duration::ZERO;
+        let mut inference_time = Duration::ZERO;
+        for _ in 0..self.spec.segment_len {
+            let started = Instant::now();
+            let obs = self.envs.obs();
+            for (env_idx, builder) in self.builders.iter_mut().enumerate() {
+                builder.observations.extend_from_slice(&obs[env_idx * obs_dim..(env_idx + 1) * obs_dim]);
+            }
+            self.inference.forward(params, obs, n_envs, &mut self.hidden, &mut self.logits, &mut self.values);
+            for env_idx in 0..n_envs {
+                let row = &self.logits[env_idx * n_actions..(env_idx + 1) * n_actions];
+                log_softmax(row, &mut self.log_probs);
+                let action = sample_categorical(row, self.rng.random::<f32>());
+                self.actions[env_idx] = action;
+                let builder = &mut self.builders[env_idx];
+                builder.actions.push(action as u32);
+                builder.behaviour_log_probs.push(self.log_probs[action]);
+            }
+            let stepped = Instant::now();
+            inference_time += stepped - started;
+            self.envs
+                .step(&self.actions, &mut self.step)
+                .expect("actions has one entry per environment");
+            env_time += stepped.elapsed();
+            for (env_idx, error) in self.step.env_errors.drain(..) {
+                self.counters.env_errors.fetch_add(1, Ordering::Relaxed);
+                warn!(actor = %self.actor, env_idx, %error, reason = error.reason(), "environment failed; reset");
+            }
+            self.bootstrap_truncated(params);
+            for env_idx in 0..n_envs {
+                let builder = &mut self.builders[env_idx];
+                let reward = self.step.rewards[env_idx];
+                let terminated = self.step.terminated[env_idx];
+                let truncated = self.step.truncated[env_idx];
+                builder.rewards.push(reward);
+                builder.terminated.push(terminated as u8);
+                builder.truncated.push(truncated as u8);
+                builder.episode_return += reward;
+                builder.episode_len += 1;
+                if terminated || truncated {
+                    builder.finished_episodes.push(EpisodeSummary {
+                        episode_return: builder.episode_return,
+                        episode_len: builder.episode_len,
+                    });
+                    builder.episode_return = 0.0;
+                    builder.episode_len = 0;
+                    builder.episode_id += 1;
+                    // A new episode starts with a zero recurrent state.
+                    self.hidden[env_idx * h..(env_idx + 1) * h].fill(0.0);
+                }
+            }
+            self.counters.episodes.fetch_add(self.step.finished_episodes.len() as u64, Ordering::Relaxed);
+        }
+        let obs = self.envs.obs();
+        let mut segments = Vec::with_capacity(n_envs);
+        for (env_idx, builder) in self.builders.iter_mut().enumerate() {
+            builder.observations.extend_from_slice(&obs[env_idx * obs_dim..(env_idx + 1) * obs_dim]);
+            segments.push(builder.finish(&self.spec, &self.actor, env_idx, &weights, obs_dim));
+        }
+        let steps = (self.spec.segment_len * n_envs) as u64;
+        self.counters.env_steps.fetch_add(steps, Ordering::Relaxed);
+        self.counters.env_nanos.fetch_add(env_time.as_nanos() as u64, Ordering::Relaxed);
+        self.counters.inference_nanos.fetch_add(inference_time.as_nanos() as u64, Ordering::Relaxed);
+        segments
+    }
+
+    /// For environments truncated this step, store the behaviour value of the final
+    /// observation so the learner can bootstrap through the time limit.
+    fn bootstrap_truncated(&mut self, params: &[f32]) {
+        let n_envs = self.envs.n_envs();
+        let obs_dim = self.envs.obs_dim();
+        let h = self.layout.recurrent_size();
+        let n_actions = self.envs.n_actions();
+        let truncated: usize = self.step.truncated.iter().filter(|&&t| t).count();
+        if truncated > 0 {
+            self.trunc_obs.clear();
+            self.trunc_hidden.clear();
+            for env_idx in (0..n_envs).filter(|&i| self.step.truncated[i]) {
+                self.trunc_obs.extend_from_slice(&self.step.final_obs[env_idx * obs_dim..(env_idx + 1) * obs_dim]);
+                self.trunc_hidden.extend_from_slice(&self.hidden[env_idx * h..(env_idx + 1) * h]);
+            }
+            self.trunc_logits.resize(truncated * n_actions, 0.0);
+            self.trunc_values.resize(truncated, 0.0);
+            self.inference.forward(
+                params,
+                &self.trunc_obs,
+                truncated,
+                &mut self.trunc_hidden,
+                &mut self.trunc_logits,
+                &mut self.trunc_values,
+            );
+        }
+        let mut next_value = 0;
+        for env_idx in 0..n_envs {
+            let value = if self.step.truncated[env_idx] {
+                next_value += 1;
+                self.trunc_values[next_value - 1]
+            } else {
+                0.0
+            };
+            self.builders[env_idx].truncation_values.push(value);
+        }
+    }
+
+    /// Run until `stop` is set or the sink closes: follow weights between segments, collect,
+    /// publish. Waits for the first weights for up to `first_weights_timeout` per attempt,
+    /// logging while it waits.
+    pub fn run(
+        mut self,
+        sink: &mut dyn TrajectorySink,
+        follower: &mut dyn WeightsFollower,
+        stop: &AtomicBool,
+    ) -> Result<(), ActorError> {
+        let wait_step = Duration::from_millis(200);
+        while self.weights.is_none() {
+            if stop.load(Ordering::Acquire) {
+                return Ok(());
+            }
+            match follower.wait_first(wait_step) {
+                Ok(weights) => self.set_weights(weights)?,
+                Err(TransportError::Timeout { .. }) => debug!(actor = %self.actor, "waiting for the first weights"),
+                Err(TransportError::Closed) => return Ok(()),
+                Err(err) => return Err(err.into()),
+            }
+        }
+        info!(actor = %self.actor, version = ?self.policy_version(), n_envs = self.envs.n_envs(), "actor started");
+        let mut throttled_before = sink.throttled();
+        while !stop.load(Ordering::Acquire) {
+            match follower.latest(self.policy_version()) {
+                Ok(Some(weights)) => {
+                    if let Err(err) = self.set_weights(weights) {
+                        // Keep acting with the old version; the learner decides what is too stale.
+                        warn!(actor = %self.actor, %err, "ignoring unusable weights");
+                    }
+                }
+                Ok(None) => {}
+                Err(TransportError::Closed) => break,
+                Err(err) => warn!(actor = %self.actor, %err, "weights check failed; keeping current version"),
+            }
+            let segments = self.collect_segments();
+            let n = segments.len() as u64;
+            match sink.publish(segments) {
+                Ok(()) => {
+                    self.counters.segments_published.fetch_add(n, Ordering::Relaxed);
+                }
+                Err(TransportError::Closed) => break,
+                Err(err) => return Err(err.into()),
+            }
+            let throttled = sink.throttled();
+            self.counters
+                .throttled_nanos
+                .fetch_add((throttled - throttled_before).as_nanos() as u64, Ordering::Relaxed);
+            throttled_before = throttled;
+        }
+        info!(actor = %self.actor, "actor stopped");
+        Ok(())
+    }
+}
+
+impl SegmentBuilder {
+    fn with_capacity(t_len: usize, obs_dim: usize, h: usize) -> Self {
+        let mut builder = SegmentBuilder::default();
+        builder.reserve(t_len, obs_dim, h);
+        builder
+    }
+
+    fn reserve(&mut self, t_len: usize, obs_dim: usize, h: usize) {
+        self.observations.reserve((t_len + 1) * obs_dim);
+        self.actions.reserve(t_len);
+        self.rewards.reserve(t_len);
+        self.terminated.reserve(t_len);
+        self.truncated.reserve(t_len);
+        self.behaviour_log_probs.reserve(t_len);
+        self.truncation_values.reserve(t_len);
+        self.initial_hidden.reserve(h);
+    }
+
+    fn begin(&mut self, hidden: &[f32]) {
+        self.episode_id_at_start = self.episode_id;
+        self.initial_hidden.extend_from_slice(hidden);
+    }
+
+    /// Move the collected arrays into a segment and leave fresh buffers behind.
+    fn finish(
+        &mut self,
+        spec: &RunSpec,
+        actor: &ActorId,
+        env_idx: usize,
+        weights: &Weights,
+        obs_dim: usize,
+    ) -> TrajectorySegment {
+        let h = self.initial_hidden.len();
+        let segment = TrajectorySegment {
+            run: spec.run.to_string(),
+            actor: actor.to_string(),
+            env_idx: env_idx as u32,
+            episode_id: self.episode_id_at_start,
+            segment_idx: self.segment_idx,
+            task_id: 0,
+            start_snapshot: None,
+            policy_version: weights.version,
+            layout_hash: weights.layout_hash,
+            obs_dim: obs_dim as u32,
+            observations: std::mem::take(&mut self.observations),
+            actions: std::mem::take(&mut self.actions),
+            rewards: std::mem::take(&mut self.rewards),
+            terminated: std::mem::take(&mut self.terminated),
+            truncated: std::mem::take(&mut self.truncated),
+            behaviour_log_probs: std::mem::take(&mut self.behaviour_log_probs),
+            truncation_values: std::mem::take(&mut self.truncation_values),
+            initial_hidden: std::mem::take(&mut self.initial_hidden),
+            finished_episodes: std::mem::take(&mut self.finished_episodes),
+        };
+        self.segment_idx += 1;
+        self.reserve(spec.segment_len, obs_dim, h);
+        segment
+    }
+}

@@ -1,0 +1,48 @@
+//! The `volley` command. Start at [`args::Command`].
+
+mod args;
+mod curve;
+mod train;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use clap::Parser;
+use tracing::warn;
+use tracing_subscriber::EnvFilter;
+
+use crate::args::{Cli, Command, TrainConfig};
+
+fn init_tracing() {
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    if std::env::var("VOLLEY_LOG_FORMAT").is_ok_and(|f| f == "json") {
+        builder.json().init();
+    } else {
+        builder.init();
+    }
+}
+
+fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    init_tracing();
+    let interrupted = Arc::new(AtomicBool::new(false));
+    {
+        let interrupted = interrupted.clone();
+        ctrlc::set_handler(move || {
+            if interrupted.swap(true, Ordering::AcqRel) {
+                // Second Ctrl-C: the user wants out now.
+                std::process::exit(130);
+            }
+            warn!("interrupted; finishing the current update (Ctrl-C again to abort)");
+        })?;
+    }
+    match cli.command {
+        Command::Train(args) => {
+            let config = TrainConfig::try_from(args)?;
+            let summary = train::train(config, interrupted)?;
+            println!("{}", serde_json::to_string(&summary)?);
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,296 @@
+//! `volley train`: the learner on this thread, actors on their own threads, the embedded bus
+//! between them; progress on stderr, a run directory with metrics and a learning curve, and a
+//! one-line JSON summary on stdout.
+
+use std::fs::{self, File};
+use std::io::{BufWriter, IsTerminal, Write};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use tracing::{info, warn};
+use volley_actor::{ActorCounters, RolloutWorker};
+use volley_core::ids::ActorId;
+use volley_core::transport::local::{trajectory_channel, weights_channel};
+use volley_learner::{run_learner, Learner, LearnerReport, RunLimits, UpdateStats};
+
+use crate::args::{ProgressMode, TrainConfig};
+use crate::curve;
+
+/// The summary printed as one JSON line at the end.
+#[derive(Debug, serde::Serialize)]
+pub struct TrainSummary {
+    /// Environment name.
+    pub env: String,
+    /// Seed.
+    pub seed: u64,
+    /// Environment steps consumed by the learner.
+    pub env_steps: u64,
+    /// Wall time of the training loop.
+    pub wall_secs: f64,
+    /// Mean return of the last 100 episodes.
+    pub final_mean_return: f32,
+    /// Mean return of the last 20 episodes.
+    pub final_mean_return_20: f32,
+    /// Whether the last-100 mean reached the solved threshold.
+    pub solved: bool,
+    /// Solved threshold used.
+    pub target_return: Option<f32>,
+    /// Updates applied.
+    pub updates: u64,
+    /// Final policy version.
+    pub policy_version: u64,
+    /// Episodes finished.
+    pub episodes: u64,
+    /// Env steps and seconds when the last-20 mean first reached the threshold.
+    pub steps_to_target_20: Option<u64>,
+    /// Seconds to the same.
+    pub secs_to_target_20: Option<f64>,
+    /// Env steps when the last-100 mean first reached the threshold.
+    pub steps_to_target_100: Option<u64>,
+    /// Seconds to the same.
+    pub secs_to_target_100: Option<f64>,
+    /// Segments dropped as too stale.
+    pub segments_stale: u64,
+    /// Segments rejected as malformed.
+    pub segments_rejected: u64,
+    /// Environment failures that were reset.
+    pub env_errors: u64,
+    /// Largest lag seen (versions).
+    pub lag_max: u64,
+    /// Fraction of loop time the learner waited for data.
+    pub learner_wait_ratio: f64,
+    /// Why training stopped.
+    pub stop_reason: String,
+    /// Where the run's files are.
+    pub run_dir: String,
+}
+
+/// One line of `metrics.jsonl`, written after every update.
+#[derive(Debug, serde::Serialize)]
+struct MetricsRow {
+    update: u64,
+    policy_version: u64,
+    env_steps: u64,
+    wall_secs: f64,
+    episodes: u64,
+    mean_return_20: Option<f32>,
+    mean_return_100: Option<f32>,
+    loss_total: f32,
+    loss_policy: f32,
+    loss_value: f32,
+    entropy: f32,
+    grad_norm: f32,
+    learning_rate: f32,
+    lag_max: u64,
+    lag_mean: f32,
+    segments_stale: u64,
+    backlog: Option<u64>,
+}
+
+fn finite(x: f32) -> Option<f32> {
+    x.is_finite().then_some(x)
+}
+
+/// Run `volley train`.
+pub fn train(config: TrainConfig, interrupted: Arc<AtomicBool>) -> anyhow::Result<TrainSummary> {
+    let spec = config.spec.clone();
+    fs::create_dir_all(&config.run_dir).with_context(|| format!("creating run directory {}", config.run_dir.display()))?;
+    fs::write(config.run_dir.join("spec.json"), serde_json::to_string_pretty(&spec)?)
+        .context("writing spec.json")?;
+    info!(
+        env = spec.env.name(),
+        seed = spec.seed,
+        actors = config.actors,
+        envs_per_actor = config.envs_per_actor,
+        segment_len = spec.segment_len,
+        batch_segments = spec.hyper.batch_segments,
+        loss = ?spec.hyper.loss,
+        policy = ?spec.policy,
+        run_dir = %config.run_dir.display(),
+        "training"
+    );
+    let mut learner = Learner::new(spec.clone()).context("building the learner")?;
+    // Room for one batch in flight besides the one being trained on: actors run at most about
+    // one version ahead, which bounds the lag (pacing by backpressure).
+    let capacity = spec.hyper.batch_segments.max(config.envs_per_actor);
+    let (sink, mut source) = trajectory_channel(capacity);
+    let (mut publisher, follower) = weights_channel();
+    let stop_actors = Arc::new(AtomicBool::new(false));
+    let counters: Vec<Arc<ActorCounters>> = (0..config.actors).map(|_| Arc::new(ActorCounters::default())).collect();
+    let mut handles = Vec::with_capacity(config.actors);
+    for (actor_idx, actor_counters) in counters.iter().enumerate() {
+        let actor_id = ActorId::new(format!("actor-{actor_idx}")).expect("generated actor ids are valid");
+        let worker = RolloutWorker::new(
+            spec.clone(),
+            actor_id.clone(),
+            config.envs_per_actor,
+            spec.seed.wrapping_mul(1_000_003).wrapping_add(actor_idx as u64),
+            actor_counters.clone(),
+        )
+        .with_context(|| format!("building actor {actor_id}"))?;
+        let mut sink = sink.clone();
+        let mut follower = follower.clone();
+        let stop = stop_actors.clone();
+        let handle = thread::Builder::new()
+            .name(format!("volley-{actor_id}"))
+            .spawn(move || worker.run(&mut sink, &mut follower, &stop))
+            .context("spawning an actor thread")?;
+        handles.push(handle);
+    }
+    drop(sink);
+
+    let limits = RunLimits {
+        max_env_steps: Some(config.max_env_steps),
+        max_duration: Some(config.max_duration),
+        target_return: config.target_return,
+        max_updates: None,
+        publish_every: 1,
+    };
+    let metrics_file = File::create(config.run_dir.join("metrics.jsonl")).context("creating metrics.jsonl")?;
+    let mut progress = Progress::new(config.progress, config.max_env_steps, metrics_file);
+    let report = run_learner(
+        &mut learner,
+        &mut source,
+        &mut publisher,
+        &limits,
+        &interrupted,
+        &mut |report: &LearnerReport, stats: &UpdateStats| progress.on_update(report, stats),
+    );
+    stop_actors.store(true, Ordering::Release);
+    source.close();
+    for handle in handles {
+        match handle.join() {
+            Ok(Ok(())) => {}
+            Ok(Err(err)) => warn!(%err, "actor stopped with an error"),
+            Err(_) => warn!("actor thread panicked"),
+        }
+    }
+    let report = report.context("learner loop")?;
+    progress.finish()?;
+    let points = progress.points;
+    curve::write_svg(&config.run_dir.join("curve.svg"), &points, config.target_return, spec.env.name())
+        .context("writing curve.svg")?;
+
+    let env_errors = counters.iter().map(|c| c.env_errors.load(Ordering::Relaxed)).sum();
+    let mean_100 = report.mean_return(100);
+    let loop_secs = report.elapsed.as_secs_f64();
+    let summary = TrainSummary {
+        env: spec.env.name().to_string(),
+        seed: spec.seed,
+        env_steps: report.env_steps,
+        wall_secs: loop_secs,
+        final_mean_return: mean_100,
+        final_mean_return_20: report.mean_return(20),
+        solved: config.target_return.is_some_and(|t| report.recent_returns.len() >= 100 && mean_100 >= t),
+        target_return: config.target_return,
+        updates: report.updates,
+        policy_version: report.policy_version,
+        episodes: report.episodes,
+        steps_to_target_20: report.target_reached_20.map(|(s, _)| s),
+        secs_to_target_20: report.target_reached_20.map(|(_, t)| t),
+        steps_to_target_100: report.target_reached_100.map(|(s, _)| s),
+        secs_to_target_100: report.target_reached_100.map(|(_, t)| t),
+        segments_stale: report.segments_stale,
+        segments_rejected: report.segments_rejected.values().sum(),
+        env_errors,
+        lag_max: report.lag_histogram.iter().rposition(|&n| n > 0).unwrap_or(0) as u64,
+        learner_wait_ratio: if loop_secs > 0.0 { report.wait_time.as_secs_f64() / loop_secs } else { 0.0 },
+        stop_reason: report.stop_reason.map(|r| r.to_string()).unwrap_or_default(),
+        run_dir: config.run_dir.display().to_string(),
+    };
+    fs::write(config.run_dir.join("summary.json"), serde_json::to_string_pretty(&summary)?)
+        .context("writing summary.json")?;
+    Ok(summary)
+}
+
+/// Progress on stderr (bar or lines) plus the metrics file.
+struct Progress {
+    bar: Option<ProgressBar>,
+    lines: bool,
+    last_line: Instant,
+    metrics: BufWriter<File>,
+    points: Vec<curve::Point>,
+    write_error: Option<std::io::Error>,
+}
+
+impl Progress {
+    fn new(mode: ProgressMode, max_env_steps: u64, metrics: File) -> Self {
+        let terminal = std::io::stderr().is_terminal();
+        let bar = (mode == ProgressMode::Auto && terminal).then(|| {
+            let bar = ProgressBar::with_draw_target(Some(max_env_steps), ProgressDrawTarget::stderr_with_hz(10));
+            bar.set_style(
+                ProgressStyle::with_template("{bar:30} {human_pos}/{human_len} steps {per_sec} {msg}")
+                    .expect("the template is valid"),
+            );
+            bar
+        });
+        Progress {
+            lines: mode == ProgressMode::Lines || (mode == ProgressMode::Auto && !terminal),
+            bar,
+            last_line: Instant::now() - Duration::from_secs(10),
+            metrics: BufWriter::new(metrics),
+            points: Vec::new(),
+            write_error: None,
+        }
+    }
+
+    fn on_update(&mut self, report: &LearnerReport, stats: &UpdateStats) {
+        let row = MetricsRow {
+            update: report.updates,
+            policy_version: report.policy_version,
+            env_steps: report.env_steps,
+            wall_secs: report.elapsed.as_secs_f64(),
+            episodes: report.episodes,
+            mean_return_20: finite(report.mean_return(20)),
+            mean_return_100: finite(report.mean_return(100)),
+            loss_total: stats.loss.total,
+            loss_policy: stats.loss.policy,
+            loss_value: stats.loss.value,
+            entropy: stats.loss.entropy,
+            grad_norm: stats.grad_norm,
+            learning_rate: stats.learning_rate,
+            lag_max: stats.lag_max,
+            lag_mean: stats.lag_mean,
+            segments_stale: report.segments_stale,
+            backlog: report.backlog,
+        };
+        if let Err(err) = serde_json::to_writer(&mut self.metrics, &row)
+            .map_err(std::io::Error::from)
+            .and_then(|()| self.metrics.write_all(b"\n"))
+        {
+            self.write_error.get_or_insert(err);
+        }
+        if let Some(mean) = row.mean_return_20 {
+            self.points.push(curve::Point { env_steps: report.env_steps, mean_return: mean });
+        }
+        let steps_per_sec = report.env_steps as f64 / report.elapsed.as_secs_f64().max(1e-9);
+        let message = format!(
+            "return {:.1} (last 100 {:.1}) v{} lag {}",
+            report.mean_return(20),
+            report.mean_return(100),
+            report.policy_version,
+            stats.lag_max
+        );
+        if let Some(bar) = &self.bar {
+            bar.set_position(report.env_steps);
+            bar.set_message(message);
+        } else if self.lines && self.last_line.elapsed() >= Duration::from_secs(1) {
+            self.last_line = Instant::now();
+            info!(env_steps = report.env_steps, steps_per_sec = steps_per_sec as u64, "{message}");
+        }
+    }
+
+    fn finish(&mut self) -> anyhow::Result<()> {
+        if let Some(bar) = self.bar.take() {
+            bar.finish_and_clear();
+        }
+        if let Some(err) = self.write_error.take() {
+            return Err(err).context("writing metrics.jsonl");
+        }
+        self.metrics.flush().context("writing metrics.jsonl")
+    }
+}

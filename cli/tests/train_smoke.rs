@@ -1,0 +1,68 @@
+//! Smoke tests of the `volley` binary: a tiny embedded run, and clear errors for bad flags.
+
+use std::process::Command;
+
+fn volley() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_volley"))
+}
+
+#[test]
+fn tiny_train_run_prints_summary_and_writes_run_dir() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let run_dir = dir.path().join("run");
+    let output = volley()
+        .args(["train", "--max-env-steps", "1024", "--segment-len", "16", "--batch-segments", "4"])
+        .args(["--progress", "quiet", "--run-dir"])
+        .arg(&run_dir)
+        .output()
+        .expect("run volley");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "volley train failed: {stderr}");
+    let stdout = String::from_utf8(output.stdout).expect("utf-8 summary");
+    let summary: serde_json::Value = serde_json::from_str(stdout.trim()).expect("one JSON line on stdout");
+    for key in ["env_steps", "wall_secs", "final_mean_return", "solved", "updates", "policy_version"] {
+        assert!(summary.get(key).is_some(), "summary lacks {key}: {summary}");
+    }
+    assert!(summary["env_steps"].as_u64().expect("env_steps") >= 1024);
+    assert!(summary["updates"].as_u64().expect("updates") >= 1);
+    assert_eq!(summary["stop_reason"], "env_step_budget");
+    for file in ["spec.json", "metrics.jsonl", "curve.svg", "summary.json"] {
+        assert!(run_dir.join(file).is_file(), "run directory lacks {file}");
+    }
+    let metrics = std::fs::read_to_string(run_dir.join("metrics.jsonl")).expect("metrics");
+    let first: serde_json::Value = serde_json::from_str(metrics.lines().next().expect("a row")).expect("json row");
+    let loss = first["loss_total"].as_f64().expect("finite loss");
+    assert!(loss.is_finite());
+}
+
+#[test]
+fn gru_and_vtrace_flags_run_on_the_memory_task() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let output = volley()
+        .args(["train", "--env", "memory", "--core", "gru", "--gru-hidden", "16", "--torso", "16"])
+        .args(["--loss", "vtrace", "--max-env-steps", "512", "--segment-len", "8", "--batch-segments", "4"])
+        .args(["--progress", "quiet", "--run-dir"])
+        .arg(dir.path().join("run"))
+        .output()
+        .expect("run volley");
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+}
+
+fn assert_rejected(args: &[&str], expected: &str) {
+    let output = volley().args(args).output().expect("run volley");
+    assert!(!output.status.success(), "{args:?} should fail");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains(expected), "{args:?}: expected {expected:?} in {stderr}");
+}
+
+#[test]
+fn invalid_flags_get_clear_errors() {
+    assert_rejected(&["train", "--env", "pong"], "invalid value 'pong'");
+    assert_rejected(&["train", "--actors", "0"], "--actors: 0 out of range");
+    assert_rejected(&["train", "--torso", "64,x"], "--torso: \"x\" is not a width");
+    assert_rejected(&["train", "--segment-len", "0"], "segment_len");
+    assert_rejected(&["train", "--max-secs", "0"], "--max-secs");
+    assert_rejected(&["train", "--gamma", "1.5"], "gamma");
+    assert_rejected(&["train", "--run", "Bad.Name"], "invalid run id");
+    assert_rejected(&["train", "--ppo-minibatches", "9", "--batch-segments", "8"], "ppo_minibatches");
+}

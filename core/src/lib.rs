@@ -1,0 +1,15 @@
+//! Volley's shared vocabulary: environments, the policy network and its CPU math, return
+//! estimators, wire types and the transport traits with their in-process implementation.
+//!
+//! Invariant: core performs no I/O except through `transport`; it knows nothing of CUDA.
+//! Start reading at [`env::Env`], [`policy::ParamLayout`] and [`transport`].
+#![warn(missing_docs)]
+
+pub mod distributions;
+pub mod env;
+pub mod policy;
+pub mod returns;
+pub mod ids;
+pub mod spec;
+pub mod transport;
+pub mod wire;

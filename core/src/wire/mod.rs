@@ -1,0 +1,544 @@
+//! Wire types: the only serializable values that cross process boundaries, and their codec.
+//!
+//! Every encoded message starts with an [`Envelope`] header (magic, [`FORMAT_VERSION`], kind).
+//! Decoding validates sizes, shapes against the run spec, finiteness and limits, so a bad
+//! message becomes a [`DecodeError`] with a bounded [`DecodeError::reason`] label, never a panic.
+
+use crate::ids::PolicyVersion;
+use crate::spec::RunSpec;
+
+/// Bumped on any incompatible change of a wire type.
+pub const FORMAT_VERSION: u16 = 1;
+
+/// First bytes of every message: "VLLY".
+pub const MAGIC: [u8; 4] = *b"VLLY";
+
+/// Upper bound on one decoded message (64 MiB), so a hostile length prefix cannot allocate more.
+pub const MAX_MESSAGE_BYTES: usize = 64 << 20;
+
+/// What a message carries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum MessageKind {
+    /// A [`TrajectorySegment`].
+    Segment = 1,
+    /// A [`Weights`] buffer.
+    Weights = 2,
+}
+
+/// The fixed header in front of every message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Envelope {
+    /// Wire format version.
+    pub format_version: u16,
+    /// What follows.
+    pub kind: MessageKind,
+}
+
+const HEADER_BYTES: usize = 7;
+
+/// Why a message was rejected.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum DecodeError {
+    /// Shorter than the header, or truncated body.
+    #[error("truncated message: {0}")]
+    Truncated(String),
+    /// The magic bytes are wrong: not a Volley message.
+    #[error("bad magic {0:02x?}: not a volley message")]
+    BadMagic([u8; 4]),
+    /// A format version this build does not read.
+    #[error("unsupported format version {got} (this build reads {FORMAT_VERSION})")]
+    WrongVersion {
+        /// The version in the message.
+        got: u16,
+    },
+    /// The kind byte names another message type.
+    #[error("unexpected message kind {got} (expected {expected})")]
+    WrongKind {
+        /// The kind byte found.
+        got: u8,
+        /// The kind expected.
+        expected: u8,
+    },
+    /// The body does not decode.
+    #[error("malformed body: {0}")]
+    Malformed(String),
+    /// A field has the wrong number of elements.
+    #[error("{field}: expected {expected} elements, got {got}")]
+    Shape {
+        /// Which field.
+        field: &'static str,
+        /// Expected length.
+        expected: usize,
+        /// Actual length.
+        got: usize,
+    },
+    /// A float field holds NaN or ±inf.
+    #[error("{field}: non-finite value at index {index}")]
+    NonFinite {
+        /// Which field.
+        field: &'static str,
+        /// First bad index.
+        index: usize,
+    },
+    /// An action outside the action space.
+    #[error("action {action} at step {step} out of range for {n_actions} actions")]
+    ActionOutOfRange {
+        /// The action.
+        action: u32,
+        /// The step.
+        step: usize,
+        /// Number of actions.
+        n_actions: usize,
+    },
+    /// The message belongs to another run or architecture.
+    #[error("{what} mismatch: message has {got}, run has {expected}")]
+    Mismatch {
+        /// What differs.
+        what: &'static str,
+        /// The message's value.
+        got: String,
+        /// The run's value.
+        expected: String,
+    },
+    /// Checksum over the weights does not match.
+    #[error("checksum mismatch: header {expected:016x}, computed {got:016x}")]
+    Checksum {
+        /// Checksum in the message.
+        expected: u64,
+        /// Checksum computed.
+        got: u64,
+    },
+    /// Larger than [`MAX_MESSAGE_BYTES`].
+    #[error("message of {got_bytes} bytes exceeds the limit of {MAX_MESSAGE_BYTES}")]
+    TooLarge {
+        /// The size.
+        got_bytes: usize,
+    },
+}
+
+impl DecodeError {
+    /// Bounded label for the `reason` of `…_rejected_total`.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            DecodeError::Truncated(_) => "truncated",
+            DecodeError::BadMagic(_) => "bad_magic",
+            DecodeError::WrongVersion { .. } => "wrong_version",
+            DecodeError::WrongKind { .. } => "wrong_kind",
+            DecodeError::Malformed(_) => "malformed",
+            DecodeError::Shape { .. } => "shape",
+            DecodeError::NonFinite { .. } => "non_finite",
+            DecodeError::ActionOutOfRange { .. } => "action_out_of_range",
+            DecodeError::Mismatch { .. } => "mismatch",
+            DecodeError::Checksum { .. } => "checksum",
+            DecodeError::TooLarge { .. } => "too_large",
+        }
+    }
+}
+
+/// An episode that finished inside a segment (for return statistics).
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct EpisodeSummary {
+    /// Undiscounted return.
+    pub episode_return: f32,
+    /// Steps.
+    pub episode_len: u32,
+}
+
+/// T steps of one environment stream of one actor, time-major.
+///
+/// Step `t` goes from `observations[t]` with `actions[t]` to `observations[t + 1]`. When step
+/// `t` ends an episode (`terminated[t] || truncated[t]`), `observations[t + 1]` is the first
+/// observation of the next episode (auto-reset), and for truncation `truncation_values[t]`
+/// holds the behaviour policy's value of the final observation, so the learner can bootstrap
+/// through the time limit.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct TrajectorySegment {
+    /// The run this segment belongs to.
+    pub run: String,
+    /// The actor that produced it.
+    pub actor: String,
+    /// Which environment stream of the actor.
+    pub env_idx: u32,
+    /// Episode counter of this stream at the segment's first step.
+    pub episode_id: u64,
+    /// Index of this segment within the (actor, env_idx) stream; with `actor` and `env_idx` a
+    /// unique key used to drop duplicates.
+    pub segment_idx: u64,
+    /// Task this segment served (0 when the run has one task).
+    pub task_id: u32,
+    /// Snapshot the episode started from, when it was resumed (save-load).
+    pub start_snapshot: Option<String>,
+    /// Behaviour policy version (actors switch versions only between segments).
+    pub policy_version: PolicyVersion,
+    /// Layout hash of the behaviour policy.
+    pub layout_hash: u64,
+    /// Observation width.
+    pub obs_dim: u32,
+    /// `[T + 1][obs_dim]`.
+    pub observations: Vec<f32>,
+    /// `[T]`.
+    pub actions: Vec<u32>,
+    /// `[T]`.
+    pub rewards: Vec<f32>,
+    /// `[T]`, 1 where the step reached a terminal state.
+    pub terminated: Vec<u8>,
+    /// `[T]`, 1 where the step hit a time limit.
+    pub truncated: Vec<u8>,
+    /// `[T]` log μ(a_t | x_t) of the behaviour policy.
+    pub behaviour_log_probs: Vec<f32>,
+    /// `[T]` behaviour value of the final observation where `truncated[t]`, else 0.
+    pub truncation_values: Vec<f32>,
+    /// `[H]` recurrent state before step 0 (empty for feed-forward policies).
+    pub initial_hidden: Vec<f32>,
+    /// Episodes that ended inside this segment.
+    pub finished_episodes: Vec<EpisodeSummary>,
+}
+
+impl TrajectorySegment {
+    /// Number of steps T.
+    pub fn len(&self) -> usize {
+        self.actions.len()
+    }
+
+    /// Whether the segment has no steps.
+    pub fn is_empty(&self) -> bool {
+        self.actions.is_empty()
+    }
+
+    /// Check the segment against the run spec: run, layout, shapes, action range, finiteness.
+    pub fn validate(&self, spec: &RunSpec, layout_hash: u64, hidden_size: usize) -> Result<(), DecodeError> {
+        if self.run != spec.run.as_str() {
+            return Err(DecodeError::Mismatch {
+                what: "run",
+                got: self.run.clone(),
+                expected: spec.run.to_string(),
+            });
+        }
+        if self.layout_hash != layout_hash {
+            return Err(DecodeError::Mismatch {
+                what: "layout hash",
+                got: format!("{:016x}", self.layout_hash),
+                expected: format!("{layout_hash:016x}"),
+            });
+        }
+        let t_len = spec.segment_len;
+        let obs_dim = spec.policy.obs_dim;
+        let shapes = [
+            ("obs_dim", obs_dim, self.obs_dim as usize),
+            ("observations", (t_len + 1) * obs_dim, self.observations.len()),
+            ("actions", t_len, self.actions.len()),
+            ("rewards", t_len, self.rewards.len()),
+            ("terminated", t_len, self.terminated.len()),
+            ("truncated", t_len, self.truncated.len()),
+            ("behaviour_log_probs", t_len, self.behaviour_log_probs.len()),
+            ("truncation_values", t_len, self.truncation_values.len()),
+            ("initial_hidden", hidden_size, self.initial_hidden.len()),
+        ];
+        for (field, expected, got) in shapes {
+            if expected != got {
+                return Err(DecodeError::Shape { field, expected, got });
+            }
+        }
+        let n_actions = spec.policy.n_actions;
+        if let Some((step, &action)) = self.actions.iter().enumerate().find(|(_, &a)| a as usize >= n_actions) {
+            return Err(DecodeError::ActionOutOfRange { action, step, n_actions });
+        }
+        let floats: [(&'static str, &[f32]); 5] = [
+            ("observations", &self.observations),
+            ("rewards", &self.rewards),
+            ("behaviour_log_probs", &self.behaviour_log_probs),
+            ("truncation_values", &self.truncation_values),
+            ("initial_hidden", &self.initial_hidden),
+        ];
+        for (field, values) in floats {
+            if let Some(index) = values.iter().position(|v| !v.is_finite()) {
+                return Err(DecodeError::NonFinite { field, index });
+            }
+        }
+        if let Some(index) = self.behaviour_log_probs.iter().position(|&lp| lp > 1e-4) {
+            return Err(DecodeError::Mismatch {
+                what: "behaviour log-prob",
+                got: format!("{} at step {index}", self.behaviour_log_probs[index]),
+                expected: "<= 0".into(),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// A versioned, checksummed copy of the policy parameters.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Weights {
+    /// Version this publish produced.
+    pub version: PolicyVersion,
+    /// Architecture hash of the layout the parameters follow.
+    pub layout_hash: u64,
+    /// Checksum of `params` ([`checksum`]).
+    pub checksum: u64,
+    /// The flat parameter buffer.
+    pub params: Vec<f32>,
+}
+
+impl Weights {
+    /// Wrap parameters, computing the checksum.
+    pub fn new(version: PolicyVersion, layout_hash: u64, params: Vec<f32>) -> Self {
+        let checksum = checksum(&params);
+        Weights { version, layout_hash, checksum, params }
+    }
+
+    /// Verify the checksum and the layout.
+    pub fn verify(&self, layout_hash: u64, n_params: usize) -> Result<(), DecodeError> {
+        if self.layout_hash != layout_hash {
+            return Err(DecodeError::Mismatch {
+                what: "layout hash",
+                got: format!("{:016x}", self.layout_hash),
+                expected: format!("{layout_hash:016x}"),
+            });
+        }
+        if self.params.len() != n_params {
+            return Err(DecodeError::Shape { field: "params", expected: n_params, got: self.params.len() });
+        }
+        let got = checksum(&self.params);
+        if got != self.checksum {
+            return Err(DecodeError::Checksum { expected: self.checksum, got });
+        }
+        Ok(())
+    }
+}
+
+/// FNV-1a 64 over the little-endian bytes of the parameters: stable across platforms and builds.
+pub fn checksum(params: &[f32]) -> u64 {
+    const OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
+    const PRIME: u64 = 0x0000_0100_0000_01b3;
+    params.iter().fold(OFFSET, |hash, p| {
+        p.to_bits().to_le_bytes().iter().fold(hash, |h, &byte| (h ^ byte as u64).wrapping_mul(PRIME))
+    })
+}
+
+fn encode<T: serde::Serialize>(kind: MessageKind, value: &T) -> Vec<u8> {
+    let mut out = Vec::with_capacity(1024);
+    out.extend_from_slice(&MAGIC);
+    out.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
+    out.push(kind as u8);
+    bincode::serde::encode_into_std_write(value, &mut out, bincode::config::standard())
+        .expect("encoding into a Vec cannot fail");
+    out
+}
+
+/// Read and check the envelope, returning the body.
+pub fn decode_envelope(bytes: &[u8], expected: MessageKind) -> Result<(Envelope, &[u8]), DecodeError> {
+    if bytes.len() > MAX_MESSAGE_BYTES {
+        return Err(DecodeError::TooLarge { got_bytes: bytes.len() });
+    }
+    if bytes.len() < HEADER_BYTES {
+        return Err(DecodeError::Truncated(format!("{} bytes, header needs {HEADER_BYTES}", bytes.len())));
+    }
+    let magic: [u8; 4] = bytes[..4].try_into().expect("length checked above");
+    if magic != MAGIC {
+        return Err(DecodeError::BadMagic(magic));
+    }
+    let format_version = u16::from_le_bytes([bytes[4], bytes[5]]);
+    if format_version != FORMAT_VERSION {
+        return Err(DecodeError::WrongVersion { got: format_version });
+    }
+    let kind = bytes[6];
+    if kind != expected as u8 {
+        return Err(DecodeError::WrongKind { got: kind, expected: expected as u8 });
+    }
+    Ok((Envelope { format_version, kind: expected }, &bytes[HEADER_BYTES..]))
+}
+
+fn decode_body<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, DecodeError> {
+    let config = bincode::config::standard().with_limit::<MAX_MESSAGE_BYTES>();
+    match bincode::serde::decode_from_slice::<T, _>(body, config) {
+        Ok((value, used)) if used == body.len() => Ok(value),
+        Ok((_, used)) => Err(DecodeError::Malformed(format!("{} trailing bytes", body.len() - used))),
+        Err(bincode::error::DecodeError::UnexpectedEnd { additional }) => {
+            Err(DecodeError::Truncated(format!("body needs {additional} more bytes")))
+        }
+        Err(err) => Err(DecodeError::Malformed(err.to_string())),
+    }
+}
+
+/// Encode a segment with its envelope.
+pub fn encode_segment(segment: &TrajectorySegment) -> Vec<u8> {
+    encode(MessageKind::Segment, segment)
+}
+
+/// Decode a segment and validate it against the run spec.
+///
+/// ```
+/// # use volley_core::wire::{decode_segment, DecodeError};
+/// # fn check(spec: &volley_core::spec::RunSpec) {
+/// let err = decode_segment(b"garbage", spec, 0, 0).unwrap_err();
+/// assert_eq!(err.reason(), "bad_magic");
+/// # }
+/// ```
+pub fn decode_segment(
+    bytes: &[u8],
+    spec: &RunSpec,
+    layout_hash: u64,
+    hidden_size: usize,
+) -> Result<TrajectorySegment, DecodeError> {
+    let (_, body) = decode_envelope(bytes, MessageKind::Segment)?;
+    let segment: TrajectorySegment = decode_body(body)?;
+    segment.validate(spec, layout_hash, hidden_size)?;
+    Ok(segment)
+}
+
+/// Encode weights with their envelope.
+pub fn encode_weights(weights: &Weights) -> Vec<u8> {
+    encode(MessageKind::Weights, weights)
+}
+
+/// Decode weights and verify layout and checksum.
+pub fn decode_weights(bytes: &[u8], layout_hash: u64, n_params: usize) -> Result<Weights, DecodeError> {
+    let (_, body) = decode_envelope(bytes, MessageKind::Weights)?;
+    let weights: Weights = decode_body(body)?;
+    weights.verify(layout_hash, n_params)?;
+    Ok(weights)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::env::EnvConfig;
+    use crate::ids::RunId;
+    use crate::policy::{Activation, CoreKind, ParamLayout, PolicySpec};
+    use crate::spec::HyperParams;
+    use proptest::prelude::*;
+
+    const T: usize = 4;
+
+    fn spec() -> RunSpec {
+        RunSpec {
+            run: RunId::new("wire").expect("valid"),
+            env: EnvConfig::Cartpole,
+            policy: PolicySpec {
+                obs_dim: 4,
+                n_actions: 2,
+                torso: vec![8],
+                activation: Activation::Tanh,
+                core: CoreKind::Mlp,
+            },
+            segment_len: T,
+            hyper: HyperParams::default(),
+            seed: 0,
+        }
+    }
+
+    fn layout_hash() -> u64 {
+        ParamLayout::new(&spec().policy).expect("valid").hash()
+    }
+
+    fn segment_strategy() -> impl Strategy<Value = TrajectorySegment> {
+        (
+            proptest::collection::vec(-10.0f32..10.0, (T + 1) * 4),
+            proptest::collection::vec(0u32..2, T),
+            proptest::collection::vec(-1.0f32..1.0, T),
+            proptest::collection::vec(0u8..2, T),
+            proptest::collection::vec(-5.0f32..0.0, T),
+            any::<u64>(),
+            any::<u64>(),
+        )
+            .prop_map(|(observations, actions, rewards, terminated, logp, version, idx)| TrajectorySegment {
+                run: "wire".into(),
+                actor: "actor-0".into(),
+                env_idx: 1,
+                episode_id: idx / 3,
+                segment_idx: idx,
+                task_id: 0,
+                start_snapshot: None,
+                policy_version: PolicyVersion(version),
+                layout_hash: layout_hash(),
+                obs_dim: 4,
+                observations,
+                actions,
+                rewards,
+                truncated: vec![0; T],
+                terminated,
+                behaviour_log_probs: logp,
+                truncation_values: vec![0.0; T],
+                initial_hidden: vec![],
+                finished_episodes: vec![EpisodeSummary { episode_return: 3.0, episode_len: 3 }],
+            })
+    }
+
+    proptest! {
+        #[test]
+        fn segment_roundtrips(segment in segment_strategy()) {
+            let bytes = encode_segment(&segment);
+            let decoded = decode_segment(&bytes, &spec(), layout_hash(), 0).expect("valid segment decodes");
+            prop_assert_eq!(decoded, segment);
+        }
+
+        #[test]
+        fn decode_never_panics_on_arbitrary_bytes(bytes in proptest::collection::vec(any::<u8>(), 0..512)) {
+            let _ = decode_segment(&bytes, &spec(), layout_hash(), 0);
+            let _ = decode_weights(&bytes, layout_hash(), 10);
+        }
+
+        #[test]
+        fn every_truncation_is_an_error(segment in segment_strategy(), cut in 0usize..1000) {
+            let bytes = encode_segment(&segment);
+            let cut = cut % bytes.len();
+            prop_assert!(decode_segment(&bytes[..cut], &spec(), layout_hash(), 0).is_err());
+        }
+
+        #[test]
+        fn weights_roundtrip(params in proptest::collection::vec(-1.0f32..1.0, 1..64), version in any::<u64>()) {
+            let weights = Weights::new(PolicyVersion(version), 42, params.clone());
+            let decoded = decode_weights(&encode_weights(&weights), 42, params.len()).expect("valid weights");
+            prop_assert_eq!(decoded, weights);
+        }
+    }
+
+    fn valid_segment() -> TrajectorySegment {
+        let mut runner = proptest::test_runner::TestRunner::deterministic();
+        segment_strategy().new_tree(&mut runner).expect("strategy").current()
+    }
+
+    #[test]
+    fn wrong_version_garbage_and_kind_have_distinct_reasons() {
+        let mut bytes = encode_segment(&valid_segment());
+        let spec = spec();
+        assert_eq!(decode_segment(b"hello world", &spec, layout_hash(), 0).unwrap_err().reason(), "bad_magic");
+        assert_eq!(decode_segment(b"VLL", &spec, layout_hash(), 0).unwrap_err().reason(), "truncated");
+        bytes[4] = 99;
+        assert_eq!(decode_segment(&bytes, &spec, layout_hash(), 0).unwrap_err().reason(), "wrong_version");
+        bytes[4] = FORMAT_VERSION.to_le_bytes()[0];
+        bytes[6] = MessageKind::Weights as u8;
+        assert_eq!(decode_segment(&bytes, &spec, layout_hash(), 0).unwrap_err().reason(), "wrong_kind");
+    }
+
+    #[test]
+    fn validation_catches_shape_range_nan_and_foreign_runs() {
+        let spec = spec();
+        let check = |segment: &TrajectorySegment| segment.validate(&spec, layout_hash(), 0).map_err(|e| e.reason());
+        let mut s = valid_segment();
+        s.actions.pop();
+        assert_eq!(check(&s), Err("shape"));
+        let mut s = valid_segment();
+        s.actions[0] = 2;
+        assert_eq!(check(&s), Err("action_out_of_range"));
+        let mut s = valid_segment();
+        s.rewards[1] = f32::NAN;
+        assert_eq!(check(&s), Err("non_finite"));
+        let mut s = valid_segment();
+        s.run = "other".into();
+        assert_eq!(check(&s), Err("mismatch"));
+        let mut s = valid_segment();
+        s.layout_hash ^= 1;
+        assert_eq!(check(&s), Err("mismatch"));
+        assert_eq!(check(&valid_segment()), Ok(()));
+    }
+
+    #[test]
+    fn corrupted_weights_fail_the_checksum() {
+        let mut weights = Weights::new(PolicyVersion(3), 7, vec![0.5; 16]);
+        weights.params[3] = 0.25;
+        assert_eq!(weights.verify(7, 16).unwrap_err().reason(), "checksum");
+        assert_eq!(Weights::new(PolicyVersion(3), 7, vec![0.5; 16]).verify(8, 16).unwrap_err().reason(), "mismatch");
+    }
+}

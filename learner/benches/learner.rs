@@ -1,0 +1,76 @@
+//! Learner throughput on the CPU: one full update (forward over T+1 steps, loss, backward,
+//! clipping, Adam) on a batch of T=20, B=32, MLP 64×64 (learner samples per second).
+
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use rand::{Rng, SeedableRng};
+use rand_pcg::Pcg64Mcg;
+use volley_core::env::EnvConfig;
+use volley_core::ids::{PolicyVersion, RunId};
+use volley_core::policy::{Activation, CoreKind, PolicySpec};
+use volley_core::spec::{HyperParams, LossKind, RunSpec};
+use volley_core::wire::TrajectorySegment;
+use volley_learner::batch::SegmentBatch;
+use volley_learner::Learner;
+
+fn spec(loss: LossKind, core: CoreKind, t_len: usize, b_len: usize) -> RunSpec {
+    RunSpec {
+        run: RunId::new("bench").expect("valid run id"),
+        env: EnvConfig::Cartpole,
+        policy: PolicySpec { obs_dim: 4, n_actions: 2, torso: vec![64, 64], activation: Activation::Tanh, core },
+        segment_len: t_len,
+        hyper: HyperParams { loss, batch_segments: b_len, ppo_epochs: 1, ppo_minibatches: 1, ..HyperParams::default() },
+        seed: 5,
+    }
+}
+
+fn random_segment(rng: &mut Pcg64Mcg, t_len: usize, hidden: usize) -> TrajectorySegment {
+    TrajectorySegment {
+        run: "bench".into(),
+        actor: "a".into(),
+        env_idx: 0,
+        episode_id: 0,
+        segment_idx: 0,
+        task_id: 0,
+        start_snapshot: None,
+        policy_version: PolicyVersion(0),
+        layout_hash: 0,
+        obs_dim: 4,
+        observations: (0..(t_len + 1) * 4).map(|_| rng.random_range(-1.0..1.0)).collect(),
+        actions: (0..t_len).map(|_| rng.random_range(0..2)).collect(),
+        rewards: vec![1.0; t_len],
+        terminated: (0..t_len).map(|_| (rng.random::<f32>() < 0.05) as u8).collect(),
+        truncated: vec![0; t_len],
+        behaviour_log_probs: vec![-std::f32::consts::LN_2; t_len],
+        truncation_values: vec![0.0; t_len],
+        initial_hidden: vec![0.0; hidden],
+        finished_episodes: vec![],
+    }
+}
+
+fn learner_update(c: &mut Criterion) {
+    let (t_len, b_len) = (20, 32);
+    let mut group = c.benchmark_group("learner_samples");
+    group.sample_size(10).measurement_time(std::time::Duration::from_secs(3));
+    group.throughput(Throughput::Elements((t_len * b_len) as u64));
+    let cases = [
+        ("vtrace_mlp64x64", LossKind::Vtrace, CoreKind::Mlp),
+        ("ppo_mlp64x64", LossKind::Ppo, CoreKind::Mlp),
+        ("vtrace_mlp64x64_gru64", LossKind::Vtrace, CoreKind::Gru { hidden: 64 }),
+    ];
+    for (name, loss, core) in cases {
+        let mut learner = Learner::new(spec(loss, core, t_len, b_len)).expect("valid spec");
+        let hidden = learner.layout().recurrent_size();
+        let mut rng = Pcg64Mcg::seed_from_u64(1);
+        let segments: Vec<_> = (0..b_len).map(|_| random_segment(&mut rng, t_len, hidden)).collect();
+        let refs: Vec<_> = segments.iter().collect();
+        let mut batch = SegmentBatch::default();
+        batch.fill(&refs, 0.99, &vec![1.0; b_len]);
+        group.bench_with_input(BenchmarkId::new(name, format!("T{t_len}xB{b_len}")), &batch, |b, batch| {
+            b.iter(|| std::hint::black_box(learner.update(batch)))
+        });
+    }
+    group.finish();
+}
+
+criterion_group!(benches, learner_update);
+criterion_main!(benches);

@@ -1,0 +1,278 @@
+//! The learner loop: receive, check, batch, update, publish, acknowledge.
+//!
+//! Acknowledgement guarantee: a segment is acknowledged only after the update it fed has been
+//! applied to the parameters and the resulting version published (or after it was dropped as
+//! stale or rejected as malformed, which are final decisions). A crash before that point leaves
+//! the segment unacknowledged, so a networked transport redelivers it.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use tracing::{debug, info, warn};
+use volley_core::transport::{Delivery, DeliveryToken, TrajectorySource, TransportError, WeightsPublisher};
+use volley_core::wire::TrajectorySegment;
+
+use crate::batch::SegmentBatch;
+use crate::learner::{Learner, UpdateStats};
+
+/// When the learner loop stops by itself.
+#[derive(Debug, Clone, Default)]
+pub struct RunLimits {
+    /// Stop after consuming this many environment steps.
+    pub max_env_steps: Option<u64>,
+    /// Stop after this much wall time.
+    pub max_duration: Option<Duration>,
+    /// Stop once the mean return of the last 100 episodes reaches this.
+    pub target_return: Option<f32>,
+    /// Stop after this many updates.
+    pub max_updates: Option<u64>,
+    /// Publish weights every this many updates (1 = every update).
+    pub publish_every: u64,
+}
+
+/// Why the loop stopped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StopReason {
+    /// The target return was reached.
+    Solved,
+    /// The environment-step budget is spent.
+    EnvStepBudget,
+    /// The wall-time budget is spent.
+    TimeBudget,
+    /// The update budget is spent.
+    UpdateBudget,
+    /// The caller asked to stop (Ctrl-C, SIGTERM).
+    Interrupted,
+    /// The transport closed.
+    SourceClosed,
+}
+
+impl std::fmt::Display for StopReason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            StopReason::Solved => "solved",
+            StopReason::EnvStepBudget => "env_step_budget",
+            StopReason::TimeBudget => "time_budget",
+            StopReason::UpdateBudget => "update_budget",
+            StopReason::Interrupted => "interrupted",
+            StopReason::SourceClosed => "source_closed",
+        })
+    }
+}
+
+/// Callbacks the loop makes; the CLI uses them for progress and metrics files.
+pub trait LearnerControl {
+    /// Called after every update.
+    fn on_update(&mut self, report: &LearnerReport, stats: &UpdateStats);
+}
+
+impl<F: FnMut(&LearnerReport, &UpdateStats)> LearnerControl for F {
+    fn on_update(&mut self, report: &LearnerReport, stats: &UpdateStats) {
+        self(report, stats)
+    }
+}
+
+/// Running totals of the learner loop.
+#[derive(Debug, Clone, Default)]
+pub struct LearnerReport {
+    /// Updates applied.
+    pub updates: u64,
+    /// Current policy version.
+    pub policy_version: u64,
+    /// Environment steps in accepted or stale-dropped segments.
+    pub env_steps: u64,
+    /// Samples used in gradient updates.
+    pub samples_trained: u64,
+    /// Segments used in updates.
+    pub segments_used: u64,
+    /// Segments dropped because their lag exceeded `max_policy_lag`.
+    pub segments_stale: u64,
+    /// Segments rejected as malformed, by reason.
+    pub segments_rejected: HashMap<&'static str, u64>,
+    /// Episodes finished (reported inside segments).
+    pub episodes: u64,
+    /// Returns of the most recent episodes (at most 100).
+    pub recent_returns: VecDeque<f32>,
+    /// Wall time since the loop started.
+    pub elapsed: Duration,
+    /// Time spent waiting for data.
+    pub wait_time: Duration,
+    /// Time spent computing updates.
+    pub compute_time: Duration,
+    /// First (env steps, seconds) at which the last-20 mean reached the target.
+    pub target_reached_20: Option<(u64, f64)>,
+    /// First (env steps, seconds) at which the last-100 mean reached the target.
+    pub target_reached_100: Option<(u64, f64)>,
+    /// Histogram of segment lag in versions: `lag_histogram[k]` counts lag k (last bucket: ≥).
+    pub lag_histogram: Vec<u64>,
+    /// Backlog reported by the transport at the last update.
+    pub backlog: Option<u64>,
+    /// Why the loop stopped (set at the end).
+    pub stop_reason: Option<StopReason>,
+}
+
+impl LearnerReport {
+    /// Mean return of the last `n` episodes (fewer if fewer finished); NaN with none.
+    pub fn mean_return(&self, n: usize) -> f32 {
+        let take = n.min(self.recent_returns.len());
+        if take == 0 {
+            return f32::NAN;
+        }
+        self.recent_returns.iter().rev().take(take).sum::<f32>() / take as f32
+    }
+
+    fn record_episodes(&mut self, segment: &TrajectorySegment, target: Option<f32>) {
+        for episode in &segment.finished_episodes {
+            self.episodes += 1;
+            if self.recent_returns.len() == 100 {
+                self.recent_returns.pop_front();
+            }
+            self.recent_returns.push_back(episode.episode_return);
+            if let Some(target) = target {
+                let now = (self.env_steps, self.elapsed.as_secs_f64());
+                if self.target_reached_20.is_none() && self.episodes >= 20 && self.mean_return(20) >= target {
+                    self.target_reached_20 = Some(now);
+                }
+                if self.target_reached_100.is_none() && self.episodes >= 100 && self.mean_return(100) >= target {
+                    self.target_reached_100 = Some(now);
+                }
+            }
+        }
+    }
+}
+
+const LAG_BUCKETS: usize = 16;
+
+/// Run the learner until a limit, `stop`, or the source closing.
+pub fn run_learner(
+    learner: &mut Learner,
+    source: &mut dyn TrajectorySource,
+    publisher: &mut dyn WeightsPublisher,
+    limits: &RunLimits,
+    stop: &AtomicBool,
+    control: &mut dyn LearnerControl,
+) -> Result<LearnerReport, TransportError> {
+    let started = Instant::now();
+    let spec = learner.spec().clone();
+    let layout_hash = learner.layout().hash();
+    let hidden_size = learner.layout().recurrent_size();
+    let batch_segments = spec.hyper.batch_segments;
+    let max_lag = spec.hyper.max_policy_lag;
+    let publish_every = limits.publish_every.max(1);
+    let mut report = LearnerReport {
+        policy_version: learner.version().0,
+        lag_histogram: vec![0; LAG_BUCKETS],
+        ..LearnerReport::default()
+    };
+    publisher.publish(learner.weights())?;
+    let mut incoming: Vec<Delivery> = Vec::with_capacity(batch_segments);
+    let mut pending: Vec<Delivery> = Vec::with_capacity(batch_segments);
+    let mut settled: Vec<DeliveryToken> = Vec::new();
+    let mut batch = SegmentBatch::default();
+    let mut column_weights: Vec<f32> = Vec::with_capacity(batch_segments);
+    let stop_reason = loop {
+        report.elapsed = started.elapsed();
+        if stop.load(Ordering::Acquire) {
+            break StopReason::Interrupted;
+        }
+        if let Some(reason) = limit_reached(limits, &report) {
+            break reason;
+        }
+        let wait_started = Instant::now();
+        let want = batch_segments - pending.len();
+        match source.recv(want, Duration::from_millis(100), &mut incoming) {
+            Ok(_) => {}
+            Err(TransportError::Closed) => break StopReason::SourceClosed,
+            Err(err) => {
+                warn!(%err, "receiving segments failed; retrying");
+                continue;
+            }
+        }
+        report.wait_time += wait_started.elapsed();
+        report.elapsed = started.elapsed();
+        for delivery in incoming.drain(..) {
+            let segment = &delivery.segment;
+            if let Err(err) = segment.validate(&spec, layout_hash, hidden_size) {
+                *report.segments_rejected.entry(err.reason()).or_default() += 1;
+                warn!(reason = err.reason(), %err, actor = %segment.actor, "segment rejected");
+                source.reject(delivery.token)?;
+                continue;
+            }
+            report.env_steps += segment.len() as u64;
+            report.record_episodes(segment, limits.target_return);
+            let lag = learner.version().lag_of(segment.policy_version);
+            report.lag_histogram[(lag as usize).min(LAG_BUCKETS - 1)] += 1;
+            if lag > max_lag {
+                report.segments_stale += 1;
+                debug!(lag, max_lag, actor = %segment.actor, "stale segment dropped");
+                settled.push(delivery.token);
+                continue;
+            }
+            pending.push(delivery);
+        }
+        if !settled.is_empty() {
+            source.ack(&settled)?;
+            settled.clear();
+        }
+        if pending.len() < batch_segments {
+            continue;
+        }
+        let compute_started = Instant::now();
+        let segments: Vec<&TrajectorySegment> = pending.iter().map(|d| &d.segment).collect();
+        column_weights.clear();
+        column_weights.resize(segments.len(), 1.0);
+        batch.fill(&segments, spec.hyper.gamma, &column_weights);
+        let stats = learner.update(&batch);
+        if learner.updates() % publish_every == 0 {
+            publisher.publish(learner.weights())?;
+        }
+        settled.extend(pending.drain(..).map(|d| d.token));
+        source.ack(&settled)?;
+        settled.clear();
+        report.compute_time += compute_started.elapsed();
+        report.updates = learner.updates();
+        report.policy_version = learner.version().0;
+        report.samples_trained += stats.samples as u64;
+        report.segments_used += batch.b_len as u64;
+        report.backlog = source.backlog();
+        report.elapsed = started.elapsed();
+        if stats.skipped_steps > 0 {
+            warn!(skipped = stats.skipped_steps, "non-finite gradient; step skipped");
+        }
+        control.on_update(&report, &stats);
+    };
+    // Whatever was received but not used is left unacknowledged: a networked transport
+    // redelivers it to the next learner.
+    report.stop_reason = Some(stop_reason);
+    report.elapsed = started.elapsed();
+    if learner.updates() % publish_every != 0 {
+        publisher.publish(learner.weights())?;
+    }
+    info!(
+        reason = %stop_reason,
+        updates = report.updates,
+        env_steps = report.env_steps,
+        mean_return_100 = report.mean_return(100),
+        "learner stopped"
+    );
+    Ok(report)
+}
+
+fn limit_reached(limits: &RunLimits, report: &LearnerReport) -> Option<StopReason> {
+    if let Some(target) = limits.target_return {
+        if report.recent_returns.len() >= 100 && report.mean_return(100) >= target {
+            return Some(StopReason::Solved);
+        }
+    }
+    if limits.max_env_steps.is_some_and(|max| report.env_steps >= max) {
+        return Some(StopReason::EnvStepBudget);
+    }
+    if limits.max_duration.is_some_and(|max| report.elapsed >= max) {
+        return Some(StopReason::TimeBudget);
+    }
+    if limits.max_updates.is_some_and(|max| report.updates >= max) {
+        return Some(StopReason::UpdateBudget);
+    }
+    None
+}

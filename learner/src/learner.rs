@@ -1,0 +1,366 @@
+//! One learner update: batch → network forward → loss → backward → clip → Adam → new version.
+
+use std::sync::Arc;
+
+use rand::seq::SliceRandom;
+use rand::SeedableRng;
+use rand_pcg::Pcg64Mcg;
+use volley_core::distributions::log_softmax;
+use volley_core::ids::PolicyVersion;
+use volley_core::policy::{ParamLayout, PolicyTape};
+use volley_core::returns::gae::gae;
+use volley_core::returns::vtrace::VTraceConfig;
+use volley_core::spec::{LossKind, RunSpec, SpecError};
+use volley_core::wire::Weights;
+
+use crate::batch::{gather, SegmentBatch};
+use crate::losses::{self, LossStats, PpoLossConfig, SequenceBatch, VTraceLossConfig};
+use crate::optim::{clip_grad_global_norm, Adam, AdamConfig, LrSchedule};
+
+/// Why the learner cannot start or continue.
+#[derive(Debug, thiserror::Error)]
+pub enum LearnerError {
+    /// The run spec is invalid.
+    #[error("invalid run spec: {0}")]
+    Spec(#[from] SpecError),
+    /// Initial parameters do not match the layout.
+    #[error("initial parameters: expected {expected}, got {got}")]
+    Params {
+        /// Expected count.
+        expected: usize,
+        /// Actual count.
+        got: usize,
+    },
+}
+
+/// What one update measured.
+#[derive(Debug, Clone, Default)]
+pub struct UpdateStats {
+    /// Loss terms, averaged over the gradient steps of this update.
+    pub loss: LossStats,
+    /// Global gradient norm before clipping (mean over gradient steps).
+    pub grad_norm: f32,
+    /// Gradient steps skipped because the gradient was not finite.
+    pub skipped_steps: u32,
+    /// Learning rate used.
+    pub learning_rate: f32,
+    /// Samples (steps × segments) in the batch.
+    pub samples: usize,
+    /// Largest lag among the batch's segments, in versions.
+    pub lag_max: u64,
+    /// Mean lag.
+    pub lag_mean: f32,
+}
+
+/// The learner's parameters, optimiser and scratch buffers.
+pub struct Learner {
+    spec: RunSpec,
+    layout: ParamLayout,
+    params: Vec<f32>,
+    grads: Vec<f32>,
+    adam: Adam,
+    schedule: LrSchedule,
+    tape: PolicyTape,
+    version: PolicyVersion,
+    updates: u64,
+    rng: Pcg64Mcg,
+    // Scratch, reused across updates.
+    dlogits: Vec<f32>,
+    dvalues: Vec<f32>,
+    log_probs_row: Vec<f32>,
+    prox_log_probs: Vec<f32>,
+    is_weights: Vec<f32>,
+    advantages: Vec<f32>,
+    returns: Vec<f32>,
+    minibatch: SegmentBatch,
+    mb_advantages: Vec<f32>,
+    mb_returns: Vec<f32>,
+    mb_prox_log_probs: Vec<f32>,
+    mb_is_weights: Vec<f32>,
+    columns: Vec<usize>,
+}
+
+impl Learner {
+    /// A learner with freshly initialised parameters (version 0).
+    pub fn new(spec: RunSpec) -> Result<Self, LearnerError> {
+        let layout = spec.validate()?;
+        let params = layout.init_params(spec.seed);
+        Self::with_state(spec, params, PolicyVersion(0), 0)
+    }
+
+    /// A learner resuming from parameters at `version` after `updates` updates.
+    pub fn with_state(
+        spec: RunSpec,
+        params: Vec<f32>,
+        version: PolicyVersion,
+        updates: u64,
+    ) -> Result<Self, LearnerError> {
+        let layout = spec.validate()?;
+        if params.len() != layout.n_params() {
+            return Err(LearnerError::Params { expected: layout.n_params(), got: params.len() });
+        }
+        let h = &spec.hyper;
+        let adam = Adam::new(layout.n_params(), AdamConfig { beta1: h.adam_beta1, beta2: h.adam_beta2, eps: h.adam_eps });
+        let schedule = if h.final_learning_rate == h.learning_rate {
+            LrSchedule::Constant(h.learning_rate)
+        } else {
+            LrSchedule::Linear { start: h.learning_rate, end: h.final_learning_rate, total_updates: h.lr_decay_updates }
+        };
+        Ok(Learner {
+            grads: vec![0.0; layout.n_params()],
+            tape: PolicyTape::new(&layout),
+            rng: Pcg64Mcg::seed_from_u64(spec.seed ^ 0x1ea2_0e2),
+            adam,
+            schedule,
+            params,
+            layout,
+            spec,
+            version,
+            updates,
+            dlogits: Vec::new(),
+            dvalues: Vec::new(),
+            log_probs_row: Vec::new(),
+            prox_log_probs: Vec::new(),
+            is_weights: Vec::new(),
+            advantages: Vec::new(),
+            returns: Vec::new(),
+            minibatch: SegmentBatch::default(),
+            mb_advantages: Vec::new(),
+            mb_returns: Vec::new(),
+            mb_prox_log_probs: Vec::new(),
+            mb_is_weights: Vec::new(),
+            columns: Vec::new(),
+        })
+    }
+
+    /// The run spec.
+    pub fn spec(&self) -> &RunSpec {
+        &self.spec
+    }
+
+    /// The parameter layout.
+    pub fn layout(&self) -> &ParamLayout {
+        &self.layout
+    }
+
+    /// The current parameters.
+    pub fn params(&self) -> &[f32] {
+        &self.params
+    }
+
+    /// The current policy version.
+    pub fn version(&self) -> PolicyVersion {
+        self.version
+    }
+
+    /// Updates done so far.
+    pub fn updates(&self) -> u64 {
+        self.updates
+    }
+
+    /// The current weights as a publishable, checksummed value.
+    pub fn weights(&self) -> Arc<Weights> {
+        Arc::new(Weights::new(self.version, self.layout.hash(), self.params.clone()))
+    }
+
+    /// One update from a batch; the version advances by one.
+    pub fn update(&mut self, batch: &SegmentBatch) -> UpdateStats {
+        let learning_rate = self.schedule.lr_at(self.updates);
+        let lags: Vec<u64> = batch.policy_versions.iter().map(|&v| self.version.lag_of(v)).collect();
+        let mut stats = match self.spec.hyper.loss {
+            LossKind::Vtrace => self.vtrace_update(batch, learning_rate),
+            LossKind::Ppo => self.ppo_update(batch, learning_rate),
+        };
+        stats.learning_rate = learning_rate;
+        stats.samples = batch.t_len * batch.b_len;
+        stats.lag_max = lags.iter().copied().max().unwrap_or(0);
+        stats.lag_mean = if lags.is_empty() { 0.0 } else { lags.iter().sum::<u64>() as f32 / lags.len() as f32 };
+        self.updates += 1;
+        self.version = PolicyVersion(self.version.0 + 1);
+        stats
+    }
+
+    /// Clip, then apply Adam; returns the pre-clip norm, or `None` when the step was skipped.
+    fn apply_gradients(&mut self, learning_rate: f32) -> Option<f32> {
+        let norm = clip_grad_global_norm(&mut self.grads, self.spec.hyper.max_grad_norm);
+        if !norm.is_finite() {
+            return None;
+        }
+        self.adam.step(&mut self.params, &self.grads, learning_rate);
+        Some(norm)
+    }
+
+    fn vtrace_update(&mut self, batch: &SegmentBatch, learning_rate: f32) -> UpdateStats {
+        let h = &self.spec.hyper;
+        let (t_len, b_len) = (batch.t_len, batch.b_len);
+        let n_actions = self.spec.policy.n_actions;
+        self.tape.forward(
+            &self.params,
+            &batch.observations,
+            &batch.episode_start,
+            &batch.initial_hidden,
+            t_len + 1,
+            b_len,
+        );
+        resize(&mut self.dlogits, (t_len + 1) * b_len * n_actions);
+        resize(&mut self.dvalues, (t_len + 1) * b_len);
+        let config = VTraceLossConfig {
+            vtrace: VTraceConfig {
+                clip_rho_threshold: h.clip_rho_threshold,
+                clip_pg_rho_threshold: h.clip_pg_rho_threshold,
+                clip_c_threshold: h.clip_c_threshold,
+                lambda_: h.vtrace_lambda,
+            },
+            value_coef: h.value_coef,
+            ent_coef: h.ent_coef,
+        };
+        let loss = losses::vtrace_loss(
+            &sequence_batch(batch, n_actions),
+            self.tape.logits(),
+            self.tape.values(),
+            &config,
+            &mut self.dlogits,
+            &mut self.dvalues,
+        );
+        self.tape.backward(&self.params, &self.dlogits, &self.dvalues, &mut self.grads);
+        let mut stats = UpdateStats { loss, ..UpdateStats::default() };
+        match self.apply_gradients(learning_rate) {
+            Some(norm) => stats.grad_norm = norm,
+            None => stats.skipped_steps = 1,
+        }
+        stats
+    }
+
+    fn ppo_update(&mut self, batch: &SegmentBatch, learning_rate: f32) -> UpdateStats {
+        let (t_len, b_len) = (batch.t_len, batch.b_len);
+        let n_actions = self.spec.policy.n_actions;
+        let steps = t_len * b_len;
+        // 1. The proximal policy and the value baseline: the learner's parameters before this update.
+        self.tape.forward(
+            &self.params,
+            &batch.observations,
+            &batch.episode_start,
+            &batch.initial_hidden,
+            t_len + 1,
+            b_len,
+        );
+        resize(&mut self.prox_log_probs, steps);
+        self.log_probs_row.resize(n_actions, 0.0);
+        let logits = self.tape.logits();
+        for i in 0..steps {
+            log_softmax(&logits[i * n_actions..(i + 1) * n_actions], &mut self.log_probs_row);
+            self.prox_log_probs[i] = self.log_probs_row[batch.actions[i] as usize];
+        }
+        // 2. GAE advantages against the proximal values (Schulman et al. 2016).
+        let values = self.tape.values();
+        resize(&mut self.advantages, steps);
+        resize(&mut self.returns, steps);
+        gae(
+            t_len,
+            b_len,
+            &batch.discounts,
+            &batch.rewards,
+            &values[..steps],
+            &values[steps..],
+            self.spec.hyper.gae_lambda,
+            &mut self.advantages,
+            &mut self.returns,
+        );
+        // 3. Behaviour importance weights min(π_prox/μ, clip) (Hilton et al. 2021).
+        resize(&mut self.is_weights, steps);
+        losses::behaviour_is_weights(
+            &self.prox_log_probs,
+            &batch.behaviour_log_probs,
+            self.spec.hyper.behaviour_is_clip,
+            &mut self.is_weights,
+        );
+        // 4. Epochs of minibatch gradient steps over whole sequences (columns).
+        let h = self.spec.hyper.clone();
+        let config = PpoLossConfig {
+            clip_coef: h.clip_coef,
+            value_coef: h.value_coef,
+            ent_coef: h.ent_coef,
+            normalize_advantages: h.normalize_advantages,
+        };
+        let n_minibatches = (h.ppo_minibatches as usize).clamp(1, b_len.max(1));
+        let mut total = LossStats::default();
+        let mut grad_norm_sum = 0.0;
+        let mut applied = 0u32;
+        let mut skipped = 0u32;
+        self.columns.clear();
+        self.columns.extend(0..b_len);
+        for _ in 0..h.ppo_epochs {
+            self.columns.shuffle(&mut self.rng);
+            for mb in 0..n_minibatches {
+                let lo = mb * b_len / n_minibatches;
+                let hi = (mb + 1) * b_len / n_minibatches;
+                let cols = &self.columns[lo..hi];
+                batch.gather_columns(cols, &mut self.minibatch);
+                gather(&self.advantages, t_len, b_len, 1, cols, &mut self.mb_advantages);
+                gather(&self.returns, t_len, b_len, 1, cols, &mut self.mb_returns);
+                gather(&self.prox_log_probs, t_len, b_len, 1, cols, &mut self.mb_prox_log_probs);
+                gather(&self.is_weights, t_len, b_len, 1, cols, &mut self.mb_is_weights);
+                let mb_len = cols.len();
+                // The bootstrap row is not needed here: targets are already computed.
+                let obs_rows = t_len * mb_len * batch.obs_dim;
+                self.tape.forward(
+                    &self.params,
+                    &self.minibatch.observations[..obs_rows],
+                    &self.minibatch.episode_start[..t_len * mb_len],
+                    &self.minibatch.initial_hidden,
+                    t_len,
+                    mb_len,
+                );
+                resize(&mut self.dlogits, t_len * mb_len * n_actions);
+                resize(&mut self.dvalues, t_len * mb_len);
+                let loss = losses::ppo_loss(
+                    &sequence_batch(&self.minibatch, n_actions),
+                    &losses::PpoTargets {
+                        advantages: &self.mb_advantages,
+                        returns: &self.mb_returns,
+                        prox_log_probs: &self.mb_prox_log_probs,
+                        is_weights: &self.mb_is_weights,
+                    },
+                    self.tape.logits(),
+                    self.tape.values(),
+                    &config,
+                    &mut self.dlogits,
+                    &mut self.dvalues,
+                );
+                self.tape.backward(&self.params, &self.dlogits, &self.dvalues, &mut self.grads);
+                match self.apply_gradients(learning_rate) {
+                    Some(norm) => {
+                        grad_norm_sum += norm;
+                        applied += 1;
+                        total.accumulate(&loss);
+                    }
+                    None => skipped += 1,
+                }
+            }
+        }
+        UpdateStats {
+            loss: total.mean(),
+            grad_norm: if applied > 0 { grad_norm_sum / applied as f32 } else { f32::NAN },
+            skipped_steps: skipped,
+            ..UpdateStats::default()
+        }
+    }
+}
+
+fn sequence_batch(batch: &SegmentBatch, n_actions: usize) -> SequenceBatch<'_> {
+    SequenceBatch {
+        t_len: batch.t_len,
+        b_len: batch.b_len,
+        n_actions,
+        actions: &batch.actions,
+        behaviour_log_probs: &batch.behaviour_log_probs,
+        rewards: &batch.rewards,
+        discounts: &batch.discounts,
+        sample_weights: &batch.sample_weights,
+    }
+}
+
+fn resize(buffer: &mut Vec<f32>, len: usize) {
+    buffer.clear();
+    buffer.resize(len, 0.0);
+}

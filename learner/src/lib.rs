@@ -1,0 +1,15 @@
+//! Volley's learner: receives segments, checks and batches them, computes the V-trace or PPO
+//! loss, updates the policy with Adam and publishes versioned weights.
+//!
+//! Invariant: the learner's policy version increases by exactly one per published update and
+//! never goes backwards; every sample's lag is measured against it.
+//! Start reading at [`learner::Learner`] (one update) and [`consume::run_learner`] (the loop).
+
+pub mod batch;
+pub mod consume;
+pub mod learner;
+pub mod losses;
+pub mod optim;
+
+pub use consume::{run_learner, LearnerControl, LearnerReport, RunLimits, StopReason};
+pub use learner::{Learner, LearnerError, UpdateStats};

@@ -1,0 +1,1367 @@
+//! The learner's two objectives, each returning its statistics and writing its gradients with
+//! respect to the policy head's logits and the value head's outputs into caller buffers:
+//!
+//! - [`vtrace_loss`]: the IMPALA actor-critic loss with V-trace targets (Espeholt et al. 2018,
+//!   sec. 4.2), on `[T+1][B]` network outputs (the last row only supplies the bootstrap value).
+//! - [`ppo_loss`]: PPO-clip (Schulman et al. 2017, eq. (7)) in the decoupled form of Hilton
+//!   et al. 2021 ("Batch size-invariance for policy optimization", eq. (2)), on `[T][B]`
+//!   network outputs (no bootstrap row), with advantages and targets ([`PpoTargets`]) computed
+//!   beforehand (for example by [`volley_core::returns::gae()`]).
+//!
+//! Both losses are weighted sums normalised by the weight sum `W = Σ_i w_i`:
+//!
+//! ```text
+//! loss = (1/W) Σ_i w_i [ policy_i + value_coef · ½ (target_i − V_i)² − ent_coef · H(π_i) ].
+//! ```
+//!
+//! A weight of `0` drops a sample (padding, a rejected or too-stale sample) and a weight in
+//! `(0, 1)` down-weights it; weights must be non-negative. Normalising by `W` rather than by the
+//! sample count keeps the loss scale, and hence the learning rate's meaning, independent of how
+//! many samples were dropped. When `W = 0` the gradients are all zero and the statistics zero.
+//!
+//! Gradients are overwritten, not accumulated, and are those of the loss above with the targets
+//! (`vs`, `pg_advantages`, `advantages`, `returns`) held constant, as in IMPALA and PPO. The
+//! per-row gradient is computed in place: each row of `dlogits` first receives the row's
+//! log-probabilities and then its gradient, so the losses allocate nothing per sample.
+
+use volley_core::distributions::{entropy_from_log_probs, log_softmax};
+use volley_core::returns::{vtrace, VTraceConfig};
+
+/// A time-major batch (or minibatch) of `B` segments of `T` steps, as both losses consume it.
+///
+/// Every slice is `[T][B]` flattened as `t * b_len + b`. [`ppo_loss`] reads only `actions` and
+/// `sample_weights` (its rewards and discounts went into the [`PpoTargets`] beforehand).
+#[derive(Debug, Clone, Copy)]
+pub struct SequenceBatch<'a> {
+    /// `T`, the number of steps per segment.
+    pub t_len: usize,
+    /// `B`, the number of segments.
+    pub b_len: usize,
+    /// The number of discrete actions (the width of a logits row).
+    pub n_actions: usize,
+    /// The actions taken, each `< n_actions` (the segment decoder validates this).
+    pub actions: &'a [u32],
+    /// `log μ(a_t|x_t)`, the behaviour policy's log-probability of each action, recorded by the
+    /// actor.
+    pub behaviour_log_probs: &'a [f32],
+    /// `r_t`.
+    pub rewards: &'a [f32],
+    /// `γ · (1 − terminated_t)`: zero where the episode terminated at step `t`.
+    pub discounts: &'a [f32],
+    /// Per-sample weight `w ≥ 0`: `0` drops the sample's own loss terms, `< 1` down-weights a
+    /// stale one. A dropped sample's reward and value still feed the V-trace recursion of the
+    /// steps before it unless the discount before it is `0`, so padding must follow a
+    /// termination (or carry harmless rewards and values).
+    pub sample_weights: &'a [f32],
+}
+
+impl SequenceBatch<'_> {
+    /// `T · B`, the number of samples.
+    pub fn n_samples(&self) -> usize {
+        self.t_len * self.b_len
+    }
+}
+
+/// Coefficients of [`vtrace_loss`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct VTraceLossConfig {
+    /// The V-trace clipping thresholds and `λ`.
+    pub vtrace: VTraceConfig,
+    /// Weight of the value loss ("baseline cost" in IMPALA; 0.5 is usual).
+    pub value_coef: f32,
+    /// Weight of the entropy bonus (0.01 is usual).
+    pub ent_coef: f32,
+}
+
+impl Default for VTraceLossConfig {
+    /// IMPALA's clipping thresholds (`ρ̄ = ρ̄_pg = c̄ = λ = 1`), `value_coef = 0.5` and
+    /// `ent_coef = 0.01`.
+    fn default() -> Self {
+        Self {
+            vtrace: VTraceConfig::default(),
+            value_coef: 0.5,
+            ent_coef: 0.01,
+        }
+    }
+}
+
+/// Coefficients of [`ppo_loss`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PpoLossConfig {
+    /// `ε`: the ratio `π_θ/π_prox` is clipped to `[1 − ε, 1 + ε]` (0.2 is usual).
+    pub clip_coef: f32,
+    /// Weight of the value loss (0.5 is usual).
+    pub value_coef: f32,
+    /// Weight of the entropy bonus (0.01 is usual).
+    pub ent_coef: f32,
+    /// Normalise advantages to zero mean and unit standard deviation over the minibatch's
+    /// weighted samples before use, as cleanrl does.
+    pub normalize_advantages: bool,
+}
+
+impl Default for PpoLossConfig {
+    /// cleanrl's defaults: `clip_coef = 0.2`, `value_coef = 0.5`, `ent_coef = 0.01`, normalised
+    /// advantages.
+    fn default() -> Self {
+        Self {
+            clip_coef: 0.2,
+            value_coef: 0.5,
+            ent_coef: 0.01,
+            normalize_advantages: true,
+        }
+    }
+}
+
+/// Statistics of one loss evaluation, each a weighted mean over samples (weights `w_i`,
+/// normalised by [`weight_sum`](Self::weight_sum)) unless noted.
+///
+/// The sums behind them are accumulated in `f64` and rounded to `f32` at the end. To average
+/// several evaluations (the gradient steps of one PPO update), start from
+/// [`LossStats::default`], [`accumulate`](Self::accumulate) each, then take the
+/// [`mean`](Self::mean).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct LossStats {
+    /// The minimised objective: `policy + value_coef · value − ent_coef · entropy`.
+    pub total: f32,
+    /// The policy term: `−pg_advantage · log π(a)` for V-trace, the negated (importance-weighted)
+    /// clipped surrogate for PPO.
+    pub policy: f32,
+    /// The value term before `value_coef`: `½ (target − V)²`.
+    pub value: f32,
+    /// The mean policy entropy in nats (the bonus, before `ent_coef`).
+    pub entropy: f32,
+    /// The mean unclipped ratio: `ρ = π/μ` (learner over behaviour) for V-trace, `r = π_θ/π_prox`
+    /// for PPO. Far from 1 means the data is far off-policy.
+    pub mean_ratio: f32,
+    /// The fraction of weight whose ratio was clipped: `ρ > clip_rho_threshold` for V-trace,
+    /// `|r − 1| > clip_coef` for PPO (cleanrl's `clipfrac`).
+    pub clip_fraction: f32,
+    /// The `k3` estimator `(ratio − 1) − log ratio` of the KL divergence between the two
+    /// policies of `mean_ratio`, averaged over the samples (cleanrl's `approx_kl`). For V-trace
+    /// it estimates `KL(μ ‖ π)`; for PPO it approximates `KL(π_prox ‖ π_θ)` using the behaviour
+    /// samples.
+    pub approx_kl: f32,
+    /// `W = Σ_i w_i`, the normaliser of every other field (not itself normalised).
+    pub weight_sum: f32,
+    /// How many loss evaluations these statistics cover: 1 for the result of one loss call,
+    /// the count so far for a running sum built with [`accumulate`](Self::accumulate).
+    pub evaluations: u32,
+}
+
+impl LossStats {
+    /// Adds `other`'s fields to `self`'s, turning `self` into a running sum over evaluations.
+    pub fn accumulate(&mut self, other: &LossStats) {
+        self.total += other.total;
+        self.policy += other.policy;
+        self.value += other.value;
+        self.entropy += other.entropy;
+        self.mean_ratio += other.mean_ratio;
+        self.clip_fraction += other.clip_fraction;
+        self.approx_kl += other.approx_kl;
+        self.weight_sum += other.weight_sum;
+        self.evaluations += other.evaluations;
+    }
+
+    /// The per-evaluation mean of a running sum built with [`accumulate`](Self::accumulate):
+    /// every field divided by [`evaluations`](Self::evaluations), which is kept. Each
+    /// evaluation counts once, whatever its weight sum. A sum of zero evaluations gives the
+    /// default (all zero).
+    pub fn mean(&self) -> LossStats {
+        if self.evaluations == 0 {
+            return LossStats::default();
+        }
+        let n = self.evaluations as f32;
+        LossStats {
+            total: self.total / n,
+            policy: self.policy / n,
+            value: self.value / n,
+            entropy: self.entropy / n,
+            mean_ratio: self.mean_ratio / n,
+            clip_fraction: self.clip_fraction / n,
+            approx_kl: self.approx_kl / n,
+            weight_sum: self.weight_sum / n,
+            evaluations: self.evaluations,
+        }
+    }
+}
+
+/// Buffers [`vtrace_loss_with_workspace`] reuses across calls: the log-importance weights, the
+/// V-trace targets and the policy-gradient advantages of the last call, each `[T][B]`.
+#[derive(Debug, Clone, Default)]
+pub struct VTraceWorkspace {
+    log_rhos: Vec<f32>,
+    vs: Vec<f32>,
+    pg_advantages: Vec<f32>,
+}
+
+impl VTraceWorkspace {
+    /// An empty workspace; it grows to the batch size on first use and keeps its capacity.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// `log π(a_t|x_t) − log μ(a_t|x_t)` from the last [`vtrace_loss_with_workspace`] call, `[T][B]`.
+    pub fn log_rhos(&self) -> &[f32] {
+        &self.log_rhos
+    }
+
+    /// The V-trace value targets `v_t` from the last [`vtrace_loss_with_workspace`] call, `[T][B]`.
+    pub fn vs(&self) -> &[f32] {
+        &self.vs
+    }
+
+    /// The policy-gradient advantages from the last [`vtrace_loss_with_workspace`] call, `[T][B]`.
+    pub fn pg_advantages(&self) -> &[f32] {
+        &self.pg_advantages
+    }
+
+    fn resize(&mut self, n_samples: usize) {
+        for buffer in [&mut self.log_rhos, &mut self.vs, &mut self.pg_advantages] {
+            buffer.clear();
+            buffer.resize(n_samples, 0.0);
+        }
+    }
+}
+
+#[track_caller]
+fn assert_len(name: &str, slice_len: usize, expected: usize) {
+    assert!(
+        slice_len == expected,
+        "{name}: expected {expected} elements, got {slice_len}"
+    );
+}
+
+#[track_caller]
+fn action_index(action: u32, n_actions: usize) -> usize {
+    let action = action as usize;
+    assert!(
+        action < n_actions,
+        "action {action} out of range for {n_actions} actions"
+    );
+    action
+}
+
+/// Turns a row of log-probabilities into the gradient, with respect to the logits, of
+/// `−pg_scale · log π(a) − ent_scale · H(π)`:
+///
+/// ```text
+/// ∂/∂z_j = pg_scale · (p_j − 1[j = a]) + ent_scale · p_j · (log p_j + H),
+/// ```
+///
+/// using `∂ log p_a / ∂z_j = 1[j = a] − p_j` and `∂H/∂z_j = −p_j (log p_j + H)`.
+#[inline]
+fn policy_row_gradient(
+    log_probs_in_grad_out: &mut [f32],
+    action: usize,
+    entropy: f32,
+    pg_scale: f32,
+    ent_scale: f32,
+) {
+    for (j, slot) in log_probs_in_grad_out.iter_mut().enumerate() {
+        let log_p = *slot;
+        let p = log_p.exp();
+        // A masked action (p = 0, log p = −∞) has no entropy gradient; 0·(−∞) would be NaN.
+        let entropy_grad = if p > 0.0 { p * (log_p + entropy) } else { 0.0 };
+        let indicator = if j == action { 1.0 } else { 0.0 };
+        *slot = pg_scale * (p - indicator) + ent_scale * entropy_grad;
+    }
+}
+
+/// The IMPALA loss with V-trace targets (Espeholt et al. 2018, sec. 4.2), its statistics, and
+/// its gradients with respect to the logits and values.
+///
+/// Shapes (`T = batch.t_len`, `B = batch.b_len`, `A = batch.n_actions`):
+/// - `logits`, `dlogits`: `[T+1][B][A]`; `values`, `dvalues`: `[T+1][B]`. The learner runs the
+///   network over the `T` steps plus the state after the last one; row `T` only supplies the
+///   bootstrap value `V(x_T)`, so its logits are unused and it receives zero gradient.
+///
+/// With `log ρ_t = log π(a_t|x_t) − log μ(a_t|x_t)` from the current logits and the behaviour
+/// log-probabilities, [`vtrace()`] gives targets `vs_t` and advantages `A_t`; then
+///
+/// ```text
+/// loss = (1/W) Σ_t w_t [ −A_t log π(a_t|x_t) + value_coef · ½ (vs_t − V(x_t))² − ent_coef · H(π(·|x_t)) ]
+/// ```
+///
+/// with `A_t`, `vs_t` and the bootstrap value held constant (no gradient), as in IMPALA.
+///
+/// This allocates three `[T][B]` buffers per call for the V-trace intermediates; a caller that
+/// wants to reuse them, or to read the targets afterwards, calls
+/// [`vtrace_loss_with_workspace`].
+///
+/// # Panics
+///
+/// If a slice length disagrees with the batch shape or an action is out of range.
+pub fn vtrace_loss(
+    batch: &SequenceBatch<'_>,
+    logits: &[f32],
+    values: &[f32],
+    config: &VTraceLossConfig,
+    dlogits: &mut [f32],
+    dvalues: &mut [f32],
+) -> LossStats {
+    let mut workspace = VTraceWorkspace::new();
+    vtrace_loss_with_workspace(
+        batch,
+        logits,
+        values,
+        config,
+        &mut workspace,
+        dlogits,
+        dvalues,
+    )
+}
+
+/// [`vtrace_loss`] with caller-owned intermediates: `workspace` grows to `[T][B]` once and then
+/// holds the last call's log-importance weights, V-trace targets and advantages (see
+/// [`VTraceWorkspace`]).
+///
+/// # Panics
+///
+/// If a slice length disagrees with the batch shape or an action is out of range.
+pub fn vtrace_loss_with_workspace(
+    batch: &SequenceBatch<'_>,
+    logits: &[f32],
+    values: &[f32],
+    config: &VTraceLossConfig,
+    workspace: &mut VTraceWorkspace,
+    dlogits: &mut [f32],
+    dvalues: &mut [f32],
+) -> LossStats {
+    let n_samples = batch.n_samples();
+    let n_actions = batch.n_actions;
+    let n_rows = n_samples + batch.b_len;
+    assert_len("actions", batch.actions.len(), n_samples);
+    assert_len(
+        "behaviour_log_probs",
+        batch.behaviour_log_probs.len(),
+        n_samples,
+    );
+    assert_len("rewards", batch.rewards.len(), n_samples);
+    assert_len("discounts", batch.discounts.len(), n_samples);
+    assert_len("sample_weights", batch.sample_weights.len(), n_samples);
+    assert_len("logits", logits.len(), n_rows * n_actions);
+    assert_len("values", values.len(), n_rows);
+    assert_len("dlogits", dlogits.len(), n_rows * n_actions);
+    assert_len("dvalues", dvalues.len(), n_rows);
+    assert!(n_actions > 0, "n_actions must be positive");
+
+    // The bootstrap row is a constant: no gradient reaches its logits or its value.
+    let (dlogits, dlogits_bootstrap) = dlogits.split_at_mut(n_samples * n_actions);
+    let (dvalues, dvalues_bootstrap) = dvalues.split_at_mut(n_samples);
+    dlogits_bootstrap.fill(0.0);
+    dvalues_bootstrap.fill(0.0);
+    let (values, bootstrap_value) = values.split_at(n_samples);
+
+    // Pass 1: log-probabilities (kept in `dlogits`) and the log importance weights.
+    workspace.resize(n_samples);
+    let rows = logits
+        .chunks_exact(n_actions)
+        .zip(dlogits.chunks_exact_mut(n_actions))
+        .zip(batch.actions.iter().zip(batch.behaviour_log_probs))
+        .zip(workspace.log_rhos.iter_mut());
+    for (((logits_row, log_probs_row), (&action, &behaviour_log_prob)), log_rho) in rows {
+        log_softmax(logits_row, log_probs_row);
+        *log_rho = log_probs_row[action_index(action, n_actions)] - behaviour_log_prob;
+    }
+
+    // Pass 2: V-trace targets and advantages (Espeholt et al. 2018, eq. (1) and sec. 4.2).
+    vtrace(
+        batch.t_len,
+        batch.b_len,
+        &workspace.log_rhos,
+        batch.discounts,
+        batch.rewards,
+        values,
+        bootstrap_value,
+        &config.vtrace,
+        &mut workspace.vs,
+        &mut workspace.pg_advantages,
+    );
+
+    let weight_sum: f64 = batch.sample_weights.iter().map(|&w| f64::from(w)).sum();
+    if weight_sum <= 0.0 {
+        dlogits.fill(0.0);
+        dvalues.fill(0.0);
+        return LossStats {
+            weight_sum: weight_sum as f32,
+            evaluations: 1,
+            ..LossStats::default()
+        };
+    }
+    let inv_weight_sum = (1.0 / weight_sum) as f32;
+
+    // Pass 3: per-sample loss terms and gradients.
+    let mut sums = WeightedSums::default();
+    let rows = dlogits
+        .chunks_exact_mut(n_actions)
+        .zip(dvalues.iter_mut())
+        .zip(batch.actions.iter().zip(batch.sample_weights))
+        .zip(values.iter().zip(&workspace.vs))
+        .zip(workspace.log_rhos.iter().zip(&workspace.pg_advantages));
+    for ((((grad_row, dvalue), (&action, &weight)), (&value, &vs)), (&log_rho, &pg_advantage)) in
+        rows
+    {
+        if weight == 0.0 {
+            grad_row.fill(0.0);
+            *dvalue = 0.0;
+            continue;
+        }
+        let action = action as usize;
+        let scale = weight * inv_weight_sum;
+        let entropy = entropy_from_log_probs(grad_row);
+        let log_prob = grad_row[action];
+        let rho = log_rho.exp();
+
+        let w = f64::from(weight);
+        sums.policy += w * f64::from(-pg_advantage * log_prob);
+        sums.value += w * 0.5 * f64::from(vs - value).powi(2);
+        sums.entropy += w * f64::from(entropy);
+        sums.add_ratio(
+            w,
+            f64::from(rho),
+            f64::from(log_rho),
+            rho > config.vtrace.clip_rho_threshold,
+        );
+
+        policy_row_gradient(
+            grad_row,
+            action,
+            entropy,
+            scale * pg_advantage,
+            scale * config.ent_coef,
+        );
+        *dvalue = -config.value_coef * scale * (vs - value);
+    }
+    sums.finish(weight_sum, config.value_coef, config.ent_coef)
+}
+
+/// What [`ppo_loss`] needs beyond the [`SequenceBatch`], all computed before the update.
+///
+/// Every slice is `[T][B]`, laid out like the batch.
+#[derive(Debug, Clone, Copy)]
+pub struct PpoTargets<'a> {
+    /// `Â`, the advantages (for example GAE under the proximal policy's values).
+    pub advantages: &'a [f32],
+    /// The value targets (for example `Â + V`).
+    pub returns: &'a [f32],
+    /// `log π_prox(a|x)`: the learner's policy at the start of this update.
+    pub prox_log_probs: &'a [f32],
+    /// `min(π_prox/μ, clip)`, the behaviour importance weights from [`behaviour_is_weights`].
+    pub is_weights: &'a [f32],
+}
+
+/// Truncated importance weights of the proximal policy over the behaviour policy,
+/// `out_i = min(exp(prox_log_probs_i − behaviour_log_probs_i), clip)`, for the decoupled PPO
+/// objective (Hilton et al. 2021, eq. (2)).
+///
+/// Truncating at `clip` (V-trace's `ρ̄`, e.g. 1) bounds the variance that stale samples add.
+///
+/// # Panics
+///
+/// If the slice lengths differ.
+pub fn behaviour_is_weights(
+    prox_log_probs: &[f32],
+    behaviour_log_probs: &[f32],
+    clip: f32,
+    out: &mut [f32],
+) {
+    assert_len(
+        "behaviour_log_probs",
+        behaviour_log_probs.len(),
+        prox_log_probs.len(),
+    );
+    assert_len("out", out.len(), prox_log_probs.len());
+    for ((o, &prox), &behaviour) in out.iter_mut().zip(prox_log_probs).zip(behaviour_log_probs) {
+        *o = (prox - behaviour).exp().min(clip);
+    }
+}
+
+/// The decoupled PPO-clip loss (Schulman et al. 2017, eq. (7); Hilton et al. 2021, eq. (2)),
+/// its statistics, and its gradients with respect to the logits and values.
+///
+/// Shapes (`T = batch.t_len`, `B = batch.b_len`, `A = batch.n_actions`):
+/// - `logits`, `dlogits`: `[T][B][A]`; `values`, `dvalues`: `[T][B]`. Unlike [`vtrace_loss`]
+///   there is no bootstrap row: the advantages and returns were computed before the update.
+///   The loss treats the `T·B` samples independently, so their order does not matter as long
+///   as every slice follows the same one.
+///
+/// With `r = π_θ(a|x) / π_prox(a|x)` and the behaviour weight `is_w = min(π_prox/μ, clip)`,
+///
+/// ```text
+/// loss = (1/W) Σ_i w_i [ −is_w_i · min(r_i Â_i, clip(r_i, 1 − ε, 1 + ε) Â_i)
+///                       + value_coef · ½ (ret_i − V_i)² − ent_coef · H(π_θ(·|x_i)) ].
+/// ```
+///
+/// With `normalize_advantages`, `Â` is first replaced by `(Â − m) / (s + 1e-8)`, where `m` and
+/// `s` are the weighted mean and (population) standard deviation over the minibatch.
+/// The surrogate's gradient flows through the unclipped term whenever that term is the minimum
+/// (ties included); the clipped term is constant in `θ` outside `[1 − ε, 1 + ε]`.
+/// Samples of weight `0` are skipped entirely: their logits are not read.
+///
+/// # Panics
+///
+/// If a slice length disagrees with the batch shape or an action is out of range.
+pub fn ppo_loss(
+    batch: &SequenceBatch<'_>,
+    targets: &PpoTargets<'_>,
+    logits: &[f32],
+    values: &[f32],
+    config: &PpoLossConfig,
+    dlogits: &mut [f32],
+    dvalues: &mut [f32],
+) -> LossStats {
+    let n_samples = batch.n_samples();
+    let n_actions = batch.n_actions;
+    assert_len("actions", batch.actions.len(), n_samples);
+    assert_len("advantages", targets.advantages.len(), n_samples);
+    assert_len("returns", targets.returns.len(), n_samples);
+    assert_len("prox_log_probs", targets.prox_log_probs.len(), n_samples);
+    assert_len("is_weights", targets.is_weights.len(), n_samples);
+    assert_len("sample_weights", batch.sample_weights.len(), n_samples);
+    assert_len("logits", logits.len(), n_samples * n_actions);
+    assert_len("values", values.len(), n_samples);
+    assert_len("dlogits", dlogits.len(), n_samples * n_actions);
+    assert_len("dvalues", dvalues.len(), n_samples);
+    assert!(n_actions > 0, "n_actions must be positive");
+
+    let weight_sum: f64 = batch.sample_weights.iter().map(|&w| f64::from(w)).sum();
+    if weight_sum <= 0.0 {
+        dlogits.fill(0.0);
+        dvalues.fill(0.0);
+        return LossStats {
+            weight_sum: weight_sum as f32,
+            evaluations: 1,
+            ..LossStats::default()
+        };
+    }
+    let inv_weight_sum = (1.0 / weight_sum) as f32;
+
+    // Weighted advantage moments over the kept samples, in f64 so large minibatches stay exact.
+    let (adv_shift, adv_scale) = if config.normalize_advantages {
+        let weighted = || {
+            batch
+                .sample_weights
+                .iter()
+                .zip(targets.advantages)
+                .filter(|(&w, _)| w != 0.0)
+                .map(|(&w, &a)| (f64::from(w), f64::from(a)))
+        };
+        let mean = weighted().map(|(w, a)| w * a).sum::<f64>() / weight_sum;
+        let variance = weighted().map(|(w, a)| w * (a - mean).powi(2)).sum::<f64>() / weight_sum;
+        (mean as f32, (1.0 / (variance.sqrt() + 1e-8)) as f32)
+    } else {
+        (0.0, 1.0)
+    };
+
+    let clip_low = 1.0 - config.clip_coef;
+    let clip_high = 1.0 + config.clip_coef;
+    let mut sums = WeightedSums::default();
+    let rows = logits
+        .chunks_exact(n_actions)
+        .zip(dlogits.chunks_exact_mut(n_actions))
+        .zip(dvalues.iter_mut().zip(values))
+        .zip(batch.actions.iter().zip(batch.sample_weights))
+        .zip(targets.advantages.iter().zip(targets.returns))
+        .zip(targets.prox_log_probs.iter().zip(targets.is_weights));
+    for (
+        ((((logits_row, grad_row), (dvalue, &value)), (&action, &weight)), (&advantage, &ret)),
+        (&prox_log_prob, &is_weight),
+    ) in rows
+    {
+        if weight == 0.0 {
+            grad_row.fill(0.0);
+            *dvalue = 0.0;
+            continue;
+        }
+        let action = action_index(action, n_actions);
+        let scale = weight * inv_weight_sum;
+        log_softmax(logits_row, grad_row);
+        let entropy = entropy_from_log_probs(grad_row);
+        let log_ratio = grad_row[action] - prox_log_prob;
+        let ratio = log_ratio.exp();
+        let advantage = (advantage - adv_shift) * adv_scale;
+
+        // PPO-clip surrogate (Schulman et al. 2017, eq. (7)); d(r Â)/d log π = r Â.
+        let unclipped = ratio * advantage;
+        let clipped = ratio.clamp(clip_low, clip_high) * advantage;
+        let (surrogate, surrogate_grad) = if unclipped <= clipped {
+            (unclipped, unclipped)
+        } else {
+            (clipped, 0.0)
+        };
+
+        let w = f64::from(weight);
+        sums.policy -= w * f64::from(is_weight * surrogate);
+        sums.value += w * 0.5 * f64::from(ret - value).powi(2);
+        sums.entropy += w * f64::from(entropy);
+        sums.add_ratio(
+            w,
+            f64::from(ratio),
+            f64::from(log_ratio),
+            (ratio - 1.0).abs() > config.clip_coef,
+        );
+
+        policy_row_gradient(
+            grad_row,
+            action,
+            entropy,
+            scale * is_weight * surrogate_grad,
+            scale * config.ent_coef,
+        );
+        *dvalue = -config.value_coef * scale * (ret - value);
+    }
+    sums.finish(weight_sum, config.value_coef, config.ent_coef)
+}
+
+/// Weighted running sums behind [`LossStats`], accumulated in `f64`.
+#[derive(Default)]
+struct WeightedSums {
+    policy: f64,
+    value: f64,
+    entropy: f64,
+    ratio: f64,
+    clipped: f64,
+    approx_kl: f64,
+}
+
+impl WeightedSums {
+    fn add_ratio(&mut self, weight: f64, ratio: f64, log_ratio: f64, clipped: bool) {
+        self.ratio += weight * ratio;
+        if clipped {
+            self.clipped += weight;
+        }
+        self.approx_kl += weight * ((ratio - 1.0) - log_ratio);
+    }
+
+    fn finish(self, weight_sum: f64, value_coef: f32, ent_coef: f32) -> LossStats {
+        let policy = self.policy / weight_sum;
+        let value = self.value / weight_sum;
+        let entropy = self.entropy / weight_sum;
+        let total = policy + f64::from(value_coef) * value - f64::from(ent_coef) * entropy;
+        LossStats {
+            total: total as f32,
+            policy: policy as f32,
+            value: value as f32,
+            entropy: entropy as f32,
+            mean_ratio: (self.ratio / weight_sum) as f32,
+            clip_fraction: (self.clipped / weight_sum) as f32,
+            approx_kl: (self.approx_kl / weight_sum) as f32,
+            weight_sum: weight_sum as f32,
+            evaluations: 1,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{rngs::SmallRng, Rng, SeedableRng};
+
+    /// `log softmax` of one row in f64, written independently of the crate's f32 version.
+    fn log_softmax_f64(row: &[f64]) -> Vec<f64> {
+        let max = row.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        let log_sum = row.iter().map(|z| (z - max).exp()).sum::<f64>().ln();
+        row.iter().map(|z| z - max - log_sum).collect()
+    }
+
+    fn entropy_f64(log_probs: &[f64]) -> f64 {
+        -log_probs.iter().map(|lp| lp.exp() * lp).sum::<f64>()
+    }
+
+    fn to_f64(xs: &[f32]) -> Vec<f64> {
+        xs.iter().map(|&x| f64::from(x)).collect()
+    }
+
+    fn uniform_vec(rng: &mut SmallRng, n: usize, lo: f32, hi: f32) -> Vec<f32> {
+        (0..n).map(|_| rng.random_range(lo..hi)).collect()
+    }
+
+    /// Central differences of `loss` at `x` in f64, step `h`.
+    fn finite_differences(x: &[f64], h: f64, loss: impl Fn(&[f64]) -> f64) -> Vec<f64> {
+        let mut probe = x.to_vec();
+        (0..x.len())
+            .map(|i| {
+                probe[i] = x[i] + h;
+                let plus = loss(&probe);
+                probe[i] = x[i] - h;
+                let minus = loss(&probe);
+                probe[i] = x[i];
+                (plus - minus) / (2.0 * h)
+            })
+            .collect()
+    }
+
+    fn assert_gradients_close(name: &str, analytic: &[f32], numeric: &[f64]) {
+        assert_eq!(analytic.len(), numeric.len());
+        for (i, (&a, &n)) in analytic.iter().zip(numeric).enumerate() {
+            let err = (f64::from(a) - n).abs();
+            assert!(
+                err <= 1e-5 + 1e-3 * n.abs(),
+                "{name}[{i}]: analytic {a}, finite difference {n} (err {err})"
+            );
+        }
+    }
+
+    /// Owned inputs of a random V-trace batch.
+    struct VTraceFixture {
+        t_len: usize,
+        b_len: usize,
+        n_actions: usize,
+        actions: Vec<u32>,
+        behaviour_log_probs: Vec<f32>,
+        rewards: Vec<f32>,
+        discounts: Vec<f32>,
+        sample_weights: Vec<f32>,
+        logits: Vec<f32>,
+        values: Vec<f32>,
+    }
+
+    impl VTraceFixture {
+        fn random(seed: u64, t_len: usize, b_len: usize, n_actions: usize) -> Self {
+            let mut rng = SmallRng::seed_from_u64(seed);
+            let n = t_len * b_len;
+            let n_rows = n + b_len;
+            Self {
+                t_len,
+                b_len,
+                n_actions,
+                actions: (0..n)
+                    .map(|_| rng.random_range(0..n_actions as u32))
+                    .collect(),
+                behaviour_log_probs: uniform_vec(&mut rng, n, -2.5, -0.2),
+                rewards: uniform_vec(&mut rng, n, -1.0, 1.0),
+                discounts: (0..n)
+                    .map(|_| if rng.random_bool(0.2) { 0.0 } else { 0.95 })
+                    .collect(),
+                sample_weights: (0..n)
+                    .map(|_| {
+                        if rng.random_bool(0.2) {
+                            0.0
+                        } else {
+                            rng.random_range(0.2..1.0)
+                        }
+                    })
+                    .collect(),
+                logits: uniform_vec(&mut rng, n_rows * n_actions, -2.0, 2.0),
+                values: uniform_vec(&mut rng, n_rows, -1.0, 1.0),
+            }
+        }
+
+        fn batch(&self) -> SequenceBatch<'_> {
+            SequenceBatch {
+                t_len: self.t_len,
+                b_len: self.b_len,
+                n_actions: self.n_actions,
+                actions: &self.actions,
+                behaviour_log_probs: &self.behaviour_log_probs,
+                rewards: &self.rewards,
+                discounts: &self.discounts,
+                sample_weights: &self.sample_weights,
+            }
+        }
+
+        /// Runs the loss; returns `(stats, dlogits, dvalues, workspace)`.
+        fn run(
+            &self,
+            config: &VTraceLossConfig,
+        ) -> (LossStats, Vec<f32>, Vec<f32>, VTraceWorkspace) {
+            let mut workspace = VTraceWorkspace::new();
+            let mut dlogits = vec![f32::NAN; self.logits.len()];
+            let mut dvalues = vec![f32::NAN; self.values.len()];
+            let stats = vtrace_loss_with_workspace(
+                &self.batch(),
+                &self.logits,
+                &self.values,
+                config,
+                &mut workspace,
+                &mut dlogits,
+                &mut dvalues,
+            );
+            (stats, dlogits, dvalues, workspace)
+        }
+
+        /// The V-trace loss in f64 as a function of the first `T` rows of logits and values,
+        /// with `vs` and the advantages frozen (they carry no gradient).
+        fn loss_f64(
+            &self,
+            config: &VTraceLossConfig,
+            logits: &[f64],
+            values: &[f64],
+            vs: &[f32],
+            pg_advantages: &[f32],
+        ) -> f64 {
+            let a = self.n_actions;
+            let weight_sum: f64 = self.sample_weights.iter().map(|&w| f64::from(w)).sum();
+            let mut total = 0.0;
+            for i in 0..self.t_len * self.b_len {
+                let w = f64::from(self.sample_weights[i]);
+                let lp = log_softmax_f64(&logits[i * a..(i + 1) * a]);
+                let policy = -f64::from(pg_advantages[i]) * lp[self.actions[i] as usize];
+                let value = 0.5 * (f64::from(vs[i]) - values[i]).powi(2);
+                total += w
+                    * (policy + f64::from(config.value_coef) * value
+                        - f64::from(config.ent_coef) * entropy_f64(&lp));
+            }
+            total / weight_sum
+        }
+    }
+
+    fn vtrace_loss_config(lambda_: f32) -> VTraceLossConfig {
+        VTraceLossConfig {
+            vtrace: VTraceConfig {
+                clip_rho_threshold: 1.0,
+                clip_pg_rho_threshold: 1.5,
+                clip_c_threshold: 1.0,
+                lambda_,
+            },
+            value_coef: 0.5,
+            ent_coef: 0.1,
+        }
+    }
+
+    #[test]
+    fn vtrace_loss_gradients_match_finite_differences() {
+        for seed in 0..6 {
+            let fixture = VTraceFixture::random(seed, 4, 3, 5);
+            let config = vtrace_loss_config(0.9);
+            let (stats, dlogits, dvalues, workspace) = fixture.run(&config);
+            let n = fixture.t_len * fixture.b_len;
+            let logits = to_f64(&fixture.logits[..n * fixture.n_actions]);
+            let values = to_f64(&fixture.values[..n]);
+            let (vs, adv) = (workspace.vs(), workspace.pg_advantages());
+
+            let loss = fixture.loss_f64(&config, &logits, &values, vs, adv);
+            assert!(
+                (f64::from(stats.total) - loss).abs() < 1e-5,
+                "{} vs {loss}",
+                stats.total
+            );
+
+            let numeric_logits = finite_differences(&logits, 1e-6, |x| {
+                fixture.loss_f64(&config, x, &values, vs, adv)
+            });
+            let numeric_values = finite_differences(&values, 1e-6, |x| {
+                fixture.loss_f64(&config, &logits, x, vs, adv)
+            });
+            assert_gradients_close("dlogits", &dlogits[..logits.len()], &numeric_logits);
+            assert_gradients_close("dvalues", &dvalues[..n], &numeric_values);
+            // The bootstrap row is a constant.
+            assert!(dlogits[logits.len()..].iter().all(|&g| g == 0.0));
+            assert!(dvalues[n..].iter().all(|&g| g == 0.0));
+        }
+    }
+
+    #[test]
+    fn vtrace_loss_masked_samples_have_zero_gradient() {
+        let fixture = VTraceFixture::random(11, 5, 2, 3);
+        let (stats, dlogits, dvalues, _) = fixture.run(&vtrace_loss_config(1.0));
+        let a = fixture.n_actions;
+        let mut n_masked = 0;
+        for (i, &w) in fixture.sample_weights.iter().enumerate() {
+            if w == 0.0 {
+                n_masked += 1;
+                assert!(dlogits[i * a..(i + 1) * a].iter().all(|&g| g == 0.0));
+                assert_eq!(dvalues[i], 0.0);
+            }
+        }
+        assert!(n_masked > 0, "the fixture should mask some samples");
+        let weight_sum: f64 = fixture.sample_weights.iter().map(|&w| f64::from(w)).sum();
+        assert!((f64::from(stats.weight_sum) - weight_sum).abs() < 1e-6);
+    }
+
+    #[test]
+    fn vtrace_loss_with_zero_total_weight_has_zero_gradient_and_stats() {
+        let mut fixture = VTraceFixture::random(3, 3, 2, 3);
+        fixture.sample_weights.fill(0.0);
+        let (stats, dlogits, dvalues, _) = fixture.run(&vtrace_loss_config(1.0));
+        assert_eq!(
+            stats,
+            LossStats {
+                evaluations: 1,
+                ..LossStats::default()
+            }
+        );
+        assert!(dlogits.iter().chain(&dvalues).all(|&g| g == 0.0));
+    }
+
+    #[test]
+    fn vtrace_loss_on_policy_reduces_to_actor_critic_with_lambda_returns() {
+        let lambda_ = 0.8f32;
+        let mut fixture = VTraceFixture::random(5, 6, 2, 4);
+        let (t_len, b_len, a) = (fixture.t_len, fixture.b_len, fixture.n_actions);
+        let n = t_len * b_len;
+        // Behaviour = current policy, so every ρ is exactly 1.
+        let mut log_probs = vec![0.0; n * a];
+        for i in 0..n {
+            log_softmax(
+                &fixture.logits[i * a..(i + 1) * a],
+                &mut log_probs[i * a..(i + 1) * a],
+            );
+            fixture.behaviour_log_probs[i] = log_probs[i * a + fixture.actions[i] as usize];
+        }
+        let config = VTraceLossConfig {
+            ent_coef: 0.0,
+            ..vtrace_loss_config(lambda_)
+        };
+        let (stats, dlogits, dvalues, _) = fixture.run(&config);
+        assert!((stats.mean_ratio - 1.0).abs() < 1e-6);
+        assert_eq!(stats.clip_fraction, 0.0);
+
+        // λ-returns per column, G_t = r_t + γ_t ((1 − λ) V_{t+1} + λ G_{t+1}), G_T = V(x_T).
+        let weight_sum: f64 = fixture.sample_weights.iter().map(|&w| f64::from(w)).sum();
+        let (values, bootstrap) = fixture.values.split_at(n);
+        for (b, &bootstrap_b) in bootstrap.iter().enumerate() {
+            let mut g_next = f64::from(bootstrap_b);
+            let mut v_next = f64::from(bootstrap_b);
+            for t in (0..t_len).rev() {
+                let i = t * b_len + b;
+                let (r, gamma, v) = (
+                    f64::from(fixture.rewards[i]),
+                    f64::from(fixture.discounts[i]),
+                    f64::from(values[i]),
+                );
+                let lambda = f64::from(lambda_);
+                let g = r + gamma * ((1.0 - lambda) * v_next + lambda * g_next);
+                let scale = f64::from(fixture.sample_weights[i]) / weight_sum;
+                // Actor-critic: ∇ = −(w/W) (r + γ G_{t+1} − V) ∇log π(a) and −c (w/W)(G − V).
+                let advantage = r + gamma * g_next - v;
+                for j in 0..a {
+                    let p = f64::from(log_probs[i * a + j]).exp();
+                    let indicator = if j == fixture.actions[i] as usize {
+                        1.0
+                    } else {
+                        0.0
+                    };
+                    let want = -scale * advantage * (indicator - p);
+                    let got = f64::from(dlogits[i * a + j]);
+                    assert!(
+                        (got - want).abs() < 1e-5,
+                        "t {t} b {b} j {j}: {got} vs {want}"
+                    );
+                }
+                let want_dvalue = -f64::from(config.value_coef) * scale * (g - v);
+                assert!((f64::from(dvalues[i]) - want_dvalue).abs() < 1e-5);
+                g_next = g;
+                v_next = v;
+            }
+        }
+    }
+
+    #[test]
+    fn vtrace_loss_reports_ratio_statistics() {
+        // One sample, two actions with logits [0, 0] (π(a) = 0.5) and μ(a) = 0.25: ρ = 2.
+        let batch = SequenceBatch {
+            t_len: 1,
+            b_len: 1,
+            n_actions: 2,
+            actions: &[0],
+            behaviour_log_probs: &[0.25f32.ln()],
+            rewards: &[1.0],
+            discounts: &[0.0],
+            sample_weights: &[2.0],
+        };
+        let mut workspace = VTraceWorkspace::new();
+        let (mut dlogits, mut dvalues) = ([0.0; 4], [0.0; 2]);
+        let config = VTraceLossConfig {
+            vtrace: VTraceConfig::default(),
+            value_coef: 0.5,
+            ent_coef: 0.01,
+        };
+        let stats = vtrace_loss_with_workspace(
+            &batch,
+            &[0.0; 4],
+            &[0.0, 0.0],
+            &config,
+            &mut workspace,
+            &mut dlogits,
+            &mut dvalues,
+        );
+        // vs = V + min(1, ρ)(r − V) = 1; A = min(1, ρ)(r − V) = 1.
+        // policy = −A log 0.5 = ln 2; value = ½(1 − 0)² = 0.5; entropy = ln 2.
+        let ln2 = std::f32::consts::LN_2;
+        assert!((stats.mean_ratio - 2.0).abs() < 1e-6);
+        assert_eq!(stats.clip_fraction, 1.0);
+        assert!((stats.approx_kl - (1.0 - ln2)).abs() < 1e-6);
+        assert!((stats.policy - ln2).abs() < 1e-6);
+        assert!((stats.value - 0.5).abs() < 1e-6);
+        assert!((stats.entropy - ln2).abs() < 1e-6);
+        assert!((stats.total - (ln2 + 0.25 - 0.01 * ln2)).abs() < 1e-6);
+        assert_eq!(stats.weight_sum, 2.0);
+    }
+
+    /// Owned inputs of a random PPO minibatch whose ratios stay clear of the clip boundaries, so
+    /// that finite differences never straddle a kink.
+    struct PpoFixture {
+        t_len: usize,
+        b_len: usize,
+        n_samples: usize,
+        n_actions: usize,
+        /// Zeros standing in for the batch fields PPO does not read.
+        unused: Vec<f32>,
+        actions: Vec<u32>,
+        advantages: Vec<f32>,
+        returns: Vec<f32>,
+        prox_log_probs: Vec<f32>,
+        is_weights: Vec<f32>,
+        sample_weights: Vec<f32>,
+        logits: Vec<f32>,
+        values: Vec<f32>,
+    }
+
+    impl PpoFixture {
+        fn random(seed: u64, t_len: usize, b_len: usize, n_actions: usize, clip_coef: f32) -> Self {
+            let n_samples = t_len * b_len;
+            let mut rng = SmallRng::seed_from_u64(seed);
+            let logits = uniform_vec(&mut rng, n_samples * n_actions, -2.0, 2.0);
+            let actions: Vec<u32> = (0..n_samples)
+                .map(|_| rng.random_range(0..n_actions as u32))
+                .collect();
+            // Ratios on both sides of both clip boundaries, at least 0.05 away from them.
+            let ratio_choices = [
+                0.5,
+                1.0 - clip_coef - 0.1,
+                1.0 - clip_coef + 0.05,
+                1.0,
+                1.0 + clip_coef - 0.05,
+                1.0 + clip_coef + 0.1,
+                2.0,
+            ];
+            let prox_log_probs = (0..n_samples)
+                .map(|i| {
+                    let lp = log_softmax_f64(&to_f64(&logits[i * n_actions..(i + 1) * n_actions]));
+                    let ratio: f32 = ratio_choices[rng.random_range(0..ratio_choices.len())];
+                    (lp[actions[i] as usize] - f64::from(ratio).ln()) as f32
+                })
+                .collect();
+            Self {
+                t_len,
+                b_len,
+                n_samples,
+                n_actions,
+                unused: vec![0.0; n_samples],
+                actions,
+                advantages: uniform_vec(&mut rng, n_samples, -2.0, 2.0),
+                returns: uniform_vec(&mut rng, n_samples, -1.0, 1.0),
+                prox_log_probs,
+                is_weights: uniform_vec(&mut rng, n_samples, 0.3, 1.0),
+                sample_weights: (0..n_samples)
+                    .map(|_| {
+                        if rng.random_bool(0.2) {
+                            0.0
+                        } else {
+                            rng.random_range(0.2..1.0)
+                        }
+                    })
+                    .collect(),
+                logits,
+                values: uniform_vec(&mut rng, n_samples, -1.0, 1.0),
+            }
+        }
+
+        fn batch(&self) -> SequenceBatch<'_> {
+            SequenceBatch {
+                t_len: self.t_len,
+                b_len: self.b_len,
+                n_actions: self.n_actions,
+                actions: &self.actions,
+                behaviour_log_probs: &self.unused,
+                rewards: &self.unused,
+                discounts: &self.unused,
+                sample_weights: &self.sample_weights,
+            }
+        }
+
+        fn targets(&self) -> PpoTargets<'_> {
+            PpoTargets {
+                advantages: &self.advantages,
+                returns: &self.returns,
+                prox_log_probs: &self.prox_log_probs,
+                is_weights: &self.is_weights,
+            }
+        }
+
+        fn run(&self, config: &PpoLossConfig) -> (LossStats, Vec<f32>, Vec<f32>) {
+            let mut dlogits = vec![f32::NAN; self.logits.len()];
+            let mut dvalues = vec![f32::NAN; self.values.len()];
+            let stats = ppo_loss(
+                &self.batch(),
+                &self.targets(),
+                &self.logits,
+                &self.values,
+                config,
+                &mut dlogits,
+                &mut dvalues,
+            );
+            (stats, dlogits, dvalues)
+        }
+
+        /// The PPO loss in f64, written out directly from its definition.
+        fn loss_f64(&self, config: &PpoLossConfig, logits: &[f64], values: &[f64]) -> f64 {
+            let a = self.n_actions;
+            let weights = to_f64(&self.sample_weights);
+            let weight_sum: f64 = weights.iter().sum();
+            let mut advantages = to_f64(&self.advantages);
+            if config.normalize_advantages {
+                let mean = weights
+                    .iter()
+                    .zip(&advantages)
+                    .map(|(w, x)| w * x)
+                    .sum::<f64>()
+                    / weight_sum;
+                let var = weights
+                    .iter()
+                    .zip(&advantages)
+                    .map(|(w, x)| w * (x - mean).powi(2))
+                    .sum::<f64>()
+                    / weight_sum;
+                for x in &mut advantages {
+                    *x = (*x - mean) / (var.sqrt() + 1e-8);
+                }
+            }
+            let eps = f64::from(config.clip_coef);
+            let mut total = 0.0;
+            for i in 0..self.n_samples {
+                let lp = log_softmax_f64(&logits[i * a..(i + 1) * a]);
+                let ratio =
+                    (lp[self.actions[i] as usize] - f64::from(self.prox_log_probs[i])).exp();
+                let adv = advantages[i];
+                let surrogate = (ratio * adv).min(ratio.clamp(1.0 - eps, 1.0 + eps) * adv);
+                let policy = -f64::from(self.is_weights[i]) * surrogate;
+                let value = 0.5 * (f64::from(self.returns[i]) - values[i]).powi(2);
+                total += weights[i]
+                    * (policy + f64::from(config.value_coef) * value
+                        - f64::from(config.ent_coef) * entropy_f64(&lp));
+            }
+            total / weight_sum
+        }
+    }
+
+    #[test]
+    fn ppo_loss_gradients_match_finite_differences() {
+        for (seed, normalize_advantages) in (0..6).zip([false, true].into_iter().cycle()) {
+            let config = PpoLossConfig {
+                clip_coef: 0.2,
+                value_coef: 0.5,
+                ent_coef: 0.1,
+                normalize_advantages,
+            };
+            let fixture = PpoFixture::random(seed, 6, 4, 4, config.clip_coef);
+            let (stats, dlogits, dvalues) = fixture.run(&config);
+            let logits = to_f64(&fixture.logits);
+            let values = to_f64(&fixture.values);
+
+            let loss = fixture.loss_f64(&config, &logits, &values);
+            assert!(
+                (f64::from(stats.total) - loss).abs() < 1e-5,
+                "{} vs {loss}",
+                stats.total
+            );
+            assert!(stats.clip_fraction > 0.0 && stats.clip_fraction < 1.0);
+
+            let numeric_logits =
+                finite_differences(&logits, 1e-6, |x| fixture.loss_f64(&config, x, &values));
+            let numeric_values =
+                finite_differences(&values, 1e-6, |x| fixture.loss_f64(&config, &logits, x));
+            assert_gradients_close("dlogits", &dlogits, &numeric_logits);
+            assert_gradients_close("dvalues", &dvalues, &numeric_values);
+        }
+    }
+
+    #[test]
+    fn ppo_loss_masked_samples_have_zero_gradient_and_are_not_read() {
+        let config = PpoLossConfig::default();
+        let mut fixture = PpoFixture::random(9, 4, 4, 3, config.clip_coef);
+        let (stats, dlogits, dvalues) = fixture.run(&config);
+        let a = fixture.n_actions;
+        let masked: Vec<usize> = (0..fixture.n_samples)
+            .filter(|&i| fixture.sample_weights[i] == 0.0)
+            .collect();
+        assert!(!masked.is_empty(), "the fixture should mask some samples");
+        for &i in &masked {
+            assert!(dlogits[i * a..(i + 1) * a].iter().all(|&g| g == 0.0));
+            assert_eq!(dvalues[i], 0.0);
+            // Garbage in a dropped sample changes nothing, even with advantage normalisation.
+            fixture.logits[i * a..(i + 1) * a].fill(f32::NAN);
+            fixture.advantages[i] = 1e9;
+            fixture.values[i] = f32::NAN;
+        }
+        let (stats_garbage, dlogits_garbage, dvalues_garbage) = fixture.run(&config);
+        assert_eq!(stats, stats_garbage);
+        assert_eq!(dlogits, dlogits_garbage);
+        assert_eq!(dvalues, dvalues_garbage);
+    }
+
+    #[test]
+    fn ppo_loss_at_unit_ratio_and_weight_is_the_policy_gradient() {
+        let mut fixture = PpoFixture::random(4, 5, 2, 3, 0.2);
+        let a = fixture.n_actions;
+        let mut log_probs = vec![0.0; fixture.logits.len()];
+        for i in 0..fixture.n_samples {
+            log_softmax(
+                &fixture.logits[i * a..(i + 1) * a],
+                &mut log_probs[i * a..(i + 1) * a],
+            );
+            fixture.prox_log_probs[i] = log_probs[i * a + fixture.actions[i] as usize];
+        }
+        fixture.is_weights.fill(1.0);
+        let config = PpoLossConfig {
+            clip_coef: 0.2,
+            value_coef: 0.0,
+            ent_coef: 0.0,
+            normalize_advantages: false,
+        };
+        let (stats, dlogits, dvalues) = fixture.run(&config);
+        assert!((stats.mean_ratio - 1.0).abs() < 1e-6);
+        assert_eq!(stats.clip_fraction, 0.0);
+        assert!(stats.approx_kl.abs() < 1e-6);
+        assert!(dvalues.iter().all(|&g| g == 0.0));
+        let weight_sum: f64 = fixture.sample_weights.iter().map(|&w| f64::from(w)).sum();
+        for i in 0..fixture.n_samples {
+            let scale = f64::from(fixture.sample_weights[i]) / weight_sum;
+            for j in 0..a {
+                // −w A ∇log π(a) / W with ∇_j log π(a) = 1[j = a] − p_j.
+                let p = f64::from(log_probs[i * a + j]).exp();
+                let indicator = if j == fixture.actions[i] as usize {
+                    1.0
+                } else {
+                    0.0
+                };
+                let want = -scale * f64::from(fixture.advantages[i]) * (indicator - p);
+                let got = f64::from(dlogits[i * a + j]);
+                assert!(
+                    (got - want).abs() < 1e-6,
+                    "sample {i} action {j}: {got} vs {want}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn ppo_loss_clipped_samples_carry_no_policy_gradient() {
+        // One sample, A = 2, logits [0, 0]: π(a) = 0.5. π_prox(a) = 0.25 → r = 2 > 1 + ε.
+        // With Â > 0 the clipped term (1.2 Â) is the minimum and is constant in θ.
+        let batch = SequenceBatch {
+            t_len: 1,
+            b_len: 1,
+            n_actions: 2,
+            actions: &[1],
+            behaviour_log_probs: &[0.0],
+            rewards: &[0.0],
+            discounts: &[0.0],
+            sample_weights: &[1.0],
+        };
+        let targets = PpoTargets {
+            advantages: &[1.0],
+            returns: &[0.0],
+            prox_log_probs: &[0.25f32.ln()],
+            is_weights: &[1.0],
+        };
+        let config = PpoLossConfig {
+            clip_coef: 0.2,
+            value_coef: 0.0,
+            ent_coef: 0.0,
+            normalize_advantages: false,
+        };
+        let (mut dlogits, mut dvalues) = ([f32::NAN; 2], [f32::NAN; 1]);
+        let stats = ppo_loss(
+            &batch,
+            &targets,
+            &[0.0, 0.0],
+            &[0.0],
+            &config,
+            &mut dlogits,
+            &mut dvalues,
+        );
+        assert_eq!(dlogits, [0.0, 0.0]);
+        assert!((stats.policy + 1.2).abs() < 1e-6);
+        assert_eq!(stats.clip_fraction, 1.0);
+        assert!((stats.mean_ratio - 2.0).abs() < 1e-6);
+    }
+
+    #[test]
+    fn vtrace_loss_without_workspace_matches_the_workspace_version() {
+        let fixture = VTraceFixture::random(21, 4, 3, 3);
+        let config = vtrace_loss_config(0.95);
+        let (stats, dlogits, dvalues, _) = fixture.run(&config);
+        let mut dlogits_plain = vec![f32::NAN; dlogits.len()];
+        let mut dvalues_plain = vec![f32::NAN; dvalues.len()];
+        let stats_plain = vtrace_loss(
+            &fixture.batch(),
+            &fixture.logits,
+            &fixture.values,
+            &config,
+            &mut dlogits_plain,
+            &mut dvalues_plain,
+        );
+        assert_eq!(stats, stats_plain);
+        assert_eq!(dlogits, dlogits_plain);
+        assert_eq!(dvalues, dvalues_plain);
+    }
+
+    #[test]
+    fn loss_stats_mean_averages_accumulated_evaluations() {
+        let one = LossStats {
+            total: 1.0,
+            policy: 2.0,
+            value: 3.0,
+            entropy: 4.0,
+            mean_ratio: 1.0,
+            clip_fraction: 0.5,
+            approx_kl: 0.25,
+            weight_sum: 8.0,
+            evaluations: 1,
+        };
+        let two = LossStats {
+            total: 3.0,
+            policy: 0.0,
+            value: 1.0,
+            entropy: 2.0,
+            mean_ratio: 3.0,
+            clip_fraction: 0.0,
+            approx_kl: 0.75,
+            weight_sum: 4.0,
+            evaluations: 1,
+        };
+        let mut sum = LossStats::default();
+        assert_eq!(sum.mean(), LossStats::default());
+        sum.accumulate(&one);
+        sum.accumulate(&two);
+        let mean = sum.mean();
+        let want = LossStats {
+            total: 2.0,
+            policy: 1.0,
+            value: 2.0,
+            entropy: 3.0,
+            mean_ratio: 2.0,
+            clip_fraction: 0.25,
+            approx_kl: 0.5,
+            weight_sum: 6.0,
+            evaluations: 2,
+        };
+        assert_eq!(mean, want);
+    }
+
+    #[test]
+    fn behaviour_is_weights_are_truncated_ratios() {
+        let mut out = [0.0; 3];
+        behaviour_is_weights(
+            &[0.5f32.ln(), 0.5f32.ln(), 0.1f32.ln()],
+            &[0.25f32.ln(), 0.5f32.ln(), 0.2f32.ln()],
+            1.5,
+            &mut out,
+        );
+        // Ratios 2, 1, 0.5 truncated at 1.5.
+        for (got, want) in out.iter().zip([1.5, 1.0, 0.5]) {
+            assert!((got - want).abs() < 1e-6, "{out:?}");
+        }
+    }
+
+    #[test]
+    #[should_panic(expected = "action 3 out of range for 3 actions")]
+    fn out_of_range_action_panics_naming_it() {
+        let mut fixture = PpoFixture::random(1, 2, 1, 3, 0.2);
+        fixture.sample_weights.fill(1.0);
+        fixture.actions[1] = 3;
+        fixture.run(&PpoLossConfig::default());
+    }
+}
