@@ -14,7 +14,7 @@ use volley_core::spec::{LossKind, RunSpec, SpecError};
 use volley_core::wire::Weights;
 
 use crate::batch::{gather, SegmentBatch};
-use crate::losses::{self, LossStats, PpoLossConfig, SequenceBatch, VTraceLossConfig};
+use crate::losses::{self, LossStats, PpoLossConfig, SequenceBatch, VTraceLossConfig, VTraceWorkspace};
 use crate::optim::{clip_grad_global_norm, Adam, AdamConfig, LrSchedule};
 
 /// Why the learner cannot start or continue.
@@ -65,6 +65,7 @@ pub struct Learner {
     updates: u64,
     rng: Pcg64Mcg,
     // Scratch, reused across updates.
+    vtrace_workspace: VTraceWorkspace,
     dlogits: Vec<f32>,
     dvalues: Vec<f32>,
     log_probs_row: Vec<f32>,
@@ -117,6 +118,7 @@ impl Learner {
             spec,
             version,
             updates,
+            vtrace_workspace: VTraceWorkspace::new(),
             dlogits: Vec::new(),
             dvalues: Vec::new(),
             log_probs_row: Vec::new(),
@@ -214,11 +216,12 @@ impl Learner {
             value_coef: h.value_coef,
             ent_coef: h.ent_coef,
         };
-        let loss = losses::vtrace_loss(
+        let loss = losses::vtrace_loss_with_workspace(
             &sequence_batch(batch, n_actions),
             self.tape.logits(),
             self.tape.values(),
             &config,
+            &mut self.vtrace_workspace,
             &mut self.dlogits,
             &mut self.dvalues,
         );

@@ -20,15 +20,7 @@ use super::linalg::{fast_sigmoid, fast_tanh};
 
 /// One unit: returns `(r, z, n, h')`.
 #[inline(always)]
-fn unit_forward(
-    gi_r: f32,
-    gi_z: f32,
-    gi_n: f32,
-    gh_r: f32,
-    gh_z: f32,
-    gh_n: f32,
-    h: f32,
-) -> (f32, f32, f32, f32) {
+fn unit_forward(gi_r: f32, gi_z: f32, gi_n: f32, gh_r: f32, gh_z: f32, gh_n: f32, h: f32) -> (f32, f32, f32, f32) {
     let r = fast_sigmoid(gi_r + gh_r);
     let z = fast_sigmoid(gi_z + gh_z);
     let n = fast_tanh(gi_n + r * gh_n);
@@ -38,11 +30,7 @@ fn unit_forward(
 /// Split one `[3H]` gate row into its `r, z, n` blocks.
 #[inline(always)]
 fn gate_blocks(row: &[f32], hidden: usize) -> (&[f32], &[f32], &[f32]) {
-    (
-        &row[..hidden],
-        &row[hidden..2 * hidden],
-        &row[2 * hidden..3 * hidden],
-    )
+    (&row[..hidden], &row[hidden..2 * hidden], &row[2 * hidden..3 * hidden])
 }
 
 /// Advance the hidden state in place (inference: no activations are kept).
@@ -51,17 +39,12 @@ fn gate_blocks(row: &[f32], hidden: usize) -> (&[f32], &[f32], &[f32]) {
 pub(crate) fn cell_forward_in_place(gi: &[f32], gh: &[f32], h: &mut [f32], hidden: usize) {
     debug_assert_eq!(gi.len(), 3 * h.len());
     debug_assert_eq!(gh.len(), 3 * h.len());
-    for ((gi, gh), h) in gi
-        .chunks_exact(3 * hidden)
-        .zip(gh.chunks_exact(3 * hidden))
-        .zip(h.chunks_exact_mut(hidden))
-    {
+    for ((gi, gh), h) in gi.chunks_exact(3 * hidden).zip(gh.chunks_exact(3 * hidden)).zip(h.chunks_exact_mut(hidden)) {
         let (gi_r, gi_z, gi_n) = gate_blocks(gi, hidden);
         let (gh_r, gh_z, gh_n) = gate_blocks(gh, hidden);
         let h = &mut h[..hidden];
         for j in 0..hidden {
-            let (_, _, _, h_new) =
-                unit_forward(gi_r[j], gi_z[j], gi_n[j], gh_r[j], gh_z[j], gh_n[j], h[j]);
+            let (_, _, _, h_new) = unit_forward(gi_r[j], gi_z[j], gi_n[j], gh_r[j], gh_z[j], gh_n[j], h[j]);
             h[j] = h_new;
         }
     }
@@ -98,8 +81,7 @@ pub(crate) fn cell_forward(
         let (z_out, n_out) = rest.split_at_mut(hidden);
         let n_out = &mut n_out[..hidden];
         for j in 0..hidden {
-            let (r, z, n, h_new) =
-                unit_forward(gi_r[j], gi_z[j], gi_n[j], gh_r[j], gh_z[j], gh_n[j], h_prev[j]);
+            let (r, z, n, h_new) = unit_forward(gi_r[j], gi_z[j], gi_n[j], gh_r[j], gh_z[j], gh_n[j], h_prev[j]);
             r_out[j] = r;
             z_out[j] = z;
             n_out[j] = n;
@@ -139,10 +121,7 @@ pub(crate) fn cell_backward(
         .zip(gates.chunks_exact(3 * hidden))
         .zip(gh.chunks_exact(3 * hidden))
         .zip(h_prev.chunks_exact(hidden))
-        .zip(
-            dgi.chunks_exact_mut(3 * hidden)
-                .zip(dgh.chunks_exact_mut(3 * hidden)),
-        )
+        .zip(dgi.chunks_exact_mut(3 * hidden).zip(dgh.chunks_exact_mut(3 * hidden)))
     {
         let (r, z, n) = gate_blocks(gates, hidden);
         let gh_n = &gh[2 * hidden..3 * hidden];

@@ -110,11 +110,7 @@ impl PolicyInference {
 
     #[cold]
     fn shape_error(field: &'static str, expected: usize, got: usize) -> PolicyError {
-        PolicyError::Shape {
-            field,
-            expected,
-            got,
-        }
+        PolicyError::Shape { field, expected, got }
     }
 
     fn check_shapes(
@@ -167,20 +163,10 @@ impl PolicyInference {
         let torso = layout.torso();
         // Layer i reads the buffer layer i−1 wrote (obs for i = 0) and writes the other one.
         for (layer_idx, layer) in torso.iter().enumerate() {
-            let (input, output) = if layer_idx % 2 == 0 {
-                (&self.act_b, &mut self.act_a)
-            } else {
-                (&self.act_a, &mut self.act_b)
-            };
+            let (input, output) =
+                if layer_idx % 2 == 0 { (&self.act_b, &mut self.act_a) } else { (&self.act_a, &mut self.act_b) };
             let x = if layer_idx == 0 { obs } else { &input[..] };
-            dense_forward(
-                x,
-                n,
-                layer.weight(params),
-                layer.bias(params),
-                Some(activation),
-                output,
-            );
+            dense_forward(x, n, layer.weight(params), layer.bias(params), Some(activation), output);
         }
         let torso_features: &[f32] = match torso.len() {
             0 => obs,
@@ -193,22 +179,8 @@ impl PolicyInference {
                 let gates = 3 * gru.hidden;
                 let gi = &mut self.gi[..n * gates];
                 let gh = &mut self.gh[..n * gates];
-                dense_forward(
-                    torso_features,
-                    n,
-                    gru.weight_ih(params),
-                    gru.bias_ih(params),
-                    None,
-                    gi,
-                );
-                dense_forward(
-                    hidden,
-                    n,
-                    gru.weight_hh(params),
-                    gru.bias_hh(params),
-                    None,
-                    gh,
-                );
+                dense_forward(torso_features, n, gru.weight_ih(params), gru.bias_ih(params), None, gi);
+                dense_forward(hidden, n, gru.weight_hh(params), gru.bias_hh(params), None, gh);
                 gru::cell_forward_in_place(gi, gh, hidden, gru.hidden);
                 hidden
             }
@@ -216,24 +188,15 @@ impl PolicyInference {
         let heads = layout.heads();
         let n_actions = layout.n_actions();
         let heads_out = &mut self.heads_out[..n * heads.n_out];
-        dense_forward(
-            features,
-            n,
-            heads.weight(params),
-            heads.bias(params),
-            None,
-            heads_out,
-        );
+        dense_forward(features, n, heads.weight(params), heads.bias(params), None, heads_out);
         split_heads(heads_out, n_actions, logits, values);
     }
 }
 
 /// Split fused head rows `[logits…, value]` into the caller's logits and values.
 pub(crate) fn split_heads(heads_out: &[f32], n_actions: usize, logits: &mut [f32], values: &mut [f32]) {
-    for ((row, logits), value) in heads_out
-        .chunks_exact(n_actions + 1)
-        .zip(logits.chunks_exact_mut(n_actions))
-        .zip(values.iter_mut())
+    for ((row, logits), value) in
+        heads_out.chunks_exact(n_actions + 1).zip(logits.chunks_exact_mut(n_actions)).zip(values.iter_mut())
     {
         logits.copy_from_slice(&row[..n_actions]);
         *value = row[n_actions];
@@ -254,32 +217,18 @@ mod tests {
         let mut hidden = vec![0.0; 2 * 5];
         let mut logits = vec![0.0; 2 * 2];
         let mut values = vec![0.0; 2];
-        assert!(inference
-            .try_forward(&params, &obs, 2, &mut hidden, &mut logits, &mut values)
-            .is_ok());
-        let err = inference
-            .try_forward(&params[1..], &obs, 2, &mut hidden, &mut logits, &mut values)
-            .unwrap_err();
+        assert!(inference.try_forward(&params, &obs, 2, &mut hidden, &mut logits, &mut values).is_ok());
+        let err = inference.try_forward(&params[1..], &obs, 2, &mut hidden, &mut logits, &mut values).unwrap_err();
         assert!(matches!(err, PolicyError::Shape { field: "params", .. }));
-        let err = inference
-            .try_forward(&params, &obs[1..], 2, &mut hidden, &mut logits, &mut values)
-            .unwrap_err();
+        let err = inference.try_forward(&params, &obs[1..], 2, &mut hidden, &mut logits, &mut values).unwrap_err();
         assert!(matches!(err, PolicyError::Shape { field: "obs", .. }));
-        let err = inference
-            .try_forward(&params, &obs, 2, &mut [], &mut logits, &mut values)
-            .unwrap_err();
+        let err = inference.try_forward(&params, &obs, 2, &mut [], &mut logits, &mut values).unwrap_err();
         assert!(matches!(err, PolicyError::Shape { field: "hidden", .. }));
-        let err = inference
-            .try_forward(&params, &obs, 2, &mut hidden, &mut logits[1..], &mut values)
-            .unwrap_err();
+        let err = inference.try_forward(&params, &obs, 2, &mut hidden, &mut logits[1..], &mut values).unwrap_err();
         assert!(matches!(err, PolicyError::Shape { field: "logits", .. }));
-        let err = inference
-            .try_forward(&params, &obs, 2, &mut hidden, &mut logits, &mut values[1..])
-            .unwrap_err();
+        let err = inference.try_forward(&params, &obs, 2, &mut hidden, &mut logits, &mut values[1..]).unwrap_err();
         assert!(matches!(err, PolicyError::Shape { field: "values", .. }));
-        let err = inference
-            .try_forward(&params, &[], 5, &mut [], &mut [], &mut [])
-            .unwrap_err();
+        let err = inference.try_forward(&params, &[], 5, &mut [], &mut [], &mut []).unwrap_err();
         assert!(matches!(err, PolicyError::BatchSize { field: "n", value: 5, .. }));
         assert_eq!(err.to_string(), "n = 5 out of range, must be at most max_batch = 4");
     }

@@ -31,13 +31,7 @@ impl<'a> Mat<'a> {
             rows * cols,
             data.len()
         );
-        Mat {
-            data,
-            rows,
-            cols,
-            row_stride: cols,
-            col_stride: 1,
-        }
+        Mat { data, rows, cols, row_stride: cols, col_stride: 1 }
     }
 
     /// The transposed view (no copy).
@@ -115,13 +109,7 @@ pub(crate) fn dense_forward(
     let n_out = bias.len();
     let n_in = weight.len() / n_out;
     let y = &mut y[..n_rows * n_out];
-    gemm(
-        1.0,
-        Mat::row_major(x, n_rows, n_in),
-        Mat::row_major(weight, n_out, n_in).t(),
-        0.0,
-        y,
-    );
+    gemm(1.0, Mat::row_major(x, n_rows, n_in), Mat::row_major(weight, n_out, n_in).t(), 0.0, y);
     match act {
         Some(act) => bias_act_rows(y, bias, act),
         None => bias_rows(y, bias),
@@ -135,22 +123,24 @@ pub(crate) fn dense_forward(
 /// error is below 1e-6 over the whole line (tested). Unlike libm's `tanhf` it has no branches or
 /// calls, so loops over it vectorise. Actors and the learner both use it, so they agree exactly.
 #[inline(always)]
+// The coefficients are Eigen's, verbatim, so they can be checked against the reference.
+#[allow(clippy::excessive_precision)]
 pub(crate) fn fast_tanh(x: f32) -> f32 {
-    const CLAMP: f32 = 7.905_311;
+    const CLAMP: f32 = 7.905_311_107_635_498_05;
     let x = x.clamp(-CLAMP, CLAMP);
     let x2 = x * x;
-    let mut p = -2.760_768_5e-16_f32;
-    p = p * x2 + 2.000_187_9e-13;
-    p = p * x2 - 8.604_671_5e-11;
-    p = p * x2 + 5.122_297e-8;
-    p = p * x2 + 1.485_722_4e-5;
-    p = p * x2 + 6.372_619_3e-4;
-    p = p * x2 + 4.893_524_6e-3;
+    let mut p = -2.760_768_477_423_55e-16_f32;
+    p = p * x2 + 2.000_187_904_824_77e-13;
+    p = p * x2 - 8.604_671_522_137_35e-11;
+    p = p * x2 + 5.122_297_090_371_14e-8;
+    p = p * x2 + 1.485_722_357_179_79e-5;
+    p = p * x2 + 6.372_619_288_754_36e-4;
+    p = p * x2 + 4.893_524_558_917_86e-3;
     p *= x;
-    let mut q = 1.198_258_4e-6_f32;
-    q = q * x2 + 1.185_347_1e-4;
-    q = q * x2 + 2.268_434_6e-3;
-    q = q * x2 + 4.893_525e-3;
+    let mut q = 1.198_258_394_667_02e-6_f32;
+    q = q * x2 + 1.185_347_056_866_54e-4;
+    q = q * x2 + 2.268_434_632_439_00e-3;
+    q = q * x2 + 4.893_525_185_543_85e-3;
     p / q
 }
 
@@ -260,13 +250,7 @@ mod tests {
         let a_t: Vec<f32> = (0..12).map(|i| i as f32 * 0.5 - 2.0).collect(); // 4x3
         let b_t: Vec<f32> = (0..8).map(|i| 1.0 - i as f32 * 0.25).collect(); // 2x4
         let mut c = vec![f32::NAN; 6];
-        gemm(
-            1.0,
-            Mat::row_major(&a_t, 4, 3).t(),
-            Mat::row_major(&b_t, 2, 4).t(),
-            0.0,
-            &mut c,
-        );
+        gemm(1.0, Mat::row_major(&a_t, 4, 3).t(), Mat::row_major(&b_t, 2, 4).t(), 0.0, &mut c);
         for i in 0..3 {
             for j in 0..2 {
                 let expected: f32 = (0..4).map(|k| a_t[k * 3 + i] * b_t[j * 4 + k]).sum();
@@ -275,13 +259,7 @@ mod tests {
         }
         // beta = 1 accumulates.
         let before = c.clone();
-        gemm(
-            1.0,
-            Mat::row_major(&a_t, 4, 3).t(),
-            Mat::row_major(&b_t, 2, 4).t(),
-            1.0,
-            &mut c,
-        );
+        gemm(1.0, Mat::row_major(&a_t, 4, 3).t(), Mat::row_major(&b_t, 2, 4).t(), 1.0, &mut c);
         for (after, before) in c.iter().zip(&before) {
             assert!((after - 2.0 * before).abs() < 1e-5);
         }

@@ -3,8 +3,8 @@
 //! One actor-critic network (as in cleanrl's `ppo.py` `Agent` and IMPALA, Espeholt et al. 2018):
 //!
 //! ```text
-//! obs [obs_dim] ─► torso: (Linear ─► activation) × torso.len() ─► [GRU core] ─┬─► policy head: Linear ─► logits [n_actions]
-//!                                                                             └─► value head:  Linear ─► value  [1]
+//! obs ─► torso: (Linear ─► activation) × torso.len() ─► [GRU core] ─┬─► policy head: Linear ─► logits [A]
+//!                                                                   └─► value head:  Linear ─► value  [1]
 //! ```
 //!
 //! * The torso may be empty, in which case the observation feeds the core (or the heads) directly.
@@ -108,30 +108,12 @@ pub struct PolicySpec {
 impl PolicySpec {
     /// A feed-forward spec: `obs_dim → torso… → heads`.
     pub fn mlp(obs_dim: usize, n_actions: usize, torso: &[usize], activation: Activation) -> Self {
-        PolicySpec {
-            obs_dim,
-            n_actions,
-            torso: torso.to_vec(),
-            activation,
-            core: CoreKind::Mlp,
-        }
+        PolicySpec { obs_dim, n_actions, torso: torso.to_vec(), activation, core: CoreKind::Mlp }
     }
 
     /// A recurrent spec: `obs_dim → torso… → GRU(hidden) → heads`.
-    pub fn gru(
-        obs_dim: usize,
-        n_actions: usize,
-        torso: &[usize],
-        activation: Activation,
-        hidden: usize,
-    ) -> Self {
-        PolicySpec {
-            obs_dim,
-            n_actions,
-            torso: torso.to_vec(),
-            activation,
-            core: CoreKind::Gru { hidden },
-        }
+    pub fn gru(obs_dim: usize, n_actions: usize, torso: &[usize], activation: Activation, hidden: usize) -> Self {
+        PolicySpec { obs_dim, n_actions, torso: torso.to_vec(), activation, core: CoreKind::Gru { hidden } }
     }
 }
 

@@ -146,11 +146,7 @@ impl PolicyTape {
     ) -> Result<(), PolicyError> {
         for (field, value) in [("t_len", t_len), ("b_len", b_len)] {
             if value == 0 {
-                return Err(PolicyError::BatchSize {
-                    field,
-                    value,
-                    rule: "at least 1".into(),
-                });
+                return Err(PolicyError::BatchSize { field, value, rule: "at least 1".into() });
             }
         }
         let rows = t_len.checked_mul(b_len).ok_or_else(|| PolicyError::BatchSize {
@@ -259,21 +255,10 @@ impl PolicyTape {
         let activation = layout.spec().activation;
         for (layer_idx, layer) in layout.torso().iter().enumerate() {
             let (before, rest) = self.torso_out.split_at_mut(layer_idx);
-            let x: &[f32] = if layer_idx == 0 {
-                &self.obs
-            } else {
-                &before[layer_idx - 1]
-            };
+            let x: &[f32] = if layer_idx == 0 { &self.obs } else { &before[layer_idx - 1] };
             let y = &mut rest[0];
             ensure_len(y, rows * layer.n_out);
-            dense_forward(
-                x,
-                rows,
-                layer.weight(params),
-                layer.bias(params),
-                Some(activation),
-                y,
-            );
+            dense_forward(x, rows, layer.weight(params), layer.bias(params), Some(activation), y);
         }
         let torso_features: &[f32] = self.torso_out.last().unwrap_or(&self.obs);
 
@@ -288,27 +273,14 @@ impl PolicyTape {
                 ensure_len(&mut self.h_prev, rows * hidden);
                 ensure_len(&mut self.h_out, rows * hidden);
                 // The input projection does not depend on h: one GEMM for the whole sequence.
-                dense_forward(
-                    torso_features,
-                    rows,
-                    gru.weight_ih(params),
-                    gru.bias_ih(params),
-                    None,
-                    &mut self.gi,
-                );
+                dense_forward(torso_features, rows, gru.weight_ih(params), gru.bias_ih(params), None, &mut self.gi);
                 for t in 0..t_len {
                     let (h_done, h_rest) = self.h_out.split_at_mut(t * state);
-                    let source = if t == 0 {
-                        h0
-                    } else {
-                        &h_done[(t - 1) * state..]
-                    };
+                    let source = if t == 0 { h0 } else { &h_done[(t - 1) * state..] };
                     let h_prev = &mut self.h_prev[t * state..(t + 1) * state];
                     let starts = &episode_start[t * b_len..(t + 1) * b_len];
-                    for ((h_prev, source), &start) in h_prev
-                        .chunks_exact_mut(hidden)
-                        .zip(source.chunks_exact(hidden))
-                        .zip(starts)
+                    for ((h_prev, source), &start) in
+                        h_prev.chunks_exact_mut(hidden).zip(source.chunks_exact(hidden)).zip(starts)
                     {
                         if start != 0.0 {
                             h_prev.fill(0.0);
@@ -317,14 +289,7 @@ impl PolicyTape {
                         }
                     }
                     let gh = &mut self.gh[t * gates..(t + 1) * gates];
-                    dense_forward(
-                        h_prev,
-                        b_len,
-                        gru.weight_hh(params),
-                        gru.bias_hh(params),
-                        None,
-                        gh,
-                    );
+                    dense_forward(h_prev, b_len, gru.weight_hh(params), gru.bias_hh(params), None, gh);
                     gru::cell_forward(
                         &self.gi[t * gates..(t + 1) * gates],
                         gh,
@@ -345,20 +310,8 @@ impl PolicyTape {
         ensure_len(&mut self.logits, rows * n_actions);
         ensure_len(&mut self.values, rows);
         let heads_out = &mut self.heads_out[..rows * heads.n_out];
-        dense_forward(
-            features,
-            rows,
-            heads.weight(params),
-            heads.bias(params),
-            None,
-            heads_out,
-        );
-        split_heads(
-            heads_out,
-            n_actions,
-            &mut self.logits[..rows * n_actions],
-            &mut self.values[..rows],
-        );
+        dense_forward(features, rows, heads.weight(params), heads.bias(params), None, heads_out);
+        split_heads(heads_out, n_actions, &mut self.logits[..rows * n_actions], &mut self.values[..rows]);
     }
 
     fn run_backward(&mut self, params: &[f32], dlogits: &[f32], dvalues: &[f32], grads: &mut [f32]) {
@@ -381,10 +334,8 @@ impl PolicyTape {
         // Heads: assemble ∂L/∂[logits, value] and take both heads' gradients at once.
         ensure_len(&mut self.d_heads, rows * heads.n_out);
         let d_heads = &mut self.d_heads[..rows * heads.n_out];
-        for ((d_row, dlogits), &dvalue) in d_heads
-            .chunks_exact_mut(heads.n_out)
-            .zip(dlogits.chunks_exact(n_actions))
-            .zip(dvalues)
+        for ((d_row, dlogits), &dvalue) in
+            d_heads.chunks_exact_mut(heads.n_out).zip(dlogits.chunks_exact(n_actions)).zip(dvalues)
         {
             d_row[..n_actions].copy_from_slice(dlogits);
             d_row[n_actions] = dvalue;
@@ -445,13 +396,7 @@ impl PolicyTape {
                     // No gradient into h0.
                     break;
                 }
-                gemm(
-                    1.0,
-                    Mat::row_major(&self.d_gh[step_gates], b_len, 3 * hidden),
-                    weight_hh,
-                    1.0,
-                    d_h,
-                );
+                gemm(1.0, Mat::row_major(&self.d_gh[step_gates], b_len, 3 * hidden), weight_hh, 1.0, d_h);
                 // A reset at step t replaced h_{t−1} with zeros, so it receives no gradient.
                 let starts = &self.episode_start[t * b_len..(t + 1) * b_len];
                 for (d_row, &start) in d_h.chunks_exact_mut(hidden).zip(starts) {
@@ -495,11 +440,7 @@ impl PolicyTape {
             let y = &self.torso_out[layer_idx][..rows * layer.n_out];
             let d_pre = &mut d_cur[..rows * layer.n_out];
             act_backward_in_place(d_pre, y, activation);
-            let x: &[f32] = if layer_idx == 0 {
-                obs
-            } else {
-                &self.torso_out[layer_idx - 1][..rows * layer.n_in]
-            };
+            let x: &[f32] = if layer_idx == 0 { obs } else { &self.torso_out[layer_idx - 1][..rows * layer.n_in] };
             gemm(
                 1.0,
                 Mat::row_major(d_pre, rows, layer.n_out).t(),
@@ -526,11 +467,7 @@ impl PolicyTape {
 
 #[cold]
 fn shape_error(field: &'static str, expected: usize, got: usize) -> PolicyError {
-    PolicyError::Shape {
-        field,
-        expected,
-        got,
-    }
+    PolicyError::Shape { field, expected, got }
 }
 
 #[cfg(test)]
@@ -561,11 +498,8 @@ mod tests {
     fn random_params(layout: &ParamLayout, rng: &mut Pcg64) -> Vec<f32> {
         let mut params = vec![0.0; layout.n_params()];
         for entry in layout.entries() {
-            let scale = if entry.rows == 1 && entry.name.ends_with("bias") {
-                0.5
-            } else {
-                1.5 / (entry.cols as f32).sqrt()
-            };
+            let scale =
+                if entry.rows == 1 && entry.name.contains("bias") { 0.5 } else { 1.5 / (entry.cols as f32).sqrt() };
             for p in &mut params[entry.range()] {
                 *p = rng.random_range(-scale..scale);
             }
@@ -598,18 +532,8 @@ mod tests {
 
     fn loss(tape: &mut PolicyTape, params: &[f32], seq: &Sequence) -> f64 {
         tape.forward(params, &seq.obs, &seq.episode_start, &seq.h0, seq.t_len, seq.b_len);
-        let logit_part: f64 = tape
-            .logits()
-            .iter()
-            .zip(&seq.c_logits)
-            .map(|(&x, &c)| f64::from(x) * f64::from(c))
-            .sum();
-        let value_part: f64 = tape
-            .values()
-            .iter()
-            .zip(&seq.c_values)
-            .map(|(&x, &c)| f64::from(x) * f64::from(c))
-            .sum();
+        let logit_part: f64 = tape.logits().iter().zip(&seq.c_logits).map(|(&x, &c)| f64::from(x) * f64::from(c)).sum();
+        let value_part: f64 = tape.values().iter().zip(&seq.c_values).map(|(&x, &c)| f64::from(x) * f64::from(c)).sum();
         logit_part + value_part
     }
 
@@ -623,10 +547,7 @@ mod tests {
 
     /// Which ReLU units are active; a central difference straddling a kink is meaningless.
     fn relu_pattern(tape: &PolicyTape) -> Vec<bool> {
-        tape.torso_out
-            .iter()
-            .flat_map(|out| out.iter().map(|&y| y > 0.0))
-            .collect()
+        tape.torso_out.iter().flat_map(|out| out.iter().map(|&y| y > 0.0)).collect()
     }
 
     /// Central differences `(L(p + ε) − L(p − ε)) / 2ε` with `ε = 1e-3 · max(1, |p|)`; `None`
@@ -749,9 +670,9 @@ mod tests {
 
     #[test]
     fn recurrent_gradient_does_not_cross_an_episode_start() {
-        // With a reset at t = 2 in every column, outputs at t ≥ 2 cannot depend on obs at t < 2,
-        // so a loss on late outputs only must leave the early steps' parameters' contribution out:
-        // compare with a tape that never saw the early steps.
+        // Every column resets at t = 2 and the loss only weighs outputs at t ≥ 2, so steps 0 and 1
+        // cannot influence the loss. The gradient must then equal that of a tape that only ever
+        // saw steps 2.. from a zero state; gradient leaking across the reset would differ.
         let spec = PolicySpec::gru(3, 2, &[4], Activation::Tanh, 5);
         let layout = ParamLayout::new(&spec).unwrap();
         let mut rng = Pcg64::seed_from_u64(5);
@@ -799,9 +720,8 @@ mod tests {
         let mut logits = vec![0.0; seq.t_len * b_len * n_actions];
         let mut values = vec![0.0; seq.t_len * b_len];
         for t in 0..seq.t_len {
-            for (h_row, &start) in hidden
-                .chunks_exact_mut(hidden_size.max(1))
-                .zip(&seq.episode_start[t * b_len..(t + 1) * b_len])
+            for (h_row, &start) in
+                hidden.chunks_exact_mut(hidden_size.max(1)).zip(&seq.episode_start[t * b_len..(t + 1) * b_len])
             {
                 if start != 0.0 {
                     h_row.fill(0.0);
@@ -819,7 +739,13 @@ mod tests {
         (logits, values, hidden)
     }
 
-    fn assert_inference_matches_tape(spec: &PolicySpec, t_len: usize, b_len: usize, resets: &[(usize, usize)], seed: u64) {
+    fn assert_inference_matches_tape(
+        spec: &PolicySpec,
+        t_len: usize,
+        b_len: usize,
+        resets: &[(usize, usize)],
+        seed: u64,
+    ) {
         let layout = ParamLayout::new(spec).unwrap();
         let mut rng = Pcg64::seed_from_u64(seed);
         let params = random_params(&layout, &mut rng);
@@ -860,9 +786,8 @@ mod tests {
 
         // Column `col` alone, from step `reset_t`, starting from a zero state.
         let tail_len = t_len - reset_t;
-        let obs: Vec<f32> = (reset_t..t_len)
-            .flat_map(|t| seq.obs[(t * b_len + col) * 3..(t * b_len + col + 1) * 3].to_vec())
-            .collect();
+        let obs: Vec<f32> =
+            (reset_t..t_len).flat_map(|t| seq.obs[(t * b_len + col) * 3..(t * b_len + col + 1) * 3].to_vec()).collect();
         let mut fresh = PolicyTape::new(&layout);
         fresh.forward(&params, &obs, &vec![0.0; tail_len], &[0.0; 6], tail_len, 1);
         for (step, t) in (reset_t..t_len).enumerate() {
@@ -912,7 +837,10 @@ mod tests {
         assert!(matches!(forward_err(&mut tape, &obs, &es, &h0, 0, 3), PolicyError::BatchSize { field: "t_len", .. }));
         assert!(matches!(forward_err(&mut tape, &[], &[], &[], 2, 0), PolicyError::BatchSize { field: "b_len", .. }));
         assert!(matches!(forward_err(&mut tape, &obs[1..], &es, &h0, 2, 3), PolicyError::Shape { field: "obs", .. }));
-        assert!(matches!(forward_err(&mut tape, &obs, &es[1..], &h0, 2, 3), PolicyError::Shape { field: "episode_start", .. }));
+        assert!(matches!(
+            forward_err(&mut tape, &obs, &es[1..], &h0, 2, 3),
+            PolicyError::Shape { field: "episode_start", .. }
+        ));
         assert!(matches!(forward_err(&mut tape, &obs, &es, &[], 2, 3), PolicyError::Shape { field: "h0", .. }));
         assert!(matches!(
             forward_err(&mut tape, &obs, &es, &h0, usize::MAX, 3),
@@ -948,13 +876,7 @@ mod tests {
     }
 
     fn arb_spec() -> impl Strategy<Value = PolicySpec> {
-        (
-            1usize..6,
-            1usize..5,
-            prop::collection::vec(1usize..9, 0..3),
-            prop::bool::ANY,
-            prop::option::of(1usize..7),
-        )
+        (1usize..6, 1usize..5, prop::collection::vec(1usize..9, 0..3), prop::bool::ANY, prop::option::of(1usize..7))
             .prop_map(|(obs_dim, n_actions, torso, relu, hidden)| PolicySpec {
                 obs_dim,
                 n_actions,

@@ -408,6 +408,7 @@ mod tests {
     use crate::policy::{Activation, CoreKind, ParamLayout, PolicySpec};
     use crate::spec::HyperParams;
     use proptest::prelude::*;
+    use proptest::strategy::ValueTree;
 
     const T: usize = 4;
 
