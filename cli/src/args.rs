@@ -100,7 +100,7 @@ pub struct TrainArgs {
     #[arg(long, default_value_t = 8, env = "VOLLEY_BATCH_SEGMENTS")]
     pub batch_segments: usize,
     /// Stop after this many environment steps.
-    #[arg(long, default_value_t = 500_000, env = "VOLLEY_MAX_ENV_STEPS")]
+    #[arg(long, default_value_t = 300_000, env = "VOLLEY_MAX_ENV_STEPS")]
     pub max_env_steps: u64,
     /// Stop after this many seconds of wall time.
     #[arg(long, default_value_t = 300.0, env = "VOLLEY_MAX_SECS")]
@@ -110,7 +110,7 @@ pub struct TrainArgs {
     #[arg(long, env = "VOLLEY_TARGET_RETURN")]
     pub target_return: Option<f32>,
     /// Loss.
-    #[arg(long, value_enum, default_value = "ppo", env = "VOLLEY_LOSS")]
+    #[arg(long, value_enum, default_value = "vtrace", env = "VOLLEY_LOSS")]
     pub loss: LossName,
     /// Torso widths, comma-separated (empty for none).
     #[arg(long, default_value = "64,64", env = "VOLLEY_TORSO")]
@@ -124,20 +124,23 @@ pub struct TrainArgs {
     /// GRU width (with --core gru).
     #[arg(long, default_value_t = 64, env = "VOLLEY_GRU_HIDDEN")]
     pub gru_hidden: usize,
-    /// Adam learning rate (decays linearly to --final-learning-rate over the step budget).
-    #[arg(long, default_value_t = 3e-3, env = "VOLLEY_LEARNING_RATE")]
+    /// Adam learning rate at the start (decays linearly to --final-learning-rate over --max-env-steps).
+    #[arg(long, default_value_t = 2e-3, env = "VOLLEY_LEARNING_RATE")]
     pub learning_rate: f32,
-    /// Final learning rate of the linear decay (default: equal to --learning-rate).
-    #[arg(long, env = "VOLLEY_FINAL_LEARNING_RATE")]
-    pub final_learning_rate: Option<f32>,
+    /// Learning rate reached at the end of the step budget (linear decay).
+    #[arg(long, default_value_t = 0.0, env = "VOLLEY_FINAL_LEARNING_RATE")]
+    pub final_learning_rate: f32,
     /// Discount γ.
     #[arg(long, default_value_t = 0.99, env = "VOLLEY_GAMMA")]
     pub gamma: f32,
+    /// Multiply rewards by this before computing returns.
+    #[arg(long, default_value_t = 0.05, env = "VOLLEY_REWARD_SCALE")]
+    pub reward_scale: f32,
     /// Entropy bonus coefficient.
     #[arg(long, default_value_t = 0.0, env = "VOLLEY_ENT_COEF")]
     pub ent_coef: f32,
     /// PPO epochs per batch.
-    #[arg(long, default_value_t = 4, env = "VOLLEY_PPO_EPOCHS")]
+    #[arg(long, default_value_t = 10, env = "VOLLEY_PPO_EPOCHS")]
     pub ppo_epochs: u32,
     /// PPO minibatches per epoch.
     #[arg(long, default_value_t = 1, env = "VOLLEY_PPO_MINIBATCHES")]
@@ -267,8 +270,9 @@ impl TryFrom<TrainArgs> for TrainConfig {
                 LossName::Ppo => LossKind::Ppo,
             },
             gamma: args.gamma,
+            reward_scale: args.reward_scale,
             learning_rate: args.learning_rate,
-            final_learning_rate: args.final_learning_rate.unwrap_or(args.learning_rate),
+            final_learning_rate: args.final_learning_rate,
             lr_decay_updates: (args.max_env_steps / steps_per_update.max(1)).max(1),
             ent_coef: args.ent_coef,
             ppo_epochs: args.ppo_epochs,

@@ -4,6 +4,7 @@ mod args;
 mod curve;
 mod train;
 
+use std::io::IsTerminal;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
@@ -15,7 +16,10 @@ use crate::args::{Cli, Command, TrainConfig};
 
 fn init_tracing() {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(std::io::stderr().is_terminal())
+        .with_writer(std::io::stderr);
     if std::env::var("VOLLEY_LOG_FORMAT").is_ok_and(|f| f == "json") {
         builder.json().init();
     } else {

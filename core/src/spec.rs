@@ -33,6 +33,9 @@ pub struct HyperParams {
     pub loss: LossKind,
     /// Discount factor γ.
     pub gamma: f32,
+    /// Rewards are multiplied by this before the return estimators see them, so value targets
+    /// stay of order one for a network whose torso the policy and value heads share.
+    pub reward_scale: f32,
     /// Adam learning rate at the first update.
     pub learning_rate: f32,
     /// Learning rate at `lr_decay_updates` (linear decay; equal to `learning_rate` for constant).
@@ -82,6 +85,7 @@ impl Default for HyperParams {
         HyperParams {
             loss: LossKind::Ppo,
             gamma: 0.99,
+            reward_scale: 1.0,
             learning_rate: 3e-3,
             final_learning_rate: 3e-3,
             lr_decay_updates: 1,
@@ -215,6 +219,7 @@ impl RunSpec {
             ("clip_pg_rho_threshold", h.clip_pg_rho_threshold),
             ("clip_c_threshold", h.clip_c_threshold),
             ("behaviour_is_clip", h.behaviour_is_clip),
+            ("reward_scale", h.reward_scale),
             ("adam_eps", h.adam_eps),
         ];
         for (name, value) in positive {

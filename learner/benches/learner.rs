@@ -64,7 +64,7 @@ fn learner_update(c: &mut Criterion) {
         let segments: Vec<_> = (0..b_len).map(|_| random_segment(&mut rng, t_len, hidden)).collect();
         let refs: Vec<_> = segments.iter().collect();
         let mut batch = SegmentBatch::default();
-        batch.fill(&refs, 0.99, &vec![1.0; b_len]);
+        batch.fill(&refs, 0.99, 1.0, &vec![1.0; b_len]);
         group.bench_with_input(BenchmarkId::new(name, format!("T{t_len}xB{b_len}")), &batch, |b, batch| {
             b.iter(|| std::hint::black_box(learner.update(batch)))
         });

@@ -5,8 +5,9 @@ use volley_core::wire::TrajectorySegment;
 
 /// The segments used by one learner step, laid out time-major with one column per segment.
 ///
-/// Rewards already include the bootstrap through time limits: where step `t` was truncated,
-/// `rewards[t] = r_t + γ·V_μ(x_final)` and `discounts[t] = 0` (as Stable-Baselines3 does), so
+/// Rewards are scaled by the run's `reward_scale` and already include the bootstrap through
+/// time limits: where step `t` was truncated, `rewards[t] = c·r_t + γ·V_μ(x_final)` and
+/// `discounts[t] = 0` (as Stable-Baselines3 does), so
 /// the return estimators only ever see terminations.
 #[derive(Debug, Default, Clone)]
 pub struct SegmentBatch {
@@ -43,7 +44,7 @@ impl SegmentBatch {
     ///
     /// # Panics
     /// If segments differ in length or width: callers validate against the run spec first.
-    pub fn fill(&mut self, segments: &[&TrajectorySegment], gamma: f32, column_weights: &[f32]) {
+    pub fn fill(&mut self, segments: &[&TrajectorySegment], gamma: f32, reward_scale: f32, column_weights: &[f32]) {
         assert_eq!(segments.len(), column_weights.len(), "one weight per segment");
         let b_len = segments.len();
         let t_len = segments.first().map_or(0, |s| s.len());
@@ -83,7 +84,7 @@ impl SegmentBatch {
                 self.actions[i] = segment.actions[t];
                 self.behaviour_log_probs[i] = segment.behaviour_log_probs[t];
                 let bootstrap = if truncated && !terminated { gamma * segment.truncation_values[t] } else { 0.0 };
-                self.rewards[i] = segment.rewards[t] + bootstrap;
+                self.rewards[i] = segment.rewards[t] * reward_scale + bootstrap;
                 self.discounts[i] = if done { 0.0 } else { gamma };
                 self.sample_weights[i] = weight;
                 self.episode_start[(t + 1) * b_len + b] = if done { 1.0 } else { 0.0 };
@@ -165,7 +166,7 @@ mod tests {
         a.truncation_values[1] = 10.0;
         a.terminated[2] = 1;
         let mut batch = SegmentBatch::default();
-        batch.fill(&[&a, &b], 0.9, &[1.0, 0.5]);
+        batch.fill(&[&a, &b], 0.9, 1.0, &[1.0, 0.5]);
         // Observation of segment b at t = 1 sits at row 1, column 1.
         assert_eq!(&batch.observations[(2 + 1) * 2..(2 + 1) * 2 + 2], &[102.0, 103.0]);
         assert_eq!(batch.rewards[2], 1.0 + 0.9 * 10.0);
@@ -184,13 +185,13 @@ mod tests {
         let segments: Vec<_> = (0..3).map(|i| segment(2, 1, 10.0 * i as f32)).collect();
         let refs: Vec<_> = segments.iter().collect();
         let mut batch = SegmentBatch::default();
-        batch.fill(&refs, 0.99, &[1.0; 3]);
+        batch.fill(&refs, 0.99, 1.0, &[1.0; 3]);
         let mut mini = SegmentBatch::default();
         batch.gather_columns(&[2, 0], &mut mini);
         assert_eq!(mini.b_len, 2);
         assert_eq!(mini.observations, vec![20.0, 0.0, 21.0, 1.0, 22.0, 2.0]);
         let mut direct = SegmentBatch::default();
-        direct.fill(&[&segments[2], &segments[0]], 0.99, &[1.0; 2]);
+        direct.fill(&[&segments[2], &segments[0]], 0.99, 1.0, &[1.0; 2]);
         assert_eq!(mini.rewards, direct.rewards);
         assert_eq!(mini.episode_start, direct.episode_start);
         assert_eq!(mini.observations, direct.observations);

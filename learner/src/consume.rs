@@ -222,7 +222,7 @@ pub fn run_learner(
         let segments: Vec<&TrajectorySegment> = pending.iter().map(|d| &d.segment).collect();
         column_weights.clear();
         column_weights.resize(segments.len(), 1.0);
-        batch.fill(&segments, spec.hyper.gamma, &column_weights);
+        batch.fill(&segments, spec.hyper.gamma, spec.hyper.reward_scale, &column_weights);
         let stats = learner.update(&batch);
         if learner.updates() % publish_every == 0 {
             publisher.publish(learner.weights())?;
