@@ -121,9 +121,7 @@ impl RolloutWorker {
         let n_actions = envs.n_actions();
         let h = layout.recurrent_size();
         let t_len = spec.segment_len;
-        let builders = (0..n_envs)
-            .map(|_| SegmentBuilder::with_capacity(t_len, obs_dim, h))
-            .collect();
+        let builders = (0..n_envs).map(|_| SegmentBuilder::with_capacity(t_len, obs_dim, h)).collect();
         Ok(RolloutWorker {
             inference: PolicyInference::new(&layout, n_envs),
             hidden: vec![0.0; n_envs * h],
@@ -197,9 +195,7 @@ impl RolloutWorker {
             }
             let stepped = Instant::now();
             inference_time += stepped - started;
-            self.envs
-                .step(&self.actions, &mut self.step)
-                .expect("actions has one entry per environment");
+            self.envs.step(&self.actions, &mut self.step).expect("actions has one entry per environment");
             env_time += stepped.elapsed();
             for (env_idx, error) in self.step.env_errors.drain(..) {
                 self.counters.env_errors.fetch_add(1, Ordering::Relaxed);

@@ -163,7 +163,7 @@ pub struct TrainArgs {
     /// Milestones task: cells per room.
     #[arg(long, default_value_t = 8)]
     pub room_len: usize,
-    /// Directory for metrics, curve and summary (default: runs/<run>-<env>-<seed>).
+    /// Directory for metrics, curve and summary (default: runs/RUN-ENV-SEED).
     #[arg(long, env = "VOLLEY_RUN_DIR")]
     pub run_dir: Option<PathBuf>,
     /// Progress output.

@@ -49,12 +49,8 @@ pub fn render_svg(points: &[Point], target: Option<f32>, title: &str) -> String 
         escape(title)
     );
     // Axes with five ticks each.
-    let _ = writeln!(
-        svg,
-        r#"<path d="M{LEFT} {TOP} V{} H{}" fill="none" stroke="black"/>"#,
-        TOP + plot_h,
-        LEFT + plot_w
-    );
+    let _ =
+        writeln!(svg, r#"<path d="M{LEFT} {TOP} V{} H{}" fill="none" stroke="black"/>"#, TOP + plot_h, LEFT + plot_w);
     for i in 0..=4 {
         let frac = i as f64 / 4.0;
         let steps = frac * max_steps;
@@ -73,12 +69,7 @@ pub fn render_svg(points: &[Point], target: Option<f32>, title: &str) -> String 
             y(value) + 4.0,
             value
         );
-        let _ = writeln!(
-            svg,
-            r##"<path d="M{LEFT} {:.1} H{:.1}" stroke="#ddd"/>"##,
-            y(value),
-            LEFT + plot_w
-        );
+        let _ = writeln!(svg, r##"<path d="M{LEFT} {:.1} H{:.1}" stroke="#ddd"/>"##, y(value), LEFT + plot_w);
     }
     let _ = writeln!(
         svg,
@@ -136,8 +127,7 @@ mod tests {
 
     #[test]
     fn svg_has_one_polyline_vertex_per_point() {
-        let points: Vec<Point> =
-            (0..5).map(|i| Point { env_steps: i * 100, mean_return: i as f32 * 10.0 }).collect();
+        let points: Vec<Point> = (0..5).map(|i| Point { env_steps: i * 100, mean_return: i as f32 * 10.0 }).collect();
         let svg = render_svg(&points, Some(475.0), "cartpole");
         assert!(svg.starts_with("<svg"));
         assert!(svg.trim_end().ends_with("</svg>"));

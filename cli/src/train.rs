@@ -98,9 +98,9 @@ fn finite(x: f32) -> Option<f32> {
 /// Run `volley train`.
 pub fn train(config: TrainConfig, interrupted: Arc<AtomicBool>) -> anyhow::Result<TrainSummary> {
     let spec = config.spec.clone();
-    fs::create_dir_all(&config.run_dir).with_context(|| format!("creating run directory {}", config.run_dir.display()))?;
-    fs::write(config.run_dir.join("spec.json"), serde_json::to_string_pretty(&spec)?)
-        .context("writing spec.json")?;
+    fs::create_dir_all(&config.run_dir)
+        .with_context(|| format!("creating run directory {}", config.run_dir.display()))?;
+    fs::write(config.run_dir.join("spec.json"), serde_json::to_string_pretty(&spec)?).context("writing spec.json")?;
     info!(
         env = spec.env.name(),
         seed = spec.seed,

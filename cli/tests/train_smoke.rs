@@ -66,3 +66,34 @@ fn invalid_flags_get_clear_errors() {
     assert_rejected(&["train", "--run", "Bad.Name"], "invalid run id");
     assert_rejected(&["train", "--ppo-minibatches", "9", "--batch-segments", "8"], "ppo_minibatches");
 }
+
+fn train_summary(args: &[&str]) -> serde_json::Value {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let output = volley()
+        .arg("train")
+        .args(args)
+        .args(["--progress", "quiet", "--run-dir"])
+        .arg(dir.path().join("run"))
+        .output()
+        .expect("run volley");
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    serde_json::from_slice(&output.stdout).expect("one JSON line on stdout")
+}
+
+#[test]
+fn the_bare_command_solves_cartpole() {
+    let summary = train_summary(&[]);
+    assert_eq!(summary["solved"], true, "{summary}");
+    assert!(summary["final_mean_return"].as_f64().expect("mean") >= 475.0, "{summary}");
+    assert_eq!(summary["stop_reason"], "solved");
+}
+
+#[test]
+fn a_gru_solves_the_memory_task_where_an_mlp_stays_at_chance() {
+    let gru = train_summary(&["--env", "memory", "--core", "gru"]);
+    assert_eq!(gru["solved"], true, "{gru}");
+    let mlp = train_summary(&["--env", "memory", "--max-env-steps", "50000"]);
+    let mlp_return = mlp["final_mean_return"].as_f64().expect("mean");
+    // Two cues: chance is 0.5; 100 episodes put the mean within about ±0.15 of it.
+    assert!((0.3..=0.7).contains(&mlp_return), "the MLP cannot beat chance: {mlp}");
+}

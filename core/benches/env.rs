@@ -44,19 +44,14 @@ fn bench_cartpole(c: &mut Criterion) {
             b.iter(|| {
                 let row = &actions[step_idx * n_envs..(step_idx + 1) * n_envs];
                 step_idx = (step_idx + 1) % N_ACTION_STEPS;
-                envs.step(black_box(row), &mut out)
-                    .expect("actions match n_envs");
+                envs.step(black_box(row), &mut out).expect("actions match n_envs");
                 black_box(&out.rewards);
             })
         });
 
         let mut scalar_envs = vec![CartPole::new(); n_envs];
         let mut obs = vec![0.0f32; n_envs * 4];
-        for (env_idx, (env, row)) in scalar_envs
-            .iter_mut()
-            .zip(obs.chunks_exact_mut(4))
-            .enumerate()
-        {
+        for (env_idx, (env, row)) in scalar_envs.iter_mut().zip(obs.chunks_exact_mut(4)).enumerate() {
             env.reset(env_idx as u64, row).expect("cartpole resets");
         }
         let mut step_idx = 0;
@@ -64,9 +59,7 @@ fn bench_cartpole(c: &mut Criterion) {
             b.iter(|| {
                 let row = &actions[step_idx * n_envs..(step_idx + 1) * n_envs];
                 step_idx = (step_idx + 1) % N_ACTION_STEPS;
-                for ((env, obs_row), &action) in
-                    scalar_envs.iter_mut().zip(obs.chunks_exact_mut(4)).zip(row)
-                {
+                for ((env, obs_row), &action) in scalar_envs.iter_mut().zip(obs.chunks_exact_mut(4)).zip(row) {
                     let outcome = env.step(black_box(action), obs_row).expect("live episode");
                     if outcome.done() {
                         env.reset_next(obs_row).expect("cartpole resets");

@@ -43,12 +43,7 @@ fn shifted_exp_sum(logits: &[f32]) -> (f32, f32) {
 /// assert!((log_probs[0] - 0.5f32.ln()).abs() < 1e-6);
 /// ```
 pub fn log_softmax(logits: &[f32], out: &mut [f32]) {
-    assert!(
-        out.len() == logits.len(),
-        "out: expected {} elements, got {}",
-        logits.len(),
-        out.len()
-    );
+    assert!(out.len() == logits.len(), "out: expected {} elements, got {}", logits.len(), out.len());
     let (max, sum) = shifted_exp_sum(logits);
     // Subtract the maximum before the log-sum so that a small `log sum` is not absorbed by a
     // huge maximum (1e30 + ln 2 == 1e30 in f32).

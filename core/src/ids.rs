@@ -3,9 +3,7 @@
 use std::fmt;
 
 /// A policy version: what one weights publish produces. Versions only ever increase.
-#[derive(
-    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default, serde::Serialize, serde::Deserialize,
-)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default, serde::Serialize, serde::Deserialize)]
 pub struct PolicyVersion(pub u64);
 
 impl PolicyVersion {

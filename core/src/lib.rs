@@ -7,9 +7,9 @@
 
 pub mod distributions;
 pub mod env;
+pub mod ids;
 pub mod policy;
 pub mod returns;
-pub mod ids;
 pub mod spec;
 pub mod transport;
 pub mod wire;

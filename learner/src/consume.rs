@@ -224,7 +224,7 @@ pub fn run_learner(
         column_weights.resize(segments.len(), 1.0);
         batch.fill(&segments, spec.hyper.gamma, spec.hyper.reward_scale, &column_weights);
         let stats = learner.update(&batch);
-        if learner.updates() % publish_every == 0 {
+        if learner.updates().is_multiple_of(publish_every) {
             publisher.publish(learner.weights())?;
         }
         settled.extend(pending.drain(..).map(|d| d.token));
@@ -246,7 +246,7 @@ pub fn run_learner(
     // redelivers it to the next learner.
     report.stop_reason = Some(stop_reason);
     report.elapsed = started.elapsed();
-    if learner.updates() % publish_every != 0 {
+    if !learner.updates().is_multiple_of(publish_every) {
         publisher.publish(learner.weights())?;
     }
     info!(

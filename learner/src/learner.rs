@@ -101,7 +101,8 @@ impl Learner {
             return Err(LearnerError::Params { expected: layout.n_params(), got: params.len() });
         }
         let h = &spec.hyper;
-        let adam = Adam::new(layout.n_params(), AdamConfig { beta1: h.adam_beta1, beta2: h.adam_beta2, eps: h.adam_eps });
+        let adam =
+            Adam::new(layout.n_params(), AdamConfig { beta1: h.adam_beta1, beta2: h.adam_beta2, eps: h.adam_eps });
         let schedule = if h.final_learning_rate == h.learning_rate {
             LrSchedule::Constant(h.learning_rate)
         } else {
@@ -110,7 +111,7 @@ impl Learner {
         Ok(Learner {
             grads: vec![0.0; layout.n_params()],
             tape: PolicyTape::new(&layout),
-            rng: Pcg64Mcg::seed_from_u64(spec.seed ^ 0x1ea2_0e2),
+            rng: Pcg64Mcg::seed_from_u64(spec.seed ^ 0x01ea_20e2),
             adam,
             schedule,
             params,

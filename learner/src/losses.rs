@@ -77,11 +77,7 @@ impl Default for VTraceLossConfig {
     /// IMPALA's clipping thresholds (`ρ̄ = ρ̄_pg = c̄ = λ = 1`), `value_coef = 0.5` and
     /// `ent_coef = 0.01`.
     fn default() -> Self {
-        Self {
-            vtrace: VTraceConfig::default(),
-            value_coef: 0.5,
-            ent_coef: 0.01,
-        }
+        Self { vtrace: VTraceConfig::default(), value_coef: 0.5, ent_coef: 0.01 }
     }
 }
 
@@ -103,12 +99,7 @@ impl Default for PpoLossConfig {
     /// cleanrl's defaults: `clip_coef = 0.2`, `value_coef = 0.5`, `ent_coef = 0.01`, normalised
     /// advantages.
     fn default() -> Self {
-        Self {
-            clip_coef: 0.2,
-            value_coef: 0.5,
-            ent_coef: 0.01,
-            normalize_advantages: true,
-        }
+        Self { clip_coef: 0.2, value_coef: 0.5, ent_coef: 0.01, normalize_advantages: true }
     }
 }
 
@@ -225,19 +216,13 @@ impl VTraceWorkspace {
 
 #[track_caller]
 fn assert_len(name: &str, slice_len: usize, expected: usize) {
-    assert!(
-        slice_len == expected,
-        "{name}: expected {expected} elements, got {slice_len}"
-    );
+    assert!(slice_len == expected, "{name}: expected {expected} elements, got {slice_len}");
 }
 
 #[track_caller]
 fn action_index(action: u32, n_actions: usize) -> usize {
     let action = action as usize;
-    assert!(
-        action < n_actions,
-        "action {action} out of range for {n_actions} actions"
-    );
+    assert!(action < n_actions, "action {action} out of range for {n_actions} actions");
     action
 }
 
@@ -250,13 +235,7 @@ fn action_index(action: u32, n_actions: usize) -> usize {
 ///
 /// using `∂ log p_a / ∂z_j = 1[j = a] − p_j` and `∂H/∂z_j = −p_j (log p_j + H)`.
 #[inline]
-fn policy_row_gradient(
-    log_probs_in_grad_out: &mut [f32],
-    action: usize,
-    entropy: f32,
-    pg_scale: f32,
-    ent_scale: f32,
-) {
+fn policy_row_gradient(log_probs_in_grad_out: &mut [f32], action: usize, entropy: f32, pg_scale: f32, ent_scale: f32) {
     for (j, slot) in log_probs_in_grad_out.iter_mut().enumerate() {
         let log_p = *slot;
         let p = log_p.exp();
@@ -300,15 +279,7 @@ pub fn vtrace_loss(
     dvalues: &mut [f32],
 ) -> LossStats {
     let mut workspace = VTraceWorkspace::new();
-    vtrace_loss_with_workspace(
-        batch,
-        logits,
-        values,
-        config,
-        &mut workspace,
-        dlogits,
-        dvalues,
-    )
+    vtrace_loss_with_workspace(batch, logits, values, config, &mut workspace, dlogits, dvalues)
 }
 
 /// [`vtrace_loss`] with caller-owned intermediates: `workspace` grows to `[T][B]` once and then
@@ -331,11 +302,7 @@ pub fn vtrace_loss_with_workspace(
     let n_actions = batch.n_actions;
     let n_rows = n_samples + batch.b_len;
     assert_len("actions", batch.actions.len(), n_samples);
-    assert_len(
-        "behaviour_log_probs",
-        batch.behaviour_log_probs.len(),
-        n_samples,
-    );
+    assert_len("behaviour_log_probs", batch.behaviour_log_probs.len(), n_samples);
     assert_len("rewards", batch.rewards.len(), n_samples);
     assert_len("discounts", batch.discounts.len(), n_samples);
     assert_len("sample_weights", batch.sample_weights.len(), n_samples);
@@ -382,11 +349,7 @@ pub fn vtrace_loss_with_workspace(
     if weight_sum <= 0.0 {
         dlogits.fill(0.0);
         dvalues.fill(0.0);
-        return LossStats {
-            weight_sum: weight_sum as f32,
-            evaluations: 1,
-            ..LossStats::default()
-        };
+        return LossStats { weight_sum: weight_sum as f32, evaluations: 1, ..LossStats::default() };
     }
     let inv_weight_sum = (1.0 / weight_sum) as f32;
 
@@ -398,9 +361,7 @@ pub fn vtrace_loss_with_workspace(
         .zip(batch.actions.iter().zip(batch.sample_weights))
         .zip(values.iter().zip(&workspace.vs))
         .zip(workspace.log_rhos.iter().zip(&workspace.pg_advantages));
-    for ((((grad_row, dvalue), (&action, &weight)), (&value, &vs)), (&log_rho, &pg_advantage)) in
-        rows
-    {
+    for ((((grad_row, dvalue), (&action, &weight)), (&value, &vs)), (&log_rho, &pg_advantage)) in rows {
         if weight == 0.0 {
             grad_row.fill(0.0);
             *dvalue = 0.0;
@@ -416,20 +377,9 @@ pub fn vtrace_loss_with_workspace(
         sums.policy += w * f64::from(-pg_advantage * log_prob);
         sums.value += w * 0.5 * f64::from(vs - value).powi(2);
         sums.entropy += w * f64::from(entropy);
-        sums.add_ratio(
-            w,
-            f64::from(rho),
-            f64::from(log_rho),
-            rho > config.vtrace.clip_rho_threshold,
-        );
+        sums.add_ratio(w, f64::from(rho), f64::from(log_rho), rho > config.vtrace.clip_rho_threshold);
 
-        policy_row_gradient(
-            grad_row,
-            action,
-            entropy,
-            scale * pg_advantage,
-            scale * config.ent_coef,
-        );
+        policy_row_gradient(grad_row, action, entropy, scale * pg_advantage, scale * config.ent_coef);
         *dvalue = -config.value_coef * scale * (vs - value);
     }
     sums.finish(weight_sum, config.value_coef, config.ent_coef)
@@ -459,17 +409,8 @@ pub struct PpoTargets<'a> {
 /// # Panics
 ///
 /// If the slice lengths differ.
-pub fn behaviour_is_weights(
-    prox_log_probs: &[f32],
-    behaviour_log_probs: &[f32],
-    clip: f32,
-    out: &mut [f32],
-) {
-    assert_len(
-        "behaviour_log_probs",
-        behaviour_log_probs.len(),
-        prox_log_probs.len(),
-    );
+pub fn behaviour_is_weights(prox_log_probs: &[f32], behaviour_log_probs: &[f32], clip: f32, out: &mut [f32]) {
+    assert_len("behaviour_log_probs", behaviour_log_probs.len(), prox_log_probs.len());
     assert_len("out", out.len(), prox_log_probs.len());
     for ((o, &prox), &behaviour) in out.iter_mut().zip(prox_log_probs).zip(behaviour_log_probs) {
         *o = (prox - behaviour).exp().min(clip);
@@ -528,11 +469,7 @@ pub fn ppo_loss(
     if weight_sum <= 0.0 {
         dlogits.fill(0.0);
         dvalues.fill(0.0);
-        return LossStats {
-            weight_sum: weight_sum as f32,
-            evaluations: 1,
-            ..LossStats::default()
-        };
+        return LossStats { weight_sum: weight_sum as f32, evaluations: 1, ..LossStats::default() };
     }
     let inv_weight_sum = (1.0 / weight_sum) as f32;
 
@@ -584,30 +521,15 @@ pub fn ppo_loss(
         // PPO-clip surrogate (Schulman et al. 2017, eq. (7)); d(r Â)/d log π = r Â.
         let unclipped = ratio * advantage;
         let clipped = ratio.clamp(clip_low, clip_high) * advantage;
-        let (surrogate, surrogate_grad) = if unclipped <= clipped {
-            (unclipped, unclipped)
-        } else {
-            (clipped, 0.0)
-        };
+        let (surrogate, surrogate_grad) = if unclipped <= clipped { (unclipped, unclipped) } else { (clipped, 0.0) };
 
         let w = f64::from(weight);
         sums.policy -= w * f64::from(is_weight * surrogate);
         sums.value += w * 0.5 * f64::from(ret - value).powi(2);
         sums.entropy += w * f64::from(entropy);
-        sums.add_ratio(
-            w,
-            f64::from(ratio),
-            f64::from(log_ratio),
-            (ratio - 1.0).abs() > config.clip_coef,
-        );
+        sums.add_ratio(w, f64::from(ratio), f64::from(log_ratio), (ratio - 1.0).abs() > config.clip_coef);
 
-        policy_row_gradient(
-            grad_row,
-            action,
-            entropy,
-            scale * is_weight * surrogate_grad,
-            scale * config.ent_coef,
-        );
+        policy_row_gradient(grad_row, action, entropy, scale * is_weight * surrogate_grad, scale * config.ent_coef);
         *dvalue = -config.value_coef * scale * (ret - value);
     }
     sums.finish(weight_sum, config.value_coef, config.ent_coef)
@@ -695,10 +617,7 @@ mod tests {
         assert_eq!(analytic.len(), numeric.len());
         for (i, (&a, &n)) in analytic.iter().zip(numeric).enumerate() {
             let err = (f64::from(a) - n).abs();
-            assert!(
-                err <= 1e-5 + 1e-3 * n.abs(),
-                "{name}[{i}]: analytic {a}, finite difference {n} (err {err})"
-            );
+            assert!(err <= 1e-5 + 1e-3 * n.abs(), "{name}[{i}]: analytic {a}, finite difference {n} (err {err})");
         }
     }
 
@@ -725,22 +644,12 @@ mod tests {
                 t_len,
                 b_len,
                 n_actions,
-                actions: (0..n)
-                    .map(|_| rng.random_range(0..n_actions as u32))
-                    .collect(),
+                actions: (0..n).map(|_| rng.random_range(0..n_actions as u32)).collect(),
                 behaviour_log_probs: uniform_vec(&mut rng, n, -2.5, -0.2),
                 rewards: uniform_vec(&mut rng, n, -1.0, 1.0),
-                discounts: (0..n)
-                    .map(|_| if rng.random_bool(0.2) { 0.0 } else { 0.95 })
-                    .collect(),
+                discounts: (0..n).map(|_| if rng.random_bool(0.2) { 0.0 } else { 0.95 }).collect(),
                 sample_weights: (0..n)
-                    .map(|_| {
-                        if rng.random_bool(0.2) {
-                            0.0
-                        } else {
-                            rng.random_range(0.2..1.0)
-                        }
-                    })
+                    .map(|_| if rng.random_bool(0.2) { 0.0 } else { rng.random_range(0.2..1.0) })
                     .collect(),
                 logits: uniform_vec(&mut rng, n_rows * n_actions, -2.0, 2.0),
                 values: uniform_vec(&mut rng, n_rows, -1.0, 1.0),
@@ -761,10 +670,7 @@ mod tests {
         }
 
         /// Runs the loss; returns `(stats, dlogits, dvalues, workspace)`.
-        fn run(
-            &self,
-            config: &VTraceLossConfig,
-        ) -> (LossStats, Vec<f32>, Vec<f32>, VTraceWorkspace) {
+        fn run(&self, config: &VTraceLossConfig) -> (LossStats, Vec<f32>, Vec<f32>, VTraceWorkspace) {
             let mut workspace = VTraceWorkspace::new();
             let mut dlogits = vec![f32::NAN; self.logits.len()];
             let mut dvalues = vec![f32::NAN; self.values.len()];
@@ -798,9 +704,8 @@ mod tests {
                 let lp = log_softmax_f64(&logits[i * a..(i + 1) * a]);
                 let policy = -f64::from(pg_advantages[i]) * lp[self.actions[i] as usize];
                 let value = 0.5 * (f64::from(vs[i]) - values[i]).powi(2);
-                total += w
-                    * (policy + f64::from(config.value_coef) * value
-                        - f64::from(config.ent_coef) * entropy_f64(&lp));
+                total +=
+                    w * (policy + f64::from(config.value_coef) * value - f64::from(config.ent_coef) * entropy_f64(&lp));
             }
             total / weight_sum
         }
@@ -831,18 +736,10 @@ mod tests {
             let (vs, adv) = (workspace.vs(), workspace.pg_advantages());
 
             let loss = fixture.loss_f64(&config, &logits, &values, vs, adv);
-            assert!(
-                (f64::from(stats.total) - loss).abs() < 1e-5,
-                "{} vs {loss}",
-                stats.total
-            );
+            assert!((f64::from(stats.total) - loss).abs() < 1e-5, "{} vs {loss}", stats.total);
 
-            let numeric_logits = finite_differences(&logits, 1e-6, |x| {
-                fixture.loss_f64(&config, x, &values, vs, adv)
-            });
-            let numeric_values = finite_differences(&values, 1e-6, |x| {
-                fixture.loss_f64(&config, &logits, x, vs, adv)
-            });
+            let numeric_logits = finite_differences(&logits, 1e-6, |x| fixture.loss_f64(&config, x, &values, vs, adv));
+            let numeric_values = finite_differences(&values, 1e-6, |x| fixture.loss_f64(&config, &logits, x, vs, adv));
             assert_gradients_close("dlogits", &dlogits[..logits.len()], &numeric_logits);
             assert_gradients_close("dvalues", &dvalues[..n], &numeric_values);
             // The bootstrap row is a constant.
@@ -874,13 +771,7 @@ mod tests {
         let mut fixture = VTraceFixture::random(3, 3, 2, 3);
         fixture.sample_weights.fill(0.0);
         let (stats, dlogits, dvalues, _) = fixture.run(&vtrace_loss_config(1.0));
-        assert_eq!(
-            stats,
-            LossStats {
-                evaluations: 1,
-                ..LossStats::default()
-            }
-        );
+        assert_eq!(stats, LossStats { evaluations: 1, ..LossStats::default() });
         assert!(dlogits.iter().chain(&dvalues).all(|&g| g == 0.0));
     }
 
@@ -893,16 +784,10 @@ mod tests {
         // Behaviour = current policy, so every ρ is exactly 1.
         let mut log_probs = vec![0.0; n * a];
         for i in 0..n {
-            log_softmax(
-                &fixture.logits[i * a..(i + 1) * a],
-                &mut log_probs[i * a..(i + 1) * a],
-            );
+            log_softmax(&fixture.logits[i * a..(i + 1) * a], &mut log_probs[i * a..(i + 1) * a]);
             fixture.behaviour_log_probs[i] = log_probs[i * a + fixture.actions[i] as usize];
         }
-        let config = VTraceLossConfig {
-            ent_coef: 0.0,
-            ..vtrace_loss_config(lambda_)
-        };
+        let config = VTraceLossConfig { ent_coef: 0.0, ..vtrace_loss_config(lambda_) };
         let (stats, dlogits, dvalues, _) = fixture.run(&config);
         assert!((stats.mean_ratio - 1.0).abs() < 1e-6);
         assert_eq!(stats.clip_fraction, 0.0);
@@ -915,11 +800,8 @@ mod tests {
             let mut v_next = f64::from(bootstrap_b);
             for t in (0..t_len).rev() {
                 let i = t * b_len + b;
-                let (r, gamma, v) = (
-                    f64::from(fixture.rewards[i]),
-                    f64::from(fixture.discounts[i]),
-                    f64::from(values[i]),
-                );
+                let (r, gamma, v) =
+                    (f64::from(fixture.rewards[i]), f64::from(fixture.discounts[i]), f64::from(values[i]));
                 let lambda = f64::from(lambda_);
                 let g = r + gamma * ((1.0 - lambda) * v_next + lambda * g_next);
                 let scale = f64::from(fixture.sample_weights[i]) / weight_sum;
@@ -927,17 +809,10 @@ mod tests {
                 let advantage = r + gamma * g_next - v;
                 for j in 0..a {
                     let p = f64::from(log_probs[i * a + j]).exp();
-                    let indicator = if j == fixture.actions[i] as usize {
-                        1.0
-                    } else {
-                        0.0
-                    };
+                    let indicator = if j == fixture.actions[i] as usize { 1.0 } else { 0.0 };
                     let want = -scale * advantage * (indicator - p);
                     let got = f64::from(dlogits[i * a + j]);
-                    assert!(
-                        (got - want).abs() < 1e-5,
-                        "t {t} b {b} j {j}: {got} vs {want}"
-                    );
+                    assert!((got - want).abs() < 1e-5, "t {t} b {b} j {j}: {got} vs {want}");
                 }
                 let want_dvalue = -f64::from(config.value_coef) * scale * (g - v);
                 assert!((f64::from(dvalues[i]) - want_dvalue).abs() < 1e-5);
@@ -962,11 +837,7 @@ mod tests {
         };
         let mut workspace = VTraceWorkspace::new();
         let (mut dlogits, mut dvalues) = ([0.0; 4], [0.0; 2]);
-        let config = VTraceLossConfig {
-            vtrace: VTraceConfig::default(),
-            value_coef: 0.5,
-            ent_coef: 0.01,
-        };
+        let config = VTraceLossConfig { vtrace: VTraceConfig::default(), value_coef: 0.5, ent_coef: 0.01 };
         let stats = vtrace_loss_with_workspace(
             &batch,
             &[0.0; 4],
@@ -1013,9 +884,7 @@ mod tests {
             let n_samples = t_len * b_len;
             let mut rng = SmallRng::seed_from_u64(seed);
             let logits = uniform_vec(&mut rng, n_samples * n_actions, -2.0, 2.0);
-            let actions: Vec<u32> = (0..n_samples)
-                .map(|_| rng.random_range(0..n_actions as u32))
-                .collect();
+            let actions: Vec<u32> = (0..n_samples).map(|_| rng.random_range(0..n_actions as u32)).collect();
             // Ratios on both sides of both clip boundaries, at least 0.05 away from them.
             let ratio_choices = [
                 0.5,
@@ -1045,13 +914,7 @@ mod tests {
                 prox_log_probs,
                 is_weights: uniform_vec(&mut rng, n_samples, 0.3, 1.0),
                 sample_weights: (0..n_samples)
-                    .map(|_| {
-                        if rng.random_bool(0.2) {
-                            0.0
-                        } else {
-                            rng.random_range(0.2..1.0)
-                        }
-                    })
+                    .map(|_| if rng.random_bool(0.2) { 0.0 } else { rng.random_range(0.2..1.0) })
                     .collect(),
                 logits,
                 values: uniform_vec(&mut rng, n_samples, -1.0, 1.0),
@@ -1102,18 +965,9 @@ mod tests {
             let weight_sum: f64 = weights.iter().sum();
             let mut advantages = to_f64(&self.advantages);
             if config.normalize_advantages {
-                let mean = weights
-                    .iter()
-                    .zip(&advantages)
-                    .map(|(w, x)| w * x)
-                    .sum::<f64>()
-                    / weight_sum;
-                let var = weights
-                    .iter()
-                    .zip(&advantages)
-                    .map(|(w, x)| w * (x - mean).powi(2))
-                    .sum::<f64>()
-                    / weight_sum;
+                let mean = weights.iter().zip(&advantages).map(|(w, x)| w * x).sum::<f64>() / weight_sum;
+                let var =
+                    weights.iter().zip(&advantages).map(|(w, x)| w * (x - mean).powi(2)).sum::<f64>() / weight_sum;
                 for x in &mut advantages {
                     *x = (*x - mean) / (var.sqrt() + 1e-8);
                 }
@@ -1122,15 +976,13 @@ mod tests {
             let mut total = 0.0;
             for i in 0..self.n_samples {
                 let lp = log_softmax_f64(&logits[i * a..(i + 1) * a]);
-                let ratio =
-                    (lp[self.actions[i] as usize] - f64::from(self.prox_log_probs[i])).exp();
+                let ratio = (lp[self.actions[i] as usize] - f64::from(self.prox_log_probs[i])).exp();
                 let adv = advantages[i];
                 let surrogate = (ratio * adv).min(ratio.clamp(1.0 - eps, 1.0 + eps) * adv);
                 let policy = -f64::from(self.is_weights[i]) * surrogate;
                 let value = 0.5 * (f64::from(self.returns[i]) - values[i]).powi(2);
                 total += weights[i]
-                    * (policy + f64::from(config.value_coef) * value
-                        - f64::from(config.ent_coef) * entropy_f64(&lp));
+                    * (policy + f64::from(config.value_coef) * value - f64::from(config.ent_coef) * entropy_f64(&lp));
             }
             total / weight_sum
         }
@@ -1139,29 +991,18 @@ mod tests {
     #[test]
     fn ppo_loss_gradients_match_finite_differences() {
         for (seed, normalize_advantages) in (0..6).zip([false, true].into_iter().cycle()) {
-            let config = PpoLossConfig {
-                clip_coef: 0.2,
-                value_coef: 0.5,
-                ent_coef: 0.1,
-                normalize_advantages,
-            };
+            let config = PpoLossConfig { clip_coef: 0.2, value_coef: 0.5, ent_coef: 0.1, normalize_advantages };
             let fixture = PpoFixture::random(seed, 6, 4, 4, config.clip_coef);
             let (stats, dlogits, dvalues) = fixture.run(&config);
             let logits = to_f64(&fixture.logits);
             let values = to_f64(&fixture.values);
 
             let loss = fixture.loss_f64(&config, &logits, &values);
-            assert!(
-                (f64::from(stats.total) - loss).abs() < 1e-5,
-                "{} vs {loss}",
-                stats.total
-            );
+            assert!((f64::from(stats.total) - loss).abs() < 1e-5, "{} vs {loss}", stats.total);
             assert!(stats.clip_fraction > 0.0 && stats.clip_fraction < 1.0);
 
-            let numeric_logits =
-                finite_differences(&logits, 1e-6, |x| fixture.loss_f64(&config, x, &values));
-            let numeric_values =
-                finite_differences(&values, 1e-6, |x| fixture.loss_f64(&config, &logits, x));
+            let numeric_logits = finite_differences(&logits, 1e-6, |x| fixture.loss_f64(&config, x, &values));
+            let numeric_values = finite_differences(&values, 1e-6, |x| fixture.loss_f64(&config, &logits, x));
             assert_gradients_close("dlogits", &dlogits, &numeric_logits);
             assert_gradients_close("dvalues", &dvalues, &numeric_values);
         }
@@ -1173,9 +1014,7 @@ mod tests {
         let mut fixture = PpoFixture::random(9, 4, 4, 3, config.clip_coef);
         let (stats, dlogits, dvalues) = fixture.run(&config);
         let a = fixture.n_actions;
-        let masked: Vec<usize> = (0..fixture.n_samples)
-            .filter(|&i| fixture.sample_weights[i] == 0.0)
-            .collect();
+        let masked: Vec<usize> = (0..fixture.n_samples).filter(|&i| fixture.sample_weights[i] == 0.0).collect();
         assert!(!masked.is_empty(), "the fixture should mask some samples");
         for &i in &masked {
             assert!(dlogits[i * a..(i + 1) * a].iter().all(|&g| g == 0.0));
@@ -1197,19 +1036,11 @@ mod tests {
         let a = fixture.n_actions;
         let mut log_probs = vec![0.0; fixture.logits.len()];
         for i in 0..fixture.n_samples {
-            log_softmax(
-                &fixture.logits[i * a..(i + 1) * a],
-                &mut log_probs[i * a..(i + 1) * a],
-            );
+            log_softmax(&fixture.logits[i * a..(i + 1) * a], &mut log_probs[i * a..(i + 1) * a]);
             fixture.prox_log_probs[i] = log_probs[i * a + fixture.actions[i] as usize];
         }
         fixture.is_weights.fill(1.0);
-        let config = PpoLossConfig {
-            clip_coef: 0.2,
-            value_coef: 0.0,
-            ent_coef: 0.0,
-            normalize_advantages: false,
-        };
+        let config = PpoLossConfig { clip_coef: 0.2, value_coef: 0.0, ent_coef: 0.0, normalize_advantages: false };
         let (stats, dlogits, dvalues) = fixture.run(&config);
         assert!((stats.mean_ratio - 1.0).abs() < 1e-6);
         assert_eq!(stats.clip_fraction, 0.0);
@@ -1221,17 +1052,10 @@ mod tests {
             for j in 0..a {
                 // −w A ∇log π(a) / W with ∇_j log π(a) = 1[j = a] − p_j.
                 let p = f64::from(log_probs[i * a + j]).exp();
-                let indicator = if j == fixture.actions[i] as usize {
-                    1.0
-                } else {
-                    0.0
-                };
+                let indicator = if j == fixture.actions[i] as usize { 1.0 } else { 0.0 };
                 let want = -scale * f64::from(fixture.advantages[i]) * (indicator - p);
                 let got = f64::from(dlogits[i * a + j]);
-                assert!(
-                    (got - want).abs() < 1e-6,
-                    "sample {i} action {j}: {got} vs {want}"
-                );
+                assert!((got - want).abs() < 1e-6, "sample {i} action {j}: {got} vs {want}");
             }
         }
     }
@@ -1250,28 +1074,11 @@ mod tests {
             discounts: &[0.0],
             sample_weights: &[1.0],
         };
-        let targets = PpoTargets {
-            advantages: &[1.0],
-            returns: &[0.0],
-            prox_log_probs: &[0.25f32.ln()],
-            is_weights: &[1.0],
-        };
-        let config = PpoLossConfig {
-            clip_coef: 0.2,
-            value_coef: 0.0,
-            ent_coef: 0.0,
-            normalize_advantages: false,
-        };
+        let targets =
+            PpoTargets { advantages: &[1.0], returns: &[0.0], prox_log_probs: &[0.25f32.ln()], is_weights: &[1.0] };
+        let config = PpoLossConfig { clip_coef: 0.2, value_coef: 0.0, ent_coef: 0.0, normalize_advantages: false };
         let (mut dlogits, mut dvalues) = ([f32::NAN; 2], [f32::NAN; 1]);
-        let stats = ppo_loss(
-            &batch,
-            &targets,
-            &[0.0, 0.0],
-            &[0.0],
-            &config,
-            &mut dlogits,
-            &mut dvalues,
-        );
+        let stats = ppo_loss(&batch, &targets, &[0.0, 0.0], &[0.0], &config, &mut dlogits, &mut dvalues);
         assert_eq!(dlogits, [0.0, 0.0]);
         assert!((stats.policy + 1.2).abs() < 1e-6);
         assert_eq!(stats.clip_fraction, 1.0);

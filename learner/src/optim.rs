@@ -33,11 +33,7 @@ pub struct AdamConfig {
 impl Default for AdamConfig {
     /// The paper's and PyTorch's defaults: `β₁ = 0.9`, `β₂ = 0.999`, `ε = 1e-8`.
     fn default() -> Self {
-        Self {
-            beta1: 0.9,
-            beta2: 0.999,
-            eps: 1e-8,
-        }
+        Self { beta1: 0.9, beta2: 0.999, eps: 1e-8 }
     }
 }
 
@@ -85,14 +81,7 @@ pub struct Adam {
 impl Adam {
     /// A fresh optimiser for `n_params` parameters, with zero moments and `t = 0`.
     pub fn new(n_params: usize, config: AdamConfig) -> Self {
-        Self {
-            config,
-            state: AdamState {
-                m: vec![0.0; n_params],
-                v: vec![0.0; n_params],
-                t: 0,
-            },
-        }
+        Self { config, state: AdamState { m: vec![0.0; n_params], v: vec![0.0; n_params], t: 0 } }
     }
 
     /// Resumes from saved state (for example a checkpoint).
@@ -102,11 +91,7 @@ impl Adam {
     /// [`OptimError::StateShape`] if `m` and `v` differ in length.
     pub fn from_state(config: AdamConfig, state: AdamState) -> Result<Self, OptimError> {
         if state.v.len() != state.m.len() {
-            return Err(OptimError::StateShape {
-                field: "v",
-                expected: state.m.len(),
-                got: state.v.len(),
-            });
+            return Err(OptimError::StateShape { field: "v", expected: state.m.len(), got: state.v.len() });
         }
         Ok(Self { config, state })
     }
@@ -138,16 +123,8 @@ impl Adam {
     /// If `params` or `grads` does not have [`n_params`](Self::n_params) elements.
     pub fn step(&mut self, params: &mut [f32], grads: &[f32], lr: f32) {
         let n_params = self.n_params();
-        assert!(
-            params.len() == n_params,
-            "params: expected {n_params} elements, got {}",
-            params.len()
-        );
-        assert!(
-            grads.len() == n_params,
-            "grads: expected {n_params} elements, got {}",
-            grads.len()
-        );
+        assert!(params.len() == n_params, "params: expected {n_params} elements, got {}", params.len());
+        assert!(grads.len() == n_params, "grads: expected {n_params} elements, got {}", grads.len());
         self.state.t += 1;
         let AdamConfig { beta1, beta2, eps } = self.config;
         // β^t in f64 via powf: t can exceed i32::MAX in principle, and 1 − β₂ᵗ is tiny early on.
@@ -177,11 +154,7 @@ impl Adam {
 /// it. Unlike PyTorch's `clip_grad_norm_`, no `1e-6` is added to the denominator, so a clipped
 /// gradient has norm `max_norm` up to rounding.
 pub fn clip_grad_global_norm(grads: &mut [f32], max_norm: f32) -> f32 {
-    let norm = grads
-        .iter()
-        .map(|&g| f64::from(g) * f64::from(g))
-        .sum::<f64>()
-        .sqrt();
+    let norm = grads.iter().map(|&g| f64::from(g) * f64::from(g)).sum::<f64>().sqrt();
     if norm.is_finite() && norm > f64::from(max_norm) {
         let scale = (f64::from(max_norm) / norm) as f32;
         for g in grads.iter_mut() {
@@ -233,19 +206,11 @@ impl LrSchedule {
     pub fn lr_at(&self, update: u64) -> f32 {
         match *self {
             Self::Constant(lr) => lr,
-            Self::Linear {
-                start,
-                end,
-                total_updates,
-            } => {
+            Self::Linear { start, end, total_updates } => {
                 let progress = progress(update, total_updates);
                 (f64::from(start) + (f64::from(end) - f64::from(start)) * progress) as f32
             }
-            Self::Cosine {
-                start,
-                end,
-                total_updates,
-            } => {
+            Self::Cosine { start, end, total_updates } => {
                 let progress = progress(update, total_updates);
                 let cosine = 0.5 * (1.0 + (std::f64::consts::PI * progress).cos());
                 (f64::from(end) + (f64::from(start) - f64::from(end)) * cosine) as f32
@@ -296,11 +261,7 @@ mod tests {
         let mut theta = [0.0f32; 4];
         let mut grads = [0.0f32; 4];
         let mut adam = Adam::new(4, AdamConfig::default());
-        let schedule = LrSchedule::Cosine {
-            start: 0.1,
-            end: 1e-4,
-            total_updates: 3000,
-        };
+        let schedule = LrSchedule::Cosine { start: 0.1, end: 1e-4, total_updates: 3000 };
         for update in 0..3000 {
             for i in 0..4 {
                 grads[i] = 2.0 * curvature[i] * (theta[i] - target[i]);
@@ -334,11 +295,7 @@ mod tests {
 
     #[test]
     fn adam_rejects_mismatched_state() {
-        let state = AdamState {
-            m: vec![0.0; 3],
-            v: vec![0.0; 2],
-            t: 5,
-        };
+        let state = AdamState { m: vec![0.0; 3], v: vec![0.0; 2], t: 5 };
         let err = Adam::from_state(AdamConfig::default(), state).unwrap_err();
         assert_eq!(err.to_string(), "adam state v: expected 3 elements, got 2");
     }
@@ -378,31 +335,19 @@ mod tests {
         assert_eq!(constant.lr_at(0), 3e-4);
         assert_eq!(constant.lr_at(u64::MAX), 3e-4);
 
-        let linear = LrSchedule::Linear {
-            start: 1e-3,
-            end: 1e-4,
-            total_updates: 10,
-        };
+        let linear = LrSchedule::Linear { start: 1e-3, end: 1e-4, total_updates: 10 };
         assert_eq!(linear.lr_at(0), 1e-3);
         assert!((linear.lr_at(5) - 5.5e-4).abs() < 1e-10);
         assert_eq!(linear.lr_at(10), 1e-4);
         assert_eq!(linear.lr_at(1_000), 1e-4);
 
-        let cosine = LrSchedule::Cosine {
-            start: 1e-3,
-            end: 0.0,
-            total_updates: 10,
-        };
+        let cosine = LrSchedule::Cosine { start: 1e-3, end: 0.0, total_updates: 10 };
         assert_eq!(cosine.lr_at(0), 1e-3);
         assert!((cosine.lr_at(5) - 5e-4).abs() < 1e-10);
         assert_eq!(cosine.lr_at(10), 0.0);
         assert_eq!(cosine.lr_at(11), 0.0);
 
-        let empty = LrSchedule::Linear {
-            start: 1.0,
-            end: 0.5,
-            total_updates: 0,
-        };
+        let empty = LrSchedule::Linear { start: 1.0, end: 0.5, total_updates: 0 };
         assert_eq!(empty.lr_at(0), 0.5);
     }
 }

@@ -24,8 +24,7 @@ use rand_pcg::Pcg64Mcg;
 use serde::{Deserialize, Serialize};
 
 use super::{
-    decode_snapshot, encode_snapshot, obs_shape_error, ActionSpace, Env, EnvError,
-    ObservationSpace, StepOutcome,
+    decode_snapshot, encode_snapshot, obs_shape_error, ActionSpace, Env, EnvError, ObservationSpace, StepOutcome,
 };
 
 /// Gravitational acceleration, m/s².
@@ -70,15 +69,10 @@ pub fn cartpole_euler_step(state: [f64; 4], force: f64) -> [f64; 4] {
     let [x, x_dot, theta, theta_dot] = state;
     let (sintheta, costheta) = theta.sin_cos();
     let temp = (force + POLEMASS_LENGTH * (theta_dot * theta_dot) * sintheta) / TOTAL_MASS;
-    let thetaacc = (GRAVITY * sintheta - costheta * temp)
-        / (LENGTH * (4.0 / 3.0 - MASSPOLE * (costheta * costheta) / TOTAL_MASS));
+    let thetaacc =
+        (GRAVITY * sintheta - costheta * temp) / (LENGTH * (4.0 / 3.0 - MASSPOLE * (costheta * costheta) / TOTAL_MASS));
     let xacc = temp - POLEMASS_LENGTH * thetaacc * costheta / TOTAL_MASS;
-    [
-        x + TAU * x_dot,
-        x_dot + TAU * xacc,
-        theta + TAU * theta_dot,
-        theta_dot + TAU * thetaacc,
-    ]
+    [x + TAU * x_dot, x_dot + TAU * xacc, theta + TAU * theta_dot, theta_dot + TAU * thetaacc]
 }
 
 /// Whether `state` is past Gymnasium's termination thresholds (NaN compares as not terminal,
@@ -88,10 +82,7 @@ pub fn cartpole_euler_step(state: [f64; 4], force: f64) -> [f64; 4] {
 #[allow(clippy::manual_range_contains)]
 pub fn cartpole_is_terminal(state: &[f64; 4]) -> bool {
     let [x, _, theta, _] = *state;
-    x < -X_THRESHOLD
-        || x > X_THRESHOLD
-        || theta < -THETA_THRESHOLD_RADIANS
-        || theta > THETA_THRESHOLD_RADIANS
+    x < -X_THRESHOLD || x > X_THRESHOLD || theta < -THETA_THRESHOLD_RADIANS || theta > THETA_THRESHOLD_RADIANS
 }
 
 /// The force for a CartPole action, or `None` when the action is out of range.
@@ -106,10 +97,7 @@ fn force_for_action(action: usize) -> Option<f64> {
 
 #[cold]
 fn action_out_of_range(action: usize) -> EnvError {
-    EnvError::ActionOutOfRange {
-        action,
-        n_actions: N_ACTIONS,
-    }
+    EnvError::ActionOutOfRange { action, n_actions: N_ACTIONS }
 }
 
 #[inline]
@@ -149,12 +137,7 @@ impl Default for CartPole {
 impl CartPole {
     /// A CartPole awaiting its first reset (its generator is seeded with 0 until then).
     pub fn new() -> Self {
-        Self {
-            state: [0.0; 4],
-            elapsed_steps: 0,
-            episode_over: true,
-            rng: Pcg64Mcg::seed_from_u64(0),
-        }
+        Self { state: [0.0; 4], elapsed_steps: 0, episode_over: true, rng: Pcg64Mcg::seed_from_u64(0) }
     }
 
     /// Set the exact state `[x, x_dot, theta, theta_dot]` and start a fresh episode from it
@@ -191,16 +174,8 @@ impl Env for CartPole {
     }
 
     fn observation_space(&self) -> ObservationSpace {
-        let high = [
-            (X_THRESHOLD * 2.0) as f32,
-            f32::INFINITY,
-            (THETA_THRESHOLD_RADIANS * 2.0) as f32,
-            f32::INFINITY,
-        ];
-        ObservationSpace {
-            low: high.iter().map(|v| -v).collect(),
-            high: high.to_vec(),
-        }
+        let high = [(X_THRESHOLD * 2.0) as f32, f32::INFINITY, (THETA_THRESHOLD_RADIANS * 2.0) as f32, f32::INFINITY];
+        ObservationSpace { low: high.iter().map(|v| -v).collect(), high: high.to_vec() }
     }
 
     fn action_space(&self) -> ActionSpace {
@@ -218,9 +193,7 @@ impl Env for CartPole {
     #[inline]
     fn reset_next(&mut self, obs: &mut [f32]) -> Result<(), EnvError> {
         let obs_len = obs.len();
-        let obs: &mut [f32; OBS_DIM] = obs
-            .try_into()
-            .map_err(|_| obs_shape_error(OBS_DIM, obs_len))?;
+        let obs: &mut [f32; OBS_DIM] = obs.try_into().map_err(|_| obs_shape_error(OBS_DIM, obs_len))?;
         // numpy's `uniform(low, high)` is `low + (high - low) * random()`.
         for value in &mut self.state {
             *value = -RESET_BOUND + (2.0 * RESET_BOUND) * self.rng.random::<f64>();
@@ -236,9 +209,7 @@ impl Env for CartPole {
     #[inline]
     fn step(&mut self, action: usize, obs: &mut [f32]) -> Result<StepOutcome, EnvError> {
         let obs_len = obs.len();
-        let obs: &mut [f32; OBS_DIM] = obs
-            .try_into()
-            .map_err(|_| obs_shape_error(OBS_DIM, obs_len))?;
+        let obs: &mut [f32; OBS_DIM] = obs.try_into().map_err(|_| obs_shape_error(OBS_DIM, obs_len))?;
         let Some(force) = force_for_action(action) else {
             return Err(action_out_of_range(action));
         };
@@ -251,11 +222,7 @@ impl Env for CartPole {
         let truncated = !terminated && self.elapsed_steps >= MAX_EPISODE_STEPS;
         self.episode_over = terminated || truncated;
         write_obs(&self.state, obs);
-        Ok(StepOutcome {
-            reward: 1.0,
-            terminated,
-            truncated,
-        })
+        Ok(StepOutcome { reward: 1.0, terminated, truncated })
     }
 
     fn snapshot(&self) -> Vec<u8> {
@@ -272,15 +239,10 @@ impl Env for CartPole {
 
     fn restore(&mut self, bytes: &[u8], obs: &mut [f32]) -> Result<(), EnvError> {
         let obs_len = obs.len();
-        let obs: &mut [f32; OBS_DIM] = obs
-            .try_into()
-            .map_err(|_| obs_shape_error(OBS_DIM, obs_len))?;
+        let obs: &mut [f32; OBS_DIM] = obs.try_into().map_err(|_| obs_shape_error(OBS_DIM, obs_len))?;
         let snapshot: CartPoleSnapshot = decode_snapshot(self.name(), bytes)?;
         if !snapshot.state.iter().all(|v| v.is_finite()) {
-            return Err(EnvError::BadSnapshot(format!(
-                "cartpole state {:?} is not finite",
-                snapshot.state
-            )));
+            return Err(EnvError::BadSnapshot(format!("cartpole state {:?} is not finite", snapshot.state)));
         }
         if snapshot.elapsed_steps > MAX_EPISODE_STEPS {
             return Err(EnvError::BadSnapshot(format!(
@@ -289,9 +251,7 @@ impl Env for CartPole {
             )));
         }
         if snapshot.elapsed_steps == MAX_EPISODE_STEPS && !snapshot.episode_over {
-            return Err(EnvError::BadSnapshot(
-                "cartpole episode at the step limit is not marked over".to_string(),
-            ));
+            return Err(EnvError::BadSnapshot("cartpole episode at the step limit is not marked over".to_string()));
         }
         self.state = snapshot.state;
         self.elapsed_steps = snapshot.elapsed_steps;
@@ -329,25 +289,13 @@ mod tests {
         let total_mass = 0.1 + 1.0;
         let polemass_length = 0.1 * 0.5;
         let temp = (force + polemass_length * theta_dot.powi(2) * theta.sin()) / total_mass;
-        let thetaacc = (9.8 * theta.sin() - theta.cos() * temp)
-            / (0.5 * (4.0 / 3.0 - 0.1 * theta.cos().powi(2) / total_mass));
+        let thetaacc =
+            (9.8 * theta.sin() - theta.cos() * temp) / (0.5 * (4.0 / 3.0 - 0.1 * theta.cos().powi(2) / total_mass));
         let xacc = temp - polemass_length * thetaacc * theta.cos() / total_mass;
-        let expected = [
-            x + 0.02 * x_dot,
-            x_dot + 0.02 * xacc,
-            theta + 0.02 * theta_dot,
-            theta_dot + 0.02 * thetaacc,
-        ];
+        let expected = [x + 0.02 * x_dot, x_dot + 0.02 * xacc, theta + 0.02 * theta_dot, theta_dot + 0.02 * thetaacc];
         assert_eq!(env.state(), expected);
         assert_eq!(obs, expected.map(|v| v as f32));
-        assert_eq!(
-            outcome,
-            StepOutcome {
-                reward: 1.0,
-                terminated: false,
-                truncated: false
-            }
-        );
+        assert_eq!(outcome, StepOutcome { reward: 1.0, terminated: false, truncated: false });
         assert_eq!(env.elapsed_steps(), 1);
     }
 
@@ -360,33 +308,17 @@ mod tests {
         env.step(1, &mut obs).unwrap();
         assert_eq!(
             env.state().map(f64::to_bits),
-            [
-                4576687645003166306,
-                4595461501577559966,
-                4584534716993896657,
-                13821297530646352165
-            ]
+            [4576687645003166306, 4595461501577559966, 4584534716993896657, 13821297530646352165]
         );
-        assert_eq!(
-            obs.map(f32::to_bits),
-            [0x3c1d4952, 0x3e32df1a, 0x3cfc5048, 0xbe78e702]
-        );
+        assert_eq!(obs.map(f32::to_bits), [0x3c1d4952, 0x3e32df1a, 0x3cfc5048, 0xbe78e702]);
 
         let mut env = live_cartpole(START);
         env.step(0, &mut obs).unwrap();
         assert_eq!(
             env.state().map(f64::to_bits),
-            [
-                4576687645003166306,
-                13820305668642174633,
-                4584534716993896657,
-                4599832458167346957
-            ]
+            [4576687645003166306, 13820305668642174633, 4584534716993896657, 4599832458167346957]
         );
-        assert_eq!(
-            obs.map(f32::to_bits),
-            [0x3c1d4952, 0xbe5cb643, 0x3cfc5048, 0x3eaf19ff]
-        );
+        assert_eq!(obs.map(f32::to_bits), [0x3c1d4952, 0xbe5cb643, 0x3cfc5048, 0x3eaf19ff]);
 
         // Ten steps with actions 0, 1, 0, 1, ...
         let mut env = live_cartpole(START);
@@ -395,12 +327,7 @@ mod tests {
         }
         assert_eq!(
             env.state().map(f64::to_bits),
-            [
-                13802606380901663422,
-                13806765563781585136,
-                4590319326590741594,
-                4596065574498215474
-            ]
+            [13802606380901663422, 13806765563781585136, 4590319326590741594, 4596065574498215474]
         );
     }
 
@@ -457,11 +384,7 @@ mod tests {
             env.state = [0.0, 0.0, state[2].clamp(-0.01, 0.01), 0.0];
             let outcome = env.step((step_idx % 2) as usize, &mut obs).unwrap();
             assert!(!outcome.terminated, "step {step_idx}");
-            assert_eq!(
-                outcome.truncated,
-                step_idx == MAX_EPISODE_STEPS,
-                "step {step_idx}"
-            );
+            assert_eq!(outcome.truncated, step_idx == MAX_EPISODE_STEPS, "step {step_idx}");
             assert_eq!(outcome.reward, 1.0);
         }
         assert_eq!(env.elapsed_steps(), 500);
@@ -500,23 +423,14 @@ mod tests {
     #[test]
     fn new_env_must_be_reset_before_stepping() {
         let mut obs = [0.0f32; 4];
-        assert_eq!(
-            CartPole::new().step(0, &mut obs),
-            Err(EnvError::EpisodeOver)
-        );
+        assert_eq!(CartPole::new().step(0, &mut obs), Err(EnvError::EpisodeOver));
     }
 
     #[test]
     fn out_of_range_action_is_rejected_without_changing_state() {
         let mut env = live_cartpole(START);
         let mut obs = [0.0f32; 4];
-        assert_eq!(
-            env.step(2, &mut obs),
-            Err(EnvError::ActionOutOfRange {
-                action: 2,
-                n_actions: 2
-            })
-        );
+        assert_eq!(env.step(2, &mut obs), Err(EnvError::ActionOutOfRange { action: 2, n_actions: 2 }));
         assert_eq!(env.state(), START);
         assert_eq!(env.elapsed_steps(), 0);
     }
@@ -525,14 +439,7 @@ mod tests {
     fn wrong_obs_length_is_a_shape_error() {
         let mut env = live_cartpole(START);
         let mut obs = [0.0f32; 3];
-        assert!(matches!(
-            env.step(0, &mut obs),
-            Err(EnvError::Shape {
-                expected: 4,
-                got: 3,
-                ..
-            })
-        ));
+        assert!(matches!(env.step(0, &mut obs), Err(EnvError::Shape { expected: 4, got: 3, .. })));
         assert!(env.reset(0, &mut obs).is_err());
     }
 
@@ -570,28 +477,16 @@ mod tests {
         let mut env = CartPole::new();
         let mut obs = [0.0f32; 4];
         for bytes in [&b""[..], b"VLYS", b"garbage bytes here", &[0xff; 64]] {
-            assert!(matches!(
-                env.restore(bytes, &mut obs),
-                Err(EnvError::BadSnapshot(_))
-            ));
+            assert!(matches!(env.restore(bytes, &mut obs), Err(EnvError::BadSnapshot(_))));
         }
         let mut snapshot = live_cartpole(START).snapshot();
         snapshot[7] = b'x'; // The name "cartpole" becomes "cxrtpole".
-        assert!(matches!(
-            env.restore(&snapshot, &mut obs),
-            Err(EnvError::BadSnapshot(_))
-        ));
+        assert!(matches!(env.restore(&snapshot, &mut obs), Err(EnvError::BadSnapshot(_))));
         let mut snapshot = live_cartpole(START).snapshot();
         snapshot.push(0);
-        assert!(matches!(
-            env.restore(&snapshot, &mut obs),
-            Err(EnvError::BadSnapshot(_))
-        ));
+        assert!(matches!(env.restore(&snapshot, &mut obs), Err(EnvError::BadSnapshot(_))));
         snapshot.truncate(snapshot.len() - 2);
-        assert!(matches!(
-            env.restore(&snapshot, &mut obs),
-            Err(EnvError::BadSnapshot(_))
-        ));
+        assert!(matches!(env.restore(&snapshot, &mut obs), Err(EnvError::BadSnapshot(_))));
     }
 
     #[test]

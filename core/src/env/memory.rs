@@ -25,8 +25,7 @@ use rand_pcg::Pcg64Mcg;
 use serde::{Deserialize, Serialize};
 
 use super::{
-    decode_snapshot, encode_snapshot, obs_shape_error, ActionSpace, Env, EnvError,
-    ObservationSpace, StepOutcome,
+    decode_snapshot, encode_snapshot, obs_shape_error, ActionSpace, Env, EnvError, ObservationSpace, StepOutcome,
 };
 
 /// Largest `n_cues` a [`MemoryConfig`] accepts.
@@ -46,10 +45,7 @@ pub struct MemoryConfig {
 
 impl Default for MemoryConfig {
     fn default() -> Self {
-        Self {
-            n_cues: 2,
-            delay: 6,
-        }
+        Self { n_cues: 2, delay: 6 }
     }
 }
 
@@ -57,16 +53,10 @@ impl MemoryConfig {
     /// Check the bounds documented on each field.
     pub fn validate(&self) -> Result<(), EnvError> {
         if !(2..=MAX_N_CUES).contains(&self.n_cues) {
-            return Err(EnvError::Config(format!(
-                "memory n_cues {} outside 2..={MAX_N_CUES}",
-                self.n_cues
-            )));
+            return Err(EnvError::Config(format!("memory n_cues {} outside 2..={MAX_N_CUES}", self.n_cues)));
         }
         if !(1..=MAX_DELAY).contains(&self.delay) {
-            return Err(EnvError::Config(format!(
-                "memory delay {} outside 1..={MAX_DELAY}",
-                self.delay
-            )));
+            return Err(EnvError::Config(format!("memory delay {} outside 1..={MAX_DELAY}", self.delay)));
         }
         Ok(())
     }
@@ -109,13 +99,7 @@ impl Memory {
     /// A Memory task with `config`, awaiting its first reset.
     pub fn new(config: MemoryConfig) -> Result<Self, EnvError> {
         config.validate()?;
-        Ok(Self {
-            config,
-            cue: 0,
-            elapsed_steps: 0,
-            episode_over: true,
-            rng: Pcg64Mcg::seed_from_u64(0),
-        })
+        Ok(Self { config, cue: 0, elapsed_steps: 0, episode_over: true, rng: Pcg64Mcg::seed_from_u64(0) })
     }
 
     /// The configuration.
@@ -166,16 +150,11 @@ impl Env for Memory {
     }
 
     fn observation_space(&self) -> ObservationSpace {
-        ObservationSpace {
-            low: vec![0.0; self.config.obs_dim()],
-            high: vec![1.0; self.config.obs_dim()],
-        }
+        ObservationSpace { low: vec![0.0; self.config.obs_dim()], high: vec![1.0; self.config.obs_dim()] }
     }
 
     fn action_space(&self) -> ActionSpace {
-        ActionSpace {
-            n: self.config.n_cues,
-        }
+        ActionSpace { n: self.config.n_cues }
     }
 
     fn reset(&mut self, seed: u64, obs: &mut [f32]) -> Result<(), EnvError> {
@@ -196,10 +175,7 @@ impl Env for Memory {
     fn step(&mut self, action: usize, obs: &mut [f32]) -> Result<StepOutcome, EnvError> {
         self.check_obs_len(obs)?;
         if action >= self.config.n_cues {
-            return Err(EnvError::ActionOutOfRange {
-                action,
-                n_actions: self.config.n_cues,
-            });
+            return Err(EnvError::ActionOutOfRange { action, n_actions: self.config.n_cues });
         }
         if self.episode_over {
             return Err(EnvError::EpisodeOver);
@@ -208,16 +184,8 @@ impl Env for Memory {
         self.elapsed_steps += 1;
         self.episode_over = answered;
         self.write_obs(obs);
-        let reward = if answered && action == self.cue {
-            1.0
-        } else {
-            0.0
-        };
-        Ok(StepOutcome {
-            reward,
-            terminated: answered,
-            truncated: false,
-        })
+        let reward = if answered && action == self.cue { 1.0 } else { 0.0 };
+        Ok(StepOutcome { reward, terminated: answered, truncated: false })
     }
 
     fn snapshot(&self) -> Vec<u8> {
@@ -249,9 +217,7 @@ impl Env for Memory {
             )));
         }
         let live_limit = self.query_step();
-        if snapshot.elapsed_steps > live_limit + 1
-            || (snapshot.elapsed_steps > live_limit && !snapshot.episode_over)
-        {
+        if snapshot.elapsed_steps > live_limit + 1 || (snapshot.elapsed_steps > live_limit && !snapshot.episode_over) {
             return Err(EnvError::BadSnapshot(format!(
                 "memory step counter {} impossible for delay {}",
                 snapshot.elapsed_steps, self.config.delay
@@ -279,11 +245,7 @@ mod tests {
 
     /// Run one episode answering `query_action` (and `0` before the query); return the
     /// observations seen before each action and the episode return.
-    fn run_episode(
-        env: &mut Memory,
-        seed: u64,
-        query_action: impl Fn(&[f32]) -> usize,
-    ) -> (Vec<Vec<f32>>, f32) {
+    fn run_episode(env: &mut Memory, seed: u64, query_action: impl Fn(&[f32]) -> usize) -> (Vec<Vec<f32>>, f32) {
         let mut obs = vec![0.0; env.config().obs_dim()];
         env.reset(seed, &mut obs).unwrap();
         let mut seen = Vec::new();
@@ -392,35 +354,17 @@ mod tests {
                 total += run_episode(&mut env, seed, |_| answer).1;
             }
             let success_rate = total / n_episodes as f32;
-            assert!(
-                (success_rate - 1.0 / 3.0).abs() < 0.04,
-                "answer {answer}: {success_rate}"
-            );
+            assert!((success_rate - 1.0 / 3.0).abs() < 0.04, "answer {answer}: {success_rate}");
         }
     }
 
     #[test]
     fn config_is_validated() {
-        for (n_cues, delay) in [
-            (1, 6),
-            (0, 6),
-            (2, 0),
-            (MAX_N_CUES + 1, 1),
-            (2, MAX_DELAY + 1),
-        ] {
-            assert!(matches!(
-                Memory::new(MemoryConfig { n_cues, delay }),
-                Err(EnvError::Config(_))
-            ));
+        for (n_cues, delay) in [(1, 6), (0, 6), (2, 0), (MAX_N_CUES + 1, 1), (2, MAX_DELAY + 1)] {
+            assert!(matches!(Memory::new(MemoryConfig { n_cues, delay }), Err(EnvError::Config(_))));
         }
         assert!(Memory::new(MemoryConfig::default()).is_ok());
-        assert_eq!(
-            MemoryConfig::default(),
-            MemoryConfig {
-                n_cues: 2,
-                delay: 6
-            }
-        );
+        assert_eq!(MemoryConfig::default(), MemoryConfig { n_cues: 2, delay: 6 });
     }
 
     #[test]
@@ -428,13 +372,7 @@ mod tests {
         let mut env = memory(2, 3);
         let mut obs = vec![0.0; 3];
         env.reset(0, &mut obs).unwrap();
-        assert_eq!(
-            env.step(2, &mut obs),
-            Err(EnvError::ActionOutOfRange {
-                action: 2,
-                n_actions: 2
-            })
-        );
+        assert_eq!(env.step(2, &mut obs), Err(EnvError::ActionOutOfRange { action: 2, n_actions: 2 }));
         assert_eq!(env.elapsed_steps(), 0);
     }
 
@@ -445,21 +383,12 @@ mod tests {
         source.reset(1, &mut obs).unwrap();
         let bytes = source.snapshot();
         let mut other_delay = memory(2, 7);
-        assert!(matches!(
-            other_delay.restore(&bytes, &mut obs),
-            Err(EnvError::BadSnapshot(_))
-        ));
+        assert!(matches!(other_delay.restore(&bytes, &mut obs), Err(EnvError::BadSnapshot(_))));
         let mut cartpole = crate::env::CartPole::new();
         let mut cartpole_obs = [0.0f32; 4];
-        assert!(matches!(
-            cartpole.restore(&bytes, &mut cartpole_obs),
-            Err(EnvError::BadSnapshot(_))
-        ));
+        assert!(matches!(cartpole.restore(&bytes, &mut cartpole_obs), Err(EnvError::BadSnapshot(_))));
         let mut obs4 = vec![0.0; 3];
-        assert!(matches!(
-            source.restore(&cartpole.snapshot(), &mut obs4),
-            Err(EnvError::BadSnapshot(_))
-        ));
+        assert!(matches!(source.restore(&cartpole.snapshot(), &mut obs4), Err(EnvError::BadSnapshot(_))));
     }
 
     fn config_strategy() -> impl Strategy<Value = MemoryConfig> {

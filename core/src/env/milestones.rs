@@ -34,8 +34,7 @@ use rand_pcg::Pcg64Mcg;
 use serde::{Deserialize, Serialize};
 
 use super::{
-    decode_snapshot, encode_snapshot, obs_shape_error, ActionSpace, Env, EnvError,
-    ObservationSpace, StepOutcome,
+    decode_snapshot, encode_snapshot, obs_shape_error, ActionSpace, Env, EnvError, ObservationSpace, StepOutcome,
 };
 
 /// Observation length.
@@ -71,11 +70,7 @@ pub struct MilestonesConfig {
 impl Default for MilestonesConfig {
     fn default() -> Self {
         let (n_rooms, room_len) = (4, 8);
-        Self {
-            n_rooms,
-            room_len,
-            max_steps: Self::default_max_steps(n_rooms, room_len),
-        }
+        Self { n_rooms, room_len, max_steps: Self::default_max_steps(n_rooms, room_len) }
     }
 }
 
@@ -95,16 +90,10 @@ impl MilestonesConfig {
     /// Check the bounds documented on each field.
     pub fn validate(&self) -> Result<(), EnvError> {
         if !(1..=MAX_N_ROOMS).contains(&self.n_rooms) {
-            return Err(EnvError::Config(format!(
-                "milestones n_rooms {} outside 1..={MAX_N_ROOMS}",
-                self.n_rooms
-            )));
+            return Err(EnvError::Config(format!("milestones n_rooms {} outside 1..={MAX_N_ROOMS}", self.n_rooms)));
         }
         if !(3..=MAX_ROOM_LEN).contains(&self.room_len) {
-            return Err(EnvError::Config(format!(
-                "milestones room_len {} outside 3..={MAX_ROOM_LEN}",
-                self.room_len
-            )));
+            return Err(EnvError::Config(format!("milestones room_len {} outside 3..={MAX_ROOM_LEN}", self.room_len)));
         }
         let min_steps = self.min_solution_steps();
         if !(min_steps..=MAX_MAX_STEPS).contains(&self.max_steps) {
@@ -219,24 +208,13 @@ impl Milestones {
             return Err(format!("room {} of {}", state.room, config.n_rooms));
         }
         if state.position >= config.room_len {
-            return Err(format!(
-                "position {} in a room of {}",
-                state.position, config.room_len
-            ));
+            return Err(format!("position {} in a room of {}", state.position, config.room_len));
         }
         if !(1..config.room_len - 1).contains(&state.key_position) {
-            return Err(format!(
-                "key position {} in a room of {}",
-                state.key_position, config.room_len
-            ));
+            return Err(format!("key position {} in a room of {}", state.key_position, config.room_len));
         }
-        if state.elapsed_steps > config.max_steps
-            || (state.elapsed_steps == config.max_steps && !state.episode_over)
-        {
-            return Err(format!(
-                "step counter {} with max_steps {}",
-                state.elapsed_steps, config.max_steps
-            ));
+        if state.elapsed_steps > config.max_steps || (state.elapsed_steps == config.max_steps && !state.episode_over) {
+            return Err(format!("step counter {} with max_steps {}", state.elapsed_steps, config.max_steps));
         }
         Ok(())
     }
@@ -248,10 +226,7 @@ impl Env for Milestones {
     }
 
     fn observation_space(&self) -> ObservationSpace {
-        ObservationSpace {
-            low: vec![0.0; OBS_DIM],
-            high: vec![1.0; OBS_DIM],
-        }
+        ObservationSpace { low: vec![0.0; OBS_DIM], high: vec![1.0; OBS_DIM] }
     }
 
     fn action_space(&self) -> ActionSpace {
@@ -288,10 +263,7 @@ impl Env for Milestones {
             return Err(obs_shape_error(OBS_DIM, obs.len()));
         }
         if action >= N_ACTIONS {
-            return Err(EnvError::ActionOutOfRange {
-                action,
-                n_actions: N_ACTIONS,
-            });
+            return Err(EnvError::ActionOutOfRange { action, n_actions: N_ACTIONS });
         }
         if self.state.episode_over {
             return Err(EnvError::EpisodeOver);
@@ -325,21 +297,13 @@ impl Env for Milestones {
             self.state.just_entered_room = false;
         }
         self.write_obs(obs);
-        Ok(StepOutcome {
-            reward: if terminated { 1.0 } else { 0.0 },
-            terminated,
-            truncated,
-        })
+        Ok(StepOutcome { reward: if terminated { 1.0 } else { 0.0 }, terminated, truncated })
     }
 
     fn snapshot(&self) -> Vec<u8> {
         encode_snapshot(
             self.name(),
-            &MilestonesSnapshot {
-                config: self.config.clone(),
-                state: self.state,
-                rng: self.rng.clone(),
-            },
+            &MilestonesSnapshot { config: self.config.clone(), state: self.state, rng: self.rng.clone() },
         )
     }
 
@@ -384,11 +348,7 @@ mod tests {
 
     /// The optimal action: walk to the key, pick it up, walk to the door, open it.
     fn scripted_action(env: &Milestones) -> usize {
-        let target = if env.has_key() {
-            env.config().room_len - 1
-        } else {
-            env.key_position()
-        };
+        let target = if env.has_key() { env.config().room_len - 1 } else { env.key_position() };
         match env.position().cmp(&target) {
             std::cmp::Ordering::Less => ACTION_RIGHT,
             std::cmp::Ordering::Greater => ACTION_LEFT,
@@ -399,9 +359,7 @@ mod tests {
     /// Run a uniformly random policy until the episode ends; return whether it succeeded.
     fn random_rollout(env: &mut Milestones, obs: &mut [f32], policy_rng: &mut Pcg64Mcg) -> bool {
         loop {
-            let outcome = env
-                .step(policy_rng.random_range(0..N_ACTIONS), obs)
-                .unwrap();
+            let outcome = env.step(policy_rng.random_range(0..N_ACTIONS), obs).unwrap();
             if outcome.done() {
                 return outcome.terminated;
             }
@@ -461,16 +419,7 @@ mod tests {
         env.step(ACTION_INTERACT, &mut obs).unwrap();
         assert!(env.has_key());
         let elapsed = (key + 2) as f32;
-        assert_eq!(
-            obs,
-            vec![
-                key as f32 / 7.0,
-                key as f32 / 7.0,
-                1.0,
-                0.0,
-                elapsed / 128.0
-            ]
-        );
+        assert_eq!(obs, vec![key as f32 / 7.0, key as f32 / 7.0, 1.0, 0.0, elapsed / 128.0]);
     }
 
     #[test]
@@ -488,11 +437,7 @@ mod tests {
 
     #[test]
     fn truncates_at_max_steps() {
-        let config = MilestonesConfig {
-            n_rooms: 1,
-            room_len: 3,
-            max_steps: 4,
-        };
+        let config = MilestonesConfig { n_rooms: 1, room_len: 3, max_steps: 4 };
         let mut env = Milestones::new(config).unwrap();
         let mut obs = vec![0.0; OBS_DIM];
         env.reset(0, &mut obs).unwrap();
@@ -503,13 +448,7 @@ mod tests {
         }
         assert_eq!(obs[4], 1.0);
         assert_eq!(env.step(ACTION_LEFT, &mut obs), Err(EnvError::EpisodeOver));
-        assert_eq!(
-            env.step(3, &mut obs),
-            Err(EnvError::ActionOutOfRange {
-                action: 3,
-                n_actions: 3
-            })
-        );
+        assert_eq!(env.step(3, &mut obs), Err(EnvError::ActionOutOfRange { action: 3, n_actions: 3 }));
     }
 
     #[test]
@@ -523,23 +462,12 @@ mod tests {
             (1, 8, MAX_MAX_STEPS + 1),
         ];
         for (n_rooms, room_len, max_steps) in bad {
-            let config = MilestonesConfig {
-                n_rooms,
-                room_len,
-                max_steps,
-            };
+            let config = MilestonesConfig { n_rooms, room_len, max_steps };
             assert!(matches!(Milestones::new(config), Err(EnvError::Config(_))));
         }
         let default = MilestonesConfig::default();
-        assert_eq!(
-            (default.n_rooms, default.room_len, default.max_steps),
-            (4, 8, 128)
-        );
-        assert!(Milestones::new(MilestonesConfig {
-            max_steps: 36,
-            ..default
-        })
-        .is_ok());
+        assert_eq!((default.n_rooms, default.room_len, default.max_steps), (4, 8, 128));
+        assert!(Milestones::new(MilestonesConfig { max_steps: 36, ..default }).is_ok());
     }
 
     #[test]
@@ -564,8 +492,7 @@ mod tests {
         let mut successes_from_start = 0;
         for _ in 0..n_episodes {
             env.reset_next(&mut obs).unwrap();
-            successes_from_start +=
-                usize::from(random_rollout(&mut env, &mut obs, &mut policy_rng));
+            successes_from_start += usize::from(random_rollout(&mut env, &mut obs, &mut policy_rng));
         }
 
         // Reach the last room with the scripted policy and snapshot at the milestone.
@@ -577,44 +504,25 @@ mod tests {
         let mut successes_from_checkpoint = 0;
         for _ in 0..n_episodes {
             env.restore(&checkpoint, &mut obs).unwrap();
-            successes_from_checkpoint +=
-                usize::from(random_rollout(&mut env, &mut obs, &mut policy_rng));
+            successes_from_checkpoint += usize::from(random_rollout(&mut env, &mut obs, &mut policy_rng));
         }
 
-        assert!(
-            successes_from_start <= 4,
-            "from start: {successes_from_start}/{n_episodes}"
-        );
-        assert!(
-            successes_from_checkpoint >= 120,
-            "from checkpoint: {successes_from_checkpoint}/{n_episodes}"
-        );
+        assert!(successes_from_start <= 4, "from start: {successes_from_start}/{n_episodes}");
+        assert!(successes_from_checkpoint >= 120, "from checkpoint: {successes_from_checkpoint}/{n_episodes}");
     }
 
     #[test]
     fn restore_rejects_other_config() {
         let (env, mut obs) = reset_default(3);
         let bytes = env.snapshot();
-        let mut other = Milestones::new(MilestonesConfig {
-            n_rooms: 5,
-            room_len: 8,
-            max_steps: 160,
-        })
-        .unwrap();
-        assert!(matches!(
-            other.restore(&bytes, &mut obs),
-            Err(EnvError::BadSnapshot(_))
-        ));
+        let mut other = Milestones::new(MilestonesConfig { n_rooms: 5, room_len: 8, max_steps: 160 }).unwrap();
+        assert!(matches!(other.restore(&bytes, &mut obs), Err(EnvError::BadSnapshot(_))));
     }
 
     fn config_strategy() -> impl Strategy<Value = MilestonesConfig> {
         (1usize..4, 3usize..7, 0usize..20).prop_map(|(n_rooms, room_len, extra)| {
             let min_steps = n_rooms * (room_len + 1);
-            MilestonesConfig {
-                n_rooms,
-                room_len,
-                max_steps: min_steps + extra,
-            }
+            MilestonesConfig { n_rooms, room_len, max_steps: min_steps + extra }
         })
     }
 

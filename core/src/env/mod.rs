@@ -223,8 +223,8 @@ const MAX_SNAPSHOT_BODY_BYTES: usize = 4096;
 /// Frame `state` as a snapshot of environment `env_name`:
 /// `b"VLYS"`, format version, name length, name bytes, then the bincode (standard config) body.
 pub(crate) fn encode_snapshot<T: serde::Serialize>(env_name: &'static str, state: &T) -> Vec<u8> {
-    let body = bincode::serde::encode_to_vec(state, bincode::config::standard())
-        .expect("plain state structs always encode");
+    let body =
+        bincode::serde::encode_to_vec(state, bincode::config::standard()).expect("plain state structs always encode");
     let name_len = u8::try_from(env_name.len()).expect("environment names are short");
     let mut bytes = Vec::with_capacity(SNAPSHOT_MAGIC.len() + 2 + env_name.len() + body.len());
     bytes.extend_from_slice(&SNAPSHOT_MAGIC);
@@ -267,10 +267,7 @@ pub(crate) fn decode_snapshot<T: serde::de::DeserializeOwned>(
     let (state, used) = bincode::serde::decode_from_slice::<T, _>(body, config)
         .map_err(|err| EnvError::BadSnapshot(format!("{env_name} snapshot body: {err}")))?;
     if used != body.len() {
-        return Err(EnvError::BadSnapshot(format!(
-            "{} trailing bytes after {env_name} snapshot",
-            body.len() - used
-        )));
+        return Err(EnvError::BadSnapshot(format!("{} trailing bytes after {env_name} snapshot", body.len() - used)));
     }
     Ok(state)
 }
@@ -278,11 +275,7 @@ pub(crate) fn decode_snapshot<T: serde::de::DeserializeOwned>(
 /// The error for an observation buffer of the wrong length.
 #[cold]
 pub(crate) fn obs_shape_error(expected: usize, got: usize) -> EnvError {
-    EnvError::Shape {
-        field: "obs",
-        expected,
-        got,
-    }
+    EnvError::Shape { field: "obs", expected, got }
 }
 
 /// Helpers shared by the environments' property tests.
@@ -307,9 +300,7 @@ pub(crate) mod testing {
         let mut obs = vec![0.0f32; dim];
         let mut records = Vec::with_capacity(actions.len() * 2);
         for &action in actions {
-            let outcome = env
-                .step(action, &mut obs)
-                .expect("in-range action on a live episode");
+            let outcome = env.step(action, &mut obs).expect("in-range action on a live episode");
             records.push(StepRecord {
                 obs_bits: obs.iter().map(|v| v.to_bits()).collect(),
                 reward_bits: outcome.reward.to_bits(),
@@ -350,9 +341,7 @@ pub(crate) mod testing {
         let bytes = env.snapshot();
         let original = run_with_auto_reset(env, suffix);
         let mut restored_obs = vec![f32::NAN; dim];
-        fresh
-            .restore(&bytes, &mut restored_obs)
-            .expect("own snapshot restores");
+        fresh.restore(&bytes, &mut restored_obs).expect("own snapshot restores");
         let restored_obs_bits = restored_obs.iter().map(|v| v.to_bits()).collect();
         let replayed = run_with_auto_reset(fresh, suffix);
         (original, replayed, obs_at_snapshot, restored_obs_bits)

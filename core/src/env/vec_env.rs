@@ -11,11 +11,7 @@ use super::{Env, EnvError};
 /// (Steele, Lea and Flood 2014) of `seed` offset by the index times the golden-ratio increment,
 /// so neighbouring indices and neighbouring seeds give unrelated streams.
 pub fn derive_env_seed(seed: u64, env_idx: usize) -> u64 {
-    let mut z = seed.wrapping_add(
-        (env_idx as u64)
-            .wrapping_add(1)
-            .wrapping_mul(0x9E37_79B9_7F4A_7C15),
-    );
+    let mut z = seed.wrapping_add((env_idx as u64).wrapping_add(1).wrapping_mul(0x9E37_79B9_7F4A_7C15));
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
     z ^ (z >> 31)
@@ -106,36 +102,24 @@ impl<E: Env> VecEnv<E> {
     /// Fails when `envs` is empty, when the environments disagree on their spaces, or when a
     /// reset fails or yields a non-finite observation.
     pub fn new(mut envs: Vec<E>, seed: u64) -> Result<Self, EnvError> {
-        let first = envs.first().ok_or_else(|| {
-            EnvError::Config("a vec env needs at least one environment".to_string())
-        })?;
+        let first =
+            envs.first().ok_or_else(|| EnvError::Config("a vec env needs at least one environment".to_string()))?;
         let obs_dim = first.observation_space().dim();
         let n_actions = first.action_space().n;
         let mut obs = vec![0.0; envs.len() * obs_dim];
         for (env_idx, env) in envs.iter_mut().enumerate() {
             let env_obs_dim = env.observation_space().dim();
             if env_obs_dim != obs_dim {
-                return Err(EnvError::Shape {
-                    field: "observation_space",
-                    expected: obs_dim,
-                    got: env_obs_dim,
-                });
+                return Err(EnvError::Shape { field: "observation_space", expected: obs_dim, got: env_obs_dim });
             }
             let env_n_actions = env.action_space().n;
             if env_n_actions != n_actions {
-                return Err(EnvError::Shape {
-                    field: "action_space",
-                    expected: n_actions,
-                    got: env_n_actions,
-                });
+                return Err(EnvError::Shape { field: "action_space", expected: n_actions, got: env_n_actions });
             }
             let row = &mut obs[env_idx * obs_dim..(env_idx + 1) * obs_dim];
             env.reset(derive_env_seed(seed, env_idx), row)?;
             if !row.iter().all(|v| v.is_finite()) {
-                return Err(EnvError::NonFinite {
-                    what: "observation",
-                    env: env.name(),
-                });
+                return Err(EnvError::NonFinite { what: "observation", env: env.name() });
             }
         }
         let n_envs = envs.len();
@@ -207,10 +191,7 @@ impl<E: Env> VecEnv<E> {
         let row = &mut self.obs[env_idx * self.obs_dim..(env_idx + 1) * self.obs_dim];
         self.stats[env_idx] = EpisodeStats::default();
         if !self.scratch_obs.iter().all(|v| v.is_finite()) {
-            let error = EnvError::NonFinite {
-                what: "observation",
-                env: env.name(),
-            };
+            let error = EnvError::NonFinite { what: "observation", env: env.name() };
             let mut reset_errors = Vec::new();
             reset_env(env, env_idx, row, &mut reset_errors);
             return Err(error);
@@ -228,11 +209,7 @@ impl<E: Env> VecEnv<E> {
     pub fn step(&mut self, actions: &[usize], out: &mut VecStep) -> Result<(), EnvError> {
         let n_envs = self.envs.len();
         if actions.len() != n_envs {
-            return Err(EnvError::Shape {
-                field: "actions",
-                expected: n_envs,
-                got: actions.len(),
-            });
+            return Err(EnvError::Shape { field: "actions", expected: n_envs, got: actions.len() });
         }
         let obs_dim = self.obs_dim;
         out.prepare(n_envs, obs_dim);
@@ -245,29 +222,19 @@ impl<E: Env> VecEnv<E> {
             .zip(actions)
             .zip(out.rewards.iter_mut())
             .zip(out.terminated.iter_mut().zip(out.truncated.iter_mut()));
-        for (
-            env_idx,
-            ((((((env, stats), obs_row), final_row), &action), reward), (terminated, truncated)),
-        ) in rows.enumerate()
+        for (env_idx, ((((((env, stats), obs_row), final_row), &action), reward), (terminated, truncated))) in
+            rows.enumerate()
         {
             // The step writes into the final-observation row so that the current row still
             // holds the last valid observation if the environment fails.
             let result = env.step(action, final_row);
             let outcome = match result {
-                Ok(outcome)
-                    if outcome.reward.is_finite() && final_row.iter().all(|v| v.is_finite()) =>
-                {
-                    outcome
-                }
+                Ok(outcome) if outcome.reward.is_finite() && final_row.iter().all(|v| v.is_finite()) => outcome,
                 failed => {
                     let error = match failed {
                         Err(error) => error,
                         Ok(outcome) => EnvError::NonFinite {
-                            what: if outcome.reward.is_finite() {
-                                "observation"
-                            } else {
-                                "reward"
-                            },
+                            what: if outcome.reward.is_finite() { "observation" } else { "reward" },
                             env: env.name(),
                         },
                     };
@@ -306,22 +273,11 @@ impl<E: Env> VecEnv<E> {
 /// `obs_row`. A failed reset or a non-finite first observation is recorded in `env_errors` and
 /// the row zeroed, so a policy never reads a non-finite value.
 #[inline]
-fn reset_env<E: Env>(
-    env: &mut E,
-    env_idx: usize,
-    obs_row: &mut [f32],
-    env_errors: &mut Vec<(usize, EnvError)>,
-) {
+fn reset_env<E: Env>(env: &mut E, env_idx: usize, obs_row: &mut [f32], env_errors: &mut Vec<(usize, EnvError)>) {
     match env.reset_next(obs_row) {
         Ok(()) if obs_row.iter().all(|v| v.is_finite()) => {}
         Ok(()) => {
-            env_errors.push((
-                env_idx,
-                EnvError::NonFinite {
-                    what: "observation",
-                    env: env.name(),
-                },
-            ));
+            env_errors.push((env_idx, EnvError::NonFinite { what: "observation", env: env.name() }));
             obs_row.fill(0.0);
         }
         Err(error) => {
@@ -348,11 +304,7 @@ mod tests {
 
     impl FaultyEnv {
         fn new(episode_len: u32) -> Self {
-            Self {
-                episode_step: 0,
-                episode_len,
-                resets: 0,
-            }
+            Self { episode_step: 0, episode_len, resets: 0 }
         }
     }
 
@@ -361,10 +313,7 @@ mod tests {
             "faulty"
         }
         fn observation_space(&self) -> ObservationSpace {
-            ObservationSpace {
-                low: vec![0.0; 2],
-                high: vec![f32::INFINITY; 2],
-            }
+            ObservationSpace { low: vec![0.0; 2], high: vec![f32::INFINITY; 2] }
         }
         fn action_space(&self) -> ActionSpace {
             ActionSpace { n: 4 }
@@ -399,9 +348,7 @@ mod tests {
             self.episode_step.to_le_bytes().to_vec()
         }
         fn restore(&mut self, bytes: &[u8], obs: &mut [f32]) -> Result<(), EnvError> {
-            let bytes: [u8; 4] = bytes
-                .try_into()
-                .map_err(|_| EnvError::BadSnapshot("want 4 bytes".to_string()))?;
+            let bytes: [u8; 4] = bytes.try_into().map_err(|_| EnvError::BadSnapshot("want 4 bytes".to_string()))?;
             self.episode_step = u32::from_le_bytes(bytes);
             obs.copy_from_slice(&[self.episode_step as f32, 1.0]);
             Ok(())
@@ -433,16 +380,8 @@ mod tests {
         assert_eq!(
             out.finished_episodes,
             vec![
-                FinishedEpisode {
-                    env_idx: 0,
-                    episode_return: 1.5,
-                    episode_len: 3
-                },
-                FinishedEpisode {
-                    env_idx: 1,
-                    episode_return: 1.5,
-                    episode_len: 3
-                },
+                FinishedEpisode { env_idx: 0, episode_return: 1.5, episode_len: 3 },
+                FinishedEpisode { env_idx: 1, episode_return: 1.5, episode_len: 3 },
             ]
         );
         assert_eq!(envs.env(0).resets, 2);
@@ -471,28 +410,12 @@ mod tests {
 
         // Non-finite observation and reward are caught the same way.
         envs.step(&[2, 0, 3], &mut out).unwrap();
-        let reasons: Vec<_> = out
-            .env_errors
-            .iter()
-            .map(|(idx, err)| (*idx, err.clone()))
-            .collect();
+        let reasons: Vec<_> = out.env_errors.iter().map(|(idx, err)| (*idx, err.clone())).collect();
         assert_eq!(
             reasons,
             vec![
-                (
-                    0,
-                    EnvError::NonFinite {
-                        what: "observation",
-                        env: "faulty"
-                    }
-                ),
-                (
-                    2,
-                    EnvError::NonFinite {
-                        what: "reward",
-                        env: "faulty"
-                    }
-                ),
+                (0, EnvError::NonFinite { what: "observation", env: "faulty" }),
+                (2, EnvError::NonFinite { what: "reward", env: "faulty" }),
             ]
         );
         assert_eq!(out.rewards, vec![0.0, 0.5, 0.0]);
@@ -505,44 +428,21 @@ mod tests {
         for _ in 0..99 {
             envs.step(&[0, 0, 0], &mut out).unwrap();
         }
-        assert_eq!(
-            out.finished_episodes,
-            vec![FinishedEpisode {
-                env_idx: 1,
-                episode_return: 50.0,
-                episode_len: 100
-            }]
-        );
+        assert_eq!(out.finished_episodes, vec![FinishedEpisode { env_idx: 1, episode_return: 50.0, episode_len: 100 }]);
     }
 
     #[test]
     fn wrong_action_count_is_the_only_step_error() {
         let mut envs = faulty_vec(2, 5);
         let mut out = VecStep::new(2, 2);
-        assert_eq!(
-            envs.step(&[0], &mut out),
-            Err(EnvError::Shape {
-                field: "actions",
-                expected: 2,
-                got: 1
-            })
-        );
+        assert_eq!(envs.step(&[0], &mut out), Err(EnvError::Shape { field: "actions", expected: 2, got: 1 }));
         // An out-of-range action is an env error, not a step error.
         let mut cartpoles = VecEnv::new(vec![CartPole::new(), CartPole::new()], 1).unwrap();
         let mut out = VecStep::new(0, 0); // Wrong shape: step resizes it.
         cartpoles.step(&[0, 9], &mut out).unwrap();
         assert_eq!(out.rewards.len(), 2);
         assert_eq!(out.final_obs.len(), 8);
-        assert_eq!(
-            out.env_errors,
-            vec![(
-                1,
-                EnvError::ActionOutOfRange {
-                    action: 9,
-                    n_actions: 2
-                }
-            )]
-        );
+        assert_eq!(out.env_errors, vec![(1, EnvError::ActionOutOfRange { action: 9, n_actions: 2 })]);
     }
 
     #[test]
@@ -560,16 +460,8 @@ mod tests {
     #[test]
     fn mismatched_spaces_are_rejected() {
         let envs = vec![
-            Memory::new(MemoryConfig {
-                n_cues: 2,
-                delay: 3,
-            })
-            .unwrap(),
-            Memory::new(MemoryConfig {
-                n_cues: 3,
-                delay: 3,
-            })
-            .unwrap(),
+            Memory::new(MemoryConfig { n_cues: 2, delay: 3 }).unwrap(),
+            Memory::new(MemoryConfig { n_cues: 3, delay: 3 }).unwrap(),
         ];
         assert!(matches!(VecEnv::new(envs, 0), Err(EnvError::Shape { .. })));
     }
@@ -580,9 +472,7 @@ mod tests {
         let mut envs = VecEnv::new(vec![CartPole::new(); 3], seed).unwrap();
         let mut scalar = CartPole::new();
         let mut scalar_obs = [0.0f32; 4];
-        scalar
-            .reset(derive_env_seed(seed, 1), &mut scalar_obs)
-            .unwrap();
+        scalar.reset(derive_env_seed(seed, 1), &mut scalar_obs).unwrap();
         let mut out = VecStep::new(3, 4);
         let mut n_finished = 0;
         for step_idx in 0..2000usize {
@@ -591,10 +481,7 @@ mod tests {
             assert!(out.env_errors.is_empty());
             let outcome = scalar.step(actions[1], &mut scalar_obs).unwrap();
             assert_eq!(out.rewards[1], outcome.reward);
-            assert_eq!(
-                (out.terminated[1], out.truncated[1]),
-                (outcome.terminated, outcome.truncated)
-            );
+            assert_eq!((out.terminated[1], out.truncated[1]), (outcome.terminated, outcome.truncated));
             if outcome.done() {
                 assert_eq!(&out.final_obs[4..8], &scalar_obs);
                 scalar.reset_next(&mut scalar_obs).unwrap();
@@ -622,10 +509,7 @@ mod tests {
         assert_eq!(envs.env(1).state(), state_then);
         assert_eq!(envs.env(1).elapsed_steps(), 1);
         let before = envs.obs().to_vec();
-        assert!(matches!(
-            envs.restore_env(0, b"junk"),
-            Err(EnvError::BadSnapshot(_))
-        ));
+        assert!(matches!(envs.restore_env(0, b"junk"), Err(EnvError::BadSnapshot(_))));
         assert_eq!(envs.obs(), &before[..]);
     }
 
@@ -633,21 +517,10 @@ mod tests {
     fn step_does_not_reallocate_output_buffers() {
         let mut envs = VecEnv::new(vec![CartPole::new(); 8], 0).unwrap();
         let mut out = VecStep::new(8, 4);
-        let pointers = (
-            out.rewards.as_ptr(),
-            out.final_obs.as_ptr(),
-            out.finished_episodes.as_ptr(),
-        );
+        let pointers = (out.rewards.as_ptr(), out.final_obs.as_ptr(), out.finished_episodes.as_ptr());
         for step_idx in 0..1000 {
             envs.step(&[step_idx % 2; 8], &mut out).unwrap();
         }
-        assert_eq!(
-            pointers,
-            (
-                out.rewards.as_ptr(),
-                out.final_obs.as_ptr(),
-                out.finished_episodes.as_ptr()
-            )
-        );
+        assert_eq!(pointers, (out.rewards.as_ptr(), out.final_obs.as_ptr(), out.finished_episodes.as_ptr()));
     }
 }

@@ -78,19 +78,14 @@ pub fn gae(
         let (adv_head, adv_tail) = advantages.split_at_mut(row.end);
         let adv_t = &mut adv_head[row.start..];
         let last = t + 1 == t_len;
-        let v_tp1 = if last {
-            bootstrap_value
-        } else {
-            &values[row.end..row.end + b_len]
-        };
+        let v_tp1 = if last { bootstrap_value } else { &values[row.end..row.end + b_len] };
         let columns = discounts[row.clone()]
             .iter()
             .zip(&rewards[row.clone()])
             .zip(&values[row.clone()])
             .zip(v_tp1)
             .zip(adv_t.iter_mut().zip(&mut returns[row]));
-        for (b, ((((&discount, &reward), &v), &v_next), (adv_out, ret_out))) in columns.enumerate()
-        {
+        for (b, ((((&discount, &reward), &v), &v_next), (adv_out, ret_out))) in columns.enumerate() {
             // Â_T = 0, so the last row is the plain TD error.
             let adv_next = if last { 0.0 } else { adv_tail[b] };
             let delta = reward + discount * v_next - v;
@@ -118,17 +113,7 @@ mod tests {
     ) -> (Vec<f32>, Vec<f32>) {
         let mut adv = vec![f32::NAN; t_len * b_len];
         let mut ret = vec![f32::NAN; t_len * b_len];
-        gae(
-            t_len,
-            b_len,
-            discounts,
-            rewards,
-            values,
-            bootstrap_value,
-            lambda_,
-            &mut adv,
-            &mut ret,
-        );
+        gae(t_len, b_len, discounts, rewards, values, bootstrap_value, lambda_, &mut adv, &mut ret);
         (adv, ret)
     }
 
@@ -136,16 +121,12 @@ mod tests {
         assert_eq!(got.len(), want.len());
         for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
             let err = (f64::from(g) - w).abs();
-            assert!(
-                err <= tol * (1.0 + w.abs()),
-                "index {i}: got {g}, want {w} (err {err})"
-            );
+            assert!(err <= tol * (1.0 + w.abs()), "index {i}: got {g}, want {w} (err {err})");
         }
     }
 
     #[allow(clippy::type_complexity)]
-    fn batch_strategy(
-    ) -> impl Strategy<Value = (usize, usize, Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>)> {
+    fn batch_strategy() -> impl Strategy<Value = (usize, usize, Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>)> {
         (1usize..12, 1usize..5).prop_flat_map(|(t_len, b_len)| {
             let n = t_len * b_len;
             (
@@ -170,15 +151,7 @@ mod tests {
         // Â_1 = 0.35 + 0.9·0.5·0.5 = 0.575
         // Â_0 = 1.4 + 0.9·0.5·0.575 = 1.65875
         // returns = Â + V = [2.15875, 1.575, 2.0]
-        let (adv, ret) = run(
-            3,
-            1,
-            &[0.9, 0.9, 0.0],
-            &[1.0, 0.0, 2.0],
-            &[0.5, 1.0, 1.5],
-            &[100.0],
-            0.5,
-        );
+        let (adv, ret) = run(3, 1, &[0.9, 0.9, 0.0], &[1.0, 0.0, 2.0], &[0.5, 1.0, 1.5], &[100.0], 0.5);
         assert_close(&adv, &[1.65875, 0.575, 0.5], 1e-6);
         assert_close(&ret, &[2.15875, 1.575, 2.0], 1e-6);
     }

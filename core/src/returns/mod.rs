@@ -28,8 +28,5 @@ pub use vtrace::{vtrace, VTraceConfig};
 /// `t_len` and `b_len`), so they are asserted rather than returned as errors.
 #[track_caller]
 pub(crate) fn assert_len(name: &str, slice_len: usize, expected: usize) {
-    assert!(
-        slice_len == expected,
-        "{name}: expected {expected} elements, got {slice_len}"
-    );
+    assert!(slice_len == expected, "{name}: expected {expected} elements, got {slice_len}");
 }

@@ -51,12 +51,7 @@ pub struct VTraceConfig {
 impl Default for VTraceConfig {
     /// The thresholds used in the IMPALA experiments: `ρ̄ = ρ̄_pg = c̄ = 1` and `λ = 1`.
     fn default() -> Self {
-        Self {
-            clip_rho_threshold: 1.0,
-            clip_pg_rho_threshold: 1.0,
-            clip_c_threshold: 1.0,
-            lambda_: 1.0,
-        }
+        Self { clip_rho_threshold: 1.0, clip_pg_rho_threshold: 1.0, clip_c_threshold: 1.0, lambda_: 1.0 }
     }
 }
 
@@ -148,9 +143,7 @@ pub fn vtrace(
             .zip(&values[row.clone()])
             .zip(v_tp1.iter().zip(vs_tp1))
             .zip(vs_t.iter_mut().zip(&mut pg_advantages[row]));
-        for (((((&log_rho, &discount), &reward), &v), (&v_next, &vs_next)), (vs_out, adv_out)) in
-            columns
-        {
+        for (((((&log_rho, &discount), &reward), &v), (&v_next, &vs_next)), (vs_out, adv_out)) in columns {
             let rho = log_rho.exp();
             let clipped_rho = rho.min(rho_bar);
             let c = lambda_ * rho.min(c_bar);
@@ -170,20 +163,12 @@ mod tests {
         assert_eq!(got.len(), want.len());
         for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
             let err = (f64::from(g) - w).abs();
-            assert!(
-                err <= tol * (1.0 + w.abs()),
-                "index {i}: got {g}, want {w} (err {err})"
-            );
+            assert!(err <= tol * (1.0 + w.abs()), "index {i}: got {g}, want {w} (err {err})");
         }
     }
 
     fn config(rho: f32, pg_rho: f32, c: f32, lambda_: f32) -> VTraceConfig {
-        VTraceConfig {
-            clip_rho_threshold: rho,
-            clip_pg_rho_threshold: pg_rho,
-            clip_c_threshold: c,
-            lambda_,
-        }
+        VTraceConfig { clip_rho_threshold: rho, clip_pg_rho_threshold: pg_rho, clip_c_threshold: c, lambda_ }
     }
 
     /// Runs [`vtrace`] and returns `(vs, pg_advantages)`.
@@ -200,18 +185,7 @@ mod tests {
     ) -> (Vec<f32>, Vec<f32>) {
         let mut vs = vec![f32::NAN; t_len * b_len];
         let mut adv = vec![f32::NAN; t_len * b_len];
-        vtrace(
-            t_len,
-            b_len,
-            log_rhos,
-            discounts,
-            rewards,
-            values,
-            bootstrap_value,
-            config,
-            &mut vs,
-            &mut adv,
-        );
+        vtrace(t_len, b_len, log_rhos, discounts, rewards, values, bootstrap_value, config, &mut vs, &mut adv);
         (vs, adv)
     }
 
@@ -219,13 +193,7 @@ mod tests {
     /// `G^λ_s = Σ_{n≥1} (1−λ) λ^{n−1} G^{(n)}_s` truncated at the segment end, where the
     /// remaining weight `λ^{T−s−1}` goes to the longest (bootstrapped) return, and `G^{(n)}` uses
     /// per-step discounts. Written without any recursion so it checks V-trace independently.
-    fn lambda_returns(
-        discounts: &[f64],
-        rewards: &[f64],
-        values: &[f64],
-        bootstrap: f64,
-        lambda_: f64,
-    ) -> Vec<f64> {
+    fn lambda_returns(discounts: &[f64], rewards: &[f64], values: &[f64], bootstrap: f64, lambda_: f64) -> Vec<f64> {
         let t_len = rewards.len();
         let value_at = |t: usize| if t == t_len { bootstrap } else { values[t] };
         (0..t_len)
@@ -283,8 +251,7 @@ mod tests {
                 for t in s..t_len {
                     let mut trace = 1.0;
                     for i in s..t {
-                        let c_i = f64::from(config.lambda_)
-                            * rho(i).min(f64::from(config.clip_c_threshold));
+                        let c_i = f64::from(config.lambda_) * rho(i).min(f64::from(config.clip_c_threshold));
                         trace *= at(discounts, i, b) * c_i;
                     }
                     let delta = rho(t).min(f64::from(config.clip_rho_threshold))
@@ -294,11 +261,7 @@ mod tests {
                 vs[s * b_len + b] = target;
             }
             for s in 0..t_len {
-                let vs_next = if s + 1 == t_len {
-                    value(t_len)
-                } else {
-                    vs[(s + 1) * b_len + b]
-                };
+                let vs_next = if s + 1 == t_len { value(t_len) } else { vs[(s + 1) * b_len + b] };
                 adv[s * b_len + b] = rho(s).min(f64::from(config.clip_pg_rho_threshold))
                     * (at(rewards, s, b) + at(discounts, s, b) * vs_next - value(s));
             }
@@ -310,17 +273,7 @@ mod tests {
     #[allow(clippy::type_complexity)]
     fn batch_strategy(
         log_rho_range: f32,
-    ) -> impl Strategy<
-        Value = (
-            usize,
-            usize,
-            Vec<f32>,
-            Vec<f32>,
-            Vec<f32>,
-            Vec<f32>,
-            Vec<f32>,
-        ),
-    > {
+    ) -> impl Strategy<Value = (usize, usize, Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>)> {
         (1usize..12, 1usize..5).prop_flat_map(move |(t_len, b_len)| {
             let n = t_len * b_len;
             (
@@ -370,16 +323,8 @@ mod tests {
         // t = 1: δ_1 = 1 · (1 + 1 − 0) = 2; v_1 = 2; A_1 = 1 · (1 + 1 − 0) = 2.
         // t = 0: δ_0 = 1 · (0 + 0 − 0) = 0; v_0 = 0 + 0 + 1·0.5·(2 − 0) = 1.
         //        A_0 = min(3, 2) · (0 + 1·2 − 0) = 4.
-        let (vs, adv) = run(
-            2,
-            1,
-            &[2f32.ln(), 0.0],
-            &[1.0, 1.0],
-            &[0.0, 1.0],
-            &[0.0, 0.0],
-            &[1.0],
-            &config(1.0, 3.0, 1.0, 0.5),
-        );
+        let (vs, adv) =
+            run(2, 1, &[2f32.ln(), 0.0], &[1.0, 1.0], &[0.0, 1.0], &[0.0, 0.0], &[1.0], &config(1.0, 3.0, 1.0, 0.5));
         assert_close(&vs, &[1.0, 2.0], 1e-6);
         assert_close(&adv, &[4.0, 2.0], 1e-6);
     }
@@ -389,16 +334,8 @@ mod tests {
         // Column 0: r = [1, 1], column 1: r = [0, 2]; γ = 1, V = 0, on-policy, λ = 1.
         // Column 0 bootstraps from 10: v = [12, 11]. Column 1 from 0: v = [2, 2].
         // Time-major layout interleaves them: [v_00, v_01, v_10, v_11] = [12, 2, 11, 2].
-        let (vs, _) = run(
-            2,
-            2,
-            &[0.0; 4],
-            &[1.0; 4],
-            &[1.0, 0.0, 1.0, 2.0],
-            &[0.0; 4],
-            &[10.0, 0.0],
-            &VTraceConfig::default(),
-        );
+        let (vs, _) =
+            run(2, 2, &[0.0; 4], &[1.0; 4], &[1.0, 0.0, 1.0, 2.0], &[0.0; 4], &[10.0, 0.0], &VTraceConfig::default());
         assert_close(&vs, &[12.0, 2.0, 11.0, 2.0], 1e-6);
     }
 
@@ -406,16 +343,8 @@ mod tests {
     fn vtrace_on_policy_with_unit_lambda_equals_bootstrapped_discounted_return() {
         // T = 3, γ = 0.5, r = [1, 2, 4], V(x_T) = 8, arbitrary V.
         // G_2 = 4 + 0.5·8 = 8; G_1 = 2 + 0.5·8 = 6; G_0 = 1 + 0.5·6 = 4.
-        let (vs, adv) = run(
-            3,
-            1,
-            &[0.0; 3],
-            &[0.5; 3],
-            &[1.0, 2.0, 4.0],
-            &[3.0, -1.0, 0.25],
-            &[8.0],
-            &VTraceConfig::default(),
-        );
+        let (vs, adv) =
+            run(3, 1, &[0.0; 3], &[0.5; 3], &[1.0, 2.0, 4.0], &[3.0, -1.0, 0.25], &[8.0], &VTraceConfig::default());
         assert_close(&vs, &[4.0, 6.0, 8.0], 1e-6);
         // A_t = r_t + γ G_{t+1} − V_t = G_t − V_t.
         assert_close(&adv, &[1.0, 7.0, 7.75], 1e-6);
@@ -452,32 +381,14 @@ mod tests {
 
     #[test]
     fn vtrace_with_zero_steps_writes_nothing() {
-        let (vs, adv) = run(
-            0,
-            3,
-            &[],
-            &[],
-            &[],
-            &[],
-            &[1.0, 2.0, 3.0],
-            &VTraceConfig::default(),
-        );
+        let (vs, adv) = run(0, 3, &[], &[], &[], &[], &[1.0, 2.0, 3.0], &VTraceConfig::default());
         assert!(vs.is_empty() && adv.is_empty());
     }
 
     #[test]
     #[should_panic(expected = "rewards: expected 4 elements, got 3")]
     fn vtrace_panics_on_a_short_slice_naming_it() {
-        run(
-            2,
-            2,
-            &[0.0; 4],
-            &[1.0; 4],
-            &[0.0; 3],
-            &[0.0; 4],
-            &[0.0; 2],
-            &VTraceConfig::default(),
-        );
+        run(2, 2, &[0.0; 4], &[1.0; 4], &[0.0; 3], &[0.0; 4], &[0.0; 2], &VTraceConfig::default());
     }
 
     proptest! {
