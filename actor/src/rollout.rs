@@ -391,3 +391,110 @@ impl SegmentBuilder {
         segment
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use volley_core::env::{EnvConfig, MemoryConfig};
+    use volley_core::ids::RunId;
+    use volley_core::policy::{Activation, CoreKind, PolicySpec};
+    use volley_core::spec::HyperParams;
+
+    fn worker(env: EnvConfig, obs_dim: usize, n_actions: usize, core: CoreKind, t_len: usize) -> RolloutWorker {
+        let spec = RunSpec {
+            run: RunId::new("actor-test").expect("valid"),
+            env,
+            policy: PolicySpec { obs_dim, n_actions, torso: vec![8], activation: Activation::Tanh, core },
+            segment_len: t_len,
+            hyper: HyperParams::default(),
+            seed: 1,
+        };
+        let layout = spec.validate().expect("valid spec");
+        let weights = Arc::new(Weights::new(PolicyVersion(4), layout.hash(), layout.init_params(2)));
+        let mut worker =
+            RolloutWorker::new(spec, ActorId::new("a-0").expect("valid"), 3, 17, Arc::new(ActorCounters::default()))
+                .expect("buildable");
+        worker.set_weights(weights).expect("matching layout");
+        worker
+    }
+
+    #[test]
+    fn consecutive_segments_are_valid_and_continue_each_other() {
+        let mut worker = worker(EnvConfig::Cartpole, 4, 2, CoreKind::Mlp, 64);
+        let first = worker.collect_segments();
+        let second = worker.collect_segments();
+        assert_eq!(first.len(), 3);
+        let hash = worker.layout.hash();
+        for (a, b) in first.iter().zip(&second) {
+            a.validate(&worker.spec, hash, 0).expect("valid segment");
+            b.validate(&worker.spec, hash, 0).expect("valid segment");
+            assert_eq!(&a.observations[64 * 4..], &b.observations[..4], "the next segment starts where this one ended");
+            assert_eq!((a.segment_idx, b.segment_idx), (0, 1));
+            assert_eq!(a.policy_version, PolicyVersion(4));
+            let dones = a.terminated.iter().zip(&a.truncated).filter(|(&te, &tr)| te == 1 || tr == 1).count();
+            assert_eq!(dones, a.finished_episodes.len());
+            assert_eq!(b.episode_id, a.episode_id + dones as u64);
+            assert!(a.behaviour_log_probs.iter().all(|&lp| lp <= 0.0 && lp > -10.0));
+        }
+        // A random-ish CartPole policy fails within 64 steps in some of the 3 environments.
+        assert!(first.iter().any(|s| !s.finished_episodes.is_empty()));
+        let returns: f32 = first.iter().flat_map(|s| &s.finished_episodes).map(|e| e.episode_return).sum();
+        let lengths: u32 = first.iter().flat_map(|s| &s.finished_episodes).map(|e| e.episode_len).sum();
+        assert_eq!(returns, lengths as f32, "CartPole pays 1 per step");
+        assert_eq!(worker.counters.env_steps.load(Ordering::Relaxed), 2 * 64 * 3);
+    }
+
+    #[test]
+    fn recurrent_state_is_carried_across_segments_and_reset_at_episode_start() {
+        // Memory episodes last delay + 2 = 4 steps; segments of 3 steps cut them mid-way.
+        let env = EnvConfig::Memory(MemoryConfig { n_cues: 2, delay: 2 });
+        let mut worker = worker(env, 3, 2, CoreKind::Gru { hidden: 5 }, 3);
+        let first = worker.collect_segments();
+        let second = worker.collect_segments();
+        for (a, b) in first.iter().zip(&second) {
+            assert_eq!(a.initial_hidden, vec![0.0; 5], "the first segment starts a fresh episode");
+            assert!(b.initial_hidden.iter().any(|&h| h != 0.0), "mid-episode state is carried over");
+            a.validate(&worker.spec, worker.layout.hash(), 5).expect("valid");
+        }
+        // Episodes start at steps 0, 4, 8, 12 and segments at 0, 3, 6, 9, 12: only the first
+        // and the fifth segment begin an episode.
+        for _ in 0..2 {
+            let mid_episode = worker.collect_segments();
+            assert!(mid_episode.iter().all(|s| s.initial_hidden.iter().any(|&h| h != 0.0)));
+        }
+        let fifth = worker.collect_segments();
+        assert!(fifth.iter().all(|s| s.initial_hidden.iter().all(|&h| h == 0.0)));
+    }
+
+    #[test]
+    fn weights_of_another_architecture_are_refused() {
+        let mut worker = worker(EnvConfig::Cartpole, 4, 2, CoreKind::Mlp, 8);
+        let n = worker.layout.n_params();
+        let foreign = Arc::new(Weights::new(PolicyVersion(9), worker.layout.hash() ^ 1, vec![0.0; n]));
+        assert!(matches!(worker.set_weights(foreign), Err(ActorError::Weights { version: 9, .. })));
+        let mut corrupt = Weights::new(PolicyVersion(9), worker.layout.hash(), vec![0.0; n]);
+        corrupt.params[0] = 1.0;
+        assert!(worker.set_weights(Arc::new(corrupt)).is_err());
+        assert_eq!(worker.policy_version(), Some(PolicyVersion(4)), "the old version stays in use");
+    }
+
+    #[test]
+    fn a_spec_this_build_cannot_serve_is_refused() {
+        let spec = RunSpec {
+            run: RunId::new("x").expect("valid"),
+            env: EnvConfig::Cartpole,
+            policy: PolicySpec {
+                obs_dim: 5,
+                n_actions: 2,
+                torso: vec![8],
+                activation: Activation::Tanh,
+                core: CoreKind::Mlp,
+            },
+            segment_len: 8,
+            hyper: HyperParams::default(),
+            seed: 0,
+        };
+        let result = RolloutWorker::new(spec, ActorId::new("a").expect("valid"), 1, 0, Arc::default());
+        assert!(matches!(result, Err(ActorError::Spec(_))));
+    }
+}
