@@ -149,6 +149,7 @@ pub fn train(config: TrainConfig, interrupted: Arc<AtomicBool>) -> anyhow::Resul
         target_return: config.target_return,
         max_updates: None,
         publish_every: 1,
+        resume_env_steps: 0,
     };
     let metrics_file = File::create(config.run_dir.join("metrics.jsonl")).context("creating metrics.jsonl")?;
     let mut progress = Progress::new(config.progress, config.max_env_steps, metrics_file);
@@ -158,7 +159,7 @@ pub fn train(config: TrainConfig, interrupted: Arc<AtomicBool>) -> anyhow::Resul
         &mut publisher,
         &limits,
         &interrupted,
-        &mut |report: &LearnerReport, stats: &UpdateStats| progress.on_update(report, stats),
+        &mut |_: &Learner, report: &LearnerReport, stats: &UpdateStats| progress.on_update(report, stats),
     );
     stop_actors.store(true, Ordering::Release);
     source.close();

@@ -11,5 +11,6 @@ pub mod ids;
 pub mod policy;
 pub mod returns;
 pub mod spec;
+pub mod subjects;
 pub mod transport;
 pub mod wire;

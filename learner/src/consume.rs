@@ -5,7 +5,7 @@
 //! stale or rejected as malformed, which are final decisions). A crash before that point leaves
 //! the segment unacknowledged, so a networked transport redelivers it.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
@@ -29,6 +29,8 @@ pub struct RunLimits {
     pub max_updates: Option<u64>,
     /// Publish weights every this many updates (1 = every update).
     pub publish_every: u64,
+    /// Environment steps consumed before this loop started (a resumed learner's budget).
+    pub resume_env_steps: u64,
 }
 
 /// Why the loop stopped.
@@ -61,15 +63,15 @@ impl std::fmt::Display for StopReason {
     }
 }
 
-/// Callbacks the loop makes; the CLI uses them for progress and metrics files.
+/// Callbacks the loop makes; the CLI uses them for progress, metrics files and checkpoints.
 pub trait LearnerControl {
-    /// Called after every update.
-    fn on_update(&mut self, report: &LearnerReport, stats: &UpdateStats);
+    /// Called after every update, once the new version is published.
+    fn on_update(&mut self, learner: &Learner, report: &LearnerReport, stats: &UpdateStats);
 }
 
-impl<F: FnMut(&LearnerReport, &UpdateStats)> LearnerControl for F {
-    fn on_update(&mut self, report: &LearnerReport, stats: &UpdateStats) {
-        self(report, stats)
+impl<F: FnMut(&Learner, &LearnerReport, &UpdateStats)> LearnerControl for F {
+    fn on_update(&mut self, learner: &Learner, report: &LearnerReport, stats: &UpdateStats) {
+        self(learner, report, stats)
     }
 }
 
@@ -88,6 +90,8 @@ pub struct LearnerReport {
     pub segments_used: u64,
     /// Segments dropped because their lag exceeded `max_policy_lag`.
     pub segments_stale: u64,
+    /// Segments skipped because the same (actor, env, segment index) was already used.
+    pub segments_duplicate: u64,
     /// Segments rejected as malformed, by reason.
     pub segments_rejected: HashMap<&'static str, u64>,
     /// Episodes finished (reported inside segments).
@@ -144,6 +148,39 @@ impl LearnerReport {
 
 const LAG_BUCKETS: usize = 16;
 
+/// How many recent segment keys the duplicate filter remembers.
+const SEEN_CAPACITY: usize = 100_000;
+
+/// The keys (actor, env_idx, segment_idx) of recently used segments, so a redelivered
+/// segment is not learned from twice. Bounded: the oldest keys are forgotten first.
+struct SeenSegments {
+    keys: HashSet<(String, u32, u64)>,
+    order: VecDeque<(String, u32, u64)>,
+    capacity: usize,
+}
+
+impl SeenSegments {
+    fn new(capacity: usize) -> Self {
+        SeenSegments { keys: HashSet::new(), order: VecDeque::new(), capacity }
+    }
+
+    /// Record a segment; false if it was seen before.
+    fn insert(&mut self, segment: &TrajectorySegment) -> bool {
+        let key = (segment.actor.clone(), segment.env_idx, segment.segment_idx);
+        if self.keys.contains(&key) {
+            return false;
+        }
+        if self.order.len() == self.capacity {
+            if let Some(oldest) = self.order.pop_front() {
+                self.keys.remove(&oldest);
+            }
+        }
+        self.keys.insert(key.clone());
+        self.order.push_back(key);
+        true
+    }
+}
+
 /// Run the learner until a limit, `stop`, or the source closing.
 pub fn run_learner(
     learner: &mut Learner,
@@ -162,6 +199,7 @@ pub fn run_learner(
     let publish_every = limits.publish_every.max(1);
     let mut report = LearnerReport {
         policy_version: learner.version().0,
+        env_steps: limits.resume_env_steps,
         lag_histogram: vec![0; LAG_BUCKETS],
         ..LearnerReport::default()
     };
@@ -171,6 +209,7 @@ pub fn run_learner(
     let mut settled: Vec<DeliveryToken> = Vec::new();
     let mut batch = SegmentBatch::default();
     let mut column_weights: Vec<f32> = Vec::with_capacity(batch_segments);
+    let mut seen = SeenSegments::new(SEEN_CAPACITY);
     let stop_reason = loop {
         report.elapsed = started.elapsed();
         if stop.load(Ordering::Acquire) {
@@ -192,11 +231,24 @@ pub fn run_learner(
         report.wait_time += wait_started.elapsed();
         report.elapsed = started.elapsed();
         for delivery in incoming.drain(..) {
-            let segment = &delivery.segment;
-            if let Err(err) = segment.validate(&spec, layout_hash, hidden_size) {
-                *report.segments_rejected.entry(err.reason()).or_default() += 1;
-                warn!(reason = err.reason(), %err, actor = %segment.actor, "segment rejected");
-                source.reject(delivery.token)?;
+            let checked = delivery
+                .segment
+                .as_ref()
+                .map_err(Clone::clone)
+                .and_then(|segment| segment.validate(&spec, layout_hash, hidden_size).map(|()| segment));
+            let segment = match checked {
+                Ok(segment) => segment,
+                Err(err) => {
+                    *report.segments_rejected.entry(err.reason()).or_default() += 1;
+                    warn!(reason = err.reason(), %err, "segment rejected");
+                    source.reject(delivery.token)?;
+                    continue;
+                }
+            };
+            if !seen.insert(segment) {
+                report.segments_duplicate += 1;
+                debug!(actor = %segment.actor, segment_idx = segment.segment_idx, "duplicate segment skipped");
+                settled.push(delivery.token);
                 continue;
             }
             report.env_steps += segment.len() as u64;
@@ -219,7 +271,7 @@ pub fn run_learner(
             continue;
         }
         let compute_started = Instant::now();
-        let segments: Vec<&TrajectorySegment> = pending.iter().map(|d| &d.segment).collect();
+        let segments: Vec<&TrajectorySegment> = pending.iter().filter_map(|d| d.segment.as_ref().ok()).collect();
         column_weights.clear();
         column_weights.resize(segments.len(), 1.0);
         batch.fill(&segments, spec.hyper.gamma, spec.hyper.reward_scale, &column_weights);
@@ -240,7 +292,7 @@ pub fn run_learner(
         if stats.skipped_steps > 0 {
             warn!(skipped = stats.skipped_steps, "non-finite gradient; step skipped");
         }
-        control.on_update(&report, &stats);
+        control.on_update(learner, &report, &stats);
     };
     // Whatever was received but not used is left unacknowledged: a networked transport
     // redelivers it to the next learner.

@@ -14,8 +14,9 @@ use volley_core::spec::{LossKind, RunSpec, SpecError};
 use volley_core::wire::Weights;
 
 use crate::batch::{gather, SegmentBatch};
+use crate::checkpoint::{Checkpoint, CheckpointError};
 use crate::losses::{self, LossStats, PpoLossConfig, SequenceBatch, VTraceLossConfig, VTraceWorkspace};
-use crate::optim::{clip_grad_global_norm, Adam, AdamConfig, LrSchedule};
+use crate::optim::{clip_grad_global_norm, Adam, AdamConfig, AdamState, LrSchedule};
 
 /// Why the learner cannot start or continue.
 #[derive(Debug, thiserror::Error)]
@@ -23,6 +24,9 @@ pub enum LearnerError {
     /// The run spec is invalid.
     #[error("invalid run spec: {0}")]
     Spec(#[from] SpecError),
+    /// A checkpoint could not be used.
+    #[error(transparent)]
+    Checkpoint(#[from] CheckpointError),
     /// Initial parameters do not match the layout.
     #[error("initial parameters: expected {expected}, got {got}")]
     Params {
@@ -164,6 +168,57 @@ impl Learner {
     /// The current weights as a publishable, checksummed value.
     pub fn weights(&self) -> Arc<Weights> {
         Arc::new(Weights::new(self.version, self.layout.hash(), self.params.clone()))
+    }
+
+    /// Snapshot everything needed to resume (see [`Learner::from_checkpoint`]).
+    pub fn checkpoint(&self, env_steps: u64) -> Checkpoint {
+        let adam = self.adam.state();
+        Checkpoint {
+            spec_json: serde_json::to_string(&self.spec).expect("a run spec always serializes"),
+            layout_hash: self.layout.hash(),
+            version: self.version.0,
+            updates: self.updates,
+            params: self.params.clone(),
+            adam_m: adam.m.clone(),
+            adam_v: adam.v.clone(),
+            adam_t: adam.t,
+            rng: self.rng.clone(),
+            env_steps,
+        }
+    }
+
+    /// Resume from a checkpoint written for the same architecture. The run spec of `spec`
+    /// wins for hyper-parameters; the layout must match.
+    pub fn from_checkpoint(
+        spec: RunSpec,
+        checkpoint: Checkpoint,
+        path: &std::path::Path,
+    ) -> Result<Self, LearnerError> {
+        let mismatch = |reason: String| CheckpointError::Mismatch { path: path.to_path_buf(), reason };
+        let mut learner =
+            Learner::with_state(spec, checkpoint.params, PolicyVersion(checkpoint.version), checkpoint.updates)?;
+        if checkpoint.layout_hash != learner.layout.hash() {
+            return Err(mismatch(format!(
+                "layout {:016x}, run has {:016x}",
+                checkpoint.layout_hash,
+                learner.layout.hash()
+            ))
+            .into());
+        }
+        let h = &learner.spec.hyper;
+        let config = AdamConfig { beta1: h.adam_beta1, beta2: h.adam_beta2, eps: h.adam_eps };
+        let state = AdamState { m: checkpoint.adam_m, v: checkpoint.adam_v, t: checkpoint.adam_t };
+        learner.adam = Adam::from_state(config, state).map_err(|e| mismatch(e.to_string()))?;
+        learner.rng = checkpoint.rng;
+        Ok(learner)
+    }
+
+    /// Make sure the next published version is above `published` (a version some earlier
+    /// learner of this run already published), so versions never go backwards after a restart.
+    pub fn advance_version_past(&mut self, published: PolicyVersion) {
+        if self.version <= published {
+            self.version = PolicyVersion(published.0 + 1);
+        }
     }
 
     /// One update from a batch; the version advances by one.

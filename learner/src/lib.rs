@@ -6,10 +6,12 @@
 //! Start reading at [`learner::Learner`] (one update) and [`consume::run_learner`] (the loop).
 
 pub mod batch;
+pub mod checkpoint;
 pub mod consume;
 pub mod learner;
 pub mod losses;
 pub mod optim;
 
+pub use checkpoint::{Checkpoint, CheckpointError};
 pub use consume::{run_learner, LearnerControl, LearnerReport, RunLimits, StopReason};
 pub use learner::{Learner, LearnerError, UpdateStats};

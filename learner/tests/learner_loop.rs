@@ -71,7 +71,7 @@ fn run(learner: &mut Learner, segments: Vec<TrajectorySegment>, max_updates: u64
         &mut publisher,
         &limits,
         &AtomicBool::new(false),
-        &mut |_: &LearnerReport, stats: &UpdateStats| losses.push(stats.loss.total),
+        &mut |_: &Learner, _: &LearnerReport, stats: &UpdateStats| losses.push(stats.loss.total),
     )
     .expect("learner loop");
     assert!(losses.iter().all(|l| l.is_finite()), "losses must stay finite: {losses:?}");
@@ -139,4 +139,17 @@ fn source_closing_ends_the_loop_cleanly() {
     let (report, _) = run(&mut learner, segments, 100);
     assert_eq!(report.stop_reason, Some(StopReason::SourceClosed));
     assert_eq!(report.updates, 1, "one full batch; the leftover segment stays unacknowledged");
+}
+
+#[test]
+fn a_redelivered_segment_is_learned_from_once() {
+    let mut learner = Learner::new(spec(LossKind::Vtrace, 4)).expect("valid spec");
+    let mut rng = Pcg64Mcg::seed_from_u64(6);
+    let mut segments: Vec<_> = (0..B as u64).map(|i| valid_segment(&learner, &mut rng, 0, i)).collect();
+    segments.insert(1, segments[0].clone());
+    segments.push(segments[2].clone());
+    let (report, _) = run(&mut learner, segments, 100);
+    assert_eq!(report.segments_duplicate, 2);
+    assert_eq!(report.segments_used, B as u64);
+    assert_eq!(report.episodes, B as u64, "duplicates do not count episodes twice");
 }

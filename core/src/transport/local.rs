@@ -90,7 +90,7 @@ impl LocalTrajectorySource {
 
     fn wrap(&mut self, segment: TrajectorySegment) -> Delivery {
         self.next_token += 1;
-        Delivery { segment, token: DeliveryToken(self.next_token), delivery_count: 1 }
+        Delivery { segment: Ok(segment), token: DeliveryToken(self.next_token), delivery_count: 1 }
     }
 }
 
@@ -246,7 +246,8 @@ mod tests {
         let mut out = Vec::new();
         assert_eq!(source.recv(3, Duration::from_millis(10), &mut out).expect("open"), 3);
         assert_eq!(source.recv(10, Duration::from_millis(10), &mut out).expect("open"), 2);
-        let idx: Vec<u64> = out.iter().map(|d| d.segment.segment_idx).collect();
+        let idx: Vec<u64> =
+            out.iter().map(|d| d.segment.as_ref().expect("in-process segments decode").segment_idx).collect();
         assert_eq!(idx, vec![0, 1, 2, 3, 4]);
         assert_eq!(source.recv(1, Duration::from_millis(1), &mut out).expect("open"), 0, "timeout yields nothing");
     }

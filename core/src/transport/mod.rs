@@ -12,12 +12,13 @@
 //! - [`WeightsFollower::latest`] returns the newest published version; versions only increase.
 
 pub mod local;
+pub mod nats;
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use crate::ids::PolicyVersion;
-use crate::wire::{TrajectorySegment, Weights};
+use crate::wire::{DecodeError, TrajectorySegment, Weights};
 
 /// Transport failures. None is fatal to a process by itself: callers retry, count or stop.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -50,8 +51,9 @@ pub struct DeliveryToken(pub u64);
 /// A segment as delivered to the learner.
 #[derive(Debug)]
 pub struct Delivery {
-    /// The segment (decoded; validation against the run spec is the consumer's job).
-    pub segment: TrajectorySegment,
+    /// The decoded segment, or why its bytes did not decode. Validation against the run spec
+    /// is the consumer's job; a decode error is counted and the delivery rejected.
+    pub segment: Result<TrajectorySegment, DecodeError>,
     /// Ack handle.
     pub token: DeliveryToken,
     /// How many times this segment was delivered (1 on first delivery).

@@ -377,10 +377,23 @@ pub fn decode_segment(
     layout_hash: u64,
     hidden_size: usize,
 ) -> Result<TrajectorySegment, DecodeError> {
-    let (_, body) = decode_envelope(bytes, MessageKind::Segment)?;
-    let segment: TrajectorySegment = decode_body(body)?;
+    let segment = decode_segment_body(bytes)?;
     segment.validate(spec, layout_hash, hidden_size)?;
     Ok(segment)
+}
+
+/// Decode a segment's envelope and body without validating it against a run spec.
+///
+/// Transports use this (they do not know the spec); the learner validates afterwards with
+/// [`TrajectorySegment::validate`]. [`decode_segment`] is this plus that validation.
+///
+/// ```
+/// # use volley_core::wire::decode_segment_body;
+/// assert_eq!(decode_segment_body(b"VLL").unwrap_err().reason(), "truncated");
+/// ```
+pub fn decode_segment_body(bytes: &[u8]) -> Result<TrajectorySegment, DecodeError> {
+    let (_, body) = decode_envelope(bytes, MessageKind::Segment)?;
+    decode_body(body)
 }
 
 /// Encode weights with their envelope.

