@@ -83,6 +83,9 @@ pub struct RolloutWorker {
     spec: RunSpec,
     layout: ParamLayout,
     actor: ActorId,
+    /// Distinguishes this worker's segments from an earlier one with the same actor id, whose
+    /// segment indices also started at 0.
+    incarnation: u64,
     envs: VecEnv<Box<dyn Env>>,
     inference: PolicyInference,
     weights: Option<Arc<Weights>>,
@@ -140,6 +143,7 @@ impl RolloutWorker {
             spec,
             layout,
             actor,
+            incarnation: new_incarnation(),
             weights: None,
             counters,
         })
@@ -230,7 +234,7 @@ impl RolloutWorker {
         let mut segments = Vec::with_capacity(n_envs);
         for (env_idx, builder) in self.builders.iter_mut().enumerate() {
             builder.observations.extend_from_slice(&obs[env_idx * obs_dim..(env_idx + 1) * obs_dim]);
-            segments.push(builder.finish(&self.spec, &self.actor, env_idx, &weights, obs_dim));
+            segments.push(builder.finish(&self.spec, &self.actor, self.incarnation, env_idx, &weights, obs_dim));
         }
         let steps = (self.spec.segment_len * n_envs) as u64;
         self.counters.env_steps.fetch_add(steps, Ordering::Relaxed);
@@ -332,6 +336,16 @@ impl RolloutWorker {
     }
 }
 
+/// A number that differs between workers started at different times or in different processes.
+fn new_incarnation() -> u64 {
+    let nanos =
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0);
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    nanos
+        ^ ((std::process::id() as u64) << 32)
+        ^ COUNTER.fetch_add(1, Ordering::Relaxed).wrapping_mul(0x9e37_79b9_7f4a_7c15)
+}
+
 impl SegmentBuilder {
     fn with_capacity(t_len: usize, obs_dim: usize, h: usize) -> Self {
         let mut builder = SegmentBuilder::default();
@@ -360,6 +374,7 @@ impl SegmentBuilder {
         &mut self,
         spec: &RunSpec,
         actor: &ActorId,
+        incarnation: u64,
         env_idx: usize,
         weights: &Weights,
         obs_dim: usize,
@@ -368,6 +383,7 @@ impl SegmentBuilder {
         let segment = TrajectorySegment {
             run: spec.run.to_string(),
             actor: actor.to_string(),
+            incarnation,
             env_idx: env_idx as u32,
             episode_id: self.episode_id_at_start,
             segment_idx: self.segment_idx,

@@ -9,6 +9,8 @@ use volley_core::env::{EnvConfig, MemoryConfig, MilestonesConfig};
 use volley_core::ids::RunId;
 use volley_core::policy::{Activation, CoreKind, PolicySpec};
 use volley_core::spec::{HyperParams, LossKind, RunSpec};
+use volley_core::transport::nats::NatsConfig;
+use volley_learner::Checkpoint;
 
 /// Volley: a distributed actor-learner system for reinforcement learning.
 #[derive(Debug, Parser)]
@@ -24,6 +26,10 @@ pub struct Cli {
 pub enum Command {
     /// Train in one process: a learner and several actor threads on the embedded bus.
     Train(TrainArgs),
+    /// Run the learner of a distributed run over NATS.
+    Learner(LearnerArgs),
+    /// Run an actor that joins a run over NATS.
+    Actor(ActorArgs),
 }
 
 /// Which built-in environment.
@@ -75,9 +81,9 @@ pub enum ProgressMode {
     Quiet,
 }
 
-/// `volley train`.
-#[derive(Debug, Args)]
-pub struct TrainArgs {
+/// Flags that define the run spec (shared by `volley train` and `volley learner`).
+#[derive(Debug, Clone, Args)]
+pub struct SpecArgs {
     /// Environment.
     #[arg(long, value_enum, default_value = "cartpole", env = "VOLLEY_ENV")]
     pub env: EnvName,
@@ -87,12 +93,6 @@ pub struct TrainArgs {
     /// Base seed of the run.
     #[arg(long, default_value_t = 1, env = "VOLLEY_SEED")]
     pub seed: u64,
-    /// Actor threads.
-    #[arg(long, default_value_t = 1, env = "VOLLEY_ACTORS")]
-    pub actors: usize,
-    /// Environments per actor.
-    #[arg(long, default_value_t = 8, env = "VOLLEY_ENVS_PER_ACTOR")]
-    pub envs_per_actor: usize,
     /// Steps per segment (T).
     #[arg(long, default_value_t = 32, env = "VOLLEY_SEGMENT_LEN")]
     pub segment_len: usize,
@@ -102,13 +102,6 @@ pub struct TrainArgs {
     /// Stop after this many environment steps.
     #[arg(long, default_value_t = 300_000, env = "VOLLEY_MAX_ENV_STEPS")]
     pub max_env_steps: u64,
-    /// Stop after this many seconds of wall time.
-    #[arg(long, default_value_t = 300.0, env = "VOLLEY_MAX_SECS")]
-    pub max_secs: f64,
-    /// Stop when the mean return of the last 100 episodes reaches this (default: the
-    /// environment's solved threshold; pass a huge value to train to the budget).
-    #[arg(long, env = "VOLLEY_TARGET_RETURN")]
-    pub target_return: Option<f32>,
     /// Loss.
     #[arg(long, value_enum, default_value = "vtrace", env = "VOLLEY_LOSS")]
     pub loss: LossName,
@@ -163,6 +156,27 @@ pub struct TrainArgs {
     /// Milestones task: cells per room.
     #[arg(long, default_value_t = 8)]
     pub room_len: usize,
+}
+
+/// `volley train`.
+#[derive(Debug, Args)]
+pub struct TrainArgs {
+    /// The run spec.
+    #[command(flatten)]
+    pub spec: SpecArgs,
+    /// Actor threads.
+    #[arg(long, default_value_t = 1, env = "VOLLEY_ACTORS")]
+    pub actors: usize,
+    /// Environments per actor.
+    #[arg(long, default_value_t = 8, env = "VOLLEY_ENVS_PER_ACTOR")]
+    pub envs_per_actor: usize,
+    /// Stop after this many seconds of wall time.
+    #[arg(long, default_value_t = 300.0, env = "VOLLEY_MAX_SECS")]
+    pub max_secs: f64,
+    /// Stop when the mean return of the last 100 episodes reaches this (default: the
+    /// environment's solved threshold; pass a huge value to train to the budget).
+    #[arg(long, env = "VOLLEY_TARGET_RETURN")]
+    pub target_return: Option<f32>,
     /// Directory for metrics, curve and summary (default: runs/RUN-ENV-SEED).
     #[arg(long, env = "VOLLEY_RUN_DIR")]
     pub run_dir: Option<PathBuf>,
@@ -217,35 +231,22 @@ fn parse_widths(text: &str) -> anyhow::Result<Vec<usize>> {
         .collect()
 }
 
-impl TryFrom<TrainArgs> for TrainConfig {
-    type Error = anyhow::Error;
-
-    fn try_from(args: TrainArgs) -> anyhow::Result<Self> {
-        let run = RunId::new(args.run.clone()).context("--run")?;
-        if args.actors == 0 || args.actors > 256 {
-            bail!("--actors: {} out of range 1..=256", args.actors);
-        }
-        if args.envs_per_actor == 0 || args.envs_per_actor > 4096 {
-            bail!("--envs-per-actor: {} out of range 1..=4096", args.envs_per_actor);
-        }
-        if !(args.max_secs.is_finite() && args.max_secs > 0.0) {
-            bail!("--max-secs: {} must be a positive number of seconds", args.max_secs);
-        }
-        if args.max_env_steps == 0 {
+impl SpecArgs {
+    /// Build and validate the run spec these flags describe.
+    pub fn to_spec(&self) -> anyhow::Result<RunSpec> {
+        let run = RunId::new(self.run.clone()).context("--run")?;
+        if self.max_env_steps == 0 {
             bail!("--max-env-steps must be at least 1");
         }
-        if args.target_return.is_some_and(|t| t.is_nan()) {
-            bail!("--target-return must be a number");
+        if self.gru_hidden == 0 || self.gru_hidden > 4096 {
+            bail!("--gru-hidden: {} out of range 1..=4096", self.gru_hidden);
         }
-        if args.gru_hidden == 0 || args.gru_hidden > 4096 {
-            bail!("--gru-hidden: {} out of range 1..=4096", args.gru_hidden);
-        }
-        let env = match args.env {
+        let env = match self.env {
             EnvName::Cartpole => EnvConfig::Cartpole,
-            EnvName::Memory => EnvConfig::Memory(MemoryConfig { n_cues: args.memory_cues, delay: args.memory_delay }),
+            EnvName::Memory => EnvConfig::Memory(MemoryConfig { n_cues: self.memory_cues, delay: self.memory_delay }),
             EnvName::Milestones => EnvConfig::Milestones(MilestonesConfig {
-                n_rooms: args.rooms,
-                room_len: args.room_len,
+                n_rooms: self.rooms,
+                room_len: self.room_len,
                 ..MilestonesConfig::default()
             }),
         };
@@ -253,37 +254,68 @@ impl TryFrom<TrainArgs> for TrainConfig {
         let policy = PolicySpec {
             obs_dim: probe.observation_space().dim(),
             n_actions: probe.action_space().n,
-            torso: parse_widths(&args.torso)?,
-            activation: match args.activation {
+            torso: parse_widths(&self.torso)?,
+            activation: match self.activation {
                 ActivationName::Tanh => Activation::Tanh,
                 ActivationName::Relu => Activation::Relu,
             },
-            core: match args.core {
+            core: match self.core {
                 CoreName::Mlp => CoreKind::Mlp,
-                CoreName::Gru => CoreKind::Gru { hidden: args.gru_hidden },
+                CoreName::Gru => CoreKind::Gru { hidden: self.gru_hidden },
             },
         };
-        let steps_per_update = (args.segment_len * args.batch_segments) as u64;
+        let steps_per_update = (self.segment_len * self.batch_segments) as u64;
         let hyper = HyperParams {
-            loss: match args.loss {
+            loss: match self.loss {
                 LossName::Vtrace => LossKind::Vtrace,
                 LossName::Ppo => LossKind::Ppo,
             },
-            gamma: args.gamma,
-            reward_scale: args.reward_scale,
-            learning_rate: args.learning_rate,
-            final_learning_rate: args.final_learning_rate,
-            lr_decay_updates: (args.max_env_steps / steps_per_update.max(1)).max(1),
-            ent_coef: args.ent_coef,
-            ppo_epochs: args.ppo_epochs,
-            ppo_minibatches: args.ppo_minibatches,
-            gae_lambda: args.gae_lambda,
-            batch_segments: args.batch_segments,
-            max_policy_lag: args.max_policy_lag,
+            gamma: self.gamma,
+            reward_scale: self.reward_scale,
+            learning_rate: self.learning_rate,
+            final_learning_rate: self.final_learning_rate,
+            lr_decay_updates: (self.max_env_steps / steps_per_update.max(1)).max(1),
+            ent_coef: self.ent_coef,
+            ppo_epochs: self.ppo_epochs,
+            ppo_minibatches: self.ppo_minibatches,
+            gae_lambda: self.gae_lambda,
+            batch_segments: self.batch_segments,
+            max_policy_lag: self.max_policy_lag,
             ..HyperParams::default()
         };
-        let spec = RunSpec { run, env, policy, segment_len: args.segment_len, hyper, seed: args.seed };
+        let spec = RunSpec { run, env, policy, segment_len: self.segment_len, hyper, seed: self.seed };
         spec.validate().context("invalid training configuration")?;
+        Ok(spec)
+    }
+}
+
+fn check_target(target_return: Option<f32>) -> anyhow::Result<()> {
+    if target_return.is_some_and(|t| t.is_nan()) {
+        bail!("--target-return must be a number");
+    }
+    Ok(())
+}
+
+fn check_secs(flag: &str, secs: f64) -> anyhow::Result<Duration> {
+    if !(secs.is_finite() && secs > 0.0) {
+        bail!("{flag}: {secs} must be a positive number of seconds");
+    }
+    Ok(Duration::from_secs_f64(secs))
+}
+
+impl TryFrom<TrainArgs> for TrainConfig {
+    type Error = anyhow::Error;
+
+    fn try_from(args: TrainArgs) -> anyhow::Result<Self> {
+        if args.actors == 0 || args.actors > 256 {
+            bail!("--actors: {} out of range 1..=256", args.actors);
+        }
+        if args.envs_per_actor == 0 || args.envs_per_actor > 4096 {
+            bail!("--envs-per-actor: {} out of range 1..=4096", args.envs_per_actor);
+        }
+        let max_duration = check_secs("--max-secs", args.max_secs)?;
+        check_target(args.target_return)?;
+        let spec = args.spec.to_spec()?;
         let target_return = args.target_return.or_else(|| solved_return(&spec.env));
         let run_dir = args
             .run_dir
@@ -291,12 +323,153 @@ impl TryFrom<TrainArgs> for TrainConfig {
         Ok(TrainConfig {
             actors: args.actors,
             envs_per_actor: args.envs_per_actor,
-            max_env_steps: args.max_env_steps,
-            max_duration: Duration::from_secs_f64(args.max_secs),
+            max_env_steps: args.spec.max_env_steps,
+            max_duration,
             target_return,
             run_dir,
             progress: args.progress,
             spec,
         })
     }
+}
+
+/// How to reach NATS (shared by `volley learner` and `volley actor`).
+#[derive(Debug, Clone, Args)]
+pub struct NatsArgs {
+    /// NATS server to connect to.
+    #[arg(long = "nats", env = "VOLLEY_NATS_URL", default_value = "nats://127.0.0.1:4222")]
+    pub nats_url: String,
+    /// Deadline for every NATS request, fetch and publish ack.
+    #[arg(long, env = "VOLLEY_NATS_TIMEOUT_SECS", default_value_t = 5.0)]
+    pub nats_timeout_secs: f64,
+}
+
+impl NatsArgs {
+    /// The transport config for `run`.
+    pub fn config(&self, run: RunId) -> anyhow::Result<NatsConfig> {
+        let mut config = NatsConfig::new(self.nats_url.clone(), run);
+        config.request_timeout = check_secs("--nats-timeout-secs", self.nats_timeout_secs)?;
+        Ok(config)
+    }
+}
+
+/// `volley learner`.
+#[derive(Debug, Args)]
+pub struct LearnerArgs {
+    /// NATS connection.
+    #[command(flatten)]
+    pub nats: NatsArgs,
+    /// The run spec this learner creates (or resumes).
+    #[command(flatten)]
+    pub spec: SpecArgs,
+    /// Stop after this many seconds (default: run until the step budget, the target, or SIGTERM).
+    #[arg(long, env = "VOLLEY_MAX_SECS")]
+    pub max_secs: Option<f64>,
+    /// Stop when the mean return of the last 100 episodes reaches this (default: the
+    /// environment's solved threshold).
+    #[arg(long, env = "VOLLEY_TARGET_RETURN")]
+    pub target_return: Option<f32>,
+    /// Directory for checkpoints; a checkpoint found there is resumed.
+    #[arg(long, env = "VOLLEY_CHECKPOINT_DIR", default_value = "checkpoints")]
+    pub checkpoint_dir: PathBuf,
+    /// Checkpoint every this many updates.
+    #[arg(long, env = "VOLLEY_CHECKPOINT_EVERY_UPDATES", default_value_t = 200)]
+    pub checkpoint_every_updates: u64,
+    /// Checkpoint at least every this many seconds.
+    #[arg(long, env = "VOLLEY_CHECKPOINT_EVERY_SECS", default_value_t = 30.0)]
+    pub checkpoint_every_secs: f64,
+    /// Publish weights every this many updates.
+    #[arg(long, env = "VOLLEY_PUBLISH_EVERY", default_value_t = 1)]
+    pub publish_every: u64,
+    /// Actors pause publishing while the learner's backlog exceeds this many segments
+    /// (default: two batches). The backlog divided by the batch size bounds the policy lag, so
+    /// keep it at most `--max-policy-lag` batches or data goes stale while it waits.
+    #[arg(long, env = "VOLLEY_MAX_BACKLOG_SEGMENTS")]
+    pub max_backlog_segments: Option<u64>,
+    /// Train from the run's recorded trajectory stream instead of live actors (no weights are
+    /// published and no checkpoint is written).
+    #[arg(long)]
+    pub replay: bool,
+}
+
+/// A validated `volley learner` configuration.
+#[derive(Debug, Clone)]
+pub struct LearnerConfig {
+    /// Transport config.
+    pub nats: NatsConfig,
+    /// The run spec.
+    pub spec: RunSpec,
+    /// Step budget.
+    pub max_env_steps: u64,
+    /// Wall-time budget.
+    pub max_duration: Option<Duration>,
+    /// Target return.
+    pub target_return: Option<f32>,
+    /// Checkpoint file.
+    pub checkpoint_path: PathBuf,
+    /// Checkpoint cadence in updates.
+    pub checkpoint_every_updates: u64,
+    /// Checkpoint cadence in time.
+    pub checkpoint_every: Duration,
+    /// Weights cadence.
+    pub publish_every: u64,
+    /// Replay mode.
+    pub replay: bool,
+}
+
+impl TryFrom<LearnerArgs> for LearnerConfig {
+    type Error = anyhow::Error;
+
+    fn try_from(args: LearnerArgs) -> anyhow::Result<Self> {
+        let mut spec = args.spec.to_spec()?;
+        let batch_segments = spec.hyper.batch_segments as u64;
+        let max_backlog_segments = args.max_backlog_segments.unwrap_or(2 * batch_segments);
+        if max_backlog_segments < batch_segments {
+            bail!(
+                "--max-backlog-segments: {max_backlog_segments} is below --batch-segments {batch_segments}: \
+                 the learner could never fill a batch"
+            );
+        }
+        spec.hyper.max_backlog_segments = max_backlog_segments;
+        check_target(args.target_return)?;
+        if args.checkpoint_every_updates == 0 || args.publish_every == 0 {
+            bail!("--checkpoint-every-updates and --publish-every must be at least 1");
+        }
+        let max_duration = args.max_secs.map(|s| check_secs("--max-secs", s)).transpose()?;
+        let checkpoint_every = check_secs("--checkpoint-every-secs", args.checkpoint_every_secs)?;
+        let mut nats = args.nats.config(spec.run.clone())?;
+        nats.max_backlog_segments = max_backlog_segments;
+        Ok(LearnerConfig {
+            checkpoint_path: Checkpoint::path_in(&args.checkpoint_dir, spec.run.as_str()),
+            target_return: args.target_return.or_else(|| solved_return(&spec.env)),
+            max_env_steps: args.spec.max_env_steps,
+            max_duration,
+            checkpoint_every_updates: args.checkpoint_every_updates,
+            checkpoint_every,
+            publish_every: args.publish_every,
+            replay: args.replay,
+            nats,
+            spec,
+        })
+    }
+}
+
+/// `volley actor`.
+#[derive(Debug, Args)]
+pub struct ActorArgs {
+    /// NATS connection.
+    #[command(flatten)]
+    pub nats: NatsArgs,
+    /// The run to join.
+    #[arg(long, env = "VOLLEY_RUN", default_value = "local")]
+    pub run: String,
+    /// This actor's identity (default: the pod name from $POD_NAME or $HOSTNAME, else generated).
+    #[arg(long, env = "VOLLEY_ACTOR_ID")]
+    pub actor_id: Option<String>,
+    /// Environments stepped by this actor.
+    #[arg(long, env = "VOLLEY_ENVS_PER_ACTOR", default_value_t = 8)]
+    pub envs: usize,
+    /// Seed of this actor's environments and sampling (default: derived from the actor id).
+    #[arg(long, env = "VOLLEY_ACTOR_SEED")]
+    pub seed: Option<u64>,
 }

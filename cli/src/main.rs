@@ -2,6 +2,7 @@
 
 mod args;
 mod curve;
+mod distributed;
 mod train;
 
 use std::io::IsTerminal;
@@ -12,7 +13,7 @@ use clap::Parser;
 use tracing::warn;
 use tracing_subscriber::EnvFilter;
 
-use crate::args::{Cli, Command, TrainConfig};
+use crate::args::{Cli, Command, LearnerConfig, TrainConfig};
 
 fn init_tracing() {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
@@ -38,7 +39,7 @@ fn main() -> anyhow::Result<()> {
                 // Second Ctrl-C: the user wants out now.
                 std::process::exit(130);
             }
-            warn!("interrupted; finishing the current update (Ctrl-C again to abort)");
+            warn!("interrupted; finishing the current step (signal again to abort)");
         })?;
     }
     match cli.command {
@@ -47,6 +48,12 @@ fn main() -> anyhow::Result<()> {
             let summary = train::train(config, interrupted)?;
             println!("{}", serde_json::to_string(&summary)?);
         }
+        Command::Learner(args) => {
+            let config = LearnerConfig::try_from(args)?;
+            let summary = distributed::learner(config, interrupted)?;
+            println!("{}", serde_json::to_string(&summary)?);
+        }
+        Command::Actor(args) => distributed::actor(args, interrupted)?,
     }
     Ok(())
 }

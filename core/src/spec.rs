@@ -78,6 +78,8 @@ pub struct HyperParams {
     pub batch_segments: usize,
     /// Segments whose lag exceeds this are dropped and counted.
     pub max_policy_lag: u64,
+    /// Pacing over NATS: actors wait while the learner's backlog exceeds this many segments.
+    pub max_backlog_segments: u64,
 }
 
 impl Default for HyperParams {
@@ -107,6 +109,7 @@ impl Default for HyperParams {
             normalize_advantages: true,
             batch_segments: 32,
             max_policy_lag: 8,
+            max_backlog_segments: 64,
         }
     }
 }

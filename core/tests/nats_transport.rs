@@ -65,6 +65,7 @@ fn segment(actor: &str, env_idx: u32, segment_idx: u64) -> TrajectorySegment {
     TrajectorySegment {
         run: "test".into(),
         actor: actor.into(),
+        incarnation: 0,
         env_idx,
         episode_id: 0,
         segment_idx,
@@ -276,12 +277,11 @@ fn same_segment_published_twice_is_stored_once() {
 }
 
 #[test]
-fn sink_waits_while_the_backlog_is_full_and_resumes_after_acks() {
+fn sink_waits_while_the_backlog_is_full_and_resumes_as_the_learner_drains() {
     let server = TestNats::start();
-    let mut config = config(&server, "pacing");
-    config.max_backlog_segments = 4;
-    let bus = learner_bus(config);
+    let bus = learner_bus(config(&server, "pacing"));
     let mut sink = bus.trajectory_sink(&actor("a"), Arc::new(AtomicBool::new(false))).expect("sink");
+    sink.set_max_backlog_segments(4);
     let (done_tx, done_rx) = mpsc::channel();
     let publisher = thread::spawn(move || {
         sink.publish((0..10).map(|i| segment("a", 0, i)).collect()).expect("publish");
@@ -302,8 +302,10 @@ fn sink_waits_while_the_backlog_is_full_and_resumes_after_acks() {
 
     let mut source = bus.trajectory_source().expect("source");
     let mut seen = BTreeSet::new();
-    while done_rx.try_recv().is_err() || seen.len() < 10 {
+    let mut done = false;
+    while !done || seen.len() < 10 {
         assert!(started.elapsed() < GUARD, "publisher never finished; saw {seen:?}");
+        done = done || done_rx.try_recv().is_ok();
         let mut out = Vec::new();
         source.recv(10, Duration::from_millis(100), &mut out).expect("open");
         let tokens: Vec<_> = out.iter().map(|d| d.token).collect();
@@ -449,6 +451,7 @@ fn corrupted_or_mismatched_weights_are_refused() {
         }
     };
     assert!(err.to_string().contains("checksum"), "{err}");
+    assert!(follower.latest(Some(PolicyVersion(0))).expect("reported once").is_none());
 
     // Garbage bytes under the object the pointer names.
     publisher.publish(weights(2, 16)).expect("publish v2");
@@ -531,10 +534,22 @@ fn sink_source_publisher_and_follower_survive_a_server_restart() {
     let before = recv_at_least(&mut source, 3);
     source.ack(&before.iter().map(|d| d.token).collect::<Vec<_>>()).expect("ack");
 
+    // Publish segments and weights while the broker is down; both go through once it is back.
+    server.kill();
+    let actor_thread = thread::spawn(move || {
+        sink.publish((3..6).map(|i| segment("a", 0, i)).collect()).expect("published across the outage");
+        sink.flush().expect("acknowledged after the restart");
+        sink
+    });
+    let learner_thread = thread::spawn(move || {
+        publisher.publish(weights(1, 16)).expect("v1 across the outage");
+        publisher
+    });
+    let mut out = Vec::new();
+    assert!(source.recv(3, Duration::from_millis(100), &mut out).is_err(), "no broker, no segments");
     server.restart();
-
-    sink.publish((3..6).map(|i| segment("a", 0, i)).collect()).expect("after the restart");
-    sink.flush().expect("acknowledged after the restart");
+    let sink = actor_thread.join().expect("actor thread");
+    let mut publisher = learner_thread.join().expect("learner thread");
     let mut seen = BTreeSet::new();
     let started = Instant::now();
     while seen.len() < 3 {
@@ -546,16 +561,17 @@ fn sink_source_publisher_and_follower_survive_a_server_restart() {
     }
     assert_eq!(seen, (3..6).collect(), "only the new segments: the old ones were acked before the restart");
 
-    publisher.publish(weights(1, 16)).expect("v1 after the restart");
+    publisher.publish(weights(2, 16)).expect("v2 after the restart");
     let started = Instant::now();
     loop {
-        assert!(started.elapsed() < GUARD, "the follower never saw v1");
-        match follower.latest(Some(PolicyVersion(0))) {
+        assert!(started.elapsed() < GUARD, "the follower never saw v2");
+        match follower.latest(Some(PolicyVersion(1))) {
             Ok(Some(newer)) => {
-                assert_eq!(*newer, *weights(1, 16));
+                assert_eq!(*newer, *weights(2, 16));
                 break;
             }
             Ok(None) | Err(_) => thread::sleep(Duration::from_millis(20)),
         }
     }
+    assert!(sink.stats().published >= 6);
 }

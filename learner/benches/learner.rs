@@ -27,6 +27,7 @@ fn random_segment(rng: &mut Pcg64Mcg, t_len: usize, hidden: usize) -> Trajectory
     TrajectorySegment {
         run: "bench".into(),
         actor: "a".into(),
+        incarnation: 0,
         env_idx: 0,
         episode_id: 0,
         segment_idx: 0,

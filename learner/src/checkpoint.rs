@@ -160,6 +160,7 @@ mod tests {
         let segment = |shift: f32| TrajectorySegment {
             run: "ckpt".into(),
             actor: "a".into(),
+            incarnation: 0,
             env_idx: 0,
             episode_id: 0,
             segment_idx: 0,

@@ -90,7 +90,7 @@ pub struct LearnerReport {
     pub segments_used: u64,
     /// Segments dropped because their lag exceeded `max_policy_lag`.
     pub segments_stale: u64,
-    /// Segments skipped because the same (actor, env, segment index) was already used.
+    /// Segments skipped because the same (actor, incarnation, env, segment index) was already used.
     pub segments_duplicate: u64,
     /// Segments rejected as malformed, by reason.
     pub segments_rejected: HashMap<&'static str, u64>,
@@ -151,11 +151,14 @@ const LAG_BUCKETS: usize = 16;
 /// How many recent segment keys the duplicate filter remembers.
 const SEEN_CAPACITY: usize = 100_000;
 
-/// The keys (actor, env_idx, segment_idx) of recently used segments, so a redelivered
+/// (actor, incarnation, env_idx, segment_idx): identifies a segment.
+type SegmentKey = (String, u64, u32, u64);
+
+/// The keys of recently used segments, so a redelivered
 /// segment is not learned from twice. Bounded: the oldest keys are forgotten first.
 struct SeenSegments {
-    keys: HashSet<(String, u32, u64)>,
-    order: VecDeque<(String, u32, u64)>,
+    keys: HashSet<SegmentKey>,
+    order: VecDeque<SegmentKey>,
     capacity: usize,
 }
 
@@ -166,7 +169,7 @@ impl SeenSegments {
 
     /// Record a segment; false if it was seen before.
     fn insert(&mut self, segment: &TrajectorySegment) -> bool {
-        let key = (segment.actor.clone(), segment.env_idx, segment.segment_idx);
+        let key = (segment.actor.clone(), segment.incarnation, segment.env_idx, segment.segment_idx);
         if self.keys.contains(&key) {
             return false;
         }
@@ -241,7 +244,9 @@ pub fn run_learner(
                 Err(err) => {
                     *report.segments_rejected.entry(err.reason()).or_default() += 1;
                     warn!(reason = err.reason(), %err, "segment rejected");
-                    source.reject(delivery.token)?;
+                    if let Err(err) = source.reject(delivery.token) {
+                        warn!(%err, "could not reject a segment; it may be redelivered and rejected again");
+                    }
                     continue;
                 }
             };
@@ -264,8 +269,7 @@ pub fn run_learner(
             pending.push(delivery);
         }
         if !settled.is_empty() {
-            source.ack(&settled)?;
-            settled.clear();
+            ack_or_warn(source, &mut settled);
         }
         if pending.len() < batch_segments {
             continue;
@@ -280,8 +284,7 @@ pub fn run_learner(
             publisher.publish(learner.weights())?;
         }
         settled.extend(pending.drain(..).map(|d| d.token));
-        source.ack(&settled)?;
-        settled.clear();
+        ack_or_warn(source, &mut settled);
         report.compute_time += compute_started.elapsed();
         report.updates = learner.updates();
         report.policy_version = learner.version().0;
@@ -309,6 +312,16 @@ pub fn run_learner(
         "learner stopped"
     );
     Ok(report)
+}
+
+/// Acknowledge settled deliveries. A failure (broker unreachable past the transport's retry
+/// deadline) is not fatal: the deliveries are redelivered later and the duplicate filter or
+/// the lag bound takes care of them.
+fn ack_or_warn(source: &mut dyn TrajectorySource, settled: &mut Vec<DeliveryToken>) {
+    if let Err(err) = source.ack(settled) {
+        warn!(%err, n = settled.len(), "acknowledging segments failed; they may be redelivered");
+    }
+    settled.clear();
 }
 
 fn limit_reached(limits: &RunLimits, report: &LearnerReport) -> Option<StopReason> {

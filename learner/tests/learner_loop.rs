@@ -38,6 +38,7 @@ fn valid_segment(learner: &Learner, rng: &mut Pcg64Mcg, version: u64, idx: u64) 
     TrajectorySegment {
         run: learner.spec().run.to_string(),
         actor: "actor-0".into(),
+        incarnation: 0,
         env_idx: 0,
         episode_id: idx,
         segment_idx: idx,

@@ -219,6 +219,7 @@ mod tests {
         TrajectorySegment {
             run: "r".into(),
             actor: "a".into(),
+            incarnation: 0,
             env_idx: 0,
             episode_id: 0,
             segment_idx: idx,

@@ -47,8 +47,10 @@ use crate::spec::RunSpec;
 use crate::subjects;
 use crate::wire::{self, TrajectorySegment, Weights};
 
-/// How often a throttled sink re-reads the learner's backlog.
-const PACING_POLL: Duration = Duration::from_millis(25);
+/// How often a throttled sink re-reads the learner's backlog. Short, because a fast learner
+/// drains a batch in well under a millisecond; one consumer-info request costs the server
+/// about as much as one small publish.
+const PACING_POLL: Duration = Duration::from_millis(2);
 /// How long a backlog reading that showed room is trusted (counting the sink's own publishes
 /// since), so a burst of segments does not cost one consumer-info request each.
 const PACING_CACHE: Duration = Duration::from_millis(250);
@@ -184,8 +186,9 @@ impl NatsBus {
         Self::connect_inner(config, handle, OwnedRuntime(Some(runtime)))
     }
 
-    /// Connect using an existing tokio runtime. The blocking methods must still be called
-    /// from outside its worker threads.
+    /// Connect using an existing multi-thread tokio runtime (a current-thread runtime cannot
+    /// drive I/O for `Handle::block_on`). The blocking methods must still be called from
+    /// outside its worker threads.
     pub fn connect_with_handle(config: NatsConfig, handle: Handle) -> Result<Self, TransportError> {
         Self::connect_inner(config, handle, OwnedRuntime(None))
     }
@@ -379,6 +382,7 @@ impl NatsBus {
             stop,
             stream,
             in_flight: VecDeque::with_capacity(shared.config.publish_window.max(1)),
+            max_backlog_segments: shared.config.max_backlog_segments,
             pacing: Pacing::default(),
             stats: SinkStats::default(),
             shared,
@@ -478,7 +482,16 @@ impl NatsBus {
             slot.clone(),
             connections,
         ));
-        Ok(NatsWeightsFollower { shared, layout_hash, n_params, slot, objects: None, newest: None, task })
+        Ok(NatsWeightsFollower {
+            shared,
+            layout_hash,
+            n_params,
+            slot,
+            objects: None,
+            newest: None,
+            refused: None,
+            task,
+        })
     }
 }
 
@@ -658,8 +671,11 @@ struct InFlight {
 #[derive(Debug, Default)]
 struct Pacing {
     checked_at: Option<Instant>,
-    /// `num_pending + num_ack_pending`; `None` when the consumer does not exist (yet) or the
-    /// reading failed, which does not block.
+    /// The consumer's `num_pending` (stored, not yet delivered); `None` when the consumer does
+    /// not exist (yet) or the reading failed, which does not block. Deliveries held by the
+    /// learner (`num_ack_pending`, at most about one batch) are not counted: after a learner
+    /// crash they stay unacknowledged until `ack_wait`, and counting them would stall every
+    /// actor for that long.
     backlog: Option<u64>,
     /// Segments this sink published since the reading.
     published_since: u64,
@@ -675,9 +691,13 @@ struct Pacing {
 /// - A failed publish or a missing ack is retried with backoff, under the same message id so
 ///   the stream stores it once, until it succeeds or `stop` is set ([`TransportError::Closed`]).
 ///   The sink never drops a segment on its own. A retried segment may land after later ones.
-/// - Pacing: before each segment it waits while the learner's backlog is at or above
-///   [`NatsConfig::max_backlog_segments`] (time counted in [`TrajectorySink::throttled`]);
-///   with no learner consumer yet it does not wait (the stream keeps the segments).
+/// - Pacing: before each segment it waits while the learner's backlog (undelivered plus
+///   unacknowledged segments, read from the consumer at most every 50 ms while waiting and
+///   every 250 ms otherwise, counting this sink's own publishes in between) is at or above
+///   [`NatsConfig::max_backlog_segments`] (see [`NatsTrajectorySink::set_max_backlog_segments`]);
+///   the time is counted in [`TrajectorySink::throttled`]. With no learner consumer yet it does
+///   not wait (the stream keeps the segments). With many actors the bound is approximate:
+///   each may overshoot by what the others published since its last reading.
 pub struct NatsTrajectorySink {
     shared: Arc<Shared>,
     actor: ActorId,
@@ -686,6 +706,7 @@ pub struct NatsTrajectorySink {
     stop: Arc<AtomicBool>,
     stream: jetstream::stream::Stream<()>,
     in_flight: VecDeque<InFlight>,
+    max_backlog_segments: u64,
     pacing: Pacing,
     stats: SinkStats,
 }
@@ -715,6 +736,12 @@ impl NatsTrajectorySink {
     /// The subject this sink publishes to.
     pub fn subject(&self) -> &str {
         &self.subject
+    }
+
+    /// Override the pacing bound of this sink ([`NatsConfig::max_backlog_segments`] by
+    /// default), e.g. with the value from the run spec read after connecting.
+    pub fn set_max_backlog_segments(&mut self, max_backlog_segments: u64) {
+        self.max_backlog_segments = max_backlog_segments;
     }
 
     /// Wait until every published segment is acknowledged by the stream (retrying as
@@ -842,7 +869,7 @@ impl NatsTrajectorySink {
 
     /// Wait while the learner's backlog is at or above the bound (see [`Pacing`]).
     async fn pace(&mut self) -> Result<(), TransportError> {
-        let limit = self.shared.config.max_backlog_segments;
+        let limit = self.max_backlog_segments;
         let mut blocked_since: Option<Instant> = None;
         let result = loop {
             if self.stopped() {
@@ -872,7 +899,7 @@ impl NatsTrajectorySink {
         let reading =
             tokio::time::timeout(BACKLOG_DEADLINE, self.stream.consumer_info(subjects::LEARNER_CONSUMER)).await;
         self.pacing.backlog = match reading {
-            Ok(Ok(info)) => Some(info.num_pending + info.num_ack_pending as u64),
+            Ok(Ok(info)) => Some(info.num_pending),
             Ok(Err(err)) if matches!(err.kind(), jetstream::context::ConsumerInfoErrorKind::NotFound) => None,
             Ok(Err(err)) => {
                 debug!(operation = "read learner backlog", error = %err, "backlog unknown; not pacing");
@@ -901,10 +928,11 @@ impl TrajectorySink for NatsTrajectorySink {
 
 impl Drop for NatsTrajectorySink {
     fn drop(&mut self) {
-        if self.in_flight.is_empty() || self.stopped() || Handle::try_current().is_ok() {
+        if self.in_flight.is_empty() || Handle::try_current().is_ok() {
             return;
         }
-        // Best effort: give the outstanding acks one request timeout, then let go.
+        // Best effort: give the outstanding acks one request timeout, then let go. With `stop`
+        // set, the first failed ack ends it (no retries).
         let shared = self.shared.clone();
         let deadline = shared.config.request_timeout;
         let outcome = shared.block_on(async {
@@ -1193,7 +1221,9 @@ impl TrajectorySource for NatsTrajectorySource {
         if fresh || Handle::try_current().is_ok() {
             return reading.value;
         }
-        if let Ok(Ok(info)) = self.shared.block_on(tokio::time::timeout(BACKLOG_DEADLINE, self.consumer.get_info())) {
+        let reply =
+            self.shared.block_on(async { tokio::time::timeout(BACKLOG_DEADLINE, self.consumer.get_info()).await });
+        if let Ok(Ok(info)) = reply {
             reading.value = Some(info.num_pending);
         }
         reading.at = Some(Instant::now());
@@ -1443,7 +1473,10 @@ async fn follow_pointer(
 /// reconnects; a late joiner gets the current pointer at once). [`WeightsFollower::latest`]
 /// costs one atomic load when nothing changed; otherwise it fetches the object with a
 /// deadline and verifies layout, size, checksum and version. Refused weights are a
-/// [`TransportError::Failed`] naming the reason; the caller keeps its current version.
+/// [`TransportError::Failed`] naming the reason, reported once: later calls return `Ok(None)`
+/// until a newer version is announced, so a bad version is neither downloaded nor logged
+/// again. The caller keeps its current version. A failed download (timeout, missing object)
+/// is not a refusal and is tried again on the next call.
 pub struct NatsWeightsFollower {
     shared: Arc<Shared>,
     layout_hash: u64,
@@ -1452,6 +1485,8 @@ pub struct NatsWeightsFollower {
     objects: Option<object_store::ObjectStore>,
     /// The newest weights fetched so far.
     newest: Option<Arc<Weights>>,
+    /// The newest version refused for its content.
+    refused: Option<u64>,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -1462,6 +1497,7 @@ impl fmt::Debug for NatsWeightsFollower {
             .field("n_params", &self.n_params)
             .field("pointer_version", &self.slot.version_plus_one.load(Ordering::Relaxed).checked_sub(1))
             .field("fetched_version", &self.newest.as_ref().map(|w| w.version))
+            .field("refused_version", &self.refused)
             .finish()
     }
 }
@@ -1478,12 +1514,19 @@ impl NatsWeightsFollower {
         self.slot.version_plus_one.load(Ordering::Acquire).checked_sub(1).map(PolicyVersion)
     }
 
+    /// Refuse `pointer`'s version for its content (see the type's docs).
+    #[cold]
+    fn refuse(&mut self, pointer: &WeightsPointer, reason: String) -> TransportError {
+        self.refused = Some(pointer.version);
+        failed("weights fetch", reason)
+    }
+
     fn fetch(&mut self, pointer: &WeightsPointer) -> Result<Arc<Weights>, TransportError> {
         const OPERATION: &str = "weights fetch";
         let expected_layout = format!("{:016x}", self.layout_hash);
         if pointer.layout_hash != expected_layout {
-            return Err(failed(
-                OPERATION,
+            return Err(self.refuse(
+                pointer,
                 format!(
                     "weights {} refused: layout hash {} does not match this actor's {expected_layout}",
                     pointer.object, pointer.layout_hash
@@ -1510,13 +1553,17 @@ impl NatsWeightsFollower {
             })
             .await
         })?;
-        let weights = wire::decode_weights(&bytes, self.layout_hash, self.n_params).map_err(|err| {
-            failed(OPERATION, format!("weights {} refused ({}): {err}", pointer.object, err.reason()))
-        })?;
+        let weights = match wire::decode_weights(&bytes, self.layout_hash, self.n_params) {
+            Ok(weights) => weights,
+            Err(err) => {
+                let reason = format!("weights {} refused ({}): {err}", pointer.object, err.reason());
+                return Err(self.refuse(pointer, reason));
+            }
+        };
         let checksum = format!("{:016x}", weights.checksum);
         if weights.version.0 != pointer.version || checksum != pointer.checksum {
-            return Err(failed(
-                OPERATION,
+            return Err(self.refuse(
+                pointer,
                 format!(
                     "weights {} refused: object holds {} with checksum {checksum}, pointer says v{} with checksum {}",
                     pointer.object, weights.version, pointer.version, pointer.checksum
@@ -1534,7 +1581,7 @@ impl WeightsFollower for NatsWeightsFollower {
         let Some(announced) = self.slot.version_plus_one.load(Ordering::Acquire).checked_sub(1) else {
             return Ok(None);
         };
-        if have.is_some_and(|have| have.0 >= announced) {
+        if have.is_some_and(|have| have.0 >= announced) || self.refused == Some(announced) {
             return Ok(None);
         }
         if let Some(newest) = self.newest.as_ref().filter(|w| w.version.0 == announced) {
@@ -1548,15 +1595,20 @@ impl WeightsFollower for NatsWeightsFollower {
 
     fn wait_first(&mut self, timeout: Duration) -> Result<Arc<Weights>, TransportError> {
         let slot = self.slot.clone();
-        let announced = self.shared.block_on(tokio::time::timeout(timeout, async {
-            loop {
-                let notified = slot.changed.notified();
-                if slot.version_plus_one.load(Ordering::Acquire) > 0 {
-                    return;
+        // Wait for a version not already refused.
+        let wanted_plus_one = self.refused.map_or(1, |refused| refused + 2);
+        let announced = self.shared.block_on(async {
+            let first = async {
+                loop {
+                    let notified = slot.changed.notified();
+                    if slot.version_plus_one.load(Ordering::Acquire) >= wanted_plus_one {
+                        return;
+                    }
+                    notified.await;
                 }
-                notified.await;
-            }
-        }));
+            };
+            tokio::time::timeout(timeout, first).await
+        });
         if announced.is_err() {
             return Err(TransportError::Timeout { operation: "first weights", after: timeout });
         }

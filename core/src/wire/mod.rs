@@ -158,11 +158,14 @@ pub struct TrajectorySegment {
     pub run: String,
     /// The actor that produced it.
     pub actor: String,
+    /// Which incarnation of the actor (a restarted actor with the same id gets a new one, so
+    /// its segment indices, which restart at 0, do not collide with the old ones).
+    pub incarnation: u64,
     /// Which environment stream of the actor.
     pub env_idx: u32,
     /// Episode counter of this stream at the segment's first step.
     pub episode_id: u64,
-    /// Index of this segment within the (actor, env_idx) stream; with `actor` and `env_idx` a
+    /// Index of this segment within the (actor, incarnation, env_idx) stream; with those a
     /// unique key used to drop duplicates.
     pub segment_idx: u64,
     /// Task this segment served (0 when the run has one task).
@@ -455,6 +458,7 @@ mod tests {
             .prop_map(|(observations, actions, rewards, terminated, logp, version, idx)| TrajectorySegment {
                 run: "wire".into(),
                 actor: "actor-0".into(),
+                incarnation: 0,
                 env_idx: 1,
                 episode_id: idx / 3,
                 segment_idx: idx,

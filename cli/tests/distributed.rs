@@ -1,0 +1,366 @@
+//! Distributed runs over a real nats-server: separate learner and actor processes.
+//!
+//! Each test starts its own `nats-server` on a free loopback port with a temporary store
+//! (`volley_testkit::TestNats`), runs `volley learner` and `volley actor` processes, and
+//! bounds everything by environment steps (the learner stops at its step budget or target).
+
+use std::fs;
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+
+use volley_testkit::TestNats;
+
+/// These tests each run a broker, a learner and actors: run them one at a time, so two cores
+/// are not shared by several runs at once.
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    ONE_AT_A_TIME.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// Upper bound on any wait in these tests: a safety net against hangs, not a timed assertion.
+const PATIENCE: Duration = Duration::from_secs(180);
+
+struct Proc {
+    child: Child,
+    stderr_path: PathBuf,
+}
+
+impl Proc {
+    fn spawn(dir: &Path, name: &str, args: &[String]) -> Proc {
+        let stderr_path = dir.join(format!("{name}.log"));
+        let stderr = fs::File::create(&stderr_path).expect("log file");
+        let child = Command::new(env!("CARGO_BIN_EXE_volley"))
+            .args(args)
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::piped())
+            .stderr(stderr)
+            .spawn()
+            .expect("spawn volley");
+        Proc { child, stderr_path }
+    }
+
+    fn log(&self) -> String {
+        fs::read_to_string(&self.stderr_path).unwrap_or_default()
+    }
+
+    fn wait_for_log(&mut self, needle: &str) {
+        let started = Instant::now();
+        while !self.log().contains(needle) {
+            let exited = self.child.try_wait().expect("wait");
+            assert!(exited.is_none(), "exited ({exited:?}) without logging {needle:?}:\n{}", self.log());
+            assert!(started.elapsed() < PATIENCE, "never logged {needle:?}:\n{}", self.log());
+            thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Wait for exit and parse the one JSON line it printed.
+    fn summary(&mut self) -> serde_json::Value {
+        let started = Instant::now();
+        let status = loop {
+            if let Some(status) = self.child.try_wait().expect("wait") {
+                break status;
+            }
+            assert!(started.elapsed() < PATIENCE, "process did not finish:\n{}", self.log());
+            thread::sleep(Duration::from_millis(50));
+        };
+        let mut stdout = String::new();
+        self.child.stdout.take().expect("piped").read_to_string(&mut stdout).expect("stdout");
+        assert!(status.success(), "exit {status}:\n{}", self.log());
+        serde_json::from_str(stdout.trim()).unwrap_or_else(|e| panic!("summary {stdout:?}: {e}\n{}", self.log()))
+    }
+
+    fn kill9(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    fn terminate(&mut self) {
+        let _ = Command::new("kill").args(["-TERM", &self.child.id().to_string()]).status();
+    }
+
+    fn wait_exit(&mut self) -> std::process::ExitStatus {
+        let started = Instant::now();
+        loop {
+            if let Some(status) = self.child.try_wait().expect("wait") {
+                return status;
+            }
+            assert!(started.elapsed() < PATIENCE, "process did not stop:\n{}", self.log());
+            thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn learner_args(nats: &TestNats, run: &str, dir: &Path, extra: &[&str]) -> Vec<String> {
+    let mut args: Vec<String> =
+        ["learner", "--nats", &nats.url(), "--run", run, "--checkpoint-dir"].iter().map(|s| s.to_string()).collect();
+    args.push(dir.join("checkpoints").display().to_string());
+    args.extend(extra.iter().map(|s| s.to_string()));
+    args
+}
+
+fn actor_args(nats: &TestNats, run: &str, id: &str) -> Vec<String> {
+    ["actor", "--nats", &nats.url(), "--run", run, "--actor-id", id, "--envs", "8"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect()
+}
+
+fn spawn_actors(nats: &TestNats, run: &str, dir: &Path, n: usize) -> Vec<Proc> {
+    (0..n).map(|i| Proc::spawn(dir, &format!("actor-{i}"), &actor_args(nats, run, &format!("actor-{i}")))).collect()
+}
+
+fn returns(summary: &serde_json::Value) -> f64 {
+    summary["final_mean_return"].as_f64().expect("final_mean_return")
+}
+
+/// (a) One learner and three actor processes solve CartPole.
+#[test]
+fn learner_and_three_actor_processes_solve_cartpole() {
+    let _serial = serial();
+    let nats = TestNats::start();
+    let dir = tempfile::tempdir().expect("temp dir");
+    let mut learner = Proc::spawn(dir.path(), "learner", &learner_args(&nats, "solve", dir.path(), &[]));
+    let mut actors = spawn_actors(&nats, "solve", dir.path(), 3);
+    let summary = learner.summary();
+    assert_eq!(summary["solved"], true, "{summary}");
+    assert!(returns(&summary) >= 475.0, "{summary}");
+    actors.iter_mut().for_each(Proc::terminate);
+    for actor in &mut actors {
+        assert!(actor.wait_exit().success(), "actors stop cleanly on SIGTERM:\n{}", actor.log());
+    }
+}
+
+/// (b) An actor killed with SIGKILL mid-run loses nothing it had published: training goes on,
+/// and every message in the stream, the dead actor's included, reaches the learner.
+#[test]
+fn killing_an_actor_loses_nothing_it_published() {
+    let _serial = serial();
+    let nats = TestNats::start();
+    let dir = tempfile::tempdir().expect("temp dir");
+    let mut learner = Proc::spawn(
+        dir.path(),
+        "learner",
+        &learner_args(&nats, "killactor", dir.path(), &["--max-env-steps", "100000000", "--target-return", "1e9"]),
+    );
+    let mut actors = spawn_actors(&nats, "killactor", dir.path(), 3);
+    actors[1].wait_for_log("actor joined the run");
+    learner.wait_for_log("learner progress");
+    actors[1].kill9();
+    let before = learner_updates(&learner);
+    // Training goes on without the dead actor.
+    while learner_updates(&learner) < before + 20 {
+        assert!(learner.child.try_wait().expect("wait").is_none(), "learner died:\n{}", learner.log());
+        thread::sleep(Duration::from_millis(50));
+    }
+    for actor in [0, 2] {
+        actors[actor].terminate();
+        assert!(actors[actor].wait_exit().success(), "{}", actors[actor].log());
+    }
+    // With every actor gone the stream holds a finite record; the learner must drain it all.
+    let started = Instant::now();
+    let state = loop {
+        let state = stream_state(&nats, "killactor");
+        if state.pending == 0 && state.ack_pending < 8 {
+            break state;
+        }
+        assert!(started.elapsed() < PATIENCE, "learner never drained the stream: {state:?}");
+        thread::sleep(Duration::from_millis(100));
+    };
+    assert!(state.dead_actor_messages > 0, "the killed actor had published: {state:?}");
+    learner.terminate();
+    let summary = learner.summary();
+    assert_eq!(summary["stop_reason"], "interrupted");
+    let consumed = ["segments_used", "segments_stale", "segments_duplicate"]
+        .iter()
+        .map(|k| summary[k].as_u64().expect("count"))
+        .sum::<u64>();
+    let rejected: u64 =
+        summary["segments_rejected"].as_object().expect("map").values().filter_map(|v| v.as_u64()).sum();
+    assert_eq!(rejected, 0, "{summary}");
+    // Everything stored was consumed, except one partial batch left unacknowledged at exit.
+    assert!(consumed <= state.messages && state.messages - consumed < 8, "stored {state:?}, consumed {summary}");
+}
+
+fn learner_updates(learner: &Proc) -> u64 {
+    learner
+        .log()
+        .lines()
+        .rev()
+        .find_map(|line| line.split("version=").nth(1)?.split_whitespace().next()?.parse().ok())
+        .unwrap_or(0)
+}
+
+#[derive(Debug)]
+struct StreamState {
+    messages: u64,
+    dead_actor_messages: u64,
+    pending: u64,
+    ack_pending: u64,
+}
+
+/// The trajectory stream and learner consumer as a plain NATS client sees them.
+fn stream_state(nats: &TestNats, run: &str) -> StreamState {
+    let run = volley_core::ids::RunId::new(run).expect("run");
+    let config = volley_core::transport::nats::NatsConfig::new(nats.url(), run.clone());
+    let bus = volley_core::transport::nats::NatsBus::connect(config).expect("connect");
+    let js = bus.jetstream().clone();
+    let stream_name = volley_core::subjects::trajectory_stream(&run);
+    let dead_subject =
+        volley_core::subjects::trajectories(&run, &volley_core::ids::ActorId::new("actor-1").expect("id"));
+    bus.handle().block_on(async move {
+        let mut stream = js.get_stream(stream_name).await.expect("stream");
+        let info = stream.info().await.expect("stream info");
+        let messages = info.state.messages;
+        let consumer = stream.consumer_info(volley_core::subjects::LEARNER_CONSUMER).await.expect("consumer");
+        let dead_actor_messages = stream
+            .info_with_subjects(dead_subject)
+            .await
+            .expect("subject info")
+            .next()
+            .await
+            .map(|entry| entry.expect("subject entry").1 as u64)
+            .unwrap_or(0);
+        StreamState {
+            messages,
+            dead_actor_messages,
+            pending: consumer.num_pending,
+            ack_pending: consumer.num_ack_pending as u64,
+        }
+    })
+}
+
+/// (c) The learner killed with SIGKILL resumes from its checkpoint at a version at least the
+/// last published one, and the actors follow the new versions.
+#[test]
+fn a_restarted_learner_resumes_from_its_checkpoint() {
+    let _serial = serial();
+    let nats = TestNats::start();
+    let dir = tempfile::tempdir().expect("temp dir");
+    let args = learner_args(
+        &nats,
+        "killlearner",
+        dir.path(),
+        &["--max-env-steps", "150000", "--target-return", "1e9", "--checkpoint-every-updates", "20"],
+    );
+    let mut first = Proc::spawn(dir.path(), "learner-1", &args);
+    let _actors = spawn_actors(&nats, "killlearner", dir.path(), 2);
+    first.wait_for_log("learner progress");
+    let checkpoint = dir.path().join("checkpoints/learner-killlearner.ckpt");
+    let started = Instant::now();
+    while !checkpoint.exists() {
+        assert!(started.elapsed() < PATIENCE, "no checkpoint written:\n{}", first.log());
+        thread::sleep(Duration::from_millis(50));
+    }
+    first.kill9();
+    let mut second = Proc::spawn(dir.path(), "learner-2", &args);
+    second.wait_for_log("resuming from checkpoint");
+    let summary = second.summary();
+    let resumed = summary["resumed_from_version"].as_u64().expect("resumed from a checkpoint");
+    assert!(resumed > 0, "{summary}");
+    assert!(second.log().contains("continuing above the published version"), "{}", second.log());
+    let used = summary["segments_used"].as_u64().expect("used");
+    let stale = summary["segments_stale"].as_u64().expect("stale");
+    assert!(used > 100, "actors kept feeding the resumed learner: {summary}");
+    assert!(stale < used, "actors followed the new versions (little stale data): {summary}");
+    assert!(summary["policy_version"].as_u64().expect("version") > resumed);
+}
+
+/// (d) nats-server restarted mid-run (file store): every process reconnects and training
+/// continues.
+#[test]
+fn training_survives_a_nats_server_restart() {
+    let _serial = serial();
+    let mut nats = TestNats::start();
+    let dir = tempfile::tempdir().expect("temp dir");
+    let mut learner = Proc::spawn(
+        dir.path(),
+        "learner",
+        &learner_args(&nats, "restart", dir.path(), &["--max-env-steps", "400000", "--target-return", "1e9"]),
+    );
+    let mut actors = spawn_actors(&nats, "restart", dir.path(), 2);
+    learner.wait_for_log("learner progress");
+    nats.restart();
+    let restarted_at = learner.log().lines().count();
+    let summary = learner.summary();
+    assert_eq!(summary["stop_reason"], "env_step_budget", "{summary}");
+    let after: Vec<String> = learner.log().lines().skip(restarted_at).map(str::to_string).collect();
+    assert!(
+        after.iter().any(|line| line.contains("learner progress")),
+        "the learner kept training after the restart:\n{}",
+        learner.log()
+    );
+    assert!(returns(&summary) > 200.0, "training continued to improve: {summary}");
+    for actor in &mut actors {
+        let log = actor.log();
+        assert!(log.contains("nats disconnected; reconnecting"), "{log}");
+        assert!(log.matches("nats connected").count() >= 2, "the actor reconnected: {log}");
+    }
+}
+
+/// (e) Garbage, truncated and wrong-version messages on the trajectory subjects are counted
+/// and dropped while training continues.
+#[test]
+fn malformed_messages_are_counted_and_dropped() {
+    let _serial = serial();
+    let nats = TestNats::start();
+    let dir = tempfile::tempdir().expect("temp dir");
+    let mut learner = Proc::spawn(dir.path(), "learner", &learner_args(&nats, "garbage", dir.path(), &[]));
+    learner.wait_for_log("no weights published yet");
+    let config = volley_core::transport::nats::NatsConfig::new(
+        nats.url(),
+        volley_core::ids::RunId::new("garbage").expect("run"),
+    );
+    let bus = volley_core::transport::nats::NatsBus::connect(config).expect("connect");
+    let js = bus.jetstream().clone();
+    let mut wrong_version = b"VLLY".to_vec();
+    wrong_version.extend_from_slice(&99u16.to_le_bytes());
+    wrong_version.extend_from_slice(&[1, 0, 0, 0]);
+    let bad: Vec<Vec<u8>> = vec![b"garbage that is not a segment".to_vec(), b"VLLY\x01".to_vec(), wrong_version];
+    bus.handle().block_on(async move {
+        for round in 0..3 {
+            for (i, payload) in bad.iter().enumerate() {
+                let subject = format!("volley.garbage.traj.mallory-{round}-{i}");
+                js.publish(subject, payload.clone().into()).await.expect("publish").await.expect("stored");
+            }
+        }
+    });
+    let _actors = spawn_actors(&nats, "garbage", dir.path(), 2);
+    let summary = learner.summary();
+    assert_eq!(summary["solved"], true, "{summary}");
+    let rejected = &summary["segments_rejected"];
+    assert_eq!(rejected["bad_magic"], 3, "{summary}");
+    assert_eq!(rejected["truncated"], 3, "{summary}");
+    assert_eq!(rejected["wrong_version"], 3, "{summary}");
+}
+
+/// (f) An actor started before its run exists waits with a clear log line and joins when
+/// the learner appears.
+#[test]
+fn an_actor_waits_for_a_run_that_does_not_exist_yet() {
+    let _serial = serial();
+    let nats = TestNats::start();
+    let dir = tempfile::tempdir().expect("temp dir");
+    let mut actor = Proc::spawn(dir.path(), "early-actor", &actor_args(&nats, "later", "early"));
+    actor.wait_for_log("waiting for run later: no run spec on NATS yet");
+    let mut learner = Proc::spawn(
+        dir.path(),
+        "learner",
+        &learner_args(&nats, "later", dir.path(), &["--max-env-steps", "20000", "--target-return", "1e9"]),
+    );
+    actor.wait_for_log("actor joined the run");
+    let summary = learner.summary();
+    assert!(summary["env_steps"].as_u64().expect("steps") >= 20_000, "the waiting actor fed the learner: {summary}");
+}
