@@ -137,10 +137,22 @@ fn learner_and_three_actor_processes_solve_cartpole() {
     let summary = learner.summary();
     assert_eq!(summary["solved"], true, "{summary}");
     assert!(returns(&summary) >= 475.0, "{summary}");
+    let lags = summary["lag_histogram"].as_array().expect("lag histogram");
+    let used_or_stale: u64 = lags.iter().filter_map(|n| n.as_u64()).sum();
+    assert!(used_or_stale > 0, "{summary}");
     actors.iter_mut().for_each(Proc::terminate);
     for actor in &mut actors {
         assert!(actor.wait_exit().success(), "actors stop cleanly on SIGTERM:\n{}", actor.log());
     }
+    // The stream kept every segment: a learner can train from the record without actors.
+    let mut replay = Proc::spawn(
+        dir.path(),
+        "replay",
+        &learner_args(&nats, "solve", dir.path(), &["--replay", "--max-env-steps", "20000", "--target-return", "1e9"]),
+    );
+    let replayed = replay.summary();
+    assert!(replayed["updates"].as_u64().expect("updates") >= 20_000 / (32 * 8), "{replayed}");
+    assert_eq!(replayed["stop_reason"], "env_step_budget", "{replayed}");
 }
 
 /// (b) An actor killed with SIGKILL mid-run loses nothing it had published: training goes on,

@@ -52,8 +52,9 @@ use crate::wire::{self, TrajectorySegment, Weights};
 /// about as much as one small publish.
 const PACING_POLL: Duration = Duration::from_millis(2);
 /// How long a backlog reading that showed room is trusted (counting the sink's own publishes
-/// since), so a burst of segments does not cost one consumer-info request each.
-const PACING_CACHE: Duration = Duration::from_millis(250);
+/// since), so a burst of segments does not cost one consumer-info request each. Short: other
+/// actors publish meanwhile too, and every segment of overshoot adds policy lag.
+const PACING_CACHE: Duration = Duration::from_millis(20);
 /// Deadline of the consumer-info request behind pacing and `backlog()`: short, because a slow
 /// answer must not stall the caller (an unknown backlog does not block).
 const BACKLOG_DEADLINE: Duration = Duration::from_millis(500);
