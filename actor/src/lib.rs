@@ -5,6 +5,8 @@
 //! policy versions only between segments, so every segment has exactly one behaviour version.
 //! Start reading at [`rollout::RolloutWorker`].
 
+pub mod metrics;
 pub mod rollout;
 
+pub use metrics::ActorMetrics;
 pub use rollout::{ActorCounters, ActorError, RolloutWorker};

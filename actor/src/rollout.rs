@@ -51,6 +51,8 @@ pub struct ActorCounters {
     pub env_errors: AtomicU64,
     /// Weight versions switched to.
     pub weight_updates: AtomicU64,
+    /// Policy version in use.
+    pub policy_version: AtomicU64,
     /// Nanoseconds spent blocked by transport backpressure.
     pub throttled_nanos: AtomicU64,
     /// Nanoseconds spent stepping environments.
@@ -159,6 +161,7 @@ impl RolloutWorker {
         weights
             .verify(self.layout.hash(), self.layout.n_params())
             .map_err(|err| ActorError::Weights { version: weights.version.0, reason: err.to_string() })?;
+        self.counters.policy_version.store(weights.version.0, Ordering::Relaxed);
         self.weights = Some(weights);
         self.counters.weight_updates.fetch_add(1, Ordering::Relaxed);
         Ok(())

@@ -359,6 +359,9 @@ pub struct LearnerArgs {
     /// NATS connection.
     #[command(flatten)]
     pub nats: NatsArgs,
+    /// Metrics endpoint.
+    #[command(flatten)]
+    pub metrics: MetricsArgs,
     /// The run spec this learner creates (or resumes).
     #[command(flatten)]
     pub spec: SpecArgs,
@@ -415,6 +418,8 @@ pub struct LearnerConfig {
     pub publish_every: u64,
     /// Replay mode.
     pub replay: bool,
+    /// Metrics endpoint address.
+    pub metrics_addr: String,
 }
 
 impl TryFrom<LearnerArgs> for LearnerConfig {
@@ -448,6 +453,7 @@ impl TryFrom<LearnerArgs> for LearnerConfig {
             checkpoint_every,
             publish_every: args.publish_every,
             replay: args.replay,
+            metrics_addr: args.metrics.metrics_addr,
             nats,
             spec,
         })
@@ -460,6 +466,9 @@ pub struct ActorArgs {
     /// NATS connection.
     #[command(flatten)]
     pub nats: NatsArgs,
+    /// Metrics endpoint.
+    #[command(flatten)]
+    pub metrics: MetricsArgs,
     /// The run to join.
     #[arg(long, env = "VOLLEY_RUN", default_value = "local")]
     pub run: String,
@@ -472,4 +481,13 @@ pub struct ActorArgs {
     /// Seed of this actor's environments and sampling (default: derived from the actor id).
     #[arg(long, env = "VOLLEY_ACTOR_SEED")]
     pub seed: Option<u64>,
+}
+
+/// Where a long-running process serves `/metrics`, `/healthz` and `/readyz`.
+#[derive(Debug, Clone, Args)]
+pub struct MetricsArgs {
+    /// Address for the metrics endpoint (port 0 picks a free port, logged at start; in
+    /// Kubernetes use 0.0.0.0:9100).
+    #[arg(long, env = "VOLLEY_METRICS_ADDR", default_value = "127.0.0.1:0")]
+    pub metrics_addr: String,
 }

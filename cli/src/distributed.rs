@@ -7,14 +7,15 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use tracing::{info, warn};
-use volley_actor::{ActorCounters, RolloutWorker};
+use volley_actor::{ActorCounters, ActorMetrics, RolloutWorker};
 use volley_core::ids::{ActorId, RunId};
 use volley_core::transport::local::weights_channel;
 use volley_core::transport::nats::NatsBus;
 use volley_core::transport::{TrajectorySource, TransportError, WeightsFollower, WeightsPublisher};
-use volley_learner::{run_learner, Checkpoint, Learner, LearnerReport, RunLimits, UpdateStats};
+use volley_learner::{run_learner, Checkpoint, Learner, LearnerMetrics, LearnerReport, RunLimits, UpdateStats};
 
 use crate::args::{ActorArgs, LearnerConfig};
+use crate::serve;
 
 /// The summary `volley learner` prints as one JSON line when it stops.
 #[derive(Debug, serde::Serialize)]
@@ -107,6 +108,11 @@ pub fn learner(config: LearnerConfig, interrupted: Arc<AtomicBool>) -> anyhow::R
         )
     };
 
+    let registry = serve::registry_for("learner")?;
+    let mut metrics = LearnerMetrics::register(&registry).context("registering learner metrics")?;
+    // Ready once the run exists on NATS and the first weights are about to be published.
+    serve::serve(&config.metrics_addr, registry, Arc::new(|| true))?;
+
     let limits = RunLimits {
         max_env_steps: Some(config.max_env_steps),
         max_duration: config.max_duration,
@@ -127,6 +133,8 @@ pub fn learner(config: LearnerConfig, interrupted: Arc<AtomicBool>) -> anyhow::R
         &limits,
         &interrupted,
         &mut |learner: &Learner, report: &LearnerReport, stats: &UpdateStats| {
+            metrics.observe(learner, report, stats, learner.updates().is_multiple_of(config.publish_every));
+            metrics.set_checkpoint_age(last_checkpoint.elapsed());
             let due = learner.updates().is_multiple_of(config.checkpoint_every_updates)
                 || last_checkpoint.elapsed() >= config.checkpoint_every;
             if due && !replay {
@@ -216,6 +224,16 @@ pub fn actor(args: ActorArgs, interrupted: Arc<AtomicBool>) -> anyhow::Result<()
     if args.envs == 0 || args.envs > 4096 {
         bail!("--envs: {} out of range 1..=4096", args.envs);
     }
+    // Serve health and metrics from the start: /readyz turns ready once weights are loaded.
+    let counters = Arc::new(ActorCounters::default());
+    let registry = serve::registry_for("actor")?;
+    ActorMetrics::register(&registry, counters.clone()).context("registering actor metrics")?;
+    let ready_counters = counters.clone();
+    serve::serve(
+        &args.metrics.metrics_addr,
+        registry,
+        Arc::new(move || ready_counters.weight_updates.load(Ordering::Relaxed) > 0),
+    )?;
     let config = args.nats.config(run.clone())?;
     let bus = NatsBus::connect(config.clone()).with_context(|| format!("connecting to NATS at {}", config.url))?;
     let mut last_wait_log: Option<Instant> = None;
@@ -235,7 +253,6 @@ pub fn actor(args: ActorArgs, interrupted: Arc<AtomicBool>) -> anyhow::Result<()
         }
         thread::sleep(Duration::from_millis(500));
     };
-    let counters = Arc::new(ActorCounters::default());
     let seed = args.seed.unwrap_or_else(|| seed_from(&actor_id));
     let worker = RolloutWorker::new(spec.clone(), actor_id.clone(), args.envs, seed, counters.clone())
         .with_context(|| format!("this build cannot serve run {run}"))?;

@@ -3,6 +3,7 @@
 mod args;
 mod curve;
 mod distributed;
+mod serve;
 mod train;
 
 use std::io::IsTerminal;

@@ -132,8 +132,37 @@ fn learner_and_three_actor_processes_solve_cartpole() {
     let _serial = serial();
     let nats = TestNats::start();
     let dir = tempfile::tempdir().expect("temp dir");
-    let mut learner = Proc::spawn(dir.path(), "learner", &learner_args(&nats, "solve", dir.path(), &[]));
-    let mut actors = spawn_actors(&nats, "solve", dir.path(), 3);
+    let learner_port = volley_testkit::free_port().to_string();
+    let learner_metrics = format!("127.0.0.1:{learner_port}");
+    let mut learner = Proc::spawn(
+        dir.path(),
+        "learner",
+        &learner_args(&nats, "solve", dir.path(), &["--metrics-addr", &learner_metrics, "--target-return", "475"]),
+    );
+    learner.wait_for_log("serving /metrics");
+    let (status, metrics) = http_get(&learner_metrics, "/metrics");
+    assert_eq!(status, 200);
+    for name in
+        ["volley_learner_updates_total", "volley_learner_policy_lag_bucket", "volley_learner_wait_seconds_total"]
+    {
+        assert!(metrics.contains(name), "learner exports {name}:\n{metrics}");
+    }
+    assert_eq!(http_get(&learner_metrics, "/healthz").0, 200);
+    let actor_port = volley_testkit::free_port();
+    let mut first_actor_args = actor_args(&nats, "solve", "actor-0");
+    first_actor_args.extend(["--metrics-addr".to_string(), format!("127.0.0.1:{actor_port}")]);
+    let mut actors = vec![Proc::spawn(dir.path(), "actor-0", &first_actor_args)];
+    actors.extend(
+        (1..3).map(|i| {
+            Proc::spawn(dir.path(), &format!("actor-{i}"), &actor_args(&nats, "solve", &format!("actor-{i}")))
+        }),
+    );
+    actors[0].wait_for_log("actor started");
+    let (status, body) = http_get(&format!("127.0.0.1:{actor_port}"), "/readyz");
+    assert_eq!(status, 200, "an actor holding weights is ready: {body}");
+    let (_, actor_metrics) = http_get(&format!("127.0.0.1:{actor_port}"), "/metrics");
+    assert!(actor_metrics.contains("volley_actor_env_steps_total"), "{actor_metrics}");
+    assert!(actor_metrics.contains("volley_build_info{role=\"actor\""), "{actor_metrics}");
     let summary = learner.summary();
     assert_eq!(summary["solved"], true, "{summary}");
     assert!(returns(&summary) >= 475.0, "{summary}");
@@ -204,6 +233,18 @@ fn killing_an_actor_loses_nothing_it_published() {
     assert_eq!(rejected, 0, "{summary}");
     // Everything stored was consumed, except one partial batch left unacknowledged at exit.
     assert!(consumed <= state.messages && state.messages - consumed < 8, "stored {state:?}, consumed {summary}");
+}
+
+/// A minimal HTTP/1.0 GET against the metrics endpoint: (status, body).
+fn http_get(addr: &str, path: &str) -> (u16, String) {
+    use std::io::Write;
+    let mut stream = std::net::TcpStream::connect(addr).expect("connect to the metrics endpoint");
+    write!(stream, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").expect("request");
+    let mut response = String::new();
+    stream.read_to_string(&mut response).expect("response");
+    let status = response.split_whitespace().nth(1).and_then(|s| s.parse().ok()).expect("status line");
+    let body = response.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default();
+    (status, body)
 }
 
 fn learner_updates(learner: &Proc) -> u64 {

@@ -3,8 +3,9 @@
 //!
 //! Every iteration moves one actor's batch of [`BATCH`] segments (one per environment, as
 //! `RolloutWorker` publishes them); a sample ends with a flush, so every segment counted was
-//! acknowledged by the stream. Variants, all on the same connection, runtime, subject and
-//! stream:
+//! acknowledged by the stream. Only the publishing is timed: each batch is built (cloned from a
+//! template with fresh segment indices) just before, untimed, in every variant. Variants, all on
+//! the same connection, runtime, subject and stream:
 //! - `volley_sink`: `NatsTrajectorySink::publish` of owned segments (encoding, message id,
 //!   size check, pacing check, 32 acks in flight) and `flush()` at the end of the sample;
 //! - `raw`: `jetstream::Context::publish` of the same bytes pre-encoded, 32 acks in flight;
@@ -81,6 +82,18 @@ fn segment(obs_dim: usize, env_idx: u32, segment_idx: u64) -> TrajectorySegment 
     }
 }
 
+/// A fresh batch like `template` with new segment indices, hence new message ids: the server
+/// must store every segment rather than drop it as a duplicate.
+fn next_batch(template: &[TrajectorySegment], next_idx: &mut u64) -> Vec<TrajectorySegment> {
+    template
+        .iter()
+        .map(|s| {
+            *next_idx += 1;
+            TrajectorySegment { segment_idx: *next_idx, ..s.clone() }
+        })
+        .collect()
+}
+
 fn spec() -> RunSpec {
     RunSpec {
         run: RunId::new(RUN).expect("valid run id"),
@@ -111,8 +124,6 @@ fn bench_segments(c: &mut Criterion) {
     sink.set_max_backlog_segments(u64::MAX);
     let subject = sink.subject().to_string();
     let js = bus.jetstream().clone();
-    // Unique segment indices, hence unique message ids: the server must store every segment
-    // rather than drop it as a duplicate.
     let mut next_idx = 0u64;
 
     let mut group = c.benchmark_group("nats_segments");
@@ -127,25 +138,16 @@ fn bench_segments(c: &mut Criterion) {
         group.bench_function(BenchmarkId::new("volley_sink", label), |b| {
             b.iter_custom(|iters| {
                 purge(&bus);
-                let batches: Vec<Vec<TrajectorySegment>> = (0..iters)
-                    .map(|_| {
-                        template
-                            .iter()
-                            .map(|s| {
-                                let mut s = s.clone();
-                                s.segment_idx = next_idx;
-                                next_idx += 1;
-                                s
-                            })
-                            .collect()
-                    })
-                    .collect();
-                let started = Instant::now();
-                for batch in batches {
+                let mut timed = Duration::ZERO;
+                for _ in 0..iters {
+                    let batch = next_batch(&template, &mut next_idx);
+                    let started = Instant::now();
                     sink.publish(batch).expect("publish");
+                    timed += started.elapsed();
                 }
+                let started = Instant::now();
                 sink.flush().expect("flush");
-                started.elapsed()
+                timed + started.elapsed()
             })
         });
 
@@ -154,25 +156,24 @@ fn bench_segments(c: &mut Criterion) {
             group.bench_function(BenchmarkId::new(name, label), |b| {
                 b.iter_custom(|iters| {
                     purge(&bus);
-                    let ids: Vec<String> = if with_msg_id {
-                        (0..iters as usize * BATCH)
-                            .map(|_| {
-                                next_idx += 1;
-                                format!("raw-{next_idx}")
-                            })
-                            .collect()
-                    } else {
-                        Vec::new()
-                    };
-                    let mut ids = ids.into_iter();
                     let mut in_flight = VecDeque::with_capacity(WINDOW);
-                    let started = Instant::now();
+                    let mut timed = Duration::ZERO;
                     for _ in 0..iters {
+                        // The same untimed work between publishes as the sink's variant: build
+                        // the batch (here only for its message ids), so both pipelines get the
+                        // same time to make progress between calls.
+                        let batch = next_batch(&template, &mut next_idx);
+                        let ids: Vec<String> = if with_msg_id {
+                            batch.iter().map(|s| format!("raw-{}-{}", s.env_idx, s.segment_idx)).collect()
+                        } else {
+                            Vec::new()
+                        };
+                        let started = Instant::now();
                         bus.handle().block_on(async {
-                            for payload in &encoded {
+                            for (i, payload) in encoded.iter().enumerate() {
                                 let mut message =
                                     async_nats::jetstream::message::PublishMessage::build().payload(payload.clone());
-                                if let Some(id) = ids.next() {
+                                if let Some(id) = ids.get(i) {
                                     message = message.message_id(id);
                                 }
                                 let ack = js.send_publish(subject.clone(), message).await.expect("publish");
@@ -182,13 +183,16 @@ fn bench_segments(c: &mut Criterion) {
                                 }
                             }
                         });
+                        timed += started.elapsed();
+                        drop((batch, ids));
                     }
+                    let started = Instant::now();
                     bus.handle().block_on(async {
                         for ack in in_flight.drain(..) {
                             ack.await.expect("stored");
                         }
                     });
-                    started.elapsed()
+                    timed + started.elapsed()
                 })
             });
         }

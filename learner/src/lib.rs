@@ -10,8 +10,10 @@ pub mod checkpoint;
 pub mod consume;
 pub mod learner;
 pub mod losses;
+pub mod metrics;
 pub mod optim;
 
 pub use checkpoint::{Checkpoint, CheckpointError};
 pub use consume::{run_learner, LearnerControl, LearnerReport, RunLimits, StopReason};
 pub use learner::{Learner, LearnerError, UpdateStats};
+pub use metrics::LearnerMetrics;

@@ -32,7 +32,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use async_nats::jetstream::{self, consumer, kv, object_store, stream, AckKind, ErrorCode};
-use async_nats::{ConnectOptions, Event};
+use async_nats::{ConnectOptions, Event, Subject};
 use bytes::Bytes;
 use futures::StreamExt;
 use tokio::io::AsyncReadExt;
@@ -377,7 +377,7 @@ impl NatsBus {
             shared.js.get_stream_no_info(subjects::trajectory_stream(&shared.config.run)),
         ))?;
         Ok(NatsTrajectorySink {
-            subject: subjects::trajectories(&shared.config.run, actor),
+            subject: Subject::from(subjects::trajectories(&shared.config.run, actor)),
             incarnation: incarnation(),
             actor: actor.clone(),
             stop,
@@ -702,7 +702,8 @@ struct Pacing {
 pub struct NatsTrajectorySink {
     shared: Arc<Shared>,
     actor: ActorId,
-    subject: String,
+    /// Shared bytes, so each publish clones a reference count rather than the string.
+    subject: Subject,
     incarnation: String,
     stop: Arc<AtomicBool>,
     stream: jetstream::stream::Stream<()>,
@@ -842,21 +843,21 @@ impl NatsTrajectorySink {
         let Some(InFlight { msg_id, payload, mut ack }) = self.in_flight.pop_front() else {
             return Ok(());
         };
-        let deadline = self.shared.config.request_timeout + Duration::from_secs(1);
         let mut attempts = 0u32;
         let mut backoff = Backoff::new();
         loop {
             attempts += 1;
-            let problem = match tokio::time::timeout(deadline, &mut ack).await {
-                Ok(Ok(publish_ack)) => {
+            // The ack future has its deadline built in (the JetStream context's timeout,
+            // `request_timeout`), so no second timer per segment.
+            let problem = match (&mut ack).await {
+                Ok(publish_ack) => {
                     if publish_ack.duplicate {
                         debug!(actor = %self.actor, msg_id, "stream already had this segment");
                     }
                     self.stats.published += 1;
                     return Ok(());
                 }
-                Ok(Err(err)) => err.to_string(),
-                Err(_) => format!("no ack within {deadline:?}"),
+                Err(err) => err.to_string(),
             };
             if self.stopped() {
                 return Err(TransportError::Closed);

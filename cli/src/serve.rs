@@ -1,0 +1,63 @@
+//! The HTTP endpoint every long-running process serves: `/metrics` (Prometheus text),
+//! `/healthz` (the process is up) and `/readyz` (connected and holding weights).
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::thread;
+
+use anyhow::Context;
+use prometheus::{Encoder, IntGaugeVec, Opts, Registry, TextEncoder};
+use tracing::{info, warn};
+
+/// Tells `/readyz` whether the process can do its job.
+pub type Readiness = Arc<dyn Fn() -> bool + Send + Sync>;
+
+/// A registry with `volley_build_info{version, role} 1` already in it.
+pub fn registry_for(role: &str) -> anyhow::Result<Registry> {
+    let registry = Registry::new();
+    let build_info = IntGaugeVec::new(
+        Opts::new("volley_build_info", "Build of this process: version and role labels, value 1."),
+        &["version", "role"],
+    )?;
+    build_info.with_label_values(&[env!("CARGO_PKG_VERSION"), role]).set(1);
+    registry.register(Box::new(build_info))?;
+    Ok(registry)
+}
+
+/// Serve the endpoints on `addr` from a background thread; returns the bound address (useful
+/// with port 0).
+pub fn serve(addr: &str, registry: Registry, ready: Readiness) -> anyhow::Result<SocketAddr> {
+    let server = tiny_http::Server::http(addr)
+        .map_err(|err| anyhow::anyhow!("{err}"))
+        .with_context(|| format!("serving metrics on {addr}"))?;
+    let bound = server.server_addr().to_ip().context("metrics server address")?;
+    info!(address = %bound, "serving /metrics, /healthz and /readyz");
+    thread::Builder::new()
+        .name("volley-metrics".into())
+        .spawn(move || {
+            for request in server.incoming_requests() {
+                let (status, content_type, body) = match request.url() {
+                    "/metrics" => {
+                        let mut body = Vec::new();
+                        let encoder = TextEncoder::new();
+                        match encoder.encode(&registry.gather(), &mut body) {
+                            Ok(()) => (200, encoder.format_type().to_string(), body),
+                            Err(err) => (500, "text/plain".into(), err.to_string().into_bytes()),
+                        }
+                    }
+                    "/healthz" => (200, "text/plain".into(), b"ok\n".to_vec()),
+                    "/readyz" if ready() => (200, "text/plain".into(), b"ready\n".to_vec()),
+                    "/readyz" => (503, "text/plain".into(), b"not ready\n".to_vec()),
+                    _ => (404, "text/plain".into(), b"not found\n".to_vec()),
+                };
+                let header = tiny_http::Header::from_bytes("Content-Type", content_type.as_bytes())
+                    .expect("content types are valid header values");
+                let response = tiny_http::Response::from_data(body).with_status_code(status).with_header(header);
+                if let Err(err) = request.respond(response) {
+                    warn!(%err, "metrics response failed");
+                }
+            }
+        })
+        .context("spawning the metrics thread")?;
+    Ok(bound)
+}

@@ -1,0 +1,169 @@
+//! The learner's Prometheus metrics: the only place they are declared. Updated once per update
+//! from the loop's [`LearnerReport`] and the update's [`UpdateStats`].
+
+use std::time::Duration;
+
+use prometheus::{Counter, Gauge, GaugeVec, Histogram, HistogramOpts, IntCounter, IntCounterVec, Opts, Registry};
+
+use crate::consume::LearnerReport;
+use crate::learner::{Learner, UpdateStats};
+
+/// Handles to every learner metric.
+pub struct LearnerMetrics {
+    segments: IntCounterVec,
+    rejected: IntCounterVec,
+    samples: IntCounter,
+    env_steps: IntCounter,
+    episodes: IntCounter,
+    updates: IntCounter,
+    weights_published: IntCounter,
+    update_duration: Histogram,
+    policy_lag: Histogram,
+    wait_seconds: Counter,
+    compute_seconds: Counter,
+    loss: GaugeVec,
+    entropy: Gauge,
+    grad_norm: Gauge,
+    learning_rate: Gauge,
+    policy_version: Gauge,
+    mean_return: Gauge,
+    backlog: Gauge,
+    checkpoint_age: Gauge,
+    previous: LearnerReport,
+}
+
+impl LearnerMetrics {
+    /// Register the learner's metrics.
+    pub fn register(registry: &Registry) -> prometheus::Result<Self> {
+        let int = |name: &str, help: &str| IntCounter::with_opts(Opts::new(name, help));
+        let gauge = |name: &str, help: &str| Gauge::with_opts(Opts::new(name, help));
+        let metrics = LearnerMetrics {
+            segments: IntCounterVec::new(
+                Opts::new("volley_learner_segments_total", "Segments received, by outcome (used, stale, duplicate)."),
+                &["outcome"],
+            )?,
+            rejected: IntCounterVec::new(
+                Opts::new(
+                    "volley_learner_segments_rejected_total",
+                    "Malformed or foreign segments dropped, by reason.",
+                ),
+                &["reason"],
+            )?,
+            samples: int("volley_learner_samples_total", "Samples (steps) used in gradient updates.")?,
+            env_steps: int("volley_learner_env_steps_total", "Environment steps received in valid segments.")?,
+            episodes: int("volley_learner_episodes_total", "Episodes reported finished inside segments.")?,
+            updates: int("volley_learner_updates_total", "Learner updates applied.")?,
+            weights_published: int("volley_learner_weights_published_total", "Policy versions published.")?,
+            update_duration: Histogram::with_opts(
+                HistogramOpts::new(
+                    "volley_learner_update_duration_seconds",
+                    "Wall time of one update (batch to publish).",
+                )
+                .buckets(prometheus::exponential_buckets(1e-4, 2.0, 16)?),
+            )?,
+            policy_lag: Histogram::with_opts(
+                HistogramOpts::new("volley_learner_policy_lag", "Lag of received segments in policy versions.")
+                    .buckets(vec![0.0, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0]),
+            )?,
+            wait_seconds: Counter::with_opts(Opts::new(
+                "volley_learner_wait_seconds_total",
+                "Time spent waiting for segments (starvation).",
+            ))?,
+            compute_seconds: Counter::with_opts(Opts::new(
+                "volley_learner_compute_seconds_total",
+                "Time spent computing updates.",
+            ))?,
+            loss: GaugeVec::new(
+                Opts::new("volley_learner_loss", "Loss of the last update, by term (total, policy, value)."),
+                &["term"],
+            )?,
+            entropy: gauge("volley_learner_entropy", "Mean policy entropy in the last update (nats).")?,
+            grad_norm: gauge("volley_learner_grad_norm", "Global gradient norm before clipping, last update.")?,
+            learning_rate: gauge("volley_learner_learning_rate", "Learning rate of the last update.")?,
+            policy_version: gauge("volley_learner_policy_version", "The learner's current policy version.")?,
+            mean_return: gauge("volley_learner_episode_return_mean", "Mean return of the last 100 episodes.")?,
+            backlog: gauge("volley_learner_backlog_segments", "Segments stored but not yet delivered to the learner.")?,
+            checkpoint_age: gauge(
+                "volley_learner_checkpoint_age_seconds",
+                "Time since the last checkpoint was written.",
+            )?,
+            previous: LearnerReport::default(),
+        };
+        registry.register(Box::new(metrics.segments.clone()))?;
+        registry.register(Box::new(metrics.rejected.clone()))?;
+        for counter in
+            [&metrics.samples, &metrics.env_steps, &metrics.episodes, &metrics.updates, &metrics.weights_published]
+        {
+            registry.register(Box::new(counter.clone()))?;
+        }
+        registry.register(Box::new(metrics.update_duration.clone()))?;
+        registry.register(Box::new(metrics.policy_lag.clone()))?;
+        registry.register(Box::new(metrics.wait_seconds.clone()))?;
+        registry.register(Box::new(metrics.compute_seconds.clone()))?;
+        registry.register(Box::new(metrics.loss.clone()))?;
+        for gauge in [
+            &metrics.entropy,
+            &metrics.grad_norm,
+            &metrics.learning_rate,
+            &metrics.policy_version,
+            &metrics.mean_return,
+            &metrics.backlog,
+            &metrics.checkpoint_age,
+        ] {
+            registry.register(Box::new(gauge.clone()))?;
+        }
+        Ok(metrics)
+    }
+
+    /// Record one update. `published` says whether this update's version was published.
+    pub fn observe(&mut self, learner: &Learner, report: &LearnerReport, stats: &UpdateStats, published: bool) {
+        let prev = &self.previous;
+        let delta = |now: u64, before: u64| now.saturating_sub(before);
+        self.segments.with_label_values(&["used"]).inc_by(delta(report.segments_used, prev.segments_used));
+        self.segments.with_label_values(&["stale"]).inc_by(delta(report.segments_stale, prev.segments_stale));
+        self.segments
+            .with_label_values(&["duplicate"])
+            .inc_by(delta(report.segments_duplicate, prev.segments_duplicate));
+        for (reason, &count) in &report.segments_rejected {
+            let before = prev.segments_rejected.get(reason).copied().unwrap_or(0);
+            self.rejected.with_label_values(&[reason]).inc_by(delta(count, before));
+        }
+        self.samples.inc_by(delta(report.samples_trained, prev.samples_trained));
+        self.env_steps.inc_by(delta(report.env_steps, prev.env_steps));
+        self.episodes.inc_by(delta(report.episodes, prev.episodes));
+        self.updates.inc_by(delta(report.updates, prev.updates));
+        if published {
+            self.weights_published.inc();
+        }
+        let compute = report.compute_time.saturating_sub(prev.compute_time);
+        self.update_duration.observe(compute.as_secs_f64());
+        self.compute_seconds.inc_by(compute.as_secs_f64());
+        self.wait_seconds.inc_by(report.wait_time.saturating_sub(prev.wait_time).as_secs_f64());
+        for (lag, &count) in report.lag_histogram.iter().enumerate() {
+            let before = prev.lag_histogram.get(lag).copied().unwrap_or(0);
+            for _ in 0..delta(count, before) {
+                self.policy_lag.observe(lag as f64);
+            }
+        }
+        self.loss.with_label_values(&["total"]).set(stats.loss.total as f64);
+        self.loss.with_label_values(&["policy"]).set(stats.loss.policy as f64);
+        self.loss.with_label_values(&["value"]).set(stats.loss.value as f64);
+        self.entropy.set(stats.loss.entropy as f64);
+        self.grad_norm.set(stats.grad_norm as f64);
+        self.learning_rate.set(stats.learning_rate as f64);
+        self.policy_version.set(learner.version().0 as f64);
+        let mean = report.mean_return(100);
+        if mean.is_finite() {
+            self.mean_return.set(mean as f64);
+        }
+        if let Some(backlog) = report.backlog {
+            self.backlog.set(backlog as f64);
+        }
+        self.previous = report.clone();
+    }
+
+    /// Record the time since the last checkpoint.
+    pub fn set_checkpoint_age(&self, age: Duration) {
+        self.checkpoint_age.set(age.as_secs_f64());
+    }
+}
