@@ -61,3 +61,55 @@ pub fn serve(addr: &str, registry: Registry, ready: Readiness) -> anyhow::Result
         .context("spawning the metrics thread")?;
     Ok(bound)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::BTreeSet;
+    use volley_actor::ActorMetrics;
+    use volley_core::env::EnvConfig;
+    use volley_core::ids::RunId;
+    use volley_core::policy::{Activation, CoreKind, PolicySpec};
+    use volley_core::spec::{HyperParams, RunSpec};
+    use volley_learner::{Learner, LearnerMetrics, LearnerReport, UpdateStats};
+
+    fn exported_names() -> BTreeSet<String> {
+        let learner_registry = registry_for("learner").expect("registry");
+        let mut metrics = LearnerMetrics::register(&learner_registry).expect("learner metrics");
+        let spec = RunSpec {
+            run: RunId::new("docs").expect("valid"),
+            env: EnvConfig::Cartpole,
+            policy: PolicySpec {
+                obs_dim: 4,
+                n_actions: 2,
+                torso: vec![4],
+                activation: Activation::Tanh,
+                core: CoreKind::Mlp,
+            },
+            segment_len: 4,
+            hyper: HyperParams::default(),
+            seed: 0,
+        };
+        let learner = Learner::new(spec).expect("valid spec");
+        let mut report = LearnerReport { lag_histogram: vec![1; 16], ..LearnerReport::default() };
+        report.segments_rejected.insert("shape", 1);
+        metrics.observe(&learner, &report, &UpdateStats::default(), true);
+        let actor_registry = registry_for("actor").expect("registry");
+        ActorMetrics::register(&actor_registry, Default::default()).expect("actor metrics");
+        learner_registry.gather().iter().chain(actor_registry.gather().iter()).map(|f| f.name().to_string()).collect()
+    }
+
+    fn documented_names() -> BTreeSet<String> {
+        let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/OPERATIONS.md"))
+            .expect("docs/OPERATIONS.md");
+        doc.lines()
+            .filter_map(|line| line.strip_prefix("| `volley_"))
+            .map(|rest| format!("volley_{}", rest.split(['`', '{']).next().expect("a name")))
+            .collect()
+    }
+
+    #[test]
+    fn operations_doc_lists_exactly_the_exported_metrics() {
+        assert_eq!(exported_names(), documented_names());
+    }
+}
