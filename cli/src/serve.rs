@@ -112,4 +112,70 @@ mod tests {
     fn operations_doc_lists_exactly_the_exported_metrics() {
         assert_eq!(exported_names(), documented_names());
     }
+
+    /// Every `volley_*` metric name in a PromQL expression, histogram suffixes removed.
+    fn metric_names(expr: &str) -> Vec<String> {
+        let mut names = Vec::new();
+        let mut rest = expr;
+        while let Some(start) = rest.find("volley_") {
+            let tail = &rest[start..];
+            let end = tail.find(|c: char| !(c.is_ascii_alphanumeric() || c == '_')).unwrap_or(tail.len());
+            let name = &tail[..end];
+            let base = ["_bucket", "_sum", "_count"].iter().find_map(|s| name.strip_suffix(s)).unwrap_or(name);
+            names.push(base.to_string());
+            rest = &tail[end..];
+        }
+        names
+    }
+
+    #[test]
+    fn dashboards_reference_only_exported_metrics() {
+        let exported = exported_names();
+        let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../dashboards");
+        let mut checked = 0;
+        for entry in std::fs::read_dir(dir).expect("dashboards/") {
+            let path = entry.expect("entry").path();
+            if path.extension().is_none_or(|e| e != "json") {
+                continue;
+            }
+            let text = std::fs::read_to_string(&path).expect("readable");
+            let dashboard: serde_json::Value = serde_json::from_str(&text).expect("dashboard JSON parses");
+            let file = path.display();
+            assert!(dashboard["id"].is_null(), "{file}: provisioned dashboards have id null");
+            let uid = dashboard["uid"].as_str().expect("uid");
+            assert!((8..=40).contains(&uid.len()), "{file}: uid {uid:?} must be 8-40 characters");
+            let mut ids = BTreeSet::new();
+            for panel in dashboard["panels"].as_array().expect("panels") {
+                assert!(ids.insert(panel["id"].as_u64().expect("panel id")), "{file}: duplicate panel id");
+                if panel["type"] == "row" {
+                    continue;
+                }
+                assert_eq!(
+                    panel["datasource"]["uid"], "${datasource}",
+                    "{file}: {} uses a fixed datasource",
+                    panel["title"]
+                );
+                assert!(panel["fieldConfig"]["defaults"]["unit"].is_string(), "{file}: {} has no unit", panel["title"]);
+                for target in panel["targets"].as_array().expect("targets") {
+                    let expr = target["expr"].as_str().expect("expr");
+                    if expr.contains("rate(") {
+                        assert!(expr.contains("$__rate_interval"), "{file}: {expr} should use $__rate_interval");
+                    }
+                    for name in metric_names(expr) {
+                        assert!(exported.contains(&name), "{file}: {name} is not exported by any volley process");
+                        checked += 1;
+                    }
+                }
+            }
+        }
+        assert!(checked > 20, "the dashboards reference volley metrics ({checked} checked)");
+    }
+
+    #[test]
+    fn metric_names_are_found_in_expressions() {
+        let names =
+            metric_names("histogram_quantile(0.5, sum by (le) (rate(volley_learner_policy_lag_bucket{a=\"b\"}[5m])))");
+        assert_eq!(names, vec!["volley_learner_policy_lag".to_string()]);
+        assert_eq!(metric_names("max(volley_a) - min(volley_b_total)"), vec!["volley_a", "volley_b_total"]);
+    }
 }
