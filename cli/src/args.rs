@@ -9,7 +9,7 @@ use volley_core::env::{EnvConfig, MemoryConfig, MilestonesConfig};
 use volley_core::ids::RunId;
 use volley_core::policy::{Activation, CoreKind, PolicySpec};
 use volley_core::spec::{HyperParams, LossKind, RunSpec};
-use volley_core::transport::nats::NatsConfig;
+use volley_core::transport::nats::{NatsAuth, NatsConfig};
 use volley_learner::Checkpoint;
 
 /// Volley: a distributed actor-learner system for reinforcement learning.
@@ -30,6 +30,8 @@ pub enum Command {
     Learner(LearnerArgs),
     /// Run an actor that joins a run over NATS.
     Actor(ActorArgs),
+    /// Measure weight-broadcast latency over NATS: publish to N follower processes.
+    BenchWeights(BenchWeightsArgs),
 }
 
 /// Which built-in environment.
@@ -334,7 +336,8 @@ impl TryFrom<TrainArgs> for TrainConfig {
 }
 
 /// How to reach NATS (shared by `volley learner` and `volley actor`).
-#[derive(Debug, Clone, Args)]
+/// `Debug` shows no password.
+#[derive(Clone, Args)]
 pub struct NatsArgs {
     /// NATS server to connect to.
     #[arg(long = "nats", env = "VOLLEY_NATS_URL", default_value = "nats://127.0.0.1:4222")]
@@ -342,6 +345,24 @@ pub struct NatsArgs {
     /// Deadline for every NATS request, fetch and publish ack.
     #[arg(long, env = "VOLLEY_NATS_TIMEOUT_SECS", default_value_t = 5.0)]
     pub nats_timeout_secs: f64,
+    /// NATS user name (see broker-config/: `learner-<run>` or `actor-<run>`); needs a password.
+    #[arg(long, env = "VOLLEY_NATS_USER", requires = "nats_password")]
+    pub nats_user: Option<String>,
+    /// Password of `--nats-user`; prefer the environment variable over the flag (flags show up
+    /// in process listings). Never logged.
+    #[arg(long, env = "VOLLEY_NATS_PASSWORD", hide_env_values = true, requires = "nats_user")]
+    pub nats_password: Option<String>,
+}
+
+impl std::fmt::Debug for NatsArgs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NatsArgs")
+            .field("nats_url", &self.nats_url)
+            .field("nats_timeout_secs", &self.nats_timeout_secs)
+            .field("nats_user", &self.nats_user)
+            .field("nats_password", &self.nats_password.as_ref().map(|_| "<redacted>"))
+            .finish()
+    }
 }
 
 impl NatsArgs {
@@ -349,6 +370,13 @@ impl NatsArgs {
     pub fn config(&self, run: RunId) -> anyhow::Result<NatsConfig> {
         let mut config = NatsConfig::new(self.nats_url.clone(), run);
         config.request_timeout = check_secs("--nats-timeout-secs", self.nats_timeout_secs)?;
+        config.auth = match (&self.nats_user, &self.nats_password) {
+            (Some(user), Some(password)) => {
+                Some(NatsAuth::UserPassword { user: user.clone(), password: password.clone() })
+            }
+            (None, None) => None,
+            _ => bail!("--nats-user and --nats-password go together"),
+        };
         Ok(config)
     }
 }
@@ -490,4 +518,110 @@ pub struct MetricsArgs {
     /// Kubernetes use 0.0.0.0:9100).
     #[arg(long, env = "VOLLEY_METRICS_ADDR", default_value = "127.0.0.1:0")]
     pub metrics_addr: String,
+}
+
+/// The part `volley bench-weights` plays.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum BenchRole {
+    /// Start the followers, publish versions, report latencies.
+    Driver,
+    /// Follow the weights like an actor; print `version,unix_nanos` per new version.
+    Follower,
+}
+
+/// `volley bench-weights`: weight-broadcast latency from the learner's publish to every actor
+/// holding the version (see `cli/src/bench.rs`). Needs a running nats-server; starts none.
+#[derive(Debug, Args)]
+pub struct BenchWeightsArgs {
+    /// NATS connection.
+    #[command(flatten)]
+    pub nats: NatsArgs,
+    /// Run whose buckets the benchmark uses; the driver deletes and re-creates its KV bucket
+    /// and weights store, so never point it at a real run.
+    #[arg(long, default_value = "bench-weights")]
+    pub run: String,
+    /// Driver (the default) or one follower (started by the driver).
+    #[arg(long, value_enum, default_value = "driver")]
+    pub role: BenchRole,
+    /// Follower processes the driver starts.
+    #[arg(long, default_value_t = 8)]
+    pub followers: usize,
+    /// Size of the weights buffer in MiB (f32 parameters).
+    #[arg(long, default_value_t = 1.0)]
+    pub size_mib: f64,
+    /// Timed versions, after one warm-up version.
+    #[arg(long, default_value_t = 30)]
+    pub versions: u64,
+    /// Pause after every follower holds a version, before the next publish.
+    #[arg(long, default_value_t = 200)]
+    pub pause_ms: u64,
+    /// How often a follower asks for a newer version (an actor asks between segments).
+    #[arg(long, default_value_t = 1.0)]
+    pub poll_ms: f64,
+    /// Layout hash (hex) driver and followers agree on; the buffer is not a real policy.
+    #[arg(long, default_value = "62656e6368776774")]
+    pub layout_hash: String,
+    /// Give up when a version has not reached every follower (driver), or no new version came
+    /// (follower), within this many seconds.
+    #[arg(long, default_value_t = 60.0)]
+    pub timeout_secs: f64,
+}
+
+/// A validated `volley bench-weights` configuration.
+#[derive(Debug, Clone)]
+pub struct BenchWeightsConfig {
+    /// Transport config (its run is the benchmark's).
+    pub nats: NatsConfig,
+    /// Driver or follower.
+    pub role: BenchRole,
+    /// Follower processes.
+    pub followers: usize,
+    /// Buffer size in MiB, as given (passed on to the followers).
+    pub size_mib: f64,
+    /// Parameters per version: `size_mib` MiB of f32.
+    pub n_params: usize,
+    /// The agreed layout hash.
+    pub layout_hash: u64,
+    /// Timed versions (the last version number).
+    pub versions: u64,
+    /// Pause between versions.
+    pub pause: Duration,
+    /// Follower poll interval.
+    pub poll: Duration,
+    /// Per-version (driver) or idle (follower) limit.
+    pub timeout: Duration,
+}
+
+impl TryFrom<BenchWeightsArgs> for BenchWeightsConfig {
+    type Error = anyhow::Error;
+
+    fn try_from(args: BenchWeightsArgs) -> anyhow::Result<Self> {
+        let run = RunId::new(args.run.clone()).context("--run")?;
+        if args.followers == 0 || args.followers > 256 {
+            bail!("--followers: {} out of range 1..=256", args.followers);
+        }
+        if !(args.size_mib.is_finite() && args.size_mib > 0.0 && args.size_mib <= 1024.0) {
+            bail!("--size-mib: {} out of range (0, 1024]", args.size_mib);
+        }
+        let n_params = ((args.size_mib * 1024.0 * 1024.0 / 4.0).round() as usize).max(1);
+        if args.versions == 0 {
+            bail!("--versions must be at least 1");
+        }
+        let layout_hash = u64::from_str_radix(args.layout_hash.trim_start_matches("0x"), 16)
+            .with_context(|| format!("--layout-hash: {:?} is not a 64-bit hex number", args.layout_hash))?;
+        let poll = check_secs("--poll-ms", args.poll_ms * 1e-3)?;
+        let timeout = check_secs("--timeout-secs", args.timeout_secs)?;
+        Ok(BenchWeightsConfig {
+            nats: args.nats.config(run)?,
+            role: args.role,
+            followers: args.followers,
+            size_mib: args.size_mib,
+            n_params,
+            layout_hash,
+            versions: args.versions,
+            pause: Duration::from_millis(args.pause_ms),
+            poll,
+            timeout,
+        })
+    }
 }

@@ -19,7 +19,6 @@
 //! The weights are not a policy: driver and followers agree on a made-up layout hash
 //! (`--layout-hash`) and a parameter count derived from `--size-mib`.
 
-use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, ChildStdout, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -28,13 +27,15 @@ use std::thread;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{bail, Context};
+use async_nats::jetstream::context::GetStreamErrorKind;
+use async_nats::jetstream::ErrorCode;
 use tracing::{info, warn};
 use volley_core::env::EnvConfig;
 use volley_core::ids::PolicyVersion;
 use volley_core::policy::{Activation, PolicySpec};
 use volley_core::spec::{HyperParams, RunSpec};
 use volley_core::subjects;
-use volley_core::transport::nats::NatsBus;
+use volley_core::transport::nats::{NatsAuth, NatsBus};
 use volley_core::transport::{WeightsFollower, WeightsPublisher};
 use volley_core::wire::{encode_weights, Weights};
 
@@ -183,6 +184,11 @@ fn spawn_followers(config: &BenchWeightsConfig, reports: &mpsc::Sender<Report>) 
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit());
+        // Followers connect as the driver does; a password travels in the environment, which
+        // process listings do not show, rather than in a flag.
+        if let Some(NatsAuth::UserPassword { user, password }) = &config.nats.auth {
+            command.env("VOLLEY_NATS_USER", user).env("VOLLEY_NATS_PASSWORD", password);
+        }
         if std::env::var_os("RUST_LOG").is_none() {
             command.env("RUST_LOG", "warn");
         }
@@ -209,8 +215,7 @@ fn reset_run(bus: &NatsBus) -> anyhow::Result<()> {
         match deleted {
             Ok(_) => info!(%stream, "deleted the previous benchmark's stream"),
             Err(err) => match err.kind() {
-                async_nats::jetstream::context::GetStreamErrorKind::JetStream(js_err)
-                    if js_err.error_code() == async_nats::jetstream::ErrorCode::STREAM_NOT_FOUND => {}
+                GetStreamErrorKind::JetStream(js_err) if js_err.error_code() == ErrorCode::STREAM_NOT_FOUND => {}
                 _ => return Err(err).with_context(|| format!("deleting stream {stream}")),
             },
         }
@@ -243,8 +248,13 @@ fn collect(
             Ok(Report::Usable { follower, version: got, .. }) => {
                 warn!(follower, got, expected = version, "follower reported an unexpected version");
             }
+            // A follower exits after the last version: only a missing report is a failure.
+            Ok(Report::Gone { follower, .. }) if usable_at[follower].is_some() => {}
             Ok(Report::Gone { follower, problem }) => {
-                bail!("follower {follower} stopped before version {version}: {}", problem.as_deref().unwrap_or("exited"));
+                bail!(
+                    "follower {follower} stopped before version {version}: {}",
+                    problem.as_deref().unwrap_or("exited")
+                );
             }
             Err(mpsc::RecvTimeoutError::Timeout) => {}
             Err(mpsc::RecvTimeoutError::Disconnected) => bail!("every follower is gone"),
@@ -290,11 +300,8 @@ pub fn drive(config: &BenchWeightsConfig, interrupted: &AtomicBool) -> anyhow::R
     let mut last_ms = Vec::new();
     let mut per_follower_ms: Vec<Vec<f64>> = vec![Vec::new(); config.followers];
     for version in 1..=config.versions {
-        let weights = Arc::new(Weights::new(
-            PolicyVersion(version),
-            config.layout_hash,
-            params_for(version, config.n_params),
-        ));
+        let weights =
+            Arc::new(Weights::new(PolicyVersion(version), config.layout_hash, params_for(version, config.n_params)));
         let started = unix_nanos();
         publisher.publish(weights).with_context(|| format!("publishing version {version}"))?;
         let published = unix_nanos();

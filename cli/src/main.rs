@@ -1,6 +1,7 @@
 //! The `volley` command. Start at [`args::Command`].
 
 mod args;
+mod bench;
 mod curve;
 mod distributed;
 mod serve;
@@ -14,7 +15,7 @@ use clap::Parser;
 use tracing::warn;
 use tracing_subscriber::EnvFilter;
 
-use crate::args::{Cli, Command, LearnerConfig, TrainConfig};
+use crate::args::{BenchWeightsConfig, Cli, Command, LearnerConfig, TrainConfig};
 
 fn init_tracing() {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
@@ -55,6 +56,12 @@ fn main() -> anyhow::Result<()> {
             println!("{}", serde_json::to_string(&summary)?);
         }
         Command::Actor(args) => distributed::actor(args, interrupted)?,
+        Command::BenchWeights(args) => {
+            let config = BenchWeightsConfig::try_from(args)?;
+            if let Some(summary) = bench::bench_weights(&config, &interrupted)? {
+                println!("{}", serde_json::to_string(&summary)?);
+            }
+        }
     }
     Ok(())
 }

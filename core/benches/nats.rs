@@ -9,8 +9,8 @@
 //! - `volley_sink`: `NatsTrajectorySink::publish` of owned segments (encoding, message id,
 //!   size check, pacing check, 32 acks in flight) and `flush()` at the end of the sample;
 //! - `raw`: `jetstream::Context::publish` of the same bytes pre-encoded, 32 acks in flight;
-//! - `raw_msg_id`: the same with a unique `Nats-Msg-Id` header per message (what the sink adds
-//!   for server-side deduplication);
+//! - `raw_msg_id`: the same with a unique `Nats-Msg-Id` header per message, shaped like the
+//!   sink's (which it adds for server-side deduplication of retried publishes);
 //! - `encode`: `wire::encode_segment` alone, for the share of the sink's time spent encoding.
 //!
 //! The run is created with `ensure_run`, so the learner's durable consumer exists (nobody
@@ -46,6 +46,9 @@ const SEGMENT_LEN: usize = 32;
 const WINDOW: usize = 32;
 const RUN: &str = "bench";
 const ACTOR: &str = "actor-0";
+/// Stands in for the sink's incarnation (16 hex digits) in `raw_msg_id`, so its ids have the
+/// sink's length but never collide with the sink's.
+const RAW_INCARNATION: &str = "raw0000000000000";
 
 /// A segment shaped like an actor's: `T + 1` observations of `obs_dim`, binary actions,
 /// unit rewards, log-probabilities near ln ½, one finished episode.
@@ -164,7 +167,10 @@ fn bench_segments(c: &mut Criterion) {
                         // same time to make progress between calls.
                         let batch = next_batch(&template, &mut next_idx);
                         let ids: Vec<String> = if with_msg_id {
-                            batch.iter().map(|s| format!("raw-{}-{}", s.env_idx, s.segment_idx)).collect()
+                            batch
+                                .iter()
+                                .map(|s| subjects::trajectory_msg_id(ACTOR, RAW_INCARNATION, s.env_idx, s.segment_idx))
+                                .collect()
                         } else {
                             Vec::new()
                         };

@@ -39,6 +39,10 @@ pub struct TestNats {
     binary: PathBuf,
     port: u16,
     options: TestNatsOptions,
+    /// Extra config text appended to the server's config file ([`TestNats::start_with_config`]).
+    extra_config: Option<String>,
+    /// Environment variables set for the server process (config `$VARIABLES`).
+    env: Vec<(String, String)>,
     /// Holds the JetStream store, the config file and the server log; removed on drop.
     dir: tempfile::TempDir,
     child: Option<Child>,
@@ -58,7 +62,28 @@ impl TestNats {
     pub fn start_with(options: TestNatsOptions) -> Self {
         let binary = find_nats_server();
         let dir = tempfile::Builder::new().prefix("volley-nats-").tempdir().expect("create a temporary directory");
-        let mut server = TestNats { binary, port: free_port(), options, dir, child: None };
+        let mut server =
+            TestNats { binary, port: free_port(), options, extra_config: None, env: Vec::new(), dir, child: None };
+        server.spawn_and_wait();
+        server
+    }
+
+    /// Start a server whose config file holds `config` (e.g. accounts, users and permissions, or
+    /// an `include` of an absolute path), with `env` set in its environment for the config's
+    /// `$VARIABLES`. Address, port and store directory still come from the command line, which
+    /// overrides the file, so `config` should not set them. Otherwise as [`TestNats::start`].
+    pub fn start_with_config(config: &str, env: &[(&str, &str)]) -> Self {
+        let binary = find_nats_server();
+        let dir = tempfile::Builder::new().prefix("volley-nats-").tempdir().expect("create a temporary directory");
+        let mut server = TestNats {
+            binary,
+            port: free_port(),
+            options: TestNatsOptions::default(),
+            extra_config: Some(config.to_string()),
+            env: env.iter().map(|(name, value)| (name.to_string(), value.to_string())).collect(),
+            dir,
+            child: None,
+        };
         server.spawn_and_wait();
         server
     }
@@ -115,11 +140,20 @@ impl TestNats {
             .args(["-p", &self.port.to_string()])
             .arg("-sd")
             .arg(self.store_dir());
+        let mut config_text = String::new();
         if let Some(max_payload) = self.options.max_payload_bytes {
+            config_text.push_str(&format!("max_payload: {max_payload}\n"));
+        }
+        if let Some(extra) = &self.extra_config {
+            config_text.push_str(extra);
+            config_text.push('\n');
+        }
+        if !config_text.is_empty() {
             let config = self.dir.path().join("nats-server.conf");
-            std::fs::write(&config, format!("max_payload: {max_payload}\n")).expect("write the nats-server config");
+            std::fs::write(&config, config_text).expect("write the nats-server config");
             command.arg("-c").arg(config);
         }
+        command.envs(self.env.iter().map(|(name, value)| (name, value)));
         // Append, so a restarted server's log follows the first one's.
         let log = File::options().create(true).append(true).open(self.log_path()).expect("open the server log");
         command.stdin(Stdio::null()).stdout(log.try_clone().expect("clone the log handle")).stderr(log);
@@ -148,6 +182,12 @@ impl TestNats {
         let tail = self.log_tail();
         self.kill();
         panic!("nats-server on port {} not ready after {READY_TIMEOUT:?} ({last_problem})\n{tail}", self.port);
+    }
+
+    /// The server's log so far (both runs after a [`TestNats::restart`]), e.g. to show the
+    /// permission violations it reported.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.log_path()).unwrap_or_default()
     }
 
     fn log_tail(&self) -> String {

@@ -32,7 +32,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use async_nats::jetstream::{self, consumer, kv, object_store, stream, AckKind, ErrorCode};
-use async_nats::{ConnectOptions, Event, Subject};
+use async_nats::{ConnectErrorKind, ConnectOptions, Event, ServerError, Subject};
 use bytes::Bytes;
 use futures::StreamExt;
 use tokio::io::AsyncReadExt;
@@ -68,6 +68,101 @@ const BACKOFF_MAX: Duration = Duration::from_secs(1);
 const MIN_TRANSFER_BYTES_PER_SEC: f64 = 8.0 * 1024.0 * 1024.0;
 /// An ephemeral replay consumer is removed by the server after this long without a fetch.
 const REPLAY_INACTIVE_THRESHOLD: Duration = Duration::from_secs(300);
+/// How a permission violation reported by the server starts (`-ERR 'Permissions Violation for
+/// Publish to "<subject>"'`, or `... for Subscription to ...`).
+const PERMISSION_VIOLATION: &str = "permissions violation";
+/// Start of the message of a [`TransportError::Failed`] caused by a permission violation.
+const PERMISSION_DENIED: &str = "permission denied by the nats server";
+/// Permission violations remembered per connection (the newest ones).
+const DENIALS_KEPT: usize = 16;
+
+/// How a [`NatsBus`] authenticates to the server. `Debug` never shows a secret.
+#[derive(Clone, PartialEq, Eq)]
+pub enum NatsAuth {
+    /// A user name and password (a `users` entry in the server config, see `broker-config/`).
+    UserPassword {
+        /// The user name.
+        user: String,
+        /// The password (plain text; the server may store a bcrypt hash of it).
+        password: String,
+    },
+    /// A token (`authorization { token }` in the server config).
+    Token(String),
+}
+
+impl fmt::Debug for NatsAuth {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            NatsAuth::UserPassword { user, .. } => {
+                f.debug_struct("UserPassword").field("user", user).field("password", &"<redacted>").finish()
+            }
+            NatsAuth::Token(_) => f.write_str("Token(<redacted>)"),
+        }
+    }
+}
+
+impl NatsAuth {
+    /// Who connects, for logs and errors (never the secret).
+    fn describe(&self) -> String {
+        match self {
+            NatsAuth::UserPassword { user, .. } => format!("user {user}"),
+            NatsAuth::Token(_) => "a token".to_string(),
+        }
+    }
+}
+
+/// Permission violations the server reported on one connection, newest last.
+///
+/// The server answers a denied publish (a JetStream API request included) with an
+/// asynchronous `-ERR` and drops the message, so the request behind it only times out. The
+/// transport remembers the violations so that such a timeout is reported as the denial it is
+/// (see [`timed`] and [`call`]), and so that retry loops give up instead of retrying a denial.
+#[derive(Debug, Default)]
+struct Denials {
+    recent: Mutex<VecDeque<(Instant, String)>>,
+}
+
+impl Denials {
+    fn record(&self, message: String) {
+        let mut recent = self.recent.lock().expect("denials lock is never poisoned");
+        if recent.len() == DENIALS_KEPT {
+            recent.pop_front();
+        }
+        recent.push_back((Instant::now(), message));
+    }
+
+    /// The newest violation reported at or after `since` whose message contains `subject`
+    /// (any violation when `subject` is empty).
+    fn since(&self, since: Instant, subject: &str) -> Option<String> {
+        let recent = self.recent.lock().expect("denials lock is never poisoned");
+        recent.iter().rev().find(|(at, message)| *at >= since && message.contains(subject)).map(|(_, m)| m.clone())
+    }
+}
+
+tokio::task_local! {
+    /// The denials of the bus whose `block_on` runs the current future; lets [`timed`] and
+    /// [`call`] explain a timeout without a reference to the bus.
+    static DENIALS: Arc<Denials>;
+}
+
+/// A [`TransportError::Failed`] for a permission violation reported while `operation` ran.
+#[cold]
+fn denied(operation: &'static str, violation: &str) -> TransportError {
+    let message = format!("{PERMISSION_DENIED}: {violation} (check the NATS user's permissions, see broker-config/)");
+    warn!(operation, error = %message, "nats operation denied");
+    TransportError::Failed { operation, message }
+}
+
+/// Whether `err` reports a permission violation (retrying it cannot help).
+fn is_denied(err: &TransportError) -> bool {
+    matches!(err, TransportError::Failed { message, .. } if message.starts_with(PERMISSION_DENIED))
+}
+
+/// The permission violation reported since `started` on the connection of the bus running
+/// this future, if any.
+fn denial_since(started: Instant) -> Option<String> {
+    DENIALS.try_with(|denials| denials.since(started, "")).ok().flatten()
+}
 
 /// Connection and run-layout settings of a [`NatsBus`].
 #[derive(Debug, Clone, PartialEq)]
@@ -101,6 +196,8 @@ pub struct NatsConfig {
     pub max_deliver: i64,
     /// Weights objects kept in the object store (the newest ones); older ones are deleted.
     pub keep_weight_versions: usize,
+    /// How to authenticate (`None`: anonymous, for a server without auth).
+    pub auth: Option<NatsAuth>,
 }
 
 impl NatsConfig {
@@ -122,6 +219,7 @@ impl NatsConfig {
             ack_wait: Duration::from_secs(30),
             max_deliver: 10,
             keep_weight_versions: 3,
+            auth: None,
         }
     }
 
@@ -151,13 +249,15 @@ struct Shared {
     handle: Handle,
     /// Counts (re)connections; the weights follower re-creates its watch when it changes.
     connections: tokio::sync::watch::Receiver<u64>,
+    /// Permission violations the server reported on this connection.
+    denials: Arc<Denials>,
     /// Declared last: dropped after the client.
     _runtime: OwnedRuntime,
 }
 
 impl Shared {
     fn block_on<F: Future>(&self, future: F) -> F::Output {
-        self.handle.block_on(future)
+        self.handle.block_on(DENIALS.scope(self.denials.clone(), future))
     }
 }
 
@@ -197,6 +297,7 @@ impl NatsBus {
     fn connect_inner(config: NatsConfig, handle: Handle, runtime: OwnedRuntime) -> Result<Self, TransportError> {
         let (connections_tx, connections) = tokio::sync::watch::channel(0u64);
         let connections_tx = Arc::new(connections_tx);
+        let denials = Arc::new(Denials::default());
         // Our own retry loop instead of `retry_on_initial_connect`: that option returns at once
         // and leaves a task retrying forever, while a bounded loop gives a clear error.
         let client = handle.block_on(async {
@@ -206,18 +307,33 @@ impl NatsBus {
             loop {
                 attempts += 1;
                 let remaining = config.connect_timeout.saturating_sub(started.elapsed());
-                let events = connections_tx.clone();
-                let options = ConnectOptions::new()
+                let (events, event_denials) = (connections_tx.clone(), denials.clone());
+                let mut options = ConnectOptions::new()
                     .name("volley")
                     .connection_timeout(config.request_timeout.min(remaining).max(Duration::from_millis(10)))
                     .request_timeout(Some(config.request_timeout))
                     .reconnect_delay_callback(reconnect_delay)
                     .event_callback(move |event| {
-                        let events = events.clone();
-                        async move { on_connection_event(&events, event) }
+                        let (events, denials) = (events.clone(), event_denials.clone());
+                        async move { on_connection_event(&events, &denials, event) }
                     });
+                options = match &config.auth {
+                    Some(NatsAuth::UserPassword { user, password }) => {
+                        options.user_and_password(user.clone(), password.clone())
+                    }
+                    Some(NatsAuth::Token(token)) => options.token(token.clone()),
+                    None => options,
+                };
                 let problem = match tokio::time::timeout(remaining, options.connect(config.url.as_str())).await {
                     Ok(Ok(client)) => break Ok(client),
+                    // Wrong credentials do not get better with retries.
+                    Ok(Err(err)) if err.kind() == ConnectErrorKind::AuthorizationViolation => {
+                        let who = config.auth.as_ref().map_or_else(|| "anonymous".to_string(), NatsAuth::describe);
+                        break Err(failed(
+                            "connect",
+                            format!("nats server {} refused {who}: {err} (wrong user or password?)", config.url),
+                        ));
+                    }
                     Ok(Err(err)) => err.to_string(),
                     Err(_) => "timed out".to_string(),
                 };
@@ -240,7 +356,7 @@ impl NatsBus {
             jetstream::ContextBuilder::new().timeout(config.request_timeout).build(client.clone())
         };
         info!(url = %config.url, run = %config.run, max_payload = client.max_payload(), "connected to nats");
-        Ok(NatsBus { shared: Arc::new(Shared { config, client, js, handle, connections, _runtime: runtime }) })
+        Ok(NatsBus { shared: Arc::new(Shared { config, client, js, handle, connections, denials, _runtime: runtime }) })
     }
 
     /// The bus configuration.
@@ -515,8 +631,12 @@ fn reconnect_delay(attempts: usize) -> Duration {
     Duration::from_millis(if attempts <= 1 { 0 } else { 2u64.pow(exponent) }).min(Duration::from_secs(2))
 }
 
-fn on_connection_event(connections: &tokio::sync::watch::Sender<u64>, event: Event) {
+fn on_connection_event(connections: &tokio::sync::watch::Sender<u64>, denials: &Denials, event: Event) {
     match event {
+        Event::ServerError(ServerError::Other(message)) if message.to_lowercase().starts_with(PERMISSION_VIOLATION) => {
+            warn!(error = %message, "nats server denied an operation");
+            denials.record(message);
+        }
         Event::Connected => {
             connections.send_modify(|n| *n += 1);
             info!("nats connected");
@@ -543,8 +663,13 @@ fn failed(operation: &'static str, err: impl fmt::Display) -> TransportError {
 }
 
 /// Run `future` with a deadline; log and map an expiry to [`TransportError::Timeout`].
+/// A timeout after a permission violation reported meanwhile becomes that denial.
 async fn timed<F: Future>(operation: &'static str, after: Duration, future: F) -> Result<F::Output, TransportError> {
+    let started = Instant::now();
     tokio::time::timeout(after, future).await.map_err(|_| {
+        if let Some(violation) = denial_since(started) {
+            return denied(operation, &violation);
+        }
         warn!(operation, ?after, "nats operation timed out");
         TransportError::Timeout { operation, after }
     })
@@ -557,7 +682,13 @@ async fn call<T, E: fmt::Display>(
     after: Duration,
     future: impl Future<Output = Result<T, E>>,
 ) -> Result<T, TransportError> {
-    timed(operation, after, future).await?.map_err(|err| failed(operation, err))
+    let started = Instant::now();
+    // async-nats times its requests out after the same `request_timeout`: a denied request
+    // usually fails here, as an error of the call, rather than in `timed`.
+    timed(operation, after, future).await?.map_err(|err| match denial_since(started) {
+        Some(violation) => denied(operation, &violation),
+        None => failed(operation, err),
+    })
 }
 
 /// Exponential backoff between retries: 50 ms doubling to 1 s.
@@ -595,6 +726,7 @@ where
                 }
                 return Ok(value);
             }
+            Err(err) if is_denied(&err) => return Err(err),
             Err(err) if started.elapsed() >= budget => {
                 warn!(operation, attempts, %err, "nats operation failed; giving up");
                 return Err(err);
@@ -859,6 +991,12 @@ impl NatsTrajectorySink {
                 }
                 Err(err) => err.to_string(),
             };
+            // A denied publish is never acknowledged; retrying it cannot help.
+            let window = Instant::now().checked_sub(self.shared.config.request_timeout * 2);
+            let subject = format!("\"{}\"", self.subject);
+            if let Some(violation) = window.and_then(|since| self.shared.denials.since(since, &subject)) {
+                return Err(denied("publish segment", &violation));
+            }
             if self.stopped() {
                 return Err(TransportError::Closed);
             }

