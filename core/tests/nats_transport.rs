@@ -552,14 +552,18 @@ fn sink_source_publisher_and_follower_survive_a_server_restart() {
     let mut publisher = learner_thread.join().expect("learner thread");
     let mut seen = BTreeSet::new();
     let started = Instant::now();
-    while seen.len() < 3 {
+    let new: BTreeSet<u64> = (3..6).collect();
+    while !seen.is_superset(&new) {
         assert!(started.elapsed() < GUARD, "segments after the restart never arrived: {seen:?}");
         let mut out = Vec::new();
         let _ = source.recv(3, Duration::from_millis(200), &mut out);
         source.ack(&out.iter().map(|d| d.token).collect::<Vec<_>>()).expect("ack after the restart");
         seen.extend(out.iter().map(segment_idx));
     }
-    assert_eq!(seen, (3..6).collect(), "only the new segments: the old ones were acked before the restart");
+    // JetStream's file store syncs consumer state asynchronously, so a SIGKILL can lose the
+    // newest acks and an acked segment may come once more (the learner's duplicate filter
+    // drops it). Nothing else may appear, and nothing published may be missing.
+    assert!(seen.iter().all(|&idx| idx < 6), "only segments that were published: {seen:?}");
 
     publisher.publish(weights(2, 16)).expect("v2 after the restart");
     let started = Instant::now();
