@@ -11,7 +11,7 @@ use volley_actor::{ActorCounters, ActorMetrics, RolloutWorker};
 use volley_core::ids::{ActorId, RunId};
 use volley_core::transport::local::weights_channel;
 use volley_core::transport::nats::NatsBus;
-use volley_core::transport::{TrajectorySource, TransportError, WeightsFollower, WeightsPublisher};
+use volley_core::transport::{TrajectorySource, WeightsPublisher};
 use volley_learner::{run_learner, Checkpoint, Learner, LearnerMetrics, LearnerReport, RunLimits, UpdateStats};
 
 use crate::args::{ActorArgs, LearnerConfig};
@@ -89,23 +89,15 @@ pub fn learner(config: LearnerConfig, interrupted: Arc<AtomicBool>) -> anyhow::R
     } else {
         bus.ensure_run(&spec).context("creating the run's streams and buckets")?;
         // Versions never go backwards: continue above whatever this run already published.
-        let mut follower = bus.weights_follower(layout.hash(), layout.n_params()).context("reading weights")?;
-        match follower.wait_first(Duration::from_secs(1)) {
-            Ok(published) => {
-                learner.advance_version_past(published.version);
-                info!(
-                    published = published.version.0,
-                    next = learner.version().0,
-                    "continuing above the published version"
-                );
+        let publisher = bus.weights_publisher().context("opening the weights store")?;
+        match publisher.published_before() {
+            Some(published) => {
+                learner.advance_version_past(published);
+                info!(published = published.0, next = learner.version().0, "continuing above the published version");
             }
-            Err(TransportError::Timeout { .. }) => info!("no weights published yet for this run"),
-            Err(err) => warn!(%err, "could not read the published weights; starting at the checkpoint's version"),
+            None => info!("no weights published yet for this run"),
         }
-        (
-            Box::new(bus.trajectory_source().context("opening the learner consumer")?),
-            Box::new(bus.weights_publisher().context("opening the weights store")?),
-        )
+        (Box::new(bus.trajectory_source().context("opening the learner consumer")?), Box::new(publisher))
     };
 
     let registry = serve::registry_for("learner")?;

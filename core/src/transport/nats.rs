@@ -1454,6 +1454,14 @@ impl fmt::Debug for NatsWeightsPublisher {
     }
 }
 
+impl NatsWeightsPublisher {
+    /// The newest version this run had published when the publisher opened (read from the KV
+    /// pointer, no waiting): a restarted learner continues above it.
+    pub fn published_before(&self) -> Option<PolicyVersion> {
+        self.published_before.map(PolicyVersion)
+    }
+}
+
 impl WeightsPublisher for NatsWeightsPublisher {
     fn publish(&mut self, weights: Arc<Weights>) -> Result<(), TransportError> {
         let version = weights.version.0;
