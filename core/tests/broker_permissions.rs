@@ -8,6 +8,8 @@
 //! that async-nats needs but the config lacks fails here even where the transport tolerates
 //! the failure (e.g. the pacing read).
 
+mod common;
+
 use std::path::PathBuf;
 use std::sync::atomic::AtomicBool;
 use std::sync::{mpsc, Arc};
@@ -15,10 +17,8 @@ use std::thread;
 use std::time::Duration;
 
 use bytes::Bytes;
-use volley_core::env::EnvConfig;
 use volley_core::ids::{ActorId, PolicyVersion, RunId};
-use volley_core::policy::{Activation, CoreKind, PolicySpec};
-use volley_core::spec::{HyperParams, RunSpec};
+use volley_core::spec::RunSpec;
 use volley_core::subjects;
 use volley_core::transport::nats::{NatsAuth, NatsBus, NatsConfig};
 use volley_core::transport::{TrajectorySink, TrajectorySource, TransportError, WeightsFollower, WeightsPublisher};
@@ -68,45 +68,11 @@ fn actor_on(server: &TestNats, run: &str) -> NatsBus {
 }
 
 fn spec() -> RunSpec {
-    RunSpec {
-        run: RunId::new(RUN).expect("a valid run id"),
-        env: EnvConfig::Cartpole,
-        policy: PolicySpec {
-            obs_dim: 4,
-            n_actions: 2,
-            torso: vec![8],
-            activation: Activation::Tanh,
-            core: CoreKind::Mlp,
-        },
-        segment_len: 4,
-        hyper: HyperParams::default(),
-        seed: 7,
-    }
+    common::spec(RUN)
 }
 
 fn segment(actor: &str, segment_idx: u64) -> TrajectorySegment {
-    TrajectorySegment {
-        run: RUN.into(),
-        actor: actor.into(),
-        incarnation: 0,
-        env_idx: 0,
-        episode_id: 0,
-        segment_idx,
-        task_id: 0,
-        start_snapshot: None,
-        policy_version: PolicyVersion(0),
-        layout_hash: 0,
-        obs_dim: 1,
-        observations: vec![segment_idx as f32; 2],
-        actions: vec![0],
-        rewards: vec![1.0],
-        terminated: vec![0],
-        truncated: vec![0],
-        behaviour_log_probs: vec![-0.5],
-        truncation_values: vec![0.0],
-        initial_hidden: vec![],
-        finished_episodes: vec![],
-    }
+    common::segment(RUN, actor, 0, segment_idx)
 }
 
 fn weights(version: u64) -> Arc<Weights> {

@@ -5,6 +5,8 @@
 //! No assertion depends on timing; waits are bounded only so that a broken build fails
 //! instead of hanging.
 
+mod common;
+
 use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc};
@@ -13,10 +15,8 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use futures::StreamExt;
-use volley_core::env::EnvConfig;
 use volley_core::ids::{ActorId, PolicyVersion, RunId};
-use volley_core::policy::{Activation, CoreKind, PolicySpec};
-use volley_core::spec::{HyperParams, RunSpec};
+use volley_core::spec::RunSpec;
 use volley_core::subjects;
 use volley_core::transport::nats::{NatsBus, NatsConfig, NatsTrajectorySource};
 use volley_core::transport::{
@@ -45,45 +45,11 @@ fn config(server: &TestNats, run_name: &str) -> NatsConfig {
 }
 
 fn spec(run_name: &str) -> RunSpec {
-    RunSpec {
-        run: run(run_name),
-        env: EnvConfig::Cartpole,
-        policy: PolicySpec {
-            obs_dim: 4,
-            n_actions: 2,
-            torso: vec![8],
-            activation: Activation::Tanh,
-            core: CoreKind::Mlp,
-        },
-        segment_len: 4,
-        hyper: HyperParams::default(),
-        seed: 7,
-    }
+    common::spec(run_name)
 }
 
 fn segment(actor: &str, env_idx: u32, segment_idx: u64) -> TrajectorySegment {
-    TrajectorySegment {
-        run: "test".into(),
-        actor: actor.into(),
-        incarnation: 0,
-        env_idx,
-        episode_id: 0,
-        segment_idx,
-        task_id: 0,
-        start_snapshot: None,
-        policy_version: PolicyVersion(0),
-        layout_hash: 0,
-        obs_dim: 1,
-        observations: vec![segment_idx as f32; 2],
-        actions: vec![0],
-        rewards: vec![1.0],
-        terminated: vec![0],
-        truncated: vec![0],
-        behaviour_log_probs: vec![-0.5],
-        truncation_values: vec![0.0],
-        initial_hidden: vec![],
-        finished_episodes: vec![],
-    }
+    common::segment("test", actor, env_idx, segment_idx)
 }
 
 /// A connected bus with the run created (the learner's start).
