@@ -112,7 +112,8 @@ impl SegmentBatch {
     }
 }
 
-fn resize(buffer: &mut Vec<f32>, len: usize) {
+/// Clear `buffer` and refill it with `len` zeros, keeping its allocation.
+pub(crate) fn resize(buffer: &mut Vec<f32>, len: usize) {
     buffer.clear();
     buffer.resize(len, 0.0);
 }

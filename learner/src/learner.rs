@@ -13,7 +13,7 @@ use volley_core::returns::vtrace::VTraceConfig;
 use volley_core::spec::{LossKind, RunSpec, SpecError};
 use volley_core::wire::Weights;
 
-use crate::batch::{gather, SegmentBatch};
+use crate::batch::{gather, resize, SegmentBatch};
 use crate::checkpoint::{Checkpoint, CheckpointError};
 use crate::losses::{self, LossStats, PpoLossConfig, SequenceBatch, VTraceLossConfig, VTraceWorkspace};
 use crate::optim::{clip_grad_global_norm, Adam, AdamConfig, AdamState, LrSchedule};
@@ -417,9 +417,4 @@ fn sequence_batch(batch: &SegmentBatch, n_actions: usize) -> SequenceBatch<'_> {
         discounts: &batch.discounts,
         sample_weights: &batch.sample_weights,
     }
-}
-
-fn resize(buffer: &mut Vec<f32>, len: usize) {
-    buffer.clear();
-    buffer.resize(len, 0.0);
 }
