@@ -10,6 +10,7 @@ use volley_core::ids::RunId;
 use volley_core::policy::{Activation, CoreKind, PolicySpec};
 use volley_core::spec::{HyperParams, LossKind, RunSpec};
 use volley_core::transport::nats::{NatsAuth, NatsConfig};
+use volley_learner::backend::BackendKind;
 use volley_learner::Checkpoint;
 
 /// Volley: a distributed actor-learner system for reinforcement learning.
@@ -70,6 +71,27 @@ pub enum LossName {
     Vtrace,
     /// PPO-clip with behaviour importance weights.
     Ppo,
+}
+
+/// Where the learner's update runs (`--backend`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum BackendName {
+    /// CUDA when a GPU works, otherwise the CPU with a warning.
+    Auto,
+    /// The CPU backend (one thread).
+    Cpu,
+    /// CUDA; fail if no GPU works.
+    Cuda,
+}
+
+impl From<BackendName> for BackendKind {
+    fn from(name: BackendName) -> Self {
+        match name {
+            BackendName::Auto => BackendKind::Auto,
+            BackendName::Cpu => BackendKind::Cpu,
+            BackendName::Cuda => BackendKind::Cuda,
+        }
+    }
 }
 
 /// When to draw a progress bar.
@@ -185,6 +207,10 @@ pub struct TrainArgs {
     /// Progress output.
     #[arg(long, value_enum, default_value = "auto", env = "VOLLEY_PROGRESS")]
     pub progress: ProgressMode,
+    /// Where the learner's update runs; `cpu` is faster for the tiny default network, whose
+    /// batches are too small to occupy a GPU.
+    #[arg(long, value_enum, default_value = "auto", env = "VOLLEY_BACKEND")]
+    pub backend: BackendName,
 }
 
 /// A validated `volley train` configuration.
@@ -206,6 +232,8 @@ pub struct TrainConfig {
     pub run_dir: PathBuf,
     /// Progress output.
     pub progress: ProgressMode,
+    /// Learner backend.
+    pub backend: BackendKind,
 }
 
 /// The solved threshold of a built-in environment (mean return over 100 episodes).
@@ -330,6 +358,7 @@ impl TryFrom<TrainArgs> for TrainConfig {
             target_return,
             run_dir,
             progress: args.progress,
+            backend: args.backend.into(),
             spec,
         })
     }
@@ -421,6 +450,10 @@ pub struct LearnerArgs {
     /// published and no checkpoint is written).
     #[arg(long)]
     pub replay: bool,
+    /// Where the update runs: `auto` uses the GPU when one works and otherwise falls back to
+    /// the CPU with a warning; `cuda` fails without a GPU.
+    #[arg(long, value_enum, default_value = "auto", env = "VOLLEY_BACKEND")]
+    pub backend: BackendName,
 }
 
 /// A validated `volley learner` configuration.
@@ -448,6 +481,8 @@ pub struct LearnerConfig {
     pub replay: bool,
     /// Metrics endpoint address.
     pub metrics_addr: String,
+    /// Learner backend.
+    pub backend: BackendKind,
 }
 
 impl TryFrom<LearnerArgs> for LearnerConfig {
@@ -482,6 +517,7 @@ impl TryFrom<LearnerArgs> for LearnerConfig {
             publish_every: args.publish_every,
             replay: args.replay,
             metrics_addr: args.metrics.metrics_addr,
+            backend: args.backend.into(),
             nats,
             spec,
         })

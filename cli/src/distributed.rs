@@ -78,6 +78,7 @@ pub fn learner(config: LearnerConfig, interrupted: Arc<AtomicBool>) -> anyhow::R
         }
         None => (Learner::new(spec.clone()).context("building the learner")?, 0, None),
     };
+    learner.use_backend(config.backend).context("--backend")?;
     let layout = learner.layout().clone();
     info!(run = %spec.run, env = spec.env.name(), loss = ?spec.hyper.loss, policy = ?spec.policy,
           layout_hash = format!("{:016x}", layout.hash()), replay = config.replay, "learner starting");
@@ -124,7 +125,7 @@ pub fn learner(config: LearnerConfig, interrupted: Arc<AtomicBool>) -> anyhow::R
         publisher.as_mut(),
         &limits,
         &interrupted,
-        &mut |learner: &Learner, report: &LearnerReport, stats: &UpdateStats| {
+        &mut |learner: &mut Learner, report: &LearnerReport, stats: &UpdateStats| {
             metrics.observe(learner, report, stats, learner.updates().is_multiple_of(config.publish_every));
             metrics.set_checkpoint_age(last_checkpoint.elapsed());
             let due = learner.updates().is_multiple_of(config.checkpoint_every_updates)

@@ -25,6 +25,8 @@ use crate::curve;
 pub struct TrainSummary {
     /// Environment name.
     pub env: String,
+    /// Where the learner ran: `cpu` or `cuda: <device>`.
+    pub backend: String,
     /// Seed.
     pub seed: u64,
     /// Environment steps consumed by the learner.
@@ -114,6 +116,7 @@ pub fn train(config: TrainConfig, interrupted: Arc<AtomicBool>) -> anyhow::Resul
         "training"
     );
     let mut learner = Learner::new(spec.clone()).context("building the learner")?;
+    learner.use_backend(config.backend).context("--backend")?;
     // Room for one batch in flight besides the one being trained on: actors run at most about
     // one version ahead, which bounds the lag (pacing by backpressure).
     let capacity = spec.hyper.batch_segments.max(config.envs_per_actor);
@@ -159,7 +162,7 @@ pub fn train(config: TrainConfig, interrupted: Arc<AtomicBool>) -> anyhow::Resul
         &mut publisher,
         &limits,
         &interrupted,
-        &mut |_: &Learner, report: &LearnerReport, stats: &UpdateStats| progress.on_update(report, stats),
+        &mut |_: &mut Learner, report: &LearnerReport, stats: &UpdateStats| progress.on_update(report, stats),
     );
     stop_actors.store(true, Ordering::Release);
     source.close();
@@ -181,6 +184,7 @@ pub fn train(config: TrainConfig, interrupted: Arc<AtomicBool>) -> anyhow::Resul
     let loop_secs = report.elapsed.as_secs_f64();
     let summary = TrainSummary {
         env: spec.env.name().to_string(),
+        backend: learner.backend().to_string(),
         seed: spec.seed,
         env_steps: report.env_steps,
         wall_secs: loop_secs,

@@ -212,7 +212,7 @@ mod tests {
         assert!(matches!(Checkpoint::load(&path), Err(CheckpointError::Corrupt { .. })));
         fs::write(&path, b"nope").expect("write");
         assert!(matches!(Checkpoint::load(&path), Err(CheckpointError::Corrupt { .. })));
-        let learner = Learner::new(spec(vec![8])).expect("valid");
+        let mut learner = Learner::new(spec(vec![8])).expect("valid");
         learner.checkpoint(0).save(&path).expect("saved");
         let loaded = Checkpoint::load(&path).expect("readable").expect("exists");
         // A different architecture cannot resume from it.

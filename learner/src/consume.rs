@@ -66,11 +66,11 @@ impl std::fmt::Display for StopReason {
 /// Callbacks the loop makes; the CLI uses them for progress, metrics files and checkpoints.
 pub trait LearnerControl {
     /// Called after every update, once the new version is published.
-    fn on_update(&mut self, learner: &Learner, report: &LearnerReport, stats: &UpdateStats);
+    fn on_update(&mut self, learner: &mut Learner, report: &LearnerReport, stats: &UpdateStats);
 }
 
-impl<F: FnMut(&Learner, &LearnerReport, &UpdateStats)> LearnerControl for F {
-    fn on_update(&mut self, learner: &Learner, report: &LearnerReport, stats: &UpdateStats) {
+impl<F: FnMut(&mut Learner, &LearnerReport, &UpdateStats)> LearnerControl for F {
+    fn on_update(&mut self, learner: &mut Learner, report: &LearnerReport, stats: &UpdateStats) {
         self(learner, report, stats)
     }
 }

@@ -5,6 +5,7 @@
 //! never goes backwards; every sample's lag is measured against it.
 //! Start reading at [`learner::Learner`] (one update) and [`consume::run_learner`] (the loop).
 
+pub mod backend;
 pub mod batch;
 pub mod checkpoint;
 pub mod consume;

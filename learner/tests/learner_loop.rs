@@ -72,7 +72,7 @@ fn run(learner: &mut Learner, segments: Vec<TrajectorySegment>, max_updates: u64
         &mut publisher,
         &limits,
         &AtomicBool::new(false),
-        &mut |_: &Learner, _: &LearnerReport, stats: &UpdateStats| losses.push(stats.loss.total),
+        &mut |_: &mut Learner, _: &LearnerReport, stats: &UpdateStats| losses.push(stats.loss.total),
     )
     .expect("learner loop");
     assert!(losses.iter().all(|l| l.is_finite()), "losses must stay finite: {losses:?}");
@@ -114,7 +114,7 @@ fn malformed_segments_are_counted_and_dropped_while_training_continues() {
 #[test]
 fn segments_beyond_max_policy_lag_are_dropped_and_counted() {
     let fresh_spec = spec(LossKind::Ppo, 2);
-    let template = Learner::new(fresh_spec.clone()).expect("valid spec");
+    let mut template = Learner::new(fresh_spec.clone()).expect("valid spec");
     let params = template.params().to_vec();
     let mut learner = Learner::with_state(fresh_spec, params, PolicyVersion(10), 10).expect("valid state");
     let mut rng = Pcg64Mcg::seed_from_u64(4);
