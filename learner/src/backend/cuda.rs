@@ -14,7 +14,7 @@
 //!
 //! Row-major products through column-major cuBLAS: a row-major `M[r×c]` is the column-major
 //! `Mᵀ[c×r]` with leading dimension `c`, so `Y = X Wᵀ` is computed as `Yᵀ = W Xᵀ`, and so on
-//! (see [`Gpu::gemm_xwt`], [`Gpu::gemm_dw`], [`Gpu::gemm_dx`]).
+//! (see `Gpu::gemm_xwt`, `Gpu::gemm_dw` and `Gpu::gemm_dx`).
 
 use std::sync::Arc;
 
