@@ -223,6 +223,7 @@ impl RolloutWorker {
                     builder.finished_episodes.push(EpisodeSummary {
                         episode_return: builder.episode_return,
                         episode_len: builder.episode_len,
+                        ..EpisodeSummary::default()
                     });
                     builder.episode_return = 0.0;
                     builder.episode_len = 0;
@@ -404,6 +405,7 @@ impl SegmentBuilder {
             truncation_values: std::mem::take(&mut self.truncation_values),
             initial_hidden: std::mem::take(&mut self.initial_hidden),
             finished_episodes: std::mem::take(&mut self.finished_episodes),
+            saved_snapshots: Vec::new(),
         };
         self.segment_idx += 1;
         self.reserve(spec.segment_len, obs_dim, h);

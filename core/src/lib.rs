@@ -14,3 +14,4 @@ pub mod spec;
 pub mod subjects;
 pub mod transport;
 pub mod wire;
+pub mod work;

@@ -80,6 +80,9 @@ pub struct HyperParams {
     pub max_policy_lag: u64,
     /// Pacing over NATS: actors wait while the learner's backlog exceeds this many segments.
     pub max_backlog_segments: u64,
+    /// Save-load and budget assignment across tasks and saved states (off by default).
+    #[serde(default)]
+    pub work: crate::work::WorkConfig,
 }
 
 impl Default for HyperParams {
@@ -110,6 +113,7 @@ impl Default for HyperParams {
             batch_segments: 32,
             max_policy_lag: 8,
             max_backlog_segments: 64,
+            work: crate::work::WorkConfig::default(),
         }
     }
 }
@@ -117,6 +121,9 @@ impl Default for HyperParams {
 /// Why a run spec is invalid.
 #[derive(Debug, thiserror::Error)]
 pub enum SpecError {
+    /// The save-load / budget settings are invalid.
+    #[error("invalid work settings: {0}")]
+    Work(String),
     /// The environment config is invalid.
     #[error(transparent)]
     Env(#[from] EnvError),
@@ -232,6 +239,19 @@ impl RunSpec {
         }
         if h.ppo_epochs == 0 {
             return Err(SpecError::Hyper { name: "ppo_epochs", value: "0".into(), rule: ">= 1" });
+        }
+        h.work.validate().map_err(|message| SpecError::Work(message))?;
+        // Every task must fit the one policy: same spaces as the run's env.
+        for task in &h.work.tasks {
+            let task_env = task.build()?;
+            for (what, want, got) in [
+                ("obs_dim", obs_dim, task_env.observation_space().dim()),
+                ("n_actions", n_actions, task_env.action_space().n),
+            ] {
+                if want != got {
+                    return Err(SpecError::Mismatch { what, policy: want, env: got, env_name: task_env.name() });
+                }
+            }
         }
         Ok(layout)
     }

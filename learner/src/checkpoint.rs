@@ -178,6 +178,7 @@ mod tests {
             truncation_values: vec![0.0; 4],
             initial_hidden: vec![],
             finished_episodes: vec![],
+            saved_snapshots: Vec::new(),
         };
         let (a, b) = (segment(0.0), segment(1.0));
         let mut batch = SegmentBatch::default();

@@ -13,6 +13,7 @@ pub mod learner;
 pub mod losses;
 pub mod metrics;
 pub mod optim;
+pub mod scheduler;
 
 pub use checkpoint::{Checkpoint, CheckpointError};
 pub use consume::{run_learner, LearnerControl, LearnerReport, RunLimits, StopReason};

@@ -55,7 +55,12 @@ fn valid_segment(learner: &Learner, rng: &mut Pcg64Mcg, version: u64, idx: u64) 
         behaviour_log_probs: vec![-std::f32::consts::LN_2; T],
         truncation_values: vec![0.0; T],
         initial_hidden: vec![],
-        finished_episodes: vec![EpisodeSummary { episode_return: T as f32, episode_len: T as u32 }],
+        finished_episodes: vec![EpisodeSummary {
+            episode_return: T as f32,
+            episode_len: T as u32,
+            ..EpisodeSummary::default()
+        }],
+        saved_snapshots: Vec::new(),
     }
 }
 

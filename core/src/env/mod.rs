@@ -139,6 +139,11 @@ pub trait Env: Send {
     fn at_milestone(&self) -> bool {
         false
     }
+    /// How far the current episode got, environment-defined and comparable across states of
+    /// the same task (the scheduler restarts from the furthest). Default: 0.
+    fn progress(&self) -> f32 {
+        0.0
+    }
 }
 
 impl<E: Env + ?Sized> Env for Box<E> {
@@ -168,6 +173,9 @@ impl<E: Env + ?Sized> Env for Box<E> {
     }
     fn at_milestone(&self) -> bool {
         (**self).at_milestone()
+    }
+    fn progress(&self) -> f32 {
+        (**self).progress()
     }
 }
 
