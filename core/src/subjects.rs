@@ -89,6 +89,34 @@ pub fn kv_backing_stream(bucket: &str) -> String {
     format!("KV_{bucket}")
 }
 
+/// The subject the learner's scheduler publishes work items to: `volley.<run>.work`.
+pub fn work(run: &RunId) -> String {
+    format!("volley.{}.work", run.as_str())
+}
+
+/// The work-queue stream of a run (work-queue retention): `volley-<run>-work`.
+pub fn work_stream(run: &RunId) -> String {
+    format!("volley-{}-work", run.as_str())
+}
+
+/// Durable pull consumer on the work stream shared by every actor of the run.
+pub const WORK_CONSUMER: &str = "actors";
+
+/// The object store of episode snapshots: `volley-<run>-snap`.
+pub fn snapshot_bucket(run: &RunId) -> String {
+    format!("volley-{}-snap", run.as_str())
+}
+
+/// The KV bucket mapping each work item to its newest snapshot: `volley-<run>-snapidx`.
+pub fn snapshot_index_bucket(run: &RunId) -> String {
+    format!("volley-{}-snapidx", run.as_str())
+}
+
+/// KV key (in [`snapshot_index_bucket`]) of work item `id`'s newest snapshot.
+pub fn snapshot_index_key(work_item: u64) -> String {
+    format!("item-{work_item}")
+}
+
 /// Name of the JetStream stream NATS creates behind the object store `bucket` (`OBJ_<bucket>`).
 pub fn object_backing_stream(bucket: &str) -> String {
     format!("OBJ_{bucket}")
