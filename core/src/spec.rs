@@ -133,7 +133,7 @@ pub enum SpecError {
         /// The environment's value.
         env: usize,
         /// The environment's name.
-        env_name: &'static str,
+        env_name: String,
     },
     /// A hyper-parameter is out of range.
     #[error("invalid hyper-parameter {name} = {value}: {rule}")]
@@ -167,16 +167,14 @@ pub struct RunSpec {
 impl RunSpec {
     /// Check cross-field consistency once; the rest of the code trusts a validated spec.
     pub fn validate(&self) -> Result<ParamLayout, SpecError> {
-        let env = self.env.build()?;
+        let (obs_dim, n_actions) = self.env.spaces()?;
         let layout = ParamLayout::new(&self.policy)?;
-        let obs_dim = env.observation_space().dim();
-        let n_actions = env.action_space().n;
         if self.policy.obs_dim != obs_dim {
             return Err(SpecError::Mismatch {
                 what: "obs_dim",
                 policy: self.policy.obs_dim,
                 env: obs_dim,
-                env_name: env.name(),
+                env_name: self.env.describe(),
             });
         }
         if self.policy.n_actions != n_actions {
@@ -184,7 +182,7 @@ impl RunSpec {
                 what: "n_actions",
                 policy: self.policy.n_actions,
                 env: n_actions,
-                env_name: env.name(),
+                env_name: self.env.describe(),
             });
         }
         let h = &self.hyper;
