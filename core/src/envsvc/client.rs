@@ -321,8 +321,9 @@ impl EnvServiceClient {
     }
 }
 
-/// Connect to `url`, retrying until `connect_timeout`.
-pub(crate) async fn connect_nats(
+/// Connect to `url` (with `auth`, if any), retrying until `connect_timeout`; every request on
+/// the connection gets `request_timeout`.
+pub async fn connect_nats(
     url: &str,
     auth: Option<&NatsAuth>,
     connect_timeout: Duration,

@@ -22,7 +22,7 @@ use std::fmt;
 use std::sync::atomic::AtomicU64;
 use std::time::Duration;
 
-pub use client::{EnvServiceClient, Instance};
+pub use client::{connect_nats, EnvServiceClient, Instance};
 pub use remote_vec::{RemoteVecEnv, RemoteVecEnvConfig};
 pub use server::{EnvFactory, EnvServer, EnvServerConfig};
 
