@@ -182,6 +182,14 @@ impl EnvServiceClient {
         let deadline = tokio::time::Instant::now() + self.discovery_window;
         let mut instances: Vec<Instance> = Vec::new();
         while let Ok(Some(message)) = tokio::time::timeout_at(deadline, replies.next()).await {
+            // With no instance at all the server answers the inbox with an empty
+            // "no responders" status at once: nothing more will come.
+            if message.status == Some(async_nats::StatusCode::NO_RESPONDERS) {
+                break;
+            }
+            if message.payload.is_empty() {
+                continue;
+            }
             let info = match serde_json::from_slice::<ServiceInfo>(&message.payload) {
                 Ok(info) => info,
                 Err(err) => {
