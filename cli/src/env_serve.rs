@@ -36,16 +36,21 @@ pub fn env_serve(args: EnvServeArgs, interrupted: Arc<AtomicBool>) -> anyhow::Re
     info!(url = %url, name = %config.name, env = %config.env_label, max_sessions = config.max_sessions,
           max_envs_per_session = config.max_envs_per_session, idle_timeout_secs = config.idle_timeout.as_secs_f64(),
           "env-serve starting");
-    let server = runtime.block_on(EnvServer::start(client, factory, config)).context("starting the environment server")?;
+    let server =
+        runtime.block_on(EnvServer::start(client, factory, config)).context("starting the environment server")?;
     let mut last_log = Instant::now();
     while !interrupted.load(Ordering::Acquire) {
         std::thread::sleep(Duration::from_millis(100));
         if last_log.elapsed() >= Duration::from_secs(30) {
             let counters = server.counters();
-            info!(instance = server.id(), sessions = server.n_sessions(),
-                  requests = counters.requests.load(Ordering::Relaxed),
-                  rejected = counters.rejected.load(Ordering::Relaxed),
-                  expired = counters.expired.load(Ordering::Relaxed), "env-serve progress");
+            info!(
+                instance = server.id(),
+                sessions = server.n_sessions(),
+                requests = counters.requests.load(Ordering::Relaxed),
+                rejected = counters.rejected.load(Ordering::Relaxed),
+                expired = counters.expired.load(Ordering::Relaxed),
+                "env-serve progress"
+            );
             last_log = Instant::now();
         }
     }

@@ -180,8 +180,7 @@ fn gymnasium_cartpole_served_by_python_is_solved_over_nats() {
     let dir = tempfile::tempdir().expect("temp dir");
     let mut servers: Vec<Proc> = (0..2)
         .map(|i| {
-            let args =
-                strings(&["-m", "volley_envs", "serve", "gymnasium:CartPole-v1", "--nats", &nats.url()]);
+            let args = strings(&["-m", "volley_envs", "serve", "gymnasium:CartPole-v1", "--nats", &nats.url()]);
             Proc::spawn(dir.path(), &format!("gym-{i}"), &python, &args)
         })
         .collect();

@@ -115,7 +115,8 @@ fn malformed_and_foreign_requests_are_answered_with_codes_and_counted() {
     assert_eq!(code.as_deref(), Some("505"));
     assert!(message.contains("protocol version 2"), "{message}");
     let opened = client.block_on(client.open(&instance, &[1, 2])).unwrap();
-    let wrong_len = protocol::encode(&protocol::StepRequest { v: PROTOCOL_VERSION, session: opened.session, actions: vec![0] });
+    let wrong_len =
+        protocol::encode(&protocol::StepRequest { v: PROTOCOL_VERSION, session: opened.session, actions: vec![0] });
     let (code, message) = raw(Op::Step, wrong_len);
     assert_eq!(code.as_deref(), Some("400"));
     assert!(message.contains("1 actions for 2 environments"), "{message}");

@@ -171,9 +171,12 @@ impl EnvServiceClient {
     /// speak this protocol (others are logged and skipped). May be empty.
     pub async fn discover(&self, name: &EnvServiceName) -> Result<Vec<Instance>, EnvServiceError> {
         let service = subjects::env_service(name);
-        let nats = |operation: &'static str| move |err: async_nats::Error| EnvServiceError::Nats { operation, message: err.to_string() };
+        let nats = |operation: &'static str| {
+            move |err: async_nats::Error| EnvServiceError::Nats { operation, message: err.to_string() }
+        };
         let inbox = self.client.new_inbox();
-        let mut replies = self.client.subscribe(inbox.clone()).await.map_err(|e| nats("discovery subscribe")(e.into()))?;
+        let mut replies =
+            self.client.subscribe(inbox.clone()).await.map_err(|e| nats("discovery subscribe")(e.into()))?;
         self.client
             .publish_with_reply(subjects::service_info(&service), inbox, Bytes::new())
             .await
@@ -247,7 +250,12 @@ impl EnvServiceClient {
     }
 
     /// Step every environment of a session. The caller checks lengths and values.
-    pub async fn step(&self, instance: &Instance, session: u64, actions: Vec<u32>) -> Result<StepReply, EnvServiceError> {
+    pub async fn step(
+        &self,
+        instance: &Instance,
+        session: u64,
+        actions: Vec<u32>,
+    ) -> Result<StepReply, EnvServiceError> {
         self.call(instance, Op::Step, &StepRequest { v: PROTOCOL_VERSION, session, actions }).await
     }
 
@@ -299,7 +307,9 @@ impl EnvServiceClient {
             }
             Ok(Err(err)) => {
                 return Err(match err.kind() {
-                    RequestErrorKind::NoResponders => EnvServiceError::Gone { instance: instance.id.clone(), op: op_name },
+                    RequestErrorKind::NoResponders => {
+                        EnvServiceError::Gone { instance: instance.id.clone(), op: op_name }
+                    }
                     RequestErrorKind::TimedOut => EnvServiceError::Timeout {
                         instance: instance.id.clone(),
                         op: op_name,
@@ -325,7 +335,8 @@ impl EnvServiceClient {
                 message: description,
             });
         }
-        protocol::decode(op_name, &message.payload).map_err(|err| EnvServiceError::bad_reply(&instance.id, op_name, err))
+        protocol::decode(op_name, &message.payload)
+            .map_err(|err| EnvServiceError::bad_reply(&instance.id, op_name, err))
     }
 }
 
@@ -346,7 +357,9 @@ pub async fn connect_nats(
             .connection_timeout(request_timeout.min(remaining).max(Duration::from_millis(10)))
             .request_timeout(Some(request_timeout));
         options = match auth {
-            Some(NatsAuth::UserPassword { user, password }) => options.user_and_password(user.clone(), password.clone()),
+            Some(NatsAuth::UserPassword { user, password }) => {
+                options.user_and_password(user.clone(), password.clone())
+            }
             Some(NatsAuth::Token(token)) => options.token(token.clone()),
             None => options,
         };

@@ -479,7 +479,8 @@ mod tests {
         assert_eq!(info.id, "AbC1");
         assert_eq!(info.metadata[METADATA_PROTOCOL], "1");
         assert_eq!(info.endpoints[0].subject, "volley.env.x.AbC1.step");
-        let bare: ServiceInfo = serde_json::from_str(r#"{"name":"n","id":"i","metadata":null,"endpoints":null}"#).unwrap();
+        let bare: ServiceInfo =
+            serde_json::from_str(r#"{"name":"n","id":"i","metadata":null,"endpoints":null}"#).unwrap();
         assert!(bare.endpoints.is_empty() && bare.metadata.is_empty());
     }
 

@@ -244,7 +244,8 @@ impl RemoteVecEnv {
                 continue;
             }
             let max_envs_per_session = (spaces.max_envs_per_session as usize).max(1);
-            self.known.insert(instance.id.clone(), Known { instance: Arc::new(instance), max_envs_per_session, sessions: 0 });
+            self.known
+                .insert(instance.id.clone(), Known { instance: Arc::new(instance), max_envs_per_session, sessions: 0 });
         }
     }
 
@@ -279,7 +280,11 @@ impl RemoteVecEnv {
                     return Err(EnvServiceError::BadReply {
                         instance: instance.id.clone(),
                         op: "open",
-                        message: format!("{} finite observations expected, got {}", len * self.obs_dim, reply.obs.len()),
+                        message: format!(
+                            "{} finite observations expected, got {}",
+                            len * self.obs_dim,
+                            reply.obs.len()
+                        ),
                     });
                 }
                 Ok(reply)
@@ -360,7 +365,8 @@ impl RemoteVecEnv {
             out.rewards[env_idx] = 0.0;
             out.terminated[env_idx] = false;
             out.truncated[env_idx] = true;
-            out.final_obs[env_idx * dim..(env_idx + 1) * dim].copy_from_slice(&self.obs[env_idx * dim..(env_idx + 1) * dim]);
+            out.final_obs[env_idx * dim..(env_idx + 1) * dim]
+                .copy_from_slice(&self.obs[env_idx * dim..(env_idx + 1) * dim]);
             self.stats[env_idx] = EpisodeStats::default();
             out.env_errors.push((
                 env_idx,
@@ -395,11 +401,8 @@ impl RemoteVecEnv {
         for k in 0..len {
             let env_idx = start + k;
             let errored = self.errored[k];
-            let (reward, terminated, truncated) = if errored {
-                (0.0, false, true)
-            } else {
-                (reply.rewards[k], reply.terminated[k], reply.truncated[k])
-            };
+            let (reward, terminated, truncated) =
+                if errored { (0.0, false, true) } else { (reply.rewards[k], reply.terminated[k], reply.truncated[k]) };
             out.rewards[env_idx] = reward;
             out.terminated[env_idx] = terminated;
             out.truncated[env_idx] = truncated;
@@ -438,7 +441,11 @@ impl RemoteVecEnv {
     }
 
     fn remote_error(&self, error: &EnvServiceError) -> EnvError {
-        EnvError::Remote { service: self.config.service.to_string(), reason: error.reason(), message: error.to_string() }
+        EnvError::Remote {
+            service: self.config.service.to_string(),
+            reason: error.reason(),
+            message: error.to_string(),
+        }
     }
 }
 

@@ -170,10 +170,7 @@ impl EnvServer {
         }
         tasks.push(tokio::spawn(expire_idle_sessions(state.clone())));
         // A round trip, so the subscriptions are in place before anyone is told we are up.
-        client
-            .flush()
-            .await
-            .map_err(|err| EnvServiceError::Nats { operation: "flush", message: err.to_string() })?;
+        client.flush().await.map_err(|err| EnvServiceError::Nats { operation: "flush", message: err.to_string() })?;
         info!(service = %service_name, instance = %id, env = %state.config.env_label, obs_dim = space.dim(),
               n_actions = probe.action_space().n, "environment server ready");
         Ok(EnvServer { id, client, service: Some(service), tasks, state })
@@ -373,7 +370,10 @@ impl ServerState {
         let obs = envs.obs().to_vec();
         let session_id = self.next_session.fetch_add(1, Ordering::Relaxed);
         let session = Session { step: VecStep::new(n_envs, self.obs_dim), envs, last_used: Instant::now() };
-        self.sessions.lock().expect("sessions lock is never poisoned").insert(session_id, Arc::new(Mutex::new(session)));
+        self.sessions
+            .lock()
+            .expect("sessions lock is never poisoned")
+            .insert(session_id, Arc::new(Mutex::new(session)));
         debug!(session = session_id, n_envs, "session opened");
         Ok(protocol::encode(&OpenReply {
             session: session_id,
