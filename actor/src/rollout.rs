@@ -150,12 +150,7 @@ impl RolloutWorker {
             [("obs_dim", spec.policy.obs_dim, envs.obs_dim()), ("n_actions", spec.policy.n_actions, envs.n_actions())]
         {
             if policy != env {
-                return Err(ActorError::Spec(SpecError::Mismatch {
-                    what,
-                    policy,
-                    env,
-                    env_name: spec.env.describe(),
-                }));
+                return Err(ActorError::Spec(SpecError::Mismatch { what, policy, env, env_name: spec.env.describe() }));
             }
         }
         let obs_dim = envs.obs_dim();
@@ -565,10 +560,8 @@ mod tests {
                 out.terminated[0] = false;
                 out.truncated[0] = true;
                 out.finished_episodes.retain(|e| e.env_idx != 0);
-                out.env_errors.push((
-                    0,
-                    EnvError::Remote { service: "x".into(), reason: "remote_gone", message: "gone".into() },
-                ));
+                out.env_errors
+                    .push((0, EnvError::Remote { service: "x".into(), reason: "remote_gone", message: "gone".into() }));
             }
             Ok(())
         }
