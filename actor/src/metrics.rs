@@ -18,6 +18,8 @@ pub struct ActorMetrics {
     episodes: IntCounter,
     segments_published: IntCounter,
     env_errors: IntCounter,
+    episodes_aborted: IntCounter,
+    env_sessions_lost: IntCounter,
     weight_updates: IntCounter,
     policy_version: Gauge,
     throttled_seconds: Counter,
@@ -40,6 +42,14 @@ impl ActorMetrics {
                 "volley_actor_env_errors_total",
                 "Environment failures (error or non-finite output), each followed by a reset.",
             )?,
+            episodes_aborted: int(
+                "volley_actor_episodes_aborted_total",
+                "Episodes cut short by an environment failure or a lost remote environment server (not reported as finished).",
+            )?,
+            env_sessions_lost: int(
+                "volley_actor_env_sessions_lost_total",
+                "Remote environment sessions lost (server died, timed out or forgot the session); each aborts its episodes.",
+            )?,
             weight_updates: int("volley_actor_weight_updates_total", "Policy versions switched to.")?,
             policy_version: Gauge::with_opts(Opts::new(
                 "volley_actor_policy_version",
@@ -61,12 +71,14 @@ impl ActorMetrics {
         registry.register(Box::new(metrics))
     }
 
-    fn parts(&self) -> [&dyn Collector; 9] {
+    fn parts(&self) -> [&dyn Collector; 11] {
         [
             &self.env_steps,
             &self.episodes,
             &self.segments_published,
             &self.env_errors,
+            &self.episodes_aborted,
+            &self.env_sessions_lost,
             &self.weight_updates,
             &self.policy_version,
             &self.throttled_seconds,
@@ -103,6 +115,8 @@ impl Collector for ActorMetrics {
         catch_up_int(&self.episodes, c.episodes.load(Ordering::Relaxed));
         catch_up_int(&self.segments_published, c.segments_published.load(Ordering::Relaxed));
         catch_up_int(&self.env_errors, c.env_errors.load(Ordering::Relaxed));
+        catch_up_int(&self.episodes_aborted, c.episodes_aborted.load(Ordering::Relaxed));
+        catch_up_int(&self.env_sessions_lost, c.remote_env.sessions_lost.load(Ordering::Relaxed));
         catch_up_int(&self.weight_updates, c.weight_updates.load(Ordering::Relaxed));
         self.policy_version.set(c.policy_version.load(Ordering::Relaxed) as f64);
         catch_up_secs(&self.throttled_seconds, c.throttled_nanos.load(Ordering::Relaxed));
@@ -125,12 +139,16 @@ mod tests {
         counters.env_steps.store(1234, Ordering::Relaxed);
         counters.throttled_nanos.store(1_500_000_000, Ordering::Relaxed);
         counters.policy_version.store(7, Ordering::Relaxed);
+        counters.episodes_aborted.store(3, Ordering::Relaxed);
+        counters.remote_env.sessions_lost.store(2, Ordering::Relaxed);
         let mut text = Vec::new();
         TextEncoder::new().encode(&registry.gather(), &mut text).expect("encode");
         let text = String::from_utf8(text).expect("utf-8");
         assert!(text.contains("volley_actor_env_steps_total 1234"), "{text}");
         assert!(text.contains("volley_actor_throttled_seconds_total 1.5"), "{text}");
         assert!(text.contains("volley_actor_policy_version 7"), "{text}");
+        assert!(text.contains("volley_actor_episodes_aborted_total 3"), "{text}");
+        assert!(text.contains("volley_actor_env_sessions_lost_total 2"), "{text}");
         assert!(text.contains("# HELP volley_actor_env_steps_total Environment steps taken."));
     }
 }

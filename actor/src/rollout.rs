@@ -9,7 +9,8 @@ use rand::{Rng, SeedableRng};
 use rand_pcg::Pcg64Mcg;
 use tracing::{debug, info, warn};
 use volley_core::distributions::{log_softmax, sample_categorical};
-use volley_core::env::{Env, EnvError, VecEnv, VecStep};
+use volley_core::env::{EnvError, VecEnv, VecStep, VectorEnv};
+use volley_core::envsvc::RemoteEnvCounters;
 use volley_core::ids::{ActorId, PolicyVersion};
 use volley_core::policy::{ParamLayout, PolicyInference};
 use volley_core::spec::{RunSpec, SpecError};
@@ -49,6 +50,11 @@ pub struct ActorCounters {
     pub episodes: AtomicU64,
     /// Environment failures (error or non-finite output), each followed by a reset.
     pub env_errors: AtomicU64,
+    /// Episodes cut short by an environment failure (an error, or a lost remote environment
+    /// server); they are not reported as finished episodes.
+    pub episodes_aborted: AtomicU64,
+    /// Counters of the remote environment client, when the environments are remote.
+    pub remote_env: Arc<RemoteEnvCounters>,
     /// Weight versions switched to.
     pub weight_updates: AtomicU64,
     /// Policy version in use.
@@ -88,7 +94,7 @@ pub struct RolloutWorker {
     /// Distinguishes this worker's segments from an earlier one with the same actor id, whose
     /// segment indices also started at 0.
     incarnation: u64,
-    envs: VecEnv<Box<dyn Env>>,
+    envs: Box<dyn VectorEnv>,
     inference: PolicyInference,
     weights: Option<Arc<Weights>>,
     hidden: Vec<f32>,
@@ -97,6 +103,9 @@ pub struct RolloutWorker {
     values: Vec<f32>,
     actions: Vec<usize>,
     step: VecStep,
+    /// Per environment: its episode was aborted this step (valid while `step.env_errors` is
+    /// not empty).
+    aborted: Vec<bool>,
     builders: Vec<SegmentBuilder>,
     rng: Pcg64Mcg,
     // Scratch for bootstrapping truncated episodes.
@@ -109,6 +118,7 @@ pub struct RolloutWorker {
 
 impl RolloutWorker {
     /// Build the environments and policy for `spec`; refuses a spec this build cannot serve.
+    /// The environments run in this process; for remote ones see [`RolloutWorker::with_envs`].
     pub fn new(
         spec: RunSpec,
         actor: ActorId,
@@ -116,12 +126,33 @@ impl RolloutWorker {
         seed: u64,
         counters: Arc<ActorCounters>,
     ) -> Result<Self, ActorError> {
-        let layout = spec.validate()?;
+        spec.validate()?;
         if n_envs == 0 {
             return Err(ActorError::Env(EnvError::Config("n_envs must be at least 1".into())));
         }
         let envs = (0..n_envs).map(|_| spec.env.build()).collect::<Result<Vec<_>, _>>()?;
         let envs = VecEnv::new(envs, seed)?;
+        Self::with_envs(spec, actor, Box::new(envs), seed, counters)
+    }
+
+    /// Act in `envs` (e.g. a [`volley_core::envsvc::RemoteVecEnv`]), whose spaces must match
+    /// the spec's policy.
+    pub fn with_envs(
+        spec: RunSpec,
+        actor: ActorId,
+        envs: Box<dyn VectorEnv>,
+        seed: u64,
+        counters: Arc<ActorCounters>,
+    ) -> Result<Self, ActorError> {
+        let layout = spec.validate()?;
+        let n_envs = envs.n_envs();
+        for (what, policy, env) in
+            [("obs_dim", spec.policy.obs_dim, envs.obs_dim()), ("n_actions", spec.policy.n_actions, envs.n_actions())]
+        {
+            if policy != env {
+                return Err(ActorError::Spec(SpecError::Mismatch { what, policy, env, env_name: spec.env.describe() }));
+            }
+        }
         let obs_dim = envs.obs_dim();
         let n_actions = envs.n_actions();
         let h = layout.recurrent_size();
@@ -135,6 +166,7 @@ impl RolloutWorker {
             values: vec![0.0; n_envs],
             actions: vec![0; n_envs],
             step: VecStep::new(n_envs, obs_dim),
+            aborted: vec![false; n_envs],
             builders,
             rng: Pcg64Mcg::seed_from_u64(seed ^ 0x5eed_ac70),
             trunc_obs: Vec::new(),
@@ -204,9 +236,20 @@ impl RolloutWorker {
             inference_time += stepped - started;
             self.envs.step(&self.actions, &mut self.step).expect("actions has one entry per environment");
             env_time += stepped.elapsed();
-            for (env_idx, error) in self.step.env_errors.drain(..) {
-                self.counters.env_errors.fetch_add(1, Ordering::Relaxed);
-                warn!(actor = %self.actor, env_idx, %error, reason = error.reason(), "environment failed; reset");
+            let any_failed = !self.step.env_errors.is_empty();
+            if any_failed {
+                self.aborted.fill(false);
+                for (env_idx, error) in &self.step.env_errors {
+                    let env_idx = *env_idx;
+                    self.counters.env_errors.fetch_add(1, Ordering::Relaxed);
+                    warn!(actor = %self.actor, env_idx, %error, reason = error.reason(), "environment failed; reset");
+                    // A failure right after an episode ended (a failed reset) aborts nothing.
+                    let finished = self.step.finished_episodes.iter().any(|e| e.env_idx == env_idx);
+                    if !finished && !self.aborted[env_idx] {
+                        self.aborted[env_idx] = true;
+                        self.counters.episodes_aborted.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
             }
             self.bootstrap_truncated(params);
             for env_idx in 0..n_envs {
@@ -220,11 +263,15 @@ impl RolloutWorker {
                 builder.episode_return += reward;
                 builder.episode_len += 1;
                 if terminated || truncated {
-                    builder.finished_episodes.push(EpisodeSummary {
-                        episode_return: builder.episode_return,
-                        episode_len: builder.episode_len,
-                        ..EpisodeSummary::default()
-                    });
+                    // An aborted episode did not end on its own: its return is no measure of
+                    // the policy, so it is not reported.
+                    if !(any_failed && self.aborted[env_idx]) {
+                        builder.finished_episodes.push(EpisodeSummary {
+                            episode_return: builder.episode_return,
+                            episode_len: builder.episode_len,
+                            ..EpisodeSummary::default()
+                        });
+                    }
                     builder.episode_return = 0.0;
                     builder.episode_len = 0;
                     builder.episode_id += 1;
@@ -485,6 +532,75 @@ mod tests {
         }
         let fifth = worker.collect_segments();
         assert!(fifth.iter().all(|s| s.initial_hidden.iter().all(|&h| h == 0.0)));
+    }
+
+    /// Wraps an in-process vec env and fails environment 0 every 10th step, as a lost remote
+    /// server would: a truncation with reward 0 and an error, not a finished episode.
+    struct FlakyEnvs {
+        inner: VecEnv<volley_core::env::CartPole>,
+        steps: usize,
+    }
+
+    impl VectorEnv for FlakyEnvs {
+        fn n_envs(&self) -> usize {
+            self.inner.n_envs()
+        }
+        fn obs_dim(&self) -> usize {
+            self.inner.obs_dim()
+        }
+        fn n_actions(&self) -> usize {
+            self.inner.n_actions()
+        }
+        fn obs(&self) -> &[f32] {
+            self.inner.obs()
+        }
+        fn step(&mut self, actions: &[usize], out: &mut VecStep) -> Result<(), EnvError> {
+            self.inner.step(actions, out)?;
+            self.steps += 1;
+            if self.steps.is_multiple_of(10) {
+                out.rewards[0] = 0.0;
+                out.terminated[0] = false;
+                out.truncated[0] = true;
+                out.finished_episodes.retain(|e| e.env_idx != 0);
+                out.env_errors
+                    .push((0, EnvError::Remote { service: "x".into(), reason: "remote_gone", message: "gone".into() }));
+            }
+            Ok(())
+        }
+        fn snapshot_env(&mut self, env_idx: usize) -> Result<Vec<u8>, EnvError> {
+            VectorEnv::snapshot_env(&mut self.inner, env_idx)
+        }
+        fn restore_env(&mut self, env_idx: usize, bytes: &[u8]) -> Result<(), EnvError> {
+            VectorEnv::restore_env(&mut self.inner, env_idx, bytes)
+        }
+    }
+
+    #[test]
+    fn aborted_episodes_are_counted_and_not_reported_as_finished() {
+        let spec = worker(EnvConfig::Cartpole, 4, 2, CoreKind::Mlp, 20).spec.clone();
+        let layout = spec.validate().expect("valid");
+        let envs = FlakyEnvs { inner: VecEnv::new(vec![volley_core::env::CartPole::new(); 2], 5).unwrap(), steps: 0 };
+        let counters = Arc::new(ActorCounters::default());
+        let mut worker =
+            RolloutWorker::with_envs(spec, ActorId::new("flaky").unwrap(), Box::new(envs), 5, counters.clone())
+                .expect("matching spaces");
+        worker.set_weights(Arc::new(Weights::new(PolicyVersion(1), layout.hash(), layout.init_params(3)))).unwrap();
+        let segments = worker.collect_segments();
+        assert_eq!(counters.episodes_aborted.load(Ordering::Relaxed), 2);
+        assert_eq!(counters.env_errors.load(Ordering::Relaxed), 2);
+        let first = &segments[0];
+        assert_eq!((first.truncated[9], first.truncated[19], first.rewards[9]), (1, 1, 0.0));
+        let dones = first.terminated.iter().zip(&first.truncated).filter(|(&te, &tr)| te == 1 || tr == 1).count();
+        assert_eq!(first.finished_episodes.len(), dones - 2, "the two aborted episodes are not reported");
+        first.validate(&worker.spec, layout.hash(), 0).expect("a valid segment");
+    }
+
+    #[test]
+    fn envs_whose_spaces_differ_from_the_policy_are_refused() {
+        let spec = worker(EnvConfig::Cartpole, 4, 2, CoreKind::Mlp, 8).spec.clone();
+        let memory = VecEnv::new(vec![volley_core::env::Memory::new(MemoryConfig::default()).unwrap()], 0).unwrap();
+        let result = RolloutWorker::with_envs(spec, ActorId::new("a").unwrap(), Box::new(memory), 0, Arc::default());
+        assert!(matches!(result, Err(ActorError::Spec(SpecError::Mismatch { what: "obs_dim", .. }))));
     }
 
     #[test]

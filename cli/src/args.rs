@@ -5,7 +5,8 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use volley_core::env::{EnvConfig, MemoryConfig, MilestonesConfig};
+use volley_core::env::{EnvConfig, MemoryConfig, MilestonesConfig, RemoteEnvConfig, REMOTE_PREFIX};
+use volley_core::envsvc::EnvServiceName;
 use volley_core::ids::RunId;
 use volley_core::policy::{Activation, CoreKind, PolicySpec};
 use volley_core::spec::{HyperParams, LossKind, RunSpec};
@@ -33,6 +34,9 @@ pub enum Command {
     Actor(ActorArgs),
     /// Measure weight-broadcast latency over NATS: publish to N follower processes.
     BenchWeights(BenchWeightsArgs),
+    /// Serve a built-in environment over NATS (docs/ENV_PROTOCOL.md), for actors started with
+    /// `--env remote:<name>`.
+    EnvServe(EnvServeArgs),
 }
 
 /// Which built-in environment.
@@ -44,6 +48,37 @@ pub enum EnvName {
     Memory,
     /// Chain of rooms with keys (long horizon, sparse reward).
     Milestones,
+}
+
+impl EnvName {
+    /// The environment's name (`"cartpole"`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EnvName::Cartpole => "cartpole",
+            EnvName::Memory => "memory",
+            EnvName::Milestones => "milestones",
+        }
+    }
+}
+
+/// An environment on the command line: a built-in one, or `remote:<service>` (served over
+/// NATS by `volley env-serve` or the Python `volley-envs` package).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum EnvChoice {
+    /// A built-in environment, stepped in the actor's process.
+    Builtin(EnvName),
+    /// An environment service.
+    Remote(EnvServiceName),
+}
+
+/// Parse `--env`: `cartpole`, `memory`, `milestones` or `remote:<service>`.
+pub fn parse_env_choice(text: &str) -> Result<EnvChoice, String> {
+    if let Some(service) = text.strip_prefix(REMOTE_PREFIX) {
+        return EnvServiceName::new(service).map(EnvChoice::Remote).map_err(|err| err.to_string());
+    }
+    EnvName::from_str(text, true).map(EnvChoice::Builtin).map_err(|_| {
+        format!("unknown environment {text:?} (expected cartpole, memory, milestones or remote:<service>)")
+    })
 }
 
 /// The recurrent core.
@@ -108,9 +143,10 @@ pub enum ProgressMode {
 /// Flags that define the run spec (shared by `volley train` and `volley learner`).
 #[derive(Debug, Clone, Args)]
 pub struct SpecArgs {
-    /// Environment.
-    #[arg(long, value_enum, default_value = "cartpole", env = "VOLLEY_ENV")]
-    pub env: EnvName,
+    /// Environment: cartpole, memory, milestones, or remote:<service> for one served over NATS
+    /// (docs/ENV_PROTOCOL.md; `volley learner` asks its servers for the spaces).
+    #[arg(long, default_value = "cartpole", env = "VOLLEY_ENV", value_parser = parse_env_choice)]
+    pub env: EnvChoice,
     /// Run name ([a-z0-9-]{1,16}).
     #[arg(long, default_value = "local", env = "VOLLEY_RUN")]
     pub run: String,
@@ -242,6 +278,7 @@ pub fn solved_return(env: &EnvConfig) -> Option<f32> {
         EnvConfig::Cartpole => Some(475.0),
         EnvConfig::Memory(_) => Some(0.95),
         EnvConfig::Milestones(_) => Some(0.9),
+        EnvConfig::Remote(remote) => remote.reward_threshold,
     }
 }
 
@@ -262,8 +299,20 @@ fn parse_widths(text: &str) -> anyhow::Result<Vec<usize>> {
 }
 
 impl SpecArgs {
-    /// Build and validate the run spec these flags describe.
+    /// Build and validate the run spec these flags describe; refuses a remote environment
+    /// (whose spaces only its servers know: see [`SpecArgs::to_spec_with`]).
     pub fn to_spec(&self) -> anyhow::Result<RunSpec> {
+        self.to_spec_with(&|service| {
+            bail!("--env remote:{service}: remote environments need NATS; use `volley learner` and `volley actor`")
+        })
+    }
+
+    /// Build and validate the run spec these flags describe, asking `resolve_remote` for the
+    /// spaces of a remote environment.
+    pub fn to_spec_with(
+        &self,
+        resolve_remote: &dyn Fn(&EnvServiceName) -> anyhow::Result<RemoteEnvConfig>,
+    ) -> anyhow::Result<RunSpec> {
         let run = RunId::new(self.run.clone()).context("--run")?;
         if self.max_env_steps == 0 {
             bail!("--max-env-steps must be at least 1");
@@ -271,19 +320,14 @@ impl SpecArgs {
         if self.gru_hidden == 0 || self.gru_hidden > 4096 {
             bail!("--gru-hidden: {} out of range 1..=4096", self.gru_hidden);
         }
-        let env = match self.env {
-            EnvName::Cartpole => EnvConfig::Cartpole,
-            EnvName::Memory => EnvConfig::Memory(MemoryConfig { n_cues: self.memory_cues, delay: self.memory_delay }),
-            EnvName::Milestones => EnvConfig::Milestones(MilestonesConfig {
-                n_rooms: self.rooms,
-                room_len: self.room_len,
-                ..MilestonesConfig::default()
-            }),
+        let env = match &self.env {
+            EnvChoice::Builtin(name) => self.builtin_env(*name),
+            EnvChoice::Remote(service) => EnvConfig::Remote(resolve_remote(service)?),
         };
-        let probe = env.build().context("environment config")?;
+        let (obs_dim, n_actions) = env.spaces().context("environment config")?;
         let policy = PolicySpec {
-            obs_dim: probe.observation_space().dim(),
-            n_actions: probe.action_space().n,
+            obs_dim,
+            n_actions,
             torso: parse_widths(&self.torso)?,
             activation: match self.activation {
                 ActivationName::Tanh => Activation::Tanh,
@@ -316,6 +360,21 @@ impl SpecArgs {
         let spec = RunSpec { run, env, policy, segment_len: self.segment_len, hyper, seed: self.seed };
         spec.validate().context("invalid training configuration")?;
         Ok(spec)
+    }
+}
+
+impl SpecArgs {
+    /// The built-in environment `name` with the task flags.
+    pub fn builtin_env(&self, name: EnvName) -> EnvConfig {
+        match name {
+            EnvName::Cartpole => EnvConfig::Cartpole,
+            EnvName::Memory => EnvConfig::Memory(MemoryConfig { n_cues: self.memory_cues, delay: self.memory_delay }),
+            EnvName::Milestones => EnvConfig::Milestones(MilestonesConfig {
+                n_rooms: self.rooms,
+                room_len: self.room_len,
+                ..MilestonesConfig::default()
+            }),
+        }
     }
 }
 
@@ -398,15 +457,61 @@ impl NatsArgs {
     /// The transport config for `run`.
     pub fn config(&self, run: RunId) -> anyhow::Result<NatsConfig> {
         let mut config = NatsConfig::new(self.nats_url.clone(), run);
-        config.request_timeout = check_secs("--nats-timeout-secs", self.nats_timeout_secs)?;
-        config.auth = match (&self.nats_user, &self.nats_password) {
+        config.request_timeout = self.timeout()?;
+        config.auth = self.auth()?;
+        Ok(config)
+    }
+
+    /// The deadline of every NATS request.
+    pub fn timeout(&self) -> anyhow::Result<Duration> {
+        check_secs("--nats-timeout-secs", self.nats_timeout_secs)
+    }
+
+    /// The credentials, if any.
+    pub fn auth(&self) -> anyhow::Result<Option<NatsAuth>> {
+        Ok(match (&self.nats_user, &self.nats_password) {
             (Some(user), Some(password)) => {
                 Some(NatsAuth::UserPassword { user: user.clone(), password: password.clone() })
             }
             (None, None) => None,
             _ => bail!("--nats-user and --nats-password go together"),
-        };
-        Ok(config)
+        })
+    }
+}
+
+/// How an actor steps a remote environment (shared by `volley actor` and the learner's
+/// lookup of the environment's spaces).
+#[derive(Debug, Clone, Args)]
+pub struct RemoteEnvArgs {
+    /// Deadline of every request to an environment server; a server that misses it is
+    /// treated as lost (its episodes are aborted and restarted elsewhere).
+    #[arg(long, env = "VOLLEY_ENV_TIMEOUT_SECS", default_value_t = 5.0)]
+    pub env_timeout_secs: f64,
+    /// Environments per session, i.e. per step request (0: spread the actor's environments over
+    /// the servers found at start, one session each).
+    #[arg(long, env = "VOLLEY_ENVS_PER_SESSION", default_value_t = 0)]
+    pub envs_per_session: usize,
+    /// Step requests in flight at once.
+    #[arg(long, env = "VOLLEY_ENV_MAX_IN_FLIGHT", default_value_t = 8)]
+    pub env_max_in_flight: usize,
+}
+
+impl RemoteEnvArgs {
+    /// The per-request deadline.
+    pub fn timeout(&self) -> anyhow::Result<Duration> {
+        check_secs("--env-timeout-secs", self.env_timeout_secs)
+    }
+
+    /// Check the ranges once.
+    pub fn validate(&self) -> anyhow::Result<()> {
+        self.timeout()?;
+        if self.envs_per_session > 4096 {
+            bail!("--envs-per-session: {} out of range 0..=4096", self.envs_per_session);
+        }
+        if self.env_max_in_flight == 0 || self.env_max_in_flight > 1024 {
+            bail!("--env-max-in-flight: {} out of range 1..=1024", self.env_max_in_flight);
+        }
+        Ok(())
     }
 }
 
@@ -454,6 +559,10 @@ pub struct LearnerArgs {
     /// the CPU with a warning; `cuda` fails without a GPU.
     #[arg(long, value_enum, default_value = "auto", env = "VOLLEY_BACKEND")]
     pub backend: BackendName,
+    /// With `--env remote:<service>`: how long to wait for a server of the service to tell the
+    /// environment's spaces.
+    #[arg(long, env = "VOLLEY_ENV_WAIT_SECS", default_value_t = 120.0)]
+    pub env_wait_secs: f64,
 }
 
 /// A validated `volley learner` configuration.
@@ -489,7 +598,11 @@ impl TryFrom<LearnerArgs> for LearnerConfig {
     type Error = anyhow::Error;
 
     fn try_from(args: LearnerArgs) -> anyhow::Result<Self> {
-        let mut spec = args.spec.to_spec()?;
+        let env_wait = check_secs("--env-wait-secs", args.env_wait_secs)?;
+        let mut spec = args.spec.to_spec_with(&|service| {
+            crate::env_serve::remote_env_config(&args.nats, service, env_wait)
+                .with_context(|| format!("asking the servers of environment service {service} for its spaces"))
+        })?;
         let batch_segments = spec.hyper.batch_segments as u64;
         let max_backlog_segments = args.max_backlog_segments.unwrap_or(2 * batch_segments);
         if max_backlog_segments < batch_segments {
@@ -545,6 +658,60 @@ pub struct ActorArgs {
     /// Seed of this actor's environments and sampling (default: derived from the actor id).
     #[arg(long, env = "VOLLEY_ACTOR_SEED")]
     pub seed: Option<u64>,
+    /// Step this environment instead of the run spec's: remote:<service> for one served over
+    /// NATS, or a built-in name. Its spaces must match the run's policy.
+    #[arg(long, env = "VOLLEY_ACTOR_ENV", value_parser = parse_env_choice)]
+    pub env: Option<EnvChoice>,
+    /// Remote environment settings.
+    #[command(flatten)]
+    pub remote_env: RemoteEnvArgs,
+}
+
+/// `volley env-serve`: one environment server (one instance of the service); start several
+/// for more capacity, on any machine that reaches NATS.
+#[derive(Debug, Args)]
+pub struct EnvServeArgs {
+    /// NATS connection.
+    #[command(flatten)]
+    pub nats: NatsArgs,
+    /// The built-in environment to serve (default configuration).
+    #[arg(long, value_enum, default_value = "cartpole", env = "VOLLEY_ENV")]
+    pub env: EnvName,
+    /// Service name actors ask for with `--env remote:<name>` ([a-z0-9_-]{1,48}; default: the
+    /// environment's name).
+    #[arg(long, env = "VOLLEY_ENV_SERVICE")]
+    pub name: Option<String>,
+    /// Sessions held at once; more are refused so actors go to other servers.
+    #[arg(long, env = "VOLLEY_ENV_MAX_SESSIONS", default_value_t = 1024)]
+    pub max_sessions: usize,
+    /// Largest session (environments per step request).
+    #[arg(long, env = "VOLLEY_ENV_MAX_ENVS_PER_SESSION", default_value_t = 4096)]
+    pub max_envs_per_session: usize,
+    /// Drop a session that received no request for this long.
+    #[arg(long, env = "VOLLEY_ENV_IDLE_TIMEOUT_SECS", default_value_t = 300.0)]
+    pub idle_timeout_secs: f64,
+}
+
+impl EnvServeArgs {
+    /// The service name and the server config.
+    pub fn server_config(&self) -> anyhow::Result<volley_core::envsvc::EnvServerConfig> {
+        let env_name = self.env.as_str().to_string();
+        let name = EnvServiceName::new(self.name.clone().unwrap_or_else(|| env_name.clone())).context("--name")?;
+        let mut config = volley_core::envsvc::EnvServerConfig::new(name, env_name);
+        if self.max_sessions == 0 || self.max_envs_per_session == 0 {
+            bail!("--max-sessions and --max-envs-per-session must be at least 1");
+        }
+        config.max_sessions = self.max_sessions;
+        config.max_envs_per_session = self.max_envs_per_session;
+        config.idle_timeout = check_secs("--idle-timeout-secs", self.idle_timeout_secs)?;
+        let builtin = EnvConfig::from_name(&config.env_label).context("--env")?;
+        config.reward_threshold = solved_return(&builtin);
+        config.max_episode_steps = match builtin {
+            EnvConfig::Cartpole => Some(volley_core::env::cartpole::MAX_EPISODE_STEPS),
+            _ => None,
+        };
+        Ok(config)
+    }
 }
 
 /// Where a long-running process serves `/metrics`, `/healthz` and `/readyz`.

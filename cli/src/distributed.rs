@@ -8,13 +8,15 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use tracing::{info, warn};
 use volley_actor::{ActorCounters, ActorMetrics, RolloutWorker};
+use volley_core::env::{EnvConfig, RemoteEnvConfig};
+use volley_core::envsvc::{EnvServiceClient, RemoteVecEnv, RemoteVecEnvConfig};
 use volley_core::ids::{ActorId, RunId};
 use volley_core::transport::local::weights_channel;
 use volley_core::transport::nats::NatsBus;
 use volley_core::transport::{TrajectorySource, WeightsPublisher};
 use volley_learner::{run_learner, Checkpoint, Learner, LearnerMetrics, LearnerReport, RunLimits, UpdateStats};
 
-use crate::args::{ActorArgs, LearnerConfig};
+use crate::args::{ActorArgs, EnvChoice, LearnerConfig};
 use crate::serve;
 
 /// The summary `volley learner` prints as one JSON line when it stops.
@@ -80,7 +82,7 @@ pub fn learner(config: LearnerConfig, interrupted: Arc<AtomicBool>) -> anyhow::R
     };
     learner.use_backend(config.backend).context("--backend")?;
     let layout = learner.layout().clone();
-    info!(run = %spec.run, env = spec.env.name(), loss = ?spec.hyper.loss, policy = ?spec.policy,
+    info!(run = %spec.run, env = %spec.env.describe(), loss = ?spec.hyper.loss, policy = ?spec.policy,
           layout_hash = format!("{:016x}", layout.hash()), replay = config.replay, "learner starting");
 
     let (mut source, mut publisher): (Box<dyn TrajectorySource>, Box<dyn WeightsPublisher>) = if config.replay {
@@ -217,6 +219,7 @@ pub fn actor(args: ActorArgs, interrupted: Arc<AtomicBool>) -> anyhow::Result<()
     if args.envs == 0 || args.envs > 4096 {
         bail!("--envs: {} out of range 1..=4096", args.envs);
     }
+    args.remote_env.validate()?;
     // Serve health and metrics from the start: /readyz turns ready once weights are loaded.
     let counters = Arc::new(ActorCounters::default());
     let registry = serve::registry_for("actor")?;
@@ -247,13 +250,47 @@ pub fn actor(args: ActorArgs, interrupted: Arc<AtomicBool>) -> anyhow::Result<()
         thread::sleep(Duration::from_millis(500));
     };
     let seed = args.seed.unwrap_or_else(|| seed_from(&actor_id));
-    let worker = RolloutWorker::new(spec.clone(), actor_id.clone(), args.envs, seed, counters.clone())
-        .with_context(|| format!("this build cannot serve run {run}"))?;
+    // The environment: the spec's, or the one --env names (its spaces must fit the policy).
+    let env = match &args.env {
+        None => spec.env.clone(),
+        Some(EnvChoice::Builtin(name)) => EnvConfig::from_name(name.as_str())?,
+        Some(EnvChoice::Remote(service)) => EnvConfig::Remote(RemoteEnvConfig {
+            service: service.clone(),
+            obs_dim: spec.policy.obs_dim,
+            n_actions: spec.policy.n_actions,
+            reward_threshold: None,
+        }),
+    };
+    let worker = match &env {
+        EnvConfig::Remote(remote) => {
+            let client =
+                EnvServiceClient::with_client(bus.client().clone(), bus.handle().clone(), args.remote_env.timeout()?)
+                    .with_counters(counters.remote_env.clone());
+            let mut config = RemoteVecEnvConfig::new(remote.service.clone(), args.envs, seed);
+            config.envs_per_session = args.remote_env.envs_per_session;
+            config.max_in_flight = args.remote_env.env_max_in_flight;
+            config.expected_spaces = Some((spec.policy.obs_dim, spec.policy.n_actions));
+            config.stop = interrupted.clone();
+            let envs = match RemoteVecEnv::new(client, config) {
+                Ok(envs) => envs,
+                // Interrupted while waiting for an environment server.
+                Err(_) if interrupted.load(Ordering::Acquire) => return Ok(()),
+                Err(err) => return Err(err).with_context(|| format!("remote environment {}", remote.service)),
+            };
+            RolloutWorker::with_envs(spec.clone(), actor_id.clone(), Box::new(envs), seed, counters.clone())
+        }
+        local => {
+            let mut local_spec = spec.clone();
+            local_spec.env = local.clone();
+            RolloutWorker::new(local_spec, actor_id.clone(), args.envs, seed, counters.clone())
+        }
+    }
+    .with_context(|| format!("this build cannot serve run {run}"))?;
     let layout = spec.validate().context("run spec")?;
     let mut sink = bus.trajectory_sink(&actor_id, interrupted.clone()).context("opening the trajectory sink")?;
     sink.set_max_backlog_segments(spec.hyper.max_backlog_segments);
     let mut follower = bus.weights_follower(layout.hash(), layout.n_params()).context("following weights")?;
-    info!(run = %run, actor = %actor_id, env = spec.env.name(), envs = args.envs, "actor joined the run");
+    info!(run = %run, actor = %actor_id, env = %env.describe(), envs = args.envs, "actor joined the run");
     let reporter_stop = Arc::new(AtomicBool::new(false));
     let reporter = {
         let counters = counters.clone();
@@ -290,6 +327,8 @@ fn report_progress(actor: &ActorId, counters: &ActorCounters, stop: &AtomicBool)
             weight_updates = counters.weight_updates.load(Ordering::Relaxed),
             throttled_secs = counters.throttled_nanos.load(Ordering::Relaxed) as f64 * 1e-9,
             env_errors = counters.env_errors.load(Ordering::Relaxed),
+            episodes_aborted = counters.episodes_aborted.load(Ordering::Relaxed),
+            env_sessions_lost = counters.remote_env.sessions_lost.load(Ordering::Relaxed),
             "actor progress"
         );
         last = Instant::now();

@@ -140,7 +140,7 @@ pub enum SpecError {
         /// The environment's value.
         env: usize,
         /// The environment's name.
-        env_name: &'static str,
+        env_name: String,
     },
     /// A hyper-parameter is out of range.
     #[error("invalid hyper-parameter {name} = {value}: {rule}")]
@@ -174,16 +174,14 @@ pub struct RunSpec {
 impl RunSpec {
     /// Check cross-field consistency once; the rest of the code trusts a validated spec.
     pub fn validate(&self) -> Result<ParamLayout, SpecError> {
-        let env = self.env.build()?;
+        let (obs_dim, n_actions) = self.env.spaces()?;
         let layout = ParamLayout::new(&self.policy)?;
-        let obs_dim = env.observation_space().dim();
-        let n_actions = env.action_space().n;
         if self.policy.obs_dim != obs_dim {
             return Err(SpecError::Mismatch {
                 what: "obs_dim",
                 policy: self.policy.obs_dim,
                 env: obs_dim,
-                env_name: env.name(),
+                env_name: self.env.describe(),
             });
         }
         if self.policy.n_actions != n_actions {
@@ -191,7 +189,7 @@ impl RunSpec {
                 what: "n_actions",
                 policy: self.policy.n_actions,
                 env: n_actions,
-                env_name: env.name(),
+                env_name: self.env.describe(),
             });
         }
         let h = &self.hyper;
@@ -240,16 +238,28 @@ impl RunSpec {
         if h.ppo_epochs == 0 {
             return Err(SpecError::Hyper { name: "ppo_epochs", value: "0".into(), rule: ">= 1" });
         }
-        h.work.validate().map_err(|message| SpecError::Work(message))?;
-        // Every task must fit the one policy: same spaces as the run's env.
+        h.work.validate().map_err(SpecError::Work)?;
+        // Every task must fit the one policy: same spaces as the run's env. Save-load needs
+        // in-process environments (remote servers may not snapshot).
+        if h.work.enabled && matches!(self.env, EnvConfig::Remote(_)) {
+            return Err(SpecError::Work("work items need built-in environments, not remote ones".into()));
+        }
         for task in &h.work.tasks {
+            if matches!(task, EnvConfig::Remote(_)) {
+                return Err(SpecError::Work("work.tasks must be built-in environments".into()));
+            }
             let task_env = task.build()?;
             for (what, want, got) in [
                 ("obs_dim", obs_dim, task_env.observation_space().dim()),
                 ("n_actions", n_actions, task_env.action_space().n),
             ] {
                 if want != got {
-                    return Err(SpecError::Mismatch { what, policy: want, env: got, env_name: task_env.name() });
+                    return Err(SpecError::Mismatch {
+                        what,
+                        policy: want,
+                        env: got,
+                        env_name: task_env.name().to_string(),
+                    });
                 }
             }
         }

@@ -1767,64 +1767,6 @@ impl WeightsFollower for NatsWeightsFollower {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn header_size_matches_the_nats_framing() {
-        let id = "actor-1-ab-0-7";
-        let header = format!("NATS/1.0\r\nNats-Msg-Id: {id}\r\n\r\n");
-        assert_eq!(msg_id_header_bytes(id), header.len());
-    }
-
-    #[test]
-    fn backoff_doubles_up_to_the_cap() {
-        let mut backoff = Backoff::new();
-        let pauses: Vec<Duration> = (0..8).map(|_| backoff.next()).collect();
-        assert_eq!(pauses[0], BACKOFF_FIRST);
-        assert_eq!(pauses[1], BACKOFF_FIRST * 2);
-        assert!(pauses.windows(2).all(|w| w[1] >= w[0]));
-        assert_eq!(*pauses.last().expect("eight pauses"), BACKOFF_MAX);
-    }
-
-    #[test]
-    fn reconnect_delay_starts_at_zero_and_is_capped() {
-        assert_eq!(reconnect_delay(0), Duration::ZERO);
-        assert_eq!(reconnect_delay(1), Duration::ZERO);
-        assert_eq!(reconnect_delay(2), Duration::from_millis(2));
-        assert_eq!(reconnect_delay(100), Duration::from_secs(2));
-    }
-
-    #[test]
-    fn pointer_slot_keeps_only_newer_versions() {
-        let slot = PointerSlot::default();
-        let pointer = |version| WeightsPointer {
-            version,
-            object: subjects::weights_object(version),
-            checksum: "0".into(),
-            layout_hash: "0".into(),
-            size_bytes: 0,
-        };
-        slot.offer(pointer(3));
-        slot.offer(pointer(2));
-        assert_eq!(slot.newest().map(|p| p.version), Some(3));
-        assert_eq!(slot.version_plus_one.load(Ordering::Acquire), 4);
-        slot.offer(pointer(4));
-        assert_eq!(slot.newest().map(|p| p.version), Some(4));
-    }
-
-    #[test]
-    fn weights_pointer_is_readable_json() {
-        let weights = Weights::new(PolicyVersion(7), 0xdead_beef, vec![1.0, 2.0]);
-        let pointer = WeightsPointer::new(&weights, subjects::weights_object(7), 123);
-        let json = serde_json::to_string(&pointer).expect("serializable");
-        assert!(json.contains("\"version\":7"), "{json}");
-        assert!(json.contains("\"layout_hash\":\"00000000deadbeef\""), "{json}");
-        assert_eq!(serde_json::from_str::<WeightsPointer>(&json).expect("roundtrip"), pointer);
-    }
-}
-
 // ---------------------------------------------------------------------------------------------
 // Save-load and budget assignment: the work queue and the snapshot store
 
@@ -2126,5 +2068,63 @@ impl super::work::SnapshotStore for NatsSnapshotStore {
                     .map_err(|message| TransportError::Failed { operation: "decode snapshot", message })
             })
             .transpose()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn header_size_matches_the_nats_framing() {
+        let id = "actor-1-ab-0-7";
+        let header = format!("NATS/1.0\r\nNats-Msg-Id: {id}\r\n\r\n");
+        assert_eq!(msg_id_header_bytes(id), header.len());
+    }
+
+    #[test]
+    fn backoff_doubles_up_to_the_cap() {
+        let mut backoff = Backoff::new();
+        let pauses: Vec<Duration> = (0..8).map(|_| backoff.next()).collect();
+        assert_eq!(pauses[0], BACKOFF_FIRST);
+        assert_eq!(pauses[1], BACKOFF_FIRST * 2);
+        assert!(pauses.windows(2).all(|w| w[1] >= w[0]));
+        assert_eq!(*pauses.last().expect("eight pauses"), BACKOFF_MAX);
+    }
+
+    #[test]
+    fn reconnect_delay_starts_at_zero_and_is_capped() {
+        assert_eq!(reconnect_delay(0), Duration::ZERO);
+        assert_eq!(reconnect_delay(1), Duration::ZERO);
+        assert_eq!(reconnect_delay(2), Duration::from_millis(2));
+        assert_eq!(reconnect_delay(100), Duration::from_secs(2));
+    }
+
+    #[test]
+    fn pointer_slot_keeps_only_newer_versions() {
+        let slot = PointerSlot::default();
+        let pointer = |version| WeightsPointer {
+            version,
+            object: subjects::weights_object(version),
+            checksum: "0".into(),
+            layout_hash: "0".into(),
+            size_bytes: 0,
+        };
+        slot.offer(pointer(3));
+        slot.offer(pointer(2));
+        assert_eq!(slot.newest().map(|p| p.version), Some(3));
+        assert_eq!(slot.version_plus_one.load(Ordering::Acquire), 4);
+        slot.offer(pointer(4));
+        assert_eq!(slot.newest().map(|p| p.version), Some(4));
+    }
+
+    #[test]
+    fn weights_pointer_is_readable_json() {
+        let weights = Weights::new(PolicyVersion(7), 0xdead_beef, vec![1.0, 2.0]);
+        let pointer = WeightsPointer::new(&weights, subjects::weights_object(7), 123);
+        let json = serde_json::to_string(&pointer).expect("serializable");
+        assert!(json.contains("\"version\":7"), "{json}");
+        assert!(json.contains("\"layout_hash\":\"00000000deadbeef\""), "{json}");
+        assert_eq!(serde_json::from_str::<WeightsPointer>(&json).expect("roundtrip"), pointer);
     }
 }
