@@ -11,6 +11,7 @@ use volley_core::ids::RunId;
 use volley_core::policy::{Activation, CoreKind, PolicySpec};
 use volley_core::spec::{HyperParams, LossKind, RunSpec};
 use volley_core::transport::nats::{NatsAuth, NatsConfig};
+use volley_core::work::{BudgetPolicy, WorkConfig};
 use volley_learner::backend::BackendKind;
 use volley_learner::Checkpoint;
 
@@ -216,6 +217,58 @@ pub struct SpecArgs {
     /// Milestones task: cells per room.
     #[arg(long, default_value_t = 8)]
     pub room_len: usize,
+    /// Schedule every episode through work items: budget assignment across `--task`s and
+    /// saved states, snapshots at milestones (save-load).
+    #[arg(long, env = "VOLLEY_WORK")]
+    pub work: bool,
+    /// A task for `--work` runs, repeatable: `NAME[:key=value,...]` with the environment's
+    /// config keys, e.g. `--task memory:delay=2 --task memory:delay=8` (default: `--env` alone).
+    #[arg(long = "task", requires = "work")]
+    pub tasks: Vec<String>,
+    /// How `--work` splits episodes between tasks.
+    #[arg(long, value_enum, default_value = "uniform", env = "VOLLEY_BUDGET")]
+    pub budget: BudgetName,
+    /// Share of work items that restart from a saved state (Go-Explore-style), in [0, 1].
+    #[arg(long, default_value_t = 0.0, env = "VOLLEY_RESTART_SHARE")]
+    pub restart_share: f32,
+    /// Episodes per work item.
+    #[arg(long, default_value_t = 1)]
+    pub episodes_per_item: u32,
+    /// Save a snapshot every this many steps of a scheduled episode (0: at milestones only).
+    #[arg(long, default_value_t = 0, env = "VOLLEY_SNAPSHOT_EVERY")]
+    pub snapshot_every: u32,
+    /// Seconds a taken work item may go without progress before another actor gets it.
+    #[arg(long, default_value_t = 30.0, env = "VOLLEY_WORK_ACK_WAIT_SECS")]
+    pub work_ack_wait_secs: f64,
+}
+
+/// Budget policy between tasks (`--budget`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum BudgetName {
+    /// Every task equally often.
+    Uniform,
+    /// In proportion to p(1 − p) of each task's success rate.
+    Learnability,
+    /// UCB1 on learnability.
+    Ucb,
+}
+
+/// Parse `NAME[:key=value,...]` into an environment config (the keys of its JSON form).
+pub fn parse_task(text: &str) -> anyhow::Result<EnvConfig> {
+    let (name, rest) = text.split_once(':').unwrap_or((text, ""));
+    let mut object = serde_json::Map::new();
+    object.insert("name".into(), serde_json::Value::String(name.trim().to_string()));
+    for pair in rest.split(',').filter(|p| !p.trim().is_empty()) {
+        let (key, value) =
+            pair.split_once('=').with_context(|| format!("--task {text:?}: {pair:?} is not key=value"))?;
+        let value: serde_json::Value =
+            serde_json::from_str(value.trim()).unwrap_or_else(|_| serde_json::Value::String(value.trim().to_string()));
+        object.insert(key.trim().to_string(), value);
+    }
+    let config: EnvConfig = serde_json::from_value(serde_json::Value::Object(object))
+        .with_context(|| format!("--task {text:?}: not an environment config"))?;
+    config.build().with_context(|| format!("--task {text:?}"))?;
+    Ok(config)
 }
 
 /// `volley train`.
@@ -355,6 +408,20 @@ impl SpecArgs {
             gae_lambda: self.gae_lambda,
             batch_segments: self.batch_segments,
             max_policy_lag: self.max_policy_lag,
+            work: WorkConfig {
+                enabled: self.work,
+                tasks: self.tasks.iter().map(|t| parse_task(t)).collect::<anyhow::Result<_>>()?,
+                policy: match self.budget {
+                    BudgetName::Uniform => BudgetPolicy::Uniform,
+                    BudgetName::Learnability => BudgetPolicy::Learnability,
+                    BudgetName::Ucb => BudgetPolicy::Ucb,
+                },
+                restart_share: self.restart_share,
+                episodes_per_item: self.episodes_per_item,
+                snapshot_every_steps: self.snapshot_every,
+                ack_wait_secs: self.work_ack_wait_secs,
+                ..WorkConfig::default()
+            },
             ..HyperParams::default()
         };
         let spec = RunSpec { run, env, policy, segment_len: self.segment_len, hyper, seed: self.seed };

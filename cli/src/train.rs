@@ -15,10 +15,15 @@ use tracing::{info, warn};
 use volley_actor::{ActorCounters, RolloutWorker};
 use volley_core::ids::ActorId;
 use volley_core::transport::local::{trajectory_channel, weights_channel};
+use volley_core::transport::work::{local_work_queue, LocalSnapshotStore};
+use volley_learner::scheduler::{Planned, Scheduler, WorkPlanner};
 use volley_learner::{run_learner, Learner, LearnerReport, RunLimits, UpdateStats};
 
 use crate::args::{ProgressMode, TrainConfig};
 use crate::curve;
+
+/// Snapshots the embedded run keeps (its retention bound).
+const LOCAL_SNAPSHOT_CAPACITY: usize = 4096;
 
 /// The summary printed as one JSON line at the end.
 #[derive(Debug, serde::Serialize)]
@@ -125,6 +130,17 @@ pub fn train(config: TrainConfig, interrupted: Arc<AtomicBool>) -> anyhow::Resul
     let stop_actors = Arc::new(AtomicBool::new(false));
     let counters: Vec<Arc<ActorCounters>> = (0..config.actors).map(|_| Arc::new(ActorCounters::default())).collect();
     let mut handles = Vec::with_capacity(config.actors);
+    // Save-load and budget assignment: the learner schedules every episode.
+    let work = &spec.hyper.work;
+    let (work_queue, work_source) = local_work_queue();
+    let snapshot_store = LocalSnapshotStore::new(LOCAL_SNAPSHOT_CAPACITY);
+    let mut planner = work.enabled.then(|| {
+        let scheduler = Scheduler::new(work, &spec.env, spec.seed, 0);
+        let target = u64::from(work.queue_per_slot) * (config.actors * config.envs_per_actor) as u64;
+        let mut planner = WorkPlanner::new(scheduler, Box::new(work_queue), target);
+        planner.top_up();
+        planner
+    });
     for (actor_idx, actor_counters) in counters.iter().enumerate() {
         let actor_id = ActorId::new(format!("actor-{actor_idx}")).expect("generated actor ids are valid");
         let worker = RolloutWorker::new(
@@ -135,6 +151,13 @@ pub fn train(config: TrainConfig, interrupted: Arc<AtomicBool>) -> anyhow::Resul
             actor_counters.clone(),
         )
         .with_context(|| format!("building actor {actor_id}"))?;
+        let worker = if work.enabled {
+            worker
+                .with_work(Box::new(work_source.clone()), Box::new(snapshot_store.clone()))
+                .context("scheduling the actor's episodes")?
+        } else {
+            worker
+        };
         let mut sink = sink.clone();
         let mut follower = follower.clone();
         let stop = stop_actors.clone();
@@ -156,14 +179,30 @@ pub fn train(config: TrainConfig, interrupted: Arc<AtomicBool>) -> anyhow::Resul
     };
     let metrics_file = File::create(config.run_dir.join("metrics.jsonl")).context("creating metrics.jsonl")?;
     let mut progress = Progress::new(config.progress, config.max_env_steps, metrics_file);
-    let report = run_learner(
-        &mut learner,
-        &mut source,
-        &mut publisher,
-        &limits,
-        &interrupted,
-        &mut |_: &mut Learner, report: &LearnerReport, stats: &UpdateStats| progress.on_update(report, stats),
-    );
+    let mut on_update =
+        |_: &mut Learner, report: &LearnerReport, stats: &UpdateStats| progress.on_update(report, stats);
+    let report = match planner.as_mut() {
+        Some(planner) => run_learner(
+            &mut learner,
+            &mut source,
+            &mut publisher,
+            &limits,
+            &interrupted,
+            &mut Planned { inner: &mut on_update, planner },
+        ),
+        None => run_learner(&mut learner, &mut source, &mut publisher, &limits, &interrupted, &mut on_update),
+    };
+    if let Some(planner) = &planner {
+        let scheduler = &planner.scheduler;
+        let (fresh, resumed) = scheduler.items_issued();
+        let tasks: Vec<String> = scheduler
+            .task_stats()
+            .iter()
+            .zip(scheduler.budget_shares())
+            .map(|(s, share)| format!("{:.2}@{:.2}", s.outcomes.success_rate(), share))
+            .collect();
+        info!(fresh, resumed, snapshots = scheduler.known_snapshots(), tasks = ?tasks, "work items (task success@budget share)");
+    }
     stop_actors.store(true, Ordering::Release);
     source.close();
     for handle in handles {

@@ -67,6 +67,12 @@ impl std::fmt::Display for StopReason {
 pub trait LearnerControl {
     /// Called after every update, once the new version is published.
     fn on_update(&mut self, learner: &mut Learner, report: &LearnerReport, stats: &UpdateStats);
+
+    /// Called for every valid, first-seen segment (also stale ones, whose episode results
+    /// still count), before it is batched; the budget scheduler learns from it here.
+    fn on_segment(&mut self, segment: &TrajectorySegment) {
+        let _ = segment;
+    }
 }
 
 impl<F: FnMut(&mut Learner, &LearnerReport, &UpdateStats)> LearnerControl for F {
@@ -126,8 +132,10 @@ impl LearnerReport {
         self.recent_returns.iter().rev().take(take).sum::<f32>() / take as f32
     }
 
+    /// Episodes count towards the returns only when they started fresh: an episode resumed
+    /// from a saved state (save-load exploration) did not face the task from its start.
     fn record_episodes(&mut self, segment: &TrajectorySegment, target: Option<f32>) {
-        for episode in &segment.finished_episodes {
+        for episode in segment.finished_episodes.iter().filter(|e| e.start.is_none()) {
             self.episodes += 1;
             if self.recent_returns.len() == 100 {
                 self.recent_returns.pop_front();
@@ -258,6 +266,7 @@ pub fn run_learner(
             }
             report.env_steps += segment.len() as u64;
             report.record_episodes(segment, limits.target_return);
+            control.on_segment(segment);
             let lag = learner.version().lag_of(segment.policy_version);
             report.lag_histogram[(lag as usize).min(LAG_BUCKETS - 1)] += 1;
             if lag > max_lag {

@@ -284,6 +284,69 @@ impl Scheduler {
     }
 }
 
+/// A [`Scheduler`] wired to the run's work queue: learns from every segment the learner
+/// accepts and keeps `target` items queued. Wrap the learner loop's control in
+/// [`Planned`] to drive it.
+pub struct WorkPlanner {
+    /// The scheduler.
+    pub scheduler: Scheduler,
+    queue: Box<dyn WorkQueue>,
+    target: u64,
+    last_top_up: Option<Instant>,
+}
+
+impl std::fmt::Debug for WorkPlanner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WorkPlanner").field("target", &self.target).finish()
+    }
+}
+
+impl WorkPlanner {
+    /// Plan into `queue`, keeping `target` items queued (e.g. `queue_per_slot` × actor slots).
+    pub fn new(scheduler: Scheduler, queue: Box<dyn WorkQueue>, target: u64) -> Self {
+        WorkPlanner { scheduler, queue, target: target.max(1), last_top_up: None }
+    }
+
+    /// Fill the queue to its target now; failures are logged and retried on the next call.
+    pub fn top_up(&mut self) {
+        self.last_top_up = Some(Instant::now());
+        match self.scheduler.top_up(self.queue.as_mut(), self.target) {
+            Ok(0) => {}
+            Ok(n) => tracing::debug!(submitted = n, "work items queued"),
+            Err(err) => tracing::warn!(%err, "could not queue work items; retrying later"),
+        }
+    }
+
+    fn top_up_soon(&mut self) {
+        // Reading the queue depth is a broker round trip on NATS: at most every 50 ms.
+        if self.last_top_up.is_none_or(|at| at.elapsed() >= Duration::from_millis(50)) {
+            self.top_up();
+        }
+    }
+}
+
+/// A learner-loop control that also drives a [`WorkPlanner`]: every accepted segment feeds the
+/// scheduler, and the queue is topped up after every segment batch and update.
+pub struct Planned<'a, C: crate::LearnerControl + ?Sized> {
+    /// The wrapped control (progress, metrics, checkpoints).
+    pub inner: &'a mut C,
+    /// The planner.
+    pub planner: &'a mut WorkPlanner,
+}
+
+impl<C: crate::LearnerControl + ?Sized> crate::LearnerControl for Planned<'_, C> {
+    fn on_update(&mut self, learner: &mut crate::Learner, report: &crate::LearnerReport, stats: &crate::UpdateStats) {
+        self.planner.top_up();
+        self.inner.on_update(learner, report, stats);
+    }
+
+    fn on_segment(&mut self, segment: &TrajectorySegment) {
+        self.planner.scheduler.observe_segment(segment);
+        self.planner.top_up_soon();
+        self.inner.on_segment(segment);
+    }
+}
+
 /// Index drawn with probability proportional to `weights` (uniform if they sum to 0).
 fn sample_weighted(rng: &mut Pcg64Mcg, weights: &[f64]) -> usize {
     let total: f64 = weights.iter().sum();
@@ -364,7 +427,7 @@ mod tests {
     }
 
     fn shares(scheduler: &mut Scheduler, n: usize) -> Vec<f64> {
-        let mut counts = vec![0usize; 3];
+        let mut counts = [0usize; 3];
         for item in scheduler.next_items(n) {
             counts[item.task_id as usize] += 1;
         }

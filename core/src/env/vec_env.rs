@@ -97,9 +97,31 @@ pub trait VectorEnv: Send {
     fn snapshot_env(&mut self, env_idx: usize) -> Result<Vec<u8>, EnvError>;
     /// Restore environment `env_idx` from a snapshot and update its row of [`VectorEnv::obs`].
     fn restore_env(&mut self, env_idx: usize, bytes: &[u8]) -> Result<(), EnvError>;
+    /// Start a new episode of environment `env_idx` from `seed` and update its row of
+    /// [`VectorEnv::obs`] (save-load: a scheduled fresh start). Default: unsupported.
+    fn reset_env(&mut self, env_idx: usize, seed: u64) -> Result<(), EnvError> {
+        let _ = seed;
+        Err(EnvError::Config(format!("environment {env_idx} cannot be reset on demand")))
+    }
+    /// Replace environment `env_idx` with a freshly built `task` and reset it from `seed`
+    /// (multi-task runs). Default: unsupported.
+    fn switch_task(&mut self, env_idx: usize, task: &super::EnvConfig, seed: u64) -> Result<(), EnvError> {
+        let _ = seed;
+        Err(EnvError::Config(format!("environment {env_idx} cannot switch to task {}", task.name())))
+    }
+    /// Whether environment `env_idx` is at a milestone ([`Env::at_milestone`]). Default: never.
+    fn env_at_milestone(&self, env_idx: usize) -> bool {
+        let _ = env_idx;
+        false
+    }
+    /// Progress of environment `env_idx`'s episode ([`Env::progress`]). Default: 0.
+    fn env_progress(&self, env_idx: usize) -> f32 {
+        let _ = env_idx;
+        0.0
+    }
 }
 
-impl<E: Env> VectorEnv for VecEnv<E> {
+impl<E: Env + 'static> VectorEnv for VecEnv<E> {
     fn n_envs(&self) -> usize {
         VecEnv::n_envs(self)
     }
@@ -126,6 +148,34 @@ impl<E: Env> VectorEnv for VecEnv<E> {
             return Err(EnvError::Shape { field: "env_idx", expected: self.envs.len(), got: env_idx });
         }
         VecEnv::restore_env(self, env_idx, bytes)
+    }
+    fn reset_env(&mut self, env_idx: usize, seed: u64) -> Result<(), EnvError> {
+        if env_idx >= self.envs.len() {
+            return Err(EnvError::Shape { field: "env_idx", expected: self.envs.len(), got: env_idx });
+        }
+        VecEnv::reset_env(self, env_idx, Some(seed))
+    }
+    fn switch_task(&mut self, env_idx: usize, task: &super::EnvConfig, seed: u64) -> Result<(), EnvError> {
+        if env_idx >= self.envs.len() {
+            return Err(EnvError::Shape { field: "env_idx", expected: self.envs.len(), got: env_idx });
+        }
+        // Only a vec env of boxed environments can hold another environment type.
+        let slot: &mut dyn std::any::Any = &mut self.envs[env_idx];
+        let Some(boxed) = slot.downcast_mut::<Box<dyn Env>>() else {
+            return Err(EnvError::Config("this vec env holds one environment type; tasks cannot switch".into()));
+        };
+        let env = task.build()?;
+        if env.observation_space().dim() != self.obs_dim || env.action_space().n != self.n_actions {
+            return Err(EnvError::Config(format!("task {} has other spaces than this vec env", task.name())));
+        }
+        *boxed = env;
+        VecEnv::reset_env(self, env_idx, Some(seed))
+    }
+    fn env_at_milestone(&self, env_idx: usize) -> bool {
+        self.envs.get(env_idx).is_some_and(|env| env.at_milestone())
+    }
+    fn env_progress(&self, env_idx: usize) -> f32 {
+        self.envs.get(env_idx).map_or(0.0, |env| env.progress())
     }
 }
 
