@@ -3,7 +3,7 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{bail, Context};
 use tracing::{info, warn};
@@ -14,6 +14,7 @@ use volley_core::ids::{ActorId, RunId};
 use volley_core::transport::local::weights_channel;
 use volley_core::transport::nats::NatsBus;
 use volley_core::transport::{TrajectorySource, WeightsPublisher};
+use volley_learner::scheduler::{Planned, Scheduler, WorkPlanner};
 use volley_learner::{run_learner, Checkpoint, Learner, LearnerMetrics, LearnerReport, RunLimits, UpdateStats};
 
 use crate::args::{ActorArgs, EnvChoice, LearnerConfig};
@@ -121,43 +122,60 @@ pub fn learner(config: LearnerConfig, interrupted: Arc<AtomicBool>) -> anyhow::R
     let mut checkpoint_error: Option<anyhow::Error> = None;
     let checkpoint_path = config.checkpoint_path.clone();
     let replay = config.replay;
-    let report = run_learner(
-        &mut learner,
-        source.as_mut(),
-        publisher.as_mut(),
-        &limits,
-        &interrupted,
-        &mut |learner: &mut Learner, report: &LearnerReport, stats: &UpdateStats| {
-            metrics.observe(learner, report, stats, learner.updates().is_multiple_of(config.publish_every));
-            metrics.set_checkpoint_age(last_checkpoint.elapsed());
-            let due = learner.updates().is_multiple_of(config.checkpoint_every_updates)
-                || last_checkpoint.elapsed() >= config.checkpoint_every;
-            if due && !replay {
-                if let Err(err) = learner.checkpoint(report.env_steps).save(&checkpoint_path) {
-                    warn!(%err, "checkpoint failed; will retry at the next update");
-                    checkpoint_error.get_or_insert(err.into());
-                } else {
-                    last_checkpoint = Instant::now();
-                    checkpoint_error = None;
-                }
+    // Save-load and budget assignment: the scheduler plans every episode into the work queue.
+    // Item ids start at the clock (µs), so a restarted learner never reuses one.
+    let mut planner = if spec.hyper.work.enabled && !replay {
+        let first_item_id = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_micros() as u64);
+        let scheduler = Scheduler::new(&spec.hyper.work, &spec.env, spec.seed, first_item_id);
+        let queue = bus.work_queue().context("opening the work queue")?;
+        let target = u64::from(spec.hyper.work.queue_per_slot) * spec.hyper.batch_segments.max(8) as u64;
+        let mut planner = WorkPlanner::new(scheduler, Box::new(queue), target);
+        planner.top_up();
+        Some(planner)
+    } else {
+        None
+    };
+    let mut control = |learner: &mut Learner, report: &LearnerReport, stats: &UpdateStats| {
+        metrics.observe(learner, report, stats, learner.updates().is_multiple_of(config.publish_every));
+        metrics.set_checkpoint_age(last_checkpoint.elapsed());
+        let due = learner.updates().is_multiple_of(config.checkpoint_every_updates)
+            || last_checkpoint.elapsed() >= config.checkpoint_every;
+        if due && !replay {
+            if let Err(err) = learner.checkpoint(report.env_steps).save(&checkpoint_path) {
+                warn!(%err, "checkpoint failed; will retry at the next update");
+                checkpoint_error.get_or_insert(err.into());
+            } else {
+                last_checkpoint = Instant::now();
+                checkpoint_error = None;
             }
-            if last_log.elapsed() >= Duration::from_secs(2) {
-                last_log = Instant::now();
-                let loop_secs = report.elapsed.as_secs_f64().max(1e-9);
-                info!(
-                    env_steps = report.env_steps,
-                    version = report.policy_version,
-                    mean_return_100 = report.mean_return(100),
-                    lag_max = stats.lag_max,
-                    backlog = report.backlog,
-                    wait_ratio = report.wait_time.as_secs_f64() / loop_secs,
-                    stale = report.segments_stale,
-                    rejected = report.segments_rejected.values().sum::<u64>(),
-                    "learner progress"
-                );
-            }
-        },
-    )
+        }
+        if last_log.elapsed() >= Duration::from_secs(2) {
+            last_log = Instant::now();
+            let loop_secs = report.elapsed.as_secs_f64().max(1e-9);
+            info!(
+                env_steps = report.env_steps,
+                version = report.policy_version,
+                mean_return_100 = report.mean_return(100),
+                lag_max = stats.lag_max,
+                backlog = report.backlog,
+                wait_ratio = report.wait_time.as_secs_f64() / loop_secs,
+                stale = report.segments_stale,
+                rejected = report.segments_rejected.values().sum::<u64>(),
+                "learner progress"
+            );
+        }
+    };
+    let report = match planner.as_mut() {
+        Some(planner) => run_learner(
+            &mut learner,
+            source.as_mut(),
+            publisher.as_mut(),
+            &limits,
+            &interrupted,
+            &mut Planned { inner: &mut control, planner },
+        ),
+        None => run_learner(&mut learner, source.as_mut(), publisher.as_mut(), &limits, &interrupted, &mut control),
+    }
     .context("learner loop")?;
     if !config.replay {
         learner
@@ -286,6 +304,13 @@ pub fn actor(args: ActorArgs, interrupted: Arc<AtomicBool>) -> anyhow::Result<()
         }
     }
     .with_context(|| format!("this build cannot serve run {run}"))?;
+    let worker = if spec.hyper.work.enabled {
+        let source = bus.work_source().context("opening the work queue")?;
+        let store = bus.snapshot_store().context("opening the snapshot store")?;
+        worker.with_work(Box::new(source), Box::new(store)).context("scheduled episodes")?
+    } else {
+        worker
+    };
     let layout = spec.validate().context("run spec")?;
     let mut sink = bus.trajectory_sink(&actor_id, interrupted.clone()).context("opening the trajectory sink")?;
     sink.set_max_backlog_segments(spec.hyper.max_backlog_segments);
