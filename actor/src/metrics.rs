@@ -25,6 +25,11 @@ pub struct ActorMetrics {
     throttled_seconds: Counter,
     env_seconds: Counter,
     inference_seconds: Counter,
+    work_items_completed: IntCounter,
+    snapshots_saved: IntCounter,
+    episodes_resumed: IntCounter,
+    resume_failures: IntCounter,
+    unscheduled_episodes: IntCounter,
     descs: Vec<Desc>,
 }
 
@@ -64,6 +69,23 @@ impl ActorMetrics {
                 "volley_actor_inference_seconds_total",
                 "Time spent in policy inference and action sampling.",
             )?,
+            work_items_completed: int(
+                "volley_actor_work_items_completed_total",
+                "Work items finished (scheduled episodes, save-load).",
+            )?,
+            snapshots_saved: int("volley_actor_snapshots_saved_total", "Episode snapshots saved to the snapshot store.")?,
+            episodes_resumed: int(
+                "volley_actor_episodes_resumed_total",
+                "Episodes continued from a saved state (scheduled restarts and interrupted work items).",
+            )?,
+            resume_failures: int(
+                "volley_actor_resume_failures_total",
+                "Saved states that could not be loaded (expired or undecodable); a fresh start ran instead.",
+            )?,
+            unscheduled_episodes: int(
+                "volley_actor_unscheduled_episodes_total",
+                "Episodes run without a work item because the work queue was empty.",
+            )?,
             descs: Vec::new(),
         };
         let mut metrics = metrics;
@@ -71,7 +93,7 @@ impl ActorMetrics {
         registry.register(Box::new(metrics))
     }
 
-    fn parts(&self) -> [&dyn Collector; 11] {
+    fn parts(&self) -> [&dyn Collector; 16] {
         [
             &self.env_steps,
             &self.episodes,
@@ -84,6 +106,11 @@ impl ActorMetrics {
             &self.throttled_seconds,
             &self.env_seconds,
             &self.inference_seconds,
+            &self.work_items_completed,
+            &self.snapshots_saved,
+            &self.episodes_resumed,
+            &self.resume_failures,
+            &self.unscheduled_episodes,
         ]
     }
 }
@@ -122,6 +149,11 @@ impl Collector for ActorMetrics {
         catch_up_secs(&self.throttled_seconds, c.throttled_nanos.load(Ordering::Relaxed));
         catch_up_secs(&self.env_seconds, c.env_nanos.load(Ordering::Relaxed));
         catch_up_secs(&self.inference_seconds, c.inference_nanos.load(Ordering::Relaxed));
+        catch_up_int(&self.work_items_completed, c.work_items_completed.load(Ordering::Relaxed));
+        catch_up_int(&self.snapshots_saved, c.snapshots_saved.load(Ordering::Relaxed));
+        catch_up_int(&self.episodes_resumed, c.episodes_resumed.load(Ordering::Relaxed));
+        catch_up_int(&self.resume_failures, c.resume_failures.load(Ordering::Relaxed));
+        catch_up_int(&self.unscheduled_episodes, c.unscheduled_episodes.load(Ordering::Relaxed));
         self.parts().iter().flat_map(|c| c.collect()).collect()
     }
 }

@@ -14,6 +14,7 @@ use volley_core::ids::{ActorId, RunId};
 use volley_core::transport::local::weights_channel;
 use volley_core::transport::nats::NatsBus;
 use volley_core::transport::{TrajectorySource, WeightsPublisher};
+use volley_learner::metrics::WorkMetrics;
 use volley_learner::scheduler::{Planned, Scheduler, WorkPlanner};
 use volley_learner::{run_learner, Checkpoint, Learner, LearnerMetrics, LearnerReport, RunLimits, UpdateStats};
 
@@ -107,7 +108,7 @@ pub fn learner(config: LearnerConfig, interrupted: Arc<AtomicBool>) -> anyhow::R
     let registry = serve::registry_for("learner")?;
     let mut metrics = LearnerMetrics::register(&registry).context("registering learner metrics")?;
     // Ready once the run exists on NATS and the first weights are about to be published.
-    serve::serve(&config.metrics_addr, registry, Arc::new(|| true))?;
+    serve::serve(&config.metrics_addr, registry.clone(), Arc::new(|| true))?;
 
     let limits = RunLimits {
         max_env_steps: Some(config.max_env_steps),
@@ -129,7 +130,8 @@ pub fn learner(config: LearnerConfig, interrupted: Arc<AtomicBool>) -> anyhow::R
         let scheduler = Scheduler::new(&spec.hyper.work, &spec.env, spec.seed, first_item_id);
         let queue = bus.work_queue().context("opening the work queue")?;
         let target = u64::from(spec.hyper.work.queue_per_slot) * spec.hyper.batch_segments.max(8) as u64;
-        let mut planner = WorkPlanner::new(scheduler, Box::new(queue), target);
+        let work_metrics = WorkMetrics::register(&registry).context("registering work metrics")?;
+        let mut planner = WorkPlanner::new(scheduler, Box::new(queue), target).with_metrics(work_metrics);
         planner.top_up();
         Some(planner)
     } else {

@@ -138,6 +138,9 @@ pub fn train(config: TrainConfig, interrupted: Arc<AtomicBool>) -> anyhow::Resul
         let scheduler = Scheduler::new(work, &spec.env, spec.seed, 0);
         let target = u64::from(work.queue_per_slot) * (config.actors * config.envs_per_actor) as u64;
         let mut planner = WorkPlanner::new(scheduler, Box::new(work_queue), target);
+        if let Ok(file) = File::create(config.run_dir.join("work.jsonl")) {
+            planner = planner.with_log(Box::new(BufWriter::new(file)));
+        }
         planner.top_up();
         planner
     });

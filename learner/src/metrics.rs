@@ -167,3 +167,72 @@ impl LearnerMetrics {
         self.checkpoint_age.set(age.as_secs_f64());
     }
 }
+
+/// The budget scheduler's metrics (learners of runs with `work.enabled`): each task's share of
+/// the work items and its recent success rate (label `task` = task index, bounded by the
+/// run's task list), work items issued by kind of start, and saved states known.
+pub struct WorkMetrics {
+    share: GaugeVec,
+    success: GaugeVec,
+    fresh_success: GaugeVec,
+    items: IntCounterVec,
+    snapshots: Gauge,
+}
+
+impl WorkMetrics {
+    /// Register on `registry`.
+    pub fn register(registry: &Registry) -> prometheus::Result<Self> {
+        let metrics = WorkMetrics {
+            share: GaugeVec::new(
+                Opts::new("volley_learner_task_budget_share", "Share of work items issued for each task so far."),
+                &["task"],
+            )?,
+            success: GaugeVec::new(
+                Opts::new(
+                    "volley_learner_task_success_rate",
+                    "Recent success rate of each task's episodes, any start (Beta(1,1)-smoothed window).",
+                ),
+                &["task"],
+            )?,
+            fresh_success: GaugeVec::new(
+                Opts::new(
+                    "volley_learner_task_fresh_success_rate",
+                    "Recent success rate of each task's episodes that started fresh (no save-load help).",
+                ),
+                &["task"],
+            )?,
+            items: IntCounterVec::new(
+                Opts::new("volley_learner_work_items_total", "Work items issued, by start: fresh or resume."),
+                &["start"],
+            )?,
+            snapshots: Gauge::with_opts(Opts::new(
+                "volley_learner_snapshots_known",
+                "Saved states the scheduler can restart from.",
+            ))?,
+        };
+        registry.register(Box::new(metrics.share.clone()))?;
+        registry.register(Box::new(metrics.success.clone()))?;
+        registry.register(Box::new(metrics.fresh_success.clone()))?;
+        registry.register(Box::new(metrics.items.clone()))?;
+        registry.register(Box::new(metrics.snapshots.clone()))?;
+        Ok(metrics)
+    }
+
+    /// Copy the scheduler's state.
+    pub fn observe(&self, scheduler: &crate::scheduler::Scheduler) {
+        for (task, (stats, share)) in scheduler.task_stats().iter().zip(scheduler.budget_shares()).enumerate() {
+            let label = task.to_string();
+            self.share.with_label_values(&[&label]).set(share);
+            self.success.with_label_values(&[&label]).set(stats.outcomes.success_rate());
+            self.fresh_success.with_label_values(&[&label]).set(stats.fresh.success_rate());
+        }
+        let (fresh, resumed) = scheduler.items_issued();
+        for (start, total) in [("fresh", fresh), ("resume", resumed)] {
+            let counter = self.items.with_label_values(&[start]);
+            if total > counter.get() {
+                counter.inc_by(total - counter.get());
+            }
+        }
+        self.snapshots.set(scheduler.known_snapshots() as f64);
+    }
+}

@@ -18,6 +18,7 @@
 //! (`(s + 1) / (n + 2)`) so a task with no results counts as `p = ½`, the most learnable.
 
 use std::collections::{HashMap, VecDeque};
+use std::io::Write;
 use std::time::{Duration, Instant};
 
 use rand::{Rng, SeedableRng};
@@ -87,6 +88,9 @@ impl OutcomeWindow {
 pub struct TaskStats {
     /// Recent outcomes of episodes of this task (any start).
     pub outcomes: OutcomeWindow,
+    /// Recent outcomes of episodes that started fresh: the task's own difficulty, without
+    /// the help of restarts from saved states (what evaluation reports).
+    pub fresh: OutcomeWindow,
     /// Work items issued for this task.
     pub items_issued: u64,
 }
@@ -171,7 +175,11 @@ impl Scheduler {
         for episode in &segment.finished_episodes {
             let Some(task) = self.tasks.get(episode.task_id as usize) else { continue };
             let success = episode_success(task, episode.episode_return);
-            self.stats[episode.task_id as usize].outcomes.push(success, episode.episode_return, window);
+            let stats = &mut self.stats[episode.task_id as usize];
+            stats.outcomes.push(success, episode.episode_return, window);
+            if episode.start.is_none() {
+                stats.fresh.push(success, episode.episode_return, window);
+            }
             if let Some(known) = episode.start.as_ref().and_then(|key| self.snapshots.get_mut(key)) {
                 known.outcomes.push(success, episode.episode_return, window);
             }
@@ -293,6 +301,8 @@ pub struct WorkPlanner {
     queue: Box<dyn WorkQueue>,
     target: u64,
     last_top_up: Option<Instant>,
+    log: Option<Box<dyn std::io::Write + Send>>,
+    metrics: Option<crate::metrics::WorkMetrics>,
 }
 
 impl std::fmt::Debug for WorkPlanner {
@@ -304,11 +314,61 @@ impl std::fmt::Debug for WorkPlanner {
 impl WorkPlanner {
     /// Plan into `queue`, keeping `target` items queued (e.g. `queue_per_slot` × actor slots).
     pub fn new(scheduler: Scheduler, queue: Box<dyn WorkQueue>, target: u64) -> Self {
-        WorkPlanner { scheduler, queue, target: target.max(1), last_top_up: None }
+        WorkPlanner { scheduler, queue, target: target.max(1), last_top_up: None, log: None, metrics: None }
+    }
+
+    /// Write one JSON line per update to `log`: env steps, seconds, and per task the
+    /// fresh-start success rate (Beta(1, 1)-smoothed over the window), the success rate over
+    /// all starts, the mean fresh return and the budget share so far.
+    pub fn with_log(mut self, log: Box<dyn std::io::Write + Send>) -> Self {
+        self.log = Some(log);
+        self
+    }
+
+    fn log_row(&mut self, report: &crate::LearnerReport) {
+        let Some(log) = self.log.as_mut() else { return };
+        let scheduler = &self.scheduler;
+        let shares = scheduler.budget_shares();
+        let tasks: Vec<serde_json::Value> = scheduler
+            .stats
+            .iter()
+            .zip(shares)
+            .map(|(s, share)| {
+                serde_json::json!({
+                    "fresh_success": s.fresh.success_rate(),
+                    "fresh_episodes": s.fresh.episodes,
+                    "fresh_return": s.fresh.mean_return(),
+                    "success": s.outcomes.success_rate(),
+                    "share": share,
+                })
+            })
+            .collect();
+        let row = serde_json::json!({
+            "updates": report.updates,
+            "env_steps": report.env_steps,
+            "secs": report.elapsed.as_secs_f64(),
+            "items_fresh": scheduler.items_fresh,
+            "items_resume": scheduler.items_resume,
+            "snapshots": scheduler.snapshots.len(),
+            "tasks": tasks,
+        });
+        if let Err(err) = writeln!(log, "{row}") {
+            tracing::warn!(%err, "work log not written");
+            self.log = None;
+        }
+    }
+
+    /// Export the scheduler's state as Prometheus metrics, refreshed at every top-up.
+    pub fn with_metrics(mut self, metrics: crate::metrics::WorkMetrics) -> Self {
+        self.metrics = Some(metrics);
+        self
     }
 
     /// Fill the queue to its target now; failures are logged and retried on the next call.
     pub fn top_up(&mut self) {
+        if let Some(metrics) = &self.metrics {
+            metrics.observe(&self.scheduler);
+        }
         self.last_top_up = Some(Instant::now());
         match self.scheduler.top_up(self.queue.as_mut(), self.target) {
             Ok(0) => {}
@@ -337,6 +397,7 @@ pub struct Planned<'a, C: crate::LearnerControl + ?Sized> {
 impl<C: crate::LearnerControl + ?Sized> crate::LearnerControl for Planned<'_, C> {
     fn on_update(&mut self, learner: &mut crate::Learner, report: &crate::LearnerReport, stats: &crate::UpdateStats) {
         self.planner.top_up();
+        self.planner.log_row(report);
         self.inner.on_update(learner, report, stats);
     }
 
