@@ -123,6 +123,7 @@ pub struct Scheduler {
     snapshots: HashMap<String, KnownSnapshot>,
     items_fresh: u64,
     items_resume: u64,
+    last_forget: Option<Instant>,
 }
 
 impl Scheduler {
@@ -140,6 +141,7 @@ impl Scheduler {
             snapshots: HashMap::new(),
             items_fresh: 0,
             items_resume: 0,
+            last_forget: None,
         }
     }
 
@@ -199,8 +201,15 @@ impl Scheduler {
         self.forget_snapshots();
     }
 
-    /// Drop saved states the store has expired, and the least promising beyond the bound.
+    /// Drop saved states the store has expired (checked at most once a second: it walks the
+    /// whole table), and the least promising beyond the bound.
     fn forget_snapshots(&mut self) {
+        if self.snapshots.len() <= MAX_KNOWN_SNAPSHOTS
+            && self.last_forget.is_some_and(|at| at.elapsed() < Duration::from_secs(1))
+        {
+            return;
+        }
+        self.last_forget = Some(Instant::now());
         // Keep a margin: a state chosen just before its expiry would fail to load.
         let ttl = Duration::from_secs_f64(self.config.snapshot_ttl_secs * 0.9);
         self.snapshots.retain(|_, s| s.seen_at.elapsed() < ttl);

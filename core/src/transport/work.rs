@@ -96,7 +96,8 @@ impl WorkSource for LocalWorkSource {
 
 #[derive(Debug, Default)]
 struct StoreState {
-    snapshots: HashMap<String, Vec<u8>>,
+    /// Encoded snapshot and its work item, by key.
+    snapshots: HashMap<String, (Vec<u8>, u64)>,
     order: VecDeque<String>,
     latest: HashMap<u64, String>,
 }
@@ -129,14 +130,16 @@ impl SnapshotStore for LocalSnapshotStore {
     fn save(&mut self, snapshot: &EpisodeSnapshot) -> Result<String, TransportError> {
         let key = snapshot.key();
         let mut state = self.state.lock().expect("store lock");
-        if state.snapshots.insert(key.clone(), snapshot.encode()).is_none() {
+        if state.snapshots.insert(key.clone(), (snapshot.encode(), snapshot.work_item)).is_none() {
             state.order.push_back(key.clone());
         }
         state.latest.insert(snapshot.work_item, key.clone());
         while state.order.len() > self.capacity {
-            if let Some(old) = state.order.pop_front() {
-                state.snapshots.remove(&old);
-                state.latest.retain(|_, k| *k != old);
+            let Some(old) = state.order.pop_front() else { break };
+            if let Some((_, item)) = state.snapshots.remove(&old) {
+                if state.latest.get(&item) == Some(&old) {
+                    state.latest.remove(&item);
+                }
             }
         }
         Ok(key)
@@ -151,7 +154,7 @@ impl SnapshotStore for LocalSnapshotStore {
         state
             .snapshots
             .get(key)
-            .map(|bytes| {
+            .map(|(bytes, _)| {
                 EpisodeSnapshot::decode(bytes)
                     .map_err(|message| TransportError::Failed { operation: "load snapshot", message })
             })
