@@ -555,7 +555,7 @@ mod tests {
         fn step(&mut self, actions: &[usize], out: &mut VecStep) -> Result<(), EnvError> {
             self.inner.step(actions, out)?;
             self.steps += 1;
-            if self.steps % 10 == 0 {
+            if self.steps.is_multiple_of(10) {
                 out.rewards[0] = 0.0;
                 out.terminated[0] = false;
                 out.truncated[0] = true;
