@@ -144,7 +144,7 @@ pub enum ProgressMode {
 /// Flags that define the run spec (shared by `volley train` and `volley learner`).
 #[derive(Debug, Clone, Args)]
 pub struct SpecArgs {
-    /// Environment: cartpole, memory, milestones, or remote:<service> for one served over NATS
+    /// Environment: cartpole, memory, milestones, or remote:SERVICE for one served over NATS
     /// (docs/ENV_PROTOCOL.md; `volley learner` asks its servers for the spaces).
     #[arg(long, default_value = "cartpole", env = "VOLLEY_ENV", value_parser = parse_env_choice)]
     pub env: EnvChoice,
@@ -725,7 +725,7 @@ pub struct ActorArgs {
     /// Seed of this actor's environments and sampling (default: derived from the actor id).
     #[arg(long, env = "VOLLEY_ACTOR_SEED")]
     pub seed: Option<u64>,
-    /// Step this environment instead of the run spec's: remote:<service> for one served over
+    /// Step this environment instead of the run spec's: remote:SERVICE for one served over
     /// NATS, or a built-in name. Its spaces must match the run's policy.
     #[arg(long, env = "VOLLEY_ACTOR_ENV", value_parser = parse_env_choice)]
     pub env: Option<EnvChoice>,

@@ -266,3 +266,60 @@ impl RunSpec {
         Ok(layout)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::env::RemoteEnvConfig;
+    use crate::envsvc::EnvServiceName;
+    use crate::policy::{Activation, CoreKind};
+
+    fn spec(env: EnvConfig, obs_dim: usize) -> RunSpec {
+        RunSpec {
+            run: RunId::new("spec-test").expect("valid"),
+            env,
+            policy: PolicySpec {
+                obs_dim,
+                n_actions: 2,
+                torso: vec![8],
+                activation: Activation::Tanh,
+                core: CoreKind::Mlp,
+            },
+            segment_len: 8,
+            hyper: HyperParams::default(),
+            seed: 3,
+        }
+    }
+
+    /// Specs written before remote environments existed still parse, unchanged.
+    #[test]
+    fn built_in_env_json_is_unchanged() {
+        let json = serde_json::to_value(spec(EnvConfig::Cartpole, 4)).unwrap();
+        assert_eq!(json["env"], serde_json::json!({"name": "cartpole"}));
+        let memory: EnvConfig = serde_json::from_str(r#"{"name":"memory","n_cues":2,"delay":6}"#).unwrap();
+        assert!(matches!(memory, EnvConfig::Memory(_)));
+    }
+
+    #[test]
+    fn a_remote_env_validates_without_the_network_and_round_trips() {
+        let remote = EnvConfig::Remote(RemoteEnvConfig {
+            service: EnvServiceName::new("cartpole-v1").unwrap(),
+            obs_dim: 4,
+            n_actions: 2,
+            reward_threshold: Some(475.0),
+        });
+        let spec = spec(remote.clone(), 4);
+        spec.validate().expect("declared spaces match the policy");
+        let json = serde_json::to_string(&spec).unwrap();
+        assert!(json.contains(
+            r#""env":{"name":"remote","service":"cartpole-v1","obs_dim":4,"n_actions":2,"reward_threshold":475.0}"#
+        ));
+        assert_eq!(serde_json::from_str::<RunSpec>(&json).unwrap(), spec);
+        assert_eq!(remote.describe(), "remote:cartpole-v1");
+        assert!(remote.build().is_err(), "a remote environment is not built in-process");
+        let mismatch = self::spec(remote, 5).validate().unwrap_err();
+        assert!(mismatch.to_string().contains("remote:cartpole-v1"), "{mismatch}");
+        let bad_name = r#"{"name":"remote","service":"Bad.Name","obs_dim":4,"n_actions":2}"#;
+        assert!(serde_json::from_str::<EnvConfig>(bad_name).is_err());
+    }
+}

@@ -218,3 +218,40 @@ def test_the_command_line_serves_until_sigterm(nats_url):
         await nc.close()
 
     run(gone())
+
+
+class NonFinite(Exploding):
+    """First episode: a NaN observation on step 2; later episodes: an infinite reward on step 1."""
+
+    episodes = 0
+
+    def reset(self, *, seed=None, options=None):
+        self.episodes += 1
+        return super().reset(seed=seed, options=options)
+
+    def step(self, action):
+        self.t += 1
+        nan = self.episodes == 1 and self.t == 2
+        inf = self.episodes > 1 and self.t == 1
+        return np.full(2, np.nan if nan else 0.5, np.float32), (np.inf if inf else 1.0), False, False, {}
+
+
+def test_non_finite_outputs_fail_the_environment(nats_url):
+    async def scenario():
+        server = EnvServer(NonFinite, "nonfinite")
+        nc = await started(nats_url, server)
+        (instance,) = await discover(nc, "nonfinite")
+        session = RemoteSession(nc, instance, obs_dim=2)
+        await session.open([0])
+        first = await session.step([0])
+        assert first["errors"] == [] and list(first["rewards"]) == [1.0]
+        second = await session.step([0])
+        assert second["errors"][0]["message"] == "ValueError: non-finite observation or reward"
+        assert np.array_equal(second["final_obs"], first["obs"]) and second["truncated"] == [True]
+        assert np.all(np.isfinite(second["obs"]))
+        third = await session.step([0])
+        assert [e["env"] for e in third["errors"]] == [0] and list(third["rewards"]) == [0.0]
+        await server.stop()
+        await nc.close()
+
+    run(scenario())

@@ -126,6 +126,7 @@ class EnvServer:
         probe = factory()
         try:
             self.spaces = Spaces.probe(probe)
+            self._flat_obs = len(probe.observation_space.shape) == 1
         finally:
             probe.close()
         self.sessions: dict[int, Session] = {}
@@ -316,37 +317,48 @@ class EnvServer:
             got = len(actions) if isinstance(actions, list) else type(actions).__name__
             raise ProtocolError(BAD_REQUEST, f"{got} actions for {n_envs} environments")
         spaces = self.spaces
+        dim, n_actions, start = spaces.obs_dim, spaces.n_actions, spaces.action_start
+        # The hot loop only steps and copies; checks run once over the whole batch after it.
+        rows = np.zeros((n_envs, dim), dtype=np.float32)
         rewards = np.zeros(n_envs, dtype=np.float32)
         terminated = [False] * n_envs
         truncated = [False] * n_envs
-        final_rows = []
-        errors = []
+        failed: dict = {}
         for env_idx, (env, action) in enumerate(zip(session.envs, actions)):
             try:
-                if not isinstance(action, int) or not 0 <= action < spaces.n_actions:
-                    raise ValueError(f"action {action!r} out of range for {spaces.n_actions} actions")
-                obs, reward, term, trunc, _info = env.step(spaces.action_start + action)
-                row = self._observation(obs)
-                reward = float(reward)
-                if not math.isfinite(reward):
-                    raise ValueError("non-finite reward")
+                if action.__class__ is not int or not 0 <= action < n_actions:
+                    raise ValueError(f"action {action!r} out of range for {n_actions} actions")
+                obs, reward, term, trunc, _info = env.step(start + action)
+                rows[env_idx] = obs if self._flat_obs else np.ravel(obs)
+                rewards[env_idx] = reward
             except Exception as exc:
+                failed[env_idx] = f"{type(exc).__name__}: {exc}"
+                rewards[env_idx] = 0.0
+                continue
+            terminated[env_idx] = bool(term)
+            truncated[env_idx] = bool(trunc)
+        finite = np.isfinite(rows).all(axis=1) & np.isfinite(rewards)
+        if not finite.all():
+            for env_idx in np.flatnonzero(~finite).tolist():
+                failed.setdefault(env_idx, "ValueError: non-finite observation or reward")
+        final_rows = []
+        errors = []
+        for env_idx in range(n_envs):
+            if env_idx in failed:
                 # Reported as a truncation with reward 0; the last valid observation is final.
-                errors.append({"env": env_idx, "message": f"{type(exc).__name__}: {exc}"})
+                errors.append({"env": env_idx, "message": failed[env_idx]})
+                rewards[env_idx] = 0.0
+                terminated[env_idx] = False
                 truncated[env_idx] = True
                 final_rows.append(session.obs[env_idx].copy())
                 self._reset_one(session, env_idx, None)
-                continue
-            rewards[env_idx] = reward
-            terminated[env_idx] = bool(term)
-            truncated[env_idx] = bool(trunc)
-            if term or trunc:
-                final_rows.append(row)
+            elif terminated[env_idx] or truncated[env_idx]:
+                final_rows.append(rows[env_idx])
                 error = self._reset_one(session, env_idx, None)
                 if error is not None:
                     errors.append({"env": env_idx, "message": error})
             else:
-                session.obs[env_idx] = row
+                session.obs[env_idx] = rows[env_idx]
         final_obs = np.concatenate(final_rows) if final_rows else np.zeros(0, dtype=np.float32)
         return {
             "obs": f32_bin(session.obs),
