@@ -13,8 +13,10 @@ pub mod learner;
 pub mod losses;
 pub mod metrics;
 pub mod optim;
+pub mod selection;
 
 pub use checkpoint::{Checkpoint, CheckpointError};
 pub use consume::{run_learner, LearnerControl, LearnerReport, RunLimits, StopReason};
 pub use learner::{Learner, LearnerError, UpdateStats};
 pub use metrics::LearnerMetrics;
+pub use selection::{DropReason, Selector};
