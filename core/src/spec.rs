@@ -417,7 +417,8 @@ mod tests {
 
     #[test]
     fn invalid_selection_parameters_are_refused_by_name() {
-        let cases: [(&str, fn(&mut SelectionConfig)); 7] = [
+        type Breaker = fn(&mut SelectionConfig);
+        let cases: [(&str, Breaker); 7] = [
             ("selection.guard.max_abs_reward", |s| s.guard.max_abs_reward = Some(f32::INFINITY)),
             ("selection.zero_variance.min_group", |s| {
                 s.zero_variance = Some(ZeroVarianceConfig { min_group: 1, ..ZeroVarianceConfig::default() })
@@ -431,7 +432,9 @@ mod tests {
             ("selection.priority.alpha", |s| {
                 s.priority = Some(PriorityConfig { alpha: f32::NAN, ..PriorityConfig::default() })
             }),
-            ("selection.priority.beta", |s| s.priority = Some(PriorityConfig { beta: 1.5, ..PriorityConfig::default() })),
+            ("selection.priority.beta", |s| {
+                s.priority = Some(PriorityConfig { beta: 1.5, ..PriorityConfig::default() })
+            }),
             ("selection.priority.epsilon", |s| {
                 s.priority = Some(PriorityConfig { epsilon: 0.0, ..PriorityConfig::default() })
             }),
