@@ -53,7 +53,7 @@ fn selection_flags_reach_the_run_spec_and_training_runs() {
     let spec: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(run_dir.join("spec.json")).expect("spec.json")).expect("json");
     let selection = &spec["hyper"]["selection"];
-    assert_eq!(selection["priority"]["alpha"], 0.6f32 as f64, "{selection}");
+    assert_eq!(selection["priority"]["alpha"], 0.6, "{selection}");
     assert_eq!(selection["priority"]["beta"], 1.0);
     assert_eq!(selection["priority"]["pool_factor"], 3);
     assert_eq!(selection["zero_variance"]["min_group"], 4);
@@ -90,7 +90,7 @@ fn invalid_flags_get_clear_errors() {
     assert_rejected(&["train", "--gamma", "1.5"], "gamma");
     assert_rejected(&["train", "--run", "Bad.Name"], "invalid run id");
     assert_rejected(&["train", "--ppo-minibatches", "9", "--batch-segments", "8"], "ppo_minibatches");
-    assert_rejected(&["train", "--select-priority-alpha", "-1"], "selection.priority.alpha");
+    assert_rejected(&["train", "--select-priority-alpha=-1"], "selection.priority.alpha");
     assert_rejected(&["train", "--select-zero-variance-min-group", "1"], "selection.zero_variance.min_group");
     assert_rejected(&["train", "--select-priority-beta", "0.5"], "--select-priority-alpha");
 }
