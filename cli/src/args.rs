@@ -9,7 +9,7 @@ use volley_core::env::{EnvConfig, MemoryConfig, MilestonesConfig, RemoteEnvConfi
 use volley_core::envsvc::EnvServiceName;
 use volley_core::ids::RunId;
 use volley_core::policy::{Activation, CoreKind, PolicySpec};
-use volley_core::spec::{HyperParams, LossKind, RunSpec};
+use volley_core::spec::{HyperParams, LossKind, PriorityConfig, RunSpec, SelectionConfig, ZeroVarianceConfig};
 use volley_core::transport::nats::{NatsAuth, NatsConfig};
 use volley_core::work::{BudgetPolicy, WorkConfig};
 use volley_learner::backend::BackendKind;
@@ -205,6 +205,23 @@ pub struct SpecArgs {
     /// Drop segments whose lag exceeds this many versions.
     #[arg(long, default_value_t = 4, env = "VOLLEY_MAX_POLICY_LAG")]
     pub max_policy_lag: u64,
+    /// Trajectory selection: drop segments with a raw reward of larger magnitude (default: no bound).
+    #[arg(long, env = "VOLLEY_SELECT_MAX_ABS_REWARD")]
+    pub select_max_abs_reward: Option<f32>,
+    /// Trajectory selection: drop segments whose start group's last N returns are all equal
+    /// (zero variance: no signal for group-relative methods); N >= 2 (default: off).
+    #[arg(long, env = "VOLLEY_SELECT_ZERO_VARIANCE_MIN_GROUP")]
+    pub select_zero_variance_min_group: Option<usize>,
+    /// Trajectory selection: sample each batch from a pool by |advantage|^ALPHA with
+    /// importance weights (prioritised selection; default: off, every segment used in order).
+    #[arg(long, env = "VOLLEY_SELECT_PRIORITY_ALPHA")]
+    pub select_priority_alpha: Option<f32>,
+    /// Prioritised selection: importance-correction exponent β in [0, 1] (default 0.4).
+    #[arg(long, env = "VOLLEY_SELECT_PRIORITY_BETA", requires = "select_priority_alpha")]
+    pub select_priority_beta: Option<f32>,
+    /// Prioritised selection: pool size in batches (default 2).
+    #[arg(long, env = "VOLLEY_SELECT_POOL_FACTOR", requires = "select_priority_alpha")]
+    pub select_pool_factor: Option<usize>,
     /// Memory task: number of cues.
     #[arg(long, default_value_t = 2)]
     pub memory_cues: usize,
@@ -422,6 +439,7 @@ impl SpecArgs {
                 ack_wait_secs: self.work_ack_wait_secs,
                 ..WorkConfig::default()
             },
+            selection: self.selection(),
             ..HyperParams::default()
         };
         let spec = RunSpec { run, env, policy, segment_len: self.segment_len, hyper, seed: self.seed };
@@ -442,6 +460,25 @@ impl SpecArgs {
                 ..MilestonesConfig::default()
             }),
         }
+    }
+
+    /// The trajectory-selection config these flags describe (validated with the run spec).
+    fn selection(&self) -> SelectionConfig {
+        let mut selection = SelectionConfig::default();
+        selection.guard.max_abs_reward = self.select_max_abs_reward;
+        selection.zero_variance = self
+            .select_zero_variance_min_group
+            .map(|min_group| ZeroVarianceConfig { min_group, ..ZeroVarianceConfig::default() });
+        selection.priority = self.select_priority_alpha.map(|alpha| {
+            let defaults = PriorityConfig::default();
+            PriorityConfig {
+                alpha,
+                beta: self.select_priority_beta.unwrap_or(defaults.beta),
+                pool_factor: self.select_pool_factor.unwrap_or(defaults.pool_factor),
+                ..defaults
+            }
+        });
+        selection
     }
 }
 

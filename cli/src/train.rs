@@ -64,6 +64,10 @@ pub struct TrainSummary {
     pub segments_stale: u64,
     /// Segments rejected as malformed.
     pub segments_rejected: u64,
+    /// Segments dropped by trajectory selection, by reason (`stale` repeats `segments_stale`).
+    pub segments_dropped: std::collections::BTreeMap<&'static str, u64>,
+    /// Segments received but neither used nor dropped when training stopped (the selection pool).
+    pub segments_unused: u64,
     /// Environment failures that were reset.
     pub env_errors: u64,
     /// Largest lag seen (versions).
@@ -243,6 +247,8 @@ pub fn train(config: TrainConfig, interrupted: Arc<AtomicBool>) -> anyhow::Resul
         secs_to_target_100: report.target_reached_100.map(|(_, t)| t),
         segments_stale: report.segments_stale,
         segments_rejected: report.segments_rejected.values().sum(),
+        segments_dropped: report.segments_dropped().iter().map(|&(reason, n)| (reason.as_str(), n)).collect(),
+        segments_unused: report.pool_segments,
         env_errors,
         lag_max: report.lag_histogram.iter().rposition(|&n| n > 0).unwrap_or(0) as u64,
         learner_wait_ratio: if loop_secs > 0.0 { report.wait_time.as_secs_f64() / loop_secs } else { 0.0 },

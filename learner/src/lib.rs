@@ -14,8 +14,10 @@ pub mod losses;
 pub mod metrics;
 pub mod optim;
 pub mod scheduler;
+pub mod selection;
 
 pub use checkpoint::{Checkpoint, CheckpointError};
 pub use consume::{run_learner, LearnerControl, LearnerReport, RunLimits, StopReason};
 pub use learner::{Learner, LearnerError, UpdateStats};
 pub use metrics::LearnerMetrics;
+pub use selection::{DropReason, Selector};
