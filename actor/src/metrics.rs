@@ -23,6 +23,7 @@ pub struct ActorMetrics {
     throttled_seconds: Counter,
     env_seconds: Counter,
     inference_seconds: Counter,
+    episode_return_mean: Gauge,
     descs: Vec<Desc>,
 }
 
@@ -54,6 +55,10 @@ impl ActorMetrics {
                 "volley_actor_inference_seconds_total",
                 "Time spent in policy inference and action sampling.",
             )?,
+            episode_return_mean: Gauge::with_opts(Opts::new(
+                "volley_actor_episode_return_mean",
+                "Mean return of this actor's last 100 finished episodes (0 until one ends).",
+            ))?,
             descs: Vec::new(),
         };
         let mut metrics = metrics;
@@ -61,7 +66,7 @@ impl ActorMetrics {
         registry.register(Box::new(metrics))
     }
 
-    fn parts(&self) -> [&dyn Collector; 9] {
+    fn parts(&self) -> [&dyn Collector; 10] {
         [
             &self.env_steps,
             &self.episodes,
@@ -72,6 +77,7 @@ impl ActorMetrics {
             &self.throttled_seconds,
             &self.env_seconds,
             &self.inference_seconds,
+            &self.episode_return_mean,
         ]
     }
 }
@@ -108,6 +114,7 @@ impl Collector for ActorMetrics {
         catch_up_secs(&self.throttled_seconds, c.throttled_nanos.load(Ordering::Relaxed));
         catch_up_secs(&self.env_seconds, c.env_nanos.load(Ordering::Relaxed));
         catch_up_secs(&self.inference_seconds, c.inference_nanos.load(Ordering::Relaxed));
+        self.episode_return_mean.set(f64::from_bits(c.episode_return_mean_bits.load(Ordering::Relaxed)));
         self.parts().iter().flat_map(|c| c.collect()).collect()
     }
 }
@@ -125,12 +132,14 @@ mod tests {
         counters.env_steps.store(1234, Ordering::Relaxed);
         counters.throttled_nanos.store(1_500_000_000, Ordering::Relaxed);
         counters.policy_version.store(7, Ordering::Relaxed);
+        counters.episode_return_mean_bits.store(21.5f64.to_bits(), Ordering::Relaxed);
         let mut text = Vec::new();
         TextEncoder::new().encode(&registry.gather(), &mut text).expect("encode");
         let text = String::from_utf8(text).expect("utf-8");
         assert!(text.contains("volley_actor_env_steps_total 1234"), "{text}");
         assert!(text.contains("volley_actor_throttled_seconds_total 1.5"), "{text}");
         assert!(text.contains("volley_actor_policy_version 7"), "{text}");
+        assert!(text.contains("volley_actor_episode_return_mean 21.5"), "{text}");
         assert!(text.contains("# HELP volley_actor_env_steps_total Environment steps taken."));
     }
 }
