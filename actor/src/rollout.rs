@@ -238,8 +238,8 @@ impl RolloutWorker {
                         self.recent_returns.pop_front();
                     }
                     self.recent_returns.push_back(builder.episode_return);
-                    let mean = self.recent_returns.iter().map(|&r| r as f64).sum::<f64>()
-                        / self.recent_returns.len() as f64;
+                    let mean =
+                        self.recent_returns.iter().map(|&r| r as f64).sum::<f64>() / self.recent_returns.len() as f64;
                     self.counters.episode_return_mean_bits.store(mean.to_bits(), Ordering::Relaxed);
                     builder.episode_return = 0.0;
                     builder.episode_len = 0;
