@@ -8,9 +8,17 @@
         replaced by values PromQL accepts ($__rate_interval -> 5m, "$job" -> "x").
     ops_checks.py consistency
         Cross-file invariants: the KEDA ScaledObject's query is the recording rule
-        namespace:volley_actors:desired with the namespace filled in; the PrometheusRule in
-        k8s/ carries exactly the groups of deploy/prometheus/rules/volley.rules.yaml; every
-        nats_* series in dashboards and rules is one prometheus-nats-exporter exports.
+        namespace:volley_actors:desired restricted to the base's namespace; the PrometheusRule
+        in k8s/ carries exactly the groups of deploy/prometheus/rules/volley.rules.yaml; the
+        dashboards ConfigMap lists every dashboard; every nats_* series in dashboards and rules
+        is one prometheus-nats-exporter exports.
+
+    ops_checks.py split RENDERED.yaml OUTDIR
+        Splits a rendered kustomization (`kubectl kustomize`): objects of built-in Kubernetes
+        APIs go to OUTDIR/core.yaml (for kubernetes-validate), each custom resource to its own
+        file OUTDIR/<kind>_<group>_<version>--<name>.yaml, whose prefix names its schema in
+        k8s/schemas/ (check-jsonschema takes one object per file). A custom resource without a
+        schema there is a problem.
 
 Exits 1 with one line per problem.
 """
@@ -185,16 +193,31 @@ def consistency():
     desired = recorded.get("namespace:volley_actors:desired")
     if desired is None:
         problem(f"{rules_path}: no recording rule namespace:volley_actors:desired")
-    for trigger in triggers:
-        if trigger.get("type") != "prometheus":
-            continue
+    (base,) = load_yaml(os.path.join(ROOT, "k8s", "base", "kustomization.yaml"))
+    namespace = base["namespace"]
+    prometheus_triggers = [t for t in triggers if t.get("type") == "prometheus"]
+    if not prometheus_triggers:
+        problem("k8s/components/autoscaling/scaledobject.yaml: no prometheus trigger")
+    for trigger in prometheus_triggers:
         query = " ".join(trigger["metadata"]["query"].split())
-        namespace = scaled["metadata"].get("namespace") or "volley"
-        expected = " ".join(desired.replace("{", '{namespace="%s", ' % namespace).replace(", }", "}").split())
-        if desired is not None and query != expected:
+        # The query is the rule with namespace="<the base's namespace>" in every selector.
+        selectors = re.findall(r"\b(volley_[a-z_]+)(\{[^}]*\})?", query)
+        unscoped = [name for name, labels in selectors if f'namespace="{namespace}"' not in (labels or "")]
+        if unscoped:
+            problem(f"k8s/components/autoscaling/scaledobject.yaml: {', '.join(unscoped)} not restricted to "
+                    f'namespace="{namespace}" (the namespace of k8s/base/kustomization.yaml)')
+        unscoped_query = query.replace(f'{{namespace="{namespace}"}}', "").replace(f'namespace="{namespace}", ', "")
+        if desired is not None and unscoped_query != " ".join(desired.split()):
             problem("k8s/components/autoscaling/scaledobject.yaml: the prometheus trigger's query is not the recording "
-                    f"rule namespace:volley_actors:desired with namespace=\"{namespace}\" added to every selector:\n"
-                    f"  query:    {query}\n  expected: {expected}")
+                    "rule namespace:volley_actors:desired restricted to the namespace:\n"
+                    f"  query without the namespace: {unscoped_query}\n  rule: {' '.join(desired.split())}")
+
+    # The dashboards ConfigMap must carry every dashboard.
+    (dash_kustomization,) = load_yaml(os.path.join(ROOT, "dashboards", "kustomization.yaml"))
+    listed = {f for g in dash_kustomization["configMapGenerator"] for f in g.get("files", [])}
+    on_disk = {os.path.basename(p) for p in glob.glob(os.path.join(ROOT, "dashboards", "*.json"))}
+    if listed != on_disk:
+        problem(f"dashboards/kustomization.yaml lists {sorted(listed)} but dashboards/ holds {sorted(on_disk)}")
 
     # Every nats_* series used anywhere must exist.
     sources = [(rules_path, r.get("expr", "")) for g in rules_doc["groups"] for r in g["rules"]]
@@ -204,6 +227,34 @@ def consistency():
             problem(f"{where}: {series} is not a prometheus-nats-exporter series")
 
 
+# API groups served by Kubernetes itself; kubernetes-validate has their schemas.
+CORE_GROUPS = {"", "apps", "batch", "policy", "autoscaling", "networking.k8s.io", "rbac.authorization.k8s.io",
+               "storage.k8s.io", "scheduling.k8s.io", "coordination.k8s.io", "discovery.k8s.io"}
+
+
+def split(rendered, outdir):
+    import yaml  # noqa: PLC0415
+    os.makedirs(outdir, exist_ok=True)
+    with open(rendered, encoding="utf-8") as f:
+        docs = [d for d in yaml.safe_load_all(f) if d]
+    core = []
+    for doc in docs:
+        group, _, version = doc["apiVersion"].rpartition("/")
+        if group in CORE_GROUPS:
+            core.append(doc)
+            continue
+        schema = f"{doc['kind']}_{group}_{version}".lower()
+        if not os.path.exists(os.path.join(ROOT, "k8s", "schemas", schema + ".json")):
+            problem(f"{rendered}: {doc['kind']} {doc['metadata'].get('name')} ({doc['apiVersion']}) has no schema "
+                    f"k8s/schemas/{schema}.json")
+            continue
+        with open(os.path.join(outdir, f"{schema}--{doc['metadata']['name']}.yaml"), "w", encoding="utf-8") as f:
+            yaml.safe_dump(doc, f, sort_keys=False)
+    with open(os.path.join(outdir, "core.yaml"), "w", encoding="utf-8") as f:
+        yaml.safe_dump_all(core, f, sort_keys=False)
+    print(f"{rendered}: {len(core)} built-in objects, {len(docs) - len(core)} custom resources")
+
+
 def main(argv):
     if len(argv) == 3 and argv[1] == "dashboard-rules":
         rules = dashboard_rules()
@@ -211,6 +262,8 @@ def main(argv):
         print(f"{len(rules)} dashboard queries written to {argv[2]}")
     elif len(argv) == 2 and argv[1] == "consistency":
         consistency()
+    elif len(argv) == 4 and argv[1] == "split":
+        split(argv[2], argv[3])
     else:
         print(__doc__, file=sys.stderr)
         return 2
