@@ -30,6 +30,7 @@ pub struct ActorMetrics {
     episodes_resumed: IntCounter,
     resume_failures: IntCounter,
     unscheduled_episodes: IntCounter,
+    episode_return_mean: Gauge,
     descs: Vec<Desc>,
 }
 
@@ -86,6 +87,10 @@ impl ActorMetrics {
                 "volley_actor_unscheduled_episodes_total",
                 "Episodes run without a work item because the work queue was empty.",
             )?,
+            episode_return_mean: Gauge::with_opts(Opts::new(
+                "volley_actor_episode_return_mean",
+                "Mean return of this actor's last 100 finished episodes (0 until one ends).",
+            ))?,
             descs: Vec::new(),
         };
         let mut metrics = metrics;
@@ -93,7 +98,7 @@ impl ActorMetrics {
         registry.register(Box::new(metrics))
     }
 
-    fn parts(&self) -> [&dyn Collector; 16] {
+    fn parts(&self) -> [&dyn Collector; 17] {
         [
             &self.env_steps,
             &self.episodes,
@@ -111,6 +116,7 @@ impl ActorMetrics {
             &self.episodes_resumed,
             &self.resume_failures,
             &self.unscheduled_episodes,
+            &self.episode_return_mean,
         ]
     }
 }
@@ -154,6 +160,7 @@ impl Collector for ActorMetrics {
         catch_up_int(&self.episodes_resumed, c.episodes_resumed.load(Ordering::Relaxed));
         catch_up_int(&self.resume_failures, c.resume_failures.load(Ordering::Relaxed));
         catch_up_int(&self.unscheduled_episodes, c.unscheduled_episodes.load(Ordering::Relaxed));
+        self.episode_return_mean.set(f64::from_bits(c.episode_return_mean_bits.load(Ordering::Relaxed)));
         self.parts().iter().flat_map(|c| c.collect()).collect()
     }
 }
@@ -173,6 +180,7 @@ mod tests {
         counters.policy_version.store(7, Ordering::Relaxed);
         counters.episodes_aborted.store(3, Ordering::Relaxed);
         counters.remote_env.sessions_lost.store(2, Ordering::Relaxed);
+        counters.episode_return_mean_bits.store(21.5f64.to_bits(), Ordering::Relaxed);
         let mut text = Vec::new();
         TextEncoder::new().encode(&registry.gather(), &mut text).expect("encode");
         let text = String::from_utf8(text).expect("utf-8");
@@ -181,6 +189,7 @@ mod tests {
         assert!(text.contains("volley_actor_policy_version 7"), "{text}");
         assert!(text.contains("volley_actor_episodes_aborted_total 3"), "{text}");
         assert!(text.contains("volley_actor_env_sessions_lost_total 2"), "{text}");
+        assert!(text.contains("volley_actor_episode_return_mean 21.5"), "{text}");
         assert!(text.contains("# HELP volley_actor_env_steps_total Environment steps taken."));
     }
 }

@@ -1,6 +1,7 @@
 //! Vectorised rollout: N environments, batched CPU inference, one segment per environment
 //! per `segment_len` steps.
 
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -78,7 +79,13 @@ pub struct ActorCounters {
     pub env_nanos: AtomicU64,
     /// Nanoseconds spent in policy inference.
     pub inference_nanos: AtomicU64,
+    /// Mean return of this actor's last [`RETURN_WINDOW`] finished episodes, as `f64` bits
+    /// (0.0 until the first episode ends).
+    pub episode_return_mean_bits: AtomicU64,
 }
+
+/// How many of an actor's most recent episodes its mean return covers (the learner's window).
+pub const RETURN_WINDOW: usize = 100;
 
 /// Per-environment segment under construction.
 #[derive(Debug, Default)]
@@ -164,6 +171,8 @@ pub struct RolloutWorker {
     trunc_hidden: Vec<f32>,
     trunc_logits: Vec<f32>,
     trunc_values: Vec<f32>,
+    /// Returns of the last [`RETURN_WINDOW`] finished episodes, oldest first.
+    recent_returns: VecDeque<f32>,
     counters: Arc<ActorCounters>,
     work: Option<WorkState>,
 }
@@ -225,6 +234,7 @@ impl RolloutWorker {
             trunc_hidden: Vec::new(),
             trunc_logits: Vec::new(),
             trunc_values: Vec::new(),
+            recent_returns: VecDeque::with_capacity(RETURN_WINDOW),
             envs,
             spec,
             layout,
@@ -575,6 +585,13 @@ impl RolloutWorker {
                             work_item,
                             start,
                         });
+                        if self.recent_returns.len() == RETURN_WINDOW {
+                            self.recent_returns.pop_front();
+                        }
+                        self.recent_returns.push_back(builder.episode_return);
+                        let mean = self.recent_returns.iter().map(|&r| r as f64).sum::<f64>()
+                            / self.recent_returns.len() as f64;
+                        self.counters.episode_return_mean_bits.store(mean.to_bits(), Ordering::Relaxed);
                     }
                     if let Some(active) = self.work.as_mut().and_then(|w| {
                         let slot = &mut w.slots[env_idx];
@@ -826,6 +843,28 @@ mod tests {
         let lengths: u32 = first.iter().flat_map(|s| &s.finished_episodes).map(|e| e.episode_len).sum();
         assert_eq!(returns, lengths as f32, "CartPole pays 1 per step");
         assert_eq!(worker.counters.env_steps.load(Ordering::Relaxed), 2 * 64 * 3);
+    }
+
+    #[test]
+    fn mean_return_covers_the_last_hundred_episodes() {
+        // One environment, so segments list episodes in the order they finished.
+        let template = worker(EnvConfig::Cartpole, 4, 2, CoreKind::Mlp, 64);
+        let counters = Arc::new(ActorCounters::default());
+        let mut worker =
+            RolloutWorker::new(template.spec.clone(), ActorId::new("a-1").expect("valid"), 1, 5, counters.clone())
+                .expect("buildable");
+        worker.set_weights(template.weights.clone().expect("set")).expect("matching layout");
+        let mut all_returns = Vec::new();
+        while all_returns.len() < RETURN_WINDOW + 20 {
+            for segment in worker.collect_segments() {
+                all_returns.extend(segment.finished_episodes.iter().map(|e| e.episode_return as f64));
+            }
+        }
+        let last = &all_returns[all_returns.len() - RETURN_WINDOW..];
+        let expected = last.iter().sum::<f64>() / RETURN_WINDOW as f64;
+        let exported = f64::from_bits(worker.counters.episode_return_mean_bits.load(Ordering::Relaxed));
+        assert!((exported - expected).abs() < 1e-6, "exported {exported}, expected {expected}");
+        assert_eq!(worker.recent_returns.len(), RETURN_WINDOW, "the window stays bounded");
     }
 
     #[test]

@@ -650,6 +650,10 @@ pub struct LearnerArgs {
     /// Publish weights every this many updates.
     #[arg(long, env = "VOLLEY_PUBLISH_EVERY", default_value_t = 1)]
     pub publish_every: u64,
+    /// Copies JetStream keeps of the run's stream and buckets (1-5): 1 on a single
+    /// nats-server, 3 on a 3-node cluster. Applied when they are created.
+    #[arg(long, env = "VOLLEY_NATS_REPLICAS", default_value_t = 1)]
+    pub nats_replicas: usize,
     /// Actors pause publishing while the learner's backlog exceeds this many segments
     /// (default: two batches). The backlog divided by the batch size bounds the policy lag, so
     /// keep it at most `--max-policy-lag` batches or data goes stale while it waits.
@@ -724,6 +728,10 @@ impl TryFrom<LearnerArgs> for LearnerConfig {
         let checkpoint_every = check_secs("--checkpoint-every-secs", args.checkpoint_every_secs)?;
         let mut nats = args.nats.config(spec.run.clone())?;
         nats.max_backlog_segments = max_backlog_segments;
+        if !(1..=5).contains(&args.nats_replicas) {
+            bail!("--nats-replicas: {} out of range 1..=5 (JetStream keeps at most 5 copies)", args.nats_replicas);
+        }
+        nats.replicas = args.nats_replicas;
         Ok(LearnerConfig {
             checkpoint_path: Checkpoint::path_in(&args.checkpoint_dir, spec.run.as_str()),
             target_return: args.target_return.or_else(|| solved_return(&spec.env)),
@@ -930,5 +938,28 @@ impl TryFrom<BenchWeightsArgs> for BenchWeightsConfig {
             poll,
             timeout,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn learner_config(flags: &[&str]) -> anyhow::Result<LearnerConfig> {
+        let cli = Cli::try_parse_from(["volley", "learner"].iter().chain(flags))?;
+        match cli.command {
+            Command::Learner(args) => LearnerConfig::try_from(args),
+            other => panic!("parsed {other:?}"),
+        }
+    }
+
+    #[test]
+    fn nats_replicas_reach_the_transport_config() {
+        assert_eq!(learner_config(&[]).expect("defaults are valid").nats.replicas, 1);
+        assert_eq!(learner_config(&["--nats-replicas", "3"]).expect("valid").nats.replicas, 3);
+        for out_of_range in ["0", "6"] {
+            let err = learner_config(&["--nats-replicas", out_of_range]).expect_err("refused");
+            assert!(err.to_string().contains("--nats-replicas"), "{err}");
+        }
     }
 }

@@ -141,6 +141,7 @@ mod tests {
         let exported = exported_names();
         let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../dashboards");
         let mut checked = 0;
+        let mut uids = BTreeSet::new();
         for entry in std::fs::read_dir(dir).expect("dashboards/") {
             let path = entry.expect("entry").path();
             if path.extension().is_none_or(|e| e != "json") {
@@ -152,8 +153,12 @@ mod tests {
             assert!(dashboard["id"].is_null(), "{file}: provisioned dashboards have id null");
             let uid = dashboard["uid"].as_str().expect("uid");
             assert!((8..=40).contains(&uid.len()), "{file}: uid {uid:?} must be 8-40 characters");
+            assert!(uids.insert(uid.to_string()), "{file}: uid {uid} is used by another dashboard");
             let mut ids = BTreeSet::new();
-            for panel in dashboard["panels"].as_array().expect("panels") {
+            // Panels of a collapsed row live inside the row.
+            let top = dashboard["panels"].as_array().expect("panels");
+            let nested = top.iter().filter_map(|p| p["panels"].as_array()).flatten();
+            for panel in top.iter().chain(nested) {
                 assert!(ids.insert(panel["id"].as_u64().expect("panel id")), "{file}: duplicate panel id");
                 if panel["type"] == "row" {
                     continue;
@@ -177,6 +182,9 @@ mod tests {
             }
         }
         assert!(checked > 20, "the dashboards reference volley metrics ({checked} checked)");
+        for uid in ["volley-overview", "volley-actors", "volley-nats-jetstream"] {
+            assert!(uids.contains(uid), "dashboard {uid} is missing: {uids:?}");
+        }
     }
 
     #[test]

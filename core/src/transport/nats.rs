@@ -196,6 +196,10 @@ pub struct NatsConfig {
     pub max_deliver: i64,
     /// Weights objects kept in the object store (the newest ones); older ones are deleted.
     pub keep_weight_versions: usize,
+    /// Copies JetStream keeps of the run's stream, KV bucket and weights store: 1 on a single
+    /// server, 3 on a 3-node cluster so that losing one server loses nothing. Applied when
+    /// they are created; the trajectory stream is also updated to it when it exists.
+    pub replicas: usize,
     /// How to authenticate (`None`: anonymous, for a server without auth).
     pub auth: Option<NatsAuth>,
 }
@@ -203,7 +207,7 @@ pub struct NatsConfig {
 impl NatsConfig {
     /// Defaults sized for one learner and tens of actors on a LAN: 5 s requests, 30 s retry
     /// budget and ack wait, a 1 GiB / 24 h trajectory stream, 32 publish acks in flight,
-    /// a backlog bound of 256 segments, 10 deliveries, 3 weights versions kept.
+    /// a backlog bound of 256 segments, 10 deliveries, 3 weights versions kept, one replica.
     pub fn new(url: impl Into<String>, run: RunId) -> Self {
         NatsConfig {
             url: url.into(),
@@ -219,6 +223,7 @@ impl NatsConfig {
             ack_wait: Duration::from_secs(30),
             max_deliver: 10,
             keep_weight_versions: 3,
+            replicas: 1,
             auth: None,
         }
     }
@@ -391,7 +396,8 @@ impl NatsBus {
     /// segments stay for replay, [`NatsConfig::stream_max_bytes`] / `stream_max_age` bounds
     /// discarding the oldest, a [`NatsConfig::duplicate_window`] for `Nats-Msg-Id` dedup), the
     /// durable pull consumer `learner` (explicit ack, `ack_wait`, `max_deliver`), the KV bucket
-    /// and the object store, then puts `spec` as JSON under key `spec`. Safe to call again,
+    /// and the object store, all with [`NatsConfig::replicas`] copies, then puts `spec` as JSON
+    /// under key `spec`. Safe to call again,
     /// e.g. by a restarted learner; changed limits are applied to the existing stream and
     /// consumer.
     pub fn ensure_run(&self, spec: &RunSpec) -> Result<(), TransportError> {
@@ -417,7 +423,7 @@ impl NatsBus {
                 max_bytes: config.stream_max_bytes,
                 max_age: config.stream_max_age,
                 duplicate_window: config.duplicate_window,
-                num_replicas: 1,
+                num_replicas: config.replicas,
                 ..Default::default()
             };
             call("create trajectory stream", timeout, shared.js.create_or_update_stream(stream_config)).await?;
@@ -433,6 +439,7 @@ impl NatsBus {
                         description: format!("volley run {}: spec and weights pointer", config.run),
                         history: 1,
                         storage: stream::StorageType::File,
+                        num_replicas: config.replicas,
                         ..Default::default()
                     };
                     match call("create run bucket", timeout, shared.js.create_key_value(kv_config)).await {
@@ -448,6 +455,7 @@ impl NatsBus {
                     bucket: weights_bucket.clone(),
                     description: Some(format!("volley run {}: weights buffers", config.run)),
                     storage: stream::StorageType::File,
+                    num_replicas: config.replicas,
                     ..Default::default()
                 };
                 if let Err(err) =
