@@ -166,6 +166,57 @@ fn learner_and_actor_users_can_do_their_jobs() {
     assert_no_violations(&server);
 }
 
+/// Save-load and budget assignment with the repo's permissions: the learner creates the work
+/// queue and snapshot store and plans items; the actor takes an item, saves and reloads a
+/// snapshot through the index, and completes the item; the actor cannot plan work itself.
+#[test]
+fn work_queue_and_snapshots_work_with_role_credentials() {
+    use volley_core::transport::work::{SnapshotStore, WorkQueue, WorkSource};
+    use volley_core::work::{EpisodeSnapshot, Start, WorkConfig, WorkItem};
+    let server = broker();
+    let learner = learner(&server);
+    let mut spec = spec();
+    spec.hyper.work = WorkConfig { enabled: true, ..WorkConfig::default() };
+    learner
+        .ensure_run(&spec)
+        .unwrap_or_else(|err| panic!("the learner creates the run: {err}\n{}", violations(&server)));
+    let mut queue = learner.work_queue().expect("the learner opens the work queue");
+    let item = WorkItem { id: 9, task_id: 0, start: Start::Fresh { seed: 1 }, episodes: 1 };
+    queue.submit(std::slice::from_ref(&item)).unwrap_or_else(|err| panic!("plan: {err}\n{}", violations(&server)));
+
+    let actor = actor_on(&server, RUN);
+    let mut source = actor.work_source().unwrap_or_else(|err| panic!("work source: {err}\n{}", violations(&server)));
+    let (taken, token) = source
+        .take(Duration::from_secs(5))
+        .unwrap_or_else(|err| panic!("take: {err}\n{}", violations(&server)))
+        .expect("the planned item");
+    assert_eq!(taken, item);
+    let mut store = actor.snapshot_store().unwrap_or_else(|err| panic!("store: {err}\n{}", violations(&server)));
+    let snapshot = EpisodeSnapshot {
+        work_item: 9,
+        episode_index: 0,
+        task_id: 0,
+        origin: None,
+        env: vec![1, 2, 3],
+        hidden: vec![],
+        episode_return: 1.0,
+        episode_len: 5,
+        policy_version: 0,
+        rng: rand_pcg::Pcg64Mcg::new(7),
+        progress: 0.0,
+    };
+    let key = store.save(&snapshot).unwrap_or_else(|err| panic!("save: {err}\n{}", violations(&server)));
+    assert_eq!(store.latest_for_item(9).expect("index").as_deref(), Some(key.as_str()));
+    assert_eq!(store.load(&key).expect("load"), Some(snapshot));
+    source.progress(token).expect("progress");
+    source.complete(token).unwrap_or_else(|err| panic!("complete: {err}\n{}", violations(&server)));
+    assert_no_violations(&server);
+
+    let mut actor_queue = actor.work_queue().expect("opening only looks the stream up");
+    let denied = within_guard("actor planning work", move || actor_queue.submit(&[item]));
+    assert_denied("actor publishing work items", denied);
+}
+
 #[test]
 fn actor_user_is_denied_weights_writes_and_other_runs() {
     let server = broker();
