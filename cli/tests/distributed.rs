@@ -4,16 +4,17 @@
 //! (`volley_testkit::TestNats`), runs `volley learner` and `volley actor` processes, and
 //! bounds everything by environment steps (the learner stops at its step budget or target).
 
-use std::fs;
 use std::io::Read;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::path::Path;
 use std::thread;
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 
 use volley_testkit::TestNats;
+
+mod common;
+use common::Proc;
 
 /// These tests each run a broker, a learner and actors: run them one at a time, so two cores
 /// are not shared by several runs at once.
@@ -25,83 +26,6 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
 
 /// Upper bound on any wait in these tests: a safety net against hangs, not a timed assertion.
 const PATIENCE: Duration = Duration::from_secs(180);
-
-struct Proc {
-    child: Child,
-    stderr_path: PathBuf,
-}
-
-impl Proc {
-    fn spawn(dir: &Path, name: &str, args: &[String]) -> Proc {
-        let stderr_path = dir.join(format!("{name}.log"));
-        let stderr = fs::File::create(&stderr_path).expect("log file");
-        let child = Command::new(env!("CARGO_BIN_EXE_volley"))
-            .args(args)
-            .env("RUST_LOG", "info")
-            .stdout(Stdio::piped())
-            .stderr(stderr)
-            .spawn()
-            .expect("spawn volley");
-        Proc { child, stderr_path }
-    }
-
-    fn log(&self) -> String {
-        fs::read_to_string(&self.stderr_path).unwrap_or_default()
-    }
-
-    fn wait_for_log(&mut self, needle: &str) {
-        let started = Instant::now();
-        while !self.log().contains(needle) {
-            let exited = self.child.try_wait().expect("wait");
-            assert!(exited.is_none(), "exited ({exited:?}) without logging {needle:?}:\n{}", self.log());
-            assert!(started.elapsed() < PATIENCE, "never logged {needle:?}:\n{}", self.log());
-            thread::sleep(Duration::from_millis(50));
-        }
-    }
-
-    /// Wait for exit and parse the one JSON line it printed.
-    fn summary(&mut self) -> serde_json::Value {
-        let started = Instant::now();
-        let status = loop {
-            if let Some(status) = self.child.try_wait().expect("wait") {
-                break status;
-            }
-            assert!(started.elapsed() < PATIENCE, "process did not finish:\n{}", self.log());
-            thread::sleep(Duration::from_millis(50));
-        };
-        let mut stdout = String::new();
-        self.child.stdout.take().expect("piped").read_to_string(&mut stdout).expect("stdout");
-        assert!(status.success(), "exit {status}:\n{}", self.log());
-        serde_json::from_str(stdout.trim()).unwrap_or_else(|e| panic!("summary {stdout:?}: {e}\n{}", self.log()))
-    }
-
-    fn kill9(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-
-    fn terminate(&mut self) {
-        let _ = Command::new("kill").args(["-TERM", &self.child.id().to_string()]).status();
-    }
-
-    fn wait_exit(&mut self) -> std::process::ExitStatus {
-        let started = Instant::now();
-        loop {
-            if let Some(status) = self.child.try_wait().expect("wait") {
-                return status;
-            }
-            assert!(started.elapsed() < PATIENCE, "process did not stop:\n{}", self.log());
-            thread::sleep(Duration::from_millis(50));
-        }
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
 
 fn learner_args(nats: &TestNats, run: &str, dir: &Path, extra: &[&str]) -> Vec<String> {
     let mut args: Vec<String> =
@@ -119,7 +43,9 @@ fn actor_args(nats: &TestNats, run: &str, id: &str) -> Vec<String> {
 }
 
 fn spawn_actors(nats: &TestNats, run: &str, dir: &Path, n: usize) -> Vec<Proc> {
-    (0..n).map(|i| Proc::spawn(dir, &format!("actor-{i}"), &actor_args(nats, run, &format!("actor-{i}")))).collect()
+    (0..n)
+        .map(|i| Proc::volley(dir, &format!("actor-{i}"), &actor_args(nats, run, &format!("actor-{i}")), PATIENCE))
+        .collect()
 }
 
 fn returns(summary: &serde_json::Value) -> f64 {
@@ -134,10 +60,11 @@ fn learner_and_three_actor_processes_solve_cartpole() {
     let dir = tempfile::tempdir().expect("temp dir");
     let learner_port = volley_testkit::free_port().to_string();
     let learner_metrics = format!("127.0.0.1:{learner_port}");
-    let mut learner = Proc::spawn(
+    let mut learner = Proc::volley(
         dir.path(),
         "learner",
         &learner_args(&nats, "solve", dir.path(), &["--metrics-addr", &learner_metrics, "--target-return", "475"]),
+        PATIENCE,
     );
     learner.wait_for_log("serving /metrics");
     let (status, metrics) = http_get(&learner_metrics, "/metrics");
@@ -151,12 +78,10 @@ fn learner_and_three_actor_processes_solve_cartpole() {
     let actor_port = volley_testkit::free_port();
     let mut first_actor_args = actor_args(&nats, "solve", "actor-0");
     first_actor_args.extend(["--metrics-addr".to_string(), format!("127.0.0.1:{actor_port}")]);
-    let mut actors = vec![Proc::spawn(dir.path(), "actor-0", &first_actor_args)];
-    actors.extend(
-        (1..3).map(|i| {
-            Proc::spawn(dir.path(), &format!("actor-{i}"), &actor_args(&nats, "solve", &format!("actor-{i}")))
-        }),
-    );
+    let mut actors = vec![Proc::volley(dir.path(), "actor-0", &first_actor_args, PATIENCE)];
+    actors.extend((1..3).map(|i| {
+        Proc::volley(dir.path(), &format!("actor-{i}"), &actor_args(&nats, "solve", &format!("actor-{i}")), PATIENCE)
+    }));
     actors[0].wait_for_log("actor started");
     let (status, body) = http_get(&format!("127.0.0.1:{actor_port}"), "/readyz");
     assert_eq!(status, 200, "an actor holding weights is ready: {body}");
@@ -174,10 +99,11 @@ fn learner_and_three_actor_processes_solve_cartpole() {
         assert!(actor.wait_exit().success(), "actors stop cleanly on SIGTERM:\n{}", actor.log());
     }
     // The stream kept every segment: a learner can train from the record without actors.
-    let mut replay = Proc::spawn(
+    let mut replay = Proc::volley(
         dir.path(),
         "replay",
         &learner_args(&nats, "solve", dir.path(), &["--replay", "--max-env-steps", "20000", "--target-return", "1e9"]),
+        PATIENCE,
     );
     let replayed = replay.summary();
     assert!(replayed["updates"].as_u64().expect("updates") >= 20_000 / (32 * 8), "{replayed}");
@@ -191,10 +117,11 @@ fn killing_an_actor_loses_nothing_it_published() {
     let _serial = serial();
     let nats = TestNats::start();
     let dir = tempfile::tempdir().expect("temp dir");
-    let mut learner = Proc::spawn(
+    let mut learner = Proc::volley(
         dir.path(),
         "learner",
         &learner_args(&nats, "killactor", dir.path(), &["--max-env-steps", "100000000", "--target-return", "1e9"]),
+        PATIENCE,
     );
     let mut actors = spawn_actors(&nats, "killactor", dir.path(), 3);
     actors[1].wait_for_log("actor joined the run");
@@ -308,7 +235,7 @@ fn a_restarted_learner_resumes_from_its_checkpoint() {
         dir.path(),
         &["--max-env-steps", "150000", "--target-return", "1e9", "--checkpoint-every-updates", "20"],
     );
-    let mut first = Proc::spawn(dir.path(), "learner-1", &args);
+    let mut first = Proc::volley(dir.path(), "learner-1", &args, PATIENCE);
     let _actors = spawn_actors(&nats, "killlearner", dir.path(), 2);
     // Kill the first learner as soon as it has checkpointed, so most of the step budget is
     // left for the resumed one.
@@ -319,7 +246,7 @@ fn a_restarted_learner_resumes_from_its_checkpoint() {
         thread::sleep(Duration::from_millis(50));
     }
     first.kill9();
-    let mut second = Proc::spawn(dir.path(), "learner-2", &args);
+    let mut second = Proc::volley(dir.path(), "learner-2", &args, PATIENCE);
     second.wait_for_log("resuming from checkpoint");
     let summary = second.summary();
     let resumed = summary["resumed_from_version"].as_u64().expect("resumed from a checkpoint");
@@ -339,10 +266,11 @@ fn training_survives_a_nats_server_restart() {
     let _serial = serial();
     let mut nats = TestNats::start();
     let dir = tempfile::tempdir().expect("temp dir");
-    let mut learner = Proc::spawn(
+    let mut learner = Proc::volley(
         dir.path(),
         "learner",
         &learner_args(&nats, "restart", dir.path(), &["--max-env-steps", "400000", "--target-return", "1e9"]),
+        PATIENCE,
     );
     let mut actors = spawn_actors(&nats, "restart", dir.path(), 2);
     learner.wait_for_log("learner progress");
@@ -371,7 +299,7 @@ fn malformed_messages_are_counted_and_dropped() {
     let _serial = serial();
     let nats = TestNats::start();
     let dir = tempfile::tempdir().expect("temp dir");
-    let mut learner = Proc::spawn(dir.path(), "learner", &learner_args(&nats, "garbage", dir.path(), &[]));
+    let mut learner = Proc::volley(dir.path(), "learner", &learner_args(&nats, "garbage", dir.path(), &[]), PATIENCE);
     learner.wait_for_log("no weights published yet");
     let config = volley_core::transport::nats::NatsConfig::new(
         nats.url(),
@@ -407,12 +335,13 @@ fn an_actor_waits_for_a_run_that_does_not_exist_yet() {
     let _serial = serial();
     let nats = TestNats::start();
     let dir = tempfile::tempdir().expect("temp dir");
-    let mut actor = Proc::spawn(dir.path(), "early-actor", &actor_args(&nats, "later", "early"));
+    let mut actor = Proc::volley(dir.path(), "early-actor", &actor_args(&nats, "later", "early"), PATIENCE);
     actor.wait_for_log("waiting for run later: no run spec on NATS yet");
-    let mut learner = Proc::spawn(
+    let mut learner = Proc::volley(
         dir.path(),
         "learner",
         &learner_args(&nats, "later", dir.path(), &["--max-env-steps", "20000", "--target-return", "1e9"]),
+        PATIENCE,
     );
     actor.wait_for_log("actor joined the run");
     let summary = learner.summary();

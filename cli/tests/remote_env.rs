@@ -11,14 +11,16 @@
 //!
 //! Runs are bounded by environment steps (the learner's budget or target), never by time.
 
-use std::fs;
 use std::io::Read;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::path::Path;
+use std::process::Command;
 use std::thread;
 use std::time::{Duration, Instant};
 
 use volley_testkit::TestNats;
+
+mod common;
+use common::Proc;
 
 /// Both tests run a broker, servers, a learner and actors: one at a time on two cores.
 static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
@@ -35,85 +37,6 @@ const REQUIRE_PYTHON_ENV: &str = "VOLLEY_REQUIRE_PYTHON_ENVS";
 /// The Python interpreter that has `volley_envs` and `gymnasium` (default `python3`).
 const PYTHON_ENV: &str = "VOLLEY_ENVS_PYTHON";
 
-struct Proc {
-    child: Child,
-    log_path: PathBuf,
-}
-
-impl Proc {
-    fn spawn(dir: &Path, name: &str, program: &str, args: &[String]) -> Proc {
-        let log_path = dir.join(format!("{name}.log"));
-        let log = fs::File::create(&log_path).expect("log file");
-        let child = Command::new(program)
-            .args(args)
-            .env("RUST_LOG", "info")
-            .env("PYTHONUNBUFFERED", "1")
-            .stdout(Stdio::piped())
-            .stderr(log)
-            .spawn()
-            .unwrap_or_else(|err| panic!("spawn {program}: {err}"));
-        Proc { child, log_path }
-    }
-
-    fn volley(dir: &Path, name: &str, args: &[String]) -> Proc {
-        Proc::spawn(dir, name, env!("CARGO_BIN_EXE_volley"), args)
-    }
-
-    fn log(&self) -> String {
-        fs::read_to_string(&self.log_path).unwrap_or_default()
-    }
-
-    fn wait_for_log(&mut self, needle: &str) {
-        let started = Instant::now();
-        while !self.log().contains(needle) {
-            let exited = self.child.try_wait().expect("wait");
-            assert!(exited.is_none(), "exited ({exited:?}) without logging {needle:?}:\n{}", self.log());
-            assert!(started.elapsed() < PATIENCE, "never logged {needle:?}:\n{}", self.log());
-            thread::sleep(Duration::from_millis(50));
-        }
-    }
-
-    /// Wait for exit and parse the one JSON line it printed.
-    fn summary(&mut self) -> serde_json::Value {
-        let started = Instant::now();
-        let status = loop {
-            if let Some(status) = self.child.try_wait().expect("wait") {
-                break status;
-            }
-            assert!(started.elapsed() < PATIENCE, "process did not finish:\n{}", self.log());
-            thread::sleep(Duration::from_millis(50));
-        };
-        let mut stdout = String::new();
-        self.child.stdout.take().expect("piped").read_to_string(&mut stdout).expect("stdout");
-        assert!(status.success(), "exit {status}:\n{}", self.log());
-        serde_json::from_str(stdout.trim()).unwrap_or_else(|e| panic!("summary {stdout:?}: {e}\n{}", self.log()))
-    }
-
-    fn kill9(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-
-    fn terminate(&mut self) -> std::process::ExitStatus {
-        let _ = Command::new("kill").args(["-TERM", &self.child.id().to_string()]).status();
-        let started = Instant::now();
-        loop {
-            if let Some(status) = self.child.try_wait().expect("wait") {
-                return status;
-            }
-            assert!(started.elapsed() < PATIENCE, "process did not stop:\n{}", self.log());
-            thread::sleep(Duration::from_millis(50));
-        }
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
 fn strings(args: &[&str]) -> Vec<String> {
     args.iter().map(|s| s.to_string()).collect()
 }
@@ -122,13 +45,13 @@ fn learner(nats: &TestNats, dir: &Path, run: &str, extra: &[&str]) -> Proc {
     let checkpoints = dir.join("checkpoints").display().to_string();
     let mut args = strings(&["learner", "--nats", &nats.url(), "--run", run, "--checkpoint-dir", &checkpoints]);
     args.extend(strings(extra));
-    Proc::volley(dir, "learner", &args)
+    Proc::volley(dir, "learner", &args, PATIENCE)
 }
 
 fn actor(nats: &TestNats, dir: &Path, run: &str, id: &str, extra: &[&str]) -> Proc {
     let mut args = strings(&["actor", "--nats", &nats.url(), "--run", run, "--actor-id", id, "--envs", "8"]);
     args.extend(strings(extra));
-    Proc::volley(dir, id, &args)
+    Proc::volley(dir, id, &args, PATIENCE)
 }
 
 /// A minimal HTTP/1.0 GET of the actor's metrics.
@@ -181,7 +104,7 @@ fn gymnasium_cartpole_served_by_python_is_solved_over_nats() {
     let mut servers: Vec<Proc> = (0..2)
         .map(|i| {
             let args = strings(&["-m", "volley_envs", "serve", "gymnasium:CartPole-v1", "--nats", &nats.url()]);
-            Proc::spawn(dir.path(), &format!("gym-{i}"), &python, &args)
+            Proc::spawn(dir.path(), &format!("gym-{i}"), &python, &args, PATIENCE)
         })
         .collect();
     for server in &mut servers {
@@ -199,10 +122,10 @@ fn gymnasium_cartpole_served_by_python_is_solved_over_nats() {
         let log = actor.log();
         assert!(log.contains("env=remote:cartpole-v1"), "{log}");
         assert!(!log.contains("environment session lost"), "no server was lost: {log}");
-        assert!(actor.terminate().success(), "{}", actor.log());
+        assert!(actor.terminate_and_wait().success(), "{}", actor.log());
     }
     for server in &mut servers {
-        assert!(server.terminate().success(), "{}", server.log());
+        assert!(server.terminate_and_wait().success(), "{}", server.log());
     }
 }
 
@@ -214,7 +137,14 @@ fn a_killed_env_server_aborts_its_episodes_and_the_actor_continues() {
     let nats = TestNats::start();
     let dir = tempfile::tempdir().expect("temp dir");
     let mut servers: Vec<Proc> = (0..2)
-        .map(|i| Proc::volley(dir.path(), &format!("env-serve-{i}"), &strings(&["env-serve", "--nats", &nats.url()])))
+        .map(|i| {
+            Proc::volley(
+                dir.path(),
+                &format!("env-serve-{i}"),
+                &strings(&["env-serve", "--nats", &nats.url()]),
+                PATIENCE,
+            )
+        })
         .collect();
     for server in &mut servers {
         server.wait_for_log("environment server ready");
@@ -245,6 +175,6 @@ fn a_killed_env_server_aborts_its_episodes_and_the_actor_continues() {
     assert!(log.contains("environment session lost"), "{log}");
     assert_eq!(log.matches("environment session opened").count(), 3, "re-opened on the survivor: {log}");
     assert_eq!(metric(&metrics_addr, "volley_actor_env_sessions_lost_total"), 1.0);
-    assert!(actor.terminate().success(), "{}", actor.log());
-    assert!(servers[1].terminate().success(), "{}", servers[1].log());
+    assert!(actor.terminate_and_wait().success(), "{}", actor.log());
+    assert!(servers[1].terminate_and_wait().success(), "{}", servers[1].log());
 }

@@ -4,9 +4,7 @@
 //! uninterrupted run (the snapshot holds the environment, recurrent state, episode statistics
 //! and the action-sampling generator).
 
-use std::fs;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::path::Path;
 use std::sync::Arc;
 use std::thread;
 use std::time::{Duration, Instant};
@@ -22,6 +20,9 @@ use volley_core::transport::{Delivery, TrajectorySource, WeightsPublisher};
 use volley_core::wire::{EpisodeSummary, Weights};
 use volley_core::work::{Start, WorkConfig, WorkItem};
 use volley_testkit::TestNats;
+
+mod common;
+use common::Proc;
 
 /// A safety net against hangs, not a timed assertion.
 const PATIENCE: Duration = Duration::from_secs(120);
@@ -85,34 +86,12 @@ fn uninterrupted(spec: &RunSpec, seed: u64) -> EpisodeSummary {
     panic!("the reference episode did not end");
 }
 
-struct Actor {
-    child: Child,
-    log: PathBuf,
-}
-
-impl Actor {
-    fn spawn(nats: &TestNats, dir: &Path, id: &str) -> Actor {
-        let log = dir.join(format!("{id}.log"));
-        let child = Command::new(env!("CARGO_BIN_EXE_volley"))
-            .args(["actor", "--nats", &nats.url(), "--run", "saveload", "--actor-id", id, "--envs", "1"])
-            .env("RUST_LOG", "info,volley_actor=debug")
-            .stdout(Stdio::null())
-            .stderr(fs::File::create(&log).expect("log file"))
-            .spawn()
-            .expect("spawn volley actor");
-        Actor { child, log }
-    }
-
-    fn log(&self) -> String {
-        fs::read_to_string(&self.log).unwrap_or_default()
-    }
-}
-
-impl Drop for Actor {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+fn spawn_actor(nats: &TestNats, dir: &Path, id: &str) -> Proc {
+    let args: Vec<String> = ["actor", "--nats", &nats.url(), "--run", "saveload", "--actor-id", id, "--envs", "1"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    Proc::volley(dir, id, &args, PATIENCE)
 }
 
 #[test]
@@ -137,7 +116,7 @@ fn an_episode_interrupted_by_a_killed_actor_finishes_on_another_with_the_same_re
     let mut store = bus.snapshot_store().expect("snapshot store");
 
     // Actor A runs the item until pacing stops it, saving a snapshot every segment.
-    let mut a = Actor::spawn(&nats, dir.path(), "actor-a");
+    let mut a = spawn_actor(&nats, dir.path(), "actor-a");
     let started = Instant::now();
     let saved_steps = loop {
         if let Some(key) = store.latest_for_item(ITEM).expect("index readable") {
@@ -149,14 +128,13 @@ fn an_episode_interrupted_by_a_killed_actor_finishes_on_another_with_the_same_re
         assert!(started.elapsed() < PATIENCE, "actor A saved no snapshot:\n{}", a.log());
         thread::sleep(Duration::from_millis(50));
     };
-    a.child.kill().expect("SIGKILL actor A");
-    a.child.wait().expect("actor A reaped");
+    a.kill9();
     let a_log = a.log();
     assert!(saved_steps < reference.episode_len, "A was killed mid-episode");
 
     // Actor B gets the item once A's claim expires and continues from A's newest snapshot. The
     // test drains the trajectory stream meanwhile, as a learner would.
-    let b = Actor::spawn(&nats, dir.path(), "actor-b");
+    let b = spawn_actor(&nats, dir.path(), "actor-b");
     let mut source = bus.trajectory_source().expect("learner consumer");
     let mut deliveries: Vec<Delivery> = Vec::new();
     let started = Instant::now();

@@ -1,0 +1,103 @@
+#![allow(dead_code)] // each test crate uses part of these helpers
+//! Process helpers shared by the CLI's integration tests: spawn `volley` (or another program)
+//! with its stderr in a log file, wait for log lines, exit and the JSON summary, and always
+//! reap the child.
+
+use std::fs;
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::thread;
+use std::time::{Duration, Instant};
+
+/// A child process whose stderr goes to `<dir>/<name>.log`; killed when dropped.
+pub struct Proc {
+    /// The child.
+    pub child: Child,
+    log_path: PathBuf,
+    patience: Duration,
+}
+
+impl Proc {
+    /// Spawn `program` with `args`; `patience` bounds every wait (a safety net against hangs,
+    /// not a timed assertion).
+    pub fn spawn(dir: &Path, name: &str, program: &str, args: &[String], patience: Duration) -> Proc {
+        let log_path = dir.join(format!("{name}.log"));
+        let log = fs::File::create(&log_path).expect("log file");
+        let child = Command::new(program)
+            .args(args)
+            .env("RUST_LOG", "info")
+            .env("PYTHONUNBUFFERED", "1")
+            .stdout(Stdio::piped())
+            .stderr(log)
+            .spawn()
+            .unwrap_or_else(|err| panic!("spawn {program}: {err}"));
+        Proc { child, log_path, patience }
+    }
+
+    /// Spawn the `volley` binary under test.
+    pub fn volley(dir: &Path, name: &str, args: &[String], patience: Duration) -> Proc {
+        Proc::spawn(dir, name, env!("CARGO_BIN_EXE_volley"), args, patience)
+    }
+
+    /// Its log so far.
+    pub fn log(&self) -> String {
+        fs::read_to_string(&self.log_path).unwrap_or_default()
+    }
+
+    /// Wait until the log contains `needle`; fails if the process exits first.
+    pub fn wait_for_log(&mut self, needle: &str) {
+        let started = Instant::now();
+        while !self.log().contains(needle) {
+            let exited = self.child.try_wait().expect("wait");
+            assert!(exited.is_none(), "exited ({exited:?}) without logging {needle:?}:\n{}", self.log());
+            assert!(started.elapsed() < self.patience, "never logged {needle:?}:\n{}", self.log());
+            thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Wait for a successful exit and parse the one JSON line it printed.
+    pub fn summary(&mut self) -> serde_json::Value {
+        let status = self.wait_exit();
+        let mut stdout = String::new();
+        self.child.stdout.take().expect("piped").read_to_string(&mut stdout).expect("stdout");
+        assert!(status.success(), "exit {status}:\n{}", self.log());
+        serde_json::from_str(stdout.trim()).unwrap_or_else(|e| panic!("summary {stdout:?}: {e}\n{}", self.log()))
+    }
+
+    /// SIGKILL and reap.
+    pub fn kill9(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// Send SIGTERM (returns at once; see [`Proc::wait_exit`]).
+    pub fn terminate(&mut self) {
+        let _ = Command::new("kill").args(["-TERM", &self.child.id().to_string()]).status();
+    }
+
+    /// SIGTERM, then wait for the exit.
+    pub fn terminate_and_wait(&mut self) -> ExitStatus {
+        self.terminate();
+        self.wait_exit()
+    }
+
+    /// Wait for the process to exit.
+    pub fn wait_exit(&mut self) -> ExitStatus {
+        let started = Instant::now();
+        loop {
+            if let Some(status) = self.child.try_wait().expect("wait") {
+                return status;
+            }
+            assert!(started.elapsed() < self.patience, "process did not stop:\n{}", self.log());
+            thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
