@@ -196,6 +196,10 @@ impl LearnerReport {
 
 const LAG_BUCKETS: usize = 16;
 
+/// The most deliveries a JetStream consumer hands out unacknowledged unless configured
+/// otherwise (nats-server's default `max_ack_pending`; the learner's consumer keeps it).
+const NATS_DEFAULT_MAX_ACK_PENDING: usize = 1000;
+
 /// How many recent segment keys the duplicate filter remembers.
 const SEEN_CAPACITY: usize = 100_000;
 
@@ -247,6 +251,13 @@ pub fn run_learner(
     let hidden_size = learner.layout().recurrent_size();
     let mut selector = Selector::new(&spec, learner.layout());
     info!(selection = ?spec.hyper.selection, pool_segments = selector.pool_target(), "trajectory selection");
+    if selector.pool_target() > NATS_DEFAULT_MAX_ACK_PENDING {
+        warn!(
+            pool_segments = selector.pool_target(),
+            max_ack_pending = NATS_DEFAULT_MAX_ACK_PENDING,
+            "the selection pool is larger than a NATS consumer delivers unacknowledged; over NATS it never fills"
+        );
+    }
     let publish_every = limits.publish_every.max(1);
     let mut report = LearnerReport {
         policy_version: learner.version().0,
