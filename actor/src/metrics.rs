@@ -18,11 +18,18 @@ pub struct ActorMetrics {
     episodes: IntCounter,
     segments_published: IntCounter,
     env_errors: IntCounter,
+    episodes_aborted: IntCounter,
+    env_sessions_lost: IntCounter,
     weight_updates: IntCounter,
     policy_version: Gauge,
     throttled_seconds: Counter,
     env_seconds: Counter,
     inference_seconds: Counter,
+    work_items_completed: IntCounter,
+    snapshots_saved: IntCounter,
+    episodes_resumed: IntCounter,
+    resume_failures: IntCounter,
+    unscheduled_episodes: IntCounter,
     episode_return_mean: Gauge,
     descs: Vec<Desc>,
 }
@@ -41,6 +48,14 @@ impl ActorMetrics {
                 "volley_actor_env_errors_total",
                 "Environment failures (error or non-finite output), each followed by a reset.",
             )?,
+            episodes_aborted: int(
+                "volley_actor_episodes_aborted_total",
+                "Episodes cut short by an environment failure or a lost remote environment server (not reported as finished).",
+            )?,
+            env_sessions_lost: int(
+                "volley_actor_env_sessions_lost_total",
+                "Remote environment sessions lost (server died, timed out or forgot the session); each aborts its episodes.",
+            )?,
             weight_updates: int("volley_actor_weight_updates_total", "Policy versions switched to.")?,
             policy_version: Gauge::with_opts(Opts::new(
                 "volley_actor_policy_version",
@@ -55,6 +70,23 @@ impl ActorMetrics {
                 "volley_actor_inference_seconds_total",
                 "Time spent in policy inference and action sampling.",
             )?,
+            work_items_completed: int(
+                "volley_actor_work_items_completed_total",
+                "Work items finished (scheduled episodes, save-load).",
+            )?,
+            snapshots_saved: int("volley_actor_snapshots_saved_total", "Episode snapshots saved to the snapshot store.")?,
+            episodes_resumed: int(
+                "volley_actor_episodes_resumed_total",
+                "Episodes continued from a saved state (scheduled restarts and interrupted work items).",
+            )?,
+            resume_failures: int(
+                "volley_actor_resume_failures_total",
+                "Saved states that could not be loaded (expired or undecodable); a fresh start ran instead.",
+            )?,
+            unscheduled_episodes: int(
+                "volley_actor_unscheduled_episodes_total",
+                "Episodes run without a work item because the work queue was empty.",
+            )?,
             episode_return_mean: Gauge::with_opts(Opts::new(
                 "volley_actor_episode_return_mean",
                 "Mean return of this actor's last 100 finished episodes (0 until one ends).",
@@ -66,17 +98,24 @@ impl ActorMetrics {
         registry.register(Box::new(metrics))
     }
 
-    fn parts(&self) -> [&dyn Collector; 10] {
+    fn parts(&self) -> [&dyn Collector; 17] {
         [
             &self.env_steps,
             &self.episodes,
             &self.segments_published,
             &self.env_errors,
+            &self.episodes_aborted,
+            &self.env_sessions_lost,
             &self.weight_updates,
             &self.policy_version,
             &self.throttled_seconds,
             &self.env_seconds,
             &self.inference_seconds,
+            &self.work_items_completed,
+            &self.snapshots_saved,
+            &self.episodes_resumed,
+            &self.resume_failures,
+            &self.unscheduled_episodes,
             &self.episode_return_mean,
         ]
     }
@@ -109,11 +148,18 @@ impl Collector for ActorMetrics {
         catch_up_int(&self.episodes, c.episodes.load(Ordering::Relaxed));
         catch_up_int(&self.segments_published, c.segments_published.load(Ordering::Relaxed));
         catch_up_int(&self.env_errors, c.env_errors.load(Ordering::Relaxed));
+        catch_up_int(&self.episodes_aborted, c.episodes_aborted.load(Ordering::Relaxed));
+        catch_up_int(&self.env_sessions_lost, c.remote_env.sessions_lost.load(Ordering::Relaxed));
         catch_up_int(&self.weight_updates, c.weight_updates.load(Ordering::Relaxed));
         self.policy_version.set(c.policy_version.load(Ordering::Relaxed) as f64);
         catch_up_secs(&self.throttled_seconds, c.throttled_nanos.load(Ordering::Relaxed));
         catch_up_secs(&self.env_seconds, c.env_nanos.load(Ordering::Relaxed));
         catch_up_secs(&self.inference_seconds, c.inference_nanos.load(Ordering::Relaxed));
+        catch_up_int(&self.work_items_completed, c.work_items_completed.load(Ordering::Relaxed));
+        catch_up_int(&self.snapshots_saved, c.snapshots_saved.load(Ordering::Relaxed));
+        catch_up_int(&self.episodes_resumed, c.episodes_resumed.load(Ordering::Relaxed));
+        catch_up_int(&self.resume_failures, c.resume_failures.load(Ordering::Relaxed));
+        catch_up_int(&self.unscheduled_episodes, c.unscheduled_episodes.load(Ordering::Relaxed));
         self.episode_return_mean.set(f64::from_bits(c.episode_return_mean_bits.load(Ordering::Relaxed)));
         self.parts().iter().flat_map(|c| c.collect()).collect()
     }
@@ -132,6 +178,8 @@ mod tests {
         counters.env_steps.store(1234, Ordering::Relaxed);
         counters.throttled_nanos.store(1_500_000_000, Ordering::Relaxed);
         counters.policy_version.store(7, Ordering::Relaxed);
+        counters.episodes_aborted.store(3, Ordering::Relaxed);
+        counters.remote_env.sessions_lost.store(2, Ordering::Relaxed);
         counters.episode_return_mean_bits.store(21.5f64.to_bits(), Ordering::Relaxed);
         let mut text = Vec::new();
         TextEncoder::new().encode(&registry.gather(), &mut text).expect("encode");
@@ -139,6 +187,8 @@ mod tests {
         assert!(text.contains("volley_actor_env_steps_total 1234"), "{text}");
         assert!(text.contains("volley_actor_throttled_seconds_total 1.5"), "{text}");
         assert!(text.contains("volley_actor_policy_version 7"), "{text}");
+        assert!(text.contains("volley_actor_episodes_aborted_total 3"), "{text}");
+        assert!(text.contains("volley_actor_env_sessions_lost_total 2"), "{text}");
         assert!(text.contains("volley_actor_episode_return_mean 21.5"), "{text}");
         assert!(text.contains("# HELP volley_actor_env_steps_total Environment steps taken."));
     }

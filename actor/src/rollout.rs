@@ -10,12 +10,15 @@ use rand::{Rng, SeedableRng};
 use rand_pcg::Pcg64Mcg;
 use tracing::{debug, info, warn};
 use volley_core::distributions::{log_softmax, sample_categorical};
-use volley_core::env::{Env, EnvError, VecEnv, VecStep};
+use volley_core::env::{EnvError, VecEnv, VecStep, VectorEnv};
+use volley_core::envsvc::RemoteEnvCounters;
 use volley_core::ids::{ActorId, PolicyVersion};
 use volley_core::policy::{ParamLayout, PolicyInference};
 use volley_core::spec::{RunSpec, SpecError};
+use volley_core::transport::work::{SnapshotStore, WorkSource, WorkToken};
 use volley_core::transport::{TrajectorySink, TransportError, WeightsFollower};
 use volley_core::wire::{EpisodeSummary, TrajectorySegment, Weights};
+use volley_core::work::{EpisodeSnapshot, SnapshotInfo, Start, WorkItem};
 
 /// Why an actor stopped with an error.
 #[derive(Debug, thiserror::Error)]
@@ -42,6 +45,17 @@ pub enum ActorError {
 /// Counters an actor updates as it runs; shared with whoever reports progress.
 #[derive(Debug, Default)]
 pub struct ActorCounters {
+    /// Work items finished (save-load / budget assignment).
+    pub work_items_completed: AtomicU64,
+    /// Episode snapshots saved.
+    pub snapshots_saved: AtomicU64,
+    /// Episodes continued from a saved state (scheduled restarts and interrupted items).
+    pub episodes_resumed: AtomicU64,
+    /// Saved states that could not be loaded (expired or undecodable); a fresh start was
+    /// run instead.
+    pub resume_failures: AtomicU64,
+    /// Episodes run without a work item because the queue was empty.
+    pub unscheduled_episodes: AtomicU64,
     /// Environment steps taken.
     pub env_steps: AtomicU64,
     /// Segments published.
@@ -50,6 +64,11 @@ pub struct ActorCounters {
     pub episodes: AtomicU64,
     /// Environment failures (error or non-finite output), each followed by a reset.
     pub env_errors: AtomicU64,
+    /// Episodes cut short by an environment failure (an error, or a lost remote environment
+    /// server); they are not reported as finished episodes.
+    pub episodes_aborted: AtomicU64,
+    /// Counters of the remote environment client, when the environments are remote.
+    pub remote_env: Arc<RemoteEnvCounters>,
     /// Weight versions switched to.
     pub weight_updates: AtomicU64,
     /// Policy version in use.
@@ -85,6 +104,44 @@ struct SegmentBuilder {
     truncation_values: Vec<f32>,
     initial_hidden: Vec<f32>,
     finished_episodes: Vec<EpisodeSummary>,
+    saved_snapshots: Vec<SnapshotInfo>,
+    task_id_at_start: u32,
+    start_at_start: Option<String>,
+}
+
+/// A work item an environment slot is running.
+struct ActiveItem {
+    item: WorkItem,
+    token: WorkToken,
+    /// Episodes of the item finished (or, for an interrupted item, finished before the crash).
+    episodes_done: u32,
+    /// The newest snapshot of an interrupted run of this item, to continue from.
+    continue_from: Option<EpisodeSnapshot>,
+}
+
+/// Save-load state of one environment slot.
+#[derive(Default)]
+struct Slot {
+    item: Option<ActiveItem>,
+    task_id: u32,
+    /// The saved state the current episode started from (`None`: fresh).
+    start: Option<String>,
+    /// The current scheduled episode's action-sampling generator (saved in its snapshots).
+    rng: Option<Pcg64Mcg>,
+    /// The current episode belongs to `item`.
+    scheduled: bool,
+    episode_index: u32,
+    steps_since_save: u32,
+    /// Waiting for a segment boundary to start (a resume that restores recurrent state).
+    needs_start: bool,
+}
+
+/// Work queue, snapshot store and per-slot state of an actor whose episodes are scheduled.
+struct WorkState {
+    source: Box<dyn WorkSource>,
+    store: Box<dyn SnapshotStore>,
+    tasks: Vec<volley_core::env::EnvConfig>,
+    slots: Vec<Slot>,
 }
 
 /// Steps `n_envs` environments with the latest policy and produces segments.
@@ -95,7 +152,7 @@ pub struct RolloutWorker {
     /// Distinguishes this worker's segments from an earlier one with the same actor id, whose
     /// segment indices also started at 0.
     incarnation: u64,
-    envs: VecEnv<Box<dyn Env>>,
+    envs: Box<dyn VectorEnv>,
     inference: PolicyInference,
     weights: Option<Arc<Weights>>,
     hidden: Vec<f32>,
@@ -104,6 +161,9 @@ pub struct RolloutWorker {
     values: Vec<f32>,
     actions: Vec<usize>,
     step: VecStep,
+    /// Per environment: its episode was aborted this step (valid while `step.env_errors` is
+    /// not empty).
+    aborted: Vec<bool>,
     builders: Vec<SegmentBuilder>,
     rng: Pcg64Mcg,
     // Scratch for bootstrapping truncated episodes.
@@ -114,10 +174,12 @@ pub struct RolloutWorker {
     /// Returns of the last [`RETURN_WINDOW`] finished episodes, oldest first.
     recent_returns: VecDeque<f32>,
     counters: Arc<ActorCounters>,
+    work: Option<WorkState>,
 }
 
 impl RolloutWorker {
     /// Build the environments and policy for `spec`; refuses a spec this build cannot serve.
+    /// The environments run in this process; for remote ones see [`RolloutWorker::with_envs`].
     pub fn new(
         spec: RunSpec,
         actor: ActorId,
@@ -125,12 +187,33 @@ impl RolloutWorker {
         seed: u64,
         counters: Arc<ActorCounters>,
     ) -> Result<Self, ActorError> {
-        let layout = spec.validate()?;
+        spec.validate()?;
         if n_envs == 0 {
             return Err(ActorError::Env(EnvError::Config("n_envs must be at least 1".into())));
         }
         let envs = (0..n_envs).map(|_| spec.env.build()).collect::<Result<Vec<_>, _>>()?;
         let envs = VecEnv::new(envs, seed)?;
+        Self::with_envs(spec, actor, Box::new(envs), seed, counters)
+    }
+
+    /// Act in `envs` (e.g. a [`volley_core::envsvc::RemoteVecEnv`]), whose spaces must match
+    /// the spec's policy.
+    pub fn with_envs(
+        spec: RunSpec,
+        actor: ActorId,
+        envs: Box<dyn VectorEnv>,
+        seed: u64,
+        counters: Arc<ActorCounters>,
+    ) -> Result<Self, ActorError> {
+        let layout = spec.validate()?;
+        let n_envs = envs.n_envs();
+        for (what, policy, env) in
+            [("obs_dim", spec.policy.obs_dim, envs.obs_dim()), ("n_actions", spec.policy.n_actions, envs.n_actions())]
+        {
+            if policy != env {
+                return Err(ActorError::Spec(SpecError::Mismatch { what, policy, env, env_name: spec.env.describe() }));
+            }
+        }
         let obs_dim = envs.obs_dim();
         let n_actions = envs.n_actions();
         let h = layout.recurrent_size();
@@ -144,6 +227,7 @@ impl RolloutWorker {
             values: vec![0.0; n_envs],
             actions: vec![0; n_envs],
             step: VecStep::new(n_envs, obs_dim),
+            aborted: vec![false; n_envs],
             builders,
             rng: Pcg64Mcg::seed_from_u64(seed ^ 0x5eed_ac70),
             trunc_obs: Vec::new(),
@@ -158,7 +242,232 @@ impl RolloutWorker {
             incarnation: new_incarnation(),
             weights: None,
             counters,
+            work: None,
         })
+    }
+
+    /// Run scheduled episodes: take work items from `source` (the run's spec must have
+    /// `work.enabled`), save snapshots to `store` at milestones and every
+    /// `work.snapshot_every_steps` steps, and continue interrupted items from their newest
+    /// snapshot.
+    pub fn with_work(mut self, source: Box<dyn WorkSource>, store: Box<dyn SnapshotStore>) -> Result<Self, ActorError> {
+        let work = &self.spec.hyper.work;
+        if !work.enabled {
+            return Err(ActorError::Spec(SpecError::Work("the run spec does not enable work items".into())));
+        }
+        let tasks = work.task_list(&self.spec.env);
+        let slots = (0..self.envs.n_envs()).map(|_| Slot { needs_start: true, ..Slot::default() }).collect();
+        self.work = Some(WorkState { source, store, tasks, slots });
+        Ok(self)
+    }
+
+    /// Give slot `env_idx` its next scheduled episode: the next episode of its item, or a new
+    /// item. Mid-segment (`at_boundary` false) a start that must restore recurrent state waits
+    /// for the next segment (the learner resets that state to zero at episode starts); the slot
+    /// runs an unscheduled episode meanwhile.
+    fn start_next(&mut self, env_idx: usize, at_boundary: bool) {
+        let h = self.layout.recurrent_size();
+        let Some(work) = self.work.as_mut() else { return };
+        let slot = &mut work.slots[env_idx];
+        slot.scheduled = false;
+        slot.rng = None;
+        slot.start = None;
+        loop {
+            if let Some(active) = &slot.item {
+                if active.episodes_done < active.item.episodes {
+                    break;
+                }
+                let active = slot.item.take().expect("checked above");
+                if let Err(err) = work.source.complete(active.token) {
+                    warn!(actor = %self.actor, item = active.item.id, %err, "could not complete a work item; it may run again");
+                }
+                self.counters.work_items_completed.fetch_add(1, Ordering::Relaxed);
+            }
+            let wait = if at_boundary { Duration::from_millis(20) } else { Duration::ZERO };
+            match work.source.take(wait) {
+                Ok(Some((item, token))) => {
+                    // An item taken again after its actor died continues from its newest snapshot.
+                    let continue_from = match work.store.latest_for_item(item.id) {
+                        Ok(Some(key)) => match work.store.load(&key) {
+                            Ok(Some(snapshot)) if snapshot.work_item == item.id => Some(snapshot),
+                            Ok(_) => None,
+                            Err(err) => {
+                                warn!(actor = %self.actor, item = item.id, %err, "newest snapshot unusable; restarting the item");
+                                None
+                            }
+                        },
+                        Ok(None) => None,
+                        Err(err) => {
+                            warn!(actor = %self.actor, item = item.id, %err, "snapshot index unreadable; restarting the item");
+                            None
+                        }
+                    };
+                    let episodes_done = continue_from.as_ref().map_or(0, |s| s.episode_index);
+                    if continue_from.is_some() {
+                        info!(actor = %self.actor, item = item.id, "continuing an interrupted work item from its newest snapshot");
+                    }
+                    slot.item = Some(ActiveItem { item, token, episodes_done, continue_from });
+                }
+                Ok(None) => {
+                    slot.needs_start = !at_boundary;
+                    self.counters.unscheduled_episodes.fetch_add(1, Ordering::Relaxed);
+                    return;
+                }
+                Err(err) => {
+                    warn!(actor = %self.actor, %err, "taking work failed; running an unscheduled episode");
+                    slot.needs_start = !at_boundary;
+                    self.counters.unscheduled_episodes.fetch_add(1, Ordering::Relaxed);
+                    return;
+                }
+            }
+        }
+        let active = slot.item.as_mut().expect("an item is active here");
+        let restores_state = active.continue_from.is_some() || matches!(active.item.start, Start::Resume { .. });
+        if !at_boundary && h > 0 && restores_state {
+            slot.needs_start = true;
+            return;
+        }
+        slot.needs_start = false;
+        // Where this episode starts: the interrupted run's newest state, the item's saved
+        // state, or a fresh reset.
+        let (snapshot, origin) = if let Some(snapshot) = active.continue_from.take() {
+            let origin = snapshot.origin.clone();
+            (Some(snapshot), origin)
+        } else {
+            match &active.item.start {
+                Start::Fresh { .. } => (None, None),
+                Start::Resume { snapshot: key } => match work.store.load(key) {
+                    Ok(Some(snapshot)) => (Some(snapshot), Some(key.clone())),
+                    Ok(None) | Err(_) => {
+                        warn!(actor = %self.actor, snapshot = %key, "saved state gone; fresh start instead");
+                        self.counters.resume_failures.fetch_add(1, Ordering::Relaxed);
+                        (None, None)
+                    }
+                },
+            }
+        };
+        let episode_index = active.episodes_done;
+        let item_id = active.item.id;
+        let item_task = active.item.task_id;
+        let seed = match active.item.start {
+            Start::Fresh { seed } => seed.wrapping_add(u64::from(episode_index)),
+            Start::Resume { .. } => item_id.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ u64::from(episode_index),
+        };
+        let builder = &mut self.builders[env_idx];
+        let hidden = &mut self.hidden[env_idx * h..(env_idx + 1) * h];
+        let restored = snapshot.and_then(|snapshot| {
+            let task = work.tasks.get(snapshot.task_id as usize)?;
+            if snapshot.hidden.len() != h {
+                return None;
+            }
+            if snapshot.task_id != slot.task_id {
+                if let Err(err) = self.envs.switch_task(env_idx, task, seed) {
+                    warn!(actor = %self.actor, %err, "cannot switch task for a saved state");
+                    return None;
+                }
+                slot.task_id = snapshot.task_id;
+            }
+            if let Err(err) = self.envs.restore_env(env_idx, &snapshot.env) {
+                warn!(actor = %self.actor, %err, "saved state does not restore; fresh start instead");
+                return None;
+            }
+            hidden.copy_from_slice(&snapshot.hidden);
+            builder.episode_return = snapshot.episode_return;
+            builder.episode_len = snapshot.episode_len;
+            Some(snapshot.rng)
+        });
+        let rng = match restored {
+            Some(rng) => {
+                self.counters.episodes_resumed.fetch_add(1, Ordering::Relaxed);
+                slot.start = origin;
+                rng
+            }
+            None => {
+                let task_id = item_task.min(work.tasks.len().saturating_sub(1) as u32);
+                let reset = if task_id != slot.task_id {
+                    self.envs.switch_task(env_idx, &work.tasks[task_id as usize], seed)
+                } else {
+                    self.envs.reset_env(env_idx, seed)
+                };
+                if let Err(err) = reset {
+                    warn!(actor = %self.actor, %err, "scheduled reset failed; running an unscheduled episode");
+                    return;
+                }
+                slot.task_id = task_id;
+                hidden.fill(0.0);
+                builder.episode_return = 0.0;
+                builder.episode_len = 0;
+                slot.start = None;
+                Pcg64Mcg::seed_from_u64(seed ^ 0x5a3e_ed01)
+            }
+        };
+        slot.rng = Some(rng);
+        slot.scheduled = true;
+        slot.episode_index = episode_index;
+        slot.steps_since_save = 0;
+        debug!(actor = %self.actor, item = item_id, env_idx, "scheduled episode started");
+    }
+
+    /// Save slot `env_idx`'s episode if it is at a milestone or due by step count.
+    fn maybe_save(&mut self, env_idx: usize, policy_version: u64) {
+        let h = self.layout.recurrent_size();
+        let config = &self.spec.hyper.work;
+        let Some(work) = self.work.as_mut() else { return };
+        let slot = &mut work.slots[env_idx];
+        let (Some(active), true) = (&slot.item, slot.scheduled) else { return };
+        slot.steps_since_save += 1;
+        let at_milestone = config.snapshot_at_milestones && self.envs.env_at_milestone(env_idx);
+        let due = config.snapshot_every_steps > 0 && slot.steps_since_save >= config.snapshot_every_steps;
+        if !(at_milestone || due) {
+            return;
+        }
+        let env = match self.envs.snapshot_env(env_idx) {
+            Ok(env) => env,
+            Err(err) => {
+                debug!(actor = %self.actor, %err, "environment cannot snapshot");
+                return;
+            }
+        };
+        let builder = &mut self.builders[env_idx];
+        let snapshot = EpisodeSnapshot {
+            work_item: active.item.id,
+            episode_index: slot.episode_index,
+            task_id: slot.task_id,
+            origin: slot.start.clone(),
+            env,
+            hidden: self.hidden[env_idx * h..(env_idx + 1) * h].to_vec(),
+            episode_return: builder.episode_return,
+            episode_len: builder.episode_len,
+            policy_version,
+            rng: slot.rng.clone().expect("a scheduled episode has its generator"),
+            progress: self.envs.env_progress(env_idx),
+        };
+        match work.store.save(&snapshot) {
+            Ok(key) => {
+                slot.steps_since_save = 0;
+                self.counters.snapshots_saved.fetch_add(1, Ordering::Relaxed);
+                builder.saved_snapshots.push(SnapshotInfo {
+                    key,
+                    task_id: snapshot.task_id,
+                    progress: snapshot.progress,
+                    episode_return: snapshot.episode_return,
+                    episode_len: snapshot.episode_len,
+                });
+            }
+            Err(err) => warn!(actor = %self.actor, %err, "snapshot not saved"),
+        }
+    }
+
+    /// Tell the work queue every running item is still alive.
+    fn heartbeat(&mut self) {
+        let Some(work) = self.work.as_mut() else { return };
+        for slot in &work.slots {
+            if let Some(active) = &slot.item {
+                if let Err(err) = work.source.progress(active.token) {
+                    debug!(actor = %self.actor, %err, "work progress signal failed");
+                }
+            }
+        }
     }
 
     /// The policy version in use, if any weights arrived yet.
@@ -189,8 +498,20 @@ impl RolloutWorker {
         let obs_dim = self.envs.obs_dim();
         let n_actions = self.envs.n_actions();
         let h = self.layout.recurrent_size();
+        if self.work.is_some() {
+            for env_idx in 0..n_envs {
+                if self.work.as_ref().is_some_and(|w| w.slots[env_idx].needs_start) {
+                    self.start_next(env_idx, true);
+                }
+            }
+        }
         for (env_idx, builder) in self.builders.iter_mut().enumerate() {
             builder.begin(&self.hidden[env_idx * h..(env_idx + 1) * h]);
+            if let Some(work) = &self.work {
+                let slot = &work.slots[env_idx];
+                builder.task_id_at_start = slot.task_id;
+                builder.start_at_start = if slot.scheduled { slot.start.clone() } else { None };
+            }
         }
         let mut env_time = Duration::ZERO;
         let mut inference_time = Duration::ZERO;
@@ -204,7 +525,12 @@ impl RolloutWorker {
             for env_idx in 0..n_envs {
                 let row = &self.logits[env_idx * n_actions..(env_idx + 1) * n_actions];
                 log_softmax(row, &mut self.log_probs);
-                let action = sample_categorical(row, self.rng.random::<f32>());
+                let slot_rng = self.work.as_mut().and_then(|w| w.slots[env_idx].rng.as_mut());
+                let u = match slot_rng {
+                    Some(rng) => rng.random::<f32>(),
+                    None => self.rng.random::<f32>(),
+                };
+                let action = sample_categorical(row, u);
                 self.actions[env_idx] = action;
                 let builder = &mut self.builders[env_idx];
                 builder.actions.push(action as u32);
@@ -214,9 +540,20 @@ impl RolloutWorker {
             inference_time += stepped - started;
             self.envs.step(&self.actions, &mut self.step).expect("actions has one entry per environment");
             env_time += stepped.elapsed();
-            for (env_idx, error) in self.step.env_errors.drain(..) {
-                self.counters.env_errors.fetch_add(1, Ordering::Relaxed);
-                warn!(actor = %self.actor, env_idx, %error, reason = error.reason(), "environment failed; reset");
+            let any_failed = !self.step.env_errors.is_empty();
+            if any_failed {
+                self.aborted.fill(false);
+                for (env_idx, error) in &self.step.env_errors {
+                    let env_idx = *env_idx;
+                    self.counters.env_errors.fetch_add(1, Ordering::Relaxed);
+                    warn!(actor = %self.actor, env_idx, %error, reason = error.reason(), "environment failed; reset");
+                    // A failure right after an episode ended (a failed reset) aborts nothing.
+                    let finished = self.step.finished_episodes.iter().any(|e| e.env_idx == env_idx);
+                    if !finished && !self.aborted[env_idx] {
+                        self.aborted[env_idx] = true;
+                        self.counters.episodes_aborted.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
             }
             self.bootstrap_truncated(params);
             for env_idx in 0..n_envs {
@@ -230,22 +567,48 @@ impl RolloutWorker {
                 builder.episode_return += reward;
                 builder.episode_len += 1;
                 if terminated || truncated {
-                    builder.finished_episodes.push(EpisodeSummary {
-                        episode_return: builder.episode_return,
-                        episode_len: builder.episode_len,
-                    });
-                    if self.recent_returns.len() == RETURN_WINDOW {
-                        self.recent_returns.pop_front();
+                    // An aborted episode did not end on its own: its return is no measure of
+                    // the policy, so it is not reported.
+                    if !(any_failed && self.aborted[env_idx]) {
+                        let (task_id, work_item, start) = match &self.work {
+                            Some(work) => {
+                                let slot = &work.slots[env_idx];
+                                let item = slot.item.as_ref().filter(|_| slot.scheduled).map(|a| a.item.id);
+                                (slot.task_id, item, if slot.scheduled { slot.start.clone() } else { None })
+                            }
+                            None => (0, None, None),
+                        };
+                        builder.finished_episodes.push(EpisodeSummary {
+                            episode_return: builder.episode_return,
+                            episode_len: builder.episode_len,
+                            task_id,
+                            work_item,
+                            start,
+                        });
+                        if self.recent_returns.len() == RETURN_WINDOW {
+                            self.recent_returns.pop_front();
+                        }
+                        self.recent_returns.push_back(builder.episode_return);
+                        let mean = self.recent_returns.iter().map(|&r| r as f64).sum::<f64>()
+                            / self.recent_returns.len() as f64;
+                        self.counters.episode_return_mean_bits.store(mean.to_bits(), Ordering::Relaxed);
                     }
-                    self.recent_returns.push_back(builder.episode_return);
-                    let mean =
-                        self.recent_returns.iter().map(|&r| r as f64).sum::<f64>() / self.recent_returns.len() as f64;
-                    self.counters.episode_return_mean_bits.store(mean.to_bits(), Ordering::Relaxed);
+                    if let Some(active) = self.work.as_mut().and_then(|w| {
+                        let slot = &mut w.slots[env_idx];
+                        slot.item.as_mut().filter(|_| slot.scheduled)
+                    }) {
+                        active.episodes_done += 1;
+                    }
                     builder.episode_return = 0.0;
                     builder.episode_len = 0;
                     builder.episode_id += 1;
                     // A new episode starts with a zero recurrent state.
                     self.hidden[env_idx * h..(env_idx + 1) * h].fill(0.0);
+                    if self.work.is_some() {
+                        self.start_next(env_idx, false);
+                    }
+                } else if self.work.is_some() {
+                    self.maybe_save(env_idx, weights.version.0);
                 }
             }
             self.counters.episodes.fetch_add(self.step.finished_episodes.len() as u64, Ordering::Relaxed);
@@ -256,6 +619,7 @@ impl RolloutWorker {
             builder.observations.extend_from_slice(&obs[env_idx * obs_dim..(env_idx + 1) * obs_dim]);
             segments.push(builder.finish(&self.spec, &self.actor, self.incarnation, env_idx, &weights, obs_dim));
         }
+        self.heartbeat();
         let steps = (self.spec.segment_len * n_envs) as u64;
         self.counters.env_steps.fetch_add(steps, Ordering::Relaxed);
         self.counters.env_nanos.fetch_add(env_time.as_nanos() as u64, Ordering::Relaxed);
@@ -407,8 +771,8 @@ impl SegmentBuilder {
             env_idx: env_idx as u32,
             episode_id: self.episode_id_at_start,
             segment_idx: self.segment_idx,
-            task_id: 0,
-            start_snapshot: None,
+            task_id: self.task_id_at_start,
+            start_snapshot: self.start_at_start.take(),
             policy_version: weights.version,
             layout_hash: weights.layout_hash,
             obs_dim: obs_dim as u32,
@@ -421,6 +785,7 @@ impl SegmentBuilder {
             truncation_values: std::mem::take(&mut self.truncation_values),
             initial_hidden: std::mem::take(&mut self.initial_hidden),
             finished_episodes: std::mem::take(&mut self.finished_episodes),
+            saved_snapshots: std::mem::take(&mut self.saved_snapshots),
         };
         self.segment_idx += 1;
         self.reserve(spec.segment_len, obs_dim, h);
@@ -522,6 +887,75 @@ mod tests {
         }
         let fifth = worker.collect_segments();
         assert!(fifth.iter().all(|s| s.initial_hidden.iter().all(|&h| h == 0.0)));
+    }
+
+    /// Wraps an in-process vec env and fails environment 0 every 10th step, as a lost remote
+    /// server would: a truncation with reward 0 and an error, not a finished episode.
+    struct FlakyEnvs {
+        inner: VecEnv<volley_core::env::CartPole>,
+        steps: usize,
+    }
+
+    impl VectorEnv for FlakyEnvs {
+        fn n_envs(&self) -> usize {
+            self.inner.n_envs()
+        }
+        fn obs_dim(&self) -> usize {
+            self.inner.obs_dim()
+        }
+        fn n_actions(&self) -> usize {
+            self.inner.n_actions()
+        }
+        fn obs(&self) -> &[f32] {
+            self.inner.obs()
+        }
+        fn step(&mut self, actions: &[usize], out: &mut VecStep) -> Result<(), EnvError> {
+            self.inner.step(actions, out)?;
+            self.steps += 1;
+            if self.steps.is_multiple_of(10) {
+                out.rewards[0] = 0.0;
+                out.terminated[0] = false;
+                out.truncated[0] = true;
+                out.finished_episodes.retain(|e| e.env_idx != 0);
+                out.env_errors
+                    .push((0, EnvError::Remote { service: "x".into(), reason: "remote_gone", message: "gone".into() }));
+            }
+            Ok(())
+        }
+        fn snapshot_env(&mut self, env_idx: usize) -> Result<Vec<u8>, EnvError> {
+            VectorEnv::snapshot_env(&mut self.inner, env_idx)
+        }
+        fn restore_env(&mut self, env_idx: usize, bytes: &[u8]) -> Result<(), EnvError> {
+            VectorEnv::restore_env(&mut self.inner, env_idx, bytes)
+        }
+    }
+
+    #[test]
+    fn aborted_episodes_are_counted_and_not_reported_as_finished() {
+        let spec = worker(EnvConfig::Cartpole, 4, 2, CoreKind::Mlp, 20).spec.clone();
+        let layout = spec.validate().expect("valid");
+        let envs = FlakyEnvs { inner: VecEnv::new(vec![volley_core::env::CartPole::new(); 2], 5).unwrap(), steps: 0 };
+        let counters = Arc::new(ActorCounters::default());
+        let mut worker =
+            RolloutWorker::with_envs(spec, ActorId::new("flaky").unwrap(), Box::new(envs), 5, counters.clone())
+                .expect("matching spaces");
+        worker.set_weights(Arc::new(Weights::new(PolicyVersion(1), layout.hash(), layout.init_params(3)))).unwrap();
+        let segments = worker.collect_segments();
+        assert_eq!(counters.episodes_aborted.load(Ordering::Relaxed), 2);
+        assert_eq!(counters.env_errors.load(Ordering::Relaxed), 2);
+        let first = &segments[0];
+        assert_eq!((first.truncated[9], first.truncated[19], first.rewards[9]), (1, 1, 0.0));
+        let dones = first.terminated.iter().zip(&first.truncated).filter(|(&te, &tr)| te == 1 || tr == 1).count();
+        assert_eq!(first.finished_episodes.len(), dones - 2, "the two aborted episodes are not reported");
+        first.validate(&worker.spec, layout.hash(), 0).expect("a valid segment");
+    }
+
+    #[test]
+    fn envs_whose_spaces_differ_from_the_policy_are_refused() {
+        let spec = worker(EnvConfig::Cartpole, 4, 2, CoreKind::Mlp, 8).spec.clone();
+        let memory = VecEnv::new(vec![volley_core::env::Memory::new(MemoryConfig::default()).unwrap()], 0).unwrap();
+        let result = RolloutWorker::with_envs(spec, ActorId::new("a").unwrap(), Box::new(memory), 0, Arc::default());
+        assert!(matches!(result, Err(ActorError::Spec(SpecError::Mismatch { what: "obs_dim", .. }))));
     }
 
     #[test]

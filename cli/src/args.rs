@@ -5,11 +5,14 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use volley_core::env::{EnvConfig, MemoryConfig, MilestonesConfig};
+use volley_core::env::{EnvConfig, MemoryConfig, MilestonesConfig, RemoteEnvConfig, REMOTE_PREFIX};
+use volley_core::envsvc::EnvServiceName;
 use volley_core::ids::RunId;
 use volley_core::policy::{Activation, CoreKind, PolicySpec};
-use volley_core::spec::{HyperParams, LossKind, RunSpec};
+use volley_core::spec::{HyperParams, LossKind, PriorityConfig, RunSpec, SelectionConfig, ZeroVarianceConfig};
 use volley_core::transport::nats::{NatsAuth, NatsConfig};
+use volley_core::work::{BudgetPolicy, WorkConfig};
+use volley_learner::backend::BackendKind;
 use volley_learner::Checkpoint;
 
 /// Volley: a distributed actor-learner system for reinforcement learning.
@@ -32,6 +35,9 @@ pub enum Command {
     Actor(ActorArgs),
     /// Measure weight-broadcast latency over NATS: publish to N follower processes.
     BenchWeights(BenchWeightsArgs),
+    /// Serve a built-in environment over NATS (docs/ENV_PROTOCOL.md), for actors started with
+    /// `--env remote:<name>`.
+    EnvServe(EnvServeArgs),
 }
 
 /// Which built-in environment.
@@ -43,6 +49,37 @@ pub enum EnvName {
     Memory,
     /// Chain of rooms with keys (long horizon, sparse reward).
     Milestones,
+}
+
+impl EnvName {
+    /// The environment's name (`"cartpole"`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EnvName::Cartpole => "cartpole",
+            EnvName::Memory => "memory",
+            EnvName::Milestones => "milestones",
+        }
+    }
+}
+
+/// An environment on the command line: a built-in one, or `remote:<service>` (served over
+/// NATS by `volley env-serve` or the Python `volley-envs` package).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum EnvChoice {
+    /// A built-in environment, stepped in the actor's process.
+    Builtin(EnvName),
+    /// An environment service.
+    Remote(EnvServiceName),
+}
+
+/// Parse `--env`: `cartpole`, `memory`, `milestones` or `remote:<service>`.
+pub fn parse_env_choice(text: &str) -> Result<EnvChoice, String> {
+    if let Some(service) = text.strip_prefix(REMOTE_PREFIX) {
+        return EnvServiceName::new(service).map(EnvChoice::Remote).map_err(|err| err.to_string());
+    }
+    EnvName::from_str(text, true).map(EnvChoice::Builtin).map_err(|_| {
+        format!("unknown environment {text:?} (expected cartpole, memory, milestones or remote:<service>)")
+    })
 }
 
 /// The recurrent core.
@@ -72,6 +109,27 @@ pub enum LossName {
     Ppo,
 }
 
+/// Where the learner's update runs (`--backend`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum BackendName {
+    /// CUDA when a GPU works, otherwise the CPU with a warning.
+    Auto,
+    /// The CPU backend (one thread).
+    Cpu,
+    /// CUDA; fail if no GPU works.
+    Cuda,
+}
+
+impl From<BackendName> for BackendKind {
+    fn from(name: BackendName) -> Self {
+        match name {
+            BackendName::Auto => BackendKind::Auto,
+            BackendName::Cpu => BackendKind::Cpu,
+            BackendName::Cuda => BackendKind::Cuda,
+        }
+    }
+}
+
 /// When to draw a progress bar.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum ProgressMode {
@@ -86,9 +144,10 @@ pub enum ProgressMode {
 /// Flags that define the run spec (shared by `volley train` and `volley learner`).
 #[derive(Debug, Clone, Args)]
 pub struct SpecArgs {
-    /// Environment.
-    #[arg(long, value_enum, default_value = "cartpole", env = "VOLLEY_ENV")]
-    pub env: EnvName,
+    /// Environment: cartpole, memory, milestones, or remote:SERVICE for one served over NATS
+    /// (docs/ENV_PROTOCOL.md; `volley learner` asks its servers for the spaces).
+    #[arg(long, default_value = "cartpole", env = "VOLLEY_ENV", value_parser = parse_env_choice)]
+    pub env: EnvChoice,
     /// Run name ([a-z0-9-]{1,16}).
     #[arg(long, default_value = "local", env = "VOLLEY_RUN")]
     pub run: String,
@@ -146,6 +205,23 @@ pub struct SpecArgs {
     /// Drop segments whose lag exceeds this many versions.
     #[arg(long, default_value_t = 4, env = "VOLLEY_MAX_POLICY_LAG")]
     pub max_policy_lag: u64,
+    /// Trajectory selection: drop segments with a raw reward of larger magnitude (default: no bound).
+    #[arg(long, env = "VOLLEY_SELECT_MAX_ABS_REWARD")]
+    pub select_max_abs_reward: Option<f32>,
+    /// Trajectory selection: drop segments whose start group's last N returns are all equal
+    /// (zero variance: no signal for group-relative methods); N >= 2 (default: off).
+    #[arg(long, env = "VOLLEY_SELECT_ZERO_VARIANCE_MIN_GROUP")]
+    pub select_zero_variance_min_group: Option<usize>,
+    /// Trajectory selection: sample each batch from a pool by |advantage|^ALPHA with
+    /// importance weights (prioritised selection; default: off, every segment used in order).
+    #[arg(long, env = "VOLLEY_SELECT_PRIORITY_ALPHA")]
+    pub select_priority_alpha: Option<f32>,
+    /// Prioritised selection: importance-correction exponent β in [0, 1] (default 0.4).
+    #[arg(long, env = "VOLLEY_SELECT_PRIORITY_BETA", requires = "select_priority_alpha")]
+    pub select_priority_beta: Option<f32>,
+    /// Prioritised selection: pool size in batches (default 2).
+    #[arg(long, env = "VOLLEY_SELECT_POOL_FACTOR", requires = "select_priority_alpha")]
+    pub select_pool_factor: Option<usize>,
     /// Memory task: number of cues.
     #[arg(long, default_value_t = 2)]
     pub memory_cues: usize,
@@ -158,6 +234,58 @@ pub struct SpecArgs {
     /// Milestones task: cells per room.
     #[arg(long, default_value_t = 8)]
     pub room_len: usize,
+    /// Schedule every episode through work items: budget assignment across `--task`s and
+    /// saved states, snapshots at milestones (save-load).
+    #[arg(long, env = "VOLLEY_WORK")]
+    pub work: bool,
+    /// A task for `--work` runs, repeatable: `NAME[:key=value,...]` with the environment's
+    /// config keys, e.g. `--task memory:delay=2 --task memory:delay=8` (default: `--env` alone).
+    #[arg(long = "task", requires = "work")]
+    pub tasks: Vec<String>,
+    /// How `--work` splits episodes between tasks.
+    #[arg(long, value_enum, default_value = "uniform", env = "VOLLEY_BUDGET")]
+    pub budget: BudgetName,
+    /// Share of work items that restart from a saved state (Go-Explore-style), in [0, 1].
+    #[arg(long, default_value_t = 0.0, env = "VOLLEY_RESTART_SHARE")]
+    pub restart_share: f32,
+    /// Episodes per work item.
+    #[arg(long, default_value_t = 1)]
+    pub episodes_per_item: u32,
+    /// Save a snapshot every this many steps of a scheduled episode (0: at milestones only).
+    #[arg(long, default_value_t = 0, env = "VOLLEY_SNAPSHOT_EVERY")]
+    pub snapshot_every: u32,
+    /// Seconds a taken work item may go without progress before another actor gets it.
+    #[arg(long, default_value_t = 30.0, env = "VOLLEY_WORK_ACK_WAIT_SECS")]
+    pub work_ack_wait_secs: f64,
+}
+
+/// Budget policy between tasks (`--budget`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum BudgetName {
+    /// Every task equally often.
+    Uniform,
+    /// In proportion to p(1 − p) of each task's success rate.
+    Learnability,
+    /// UCB1 on learnability.
+    Ucb,
+}
+
+/// Parse `NAME[:key=value,...]` into an environment config (the keys of its JSON form).
+pub fn parse_task(text: &str) -> anyhow::Result<EnvConfig> {
+    let (name, rest) = text.split_once(':').unwrap_or((text, ""));
+    let mut object = serde_json::Map::new();
+    object.insert("name".into(), serde_json::Value::String(name.trim().to_string()));
+    for pair in rest.split(',').filter(|p| !p.trim().is_empty()) {
+        let (key, value) =
+            pair.split_once('=').with_context(|| format!("--task {text:?}: {pair:?} is not key=value"))?;
+        let value: serde_json::Value =
+            serde_json::from_str(value.trim()).unwrap_or_else(|_| serde_json::Value::String(value.trim().to_string()));
+        object.insert(key.trim().to_string(), value);
+    }
+    let config: EnvConfig = serde_json::from_value(serde_json::Value::Object(object))
+        .with_context(|| format!("--task {text:?}: not an environment config"))?;
+    config.build().with_context(|| format!("--task {text:?}"))?;
+    Ok(config)
 }
 
 /// `volley train`.
@@ -185,6 +313,10 @@ pub struct TrainArgs {
     /// Progress output.
     #[arg(long, value_enum, default_value = "auto", env = "VOLLEY_PROGRESS")]
     pub progress: ProgressMode,
+    /// Where the learner's update runs; `cpu` is faster for the tiny default network, whose
+    /// batches are too small to occupy a GPU.
+    #[arg(long, value_enum, default_value = "auto", env = "VOLLEY_BACKEND")]
+    pub backend: BackendName,
 }
 
 /// A validated `volley train` configuration.
@@ -206,6 +338,8 @@ pub struct TrainConfig {
     pub run_dir: PathBuf,
     /// Progress output.
     pub progress: ProgressMode,
+    /// Learner backend.
+    pub backend: BackendKind,
 }
 
 /// The solved threshold of a built-in environment (mean return over 100 episodes).
@@ -214,6 +348,7 @@ pub fn solved_return(env: &EnvConfig) -> Option<f32> {
         EnvConfig::Cartpole => Some(475.0),
         EnvConfig::Memory(_) => Some(0.95),
         EnvConfig::Milestones(_) => Some(0.9),
+        EnvConfig::Remote(remote) => remote.reward_threshold,
     }
 }
 
@@ -234,8 +369,20 @@ fn parse_widths(text: &str) -> anyhow::Result<Vec<usize>> {
 }
 
 impl SpecArgs {
-    /// Build and validate the run spec these flags describe.
+    /// Build and validate the run spec these flags describe; refuses a remote environment
+    /// (whose spaces only its servers know: see [`SpecArgs::to_spec_with`]).
     pub fn to_spec(&self) -> anyhow::Result<RunSpec> {
+        self.to_spec_with(&|service| {
+            bail!("--env remote:{service}: remote environments need NATS; use `volley learner` and `volley actor`")
+        })
+    }
+
+    /// Build and validate the run spec these flags describe, asking `resolve_remote` for the
+    /// spaces of a remote environment.
+    pub fn to_spec_with(
+        &self,
+        resolve_remote: &dyn Fn(&EnvServiceName) -> anyhow::Result<RemoteEnvConfig>,
+    ) -> anyhow::Result<RunSpec> {
         let run = RunId::new(self.run.clone()).context("--run")?;
         if self.max_env_steps == 0 {
             bail!("--max-env-steps must be at least 1");
@@ -243,19 +390,14 @@ impl SpecArgs {
         if self.gru_hidden == 0 || self.gru_hidden > 4096 {
             bail!("--gru-hidden: {} out of range 1..=4096", self.gru_hidden);
         }
-        let env = match self.env {
-            EnvName::Cartpole => EnvConfig::Cartpole,
-            EnvName::Memory => EnvConfig::Memory(MemoryConfig { n_cues: self.memory_cues, delay: self.memory_delay }),
-            EnvName::Milestones => EnvConfig::Milestones(MilestonesConfig {
-                n_rooms: self.rooms,
-                room_len: self.room_len,
-                ..MilestonesConfig::default()
-            }),
+        let env = match &self.env {
+            EnvChoice::Builtin(name) => self.builtin_env(*name),
+            EnvChoice::Remote(service) => EnvConfig::Remote(resolve_remote(service)?),
         };
-        let probe = env.build().context("environment config")?;
+        let (obs_dim, n_actions) = env.spaces().context("environment config")?;
         let policy = PolicySpec {
-            obs_dim: probe.observation_space().dim(),
-            n_actions: probe.action_space().n,
+            obs_dim,
+            n_actions,
             torso: parse_widths(&self.torso)?,
             activation: match self.activation {
                 ActivationName::Tanh => Activation::Tanh,
@@ -283,11 +425,60 @@ impl SpecArgs {
             gae_lambda: self.gae_lambda,
             batch_segments: self.batch_segments,
             max_policy_lag: self.max_policy_lag,
+            work: WorkConfig {
+                enabled: self.work,
+                tasks: self.tasks.iter().map(|t| parse_task(t)).collect::<anyhow::Result<_>>()?,
+                policy: match self.budget {
+                    BudgetName::Uniform => BudgetPolicy::Uniform,
+                    BudgetName::Learnability => BudgetPolicy::Learnability,
+                    BudgetName::Ucb => BudgetPolicy::Ucb,
+                },
+                restart_share: self.restart_share,
+                episodes_per_item: self.episodes_per_item,
+                snapshot_every_steps: self.snapshot_every,
+                ack_wait_secs: self.work_ack_wait_secs,
+                ..WorkConfig::default()
+            },
+            selection: self.selection(),
             ..HyperParams::default()
         };
         let spec = RunSpec { run, env, policy, segment_len: self.segment_len, hyper, seed: self.seed };
         spec.validate().context("invalid training configuration")?;
         Ok(spec)
+    }
+}
+
+impl SpecArgs {
+    /// The built-in environment `name` with the task flags.
+    pub fn builtin_env(&self, name: EnvName) -> EnvConfig {
+        match name {
+            EnvName::Cartpole => EnvConfig::Cartpole,
+            EnvName::Memory => EnvConfig::Memory(MemoryConfig { n_cues: self.memory_cues, delay: self.memory_delay }),
+            EnvName::Milestones => EnvConfig::Milestones(MilestonesConfig {
+                n_rooms: self.rooms,
+                room_len: self.room_len,
+                ..MilestonesConfig::default()
+            }),
+        }
+    }
+
+    /// The trajectory-selection config these flags describe (validated with the run spec).
+    fn selection(&self) -> SelectionConfig {
+        let mut selection = SelectionConfig::default();
+        selection.guard.max_abs_reward = self.select_max_abs_reward;
+        selection.zero_variance = self
+            .select_zero_variance_min_group
+            .map(|min_group| ZeroVarianceConfig { min_group, ..ZeroVarianceConfig::default() });
+        selection.priority = self.select_priority_alpha.map(|alpha| {
+            let defaults = PriorityConfig::default();
+            PriorityConfig {
+                alpha,
+                beta: self.select_priority_beta.unwrap_or(defaults.beta),
+                pool_factor: self.select_pool_factor.unwrap_or(defaults.pool_factor),
+                ..defaults
+            }
+        });
+        selection
     }
 }
 
@@ -330,6 +521,7 @@ impl TryFrom<TrainArgs> for TrainConfig {
             target_return,
             run_dir,
             progress: args.progress,
+            backend: args.backend.into(),
             spec,
         })
     }
@@ -369,15 +561,61 @@ impl NatsArgs {
     /// The transport config for `run`.
     pub fn config(&self, run: RunId) -> anyhow::Result<NatsConfig> {
         let mut config = NatsConfig::new(self.nats_url.clone(), run);
-        config.request_timeout = check_secs("--nats-timeout-secs", self.nats_timeout_secs)?;
-        config.auth = match (&self.nats_user, &self.nats_password) {
+        config.request_timeout = self.timeout()?;
+        config.auth = self.auth()?;
+        Ok(config)
+    }
+
+    /// The deadline of every NATS request.
+    pub fn timeout(&self) -> anyhow::Result<Duration> {
+        check_secs("--nats-timeout-secs", self.nats_timeout_secs)
+    }
+
+    /// The credentials, if any.
+    pub fn auth(&self) -> anyhow::Result<Option<NatsAuth>> {
+        Ok(match (&self.nats_user, &self.nats_password) {
             (Some(user), Some(password)) => {
                 Some(NatsAuth::UserPassword { user: user.clone(), password: password.clone() })
             }
             (None, None) => None,
             _ => bail!("--nats-user and --nats-password go together"),
-        };
-        Ok(config)
+        })
+    }
+}
+
+/// How an actor steps a remote environment (shared by `volley actor` and the learner's
+/// lookup of the environment's spaces).
+#[derive(Debug, Clone, Args)]
+pub struct RemoteEnvArgs {
+    /// Deadline of every request to an environment server; a server that misses it is
+    /// treated as lost (its episodes are aborted and restarted elsewhere).
+    #[arg(long, env = "VOLLEY_ENV_TIMEOUT_SECS", default_value_t = 5.0)]
+    pub env_timeout_secs: f64,
+    /// Environments per session, i.e. per step request (0: spread the actor's environments over
+    /// the servers found at start, one session each).
+    #[arg(long, env = "VOLLEY_ENVS_PER_SESSION", default_value_t = 0)]
+    pub envs_per_session: usize,
+    /// Step requests in flight at once.
+    #[arg(long, env = "VOLLEY_ENV_MAX_IN_FLIGHT", default_value_t = 8)]
+    pub env_max_in_flight: usize,
+}
+
+impl RemoteEnvArgs {
+    /// The per-request deadline.
+    pub fn timeout(&self) -> anyhow::Result<Duration> {
+        check_secs("--env-timeout-secs", self.env_timeout_secs)
+    }
+
+    /// Check the ranges once.
+    pub fn validate(&self) -> anyhow::Result<()> {
+        self.timeout()?;
+        if self.envs_per_session > 4096 {
+            bail!("--envs-per-session: {} out of range 0..=4096", self.envs_per_session);
+        }
+        if self.env_max_in_flight == 0 || self.env_max_in_flight > 1024 {
+            bail!("--env-max-in-flight: {} out of range 1..=1024", self.env_max_in_flight);
+        }
+        Ok(())
     }
 }
 
@@ -425,6 +663,14 @@ pub struct LearnerArgs {
     /// published and no checkpoint is written).
     #[arg(long)]
     pub replay: bool,
+    /// Where the update runs: `auto` uses the GPU when one works and otherwise falls back to
+    /// the CPU with a warning; `cuda` fails without a GPU.
+    #[arg(long, value_enum, default_value = "auto", env = "VOLLEY_BACKEND")]
+    pub backend: BackendName,
+    /// With `--env remote:<service>`: how long to wait for a server of the service to tell the
+    /// environment's spaces.
+    #[arg(long, env = "VOLLEY_ENV_WAIT_SECS", default_value_t = 120.0)]
+    pub env_wait_secs: f64,
 }
 
 /// A validated `volley learner` configuration.
@@ -452,13 +698,19 @@ pub struct LearnerConfig {
     pub replay: bool,
     /// Metrics endpoint address.
     pub metrics_addr: String,
+    /// Learner backend.
+    pub backend: BackendKind,
 }
 
 impl TryFrom<LearnerArgs> for LearnerConfig {
     type Error = anyhow::Error;
 
     fn try_from(args: LearnerArgs) -> anyhow::Result<Self> {
-        let mut spec = args.spec.to_spec()?;
+        let env_wait = check_secs("--env-wait-secs", args.env_wait_secs)?;
+        let mut spec = args.spec.to_spec_with(&|service| {
+            crate::env_serve::remote_env_config(&args.nats, service, env_wait)
+                .with_context(|| format!("asking the servers of environment service {service} for its spaces"))
+        })?;
         let batch_segments = spec.hyper.batch_segments as u64;
         let max_backlog_segments = args.max_backlog_segments.unwrap_or(2 * batch_segments);
         if max_backlog_segments < batch_segments {
@@ -490,6 +742,7 @@ impl TryFrom<LearnerArgs> for LearnerConfig {
             publish_every: args.publish_every,
             replay: args.replay,
             metrics_addr: args.metrics.metrics_addr,
+            backend: args.backend.into(),
             nats,
             spec,
         })
@@ -517,6 +770,60 @@ pub struct ActorArgs {
     /// Seed of this actor's environments and sampling (default: derived from the actor id).
     #[arg(long, env = "VOLLEY_ACTOR_SEED")]
     pub seed: Option<u64>,
+    /// Step this environment instead of the run spec's: remote:SERVICE for one served over
+    /// NATS, or a built-in name. Its spaces must match the run's policy.
+    #[arg(long, env = "VOLLEY_ACTOR_ENV", value_parser = parse_env_choice)]
+    pub env: Option<EnvChoice>,
+    /// Remote environment settings.
+    #[command(flatten)]
+    pub remote_env: RemoteEnvArgs,
+}
+
+/// `volley env-serve`: one environment server (one instance of the service); start several
+/// for more capacity, on any machine that reaches NATS.
+#[derive(Debug, Args)]
+pub struct EnvServeArgs {
+    /// NATS connection.
+    #[command(flatten)]
+    pub nats: NatsArgs,
+    /// The built-in environment to serve (default configuration).
+    #[arg(long, value_enum, default_value = "cartpole", env = "VOLLEY_ENV")]
+    pub env: EnvName,
+    /// Service name actors ask for with `--env remote:<name>` ([a-z0-9_-]{1,48}; default: the
+    /// environment's name).
+    #[arg(long, env = "VOLLEY_ENV_SERVICE")]
+    pub name: Option<String>,
+    /// Sessions held at once; more are refused so actors go to other servers.
+    #[arg(long, env = "VOLLEY_ENV_MAX_SESSIONS", default_value_t = 1024)]
+    pub max_sessions: usize,
+    /// Largest session (environments per step request).
+    #[arg(long, env = "VOLLEY_ENV_MAX_ENVS_PER_SESSION", default_value_t = 4096)]
+    pub max_envs_per_session: usize,
+    /// Drop a session that received no request for this long.
+    #[arg(long, env = "VOLLEY_ENV_IDLE_TIMEOUT_SECS", default_value_t = 300.0)]
+    pub idle_timeout_secs: f64,
+}
+
+impl EnvServeArgs {
+    /// The service name and the server config.
+    pub fn server_config(&self) -> anyhow::Result<volley_core::envsvc::EnvServerConfig> {
+        let env_name = self.env.as_str().to_string();
+        let name = EnvServiceName::new(self.name.clone().unwrap_or_else(|| env_name.clone())).context("--name")?;
+        let mut config = volley_core::envsvc::EnvServerConfig::new(name, env_name);
+        if self.max_sessions == 0 || self.max_envs_per_session == 0 {
+            bail!("--max-sessions and --max-envs-per-session must be at least 1");
+        }
+        config.max_sessions = self.max_sessions;
+        config.max_envs_per_session = self.max_envs_per_session;
+        config.idle_timeout = check_secs("--idle-timeout-secs", self.idle_timeout_secs)?;
+        let builtin = EnvConfig::from_name(&config.env_label).context("--env")?;
+        config.reward_threshold = solved_return(&builtin);
+        config.max_episode_steps = match builtin {
+            EnvConfig::Cartpole => Some(volley_core::env::cartpole::MAX_EPISODE_STEPS),
+            _ => None,
+        };
+        Ok(config)
+    }
 }
 
 /// Where a long-running process serves `/metrics`, `/healthz` and `/readyz`.

@@ -3,18 +3,22 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{bail, Context};
 use tracing::{info, warn};
 use volley_actor::{ActorCounters, ActorMetrics, RolloutWorker};
+use volley_core::env::{EnvConfig, RemoteEnvConfig};
+use volley_core::envsvc::{EnvServiceClient, RemoteVecEnv, RemoteVecEnvConfig};
 use volley_core::ids::{ActorId, RunId};
 use volley_core::transport::local::weights_channel;
 use volley_core::transport::nats::NatsBus;
 use volley_core::transport::{TrajectorySource, WeightsPublisher};
+use volley_learner::metrics::WorkMetrics;
+use volley_learner::scheduler::{Planned, Scheduler, WorkPlanner};
 use volley_learner::{run_learner, Checkpoint, Learner, LearnerMetrics, LearnerReport, RunLimits, UpdateStats};
 
-use crate::args::{ActorArgs, LearnerConfig};
+use crate::args::{ActorArgs, EnvChoice, LearnerConfig};
 use crate::serve;
 
 /// The summary `volley learner` prints as one JSON line when it stops.
@@ -78,8 +82,9 @@ pub fn learner(config: LearnerConfig, interrupted: Arc<AtomicBool>) -> anyhow::R
         }
         None => (Learner::new(spec.clone()).context("building the learner")?, 0, None),
     };
+    learner.use_backend(config.backend).context("--backend")?;
     let layout = learner.layout().clone();
-    info!(run = %spec.run, env = spec.env.name(), loss = ?spec.hyper.loss, policy = ?spec.policy,
+    info!(run = %spec.run, env = %spec.env.describe(), loss = ?spec.hyper.loss, policy = ?spec.policy,
           layout_hash = format!("{:016x}", layout.hash()), replay = config.replay, "learner starting");
 
     let (mut source, mut publisher): (Box<dyn TrajectorySource>, Box<dyn WeightsPublisher>) = if config.replay {
@@ -103,7 +108,7 @@ pub fn learner(config: LearnerConfig, interrupted: Arc<AtomicBool>) -> anyhow::R
     let registry = serve::registry_for("learner")?;
     let mut metrics = LearnerMetrics::register(&registry).context("registering learner metrics")?;
     // Ready once the run exists on NATS and the first weights are about to be published.
-    serve::serve(&config.metrics_addr, registry, Arc::new(|| true))?;
+    serve::serve(&config.metrics_addr, registry.clone(), Arc::new(|| true))?;
 
     let limits = RunLimits {
         max_env_steps: Some(config.max_env_steps),
@@ -118,43 +123,61 @@ pub fn learner(config: LearnerConfig, interrupted: Arc<AtomicBool>) -> anyhow::R
     let mut checkpoint_error: Option<anyhow::Error> = None;
     let checkpoint_path = config.checkpoint_path.clone();
     let replay = config.replay;
-    let report = run_learner(
-        &mut learner,
-        source.as_mut(),
-        publisher.as_mut(),
-        &limits,
-        &interrupted,
-        &mut |learner: &Learner, report: &LearnerReport, stats: &UpdateStats| {
-            metrics.observe(learner, report, stats, learner.updates().is_multiple_of(config.publish_every));
-            metrics.set_checkpoint_age(last_checkpoint.elapsed());
-            let due = learner.updates().is_multiple_of(config.checkpoint_every_updates)
-                || last_checkpoint.elapsed() >= config.checkpoint_every;
-            if due && !replay {
-                if let Err(err) = learner.checkpoint(report.env_steps).save(&checkpoint_path) {
-                    warn!(%err, "checkpoint failed; will retry at the next update");
-                    checkpoint_error.get_or_insert(err.into());
-                } else {
-                    last_checkpoint = Instant::now();
-                    checkpoint_error = None;
-                }
+    // Save-load and budget assignment: the scheduler plans every episode into the work queue.
+    // Item ids start at the clock (µs), so a restarted learner never reuses one.
+    let mut planner = if spec.hyper.work.enabled && !replay {
+        let first_item_id = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_micros() as u64);
+        let scheduler = Scheduler::new(&spec.hyper.work, &spec.env, spec.seed, first_item_id);
+        let queue = bus.work_queue().context("opening the work queue")?;
+        let target = u64::from(spec.hyper.work.queue_per_slot) * spec.hyper.batch_segments.max(8) as u64;
+        let work_metrics = WorkMetrics::register(&registry).context("registering work metrics")?;
+        let mut planner = WorkPlanner::new(scheduler, Box::new(queue), target).with_metrics(work_metrics);
+        planner.top_up();
+        Some(planner)
+    } else {
+        None
+    };
+    let mut control = |learner: &mut Learner, report: &LearnerReport, stats: &UpdateStats| {
+        metrics.observe(learner, report, stats, learner.updates().is_multiple_of(config.publish_every));
+        metrics.set_checkpoint_age(last_checkpoint.elapsed());
+        let due = learner.updates().is_multiple_of(config.checkpoint_every_updates)
+            || last_checkpoint.elapsed() >= config.checkpoint_every;
+        if due && !replay {
+            if let Err(err) = learner.checkpoint(report.env_steps).save(&checkpoint_path) {
+                warn!(%err, "checkpoint failed; will retry at the next update");
+                checkpoint_error.get_or_insert(err.into());
+            } else {
+                last_checkpoint = Instant::now();
+                checkpoint_error = None;
             }
-            if last_log.elapsed() >= Duration::from_secs(2) {
-                last_log = Instant::now();
-                let loop_secs = report.elapsed.as_secs_f64().max(1e-9);
-                info!(
-                    env_steps = report.env_steps,
-                    version = report.policy_version,
-                    mean_return_100 = report.mean_return(100),
-                    lag_max = stats.lag_max,
-                    backlog = report.backlog,
-                    wait_ratio = report.wait_time.as_secs_f64() / loop_secs,
-                    stale = report.segments_stale,
-                    rejected = report.segments_rejected.values().sum::<u64>(),
-                    "learner progress"
-                );
-            }
-        },
-    )
+        }
+        if last_log.elapsed() >= Duration::from_secs(2) {
+            last_log = Instant::now();
+            let loop_secs = report.elapsed.as_secs_f64().max(1e-9);
+            info!(
+                env_steps = report.env_steps,
+                version = report.policy_version,
+                mean_return_100 = report.mean_return(100),
+                lag_max = stats.lag_max,
+                backlog = report.backlog,
+                wait_ratio = report.wait_time.as_secs_f64() / loop_secs,
+                stale = report.segments_stale,
+                rejected = report.segments_rejected.values().sum::<u64>(),
+                "learner progress"
+            );
+        }
+    };
+    let report = match planner.as_mut() {
+        Some(planner) => run_learner(
+            &mut learner,
+            source.as_mut(),
+            publisher.as_mut(),
+            &limits,
+            &interrupted,
+            &mut Planned { inner: &mut control, planner },
+        ),
+        None => run_learner(&mut learner, source.as_mut(), publisher.as_mut(), &limits, &interrupted, &mut control),
+    }
     .context("learner loop")?;
     if !config.replay {
         learner
@@ -216,6 +239,7 @@ pub fn actor(args: ActorArgs, interrupted: Arc<AtomicBool>) -> anyhow::Result<()
     if args.envs == 0 || args.envs > 4096 {
         bail!("--envs: {} out of range 1..=4096", args.envs);
     }
+    args.remote_env.validate()?;
     // Serve health and metrics from the start: /readyz turns ready once weights are loaded.
     let counters = Arc::new(ActorCounters::default());
     let registry = serve::registry_for("actor")?;
@@ -246,13 +270,54 @@ pub fn actor(args: ActorArgs, interrupted: Arc<AtomicBool>) -> anyhow::Result<()
         thread::sleep(Duration::from_millis(500));
     };
     let seed = args.seed.unwrap_or_else(|| seed_from(&actor_id));
-    let worker = RolloutWorker::new(spec.clone(), actor_id.clone(), args.envs, seed, counters.clone())
-        .with_context(|| format!("this build cannot serve run {run}"))?;
+    // The environment: the spec's, or the one --env names (its spaces must fit the policy).
+    let env = match &args.env {
+        None => spec.env.clone(),
+        Some(EnvChoice::Builtin(name)) => EnvConfig::from_name(name.as_str())?,
+        Some(EnvChoice::Remote(service)) => EnvConfig::Remote(RemoteEnvConfig {
+            service: service.clone(),
+            obs_dim: spec.policy.obs_dim,
+            n_actions: spec.policy.n_actions,
+            reward_threshold: None,
+        }),
+    };
+    let worker = match &env {
+        EnvConfig::Remote(remote) => {
+            let client =
+                EnvServiceClient::with_client(bus.client().clone(), bus.handle().clone(), args.remote_env.timeout()?)
+                    .with_counters(counters.remote_env.clone());
+            let mut config = RemoteVecEnvConfig::new(remote.service.clone(), args.envs, seed);
+            config.envs_per_session = args.remote_env.envs_per_session;
+            config.max_in_flight = args.remote_env.env_max_in_flight;
+            config.expected_spaces = Some((spec.policy.obs_dim, spec.policy.n_actions));
+            config.stop = interrupted.clone();
+            let envs = match RemoteVecEnv::new(client, config) {
+                Ok(envs) => envs,
+                // Interrupted while waiting for an environment server.
+                Err(_) if interrupted.load(Ordering::Acquire) => return Ok(()),
+                Err(err) => return Err(err).with_context(|| format!("remote environment {}", remote.service)),
+            };
+            RolloutWorker::with_envs(spec.clone(), actor_id.clone(), Box::new(envs), seed, counters.clone())
+        }
+        local => {
+            let mut local_spec = spec.clone();
+            local_spec.env = local.clone();
+            RolloutWorker::new(local_spec, actor_id.clone(), args.envs, seed, counters.clone())
+        }
+    }
+    .with_context(|| format!("this build cannot serve run {run}"))?;
+    let worker = if spec.hyper.work.enabled {
+        let source = bus.work_source().context("opening the work queue")?;
+        let store = bus.snapshot_store().context("opening the snapshot store")?;
+        worker.with_work(Box::new(source), Box::new(store)).context("scheduled episodes")?
+    } else {
+        worker
+    };
     let layout = spec.validate().context("run spec")?;
     let mut sink = bus.trajectory_sink(&actor_id, interrupted.clone()).context("opening the trajectory sink")?;
     sink.set_max_backlog_segments(spec.hyper.max_backlog_segments);
     let mut follower = bus.weights_follower(layout.hash(), layout.n_params()).context("following weights")?;
-    info!(run = %run, actor = %actor_id, env = spec.env.name(), envs = args.envs, "actor joined the run");
+    info!(run = %run, actor = %actor_id, env = %env.describe(), envs = args.envs, "actor joined the run");
     let reporter_stop = Arc::new(AtomicBool::new(false));
     let reporter = {
         let counters = counters.clone();
@@ -289,6 +354,8 @@ fn report_progress(actor: &ActorId, counters: &ActorCounters, stop: &AtomicBool)
             weight_updates = counters.weight_updates.load(Ordering::Relaxed),
             throttled_secs = counters.throttled_nanos.load(Ordering::Relaxed) as f64 * 1e-9,
             env_errors = counters.env_errors.load(Ordering::Relaxed),
+            episodes_aborted = counters.episodes_aborted.load(Ordering::Relaxed),
+            env_sessions_lost = counters.remote_env.sessions_lost.load(Ordering::Relaxed),
             "actor progress"
         );
         last = Instant::now();

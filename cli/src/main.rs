@@ -4,6 +4,7 @@ mod args;
 mod bench;
 mod curve;
 mod distributed;
+mod env_serve;
 mod serve;
 mod train;
 
@@ -56,6 +57,7 @@ fn main() -> anyhow::Result<()> {
             println!("{}", serde_json::to_string(&summary)?);
         }
         Command::Actor(args) => distributed::actor(args, interrupted)?,
+        Command::EnvServe(args) => env_serve::env_serve(args, interrupted)?,
         Command::BenchWeights(args) => {
             let config = BenchWeightsConfig::try_from(args)?;
             if let Some(summary) = bench::bench_weights(&config, &interrupted)? {

@@ -94,6 +94,14 @@ mod tests {
         let mut report = LearnerReport { lag_histogram: vec![1; 16], ..LearnerReport::default() };
         report.segments_rejected.insert("shape", 1);
         metrics.observe(&learner, &report, &UpdateStats::default(), true);
+        let work = volley_learner::metrics::WorkMetrics::register(&learner_registry).expect("work metrics");
+        let scheduler = volley_learner::scheduler::Scheduler::new(
+            &volley_core::work::WorkConfig::default(),
+            &EnvConfig::Cartpole,
+            0,
+            0,
+        );
+        work.observe(&scheduler);
         let actor_registry = registry_for("actor").expect("registry");
         ActorMetrics::register(&actor_registry, Default::default()).expect("actor metrics");
         learner_registry.gather().iter().chain(actor_registry.gather().iter()).map(|f| f.name().to_string()).collect()

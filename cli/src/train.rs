@@ -15,16 +15,23 @@ use tracing::{info, warn};
 use volley_actor::{ActorCounters, RolloutWorker};
 use volley_core::ids::ActorId;
 use volley_core::transport::local::{trajectory_channel, weights_channel};
+use volley_core::transport::work::{local_work_queue, LocalSnapshotStore};
+use volley_learner::scheduler::{Planned, Scheduler, WorkPlanner};
 use volley_learner::{run_learner, Learner, LearnerReport, RunLimits, UpdateStats};
 
 use crate::args::{ProgressMode, TrainConfig};
 use crate::curve;
+
+/// Snapshots the embedded run keeps (its retention bound).
+const LOCAL_SNAPSHOT_CAPACITY: usize = 4096;
 
 /// The summary printed as one JSON line at the end.
 #[derive(Debug, serde::Serialize)]
 pub struct TrainSummary {
     /// Environment name.
     pub env: String,
+    /// Where the learner ran: `cpu` or `cuda: <device>`.
+    pub backend: String,
     /// Seed.
     pub seed: u64,
     /// Environment steps consumed by the learner.
@@ -57,6 +64,10 @@ pub struct TrainSummary {
     pub segments_stale: u64,
     /// Segments rejected as malformed.
     pub segments_rejected: u64,
+    /// Segments dropped by trajectory selection, by reason (`stale` repeats `segments_stale`).
+    pub segments_dropped: std::collections::BTreeMap<&'static str, u64>,
+    /// Segments received but neither used nor dropped when training stopped (the selection pool).
+    pub segments_unused: u64,
     /// Environment failures that were reset.
     pub env_errors: u64,
     /// Largest lag seen (versions).
@@ -114,6 +125,7 @@ pub fn train(config: TrainConfig, interrupted: Arc<AtomicBool>) -> anyhow::Resul
         "training"
     );
     let mut learner = Learner::new(spec.clone()).context("building the learner")?;
+    learner.use_backend(config.backend).context("--backend")?;
     // Room for one batch in flight besides the one being trained on: actors run at most about
     // one version ahead, which bounds the lag (pacing by backpressure).
     let capacity = spec.hyper.batch_segments.max(config.envs_per_actor);
@@ -122,6 +134,20 @@ pub fn train(config: TrainConfig, interrupted: Arc<AtomicBool>) -> anyhow::Resul
     let stop_actors = Arc::new(AtomicBool::new(false));
     let counters: Vec<Arc<ActorCounters>> = (0..config.actors).map(|_| Arc::new(ActorCounters::default())).collect();
     let mut handles = Vec::with_capacity(config.actors);
+    // Save-load and budget assignment: the learner schedules every episode.
+    let work = &spec.hyper.work;
+    let (work_queue, work_source) = local_work_queue();
+    let snapshot_store = LocalSnapshotStore::new(LOCAL_SNAPSHOT_CAPACITY);
+    let mut planner = work.enabled.then(|| {
+        let scheduler = Scheduler::new(work, &spec.env, spec.seed, 0);
+        let target = u64::from(work.queue_per_slot) * (config.actors * config.envs_per_actor) as u64;
+        let mut planner = WorkPlanner::new(scheduler, Box::new(work_queue), target);
+        if let Ok(file) = File::create(config.run_dir.join("work.jsonl")) {
+            planner = planner.with_log(Box::new(BufWriter::new(file)));
+        }
+        planner.top_up();
+        planner
+    });
     for (actor_idx, actor_counters) in counters.iter().enumerate() {
         let actor_id = ActorId::new(format!("actor-{actor_idx}")).expect("generated actor ids are valid");
         let worker = RolloutWorker::new(
@@ -132,6 +158,13 @@ pub fn train(config: TrainConfig, interrupted: Arc<AtomicBool>) -> anyhow::Resul
             actor_counters.clone(),
         )
         .with_context(|| format!("building actor {actor_id}"))?;
+        let worker = if work.enabled {
+            worker
+                .with_work(Box::new(work_source.clone()), Box::new(snapshot_store.clone()))
+                .context("scheduling the actor's episodes")?
+        } else {
+            worker
+        };
         let mut sink = sink.clone();
         let mut follower = follower.clone();
         let stop = stop_actors.clone();
@@ -153,14 +186,30 @@ pub fn train(config: TrainConfig, interrupted: Arc<AtomicBool>) -> anyhow::Resul
     };
     let metrics_file = File::create(config.run_dir.join("metrics.jsonl")).context("creating metrics.jsonl")?;
     let mut progress = Progress::new(config.progress, config.max_env_steps, metrics_file);
-    let report = run_learner(
-        &mut learner,
-        &mut source,
-        &mut publisher,
-        &limits,
-        &interrupted,
-        &mut |_: &Learner, report: &LearnerReport, stats: &UpdateStats| progress.on_update(report, stats),
-    );
+    let mut on_update =
+        |_: &mut Learner, report: &LearnerReport, stats: &UpdateStats| progress.on_update(report, stats);
+    let report = match planner.as_mut() {
+        Some(planner) => run_learner(
+            &mut learner,
+            &mut source,
+            &mut publisher,
+            &limits,
+            &interrupted,
+            &mut Planned { inner: &mut on_update, planner },
+        ),
+        None => run_learner(&mut learner, &mut source, &mut publisher, &limits, &interrupted, &mut on_update),
+    };
+    if let Some(planner) = &planner {
+        let scheduler = &planner.scheduler;
+        let (fresh, resumed) = scheduler.items_issued();
+        let tasks: Vec<String> = scheduler
+            .task_stats()
+            .iter()
+            .zip(scheduler.budget_shares())
+            .map(|(s, share)| format!("{:.2}@{:.2}", s.outcomes.success_rate(), share))
+            .collect();
+        info!(fresh, resumed, snapshots = scheduler.known_snapshots(), tasks = ?tasks, "work items (task success@budget share)");
+    }
     stop_actors.store(true, Ordering::Release);
     source.close();
     for handle in handles {
@@ -181,6 +230,7 @@ pub fn train(config: TrainConfig, interrupted: Arc<AtomicBool>) -> anyhow::Resul
     let loop_secs = report.elapsed.as_secs_f64();
     let summary = TrainSummary {
         env: spec.env.name().to_string(),
+        backend: learner.backend().to_string(),
         seed: spec.seed,
         env_steps: report.env_steps,
         wall_secs: loop_secs,
@@ -197,6 +247,8 @@ pub fn train(config: TrainConfig, interrupted: Arc<AtomicBool>) -> anyhow::Resul
         secs_to_target_100: report.target_reached_100.map(|(_, t)| t),
         segments_stale: report.segments_stale,
         segments_rejected: report.segments_rejected.values().sum(),
+        segments_dropped: report.segments_dropped().iter().map(|&(reason, n)| (reason.as_str(), n)).collect(),
+        segments_unused: report.pool_segments,
         env_errors,
         lag_max: report.lag_histogram.iter().rposition(|&n| n > 0).unwrap_or(0) as u64,
         learner_wait_ratio: if loop_secs > 0.0 { report.wait_time.as_secs_f64() / loop_secs } else { 0.0 },

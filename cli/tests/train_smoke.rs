@@ -36,6 +36,31 @@ fn tiny_train_run_prints_summary_and_writes_run_dir() {
 }
 
 #[test]
+fn selection_flags_reach_the_run_spec_and_training_runs() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let run_dir = dir.path().join("run");
+    let output = volley()
+        .args(["train", "--max-env-steps", "2048", "--segment-len", "16", "--batch-segments", "4"])
+        .args(["--select-priority-alpha", "0.6", "--select-priority-beta", "1", "--select-pool-factor", "3"])
+        .args(["--select-zero-variance-min-group", "4", "--select-max-abs-reward", "10"])
+        .args(["--progress", "quiet", "--run-dir"])
+        .arg(&run_dir)
+        .output()
+        .expect("run volley");
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    let summary: serde_json::Value = serde_json::from_slice(&output.stdout).expect("one JSON summary");
+    assert!(summary["updates"].as_u64().expect("updates") >= 1, "{summary}");
+    let spec: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(run_dir.join("spec.json")).expect("spec.json")).expect("json");
+    let selection = &spec["hyper"]["selection"];
+    assert_eq!(selection["priority"]["alpha"], 0.6, "{selection}");
+    assert_eq!(selection["priority"]["beta"], 1.0);
+    assert_eq!(selection["priority"]["pool_factor"], 3);
+    assert_eq!(selection["zero_variance"]["min_group"], 4);
+    assert_eq!(selection["guard"]["max_abs_reward"], 10.0);
+}
+
+#[test]
 fn gru_and_vtrace_flags_run_on_the_memory_task() {
     let dir = tempfile::tempdir().expect("temp dir");
     let output = volley()
@@ -65,6 +90,9 @@ fn invalid_flags_get_clear_errors() {
     assert_rejected(&["train", "--gamma", "1.5"], "gamma");
     assert_rejected(&["train", "--run", "Bad.Name"], "invalid run id");
     assert_rejected(&["train", "--ppo-minibatches", "9", "--batch-segments", "8"], "ppo_minibatches");
+    assert_rejected(&["train", "--select-priority-alpha=-1"], "selection.priority.alpha");
+    assert_rejected(&["train", "--select-zero-variance-min-group", "1"], "selection.zero_variance.min_group");
+    assert_rejected(&["train", "--select-priority-beta", "0.5"], "--select-priority-alpha");
 }
 
 fn train_summary(args: &[&str]) -> serde_json::Value {

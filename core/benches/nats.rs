@@ -81,7 +81,8 @@ fn segment(obs_dim: usize, env_idx: u32, segment_idx: u64) -> TrajectorySegment 
         behaviour_log_probs: (0..t).map(|_| -0.69 + 0.1 * next()).collect(),
         truncation_values: vec![0.0; t],
         initial_hidden: Vec::new(),
-        finished_episodes: vec![EpisodeSummary { episode_return: 57.0, episode_len: 57 }],
+        finished_episodes: vec![EpisodeSummary { episode_return: 57.0, episode_len: 57, ..EpisodeSummary::default() }],
+        saved_snapshots: Vec::new(),
     }
 }
 

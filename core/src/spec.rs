@@ -80,6 +80,140 @@ pub struct HyperParams {
     pub max_policy_lag: u64,
     /// Pacing over NATS: actors wait while the learner's backlog exceeds this many segments.
     pub max_backlog_segments: u64,
+    /// Save-load and budget assignment across tasks and saved states (off by default).
+    #[serde(default)]
+    pub work: crate::work::WorkConfig,
+    /// Trajectory selection: which received segments feed gradient steps, and with what weight.
+    /// Absent in specs written before it existed; the default keeps the old behaviour.
+    #[serde(default)]
+    pub selection: SelectionConfig,
+}
+
+/// Trajectory selection (learner `selection.rs`; docs/ARCHITECTURE.md, "Trajectory
+/// selection"). The filters run in this order before every gradient step: the lag bound
+/// ([`HyperParams::max_policy_lag`]), the [`GuardConfig`], [`ZeroVarianceConfig`], then the
+/// [`PriorityConfig`] sampler. A segment is dropped (and counted) by the first filter it fails.
+#[derive(Debug, Clone, PartialEq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(default)]
+pub struct SelectionConfig {
+    /// Drop segments with non-finite derived values or absurd rewards (on by default).
+    pub guard: GuardConfig,
+    /// Drop segments of start groups whose recent returns are all equal (off by default).
+    pub zero_variance: Option<ZeroVarianceConfig>,
+    /// Sample each batch from a larger pool by |advantage| with importance weights (off by default).
+    pub priority: Option<PriorityConfig>,
+}
+
+/// The non-finite / out-of-range guard.
+///
+/// Decode already rejects non-finite wire fields; this guards what decode cannot see: rewards
+/// that overflow once scaled and bootstrapped (`reward_scale · r + γ · V(x_final)`), non-finite
+/// episode returns, learner-side value estimates and advantages (with priority sampling), and
+/// finite but absurd rewards (`|r| > max_abs_reward`, e.g. an environment bug returning 1e30).
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(default)]
+pub struct GuardConfig {
+    /// Whether the guard runs.
+    pub enabled: bool,
+    /// Drop segments with any raw reward of larger magnitude (`None`: no bound).
+    pub max_abs_reward: Option<f32>,
+}
+
+impl Default for GuardConfig {
+    fn default() -> Self {
+        GuardConfig { enabled: true, max_abs_reward: None }
+    }
+}
+
+/// The zero-variance group filter ("dynamic sampling", Yu et al. 2025, DAPO; the motivation is
+/// GRPO's group-relative advantage, Shao et al. 2024).
+///
+/// A group is the segments that share a start: `(task_id, start_snapshot)`. The learner keeps
+/// the returns of the last `min_group` finished episodes of each group; when that window is
+/// full and `max − min ≤ tolerance`, segments of the group are dropped before the step: with
+/// every recent rollout from that start scoring the same, a group-relative advantage is zero.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(default)]
+pub struct ZeroVarianceConfig {
+    /// Finished episodes a group needs (its window length) before the rule applies.
+    pub min_group: usize,
+    /// Largest spread `max − min` of the window's returns that counts as zero variance.
+    pub tolerance: f32,
+}
+
+impl Default for ZeroVarianceConfig {
+    fn default() -> Self {
+        ZeroVarianceConfig { min_group: 8, tolerance: 0.0 }
+    }
+}
+
+/// Prioritised selection by |advantage| with importance correction (Schaul et al. 2016, PER).
+///
+/// The learner holds a pool of `pool_factor × batch_segments` segments, computes each new
+/// segment's priority `mean_t |A_t| + epsilon` (GAE advantages under its current value head),
+/// draws `batch_segments` columns with replacement with probability `p_i ∝ priority_i^alpha`,
+/// and weights each drawn column by `(N·p_i)^(−beta)`, normalised so the largest possible
+/// weight in the pool is 1. Segments not drawn stay in the pool until the lag bound drops them.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(default)]
+pub struct PriorityConfig {
+    /// Pool size in batches (N = pool_factor × batch_segments).
+    pub pool_factor: usize,
+    /// Priority exponent α (0 = uniform).
+    pub alpha: f32,
+    /// Importance-correction exponent β (0 = none, 1 = full).
+    pub beta: f32,
+    /// Added to every priority so no segment has zero probability.
+    pub epsilon: f32,
+}
+
+impl Default for PriorityConfig {
+    fn default() -> Self {
+        PriorityConfig { pool_factor: 2, alpha: 0.6, beta: 0.4, epsilon: 1e-3 }
+    }
+}
+
+impl SelectionConfig {
+    /// Segments held before a batch is drawn: `batch_segments`, or the priority pool.
+    pub fn pool_segments(&self, batch_segments: usize) -> usize {
+        self.priority.as_ref().map_or(batch_segments, |p| p.pool_factor.saturating_mul(batch_segments))
+    }
+
+    fn validate(&self, batch_segments: usize) -> Result<(), SpecError> {
+        let hyper = |name: &'static str, value: String, rule: &'static str| Err(SpecError::Hyper { name, value, rule });
+        if let Some(bound) = self.guard.max_abs_reward {
+            if !(bound.is_finite() && bound > 0.0) {
+                return hyper("selection.guard.max_abs_reward", bound.to_string(), "finite and > 0");
+            }
+        }
+        if let Some(zero) = &self.zero_variance {
+            if !(2..=65536).contains(&zero.min_group) {
+                return hyper("selection.zero_variance.min_group", zero.min_group.to_string(), "2..=65536");
+            }
+            if !(zero.tolerance.is_finite() && zero.tolerance >= 0.0) {
+                return hyper("selection.zero_variance.tolerance", zero.tolerance.to_string(), "finite and >= 0");
+            }
+        }
+        if let Some(priority) = &self.priority {
+            if !(1..=64).contains(&priority.pool_factor) || priority.pool_factor * batch_segments > 1 << 20 {
+                return hyper(
+                    "selection.priority.pool_factor",
+                    priority.pool_factor.to_string(),
+                    "1..=64 and pool_factor * batch_segments <= 1048576",
+                );
+            }
+            if !(0.0..=10.0).contains(&priority.alpha) {
+                return hyper("selection.priority.alpha", priority.alpha.to_string(), "in [0, 10]");
+            }
+            if !(0.0..=1.0).contains(&priority.beta) {
+                return hyper("selection.priority.beta", priority.beta.to_string(), "in [0, 1]");
+            }
+            if !(priority.epsilon.is_finite() && priority.epsilon > 0.0) {
+                return hyper("selection.priority.epsilon", priority.epsilon.to_string(), "finite and > 0");
+            }
+        }
+        Ok(())
+    }
 }
 
 impl Default for HyperParams {
@@ -110,6 +244,8 @@ impl Default for HyperParams {
             batch_segments: 32,
             max_policy_lag: 8,
             max_backlog_segments: 64,
+            work: crate::work::WorkConfig::default(),
+            selection: SelectionConfig::default(),
         }
     }
 }
@@ -117,6 +253,9 @@ impl Default for HyperParams {
 /// Why a run spec is invalid.
 #[derive(Debug, thiserror::Error)]
 pub enum SpecError {
+    /// The save-load / budget settings are invalid.
+    #[error("invalid work settings: {0}")]
+    Work(String),
     /// The environment config is invalid.
     #[error(transparent)]
     Env(#[from] EnvError),
@@ -133,7 +272,7 @@ pub enum SpecError {
         /// The environment's value.
         env: usize,
         /// The environment's name.
-        env_name: &'static str,
+        env_name: String,
     },
     /// A hyper-parameter is out of range.
     #[error("invalid hyper-parameter {name} = {value}: {rule}")]
@@ -167,16 +306,14 @@ pub struct RunSpec {
 impl RunSpec {
     /// Check cross-field consistency once; the rest of the code trusts a validated spec.
     pub fn validate(&self) -> Result<ParamLayout, SpecError> {
-        let env = self.env.build()?;
+        let (obs_dim, n_actions) = self.env.spaces()?;
         let layout = ParamLayout::new(&self.policy)?;
-        let obs_dim = env.observation_space().dim();
-        let n_actions = env.action_space().n;
         if self.policy.obs_dim != obs_dim {
             return Err(SpecError::Mismatch {
                 what: "obs_dim",
                 policy: self.policy.obs_dim,
                 env: obs_dim,
-                env_name: env.name(),
+                env_name: self.env.describe(),
             });
         }
         if self.policy.n_actions != n_actions {
@@ -184,7 +321,7 @@ impl RunSpec {
                 what: "n_actions",
                 policy: self.policy.n_actions,
                 env: n_actions,
-                env_name: env.name(),
+                env_name: self.env.describe(),
             });
         }
         let h = &self.hyper;
@@ -233,6 +370,170 @@ impl RunSpec {
         if h.ppo_epochs == 0 {
             return Err(SpecError::Hyper { name: "ppo_epochs", value: "0".into(), rule: ">= 1" });
         }
+        h.work.validate().map_err(SpecError::Work)?;
+        // Every task must fit the one policy: same spaces as the run's env. Save-load needs
+        // in-process environments (remote servers may not snapshot).
+        if h.work.enabled && matches!(self.env, EnvConfig::Remote(_)) {
+            return Err(SpecError::Work("work items need built-in environments, not remote ones".into()));
+        }
+        for task in &h.work.tasks {
+            if matches!(task, EnvConfig::Remote(_)) {
+                return Err(SpecError::Work("work.tasks must be built-in environments".into()));
+            }
+            let task_env = task.build()?;
+            for (what, want, got) in [
+                ("obs_dim", obs_dim, task_env.observation_space().dim()),
+                ("n_actions", n_actions, task_env.action_space().n),
+            ] {
+                if want != got {
+                    return Err(SpecError::Mismatch {
+                        what,
+                        policy: want,
+                        env: got,
+                        env_name: task_env.name().to_string(),
+                    });
+                }
+            }
+        }
+        h.selection.validate(h.batch_segments)?;
         Ok(layout)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::env::RemoteEnvConfig;
+    use crate::envsvc::EnvServiceName;
+    use crate::policy::{Activation, CoreKind};
+
+    fn spec(env: EnvConfig, obs_dim: usize) -> RunSpec {
+        RunSpec {
+            run: RunId::new("spec-test").expect("valid"),
+            env,
+            policy: PolicySpec {
+                obs_dim,
+                n_actions: 2,
+                torso: vec![8],
+                activation: Activation::Tanh,
+                core: CoreKind::Mlp,
+            },
+            segment_len: 8,
+            hyper: HyperParams::default(),
+            seed: 3,
+        }
+    }
+
+    /// Specs written before remote environments existed still parse, unchanged.
+    #[test]
+    fn built_in_env_json_is_unchanged() {
+        let json = serde_json::to_value(spec(EnvConfig::Cartpole, 4)).unwrap();
+        assert_eq!(json["env"], serde_json::json!({"name": "cartpole"}));
+        let memory: EnvConfig = serde_json::from_str(r#"{"name":"memory","n_cues":2,"delay":6}"#).unwrap();
+        assert!(matches!(memory, EnvConfig::Memory(_)));
+    }
+
+    #[test]
+    fn a_remote_env_validates_without_the_network_and_round_trips() {
+        let remote = EnvConfig::Remote(RemoteEnvConfig {
+            service: EnvServiceName::new("cartpole-v1").unwrap(),
+            obs_dim: 4,
+            n_actions: 2,
+            reward_threshold: Some(475.0),
+        });
+        let spec = spec(remote.clone(), 4);
+        spec.validate().expect("declared spaces match the policy");
+        let json = serde_json::to_string(&spec).unwrap();
+        assert!(json.contains(
+            r#""env":{"name":"remote","service":"cartpole-v1","obs_dim":4,"n_actions":2,"reward_threshold":475.0}"#
+        ));
+        assert_eq!(serde_json::from_str::<RunSpec>(&json).unwrap(), spec);
+        assert_eq!(remote.describe(), "remote:cartpole-v1");
+        assert!(remote.build().is_err(), "a remote environment is not built in-process");
+        let mismatch = self::spec(remote, 5).validate().unwrap_err();
+        assert!(mismatch.to_string().contains("remote:cartpole-v1"), "{mismatch}");
+        let bad_name = r#"{"name":"remote","service":"Bad.Name","obs_dim":4,"n_actions":2}"#;
+        assert!(serde_json::from_str::<EnvConfig>(bad_name).is_err());
+    }
+
+    fn small_spec() -> RunSpec {
+        RunSpec {
+            run: RunId::new("spec").expect("valid run id"),
+            env: EnvConfig::Cartpole,
+            policy: PolicySpec::mlp(4, 2, &[8], Activation::Tanh),
+            segment_len: 8,
+            hyper: HyperParams { batch_segments: 4, ppo_minibatches: 1, ..HyperParams::default() },
+            seed: 1,
+        }
+    }
+
+    #[test]
+    fn a_spec_written_before_selection_existed_parses_with_the_default() {
+        let mut json = serde_json::to_value(small_spec()).expect("serializes");
+        json["hyper"].as_object_mut().expect("hyper is an object").remove("selection");
+        let parsed: RunSpec = serde_json::from_value(json).expect("old specs still parse");
+        assert_eq!(parsed.hyper.selection, SelectionConfig::default());
+        assert!(parsed.hyper.selection.guard.enabled, "the guard is on by default");
+        assert!(parsed.hyper.selection.zero_variance.is_none() && parsed.hyper.selection.priority.is_none());
+        assert_eq!(parsed, small_spec());
+    }
+
+    #[test]
+    fn partial_selection_configs_fill_in_defaults() {
+        let mut json = serde_json::to_value(small_spec()).expect("serializes");
+        json["hyper"]["selection"] = serde_json::json!({ "priority": { "alpha": 1.0 } });
+        let parsed: RunSpec = serde_json::from_value(json).expect("parses");
+        let priority = parsed.hyper.selection.priority.expect("priority on");
+        assert_eq!(priority, PriorityConfig { alpha: 1.0, ..PriorityConfig::default() });
+        assert_eq!(parsed.hyper.selection.guard, GuardConfig::default());
+    }
+
+    #[test]
+    fn pool_segments_is_the_batch_unless_priority_sampling_is_on() {
+        let mut selection = SelectionConfig::default();
+        assert_eq!(selection.pool_segments(8), 8);
+        selection.priority = Some(PriorityConfig { pool_factor: 3, ..PriorityConfig::default() });
+        assert_eq!(selection.pool_segments(8), 24);
+    }
+
+    #[test]
+    fn invalid_selection_parameters_are_refused_by_name() {
+        type Breaker = fn(&mut SelectionConfig);
+        let cases: [(&str, Breaker); 7] = [
+            ("selection.guard.max_abs_reward", |s| s.guard.max_abs_reward = Some(f32::INFINITY)),
+            ("selection.zero_variance.min_group", |s| {
+                s.zero_variance = Some(ZeroVarianceConfig { min_group: 1, ..ZeroVarianceConfig::default() })
+            }),
+            ("selection.zero_variance.tolerance", |s| {
+                s.zero_variance = Some(ZeroVarianceConfig { tolerance: -1.0, ..ZeroVarianceConfig::default() })
+            }),
+            ("selection.priority.pool_factor", |s| {
+                s.priority = Some(PriorityConfig { pool_factor: 0, ..PriorityConfig::default() })
+            }),
+            ("selection.priority.alpha", |s| {
+                s.priority = Some(PriorityConfig { alpha: f32::NAN, ..PriorityConfig::default() })
+            }),
+            ("selection.priority.beta", |s| {
+                s.priority = Some(PriorityConfig { beta: 1.5, ..PriorityConfig::default() })
+            }),
+            ("selection.priority.epsilon", |s| {
+                s.priority = Some(PriorityConfig { epsilon: 0.0, ..PriorityConfig::default() })
+            }),
+        ];
+        for (name, break_it) in cases {
+            let mut bad = small_spec();
+            break_it(&mut bad.hyper.selection);
+            match bad.validate() {
+                Err(SpecError::Hyper { name: got, .. }) => assert_eq!(got, name),
+                other => panic!("{name}: expected a hyper-parameter error, got {other:?}"),
+            }
+        }
+        let mut good = small_spec();
+        good.hyper.selection = SelectionConfig {
+            guard: GuardConfig { enabled: true, max_abs_reward: Some(100.0) },
+            zero_variance: Some(ZeroVarianceConfig::default()),
+            priority: Some(PriorityConfig::default()),
+        };
+        good.validate().expect("every filter on with valid parameters");
     }
 }

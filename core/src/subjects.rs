@@ -14,6 +14,14 @@
 //! | weights object of version `v` | `v<v, 20 digits>` |
 //! | trajectory message id (`Nats-Msg-Id`, dedup) | `<actor>-<incarnation>-<env_idx>-<segment_idx>` |
 //!
+//! Environment services (docs/ENV_PROTOCOL.md) are not tied to a run:
+//!
+//! | what | name |
+//! | --- | --- |
+//! | NATS micro service of environment service `<name>` | `volley-env-<name>` |
+//! | endpoint `<op>` of instance `<id>` | `volley.env.<name>.<id>.<op>` |
+//! | discovery (service API) | `$SRV.INFO.volley-env-<name>`, `$SRV.PING.volley-env-<name>` |
+//!
 //! Rules (checked by the unit tests for the longest and most awkward [`RunId`]s):
 //! - Subjects are lowercase tokens separated by dots, general to specific; wildcards appear
 //!   only in the subscription subject [`trajectories_all`].
@@ -25,6 +33,7 @@
 //! A [`RunId`] is `[a-z0-9-]{1,16}` and an [`ActorId`] `[A-Za-z0-9_-]{1,64}`, so every name
 //! built here is valid by construction.
 
+use crate::envsvc::EnvServiceName;
 use crate::ids::{ActorId, RunId};
 
 /// Durable name of the learner's pull consumer on the trajectory stream (named after its role).
@@ -89,9 +98,61 @@ pub fn kv_backing_stream(bucket: &str) -> String {
     format!("KV_{bucket}")
 }
 
+/// The subject the learner's scheduler publishes work items to: `volley.<run>.work`.
+pub fn work(run: &RunId) -> String {
+    format!("volley.{}.work", run.as_str())
+}
+
+/// The work-queue stream of a run (work-queue retention): `volley-<run>-work`.
+pub fn work_stream(run: &RunId) -> String {
+    format!("volley-{}-work", run.as_str())
+}
+
+/// Durable pull consumer on the work stream shared by every actor of the run.
+pub const WORK_CONSUMER: &str = "actors";
+
+/// The object store of episode snapshots: `volley-<run>-snap`.
+pub fn snapshot_bucket(run: &RunId) -> String {
+    format!("volley-{}-snap", run.as_str())
+}
+
+/// The KV bucket mapping each work item to its newest snapshot: `volley-<run>-snapidx`.
+pub fn snapshot_index_bucket(run: &RunId) -> String {
+    format!("volley-{}-snapidx", run.as_str())
+}
+
+/// KV key (in [`snapshot_index_bucket`]) of work item `id`'s newest snapshot.
+pub fn snapshot_index_key(work_item: u64) -> String {
+    format!("item-{work_item}")
+}
+
 /// Name of the JetStream stream NATS creates behind the object store `bucket` (`OBJ_<bucket>`).
 pub fn object_backing_stream(bucket: &str) -> String {
     format!("OBJ_{bucket}")
+}
+
+/// The NATS micro service name of environment service `name`: `volley-env-<name>`.
+pub fn env_service(name: &EnvServiceName) -> String {
+    format!("volley-env-{name}")
+}
+
+/// The subject of endpoint `op` of instance `instance` of environment service `name`:
+/// `volley.env.<name>.<instance>.<op>`. The instance id is used verbatim (NATS micro ids are
+/// mixed-case alphanumerics); clients take subjects from the instance's `$SRV.INFO` reply.
+pub fn env_endpoint(name: &EnvServiceName, instance: &str, op: &str) -> String {
+    format!("volley.env.{name}.{instance}.{op}")
+}
+
+/// The service-API subject that every instance of `service` answers with its `INFO`
+/// (endpoints and metadata): `$SRV.INFO.<service>`.
+pub fn service_info(service: &str) -> String {
+    format!("$SRV.INFO.{service}")
+}
+
+/// The service-API subject that every instance of `service` answers with a `PING` reply:
+/// `$SRV.PING.<service>`.
+pub fn service_ping(service: &str) -> String {
+    format!("$SRV.PING.{service}")
 }
 
 #[cfg(test)]
@@ -191,6 +252,21 @@ mod tests {
         assert_ne!(id, trajectory_msg_id("a-1", "0f", 2, 4));
         assert_ne!(id, trajectory_msg_id("a-1", "10", 2, 3));
         assert_ne!(trajectory_msg_id("a", "1", 2, 3), trajectory_msg_id("a-1", "2", 3, 3));
+    }
+
+    #[test]
+    fn env_service_names_and_subjects_are_valid() {
+        for name in ["cartpole", "cartpole-v1", "a_b", &"z".repeat(EnvServiceName::MAX_LEN)] {
+            let name = EnvServiceName::new(name).expect("valid");
+            let service = env_service(&name);
+            assert!(service.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_'), "{service}");
+            // nuid ids are 22 mixed-case alphanumerics.
+            let subject = env_endpoint(&name, "U6rBnpbkyYmTA9aDk5fTlu", "step");
+            assert_eq!(subject.split('.').count(), 5, "{subject}");
+            assert!(!subject.contains(['*', '>', ' ']), "{subject}");
+            assert_eq!(service_info(&service), format!("$SRV.INFO.volley-env-{name}"));
+            assert_eq!(service_ping(&service), format!("$SRV.PING.volley-env-{name}"));
+        }
     }
 
     #[test]

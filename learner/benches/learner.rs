@@ -45,6 +45,7 @@ fn random_segment(rng: &mut Pcg64Mcg, t_len: usize, hidden: usize) -> Trajectory
         truncation_values: vec![0.0; t_len],
         initial_hidden: vec![0.0; hidden],
         finished_episodes: vec![],
+        saved_snapshots: Vec::new(),
     }
 }
 

@@ -157,6 +157,7 @@ mod tests {
             truncation_values: vec![0.0; t_len],
             initial_hidden: vec![],
             finished_episodes: vec![],
+            saved_snapshots: Vec::new(),
         }
     }
 

@@ -178,6 +178,7 @@ mod tests {
             truncation_values: vec![0.0; 4],
             initial_hidden: vec![],
             finished_episodes: vec![],
+            saved_snapshots: Vec::new(),
         };
         let (a, b) = (segment(0.0), segment(1.0));
         let mut batch = SegmentBatch::default();
@@ -212,7 +213,7 @@ mod tests {
         assert!(matches!(Checkpoint::load(&path), Err(CheckpointError::Corrupt { .. })));
         fs::write(&path, b"nope").expect("write");
         assert!(matches!(Checkpoint::load(&path), Err(CheckpointError::Corrupt { .. })));
-        let learner = Learner::new(spec(vec![8])).expect("valid");
+        let mut learner = Learner::new(spec(vec![8])).expect("valid");
         learner.checkpoint(0).save(&path).expect("saved");
         let loaded = Checkpoint::load(&path).expect("readable").expect("exists");
         // A different architecture cannot resume from it.

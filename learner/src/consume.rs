@@ -1,9 +1,10 @@
 //! The learner loop: receive, check, batch, update, publish, acknowledge.
 //!
 //! Acknowledgement guarantee: a segment is acknowledged only after the update it fed has been
-//! applied to the parameters and the resulting version published (or after it was dropped as
-//! stale or rejected as malformed, which are final decisions). A crash before that point leaves
-//! the segment unacknowledged, so a networked transport redelivers it.
+//! applied to the parameters and the resulting version published (or after it was dropped by
+//! trajectory selection or rejected as malformed, which are final decisions). A crash before
+//! that point leaves the segment unacknowledged, so a networked transport redelivers it. Which
+//! segments feed an update, and with what weight, is [`crate::selection`]'s decision.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -15,6 +16,7 @@ use volley_core::wire::TrajectorySegment;
 
 use crate::batch::SegmentBatch;
 use crate::learner::{Learner, UpdateStats};
+use crate::selection::{DropReason, Dropped, Selector};
 
 /// When the learner loop stops by itself.
 #[derive(Debug, Clone, Default)]
@@ -66,11 +68,17 @@ impl std::fmt::Display for StopReason {
 /// Callbacks the loop makes; the CLI uses them for progress, metrics files and checkpoints.
 pub trait LearnerControl {
     /// Called after every update, once the new version is published.
-    fn on_update(&mut self, learner: &Learner, report: &LearnerReport, stats: &UpdateStats);
+    fn on_update(&mut self, learner: &mut Learner, report: &LearnerReport, stats: &UpdateStats);
+
+    /// Called for every valid, first-seen segment (also stale ones, whose episode results
+    /// still count), before it is batched; the budget scheduler learns from it here.
+    fn on_segment(&mut self, segment: &TrajectorySegment) {
+        let _ = segment;
+    }
 }
 
-impl<F: FnMut(&Learner, &LearnerReport, &UpdateStats)> LearnerControl for F {
-    fn on_update(&mut self, learner: &Learner, report: &LearnerReport, stats: &UpdateStats) {
+impl<F: FnMut(&mut Learner, &LearnerReport, &UpdateStats)> LearnerControl for F {
+    fn on_update(&mut self, learner: &mut Learner, report: &LearnerReport, stats: &UpdateStats) {
         self(learner, report, stats)
     }
 }
@@ -86,10 +94,20 @@ pub struct LearnerReport {
     pub env_steps: u64,
     /// Samples used in gradient updates.
     pub samples_trained: u64,
-    /// Segments used in updates.
+    /// Distinct segments used in updates (a segment drawn twice into one batch counts once).
     pub segments_used: u64,
-    /// Segments dropped because their lag exceeded `max_policy_lag`.
+    /// Segments dropped because their lag exceeded `max_policy_lag` (on arrival, or while
+    /// waiting in the selection pool).
     pub segments_stale: u64,
+    /// Segments dropped by the selection guard: a derived value was not finite.
+    pub segments_non_finite: u64,
+    /// Segments dropped by the selection guard: a reward exceeded `max_abs_reward`.
+    pub segments_out_of_range: u64,
+    /// Segments dropped because their start group's recent returns had zero variance.
+    pub segments_zero_variance: u64,
+    /// Segments waiting in the selection pool at the last update (received, not yet used,
+    /// not acknowledged).
+    pub pool_segments: u64,
     /// Segments skipped because the same (actor, incarnation, env, segment index) was already used.
     pub segments_duplicate: u64,
     /// Segments rejected as malformed, by reason.
@@ -126,9 +144,39 @@ impl LearnerReport {
         self.recent_returns.iter().rev().take(take).sum::<f32>() / take as f32
     }
 
+    /// Segments dropped by trajectory selection, by reason (filter order).
+    pub fn segments_dropped(&self) -> [(DropReason, u64); 4] {
+        DropReason::ALL.map(|reason| (reason, self.dropped(reason)))
+    }
+
+    fn dropped(&self, reason: DropReason) -> u64 {
+        match reason {
+            DropReason::Stale => self.segments_stale,
+            DropReason::NonFinite => self.segments_non_finite,
+            DropReason::OutOfRange => self.segments_out_of_range,
+            DropReason::ZeroVariance => self.segments_zero_variance,
+        }
+    }
+
+    fn count_drop(&mut self, reason: DropReason) {
+        *match reason {
+            DropReason::Stale => &mut self.segments_stale,
+            DropReason::NonFinite => &mut self.segments_non_finite,
+            DropReason::OutOfRange => &mut self.segments_out_of_range,
+            DropReason::ZeroVariance => &mut self.segments_zero_variance,
+        } += 1;
+    }
+
+    /// Episodes count towards the returns only when they started fresh: an episode resumed
+    /// from a saved state (save-load exploration) did not face the task from its start.
     fn record_episodes(&mut self, segment: &TrajectorySegment, target: Option<f32>) {
-        for episode in &segment.finished_episodes {
+        for episode in segment.finished_episodes.iter().filter(|e| e.start.is_none()) {
             self.episodes += 1;
+            // A non-finite return would poison the running means; selection's guard drops
+            // the segment itself.
+            if !episode.episode_return.is_finite() {
+                continue;
+            }
             if self.recent_returns.len() == 100 {
                 self.recent_returns.pop_front();
             }
@@ -197,8 +245,8 @@ pub fn run_learner(
     let spec = learner.spec().clone();
     let layout_hash = learner.layout().hash();
     let hidden_size = learner.layout().recurrent_size();
-    let batch_segments = spec.hyper.batch_segments;
-    let max_lag = spec.hyper.max_policy_lag;
+    let mut selector = Selector::new(&spec, learner.layout());
+    info!(selection = ?spec.hyper.selection, pool_segments = selector.pool_target(), "trajectory selection");
     let publish_every = limits.publish_every.max(1);
     let mut report = LearnerReport {
         policy_version: learner.version().0,
@@ -207,11 +255,10 @@ pub fn run_learner(
         ..LearnerReport::default()
     };
     publisher.publish(learner.weights())?;
-    let mut incoming: Vec<Delivery> = Vec::with_capacity(batch_segments);
-    let mut pending: Vec<Delivery> = Vec::with_capacity(batch_segments);
+    let mut incoming: Vec<Delivery> = Vec::with_capacity(selector.pool_target());
+    let mut dropped: Vec<Dropped> = Vec::new();
     let mut settled: Vec<DeliveryToken> = Vec::new();
     let mut batch = SegmentBatch::default();
-    let mut column_weights: Vec<f32> = Vec::with_capacity(batch_segments);
     let mut seen = SeenSegments::new(SEEN_CAPACITY);
     let stop_reason = loop {
         report.elapsed = started.elapsed();
@@ -222,7 +269,7 @@ pub fn run_learner(
             break reason;
         }
         let wait_started = Instant::now();
-        let want = batch_segments - pending.len();
+        let want = selector.pool_target().saturating_sub(selector.len());
         match source.recv(want, Duration::from_millis(100), &mut incoming) {
             Ok(_) => {}
             Err(TransportError::Closed) => break StopReason::SourceClosed,
@@ -234,62 +281,65 @@ pub fn run_learner(
         report.wait_time += wait_started.elapsed();
         report.elapsed = started.elapsed();
         for delivery in incoming.drain(..) {
-            let checked = delivery
-                .segment
-                .as_ref()
-                .map_err(Clone::clone)
-                .and_then(|segment| segment.validate(&spec, layout_hash, hidden_size).map(|()| segment));
+            let Delivery { segment, token, .. } = delivery;
+            let checked =
+                segment.and_then(|segment| segment.validate(&spec, layout_hash, hidden_size).map(|()| segment));
             let segment = match checked {
                 Ok(segment) => segment,
                 Err(err) => {
                     *report.segments_rejected.entry(err.reason()).or_default() += 1;
                     warn!(reason = err.reason(), %err, "segment rejected");
-                    if let Err(err) = source.reject(delivery.token) {
+                    if let Err(err) = source.reject(token) {
                         warn!(%err, "could not reject a segment; it may be redelivered and rejected again");
                     }
                     continue;
                 }
             };
-            if !seen.insert(segment) {
+            if !seen.insert(&segment) {
                 report.segments_duplicate += 1;
                 debug!(actor = %segment.actor, segment_idx = segment.segment_idx, "duplicate segment skipped");
-                settled.push(delivery.token);
+                settled.push(token);
                 continue;
             }
             report.env_steps += segment.len() as u64;
-            report.record_episodes(segment, limits.target_return);
+            report.record_episodes(&segment, limits.target_return);
+            control.on_segment(&segment);
             let lag = learner.version().lag_of(segment.policy_version);
             report.lag_histogram[(lag as usize).min(LAG_BUCKETS - 1)] += 1;
-            if lag > max_lag {
-                report.segments_stale += 1;
-                debug!(lag, max_lag, actor = %segment.actor, "stale segment dropped");
-                settled.push(delivery.token);
-                continue;
-            }
-            pending.push(delivery);
+            selector.offer(segment, token, learner.version(), &mut dropped);
+        }
+        let compute_started = Instant::now();
+        let version = learner.version();
+        // Only priority sampling reads the parameters, and only when the pool is full: on the
+        // CUDA backend `params` copies them from the device.
+        let params: &[f32] =
+            if selector.needs_params() && selector.len() >= selector.pool_target() { learner.params() } else { &[] };
+        let ready = selector.prepare(version, params, &mut dropped);
+        for drop in dropped.drain(..) {
+            report.count_drop(drop.reason);
+            settled.push(drop.token);
         }
         if !settled.is_empty() {
             ack_or_warn(source, &mut settled);
         }
-        if pending.len() < batch_segments {
+        if !ready {
+            report.compute_time += compute_started.elapsed();
             continue;
         }
-        let compute_started = Instant::now();
-        let segments: Vec<&TrajectorySegment> = pending.iter().filter_map(|d| d.segment.as_ref().ok()).collect();
-        column_weights.clear();
-        column_weights.resize(segments.len(), 1.0);
-        batch.fill(&segments, spec.hyper.gamma, spec.hyper.reward_scale, &column_weights);
+        let draw = selector.draw();
+        batch.fill(&draw.segments, spec.hyper.gamma, spec.hyper.reward_scale, draw.column_weights);
         let stats = learner.update(&batch);
         if learner.updates().is_multiple_of(publish_every) {
             publisher.publish(learner.weights())?;
         }
-        settled.extend(pending.drain(..).map(|d| d.token));
+        let used = selector.settle_drawn(&mut settled);
         ack_or_warn(source, &mut settled);
         report.compute_time += compute_started.elapsed();
         report.updates = learner.updates();
         report.policy_version = learner.version().0;
         report.samples_trained += stats.samples as u64;
-        report.segments_used += batch.b_len as u64;
+        report.segments_used += used as u64;
+        report.pool_segments = selector.len() as u64;
         report.backlog = source.backlog();
         report.elapsed = started.elapsed();
         if stats.skipped_steps > 0 {
@@ -297,10 +347,11 @@ pub fn run_learner(
         }
         control.on_update(learner, &report, &stats);
     };
-    // Whatever was received but not used is left unacknowledged: a networked transport
-    // redelivers it to the next learner.
+    // Whatever was received but not used (the selection pool) is left unacknowledged: a
+    // networked transport redelivers it to the next learner.
     report.stop_reason = Some(stop_reason);
     report.elapsed = started.elapsed();
+    report.pool_segments = selector.len() as u64;
     if !learner.updates().is_multiple_of(publish_every) {
         publisher.publish(learner.weights())?;
     }

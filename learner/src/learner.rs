@@ -13,6 +13,8 @@ use volley_core::returns::vtrace::VTraceConfig;
 use volley_core::spec::{LossKind, RunSpec, SpecError};
 use volley_core::wire::Weights;
 
+use crate::backend::cuda::{CudaEngine, DeviceState};
+use crate::backend::{open_cuda, BackendError, BackendKind, CudaDevice, DeviceTiming};
 use crate::batch::{gather, resize, SegmentBatch};
 use crate::checkpoint::{Checkpoint, CheckpointError};
 use crate::losses::{self, LossStats, PpoLossConfig, SequenceBatch, VTraceLossConfig, VTraceWorkspace};
@@ -27,6 +29,9 @@ pub enum LearnerError {
     /// A checkpoint could not be used.
     #[error(transparent)]
     Checkpoint(#[from] CheckpointError),
+    /// The requested backend cannot run.
+    #[error(transparent)]
+    Backend(#[from] BackendError),
     /// Initial parameters do not match the layout.
     #[error("initial parameters: expected {expected}, got {got}")]
     Params {
@@ -83,6 +88,12 @@ pub struct Learner {
     mb_prox_log_probs: Vec<f32>,
     mb_is_weights: Vec<f32>,
     columns: Vec<usize>,
+    /// The CUDA backend's device state, when in use; `params` and `adam` are then host copies
+    /// refreshed by [`Learner::sync_host`].
+    device: Option<Box<CudaEngine>>,
+    /// Whether the device holds updates the host copies lack.
+    host_stale: bool,
+    backend: String,
 }
 
 impl Learner {
@@ -137,6 +148,9 @@ impl Learner {
             mb_prox_log_probs: Vec::new(),
             mb_is_weights: Vec::new(),
             columns: Vec::new(),
+            device: None,
+            host_stale: false,
+            backend: "cpu".into(),
         })
     }
 
@@ -150,8 +164,90 @@ impl Learner {
         &self.layout
     }
 
-    /// The current parameters.
-    pub fn params(&self) -> &[f32] {
+    /// Run updates on `kind`: [`BackendKind::Auto`] picks CUDA when a device works and otherwise
+    /// stays on the CPU with one warning; [`BackendKind::Cuda`] fails when no device works.
+    /// Call it before the first update (or after a checkpoint was loaded): the current
+    /// parameters and optimiser state move to the device.
+    pub fn use_backend(&mut self, kind: BackendKind) -> Result<(), LearnerError> {
+        match kind {
+            BackendKind::Cpu => {
+                self.sync_host();
+                self.device = None;
+                self.backend = "cpu".into();
+            }
+            BackendKind::Cuda => {
+                let device = open_cuda(0)?;
+                self.use_cuda_device(&device)?;
+            }
+            BackendKind::Auto => match open_cuda(0) {
+                Ok(device) => self.use_cuda_device(&device)?,
+                Err(err) => {
+                    tracing::warn!(%err, "CUDA backend unavailable; the learner runs on the CPU backend");
+                }
+            },
+        }
+        tracing::info!(backend = %self.backend, "learner backend");
+        Ok(())
+    }
+
+    /// Run updates on an already opened CUDA device.
+    pub fn use_cuda_device(&mut self, device: &CudaDevice) -> Result<(), LearnerError> {
+        self.sync_host();
+        let adam = self.adam.state();
+        let state =
+            DeviceState { params: self.params.clone(), adam_m: adam.m.clone(), adam_v: adam.v.clone(), adam_t: adam.t };
+        self.device = Some(Box::new(CudaEngine::new(device, &self.layout, &state)?));
+        self.backend = format!("cuda: {}", device.description());
+        Ok(())
+    }
+
+    /// `cpu` or `cuda: <device>`.
+    pub fn backend(&self) -> &str {
+        &self.backend
+    }
+
+    /// Time each update's copies and kernels with CUDA events (CUDA backend only; a no-op on
+    /// the CPU).
+    pub fn set_profiling(&mut self, on: bool) -> Result<(), LearnerError> {
+        if let Some(engine) = &mut self.device {
+            engine.set_profiling(on)?;
+        }
+        Ok(())
+    }
+
+    /// Device timings of the last update, when profiling on the CUDA backend.
+    pub fn last_timing(&self) -> Option<DeviceTiming> {
+        self.device.as_ref().and_then(|engine| engine.last_timing())
+    }
+
+    /// Bring the host copies of the parameters and optimiser state up to date with the device
+    /// (a no-op on the CPU backend). [`params`](Self::params), [`weights`](Self::weights) and
+    /// [`checkpoint`](Self::checkpoint) call it, so weights leave the GPU only when they are
+    /// published or saved.
+    ///
+    /// # Panics
+    /// If the device fails: a learner whose GPU broke cannot continue; restarting it resumes
+    /// from the last checkpoint.
+    pub fn sync_host(&mut self) {
+        if !self.host_stale {
+            return;
+        }
+        let engine = self.device.as_ref().expect("only the device makes the host stale");
+        let state = engine.download().unwrap_or_else(|err| device_failed(&err));
+        self.params = state.params;
+        let h = &self.spec.hyper;
+        let config = AdamConfig { beta1: h.adam_beta1, beta2: h.adam_beta2, eps: h.adam_eps };
+        self.adam = Adam::from_state(config, AdamState { m: state.adam_m, v: state.adam_v, t: state.adam_t })
+            .expect("the device state has the layout's size");
+        self.host_stale = false;
+    }
+
+    /// The current parameters (copied from the device first on the CUDA backend).
+    pub fn params(&mut self) -> &[f32] {
+        if self.host_stale {
+            let engine = self.device.as_ref().expect("only the device makes the host stale");
+            engine.download_params(&mut self.params).unwrap_or_else(|err| device_failed(&err));
+        }
         &self.params
     }
 
@@ -166,12 +262,14 @@ impl Learner {
     }
 
     /// The current weights as a publishable, checksummed value.
-    pub fn weights(&self) -> Arc<Weights> {
-        Arc::new(Weights::new(self.version, self.layout.hash(), self.params.clone()))
+    pub fn weights(&mut self) -> Arc<Weights> {
+        let params = self.params().to_vec();
+        Arc::new(Weights::new(self.version, self.layout.hash(), params))
     }
 
     /// Snapshot everything needed to resume (see [`Learner::from_checkpoint`]).
-    pub fn checkpoint(&self, env_steps: u64) -> Checkpoint {
+    pub fn checkpoint(&mut self, env_steps: u64) -> Checkpoint {
+        self.sync_host();
         let adam = self.adam.state();
         Checkpoint {
             spec_json: serde_json::to_string(&self.spec).expect("a run spec always serializes"),
@@ -225,9 +323,22 @@ impl Learner {
     pub fn update(&mut self, batch: &SegmentBatch) -> UpdateStats {
         let learning_rate = self.schedule.lr_at(self.updates);
         let lags: Vec<u64> = batch.policy_versions.iter().map(|&v| self.version.lag_of(v)).collect();
-        let mut stats = match self.spec.hyper.loss {
-            LossKind::Vtrace => self.vtrace_update(batch, learning_rate),
-            LossKind::Ppo => self.ppo_update(batch, learning_rate),
+        let mut stats = if let Some(engine) = &mut self.device {
+            self.host_stale = true;
+            let update = engine
+                .update(batch, &self.spec.hyper, learning_rate, &mut self.rng)
+                .unwrap_or_else(|err| device_failed(&err));
+            UpdateStats {
+                loss: update.loss,
+                grad_norm: update.grad_norm,
+                skipped_steps: update.skipped_steps,
+                ..UpdateStats::default()
+            }
+        } else {
+            match self.spec.hyper.loss {
+                LossKind::Vtrace => self.vtrace_update(batch, learning_rate),
+                LossKind::Ppo => self.ppo_update(batch, learning_rate),
+            }
         };
         stats.learning_rate = learning_rate;
         stats.samples = batch.t_len * batch.b_len;
@@ -404,6 +515,13 @@ impl Learner {
             ..UpdateStats::default()
         }
     }
+}
+
+#[cold]
+fn device_failed(err: &BackendError) -> ! {
+    panic!(
+        "the CUDA backend failed: {err}; the learner cannot continue (restart it to resume from its last checkpoint)"
+    )
 }
 
 fn sequence_batch(batch: &SegmentBatch, n_actions: usize) -> SequenceBatch<'_> {

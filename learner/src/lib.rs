@@ -5,6 +5,7 @@
 //! never goes backwards; every sample's lag is measured against it.
 //! Start reading at [`learner::Learner`] (one update) and [`consume::run_learner`] (the loop).
 
+pub mod backend;
 pub mod batch;
 pub mod checkpoint;
 pub mod consume;
@@ -12,8 +13,11 @@ pub mod learner;
 pub mod losses;
 pub mod metrics;
 pub mod optim;
+pub mod scheduler;
+pub mod selection;
 
 pub use checkpoint::{Checkpoint, CheckpointError};
 pub use consume::{run_learner, LearnerControl, LearnerReport, RunLimits, StopReason};
 pub use learner::{Learner, LearnerError, UpdateStats};
 pub use metrics::LearnerMetrics;
+pub use selection::{DropReason, Selector};

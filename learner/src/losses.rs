@@ -537,13 +537,13 @@ pub fn ppo_loss(
 
 /// Weighted running sums behind [`LossStats`], accumulated in `f64`.
 #[derive(Default)]
-struct WeightedSums {
-    policy: f64,
-    value: f64,
-    entropy: f64,
-    ratio: f64,
-    clipped: f64,
-    approx_kl: f64,
+pub(crate) struct WeightedSums {
+    pub(crate) policy: f64,
+    pub(crate) value: f64,
+    pub(crate) entropy: f64,
+    pub(crate) ratio: f64,
+    pub(crate) clipped: f64,
+    pub(crate) approx_kl: f64,
 }
 
 impl WeightedSums {
@@ -555,7 +555,7 @@ impl WeightedSums {
         self.approx_kl += weight * ((ratio - 1.0) - log_ratio);
     }
 
-    fn finish(self, weight_sum: f64, value_coef: f32, ent_coef: f32) -> LossStats {
+    pub(crate) fn finish(self, weight_sum: f64, value_coef: f32, ent_coef: f32) -> LossStats {
         let policy = self.policy / weight_sum;
         let value = self.value / weight_sum;
         let entropy = self.entropy / weight_sum;

@@ -28,6 +28,7 @@ pub struct LearnerMetrics {
     policy_version: Gauge,
     mean_return: Gauge,
     backlog: Gauge,
+    pool: Gauge,
     checkpoint_age: Gauge,
     previous: LearnerReport,
 }
@@ -39,7 +40,10 @@ impl LearnerMetrics {
         let gauge = |name: &str, help: &str| Gauge::with_opts(Opts::new(name, help));
         let metrics = LearnerMetrics {
             segments: IntCounterVec::new(
-                Opts::new("volley_learner_segments_total", "Segments received, by outcome (used, stale, duplicate)."),
+                Opts::new(
+                    "volley_learner_segments_total",
+                    "Valid segments received, by outcome (used, duplicate, or dropped by selection: stale, non_finite, out_of_range, zero_variance).",
+                ),
                 &["outcome"],
             )?,
             rejected: IntCounterVec::new(
@@ -83,6 +87,10 @@ impl LearnerMetrics {
             policy_version: gauge("volley_learner_policy_version", "The learner's current policy version.")?,
             mean_return: gauge("volley_learner_episode_return_mean", "Mean return of the last 100 episodes.")?,
             backlog: gauge("volley_learner_backlog_segments", "Segments stored but not yet delivered to the learner.")?,
+            pool: gauge(
+                "volley_learner_selection_pool_segments",
+                "Segments received and waiting in the selection pool (not yet used or dropped).",
+            )?,
             checkpoint_age: gauge(
                 "volley_learner_checkpoint_age_seconds",
                 "Time since the last checkpoint was written.",
@@ -108,6 +116,7 @@ impl LearnerMetrics {
             &metrics.policy_version,
             &metrics.mean_return,
             &metrics.backlog,
+            &metrics.pool,
             &metrics.checkpoint_age,
         ] {
             registry.register(Box::new(gauge.clone()))?;
@@ -120,7 +129,9 @@ impl LearnerMetrics {
         let prev = &self.previous;
         let delta = |now: u64, before: u64| now.saturating_sub(before);
         self.segments.with_label_values(&["used"]).inc_by(delta(report.segments_used, prev.segments_used));
-        self.segments.with_label_values(&["stale"]).inc_by(delta(report.segments_stale, prev.segments_stale));
+        for ((reason, count), (_, before)) in report.segments_dropped().into_iter().zip(prev.segments_dropped()) {
+            self.segments.with_label_values(&[reason.as_str()]).inc_by(delta(count, before));
+        }
         self.segments
             .with_label_values(&["duplicate"])
             .inc_by(delta(report.segments_duplicate, prev.segments_duplicate));
@@ -159,11 +170,81 @@ impl LearnerMetrics {
         if let Some(backlog) = report.backlog {
             self.backlog.set(backlog as f64);
         }
+        self.pool.set(report.pool_segments as f64);
         self.previous = report.clone();
     }
 
     /// Record the time since the last checkpoint.
     pub fn set_checkpoint_age(&self, age: Duration) {
         self.checkpoint_age.set(age.as_secs_f64());
+    }
+}
+
+/// The budget scheduler's metrics (learners of runs with `work.enabled`): each task's share of
+/// the work items and its recent success rate (label `task` = task index, bounded by the
+/// run's task list), work items issued by kind of start, and saved states known.
+pub struct WorkMetrics {
+    share: GaugeVec,
+    success: GaugeVec,
+    fresh_success: GaugeVec,
+    items: IntCounterVec,
+    snapshots: Gauge,
+}
+
+impl WorkMetrics {
+    /// Register on `registry`.
+    pub fn register(registry: &Registry) -> prometheus::Result<Self> {
+        let metrics = WorkMetrics {
+            share: GaugeVec::new(
+                Opts::new("volley_learner_task_budget_share", "Share of work items issued for each task so far."),
+                &["task"],
+            )?,
+            success: GaugeVec::new(
+                Opts::new(
+                    "volley_learner_task_success_rate",
+                    "Recent success rate of each task's episodes, any start (Beta(1,1)-smoothed window).",
+                ),
+                &["task"],
+            )?,
+            fresh_success: GaugeVec::new(
+                Opts::new(
+                    "volley_learner_task_fresh_success_rate",
+                    "Recent success rate of each task's episodes that started fresh (no save-load help).",
+                ),
+                &["task"],
+            )?,
+            items: IntCounterVec::new(
+                Opts::new("volley_learner_work_items_total", "Work items issued, by start: fresh or resume."),
+                &["start"],
+            )?,
+            snapshots: Gauge::with_opts(Opts::new(
+                "volley_learner_snapshots_known",
+                "Saved states the scheduler can restart from.",
+            ))?,
+        };
+        registry.register(Box::new(metrics.share.clone()))?;
+        registry.register(Box::new(metrics.success.clone()))?;
+        registry.register(Box::new(metrics.fresh_success.clone()))?;
+        registry.register(Box::new(metrics.items.clone()))?;
+        registry.register(Box::new(metrics.snapshots.clone()))?;
+        Ok(metrics)
+    }
+
+    /// Copy the scheduler's state.
+    pub fn observe(&self, scheduler: &crate::scheduler::Scheduler) {
+        for (task, (stats, share)) in scheduler.task_stats().iter().zip(scheduler.budget_shares()).enumerate() {
+            let label = task.to_string();
+            self.share.with_label_values(&[&label]).set(share);
+            self.success.with_label_values(&[&label]).set(stats.outcomes.success_rate());
+            self.fresh_success.with_label_values(&[&label]).set(stats.fresh.success_rate());
+        }
+        let (fresh, resumed) = scheduler.items_issued();
+        for (start, total) in [("fresh", fresh), ("resume", resumed)] {
+            let counter = self.items.with_label_values(&[start]);
+            if total > counter.get() {
+                counter.inc_by(total - counter.get());
+            }
+        }
+        self.snapshots.set(scheduler.known_snapshots() as f64);
     }
 }

@@ -1,18 +1,23 @@
 //! The learner loop over the in-process bus: bad segments are counted and dropped, stale ones
-//! are dropped by lag, and training carries on with the valid data.
+//! are dropped by lag, trajectory selection drops and counts by reason, and training carries on
+//! with the valid data.
 
+use std::collections::HashSet;
 use std::sync::atomic::AtomicBool;
+use std::time::Duration;
 
 use rand::{Rng, SeedableRng};
 use rand_pcg::Pcg64Mcg;
 use volley_core::env::EnvConfig;
 use volley_core::ids::{PolicyVersion, RunId};
 use volley_core::policy::{Activation, CoreKind, PolicySpec};
-use volley_core::spec::{HyperParams, LossKind, RunSpec};
-use volley_core::transport::local::{trajectory_channel, weights_channel};
-use volley_core::transport::{TrajectorySink, WeightsFollower};
+use volley_core::spec::{GuardConfig, HyperParams, LossKind, PriorityConfig, RunSpec, ZeroVarianceConfig};
+use volley_core::transport::local::{trajectory_channel, weights_channel, LocalTrajectorySource};
+use volley_core::transport::{
+    Delivery, DeliveryToken, TrajectorySink, TrajectorySource, TransportError, WeightsFollower,
+};
 use volley_core::wire::{EpisodeSummary, TrajectorySegment};
-use volley_learner::{run_learner, Learner, LearnerReport, RunLimits, StopReason, UpdateStats};
+use volley_learner::{run_learner, Learner, LearnerMetrics, LearnerReport, RunLimits, StopReason, UpdateStats};
 
 const T: usize = 8;
 const B: usize = 4;
@@ -55,7 +60,12 @@ fn valid_segment(learner: &Learner, rng: &mut Pcg64Mcg, version: u64, idx: u64) 
         behaviour_log_probs: vec![-std::f32::consts::LN_2; T],
         truncation_values: vec![0.0; T],
         initial_hidden: vec![],
-        finished_episodes: vec![EpisodeSummary { episode_return: T as f32, episode_len: T as u32 }],
+        finished_episodes: vec![EpisodeSummary {
+            episode_return: T as f32,
+            episode_len: T as u32,
+            ..EpisodeSummary::default()
+        }],
+        saved_snapshots: Vec::new(),
     }
 }
 
@@ -72,7 +82,7 @@ fn run(learner: &mut Learner, segments: Vec<TrajectorySegment>, max_updates: u64
         &mut publisher,
         &limits,
         &AtomicBool::new(false),
-        &mut |_: &Learner, _: &LearnerReport, stats: &UpdateStats| losses.push(stats.loss.total),
+        &mut |_: &mut Learner, _: &LearnerReport, stats: &UpdateStats| losses.push(stats.loss.total),
     )
     .expect("learner loop");
     assert!(losses.iter().all(|l| l.is_finite()), "losses must stay finite: {losses:?}");
@@ -114,7 +124,7 @@ fn malformed_segments_are_counted_and_dropped_while_training_continues() {
 #[test]
 fn segments_beyond_max_policy_lag_are_dropped_and_counted() {
     let fresh_spec = spec(LossKind::Ppo, 2);
-    let template = Learner::new(fresh_spec.clone()).expect("valid spec");
+    let mut template = Learner::new(fresh_spec.clone()).expect("valid spec");
     let params = template.params().to_vec();
     let mut learner = Learner::with_state(fresh_spec, params, PolicyVersion(10), 10).expect("valid state");
     let mut rng = Pcg64Mcg::seed_from_u64(4);
@@ -153,4 +163,136 @@ fn a_redelivered_segment_is_learned_from_once() {
     assert_eq!(report.segments_duplicate, 2);
     assert_eq!(report.segments_used, B as u64);
     assert_eq!(report.episodes, B as u64, "duplicates do not count episodes twice");
+}
+
+/// The in-process source, recording every token delivered, acknowledged and rejected, so the
+/// acknowledgement invariant can be checked at the loop level.
+struct RecordingSource {
+    inner: LocalTrajectorySource,
+    delivered: Vec<u64>,
+    acked: Vec<u64>,
+    rejected: Vec<u64>,
+}
+
+impl TrajectorySource for RecordingSource {
+    fn recv(&mut self, max: usize, timeout: Duration, out: &mut Vec<Delivery>) -> Result<usize, TransportError> {
+        let start = out.len();
+        let n = self.inner.recv(max, timeout, out)?;
+        self.delivered.extend(out[start..].iter().map(|d| d.token.0));
+        Ok(n)
+    }
+
+    fn ack(&mut self, tokens: &[DeliveryToken]) -> Result<(), TransportError> {
+        self.acked.extend(tokens.iter().map(|t| t.0));
+        self.inner.ack(tokens)
+    }
+
+    fn reject(&mut self, token: DeliveryToken) -> Result<(), TransportError> {
+        self.rejected.push(token.0);
+        self.inner.reject(token)
+    }
+
+    fn backlog(&self) -> Option<u64> {
+        self.inner.backlog()
+    }
+}
+
+#[test]
+fn selection_drops_are_counted_by_reason_while_training_continues() {
+    let mut selection_spec = spec(LossKind::Vtrace, 100);
+    selection_spec.hyper.selection.guard = GuardConfig { enabled: true, max_abs_reward: Some(100.0) };
+    selection_spec.hyper.selection.zero_variance = Some(ZeroVarianceConfig { min_group: 2, tolerance: 0.0 });
+    selection_spec.hyper.selection.priority = Some(PriorityConfig { pool_factor: 2, ..PriorityConfig::default() });
+    let template = Learner::new(selection_spec.clone()).expect("valid spec");
+    let params = template.layout().init_params(selection_spec.seed);
+    // Start at version 200, so segments of version 50 are beyond the lag bound of 100 and the
+    // valid ones (version 200) never age out during the few updates of this test.
+    let mut learner = Learner::with_state(selection_spec, params, PolicyVersion(200), 200).expect("valid state");
+    let mut rng = Pcg64Mcg::seed_from_u64(11);
+    const VALID: u64 = 24;
+    let mut segments = Vec::new();
+    for idx in 0..VALID {
+        let mut good = valid_segment(&learner, &mut rng, 200, idx);
+        good.start_snapshot = Some("varied".into());
+        good.finished_episodes[0].episode_return = idx as f32; // returns differ: a signal
+        segments.push(good);
+        if idx % 8 == 0 {
+            let mut absurd = valid_segment(&learner, &mut rng, 200, 1000 + idx);
+            absurd.rewards[3] = 1e4;
+            let mut infinite = valid_segment(&learner, &mut rng, 200, 2000 + idx);
+            infinite.finished_episodes[0].episode_return = f32::INFINITY;
+            let mut flat = valid_segment(&learner, &mut rng, 200, 3000 + idx);
+            flat.start_snapshot = Some("flat".into());
+            flat.finished_episodes.push(flat.finished_episodes[0].clone()); // two rollouts, same return
+            let stale = valid_segment(&learner, &mut rng, 50, 4000 + idx);
+            segments.extend([absurd, infinite, flat, stale]);
+        }
+        if idx % 12 == 5 {
+            segments.push(segments[segments.len() - 2].clone()); // a redelivery
+        }
+    }
+    let total = segments.len() as u64;
+    let (mut sink, inner) = trajectory_channel(segments.len());
+    sink.publish(segments).expect("room for every segment");
+    drop(sink);
+    let mut source = RecordingSource { inner, delivered: Vec::new(), acked: Vec::new(), rejected: Vec::new() };
+    let (mut publisher, _follower) = weights_channel();
+    let registry = prometheus::Registry::new();
+    let mut metrics = LearnerMetrics::register(&registry).expect("metrics register");
+    let mut last_observed = LearnerReport::default();
+    let mut losses = Vec::new();
+    let limits = RunLimits { publish_every: 1, ..RunLimits::default() };
+    let report = run_learner(
+        &mut learner,
+        &mut source,
+        &mut publisher,
+        &limits,
+        &AtomicBool::new(false),
+        &mut |learner: &mut Learner, report: &LearnerReport, stats: &UpdateStats| {
+            losses.push(stats.loss.total);
+            metrics.observe(learner, report, stats, true);
+            last_observed = report.clone();
+        },
+    )
+    .expect("learner loop");
+    assert_eq!(report.stop_reason, Some(StopReason::SourceClosed));
+    assert!(losses.iter().all(|l| l.is_finite()), "losses stay finite: {losses:?}");
+
+    // Every drop is counted by its reason.
+    assert_eq!(report.segments_out_of_range, 3);
+    assert_eq!(report.segments_non_finite, 3);
+    assert_eq!(report.segments_zero_variance, 3);
+    assert_eq!(report.segments_stale, 3);
+    assert_eq!(report.segments_duplicate, 2);
+    assert!(report.segments_rejected.is_empty());
+    // Training continued on the valid segments: each update used at least one new segment, and
+    // what is left is less than a pool (the loop stops when the closed source cannot refill it).
+    assert!(report.pool_segments < 8, "pool left: {}", report.pool_segments);
+    assert_eq!(report.segments_used + report.pool_segments, VALID);
+    let updates = report.updates - 200;
+    assert!(updates >= (VALID - 7) / 4, "updates: {updates}");
+    assert!(updates <= report.segments_used, "updates: {updates}, used: {}", report.segments_used);
+
+    // Acknowledgement invariant: every delivered segment is acknowledged at most once, and
+    // exactly the ones still in the pool are not acknowledged.
+    assert_eq!(source.delivered.len() as u64, total);
+    let acked: HashSet<u64> = source.acked.iter().copied().collect();
+    assert_eq!(acked.len(), source.acked.len(), "no segment is acknowledged twice");
+    assert!(source.rejected.is_empty());
+    let dropped: u64 = report.segments_dropped().iter().map(|(_, n)| n).sum();
+    assert_eq!(acked.len() as u64, report.segments_used + dropped + report.segments_duplicate);
+    assert_eq!(total - acked.len() as u64, report.pool_segments);
+
+    // The Prometheus counters agree with the report as of the last update.
+    let families = registry.gather();
+    let segments_total =
+        families.iter().find(|f| f.name() == "volley_learner_segments_total").expect("segments counter exported");
+    for (reason, count) in last_observed.segments_dropped() {
+        let metric = segments_total
+            .get_metric()
+            .iter()
+            .find(|m| m.get_label().iter().any(|l| l.value() == reason.as_str()))
+            .unwrap_or_else(|| panic!("outcome {} exported", reason.as_str()));
+        assert_eq!(metric.get_counter().get_value() as u64, count, "outcome {}", reason.as_str());
+    }
 }

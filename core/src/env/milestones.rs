@@ -329,6 +329,11 @@ impl Env for Milestones {
     fn at_milestone(&self) -> bool {
         self.state.just_entered_room && !self.state.episode_over
     }
+
+    /// Rooms opened, plus half a room once the key is held: the stage of the chain reached.
+    fn progress(&self) -> f32 {
+        self.state.room as f32 + if self.state.has_key { 0.5 } else { 0.0 }
+    }
 }
 
 #[cfg(test)]

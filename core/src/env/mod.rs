@@ -12,7 +12,9 @@ mod vec_env;
 pub use cartpole::CartPole;
 pub use memory::{Memory, MemoryConfig};
 pub use milestones::{Milestones, MilestonesConfig};
-pub use vec_env::{derive_env_seed, FinishedEpisode, VecEnv, VecStep};
+pub use vec_env::{derive_env_seed, FinishedEpisode, VecEnv, VecStep, VectorEnv};
+
+use crate::envsvc::EnvServiceName;
 
 /// Errors an environment reports. Messages are lowercase and name the offending value.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -53,8 +55,19 @@ pub enum EnvError {
     #[error("invalid environment config: {0}")]
     Config(String),
     /// An environment name no build of Volley knows.
-    #[error("unknown environment {0:?} (known: cartpole, memory, milestones)")]
+    #[error("unknown environment {0:?} (known: cartpole, memory, milestones, remote:<service>)")]
     Unknown(String),
+    /// A remote environment (served over NATS, see [`crate::envsvc`]) failed, timed out or
+    /// could not be reached; the episodes it hosted were aborted.
+    #[error("remote environment {service}: {message}")]
+    Remote {
+        /// The environment service's name.
+        service: String,
+        /// A short, bounded label (see [`crate::envsvc::EnvServiceError::reason`]).
+        reason: &'static str,
+        /// What happened.
+        message: String,
+    },
 }
 
 impl EnvError {
@@ -68,6 +81,7 @@ impl EnvError {
             EnvError::Shape { .. } => "shape",
             EnvError::Config(_) => "config",
             EnvError::Unknown(_) => "unknown_env",
+            EnvError::Remote { reason, .. } => reason,
         }
     }
 }
@@ -139,6 +153,11 @@ pub trait Env: Send {
     fn at_milestone(&self) -> bool {
         false
     }
+    /// How far the current episode got, environment-defined and comparable across states of
+    /// the same task (the scheduler restarts from the furthest). Default: 0.
+    fn progress(&self) -> f32 {
+        0.0
+    }
 }
 
 impl<E: Env + ?Sized> Env for Box<E> {
@@ -169,9 +188,16 @@ impl<E: Env + ?Sized> Env for Box<E> {
     fn at_milestone(&self) -> bool {
         (**self).at_milestone()
     }
+    fn progress(&self) -> f32 {
+        (**self).progress()
+    }
 }
 
-/// Which built-in environment, with its configuration; what a run spec names.
+/// Which environment, with its configuration; what a run spec names.
+///
+/// In JSON the variant is the `name` field: `{"name":"cartpole"}`,
+/// `{"name":"memory","n_cues":2,"delay":6}`, or for an environment served over NATS
+/// `{"name":"remote","service":"cartpole-v1","obs_dim":4,"n_actions":2,"reward_threshold":475.0}`.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 #[serde(tag = "name", rename_all = "lowercase")]
 pub enum EnvConfig {
@@ -181,10 +207,34 @@ pub enum EnvConfig {
     Memory(MemoryConfig),
     /// A chain of rooms with keys (long horizon, sparse reward).
     Milestones(MilestonesConfig),
+    /// An environment served by other processes over NATS (docs/ENV_PROTOCOL.md); actors step
+    /// it through [`crate::envsvc::RemoteVecEnv`].
+    Remote(RemoteEnvConfig),
 }
 
+/// A remote environment as a run spec names it: the service, and the spaces its servers
+/// declared when the run was created (so the spec validates without the network, and actors
+/// can refuse servers that changed).
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct RemoteEnvConfig {
+    /// The environment service's name (`volley env-serve --name`, `volley-envs serve --name`).
+    pub service: EnvServiceName,
+    /// Observation length.
+    pub obs_dim: usize,
+    /// Number of discrete actions.
+    pub n_actions: usize,
+    /// The mean return at which the environment counts as solved, if its server declares one
+    /// (Gymnasium's `spec.reward_threshold`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reward_threshold: Option<f32>,
+}
+
+/// Prefix of a remote environment's name on the command line: `remote:<service>`.
+pub const REMOTE_PREFIX: &str = "remote:";
+
 impl EnvConfig {
-    /// Parse a name with default configuration.
+    /// Parse a built-in name with default configuration. Remote environments are not built
+    /// from a name alone (their spaces come from their servers): see [`RemoteEnvConfig`].
     pub fn from_name(name: &str) -> Result<Self, EnvError> {
         match name {
             "cartpole" => Ok(EnvConfig::Cartpole),
@@ -194,22 +244,58 @@ impl EnvConfig {
         }
     }
 
-    /// The environment's name.
+    /// The environment's name (`"remote"` for every remote environment).
     pub fn name(&self) -> &'static str {
         match self {
             EnvConfig::Cartpole => "cartpole",
             EnvConfig::Memory(_) => "memory",
             EnvConfig::Milestones(_) => "milestones",
+            EnvConfig::Remote(_) => "remote",
         }
     }
 
-    /// Build one environment.
+    /// A name for logs: the built-in name, or `remote:<service>`.
+    pub fn describe(&self) -> String {
+        match self {
+            EnvConfig::Remote(remote) => format!("{REMOTE_PREFIX}{}", remote.service),
+            other => other.name().to_string(),
+        }
+    }
+
+    /// Build one in-process environment. A remote environment needs a NATS connection and is
+    /// stepped through [`crate::envsvc::RemoteVecEnv`]; here it is an [`EnvError::Config`].
     pub fn build(&self) -> Result<Box<dyn Env>, EnvError> {
         Ok(match self {
             EnvConfig::Cartpole => Box::new(CartPole::new()),
             EnvConfig::Memory(config) => Box::new(Memory::new(config.clone())?),
             EnvConfig::Milestones(config) => Box::new(Milestones::new(config.clone())?),
+            EnvConfig::Remote(remote) => {
+                return Err(EnvError::Config(format!(
+                    "remote environment {} is served over nats; step it with envsvc::RemoteVecEnv",
+                    remote.service
+                )))
+            }
         })
+    }
+
+    /// Observation length and number of actions, without the network: built-in environments
+    /// are built to ask them, remote ones declare them in the spec.
+    pub fn spaces(&self) -> Result<(usize, usize), EnvError> {
+        match self {
+            EnvConfig::Remote(remote) => {
+                if remote.obs_dim == 0 || remote.n_actions == 0 {
+                    return Err(EnvError::Config(format!(
+                        "remote environment {}: obs_dim {} and n_actions {} must be at least 1",
+                        remote.service, remote.obs_dim, remote.n_actions
+                    )));
+                }
+                Ok((remote.obs_dim, remote.n_actions))
+            }
+            builtin => {
+                let env = builtin.build()?;
+                Ok((env.observation_space().dim(), env.action_space().n))
+            }
+        }
     }
 }
 

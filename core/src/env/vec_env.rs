@@ -64,13 +64,118 @@ impl VecStep {
 
     /// Size the buffers for `n_envs` × `obs_dim` (no allocation when they already fit) and
     /// clear the per-step lists.
-    fn prepare(&mut self, n_envs: usize, obs_dim: usize) {
+    pub(crate) fn prepare(&mut self, n_envs: usize, obs_dim: usize) {
         self.rewards.resize(n_envs, 0.0);
         self.terminated.resize(n_envs, false);
         self.truncated.resize(n_envs, false);
         self.final_obs.resize(n_envs * obs_dim, 0.0);
         self.finished_episodes.clear();
         self.env_errors.clear();
+    }
+}
+
+/// N environments stepped together with auto-reset: what an actor steps.
+///
+/// [`VecEnv`] implements it in-process; [`crate::envsvc::RemoteVecEnv`] over NATS. The
+/// semantics are [`VecEnv::step`]'s: environments whose episode ends are reset at once, the
+/// observation before the reset is in [`VecStep::final_obs`], and a failed environment is
+/// reported in [`VecStep::env_errors`] as a truncation with reward 0 and started again.
+pub trait VectorEnv: Send {
+    /// Number of environments.
+    fn n_envs(&self) -> usize;
+    /// Observation length of each environment.
+    fn obs_dim(&self) -> usize;
+    /// Number of discrete actions of each environment.
+    fn n_actions(&self) -> usize;
+    /// Current observations, `[n_envs][obs_dim]` (after any auto-reset).
+    fn obs(&self) -> &[f32];
+    /// Step every environment with its action (see [`VecEnv::step`]). The only error is an
+    /// `actions` slice whose length is not `n_envs`.
+    fn step(&mut self, actions: &[usize], out: &mut VecStep) -> Result<(), EnvError>;
+    /// The complete state of environment `env_idx` ([`Env::snapshot`]); remote environments
+    /// may not support it.
+    fn snapshot_env(&mut self, env_idx: usize) -> Result<Vec<u8>, EnvError>;
+    /// Restore environment `env_idx` from a snapshot and update its row of [`VectorEnv::obs`].
+    fn restore_env(&mut self, env_idx: usize, bytes: &[u8]) -> Result<(), EnvError>;
+    /// Start a new episode of environment `env_idx` from `seed` and update its row of
+    /// [`VectorEnv::obs`] (save-load: a scheduled fresh start). Default: unsupported.
+    fn reset_env(&mut self, env_idx: usize, seed: u64) -> Result<(), EnvError> {
+        let _ = seed;
+        Err(EnvError::Config(format!("environment {env_idx} cannot be reset on demand")))
+    }
+    /// Replace environment `env_idx` with a freshly built `task` and reset it from `seed`
+    /// (multi-task runs). Default: unsupported.
+    fn switch_task(&mut self, env_idx: usize, task: &super::EnvConfig, seed: u64) -> Result<(), EnvError> {
+        let _ = seed;
+        Err(EnvError::Config(format!("environment {env_idx} cannot switch to task {}", task.name())))
+    }
+    /// Whether environment `env_idx` is at a milestone ([`Env::at_milestone`]). Default: never.
+    fn env_at_milestone(&self, env_idx: usize) -> bool {
+        let _ = env_idx;
+        false
+    }
+    /// Progress of environment `env_idx`'s episode ([`Env::progress`]). Default: 0.
+    fn env_progress(&self, env_idx: usize) -> f32 {
+        let _ = env_idx;
+        0.0
+    }
+}
+
+impl<E: Env + 'static> VectorEnv for VecEnv<E> {
+    fn n_envs(&self) -> usize {
+        VecEnv::n_envs(self)
+    }
+    fn obs_dim(&self) -> usize {
+        VecEnv::obs_dim(self)
+    }
+    fn n_actions(&self) -> usize {
+        VecEnv::n_actions(self)
+    }
+    fn obs(&self) -> &[f32] {
+        VecEnv::obs(self)
+    }
+    fn step(&mut self, actions: &[usize], out: &mut VecStep) -> Result<(), EnvError> {
+        VecEnv::step(self, actions, out)
+    }
+    fn snapshot_env(&mut self, env_idx: usize) -> Result<Vec<u8>, EnvError> {
+        if env_idx >= self.envs.len() {
+            return Err(EnvError::Shape { field: "env_idx", expected: self.envs.len(), got: env_idx });
+        }
+        Ok(VecEnv::snapshot_env(self, env_idx))
+    }
+    fn restore_env(&mut self, env_idx: usize, bytes: &[u8]) -> Result<(), EnvError> {
+        if env_idx >= self.envs.len() {
+            return Err(EnvError::Shape { field: "env_idx", expected: self.envs.len(), got: env_idx });
+        }
+        VecEnv::restore_env(self, env_idx, bytes)
+    }
+    fn reset_env(&mut self, env_idx: usize, seed: u64) -> Result<(), EnvError> {
+        if env_idx >= self.envs.len() {
+            return Err(EnvError::Shape { field: "env_idx", expected: self.envs.len(), got: env_idx });
+        }
+        VecEnv::reset_env(self, env_idx, Some(seed))
+    }
+    fn switch_task(&mut self, env_idx: usize, task: &super::EnvConfig, seed: u64) -> Result<(), EnvError> {
+        if env_idx >= self.envs.len() {
+            return Err(EnvError::Shape { field: "env_idx", expected: self.envs.len(), got: env_idx });
+        }
+        // Only a vec env of boxed environments can hold another environment type.
+        let slot: &mut dyn std::any::Any = &mut self.envs[env_idx];
+        let Some(boxed) = slot.downcast_mut::<Box<dyn Env>>() else {
+            return Err(EnvError::Config("this vec env holds one environment type; tasks cannot switch".into()));
+        };
+        let env = task.build()?;
+        if env.observation_space().dim() != self.obs_dim || env.action_space().n != self.n_actions {
+            return Err(EnvError::Config(format!("task {} has other spaces than this vec env", task.name())));
+        }
+        *boxed = env;
+        VecEnv::reset_env(self, env_idx, Some(seed))
+    }
+    fn env_at_milestone(&self, env_idx: usize) -> bool {
+        self.envs.get(env_idx).is_some_and(|env| env.at_milestone())
+    }
+    fn env_progress(&self, env_idx: usize) -> f32 {
+        self.envs.get(env_idx).map_or(0.0, |env| env.progress())
     }
 }
 
@@ -198,6 +303,34 @@ impl<E: Env> VecEnv<E> {
         }
         row.copy_from_slice(&self.scratch_obs);
         Ok(())
+    }
+
+    /// Start a new episode in environment `env_idx`, seeded with `seed` ([`Env::reset`]) or
+    /// drawing on its own generator (`None`, [`Env::reset_next`]), and update its row of
+    /// [`VecEnv::obs`]. Its episode statistics restart from zero. On error (or a non-finite
+    /// first observation) the row is zeroed and the error returned.
+    ///
+    /// # Panics
+    /// If `env_idx >= n_envs`.
+    pub fn reset_env(&mut self, env_idx: usize, seed: Option<u64>) -> Result<(), EnvError> {
+        let env = &mut self.envs[env_idx];
+        let row = &mut self.obs[env_idx * self.obs_dim..(env_idx + 1) * self.obs_dim];
+        self.stats[env_idx] = EpisodeStats::default();
+        let result = match seed {
+            Some(seed) => env.reset(seed, row),
+            None => env.reset_next(row),
+        };
+        let result = result.and_then(|()| {
+            if row.iter().all(|v| v.is_finite()) {
+                Ok(())
+            } else {
+                Err(EnvError::NonFinite { what: "observation", env: env.name() })
+            }
+        });
+        if result.is_err() {
+            row.fill(0.0);
+        }
+        result
     }
 
     /// Step every environment with its action, auto-resetting those whose episode ends.

@@ -237,6 +237,7 @@ mod tests {
             truncation_values: vec![0.0],
             initial_hidden: vec![],
             finished_episodes: vec![],
+            saved_snapshots: Vec::new(),
         }
     }
 

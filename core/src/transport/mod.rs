@@ -13,6 +13,7 @@
 
 pub mod local;
 pub mod nats;
+pub mod work;
 
 use std::sync::Arc;
 use std::time::Duration;

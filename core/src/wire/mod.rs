@@ -8,7 +8,7 @@ use crate::ids::PolicyVersion;
 use crate::spec::RunSpec;
 
 /// Bumped on any incompatible change of a wire type.
-pub const FORMAT_VERSION: u16 = 1;
+pub const FORMAT_VERSION: u16 = 2;
 
 /// First bytes of every message: "VLLY".
 pub const MAGIC: [u8; 4] = *b"VLLY";
@@ -137,12 +137,18 @@ impl DecodeError {
 }
 
 /// An episode that finished inside a segment (for return statistics).
-#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct EpisodeSummary {
     /// Undiscounted return.
     pub episode_return: f32,
     /// Steps.
     pub episode_len: u32,
+    /// Task index (0 with one task).
+    pub task_id: u32,
+    /// The work item the episode served, when the learner schedules episodes.
+    pub work_item: Option<u64>,
+    /// The saved state the episode started from (`None`: a fresh start).
+    pub start: Option<String>,
 }
 
 /// T steps of one environment stream of one actor, time-major.
@@ -196,6 +202,8 @@ pub struct TrajectorySegment {
     pub initial_hidden: Vec<f32>,
     /// Episodes that ended inside this segment.
     pub finished_episodes: Vec<EpisodeSummary>,
+    /// Episode snapshots saved during this segment (save-load), for the learner's scheduler.
+    pub saved_snapshots: Vec<crate::work::SnapshotInfo>,
 }
 
 impl TrajectorySegment {
@@ -475,7 +483,12 @@ mod tests {
                 behaviour_log_probs: logp,
                 truncation_values: vec![0.0; T],
                 initial_hidden: vec![],
-                finished_episodes: vec![EpisodeSummary { episode_return: 3.0, episode_len: 3 }],
+                finished_episodes: vec![EpisodeSummary {
+                    episode_return: 3.0,
+                    episode_len: 3,
+                    ..EpisodeSummary::default()
+                }],
+                saved_snapshots: Vec::new(),
             })
     }
 

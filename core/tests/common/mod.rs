@@ -48,5 +48,6 @@ pub fn segment(run: &str, actor: &str, env_idx: u32, segment_idx: u64) -> Trajec
         truncation_values: vec![0.0],
         initial_hidden: vec![],
         finished_episodes: vec![],
+        saved_snapshots: Vec::new(),
     }
 }

@@ -1,0 +1,250 @@
+//! Remote environments over a real nats-server: `volley learner` and `volley actor` processes
+//! training on environments served by other processes (docs/ENV_PROTOCOL.md).
+//!
+//! - `gymnasium_cartpole_served_by_python_is_solved_over_nats`: Gymnasium's CartPole-v1 served
+//!   by the Python package (`python/`, `volley-envs serve`). It needs a Python with
+//!   `volley_envs` and `gymnasium` installed: `$VOLLEY_ENVS_PYTHON` (else `python3`). Without
+//!   one the test says so and returns, unless `VOLLEY_REQUIRE_PYTHON_ENVS=1` is set, as
+//!   `.ci/run` does: then it fails with the reason, so CI can never pass it silently.
+//! - `a_killed_env_server_aborts_its_episodes_and_the_actor_continues`: Rust only
+//!   (`volley env-serve`).
+//!
+//! Runs are bounded by environment steps (the learner's budget or target), never by time.
+
+use std::fs;
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use volley_testkit::TestNats;
+
+/// Both tests run a broker, servers, a learner and actors: one at a time on two cores.
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    ONE_AT_A_TIME.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// Upper bound on any wait: a safety net against hangs, not a timed assertion.
+const PATIENCE: Duration = Duration::from_secs(300);
+
+/// Set by `.ci/run`: a missing Python environment server is a failure, not a skip.
+const REQUIRE_PYTHON_ENV: &str = "VOLLEY_REQUIRE_PYTHON_ENVS";
+/// The Python interpreter that has `volley_envs` and `gymnasium` (default `python3`).
+const PYTHON_ENV: &str = "VOLLEY_ENVS_PYTHON";
+
+struct Proc {
+    child: Child,
+    log_path: PathBuf,
+}
+
+impl Proc {
+    fn spawn(dir: &Path, name: &str, program: &str, args: &[String]) -> Proc {
+        let log_path = dir.join(format!("{name}.log"));
+        let log = fs::File::create(&log_path).expect("log file");
+        let child = Command::new(program)
+            .args(args)
+            .env("RUST_LOG", "info")
+            .env("PYTHONUNBUFFERED", "1")
+            .stdout(Stdio::piped())
+            .stderr(log)
+            .spawn()
+            .unwrap_or_else(|err| panic!("spawn {program}: {err}"));
+        Proc { child, log_path }
+    }
+
+    fn volley(dir: &Path, name: &str, args: &[String]) -> Proc {
+        Proc::spawn(dir, name, env!("CARGO_BIN_EXE_volley"), args)
+    }
+
+    fn log(&self) -> String {
+        fs::read_to_string(&self.log_path).unwrap_or_default()
+    }
+
+    fn wait_for_log(&mut self, needle: &str) {
+        let started = Instant::now();
+        while !self.log().contains(needle) {
+            let exited = self.child.try_wait().expect("wait");
+            assert!(exited.is_none(), "exited ({exited:?}) without logging {needle:?}:\n{}", self.log());
+            assert!(started.elapsed() < PATIENCE, "never logged {needle:?}:\n{}", self.log());
+            thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Wait for exit and parse the one JSON line it printed.
+    fn summary(&mut self) -> serde_json::Value {
+        let started = Instant::now();
+        let status = loop {
+            if let Some(status) = self.child.try_wait().expect("wait") {
+                break status;
+            }
+            assert!(started.elapsed() < PATIENCE, "process did not finish:\n{}", self.log());
+            thread::sleep(Duration::from_millis(50));
+        };
+        let mut stdout = String::new();
+        self.child.stdout.take().expect("piped").read_to_string(&mut stdout).expect("stdout");
+        assert!(status.success(), "exit {status}:\n{}", self.log());
+        serde_json::from_str(stdout.trim()).unwrap_or_else(|e| panic!("summary {stdout:?}: {e}\n{}", self.log()))
+    }
+
+    fn kill9(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    fn terminate(&mut self) -> std::process::ExitStatus {
+        let _ = Command::new("kill").args(["-TERM", &self.child.id().to_string()]).status();
+        let started = Instant::now();
+        loop {
+            if let Some(status) = self.child.try_wait().expect("wait") {
+                return status;
+            }
+            assert!(started.elapsed() < PATIENCE, "process did not stop:\n{}", self.log());
+            thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn strings(args: &[&str]) -> Vec<String> {
+    args.iter().map(|s| s.to_string()).collect()
+}
+
+fn learner(nats: &TestNats, dir: &Path, run: &str, extra: &[&str]) -> Proc {
+    let checkpoints = dir.join("checkpoints").display().to_string();
+    let mut args = strings(&["learner", "--nats", &nats.url(), "--run", run, "--checkpoint-dir", &checkpoints]);
+    args.extend(strings(extra));
+    Proc::volley(dir, "learner", &args)
+}
+
+fn actor(nats: &TestNats, dir: &Path, run: &str, id: &str, extra: &[&str]) -> Proc {
+    let mut args = strings(&["actor", "--nats", &nats.url(), "--run", run, "--actor-id", id, "--envs", "8"]);
+    args.extend(strings(extra));
+    Proc::volley(dir, id, &args)
+}
+
+/// A minimal HTTP/1.0 GET of the actor's metrics.
+fn metric(addr: &str, name: &str) -> f64 {
+    use std::io::Write;
+    let mut stream = std::net::TcpStream::connect(addr).expect("connect to the metrics endpoint");
+    write!(stream, "GET /metrics HTTP/1.0\r\nHost: {addr}\r\n\r\n").expect("request");
+    let mut response = String::new();
+    stream.read_to_string(&mut response).expect("response");
+    response
+        .lines()
+        .find_map(|line| line.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no {name} in:\n{response}"))
+}
+
+/// The Python interpreter with `volley_envs` and `gymnasium`, or why there is none.
+fn python_with_volley_envs() -> Result<String, String> {
+    let python = std::env::var(PYTHON_ENV).unwrap_or_else(|_| "python3".to_string());
+    let probe = Command::new(&python)
+        .args(["-c", "import volley_envs, gymnasium, nats, msgpack; print(gymnasium.__version__)"])
+        .output()
+        .map_err(|err| format!("cannot run {python:?}: {err}"))?;
+    if probe.status.success() {
+        Ok(python)
+    } else {
+        Err(format!(
+            "{python:?} cannot import volley_envs and gymnasium (`pip install ./python`, or set {PYTHON_ENV}): {}",
+            String::from_utf8_lossy(&probe.stderr).trim()
+        ))
+    }
+}
+
+/// Gymnasium's CartPole-v1, served by two `volley-envs serve` processes, solved by a Rust
+/// learner and two actor processes over NATS (issue #7).
+#[test]
+fn gymnasium_cartpole_served_by_python_is_solved_over_nats() {
+    let python = match python_with_volley_envs() {
+        Ok(python) => python,
+        Err(reason) if std::env::var(REQUIRE_PYTHON_ENV).is_ok_and(|v| v == "1") => {
+            panic!("{REQUIRE_PYTHON_ENV}=1 but the Python environment server is unavailable: {reason}")
+        }
+        Err(reason) => {
+            eprintln!("SKIPPED gymnasium_cartpole_served_by_python_is_solved_over_nats: {reason}");
+            return;
+        }
+    };
+    let _serial = serial();
+    let nats = TestNats::start();
+    let dir = tempfile::tempdir().expect("temp dir");
+    let mut servers: Vec<Proc> = (0..2)
+        .map(|i| {
+            let args = strings(&["-m", "volley_envs", "serve", "gymnasium:CartPole-v1", "--nats", &nats.url()]);
+            Proc::spawn(dir.path(), &format!("gym-{i}"), &python, &args)
+        })
+        .collect();
+    for server in &mut servers {
+        server.wait_for_log("environment server ready");
+    }
+    // The target is the server's reward_threshold (475 for CartPole-v1); the budget bounds the run.
+    let mut learner = learner(&nats, dir.path(), "gym", &["--env", "remote:cartpole-v1", "--max-env-steps", "600000"]);
+    learner.wait_for_log("remote environment found");
+    assert!(learner.log().contains("reward_threshold=Some(475.0)"), "{}", learner.log());
+    let mut actors: Vec<Proc> = (0..2).map(|i| actor(&nats, dir.path(), "gym", &format!("actor-{i}"), &[])).collect();
+    let summary = learner.summary();
+    assert_eq!(summary["solved"], true, "{summary}\n{}", learner.log());
+    assert!(summary["final_mean_return"].as_f64().expect("mean return") >= 475.0, "{summary}");
+    for actor in &mut actors {
+        let log = actor.log();
+        assert!(log.contains("env=remote:cartpole-v1"), "{log}");
+        assert!(!log.contains("environment session lost"), "no server was lost: {log}");
+        assert!(actor.terminate().success(), "{}", actor.log());
+    }
+    for server in &mut servers {
+        assert!(server.terminate().success(), "{}", server.log());
+    }
+}
+
+/// An environment server killed mid-run: the actor aborts the episodes it hosted, counts them
+/// (metrics and log), re-opens them on the surviving server and training reaches its budget.
+#[test]
+fn a_killed_env_server_aborts_its_episodes_and_the_actor_continues() {
+    let _serial = serial();
+    let nats = TestNats::start();
+    let dir = tempfile::tempdir().expect("temp dir");
+    let mut servers: Vec<Proc> = (0..2)
+        .map(|i| Proc::volley(dir.path(), &format!("env-serve-{i}"), &strings(&["env-serve", "--nats", &nats.url()])))
+        .collect();
+    for server in &mut servers {
+        server.wait_for_log("environment server ready");
+    }
+    let mut learner = learner(
+        &nats,
+        dir.path(),
+        "killenv",
+        &["--env", "remote:cartpole", "--max-env-steps", "60000", "--target-return", "1e9"],
+    );
+    let metrics_addr = format!("127.0.0.1:{}", volley_testkit::free_port());
+    let mut actor = actor(&nats, dir.path(), "killenv", "actor-0", &["--metrics-addr", &metrics_addr]);
+    actor.wait_for_log("actor started");
+    // Both servers host one session of four environments (one session per server found).
+    assert_eq!(actor.log().matches("environment session opened").count(), 2, "{}", actor.log());
+    learner.wait_for_log("learner progress");
+    servers[0].kill9();
+    let started = Instant::now();
+    while metric(&metrics_addr, "volley_actor_env_sessions_lost_total") < 1.0 {
+        assert!(started.elapsed() < PATIENCE, "the actor never noticed the lost server:\n{}", actor.log());
+        thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(metric(&metrics_addr, "volley_actor_episodes_aborted_total"), 4.0, "{}", actor.log());
+    let summary = learner.summary();
+    assert_eq!(summary["stop_reason"], "env_step_budget", "{summary}");
+    assert!(summary["env_steps"].as_u64().expect("steps") >= 60_000, "{summary}");
+    let log = actor.log();
+    assert!(log.contains("environment session lost"), "{log}");
+    assert_eq!(log.matches("environment session opened").count(), 3, "re-opened on the survivor: {log}");
+    assert_eq!(metric(&metrics_addr, "volley_actor_env_sessions_lost_total"), 1.0);
+    assert!(actor.terminate().success(), "{}", actor.log());
+    assert!(servers[1].terminate().success(), "{}", servers[1].log());
+}

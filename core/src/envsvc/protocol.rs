@@ -1,0 +1,501 @@
+//! The messages of the environment protocol (docs/ENV_PROTOCOL.md) and their MessagePack codec.
+//!
+//! Every request and reply is one MessagePack map with string keys (`rmp_serde::to_vec_named`),
+//! so a server in any language writes them with a stock MessagePack library. Arrays of `f32`
+//! travel as `bin` values holding little-endian IEEE-754 floats, row-major, which numpy reads
+//! and writes without a loop (`np.frombuffer(b, "<f4")`, `a.astype("<f4").tobytes()`).
+//! Keys a reader does not know are ignored, and keys marked optional may be left out, so
+//! adding a key never needs a new [`PROTOCOL_VERSION`].
+//!
+//! Errors are not messages: a server answers a failed request with an empty body and the NATS
+//! service-API headers `Nats-Service-Error` (a description) and `Nats-Service-Error-Code`
+//! (one of the [`ErrorCode`]s).
+
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+
+/// The protocol version every request carries in `v`. A server answers a request with another
+/// version with [`ErrorCode::UnsupportedVersion`]; a client skips instances whose service
+/// metadata announces another version.
+pub const PROTOCOL_VERSION: u32 = 1;
+
+/// Service metadata key announcing the protocol version (value: the version in decimal).
+pub const METADATA_PROTOCOL: &str = "volley_env_protocol";
+
+/// Service metadata key holding the environment service's name.
+pub const METADATA_ENV: &str = "volley_env";
+
+/// Reply header with the error description (NATS service API, ADR-32).
+pub const ERROR_HEADER: &str = "Nats-Service-Error";
+
+/// Reply header with the error code (NATS service API, ADR-32).
+pub const ERROR_CODE_HEADER: &str = "Nats-Service-Error-Code";
+
+/// The operations, by endpoint name (the name an instance lists in its `$SRV.INFO` reply).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Op {
+    /// Observation and action spaces and limits of the environment.
+    Spaces,
+    /// Create a session of N environments and reset them.
+    Open,
+    /// Reset every environment of a session.
+    Reset,
+    /// Step every environment of a session (auto-reset).
+    Step,
+    /// The state of one environment of a session.
+    Snapshot,
+    /// Restore one environment of a session.
+    Restore,
+    /// Drop a session.
+    Close,
+}
+
+impl Op {
+    /// Every operation, in the order of the protocol document.
+    pub const ALL: [Op; 7] = [Op::Spaces, Op::Open, Op::Reset, Op::Step, Op::Snapshot, Op::Restore, Op::Close];
+
+    /// The endpoint name (and last subject token).
+    pub fn name(self) -> &'static str {
+        match self {
+            Op::Spaces => "spaces",
+            Op::Open => "open",
+            Op::Reset => "reset",
+            Op::Step => "step",
+            Op::Snapshot => "snapshot",
+            Op::Restore => "restore",
+            Op::Close => "close",
+        }
+    }
+
+    /// The operation of an endpoint name.
+    pub fn from_name(name: &str) -> Option<Op> {
+        Op::ALL.into_iter().find(|op| op.name() == name)
+    }
+}
+
+/// The error codes of error replies (HTTP-like, as the NATS service API suggests).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ErrorCode {
+    /// The request did not decode, or a field is out of range (wrong number of actions).
+    BadRequest,
+    /// The session does not exist (closed, expired after its idle timeout, or the server
+    /// restarted).
+    UnknownSession,
+    /// The operation is not supported by this environment (snapshot/restore).
+    Unsupported,
+    /// The server is at its session or environment limit; try another instance.
+    Capacity,
+    /// The environment failed outside a step (e.g. while opening a session).
+    Internal,
+    /// The request's protocol version is not served here.
+    UnsupportedVersion,
+}
+
+impl ErrorCode {
+    /// The numeric code sent in [`ERROR_CODE_HEADER`].
+    pub fn code(self) -> u16 {
+        match self {
+            ErrorCode::BadRequest => 400,
+            ErrorCode::UnknownSession => 404,
+            ErrorCode::Unsupported => 501,
+            ErrorCode::Capacity => 503,
+            ErrorCode::Internal => 500,
+            ErrorCode::UnsupportedVersion => 505,
+        }
+    }
+
+    /// The code of a numeric value, if it is one of ours.
+    pub fn from_code(code: u16) -> Option<ErrorCode> {
+        [
+            ErrorCode::BadRequest,
+            ErrorCode::UnknownSession,
+            ErrorCode::Unsupported,
+            ErrorCode::Capacity,
+            ErrorCode::Internal,
+            ErrorCode::UnsupportedVersion,
+        ]
+        .into_iter()
+        .find(|c| c.code() == code)
+    }
+}
+
+/// `spaces` request.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SpacesRequest {
+    /// Protocol version.
+    pub v: u32,
+}
+
+/// `spaces` reply: what every session of this instance looks like.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SpacesReply {
+    /// What the server runs (`"cartpole"`, `"gymnasium:CartPole-v1"`); informative.
+    pub env: String,
+    /// Observation length (a flat `f32` box).
+    pub obs_dim: u32,
+    /// Lower bounds, `obs_dim` floats (`-inf` where unbounded).
+    #[serde(with = "f32_bin")]
+    pub obs_low: Vec<f32>,
+    /// Upper bounds, `obs_dim` floats (`inf` where unbounded).
+    #[serde(with = "f32_bin")]
+    pub obs_high: Vec<f32>,
+    /// Number of discrete actions `0..n_actions`.
+    pub n_actions: u32,
+    /// Mean return at which the environment counts as solved, if known.
+    #[serde(default)]
+    pub reward_threshold: Option<f32>,
+    /// Time limit of an episode in steps, if any.
+    #[serde(default)]
+    pub max_episode_steps: Option<u32>,
+    /// Whether `snapshot` and `restore` work.
+    #[serde(default)]
+    pub snapshot: bool,
+    /// Largest `n_envs` an `open` may ask for.
+    pub max_envs_per_session: u32,
+}
+
+/// `open` request: create a session of `n_envs` environments, reset environment `i` with
+/// `seeds[i]`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct OpenRequest {
+    /// Protocol version.
+    pub v: u32,
+    /// Number of environments in the session.
+    pub n_envs: u32,
+    /// One seed per environment.
+    pub seeds: Vec<u64>,
+}
+
+/// `open` reply.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct OpenReply {
+    /// The session id (unique within this instance).
+    pub session: u64,
+    /// First observations, `n_envs × obs_dim` floats.
+    #[serde(with = "f32_bin")]
+    pub obs: Vec<f32>,
+    /// The server drops a session that received no request for this long.
+    #[serde(default)]
+    pub idle_timeout_ms: u64,
+}
+
+/// `reset` request: start a new episode in every environment of the session.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ResetRequest {
+    /// Protocol version.
+    pub v: u32,
+    /// The session.
+    pub session: u64,
+    /// One entry per environment: a seed, or nil to continue the environment's own generator.
+    pub seeds: Vec<Option<u64>>,
+}
+
+/// Reply of `reset` and `restore`: observations.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ObsReply {
+    /// `reset`: `n_envs × obs_dim` floats; `restore`: the restored environment's `obs_dim`.
+    #[serde(with = "f32_bin")]
+    pub obs: Vec<f32>,
+}
+
+/// `step` request: one action per environment of the session.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StepRequest {
+    /// Protocol version.
+    pub v: u32,
+    /// The session.
+    pub session: u64,
+    /// `n_envs` actions in `0..n_actions`.
+    pub actions: Vec<u32>,
+}
+
+/// One environment that failed during a step; the server started it again.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct EnvFailure {
+    /// Index of the environment within the session.
+    pub env: u32,
+    /// What went wrong.
+    pub message: String,
+}
+
+/// `step` reply. Environments whose episode ended (terminated or truncated) were reset by the
+/// server: their row of `obs` is the next episode's first observation, and their last
+/// observation is in `final_obs`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StepReply {
+    /// Current observations, `n_envs × obs_dim` floats.
+    #[serde(with = "f32_bin")]
+    pub obs: Vec<f32>,
+    /// `n_envs` rewards.
+    #[serde(with = "f32_bin")]
+    pub rewards: Vec<f32>,
+    /// `n_envs` flags: the episode reached a terminal state.
+    pub terminated: Vec<bool>,
+    /// `n_envs` flags: the episode was cut by a time limit (or by a failure).
+    pub truncated: Vec<bool>,
+    /// One `obs_dim` row per environment whose episode ended, in environment order: the
+    /// observation before the reset (the last valid one for a failed environment).
+    #[serde(default, with = "f32_bin")]
+    pub final_obs: Vec<f32>,
+    /// Environments that failed this step (reported truncated with reward 0, then reset).
+    #[serde(default)]
+    pub errors: Vec<EnvFailure>,
+}
+
+/// `snapshot` request.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SnapshotRequest {
+    /// Protocol version.
+    pub v: u32,
+    /// The session.
+    pub session: u64,
+    /// Index of the environment within the session.
+    pub env: u32,
+}
+
+/// `snapshot` reply.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SnapshotReply {
+    /// Opaque state bytes, restorable on any instance of the same service.
+    #[serde(with = "serde_bytes")]
+    pub state: Vec<u8>,
+}
+
+/// `restore` request.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RestoreRequest {
+    /// Protocol version.
+    pub v: u32,
+    /// The session.
+    pub session: u64,
+    /// Index of the environment within the session.
+    pub env: u32,
+    /// Bytes from a `snapshot` reply.
+    #[serde(with = "serde_bytes")]
+    pub state: Vec<u8>,
+}
+
+/// `close` request. Closing an unknown session succeeds.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CloseRequest {
+    /// Protocol version.
+    pub v: u32,
+    /// The session.
+    pub session: u64,
+}
+
+/// An empty reply map (`close`).
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct EmptyReply {}
+
+/// Just the version of a request, read before the rest so that a request of another version
+/// gets [`ErrorCode::UnsupportedVersion`] rather than a decode error.
+#[derive(Debug, Clone, Deserialize)]
+pub struct VersionProbe {
+    /// The request's `v`, if it has one.
+    #[serde(default)]
+    pub v: Option<u32>,
+}
+
+/// One instance as its `$SRV.INFO` reply (JSON, NATS service API) describes it.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+pub struct ServiceInfo {
+    /// The service name (`volley-env-<name>`).
+    pub name: String,
+    /// The instance id, unique per running server.
+    pub id: String,
+    /// The server's own version (semver); informative.
+    #[serde(default)]
+    pub version: String,
+    /// Service metadata; carries [`METADATA_PROTOCOL`].
+    #[serde(default, deserialize_with = "null_as_default")]
+    pub metadata: std::collections::HashMap<String, String>,
+    /// The endpoints, one per [`Op`].
+    #[serde(default, deserialize_with = "null_as_default")]
+    pub endpoints: Vec<ServiceEndpoint>,
+}
+
+/// One endpoint of a [`ServiceInfo`].
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+pub struct ServiceEndpoint {
+    /// The endpoint name ([`Op::name`]).
+    pub name: String,
+    /// The subject requests go to.
+    pub subject: String,
+}
+
+fn null_as_default<'de, D, T>(deserializer: D) -> Result<T, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: Default + Deserialize<'de>,
+{
+    Ok(Option::<T>::deserialize(deserializer)?.unwrap_or_default())
+}
+
+/// Why a message did not decode.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("undecodable {what}: {message}")]
+pub struct ProtocolError {
+    /// Which message.
+    pub what: &'static str,
+    /// The decoder's complaint.
+    pub message: String,
+}
+
+/// Encode a message as a MessagePack map with string keys.
+pub fn encode<T: Serialize>(message: &T) -> Vec<u8> {
+    rmp_serde::to_vec_named(message).expect("protocol messages always encode")
+}
+
+/// Decode a message (`what` names it in the error). Never panics on arbitrary bytes.
+pub fn decode<T: DeserializeOwned>(what: &'static str, bytes: &[u8]) -> Result<T, ProtocolError> {
+    rmp_serde::from_slice(bytes).map_err(|err| ProtocolError { what, message: err.to_string() })
+}
+
+/// `Vec<f32>` as a MessagePack `bin` of little-endian `f32`s.
+pub(crate) mod f32_bin {
+    use serde::de::Error;
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub(crate) fn serialize<S: Serializer>(values: &[f32], serializer: S) -> Result<S::Ok, S::Error> {
+        let mut bytes = Vec::with_capacity(values.len() * 4);
+        for value in values {
+            bytes.extend_from_slice(&value.to_le_bytes());
+        }
+        serializer.serialize_bytes(&bytes)
+    }
+
+    pub(crate) fn deserialize<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Vec<f32>, D::Error> {
+        let bytes = serde_bytes::ByteBuf::deserialize(deserializer)?;
+        if bytes.len() % 4 != 0 {
+            return Err(D::Error::custom(format!("f32 array of {} bytes is not a multiple of 4", bytes.len())));
+        }
+        Ok(bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn step_reply_round_trips_with_infinite_and_negative_values() {
+        let reply = StepReply {
+            obs: vec![1.5, -0.0, f32::INFINITY, -3.25],
+            rewards: vec![1.0, 0.0],
+            terminated: vec![true, false],
+            truncated: vec![false, true],
+            final_obs: vec![9.0, 8.0, 7.0, 6.0],
+            errors: vec![EnvFailure { env: 1, message: "boom".into() }],
+        };
+        let bytes = encode(&reply);
+        assert_eq!(decode::<StepReply>("step reply", &bytes).unwrap(), reply);
+    }
+
+    /// The layout other languages must produce: a map with string keys, floats as `bin`.
+    #[test]
+    fn open_reply_bytes_are_a_named_map_with_f32_bins() {
+        let bytes = encode(&OpenReply { session: 7, obs: vec![1.0], idle_timeout_ms: 0 });
+        // fixmap of 3 entries, then "session" as fixstr, 7 as positive fixint.
+        assert_eq!(&bytes[..10], &[0x83, 0xa7, b's', b'e', b's', b's', b'i', b'o', b'n', 7]);
+        // "obs" then bin8 of 4 bytes holding 1.0f32 little-endian.
+        assert_eq!(&bytes[10..20], &[0xa3, b'o', b'b', b's', 0xc4, 4, 0, 0, 0x80, 0x3f]);
+    }
+
+    /// What Python's `msgpack.packb` writes for a `step` reply with Python floats and without the
+    /// optional keys decodes (floats widen from f64, optional keys default).
+    #[test]
+    fn a_reply_without_optional_keys_decodes() {
+        // {"obs": b"", "rewards": b"", "terminated": [], "truncated": []}
+        let mut bytes = vec![0x84];
+        for (key, value) in
+            [("obs", &[0xc4u8, 0][..]), ("rewards", &[0xc4, 0]), ("terminated", &[0x90]), ("truncated", &[0x90])]
+        {
+            bytes.push(0xa0 | key.len() as u8);
+            bytes.extend_from_slice(key.as_bytes());
+            bytes.extend_from_slice(value);
+        }
+        let reply: StepReply = decode("step reply", &bytes).unwrap();
+        assert!(reply.final_obs.is_empty() && reply.errors.is_empty());
+        // {"env": "x", "obs_dim": 1, "obs_low": bin, "obs_high": bin, "n_actions": 2,
+        //  "reward_threshold": 475.0 as float64, "max_envs_per_session": 4}
+        let mut spaces = vec![0x87];
+        let key = |bytes: &mut Vec<u8>, k: &str| {
+            bytes.push(0xa0 | k.len() as u8);
+            bytes.extend_from_slice(k.as_bytes());
+        };
+        key(&mut spaces, "env");
+        spaces.extend_from_slice(&[0xa1, b'x']);
+        key(&mut spaces, "obs_dim");
+        spaces.push(1);
+        key(&mut spaces, "obs_low");
+        spaces.extend_from_slice(&[0xc4, 4, 0, 0, 0x80, 0xff]);
+        key(&mut spaces, "obs_high");
+        spaces.extend_from_slice(&[0xc4, 4, 0, 0, 0x80, 0x7f]);
+        key(&mut spaces, "n_actions");
+        spaces.push(2);
+        key(&mut spaces, "reward_threshold");
+        spaces.push(0xcb);
+        spaces.extend_from_slice(&475.0f64.to_be_bytes());
+        key(&mut spaces, "max_envs_per_session");
+        spaces.push(4);
+        let spaces: SpacesReply = decode("spaces reply", &spaces).unwrap();
+        assert_eq!(spaces.obs_low, vec![f32::NEG_INFINITY]);
+        assert_eq!(spaces.obs_high, vec![f32::INFINITY]);
+        assert_eq!(spaces.reward_threshold, Some(475.0));
+        assert!(!spaces.snapshot && spaces.max_episode_steps.is_none());
+    }
+
+    #[test]
+    fn a_float_array_of_odd_length_is_refused() {
+        let mut bytes = encode(&ObsReply { obs: vec![1.0] });
+        // Shorten the bin from 4 to 3 bytes.
+        let len_at = bytes.len() - 5;
+        bytes[len_at] = 3;
+        bytes.pop();
+        let err = decode::<ObsReply>("obs reply", &bytes).unwrap_err();
+        assert!(err.message.contains("multiple of 4"), "{err}");
+    }
+
+    #[test]
+    fn ops_and_codes_round_trip() {
+        for op in Op::ALL {
+            assert_eq!(Op::from_name(op.name()), Some(op));
+        }
+        assert_eq!(Op::from_name("nope"), None);
+        for code in [400, 404, 500, 501, 503, 505] {
+            assert_eq!(ErrorCode::from_code(code).map(ErrorCode::code), Some(code));
+        }
+        assert_eq!(ErrorCode::from_code(418), None);
+    }
+
+    #[test]
+    fn service_info_from_the_nats_micro_json_decodes() {
+        let json = r#"{"type":"io.nats.micro.v1.info_response","name":"volley-env-x","id":"AbC1",
+            "description":"","version":"0.1.0","metadata":{"volley_env_protocol":"1"},
+            "endpoints":[{"name":"step","subject":"volley.env.x.AbC1.step","queue_group":"q","metadata":null}]}"#;
+        let info: ServiceInfo = serde_json::from_str(json).unwrap();
+        assert_eq!(info.id, "AbC1");
+        assert_eq!(info.metadata[METADATA_PROTOCOL], "1");
+        assert_eq!(info.endpoints[0].subject, "volley.env.x.AbC1.step");
+        let bare: ServiceInfo =
+            serde_json::from_str(r#"{"name":"n","id":"i","metadata":null,"endpoints":null}"#).unwrap();
+        assert!(bare.endpoints.is_empty() && bare.metadata.is_empty());
+    }
+
+    proptest! {
+        #[test]
+        fn decode_never_panics_on_arbitrary_bytes(bytes in proptest::collection::vec(any::<u8>(), 0..256)) {
+            let _ = decode::<StepReply>("step reply", &bytes);
+            let _ = decode::<StepRequest>("step request", &bytes);
+            let _ = decode::<SpacesReply>("spaces reply", &bytes);
+        }
+
+        #[test]
+        fn step_requests_round_trip(session in any::<u64>(), actions in proptest::collection::vec(any::<u32>(), 0..64)) {
+            let request = StepRequest { v: PROTOCOL_VERSION, session, actions };
+            prop_assert_eq!(decode::<StepRequest>("step request", &encode(&request)).unwrap(), request);
+        }
+    }
+}

@@ -1,0 +1,230 @@
+// Policy-head and loss kernels: log-softmax rows, the V-trace and GAE reverse scans over time,
+// weighted moments, and the fused V-trace / PPO loss that writes the heads' gradient rows.
+// Mirrors learner/src/losses.rs and core/src/returns (same formulas, f32 per sample, double sums).
+
+// For each sample row i < n of the heads block (stride = A + 1): out[i] = log pi(a_i | x_i) - ref[i]
+// (ref = behaviour log-probs gives log rho; ref == NULL gives log pi(a_i) itself).
+extern "C" __global__ void action_log_probs(const float* heads, int stride, int n_actions, const u32* actions, const float* ref, float* out, int n) {
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+        const float* z = heads + (long long)i * stride;
+        float m, log_sum;
+        volley_log_softmax_row(z, n_actions, &m, &log_sum);
+        const float lp = (z[actions[i]] - m) - log_sum;
+        out[i] = ref ? lp - ref[i] : lp;
+    }
+}
+
+// out[i] = min(exp(prox[i] - behaviour[i]), clip): decoupled PPO's behaviour weights (Hilton et al. 2021).
+extern "C" __global__ void behaviour_weights(const float* prox, const float* behaviour, float clip, float* out, int n) {
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+        out[i] = fminf(expf(prox[i] - behaviour[i]), clip);
+    }
+}
+
+// V-trace targets and policy-gradient advantages (Espeholt et al. 2018, eq. (1), sec. 4.2):
+// one thread per batch column walks time backwards; every load is coalesced across columns.
+// `vs` doubles as the carry, as in core/src/returns/vtrace.rs.
+extern "C" __global__ void vtrace_scan(int t_len, int b_len, const float* log_rhos, const float* discounts, const float* rewards,
+                                       const float* values, const float* bootstrap, float rho_bar, float pg_rho_bar, float c_bar,
+                                       float lambda_, float* vs, float* pg_adv) {
+    const int b = blockIdx.x * blockDim.x + threadIdx.x;
+    if (b >= b_len) return;
+    float v_next = bootstrap[b];
+    float vs_next = v_next;
+    for (int t = t_len - 1; t >= 0; --t) {
+        const long long i = (long long)t * b_len + b;
+        const float rho = expf(log_rhos[i]);
+        const float discount = discounts[i];
+        const float reward = rewards[i];
+        const float v = values[i];
+        const float clipped_rho = fminf(rho, rho_bar);
+        const float c = lambda_ * fminf(rho, c_bar);
+        const float delta = clipped_rho * (reward + discount * v_next - v);
+        const float vs_t = v + delta + discount * c * (vs_next - v_next);
+        vs[i] = vs_t;
+        pg_adv[i] = fminf(rho, pg_rho_bar) * (reward + discount * vs_next - v);
+        vs_next = vs_t;
+        v_next = v;
+    }
+}
+
+// GAE(gamma, lambda) advantages and lambda-returns (Schulman et al. 2016, eq. (16)).
+extern "C" __global__ void gae_scan(int t_len, int b_len, const float* discounts, const float* rewards, const float* values,
+                                    const float* bootstrap, float lambda_, float* adv, float* ret) {
+    const int b = blockIdx.x * blockDim.x + threadIdx.x;
+    if (b >= b_len) return;
+    float v_next = bootstrap[b];
+    float adv_next = 0.0f;
+    for (int t = t_len - 1; t >= 0; --t) {
+        const long long i = (long long)t * b_len + b;
+        const float discount = discounts[i];
+        const float v = values[i];
+        const float delta = rewards[i] + discount * v_next - v;
+        const float a = delta + discount * lambda_ * adv_next;
+        adv[i] = a;
+        ret[i] = a + v;
+        adv_next = a;
+        v_next = v;
+    }
+}
+
+// acc[0] += sum_i w_i; acc[1] += sum_i w_i x_i (x may be NULL).
+extern "C" __global__ void weighted_sum(const float* w, const float* x, int n, double* acc) {
+    double sw = 0.0, swx = 0.0;
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+        const double wi = w[i];
+        sw += wi;
+        if (x && wi != 0.0) swx += wi * (double)x[i];
+    }
+    sw = volley_block_sum(sw);
+    swx = volley_block_sum(swx);
+    if (threadIdx.x == 0) {
+        atomicAdd(acc, sw);
+        atomicAdd(acc + 1, swx);
+    }
+}
+
+// acc[2] += sum_{w_i != 0} w_i (x_i - mean)^2 with mean = acc[1] / acc[0].
+extern "C" __global__ void weighted_var(const float* w, const float* x, int n, double* acc) {
+    const double mean = acc[0] > 0.0 ? acc[1] / acc[0] : 0.0;
+    double s = 0.0;
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+        const double wi = w[i];
+        if (wi != 0.0) {
+            const double d = (double)x[i] - mean;
+            s += wi * d * d;
+        }
+    }
+    s = volley_block_sum(s);
+    if (threadIdx.x == 0) atomicAdd(acc + 2, s);
+}
+
+// Writes the gradient of -pg_scale * log pi(a) - ent_scale * H(pi) w.r.t. one logits row into
+// d (stride 1): pg_scale (p_j - [j = a]) + ent_scale p_j (log p_j + H); also returns H and log pi(a).
+__device__ __forceinline__ void volley_policy_row_grad(const float* z, int n_actions, u32 action, float pg_scale, float ent_scale,
+                                                       float* d, float* entropy_out, float* log_prob_out) {
+    float m, log_sum;
+    volley_log_softmax_row(z, n_actions, &m, &log_sum);
+    float entropy = 0.0f;
+    for (int j = 0; j < n_actions; ++j) {
+        const float lp = (z[j] - m) - log_sum;
+        const float p = expf(lp);
+        if (p > 0.0f) entropy -= p * lp;
+    }
+    for (int j = 0; j < n_actions; ++j) {
+        const float lp = (z[j] - m) - log_sum;
+        const float p = expf(lp);
+        const float entropy_grad = p > 0.0f ? p * (lp + entropy) : 0.0f;
+        d[j] = pg_scale * (p - (j == (int)action ? 1.0f : 0.0f)) + ent_scale * entropy_grad;
+    }
+    *entropy_out = entropy;
+    *log_prob_out = (z[action] - m) - log_sum;
+}
+
+// Block-reduce the six weighted loss sums and add them to stats[0..6]: policy, value, entropy,
+// ratio, clipped weight, approx-KL (k3).
+__device__ __forceinline__ void volley_add_stats(double* stats, double policy, double value, double entropy, double ratio, double clipped, double kl) {
+    policy = volley_block_sum(policy);
+    value = volley_block_sum(value);
+    entropy = volley_block_sum(entropy);
+    ratio = volley_block_sum(ratio);
+    clipped = volley_block_sum(clipped);
+    kl = volley_block_sum(kl);
+    if (threadIdx.x == 0) {
+        atomicAdd(stats + 0, policy);
+        atomicAdd(stats + 1, value);
+        atomicAdd(stats + 2, entropy);
+        atomicAdd(stats + 3, ratio);
+        atomicAdd(stats + 4, clipped);
+        atomicAdd(stats + 5, kl);
+    }
+}
+
+// The IMPALA loss with V-trace targets: gradient rows of the heads block for the n sample rows
+// (rows n..n_rows, the bootstrap row, get zero), and the weighted sums into stats.
+// moments[0] holds W = sum of weights (from weighted_sum).
+extern "C" __global__ void vtrace_loss_grad(const float* heads, int stride, int n_actions, const u32* actions, const float* weights,
+                                            const float* values, const float* vs, const float* log_rhos, const float* pg_adv,
+                                            float rho_bar, float value_coef, float ent_coef, int n, int n_rows, const double* moments,
+                                            float* d_heads, double* stats) {
+    const double weight_sum = moments[0];
+    const float inv_weight_sum = weight_sum > 0.0 ? (float)(1.0 / weight_sum) : 0.0f;
+    double s_policy = 0.0, s_value = 0.0, s_entropy = 0.0, s_ratio = 0.0, s_clipped = 0.0, s_kl = 0.0;
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n_rows; i += gridDim.x * blockDim.x) {
+        float* d = d_heads + (long long)i * stride;
+        const float w = i < n ? weights[i] : 0.0f;
+        if (w == 0.0f || weight_sum <= 0.0) {
+            for (int j = 0; j < stride; ++j) d[j] = 0.0f;
+            continue;
+        }
+        const float scale = w * inv_weight_sum;
+        const float pg = pg_adv[i];
+        float entropy, log_prob;
+        volley_policy_row_grad(heads + (long long)i * stride, n_actions, actions[i], scale * pg, scale * ent_coef, d, &entropy, &log_prob);
+        const float value_error = vs[i] - values[i];
+        d[n_actions] = -value_coef * scale * value_error;
+        const float log_rho = log_rhos[i];
+        const float rho = expf(log_rho);
+        const double wd = w;
+        s_policy += wd * (double)(-pg * log_prob);
+        s_value += wd * 0.5 * (double)value_error * (double)value_error;
+        s_entropy += wd * (double)entropy;
+        s_ratio += wd * (double)rho;
+        if (rho > rho_bar) s_clipped += wd;
+        s_kl += wd * (((double)rho - 1.0) - (double)log_rho);
+    }
+    volley_add_stats(stats, s_policy, s_value, s_entropy, s_ratio, s_clipped, s_kl);
+}
+
+// Decoupled PPO-clip (Schulman et al. 2017, eq. (7); Hilton et al. 2021, eq. (2)) over n rows;
+// moments = [W, sum w A, sum w (A - mean)^2] from weighted_sum / weighted_var.
+extern "C" __global__ void ppo_loss_grad(const float* heads, int stride, int n_actions, const u32* actions, const float* weights,
+                                         const float* values, const float* advantages, const float* returns, const float* prox_log_probs,
+                                         const float* is_weights, float clip_coef, float value_coef, float ent_coef, int normalize, int n,
+                                         const double* moments, float* d_heads, double* stats) {
+    const double weight_sum = moments[0];
+    const float inv_weight_sum = weight_sum > 0.0 ? (float)(1.0 / weight_sum) : 0.0f;
+    float adv_shift = 0.0f, adv_scale = 1.0f;
+    if (normalize && weight_sum > 0.0) {
+        const double mean = moments[1] / weight_sum;
+        const double variance = moments[2] / weight_sum;
+        adv_shift = (float)mean;
+        adv_scale = (float)(1.0 / (sqrt(variance) + 1e-8));
+    }
+    const float clip_low = 1.0f - clip_coef, clip_high = 1.0f + clip_coef;
+    double s_policy = 0.0, s_value = 0.0, s_entropy = 0.0, s_ratio = 0.0, s_clipped = 0.0, s_kl = 0.0;
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+        float* d = d_heads + (long long)i * stride;
+        const float w = weights[i];
+        if (w == 0.0f || weight_sum <= 0.0) {
+            for (int j = 0; j < stride; ++j) d[j] = 0.0f;
+            continue;
+        }
+        const float* z = heads + (long long)i * stride;
+        const float scale = w * inv_weight_sum;
+        float m, log_sum;
+        volley_log_softmax_row(z, n_actions, &m, &log_sum);
+        const u32 action = actions[i];
+        const float log_ratio = ((z[action] - m) - log_sum) - prox_log_probs[i];
+        const float ratio = expf(log_ratio);
+        const float advantage = (advantages[i] - adv_shift) * adv_scale;
+        const float unclipped = ratio * advantage;
+        const float clipped = fminf(fmaxf(ratio, clip_low), clip_high) * advantage;
+        const bool take_unclipped = unclipped <= clipped;
+        const float surrogate = take_unclipped ? unclipped : clipped;
+        const float surrogate_grad = take_unclipped ? unclipped : 0.0f;
+        const float is_w = is_weights[i];
+        float entropy, log_prob;
+        volley_policy_row_grad(z, n_actions, action, scale * is_w * surrogate_grad, scale * ent_coef, d, &entropy, &log_prob);
+        const float value_error = returns[i] - values[i];
+        d[n_actions] = -value_coef * scale * value_error;
+        const double wd = w;
+        s_policy -= wd * (double)(is_w * surrogate);
+        s_value += wd * 0.5 * (double)value_error * (double)value_error;
+        s_entropy += wd * (double)entropy;
+        s_ratio += wd * (double)ratio;
+        if (fabsf(ratio - 1.0f) > clip_coef) s_clipped += wd;
+        s_kl += wd * (((double)ratio - 1.0) - (double)log_ratio);
+    }
+    volley_add_stats(stats, s_policy, s_value, s_entropy, s_ratio, s_clipped, s_kl);
+}

@@ -1,0 +1,895 @@
+//! Trajectory selection: which received segments feed a gradient step, and with what weight.
+//!
+//! Validated, de-duplicated segments enter a pool through [`Selector::offer`]. Before each step
+//! [`Selector::prepare`] runs the filters over the pool, [`Selector::draw`] picks the batch's
+//! columns and their loss weights, and [`Selector::settle_drawn`] hands back the drawn
+//! segments' tokens once the update is published. The filters, in order (a segment is dropped
+//! and counted by the first one it fails; docs/ARCHITECTURE.md, "Trajectory selection"):
+//!
+//! 1. **lag bound** ([`DropReason::Stale`]): lag above `max_policy_lag`, on arrival and again
+//!    before every step for segments still waiting in the pool;
+//! 2. **guard** ([`DropReason::OutOfRange`], [`DropReason::NonFinite`]): a raw reward above
+//!    `max_abs_reward`, a scaled-and-bootstrapped reward or episode return that is not finite,
+//!    on arrival; with priority sampling also a non-finite learner-side value or advantage,
+//!    found by the priority forward of step 4;
+//! 3. **zero variance** ([`DropReason::ZeroVariance`]): the segment's start group has recent
+//!    returns that are all equal;
+//! 4. **priority sampling**: draw `batch_segments` columns from the pool with probability
+//!    `p_i ∝ priority_i^α` and weight each by its normalised importance weight.
+//!
+//! Acknowledgement invariant: every token offered leaves the selector exactly once, either in
+//! `dropped` (a final decision: ack it now) or from [`Selector::settle_drawn`] (ack it once
+//! the update it fed is published); until then it waits in the pool, unacknowledged, and a
+//! networked transport redelivers it if the learner dies.
+
+use std::collections::{HashMap, VecDeque};
+
+use rand::{Rng, SeedableRng};
+use rand_pcg::Pcg64Mcg;
+use tracing::debug;
+use volley_core::ids::PolicyVersion;
+use volley_core::policy::{ParamLayout, PolicyTape};
+use volley_core::returns::gae::gae;
+use volley_core::spec::{GuardConfig, PriorityConfig, RunSpec, ZeroVarianceConfig};
+use volley_core::transport::DeliveryToken;
+use volley_core::wire::TrajectorySegment;
+
+use crate::batch::{resize, SegmentBatch};
+
+/// Why selection dropped a segment for good (the `outcome` label of
+/// `volley_learner_segments_total`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum DropReason {
+    /// Lag above `max_policy_lag`.
+    Stale,
+    /// A derived value (scaled reward, episode return, learner value or advantage) is not finite.
+    NonFinite,
+    /// A raw reward exceeds `max_abs_reward`.
+    OutOfRange,
+    /// The segment's start group has recent returns with zero variance.
+    ZeroVariance,
+}
+
+impl DropReason {
+    /// Every reason, in filter order.
+    pub const ALL: [DropReason; 4] =
+        [DropReason::Stale, DropReason::NonFinite, DropReason::OutOfRange, DropReason::ZeroVariance];
+
+    /// The metric label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DropReason::Stale => "stale",
+            DropReason::NonFinite => "non_finite",
+            DropReason::OutOfRange => "out_of_range",
+            DropReason::ZeroVariance => "zero_variance",
+        }
+    }
+}
+
+/// A segment selection dropped; its token is to be acknowledged at once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Dropped {
+    /// The delivery to acknowledge.
+    pub token: DeliveryToken,
+    /// Why it was dropped.
+    pub reason: DropReason,
+}
+
+/// The columns of the next batch: segments (a segment drawn twice appears twice) and their
+/// loss weights (the `column_weights` of [`SegmentBatch::fill`]).
+#[derive(Debug)]
+pub struct Draw<'a> {
+    /// One segment per column.
+    pub segments: Vec<&'a TrajectorySegment>,
+    /// One weight per column, in (0, 1].
+    pub column_weights: &'a [f32],
+}
+
+/// `(task_id, start_snapshot)`: segments that share a start.
+type GroupKey = (u32, Option<String>);
+
+/// How many start groups the zero-variance filter remembers; the oldest is forgotten first.
+const MAX_GROUPS: usize = 4096;
+
+/// The returns of the last `window` finished episodes of each start group, for the
+/// zero-variance filter. Bounded: at most `capacity` groups, evicted oldest first.
+#[derive(Debug, Clone)]
+pub struct GroupReturns {
+    window: usize,
+    capacity: usize,
+    groups: HashMap<GroupKey, VecDeque<f32>>,
+    order: VecDeque<GroupKey>,
+}
+
+impl GroupReturns {
+    /// Remember `window` returns per group for at most `capacity` groups.
+    pub fn new(window: usize, capacity: usize) -> Self {
+        GroupReturns {
+            window: window.max(1),
+            capacity: capacity.max(1),
+            groups: HashMap::new(),
+            order: VecDeque::new(),
+        }
+    }
+
+    /// Record one finished episode of the group `(task_id, start_snapshot)`.
+    pub fn record(&mut self, task_id: u32, start_snapshot: Option<&str>, episode_return: f32) {
+        let key = (task_id, start_snapshot.map(str::to_owned));
+        if !self.groups.contains_key(&key) {
+            if self.groups.len() == self.capacity {
+                if let Some(oldest) = self.order.pop_front() {
+                    self.groups.remove(&oldest);
+                }
+            }
+            self.order.push_back(key.clone());
+        }
+        let returns = self.groups.entry(key).or_default();
+        if returns.len() == self.window {
+            returns.pop_front();
+        }
+        returns.push_back(episode_return);
+    }
+
+    /// Whether the group's window is full and its returns spread by at most `tolerance`.
+    pub fn is_zero_variance(&self, task_id: u32, start_snapshot: Option<&str>, tolerance: f32) -> bool {
+        let key = (task_id, start_snapshot.map(str::to_owned));
+        let Some(returns) = self.groups.get(&key) else {
+            return false;
+        };
+        if returns.len() < self.window {
+            return false;
+        }
+        let (min, max) = returns.iter().fold((f32::INFINITY, f32::NEG_INFINITY), |(lo, hi), &r| (lo.min(r), hi.max(r)));
+        max - min <= tolerance
+    }
+
+    /// Groups remembered.
+    pub fn len(&self) -> usize {
+        self.groups.len()
+    }
+
+    /// Whether no group is remembered.
+    pub fn is_empty(&self) -> bool {
+        self.groups.is_empty()
+    }
+}
+
+/// Sampling probabilities `p_i = priority_i^α / Σ_j priority_j^α` (Schaul et al. 2016, eq. 1),
+/// in `f64` so a large pool's small probabilities keep their precision.
+///
+/// # Panics
+/// If a priority is not finite and positive: callers add ε and drop non-finite segments first.
+pub fn sampling_probabilities(priorities: &[f32], alpha: f32, out: &mut Vec<f64>) {
+    assert!(priorities.iter().all(|&p| p.is_finite() && p > 0.0), "priorities must be finite and positive");
+    out.clear();
+    out.extend(priorities.iter().map(|&p| f64::from(p).powf(f64::from(alpha))));
+    let total: f64 = out.iter().sum();
+    out.iter_mut().for_each(|p| *p /= total);
+}
+
+/// Draw `n` indices with replacement, index `i` with probability `probs[i]` (inverse CDF by
+/// binary search over the running sum).
+pub fn sample_with_replacement(
+    probs: &[f64],
+    n: usize,
+    rng: &mut impl Rng,
+    cumulative: &mut Vec<f64>,
+    out: &mut Vec<usize>,
+) {
+    out.clear();
+    if probs.is_empty() {
+        return;
+    }
+    cumulative.clear();
+    let mut running = 0.0;
+    cumulative.extend(probs.iter().map(|&p| {
+        running += p;
+        running
+    }));
+    let total = running;
+    for _ in 0..n {
+        let u = rng.random::<f64>() * total;
+        // The first index whose running sum exceeds u; `min` guards against rounding at the top.
+        let idx = cumulative.partition_point(|&c| c <= u).min(probs.len() - 1);
+        out.push(idx);
+    }
+}
+
+/// Importance weights `w_i = (N·p_i)^(−β) / max_j (N·p_j)^(−β)` of the drawn indices
+/// (Schaul et al. 2016, sec. 3.4), where the max runs over the whole pool, so every weight is
+/// in (0, 1] and the pool's least likely segment would get exactly 1. The `N` cancels:
+/// `w_i = (p_min / p_i)^β`.
+pub fn importance_weights(probs: &[f64], drawn: &[usize], beta: f32, out: &mut Vec<f32>) {
+    out.clear();
+    let p_min = probs.iter().copied().fold(f64::INFINITY, f64::min);
+    out.extend(drawn.iter().map(|&i| (p_min / probs[i]).powf(f64::from(beta)) as f32));
+}
+
+/// A segment waiting in the pool.
+#[derive(Debug)]
+struct Candidate {
+    segment: TrajectorySegment,
+    token: DeliveryToken,
+    /// `mean_t |A_t| + ε`, computed by the priority forward (priority sampling only).
+    priority: Option<f32>,
+}
+
+/// The learner's trajectory selection: the pool of candidate segments and the filters and
+/// sampler over it (see the module docs for the order and the acknowledgement invariant).
+pub struct Selector {
+    batch_segments: usize,
+    pool_target: usize,
+    max_policy_lag: u64,
+    gamma: f32,
+    reward_scale: f32,
+    gae_lambda: f32,
+    guard: GuardConfig,
+    zero_variance: Option<ZeroVarianceConfig>,
+    priority: Option<PriorityConfig>,
+    groups: GroupReturns,
+    pool: Vec<Candidate>,
+    rng: Pcg64Mcg,
+    /// Value forward for priorities (priority sampling only).
+    tape: Option<PolicyTape>,
+    // Scratch, reused across steps.
+    scratch: SegmentBatch,
+    ones: Vec<f32>,
+    advantages: Vec<f32>,
+    returns: Vec<f32>,
+    unscored: Vec<usize>,
+    priorities: Vec<f32>,
+    probs: Vec<f64>,
+    cumulative: Vec<f64>,
+    drawn: Vec<usize>,
+    weights: Vec<f32>,
+    taken: Vec<bool>,
+}
+
+impl std::fmt::Debug for Selector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Selector")
+            .field("pool", &self.pool.len())
+            .field("pool_target", &self.pool_target)
+            .field("guard", &self.guard)
+            .field("zero_variance", &self.zero_variance)
+            .field("priority", &self.priority)
+            .finish()
+    }
+}
+
+impl Selector {
+    /// A selector for a validated run spec and its parameter layout.
+    pub fn new(spec: &RunSpec, layout: &ParamLayout) -> Self {
+        let h = &spec.hyper;
+        let selection = &h.selection;
+        let window = selection.zero_variance.as_ref().map_or(1, |z| z.min_group);
+        Selector {
+            batch_segments: h.batch_segments,
+            pool_target: selection.pool_segments(h.batch_segments),
+            max_policy_lag: h.max_policy_lag,
+            gamma: h.gamma,
+            reward_scale: h.reward_scale,
+            gae_lambda: h.gae_lambda,
+            guard: selection.guard.clone(),
+            zero_variance: selection.zero_variance.clone(),
+            priority: selection.priority.clone(),
+            groups: GroupReturns::new(window, MAX_GROUPS),
+            pool: Vec::new(),
+            rng: Pcg64Mcg::seed_from_u64(spec.seed ^ 0x5e1e_c7ed),
+            tape: selection.priority.as_ref().map(|_| PolicyTape::new(layout)),
+            scratch: SegmentBatch::default(),
+            ones: Vec::new(),
+            advantages: Vec::new(),
+            returns: Vec::new(),
+            unscored: Vec::new(),
+            priorities: Vec::new(),
+            probs: Vec::new(),
+            cumulative: Vec::new(),
+            drawn: Vec::new(),
+            weights: Vec::new(),
+            taken: Vec::new(),
+        }
+    }
+
+    /// Segments the pool holds before a batch is drawn (`batch_segments`, or
+    /// `pool_factor × batch_segments` with priority sampling).
+    pub fn pool_target(&self) -> usize {
+        self.pool_target
+    }
+
+    /// Segments waiting in the pool.
+    pub fn len(&self) -> usize {
+        self.pool.len()
+    }
+
+    /// Whether the pool is empty.
+    pub fn is_empty(&self) -> bool {
+        self.pool.is_empty()
+    }
+
+    /// Whether [`prepare`](Self::prepare) needs the learner's parameters (priority sampling);
+    /// otherwise it may be given an empty slice, which spares a CUDA learner the download.
+    pub fn needs_params(&self) -> bool {
+        self.priority.is_some()
+    }
+
+    /// Offer a validated, de-duplicated segment received while the learner is at `version`.
+    /// Its finished episodes are recorded for the zero-variance filter whatever happens next;
+    /// then the lag bound and the guard run, and a segment that fails is appended to `dropped`.
+    pub fn offer(
+        &mut self,
+        segment: TrajectorySegment,
+        token: DeliveryToken,
+        version: PolicyVersion,
+        dropped: &mut Vec<Dropped>,
+    ) {
+        if self.zero_variance.is_some() {
+            for episode in segment.finished_episodes.iter().filter(|e| e.episode_return.is_finite()) {
+                self.groups.record(segment.task_id, segment.start_snapshot.as_deref(), episode.episode_return);
+            }
+        }
+        let lag = version.lag_of(segment.policy_version);
+        let reason = if lag > self.max_policy_lag {
+            Some(DropReason::Stale)
+        } else if self.guard.enabled {
+            guard_check(&segment, &self.guard, self.gamma, self.reward_scale)
+        } else {
+            None
+        };
+        match reason {
+            Some(reason) => {
+                debug!(reason = reason.as_str(), lag, actor = %segment.actor, segment_idx = segment.segment_idx, "segment dropped by selection");
+                dropped.push(Dropped { token, reason });
+            }
+            None => self.pool.push(Candidate { segment, token, priority: None }),
+        }
+    }
+
+    /// Run the filters over the pool at learner `version`, appending what they drop to
+    /// `dropped`; true when a batch can be drawn. `params` are the learner's current
+    /// parameters when [`needs_params`](Self::needs_params), used to score new segments.
+    pub fn prepare(&mut self, version: PolicyVersion, params: &[f32], dropped: &mut Vec<Dropped>) -> bool {
+        let max_lag = self.max_policy_lag;
+        self.pool.retain(|candidate| {
+            let lag = version.lag_of(candidate.segment.policy_version);
+            if lag <= max_lag {
+                return true;
+            }
+            debug!(reason = "stale", lag, actor = %candidate.segment.actor, "segment aged out of the selection pool");
+            dropped.push(Dropped { token: candidate.token, reason: DropReason::Stale });
+            false
+        });
+        if let Some(zero) = &self.zero_variance {
+            let groups = &self.groups;
+            self.pool.retain(|candidate| {
+                let segment = &candidate.segment;
+                if !groups.is_zero_variance(segment.task_id, segment.start_snapshot.as_deref(), zero.tolerance) {
+                    return true;
+                }
+                debug!(reason = "zero_variance", task_id = segment.task_id, actor = %segment.actor, "segment dropped by selection");
+                dropped.push(Dropped { token: candidate.token, reason: DropReason::ZeroVariance });
+                false
+            });
+        }
+        if self.pool.len() < self.pool_target {
+            return false;
+        }
+        if self.priority.is_some() {
+            self.score_new(params);
+            self.pool.retain(|candidate| {
+                if candidate.priority.is_some_and(f32::is_finite) {
+                    return true;
+                }
+                debug!(reason = "non_finite", actor = %candidate.segment.actor, "segment dropped: non-finite value or advantage");
+                dropped.push(Dropped { token: candidate.token, reason: DropReason::NonFinite });
+                false
+            });
+            if self.pool.len() < self.pool_target {
+                return false;
+            }
+        }
+        true
+    }
+
+    /// Priorities of the pool's unscored segments under `params`: one value forward over all
+    /// of them as a batch, GAE(γ, λ) against the learner's value head, and the mean |advantage|
+    /// of each column plus ε; NaN where a value or advantage is not finite.
+    fn score_new(&mut self, params: &[f32]) {
+        let (Some(priority), Some(tape)) = (&self.priority, &mut self.tape) else {
+            return;
+        };
+        self.unscored.clear();
+        self.unscored.extend(self.pool.iter().enumerate().filter(|(_, c)| c.priority.is_none()).map(|(i, _)| i));
+        if self.unscored.is_empty() {
+            return;
+        }
+        let segments: Vec<&TrajectorySegment> = self.unscored.iter().map(|&i| &self.pool[i].segment).collect();
+        self.ones.clear();
+        self.ones.resize(segments.len(), 1.0);
+        self.scratch.fill(&segments, self.gamma, self.reward_scale, &self.ones);
+        let batch = &self.scratch;
+        let (t_len, b_len) = (batch.t_len, batch.b_len);
+        tape.forward(params, &batch.observations, &batch.episode_start, &batch.initial_hidden, t_len + 1, b_len);
+        let values = tape.values();
+        let steps = t_len * b_len;
+        resize(&mut self.advantages, steps);
+        resize(&mut self.returns, steps);
+        gae(
+            t_len,
+            b_len,
+            &batch.discounts,
+            &batch.rewards,
+            &values[..steps],
+            &values[steps..],
+            self.gae_lambda,
+            &mut self.advantages,
+            &mut self.returns,
+        );
+        for (col, &pool_idx) in self.unscored.iter().enumerate() {
+            let values_finite = (0..=t_len).all(|t| values[t * b_len + col].is_finite());
+            let mean_abs =
+                (0..t_len).map(|t| self.advantages[t * b_len + col].abs()).sum::<f32>() / t_len.max(1) as f32;
+            let score = if values_finite && mean_abs.is_finite() { mean_abs + priority.epsilon } else { f32::NAN };
+            self.pool[pool_idx].priority = Some(score);
+        }
+    }
+
+    /// Choose the next batch's columns from a pool that [`prepare`](Self::prepare) declared
+    /// ready: without priority sampling, the first `batch_segments` in arrival order with
+    /// weight 1 (the behaviour from before selection existed); with it, `batch_segments`
+    /// draws with replacement by priority, weighted by normalised importance weights.
+    ///
+    /// # Panics
+    /// If the pool holds fewer than `batch_segments` segments.
+    pub fn draw(&mut self) -> Draw<'_> {
+        assert!(self.pool.len() >= self.batch_segments, "draw needs a prepared pool");
+        self.drawn.clear();
+        self.weights.clear();
+        match &self.priority {
+            None => {
+                self.drawn.extend(0..self.batch_segments);
+                self.weights.resize(self.batch_segments, 1.0);
+            }
+            Some(priority) => {
+                self.priorities.clear();
+                self.priorities.extend(self.pool.iter().map(|c| c.priority.expect("prepare scored every segment")));
+                sampling_probabilities(&self.priorities, priority.alpha, &mut self.probs);
+                sample_with_replacement(
+                    &self.probs,
+                    self.batch_segments,
+                    &mut self.rng,
+                    &mut self.cumulative,
+                    &mut self.drawn,
+                );
+                importance_weights(&self.probs, &self.drawn, priority.beta, &mut self.weights);
+            }
+        }
+        Draw { segments: self.drawn.iter().map(|&i| &self.pool[i].segment).collect(), column_weights: &self.weights }
+    }
+
+    /// After the update fed by the last [`draw`](Self::draw) is published: remove the drawn
+    /// segments from the pool (each once, however often it was drawn) and append their tokens
+    /// to `settled`. Returns how many distinct segments that was.
+    pub fn settle_drawn(&mut self, settled: &mut Vec<DeliveryToken>) -> usize {
+        self.taken.clear();
+        self.taken.resize(self.pool.len(), false);
+        for &i in &self.drawn {
+            self.taken[i] = true;
+        }
+        self.drawn.clear();
+        let before = settled.len();
+        let mut idx = 0;
+        let taken = &self.taken;
+        self.pool.retain(|candidate| {
+            let keep = !taken[idx];
+            idx += 1;
+            if !keep {
+                settled.push(candidate.token);
+            }
+            keep
+        });
+        settled.len() - before
+    }
+}
+
+/// The guard's arrival-time checks, in order: a raw reward above `max_abs_reward`
+/// (out of range), then a reward that is not finite once scaled and bootstrapped through a
+/// time limit, or a non-finite episode return (non-finite).
+fn guard_check(segment: &TrajectorySegment, guard: &GuardConfig, gamma: f32, reward_scale: f32) -> Option<DropReason> {
+    if let Some(bound) = guard.max_abs_reward {
+        if segment.rewards.iter().any(|r| r.abs() > bound) {
+            return Some(DropReason::OutOfRange);
+        }
+    }
+    let steps =
+        segment.rewards.iter().zip(&segment.truncation_values).zip(segment.terminated.iter().zip(&segment.truncated));
+    for ((&reward, &truncation_value), (&terminated, &truncated)) in steps {
+        // The same expression SegmentBatch::fill computes.
+        let bootstrap = if truncated != 0 && terminated == 0 { gamma * truncation_value } else { 0.0 };
+        if !(reward * reward_scale + bootstrap).is_finite() {
+            return Some(DropReason::NonFinite);
+        }
+    }
+    if segment.finished_episodes.iter().any(|e| !e.episode_return.is_finite()) {
+        return Some(DropReason::NonFinite);
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use volley_core::env::EnvConfig;
+    use volley_core::ids::RunId;
+    use volley_core::policy::{Activation, PolicySpec};
+    use volley_core::spec::{HyperParams, SelectionConfig};
+    use volley_core::wire::EpisodeSummary;
+
+    const T: usize = 4;
+
+    fn spec(batch_segments: usize, selection: SelectionConfig) -> RunSpec {
+        RunSpec {
+            run: RunId::new("select").expect("valid run id"),
+            env: EnvConfig::Cartpole,
+            policy: PolicySpec::mlp(4, 2, &[8], Activation::Tanh),
+            segment_len: T,
+            hyper: HyperParams {
+                batch_segments,
+                ppo_minibatches: 1,
+                max_policy_lag: 2,
+                selection,
+                ..HyperParams::default()
+            },
+            seed: 7,
+        }
+    }
+
+    fn selector(spec: &RunSpec) -> Selector {
+        let layout = spec.validate().expect("valid spec");
+        Selector::new(spec, &layout)
+    }
+
+    fn segment(idx: u64, version: u64, reward: f32) -> TrajectorySegment {
+        TrajectorySegment {
+            run: "select".into(),
+            actor: "a".into(),
+            incarnation: 0,
+            env_idx: 0,
+            episode_id: idx,
+            segment_idx: idx,
+            task_id: 0,
+            start_snapshot: None,
+            policy_version: PolicyVersion(version),
+            layout_hash: 0,
+            obs_dim: 4,
+            observations: (0..(T + 1) * 4).map(|i| (i as f32 * 0.1 + idx as f32).sin() * 0.1).collect(),
+            actions: vec![0; T],
+            rewards: vec![reward; T],
+            terminated: vec![0; T],
+            truncated: vec![0; T],
+            behaviour_log_probs: vec![-0.7; T],
+            truncation_values: vec![0.0; T],
+            initial_hidden: vec![],
+            finished_episodes: vec![],
+            saved_snapshots: Vec::new(),
+        }
+    }
+
+    fn with_return(mut segment: TrajectorySegment, task_id: u32, start: Option<&str>, ret: f32) -> TrajectorySegment {
+        segment.task_id = task_id;
+        segment.start_snapshot = start.map(str::to_owned);
+        segment.finished_episodes =
+            vec![EpisodeSummary { episode_return: ret, episode_len: 3, ..EpisodeSummary::default() }];
+        segment
+    }
+
+    fn reasons(dropped: &[Dropped]) -> Vec<(u64, &'static str)> {
+        dropped.iter().map(|d| (d.token.0, d.reason.as_str())).collect()
+    }
+
+    #[test]
+    fn the_default_config_takes_the_first_batch_in_arrival_order_with_unit_weights() {
+        let spec = spec(3, SelectionConfig::default());
+        let mut selector = selector(&spec);
+        assert_eq!(selector.pool_target(), 3);
+        assert!(!selector.needs_params());
+        let mut dropped = Vec::new();
+        for idx in 0..3 {
+            selector.offer(segment(idx, 0, 1.0), DeliveryToken(idx), PolicyVersion(0), &mut dropped);
+        }
+        assert!(selector.prepare(PolicyVersion(0), &[], &mut dropped));
+        let draw = selector.draw();
+        assert_eq!(draw.segments.iter().map(|s| s.segment_idx).collect::<Vec<_>>(), vec![0, 1, 2]);
+        assert_eq!(draw.column_weights, &[1.0; 3]);
+        let mut settled = Vec::new();
+        assert_eq!(selector.settle_drawn(&mut settled), 3);
+        assert_eq!(settled, vec![DeliveryToken(0), DeliveryToken(1), DeliveryToken(2)]);
+        assert!(selector.is_empty() && dropped.is_empty());
+    }
+
+    #[test]
+    fn lag_bound_drops_on_arrival_and_again_in_the_pool() {
+        let spec = spec(2, SelectionConfig::default());
+        let mut selector = selector(&spec);
+        let mut dropped = Vec::new();
+        selector.offer(segment(0, 1, 1.0), DeliveryToken(0), PolicyVersion(4), &mut dropped); // lag 3 > 2
+        selector.offer(segment(1, 2, 1.0), DeliveryToken(1), PolicyVersion(4), &mut dropped); // lag 2: kept
+        assert_eq!(reasons(&dropped), vec![(0, "stale")]);
+        assert_eq!(selector.len(), 1);
+        // Two updates later it has aged past the bound while waiting.
+        assert!(!selector.prepare(PolicyVersion(5), &[], &mut dropped));
+        assert_eq!(reasons(&dropped), vec![(0, "stale"), (1, "stale")]);
+        assert!(selector.is_empty());
+    }
+
+    #[test]
+    fn guard_drops_absurd_and_overflowing_rewards_and_non_finite_returns() {
+        let selection = SelectionConfig {
+            guard: GuardConfig { enabled: true, max_abs_reward: Some(1e6) },
+            ..SelectionConfig::default()
+        };
+        let mut spec = spec(4, selection);
+        // A scale this large makes c·r + γ·V overflow for a raw reward within the bound.
+        spec.hyper.reward_scale = 1e33;
+        let mut selector = selector(&spec);
+        let mut dropped = Vec::new();
+        let mut absurd = segment(0, 0, 1.0);
+        absurd.rewards[1] = -1e30;
+        // A truncation bootstrap that overflows once added: the raw reward is within the bound.
+        let mut overflowing = segment(1, 0, 1.0);
+        overflowing.truncated[2] = 1;
+        overflowing.truncation_values[2] = f32::MAX;
+        overflowing.rewards[2] = 1e5;
+        let mut bad_return = with_return(segment(2, 0, 1.0), 0, None, f32::NAN);
+        bad_return.finished_episodes.push(EpisodeSummary {
+            episode_return: 1.0,
+            episode_len: 1,
+            ..EpisodeSummary::default()
+        });
+        let fine = segment(3, 0, 1.0);
+        for (idx, s) in [absurd, overflowing, bad_return, fine].into_iter().enumerate() {
+            selector.offer(s, DeliveryToken(idx as u64), PolicyVersion(0), &mut dropped);
+        }
+        assert_eq!(reasons(&dropped), vec![(0, "out_of_range"), (1, "non_finite"), (2, "non_finite")]);
+        assert_eq!(selector.len(), 1);
+
+        // Without a raw bound an overflowing scaled reward is caught as non-finite.
+        let mut spec = spec.clone();
+        spec.hyper.selection.guard.max_abs_reward = None;
+        let mut selector = Selector::new(&spec, &spec.validate().expect("valid"));
+        let mut overflowing = segment(5, 0, 1.0);
+        overflowing.rewards[0] = f32::MAX / 2.0;
+        let mut dropped = Vec::new();
+        selector.offer(overflowing, DeliveryToken(5), PolicyVersion(0), &mut dropped);
+        assert_eq!(reasons(&dropped), vec![(5, "non_finite")]);
+
+        // Switched off, nothing is checked.
+        spec.hyper.selection.guard.enabled = false;
+        let mut selector = Selector::new(&spec, &spec.validate().expect("valid"));
+        let mut overflowing = segment(6, 0, 1.0);
+        overflowing.rewards[0] = f32::MAX / 2.0;
+        let mut dropped = Vec::new();
+        selector.offer(overflowing, DeliveryToken(6), PolicyVersion(0), &mut dropped);
+        assert!(dropped.is_empty());
+    }
+
+    #[test]
+    fn group_returns_window_and_spread() {
+        let mut groups = GroupReturns::new(3, 2);
+        groups.record(0, None, 1.0);
+        groups.record(0, None, 1.0);
+        assert!(!groups.is_zero_variance(0, None, 0.0), "window not full yet");
+        groups.record(0, None, 1.0);
+        assert!(groups.is_zero_variance(0, None, 0.0));
+        groups.record(0, None, 1.5);
+        assert!(!groups.is_zero_variance(0, None, 0.0));
+        assert!(groups.is_zero_variance(0, None, 0.5), "spread within tolerance");
+        groups.record(0, Some("s1"), 0.0);
+        assert!(!groups.is_zero_variance(0, Some("s1"), 0.0), "another start is another group");
+        groups.record(1, None, 0.0);
+        assert_eq!(groups.len(), 2, "bounded: the oldest group was forgotten");
+        assert!(!groups.is_zero_variance(0, None, 10.0));
+    }
+
+    #[test]
+    fn zero_variance_groups_are_dropped_once_the_group_is_large_enough() {
+        let selection = SelectionConfig {
+            zero_variance: Some(ZeroVarianceConfig { min_group: 3, tolerance: 0.0 }),
+            ..SelectionConfig::default()
+        };
+        let spec = spec(2, selection);
+        let mut selector = selector(&spec);
+        let mut dropped = Vec::new();
+        let v = PolicyVersion(0);
+        // Start "a": three rollouts, all return 1 → no signal. Start "b": returns 0 and 1.
+        // Task 1 from "a": only two rollouts, below min_group, kept.
+        let offers = [
+            with_return(segment(0, 0, 1.0), 0, Some("a"), 1.0),
+            with_return(segment(1, 0, 1.0), 0, Some("b"), 0.0),
+            with_return(segment(2, 0, 1.0), 0, Some("a"), 1.0),
+            with_return(segment(3, 0, 1.0), 0, Some("b"), 1.0),
+            with_return(segment(4, 0, 1.0), 1, Some("a"), 1.0),
+            with_return(segment(5, 0, 1.0), 0, Some("a"), 1.0),
+            segment(6, 0, 1.0), // "a" without a finished episode of its own: still its group
+            with_return(segment(7, 0, 1.0), 1, Some("a"), 1.0),
+        ];
+        for (idx, mut s) in offers.into_iter().enumerate() {
+            if idx == 6 {
+                s.start_snapshot = Some("a".into());
+            }
+            selector.offer(s, DeliveryToken(idx as u64), v, &mut dropped);
+        }
+        assert!(dropped.is_empty(), "the filter runs before the step, not on arrival");
+        assert!(selector.prepare(v, &[], &mut dropped));
+        assert_eq!(
+            reasons(&dropped),
+            vec![(0, "zero_variance"), (2, "zero_variance"), (5, "zero_variance"), (6, "zero_variance")]
+        );
+        let kept: Vec<u64> = selector.draw().segments.iter().map(|s| s.segment_idx).collect();
+        assert_eq!(kept, vec![1, 3]);
+    }
+
+    #[test]
+    fn priority_sampling_scores_draws_and_weights_columns() {
+        let selection = SelectionConfig {
+            priority: Some(PriorityConfig { pool_factor: 2, alpha: 1.0, beta: 1.0, epsilon: 1e-3 }),
+            ..SelectionConfig::default()
+        };
+        let spec = spec(3, selection);
+        let layout = spec.validate().expect("valid");
+        let params = layout.init_params(3);
+        let mut selector = Selector::new(&spec, &layout);
+        assert_eq!(selector.pool_target(), 6);
+        assert!(selector.needs_params());
+        let mut dropped = Vec::new();
+        for idx in 0..5 {
+            // Rewards of growing size: larger advantages under a near-zero initial value head.
+            selector.offer(segment(idx, 0, idx as f32), DeliveryToken(idx), PolicyVersion(0), &mut dropped);
+        }
+        assert!(!selector.prepare(PolicyVersion(0), &params, &mut dropped), "pool not full");
+        selector.offer(segment(5, 0, 5.0), DeliveryToken(5), PolicyVersion(0), &mut dropped);
+        assert!(selector.prepare(PolicyVersion(0), &params, &mut dropped));
+        let priorities: Vec<f32> = selector.pool.iter().map(|c| c.priority.expect("scored")).collect();
+        assert!(priorities.windows(2).all(|w| w[0] < w[1]), "priority grows with |advantage|: {priorities:?}");
+        let draw = selector.draw();
+        assert_eq!(draw.segments.len(), 3);
+        assert!(draw.column_weights.iter().all(|&w| w > 0.0 && w <= 1.0));
+        let mut settled = Vec::new();
+        let distinct = selector.settle_drawn(&mut settled);
+        assert_eq!(distinct, settled.len());
+        assert_eq!(selector.len(), 6 - distinct);
+        assert!(selector.pool.iter().all(|c| c.priority.is_some()), "leftovers keep their scores");
+
+        // Non-finite parameters make every new value non-finite: dropped by the guard.
+        let nan_params = vec![f32::NAN; params.len()];
+        for idx in 10..10 + distinct as u64 {
+            selector.offer(segment(idx, 0, 1.0), DeliveryToken(idx), PolicyVersion(0), &mut dropped);
+        }
+        assert!(!selector.prepare(PolicyVersion(0), &nan_params, &mut dropped));
+        assert_eq!(dropped.len(), distinct);
+        assert!(dropped.iter().all(|d| d.reason == DropReason::NonFinite && d.token.0 >= 10));
+    }
+
+    #[test]
+    fn importance_weights_are_one_for_the_least_likely_and_shrink_with_probability() {
+        let probs = [0.1, 0.2, 0.3, 0.4];
+        let mut weights = Vec::new();
+        importance_weights(&probs, &[0, 1, 3, 3], 1.0, &mut weights);
+        let expected = [1.0, 0.5, 0.25, 0.25];
+        for (w, e) in weights.iter().zip(expected) {
+            assert!((w - e).abs() < 1e-6, "{weights:?}");
+        }
+        importance_weights(&probs, &[3], 0.0, &mut weights);
+        assert_eq!(weights, vec![1.0], "β = 0: no correction");
+    }
+
+    #[test]
+    fn alpha_zero_is_uniform() {
+        let mut probs = Vec::new();
+        sampling_probabilities(&[0.1, 5.0, 100.0], 0.0, &mut probs);
+        assert!(probs.iter().all(|&p| (p - 1.0 / 3.0).abs() < 1e-12));
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(32))]
+
+        #[test]
+        fn sampling_frequencies_match_the_probabilities(
+            priorities in prop::collection::vec(0.01f32..10.0, 1..12),
+            alpha in 0.0f32..2.0,
+            seed in any::<u64>(),
+        ) {
+            let mut probs = Vec::new();
+            sampling_probabilities(&priorities, alpha, &mut probs);
+            prop_assert!((probs.iter().sum::<f64>() - 1.0).abs() < 1e-9);
+            let n = 40_000;
+            let mut rng = Pcg64Mcg::seed_from_u64(seed);
+            let (mut cumulative, mut drawn) = (Vec::new(), Vec::new());
+            sample_with_replacement(&probs, n, &mut rng, &mut cumulative, &mut drawn);
+            let mut counts = vec![0usize; probs.len()];
+            drawn.iter().for_each(|&i| counts[i] += 1);
+            for (&count, &p) in counts.iter().zip(&probs) {
+                // Five binomial standard deviations (plus a little slack for tiny p).
+                let sd = (n as f64 * p * (1.0 - p)).sqrt();
+                prop_assert!((count as f64 - n as f64 * p).abs() <= 5.0 * sd + 2.0,
+                    "count {} vs expected {} (p = {})", count, n as f64 * p, p);
+            }
+        }
+
+        #[test]
+        fn importance_weights_are_normalised_to_at_most_one(
+            priorities in prop::collection::vec(0.001f32..100.0, 1..16),
+            alpha in 0.0f32..2.0,
+            beta in 0.0f32..=1.0,
+        ) {
+            let mut probs = Vec::new();
+            sampling_probabilities(&priorities, alpha, &mut probs);
+            let all: Vec<usize> = (0..probs.len()).collect();
+            let mut weights = Vec::new();
+            importance_weights(&probs, &all, beta, &mut weights);
+            prop_assert!(weights.iter().all(|&w| w > 0.0 && w <= 1.0 + 1e-6));
+            let max = weights.iter().copied().fold(0.0f32, f32::max);
+            prop_assert!((max - 1.0).abs() < 1e-5, "the least likely segment has weight 1, max = {}", max);
+            // A more likely segment never gets a larger weight.
+            for i in 0..probs.len() {
+                for j in 0..probs.len() {
+                    if probs[i] > probs[j] {
+                        prop_assert!(weights[i] <= weights[j] + 1e-6);
+                    }
+                }
+            }
+        }
+
+        /// Random offers (some stale, some absurd, some of zero-variance groups), versions and
+        /// draws: every token leaves the selector exactly once (dropped or settled) or is still
+        /// in the pool, never twice.
+        #[test]
+        fn pool_bookkeeping_never_loses_or_double_acks_a_segment(
+            ops in prop::collection::vec((0usize..6, 0u64..4, 0u8..4, prop::bool::ANY), 1..80),
+            priority_on in prop::bool::ANY,
+        ) {
+            let selection = SelectionConfig {
+                guard: GuardConfig { enabled: true, max_abs_reward: Some(100.0) },
+                zero_variance: Some(ZeroVarianceConfig { min_group: 2, tolerance: 0.0 }),
+                priority: priority_on.then(|| PriorityConfig { pool_factor: 2, ..PriorityConfig::default() }),
+            };
+            let spec = spec(2, selection);
+            let layout = spec.validate().expect("valid");
+            let params = layout.init_params(1);
+            let mut selector = Selector::new(&spec, &layout);
+            let mut version = 0u64;
+            let mut next_token = 0u64;
+            let mut offered = Vec::new();
+            let mut dropped = Vec::new();
+            let mut settled = Vec::new();
+            for (n_offers, behind, kind, step) in ops {
+                for _ in 0..n_offers {
+                    let reward = if kind == 3 { 1e4 } else { 1.0 };
+                    let mut s = segment(next_token, version.saturating_sub(behind), reward);
+                    if kind == 1 {
+                        s = with_return(s, 0, Some("same"), 1.0);
+                    } else if kind == 2 {
+                        s = with_return(s, 0, Some("varied"), next_token as f32);
+                    }
+                    selector.offer(s, DeliveryToken(next_token), PolicyVersion(version), &mut dropped);
+                    offered.push(next_token);
+                    next_token += 1;
+                }
+                if selector.prepare(PolicyVersion(version), &params, &mut dropped) {
+                    let draw = selector.draw();
+                    prop_assert_eq!(draw.segments.len(), 2);
+                    let n = selector.settle_drawn(&mut settled);
+                    prop_assert!((1..=2).contains(&n));
+                    if step {
+                        version += 1;
+                    }
+                }
+            }
+            let mut seen: Vec<u64> = dropped.iter().map(|d| d.token.0).chain(settled.iter().map(|t| t.0)).collect();
+            seen.extend(selector.pool.iter().map(|c| c.token.0));
+            seen.sort_unstable();
+            prop_assert_eq!(seen, offered);
+        }
+    }
+}

@@ -1,0 +1,257 @@
+"""The Gymnasium server against a real nats-server, through the protocol's own client."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+
+import gymnasium as gym
+import msgpack
+import nats
+import numpy as np
+import pytest
+
+from volley_envs.client import Gone, RemoteSession, call, discover
+from volley_envs.protocol import ProtocolError, f32_bin, from_f32_bin
+from volley_envs.server import EnvServer, make_factory
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def cartpole_server(name="cartpole-v1", **kwargs) -> EnvServer:
+    return EnvServer(make_factory("gymnasium:CartPole-v1"), name, label="gymnasium:CartPole-v1", **kwargs)
+
+
+async def started(nats_url, *servers):
+    nc = await nats.connect(nats_url)
+    for server in servers:
+        await server.start(nc)
+    return nc
+
+
+def test_discovery_lists_every_instance_with_its_endpoints(nats_url):
+    async def scenario():
+        a, b = cartpole_server("disc"), cartpole_server("disc")
+        nc = await started(nats_url, a, b)
+        instances = await discover(nc, "disc")
+        assert sorted(i.id for i in instances) == sorted([a.id, b.id])
+        for instance in instances:
+            assert instance.subjects["step"] == f"volley.env.disc.{instance.id}.step"
+        assert await discover(nc, "nobody") == []
+        spaces = await call(nc, instances[0], "spaces", {})
+        assert (spaces["obs_dim"], spaces["n_actions"]) == (4, 2)
+        assert spaces["reward_threshold"] == 475.0 and spaces["max_episode_steps"] == 500
+        assert spaces["snapshot"] is False
+        assert np.array_equal(from_f32_bin(spaces["obs_low"]), gym.make("CartPole-v1").observation_space.low)
+        await a.stop()
+        await b.stop()
+        await nc.close()
+
+    run(scenario())
+
+
+def test_a_batched_session_steps_like_local_gymnasium_envs_with_auto_reset(nats_url):
+    async def scenario():
+        server = cartpole_server("batch")
+        nc = await started(nats_url, server)
+        (instance,) = await discover(nc, "batch")
+        session = RemoteSession(nc, instance, obs_dim=4)
+        seeds = [3, 4, 5]
+        obs = await session.open(seeds)
+        local = [gym.make("CartPole-v1") for _ in seeds]
+        expected = np.stack([env.reset(seed=seed)[0] for env, seed in zip(local, seeds)])
+        assert np.array_equal(obs, expected)
+        n_done = 0
+        for step_idx in range(300):
+            actions = [(step_idx + i) % 2 if step_idx % 7 else 1 for i in range(3)]
+            reply = await session.step(actions)
+            finals = []
+            for i, (env, action) in enumerate(zip(local, actions)):
+                o, r, te, tr, _ = env.step(action)
+                assert (reply["terminated"][i], reply["truncated"][i], reply["rewards"][i]) == (te, tr, r)
+                if te or tr:
+                    finals.append(o)
+                    o, _ = env.reset()
+                    n_done += 1
+                expected[i] = o
+            assert np.array_equal(reply["obs"], expected), step_idx
+            assert np.array_equal(reply["final_obs"], np.array(finals, dtype=np.float32).reshape(-1, 4))
+            assert reply["errors"] == []
+        assert n_done > 5
+        reset = await session.reset([11, None, None])
+        assert np.array_equal(reset[0], gym.make("CartPole-v1").reset(seed=11)[0])
+        await session.close()
+        assert server.sessions == {}
+        await server.stop()
+        await nc.close()
+
+    run(scenario())
+
+
+def test_errors_are_answered_with_codes(nats_url):
+    async def scenario():
+        server = cartpole_server("codes", max_sessions=1, max_envs_per_session=4)
+        nc = await started(nats_url, server)
+        (instance,) = await discover(nc, "codes")
+
+        async def code_of(op, request, raw=None):
+            message = await nc.request(instance.subjects[op], raw if raw is not None else msgpack.packb(request))
+            return int(message.headers["Nats-Service-Error-Code"]), message.headers["Nats-Service-Error"]
+
+        assert (await code_of("step", None, raw=b"\xc1"))[0] == 400
+        assert (await code_of("spaces", {}))[0] == 400
+        code, message = await code_of("spaces", {"v": 2})
+        assert code == 505 and "protocol version 2" in message
+        assert (await code_of("step", {"v": 1, "session": 123, "actions": [0]}))[0] == 404
+        assert (await code_of("open", {"v": 1, "n_envs": 5, "seeds": [0] * 5}))[0] == 400
+        opened = await call(nc, instance, "open", {"n_envs": 2, "seeds": [1, 2]})
+        assert (await code_of("open", {"v": 1, "n_envs": 1, "seeds": [0]}))[0] == 503
+        code, message = await code_of("step", {"v": 1, "session": opened["session"], "actions": [0]})
+        assert code == 400 and "1 actions for 2 environments" in message
+        assert (await code_of("snapshot", {"v": 1, "session": opened["session"], "env": 0}))[0] == 501
+        assert server.rejected == 4
+        # An out-of-range action fails that environment only: truncated, reward 0, reset.
+        reply = await call(nc, instance, "step", {"session": opened["session"], "actions": [0, 9]})
+        assert reply["errors"][0]["env"] == 1 and "out of range" in reply["errors"][0]["message"]
+        assert reply["truncated"] == [False, True]
+        assert from_f32_bin(reply["rewards"])[1] == 0.0
+        assert len(from_f32_bin(reply["final_obs"])) == 4
+        await server.stop()
+        with pytest.raises(Gone):
+            await call(nc, instance, "spaces", {})
+        await nc.close()
+
+    run(scenario())
+
+
+class Exploding(gym.Env):
+    """Steps fine until step 3 of an episode, then raises."""
+
+    observation_space = gym.spaces.Box(-1.0, 1.0, (2,), np.float32)
+    action_space = gym.spaces.Discrete(2)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t = 0
+        return np.zeros(2, np.float32), {}
+
+    def step(self, action):
+        self.t += 1
+        if self.t == 3:
+            raise RuntimeError("kaboom")
+        return np.full(2, self.t / 10, np.float32), 1.0, False, False, {}
+
+
+def test_a_failing_env_is_reported_and_reset_while_the_others_go_on(nats_url):
+    async def scenario():
+        server = EnvServer(Exploding, "exploding")
+        nc = await started(nats_url, server)
+        (instance,) = await discover(nc, "exploding")
+        session = RemoteSession(nc, instance, obs_dim=2)
+        await session.open([0, 1])
+        await session.step([0, 0])
+        second = await session.step([0, 0])
+        third = await session.step([1, 1])
+        assert [e["env"] for e in third["errors"]] == [0, 1]
+        assert third["truncated"] == [True, True] and list(third["rewards"]) == [0.0, 0.0]
+        assert np.array_equal(third["final_obs"], second["obs"]), "the last valid observations"
+        assert np.array_equal(third["obs"], np.zeros((2, 2), np.float32)), "reset"
+        await server.stop()
+        await nc.close()
+
+    run(scenario())
+
+
+def test_idle_sessions_expire(nats_url):
+    async def scenario():
+        server = cartpole_server("idle", idle_timeout=0.1)
+        nc = await started(nats_url, server)
+        (instance,) = await discover(nc, "idle")
+        opened = await call(nc, instance, "open", {"n_envs": 1, "seeds": [0]})
+        while server.sessions:
+            await asyncio.sleep(0.02)
+        with pytest.raises(ProtocolError) as err:
+            await call(nc, instance, "step", {"session": opened["session"], "actions": [0]})
+        assert err.value.code == 404 and server.expired == 1
+        await server.stop()
+        await nc.close()
+
+    run(scenario())
+
+
+def test_the_command_line_serves_until_sigterm(nats_url):
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "volley_envs", "serve", "gymnasium:CartPole-v1", "--nats", nats_url],
+        stderr=subprocess.PIPE, text=True, env=env,
+    )
+    try:
+        line = ""
+        while "environment server ready" not in line:
+            line = process.stderr.readline()
+            assert line, "the server exited before it was ready"
+        assert "service=volley-env-cartpole-v1" in line
+
+        async def scenario():
+            nc = await nats.connect(nats_url)
+            (instance,) = await discover(nc, "cartpole-v1")
+            opened = await call(nc, instance, "open", {"n_envs": 2, "seeds": [1, 2]})
+            assert len(from_f32_bin(opened["obs"])) == 8
+            await nc.close()
+
+        run(scenario())
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+    async def gone():
+        nc = await nats.connect(nats_url)
+        assert await discover(nc, "cartpole-v1") == []
+        await nc.close()
+
+    run(gone())
+
+
+class NonFinite(Exploding):
+    """First episode: a NaN observation on step 2; later episodes: an infinite reward on step 1."""
+
+    episodes = 0
+
+    def reset(self, *, seed=None, options=None):
+        self.episodes += 1
+        return super().reset(seed=seed, options=options)
+
+    def step(self, action):
+        self.t += 1
+        nan = self.episodes == 1 and self.t == 2
+        inf = self.episodes > 1 and self.t == 1
+        return np.full(2, np.nan if nan else 0.5, np.float32), (np.inf if inf else 1.0), False, False, {}
+
+
+def test_non_finite_outputs_fail_the_environment(nats_url):
+    async def scenario():
+        server = EnvServer(NonFinite, "nonfinite")
+        nc = await started(nats_url, server)
+        (instance,) = await discover(nc, "nonfinite")
+        session = RemoteSession(nc, instance, obs_dim=2)
+        await session.open([0])
+        first = await session.step([0])
+        assert first["errors"] == [] and list(first["rewards"]) == [1.0]
+        second = await session.step([0])
+        assert second["errors"][0]["message"] == "ValueError: non-finite observation or reward"
+        assert np.array_equal(second["final_obs"], first["obs"]) and second["truncated"] == [True]
+        assert np.all(np.isfinite(second["obs"]))
+        third = await session.step([0])
+        assert [e["env"] for e in third["errors"]] == [0] and list(third["rewards"]) == [0.0]
+        await server.stop()
+        await nc.close()
+
+    run(scenario())

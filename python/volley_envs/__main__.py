@@ -1,0 +1,76 @@
+"""``volley-envs serve ENV --nats URL``: serve a Gymnasium environment until SIGINT/SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+
+import nats
+
+from .protocol import check_name, default_name
+from .server import EnvServer, make_factory
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="volley-envs", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser("serve", help="serve one environment as one service instance")
+    serve.add_argument("env", help="gymnasium:<id> (e.g. gymnasium:CartPole-v1) or <module>:<callable>")
+    serve.add_argument("--nats", default=os.environ.get("VOLLEY_NATS_URL", "nats://127.0.0.1:4222"),
+                       help="NATS server URL (env VOLLEY_NATS_URL)")
+    serve.add_argument("--name", default=os.environ.get("VOLLEY_ENV_SERVICE"),
+                       help="service name actors ask for with --env remote:<name> (default: from the id, "
+                            "CartPole-v1 -> cartpole-v1)")
+    serve.add_argument("--env-kwargs", default="{}", help="JSON object of keyword arguments for the factory")
+    serve.add_argument("--max-sessions", type=int, default=1024, help="sessions held at once")
+    serve.add_argument("--max-envs-per-session", type=int, default=1024, help="largest session")
+    serve.add_argument("--idle-timeout-secs", type=float, default=300.0,
+                       help="drop a session without requests for this long")
+    serve.add_argument("--user", default=os.environ.get("VOLLEY_NATS_USER"), help="NATS user (env VOLLEY_NATS_USER)")
+    serve.add_argument("--password", default=os.environ.get("VOLLEY_NATS_PASSWORD"),
+                       help="NATS password (env VOLLEY_NATS_PASSWORD)")
+    serve.add_argument("--log-level", default=os.environ.get("VOLLEY_LOG_LEVEL", "INFO"))
+    return parser.parse_args(argv)
+
+
+async def serve(args: argparse.Namespace) -> None:
+    kwargs = json.loads(args.env_kwargs)
+    if not isinstance(kwargs, dict):
+        raise SystemExit("--env-kwargs must be a JSON object")
+    factory = make_factory(args.env, kwargs)
+    env_id = args.env.partition(":")[2]
+    name = check_name(args.name) if args.name else default_name(env_id)
+    server = EnvServer(factory, name, label=args.env, max_sessions=args.max_sessions,
+                       max_envs_per_session=args.max_envs_per_session, idle_timeout=args.idle_timeout_secs)
+    options = {"servers": [args.nats], "name": "volley-envs"}
+    if args.user:
+        options.update(user=args.user, password=args.password)
+    nc = await nats.connect(**options)
+    await server.start(nc)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    logging.getLogger("volley_envs").info("stopping instance=%s sessions=%d requests=%d",
+                                          server.id, len(server.sessions), server.requests)
+    await server.stop()
+    await nc.drain()
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command == "serve":
+        asyncio.run(serve(args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,120 @@
+"""A small asyncio client of the environment protocol: discovery and session calls.
+
+Volley's actors use the Rust client; this one serves tests, tools and Python programs that
+want to step a remote environment.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+from nats.errors import NoRespondersError
+
+from .protocol import (
+    ERROR_CODE_HEADER,
+    ERROR_HEADER,
+    METADATA_PROTOCOL,
+    OPS,
+    PROTOCOL_VERSION,
+    ProtocolError,
+    from_f32_bin,
+    pack,
+    service_name,
+)
+
+import msgpack
+
+
+class Gone(Exception):
+    """Nobody listens on the instance's subject any more."""
+
+
+@dataclass
+class Instance:
+    """One server: its id and the subject of each operation."""
+
+    id: str
+    subjects: dict
+
+
+async def discover(nc, name: str, window: float = 0.3) -> list:
+    """The instances of service ``name`` that answer ``$SRV.INFO`` within ``window`` seconds."""
+    inbox = nc.new_inbox()
+    replies = await nc.subscribe(inbox)
+    await nc.publish(f"$SRV.INFO.{service_name(name)}", b"", reply=inbox)
+    await nc.flush()
+    instances = []
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + window
+    while True:
+        remaining = deadline - loop.time()
+        if remaining <= 0:
+            break
+        try:
+            message = await replies.next_msg(timeout=remaining)
+        except (asyncio.TimeoutError, TimeoutError):
+            break
+        except Exception as exc:  # nats-py raises its own TimeoutError subclass
+            if "timeout" in type(exc).__name__.lower():
+                break
+            raise
+        if not message.data:
+            # With no instance at all the server answers with an empty "no responders" status.
+            if (message.headers or {}).get("Status") == "503":
+                break
+            continue
+        info = json.loads(message.data)
+        if info.get("metadata", {}).get(METADATA_PROTOCOL) != str(PROTOCOL_VERSION):
+            continue
+        endpoints = {e["name"]: e["subject"] for e in info.get("endpoints") or []}
+        if all(op in endpoints for op in OPS):
+            instances.append(Instance(id=info["id"], subjects=endpoints))
+    await replies.unsubscribe()
+    return instances
+
+
+async def call(nc, instance: Instance, op: str, request: dict, timeout: float = 5.0) -> dict:
+    """One request; error replies raise :class:`ProtocolError`, a dead instance :class:`Gone`."""
+    try:
+        message = await nc.request(instance.subjects[op], pack({"v": PROTOCOL_VERSION, **request}), timeout=timeout)
+    except NoRespondersError:
+        raise Gone(f"instance {instance.id} is gone ({op}: no responders)") from None
+    headers = message.headers or {}
+    if ERROR_CODE_HEADER in headers:
+        raise ProtocolError(int(headers[ERROR_CODE_HEADER]), headers.get(ERROR_HEADER, ""))
+    return msgpack.unpackb(message.data, raw=False)
+
+
+class RemoteSession:
+    """A session of ``n_envs`` environments on one instance."""
+
+    def __init__(self, nc, instance: Instance, obs_dim: int):
+        self.nc = nc
+        self.instance = instance
+        self.obs_dim = obs_dim
+        self.session: Optional[int] = None
+        self.n_envs = 0
+
+    async def open(self, seeds: list) -> np.ndarray:
+        reply = await call(self.nc, self.instance, "open", {"n_envs": len(seeds), "seeds": list(seeds)})
+        self.session = reply["session"]
+        self.n_envs = len(seeds)
+        return from_f32_bin(reply["obs"]).reshape(self.n_envs, self.obs_dim)
+
+    async def step(self, actions: list) -> dict:
+        reply = await call(self.nc, self.instance, "step", {"session": self.session, "actions": list(actions)})
+        reply["obs"] = from_f32_bin(reply["obs"]).reshape(self.n_envs, self.obs_dim)
+        reply["rewards"] = from_f32_bin(reply["rewards"])
+        reply["final_obs"] = from_f32_bin(reply.get("final_obs", b"")).reshape(-1, self.obs_dim)
+        return reply
+
+    async def reset(self, seeds: list) -> np.ndarray:
+        reply = await call(self.nc, self.instance, "reset", {"session": self.session, "seeds": list(seeds)})
+        return from_f32_bin(reply["obs"]).reshape(self.n_envs, self.obs_dim)
+
+    async def close(self) -> None:
+        await call(self.nc, self.instance, "close", {"session": self.session})

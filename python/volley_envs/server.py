@@ -1,0 +1,385 @@
+"""An environment server: any Gymnasium environment as one instance of ``volley-env-<name>``.
+
+A session is a list of environments stepped in one request (vector batching): the server
+steps each, resets those whose episode ended (auto-reset) and returns all observations,
+rewards and flags in one reply, the last observation of every ended episode in ``final_obs``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import numpy as np
+from nats.micro import add_service
+from nats.micro.request import Request
+
+from . import __version__
+from .protocol import (
+    BAD_REQUEST,
+    CAPACITY,
+    INTERNAL,
+    METADATA_ENV,
+    METADATA_PROTOCOL,
+    OPS,
+    PROTOCOL_VERSION,
+    UNKNOWN_SESSION,
+    UNSUPPORTED,
+    UNSUPPORTED_VERSION,
+    ProtocolError,
+    check_name,
+    endpoint_subject,
+    f32_bin,
+    pack,
+    service_name,
+    unpack,
+)
+
+log = logging.getLogger("volley_envs")
+
+EnvFactory = Callable[[], object]
+
+
+def make_factory(spec: str, kwargs: Optional[dict] = None) -> EnvFactory:
+    """A factory for ``gymnasium:<id>`` (``gymnasium.make``) or ``<module>:<callable>``."""
+    kwargs = dict(kwargs or {})
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"environment {spec!r}: expected gymnasium:<id> or <module>:<callable>")
+    if module_name == "gymnasium":
+        import gymnasium
+
+        return lambda: gymnasium.make(attr, **kwargs)
+    target = getattr(importlib.import_module(module_name), attr)
+    return lambda: target(**kwargs)
+
+
+@dataclass
+class Spaces:
+    """What every environment of the server looks like."""
+
+    obs_dim: int
+    obs_low: np.ndarray
+    obs_high: np.ndarray
+    n_actions: int
+    action_start: int
+    reward_threshold: Optional[float]
+    max_episode_steps: Optional[int]
+
+    @staticmethod
+    def probe(env) -> "Spaces":
+        """Read the spaces of a Gymnasium environment; refuse what the protocol cannot carry."""
+        from gymnasium import spaces
+
+        obs_space, act_space = env.observation_space, env.action_space
+        if not isinstance(obs_space, spaces.Box):
+            raise ValueError(f"observation space {obs_space} is not a Box")
+        if not isinstance(act_space, spaces.Discrete):
+            raise ValueError(f"action space {act_space} is not Discrete")
+        spec = getattr(env, "spec", None)
+        threshold = getattr(spec, "reward_threshold", None)
+        max_steps = getattr(spec, "max_episode_steps", None)
+        return Spaces(
+            obs_dim=int(np.prod(obs_space.shape)),
+            obs_low=np.asarray(obs_space.low, dtype=np.float32).reshape(-1),
+            obs_high=np.asarray(obs_space.high, dtype=np.float32).reshape(-1),
+            n_actions=int(act_space.n),
+            action_start=int(getattr(act_space, "start", 0)),
+            reward_threshold=float(threshold) if threshold is not None and math.isfinite(threshold) else None,
+            max_episode_steps=int(max_steps) if max_steps is not None else None,
+        )
+
+
+@dataclass
+class Session:
+    """Environments stepped together, their current observations and last use."""
+
+    envs: list
+    obs: np.ndarray
+    last_used: float = field(default_factory=time.monotonic)
+
+
+class EnvServer:
+    """Serves environments built by ``factory`` as environment service ``name``."""
+
+    def __init__(
+        self,
+        factory: EnvFactory,
+        name: str,
+        label: str = "",
+        max_sessions: int = 1024,
+        max_envs_per_session: int = 1024,
+        idle_timeout: float = 300.0,
+    ):
+        self.factory = factory
+        self.name = check_name(name)
+        self.label = label or name
+        self.max_sessions = max_sessions
+        self.max_envs_per_session = max_envs_per_session
+        self.idle_timeout = idle_timeout
+        probe = factory()
+        try:
+            self.spaces = Spaces.probe(probe)
+            self._flat_obs = len(probe.observation_space.shape) == 1
+        finally:
+            probe.close()
+        self.sessions: dict[int, Session] = {}
+        # Ids below 2^53, starting at a different place per process (see the Rust server).
+        self._next_session = (time.time_ns() ^ (os.getpid() << 20)) & ((1 << 52) - 1)
+        self.requests = 0
+        self.rejected = 0
+        self.expired = 0
+        self._service = None
+        self._reaper: Optional[asyncio.Task] = None
+        self._nc = None
+
+    @property
+    def id(self) -> str:
+        """The instance id (after :meth:`start`)."""
+        return self._service.id
+
+    async def start(self, nc) -> None:
+        """Register the service and its endpoints on the connection ``nc``."""
+        self._nc = nc
+        self._service = await add_service(
+            nc,
+            name=service_name(self.name),
+            version=__version__,
+            description=f"volley environment server: {self.label}",
+            metadata={METADATA_PROTOCOL: str(PROTOCOL_VERSION), METADATA_ENV: self.name},
+        )
+        for op in OPS:
+            await self._service.add_endpoint(
+                name=op, subject=endpoint_subject(self.name, self._service.id, op), handler=self._handler(op)
+            )
+        self._reaper = asyncio.get_running_loop().create_task(self._expire_idle_sessions())
+        await nc.flush()
+        log.info(
+            "environment server ready service=%s instance=%s env=%s obs_dim=%d n_actions=%d",
+            service_name(self.name), self.id, self.label, self.spaces.obs_dim, self.spaces.n_actions,
+        )
+
+    async def stop(self) -> None:
+        """Deregister: endpoints and ``$SRV`` subscriptions go away; sessions are closed."""
+        if self._reaper is not None:
+            self._reaper.cancel()
+            self._reaper = None
+        if self._service is not None:
+            await self._service.stop()
+            await self._nc.flush()
+        for session in self.sessions.values():
+            _close_all(session.envs)
+        self.sessions.clear()
+
+    def _handler(self, op: str):
+        async def handle(request: Request) -> None:
+            self.requests += 1
+            try:
+                reply = self.handle(op, request.data)
+            except ProtocolError as err:
+                if err.code == BAD_REQUEST:
+                    self.rejected += 1
+                    log.warning("malformed environment request rejected op=%s reason=bad_request: %s", op, err.message)
+                await request.respond_error(str(err.code), err.message.replace("\r", " ").replace("\n", " "))
+                return
+            await request.respond(reply)
+
+        return handle
+
+    async def _expire_idle_sessions(self) -> None:
+        period = min(max(self.idle_timeout / 4, 0.05), 10.0)
+        while True:
+            await asyncio.sleep(period)
+            now = time.monotonic()
+            idle = [sid for sid, s in self.sessions.items() if now - s.last_used >= self.idle_timeout]
+            for sid in idle:
+                _close_all(self.sessions.pop(sid).envs)
+            if idle:
+                self.expired += len(idle)
+                log.info("idle environment sessions dropped expired=%d remaining=%d", len(idle), len(self.sessions))
+
+    # The protocol, synchronously: decode, act, encode. Raises ProtocolError for error replies.
+
+    def handle(self, op: str, data: bytes) -> bytes:
+        """Answer one request of operation ``op``."""
+        request = unpack(data)
+        version = request.get("v")
+        if version is None:
+            raise ProtocolError(BAD_REQUEST, 'request without a protocol version "v"')
+        if version != PROTOCOL_VERSION:
+            raise ProtocolError(
+                UNSUPPORTED_VERSION,
+                f"protocol version {version} is not served here (this server speaks {PROTOCOL_VERSION})",
+            )
+        if op == "spaces":
+            return pack(self._spaces_reply())
+        if op == "open":
+            return pack(self._open(request))
+        if op == "close":
+            session = self.sessions.pop(_int(request, "session"), None)
+            if session is not None:
+                _close_all(session.envs)
+            return pack({})
+        session = self._session(request)
+        if op == "step":
+            return pack(self._step(session, request))
+        if op == "reset":
+            seeds = request.get("seeds")
+            if not isinstance(seeds, list) or len(seeds) != len(session.envs):
+                raise ProtocolError(BAD_REQUEST, f"reset needs {len(session.envs)} seeds (or nil entries)")
+            for env_idx, seed in enumerate(seeds):
+                error = self._reset_one(session, env_idx, seed)
+                if error is not None:
+                    raise ProtocolError(INTERNAL, f"reset of environment {env_idx}: {error}")
+            return pack({"obs": f32_bin(session.obs)})
+        if op in ("snapshot", "restore"):
+            raise ProtocolError(UNSUPPORTED, f"{op} is not supported by gymnasium environments")
+        raise ProtocolError(BAD_REQUEST, f"unknown operation {op!r}")
+
+    def _spaces_reply(self) -> dict:
+        s = self.spaces
+        return {
+            "env": self.label,
+            "obs_dim": s.obs_dim,
+            "obs_low": f32_bin(s.obs_low),
+            "obs_high": f32_bin(s.obs_high),
+            "n_actions": s.n_actions,
+            "reward_threshold": s.reward_threshold,
+            "max_episode_steps": s.max_episode_steps,
+            "snapshot": False,
+            "max_envs_per_session": self.max_envs_per_session,
+        }
+
+    def _open(self, request: dict) -> dict:
+        n_envs = _int(request, "n_envs")
+        if not 1 <= n_envs <= self.max_envs_per_session:
+            raise ProtocolError(BAD_REQUEST, f"n_envs {n_envs} out of range 1..={self.max_envs_per_session}")
+        seeds = request.get("seeds")
+        if not isinstance(seeds, list) or len(seeds) != n_envs or not all(isinstance(s, int) for s in seeds):
+            raise ProtocolError(BAD_REQUEST, f"open needs {n_envs} integer seeds")
+        if len(self.sessions) >= self.max_sessions:
+            raise ProtocolError(CAPACITY, f"{self.max_sessions} sessions already open")
+        session = Session(envs=[], obs=np.zeros((n_envs, self.spaces.obs_dim), dtype=np.float32))
+        try:
+            for env_idx, seed in enumerate(seeds):
+                session.envs.append(self.factory())
+                error = self._reset_one(session, env_idx, seed)
+                if error is not None:
+                    raise ProtocolError(INTERNAL, f"reset of environment {env_idx}: {error}")
+        except ProtocolError:
+            _close_all(session.envs)
+            raise
+        except Exception as exc:
+            _close_all(session.envs)
+            raise ProtocolError(INTERNAL, f"cannot build the environment: {type(exc).__name__}: {exc}") from None
+        session_id = self._next_session
+        self._next_session += 1
+        self.sessions[session_id] = session
+        log.debug("session opened session=%d n_envs=%d", session_id, n_envs)
+        return {"session": session_id, "obs": f32_bin(session.obs), "idle_timeout_ms": int(self.idle_timeout * 1000)}
+
+    def _session(self, request: dict) -> Session:
+        session_id = _int(request, "session")
+        session = self.sessions.get(session_id)
+        if session is None:
+            raise ProtocolError(UNKNOWN_SESSION, f"unknown session {session_id}")
+        session.last_used = time.monotonic()
+        return session
+
+    def _observation(self, obs) -> np.ndarray:
+        row = np.asarray(obs, dtype=np.float32).reshape(-1)
+        if row.shape != (self.spaces.obs_dim,):
+            raise ValueError(f"observation of {row.size} values, expected {self.spaces.obs_dim}")
+        if not np.all(np.isfinite(row)):
+            raise ValueError("non-finite observation")
+        return row
+
+    def _reset_one(self, session: Session, env_idx: int, seed: Optional[int]) -> Optional[str]:
+        """Reset one environment into its row; on failure zero the row and return why."""
+        try:
+            obs, _info = session.envs[env_idx].reset(seed=seed)
+            session.obs[env_idx] = self._observation(obs)
+            return None
+        except Exception as exc:
+            session.obs[env_idx] = 0.0
+            return f"{type(exc).__name__}: {exc}"
+
+    def _step(self, session: Session, request: dict) -> dict:
+        actions = request.get("actions")
+        n_envs = len(session.envs)
+        if not isinstance(actions, list) or len(actions) != n_envs:
+            got = len(actions) if isinstance(actions, list) else type(actions).__name__
+            raise ProtocolError(BAD_REQUEST, f"{got} actions for {n_envs} environments")
+        spaces = self.spaces
+        dim, n_actions, start = spaces.obs_dim, spaces.n_actions, spaces.action_start
+        # The hot loop only steps and copies; checks run once over the whole batch after it.
+        rows = np.zeros((n_envs, dim), dtype=np.float32)
+        rewards = np.zeros(n_envs, dtype=np.float32)
+        terminated = [False] * n_envs
+        truncated = [False] * n_envs
+        failed: dict = {}
+        for env_idx, (env, action) in enumerate(zip(session.envs, actions)):
+            try:
+                if action.__class__ is not int or not 0 <= action < n_actions:
+                    raise ValueError(f"action {action!r} out of range for {n_actions} actions")
+                obs, reward, term, trunc, _info = env.step(start + action)
+                rows[env_idx] = obs if self._flat_obs else np.ravel(obs)
+                rewards[env_idx] = reward
+            except Exception as exc:
+                failed[env_idx] = f"{type(exc).__name__}: {exc}"
+                rewards[env_idx] = 0.0
+                continue
+            terminated[env_idx] = bool(term)
+            truncated[env_idx] = bool(trunc)
+        finite = np.isfinite(rows).all(axis=1) & np.isfinite(rewards)
+        if not finite.all():
+            for env_idx in np.flatnonzero(~finite).tolist():
+                failed.setdefault(env_idx, "ValueError: non-finite observation or reward")
+        final_rows = []
+        errors = []
+        for env_idx in range(n_envs):
+            if env_idx in failed:
+                # Reported as a truncation with reward 0; the last valid observation is final.
+                errors.append({"env": env_idx, "message": failed[env_idx]})
+                rewards[env_idx] = 0.0
+                terminated[env_idx] = False
+                truncated[env_idx] = True
+                final_rows.append(session.obs[env_idx].copy())
+                self._reset_one(session, env_idx, None)
+            elif terminated[env_idx] or truncated[env_idx]:
+                final_rows.append(rows[env_idx])
+                error = self._reset_one(session, env_idx, None)
+                if error is not None:
+                    errors.append({"env": env_idx, "message": error})
+            else:
+                session.obs[env_idx] = rows[env_idx]
+        final_obs = np.concatenate(final_rows) if final_rows else np.zeros(0, dtype=np.float32)
+        return {
+            "obs": f32_bin(session.obs),
+            "rewards": f32_bin(rewards),
+            "terminated": terminated,
+            "truncated": truncated,
+            "final_obs": f32_bin(final_obs),
+            "errors": errors,
+        }
+
+
+def _int(request: dict, key: str) -> int:
+    value = request.get(key)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ProtocolError(BAD_REQUEST, f"{key} must be an integer, got {value!r}")
+    return value
+
+
+def _close_all(envs: list) -> None:
+    for env in envs:
+        try:
+            env.close()
+        except Exception:  # closing is best effort
+            pass
