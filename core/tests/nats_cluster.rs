@@ -1,7 +1,7 @@
 //! The run's broker objects on a JetStream cluster: with `NatsConfig::replicas = 3` on three
 //! real `nats-server` processes clustered over loopback routes (the layout of
-//! k8s/base/nats), the trajectory stream, the run bucket and the weights store each keep a
-//! copy on every server. On a single server the same setting is refused by the server, which
+//! k8s/base/nats), the trajectory stream, the run bucket, the weights store, the work queue
+//! and the snapshot stores each keep a copy on every server. On a single server the same setting is refused by the server, which
 //! shows the setting reaches it.
 //!
 //! No assertion depends on timing; waits are bounded by attempt counts.
@@ -49,7 +49,9 @@ fn cluster() -> Vec<TestNats> {
 fn run_objects_are_replicated_on_every_server_of_a_cluster() {
     let servers = cluster();
     let bus = NatsBus::connect(config(servers[0].url(), "repl", 3)).expect("connect to the cluster");
-    let spec = common::spec("repl");
+    let mut spec = common::spec("repl");
+    // With work items the run also has a work queue and snapshot stores.
+    spec.hyper.work.enabled = true;
     // Until the servers have elected a meta leader, JetStream answers "temporarily unavailable".
     let mut last_error = None;
     for _ in 0..ELECTION_ATTEMPTS {
@@ -71,6 +73,9 @@ fn run_objects_are_replicated_on_every_server_of_a_cluster() {
         subjects::trajectory_stream(run),
         format!("KV_{}", subjects::run_bucket(run)),
         format!("OBJ_{}", subjects::weights_bucket(run)),
+        subjects::work_stream(run),
+        format!("OBJ_{}", subjects::snapshot_bucket(run)),
+        format!("KV_{}", subjects::snapshot_index_bucket(run)),
     ];
     bus.handle().block_on(async {
         for name in streams {

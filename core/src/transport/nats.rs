@@ -196,9 +196,10 @@ pub struct NatsConfig {
     pub max_deliver: i64,
     /// Weights objects kept in the object store (the newest ones); older ones are deleted.
     pub keep_weight_versions: usize,
-    /// Copies JetStream keeps of the run's stream, KV bucket and weights store: 1 on a single
-    /// server, 3 on a 3-node cluster so that losing one server loses nothing. Applied when
-    /// they are created; the trajectory stream is also updated to it when it exists.
+    /// Copies JetStream keeps of the run's streams and buckets (trajectories, run KV, weights,
+    /// and with work items the work queue and snapshot stores): 1 on a single server, 3 on a
+    /// 3-node cluster so that losing one server loses nothing. Applied when they are created;
+    /// the two streams are also updated to it when they exist.
     pub replicas: usize,
     /// How to authenticate (`None`: anonymous, for a server without auth).
     pub auth: Option<NatsAuth>,
@@ -1792,7 +1793,7 @@ async fn ensure_work_objects(shared: &Shared, work: &crate::work::WorkConfig) ->
         retention: stream::RetentionPolicy::WorkQueue,
         storage: stream::StorageType::File,
         duplicate_window: config.duplicate_window,
-        num_replicas: 1,
+        num_replicas: config.replicas,
         ..Default::default()
     };
     call("create work stream", timeout, shared.js.create_or_update_stream(stream_config)).await?;
@@ -1813,6 +1814,7 @@ async fn ensure_work_objects(shared: &Shared, work: &crate::work::WorkConfig) ->
             description: Some(format!("volley run {}: episode snapshots", config.run)),
             storage: stream::StorageType::File,
             max_age: ttl,
+            num_replicas: config.replicas,
             ..Default::default()
         };
         if let Err(err) = call("create snapshot store", timeout, shared.js.create_object_store(objects_config)).await {
@@ -1827,6 +1829,7 @@ async fn ensure_work_objects(shared: &Shared, work: &crate::work::WorkConfig) ->
             history: 1,
             max_age: ttl,
             storage: stream::StorageType::File,
+            num_replicas: config.replicas,
             ..Default::default()
         };
         if let Err(err) = call("create snapshot index", timeout, shared.js.create_key_value(kv_config)).await {
