@@ -163,7 +163,11 @@ fn a_killed_env_server_aborts_its_episodes_and_the_actor_continues() {
     learner.wait_for_log("learner progress");
     servers[0].kill9();
     let started = Instant::now();
-    while metric(&metrics_addr, "volley_actor_env_sessions_lost_total") < 1.0 {
+    // The client counts the lost session first; the rollout counts the aborted episodes when
+    // it processes that step: wait for both rather than race the scrape between them.
+    while metric(&metrics_addr, "volley_actor_env_sessions_lost_total") < 1.0
+        || metric(&metrics_addr, "volley_actor_episodes_aborted_total") < 4.0
+    {
         assert!(started.elapsed() < PATIENCE, "the actor never noticed the lost server:\n{}", actor.log());
         thread::sleep(Duration::from_millis(50));
     }
