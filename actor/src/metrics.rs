@@ -25,6 +25,9 @@ pub struct ActorMetrics {
     throttled_seconds: Counter,
     env_seconds: Counter,
     inference_seconds: Counter,
+    publish_errors: IntCounter,
+    weight_fetch_seconds: Counter,
+    weight_fetches: IntCounter,
     work_items_completed: IntCounter,
     snapshots_saved: IntCounter,
     episodes_resumed: IntCounter,
@@ -70,6 +73,15 @@ impl ActorMetrics {
                 "volley_actor_inference_seconds_total",
                 "Time spent in policy inference and action sampling.",
             )?,
+            publish_errors: int(
+                "volley_actor_publish_errors_total",
+                "Segment publishes that failed: retried by the transport (lost ack, broker error) or fatal.",
+            )?,
+            weight_fetch_seconds: float(
+                "volley_actor_weight_fetch_seconds_total",
+                "Time spent fetching new policy versions (download and checksum); divide by fetches for the mean latency.",
+            )?,
+            weight_fetches: int("volley_actor_weight_fetches_total", "New policy versions fetched and timed.")?,
             work_items_completed: int(
                 "volley_actor_work_items_completed_total",
                 "Work items finished (scheduled episodes, save-load).",
@@ -98,7 +110,7 @@ impl ActorMetrics {
         registry.register(Box::new(metrics))
     }
 
-    fn parts(&self) -> [&dyn Collector; 17] {
+    fn parts(&self) -> [&dyn Collector; 20] {
         [
             &self.env_steps,
             &self.episodes,
@@ -111,6 +123,9 @@ impl ActorMetrics {
             &self.throttled_seconds,
             &self.env_seconds,
             &self.inference_seconds,
+            &self.publish_errors,
+            &self.weight_fetch_seconds,
+            &self.weight_fetches,
             &self.work_items_completed,
             &self.snapshots_saved,
             &self.episodes_resumed,
@@ -155,6 +170,9 @@ impl Collector for ActorMetrics {
         catch_up_secs(&self.throttled_seconds, c.throttled_nanos.load(Ordering::Relaxed));
         catch_up_secs(&self.env_seconds, c.env_nanos.load(Ordering::Relaxed));
         catch_up_secs(&self.inference_seconds, c.inference_nanos.load(Ordering::Relaxed));
+        catch_up_int(&self.publish_errors, c.publish_errors.load(Ordering::Relaxed));
+        catch_up_secs(&self.weight_fetch_seconds, c.weight_fetch_nanos.load(Ordering::Relaxed));
+        catch_up_int(&self.weight_fetches, c.weight_fetches.load(Ordering::Relaxed));
         catch_up_int(&self.work_items_completed, c.work_items_completed.load(Ordering::Relaxed));
         catch_up_int(&self.snapshots_saved, c.snapshots_saved.load(Ordering::Relaxed));
         catch_up_int(&self.episodes_resumed, c.episodes_resumed.load(Ordering::Relaxed));
@@ -178,6 +196,9 @@ mod tests {
         counters.env_steps.store(1234, Ordering::Relaxed);
         counters.throttled_nanos.store(1_500_000_000, Ordering::Relaxed);
         counters.policy_version.store(7, Ordering::Relaxed);
+        counters.publish_errors.store(2, Ordering::Relaxed);
+        counters.weight_fetch_nanos.store(250_000_000, Ordering::Relaxed);
+        counters.weight_fetches.store(5, Ordering::Relaxed);
         counters.episodes_aborted.store(3, Ordering::Relaxed);
         counters.remote_env.sessions_lost.store(2, Ordering::Relaxed);
         counters.episode_return_mean_bits.store(21.5f64.to_bits(), Ordering::Relaxed);
@@ -187,6 +208,9 @@ mod tests {
         assert!(text.contains("volley_actor_env_steps_total 1234"), "{text}");
         assert!(text.contains("volley_actor_throttled_seconds_total 1.5"), "{text}");
         assert!(text.contains("volley_actor_policy_version 7"), "{text}");
+        assert!(text.contains("volley_actor_publish_errors_total 2"), "{text}");
+        assert!(text.contains("volley_actor_weight_fetch_seconds_total 0.25"), "{text}");
+        assert!(text.contains("volley_actor_weight_fetches_total 5"), "{text}");
         assert!(text.contains("volley_actor_episodes_aborted_total 3"), "{text}");
         assert!(text.contains("volley_actor_env_sessions_lost_total 2"), "{text}");
         assert!(text.contains("volley_actor_episode_return_mean 21.5"), "{text}");

@@ -45,6 +45,12 @@ pub enum ActorError {
 /// Counters an actor updates as it runs; shared with whoever reports progress.
 #[derive(Debug, Default)]
 pub struct ActorCounters {
+    /// Segment publishes that failed (retried by the transport, or fatal).
+    pub publish_errors: AtomicU64,
+    /// Nanoseconds spent fetching new weight versions (download and verification).
+    pub weight_fetch_nanos: AtomicU64,
+    /// Weight fetches timed in `weight_fetch_nanos`.
+    pub weight_fetches: AtomicU64,
     /// Work items finished (save-load / budget assignment).
     pub work_items_completed: AtomicU64,
     /// Episode snapshots saved.
@@ -688,9 +694,15 @@ impl RolloutWorker {
         }
         info!(actor = %self.actor, version = ?self.policy_version(), n_envs = self.envs.n_envs(), "actor started");
         let mut throttled_before = sink.throttled();
+        let mut retries_before = sink.publish_retries();
         while !stop.load(Ordering::Acquire) {
+            let fetch_started = Instant::now();
             match follower.latest(self.policy_version()) {
                 Ok(Some(weights)) => {
+                    self.counters
+                        .weight_fetch_nanos
+                        .fetch_add(fetch_started.elapsed().as_nanos() as u64, Ordering::Relaxed);
+                    self.counters.weight_fetches.fetch_add(1, Ordering::Relaxed);
                     if let Err(err) = self.set_weights(weights) {
                         // Keep acting with the old version; the learner decides what is too stale.
                         warn!(actor = %self.actor, %err, "ignoring unusable weights");
@@ -707,8 +719,14 @@ impl RolloutWorker {
                     self.counters.segments_published.fetch_add(n, Ordering::Relaxed);
                 }
                 Err(TransportError::Closed) => break,
-                Err(err) => return Err(err.into()),
+                Err(err) => {
+                    self.counters.publish_errors.fetch_add(1, Ordering::Relaxed);
+                    return Err(err.into());
+                }
             }
+            let retries = sink.publish_retries();
+            self.counters.publish_errors.fetch_add(retries.saturating_sub(retries_before), Ordering::Relaxed);
+            retries_before = retries;
             let throttled = sink.throttled();
             self.counters
                 .throttled_nanos

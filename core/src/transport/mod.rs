@@ -67,6 +67,11 @@ pub trait TrajectorySink: Send {
     fn publish(&mut self, segments: Vec<TrajectorySegment>) -> Result<(), TransportError>;
     /// Time this sink spent blocked by backpressure so far.
     fn throttled(&self) -> Duration;
+    /// Publish attempts that failed and were retried so far (a lost ack, a broker error).
+    /// Default: 0, for transports that cannot fail.
+    fn publish_retries(&self) -> u64 {
+        0
+    }
 }
 
 /// Where the learner receives segments.

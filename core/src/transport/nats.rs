@@ -1076,6 +1076,10 @@ impl TrajectorySink for NatsTrajectorySink {
     fn throttled(&self) -> Duration {
         self.stats.throttled
     }
+
+    fn publish_retries(&self) -> u64 {
+        self.stats.publish_retries
+    }
 }
 
 impl Drop for NatsTrajectorySink {
