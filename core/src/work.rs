@@ -147,15 +147,6 @@ pub struct WorkItem {
 }
 
 impl WorkItem {
-    /// The key that groups episodes by start for the scheduler and trajectory selection:
-    /// the snapshot key, or `task-<id>` for fresh starts.
-    pub fn start_key(&self) -> Option<String> {
-        match &self.start {
-            Start::Fresh { .. } => None,
-            Start::Resume { snapshot } => Some(snapshot.clone()),
-        }
-    }
-
     /// JSON, the work queue's message body (readable with `nats stream view`).
     pub fn to_json(&self) -> Vec<u8> {
         serde_json::to_vec(self).expect("a work item always serializes")

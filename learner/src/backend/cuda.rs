@@ -730,11 +730,9 @@ impl CudaEngine {
         if let Some(profile) = &mut self.profile {
             self.gpu.stream.synchronize()?;
             let e = &profile.events;
-            let rows = match hyper.loss {
-                LossKind::Vtrace => (batch.t_len + 1) * batch.b_len,
-                // The proximal forward over T+1 rows, then forward and backward per epoch over T rows.
-                LossKind::Ppo => (batch.t_len + 1) * batch.b_len,
-            };
+            // Both losses run one forward over T+1 rows; PPO (the proximal pass) then runs
+            // forward and backward per epoch over T rows.
+            let rows = (batch.t_len + 1) * batch.b_len;
             let backward_rows = match hyper.loss {
                 LossKind::Vtrace => rows,
                 LossKind::Ppo => batch.t_len * batch.b_len * hyper.ppo_epochs as usize,
