@@ -167,7 +167,7 @@ impl Collector for ActorMetrics {
         catch_up_int(&self.env_sessions_lost, c.remote_env.sessions_lost.load(Ordering::Relaxed));
         catch_up_int(&self.weight_updates, c.weight_updates.load(Ordering::Relaxed));
         self.policy_version.set(c.policy_version.load(Ordering::Relaxed) as f64);
-        catch_up_secs(&self.throttled_seconds, c.throttled_nanos.load(Ordering::Relaxed));
+        catch_up_secs(&self.throttled_seconds, c.throttled().as_nanos() as u64);
         catch_up_secs(&self.env_seconds, c.env_nanos.load(Ordering::Relaxed));
         catch_up_secs(&self.inference_seconds, c.inference_nanos.load(Ordering::Relaxed));
         catch_up_int(&self.publish_errors, c.publish_errors.load(Ordering::Relaxed));

@@ -88,6 +88,21 @@ pub struct ActorCounters {
     /// Mean return of this actor's last [`RETURN_WINDOW`] finished episodes, as `f64` bits
     /// (0.0 until the first episode ends).
     pub episode_return_mean_bits: AtomicU64,
+    /// The sink's live pacing clock, when its transport has one: the throttled time then
+    /// includes a wait still in progress (set once, by whoever opened the sink).
+    pub pacing: std::sync::OnceLock<Arc<volley_core::transport::PacingClock>>,
+    /// Whether the loop is inside [`TrajectorySink::publish`] now (waiting on pacing or on the
+    /// broker's acknowledgements: the actor is waiting on others, not stuck).
+    pub publishing: std::sync::atomic::AtomicBool,
+}
+
+impl ActorCounters {
+    /// Time blocked by backpressure so far, a wait in progress included when the sink's
+    /// transport reports it live.
+    pub fn throttled(&self) -> Duration {
+        let counted = Duration::from_nanos(self.throttled_nanos.load(Ordering::Relaxed));
+        self.pacing.get().map_or(counted, |clock| clock.total().max(counted))
+    }
 }
 
 /// How many of an actor's most recent episodes its mean return covers (the learner's window).
@@ -714,7 +729,10 @@ impl RolloutWorker {
             }
             let segments = self.collect_segments();
             let n = segments.len() as u64;
-            match sink.publish(segments) {
+            self.counters.publishing.store(true, Ordering::Release);
+            let published = sink.publish(segments);
+            self.counters.publishing.store(false, Ordering::Release);
+            match published {
                 Ok(()) => {
                     self.counters.segments_published.fetch_add(n, Ordering::Relaxed);
                 }

@@ -698,6 +698,8 @@ pub struct LearnerConfig {
     pub replay: bool,
     /// Metrics endpoint address.
     pub metrics_addr: String,
+    /// `/healthz` fails after this long without progress.
+    pub liveness_timeout: Duration,
     /// Learner backend.
     pub backend: BackendKind,
 }
@@ -741,6 +743,7 @@ impl TryFrom<LearnerArgs> for LearnerConfig {
             checkpoint_every,
             publish_every: args.publish_every,
             replay: args.replay,
+            liveness_timeout: args.metrics.liveness_timeout(),
             metrics_addr: args.metrics.metrics_addr,
             backend: args.backend.into(),
             nats,
@@ -833,6 +836,19 @@ pub struct MetricsArgs {
     /// Kubernetes use 0.0.0.0:9100).
     #[arg(long, env = "VOLLEY_METRICS_ADDR", default_value = "127.0.0.1:0")]
     pub metrics_addr: String,
+    /// `/healthz` fails (503) once the main loop has made no progress for this many seconds:
+    /// for the learner, no update while data arrives; for an actor, no env step while it is
+    /// not waiting on pacing, the broker or the first weights. Waiting for actors or for the
+    /// learner is not a failure.
+    #[arg(long, env = "VOLLEY_LIVENESS_TIMEOUT_SECS", default_value_t = 120, value_parser = clap::value_parser!(u64).range(1..))]
+    pub liveness_timeout_secs: u64,
+}
+
+impl MetricsArgs {
+    /// The liveness limit.
+    pub fn liveness_timeout(&self) -> Duration {
+        Duration::from_secs(self.liveness_timeout_secs)
+    }
 }
 
 /// The part `volley bench-weights` plays.

@@ -13,10 +13,12 @@ use volley_core::envsvc::{EnvServiceClient, RemoteVecEnv, RemoteVecEnvConfig};
 use volley_core::ids::{ActorId, RunId};
 use volley_core::transport::local::weights_channel;
 use volley_core::transport::nats::NatsBus;
-use volley_core::transport::{TrajectorySource, WeightsPublisher};
-use volley_learner::metrics::WorkMetrics;
+use volley_core::transport::{TrajectorySink, TrajectorySource, WeightsPublisher};
+use volley_learner::metrics::{ActorLag, WorkMetrics};
 use volley_learner::scheduler::{Planned, Scheduler, WorkPlanner};
-use volley_learner::{run_learner, Checkpoint, Learner, LearnerMetrics, LearnerReport, RunLimits, UpdateStats};
+use volley_learner::{
+    run_learner, Checkpoint, Learner, LearnerControl, LearnerMetrics, LearnerReport, RunLimits, UpdateStats,
+};
 
 use crate::args::{ActorArgs, EnvChoice, LearnerConfig};
 use crate::serve;
@@ -106,9 +108,30 @@ pub fn learner(config: LearnerConfig, interrupted: Arc<AtomicBool>) -> anyhow::R
     };
 
     let registry = serve::registry_for("learner")?;
-    let mut metrics = LearnerMetrics::register(&registry).context("registering learner metrics")?;
-    // Ready once the run exists on NATS and the first weights are about to be published.
-    serve::serve(&config.metrics_addr, registry.clone(), Arc::new(|| true))?;
+    let metrics = LearnerMetrics::register(&registry).context("registering learner metrics")?;
+    // Ready: connected, the run and its consumer exist (created above), and the first
+    // weights are published (the loop's first pass). Live: the loop made progress lately.
+    let heartbeat = serve::Heartbeat::new();
+    let weights_out = Arc::new(AtomicBool::new(false));
+    let ready: serve::Probe = {
+        let client = bus.client().clone();
+        let weights_out = weights_out.clone();
+        Arc::new(move || {
+            if client.connection_state() != async_nats::connection::State::Connected {
+                Err(format!("not connected to NATS ({})", client.connection_state()))
+            } else if !weights_out.load(Ordering::Acquire) {
+                Err("the first weights are not published yet".into())
+            } else {
+                Ok(())
+            }
+        })
+    };
+    serve::serve(
+        &config.metrics_addr,
+        registry.clone(),
+        ready,
+        heartbeat.probe(config.liveness_timeout, "learner loop"),
+    )?;
 
     let limits = RunLimits {
         max_env_steps: Some(config.max_env_steps),
@@ -118,10 +141,6 @@ pub fn learner(config: LearnerConfig, interrupted: Arc<AtomicBool>) -> anyhow::R
         publish_every: config.publish_every,
         resume_env_steps,
     };
-    let mut last_checkpoint = Instant::now();
-    let mut last_log = Instant::now();
-    let mut checkpoint_error: Option<anyhow::Error> = None;
-    let checkpoint_path = config.checkpoint_path.clone();
     let replay = config.replay;
     // Save-load and budget assignment: the scheduler plans every episode into the work queue.
     // Item ids start at the clock (µs), so a restarted learner never reuses one.
@@ -137,35 +156,22 @@ pub fn learner(config: LearnerConfig, interrupted: Arc<AtomicBool>) -> anyhow::R
     } else {
         None
     };
-    let mut control = |learner: &mut Learner, report: &LearnerReport, stats: &UpdateStats| {
-        metrics.observe(learner, report, stats, learner.updates().is_multiple_of(config.publish_every));
-        metrics.set_checkpoint_age(last_checkpoint.elapsed());
-        let due = learner.updates().is_multiple_of(config.checkpoint_every_updates)
-            || last_checkpoint.elapsed() >= config.checkpoint_every;
-        if due && !replay {
-            if let Err(err) = learner.checkpoint(report.env_steps).save(&checkpoint_path) {
-                warn!(%err, "checkpoint failed; will retry at the next update");
-                checkpoint_error.get_or_insert(err.into());
-            } else {
-                last_checkpoint = Instant::now();
-                checkpoint_error = None;
-            }
-        }
-        if last_log.elapsed() >= Duration::from_secs(2) {
-            last_log = Instant::now();
-            let loop_secs = report.elapsed.as_secs_f64().max(1e-9);
-            info!(
-                env_steps = report.env_steps,
-                version = report.policy_version,
-                mean_return_100 = report.mean_return(100),
-                lag_max = stats.lag_max,
-                backlog = report.backlog,
-                wait_ratio = report.wait_time.as_secs_f64() / loop_secs,
-                stale = report.segments_stale,
-                rejected = report.segments_rejected.values().sum::<u64>(),
-                "learner progress"
-            );
-        }
+    let mut control = LearnerOps {
+        metrics,
+        actor_lag: ActorLag::register(&registry).context("registering learner metrics")?,
+        version: learner.version().0,
+        heartbeat,
+        weights_out,
+        progress_at: Duration::ZERO,
+        last_checkpoint: Instant::now(),
+        last_log: Instant::now(),
+        last_stats: None,
+        checkpoint_error: None,
+        checkpoint_path: config.checkpoint_path.clone(),
+        checkpoint_every: config.checkpoint_every,
+        checkpoint_every_updates: config.checkpoint_every_updates,
+        publish_every: config.publish_every,
+        replay,
     };
     let report = match planner.as_mut() {
         Some(planner) => run_learner(
@@ -186,7 +192,7 @@ pub fn learner(config: LearnerConfig, interrupted: Arc<AtomicBool>) -> anyhow::R
             .with_context(|| format!("writing the final checkpoint {}", config.checkpoint_path.display()))?;
         info!(version = learner.version().0, path = %config.checkpoint_path.display(), "final checkpoint written");
     }
-    if let Some(err) = checkpoint_error {
+    if let Some(err) = control.checkpoint_error {
         warn!(%err, "the last periodic checkpoint had failed");
     }
     let loop_secs = report.elapsed.as_secs_f64();
@@ -208,6 +214,81 @@ pub fn learner(config: LearnerConfig, interrupted: Arc<AtomicBool>) -> anyhow::R
         lag_histogram: report.lag_histogram.clone(),
         stop_reason: report.stop_reason.map(|r| r.to_string()).unwrap_or_default(),
     })
+}
+
+/// What the learner process does around the loop: metrics, progress lines, checkpoints and the
+/// liveness heartbeat. Time-based signals are refreshed on every pass ([`LearnerControl::on_tick`]),
+/// so they move while the learner starves or stalls.
+struct LearnerOps {
+    metrics: LearnerMetrics,
+    actor_lag: ActorLag,
+    /// The learner's version at the last tick (it changes only at updates, each followed by one).
+    version: u64,
+    heartbeat: Arc<serve::Heartbeat>,
+    /// Set once the loop runs (the first weights are published before its first pass).
+    weights_out: Arc<AtomicBool>,
+    /// The report's `progress_at` at the last tick.
+    progress_at: Duration,
+    last_checkpoint: Instant,
+    last_log: Instant,
+    /// Lag and grad norm of the last update, for progress lines between updates.
+    last_stats: Option<(u64, f32)>,
+    checkpoint_error: Option<anyhow::Error>,
+    checkpoint_path: std::path::PathBuf,
+    checkpoint_every: Duration,
+    checkpoint_every_updates: u64,
+    publish_every: u64,
+    replay: bool,
+}
+
+impl LearnerControl for LearnerOps {
+    fn on_update(&mut self, learner: &mut Learner, report: &LearnerReport, stats: &UpdateStats) {
+        self.metrics.observe(learner, report, stats, learner.updates().is_multiple_of(self.publish_every));
+        self.last_stats = Some((stats.lag_max, stats.grad_norm));
+        let due = learner.updates().is_multiple_of(self.checkpoint_every_updates)
+            || self.last_checkpoint.elapsed() >= self.checkpoint_every;
+        if due && !self.replay {
+            if let Err(err) = learner.checkpoint(report.env_steps).save(&self.checkpoint_path) {
+                warn!(%err, "checkpoint failed; will retry at the next update");
+                self.checkpoint_error.get_or_insert(err.into());
+            } else {
+                self.last_checkpoint = Instant::now();
+                self.checkpoint_error = None;
+            }
+        }
+    }
+
+    fn on_segment(&mut self, segment: &volley_core::wire::TrajectorySegment) {
+        self.actor_lag.observe(&segment.actor, self.version.saturating_sub(segment.policy_version.0));
+    }
+
+    fn on_tick(&mut self, learner: &Learner, report: &LearnerReport) {
+        self.version = learner.version().0;
+        self.weights_out.store(true, Ordering::Release);
+        if report.progress_at > self.progress_at {
+            self.progress_at = report.progress_at;
+            self.heartbeat.beat();
+        }
+        self.metrics.tick(report);
+        self.metrics.set_checkpoint_age(self.last_checkpoint.elapsed());
+        if self.last_log.elapsed() >= Duration::from_secs(2) {
+            self.last_log = Instant::now();
+            let loop_secs = report.elapsed.as_secs_f64().max(1e-9);
+            info!(
+                env_steps = report.env_steps,
+                version = report.policy_version,
+                updates = report.updates,
+                mean_return_100 = report.mean_return(100),
+                lag_max = self.last_stats.map(|(lag, _)| lag),
+                backlog = report.backlog,
+                wait_ratio = report.wait_time.as_secs_f64() / loop_secs,
+                secs_since_progress = report.elapsed.saturating_sub(report.progress_at).as_secs_f64(),
+                stale = report.segments_stale,
+                rejected = report.segments_rejected.values().sum::<u64>(),
+                "learner progress"
+            );
+        }
+    }
 }
 
 /// This actor's identity: the flag, else the pod name, else a generated one.
@@ -244,16 +325,33 @@ pub fn actor(args: ActorArgs, interrupted: Arc<AtomicBool>) -> anyhow::Result<()
     let counters = Arc::new(ActorCounters::default());
     let registry = serve::registry_for("actor")?;
     ActorMetrics::register(&registry, counters.clone()).context("registering actor metrics")?;
-    let ready_counters = counters.clone();
+    let config = args.nats.config(run.clone())?;
+    let bus = NatsBus::connect(config.clone()).with_context(|| format!("connecting to NATS at {}", config.url))?;
+    // Ready: connected and acting with a policy. Live: stepping environments, or waiting on
+    // others (the run spec, the first weights, pacing or the broker's acknowledgements).
+    let heartbeat = serve::Heartbeat::new();
+    let ready: serve::Probe = {
+        let client = bus.client().clone();
+        let counters = counters.clone();
+        Arc::new(move || {
+            if client.connection_state() != async_nats::connection::State::Connected {
+                Err(format!("not connected to NATS ({})", client.connection_state()))
+            } else if counters.weight_updates.load(Ordering::Relaxed) == 0 {
+                Err("no policy weights received yet".into())
+            } else {
+                Ok(())
+            }
+        })
+    };
     serve::serve(
         &args.metrics.metrics_addr,
         registry,
-        Arc::new(move || ready_counters.weight_updates.load(Ordering::Relaxed) > 0),
+        ready,
+        heartbeat.probe(args.metrics.liveness_timeout(), "actor loop"),
     )?;
-    let config = args.nats.config(run.clone())?;
-    let bus = NatsBus::connect(config.clone()).with_context(|| format!("connecting to NATS at {}", config.url))?;
     let mut last_wait_log: Option<Instant> = None;
     let spec = loop {
+        heartbeat.beat();
         if interrupted.load(Ordering::Acquire) {
             return Ok(());
         }
@@ -316,6 +414,9 @@ pub fn actor(args: ActorArgs, interrupted: Arc<AtomicBool>) -> anyhow::Result<()
     let layout = spec.validate().context("run spec")?;
     let mut sink = bus.trajectory_sink(&actor_id, interrupted.clone()).context("opening the trajectory sink")?;
     sink.set_max_backlog_segments(spec.hyper.max_backlog_segments);
+    if let Some(clock) = sink.pacing_clock() {
+        let _ = counters.pacing.set(clock);
+    }
     let mut follower = bus.weights_follower(layout.hash(), layout.n_params()).context("following weights")?;
     info!(run = %run, actor = %actor_id, env = %env.describe(), envs = args.envs, "actor joined the run");
     let reporter_stop = Arc::new(AtomicBool::new(false));
@@ -323,7 +424,8 @@ pub fn actor(args: ActorArgs, interrupted: Arc<AtomicBool>) -> anyhow::Result<()
         let counters = counters.clone();
         let stop = reporter_stop.clone();
         let actor_id = actor_id.clone();
-        thread::spawn(move || report_progress(&actor_id, &counters, &stop))
+        let heartbeat = heartbeat.clone();
+        thread::spawn(move || report_progress(&actor_id, &counters, &heartbeat, &stop))
     };
     let result = worker.run(&mut sink, &mut follower, &interrupted);
     if let Err(err) = sink.flush() {
@@ -336,11 +438,21 @@ pub fn actor(args: ActorArgs, interrupted: Arc<AtomicBool>) -> anyhow::Result<()
     Ok(())
 }
 
-fn report_progress(actor: &ActorId, counters: &ActorCounters, stop: &AtomicBool) {
+/// Progress lines every 10 s, and the liveness heartbeat: the actor is live while its env
+/// steps move or it waits on others (no weights yet, inside a publish: pacing or acks).
+fn report_progress(actor: &ActorId, counters: &ActorCounters, heartbeat: &serve::Heartbeat, stop: &AtomicBool) {
     let mut last = Instant::now();
     let mut last_steps = 0;
+    let mut steps_seen = 0;
     while !stop.load(Ordering::Acquire) {
         thread::sleep(Duration::from_millis(200));
+        let steps = counters.env_steps.load(Ordering::Relaxed);
+        let waiting =
+            counters.weight_updates.load(Ordering::Relaxed) == 0 || counters.publishing.load(Ordering::Acquire);
+        if steps != steps_seen || waiting {
+            heartbeat.beat();
+            steps_seen = steps;
+        }
         if last.elapsed() < Duration::from_secs(10) {
             continue;
         }
@@ -352,7 +464,7 @@ fn report_progress(actor: &ActorId, counters: &ActorCounters, stop: &AtomicBool)
             steps_per_sec = ((steps - last_steps) as f64 / secs) as u64,
             segments = counters.segments_published.load(Ordering::Relaxed),
             weight_updates = counters.weight_updates.load(Ordering::Relaxed),
-            throttled_secs = counters.throttled_nanos.load(Ordering::Relaxed) as f64 * 1e-9,
+            throttled_secs = counters.throttled().as_secs_f64(),
             env_errors = counters.env_errors.load(Ordering::Relaxed),
             episodes_aborted = counters.episodes_aborted.load(Ordering::Relaxed),
             env_sessions_lost = counters.remote_env.sessions_lost.load(Ordering::Relaxed),

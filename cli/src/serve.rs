@@ -1,16 +1,59 @@
 //! The HTTP endpoint every long-running process serves: `/metrics` (Prometheus text),
-//! `/healthz` (the process is up) and `/readyz` (connected and holding weights).
+//! `/healthz` (the main loop has made progress recently: a Kubernetes liveness probe) and
+//! `/readyz` (connected, and the role's first weights published or received: a readiness
+//! probe). Both answer 503 with the reason when they fail.
 
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread;
+use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use prometheus::{Encoder, IntGaugeVec, Opts, Registry, TextEncoder};
 use tracing::{info, warn};
 
-/// Tells `/readyz` whether the process can do its job.
-pub type Readiness = Arc<dyn Fn() -> bool + Send + Sync>;
+/// A health check: `Ok` or the reason it fails (the 503 body).
+pub type Probe = Arc<dyn Fn() -> Result<(), String> + Send + Sync>;
+
+/// When the main loop last made progress; `/healthz` fails once that is longer ago than the
+/// timeout. Shared between the loop (which beats) and the HTTP thread (which reads).
+#[derive(Debug)]
+pub struct Heartbeat {
+    started: Instant,
+    /// Milliseconds after `started` of the last beat.
+    last_ms: AtomicU64,
+}
+
+impl Heartbeat {
+    /// A heartbeat that has just beaten.
+    pub fn new() -> Arc<Self> {
+        Arc::new(Heartbeat { started: Instant::now(), last_ms: AtomicU64::new(0) })
+    }
+
+    /// The loop made progress.
+    pub fn beat(&self) {
+        self.last_ms.fetch_max(self.started.elapsed().as_millis() as u64, Ordering::AcqRel);
+    }
+
+    /// Time since the last beat.
+    pub fn since(&self) -> Duration {
+        self.started.elapsed().saturating_sub(Duration::from_millis(self.last_ms.load(Ordering::Acquire)))
+    }
+
+    /// A liveness probe: fails once no beat came for `timeout`, saying what `what` is.
+    pub fn probe(self: &Arc<Self>, timeout: Duration, what: &'static str) -> Probe {
+        let heartbeat = self.clone();
+        Arc::new(move || {
+            let since = heartbeat.since();
+            if since > timeout {
+                Err(format!("{what}: no progress for {:.0} s (limit {} s)\n", since.as_secs_f64(), timeout.as_secs()))
+            } else {
+                Ok(())
+            }
+        })
+    }
+}
 
 /// A registry with `volley_build_info{version, role} 1` already in it.
 pub fn registry_for(role: &str) -> anyhow::Result<Registry> {
@@ -26,7 +69,7 @@ pub fn registry_for(role: &str) -> anyhow::Result<Registry> {
 
 /// Serve the endpoints on `addr` from a background thread; returns the bound address (useful
 /// with port 0).
-pub fn serve(addr: &str, registry: Registry, ready: Readiness) -> anyhow::Result<SocketAddr> {
+pub fn serve(addr: &str, registry: Registry, ready: Probe, live: Probe) -> anyhow::Result<SocketAddr> {
     let server = tiny_http::Server::http(addr)
         .map_err(|err| anyhow::anyhow!("{err}"))
         .with_context(|| format!("serving metrics on {addr}"))?;
@@ -45,9 +88,14 @@ pub fn serve(addr: &str, registry: Registry, ready: Readiness) -> anyhow::Result
                             Err(err) => (500, "text/plain".into(), err.to_string().into_bytes()),
                         }
                     }
-                    "/healthz" => (200, "text/plain".into(), b"ok\n".to_vec()),
-                    "/readyz" if ready() => (200, "text/plain".into(), b"ready\n".to_vec()),
-                    "/readyz" => (503, "text/plain".into(), b"not ready\n".to_vec()),
+                    "/healthz" => match live() {
+                        Ok(()) => (200, "text/plain".into(), b"ok\n".to_vec()),
+                        Err(reason) => (503, "text/plain".into(), reason.into_bytes()),
+                    },
+                    "/readyz" => match ready() {
+                        Ok(()) => (200, "text/plain".into(), b"ready\n".to_vec()),
+                        Err(reason) => (503, "text/plain".into(), format!("not ready: {reason}\n").into_bytes()),
+                    },
                     _ => (404, "text/plain".into(), b"not found\n".to_vec()),
                 };
                 let header = tiny_http::Header::from_bytes("Content-Type", content_type.as_bytes())
@@ -185,6 +233,44 @@ mod tests {
         for uid in ["volley-overview", "volley-actors", "volley-nats-jetstream"] {
             assert!(uids.contains(uid), "dashboard {uid} is missing: {uids:?}");
         }
+    }
+
+    fn get(addr: SocketAddr, path: &str) -> (u16, String) {
+        use std::io::{Read, Write};
+        let mut stream = std::net::TcpStream::connect(addr).expect("connect");
+        write!(stream, "GET {path} HTTP/1.0\r\nHost: x\r\n\r\n").expect("request");
+        let mut text = String::new();
+        stream.read_to_string(&mut text).expect("response");
+        let status = text.split_whitespace().nth(1).and_then(|s| s.parse().ok()).expect("status");
+        (status, text.split("\r\n\r\n").nth(1).unwrap_or_default().to_string())
+    }
+
+    #[test]
+    fn probes_answer_503_with_their_reason() {
+        let heartbeat = Heartbeat::new();
+        let ready_flag = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let flag = ready_flag.clone();
+        let ready: Probe =
+            Arc::new(move || if flag.load(Ordering::Acquire) { Ok(()) } else { Err("no weights yet".into()) });
+        let addr = serve(
+            "127.0.0.1:0",
+            registry_for("test").expect("registry"),
+            ready,
+            heartbeat.probe(Duration::from_millis(200), "test loop"),
+        )
+        .expect("serve");
+        assert_eq!(get(addr, "/healthz").0, 200);
+        let (status, body) = get(addr, "/readyz");
+        assert_eq!((status, body.as_str()), (503, "not ready: no weights yet\n"));
+        ready_flag.store(true, Ordering::Release);
+        assert_eq!(get(addr, "/readyz").0, 200);
+        std::thread::sleep(Duration::from_millis(300));
+        let (status, body) = get(addr, "/healthz");
+        assert_eq!(status, 503);
+        assert!(body.starts_with("test loop: no progress for"), "{body}");
+        heartbeat.beat();
+        assert_eq!(get(addr, "/healthz").0, 200);
+        assert_eq!(get(addr, "/nope").0, 404);
     }
 
     #[test]

@@ -163,6 +163,60 @@ fn killing_an_actor_loses_nothing_it_published() {
 }
 
 /// A minimal HTTP/1.0 GET against the metrics endpoint: (status, body).
+/// The value of the sample `series` (name with labels, as exposed) in a Prometheus text page.
+fn metric_value(page: &str, series: &str) -> Option<f64> {
+    page.lines().find_map(|line| line.strip_prefix(series)?.strip_prefix(' ')?.trim().parse().ok())
+}
+
+/// Poll `probe` every 100 ms until it holds (bounded by [`PATIENCE`], a safety net).
+fn eventually(what: &str, mut probe: impl FnMut() -> bool) {
+    let started = Instant::now();
+    while !probe() {
+        assert!(started.elapsed() < PATIENCE, "never: {what}");
+        thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// A learner with no actors starves: its wait time and progress lines move although no update
+/// happens, it is ready once its first weights are out and stays live (waiting for actors is
+/// not a fault); without the broker it is not ready, and still live.
+#[test]
+fn a_learner_without_actors_is_starving_ready_and_live() {
+    let _serial = serial();
+    let mut nats = TestNats::start();
+    let dir = tempfile::tempdir().expect("temp dir");
+    let addr = format!("127.0.0.1:{}", volley_testkit::free_port());
+    let mut learner = Proc::volley(
+        dir.path(),
+        "learner",
+        &learner_args(&nats, "starve", dir.path(), &["--metrics-addr", &addr, "--liveness-timeout-secs", "1"]),
+        PATIENCE,
+    );
+    learner.wait_for_log("serving /metrics");
+    eventually("the learner is ready", || http_get(&addr, "/readyz").0 == 200);
+    let wait_of = |page: &str| metric_value(page, "volley_learner_wait_seconds_total").expect("wait seconds");
+    let first = wait_of(&http_get(&addr, "/metrics").1);
+    eventually("the wait time moves without updates", || wait_of(&http_get(&addr, "/metrics").1) >= first + 1.5);
+    let (_, page) = http_get(&addr, "/metrics");
+    assert_eq!(metric_value(&page, "volley_learner_updates_total"), Some(0.0), "{page}");
+    assert!(metric_value(&page, "volley_learner_checkpoint_age_seconds").expect("checkpoint age") >= 1.5, "{page}");
+    for series in [
+        "volley_learner_segments_rejected_total{reason=\"checksum\"}",
+        "volley_learner_segments_total{outcome=\"stale\"}",
+    ] {
+        assert_eq!(metric_value(&page, series), Some(0.0), "{series} is exported at 0 from the start:\n{page}");
+    }
+    assert_eq!(http_get(&addr, "/healthz").0, 200, "starving for longer than the liveness limit is not a fault");
+    eventually("progress lines go on while starving", || learner.log().matches("learner progress").count() >= 2);
+    nats.kill();
+    eventually("not ready without the broker", || {
+        let (status, body) = http_get(&addr, "/readyz");
+        status == 503 && body.contains("not connected")
+    });
+    assert_eq!(http_get(&addr, "/healthz").0, 200, "waiting on the broker is not a fault either");
+    learner.terminate();
+}
+
 fn http_get(addr: &str, path: &str) -> (u16, String) {
     use std::io::Write;
     let mut stream = std::net::TcpStream::connect(addr).expect("connect to the metrics endpoint");

@@ -75,6 +75,13 @@ pub trait LearnerControl {
     fn on_segment(&mut self, segment: &TrajectorySegment) {
         let _ = segment;
     }
+
+    /// Called once per pass of the loop (at least every ~100 ms while nothing arrives, since
+    /// receiving waits at most that long), updates or not: signals that measure time, age or
+    /// backlog are refreshed here, so they move while the learner starves or stalls.
+    fn on_tick(&mut self, learner: &Learner, report: &LearnerReport) {
+        let _ = (learner, report);
+    }
 }
 
 impl<F: FnMut(&mut Learner, &LearnerReport, &UpdateStats)> LearnerControl for F {
@@ -128,8 +135,15 @@ pub struct LearnerReport {
     pub target_reached_100: Option<(u64, f64)>,
     /// Histogram of segment lag in versions: `lag_histogram[k]` counts lag k (last bucket: ≥).
     pub lag_histogram: Vec<u64>,
-    /// Backlog reported by the transport at the last update.
+    /// Backlog reported by the transport (refreshed every pass of the loop).
     pub backlog: Option<u64>,
+    /// Valid, first-seen segments received (used, stale or dropped by selection).
+    pub segments_received: u64,
+    /// Loop time of the last progress: an update applied, or a pass that found no new data
+    /// (waiting for actors is not the learner's fault). Data arriving without updates
+    /// following (everything stale, say) is a stall: this stops moving while
+    /// [`LearnerReport::elapsed`] goes on.
+    pub progress_at: Duration,
     /// Why the loop stopped (set at the end).
     pub stop_reason: Option<StopReason>,
 }
@@ -285,12 +299,21 @@ pub fn run_learner(
             Ok(_) => {}
             Err(TransportError::Closed) => break StopReason::SourceClosed,
             Err(err) => {
+                // Waiting on the broker is not the learner's fault: progress, and a tick so
+                // the signals keep moving through an outage.
                 warn!(%err, "receiving segments failed; retrying");
+                report.wait_time += wait_started.elapsed();
+                report.elapsed = started.elapsed();
+                report.progress_at = report.elapsed;
+                control.on_tick(learner, &report);
                 continue;
             }
         }
         report.wait_time += wait_started.elapsed();
         report.elapsed = started.elapsed();
+        if incoming.is_empty() {
+            report.progress_at = report.elapsed;
+        }
         for delivery in incoming.drain(..) {
             let Delivery { segment, token, .. } = delivery;
             let checked =
@@ -312,6 +335,7 @@ pub fn run_learner(
                 settled.push(token);
                 continue;
             }
+            report.segments_received += 1;
             report.env_steps += segment.len() as u64;
             report.record_episodes(&segment, limits.target_return);
             control.on_segment(&segment);
@@ -335,6 +359,10 @@ pub fn run_learner(
         }
         if !ready {
             report.compute_time += compute_started.elapsed();
+            report.elapsed = started.elapsed();
+            report.pool_segments = selector.len() as u64;
+            report.backlog = source.backlog();
+            control.on_tick(learner, &report);
             continue;
         }
         let draw = selector.draw();
@@ -353,10 +381,12 @@ pub fn run_learner(
         report.pool_segments = selector.len() as u64;
         report.backlog = source.backlog();
         report.elapsed = started.elapsed();
+        report.progress_at = report.elapsed;
         if stats.skipped_steps > 0 {
             warn!(skipped = stats.skipped_steps, "non-finite gradient; step skipped");
         }
         control.on_update(learner, &report, &stats);
+        control.on_tick(learner, &report);
     };
     // Whatever was received but not used (the selection pool) is left unacknowledged: a
     // networked transport redelivers it to the next learner.

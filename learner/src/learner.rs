@@ -59,6 +59,9 @@ pub struct UpdateStats {
     pub lag_max: u64,
     /// Mean lag.
     pub lag_mean: f32,
+    /// Off-policy health of the batch (CPU backend; `None` on the CUDA backend, whose fused
+    /// kernels return only the loss sums).
+    pub off_policy: Option<crate::telemetry::OffPolicyStats>,
 }
 
 /// The learner's parameters, optimiser and scratch buffers.
@@ -392,8 +395,17 @@ impl Learner {
             &mut self.dlogits,
             &mut self.dvalues,
         );
+        let n_samples = t_len * b_len;
+        let off_policy = crate::telemetry::off_policy_stats(&crate::telemetry::OffPolicyInputs {
+            log_rhos: self.vtrace_workspace.log_rhos(),
+            weights: &batch.sample_weights,
+            values: &self.tape.values()[..n_samples],
+            value_targets: self.vtrace_workspace.vs(),
+            rho_bar: h.clip_rho_threshold,
+            c_bar: h.clip_c_threshold,
+        });
         self.tape.backward(&self.params, &self.dlogits, &self.dvalues, &mut self.grads);
-        let mut stats = UpdateStats { loss, ..UpdateStats::default() };
+        let mut stats = UpdateStats { loss, off_policy: Some(off_policy), ..UpdateStats::default() };
         match self.apply_gradients(learning_rate) {
             Some(norm) => stats.grad_norm = norm,
             None => stats.skipped_steps = 1,
@@ -444,6 +456,16 @@ impl Learner {
             self.spec.hyper.behaviour_is_clip,
             &mut self.is_weights,
         );
+        let log_rhos: Vec<f32> =
+            self.prox_log_probs.iter().zip(&batch.behaviour_log_probs).map(|(prox, mu)| prox - mu).collect();
+        let off_policy = crate::telemetry::off_policy_stats(&crate::telemetry::OffPolicyInputs {
+            log_rhos: &log_rhos,
+            weights: &batch.sample_weights,
+            values: &self.tape.values()[..steps],
+            value_targets: &self.returns,
+            rho_bar: self.spec.hyper.behaviour_is_clip,
+            c_bar: self.spec.hyper.behaviour_is_clip,
+        });
         // 4. Epochs of minibatch gradient steps over whole sequences (columns).
         let h = self.spec.hyper.clone();
         let config = PpoLossConfig {
@@ -512,6 +534,7 @@ impl Learner {
             loss: total.mean(),
             grad_norm: if applied > 0 { grad_norm_sum / applied as f32 } else { f32::NAN },
             skipped_steps: skipped,
+            off_policy: Some(off_policy),
             ..UpdateStats::default()
         }
     }

@@ -15,6 +15,7 @@ pub mod metrics;
 pub mod optim;
 pub mod scheduler;
 pub mod selection;
+pub mod telemetry;
 
 pub use checkpoint::{Checkpoint, CheckpointError};
 pub use consume::{run_learner, LearnerControl, LearnerReport, RunLimits, StopReason};

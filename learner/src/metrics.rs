@@ -30,7 +30,22 @@ pub struct LearnerMetrics {
     backlog: Gauge,
     pool: Gauge,
     checkpoint_age: Gauge,
+    since_progress: Gauge,
+    rho_clipped: Gauge,
+    c_clipped: Gauge,
+    behaviour_kl: Gauge,
+    effective_samples: Gauge,
+    explained_variance: Gauge,
+    importance_ratio: Histogram,
     previous: LearnerReport,
+    /// Wait and compute time already counted by [`LearnerMetrics::tick`].
+    timed: TimedSoFar,
+}
+
+#[derive(Default)]
+struct TimedSoFar {
+    wait_time: Duration,
+    compute_time: Duration,
 }
 
 impl LearnerMetrics {
@@ -95,8 +110,50 @@ impl LearnerMetrics {
                 "volley_learner_checkpoint_age_seconds",
                 "Time since the last checkpoint was written.",
             )?,
+            since_progress: gauge(
+                "volley_learner_seconds_since_progress",
+                "Time since the learner loop last made progress: an update, or a pass that found no new data (so it grows only while data arrives and no update follows: a stall).",
+            )?,
+            rho_clipped: gauge(
+                "volley_learner_rho_clipped_fraction",
+                "Share of the last update's sample weight whose importance ratio pi/mu exceeded rho-bar (V-trace; PPO: the behaviour IS clip).",
+            )?,
+            c_clipped: gauge(
+                "volley_learner_c_clipped_fraction",
+                "Share of the last update's sample weight whose importance ratio exceeded c-bar, cutting the V-trace traces (PPO: the behaviour IS clip).",
+            )?,
+            behaviour_kl: gauge(
+                "volley_learner_behaviour_kl",
+                "Estimated KL(behaviour || learner) over the last update's batch, nats (k3 estimator on the behaviour's samples).",
+            )?,
+            effective_samples: gauge(
+                "volley_learner_effective_sample_fraction",
+                "Kish effective sample size of the last update's importance ratios over its sample count: 1 on-policy, near 0 when few samples dominate.",
+            )?,
+            explained_variance: gauge(
+                "volley_learner_value_explained_variance",
+                "1 - Var(target - V)/Var(target) of the value head on the last update's value targets.",
+            )?,
+            importance_ratio: Histogram::with_opts(
+                HistogramOpts::new(
+                    "volley_learner_importance_ratio",
+                    "Importance ratios pi/mu (learner over behaviour) of the samples of every update.",
+                )
+                .buckets(vec![0.1, 0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.11, 1.25, 1.5, 2.0, 4.0, 10.0]),
+            )?,
             previous: LearnerReport::default(),
+            timed: TimedSoFar::default(),
         };
+        // Every label value from the start, so rates and "no rejections" read 0, not "no data".
+        for outcome in ["used", "duplicate"].into_iter().chain(crate::selection::DropReason::ALL.map(|r| r.as_str())) {
+            metrics.segments.with_label_values(&[outcome]);
+        }
+        for &reason in volley_core::wire::DecodeError::REASONS {
+            metrics.rejected.with_label_values(&[reason]);
+        }
+        for term in ["total", "policy", "value"] {
+            metrics.loss.with_label_values(&[term]);
+        }
         registry.register(Box::new(metrics.segments.clone()))?;
         registry.register(Box::new(metrics.rejected.clone()))?;
         for counter in
@@ -106,6 +163,7 @@ impl LearnerMetrics {
         }
         registry.register(Box::new(metrics.update_duration.clone()))?;
         registry.register(Box::new(metrics.policy_lag.clone()))?;
+        registry.register(Box::new(metrics.importance_ratio.clone()))?;
         registry.register(Box::new(metrics.wait_seconds.clone()))?;
         registry.register(Box::new(metrics.compute_seconds.clone()))?;
         registry.register(Box::new(metrics.loss.clone()))?;
@@ -118,6 +176,12 @@ impl LearnerMetrics {
             &metrics.backlog,
             &metrics.pool,
             &metrics.checkpoint_age,
+            &metrics.since_progress,
+            &metrics.rho_clipped,
+            &metrics.c_clipped,
+            &metrics.behaviour_kl,
+            &metrics.effective_samples,
+            &metrics.explained_variance,
         ] {
             registry.register(Box::new(gauge.clone()))?;
         }
@@ -148,8 +212,6 @@ impl LearnerMetrics {
         }
         let compute = report.compute_time.saturating_sub(prev.compute_time);
         self.update_duration.observe(compute.as_secs_f64());
-        self.compute_seconds.inc_by(compute.as_secs_f64());
-        self.wait_seconds.inc_by(report.wait_time.saturating_sub(prev.wait_time).as_secs_f64());
         for (lag, &count) in report.lag_histogram.iter().enumerate() {
             let before = prev.lag_histogram.get(lag).copied().unwrap_or(0);
             for _ in 0..delta(count, before) {
@@ -162,21 +224,107 @@ impl LearnerMetrics {
         self.entropy.set(stats.loss.entropy as f64);
         self.grad_norm.set(stats.grad_norm as f64);
         self.learning_rate.set(stats.learning_rate as f64);
+        if let Some(off) = &stats.off_policy {
+            self.rho_clipped.set(off.rho_clipped_fraction as f64);
+            self.c_clipped.set(off.c_clipped_fraction as f64);
+            self.behaviour_kl.set(off.behaviour_kl as f64);
+            self.effective_samples.set(off.effective_sample_fraction as f64);
+            if off.explained_variance.is_finite() {
+                self.explained_variance.set(off.explained_variance as f64);
+            }
+            for &ratio in &off.ratios {
+                self.importance_ratio.observe(ratio as f64);
+            }
+        }
         self.policy_version.set(learner.version().0 as f64);
         let mean = report.mean_return(100);
         if mean.is_finite() {
             self.mean_return.set(mean as f64);
         }
+        self.tick(report);
+        self.previous = report.clone();
+    }
+
+    /// Refresh what measures time or backlog (wait and compute seconds, backlog, pool, time
+    /// since progress) and the segment counters; called on every pass of the learner loop,
+    /// updates or not (see [`crate::LearnerControl::on_tick`]).
+    pub fn tick(&mut self, report: &LearnerReport) {
+        self.compute_seconds.inc_by(report.compute_time.saturating_sub(self.timed.compute_time).as_secs_f64());
+        self.wait_seconds.inc_by(report.wait_time.saturating_sub(self.timed.wait_time).as_secs_f64());
+        self.timed.compute_time = self.timed.compute_time.max(report.compute_time);
+        self.timed.wait_time = self.timed.wait_time.max(report.wait_time);
         if let Some(backlog) = report.backlog {
             self.backlog.set(backlog as f64);
         }
         self.pool.set(report.pool_segments as f64);
-        self.previous = report.clone();
+        self.since_progress.set(report.elapsed.saturating_sub(report.progress_at).as_secs_f64());
     }
 
     /// Record the time since the last checkpoint.
     pub fn set_checkpoint_age(&self, age: Duration) {
         self.checkpoint_age.set(age.as_secs_f64());
+    }
+}
+
+/// Most actors [`ActorLag`] keeps a label for; the least recently heard-from one is dropped
+/// first (the label set is keyed by what peers send, so it is bounded).
+pub const MAX_ACTOR_LABELS: usize = 256;
+
+/// `volley_learner_actor_policy_lag{actor}`: each actor's lag in versions as the learner
+/// measures it on arrival (an exponential moving average over its segments). Measured in one
+/// process at one instant, so unlike "learner version minus actor version" across two scrapes
+/// it can never be negative.
+pub struct ActorLag {
+    gauge: GaugeVec,
+    /// Actor id → (smoothed lag, segments seen when last heard from).
+    actors: std::collections::HashMap<String, (f64, u64)>,
+    seen: u64,
+}
+
+impl ActorLag {
+    /// Weight of the newest segment in the moving average.
+    const ALPHA: f64 = 0.2;
+
+    /// Register on `registry`.
+    pub fn register(registry: &Registry) -> prometheus::Result<Self> {
+        let gauge = GaugeVec::new(
+            Opts::new(
+                "volley_learner_actor_policy_lag",
+                "Lag in versions of each actor's segments as the learner receives them (moving average; at most 256 actors, least recently heard-from dropped first).",
+            ),
+            &["actor"],
+        )?;
+        registry.register(Box::new(gauge.clone()))?;
+        Ok(ActorLag { gauge, actors: std::collections::HashMap::new(), seen: 0 })
+    }
+
+    /// A segment from `actor` arrived `lag` versions behind the learner.
+    pub fn observe(&mut self, actor: &str, lag: u64) {
+        // Bounded in bytes too: a label is at most 64 bytes of the id.
+        let actor = &actor[..(0..=actor.len().min(64)).rev().find(|&i| actor.is_char_boundary(i)).unwrap_or(0)];
+        self.seen += 1;
+        let seen = self.seen;
+        if !self.actors.contains_key(actor) && self.actors.len() >= MAX_ACTOR_LABELS {
+            let oldest = self.actors.iter().min_by_key(|(_, (_, at))| *at).map(|(id, _)| id.clone());
+            if let Some(oldest) = oldest {
+                self.actors.remove(&oldest);
+                let _ = self.gauge.remove_label_values(&[&oldest]);
+            }
+        }
+        let entry = self.actors.entry(actor.to_string()).or_insert((lag as f64, seen));
+        entry.0 += Self::ALPHA * (lag as f64 - entry.0);
+        entry.1 = seen;
+        self.gauge.with_label_values(&[actor]).set(entry.0);
+    }
+
+    /// Actors with a label now.
+    pub fn len(&self) -> usize {
+        self.actors.len()
+    }
+
+    /// Whether no actor has a label.
+    pub fn is_empty(&self) -> bool {
+        self.actors.is_empty()
     }
 }
 
@@ -246,5 +394,27 @@ impl WorkMetrics {
             }
         }
         self.snapshots.set(scheduler.known_snapshots() as f64);
+    }
+}
+
+#[cfg(test)]
+mod actor_lag_tests {
+    use super::*;
+
+    #[test]
+    fn actor_lag_is_smoothed_and_its_labels_bounded() {
+        let registry = Registry::new();
+        let mut lag = ActorLag::register(&registry).expect("register");
+        lag.observe("a", 0);
+        lag.observe("a", 10);
+        assert!((lag.gauge.with_label_values(&["a"]).get() - 2.0).abs() < 1e-9);
+        for i in 0..(MAX_ACTOR_LABELS + 10) {
+            lag.observe(&format!("actor-{i}"), 1);
+        }
+        assert_eq!(lag.len(), MAX_ACTOR_LABELS);
+        let families = registry.gather();
+        let exported = families.iter().find(|f| f.name() == "volley_learner_actor_policy_lag").expect("family");
+        assert_eq!(exported.get_metric().len(), MAX_ACTOR_LABELS, "evicted actors leave the exposition");
+        assert!(!lag.actors.contains_key("a"), "the least recently heard-from actor went first");
     }
 }

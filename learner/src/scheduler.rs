@@ -415,6 +415,10 @@ impl<C: crate::LearnerControl + ?Sized> crate::LearnerControl for Planned<'_, C>
         self.planner.top_up_soon();
         self.inner.on_segment(segment);
     }
+
+    fn on_tick(&mut self, learner: &crate::Learner, report: &crate::LearnerReport) {
+        self.inner.on_tick(learner, report);
+    }
 }
 
 /// Index drawn with probability proportional to `weights` (uniform if they sum to 0).

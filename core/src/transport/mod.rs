@@ -72,6 +72,65 @@ pub trait TrajectorySink: Send {
     fn publish_retries(&self) -> u64 {
         0
     }
+    /// A live view of the time spent blocked by backpressure, readable from other threads
+    /// while [`TrajectorySink::publish`] is still waiting (metrics, liveness). Default: none.
+    fn pacing_clock(&self) -> Option<Arc<PacingClock>> {
+        None
+    }
+}
+
+/// Time a sink has spent blocked by backpressure, including a wait still in progress; shared
+/// between the publishing thread and readers on other threads.
+#[derive(Debug)]
+pub struct PacingClock {
+    epoch: std::time::Instant,
+    /// Nanoseconds of finished waits.
+    finished_nanos: std::sync::atomic::AtomicU64,
+    /// Nanoseconds after `epoch` at which the current wait began, plus one; 0 when not blocked.
+    blocked_since: std::sync::atomic::AtomicU64,
+}
+
+impl Default for PacingClock {
+    fn default() -> Self {
+        PacingClock {
+            epoch: std::time::Instant::now(),
+            finished_nanos: Default::default(),
+            blocked_since: Default::default(),
+        }
+    }
+}
+
+impl PacingClock {
+    fn now_nanos(&self) -> u64 {
+        self.epoch.elapsed().as_nanos() as u64
+    }
+
+    /// A wait begins (no-op when one is already in progress).
+    pub fn block(&self) {
+        use std::sync::atomic::Ordering;
+        let _ = self.blocked_since.compare_exchange(0, self.now_nanos() + 1, Ordering::AcqRel, Ordering::Acquire);
+    }
+
+    /// The wait in progress (if any) ends and is added to the total.
+    pub fn unblock(&self) {
+        use std::sync::atomic::Ordering;
+        let since = self.blocked_since.swap(0, Ordering::AcqRel);
+        if since > 0 {
+            self.finished_nanos.fetch_add(self.now_nanos().saturating_sub(since - 1), Ordering::AcqRel);
+        }
+    }
+
+    /// How long the wait in progress has lasted, if the sink is blocked now.
+    pub fn blocked_for(&self) -> Option<Duration> {
+        let since = self.blocked_since.load(std::sync::atomic::Ordering::Acquire);
+        (since > 0).then(|| Duration::from_nanos(self.now_nanos().saturating_sub(since - 1)))
+    }
+
+    /// Total time blocked, the wait in progress included.
+    pub fn total(&self) -> Duration {
+        let finished = Duration::from_nanos(self.finished_nanos.load(std::sync::atomic::Ordering::Acquire));
+        finished + self.blocked_for().unwrap_or_default()
+    }
 }
 
 /// Where the learner receives segments.
@@ -100,4 +159,28 @@ pub trait WeightsFollower: Send {
     fn latest(&mut self, have: Option<PolicyVersion>) -> Result<Option<Arc<Weights>>, TransportError>;
     /// Wait up to `timeout` for the first version to appear.
     fn wait_first(&mut self, timeout: Duration) -> Result<Arc<Weights>, TransportError>;
+}
+
+#[cfg(test)]
+mod pacing_clock_tests {
+    use super::*;
+
+    #[test]
+    fn pacing_clock_counts_a_wait_in_progress() {
+        let clock = PacingClock::default();
+        assert_eq!(clock.blocked_for(), None);
+        assert_eq!(clock.total(), Duration::ZERO);
+        clock.block();
+        std::thread::sleep(Duration::from_millis(5));
+        let during = clock.total();
+        assert!(during >= Duration::from_millis(5), "{during:?}");
+        assert!(clock.blocked_for().is_some());
+        clock.block(); // a second block keeps the first start
+        clock.unblock();
+        assert_eq!(clock.blocked_for(), None);
+        assert!(clock.total() >= during);
+        let after = clock.total();
+        clock.unblock(); // no wait in progress: nothing added
+        assert_eq!(clock.total(), after);
+    }
 }

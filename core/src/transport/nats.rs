@@ -514,6 +514,7 @@ impl NatsBus {
             max_backlog_segments: shared.config.max_backlog_segments,
             pacing: Pacing::default(),
             stats: SinkStats::default(),
+            clock: Arc::default(),
             shared,
         })
     }
@@ -855,6 +856,8 @@ pub struct NatsTrajectorySink {
     max_backlog_segments: u64,
     pacing: Pacing,
     stats: SinkStats,
+    /// Live view of the time blocked by pacing, for other threads (metrics, liveness).
+    clock: Arc<super::PacingClock>,
 }
 
 impl fmt::Debug for NatsTrajectorySink {
@@ -1036,6 +1039,7 @@ impl NatsTrajectorySink {
                         break Ok(());
                     }
                     blocked_since.get_or_insert_with(Instant::now);
+                    self.clock.block();
                     tokio::time::sleep(trusted_for - age).await;
                 }
                 _ => self.read_backlog().await,
@@ -1044,6 +1048,7 @@ impl NatsTrajectorySink {
         if let Some(since) = blocked_since {
             self.stats.throttled += since.elapsed();
         }
+        self.clock.unblock();
         result
     }
 
@@ -1079,6 +1084,10 @@ impl TrajectorySink for NatsTrajectorySink {
 
     fn publish_retries(&self) -> u64 {
         self.stats.publish_retries
+    }
+
+    fn pacing_clock(&self) -> Option<Arc<super::PacingClock>> {
+        Some(self.clock.clone())
     }
 }
 

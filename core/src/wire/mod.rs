@@ -118,7 +118,22 @@ pub enum DecodeError {
 }
 
 impl DecodeError {
-    /// Bounded label for the `reason` of `…_rejected_total`.
+    /// Every value [`DecodeError::reason`] can return (metrics export each at 0 from the start).
+    pub const REASONS: &'static [&'static str] = &[
+        "truncated",
+        "bad_magic",
+        "wrong_version",
+        "wrong_kind",
+        "malformed",
+        "shape",
+        "non_finite",
+        "action_out_of_range",
+        "mismatch",
+        "checksum",
+        "too_large",
+    ];
+
+    /// Bounded label for the `reason` of `…_rejected_total`; one of [`DecodeError::REASONS`].
     pub fn reason(&self) -> &'static str {
         match self {
             DecodeError::Truncated(_) => "truncated",
@@ -559,6 +574,25 @@ mod tests {
         s.layout_hash ^= 1;
         assert_eq!(check(&s), Err("mismatch"));
         assert_eq!(check(&valid_segment()), Ok(()));
+    }
+
+    #[test]
+    fn every_reason_is_listed_in_reasons() {
+        let errors = [
+            DecodeError::Truncated(String::new()),
+            DecodeError::BadMagic(*b"ABCD"),
+            DecodeError::WrongVersion { got: 0 },
+            DecodeError::WrongKind { got: 0, expected: 1 },
+            DecodeError::Malformed(String::new()),
+            DecodeError::Shape { field: "x", got: 0, expected: 1 },
+            DecodeError::NonFinite { field: "x", index: 0 },
+            DecodeError::ActionOutOfRange { action: 2, step: 0, n_actions: 2 },
+            DecodeError::Mismatch { what: "x", got: String::new(), expected: String::new() },
+            DecodeError::Checksum { expected: 0, got: 1 },
+            DecodeError::TooLarge { got_bytes: 0 },
+        ];
+        let reasons: Vec<_> = errors.iter().map(DecodeError::reason).collect();
+        assert_eq!(reasons, DecodeError::REASONS);
     }
 
     #[test]
