@@ -19,8 +19,11 @@ Scenarios (each a real run; what makes the unhealthy ones unhealthy is said belo
                                    with a build from before that configuration was refused at
                                    start; the series stand for any learner that receives but
                                    cannot use data
-  collapsed                        learning rate 0.05 (20x the default): the policy collapses to
-                                   near-zero entropy and the return falls
+  collapsed                        the run learns with the defaults until the learner's mean
+                                   return passes 400; then the learner is restarted from its
+                                   checkpoint with --learning-rate 0.05 --ent-coef 0 (a bad
+                                   hyper-parameter change): the policy collapses to near-zero
+                                   entropy and the return falls to ~9
   stale-heavy                      4 actors and --max-policy-lag 1: most segments dropped stale
 
 Usage: bench/record-series.py SCENARIO [--secs 150] [--out FILE]
@@ -70,7 +73,7 @@ SCENARIOS = {
     "healthy-4": dict(actors=4, learner=[]),
     "starving": dict(actors=0, learner=[]),
     "stalled": dict(actors=2, learner=["--publish-every", "6"]),
-    "collapsed": dict(actors=2, learner=["--lr", "0.05"]),
+    "collapsed": dict(actors=2, learner=[], then=["--learning-rate", "0.05", "--ent-coef", "0"]),
     "stale-heavy": dict(actors=4, learner=["--max-policy-lag", "1"]),
 }
 
@@ -117,6 +120,21 @@ def fmt(v):
     return repr(int(v)) if v.is_integer() and abs(v) < 1e15 else f"{v:.6g}"
 
 
+def wait_return(port, target, patience=600):
+    """Wait until the learner's mean return reaches `target`."""
+    deadline = time.time() + patience
+    while time.time() < deadline:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
+                for line in r.read().decode().splitlines():
+                    if line.startswith("volley_learner_episode_return_mean ") and float(line.split()[1]) >= target:
+                        return
+        except OSError:
+            pass
+        time.sleep(1)
+    raise SystemExit(f"the learner's return never reached {target}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("scenario", choices=sorted(SCENARIOS))
@@ -143,9 +161,10 @@ def main():
         url = f"nats://127.0.0.1:{nats_port}"
         time.sleep(1)
         targets = {"learner": free_port()}
-        spawn("learner", [str(volley), "learner", "--nats", url, "--run", "rec", "--checkpoint-dir", str(work / "ck"),
-                          "--metrics-addr", f"127.0.0.1:{targets['learner']}", "--target-return", "1e9",
-                          "--max-env-steps", "10000000000", *scenario["learner"]])
+        learner_argv = [str(volley), "learner", "--nats", url, "--run", "rec", "--checkpoint-dir", str(work / "ck"),
+                        "--metrics-addr", f"127.0.0.1:{targets['learner']}", "--target-return", "1e9",
+                        "--max-env-steps", "10000000000", *scenario["learner"]]
+        learner = spawn("learner", learner_argv)
         wait_http(f"http://127.0.0.1:{targets['learner']}/metrics")
         for i in range(scenario["actors"]):
             port = free_port()
@@ -165,7 +184,14 @@ def main():
                              f"--storage.tsdb.path={work / 'tsdb'}", f"--web.listen-address=127.0.0.1:{prom_port}"])
         prom = f"http://127.0.0.1:{prom_port}"
         wait_http(f"{prom}/-/ready")
+        time.sleep(2 * SCRAPE)
         start = time.time()
+        if "then" in scenario:
+            wait_return(targets["learner"], 400)
+            learner.send_signal(signal.SIGTERM)
+            learner.wait(timeout=60)
+            spawn("learner-2", learner_argv + scenario["then"])
+            print(f"learner restarted with {' '.join(scenario['then'])} after {time.time() - start:.0f} s")
         time.sleep(args.secs)
         end = time.time()
         time.sleep(SCRAPE + 1)

@@ -142,6 +142,8 @@ mod tests {
         let mut report = LearnerReport { lag_histogram: vec![1; 16], ..LearnerReport::default() };
         report.segments_rejected.insert("shape", 1);
         metrics.observe(&learner, &report, &UpdateStats::default(), true);
+        let mut actor_lag = volley_learner::metrics::ActorLag::register(&learner_registry).expect("actor lag");
+        actor_lag.observe("actor-0", 1);
         let work = volley_learner::metrics::WorkMetrics::register(&learner_registry).expect("work metrics");
         let scheduler = volley_learner::scheduler::Scheduler::new(
             &volley_core::work::WorkConfig::default(),

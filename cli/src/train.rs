@@ -100,6 +100,11 @@ struct MetricsRow {
     lag_mean: f32,
     segments_stale: u64,
     backlog: Option<u64>,
+    /// Off-policy health (docs/OPERATIONS.md); absent on the CUDA backend.
+    rho_clipped_fraction: Option<f32>,
+    behaviour_kl: Option<f32>,
+    effective_sample_fraction: Option<f32>,
+    explained_variance: Option<f32>,
 }
 
 fn finite(x: f32) -> Option<f32> {
@@ -310,6 +315,10 @@ impl Progress {
             lag_mean: stats.lag_mean,
             segments_stale: report.segments_stale,
             backlog: report.backlog,
+            rho_clipped_fraction: stats.off_policy.as_ref().map(|o| o.rho_clipped_fraction),
+            behaviour_kl: stats.off_policy.as_ref().map(|o| o.behaviour_kl),
+            effective_sample_fraction: stats.off_policy.as_ref().map(|o| o.effective_sample_fraction),
+            explained_variance: stats.off_policy.as_ref().and_then(|o| finite(o.explained_variance)),
         };
         if let Err(err) = serde_json::to_writer(&mut self.metrics, &row)
             .map_err(std::io::Error::from)

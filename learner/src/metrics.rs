@@ -1,5 +1,6 @@
-//! The learner's Prometheus metrics: the only place they are declared. Updated once per update
-//! from the loop's [`LearnerReport`] and the update's [`UpdateStats`].
+//! The learner's Prometheus metrics: the only place they are declared. Counters and gauges of
+//! time and backlog follow the loop's [`LearnerReport`] on every pass ([`LearnerMetrics::tick`]);
+//! the update's own statistics ([`UpdateStats`]) are recorded per update.
 
 use std::time::Duration;
 
@@ -37,15 +38,10 @@ pub struct LearnerMetrics {
     effective_samples: Gauge,
     explained_variance: Gauge,
     importance_ratio: Histogram,
+    /// The report as of the last [`LearnerMetrics::tick`]: counters move by the difference.
     previous: LearnerReport,
-    /// Wait and compute time already counted by [`LearnerMetrics::tick`].
-    timed: TimedSoFar,
-}
-
-#[derive(Default)]
-struct TimedSoFar {
-    wait_time: Duration,
-    compute_time: Duration,
+    /// Compute time at the last update, for the update's duration.
+    compute_at_update: Duration,
 }
 
 impl LearnerMetrics {
@@ -142,7 +138,7 @@ impl LearnerMetrics {
                 .buckets(vec![0.1, 0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.11, 1.25, 1.5, 2.0, 4.0, 10.0]),
             )?,
             previous: LearnerReport::default(),
-            timed: TimedSoFar::default(),
+            compute_at_update: Duration::ZERO,
         };
         // Every label value from the start, so rates and "no rejections" read 0, not "no data".
         for outcome in ["used", "duplicate"].into_iter().chain(crate::selection::DropReason::ALL.map(|r| r.as_str())) {
@@ -188,36 +184,15 @@ impl LearnerMetrics {
         Ok(metrics)
     }
 
-    /// Record one update. `published` says whether this update's version was published.
+    /// Record one update (its losses, statistics and duration), then [`LearnerMetrics::tick`].
+    /// `published` says whether this update's version was published.
     pub fn observe(&mut self, learner: &Learner, report: &LearnerReport, stats: &UpdateStats, published: bool) {
-        let prev = &self.previous;
-        let delta = |now: u64, before: u64| now.saturating_sub(before);
-        self.segments.with_label_values(&["used"]).inc_by(delta(report.segments_used, prev.segments_used));
-        for ((reason, count), (_, before)) in report.segments_dropped().into_iter().zip(prev.segments_dropped()) {
-            self.segments.with_label_values(&[reason.as_str()]).inc_by(delta(count, before));
-        }
-        self.segments
-            .with_label_values(&["duplicate"])
-            .inc_by(delta(report.segments_duplicate, prev.segments_duplicate));
-        for (reason, &count) in &report.segments_rejected {
-            let before = prev.segments_rejected.get(reason).copied().unwrap_or(0);
-            self.rejected.with_label_values(&[reason]).inc_by(delta(count, before));
-        }
-        self.samples.inc_by(delta(report.samples_trained, prev.samples_trained));
-        self.env_steps.inc_by(delta(report.env_steps, prev.env_steps));
-        self.episodes.inc_by(delta(report.episodes, prev.episodes));
-        self.updates.inc_by(delta(report.updates, prev.updates));
         if published {
             self.weights_published.inc();
         }
-        let compute = report.compute_time.saturating_sub(prev.compute_time);
+        let compute = report.compute_time.saturating_sub(self.compute_at_update);
+        self.compute_at_update = report.compute_time;
         self.update_duration.observe(compute.as_secs_f64());
-        for (lag, &count) in report.lag_histogram.iter().enumerate() {
-            let before = prev.lag_histogram.get(lag).copied().unwrap_or(0);
-            for _ in 0..delta(count, before) {
-                self.policy_lag.observe(lag as f64);
-            }
-        }
         self.loss.with_label_values(&["total"]).set(stats.loss.total as f64);
         self.loss.with_label_values(&["policy"]).set(stats.loss.policy as f64);
         self.loss.with_label_values(&["value"]).set(stats.loss.value as f64);
@@ -237,27 +212,50 @@ impl LearnerMetrics {
             }
         }
         self.policy_version.set(learner.version().0 as f64);
+        self.tick(report);
+    }
+
+    /// Bring every counter up to `report` (segments by outcome, rejections, env steps,
+    /// episodes, samples, updates, lag, wait and compute time) and refresh the gauges of
+    /// backlog, pool, mean return and time since progress. Called on every pass of the learner
+    /// loop, updates or not ([`crate::LearnerControl::on_tick`]), so nothing waits for an update
+    /// to move: a stalled learner's stale segments are counted as they arrive.
+    pub fn tick(&mut self, report: &LearnerReport) {
+        let prev = &self.previous;
+        let delta = |now: u64, before: u64| now.saturating_sub(before);
+        self.segments.with_label_values(&["used"]).inc_by(delta(report.segments_used, prev.segments_used));
+        for ((reason, count), (_, before)) in report.segments_dropped().into_iter().zip(prev.segments_dropped()) {
+            self.segments.with_label_values(&[reason.as_str()]).inc_by(delta(count, before));
+        }
+        self.segments
+            .with_label_values(&["duplicate"])
+            .inc_by(delta(report.segments_duplicate, prev.segments_duplicate));
+        for (reason, &count) in &report.segments_rejected {
+            let before = prev.segments_rejected.get(reason).copied().unwrap_or(0);
+            self.rejected.with_label_values(&[reason]).inc_by(delta(count, before));
+        }
+        self.samples.inc_by(delta(report.samples_trained, prev.samples_trained));
+        self.env_steps.inc_by(delta(report.env_steps, prev.env_steps));
+        self.episodes.inc_by(delta(report.episodes, prev.episodes));
+        self.updates.inc_by(delta(report.updates, prev.updates));
+        for (lag, &count) in report.lag_histogram.iter().enumerate() {
+            let before = prev.lag_histogram.get(lag).copied().unwrap_or(0);
+            for _ in 0..delta(count, before) {
+                self.policy_lag.observe(lag as f64);
+            }
+        }
+        self.compute_seconds.inc_by(report.compute_time.saturating_sub(prev.compute_time).as_secs_f64());
+        self.wait_seconds.inc_by(report.wait_time.saturating_sub(prev.wait_time).as_secs_f64());
         let mean = report.mean_return(100);
         if mean.is_finite() {
             self.mean_return.set(mean as f64);
         }
-        self.tick(report);
-        self.previous = report.clone();
-    }
-
-    /// Refresh what measures time or backlog (wait and compute seconds, backlog, pool, time
-    /// since progress) and the segment counters; called on every pass of the learner loop,
-    /// updates or not (see [`crate::LearnerControl::on_tick`]).
-    pub fn tick(&mut self, report: &LearnerReport) {
-        self.compute_seconds.inc_by(report.compute_time.saturating_sub(self.timed.compute_time).as_secs_f64());
-        self.wait_seconds.inc_by(report.wait_time.saturating_sub(self.timed.wait_time).as_secs_f64());
-        self.timed.compute_time = self.timed.compute_time.max(report.compute_time);
-        self.timed.wait_time = self.timed.wait_time.max(report.wait_time);
         if let Some(backlog) = report.backlog {
             self.backlog.set(backlog as f64);
         }
         self.pool.set(report.pool_segments as f64);
         self.since_progress.set(report.elapsed.saturating_sub(report.progress_at).as_secs_f64());
+        self.previous = report.clone();
     }
 
     /// Record the time since the last checkpoint.
@@ -373,6 +371,9 @@ impl WorkMetrics {
         registry.register(Box::new(metrics.share.clone()))?;
         registry.register(Box::new(metrics.success.clone()))?;
         registry.register(Box::new(metrics.fresh_success.clone()))?;
+        for start in ["fresh", "resume"] {
+            metrics.items.with_label_values(&[start]);
+        }
         registry.register(Box::new(metrics.items.clone()))?;
         registry.register(Box::new(metrics.snapshots.clone()))?;
         Ok(metrics)
@@ -400,6 +401,32 @@ impl WorkMetrics {
 #[cfg(test)]
 mod actor_lag_tests {
     use super::*;
+
+    #[test]
+    fn labelled_counters_are_exported_at_zero_with_every_label_from_the_start() {
+        let registry = Registry::new();
+        let _metrics = LearnerMetrics::register(&registry).expect("register");
+        let _work = WorkMetrics::register(&registry).expect("register");
+        let families = registry.gather();
+        let values = |name: &str| -> Vec<(String, f64)> {
+            let family = families.iter().find(|f| f.name() == name).unwrap_or_else(|| panic!("{name} not exported"));
+            family
+                .get_metric()
+                .iter()
+                .map(|m| (m.get_label()[0].value().to_string(), m.get_counter().get_value()))
+                .collect()
+        };
+        let rejected = values("volley_learner_segments_rejected_total");
+        assert_eq!(rejected.len(), volley_core::wire::DecodeError::REASONS.len());
+        let outcomes = values("volley_learner_segments_total");
+        let mut names: Vec<_> = outcomes.iter().map(|(label, _)| label.as_str()).collect();
+        names.sort_unstable();
+        assert_eq!(names, ["duplicate", "non_finite", "out_of_range", "stale", "used", "zero_variance"]);
+        assert_eq!(values("volley_learner_work_items_total").len(), 2);
+        for (label, value) in rejected.iter().chain(&outcomes) {
+            assert_eq!(*value, 0.0, "{label}");
+        }
+    }
 
     #[test]
     fn actor_lag_is_smoothed_and_its_labels_bounded() {
