@@ -140,9 +140,10 @@ pub struct LearnerReport {
     /// Valid, first-seen segments received (used, stale or dropped by selection).
     pub segments_received: u64,
     /// Loop time of the last progress: an update applied, or a pass that found no new data
-    /// (waiting for actors is not the learner's fault). Data arriving without updates
-    /// following (everything stale, say) is a stall: this stops moving while
-    /// [`LearnerReport::elapsed`] goes on.
+    /// while none had arrived since the last update (waiting for actors, or for the broker, is
+    /// not the learner's fault). Once valid data has arrived, only an update is progress: data
+    /// arriving without an update following (everything stale, say) is a stall, and this stops
+    /// moving while [`LearnerReport::elapsed`] goes on, empty passes in between or not.
     pub progress_at: Duration,
     /// Why the loop stopped (set at the end).
     pub stop_reason: Option<StopReason>,
@@ -285,6 +286,8 @@ pub fn run_learner(
     let mut settled: Vec<DeliveryToken> = Vec::new();
     let mut batch = SegmentBatch::default();
     let mut seen = SeenSegments::new(SEEN_CAPACITY);
+    // Whether valid data arrived since the last update (then only an update is progress).
+    let mut received_since_update = false;
     let stop_reason = loop {
         report.elapsed = started.elapsed();
         if stop.load(Ordering::Acquire) {
@@ -304,14 +307,16 @@ pub fn run_learner(
                 warn!(%err, "receiving segments failed; retrying");
                 report.wait_time += wait_started.elapsed();
                 report.elapsed = started.elapsed();
-                report.progress_at = report.elapsed;
+                if !received_since_update {
+                    report.progress_at = report.elapsed;
+                }
                 control.on_tick(learner, &report);
                 continue;
             }
         }
         report.wait_time += wait_started.elapsed();
         report.elapsed = started.elapsed();
-        if incoming.is_empty() {
+        if incoming.is_empty() && !received_since_update {
             report.progress_at = report.elapsed;
         }
         for delivery in incoming.drain(..) {
@@ -336,6 +341,7 @@ pub fn run_learner(
                 continue;
             }
             report.segments_received += 1;
+            received_since_update = true;
             report.env_steps += segment.len() as u64;
             report.record_episodes(&segment, limits.target_return);
             control.on_segment(&segment);
@@ -382,6 +388,7 @@ pub fn run_learner(
         report.backlog = source.backlog();
         report.elapsed = started.elapsed();
         report.progress_at = report.elapsed;
+        received_since_update = false;
         if stats.skipped_steps > 0 {
             warn!(skipped = stats.skipped_steps, "non-finite gradient; step skipped");
         }
