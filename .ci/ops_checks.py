@@ -10,8 +10,10 @@
         Cross-file invariants: the KEDA ScaledObject's query is the recording rule
         namespace:volley_actors:desired restricted to the base's namespace; the PrometheusRule
         in k8s/ carries exactly the groups of deploy/prometheus/rules/volley.rules.yaml; the
-        dashboards ConfigMap lists every dashboard; every nats_* series in dashboards and rules
-        is one prometheus-nats-exporter exports.
+        dashboards ConfigMap lists every dashboard and carries the label and folder annotation
+        the Grafana sidecar is configured with (k8s/components/monitoring/
+        kube-prometheus-stack.values.yaml); the gpu overlay pins both Volley images by digest;
+        every nats_* series in dashboards and rules is one prometheus-nats-exporter exports.
 
     ops_checks.py split RENDERED.yaml OUTDIR
         Splits a rendered kustomization (`kubectl kustomize`): objects of built-in Kubernetes
@@ -218,6 +220,32 @@ def consistency():
     on_disk = {os.path.basename(p) for p in glob.glob(os.path.join(ROOT, "dashboards", "*.json"))}
     if listed != on_disk:
         problem(f"dashboards/kustomization.yaml lists {sorted(listed)} but dashboards/ holds {sorted(on_disk)}")
+
+    # The dashboards ConfigMap carries the label and folder annotation the Grafana sidecar is
+    # configured to read (k8s/components/monitoring/kube-prometheus-stack.values.yaml).
+    values_path = os.path.join("k8s", "components", "monitoring", "kube-prometheus-stack.values.yaml")
+    (values,) = load_yaml(os.path.join(ROOT, values_path))
+    sidecar = values["grafana"]["sidecar"]["dashboards"]
+    options = dash_kustomization.get("generatorOptions", {})
+    if options.get("labels", {}).get(sidecar.get("label")) != sidecar.get("labelValue"):
+        problem(f"dashboards/kustomization.yaml: the ConfigMap lacks the label {sidecar.get('label')}: "
+                f"{sidecar.get('labelValue')!r} that {values_path} configures the sidecar with")
+    folder_annotation = sidecar.get("folderAnnotation")
+    if not folder_annotation or folder_annotation not in options.get("annotations", {}):
+        problem(f"dashboards/kustomization.yaml: the ConfigMap lacks the annotation {folder_annotation!r} that "
+                f"{values_path} sets as the sidecar's folderAnnotation")
+    if not sidecar.get("provider", {}).get("foldersFromFilesStructure"):
+        problem(f"{values_path}: folderAnnotation needs provider.foldersFromFilesStructure: true")
+
+    # The gpu overlay runs images pinned by digest, so actors and learner cannot be different
+    # builds (a node's cached image under a reused tag).
+    (gpu,) = load_yaml(os.path.join(ROOT, "k8s", "overlays", "gpu", "kustomization.yaml"))
+    pinned = {i["name"]: i for i in gpu.get("images", [])}
+    for image in ("volley-learner", "volley-actor"):
+        digest = pinned.get(image, {}).get("digest", "")
+        if not re.fullmatch(r"sha256:[0-9a-f]{64}", digest) or "newTag" in pinned.get(image, {}):
+            problem(f"k8s/overlays/gpu/kustomization.yaml: image {image} is not pinned by digest "
+                    "(images: digest: sha256:<64 hex>, no newTag)")
 
     # Every nats_* series used anywhere must exist.
     sources = [(rules_path, r.get("expr", "")) for g in rules_doc["groups"] for r in g["rules"]]

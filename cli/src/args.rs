@@ -223,16 +223,16 @@ pub struct SpecArgs {
     #[arg(long, env = "VOLLEY_SELECT_POOL_FACTOR", requires = "select_priority_alpha")]
     pub select_pool_factor: Option<usize>,
     /// Memory task: number of cues.
-    #[arg(long, default_value_t = 2)]
+    #[arg(long, default_value_t = 2, env = "VOLLEY_MEMORY_CUES")]
     pub memory_cues: usize,
     /// Memory task: steps between cue and query.
-    #[arg(long, default_value_t = 6)]
+    #[arg(long, default_value_t = 6, env = "VOLLEY_MEMORY_DELAY")]
     pub memory_delay: usize,
     /// Milestones task: rooms.
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, default_value_t = 4, env = "VOLLEY_ROOMS")]
     pub rooms: usize,
     /// Milestones task: cells per room.
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, default_value_t = 8, env = "VOLLEY_ROOM_LEN")]
     pub room_len: usize,
     /// Schedule every episode through work items: budget assignment across `--task`s and
     /// saved states, snapshots at milestones (save-load).
@@ -240,7 +240,8 @@ pub struct SpecArgs {
     pub work: bool,
     /// A task for `--work` runs, repeatable: `NAME[:key=value,...]` with the environment's
     /// config keys, e.g. `--task memory:delay=2 --task memory:delay=8` (default: `--env` alone).
-    #[arg(long = "task", requires = "work")]
+    /// Several tasks in one value (and in `VOLLEY_TASK`) are separated by `;`.
+    #[arg(long = "task", requires = "work", env = "VOLLEY_TASK", value_delimiter = ';')]
     pub tasks: Vec<String>,
     /// How `--work` splits episodes between tasks.
     #[arg(long, value_enum, default_value = "uniform", env = "VOLLEY_BUDGET")]
@@ -249,7 +250,7 @@ pub struct SpecArgs {
     #[arg(long, default_value_t = 0.0, env = "VOLLEY_RESTART_SHARE")]
     pub restart_share: f32,
     /// Episodes per work item.
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, env = "VOLLEY_EPISODES_PER_ITEM")]
     pub episodes_per_item: u32,
     /// Save a snapshot every this many steps of a scheduled episode (0: at milestones only).
     #[arg(long, default_value_t = 0, env = "VOLLEY_SNAPSHOT_EVERY")]
@@ -661,7 +662,7 @@ pub struct LearnerArgs {
     pub max_backlog_segments: Option<u64>,
     /// Train from the run's recorded trajectory stream instead of live actors (no weights are
     /// published and no checkpoint is written).
-    #[arg(long)]
+    #[arg(long, env = "VOLLEY_REPLAY")]
     pub replay: bool,
     /// Where the update runs: `auto` uses the GPU when one works and otherwise falls back to
     /// the CPU with a warning; `cuda` fails without a GPU.
@@ -868,33 +869,34 @@ pub struct BenchWeightsArgs {
     #[command(flatten)]
     pub nats: NatsArgs,
     /// Run whose buckets the benchmark uses; the driver deletes and re-creates its KV bucket
-    /// and weights store, so never point it at a real run.
-    #[arg(long, default_value = "bench-weights")]
+    /// and weights store, so never point it at a real run (hence not `VOLLEY_RUN`: the
+    /// benchmark's own flags read `VOLLEY_BENCH_*` variables).
+    #[arg(long, default_value = "bench-weights", env = "VOLLEY_BENCH_RUN")]
     pub run: String,
     /// Driver (the default) or one follower (started by the driver).
-    #[arg(long, value_enum, default_value = "driver")]
+    #[arg(long, value_enum, default_value = "driver", env = "VOLLEY_BENCH_ROLE")]
     pub role: BenchRole,
     /// Follower processes the driver starts.
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, default_value_t = 8, env = "VOLLEY_BENCH_FOLLOWERS")]
     pub followers: usize,
     /// Size of the weights buffer in MiB (f32 parameters).
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, env = "VOLLEY_BENCH_SIZE_MIB")]
     pub size_mib: f64,
     /// Timed versions, after one warm-up version.
-    #[arg(long, default_value_t = 30)]
+    #[arg(long, default_value_t = 30, env = "VOLLEY_BENCH_VERSIONS")]
     pub versions: u64,
     /// Pause after every follower holds a version, before the next publish.
-    #[arg(long, default_value_t = 200)]
+    #[arg(long, default_value_t = 200, env = "VOLLEY_BENCH_PAUSE_MS")]
     pub pause_ms: u64,
     /// How often a follower asks for a newer version (an actor asks between segments).
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, env = "VOLLEY_BENCH_POLL_MS")]
     pub poll_ms: f64,
     /// Layout hash (hex) driver and followers agree on; the buffer is not a real policy.
-    #[arg(long, default_value = "62656e6368776774")]
+    #[arg(long, default_value = "62656e6368776774", env = "VOLLEY_BENCH_LAYOUT_HASH")]
     pub layout_hash: String,
     /// Give up when a version has not reached every follower (driver), or no new version came
     /// (follower), within this many seconds.
-    #[arg(long, default_value_t = 60.0)]
+    #[arg(long, default_value_t = 60.0, env = "VOLLEY_BENCH_TIMEOUT_SECS")]
     pub timeout_secs: f64,
 }
 
@@ -967,6 +969,110 @@ mod tests {
             Command::Learner(args) => LearnerConfig::try_from(args),
             other => panic!("parsed {other:?}"),
         }
+    }
+
+    /// Flags whose variable is not `VOLLEY_<FLAG>`, and why.
+    const ENV_NAME_EXCEPTIONS: &[(&str, &str, &str)] = &[
+        // Every NATS-connected subcommand: the variable says the value is a URL.
+        ("learner", "nats", "VOLLEY_NATS_URL"),
+        ("actor", "nats", "VOLLEY_NATS_URL"),
+        ("bench-weights", "nats", "VOLLEY_NATS_URL"),
+        ("env-serve", "nats", "VOLLEY_NATS_URL"),
+        // The same setting as `train --envs-per-actor`: one ConfigMap key for both.
+        ("actor", "envs", "VOLLEY_ENVS_PER_ACTOR"),
+        // VOLLEY_SEED and VOLLEY_ENV are the run's, in the ConfigMap every actor reads: an
+        // actor must not take the run seed as its own, nor the run's environment as an override.
+        ("actor", "seed", "VOLLEY_ACTOR_SEED"),
+        ("actor", "env", "VOLLEY_ACTOR_ENV"),
+        // An environment server's settings are named after the service, not the flag.
+        ("env-serve", "name", "VOLLEY_ENV_SERVICE"),
+        ("env-serve", "max-sessions", "VOLLEY_ENV_MAX_SESSIONS"),
+        ("env-serve", "max-envs-per-session", "VOLLEY_ENV_MAX_ENVS_PER_SESSION"),
+        ("env-serve", "idle-timeout-secs", "VOLLEY_ENV_IDLE_TIMEOUT_SECS"),
+    ];
+
+    /// The variable a flag should read: the exception if listed, else `VOLLEY_<FLAG>` in upper
+    /// snake case; the benchmark's own flags are `VOLLEY_BENCH_<FLAG>`, so it never picks up a
+    /// real run's `VOLLEY_RUN` (its driver deletes the run's buckets).
+    fn expected_env(subcommand: &str, long: &str) -> String {
+        if let Some((_, _, env)) = ENV_NAME_EXCEPTIONS.iter().find(|(s, l, _)| *s == subcommand && *l == long) {
+            return env.to_string();
+        }
+        let flag = long.to_uppercase().replace('-', "_");
+        if subcommand == "bench-weights" && !long.starts_with("nats") {
+            format!("VOLLEY_BENCH_{flag}")
+        } else {
+            format!("VOLLEY_{flag}")
+        }
+    }
+
+    // Issue 17: docs/OPERATIONS.md and the `volley-run` ConfigMap rely on every flag having a
+    // variable, and --task, --rooms, --room-len, --memory-cues, --memory-delay and
+    // --episodes-per-item had none.
+    #[test]
+    fn every_flag_of_every_subcommand_has_a_volley_env_var_named_after_it() {
+        use clap::CommandFactory;
+        let cli = Cli::command();
+        let mut problems = Vec::new();
+        let mut used_exceptions = std::collections::HashSet::new();
+        let mut n_flags = 0;
+        let mut stack: Vec<(String, &clap::Command)> =
+            cli.get_subcommands().map(|c| (c.get_name().to_string(), c)).collect();
+        assert_eq!(stack.len(), 5, "train, learner, actor, bench-weights, env-serve");
+        while let Some((name, command)) = stack.pop() {
+            stack.extend(command.get_subcommands().map(|c| (format!("{name} {}", c.get_name()), c)));
+            let mut envs = std::collections::HashMap::new();
+            for arg in command.get_arguments() {
+                let id = arg.get_id().as_str();
+                if id == "help" || id == "version" {
+                    continue;
+                }
+                let Some(long) = arg.get_long() else {
+                    problems.push(format!("{name}: argument {id} has no long flag"));
+                    continue;
+                };
+                n_flags += 1;
+                let Some(env) = arg.get_env().and_then(|e| e.to_str()) else {
+                    problems.push(format!("{name} --{long}: no VOLLEY_* env var"));
+                    continue;
+                };
+                let expected = expected_env(&name, long);
+                if env != expected {
+                    problems.push(format!("{name} --{long}: env var {env}, expected {expected}"));
+                }
+                if ENV_NAME_EXCEPTIONS.iter().any(|(s, l, _)| *s == name && *l == long) {
+                    used_exceptions.insert((name.clone(), long.to_string()));
+                }
+                if let Some(other) = envs.insert(env.to_string(), long.to_string()) {
+                    problems.push(format!("{name}: --{other} and --{long} both read {env}"));
+                }
+            }
+        }
+        for (subcommand, long, _) in ENV_NAME_EXCEPTIONS {
+            if !used_exceptions.contains(&(subcommand.to_string(), long.to_string())) {
+                problems.push(format!("exception for {subcommand} --{long} matches no flag"));
+            }
+        }
+        assert!(n_flags > 80, "walked only {n_flags} flags");
+        assert!(problems.is_empty(), "{}", problems.join("\n"));
+    }
+
+    #[test]
+    fn several_tasks_fit_in_one_value_separated_by_semicolons() {
+        let cli = Cli::try_parse_from([
+            "volley",
+            "train",
+            "--env",
+            "memory",
+            "--work",
+            "--task",
+            "memory:delay=2,n_cues=2;memory:delay=8",
+            "--task",
+            "memory:delay=16",
+        ])
+        .expect("valid flags");
+        let Command::Train(args) = cli.command else { panic!("parsed {:?}", cli.command) };
+        assert_eq!(args.spec.tasks, ["memory:delay=2,n_cues=2", "memory:delay=8", "memory:delay=16"]);
     }
 
     #[test]

@@ -18,6 +18,12 @@ use tracing_subscriber::EnvFilter;
 
 use crate::args::{BenchWeightsConfig, Cli, Command, LearnerConfig, TrainConfig};
 
+/// Exit status of a learner stopped by a signal before its run ended, after its final
+/// checkpoint: EX_TEMPFAIL ("try again"). Exit 0 means the run is over (solved, a budget spent,
+/// the replay done), so a Kubernetes Job completes on 0 and restarts the learner, which resumes,
+/// on this (docs/OPERATIONS.md, "When a run ends").
+const EXIT_LEARNER_INTERRUPTED: i32 = 75;
+
 fn init_tracing() {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
     let builder = tracing_subscriber::fmt()
@@ -55,6 +61,9 @@ fn main() -> anyhow::Result<()> {
             let config = LearnerConfig::try_from(args)?;
             let summary = distributed::learner(config, interrupted)?;
             println!("{}", serde_json::to_string(&summary)?);
+            if summary.stop_reason == "interrupted" {
+                std::process::exit(EXIT_LEARNER_INTERRUPTED);
+            }
         }
         Command::Actor(args) => distributed::actor(args, interrupted)?,
         Command::EnvServe(args) => env_serve::env_serve(args, interrupted)?,

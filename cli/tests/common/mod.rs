@@ -58,10 +58,15 @@ impl Proc {
 
     /// Wait for a successful exit and parse the one JSON line it printed.
     pub fn summary(&mut self) -> serde_json::Value {
+        self.summary_with_exit_code(0)
+    }
+
+    /// Wait for the exit, check its status code, and parse the JSON summary on stdout.
+    pub fn summary_with_exit_code(&mut self, code: i32) -> serde_json::Value {
         let status = self.wait_exit();
         let mut stdout = String::new();
         self.child.stdout.take().expect("piped").read_to_string(&mut stdout).expect("stdout");
-        assert!(status.success(), "exit {status}:\n{}", self.log());
+        assert_eq!(status.code(), Some(code), "exit {status}:\n{}", self.log());
         serde_json::from_str(stdout.trim()).unwrap_or_else(|e| panic!("summary {stdout:?}: {e}\n{}", self.log()))
     }
 

@@ -46,8 +46,13 @@ pub enum DecodeError {
     /// The magic bytes are wrong: not a Volley message.
     #[error("bad magic {0:02x?}: not a volley message")]
     BadMagic([u8; 4]),
-    /// A format version this build does not read.
-    #[error("unsupported format version {got} (this build reads {FORMAT_VERSION})")]
+    /// A format version this build does not read: the sender is another build (mixed actor and
+    /// learner images), so the message names the fix.
+    #[error(
+        "unsupported format version {got} (this build reads {FORMAT_VERSION}): sender and receiver are \
+         different builds; run actors and learner from one build (on Kubernetes pin both images by \
+         digest, docs/OPERATIONS.md)"
+    )]
     WrongVersion {
         /// The version in the message.
         got: u16,
@@ -548,7 +553,11 @@ mod tests {
         assert_eq!(decode_segment(b"hello world", &spec, layout_hash(), 0).unwrap_err().reason(), "bad_magic");
         assert_eq!(decode_segment(b"VLL", &spec, layout_hash(), 0).unwrap_err().reason(), "truncated");
         bytes[4] = 99;
-        assert_eq!(decode_segment(&bytes, &spec, layout_hash(), 0).unwrap_err().reason(), "wrong_version");
+        let err = decode_segment(&bytes, &spec, layout_hash(), 0).unwrap_err();
+        assert_eq!(err.reason(), "wrong_version");
+        // The learner logs this for every segment of a mixed deployment: it says what to do (issue 17).
+        let message = err.to_string();
+        assert!(message.contains("different builds") && message.contains("digest"), "{message}");
         bytes[4] = FORMAT_VERSION.to_le_bytes()[0];
         bytes[6] = MessageKind::Weights as u8;
         assert_eq!(decode_segment(&bytes, &spec, layout_hash(), 0).unwrap_err().reason(), "wrong_kind");
