@@ -822,6 +822,7 @@ impl EnvServeArgs {
             EnvConfig::Cartpole => Some(volley_core::env::cartpole::MAX_EPISODE_STEPS),
             _ => None,
         };
+        config.max_abs_reward = Some(builtin.bounds().max_abs_reward);
         Ok(config)
     }
 }
