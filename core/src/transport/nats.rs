@@ -1711,6 +1711,11 @@ impl NatsWeightsFollower {
         self.refusals
     }
 
+    /// The pause before the pointer written last is fetched again, when its fetch failed.
+    pub fn retry_pause(&self) -> Option<Duration> {
+        self.retry.map(|(_, _, pause)| pause)
+    }
+
     /// Refuse `pointer` for its content (see the type's docs).
     #[cold]
     fn refuse(&mut self, pointer: &WeightsPointer, reason: String) -> TransportError {
