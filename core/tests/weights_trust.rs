@@ -2,8 +2,8 @@
 //! corrupted or unfetchable pointer is refused, counted and retried with backoff, and never
 //! blocks a later valid pointer, whatever version it claimed.
 
-#![allow(clippy::unwrap_used)]
-
+// Only `common::spec` is needed here.
+#[allow(dead_code)]
 mod common;
 
 use std::sync::Arc;
