@@ -368,20 +368,23 @@ pub fn decode_envelope(bytes: &[u8], expected: MessageKind) -> Result<(Envelope,
     if bytes.len() > MAX_MESSAGE_BYTES {
         return Err(DecodeError::TooLarge { got_bytes: bytes.len() });
     }
-    // The magic first, so anything that is not a Volley message says so, however short.
+    // Field by field, each as soon as its bytes are there: a message that is not Volley's, or
+    // of another format version (an older build's shorter header), says so however short.
     if let Some(magic) = bytes.first_chunk::<4>().filter(|magic| **magic != MAGIC) {
         return Err(DecodeError::BadMagic(*magic));
     }
-    if bytes.len() < HEADER_BYTES {
-        return Err(DecodeError::Truncated(format!("{} bytes, header needs {HEADER_BYTES}", bytes.len())));
-    }
-    let format_version = u16::from_le_bytes([bytes[4], bytes[5]]);
+    let format_version = match bytes.get(4..6) {
+        Some(&[low, high]) => u16::from_le_bytes([low, high]),
+        _ => FORMAT_VERSION,
+    };
     if format_version != FORMAT_VERSION {
         return Err(DecodeError::WrongVersion { got: format_version });
     }
-    let kind = bytes[6];
-    if kind != expected as u8 {
+    if let Some(&kind) = bytes.get(6).filter(|&&kind| kind != expected as u8) {
         return Err(DecodeError::WrongKind { got: kind, expected: expected as u8 });
+    }
+    if bytes.len() < HEADER_BYTES {
+        return Err(DecodeError::Truncated(format!("{} bytes, header needs {HEADER_BYTES}", bytes.len())));
     }
     let checksum = u64::from_le_bytes(bytes[7..HEADER_BYTES].try_into().expect("length checked above"));
     let body = &bytes[HEADER_BYTES..];
