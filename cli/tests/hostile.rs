@@ -92,6 +92,13 @@ fn a_hostile_actor_cannot_stop_freeze_or_bloat_a_run() {
 
     let summary = learner.summary();
     assert_eq!(summary["solved"], true, "the run still reaches its target: {summary}");
+    // The pointer was forged at version 2^64 - 1 when the learner was at `forged_at`. Training
+    // went on far beyond it (more than twice `max_policy_lag`), so the actors followed the
+    // learner's later pointers: the run neither froze nor went back.
+    let forged_at = report["forged_at"].as_u64().expect("forged_at");
+    let updates = summary["updates"].as_u64().expect("updates");
+    assert!(updates > forged_at + 20, "training froze after the forged pointer: {summary}\n{report}");
+    assert!(summary["policy_version"].as_u64().expect("version") > forged_at, "{summary}");
     let rejected = &summary["segments_rejected"];
     for (reason, sent) in report["sent"].as_object().expect("sent by reason") {
         assert_eq!(rejected[reason], *sent, "reason {reason}: {summary}\nsent: {report}");

@@ -4,7 +4,7 @@ Independent of the Rust codec: segments are built here from the documented wire 
 (docs/SECURITY.md, "Wire format for independent clients": the envelope, then the bincode 2
 "standard" encoding of `TrajectorySegment`), with nats-py, msgpack-free. It reads the run spec
 and the weights pointer from KV, sends every kind of bad input the threat model names, forges
-the weights pointer, samples the learner's resident set before and after, and prints one JSON
+the weights pointer first, samples the learner's resident set before and after, and prints one JSON
 line: what it sent, by the rejection reason the learner must count it under.
 
 Usage: python hostile_client.py NATS_URL RUN LEARNER_PID ROUNDS
@@ -121,6 +121,10 @@ async def main(url: str, run: str, learner_pid: int, rounds: int) -> None:
         sent[reason] = sent.get(reason, 0) + 1
 
     rss_before = rss_bytes(learner_pid)
+    # First, a forged weights pointer: the highest version there is, a wrong checksum. Actors
+    # must refuse it and keep following the learner's real pointers written after it.
+    forged = dict(pointer, version=2**64 - 1, checksum="0123456789abcdef")
+    await kv.put("weights", json.dumps(forged).encode())
     replayed = valid_bytes()
     for _ in range(rounds):
         await send("bad_magic", bytes(rng.randrange(256) for _ in range(200)))
@@ -150,13 +154,10 @@ async def main(url: str, run: str, learner_pid: int, rounds: int) -> None:
             await nc.publish(f"volley.{run}.traj.mallory", b"\x00" * (2 << 20))
         except Exception:
             pass
-    # A forged weights pointer: the highest version there is, a wrong checksum.
-    forged = dict(pointer, version=2**64 - 1, checksum="0123456789abcdef")
-    await kv.put("weights", json.dumps(forged).encode())
     await nc.flush()
-    await asyncio.sleep(0)
     rss_after = rss_bytes(learner_pid)
-    print(json.dumps({"sent": sent, "rss_before": rss_before, "rss_after": rss_after}), flush=True)
+    report = {"sent": sent, "rss_before": rss_before, "rss_after": rss_after, "forged_at": pointer["version"]}
+    print(json.dumps(report), flush=True)
     await nc.close()
 
 
