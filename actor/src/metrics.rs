@@ -28,6 +28,7 @@ pub struct ActorMetrics {
     publish_errors: IntCounter,
     weight_fetch_seconds: Counter,
     weight_fetches: IntCounter,
+    weights_refused: IntCounter,
     work_items_completed: IntCounter,
     snapshots_saved: IntCounter,
     episodes_resumed: IntCounter,
@@ -82,6 +83,10 @@ impl ActorMetrics {
                 "Time spent fetching new policy versions (download and checksum); divide by fetches for the mean latency.",
             )?,
             weight_fetches: int("volley_actor_weight_fetches_total", "New policy versions fetched and timed.")?,
+            weights_refused: int(
+                "volley_actor_weights_refused_total",
+                "Weights pointers refused (layout, size, checksum, version) or not fetchable; the actor kept its verified version.",
+            )?,
             work_items_completed: int(
                 "volley_actor_work_items_completed_total",
                 "Work items finished (scheduled episodes, save-load).",
@@ -110,7 +115,7 @@ impl ActorMetrics {
         registry.register(Box::new(metrics))
     }
 
-    fn parts(&self) -> [&dyn Collector; 20] {
+    fn parts(&self) -> [&dyn Collector; 21] {
         [
             &self.env_steps,
             &self.episodes,
@@ -126,6 +131,7 @@ impl ActorMetrics {
             &self.publish_errors,
             &self.weight_fetch_seconds,
             &self.weight_fetches,
+            &self.weights_refused,
             &self.work_items_completed,
             &self.snapshots_saved,
             &self.episodes_resumed,
@@ -173,6 +179,7 @@ impl Collector for ActorMetrics {
         catch_up_int(&self.publish_errors, c.publish_errors.load(Ordering::Relaxed));
         catch_up_secs(&self.weight_fetch_seconds, c.weight_fetch_nanos.load(Ordering::Relaxed));
         catch_up_int(&self.weight_fetches, c.weight_fetches.load(Ordering::Relaxed));
+        catch_up_int(&self.weights_refused, c.weights_refused.load(Ordering::Relaxed));
         catch_up_int(&self.work_items_completed, c.work_items_completed.load(Ordering::Relaxed));
         catch_up_int(&self.snapshots_saved, c.snapshots_saved.load(Ordering::Relaxed));
         catch_up_int(&self.episodes_resumed, c.episodes_resumed.load(Ordering::Relaxed));

@@ -51,6 +51,9 @@ pub struct ActorCounters {
     pub weight_fetch_nanos: AtomicU64,
     /// Weight fetches timed in `weight_fetch_nanos`.
     pub weight_fetches: AtomicU64,
+    /// Weights pointers refused (wrong layout, size, checksum or version) or not fetchable
+    /// (missing object, timeout); the actor keeps its verified version (docs/SECURITY.md).
+    pub weights_refused: AtomicU64,
     /// Work items finished (save-load / budget assignment).
     pub work_items_completed: AtomicU64,
     /// Episode snapshots saved.
@@ -704,7 +707,12 @@ impl RolloutWorker {
                 Ok(weights) => self.set_weights(weights)?,
                 Err(TransportError::Timeout { .. }) => debug!(actor = %self.actor, "waiting for the first weights"),
                 Err(TransportError::Closed) => return Ok(()),
-                Err(err) => return Err(err.into()),
+                // A forged or broken pointer must not stop the actor (issue 12): the follower
+                // reports each bad pointer once (retries with backoff) and waits for the next.
+                Err(err) => {
+                    self.counters.weights_refused.fetch_add(1, Ordering::Relaxed);
+                    warn!(actor = %self.actor, %err, "first weights refused; waiting for valid ones");
+                }
             }
         }
         info!(actor = %self.actor, version = ?self.policy_version(), n_envs = self.envs.n_envs(), "actor started");
@@ -725,7 +733,10 @@ impl RolloutWorker {
                 }
                 Ok(None) => {}
                 Err(TransportError::Closed) => break,
-                Err(err) => warn!(actor = %self.actor, %err, "weights check failed; keeping current version"),
+                Err(err) => {
+                    self.counters.weights_refused.fetch_add(1, Ordering::Relaxed);
+                    warn!(actor = %self.actor, %err, "weights check failed; keeping current version");
+                }
             }
             let segments = self.collect_segments();
             let n = segments.len() as u64;

@@ -9,7 +9,9 @@ use volley_core::env::{EnvConfig, MemoryConfig, MilestonesConfig, RemoteEnvConfi
 use volley_core::envsvc::EnvServiceName;
 use volley_core::ids::RunId;
 use volley_core::policy::{Activation, CoreKind, PolicySpec};
-use volley_core::spec::{HyperParams, LossKind, PriorityConfig, RunSpec, SelectionConfig, ZeroVarianceConfig};
+use volley_core::spec::{
+    HyperParams, LossKind, PriorityConfig, RunSpec, SelectionConfig, TrustConfig, ZeroVarianceConfig,
+};
 use volley_core::transport::nats::{NatsAuth, NatsConfig};
 use volley_core::work::{BudgetPolicy, WorkConfig};
 use volley_learner::backend::BackendKind;
@@ -205,6 +207,10 @@ pub struct SpecArgs {
     /// Drop segments whose lag exceeds this many versions.
     #[arg(long, default_value_t = 4, env = "VOLLEY_MAX_POLICY_LAG")]
     pub max_policy_lag: u64,
+    /// Largest share (0, 1] of the 100-episode return window (and so of the solved stop) one
+    /// actor id may hold; 1/k requires k actors to agree (docs/SECURITY.md).
+    #[arg(long, default_value_t = 1.0, env = "VOLLEY_MAX_ACTOR_RETURN_SHARE")]
+    pub max_actor_return_share: f32,
     /// Trajectory selection: drop segments with a raw reward of larger magnitude (default: no bound).
     #[arg(long, env = "VOLLEY_SELECT_MAX_ABS_REWARD")]
     pub select_max_abs_reward: Option<f32>,
@@ -441,6 +447,7 @@ impl SpecArgs {
                 ..WorkConfig::default()
             },
             selection: self.selection(),
+            trust: TrustConfig { max_actor_return_share: self.max_actor_return_share },
             ..HyperParams::default()
         };
         let spec = RunSpec { run, env, policy, segment_len: self.segment_len, hyper, seed: self.seed };
@@ -826,6 +833,7 @@ impl EnvServeArgs {
             EnvConfig::Cartpole => Some(volley_core::env::cartpole::MAX_EPISODE_STEPS),
             _ => None,
         };
+        config.max_abs_reward = Some(builtin.bounds().max_abs_reward);
         Ok(config)
     }
 }

@@ -98,10 +98,14 @@ pub fn learner(config: LearnerConfig, interrupted: Arc<AtomicBool>) -> anyhow::R
         // Versions never go backwards: continue above whatever this run already published.
         let publisher = bus.weights_publisher().context("opening the weights store")?;
         match publisher.published_before() {
-            Some(published) => {
-                learner.advance_version_past(published);
-                info!(published = published.0, next = learner.version().0, "continuing above the published version");
-            }
+            Some(published) => match learner.advance_version_past(published) {
+                Ok(()) => {
+                    info!(published = published.0, next = learner.version().0, "continuing above the published version")
+                }
+                // A forged or corrupted pointer (docs/SECURITY.md): keep the checkpoint's version.
+                Err(absurd) => warn!(published = published.0, next = learner.version().0, %absurd,
+                                     "refusing to continue above an absurd published version"),
+            },
             None => info!("no weights published yet for this run"),
         }
         (Box::new(bus.trajectory_source().context("opening the learner consumer")?), Box::new(publisher))
@@ -377,6 +381,8 @@ pub fn actor(args: ActorArgs, interrupted: Arc<AtomicBool>) -> anyhow::Result<()
             obs_dim: spec.policy.obs_dim,
             n_actions: spec.policy.n_actions,
             reward_threshold: None,
+            max_abs_reward: None,
+            max_episode_steps: None,
         }),
     };
     let worker = match &env {

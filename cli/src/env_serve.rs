@@ -79,6 +79,8 @@ pub fn remote_env_config(nats: &NatsArgs, service: &EnvServiceName, wait: Durati
                         obs_dim: spaces.obs_dim as usize,
                         n_actions: spaces.n_actions as usize,
                         reward_threshold: spaces.reward_threshold.filter(|t| t.is_finite()),
+                        max_abs_reward: spaces.max_abs_reward.filter(|b| b.is_finite() && *b > 0.0),
+                        max_episode_steps: spaces.max_episode_steps.map(u64::from),
                     });
                 }
                 Err(err) => warn!(service = %service, instance = %instance.id, %err, "spaces request failed"),

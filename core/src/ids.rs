@@ -7,9 +7,19 @@ use std::fmt;
 pub struct PolicyVersion(pub u64);
 
 impl PolicyVersion {
+    /// The largest version a run can plausibly reach (2^48: a thousand years at ten thousand
+    /// updates a second). A claimed version above it is absurd: a learner refuses to continue
+    /// above it, so no forged or corrupted pointer can push versions to a wrap (docs/SECURITY.md).
+    pub const MAX_PLAUSIBLE: PolicyVersion = PolicyVersion(1 << 48);
+
     /// Lag of data produced by `behaviour` as seen by a learner at `self` (saturating at 0).
     pub fn lag_of(self, behaviour: PolicyVersion) -> u64 {
         self.0.saturating_sub(behaviour.0)
+    }
+
+    /// The version after this one, unless that would be above [`PolicyVersion::MAX_PLAUSIBLE`].
+    pub fn next(self) -> Option<PolicyVersion> {
+        self.0.checked_add(1).map(PolicyVersion).filter(|next| *next <= Self::MAX_PLAUSIBLE)
     }
 }
 
@@ -135,6 +145,13 @@ mod tests {
         assert!(ActorId::new("volley-actor-7f9c6d-x2kq").is_ok());
         assert!(ActorId::new("a b").is_err());
         assert!(ActorId::new("a.b").is_err());
+    }
+
+    #[test]
+    fn next_is_checked_and_stops_at_the_plausible_maximum() {
+        assert_eq!(PolicyVersion(4).next(), Some(PolicyVersion(5)));
+        assert_eq!(PolicyVersion::MAX_PLAUSIBLE.next(), None);
+        assert_eq!(PolicyVersion(u64::MAX).next(), None);
     }
 
     #[test]

@@ -87,6 +87,32 @@ pub struct HyperParams {
     /// Absent in specs written before it existed; the default keeps the old behaviour.
     #[serde(default)]
     pub selection: SelectionConfig,
+    /// How much the learner trusts any one actor (docs/SECURITY.md). Absent in specs written
+    /// before it existed; the default trusts one actor with the whole return window.
+    #[serde(default)]
+    pub trust: TrustConfig,
+}
+
+/// Limits on how far one actor can move what the learner reports (docs/SECURITY.md).
+///
+/// Segments are validated against the environment's [`crate::env::EnvBounds`] whatever these
+/// say; this bounds what valid-looking data from one actor id can do to the mean return that
+/// the solved stop and every report read.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(default)]
+pub struct TrustConfig {
+    /// The largest share (0, 1] of the 100-episode return window that one actor id may hold:
+    /// a newer episode of an actor at its cap replaces that actor's oldest. With share `s`,
+    /// one actor moves the windowed mean return by at most `s` times the environment's return
+    /// range, and the solved stop needs episodes from at least `1 / s` actors. 1 (the
+    /// default) suits single-actor runs; set `1 / k` to require `k` actors to agree.
+    pub max_actor_return_share: f32,
+}
+
+impl Default for TrustConfig {
+    fn default() -> Self {
+        TrustConfig { max_actor_return_share: 1.0 }
+    }
 }
 
 /// Trajectory selection (learner `selection.rs`; docs/ARCHITECTURE.md, "Trajectory
@@ -246,6 +272,7 @@ impl Default for HyperParams {
             max_backlog_segments: 64,
             work: crate::work::WorkConfig::default(),
             selection: SelectionConfig::default(),
+            trust: TrustConfig::default(),
         }
     }
 }
@@ -325,7 +352,7 @@ impl RunSpec {
             });
         }
         let h = &self.hyper;
-        let checks: [(&'static str, f64, bool, &'static str); 12] = [
+        let checks: [(&'static str, f64, bool, &'static str); 13] = [
             ("segment_len", self.segment_len as f64, (1..=4096).contains(&self.segment_len), "1..=4096"),
             ("gamma", h.gamma as f64, (0.0..=1.0).contains(&h.gamma), "in [0, 1]"),
             ("learning_rate", h.learning_rate as f64, h.learning_rate > 0.0 && h.learning_rate < 1.0, "in (0, 1)"),
@@ -342,6 +369,12 @@ impl RunSpec {
             ("vtrace_lambda", h.vtrace_lambda as f64, (0.0..=1.0).contains(&h.vtrace_lambda), "in [0, 1]"),
             ("clip_coef", h.clip_coef as f64, h.clip_coef > 0.0, "> 0"),
             ("batch_segments", h.batch_segments as f64, (1..=65536).contains(&h.batch_segments), "1..=65536"),
+            (
+                "trust.max_actor_return_share",
+                h.trust.max_actor_return_share as f64,
+                h.trust.max_actor_return_share > 0.0 && h.trust.max_actor_return_share <= 1.0,
+                "in (0, 1]",
+            ),
             (
                 "ppo_minibatches",
                 h.ppo_minibatches as f64,
@@ -440,6 +473,8 @@ mod tests {
             obs_dim: 4,
             n_actions: 2,
             reward_threshold: Some(475.0),
+            max_abs_reward: None,
+            max_episode_steps: None,
         });
         let spec = spec(remote.clone(), 4);
         spec.validate().expect("declared spaces match the policy");

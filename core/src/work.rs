@@ -146,15 +146,37 @@ pub struct WorkItem {
     pub episodes: u32,
 }
 
+/// A work item as the work queue carries it: the item's fields plus `checksum`, the XXH3-64
+/// (hex) of the item's own JSON encoding, so a corrupted item is refused (docs/SECURITY.md).
+#[derive(Serialize, Deserialize)]
+struct SealedWorkItem {
+    #[serde(flatten)]
+    item: WorkItem,
+    checksum: String,
+}
+
 impl WorkItem {
-    /// JSON, the work queue's message body (readable with `nats stream view`).
-    pub fn to_json(&self) -> Vec<u8> {
-        serde_json::to_vec(self).expect("a work item always serializes")
+    fn checksum(&self) -> String {
+        let json = serde_json::to_vec(self).expect("a work item always serializes");
+        format!("{:016x}", crate::wire::body_checksum(&json))
     }
 
-    /// Parse a work-queue message body.
+    /// JSON, the work queue's message body (readable with `nats stream view`), with the
+    /// item's checksum.
+    pub fn to_json(&self) -> Vec<u8> {
+        let sealed = SealedWorkItem { item: self.clone(), checksum: self.checksum() };
+        serde_json::to_vec(&sealed).expect("a work item always serializes")
+    }
+
+    /// Parse a work-queue message body and verify its checksum.
     pub fn from_json(bytes: &[u8]) -> Result<Self, String> {
-        serde_json::from_slice(bytes).map_err(|err| format!("undecodable work item: {err}"))
+        let sealed: SealedWorkItem =
+            serde_json::from_slice(bytes).map_err(|err| format!("undecodable work item: {err}"))?;
+        let expected = sealed.item.checksum();
+        if sealed.checksum != expected {
+            return Err(format!("corrupt work item: checksum {} does not match {expected}", sealed.checksum));
+        }
+        Ok(sealed.item)
     }
 }
 
@@ -193,12 +215,12 @@ const EPISODE_SNAPSHOT_MAGIC: [u8; 4] = *b"VLYE";
 pub const MAX_EPISODE_SNAPSHOT_BYTES: usize = 16 << 20;
 
 impl EpisodeSnapshot {
-    /// `b"VLYE"` then the bincode body.
+    /// `b"VLYE"`, the XXH3-64 of the body (8 bytes, little-endian), then the bincode body.
     pub fn encode(&self) -> Vec<u8> {
+        let body = bincode::serde::encode_to_vec(self, bincode::config::standard()).expect("plain data always encodes");
         let mut bytes = EPISODE_SNAPSHOT_MAGIC.to_vec();
-        bytes.extend(
-            bincode::serde::encode_to_vec(self, bincode::config::standard()).expect("plain data always encodes"),
-        );
+        bytes.extend_from_slice(&crate::wire::body_checksum(&body).to_le_bytes());
+        bytes.extend(body);
         bytes
     }
 
@@ -207,7 +229,12 @@ impl EpisodeSnapshot {
         if bytes.len() > MAX_EPISODE_SNAPSHOT_BYTES {
             return Err(format!("episode snapshot of {} bytes exceeds the limit", bytes.len()));
         }
-        let body = bytes.strip_prefix(&EPISODE_SNAPSHOT_MAGIC).ok_or("not an episode snapshot (magic)")?;
+        let sealed = bytes.strip_prefix(&EPISODE_SNAPSHOT_MAGIC).ok_or("not an episode snapshot (magic)")?;
+        let (checksum, body) = sealed.split_first_chunk::<8>().ok_or("episode snapshot truncated")?;
+        let (expected, got) = (u64::from_le_bytes(*checksum), crate::wire::body_checksum(body));
+        if expected != got {
+            return Err(format!("corrupt episode snapshot: checksum {expected:016x}, body hashes to {got:016x}"));
+        }
         let config = bincode::config::standard().with_limit::<MAX_EPISODE_SNAPSHOT_BYTES>();
         let (snapshot, used): (Self, usize) =
             bincode::serde::decode_from_slice(body, config).map_err(|err| format!("episode snapshot: {err}"))?;
@@ -282,7 +309,13 @@ mod tests {
         assert!(EpisodeSnapshot::decode(b"VLYS....").unwrap_err().contains("magic"));
         let mut trailing = bytes.clone();
         trailing.push(0);
-        assert!(EpisodeSnapshot::decode(&trailing).unwrap_err().contains("trailing"));
+        assert!(EpisodeSnapshot::decode(&trailing).unwrap_err().contains("corrupt"));
+        // Issue 12: every bit flip after the magic is caught by the checksum.
+        for bit in 32..bytes.len() * 8 {
+            let mut flipped = bytes.clone();
+            flipped[bit / 8] ^= 1 << (bit % 8);
+            assert!(EpisodeSnapshot::decode(&flipped).unwrap_err().contains("corrupt"), "bit {bit}");
+        }
         // The restored generator continues the same sequence.
         let mut a = EpisodeSnapshot::decode(&bytes).unwrap().rng;
         let mut b = snapshot.rng.clone();
@@ -296,6 +329,11 @@ mod tests {
         assert_eq!(WorkItem::from_json(&json).unwrap(), item);
         assert!(String::from_utf8(json).unwrap().contains("\"kind\":\"resume\""));
         assert!(WorkItem::from_json(b"{\"id\":1}").is_err());
+        // Issue 12: a flipped field value that still parses is refused by the checksum.
+        let json = String::from_utf8(item.to_json()).unwrap();
+        let forged = json.replace("\"episodes\":2", "\"episodes\":3");
+        assert_ne!(forged, json);
+        assert!(WorkItem::from_json(forged.as_bytes()).unwrap_err().contains("corrupt"));
         let config: WorkConfig = serde_json::from_str("{}").unwrap();
         assert_eq!(config, WorkConfig::default());
         assert!(WorkConfig { restart_share: 1.5, ..WorkConfig::default() }.validate().is_err());

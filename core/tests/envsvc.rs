@@ -133,6 +133,43 @@ fn malformed_and_foreign_requests_are_answered_with_codes_and_counted() {
     assert_eq!(stepped.final_obs.len(), 4);
 }
 
+/// Issue 12 (docs/ENV_PROTOCOL.md, "Errors"): fields of the wrong type or range are 400, never
+/// 505 (a string version is malformed, not foreign) or 500 (a negative seed).
+#[test]
+fn fields_of_the_wrong_type_or_range_are_bad_requests() {
+    let nats = TestNats::start();
+    let servers = Servers::new(&nats);
+    let server = servers.start(EnvServerConfig::new(name("fields"), "cartpole"));
+    let client = client(&nats);
+    let instance = client.block_on(client.discover(&name("fields"))).unwrap().remove(0);
+    let code = |op: Op, request: serde_json::Value| {
+        let payload = rmp_serde::to_vec_named(&request).expect("encodable");
+        let message = client
+            .block_on(client.nats().request(instance.subject(op).clone(), Bytes::from(payload)))
+            .expect("a reply");
+        let headers = message.headers.expect("an error reply has headers");
+        headers.get(protocol::ERROR_CODE_HEADER).map(|v| v.as_str().to_string()).unwrap_or_default()
+    };
+    use serde_json::json;
+    let opened = client.block_on(client.open(&instance, &[1, 2])).unwrap();
+    let bad = [
+        (Op::Spaces, json!({"v": "1"})),
+        (Op::Spaces, json!({"v": -1})),
+        (Op::Spaces, json!({"v": true})),
+        (Op::Open, json!({"v": 1, "n_envs": 1, "seeds": [-1]})),
+        (Op::Open, json!({"v": 1, "n_envs": 1, "seeds": [1.5]})),
+        (Op::Open, json!({"v": 1, "n_envs": "1", "seeds": [0]})),
+        (Op::Open, json!({"v": 1, "n_envs": 0, "seeds": []})),
+        (Op::Reset, json!({"v": 1, "session": opened.session, "seeds": [-5, null]})),
+        (Op::Step, json!({"v": 1, "session": "abc", "actions": [0, 1]})),
+        (Op::Step, json!({"v": 1, "session": opened.session, "actions": "01"})),
+    ];
+    for (op, request) in &bad {
+        assert_eq!(code(*op, request.clone()), "400", "{op:?} {request}");
+    }
+    assert_eq!(server.counters().rejected.load(Ordering::Relaxed), bad.len() as u64);
+}
+
 /// With generation-0 seeds, a remote vector env is step for step the in-process one, however
 /// its environments are split into sessions over instances.
 #[test]

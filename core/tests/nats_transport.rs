@@ -215,7 +215,8 @@ fn undecodable_bytes_arrive_as_decode_errors_between_valid_segments() {
     let deliveries = recv_at_least(&mut source, 5);
     let outcome: Vec<Result<u64, &str>> =
         deliveries.iter().map(|d| d.segment.as_ref().map(|s| s.segment_idx).map_err(|e| e.reason())).collect();
-    assert_eq!(outcome, vec![Ok(0), Err("bad_magic"), Err("truncated"), Err("wrong_version"), Ok(1)]);
+    // A segment cut in half fails the envelope checksum before its body is decoded (issue 12).
+    assert_eq!(outcome, vec![Ok(0), Err("bad_magic"), Err("corrupt"), Err("wrong_version"), Ok(1)]);
     for delivery in &deliveries {
         match delivery.segment {
             Ok(_) => source.ack(&[delivery.token]).expect("ack"),

@@ -223,9 +223,22 @@ mod tests {
     #[test]
     fn versions_never_go_backwards_after_a_restart() {
         let mut learner = Learner::new(spec(vec![8])).expect("valid");
-        learner.advance_version_past(PolicyVersion(41));
+        learner.advance_version_past(PolicyVersion(41)).expect("plausible");
         assert_eq!(learner.version(), PolicyVersion(42));
-        learner.advance_version_past(PolicyVersion(3));
+        learner.advance_version_past(PolicyVersion(3)).expect("older");
         assert_eq!(learner.version(), PolicyVersion(42));
+    }
+
+    /// Issue 12: after a pointer at 2^64 − 1 a restarted learner went back to version 0
+    /// (`published=18446744073709551615 next=0`). It now keeps its own version and says why.
+    #[test]
+    fn an_absurd_published_version_is_refused_without_a_wrap() {
+        let mut learner = Learner::new(spec(vec![8])).expect("valid");
+        learner.advance_version_past(PolicyVersion(37_886)).expect("plausible");
+        for absurd in [u64::MAX, 1 << 63, PolicyVersion::MAX_PLAUSIBLE.0] {
+            let err = learner.advance_version_past(PolicyVersion(absurd)).expect_err("absurd");
+            assert_eq!(err.kept, PolicyVersion(37_887));
+            assert_eq!(learner.version(), PolicyVersion(37_887), "never wraps, never goes back");
+        }
     }
 }

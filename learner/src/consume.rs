@@ -14,6 +14,7 @@ use tracing::{debug, info, warn};
 use volley_core::transport::{Delivery, DeliveryToken, TrajectorySource, TransportError, WeightsPublisher};
 use volley_core::wire::TrajectorySegment;
 
+use crate::admission::Admission;
 use crate::batch::SegmentBatch;
 use crate::learner::{Learner, UpdateStats};
 use crate::selection::{DropReason, Dropped, Selector};
@@ -121,8 +122,13 @@ pub struct LearnerReport {
     pub segments_rejected: HashMap<&'static str, u64>,
     /// Episodes finished (reported inside segments).
     pub episodes: u64,
-    /// Returns of the most recent episodes (at most 100).
+    /// Returns of the most recent episodes (at most [`RETURN_WINDOW`]), of admitted
+    /// segments only, at most `max_returns_per_actor` of them from any one actor id.
     pub recent_returns: VecDeque<f32>,
+    /// `recent_returns[i]` came from the actor whose id hashes to `recent_actors[i]`.
+    pub recent_actors: VecDeque<u64>,
+    /// How many entries of the window one actor id may hold (`hyper.trust`; 0 = the window).
+    pub max_returns_per_actor: usize,
     /// Wall time since the loop started.
     pub elapsed: Duration,
     /// Time spent waiting for data.
@@ -182,20 +188,42 @@ impl LearnerReport {
         } += 1;
     }
 
+    /// Add one episode's return to the window. An actor at its cap replaces its own oldest
+    /// entry, so one actor id moves the windowed mean by at most its cap's share of the
+    /// environment's return range (docs/SECURITY.md).
+    fn push_return(&mut self, actor: u64, episode_return: f32) {
+        let cap = match self.max_returns_per_actor {
+            0 => RETURN_WINDOW,
+            cap => cap.min(RETURN_WINDOW),
+        };
+        let held = self.recent_actors.iter().filter(|&&a| a == actor).count();
+        let evict = if held >= cap {
+            self.recent_actors.iter().position(|&a| a == actor)
+        } else if self.recent_returns.len() >= RETURN_WINDOW {
+            Some(0)
+        } else {
+            None
+        };
+        if let Some(idx) = evict {
+            self.recent_returns.remove(idx);
+            self.recent_actors.remove(idx);
+        }
+        self.recent_returns.push_back(episode_return);
+        self.recent_actors.push_back(actor);
+    }
+
     /// Episodes count towards the returns only when they started fresh: an episode resumed
     /// from a saved state (save-load exploration) did not face the task from its start.
+    /// The segment has passed admission, so every return is finite and bounded.
     fn record_episodes(&mut self, segment: &TrajectorySegment, target: Option<f32>) {
+        let actor = volley_core::wire::id_hash(segment.actor.as_bytes());
         for episode in segment.finished_episodes.iter().filter(|e| e.start.is_none()) {
             self.episodes += 1;
-            // A non-finite return would poison the running means; selection's guard drops
-            // the segment itself.
+            // Admission rejects non-finite returns; this keeps the means safe regardless.
             if !episode.episode_return.is_finite() {
                 continue;
             }
-            if self.recent_returns.len() == 100 {
-                self.recent_returns.pop_front();
-            }
-            self.recent_returns.push_back(episode.episode_return);
+            self.push_return(actor, episode.episode_return);
             if let Some(target) = target {
                 let now = (self.env_steps, self.elapsed.as_secs_f64());
                 if self.target_reached_20.is_none() && self.episodes >= 20 && self.mean_return(20) >= target {
@@ -215,28 +243,36 @@ const LAG_BUCKETS: usize = 16;
 /// otherwise (nats-server's default `max_ack_pending`; the learner's consumer keeps it).
 const NATS_DEFAULT_MAX_ACK_PENDING: usize = 1000;
 
+/// Episodes in the return window behind `mean_return(100)` and the solved stop.
+pub const RETURN_WINDOW: usize = 100;
+
 /// How many recent segment keys the duplicate filter remembers.
 const SEEN_CAPACITY: usize = 100_000;
 
-/// (actor, incarnation, env_idx, segment_idx): identifies a segment.
-type SegmentKey = (String, u64, u32, u64);
+/// (hash of the actor id, incarnation, env_idx, segment_idx): identifies a segment in a
+/// fixed 32 bytes whatever the actor id's length.
+type SegmentKey = (u64, u64, u32, u64);
 
-/// The keys of recently used segments, so a redelivered
-/// segment is not learned from twice. Bounded: the oldest keys are forgotten first.
-struct SeenSegments {
+/// The keys of recently used segments, so a redelivered segment is not learned from twice.
+/// Bounded in entries (the oldest keys are forgotten first) and so in bytes: every key has
+/// the same fixed size, whatever the segment claims (issue 12: ~1 MB actor ids were kept
+/// twice per key).
+pub struct SeenSegments {
     keys: HashSet<SegmentKey>,
     order: VecDeque<SegmentKey>,
     capacity: usize,
 }
 
 impl SeenSegments {
-    fn new(capacity: usize) -> Self {
-        SeenSegments { keys: HashSet::new(), order: VecDeque::new(), capacity }
+    /// Remember at most `capacity` keys.
+    pub fn new(capacity: usize) -> Self {
+        SeenSegments { keys: HashSet::with_capacity(capacity), order: VecDeque::with_capacity(capacity), capacity }
     }
 
     /// Record a segment; false if it was seen before.
-    fn insert(&mut self, segment: &TrajectorySegment) -> bool {
-        let key = (segment.actor.clone(), segment.incarnation, segment.env_idx, segment.segment_idx);
+    pub fn insert(&mut self, segment: &TrajectorySegment) -> bool {
+        let actor = volley_core::wire::id_hash(segment.actor.as_bytes());
+        let key = (actor, segment.incarnation, segment.env_idx, segment.segment_idx);
         if self.keys.contains(&key) {
             return false;
         }
@@ -245,9 +281,34 @@ impl SeenSegments {
                 self.keys.remove(&oldest);
             }
         }
-        self.keys.insert(key.clone());
+        self.keys.insert(key);
         self.order.push_back(key);
         true
+    }
+
+    /// Keys remembered.
+    pub fn len(&self) -> usize {
+        self.order.len()
+    }
+
+    /// Whether no key is remembered.
+    pub fn is_empty(&self) -> bool {
+        self.order.is_empty()
+    }
+
+    /// Heap bytes the filter holds: its tables' allocated capacity (a hash set entry costs
+    /// one control byte besides the key). Constant once allocated: at most
+    /// [`SeenSegments::max_bytes`].
+    pub fn allocated_bytes(&self) -> usize {
+        let key = std::mem::size_of::<SegmentKey>();
+        self.keys.capacity() * (key + 1) + self.order.capacity() * key
+    }
+
+    /// The most bytes a filter of `capacity` keys can hold (a hash set allocates at most
+    /// twice its capacity's buckets).
+    pub fn max_bytes(capacity: usize) -> usize {
+        let key = std::mem::size_of::<SegmentKey>();
+        2 * capacity.next_power_of_two() * (key + 1) + 2 * capacity * key
     }
 }
 
@@ -265,6 +326,7 @@ pub fn run_learner(
     let layout_hash = learner.layout().hash();
     let hidden_size = learner.layout().recurrent_size();
     let mut selector = Selector::new(&spec, learner.layout());
+    let admission = Admission::new(&spec);
     info!(selection = ?spec.hyper.selection, pool_segments = selector.pool_target(), "trajectory selection");
     if selector.pool_target() > NATS_DEFAULT_MAX_ACK_PENDING {
         warn!(
@@ -278,6 +340,9 @@ pub fn run_learner(
         policy_version: learner.version().0,
         env_steps: limits.resume_env_steps,
         lag_histogram: vec![0; LAG_BUCKETS],
+        max_returns_per_actor: ((spec.hyper.trust.max_actor_return_share as f64 * RETURN_WINDOW as f64).ceil()
+            as usize)
+            .clamp(1, RETURN_WINDOW),
         ..LearnerReport::default()
     };
     publisher.publish(learner.weights())?;
@@ -323,11 +388,19 @@ pub fn run_learner(
             let Delivery { segment, token, .. } = delivery;
             let checked =
                 segment.and_then(|segment| segment.validate(&spec, layout_hash, hidden_size).map(|()| segment));
-            let segment = match checked {
+            // Admission: what an actor could claim falsely within the format (docs/SECURITY.md).
+            let admitted = match checked {
+                Ok(segment) => admission
+                    .check(&segment, learner.version())
+                    .map(|()| segment)
+                    .map_err(|rejection| (rejection.reason(), rejection.to_string())),
+                Err(err) => Err((err.reason(), err.to_string())),
+            };
+            let segment = match admitted {
                 Ok(segment) => segment,
-                Err(err) => {
-                    *report.segments_rejected.entry(err.reason()).or_default() += 1;
-                    warn!(reason = err.reason(), %err, "segment rejected");
+                Err((reason, err)) => {
+                    *report.segments_rejected.entry(reason).or_default() += 1;
+                    warn!(reason, %err, "segment rejected");
                     if let Err(err) = source.reject(token) {
                         warn!(%err, "could not reject a segment; it may be redelivered and rejected again");
                     }
@@ -425,7 +498,7 @@ fn ack_or_warn(source: &mut dyn TrajectorySource, settled: &mut Vec<DeliveryToke
 
 fn limit_reached(limits: &RunLimits, report: &LearnerReport) -> Option<StopReason> {
     if let Some(target) = limits.target_return {
-        if report.recent_returns.len() >= 100 && report.mean_return(100) >= target {
+        if report.recent_returns.len() >= RETURN_WINDOW && report.mean_return(RETURN_WINDOW) >= target {
             return Some(StopReason::Solved);
         }
     }

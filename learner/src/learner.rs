@@ -20,6 +20,20 @@ use crate::checkpoint::{Checkpoint, CheckpointError};
 use crate::losses::{self, LossStats, PpoLossConfig, SequenceBatch, VTraceLossConfig, VTraceWorkspace};
 use crate::optim::{clip_grad_global_norm, Adam, AdamConfig, AdamState, LrSchedule};
 
+/// A published version the learner refuses to continue above (see
+/// [`Learner::advance_version_past`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "published version {published} is above the plausible maximum {}; continuing from {kept}",
+    PolicyVersion::MAX_PLAUSIBLE
+)]
+pub struct AbsurdVersion {
+    /// The version the run claims to have published.
+    pub published: PolicyVersion,
+    /// The version the learner keeps (its checkpoint's, or 0).
+    pub kept: PolicyVersion,
+}
+
 /// Why the learner cannot start or continue.
 #[derive(Debug, thiserror::Error)]
 pub enum LearnerError {
@@ -316,9 +330,20 @@ impl Learner {
 
     /// Make sure the next published version is above `published` (a version some earlier
     /// learner of this run already published), so versions never go backwards after a restart.
-    pub fn advance_version_past(&mut self, published: PolicyVersion) {
-        if self.version <= published {
-            self.version = PolicyVersion(published.0 + 1);
+    ///
+    /// A published version above [`PolicyVersion::MAX_PLAUSIBLE`] is absurd (a forged or
+    /// corrupted pointer; issue 12: 2^64 − 1 wrapped the next version to 0): the learner keeps
+    /// its own version (its checkpoint's) and returns the refusal for the caller to log.
+    pub fn advance_version_past(&mut self, published: PolicyVersion) -> Result<(), AbsurdVersion> {
+        if self.version > published {
+            return Ok(());
+        }
+        match published.next() {
+            Some(next) => {
+                self.version = next;
+                Ok(())
+            }
+            None => Err(AbsurdVersion { published, kept: self.version }),
         }
     }
 
@@ -348,7 +373,8 @@ impl Learner {
         stats.lag_max = lags.iter().copied().max().unwrap_or(0);
         stats.lag_mean = if lags.is_empty() { 0.0 } else { lags.iter().sum::<u64>() as f32 / lags.len() as f32 };
         self.updates += 1;
-        self.version = PolicyVersion(self.version.0 + 1);
+        // Saturating: versions start at or below MAX_PLAUSIBLE and never come near the end.
+        self.version = PolicyVersion(self.version.0.saturating_add(1));
         stats
     }
 

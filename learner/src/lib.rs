@@ -5,6 +5,7 @@
 //! never goes backwards; every sample's lag is measured against it.
 //! Start reading at [`learner::Learner`] (one update) and [`consume::run_learner`] (the loop).
 
+pub mod admission;
 pub mod backend;
 pub mod batch;
 pub mod checkpoint;
@@ -19,6 +20,6 @@ pub mod telemetry;
 
 pub use checkpoint::{Checkpoint, CheckpointError};
 pub use consume::{run_learner, LearnerControl, LearnerReport, RunLimits, StopReason};
-pub use learner::{Learner, LearnerError, UpdateStats};
+pub use learner::{AbsurdVersion, Learner, LearnerError, UpdateStats};
 pub use metrics::LearnerMetrics;
 pub use selection::{DropReason, Selector};

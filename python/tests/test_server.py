@@ -115,6 +115,20 @@ def test_errors_are_answered_with_codes(nats_url):
         assert code == 400 and "1 actions for 2 environments" in message
         assert (await code_of("snapshot", {"v": 1, "session": opened["session"], "env": 0}))[0] == 501
         assert server.rejected == 4
+        # Issue 12: malformed fields are 400, not 505 or 500 (docs/ENV_PROTOCOL.md).
+        code, message = await code_of("spaces", {"v": "1"})
+        assert code == 400 and "unsigned integer" in message
+        assert (await code_of("spaces", {"v": True}))[0] == 400
+        assert (await code_of("spaces", {"v": -1}))[0] == 400
+        assert (await code_of("spaces", {"v": 2**40}))[0] == 400
+        assert (await code_of("open", {"v": 1, "n_envs": 1, "seeds": [-1]}))[0] == 400
+        assert (await code_of("open", {"v": 1, "n_envs": 1, "seeds": [1.5]}))[0] == 400
+        assert (await code_of("open", {"v": 1, "n_envs": 1, "seeds": ["x"]}))[0] == 400
+        assert (await code_of("open", {"v": 1, "n_envs": "1", "seeds": [0]}))[0] == 400
+        assert (await code_of("reset", {"v": 1, "session": opened["session"], "seeds": [-5, None]}))[0] == 400
+        assert (await code_of("reset", {"v": 1, "session": "abc", "seeds": [1, 2]}))[0] == 400
+        assert (await code_of("step", {"v": 1, "session": opened["session"], "actions": "01"}))[0] == 400
+        assert server.rejected == 4 + 11
         # An out-of-range action fails that environment only: truncated, reward 0, reset.
         reply = await call(nc, instance, "step", {"session": opened["session"], "actions": [0, 9]})
         assert reply["errors"][0]["env"] == 1 and "out of range" in reply["errors"][0]["message"]

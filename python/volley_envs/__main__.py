@@ -28,6 +28,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                             "CartPole-v1 -> cartpole-v1)")
     serve.add_argument("--env-kwargs", default="{}", help="JSON object of keyword arguments for the factory")
     serve.add_argument("--max-sessions", type=int, default=1024, help="sessions held at once")
+    serve.add_argument("--max-abs-reward", type=float,
+                       default=float(os.environ["VOLLEY_ENV_MAX_ABS_REWARD"])
+                       if os.environ.get("VOLLEY_ENV_MAX_ABS_REWARD") else None,
+                       help="declare the largest |reward| of one step; the learner rejects segments beyond it "
+                            "(env VOLLEY_ENV_MAX_ABS_REWARD; default: undeclared)")
     serve.add_argument("--max-envs-per-session", type=int, default=1024, help="largest session")
     serve.add_argument("--idle-timeout-secs", type=float, default=300.0,
                        help="drop a session without requests for this long")
@@ -46,7 +51,8 @@ async def serve(args: argparse.Namespace) -> None:
     env_id = args.env.partition(":")[2]
     name = check_name(args.name) if args.name else default_name(env_id)
     server = EnvServer(factory, name, label=args.env, max_sessions=args.max_sessions,
-                       max_envs_per_session=args.max_envs_per_session, idle_timeout=args.idle_timeout_secs)
+                       max_envs_per_session=args.max_envs_per_session, idle_timeout=args.idle_timeout_secs,
+                       max_abs_reward=args.max_abs_reward)
     options = {"servers": [args.nats], "name": "volley-envs"}
     if args.user:
         options.update(user=args.user, password=args.password)

@@ -116,8 +116,14 @@ class EnvServer:
         max_sessions: int = 1024,
         max_envs_per_session: int = 1024,
         idle_timeout: float = 300.0,
+        max_abs_reward: Optional[float] = None,
     ):
         self.factory = factory
+        # Declared in `spaces`: the largest |reward| of one step; the learner rejects segments
+        # beyond it (docs/SECURITY.md). None: undeclared (the learner's default applies).
+        if max_abs_reward is not None and not (math.isfinite(max_abs_reward) and max_abs_reward > 0):
+            raise ValueError(f"max_abs_reward {max_abs_reward} must be finite and positive")
+        self.max_abs_reward = max_abs_reward
         self.name = check_name(name)
         self.label = label or name
         self.max_sessions = max_sessions
@@ -212,6 +218,10 @@ class EnvServer:
         version = request.get("v")
         if version is None:
             raise ProtocolError(BAD_REQUEST, 'request without a protocol version "v"')
+        # A version that is not an unsigned integer is a malformed request, not a foreign
+        # protocol (docs/SECURITY.md, issue 12: a string version was answered with 505).
+        if not isinstance(version, int) or isinstance(version, bool) or not 0 <= version < 2**32:
+            raise ProtocolError(BAD_REQUEST, f"v must be an unsigned integer, got {version!r}")
         if version != PROTOCOL_VERSION:
             raise ProtocolError(
                 UNSUPPORTED_VERSION,
@@ -231,8 +241,12 @@ class EnvServer:
             return pack(self._step(session, request))
         if op == "reset":
             seeds = request.get("seeds")
-            if not isinstance(seeds, list) or len(seeds) != len(session.envs):
-                raise ProtocolError(BAD_REQUEST, f"reset needs {len(session.envs)} seeds (or nil entries)")
+            if (
+                not isinstance(seeds, list)
+                or len(seeds) != len(session.envs)
+                or not all(s is None or _is_u64(s) for s in seeds)
+            ):
+                raise ProtocolError(BAD_REQUEST, f"reset needs {len(session.envs)} u64 seeds (or nil entries)")
             for env_idx, seed in enumerate(seeds):
                 error = self._reset_one(session, env_idx, seed)
                 if error is not None:
@@ -252,6 +266,7 @@ class EnvServer:
             "n_actions": s.n_actions,
             "reward_threshold": s.reward_threshold,
             "max_episode_steps": s.max_episode_steps,
+            "max_abs_reward": self.max_abs_reward,
             "snapshot": False,
             "max_envs_per_session": self.max_envs_per_session,
         }
@@ -261,8 +276,9 @@ class EnvServer:
         if not 1 <= n_envs <= self.max_envs_per_session:
             raise ProtocolError(BAD_REQUEST, f"n_envs {n_envs} out of range 1..={self.max_envs_per_session}")
         seeds = request.get("seeds")
-        if not isinstance(seeds, list) or len(seeds) != n_envs or not all(isinstance(s, int) for s in seeds):
-            raise ProtocolError(BAD_REQUEST, f"open needs {n_envs} integer seeds")
+        # Seeds are u64 (docs/ENV_PROTOCOL.md): a negative one was a 500 from Gymnasium's reset.
+        if not isinstance(seeds, list) or len(seeds) != n_envs or not all(_is_u64(s) for s in seeds):
+            raise ProtocolError(BAD_REQUEST, f"open needs {n_envs} u64 seeds")
         if len(self.sessions) >= self.max_sessions:
             raise ProtocolError(CAPACITY, f"{self.max_sessions} sessions already open")
         session = Session(envs=[], obs=np.zeros((n_envs, self.spaces.obs_dim), dtype=np.float32))
@@ -368,6 +384,10 @@ class EnvServer:
             "final_obs": f32_bin(final_obs),
             "errors": errors,
         }
+
+
+def _is_u64(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**64
 
 
 def _int(request: dict, key: str) -> int:

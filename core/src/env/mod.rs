@@ -227,6 +227,27 @@ pub struct RemoteEnvConfig {
     /// (Gymnasium's `spec.reward_threshold`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reward_threshold: Option<f32>,
+    /// The largest |reward| of one step its servers declare; the learner rejects segments
+    /// beyond it. Undeclared: [`REMOTE_DEFAULT_MAX_ABS_REWARD`] (docs/SECURITY.md).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_abs_reward: Option<f32>,
+    /// The episode time limit its servers declare, if any; longer claimed episodes are rejected.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_episode_steps: Option<u64>,
+}
+
+/// The per-step reward bound of a remote environment whose servers declare none.
+pub const REMOTE_DEFAULT_MAX_ABS_REWARD: f32 = 1e4;
+
+/// What one step and one episode of an environment can yield at most. The learner rejects a
+/// segment whose rewards, truncation values or episode summaries lie outside them, so no
+/// actor can claim a return its environment cannot produce (docs/SECURITY.md).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct EnvBounds {
+    /// Largest |reward| of one step.
+    pub max_abs_reward: f32,
+    /// Longest episode in steps, when the environment has a time limit.
+    pub max_episode_len: Option<u64>,
 }
 
 /// Prefix of a remote environment's name on the command line: `remote:<service>`.
@@ -276,6 +297,30 @@ impl EnvConfig {
                 )))
             }
         })
+    }
+
+    /// The reward and episode-length bounds of this environment: exact for the built-in ones,
+    /// declared by the servers (or the defaults) for a remote one.
+    pub fn bounds(&self) -> EnvBounds {
+        match self {
+            EnvConfig::Cartpole => {
+                EnvBounds { max_abs_reward: 1.0, max_episode_len: Some(cartpole::MAX_EPISODE_STEPS as u64) }
+            }
+            // The cue, `delay` blank steps and the query: the episode ends at the query.
+            EnvConfig::Memory(config) => {
+                EnvBounds { max_abs_reward: 1.0, max_episode_len: Some(config.delay as u64 + 2) }
+            }
+            EnvConfig::Milestones(config) => {
+                EnvBounds { max_abs_reward: 1.0, max_episode_len: Some(config.max_steps as u64) }
+            }
+            EnvConfig::Remote(remote) => EnvBounds {
+                max_abs_reward: remote
+                    .max_abs_reward
+                    .filter(|bound| bound.is_finite() && *bound > 0.0)
+                    .unwrap_or(REMOTE_DEFAULT_MAX_ABS_REWARD),
+                max_episode_len: remote.max_episode_steps.filter(|&steps| steps > 0),
+            },
+        }
     }
 
     /// Observation length and number of actions, without the network: built-in environments

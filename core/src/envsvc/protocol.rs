@@ -147,6 +147,10 @@ pub struct SpacesReply {
     /// Time limit of an episode in steps, if any.
     #[serde(default)]
     pub max_episode_steps: Option<u32>,
+    /// Largest |reward| of one step, if declared; the learner rejects segments beyond it
+    /// (docs/SECURITY.md).
+    #[serde(default)]
+    pub max_abs_reward: Option<f32>,
     /// Whether `snapshot` and `restore` work.
     #[serde(default)]
     pub snapshot: bool,

@@ -44,6 +44,8 @@ pub struct EnvServerConfig {
     pub reward_threshold: Option<f32>,
     /// Declared in `spaces`: the episode time limit.
     pub max_episode_steps: Option<u32>,
+    /// Declared in `spaces`: the largest |reward| of one step.
+    pub max_abs_reward: Option<f32>,
 }
 
 impl EnvServerConfig {
@@ -57,6 +59,7 @@ impl EnvServerConfig {
             idle_timeout: Duration::from_secs(300),
             reward_threshold: None,
             max_episode_steps: None,
+            max_abs_reward: None,
         }
     }
 }
@@ -126,6 +129,7 @@ impl EnvServer {
             n_actions: probe.action_space().n as u32,
             reward_threshold: config.reward_threshold,
             max_episode_steps: config.max_episode_steps,
+            max_abs_reward: config.max_abs_reward,
             snapshot: true,
             max_envs_per_session: config.max_envs_per_session as u32,
         };

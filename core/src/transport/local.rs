@@ -170,7 +170,7 @@ impl WeightsPublisher for LocalWeightsPublisher {
                 });
             }
         }
-        self.slot.version.store(weights.version.0 + 1, Ordering::Release);
+        self.slot.version.store(weights.version.0.saturating_add(1), Ordering::Release);
         *latest = Some(weights);
         self.slot.published.notify_all();
         Ok(())

@@ -619,7 +619,9 @@ impl NatsBus {
             slot,
             objects: None,
             newest: None,
-            refused: None,
+            settled_write: 0,
+            retry: None,
+            refusals: 0,
             task,
         })
     }
@@ -1500,7 +1502,7 @@ impl WeightsPublisher for NatsWeightsPublisher {
                 warn!(
                     version,
                     newest_in_run = before,
-                    "run already has newer weights; followers ignore versions up to it"
+                    "the run's pointer claims a newer version; followers that verified it ignore versions up to it"
                 );
             }
         }
@@ -1541,31 +1543,43 @@ impl WeightsPublisher for NatsWeightsPublisher {
     }
 }
 
-/// The newest pointer the watch has seen.
+/// The pointer most recently written to KV, as the watch delivered it.
+///
+/// Not the highest version ever announced: a forged pointer with a huge version must not
+/// hide the real pointers written after it (issue 12, docs/SECURITY.md). Whether a pointer
+/// is worth fetching is the follower's decision, against the newest version it verified.
 #[derive(Debug, Default)]
 struct PointerSlot {
-    pointer: Mutex<Option<WeightsPointer>>,
-    /// Newest version + 1 (0 = none yet): lets `latest` answer "nothing new" with one load.
-    version_plus_one: AtomicU64,
+    /// The pointer and its write number (1 = the first the watch delivered).
+    pointer: Mutex<Option<(WeightsPointer, u64)>>,
+    /// Writes seen (0 = none yet): lets `latest` answer "nothing new" with one load.
+    writes: AtomicU64,
     changed: tokio::sync::Notify,
 }
 
 impl PointerSlot {
     fn offer(&self, pointer: WeightsPointer) {
         let mut slot = self.pointer.lock().expect("pointer lock is never poisoned");
-        if slot.as_ref().is_some_and(|current| current.version >= pointer.version) {
+        // A re-created watch delivers the current value again: not a new write.
+        if slot.as_ref().is_some_and(|(current, _)| *current == pointer) {
             return;
         }
         debug!(version = pointer.version, "new weights pointer");
-        self.version_plus_one.store(pointer.version + 1, Ordering::Release);
-        *slot = Some(pointer);
+        let write = self.writes.load(Ordering::Acquire).saturating_add(1);
+        *slot = Some((pointer, write));
+        self.writes.store(write, Ordering::Release);
         self.changed.notify_waiters();
     }
 
-    fn newest(&self) -> Option<WeightsPointer> {
+    fn newest(&self) -> Option<(WeightsPointer, u64)> {
         self.pointer.lock().expect("pointer lock is never poisoned").clone()
     }
 }
+
+/// First pause before fetching an unfetchable pointer (missing object, timeout) again.
+const FETCH_RETRY_FIRST: Duration = Duration::from_millis(250);
+/// Longest pause between fetches of an unfetchable pointer.
+const FETCH_RETRY_MAX: Duration = Duration::from_secs(30);
 
 /// Keep `slot` at the newest `weights` pointer: open the bucket (waiting until it exists),
 /// watch the key (the watch yields the current value first), and start over after an error,
@@ -1644,22 +1658,31 @@ async fn follow_pointer(
 ///
 /// A background task watches the `weights` pointer (re-creating the watch after errors and
 /// reconnects; a late joiner gets the current pointer at once). [`WeightsFollower::latest`]
-/// costs one atomic load when nothing changed; otherwise it fetches the object with a
-/// deadline and verifies layout, size, checksum and version. Refused weights are a
-/// [`TransportError::Failed`] naming the reason, reported once: later calls return `Ok(None)`
-/// until a newer version is announced, so a bad version is neither downloaded nor logged
-/// again. The caller keeps its current version. A failed download (timeout, missing object)
-/// is not a refusal and is tried again on the next call.
+/// costs one atomic load when nothing was written; otherwise it looks at the pointer written
+/// last and, when its version is above the newest version this follower has *verified*,
+/// fetches the object with a deadline and verifies layout, size, checksum and version.
+///
+/// Trust (docs/SECURITY.md): the pointer is a claim, the verified object the fact. Refused
+/// weights are a [`TransportError::Failed`] naming the reason, reported once per pointer
+/// write and counted ([`refusals`](Self::refusals)); the follower keeps its verified version,
+/// and the next pointer written is judged afresh, whatever version the refused one claimed,
+/// so a forged pointer never blocks a later valid one. A failed download (timeout, missing
+/// object) is retried with exponential backoff (250 ms doubling to 30 s), each failure
+/// reported once, so a missing object costs a few requests and warnings a minute.
 pub struct NatsWeightsFollower {
     shared: Arc<Shared>,
     layout_hash: u64,
     n_params: usize,
     slot: Arc<PointerSlot>,
     objects: Option<object_store::ObjectStore>,
-    /// The newest weights fetched so far.
+    /// The newest weights verified so far.
     newest: Option<Arc<Weights>>,
-    /// The newest version refused for its content.
-    refused: Option<u64>,
+    /// The last pointer write dealt with for good (adopted, refused, or not newer).
+    settled_write: u64,
+    /// A pointer write whose fetch failed, and when to try it again.
+    retry: Option<(u64, Instant, Duration)>,
+    /// Pointers refused or not fetchable, in total.
+    refusals: u64,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -1668,9 +1691,9 @@ impl fmt::Debug for NatsWeightsFollower {
         f.debug_struct("NatsWeightsFollower")
             .field("layout_hash", &format_args!("{:016x}", self.layout_hash))
             .field("n_params", &self.n_params)
-            .field("pointer_version", &self.slot.version_plus_one.load(Ordering::Relaxed).checked_sub(1))
-            .field("fetched_version", &self.newest.as_ref().map(|w| w.version))
-            .field("refused_version", &self.refused)
+            .field("pointer_version", &self.announced_version())
+            .field("verified_version", &self.newest.as_ref().map(|w| w.version))
+            .field("refusals", &self.refusals)
             .finish()
     }
 }
@@ -1682,29 +1705,54 @@ impl Drop for NatsWeightsFollower {
 }
 
 impl NatsWeightsFollower {
-    /// The newest version the watch has announced (fetched or not).
+    /// The version the pointer written last claims (fetched or not, verified or not).
     pub fn announced_version(&self) -> Option<PolicyVersion> {
-        self.slot.version_plus_one.load(Ordering::Acquire).checked_sub(1).map(PolicyVersion)
+        self.slot.newest().map(|(pointer, _)| PolicyVersion(pointer.version))
     }
 
-    /// Refuse `pointer`'s version for its content (see the type's docs).
+    /// The newest version this follower fetched and verified.
+    pub fn verified_version(&self) -> Option<PolicyVersion> {
+        self.newest.as_ref().map(|w| w.version)
+    }
+
+    /// Pointers refused for their content or not fetchable, in total (each failure once).
+    pub fn refusals(&self) -> u64 {
+        self.refusals
+    }
+
+    /// The pause before the pointer written last is fetched again, when its fetch failed.
+    pub fn retry_pause(&self) -> Option<Duration> {
+        self.retry.map(|(_, _, pause)| pause)
+    }
+
+    /// Refuse `pointer` for its content (see the type's docs).
     #[cold]
     fn refuse(&mut self, pointer: &WeightsPointer, reason: String) -> TransportError {
-        self.refused = Some(pointer.version);
+        warn!(version = pointer.version, object = %pointer.object, %reason, "weights pointer refused");
         failed("weights fetch", reason)
     }
 
-    fn fetch(&mut self, pointer: &WeightsPointer) -> Result<Arc<Weights>, TransportError> {
+    fn fetch(&mut self, pointer: &WeightsPointer) -> Result<Arc<Weights>, FetchError> {
         const OPERATION: &str = "weights fetch";
         let expected_layout = format!("{:016x}", self.layout_hash);
         if pointer.layout_hash != expected_layout {
-            return Err(self.refuse(
+            return Err(FetchError::Refused(self.refuse(
                 pointer,
                 format!(
                     "weights {} refused: layout hash {} does not match this actor's {expected_layout}",
                     pointer.object, pointer.layout_hash
                 ),
-            ));
+            )));
+        }
+        // The pointer's size is a claim: never reserve more than a message may hold.
+        if pointer.size_bytes as usize > wire::MAX_MESSAGE_BYTES {
+            return Err(FetchError::Refused(self.refuse(
+                pointer,
+                format!(
+                    "weights {} refused: claimed size {} bytes exceeds the limit",
+                    pointer.object, pointer.size_bytes
+                ),
+            )));
         }
         let shared = self.shared.clone();
         let config = &shared.config;
@@ -1719,29 +1767,37 @@ impl NatsWeightsFollower {
                 return Err(failed(OPERATION, format!("object store {bucket} does not exist")));
             };
             call(OPERATION, deadline, async {
-                let mut object = store.get(&pointer.object).await?;
+                let object = store.get(&pointer.object).await?;
                 let mut bytes = Vec::with_capacity(pointer.size_bytes as usize);
-                object.read_to_end(&mut bytes).await?;
+                // Read at most one byte past the limit: an oversized object is refused below.
+                object.take(wire::MAX_MESSAGE_BYTES as u64 + 1).read_to_end(&mut bytes).await?;
                 Ok::<_, Box<dyn std::error::Error + Send + Sync>>(bytes)
             })
             .await
-        })?;
+        });
+        let bytes = match bytes {
+            Ok(bytes) => bytes,
+            Err(err) => {
+                warn!(version = pointer.version, object = %pointer.object, %err, "weights object not fetchable; retrying with backoff");
+                return Err(FetchError::Unavailable(err));
+            }
+        };
         let weights = match wire::decode_weights(&bytes, self.layout_hash, self.n_params) {
             Ok(weights) => weights,
             Err(err) => {
                 let reason = format!("weights {} refused ({}): {err}", pointer.object, err.reason());
-                return Err(self.refuse(pointer, reason));
+                return Err(FetchError::Refused(self.refuse(pointer, reason)));
             }
         };
         let checksum = format!("{:016x}", weights.checksum);
         if weights.version.0 != pointer.version || checksum != pointer.checksum {
-            return Err(self.refuse(
+            return Err(FetchError::Refused(self.refuse(
                 pointer,
                 format!(
                     "weights {} refused: object holds {} with checksum {checksum}, pointer says v{} with checksum {}",
                     pointer.object, weights.version, pointer.version, pointer.checksum
                 ),
-            ));
+            )));
         }
         let weights = Arc::new(weights);
         self.newest = Some(weights.clone());
@@ -1751,42 +1807,85 @@ impl NatsWeightsFollower {
 
 impl WeightsFollower for NatsWeightsFollower {
     fn latest(&mut self, have: Option<PolicyVersion>) -> Result<Option<Arc<Weights>>, TransportError> {
-        let Some(announced) = self.slot.version_plus_one.load(Ordering::Acquire).checked_sub(1) else {
+        let writes = self.slot.writes.load(Ordering::Acquire);
+        if writes == self.settled_write {
+            return Ok(self.newest.clone().filter(|newest| have.is_none_or(|have| newest.version > have)));
+        }
+        let Some((pointer, write)) = self.slot.newest() else {
             return Ok(None);
         };
-        if have.is_some_and(|have| have.0 >= announced) || self.refused == Some(announced) {
-            return Ok(None);
+        // Only a version above everything verified (and above what the caller runs) is worth
+        // fetching; an older or equal claim is settled at once (versions never go back).
+        let current = self.newest.as_ref().map(|w| w.version).max(have);
+        if current.is_some_and(|current| pointer.version <= current.0) {
+            self.settled_write = write;
+            self.retry = None;
+            return Ok(self.newest.clone().filter(|newest| have.is_none_or(|have| newest.version > have)));
         }
-        if let Some(newest) = self.newest.as_ref().filter(|w| w.version.0 == announced) {
-            return Ok(Some(newest.clone()));
+        if let Some((retry_write, at, _)) = self.retry {
+            if retry_write == write && Instant::now() < at {
+                return Ok(None);
+            }
         }
-        let Some(pointer) = self.slot.newest() else {
-            return Ok(None);
-        };
-        self.fetch(&pointer).map(Some)
+        match self.fetch(&pointer) {
+            Ok(weights) => {
+                self.settled_write = write;
+                self.retry = None;
+                Ok(Some(weights))
+            }
+            Err(FetchError::Refused(err)) => {
+                self.settled_write = write;
+                self.retry = None;
+                self.refusals += 1;
+                Err(err)
+            }
+            Err(FetchError::Unavailable(err)) => {
+                let pause = match self.retry {
+                    Some((retry_write, _, pause)) if retry_write == write => (pause * 2).min(FETCH_RETRY_MAX),
+                    _ => FETCH_RETRY_FIRST,
+                };
+                self.retry = Some((write, Instant::now() + pause, pause));
+                self.refusals += 1;
+                Err(err)
+            }
+        }
     }
 
     fn wait_first(&mut self, timeout: Duration) -> Result<Arc<Weights>, TransportError> {
         let slot = self.slot.clone();
-        // Wait for a version not already refused.
-        let wanted_plus_one = self.refused.map_or(1, |refused| refused + 2);
-        let announced = self.shared.block_on(async {
-            let first = async {
-                loop {
-                    let notified = slot.changed.notified();
-                    if slot.version_plus_one.load(Ordering::Acquire) >= wanted_plus_one {
-                        return;
+        let started = Instant::now();
+        loop {
+            if let Some(weights) = self.latest(None)? {
+                return Ok(weights);
+            }
+            let left = timeout.saturating_sub(started.elapsed());
+            if left.is_zero() {
+                return Err(TransportError::Timeout { operation: "first weights", after: timeout });
+            }
+            // Wait for a new pointer write, or until a failed fetch may be retried.
+            let settled = self.settled_write;
+            let wake = self.retry.map_or(left, |(_, at, _)| at.saturating_duration_since(Instant::now()).min(left));
+            self.shared.block_on(async {
+                let written = async {
+                    loop {
+                        let notified = slot.changed.notified();
+                        if slot.writes.load(Ordering::Acquire) != settled {
+                            return;
+                        }
+                        notified.await;
                     }
-                    notified.await;
-                }
-            };
-            tokio::time::timeout(timeout, first).await
-        });
-        if announced.is_err() {
-            return Err(TransportError::Timeout { operation: "first weights", after: timeout });
+                };
+                let _ = tokio::time::timeout(wake, written).await;
+            });
         }
-        self.latest(None)?.ok_or(TransportError::Timeout { operation: "first weights", after: timeout })
     }
+}
+
+/// Why a fetch gave no weights: the content is wrong (final for this pointer write), or the
+/// object could not be read (tried again later).
+enum FetchError {
+    Refused(TransportError),
+    Unavailable(TransportError),
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -2125,7 +2224,7 @@ mod tests {
     }
 
     #[test]
-    fn pointer_slot_keeps_only_newer_versions() {
+    fn pointer_slot_keeps_the_last_write_whatever_its_version() {
         let slot = PointerSlot::default();
         let pointer = |version| WeightsPointer {
             version,
@@ -2135,11 +2234,14 @@ mod tests {
             size_bytes: 0,
         };
         slot.offer(pointer(3));
+        // Issue 12: a forged pointer with a huge version must not hide later real ones.
+        slot.offer(pointer(u64::MAX));
         slot.offer(pointer(2));
-        assert_eq!(slot.newest().map(|p| p.version), Some(3));
-        assert_eq!(slot.version_plus_one.load(Ordering::Acquire), 4);
+        assert_eq!(slot.newest().map(|(p, write)| (p.version, write)), Some((2, 3)));
+        slot.offer(pointer(2));
+        assert_eq!(slot.writes.load(Ordering::Acquire), 3, "a re-delivered value is not a new write");
         slot.offer(pointer(4));
-        assert_eq!(slot.newest().map(|p| p.version), Some(4));
+        assert_eq!(slot.newest().map(|(p, _)| p.version), Some(4));
     }
 
     #[test]

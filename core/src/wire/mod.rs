@@ -1,14 +1,16 @@
 //! Wire types: the only serializable values that cross process boundaries, and their codec.
 //!
-//! Every encoded message starts with an [`Envelope`] header (magic, [`FORMAT_VERSION`], kind).
+//! Every encoded message starts with an [`Envelope`] header (magic, [`FORMAT_VERSION`], kind,
+//! XXH3-64 checksum of the body). The checksum is verified before the body is decoded, so a
+//! corrupted message is rejected as `corrupt` and never reaches the decoder (docs/SECURITY.md).
 //! Decoding validates sizes, shapes against the run spec, finiteness and limits, so a bad
 //! message becomes a [`DecodeError`] with a bounded [`DecodeError::reason`] label, never a panic.
 
 use crate::ids::PolicyVersion;
 use crate::spec::RunSpec;
 
-/// Bumped on any incompatible change of a wire type.
-pub const FORMAT_VERSION: u16 = 2;
+/// Bumped on any incompatible change of a wire type (3: the envelope carries a body checksum).
+pub const FORMAT_VERSION: u16 = 3;
 
 /// First bytes of every message: "VLLY".
 pub const MAGIC: [u8; 4] = *b"VLLY";
@@ -33,9 +35,25 @@ pub struct Envelope {
     pub format_version: u16,
     /// What follows.
     pub kind: MessageKind,
+    /// XXH3-64 of the body ([`body_checksum`]), verified before the body is decoded.
+    pub checksum: u64,
 }
 
-const HEADER_BYTES: usize = 7;
+/// Magic (4) + format version (2, little-endian) + kind (1) + body checksum (8, little-endian).
+pub const HEADER_BYTES: usize = 15;
+
+/// A fixed-size stand-in for an untrusted id in the learner's tables (XXH3-64), so a table's
+/// bytes do not depend on how long the ids are that actors send.
+pub fn id_hash(id: &[u8]) -> u64 {
+    xxhash_rust::xxh3::xxh3_64_with_seed(id, 0x766f_6c6c_6579)
+}
+
+/// The integrity checksum of a message body: XXH3-64 with seed 0 over the bytes that follow
+/// the header. Not a defence against forgery (anyone who can publish can compute it), only
+/// against corruption in transit or at rest; authenticity comes from broker permissions.
+pub fn body_checksum(body: &[u8]) -> u64 {
+    xxhash_rust::xxh3::xxh3_64(body)
+}
 
 /// Why a message was rejected.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -120,6 +138,14 @@ pub enum DecodeError {
         /// The size.
         got_bytes: usize,
     },
+    /// The body's checksum does not match the envelope's: corrupted in transit or at rest.
+    #[error("corrupt message: envelope checksum {expected:016x}, body hashes to {got:016x}")]
+    Corrupt {
+        /// Checksum in the envelope.
+        expected: u64,
+        /// Checksum of the body received.
+        got: u64,
+    },
 }
 
 impl DecodeError {
@@ -152,6 +178,7 @@ impl DecodeError {
             DecodeError::Mismatch { .. } => "mismatch",
             DecodeError::Checksum { .. } => "checksum",
             DecodeError::TooLarge { .. } => "too_large",
+            DecodeError::Corrupt { .. } => "corrupt",
         }
     }
 }
@@ -348,32 +375,44 @@ fn encode<T: serde::Serialize>(kind: MessageKind, value: &T) -> Vec<u8> {
     out.extend_from_slice(&MAGIC);
     out.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
     out.push(kind as u8);
+    out.extend_from_slice(&[0; 8]);
     bincode::serde::encode_into_std_write(value, &mut out, bincode::config::standard())
         .expect("encoding into a Vec cannot fail");
+    let checksum = body_checksum(&out[HEADER_BYTES..]);
+    out[7..HEADER_BYTES].copy_from_slice(&checksum.to_le_bytes());
     out
 }
 
-/// Read and check the envelope, returning the body.
+/// Read and check the envelope and the body's checksum, returning the body.
 pub fn decode_envelope(bytes: &[u8], expected: MessageKind) -> Result<(Envelope, &[u8]), DecodeError> {
     if bytes.len() > MAX_MESSAGE_BYTES {
         return Err(DecodeError::TooLarge { got_bytes: bytes.len() });
     }
-    if bytes.len() < HEADER_BYTES {
-        return Err(DecodeError::Truncated(format!("{} bytes, header needs {HEADER_BYTES}", bytes.len())));
+    // Field by field, each as soon as its bytes are there: a message that is not Volley's, or
+    // of another format version (an older build's shorter header), says so however short.
+    if let Some(magic) = bytes.first_chunk::<4>().filter(|magic| **magic != MAGIC) {
+        return Err(DecodeError::BadMagic(*magic));
     }
-    let magic: [u8; 4] = bytes[..4].try_into().expect("length checked above");
-    if magic != MAGIC {
-        return Err(DecodeError::BadMagic(magic));
-    }
-    let format_version = u16::from_le_bytes([bytes[4], bytes[5]]);
+    let format_version = match bytes.get(4..6) {
+        Some(&[low, high]) => u16::from_le_bytes([low, high]),
+        _ => FORMAT_VERSION,
+    };
     if format_version != FORMAT_VERSION {
         return Err(DecodeError::WrongVersion { got: format_version });
     }
-    let kind = bytes[6];
-    if kind != expected as u8 {
+    if let Some(&kind) = bytes.get(6).filter(|&&kind| kind != expected as u8) {
         return Err(DecodeError::WrongKind { got: kind, expected: expected as u8 });
     }
-    Ok((Envelope { format_version, kind: expected }, &bytes[HEADER_BYTES..]))
+    if bytes.len() < HEADER_BYTES {
+        return Err(DecodeError::Truncated(format!("{} bytes, header needs {HEADER_BYTES}", bytes.len())));
+    }
+    let checksum = u64::from_le_bytes(bytes[7..HEADER_BYTES].try_into().expect("length checked above"));
+    let body = &bytes[HEADER_BYTES..];
+    let got = body_checksum(body);
+    if got != checksum {
+        return Err(DecodeError::Corrupt { expected: checksum, got });
+    }
+    Ok((Envelope { format_version, kind: expected, checksum }, body))
 }
 
 fn decode_body<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, DecodeError> {
@@ -583,6 +622,28 @@ mod tests {
         s.layout_hash ^= 1;
         assert_eq!(check(&s), Err("mismatch"));
         assert_eq!(check(&valid_segment()), Ok(()));
+    }
+
+    /// Issue 12: 20 of 20 bit-flipped copies of a real segment decoded as valid. Every single
+    /// bit flip is now rejected: in the body as `corrupt`, before the body is decoded.
+    #[test]
+    fn every_bit_flip_of_a_segment_or_weights_is_rejected() {
+        let spec = spec();
+        let bytes = encode_segment(&valid_segment());
+        for bit in 0..bytes.len() * 8 {
+            let mut flipped = bytes.clone();
+            flipped[bit / 8] ^= 1 << (bit % 8);
+            let err = decode_segment(&flipped, &spec, layout_hash(), 0).expect_err("a flipped bit is rejected");
+            if bit / 8 >= 7 {
+                assert_eq!(err.reason(), "corrupt", "bit {bit}: {err}");
+            }
+        }
+        let weights = encode_weights(&Weights::new(PolicyVersion(3), 7, vec![0.5; 16]));
+        for bit in (HEADER_BYTES * 8)..weights.len() * 8 {
+            let mut flipped = weights.clone();
+            flipped[bit / 8] ^= 1 << (bit % 8);
+            assert_eq!(decode_weights(&flipped, 7, 16).expect_err("rejected").reason(), "corrupt");
+        }
     }
 
     #[test]

@@ -1,0 +1,114 @@
+//! A hostile actor against a real learner and actors (issue 12, docs/SECURITY.md): the Python
+//! client `hostile_client.py` (nats-py, segments built from the documented wire format, not
+//! from the Rust codec) sends random, truncated, bit-flipped, oversized and replayed messages,
+//! absurd lengths, non-finite and huge values, future versions, forged episode summaries, long
+//! ids and a forged weights pointer, while two honest actors train CartPole.
+//!
+//! Asserted: no process panics or exits early, the run is not stopped or frozen (it still
+//! reaches its target), every rejection is counted under the reason the client meant, and the
+//! learner's resident set stays within a bound.
+//!
+//! It needs a Python with `nats` (nats-py) and `xxhash`: `$VOLLEY_ENVS_PYTHON` (else `python3`).
+//! Without one it says so and returns, unless `VOLLEY_REQUIRE_PYTHON_ENVS=1` is set, as
+//! `.ci/run` does. Runs are bounded by environment steps, never by time.
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::Duration;
+
+use volley_testkit::TestNats;
+
+mod common;
+use common::Proc;
+
+/// Upper bound on any wait: a safety net against hangs, not a timed assertion.
+const PATIENCE: Duration = Duration::from_secs(600);
+/// The hostile client may grow the learner's resident set by at most this much.
+const MAX_RSS_GROWTH_BYTES: i64 = 64 << 20;
+const ROUNDS: u64 = 5;
+
+fn python() -> Result<String, String> {
+    let python = std::env::var("VOLLEY_ENVS_PYTHON").unwrap_or_else(|_| "python3".to_string());
+    let probe = Command::new(&python).args(["-c", "import nats, xxhash"]).output();
+    match probe {
+        Ok(output) if output.status.success() => Ok(python),
+        Ok(output) => Err(format!("{python} lacks nats-py or xxhash: {}", String::from_utf8_lossy(&output.stderr))),
+        Err(err) => Err(format!("cannot run {python:?}: {err}")),
+    }
+}
+
+fn strings(args: &[&str]) -> Vec<String> {
+    args.iter().map(|s| s.to_string()).collect()
+}
+
+#[test]
+fn a_hostile_actor_cannot_stop_freeze_or_bloat_a_run() {
+    let python = match python() {
+        Ok(python) => python,
+        Err(why) if std::env::var("VOLLEY_REQUIRE_PYTHON_ENVS").is_ok_and(|v| v == "1") => panic!("{why}"),
+        Err(why) => {
+            eprintln!("skipping the hostile-client test: {why}");
+            return;
+        }
+    };
+    let nats = TestNats::start();
+    let dir = tempfile::tempdir().expect("temp dir");
+    let checkpoints = dir.path().join("checkpoints").display().to_string();
+    let mut learner = Proc::volley(
+        dir.path(),
+        "learner",
+        &strings(&[
+            "learner",
+            "--nats",
+            &nats.url(),
+            "--run",
+            "hostile",
+            "--checkpoint-dir",
+            &checkpoints,
+            "--max-env-steps",
+            "3000000",
+        ]),
+        PATIENCE,
+    );
+    learner.wait_for_log("no weights published yet");
+    let mut actors: Vec<Proc> = (0..2)
+        .map(|i| {
+            let id = format!("actor-{i}");
+            let args = ["actor", "--nats", &nats.url(), "--run", "hostile", "--actor-id", &id, "--envs", "8"];
+            Proc::volley(dir.path(), &id, &strings(&args), PATIENCE)
+        })
+        .collect();
+    actors[0].wait_for_log("actor started");
+
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/hostile_client.py");
+    let output = Command::new(&python)
+        .arg(&script)
+        .args([nats.url(), "hostile".into(), learner.child.id().to_string(), ROUNDS.to_string()])
+        .output()
+        .expect("run the hostile client");
+    assert!(output.status.success(), "hostile client failed:\n{}", String::from_utf8_lossy(&output.stderr));
+    let report: serde_json::Value =
+        serde_json::from_slice(&output.stdout).unwrap_or_else(|e| panic!("client report: {e}: {:?}", output.stdout));
+
+    let summary = learner.summary();
+    assert_eq!(summary["solved"], true, "the run still reaches its target: {summary}");
+    // The pointer was forged at version 2^64 - 1 when the learner was at `forged_at`. Training
+    // went on far beyond it (more than twice `max_policy_lag`), so the actors followed the
+    // learner's later pointers: the run neither froze nor went back.
+    let forged_at = report["forged_at"].as_u64().expect("forged_at");
+    let updates = summary["updates"].as_u64().expect("updates");
+    assert!(updates > forged_at + 20, "training froze after the forged pointer: {summary}\n{report}");
+    assert!(summary["policy_version"].as_u64().expect("version") > forged_at, "{summary}");
+    let rejected = &summary["segments_rejected"];
+    for (reason, sent) in report["sent"].as_object().expect("sent by reason") {
+        assert_eq!(rejected[reason], *sent, "reason {reason}: {summary}\nsent: {report}");
+    }
+    let growth = report["rss_after"].as_i64().expect("rss") - report["rss_before"].as_i64().expect("rss");
+    eprintln!("learner resident set: {report}");
+    assert!(growth <= MAX_RSS_GROWTH_BYTES, "the learner grew by {growth} bytes under attack");
+    for actor in &mut actors {
+        assert!(actor.child.try_wait().expect("wait").is_none(), "an actor exited:\n{}", actor.log());
+        assert!(!actor.log().contains("panicked"), "{}", actor.log());
+    }
+    assert!(!learner.log().contains("panicked"), "{}", learner.log());
+}

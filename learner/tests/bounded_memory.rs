@@ -1,0 +1,144 @@
+//! Issue 12, bounded memory under hostile input (docs/SECURITY.md, "Limits"): 200 valid
+//! segments with ~1 MB actor ids took the learner from 44 MB to 450 MB of resident memory, and
+//! it stayed there. One test in its own binary, so no other test's allocations move the
+//! process's resident set while it measures.
+
+use std::sync::atomic::AtomicBool;
+use std::thread;
+
+use volley_core::env::EnvConfig;
+use volley_core::ids::{PolicyVersion, RunId};
+use volley_core::policy::{Activation, CoreKind, PolicySpec};
+use volley_core::spec::{HyperParams, LossKind, RunSpec};
+use volley_core::transport::local::{trajectory_channel, weights_channel};
+use volley_core::transport::TrajectorySink;
+use volley_core::wire::{EpisodeSummary, TrajectorySegment};
+use volley_learner::consume::SeenSegments;
+use volley_learner::{run_learner, Learner, LearnerReport, RunLimits, StopReason, UpdateStats};
+
+const T: usize = 8;
+/// The stated bound: hostile input may grow the learner's resident set by at most this much.
+const MAX_RSS_GROWTH_BYTES: u64 = 64 << 20;
+const HOSTILE_ID_BYTES: usize = 1 << 20;
+
+fn spec() -> RunSpec {
+    RunSpec {
+        run: RunId::new("memory").expect("valid run id"),
+        env: EnvConfig::Cartpole,
+        policy: PolicySpec {
+            obs_dim: 4,
+            n_actions: 2,
+            torso: vec![16],
+            activation: Activation::Tanh,
+            core: CoreKind::Mlp,
+        },
+        segment_len: T,
+        hyper: HyperParams {
+            loss: LossKind::Vtrace,
+            batch_segments: 4,
+            max_policy_lag: 1000,
+            ..HyperParams::default()
+        },
+        seed: 5,
+    }
+}
+
+fn segment(run: &str, layout_hash: u64, actor: String, idx: u64) -> TrajectorySegment {
+    TrajectorySegment {
+        run: run.into(),
+        actor,
+        incarnation: idx,
+        env_idx: 0,
+        episode_id: idx,
+        segment_idx: idx,
+        task_id: 0,
+        start_snapshot: None,
+        policy_version: PolicyVersion(0),
+        layout_hash,
+        obs_dim: 4,
+        observations: (0..(T + 1) * 4).map(|i| (i as f32 * 0.37).sin() * 0.1).collect(),
+        actions: (0..T).map(|t| (t % 2) as u32).collect(),
+        rewards: vec![1.0; T],
+        terminated: (0..T).map(|t| (t == T - 1) as u8).collect(),
+        truncated: vec![0; T],
+        behaviour_log_probs: vec![-std::f32::consts::LN_2; T],
+        truncation_values: vec![0.0; T],
+        initial_hidden: vec![],
+        finished_episodes: vec![EpisodeSummary { episode_return: 8.0, episode_len: 8, ..EpisodeSummary::default() }],
+        saved_snapshots: Vec::new(),
+    }
+}
+
+/// Resident set size of this process, from /proc (None where there is no /proc).
+fn rss_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|line| line.starts_with("VmRSS:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+#[test]
+fn hostile_ids_and_keys_do_not_grow_the_learner() {
+    // The duplicate filter, the one table keyed by actor-chosen ids of every segment: its
+    // accounted bytes stay within its stated bound whatever the ids, and whatever their number.
+    let mut seen = SeenSegments::new(100_000);
+    let long_id = "x".repeat(4096);
+    for idx in 0..250_000u64 {
+        let mut s = segment("memory", 0, long_id.clone(), idx);
+        s.observations = Vec::new();
+        assert!(seen.insert(&s));
+    }
+    assert_eq!(seen.len(), 100_000);
+    assert!(
+        seen.allocated_bytes() <= SeenSegments::max_bytes(100_000),
+        "{} bytes > {}",
+        seen.allocated_bytes(),
+        SeenSegments::max_bytes(100_000)
+    );
+    assert!(SeenSegments::max_bytes(100_000) < 16 << 20, "the bound itself is small");
+    drop(seen);
+
+    // The learner loop, fed hostile segments one at a time (so the input never piles up):
+    // 1 MiB actor ids, start keys and episode start keys, between honest segments.
+    let mut learner = Learner::new(spec()).expect("valid spec");
+    let (run, layout_hash) = (learner.spec().run.to_string(), learner.layout().hash());
+    let (mut sink, mut source) = trajectory_channel(2);
+    let (mut publisher, _follower) = weights_channel();
+    let Some(before) = rss_bytes() else {
+        eprintln!("skipping the resident-set check: no /proc/self/status");
+        return;
+    };
+    let producer = thread::spawn(move || {
+        for idx in 0..600u64 {
+            let huge = || "a".repeat(HOSTILE_ID_BYTES);
+            let mut hostile = segment(&run, layout_hash, "actor-h".into(), 10_000 + idx);
+            match idx % 3 {
+                0 => hostile.actor = huge(),
+                1 => hostile.start_snapshot = Some(huge()),
+                _ => hostile.finished_episodes[0].start = Some(huge()),
+            }
+            let honest = segment(&run, layout_hash, "honest".into(), idx);
+            if sink.publish(vec![hostile, honest]).is_err() {
+                return;
+            }
+        }
+    });
+    let limits = RunLimits { publish_every: 1, ..RunLimits::default() };
+    let report = run_learner(
+        &mut learner,
+        &mut source,
+        &mut publisher,
+        &limits,
+        &AtomicBool::new(false),
+        &mut |_: &mut Learner, _: &LearnerReport, _: &UpdateStats| {},
+    )
+    .expect("learner loop");
+    producer.join().expect("producer");
+    let after = rss_bytes().expect("readable before, readable after");
+    assert_eq!(report.stop_reason, Some(StopReason::SourceClosed));
+    assert_eq!(report.segments_rejected.get("bad_id"), Some(&600), "{:?}", report.segments_rejected);
+    assert!(report.updates >= 600 / 4 - 1, "training carried on: {} updates", report.updates);
+    let growth = after.saturating_sub(before);
+    eprintln!("resident set: {before} bytes before, {after} after, growth {growth}");
+    assert!(growth <= MAX_RSS_GROWTH_BYTES, "resident set grew by {growth} bytes (bound {MAX_RSS_GROWTH_BYTES})");
+}
