@@ -69,7 +69,11 @@ pub enum Rejection {
 }
 
 impl Rejection {
-    /// Bounded label for the `reason` of `volley_learner_segments_rejected_total`.
+    /// Every value [`Rejection::reason`] can return (metrics export each at 0 from the start).
+    pub const REASONS: &'static [&'static str] = &["future_version", "reward_bound", "episode_summary", "bad_id"];
+
+    /// Bounded label for the `reason` of `volley_learner_segments_rejected_total`; one of
+    /// [`Rejection::REASONS`].
     pub fn reason(&self) -> &'static str {
         match self {
             Rejection::FutureVersion { .. } => "future_version",
@@ -268,6 +272,18 @@ mod tests {
     use volley_core::work::SnapshotInfo;
 
     const T: usize = 8;
+
+    #[test]
+    fn every_reason_is_listed_in_reasons() {
+        let rejections = [
+            Rejection::FutureVersion { segment: 2, learner: 1 },
+            Rejection::RewardBound { field: "rewards", step: 0, value: 1.0, bound: 0.5 },
+            Rejection::EpisodeSummary(String::new()),
+            Rejection::BadId { field: "actor", problem: String::new() },
+        ];
+        let reasons: Vec<_> = rejections.iter().map(Rejection::reason).collect();
+        assert_eq!(reasons, Rejection::REASONS);
+    }
 
     fn spec() -> RunSpec {
         RunSpec {

@@ -144,7 +144,7 @@ impl LearnerMetrics {
         for outcome in ["used", "duplicate"].into_iter().chain(crate::selection::DropReason::ALL.map(|r| r.as_str())) {
             metrics.segments.with_label_values(&[outcome]);
         }
-        for &reason in volley_core::wire::DecodeError::REASONS {
+        for &reason in volley_core::wire::DecodeError::REASONS.iter().chain(crate::admission::Rejection::REASONS) {
             metrics.rejected.with_label_values(&[reason]);
         }
         for term in ["total", "policy", "value"] {
@@ -417,7 +417,10 @@ mod actor_lag_tests {
                 .collect()
         };
         let rejected = values("volley_learner_segments_rejected_total");
-        assert_eq!(rejected.len(), volley_core::wire::DecodeError::REASONS.len());
+        assert_eq!(
+            rejected.len(),
+            volley_core::wire::DecodeError::REASONS.len() + crate::admission::Rejection::REASONS.len()
+        );
         let outcomes = values("volley_learner_segments_total");
         let mut names: Vec<_> = outcomes.iter().map(|(label, _)| label.as_str()).collect();
         names.sort_unstable();

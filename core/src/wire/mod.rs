@@ -162,6 +162,7 @@ impl DecodeError {
         "mismatch",
         "checksum",
         "too_large",
+        "corrupt",
     ];
 
     /// Bounded label for the `reason` of `…_rejected_total`; one of [`DecodeError::REASONS`].
@@ -660,6 +661,7 @@ mod tests {
             DecodeError::Mismatch { what: "x", got: String::new(), expected: String::new() },
             DecodeError::Checksum { expected: 0, got: 1 },
             DecodeError::TooLarge { got_bytes: 0 },
+            DecodeError::Corrupt { expected: 0, got: 1 },
         ];
         let reasons: Vec<_> = errors.iter().map(DecodeError::reason).collect();
         assert_eq!(reasons, DecodeError::REASONS);
