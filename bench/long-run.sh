@@ -7,7 +7,7 @@
 # usage: bench/long-run.sh [OUT_DIR]
 # env:   VOLLEY_BIN     volley binary (default: target/release/volley, built here when unset)
 #        SEEDS          embedded seeds (default "1 2 3 4 5")
-#        CARTPOLE_STEPS CartPole budget (default 20000000)
+#        CARTPOLE_STEPS CartPole budget (default 20000000; 0 skips it)
 #        MEMORY_STEPS   memory task (GRU) budget (default 3000000; 0 skips it)
 #        MILESTONES_STEPS milestones budget (default 3000000; 0 skips it)
 #        DIST_SEEDS     seeds of the distributed CartPole run, 1 learner + 2 actor processes
@@ -35,9 +35,11 @@ train() { # name steps flags...
     || echo "$name failed; see $out/$name.log" >&2
 }
 
-for seed in $seeds; do
-  train "cartpole-s$seed" "${CARTPOLE_STEPS:-20000000}" --seed "$seed"
-done
+if [ "${CARTPOLE_STEPS:-20000000}" != 0 ]; then
+  for seed in $seeds; do
+    train "cartpole-s$seed" "${CARTPOLE_STEPS:-20000000}" --seed "$seed"
+  done
+fi
 if [ "${MEMORY_STEPS:-3000000}" != 0 ]; then
   for seed in $seeds; do
     train "memory-s$seed" "${MEMORY_STEPS:-3000000}" --seed "$seed" --env memory --core gru
