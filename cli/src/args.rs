@@ -184,12 +184,13 @@ pub struct SpecArgs {
     /// Learning rate reached at the end of the step budget (linear decay).
     #[arg(long, default_value_t = 0.0, env = "VOLLEY_FINAL_LEARNING_RATE")]
     pub final_learning_rate: f32,
-    /// Adam ε, added to the root of the second-moment estimate. Large on purpose: once a run
-    /// is solved its gradients shrink by 100x, and with a tiny ε Adam still takes full
-    /// learning-rate steps on what is then noise, which drove the policy to a saturated,
-    /// unrecoverable collapse (docs/STABILITY.md).
-    #[arg(long, default_value_t = volley_core::spec::DEFAULT_ADAM_EPS, env = "VOLLEY_ADAM_EPS")]
-    pub adam_eps: f32,
+    /// Adam ε, added to the root of the second-moment estimate (default: 1e-3 for cartpole,
+    /// 1e-8 otherwise). Large for CartPole on purpose: once a run is solved its gradients
+    /// shrink by 100x, and with a tiny ε Adam still takes full learning-rate steps on what is
+    /// then noise, which drove the policy to a saturated, unrecoverable collapse
+    /// (docs/STABILITY.md).
+    #[arg(long, env = "VOLLEY_ADAM_EPS")]
+    pub adam_eps: Option<f32>,
     /// Discount γ.
     #[arg(long, default_value_t = 0.99, env = "VOLLEY_GAMMA")]
     pub gamma: f32,
@@ -429,7 +430,7 @@ impl SpecArgs {
             final_learning_rate: self.final_learning_rate,
             lr_decay_updates: (self.max_env_steps / steps_per_update.max(1)).max(1),
             ent_coef: self.ent_coef,
-            adam_eps: self.adam_eps,
+            adam_eps: self.adam_eps.unwrap_or_else(|| volley_core::spec::default_adam_eps(&env)),
             ppo_epochs: self.ppo_epochs,
             ppo_minibatches: self.ppo_minibatches,
             gae_lambda: self.gae_lambda,

@@ -237,7 +237,7 @@ mod tests {
     /// steps on that noise; the policy drifted to near-determinism, and the first large value
     /// gradient after thousands of tiny ones was amplified ~3x (m̂/√v̂ up to
     /// (1 − β₁)/√(1 − β₂) ≈ 3.16) into a step that saturated the logits for good. With the run
-    /// default ε both effects vanish: steps shrink with the gradient, and a spike moves the
+    /// default ε for CartPole both effects vanish: steps shrink with the gradient, and a spike moves the
     /// parameters by at most about the learning rate.
     #[test]
     fn run_default_eps_keeps_plateau_noise_and_gradient_spikes_from_taking_large_steps() {
@@ -273,7 +273,7 @@ mod tests {
             (walk / (5000.0 * n_params as f64), spike)
         };
         let (paper_walk, paper_spike) = run(1e-8);
-        let (run_walk, run_spike) = run(volley_core::spec::DEFAULT_ADAM_EPS);
+        let (run_walk, run_spike) = run(volley_core::spec::default_adam_eps(&volley_core::env::EnvConfig::Cartpole));
         // The mechanism with ε = 1e-8: noise moves each parameter by a sizeable fraction of lr
         // per update, and the spike by well over lr.
         assert!(paper_walk > 0.1 * f64::from(lr), "paper ε: mean step {paper_walk}");
