@@ -34,8 +34,8 @@ trap 'exit 130' INT TERM
 
 free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 
-printf '%-7s %-5s %-7s %-9s %-9s %-11s %-10s %-9s %-6s\n' \
-  actors seed solved return100 env_steps learner_s process_s wait_ratio stale
+printf '%-7s %-5s %-7s %-9s %-9s %-11s %-10s %-9s %-6s %-11s\n' \
+  actors seed solved return100 env_steps learner_s process_s wait_ratio stale stale_share
 for n in $counts; do
   for seed in $seeds; do
     dir="$out/n$n-s$seed"
@@ -77,12 +77,13 @@ try:
 except (OSError, ValueError):
     print("%-7s %-5s failed" % (n, seed))
     sys.exit(0)
-print("%-7s %-5s %-7s %-9.2f %-9d %-11.3f %-10.2f %-9.2f %-6d" % (
+share = s["segments_stale"] / max(1, s["segments_stale"] + s["segments_used"])
+print("%-7s %-5s %-7s %-9.2f %-9d %-11.3f %-10.2f %-9.2f %-6d %-11.3f" % (
     n, seed, s["solved"], s["final_mean_return"], s["env_steps"], s["wall_secs"], float(process_s),
-    s["learner_wait_ratio"], s["segments_stale"]))
+    s["learner_wait_ratio"], s["segments_stale"], share))
 with open(rows, "a") as f:
     f.write(json.dumps({"n": int(n), "solved": s["solved"], "env_steps": s["env_steps"],
-                        "learner_s": s["wall_secs"], "process_s": float(process_s)}) + "\n")
+                        "learner_s": s["wall_secs"], "process_s": float(process_s), "stale_share": share}) + "\n")
 PY
   done
 done
@@ -90,10 +91,11 @@ python3 - "$out/rows" <<'PY'
 import json, statistics, sys
 rows = [json.loads(line) for line in open(sys.argv[1])] if __import__("os").path.exists(sys.argv[1]) else []
 print()
-print("%-7s %-7s %-16s %-16s %-16s" % ("actors", "solved", "median_steps", "median_learner_s", "median_process_s"))
+print("%-7s %-7s %-16s %-16s %-16s %-18s" % ("actors", "solved", "median_steps", "median_learner_s", "median_process_s", "median_stale_share"))
 for n in sorted({r["n"] for r in rows}):
     rs = [r for r in rows if r["n"] == n]
-    print("%-7d %-7s %-16d %-16.3f %-16.2f" % (
+    print("%-7d %-7s %-16d %-16.3f %-16.2f %-18.3f" % (
         n, "%d/%d" % (sum(r["solved"] for r in rs), len(rs)), statistics.median(r["env_steps"] for r in rs),
-        statistics.median(r["learner_s"] for r in rs), statistics.median(r["process_s"] for r in rs)))
+        statistics.median(r["learner_s"] for r in rs), statistics.median(r["process_s"] for r in rs),
+        statistics.median(r["stale_share"] for r in rs)))
 PY

@@ -186,6 +186,13 @@ pub struct SpecArgs {
     /// Learning rate reached at the end of the step budget (linear decay).
     #[arg(long, default_value_t = 0.0, env = "VOLLEY_FINAL_LEARNING_RATE")]
     pub final_learning_rate: f32,
+    /// Adam ε, added to the root of the second-moment estimate (default: 1e-3 for cartpole,
+    /// 1e-8 otherwise). Large for CartPole on purpose: once a run is solved its gradients
+    /// shrink by 100x, and with a tiny ε Adam still takes full learning-rate steps on what is
+    /// then noise, which drove the policy to a saturated, unrecoverable collapse
+    /// (docs/STABILITY.md).
+    #[arg(long, env = "VOLLEY_ADAM_EPS")]
+    pub adam_eps: Option<f32>,
     /// Discount γ.
     #[arg(long, default_value_t = 0.99, env = "VOLLEY_GAMMA")]
     pub gamma: f32,
@@ -204,8 +211,11 @@ pub struct SpecArgs {
     /// GAE λ.
     #[arg(long, default_value_t = 0.95, env = "VOLLEY_GAE_LAMBDA")]
     pub gae_lambda: f32,
-    /// Drop segments whose lag exceeds this many versions.
-    #[arg(long, default_value_t = 4, env = "VOLLEY_MAX_POLICY_LAG")]
+    /// Drop segments whose lag exceeds this many versions. 16 is well inside what V-trace's
+    /// truncated importance weights (and PPO's behaviour weights) correct, and above the lag
+    /// that several actor processes produce, so scale-out does not throw actor work away
+    /// (issue 11: with 4, 4-6 actors lost 34-46 % of their segments as stale).
+    #[arg(long, default_value_t = 16, env = "VOLLEY_MAX_POLICY_LAG")]
     pub max_policy_lag: u64,
     /// Largest share (0, 1] of the 100-episode return window (and so of the solved stop) one
     /// actor id may hold; 1/k requires k actors to agree (docs/SECURITY.md).
@@ -427,6 +437,7 @@ impl SpecArgs {
             final_learning_rate: self.final_learning_rate,
             lr_decay_updates: (self.max_env_steps / steps_per_update.max(1)).max(1),
             ent_coef: self.ent_coef,
+            adam_eps: self.adam_eps.unwrap_or_else(|| volley_core::spec::default_adam_eps(&env)),
             ppo_epochs: self.ppo_epochs,
             ppo_minibatches: self.ppo_minibatches,
             gae_lambda: self.gae_lambda,
@@ -734,10 +745,15 @@ impl TryFrom<LearnerArgs> for LearnerConfig {
         if args.checkpoint_every_updates == 0 || args.publish_every == 0 {
             bail!("--checkpoint-every-updates and --publish-every must be at least 1");
         }
+        if !args.replay {
+            // A replay publishes nothing and bounds no lag.
+            check_learner_progress(&spec, args.publish_every)?;
+        }
         let max_duration = args.max_secs.map(|s| check_secs("--max-secs", s)).transpose()?;
         let checkpoint_every = check_secs("--checkpoint-every-secs", args.checkpoint_every_secs)?;
         let mut nats = args.nats.config(spec.run.clone())?;
         nats.max_backlog_segments = max_backlog_segments;
+        nats.keep_weight_versions = spec.hyper.stores.weights_keep_versions;
         if !(1..=5).contains(&args.nats_replicas) {
             bail!("--nats-replicas: {} out of range 1..=5 (JetStream keeps at most 5 copies)", args.nats_replicas);
         }
@@ -758,6 +774,50 @@ impl TryFrom<LearnerArgs> for LearnerConfig {
             spec,
         })
     }
+}
+
+/// Deliveries the learner's NATS consumer hands out unacknowledged (the server's default
+/// `max_ack_pending`; the consumer does not set its own).
+const CONSUMER_MAX_ACK_PENDING: u64 = 1000;
+
+/// Refuse learner settings under which no update could ever happen (issue 11): every
+/// combination either trains or is refused here, naming the values that conflict.
+///
+/// - Between two publishes the learner's version runs `publish_every − 1` ahead of the newest
+///   published one, and actors act only with published versions. So just before a publish
+///   the freshest segment has lag `publish_every − 1`; above `max_policy_lag` every segment
+///   is stale and the next publish never comes.
+/// - The learner holds its selection pool unacknowledged; the consumer stops delivering at
+///   [`CONSUMER_MAX_ACK_PENDING`], so a larger pool never fills.
+///
+/// Batch size against the backlog bound is checked with `--max-backlog-segments`; envs per
+/// actor and the number of actors cannot stall the learner (pacing admits any publish while
+/// the backlog is below one batch, and a segment's lag does not depend on them), they only
+/// change how much data goes stale, which the pacing bound keeps small.
+pub fn check_learner_progress(spec: &RunSpec, publish_every: u64) -> anyhow::Result<()> {
+    let max_policy_lag = spec.hyper.max_policy_lag;
+    if publish_every.saturating_sub(1) > max_policy_lag {
+        bail!(
+            "--publish-every {publish_every} conflicts with --max-policy-lag {max_policy_lag}: actors only act with \
+             published weights, so just before each publish the freshest segment is {} versions old and every \
+             segment is dropped as stale, and no further update (or publish) would ever happen; use \
+             --publish-every <= {} or --max-policy-lag >= {}",
+            publish_every - 1,
+            max_policy_lag.saturating_add(1),
+            publish_every - 1
+        );
+    }
+    let pool_segments = spec.hyper.selection.pool_segments(spec.hyper.batch_segments) as u64;
+    if pool_segments > CONSUMER_MAX_ACK_PENDING {
+        bail!(
+            "--batch-segments {} (x --select-pool-factor {}) = a selection pool of {pool_segments} segments, but the \
+             learner's NATS consumer delivers at most {CONSUMER_MAX_ACK_PENDING} unacknowledged segments, so the \
+             pool would never fill and no update would happen",
+            spec.hyper.batch_segments,
+            spec.hyper.selection.priority.as_ref().map_or(1, |p| p.pool_factor),
+        );
+    }
+    Ok(())
 }
 
 /// `volley actor`.
@@ -1081,6 +1141,38 @@ mod tests {
         .expect("valid flags");
         let Command::Train(args) = cli.command else { panic!("parsed {:?}", cli.command) };
         assert_eq!(args.spec.tasks, ["memory:delay=2,n_cues=2", "memory:delay=8", "memory:delay=16"]);
+    }
+
+    /// Regression for issue 11: `--publish-every 6` with the default `--max-policy-lag 4`
+    /// stalled after five updates (99.6 % of segments stale); now it is refused at start.
+    #[test]
+    fn publish_every_beyond_the_lag_bound_is_refused_naming_both_values() {
+        let err = learner_config(&["--publish-every", "6", "--max-policy-lag", "4"]).expect_err("refused");
+        let message = err.to_string();
+        assert!(message.contains("--publish-every 6") && message.contains("--max-policy-lag 4"), "{message}");
+        let err = learner_config(&["--publish-every", "18"]).expect_err("refused at the default lag bound");
+        assert!(err.to_string().contains("--max-policy-lag 16"), "{err}");
+        // The largest cadence the lag bound allows, and a raised bound, are accepted.
+        learner_config(&["--publish-every", "5", "--max-policy-lag", "4"]).expect("max-policy-lag + 1 trains");
+        learner_config(&["--publish-every", "6", "--max-policy-lag", "5"]).expect("a raised bound allows it");
+        learner_config(&["--publish-every", "17"]).expect("the default lag bound allows 17");
+    }
+
+    #[test]
+    fn a_selection_pool_larger_than_the_consumer_delivers_is_refused() {
+        let err = learner_config(&[
+            "--batch-segments",
+            "400",
+            "--max-backlog-segments",
+            "800",
+            "--select-priority-alpha",
+            "0.6",
+            "--select-pool-factor",
+            "3",
+        ])
+        .expect_err("refused");
+        assert!(err.to_string().contains("--batch-segments 400"), "{err}");
+        learner_config(&["--batch-segments", "400", "--max-backlog-segments", "800"]).expect("a 400-segment pool fits");
     }
 
     #[test]

@@ -26,6 +26,22 @@ impl std::str::FromStr for LossKind {
     }
 }
 
+/// The default Adam ε for a run on `env`: 1e-3 for CartPole, the paper's 1e-8 otherwise.
+///
+/// With 1e-8, a solved CartPole run (gradients ~100x smaller than while learning) kept taking
+/// learning-rate-sized steps on noise, drifted to a near-deterministic policy and collapsed for
+/// good (issue 11, docs/STABILITY.md); where the gradient's RMS is below ε, Adam acts like
+/// momentum SGD with rate `lr / ε`, so steps shrink with the signal. ε is not scale-free,
+/// though: the memory and milestones tasks learn from gradients far smaller than CartPole's, and
+/// with 1e-3 the memory task needed ~25x the env steps to solve, so they keep 1e-8 (no collapse
+/// was seen there in 2M-step runs).
+pub fn default_adam_eps(env: &EnvConfig) -> f32 {
+    match env {
+        EnvConfig::Cartpole => 1e-3,
+        _ => 1e-8,
+    }
+}
+
 /// Learner hyper-parameters, named as in the papers.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct HyperParams {
@@ -91,6 +107,10 @@ pub struct HyperParams {
     /// before it existed; the default trusts one actor with the whole return window.
     #[serde(default)]
     pub trust: TrustConfig,
+    /// Size, age and history limits of the run's broker stores (issue 11: nothing the run
+    /// writes grows without bound). Absent in specs written before it existed.
+    #[serde(default)]
+    pub stores: StoreLimits,
 }
 
 /// Limits on how far one actor can move what the learner reports (docs/SECURITY.md).
@@ -112,6 +132,88 @@ pub struct TrustConfig {
 impl Default for TrustConfig {
     fn default() -> Self {
         TrustConfig { max_actor_return_share: 1.0 }
+    }
+}
+
+/// Explicit bounds on every JetStream store a distributed run creates (applied when the store
+/// is created; the trajectory stream's bounds are the learner's `NatsConfig`).
+///
+/// Weights objects are additionally purged by the learner: only the newest
+/// `weights_keep_versions` stay, and the delete marker of each removed version is purged
+/// too, so the weights store holds about `weights_keep_versions` objects however long the run.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(default)]
+pub struct StoreLimits {
+    /// Weights versions kept in the object store (the newest ones).
+    pub weights_keep_versions: usize,
+    /// Upper bound on the weights object store's bytes (chunks and metadata).
+    pub weights_max_bytes: u64,
+    /// Values kept per key in the run's KV bucket (spec, weights pointer).
+    pub kv_history: u32,
+    /// Upper bound on the run's KV bucket's bytes.
+    pub kv_max_bytes: u64,
+    /// Upper bound on queued work items (the work-queue stream's messages).
+    pub work_max_messages: u64,
+    /// Upper bound on the work-queue stream's bytes.
+    pub work_max_bytes: u64,
+    /// Age after which an unclaimed work item is discarded (0: never).
+    pub work_max_age_secs: f64,
+    /// Upper bound on the snapshot object store's bytes (its age bound is
+    /// `work.snapshot_ttl_secs`).
+    pub snapshot_max_bytes: u64,
+    /// Upper bound on the snapshot index KV bucket's bytes.
+    pub snapshot_index_max_bytes: u64,
+}
+
+impl Default for StoreLimits {
+    fn default() -> Self {
+        StoreLimits {
+            weights_keep_versions: 3,
+            weights_max_bytes: 1 << 30,
+            kv_history: 1,
+            kv_max_bytes: 64 << 20,
+            work_max_messages: 1_000_000,
+            work_max_bytes: 256 << 20,
+            work_max_age_secs: 24.0 * 3600.0,
+            snapshot_max_bytes: 4 << 30,
+            snapshot_index_max_bytes: 256 << 20,
+        }
+    }
+}
+
+impl StoreLimits {
+    fn validate(&self, weights_bytes: u64) -> Result<(), SpecError> {
+        let hyper = |name: &'static str, value: String, rule: &'static str| Err(SpecError::Hyper { name, value, rule });
+        if !(1..=1024).contains(&self.weights_keep_versions) {
+            return hyper("stores.weights_keep_versions", self.weights_keep_versions.to_string(), "1..=1024");
+        }
+        // The kept versions plus the one being written must fit, with room for metadata.
+        let needed = (self.weights_keep_versions as u64 + 1).saturating_mul(weights_bytes).saturating_add(1 << 20);
+        if self.weights_max_bytes < needed {
+            return hyper(
+                "stores.weights_max_bytes",
+                self.weights_max_bytes.to_string(),
+                ">= (weights_keep_versions + 1) x the weights' size + 1 MiB",
+            );
+        }
+        if !(1..=64).contains(&self.kv_history) {
+            return hyper("stores.kv_history", self.kv_history.to_string(), "1..=64");
+        }
+        for (name, value) in [
+            ("stores.kv_max_bytes", self.kv_max_bytes),
+            ("stores.work_max_messages", self.work_max_messages),
+            ("stores.work_max_bytes", self.work_max_bytes),
+            ("stores.snapshot_max_bytes", self.snapshot_max_bytes),
+            ("stores.snapshot_index_max_bytes", self.snapshot_index_max_bytes),
+        ] {
+            if value == 0 || value > i64::MAX as u64 {
+                return hyper(name, value.to_string(), "1..=i64::MAX");
+            }
+        }
+        if !(self.work_max_age_secs.is_finite() && self.work_max_age_secs >= 0.0) {
+            return hyper("stores.work_max_age_secs", self.work_max_age_secs.to_string(), "finite and >= 0");
+        }
+        Ok(())
     }
 }
 
@@ -273,6 +375,7 @@ impl Default for HyperParams {
             work: crate::work::WorkConfig::default(),
             selection: SelectionConfig::default(),
             trust: TrustConfig::default(),
+            stores: StoreLimits::default(),
         }
     }
 }
@@ -404,6 +507,7 @@ impl RunSpec {
             return Err(SpecError::Hyper { name: "ppo_epochs", value: "0".into(), rule: ">= 1" });
         }
         h.work.validate().map_err(SpecError::Work)?;
+        h.stores.validate(layout.n_params() as u64 * 4)?;
         // Every task must fit the one policy: same spaces as the run's env. Save-load needs
         // in-process environments (remote servers may not snapshot).
         if h.work.enabled && matches!(self.env, EnvConfig::Remote(_)) {

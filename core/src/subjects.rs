@@ -131,6 +131,31 @@ pub fn object_backing_stream(bucket: &str) -> String {
     format!("OBJ_{bucket}")
 }
 
+/// The subject that holds the metadata (and, after a delete, the delete marker) of `object`
+/// in the object store `bucket`: `$O.<bucket>.M.<base64url(object)>`, as the NATS object
+/// store defines it. Purging it removes a deleted object's last trace.
+pub fn object_meta_subject(bucket: &str, object: &str) -> String {
+    format!("$O.{bucket}.M.{}", base64_url(object.as_bytes()))
+}
+
+/// RFC 4648 §5 base64 ("URL and filename safe") with padding, the object store's name encoding.
+fn base64_url(bytes: &[u8]) -> String {
+    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
+    let mut out = String::with_capacity(bytes.len().div_ceil(3) * 4);
+    for chunk in bytes.chunks(3) {
+        let b = [chunk[0], chunk.get(1).copied().unwrap_or(0), chunk.get(2).copied().unwrap_or(0)];
+        let n = (u32::from(b[0]) << 16) | (u32::from(b[1]) << 8) | u32::from(b[2]);
+        for i in 0..4 {
+            if i <= chunk.len() {
+                out.push(char::from(ALPHABET[((n >> (18 - 6 * i)) & 63) as usize]));
+            } else {
+                out.push('=');
+            }
+        }
+    }
+    out
+}
+
 /// The NATS micro service name of environment service `name`: `volley-env-<name>`.
 pub fn env_service(name: &EnvServiceName) -> String {
     format!("volley-env-{name}")
@@ -157,6 +182,18 @@ pub fn service_ping(service: &str) -> String {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn object_meta_subject_encodes_the_name_as_the_object_store_does() {
+        // RFC 4648 test vectors, then a URL-safe character and a weights object name.
+        let cases =
+            [("", ""), ("f", "Zg=="), ("fo", "Zm8="), ("foo", "Zm9v"), ("foob", "Zm9vYg=="), ("fooba", "Zm9vYmE=")];
+        for (plain, encoded) in cases {
+            assert_eq!(super::base64_url(plain.as_bytes()), encoded);
+        }
+        assert_eq!(super::base64_url(&[0xfb, 0xff]), "-_8=");
+        assert_eq!(super::object_meta_subject("b", "v00000000000000000001"), "$O.b.M.djAwMDAwMDAwMDAwMDAwMDAwMDAx");
+    }
+
     use super::*;
 
     /// NATS advises stream, consumer and account names under 32 characters.

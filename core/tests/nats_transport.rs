@@ -344,6 +344,31 @@ fn weight_objects(bus: &NatsBus) -> Vec<String> {
     })
 }
 
+/// Issue 11: deleting an old version left one delete marker per version in the weights store
+/// (35k messages after a 7-minute soak). The publisher purges them, so the store's message
+/// count stays that of the kept versions however many were published.
+#[test]
+fn the_weights_store_holds_only_the_kept_versions_and_no_delete_markers() {
+    let server = TestNats::start();
+    let bus = learner_bus(config(&server, "markers"));
+    let mut publisher = bus.weights_publisher().expect("publisher");
+    let backing = subjects::object_backing_stream(&subjects::weights_bucket(&bus.config().run));
+    let store_messages = || {
+        bus.handle().block_on(async {
+            let mut stream = bus.jetstream().get_stream(backing.as_str()).await.expect("the weights stream");
+            stream.info().await.expect("stream info").state.messages
+        })
+    };
+    publisher.publish(weights(0, 16)).expect("publish");
+    // One version: its metadata and one chunk.
+    let per_version = store_messages();
+    for version in 1..40 {
+        publisher.publish(weights(version, 16)).expect("publish");
+    }
+    assert_eq!(weight_objects(&bus), (37..40).map(subjects::weights_object).collect::<Vec<_>>(), "keeps 3 versions");
+    assert_eq!(store_messages(), 3 * per_version, "no delete markers are left for the 37 removed versions");
+}
+
 #[test]
 fn late_follower_gets_the_newest_weights_at_once() {
     let server = TestNats::start();

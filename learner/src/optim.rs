@@ -232,6 +232,57 @@ fn progress(update: u64, total_updates: u64) -> f64 {
 mod tests {
     use super::*;
 
+    /// Regression for issue 11 (docs/STABILITY.md): after CartPole was solved, gradients fell
+    /// ~100x (per-parameter RMS ~4e-5) while Adam with ε = 1e-8 kept taking learning-rate-sized
+    /// steps on that noise; the policy drifted to near-determinism, and the first large value
+    /// gradient after thousands of tiny ones was amplified ~3x (m̂/√v̂ up to
+    /// (1 − β₁)/√(1 − β₂) ≈ 3.16) into a step that saturated the logits for good. With the run
+    /// default ε for CartPole both effects vanish: steps shrink with the gradient, and a spike moves the
+    /// parameters by at most about the learning rate.
+    #[test]
+    fn run_default_eps_keeps_plateau_noise_and_gradient_spikes_from_taking_large_steps() {
+        let lr = 2e-3;
+        let n_params = 256;
+        // A plateau: 5000 updates of random-sign gradients with per-parameter size 4e-5, then
+        // one update whose gradient is 200x larger, all in one direction.
+        let run = |eps: f32| {
+            let mut adam = Adam::new(n_params, AdamConfig { eps, ..AdamConfig::default() });
+            let mut params = vec![0.0f32; n_params];
+            let mut state = 0x9e37_79b9_u32;
+            let mut walk = 0.0f64;
+            for _ in 0..5000 {
+                let grads: Vec<f32> = (0..n_params)
+                    .map(|_| {
+                        state ^= state << 13;
+                        state ^= state >> 17;
+                        state ^= state << 5;
+                        if state & 1 == 0 {
+                            4e-5
+                        } else {
+                            -4e-5
+                        }
+                    })
+                    .collect();
+                let before = params.clone();
+                adam.step(&mut params, &grads, lr);
+                walk += before.iter().zip(&params).map(|(a, b)| f64::from(a - b).abs()).sum::<f64>();
+            }
+            let before = params.clone();
+            adam.step(&mut params, &vec![8e-3; n_params], lr);
+            let spike = before.iter().zip(&params).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+            (walk / (5000.0 * n_params as f64), spike)
+        };
+        let (paper_walk, paper_spike) = run(1e-8);
+        let (run_walk, run_spike) = run(volley_core::spec::default_adam_eps(&volley_core::env::EnvConfig::Cartpole));
+        // The mechanism with ε = 1e-8: noise moves each parameter by a sizeable fraction of lr
+        // per update, and the spike by well over lr.
+        assert!(paper_walk > 0.1 * f64::from(lr), "paper ε: mean step {paper_walk}");
+        assert!(paper_spike > 2.5 * lr, "paper ε: spike step {paper_spike}");
+        // The run default: noise steps are ~25x smaller, and the spike stays below lr.
+        assert!(run_walk < 0.05 * paper_walk, "default ε: mean step {run_walk} vs {paper_walk}");
+        assert!(run_spike < lr, "default ε: spike step {run_spike}");
+    }
+
     #[test]
     fn adam_matches_hand_computed_first_two_steps() {
         // One parameter θ₀ = 1, β₁ = 0.9, β₂ = 0.999, ε = 1e-8, lr = 0.1, g₁ = 2, g₂ = −1.

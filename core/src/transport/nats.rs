@@ -60,6 +60,8 @@ const PACING_CACHE: Duration = Duration::from_millis(20);
 const BACKLOG_DEADLINE: Duration = Duration::from_millis(500);
 /// How long `TrajectorySource::backlog` trusts its last reading.
 const BACKLOG_CACHE: Duration = Duration::from_secs(1);
+/// How long an ack for a delivery from a lost connection may take to hand to the client.
+const ABANDON_ACK_DEADLINE: Duration = Duration::from_secs(1);
 /// First and longest pause between retries.
 const BACKOFF_FIRST: Duration = Duration::from_millis(50);
 const BACKOFF_MAX: Duration = Duration::from_secs(1);
@@ -412,6 +414,7 @@ impl NatsBus {
         }
         let spec_json = serde_json::to_vec_pretty(spec).map_err(|err| failed("encode run spec", err))?;
         let timeout = config.request_timeout;
+        let stores = &spec.hyper.stores;
         shared.block_on(async {
             let stream_name = subjects::trajectory_stream(&config.run);
             let stream_config = stream::Config {
@@ -438,7 +441,8 @@ impl NatsBus {
                     let kv_config = kv::Config {
                         bucket: bucket.clone(),
                         description: format!("volley run {}: spec and weights pointer", config.run),
-                        history: 1,
+                        history: stores.kv_history as i64,
+                        max_bytes: stores.kv_max_bytes as i64,
                         storage: stream::StorageType::File,
                         num_replicas: config.replicas,
                         ..Default::default()
@@ -455,6 +459,7 @@ impl NatsBus {
                 let objects_config = object_store::Config {
                     bucket: weights_bucket.clone(),
                     description: Some(format!("volley run {}: weights buffers", config.run)),
+                    max_bytes: stores.weights_max_bytes as i64,
                     storage: stream::StorageType::File,
                     num_replicas: config.replicas,
                     ..Default::default()
@@ -466,7 +471,7 @@ impl NatsBus {
                 }
             }
             if spec.hyper.work.enabled {
-                ensure_work_objects(shared, &spec.hyper.work).await?;
+                ensure_work_objects(shared, &spec.hyper.work, stores).await?;
             }
             call("put run spec", timeout, kv.put(subjects::SPEC_KEY, Bytes::from(spec_json))).await?;
             info!(run = %config.run, stream = %stream_name, "run ready on nats");
@@ -570,7 +575,7 @@ impl NatsBus {
     pub fn weights_publisher(&self) -> Result<NatsWeightsPublisher, TransportError> {
         let shared = self.shared.clone();
         let timeout = shared.config.request_timeout;
-        let (kv, objects, pointer, mut kept) = shared.block_on(async {
+        let (kv, objects, backing, pointer, mut kept) = shared.block_on(async {
             let run = &shared.config.run;
             let missing = |what: &str| {
                 failed("open weights publisher", format!("{what} of run {run} is missing; call ensure_run first"))
@@ -581,8 +586,19 @@ impl NatsBus {
                 .await?
                 .ok_or_else(|| missing("weights store"))?;
             let pointer = read_pointer(&kv, timeout).await?;
-            let kept = list_weight_objects(&objects, timeout).await?;
-            Ok::<_, TransportError>((kv, objects, pointer, kept))
+            let (kept, deleted) = list_weight_objects(&objects, timeout).await?;
+            let bucket = subjects::weights_bucket(run);
+            let backing = call(
+                "open weights store stream",
+                timeout,
+                shared.js.get_stream_no_info(subjects::object_backing_stream(&bucket)),
+            )
+            .await?;
+            // Markers left by an earlier learner (or a failed purge).
+            for object in &deleted {
+                purge_weights_marker(&backing, &bucket, object, timeout).await;
+            }
+            Ok::<_, TransportError>((kv, objects, backing, pointer, kept))
         })?;
         kept.sort();
         if let Some(pointer) = &pointer {
@@ -591,6 +607,7 @@ impl NatsBus {
         Ok(NatsWeightsPublisher {
             kv,
             objects,
+            backing,
             published_before: pointer.map(|p| p.version),
             last_version: None,
             kept: kept.into(),
@@ -1133,6 +1150,10 @@ struct Held {
     message: jetstream::Message,
     /// When the server last heard about it (delivery or progress signal).
     touched: Instant,
+    /// The connection it arrived on (the bus's connection count at receipt). After a
+    /// reconnect the server may no longer know the delivery (a restarted broker drops pending
+    /// state it had not yet written), and then it never answers a double ack for it.
+    connection: u64,
 }
 
 #[derive(Debug, Default)]
@@ -1159,6 +1180,8 @@ pub struct NatsTrajectorySource {
     held: HashMap<u64, Held>,
     next_token: u64,
     backlog: Mutex<BacklogReading>,
+    /// Acks given up on because the connection their delivery came on was lost.
+    abandoned_acks: u64,
 }
 
 impl fmt::Debug for NatsTrajectorySource {
@@ -1176,12 +1199,47 @@ impl NatsTrajectorySource {
             held: HashMap::new(),
             next_token: 0,
             backlog: Mutex::new(BacklogReading::default()),
+            abandoned_acks: 0,
         }
     }
 
     /// Deliveries received and not yet acknowledged or rejected.
     pub fn held(&self) -> usize {
         self.held.len()
+    }
+
+    /// Acks and rejects sent once without waiting for the server's confirmation, because the
+    /// connection their delivery arrived on had been lost (see [`TrajectorySource::ack`]).
+    pub fn abandoned_acks(&self) -> u64 {
+        self.abandoned_acks
+    }
+
+    fn connection(&self) -> u64 {
+        *self.shared.connections.borrow()
+    }
+
+    /// Settle deliveries from a lost connection with one plain (unconfirmed) ack or term and
+    /// forget them. A broker that still knows a delivery applies it; one that restarted without
+    /// it redelivers the segment later, which the learner's duplicate filter skips (issue 11:
+    /// waiting for confirmations the server never sends stalled training for the whole retry
+    /// deadline, ~30 s, after every broker restart).
+    async fn abandon(&mut self, operation: &'static str, stale: Vec<(u64, Held)>, kind: AckKind) {
+        if stale.is_empty() {
+            return;
+        }
+        let timeout = self.shared.config.request_timeout.min(ABANDON_ACK_DEADLINE);
+        let sent = futures::future::join_all(
+            stale.iter().map(|(_, held)| tokio::time::timeout(timeout, held.message.ack_with(kind))),
+        )
+        .await;
+        let unsent = sent.iter().filter(|outcome| !matches!(outcome, Ok(Ok(())))).count();
+        self.abandoned_acks += stale.len() as u64;
+        info!(
+            operation,
+            abandoned = stale.len(),
+            unsent,
+            "deliveries from before a reconnect settled without confirmation; the server may deliver them again"
+        );
     }
 
     /// Tell the server that held deliveries are still being worked on, so they are not
@@ -1211,13 +1269,18 @@ impl NatsTrajectorySource {
                 None => debug!(operation, token = token.0, "token not held (already settled or replayed); ignored"),
             }
         }
-        if settling.is_empty() {
-            return Ok(());
-        }
         let timeout = self.shared.config.request_timeout;
         let started = Instant::now();
         let mut backoff = Backoff::new();
         loop {
+            let connection = self.connection();
+            let (current, stale): (Vec<_>, Vec<_>) =
+                settling.into_iter().partition(|(_, held)| held.connection >= connection);
+            self.abandon(operation, stale, kind).await;
+            settling = current;
+            if settling.is_empty() {
+                return Ok(());
+            }
             let outcomes = futures::future::join_all(
                 settling.iter().map(|(_, held)| tokio::time::timeout(timeout, held.message.double_ack_with(kind))),
             )
@@ -1309,6 +1372,7 @@ impl TrajectorySource for NatsTrajectorySource {
             return Ok(0);
         }
         let shared = self.shared.clone();
+        let connection = self.connection();
         let mut messages = Vec::with_capacity(max);
         shared.block_on(async {
             if matches!(self.mode, SourceMode::Durable) {
@@ -1336,7 +1400,7 @@ impl TrajectorySource for NatsTrajectorySource {
             let token = DeliveryToken(self.next_token);
             match &mut self.mode {
                 SourceMode::Durable => {
-                    self.held.insert(token.0, Held { message, touched: Instant::now() });
+                    self.held.insert(token.0, Held { message, touched: Instant::now(), connection });
                 }
                 SourceMode::Replay { end_sequence, finished } => {
                     if stream_sequence > *end_sequence {
@@ -1431,26 +1495,40 @@ async fn read_pointer(kv: &kv::Store, timeout: Duration) -> Result<Option<Weight
     serde_json::from_slice(&bytes).map(Some).map_err(|err| failed("decode weights pointer", err))
 }
 
-/// Names of the weights objects in the store (ours only: `v` + 20 digits).
+/// Names of the weights objects in the store (ours only: `v` + 20 digits): the live ones, and
+/// the deleted ones whose delete marker is still stored.
 async fn list_weight_objects(
     objects: &object_store::ObjectStore,
     timeout: Duration,
-) -> Result<Vec<String>, TransportError> {
+) -> Result<(Vec<String>, Vec<String>), TransportError> {
     timed("list weights objects", timeout, async {
         let mut list = objects.list().await.map_err(|err| failed("list weights objects", err))?;
-        let mut names = Vec::new();
+        let (mut live, mut deleted) = (Vec::new(), Vec::new());
         while let Some(info) = list.next().await {
             let info = info.map_err(|err| failed("list weights objects", err))?;
             let ours = info.name.len() == 21
                 && info.name.starts_with('v')
                 && info.name[1..].bytes().all(|b| b.is_ascii_digit());
-            if !info.deleted && ours {
-                names.push(info.name);
+            match (ours, info.deleted) {
+                (true, false) => live.push(info.name),
+                (true, true) => deleted.push(info.name),
+                (false, _) => {}
             }
         }
-        Ok(names)
+        Ok((live, deleted))
     })
     .await?
+}
+
+/// Purge the delete marker of weights object `object`: `ObjectStore::delete` purges the chunks
+/// but leaves one metadata message per deleted name, and every version has its own name, so
+/// without this the store grows by one marker per publish (issue 11: 35k markers, 201 MB in a
+/// 7-minute soak). Best effort: a marker left behind is purged by the next learner's start.
+async fn purge_weights_marker(backing: &stream::Stream<()>, bucket: &str, object: &str, timeout: Duration) {
+    let subject = subjects::object_meta_subject(bucket, object);
+    if let Err(err) = call("purge weights marker", timeout, backing.purge().filter(subject).into_future()).await {
+        debug!(object, %err, "weights delete marker not purged");
+    }
 }
 
 /// Learner side: publishes each version as an object, then points KV key `weights` at it.
@@ -1465,6 +1543,8 @@ pub struct NatsWeightsPublisher {
     shared: Arc<Shared>,
     kv: kv::Store,
     objects: object_store::ObjectStore,
+    /// The stream behind `objects`, for purging delete markers.
+    backing: stream::Stream<()>,
     /// Newest version in KV when this publisher started.
     published_before: Option<u64>,
     last_version: Option<u64>,
@@ -1537,7 +1617,12 @@ impl WeightsPublisher for NatsWeightsPublisher {
         while self.kept.len() > keep {
             let Some(old) = self.kept.pop_front() else { break };
             // Best effort: a failed delete leaves an object behind, nothing worse.
-            let _ = shared.block_on(call("delete old weights", config.request_timeout, self.objects.delete(&old)));
+            let bucket = subjects::weights_bucket(&config.run);
+            shared.block_on(async {
+                if call("delete old weights", config.request_timeout, self.objects.delete(&old)).await.is_ok() {
+                    purge_weights_marker(&self.backing, &bucket, &old, config.request_timeout).await;
+                }
+            });
         }
         Ok(())
     }
@@ -1893,7 +1978,11 @@ enum FetchError {
 
 /// Create (or update) the work-queue stream, the actors' shared consumer, the snapshot object
 /// store and its per-item index, bounded by the run's snapshot retention.
-async fn ensure_work_objects(shared: &Shared, work: &crate::work::WorkConfig) -> Result<(), TransportError> {
+async fn ensure_work_objects(
+    shared: &Shared,
+    work: &crate::work::WorkConfig,
+    stores: &crate::spec::StoreLimits,
+) -> Result<(), TransportError> {
     let config = &shared.config;
     let timeout = config.request_timeout;
     let ttl = Duration::from_secs_f64(work.snapshot_ttl_secs);
@@ -1904,6 +1993,9 @@ async fn ensure_work_objects(shared: &Shared, work: &crate::work::WorkConfig) ->
         subjects: vec![subjects::work(&config.run)],
         retention: stream::RetentionPolicy::WorkQueue,
         storage: stream::StorageType::File,
+        max_messages: stores.work_max_messages as i64,
+        max_bytes: stores.work_max_bytes as i64,
+        max_age: Duration::from_secs_f64(stores.work_max_age_secs),
         duplicate_window: config.duplicate_window,
         num_replicas: config.replicas,
         ..Default::default()
@@ -1926,6 +2018,7 @@ async fn ensure_work_objects(shared: &Shared, work: &crate::work::WorkConfig) ->
             description: Some(format!("volley run {}: episode snapshots", config.run)),
             storage: stream::StorageType::File,
             max_age: ttl,
+            max_bytes: stores.snapshot_max_bytes as i64,
             num_replicas: config.replicas,
             ..Default::default()
         };
@@ -1940,6 +2033,7 @@ async fn ensure_work_objects(shared: &Shared, work: &crate::work::WorkConfig) ->
             description: format!("volley run {}: newest snapshot per work item", config.run),
             history: 1,
             max_age: ttl,
+            max_bytes: stores.snapshot_index_max_bytes as i64,
             storage: stream::StorageType::File,
             num_replicas: config.replicas,
             ..Default::default()

@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# Broker-restart recovery for docs/BENCHMARKS.md (issue 11 item 5): nats-server (file store), one
+# learner and 2 actors on CartPole; after WARM_SECS the server is killed with SIGKILL and restarted
+# on the same store and port DOWN_SECS later. Prints, from the learner's log, when it reconnected
+# and when its first update after the restart happened (the first "learner progress" line after
+# the reconnect: the line is written at the first update once 2 s have passed since the last one,
+# and no update happened during the outage), and whether any ack gave up.
+#
+# usage: bench/broker-restart.sh [OUT_DIR]
+# env:   VOLLEY_BIN (default target/release/volley), WARM_SECS (15), DOWN_SECS (5), AFTER_SECS (40)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out=${1:-$(mktemp -d -t volley-restart-XXXXXX)}
+mkdir -p "$out/jetstream" "$out/checkpoints"
+volley=${VOLLEY_BIN:-target/release/volley}
+port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+url="nats://127.0.0.1:$port"
+pids=()
+cleanup() {
+  for pid in "${pids[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
+  for pid in "${pids[@]}"; do wait "$pid" 2>/dev/null || true; done
+}
+trap cleanup EXIT
+start_nats() {
+  nats-server -js -a 127.0.0.1 -p "$port" -sd "$out/jetstream" >> "$out/nats.log" 2>&1 &
+  nats_pid=$!
+  pids+=("$nats_pid")
+  for _ in $(seq 100); do (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null && break; sleep 0.05; done
+}
+start_nats
+RUST_LOG=info "$volley" learner --nats "$url" --run restart --checkpoint-dir "$out/checkpoints" --target-return 1e9 \
+  --max-env-steps 1000000000 > "$out/learner.json" 2> "$out/learner.log" &
+pids+=($!)
+for i in 0 1; do
+  RUST_LOG=info "$volley" actor --nats "$url" --run restart --actor-id "actor-$i" --envs 8 > /dev/null 2> "$out/actor-$i.log" &
+  pids+=($!)
+done
+sleep "${WARM_SECS:-15}"
+kill -KILL "$nats_pid"
+wait "$nats_pid" 2>/dev/null || true
+killed_at=$(date -u +%H:%M:%S.%N)
+sleep "${DOWN_SECS:-5}"
+start_nats
+sleep "${AFTER_SECS:-40}"
+python3 - "$out/learner.log" "$killed_at" <<'PY'
+import re, sys
+from datetime import datetime
+def ts(line):
+    m = re.search(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d+)Z", re.sub(r"\x1b\[[0-9;]*m", "", line))
+    return datetime.fromisoformat(m.group(1)[:26]) if m else None
+lines = open(sys.argv[1], errors="replace").read().splitlines()
+connected = [i for i, l in enumerate(lines) if "nats connected" in l]
+if len(connected) < 2:
+    print("the learner did not reconnect"); sys.exit(1)
+i = connected[1]
+t_reconnect = ts(lines[i])
+last_before = max(ts(l) for l in lines[:i] if "learner progress" in l)
+first_after = next((ts(l) for l in lines[i:] if "learner progress" in l), None)
+gave_up = sum("giving up" in l for l in lines[i:])
+abandoned = sum("settled without confirmation" in l for l in lines[i:])
+print("server killed at (UTC)        ", sys.argv[2])
+print("last update logged before kill", last_before.time())
+print("learner reconnected           ", t_reconnect.time())
+print("first update after reconnect  ", first_after.time() if first_after else "none")
+if first_after:
+    print("seconds from reconnect to first update: %.1f" % (first_after - t_reconnect).total_seconds())
+print("acks that gave up after the reconnect:", gave_up, "; abandon events:", abandoned)
+PY
