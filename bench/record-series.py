@@ -62,6 +62,7 @@ SERIES = [
     "volley_learner_entropy",
     "volley_learner_episode_return_mean",
     "volley_learner_policy_version",
+    "volley_learner_max_policy_lag",
     "volley_actor_throttled_seconds_total",
     "volley_actor_env_steps_total",
     "volley_actor_policy_version",

@@ -274,6 +274,7 @@ impl LearnerControl for LearnerOps {
             self.heartbeat.beat();
         }
         self.metrics.tick(report);
+        self.metrics.set_max_policy_lag(learner.spec().hyper.max_policy_lag);
         self.metrics.set_checkpoint_age(self.last_checkpoint.elapsed());
         if self.last_log.elapsed() >= Duration::from_secs(2) {
             self.last_log = Instant::now();

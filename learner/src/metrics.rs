@@ -32,6 +32,7 @@ pub struct LearnerMetrics {
     pool: Gauge,
     checkpoint_age: Gauge,
     since_progress: Gauge,
+    max_policy_lag: Gauge,
     rho_clipped: Gauge,
     c_clipped: Gauge,
     behaviour_kl: Gauge,
@@ -110,6 +111,10 @@ impl LearnerMetrics {
                 "volley_learner_seconds_since_progress",
                 "Time since the learner loop last made progress: an update, or a pass that found no new data (so it grows only while data arrives and no update follows: a stall).",
             )?,
+            max_policy_lag: gauge(
+                "volley_learner_max_policy_lag",
+                "The run's lag bound: segments more versions behind than this are dropped as stale.",
+            )?,
             rho_clipped: gauge(
                 "volley_learner_rho_clipped_fraction",
                 "Share of the last update's sample weight whose importance ratio pi/mu exceeded rho-bar (V-trace; PPO: the behaviour IS clip).",
@@ -173,6 +178,7 @@ impl LearnerMetrics {
             &metrics.pool,
             &metrics.checkpoint_age,
             &metrics.since_progress,
+            &metrics.max_policy_lag,
             &metrics.rho_clipped,
             &metrics.c_clipped,
             &metrics.behaviour_kl,
@@ -256,6 +262,11 @@ impl LearnerMetrics {
         self.pool.set(report.pool_segments as f64);
         self.since_progress.set(report.elapsed.saturating_sub(report.progress_at).as_secs_f64());
         self.previous = report.clone();
+    }
+
+    /// Record the run's lag bound (`u64::MAX`, replay's "no bound", is exported as +Inf).
+    pub fn set_max_policy_lag(&self, max_policy_lag: u64) {
+        self.max_policy_lag.set(if max_policy_lag == u64::MAX { f64::INFINITY } else { max_policy_lag as f64 });
     }
 
     /// Record the time since the last checkpoint.
