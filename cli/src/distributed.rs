@@ -117,18 +117,13 @@ pub fn learner(config: LearnerConfig, interrupted: Arc<AtomicBool>) -> anyhow::R
     // weights are published (the loop's first pass). Live: the loop made progress lately.
     let heartbeat = serve::Heartbeat::new();
     let weights_out = Arc::new(AtomicBool::new(false));
-    let ready: serve::Probe = {
-        let client = bus.client().clone();
+    let ready = {
         let weights_out = weights_out.clone();
-        Arc::new(move || {
-            if client.connection_state() != async_nats::connection::State::Connected {
-                Err(format!("not connected to NATS ({})", client.connection_state()))
-            } else if !weights_out.load(Ordering::Acquire) {
-                Err("the first weights are not published yet".into())
-            } else {
-                Ok(())
-            }
-        })
+        serve::connected_and(
+            bus.client().clone(),
+            move || weights_out.load(Ordering::Acquire),
+            "the first weights are not published yet",
+        )
     };
     serve::serve(
         &config.metrics_addr,
@@ -335,18 +330,13 @@ pub fn actor(args: ActorArgs, interrupted: Arc<AtomicBool>) -> anyhow::Result<()
     // Ready: connected and acting with a policy. Live: stepping environments, or waiting on
     // others (the run spec, the first weights, pacing or the broker's acknowledgements).
     let heartbeat = serve::Heartbeat::new();
-    let ready: serve::Probe = {
-        let client = bus.client().clone();
+    let ready = {
         let counters = counters.clone();
-        Arc::new(move || {
-            if client.connection_state() != async_nats::connection::State::Connected {
-                Err(format!("not connected to NATS ({})", client.connection_state()))
-            } else if counters.weight_updates.load(Ordering::Relaxed) == 0 {
-                Err("no policy weights received yet".into())
-            } else {
-                Ok(())
-            }
-        })
+        serve::connected_and(
+            bus.client().clone(),
+            move || counters.weight_updates.load(Ordering::Relaxed) > 0,
+            "no policy weights received yet",
+        )
     };
     serve::serve(
         &args.metrics.metrics_addr,

@@ -16,6 +16,25 @@ use tracing::{info, warn};
 /// A health check: `Ok` or the reason it fails (the 503 body).
 pub type Probe = Arc<dyn Fn() -> Result<(), String> + Send + Sync>;
 
+/// A readiness probe: connected to NATS through `client`, and `holds` (else `not_yet` is the
+/// reason).
+pub fn connected_and(
+    client: async_nats::Client,
+    holds: impl Fn() -> bool + Send + Sync + 'static,
+    not_yet: &'static str,
+) -> Probe {
+    Arc::new(move || {
+        let state = client.connection_state();
+        if state != async_nats::connection::State::Connected {
+            Err(format!("not connected to NATS ({state})"))
+        } else if !holds() {
+            Err(not_yet.into())
+        } else {
+            Ok(())
+        }
+    })
+}
+
 /// When the main loop last made progress; `/healthz` fails once that is longer ago than the
 /// timeout. Shared between the loop (which beats) and the HTTP thread (which reads).
 #[derive(Debug)]
