@@ -561,6 +561,24 @@ mod tests {
         }
     }
 
+    /// Issue 11: every store has explicit limits; specs written before they existed parse with
+    /// the defaults, and limits that cannot hold the run's weights are refused by name.
+    #[test]
+    fn store_limits_default_when_absent_and_are_checked_against_the_weights() {
+        let spec = spec(EnvConfig::Cartpole, 4);
+        let mut json = serde_json::to_value(&spec).unwrap();
+        json["hyper"].as_object_mut().unwrap().remove("stores");
+        let old: RunSpec = serde_json::from_value(json).unwrap();
+        assert_eq!(old.hyper.stores, StoreLimits::default());
+        let mut small = spec.clone();
+        small.hyper.stores.weights_max_bytes = 1000;
+        let err = small.validate().expect_err("1000 bytes cannot hold 4 versions plus metadata").to_string();
+        assert!(err.contains("stores.weights_max_bytes"), "{err}");
+        let mut zero = spec;
+        zero.hyper.stores.work_max_messages = 0;
+        assert!(zero.validate().expect_err("unbounded").to_string().contains("stores.work_max_messages"));
+    }
+
     /// Specs written before remote environments existed still parse, unchanged.
     #[test]
     fn built_in_env_json_is_unchanged() {
