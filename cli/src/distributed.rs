@@ -113,6 +113,7 @@ pub fn learner(config: LearnerConfig, interrupted: Arc<AtomicBool>) -> anyhow::R
 
     let registry = serve::registry_for("learner")?;
     let metrics = LearnerMetrics::register(&registry).context("registering learner metrics")?;
+    metrics.set_max_policy_lag(spec.hyper.max_policy_lag);
     // Ready: connected, the run and its consumer exist (created above), and the first
     // weights are published (the loop's first pass). Live: the loop made progress lately.
     let heartbeat = serve::Heartbeat::new();
@@ -164,7 +165,7 @@ pub fn learner(config: LearnerConfig, interrupted: Arc<AtomicBool>) -> anyhow::R
         progress_at: Duration::ZERO,
         last_checkpoint: Instant::now(),
         last_log: Instant::now(),
-        last_stats: None,
+        last_lag_max: None,
         checkpoint_error: None,
         checkpoint_path: config.checkpoint_path.clone(),
         checkpoint_every: config.checkpoint_every,
@@ -230,8 +231,8 @@ struct LearnerOps {
     progress_at: Duration,
     last_checkpoint: Instant,
     last_log: Instant,
-    /// Lag and grad norm of the last update, for progress lines between updates.
-    last_stats: Option<(u64, f32)>,
+    /// Largest lag of the last update's batch, for progress lines between updates.
+    last_lag_max: Option<u64>,
     checkpoint_error: Option<anyhow::Error>,
     checkpoint_path: std::path::PathBuf,
     checkpoint_every: Duration,
@@ -243,7 +244,7 @@ struct LearnerOps {
 impl LearnerControl for LearnerOps {
     fn on_update(&mut self, learner: &mut Learner, report: &LearnerReport, stats: &UpdateStats) {
         self.metrics.observe(learner, report, stats, learner.updates().is_multiple_of(self.publish_every));
-        self.last_stats = Some((stats.lag_max, stats.grad_norm));
+        self.last_lag_max = Some(stats.lag_max);
         let due = learner.updates().is_multiple_of(self.checkpoint_every_updates)
             || self.last_checkpoint.elapsed() >= self.checkpoint_every;
         if due && !self.replay {
@@ -269,7 +270,6 @@ impl LearnerControl for LearnerOps {
             self.heartbeat.beat();
         }
         self.metrics.tick(report);
-        self.metrics.set_max_policy_lag(learner.spec().hyper.max_policy_lag);
         self.metrics.set_checkpoint_age(self.last_checkpoint.elapsed());
         if self.last_log.elapsed() >= Duration::from_secs(2) {
             self.last_log = Instant::now();
@@ -279,7 +279,7 @@ impl LearnerControl for LearnerOps {
                 version = report.policy_version,
                 updates = report.updates,
                 mean_return_100 = report.mean_return(100),
-                lag_max = self.last_stats.map(|(lag, _)| lag),
+                lag_max = self.last_lag_max,
                 backlog = report.backlog,
                 wait_ratio = report.wait_time.as_secs_f64() / loop_secs,
                 secs_since_progress = report.elapsed.saturating_sub(report.progress_at).as_secs_f64(),

@@ -96,6 +96,8 @@ pub struct Learner {
     dvalues: Vec<f32>,
     log_probs_row: Vec<f32>,
     prox_log_probs: Vec<f32>,
+    /// `log π_prox − log μ` per sample, for the off-policy statistics.
+    prox_log_rhos: Vec<f32>,
     is_weights: Vec<f32>,
     advantages: Vec<f32>,
     returns: Vec<f32>,
@@ -156,6 +158,7 @@ impl Learner {
             dvalues: Vec::new(),
             log_probs_row: Vec::new(),
             prox_log_probs: Vec::new(),
+            prox_log_rhos: Vec::new(),
             is_weights: Vec::new(),
             advantages: Vec::new(),
             returns: Vec::new(),
@@ -482,10 +485,11 @@ impl Learner {
             self.spec.hyper.behaviour_is_clip,
             &mut self.is_weights,
         );
-        let log_rhos: Vec<f32> =
-            self.prox_log_probs.iter().zip(&batch.behaviour_log_probs).map(|(prox, mu)| prox - mu).collect();
+        self.prox_log_rhos.clear();
+        self.prox_log_rhos
+            .extend(self.prox_log_probs.iter().zip(&batch.behaviour_log_probs).map(|(prox, mu)| prox - mu));
         let off_policy = crate::telemetry::off_policy_stats(&crate::telemetry::OffPolicyInputs {
-            log_rhos: &log_rhos,
+            log_rhos: &self.prox_log_rhos,
             weights: &batch.sample_weights,
             values: &self.tape.values()[..steps],
             value_targets: &self.returns,

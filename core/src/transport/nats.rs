@@ -818,7 +818,8 @@ pub struct SinkStats {
     pub published: u64,
     /// Publish attempts repeated after a failure or a missing ack.
     pub publish_retries: u64,
-    /// Time spent waiting for the learner's backlog to fall (pacing).
+    /// Time spent waiting for the learner's backlog to fall (pacing), a wait in progress
+    /// included (read from the sink's [`super::PacingClock`]).
     pub throttled: Duration,
 }
 
@@ -898,7 +899,7 @@ fn msg_id_header_bytes(msg_id: &str) -> usize {
 impl NatsTrajectorySink {
     /// Counters so far.
     pub fn stats(&self) -> SinkStats {
-        self.stats
+        SinkStats { throttled: self.clock.total(), ..self.stats }
     }
 
     /// The subject this sink publishes to.
@@ -1044,7 +1045,6 @@ impl NatsTrajectorySink {
     /// Wait while the learner's backlog is at or above the bound (see [`Pacing`]).
     async fn pace(&mut self) -> Result<(), TransportError> {
         let limit = self.max_backlog_segments;
-        let mut blocked_since: Option<Instant> = None;
         let result = loop {
             if self.stopped() {
                 break Err(TransportError::Closed);
@@ -1057,16 +1057,12 @@ impl NatsTrajectorySink {
                     if room {
                         break Ok(());
                     }
-                    blocked_since.get_or_insert_with(Instant::now);
                     self.clock.block();
                     tokio::time::sleep(trusted_for - age).await;
                 }
                 _ => self.read_backlog().await,
             }
         };
-        if let Some(since) = blocked_since {
-            self.stats.throttled += since.elapsed();
-        }
         self.clock.unblock();
         result
     }
@@ -1098,7 +1094,7 @@ impl TrajectorySink for NatsTrajectorySink {
     }
 
     fn throttled(&self) -> Duration {
-        self.stats.throttled
+        self.clock.total()
     }
 
     fn publish_retries(&self) -> u64 {
