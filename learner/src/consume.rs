@@ -325,7 +325,7 @@ pub fn run_learner(
     let spec = learner.spec().clone();
     let layout_hash = learner.layout().hash();
     let hidden_size = learner.layout().recurrent_size();
-    let mut selector = Selector::new(&spec, learner.layout());
+    let mut selector = Selector::new(&spec);
     let admission = Admission::new(&spec);
     info!(selection = ?spec.hyper.selection, pool_segments = selector.pool_target(), "trajectory selection");
     if selector.pool_target() > NATS_DEFAULT_MAX_ACK_PENDING {
@@ -424,11 +424,9 @@ pub fn run_learner(
         }
         let compute_started = Instant::now();
         let version = learner.version();
-        // Only priority sampling reads the parameters, and only when the pool is full: on the
-        // CUDA backend `params` copies them from the device.
-        let params: &[f32] =
-            if selector.needs_params() && selector.len() >= selector.pool_target() { learner.params() } else { &[] };
-        let ready = selector.prepare(version, params, &mut dropped);
+        // Priority sampling scores new segments with the learner's own forward pass, on its
+        // backend: no weights leave the device for it.
+        let ready = selector.prepare(version, learner, &mut dropped);
         for drop in dropped.drain(..) {
             report.count_drop(drop.reason);
             settled.push(drop.token);

@@ -13,13 +13,15 @@ pub mod consume;
 pub mod learner;
 pub mod losses;
 pub mod metrics;
+pub mod net;
 pub mod optim;
 pub mod scheduler;
 pub mod selection;
 pub mod telemetry;
+pub mod train;
 
 pub use checkpoint::{Checkpoint, CheckpointError};
 pub use consume::{run_learner, LearnerControl, LearnerReport, RunLimits, StopReason};
 pub use learner::{AbsurdVersion, Learner, LearnerError, UpdateStats};
 pub use metrics::LearnerMetrics;
-pub use selection::{DropReason, Selector};
+pub use selection::{DropReason, Selector, ValueSource};

@@ -298,36 +298,100 @@ pub fn vtrace_loss_with_workspace(
     dlogits: &mut [f32],
     dvalues: &mut [f32],
 ) -> LossStats {
+    let n_rows = batch.n_samples() + batch.b_len;
+    assert_len("logits", logits.len(), n_rows * batch.n_actions);
+    assert_len("values", values.len(), n_rows);
+    assert_len("dlogits", dlogits.len(), n_rows * batch.n_actions);
+    assert_len("dvalues", dvalues.len(), n_rows);
+    assert!(batch.n_actions > 0, "n_actions must be positive");
+    let heads = join_heads(logits, values, batch.n_actions);
+    let mut d_heads = vec![0.0; heads.len()];
+    workspace.resize(batch.n_samples());
+    let (sums, weight_sum) = vtrace_loss_heads(
+        batch,
+        &heads,
+        values,
+        config,
+        &mut workspace.log_rhos,
+        &mut workspace.vs,
+        &mut workspace.pg_advantages,
+        &mut d_heads,
+    );
+    split_heads(&d_heads, batch.n_actions, dlogits, dvalues);
+    sums.stats(weight_sum, config.value_coef, config.ent_coef)
+}
+
+/// `[rows][A + 1]` rows of logits followed by the value: the layout of the network's fused heads.
+fn join_heads(logits: &[f32], values: &[f32], n_actions: usize) -> Vec<f32> {
+    let mut heads = Vec::with_capacity(values.len() * (n_actions + 1));
+    for (row, &value) in logits.chunks_exact(n_actions).zip(values) {
+        heads.extend_from_slice(row);
+        heads.push(value);
+    }
+    heads
+}
+
+/// The inverse of [`join_heads`], into caller buffers.
+fn split_heads(heads: &[f32], n_actions: usize, logits: &mut [f32], values: &mut [f32]) {
+    for ((row, logits_row), value) in
+        heads.chunks_exact(n_actions + 1).zip(logits.chunks_exact_mut(n_actions)).zip(values)
+    {
+        logits_row.copy_from_slice(&row[..n_actions]);
+        *value = row[n_actions];
+    }
+}
+
+/// [`vtrace_loss_with_workspace`] on the network's fused heads block, as the CPU backend runs
+/// it: `heads` and `d_heads` are `[T+1][B][A + 1]` (logits, then the value), `values` is the
+/// value column `[T+1][B]`, and `log_rhos`, `vs`, `pg_advantages` (`[T][B]`) receive the
+/// intermediates. Returns the weighted sums and the weight sum `W`; `d_heads` is zero where
+/// `W = 0`.
+///
+/// # Panics
+///
+/// If a slice length disagrees with the batch shape or an action is out of range.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn vtrace_loss_heads(
+    batch: &SequenceBatch<'_>,
+    heads: &[f32],
+    values: &[f32],
+    config: &VTraceLossConfig,
+    log_rhos: &mut [f32],
+    vs: &mut [f32],
+    pg_advantages: &mut [f32],
+    d_heads: &mut [f32],
+) -> (WeightedSums, f64) {
     let n_samples = batch.n_samples();
     let n_actions = batch.n_actions;
+    let stride = n_actions + 1;
     let n_rows = n_samples + batch.b_len;
     assert_len("actions", batch.actions.len(), n_samples);
     assert_len("behaviour_log_probs", batch.behaviour_log_probs.len(), n_samples);
     assert_len("rewards", batch.rewards.len(), n_samples);
     assert_len("discounts", batch.discounts.len(), n_samples);
     assert_len("sample_weights", batch.sample_weights.len(), n_samples);
-    assert_len("logits", logits.len(), n_rows * n_actions);
+    assert_len("heads", heads.len(), n_rows * stride);
     assert_len("values", values.len(), n_rows);
-    assert_len("dlogits", dlogits.len(), n_rows * n_actions);
-    assert_len("dvalues", dvalues.len(), n_rows);
+    assert_len("d_heads", d_heads.len(), n_rows * stride);
+    assert_len("log_rhos", log_rhos.len(), n_samples);
+    assert_len("vs", vs.len(), n_samples);
+    assert_len("pg_advantages", pg_advantages.len(), n_samples);
     assert!(n_actions > 0, "n_actions must be positive");
 
     // The bootstrap row is a constant: no gradient reaches its logits or its value.
-    let (dlogits, dlogits_bootstrap) = dlogits.split_at_mut(n_samples * n_actions);
-    let (dvalues, dvalues_bootstrap) = dvalues.split_at_mut(n_samples);
-    dlogits_bootstrap.fill(0.0);
-    dvalues_bootstrap.fill(0.0);
+    let (d_heads, d_heads_bootstrap) = d_heads.split_at_mut(n_samples * stride);
+    d_heads_bootstrap.fill(0.0);
     let (values, bootstrap_value) = values.split_at(n_samples);
 
-    // Pass 1: log-probabilities (kept in `dlogits`) and the log importance weights.
-    workspace.resize(n_samples);
-    let rows = logits
-        .chunks_exact(n_actions)
-        .zip(dlogits.chunks_exact_mut(n_actions))
+    // Pass 1: log-probabilities (kept in the gradient rows) and the log importance weights.
+    let rows = heads
+        .chunks_exact(stride)
+        .zip(d_heads.chunks_exact_mut(stride))
         .zip(batch.actions.iter().zip(batch.behaviour_log_probs))
-        .zip(workspace.log_rhos.iter_mut());
-    for (((logits_row, log_probs_row), (&action, &behaviour_log_prob)), log_rho) in rows {
-        log_softmax(logits_row, log_probs_row);
+        .zip(log_rhos.iter_mut());
+    for (((heads_row, grad_row), (&action, &behaviour_log_prob)), log_rho) in rows {
+        let log_probs_row = &mut grad_row[..n_actions];
+        log_softmax(&heads_row[..n_actions], log_probs_row);
         *log_rho = log_probs_row[action_index(action, n_actions)] - behaviour_log_prob;
     }
 
@@ -335,42 +399,40 @@ pub fn vtrace_loss_with_workspace(
     vtrace(
         batch.t_len,
         batch.b_len,
-        &workspace.log_rhos,
+        log_rhos,
         batch.discounts,
         batch.rewards,
         values,
         bootstrap_value,
         &config.vtrace,
-        &mut workspace.vs,
-        &mut workspace.pg_advantages,
+        vs,
+        pg_advantages,
     );
 
     let weight_sum: f64 = batch.sample_weights.iter().map(|&w| f64::from(w)).sum();
+    let mut sums = WeightedSums::default();
     if weight_sum <= 0.0 {
-        dlogits.fill(0.0);
-        dvalues.fill(0.0);
-        return LossStats { weight_sum: weight_sum as f32, evaluations: 1, ..LossStats::default() };
+        d_heads.fill(0.0);
+        return (sums, weight_sum);
     }
     let inv_weight_sum = (1.0 / weight_sum) as f32;
 
     // Pass 3: per-sample loss terms and gradients.
-    let mut sums = WeightedSums::default();
-    let rows = dlogits
-        .chunks_exact_mut(n_actions)
-        .zip(dvalues.iter_mut())
+    let rows = d_heads
+        .chunks_exact_mut(stride)
         .zip(batch.actions.iter().zip(batch.sample_weights))
-        .zip(values.iter().zip(&workspace.vs))
-        .zip(workspace.log_rhos.iter().zip(&workspace.pg_advantages));
-    for ((((grad_row, dvalue), (&action, &weight)), (&value, &vs)), (&log_rho, &pg_advantage)) in rows {
+        .zip(values.iter().zip(&*vs))
+        .zip(log_rhos.iter().zip(&*pg_advantages));
+    for (((grad_row, (&action, &weight)), (&value, &vs)), (&log_rho, &pg_advantage)) in rows {
         if weight == 0.0 {
             grad_row.fill(0.0);
-            *dvalue = 0.0;
             continue;
         }
         let action = action as usize;
         let scale = weight * inv_weight_sum;
-        let entropy = entropy_from_log_probs(grad_row);
-        let log_prob = grad_row[action];
+        let (log_probs_row, dvalue) = grad_row.split_at_mut(n_actions);
+        let entropy = entropy_from_log_probs(log_probs_row);
+        let log_prob = log_probs_row[action];
         let rho = log_rho.exp();
 
         let w = f64::from(weight);
@@ -379,10 +441,10 @@ pub fn vtrace_loss_with_workspace(
         sums.entropy += w * f64::from(entropy);
         sums.add_ratio(w, f64::from(rho), f64::from(log_rho), rho > config.vtrace.clip_rho_threshold);
 
-        policy_row_gradient(grad_row, action, entropy, scale * pg_advantage, scale * config.ent_coef);
-        *dvalue = -config.value_coef * scale * (vs - value);
+        policy_row_gradient(log_probs_row, action, entropy, scale * pg_advantage, scale * config.ent_coef);
+        dvalue[0] = -config.value_coef * scale * (vs - value);
     }
-    sums.finish(weight_sum, config.value_coef, config.ent_coef)
+    (sums, weight_sum)
 }
 
 /// What [`ppo_loss`] needs beyond the [`SequenceBatch`], all computed before the update.
@@ -452,24 +514,52 @@ pub fn ppo_loss(
     dvalues: &mut [f32],
 ) -> LossStats {
     let n_samples = batch.n_samples();
+    assert_len("logits", logits.len(), n_samples * batch.n_actions);
+    assert_len("values", values.len(), n_samples);
+    assert_len("dlogits", dlogits.len(), n_samples * batch.n_actions);
+    assert_len("dvalues", dvalues.len(), n_samples);
+    assert!(batch.n_actions > 0, "n_actions must be positive");
+    let heads = join_heads(logits, values, batch.n_actions);
+    let mut d_heads = vec![0.0; heads.len()];
+    let (sums, weight_sum) = ppo_loss_heads(batch, targets, &heads, values, config, &mut d_heads);
+    split_heads(&d_heads, batch.n_actions, dlogits, dvalues);
+    sums.stats(weight_sum, config.value_coef, config.ent_coef)
+}
+
+/// [`ppo_loss`] on the network's fused heads block, as the CPU backend runs it: `heads` and
+/// `d_heads` are `[T][B][A + 1]` (logits, then the value) and `values` the value column
+/// `[T][B]`. Returns the weighted sums and the weight sum `W`; `d_heads` is zero where `W = 0`.
+///
+/// # Panics
+///
+/// If a slice length disagrees with the batch shape or an action is out of range.
+pub(crate) fn ppo_loss_heads(
+    batch: &SequenceBatch<'_>,
+    targets: &PpoTargets<'_>,
+    heads: &[f32],
+    values: &[f32],
+    config: &PpoLossConfig,
+    d_heads: &mut [f32],
+) -> (WeightedSums, f64) {
+    let n_samples = batch.n_samples();
     let n_actions = batch.n_actions;
+    let stride = n_actions + 1;
     assert_len("actions", batch.actions.len(), n_samples);
     assert_len("advantages", targets.advantages.len(), n_samples);
     assert_len("returns", targets.returns.len(), n_samples);
     assert_len("prox_log_probs", targets.prox_log_probs.len(), n_samples);
     assert_len("is_weights", targets.is_weights.len(), n_samples);
     assert_len("sample_weights", batch.sample_weights.len(), n_samples);
-    assert_len("logits", logits.len(), n_samples * n_actions);
+    assert_len("heads", heads.len(), n_samples * stride);
     assert_len("values", values.len(), n_samples);
-    assert_len("dlogits", dlogits.len(), n_samples * n_actions);
-    assert_len("dvalues", dvalues.len(), n_samples);
+    assert_len("d_heads", d_heads.len(), n_samples * stride);
     assert!(n_actions > 0, "n_actions must be positive");
 
     let weight_sum: f64 = batch.sample_weights.iter().map(|&w| f64::from(w)).sum();
+    let mut sums = WeightedSums::default();
     if weight_sum <= 0.0 {
-        dlogits.fill(0.0);
-        dvalues.fill(0.0);
-        return LossStats { weight_sum: weight_sum as f32, evaluations: 1, ..LossStats::default() };
+        d_heads.fill(0.0);
+        return (sums, weight_sum);
     }
     let inv_weight_sum = (1.0 / weight_sum) as f32;
 
@@ -492,29 +582,26 @@ pub fn ppo_loss(
 
     let clip_low = 1.0 - config.clip_coef;
     let clip_high = 1.0 + config.clip_coef;
-    let mut sums = WeightedSums::default();
-    let rows = logits
-        .chunks_exact(n_actions)
-        .zip(dlogits.chunks_exact_mut(n_actions))
-        .zip(dvalues.iter_mut().zip(values))
+    let rows = heads
+        .chunks_exact(stride)
+        .zip(d_heads.chunks_exact_mut(stride))
+        .zip(values)
         .zip(batch.actions.iter().zip(batch.sample_weights))
         .zip(targets.advantages.iter().zip(targets.returns))
         .zip(targets.prox_log_probs.iter().zip(targets.is_weights));
-    for (
-        ((((logits_row, grad_row), (dvalue, &value)), (&action, &weight)), (&advantage, &ret)),
-        (&prox_log_prob, &is_weight),
-    ) in rows
+    for (((((heads_row, grad_row), &value), (&action, &weight)), (&advantage, &ret)), (&prox_log_prob, &is_weight)) in
+        rows
     {
         if weight == 0.0 {
             grad_row.fill(0.0);
-            *dvalue = 0.0;
             continue;
         }
         let action = action_index(action, n_actions);
         let scale = weight * inv_weight_sum;
-        log_softmax(logits_row, grad_row);
-        let entropy = entropy_from_log_probs(grad_row);
-        let log_ratio = grad_row[action] - prox_log_prob;
+        let (log_probs_row, dvalue) = grad_row.split_at_mut(n_actions);
+        log_softmax(&heads_row[..n_actions], log_probs_row);
+        let entropy = entropy_from_log_probs(log_probs_row);
+        let log_ratio = log_probs_row[action] - prox_log_prob;
         let ratio = log_ratio.exp();
         let advantage = (advantage - adv_shift) * adv_scale;
 
@@ -529,21 +616,34 @@ pub fn ppo_loss(
         sums.entropy += w * f64::from(entropy);
         sums.add_ratio(w, f64::from(ratio), f64::from(log_ratio), (ratio - 1.0).abs() > config.clip_coef);
 
-        policy_row_gradient(grad_row, action, entropy, scale * is_weight * surrogate_grad, scale * config.ent_coef);
-        *dvalue = -config.value_coef * scale * (ret - value);
+        policy_row_gradient(
+            log_probs_row,
+            action,
+            entropy,
+            scale * is_weight * surrogate_grad,
+            scale * config.ent_coef,
+        );
+        dvalue[0] = -config.value_coef * scale * (ret - value);
     }
-    sums.finish(weight_sum, config.value_coef, config.ent_coef)
+    (sums, weight_sum)
 }
 
-/// Weighted running sums behind [`LossStats`], accumulated in `f64`.
-#[derive(Default)]
-pub(crate) struct WeightedSums {
-    pub(crate) policy: f64,
-    pub(crate) value: f64,
-    pub(crate) entropy: f64,
-    pub(crate) ratio: f64,
-    pub(crate) clipped: f64,
-    pub(crate) approx_kl: f64,
+/// Weighted running sums behind [`LossStats`], accumulated in `f64`: each is `Σ_i w_i x_i`
+/// over the samples of one loss evaluation (what a backend reads back per gradient step).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct WeightedSums {
+    /// The policy term.
+    pub policy: f64,
+    /// The value term before `value_coef`.
+    pub value: f64,
+    /// The entropy.
+    pub entropy: f64,
+    /// The unclipped ratio.
+    pub ratio: f64,
+    /// The weight of clipped samples.
+    pub clipped: f64,
+    /// The `k3` KL estimate.
+    pub approx_kl: f64,
 }
 
 impl WeightedSums {
@@ -553,6 +653,15 @@ impl WeightedSums {
             self.clipped += weight;
         }
         self.approx_kl += weight * ((ratio - 1.0) - log_ratio);
+    }
+
+    /// The statistics of one evaluation with weight sum `weight_sum`: all zero (but the weight
+    /// sum and the count) when nothing carried weight.
+    pub fn stats(self, weight_sum: f64, value_coef: f32, ent_coef: f32) -> LossStats {
+        if weight_sum <= 0.0 {
+            return LossStats { weight_sum: weight_sum as f32, evaluations: 1, ..LossStats::default() };
+        }
+        self.finish(weight_sum, value_coef, ent_coef)
     }
 
     pub(crate) fn finish(self, weight_sum: f64, value_coef: f32, ent_coef: f32) -> LossStats {

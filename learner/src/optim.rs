@@ -125,23 +125,46 @@ impl Adam {
         let n_params = self.n_params();
         assert!(params.len() == n_params, "params: expected {n_params} elements, got {}", params.len());
         assert!(grads.len() == n_params, "grads: expected {n_params} elements, got {}", grads.len());
-        self.state.t += 1;
-        let AdamConfig { beta1, beta2, eps } = self.config;
-        // β^t in f64 via powf: t can exceed i32::MAX in principle, and 1 − β₂ᵗ is tiny early on.
-        let t = self.state.t as f64;
-        let bias_correction1 = 1.0 - f64::from(beta1).powf(t);
-        let bias_correction2 = 1.0 - f64::from(beta2).powf(t);
-        // As in PyTorch: θ −= (lr / bc1) · m / (√v / √bc2 + ε).
-        let step_size = (f64::from(lr) / bias_correction1) as f32;
-        let inv_sqrt_bias_correction2 = (1.0 / bias_correction2.sqrt()) as f32;
+        let AdamState { m, v, t } = &mut self.state;
+        adam_step(&self.config, params, grads, m, v, t, lr);
+    }
+}
 
-        let moments = self.state.m.iter_mut().zip(self.state.v.iter_mut());
-        for ((param, &grad), (m, v)) in params.iter_mut().zip(grads).zip(moments) {
-            *m = beta1 * *m + (1.0 - beta1) * grad;
-            *v = beta2 * *v + (1.0 - beta2) * grad * grad;
-            let denom = v.sqrt() * inv_sqrt_bias_correction2 + eps;
-            *param -= step_size * *m / denom;
-        }
+/// One Adam update (the body of [`Adam::step`]) on caller-owned state: advances the step count
+/// `t`, then updates the moments `m`, `v` and `params` from `grads` with learning rate `lr`.
+/// The learner's CPU backend calls it on its own buffers.
+///
+/// # Panics
+///
+/// If the four slices differ in length.
+pub fn adam_step(
+    config: &AdamConfig,
+    params: &mut [f32],
+    grads: &[f32],
+    m: &mut [f32],
+    v: &mut [f32],
+    t: &mut u64,
+    lr: f32,
+) {
+    let n_params = params.len();
+    for (name, len) in [("grads", grads.len()), ("m", m.len()), ("v", v.len())] {
+        assert!(len == n_params, "{name}: expected {n_params} elements, got {len}");
+    }
+    *t += 1;
+    let AdamConfig { beta1, beta2, eps } = *config;
+    // β^t in f64 via powf: t can exceed i32::MAX in principle, and 1 − β₂ᵗ is tiny early on.
+    let t = *t as f64;
+    let bias_correction1 = 1.0 - f64::from(beta1).powf(t);
+    let bias_correction2 = 1.0 - f64::from(beta2).powf(t);
+    // As in PyTorch: θ −= (lr / bc1) · m / (√v / √bc2 + ε).
+    let step_size = (f64::from(lr) / bias_correction1) as f32;
+    let inv_sqrt_bias_correction2 = (1.0 / bias_correction2.sqrt()) as f32;
+
+    for ((param, &grad), (m, v)) in params.iter_mut().zip(grads).zip(m.iter_mut().zip(v.iter_mut())) {
+        *m = beta1 * *m + (1.0 - beta1) * grad;
+        *v = beta2 * *v + (1.0 - beta2) * grad * grad;
+        let denom = v.sqrt() * inv_sqrt_bias_correction2 + eps;
+        *param -= step_size * *m / denom;
     }
 }
 

@@ -30,11 +30,9 @@ use tracing::debug;
 use volley_core::ids::PolicyVersion;
 use volley_core::spec::{GuardConfig, PriorityConfig, RunSpec, ZeroVarianceConfig};
 use volley_core::wire::TrajectorySegment;
-use volley_policy::returns::gae::gae;
-use volley_policy::{ParamLayout, PolicyTape};
 use volley_transport::DeliveryToken;
 
-use crate::batch::{resize, SegmentBatch};
+use crate::batch::SegmentBatch;
 
 /// Why selection dropped a segment for good (the `outcome` label of
 /// `volley_learner_segments_total`).
@@ -73,6 +71,32 @@ pub struct Dropped {
     pub token: DeliveryToken,
     /// Why it was dropped.
     pub reason: DropReason,
+}
+
+/// Where priority sampling gets its values: the learner's forward pass on its own backend
+/// ([`crate::Learner::values_and_advantages`]), so no weights leave the device for it.
+pub trait ValueSource {
+    /// Values `[T+1][B]` and GAE(γ, `gae_lambda`) advantages `[T][B]` of `batch` under the
+    /// current parameters, into `values` and `advantages` (resized).
+    fn values_and_advantages(
+        &mut self,
+        batch: &SegmentBatch,
+        gae_lambda: f32,
+        values: &mut Vec<f32>,
+        advantages: &mut Vec<f32>,
+    );
+}
+
+impl ValueSource for crate::Learner {
+    fn values_and_advantages(
+        &mut self,
+        batch: &SegmentBatch,
+        gae_lambda: f32,
+        values: &mut Vec<f32>,
+        advantages: &mut Vec<f32>,
+    ) {
+        crate::Learner::values_and_advantages(self, batch, gae_lambda, values, advantages);
+    }
 }
 
 /// The columns of the next batch: segments (a segment drawn twice appears twice) and their
@@ -229,13 +253,11 @@ pub struct Selector {
     groups: GroupReturns,
     pool: Vec<Candidate>,
     rng: Pcg64Mcg,
-    /// Value forward for priorities (priority sampling only).
-    tape: Option<PolicyTape>,
     // Scratch, reused across steps.
     scratch: SegmentBatch,
     ones: Vec<f32>,
+    values: Vec<f32>,
     advantages: Vec<f32>,
-    returns: Vec<f32>,
     unscored: Vec<usize>,
     priorities: Vec<f32>,
     probs: Vec<f64>,
@@ -259,7 +281,7 @@ impl std::fmt::Debug for Selector {
 
 impl Selector {
     /// A selector for a validated run spec and its parameter layout.
-    pub fn new(spec: &RunSpec, layout: &ParamLayout) -> Self {
+    pub fn new(spec: &RunSpec) -> Self {
         let h = &spec.hyper;
         let selection = &h.selection;
         let window = selection.zero_variance.as_ref().map_or(1, |z| z.min_group);
@@ -276,11 +298,10 @@ impl Selector {
             groups: GroupReturns::new(window, MAX_GROUPS),
             pool: Vec::new(),
             rng: Pcg64Mcg::seed_from_u64(spec.seed ^ 0x5e1e_c7ed),
-            tape: selection.priority.as_ref().map(|_| PolicyTape::new(layout)),
             scratch: SegmentBatch::default(),
             ones: Vec::new(),
+            values: Vec::new(),
             advantages: Vec::new(),
-            returns: Vec::new(),
             unscored: Vec::new(),
             priorities: Vec::new(),
             probs: Vec::new(),
@@ -307,9 +328,8 @@ impl Selector {
         self.pool.is_empty()
     }
 
-    /// Whether [`prepare`](Self::prepare) needs the learner's parameters (priority sampling);
-    /// otherwise it may be given an empty slice, which spares a CUDA learner the download.
-    pub fn needs_params(&self) -> bool {
+    /// Whether [`prepare`](Self::prepare) asks its [`ValueSource`] for values (priority sampling).
+    pub fn needs_values(&self) -> bool {
         self.priority.is_some()
     }
 
@@ -346,9 +366,14 @@ impl Selector {
     }
 
     /// Run the filters over the pool at learner `version`, appending what they drop to
-    /// `dropped`; true when a batch can be drawn. `params` are the learner's current
-    /// parameters when [`needs_params`](Self::needs_params), used to score new segments.
-    pub fn prepare(&mut self, version: PolicyVersion, params: &[f32], dropped: &mut Vec<Dropped>) -> bool {
+    /// `dropped`; true when a batch can be drawn. With priority sampling, new segments are scored
+    /// with values and advantages from `values` (the learner's backend).
+    pub fn prepare(
+        &mut self,
+        version: PolicyVersion,
+        values: &mut dyn ValueSource,
+        dropped: &mut Vec<Dropped>,
+    ) -> bool {
         let max_lag = self.max_policy_lag;
         self.pool.retain(|candidate| {
             let lag = version.lag_of(candidate.segment.policy_version);
@@ -375,7 +400,7 @@ impl Selector {
             return false;
         }
         if self.priority.is_some() {
-            self.score_new(params);
+            self.score_new(values);
             self.pool.retain(|candidate| {
                 if candidate.priority.is_some_and(f32::is_finite) {
                     return true;
@@ -391,11 +416,12 @@ impl Selector {
         true
     }
 
-    /// Priorities of the pool's unscored segments under `params`: one value forward over all
-    /// of them as a batch, GAE(γ, λ) against the learner's value head, and the mean |advantage|
-    /// of each column plus ε; NaN where a value or advantage is not finite.
-    fn score_new(&mut self, params: &[f32]) {
-        let (Some(priority), Some(tape)) = (&self.priority, &mut self.tape) else {
+    /// Priorities of the pool's unscored segments under the learner's current parameters: one
+    /// forward over all of them as a batch on the learner's backend, GAE(γ, λ) against its value
+    /// head, and the mean |advantage| of each column plus ε; NaN where a value or advantage is
+    /// not finite.
+    fn score_new(&mut self, source: &mut dyn ValueSource) {
+        let Some(priority) = &self.priority else {
             return;
         };
         self.unscored.clear();
@@ -409,22 +435,8 @@ impl Selector {
         self.scratch.fill(&segments, self.gamma, self.reward_scale, &self.ones);
         let batch = &self.scratch;
         let (t_len, b_len) = (batch.t_len, batch.b_len);
-        tape.forward(params, &batch.observations, &batch.episode_start, &batch.initial_hidden, t_len + 1, b_len);
-        let values = tape.values();
-        let steps = t_len * b_len;
-        resize(&mut self.advantages, steps);
-        resize(&mut self.returns, steps);
-        gae(
-            t_len,
-            b_len,
-            &batch.discounts,
-            &batch.rewards,
-            &values[..steps],
-            &values[steps..],
-            self.gae_lambda,
-            &mut self.advantages,
-            &mut self.returns,
-        );
+        source.values_and_advantages(batch, self.gae_lambda, &mut self.values, &mut self.advantages);
+        let values = &self.values;
         for (col, &pool_idx) in self.unscored.iter().enumerate() {
             let values_finite = (0..=t_len).all(|t| values[t * b_len + col].is_finite());
             let mean_abs =
@@ -545,9 +557,16 @@ mod tests {
         }
     }
 
+    fn learner_with(spec: &RunSpec, params: Vec<f32>) -> crate::Learner {
+        crate::Learner::with_state(spec.clone(), params, PolicyVersion(0), 0).expect("valid state")
+    }
+
+    fn learner_for(spec: &RunSpec) -> crate::Learner {
+        crate::Learner::new(spec.clone()).expect("valid spec")
+    }
+
     fn selector(spec: &RunSpec) -> Selector {
-        let layout = spec.validate().expect("valid spec");
-        Selector::new(spec, &layout)
+        Selector::new(spec)
     }
 
     fn segment(idx: u64, version: u64, reward: f32) -> TrajectorySegment {
@@ -593,12 +612,12 @@ mod tests {
         let spec = spec(3, SelectionConfig::default());
         let mut selector = selector(&spec);
         assert_eq!(selector.pool_target(), 3);
-        assert!(!selector.needs_params());
+        assert!(!selector.needs_values());
         let mut dropped = Vec::new();
         for idx in 0..3 {
             selector.offer(segment(idx, 0, 1.0), DeliveryToken(idx), PolicyVersion(0), &mut dropped);
         }
-        assert!(selector.prepare(PolicyVersion(0), &[], &mut dropped));
+        assert!(selector.prepare(PolicyVersion(0), &mut learner_for(&spec), &mut dropped));
         let draw = selector.draw();
         assert_eq!(draw.segments.iter().map(|s| s.segment_idx).collect::<Vec<_>>(), vec![0, 1, 2]);
         assert_eq!(draw.column_weights, &[1.0; 3]);
@@ -618,7 +637,7 @@ mod tests {
         assert_eq!(reasons(&dropped), vec![(0, "stale")]);
         assert_eq!(selector.len(), 1);
         // Two updates later it has aged past the bound while waiting.
-        assert!(!selector.prepare(PolicyVersion(5), &[], &mut dropped));
+        assert!(!selector.prepare(PolicyVersion(5), &mut learner_for(&spec), &mut dropped));
         assert_eq!(reasons(&dropped), vec![(0, "stale"), (1, "stale")]);
         assert!(selector.is_empty());
     }
@@ -657,7 +676,7 @@ mod tests {
         // Without a raw bound an overflowing scaled reward is caught as non-finite.
         let mut spec = spec.clone();
         spec.hyper.selection.guard.max_abs_reward = None;
-        let mut selector = Selector::new(&spec, &spec.validate().expect("valid"));
+        let mut selector = Selector::new(&spec);
         let mut overflowing = segment(5, 0, 1.0);
         overflowing.rewards[0] = f32::MAX / 2.0;
         let mut dropped = Vec::new();
@@ -666,7 +685,7 @@ mod tests {
 
         // Switched off, nothing is checked.
         spec.hyper.selection.guard.enabled = false;
-        let mut selector = Selector::new(&spec, &spec.validate().expect("valid"));
+        let mut selector = Selector::new(&spec);
         let mut overflowing = segment(6, 0, 1.0);
         overflowing.rewards[0] = f32::MAX / 2.0;
         let mut dropped = Vec::new();
@@ -721,7 +740,7 @@ mod tests {
             selector.offer(s, DeliveryToken(idx as u64), v, &mut dropped);
         }
         assert!(dropped.is_empty(), "the filter runs before the step, not on arrival");
-        assert!(selector.prepare(v, &[], &mut dropped));
+        assert!(selector.prepare(v, &mut learner_for(&spec), &mut dropped));
         assert_eq!(
             reasons(&dropped),
             vec![(0, "zero_variance"), (2, "zero_variance"), (5, "zero_variance"), (6, "zero_variance")]
@@ -739,17 +758,18 @@ mod tests {
         let spec = spec(3, selection);
         let layout = spec.validate().expect("valid");
         let params = layout.init_params(3);
-        let mut selector = Selector::new(&spec, &layout);
+        let mut learner = learner_with(&spec, params.clone());
+        let mut selector = Selector::new(&spec);
         assert_eq!(selector.pool_target(), 6);
-        assert!(selector.needs_params());
+        assert!(selector.needs_values());
         let mut dropped = Vec::new();
         for idx in 0..5 {
             // Rewards of growing size: larger advantages under a near-zero initial value head.
             selector.offer(segment(idx, 0, idx as f32), DeliveryToken(idx), PolicyVersion(0), &mut dropped);
         }
-        assert!(!selector.prepare(PolicyVersion(0), &params, &mut dropped), "pool not full");
+        assert!(!selector.prepare(PolicyVersion(0), &mut learner, &mut dropped), "pool not full");
         selector.offer(segment(5, 0, 5.0), DeliveryToken(5), PolicyVersion(0), &mut dropped);
-        assert!(selector.prepare(PolicyVersion(0), &params, &mut dropped));
+        assert!(selector.prepare(PolicyVersion(0), &mut learner, &mut dropped));
         let priorities: Vec<f32> = selector.pool.iter().map(|c| c.priority.expect("scored")).collect();
         assert!(priorities.windows(2).all(|w| w[0] < w[1]), "priority grows with |advantage|: {priorities:?}");
         let draw = selector.draw();
@@ -762,11 +782,11 @@ mod tests {
         assert!(selector.pool.iter().all(|c| c.priority.is_some()), "leftovers keep their scores");
 
         // Non-finite parameters make every new value non-finite: dropped by the guard.
-        let nan_params = vec![f32::NAN; params.len()];
+        let mut nan_learner = learner_with(&spec, vec![f32::NAN; params.len()]);
         for idx in 10..10 + distinct as u64 {
             selector.offer(segment(idx, 0, 1.0), DeliveryToken(idx), PolicyVersion(0), &mut dropped);
         }
-        assert!(!selector.prepare(PolicyVersion(0), &nan_params, &mut dropped));
+        assert!(!selector.prepare(PolicyVersion(0), &mut nan_learner, &mut dropped));
         assert_eq!(dropped.len(), distinct);
         assert!(dropped.iter().all(|d| d.reason == DropReason::NonFinite && d.token.0 >= 10));
     }
@@ -856,8 +876,8 @@ mod tests {
             };
             let spec = spec(2, selection);
             let layout = spec.validate().expect("valid");
-            let params = layout.init_params(1);
-            let mut selector = Selector::new(&spec, &layout);
+            let mut learner = learner_with(&spec, layout.init_params(1));
+            let mut selector = Selector::new(&spec);
             let mut version = 0u64;
             let mut next_token = 0u64;
             let mut offered = Vec::new();
@@ -876,7 +896,7 @@ mod tests {
                     offered.push(next_token);
                     next_token += 1;
                 }
-                if selector.prepare(PolicyVersion(version), &params, &mut dropped) {
+                if selector.prepare(PolicyVersion(version), &mut learner, &mut dropped) {
                     let draw = selector.draw();
                     prop_assert_eq!(draw.segments.len(), 2);
                     let n = selector.settle_drawn(&mut settled);

@@ -54,14 +54,7 @@ pub(crate) fn cell_forward_in_place(gi: &[f32], gh: &[f32], h: &mut [f32], hidde
 ///
 /// `gi`, `gh`: `[rows][3H]`; `h_prev`: `[rows][H]`; writes `gates = [r, z, n]` (`[rows][3H]`)
 /// and `h_out` (`[rows][H]`).
-pub(crate) fn cell_forward(
-    gi: &[f32],
-    gh: &[f32],
-    h_prev: &[f32],
-    hidden: usize,
-    gates: &mut [f32],
-    h_out: &mut [f32],
-) {
+pub fn cell_forward(gi: &[f32], gh: &[f32], h_prev: &[f32], hidden: usize, gates: &mut [f32], h_out: &mut [f32]) {
     debug_assert_eq!(gi.len(), 3 * h_prev.len());
     debug_assert_eq!(gh.len(), 3 * h_prev.len());
     debug_assert_eq!(gates.len(), 3 * h_prev.len());
@@ -102,7 +95,7 @@ pub(crate) fn cell_forward(
 /// ∂a_r = ∂a_n ⊙ gh_n ⊙ r (1 − r)      → dgi_r = dgh_r = ∂a_r
 /// ∂a_z = ∂h' ⊙ (h − n) ⊙ z (1 − z)    → dgi_z = dgh_z = ∂a_z
 /// ```
-pub(crate) fn cell_backward(
+pub fn cell_backward(
     dh: &mut [f32],
     gates: &[f32],
     gh: &[f32],

@@ -49,6 +49,17 @@ pub use inference::PolicyInference;
 pub use layout::{ParamEntry, ParamLayout};
 pub use tape::PolicyTape;
 
+/// The CPU math primitives behind [`PolicyTape`] and [`PolicyInference`]: a checked `sgemm`,
+/// fused bias + activation, their backward passes and the GRU cell. The learner's CPU backend
+/// (`volley_learner::backend::cpu`) runs its layers on these, so actors and learner compute the
+/// same function.
+pub mod ops {
+    pub use super::gru::{cell_backward as gru_cell_backward, cell_forward as gru_cell_forward};
+    pub use super::linalg::{
+        act_backward_in_place, bias_act_rows, bias_rows, column_sums, dense_forward, fast_sigmoid, fast_tanh, gemm, Mat,
+    };
+}
+
 use serde::{Deserialize, Serialize};
 
 /// Largest accepted `obs_dim`, `n_actions`, torso width or GRU hidden size.

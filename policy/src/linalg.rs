@@ -11,7 +11,7 @@ use super::Activation;
 /// Element `(i, j)` lives at `data[i * row_stride + j * col_stride]`; [`Mat::t`] swaps the
 /// strides, which is how transposed operands reach `sgemm` without a copy.
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct Mat<'a> {
+pub struct Mat<'a> {
     data: &'a [f32],
     rows: usize,
     cols: usize,
@@ -24,7 +24,7 @@ impl<'a> Mat<'a> {
     ///
     /// # Panics
     /// If `data` is shorter than `rows * cols`.
-    pub(crate) fn row_major(data: &'a [f32], rows: usize, cols: usize) -> Self {
+    pub fn row_major(data: &'a [f32], rows: usize, cols: usize) -> Self {
         assert!(
             data.len() >= rows * cols,
             "matrix {rows}x{cols} needs {} floats, slice has {}",
@@ -35,7 +35,7 @@ impl<'a> Mat<'a> {
     }
 
     /// The transposed view (no copy).
-    pub(crate) fn t(self) -> Self {
+    pub fn t(self) -> Self {
         Mat {
             data: self.data,
             rows: self.cols,
@@ -53,7 +53,7 @@ impl<'a> Mat<'a> {
 ///
 /// # Panics
 /// If the inner dimensions disagree or `c` is too short.
-pub(crate) fn gemm(alpha: f32, a: Mat<'_>, b: Mat<'_>, beta: f32, c: &mut [f32]) {
+pub fn gemm(alpha: f32, a: Mat<'_>, b: Mat<'_>, beta: f32, c: &mut [f32]) {
     let (m, k, n) = (a.rows, a.cols, b.cols);
     assert_eq!(b.rows, k, "gemm inner dimensions differ: {m}x{k} times {}x{n}", b.rows);
     assert!(c.len() >= m * n, "gemm output needs {} floats, has {}", m * n, c.len());
@@ -98,14 +98,7 @@ pub(crate) fn gemm(alpha: f32, a: Mat<'_>, b: Mat<'_>, beta: f32, c: &mut [f32])
 /// `x: [n_rows][n_in]`, `weight: [n_out][n_in]` (row-major), `bias: [n_out]`, `y: [n_rows][n_out]`
 /// (only the first `n_rows * n_out` elements are written). One GEMM for the whole batch, then
 /// one fused pass for bias and activation.
-pub(crate) fn dense_forward(
-    x: &[f32],
-    n_rows: usize,
-    weight: &[f32],
-    bias: &[f32],
-    act: Option<Activation>,
-    y: &mut [f32],
-) {
+pub fn dense_forward(x: &[f32], n_rows: usize, weight: &[f32], bias: &[f32], act: Option<Activation>, y: &mut [f32]) {
     let n_out = bias.len();
     let n_in = weight.len() / n_out;
     let y = &mut y[..n_rows * n_out];
@@ -125,7 +118,7 @@ pub(crate) fn dense_forward(
 #[inline(always)]
 // The coefficients are Eigen's, verbatim, so they can be checked against the reference.
 #[allow(clippy::excessive_precision)]
-pub(crate) fn fast_tanh(x: f32) -> f32 {
+pub fn fast_tanh(x: f32) -> f32 {
     const CLAMP: f32 = 7.905_311_107_635_498_05;
     let x = x.clamp(-CLAMP, CLAMP);
     let x2 = x * x;
@@ -146,12 +139,12 @@ pub(crate) fn fast_tanh(x: f32) -> f32 {
 
 /// Logistic sigmoid through [`fast_tanh`]: `σ(x) = ½ + ½ tanh(x / 2)`.
 #[inline(always)]
-pub(crate) fn fast_sigmoid(x: f32) -> f32 {
+pub fn fast_sigmoid(x: f32) -> f32 {
     0.5 + 0.5 * fast_tanh(0.5 * x)
 }
 
 /// `y[r] = act(y[r] + bias)` for every row `r` of the row-major `y` (row length `bias.len()`).
-pub(crate) fn bias_act_rows(y: &mut [f32], bias: &[f32], act: Activation) {
+pub fn bias_act_rows(y: &mut [f32], bias: &[f32], act: Activation) {
     let width = bias.len();
     debug_assert_eq!(y.len() % width, 0);
     // One loop per activation keeps each body branch-free so it vectorises.
@@ -174,7 +167,7 @@ pub(crate) fn bias_act_rows(y: &mut [f32], bias: &[f32], act: Activation) {
 }
 
 /// `y[r] += bias` for every row `r` of the row-major `y` (row length `bias.len()`).
-pub(crate) fn bias_rows(y: &mut [f32], bias: &[f32]) {
+pub fn bias_rows(y: &mut [f32], bias: &[f32]) {
     let width = bias.len();
     debug_assert_eq!(y.len() % width, 0);
     for row in y.chunks_exact_mut(width) {
@@ -186,7 +179,7 @@ pub(crate) fn bias_rows(y: &mut [f32], bias: &[f32]) {
 
 /// Chain rule through the activation, in place: `dy ← dy · act'(pre)`, where the derivative is
 /// written in terms of the stored output `y = act(pre)`: `1 − y²` for tanh, `[y > 0]` for ReLU.
-pub(crate) fn act_backward_in_place(dy: &mut [f32], y: &[f32], act: Activation) {
+pub fn act_backward_in_place(dy: &mut [f32], y: &[f32], act: Activation) {
     debug_assert_eq!(dy.len(), y.len());
     match act {
         Activation::Tanh => {
@@ -206,7 +199,7 @@ pub(crate) fn act_backward_in_place(dy: &mut [f32], y: &[f32], act: Activation) 
 
 /// `out[j] = Σ_r x[r][j]` over the rows of the row-major `x` (row length `out.len()`); this is
 /// the bias gradient of a layer whose output gradient is `x`.
-pub(crate) fn column_sums(x: &[f32], out: &mut [f32]) {
+pub fn column_sums(x: &[f32], out: &mut [f32]) {
     let width = out.len();
     debug_assert_eq!(x.len() % width, 0);
     out.fill(0.0);

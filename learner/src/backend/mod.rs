@@ -1,20 +1,62 @@
-//! Where the learner's update runs: the CPU backend (the default everywhere, and what CI tests)
-//! or the CUDA backend (cuBLAS products plus our own NVRTC-compiled kernels, with parameters,
-//! optimiser state and activations resident on the GPU).
+//! Where the learner's math runs: one [`Backend`] trait at the level of the math, two
+//! implementations, and one generic update path above them.
+//!
+//! - [`cpu::CpuBackend`]: host `Vec<f32>` buffers and the CPU kernels of `volley_policy::ops`,
+//!   `crate::losses` and `crate::optim` (the default everywhere, and what CI tests).
+//! - [`cuda::CudaBackend`]: device buffers, cuBLAS products and the NVRTC-compiled kernels of
+//!   `learner/kernels/`, with parameters, optimiser state and activations resident on the GPU.
+//!
+//! The network ([`crate::net::Network`]) and the update ([`crate::train::Trainer`]: V-trace and
+//! PPO, minibatching and shuffling included) are written once, generically over `B: Backend`;
+//! [`crate::learner::Learner`] matches on its [`crate::train::AnyTrainer`] once per update,
+//! never once per operation.
+//!
+//! # Buffers and views
+//!
+//! A backend owns its storage type ([`Backend::Floats`], [`Backend::Indices`]); generic code
+//! addresses parts of a buffer through typed views, [`View`] and [`ViewMut`], which carry the
+//! buffer, an offset and a length (never a raw device address). Every operation checks the
+//! lengths it is given against the shapes it is told, so a wrong view is an error message, not
+//! a wild read on the device.
+//!
+//! # Adding a layer
+//!
+//! A new layer (a convolutional torso for pixels, a diagonal Gaussian action head) is written
+//! once per backend and composed once:
+//!
+//! 1. Add its operations to [`Backend`] at the level of its math (for a convolution: the forward
+//!    `conv2d` and its two backward products, or an `im2col` that reuses [`Backend::dense_forward`];
+//!    for a Gaussian head: the log-density, entropy and their gradient rows). Each takes views,
+//!    writes into caller-owned outputs and allocates nothing.
+//! 2. Implement them in `cpu.rs` (plain loops over slices, or calls into
+//!    `volley_policy::ops`) and in `cuda/ops.rs` (cuBLAS or a kernel in a `.cu` file under
+//!    `learner/kernels/`, declared in `cuda/kernels.rs` with one safe launcher carrying its own
+//!    `SAFETY` line).
+//! 3. Compose it in [`crate::net::Network`] (forward records what backward needs; backward runs
+//!    the same steps in reverse) and, for a head, in [`crate::train`]'s loss step.
+//! 4. Add a parity test (`cuda/tests.rs`: CUDA against CPU) and a finite-difference test of the
+//!    composed network on the CPU backend (`net.rs`).
 //!
 //! `cudarc` is built with dynamic loading, so nothing here links against CUDA: the workspace
-//! builds and tests on machines without it. [`open_cuda`] first asks, without panicking,
+//! builds and tests on machines without it. [`cuda::open_cuda`] first asks, without panicking,
 //! whether the driver, NVRTC and cuBLAS libraries can be loaded, then whether a device works;
 //! [`BackendKind::Auto`] falls back to the CPU with one warning when any of that fails, and
 //! [`BackendKind::Cuda`] turns it into an error.
 
+pub mod cpu;
 pub mod cuda;
-pub mod kernels;
 
 use std::fmt;
+use std::ops::Range;
 use std::str::FromStr;
 
-pub use cuda::{CudaDevice, DeviceTiming, KernelTiming};
+use volley_policy::Activation;
+
+use crate::losses::{PpoLossConfig, VTraceLossConfig, WeightedSums};
+use crate::optim::AdamConfig;
+
+pub use cpu::CpuBackend;
+pub use cuda::{open_cuda, CudaBackend, CudaDevice};
 
 /// Which backend the user asked for (`--backend`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -51,7 +93,7 @@ impl fmt::Display for BackendKind {
     }
 }
 
-/// Why the CUDA backend cannot be used.
+/// Why a backend cannot be used or an operation failed.
 #[derive(Debug, thiserror::Error)]
 pub enum BackendError {
     /// A CUDA library could not be loaded.
@@ -78,63 +120,503 @@ pub enum BackendError {
     Cublas(String),
     /// The kernels did not compile or load.
     #[error("kernels: {0}")]
-    Kernels(#[from] kernels::KernelError),
+    Kernels(#[from] cuda::kernels::KernelError),
     /// A CUDA library panicked while starting (caught).
     #[error("CUDA start-up panicked: {0}")]
     Panicked(String),
+    /// An operation was handed a view of the wrong length (a bug in the generic code).
+    #[error("{op}: {operand} expected {expected} elements, got {got}")]
+    Shape {
+        /// The operation.
+        op: &'static str,
+        /// Which operand.
+        operand: &'static str,
+        /// The length its shape implies.
+        expected: usize,
+        /// The view's length.
+        got: usize,
+    },
+    /// A size does not fit the 32-bit integers the kernels take.
+    #[error("{what} = {value} does not fit a 32-bit kernel argument")]
+    TooLarge {
+        /// Which size.
+        what: &'static str,
+        /// Its value.
+        value: usize,
+    },
 }
 
-impl From<cudarc::driver::DriverError> for BackendError {
-    fn from(err: cudarc::driver::DriverError) -> Self {
-        BackendError::Driver(err.to_string())
+/// Check that `operand` of `op` has `expected` elements.
+#[inline]
+pub(crate) fn check_len(
+    op: &'static str,
+    operand: &'static str,
+    expected: usize,
+    got: usize,
+) -> Result<(), BackendError> {
+    if expected == got {
+        Ok(())
+    } else {
+        Err(shape_error(op, operand, expected, got))
     }
 }
 
-impl From<cudarc::cublas::result::CublasError> for BackendError {
-    fn from(err: cudarc::cublas::result::CublasError) -> Self {
-        BackendError::Cublas(err.to_string())
+#[cold]
+fn shape_error(op: &'static str, operand: &'static str, expected: usize, got: usize) -> BackendError {
+    BackendError::Shape { op, operand, expected, got }
+}
+
+/// A read-only view of `len` floats at `offset` in one backend buffer.
+pub struct View<'a, B: Backend + ?Sized> {
+    buffer: &'a B::Floats,
+    offset: usize,
+    len: usize,
+}
+
+impl<B: Backend + ?Sized> Clone for View<'_, B> {
+    fn clone(&self) -> Self {
+        *self
     }
 }
 
-/// Open CUDA device `ordinal` and compile the kernels for it, or say why not. Never panics on a
-/// machine without CUDA.
-pub fn open_cuda(ordinal: usize) -> Result<CudaDevice, BackendError> {
-    // SAFETY: each probe only tries to dlopen the library's candidate names.
-    let present = unsafe {
-        [
-            (cudarc::driver::sys::is_culib_present(), "driver", "libcuda.so", ": is the NVIDIA driver installed?"),
-            (
-                cudarc::nvrtc::sys::is_culib_present(),
-                "NVRTC",
-                "libnvrtc.so",
-                ": install the CUDA runtime libraries (the learner image has them)",
-            ),
-            (
-                cudarc::cublas::sys::is_culib_present(),
-                "cuBLAS",
-                "libcublas.so",
-                ": install the CUDA runtime libraries (the learner image has them)",
-            ),
-        ]
-    };
-    for (ok, what, file, hint) in present {
-        if !ok {
-            return Err(BackendError::LibraryMissing { what, file, hint });
-        }
+impl<B: Backend + ?Sized> Copy for View<'_, B> {}
+
+impl<'a, B: Backend + ?Sized> View<'a, B> {
+    /// The whole buffer.
+    pub fn of(buffer: &'a B::Floats) -> Self {
+        View { buffer, offset: 0, len: B::len(buffer) }
     }
-    // The libraries loaded, so cudarc will not panic for want of them; catch anything else
-    // rather than take the process down.
-    match std::panic::catch_unwind(|| CudaDevice::open(ordinal)) {
-        Ok(result) => result,
-        Err(panic) => {
-            let message = panic
-                .downcast_ref::<String>()
-                .cloned()
-                .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
-                .unwrap_or_else(|| "unknown panic".into());
-            Err(BackendError::Panicked(message))
-        }
+
+    /// Elements `range` of the buffer.
+    ///
+    /// # Panics
+    /// If `range` runs past the buffer: views are cut by generic code from sizes it allocated.
+    #[track_caller]
+    pub fn range(buffer: &'a B::Floats, range: Range<usize>) -> Self {
+        assert!(
+            range.start <= range.end && range.end <= B::len(buffer),
+            "view {range:?} of a buffer of {}",
+            B::len(buffer)
+        );
+        View { buffer, offset: range.start, len: range.end - range.start }
     }
+
+    /// Elements `range` of this view.
+    #[track_caller]
+    pub fn slice(self, range: Range<usize>) -> Self {
+        assert!(range.start <= range.end && range.end <= self.len, "view {range:?} of a view of {}", self.len);
+        View { buffer: self.buffer, offset: self.offset + range.start, len: range.end - range.start }
+    }
+
+    /// The number of floats in view.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the view is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The buffer and the element range this view covers (for backend implementations).
+    pub fn parts(self) -> (&'a B::Floats, Range<usize>) {
+        (self.buffer, self.offset..self.offset + self.len)
+    }
+}
+
+/// A writable view of `len` floats at `offset` in one backend buffer.
+pub struct ViewMut<'a, B: Backend + ?Sized> {
+    buffer: &'a mut B::Floats,
+    offset: usize,
+    len: usize,
+}
+
+impl<'a, B: Backend + ?Sized> ViewMut<'a, B> {
+    /// The whole buffer.
+    pub fn of(buffer: &'a mut B::Floats) -> Self {
+        let len = B::len(buffer);
+        ViewMut { buffer, offset: 0, len }
+    }
+
+    /// Elements `range` of the buffer.
+    #[track_caller]
+    pub fn range(buffer: &'a mut B::Floats, range: Range<usize>) -> Self {
+        assert!(
+            range.start <= range.end && range.end <= B::len(buffer),
+            "view {range:?} of a buffer of {}",
+            B::len(buffer)
+        );
+        ViewMut { buffer, offset: range.start, len: range.end - range.start }
+    }
+
+    /// Elements `range` of this view, reborrowed.
+    #[track_caller]
+    pub fn slice(&mut self, range: Range<usize>) -> ViewMut<'_, B> {
+        assert!(range.start <= range.end && range.end <= self.len, "view {range:?} of a view of {}", self.len);
+        ViewMut { buffer: &mut *self.buffer, offset: self.offset + range.start, len: range.end - range.start }
+    }
+
+    /// The whole view, reborrowed (to pass it to an operation and keep using it afterwards).
+    pub fn reborrow(&mut self) -> ViewMut<'_, B> {
+        ViewMut { buffer: &mut *self.buffer, offset: self.offset, len: self.len }
+    }
+
+    /// A read-only view of the same elements.
+    pub fn as_view(&self) -> View<'_, B> {
+        View { buffer: &*self.buffer, offset: self.offset, len: self.len }
+    }
+
+    /// The number of floats in view.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the view is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The buffer and the element range this view covers (for backend implementations).
+    pub fn parts(self) -> (&'a mut B::Floats, Range<usize>) {
+        (self.buffer, self.offset..self.offset + self.len)
+    }
+}
+
+/// What one loss evaluation (one gradient step) measured, read back after the update.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Evaluation {
+    /// `W`, the sum of the sample weights.
+    pub weight_sum: f64,
+    /// The weighted loss sums.
+    pub sums: WeightedSums,
+    /// The global gradient norm before clipping (not finite: the step was skipped).
+    pub grad_norm: f32,
+}
+
+/// The inputs of the fused V-trace loss ([`Backend::vtrace_loss`]), `[T][B]` unless noted.
+pub struct VTraceLossInputs<'a, B: Backend + ?Sized> {
+    /// `T`.
+    pub t_len: usize,
+    /// `B`.
+    pub b_len: usize,
+    /// `A`, the number of actions.
+    pub n_actions: usize,
+    /// The heads block of the forward over `T + 1` rows, `[T+1][B][A + 1]`.
+    pub heads: View<'a, B>,
+    /// The value column of `heads`, `[T+1][B]` (row `T` is the bootstrap).
+    pub values: View<'a, B>,
+    /// Actions as the bit patterns of `u32` (see [`Backend::Floats`]).
+    pub actions: View<'a, B>,
+    /// `log μ(a|x)`.
+    pub behaviour_log_probs: View<'a, B>,
+    /// Rewards.
+    pub rewards: View<'a, B>,
+    /// `γ (1 − terminated)`.
+    pub discounts: View<'a, B>,
+    /// Sample weights.
+    pub sample_weights: View<'a, B>,
+}
+
+/// Where the fused V-trace loss writes: its `[T][B]` intermediates and the heads' gradient.
+pub struct VTraceLossOutputs<'a, B: Backend + ?Sized> {
+    /// `log π(a|x) − log μ(a|x)`.
+    pub log_rhos: ViewMut<'a, B>,
+    /// The V-trace value targets.
+    pub vs: ViewMut<'a, B>,
+    /// The policy-gradient advantages.
+    pub pg_advantages: ViewMut<'a, B>,
+    /// `∂L/∂heads`, `[T+1][B][A + 1]` (the bootstrap row gets zero).
+    pub d_heads: ViewMut<'a, B>,
+}
+
+/// The inputs of the fused PPO loss ([`Backend::ppo_loss`]), all `[n]` (one minibatch) unless
+/// noted.
+pub struct PpoLossInputs<'a, B: Backend + ?Sized> {
+    /// `n`, the samples of the minibatch.
+    pub n_samples: usize,
+    /// `A`, the number of actions.
+    pub n_actions: usize,
+    /// The heads block, `[n][A + 1]`.
+    pub heads: View<'a, B>,
+    /// Its value column.
+    pub values: View<'a, B>,
+    /// Actions as the bit patterns of `u32`.
+    pub actions: View<'a, B>,
+    /// Sample weights.
+    pub sample_weights: View<'a, B>,
+    /// Advantages (GAE under the proximal values).
+    pub advantages: View<'a, B>,
+    /// Value targets.
+    pub returns: View<'a, B>,
+    /// `log π_prox(a|x)`.
+    pub prox_log_probs: View<'a, B>,
+    /// `min(π_prox/μ, clip)`.
+    pub is_weights: View<'a, B>,
+}
+
+/// The learner's device operations, at the level of the math (STYLE.md R4): matrix products,
+/// bias + activation, the GRU cell, log-probabilities, the return scans, the fused losses,
+/// clipping + Adam, and buffers. Generic code ([`crate::net`], [`crate::train`]) composes them;
+/// an implementation runs each one on its device and allocates nothing per call.
+///
+/// Conventions: matrices are row-major, batches time-major (`t * B + b`), a weight is
+/// `[n_out][n_in]` (so a layer computes `Y = X Wᵀ + b`), and the two heads form one
+/// `[rows][A + 1]` block (logits, then the value). Operations are asynchronous on a device:
+/// their results are only guaranteed visible to the host after [`Backend::download`] or
+/// [`Backend::read_evaluations`].
+pub trait Backend {
+    /// A buffer of `f32` (host memory on the CPU, device memory on CUDA). Actions travel in
+    /// these buffers too, as the bit patterns of their `u32` indices (`f32::from_bits`), so
+    /// one upload carries a whole batch; the kernels read those words as `u32`.
+    type Floats;
+    /// A buffer of `u32` indices (the columns of PPO's shuffled minibatches).
+    type Indices;
+    /// Adam's step count, where the device keeps it.
+    type StepCount;
+
+    /// `cpu` or `cuda: <device>`.
+    fn description(&self) -> String;
+
+    /// The number of floats in `buffer`.
+    fn len(buffer: &Self::Floats) -> usize;
+
+    /// A zeroed buffer of `len` floats.
+    fn alloc(&mut self, len: usize) -> Result<Self::Floats, BackendError>;
+
+    /// Make `dst` hold `indices` (at its start), allocating it or growing it when needed.
+    fn upload_indices(&mut self, indices: &[u32], dst: &mut Option<Self::Indices>) -> Result<(), BackendError>;
+
+    /// Copy `host` into `dst` (equal lengths).
+    fn upload(&mut self, host: &[f32], dst: ViewMut<'_, Self>) -> Result<(), BackendError>;
+
+    /// Make `dst` hold `len` floats written by `pack` into host memory, in one transfer (the
+    /// batch upload: CUDA packs into page-locked memory and copies asynchronously).
+    fn upload_packed(
+        &mut self,
+        len: usize,
+        pack: &mut dyn FnMut(&mut [f32]),
+        dst: &mut Self::Floats,
+    ) -> Result<(), BackendError>;
+
+    /// Copy `src` to `host` (equal lengths), waiting for the work that writes it.
+    fn download(&mut self, src: View<'_, Self>, host: &mut [f32]) -> Result<(), BackendError>;
+
+    /// The floats of `src` without a copy when they live in host memory (CPU), else `None`.
+    fn host_slice<'a>(&self, src: View<'a, Self>) -> Option<&'a [f32]>;
+
+    /// `x[i] = value`.
+    fn fill(&mut self, x: ViewMut<'_, Self>, value: f32) -> Result<(), BackendError>;
+
+    /// One dense layer over `rows` rows: `y = act(x Wᵀ + b)` (no activation when `act` is
+    /// `None`); `x: [rows][n_in]`, `weight: [n_out][n_in]`, `bias: [n_out]`, `y: [rows][n_out]`.
+    #[allow(clippy::too_many_arguments)]
+    fn dense_forward(
+        &mut self,
+        x: View<'_, Self>,
+        rows: usize,
+        n_in: usize,
+        weight: View<'_, Self>,
+        bias: View<'_, Self>,
+        n_out: usize,
+        act: Option<Activation>,
+        y: ViewMut<'_, Self>,
+    ) -> Result<(), BackendError>;
+
+    /// `dy ← dy · act'(pre)`, written through the stored output `y = act(pre)`.
+    fn act_backward(&mut self, dy: ViewMut<'_, Self>, y: View<'_, Self>, act: Activation) -> Result<(), BackendError>;
+
+    /// The weight gradient of a dense layer, overwritten: `dW = dYᵀ X` over `rows` rows;
+    /// `dy: [rows][n_out]`, `x: [rows][n_in]`, `dw: [n_out][n_in]`.
+    #[allow(clippy::too_many_arguments)]
+    fn matmul_dw(
+        &mut self,
+        dy: View<'_, Self>,
+        x: View<'_, Self>,
+        rows: usize,
+        n_out: usize,
+        n_in: usize,
+        dw: ViewMut<'_, Self>,
+    ) -> Result<(), BackendError>;
+
+    /// The input gradient of a dense layer: `dX = dY W` (`+ dX` when `accumulate`);
+    /// `dy: [rows][n_out]`, `weight: [n_out][n_in]`, `dx: [rows][n_in]`.
+    #[allow(clippy::too_many_arguments)]
+    fn matmul_dx(
+        &mut self,
+        dy: View<'_, Self>,
+        rows: usize,
+        n_out: usize,
+        weight: View<'_, Self>,
+        n_in: usize,
+        dx: ViewMut<'_, Self>,
+        accumulate: bool,
+    ) -> Result<(), BackendError>;
+
+    /// The bias gradient, overwritten: `out[j] = Σ_r dy[r][j]`, `dy: [rows][out.len()]`.
+    fn column_sums(&mut self, dy: View<'_, Self>, rows: usize, out: ViewMut<'_, Self>) -> Result<(), BackendError>;
+
+    /// `dst[i] = src[i · width + column]` for `i < rows` (the value column of the heads).
+    fn take_column(
+        &mut self,
+        src: View<'_, Self>,
+        rows: usize,
+        width: usize,
+        column: usize,
+        dst: ViewMut<'_, Self>,
+    ) -> Result<(), BackendError>;
+
+    /// The GRU state entering a step: `dst[b] = 0` where `starts[b] ≠ 0`, else `src[b]`;
+    /// `src`, `dst: [B][hidden]`, `starts: [B]`.
+    fn gru_reset_copy(
+        &mut self,
+        src: View<'_, Self>,
+        starts: View<'_, Self>,
+        hidden: usize,
+        dst: ViewMut<'_, Self>,
+    ) -> Result<(), BackendError>;
+
+    /// One GRU step's element-wise part (PyTorch gate convention): from the gate pre-sums
+    /// `gi`, `gh` (`[B][3H]`, biases included) and `h_prev` (`[B][H]`) write the gates
+    /// `[r, z, n]` (`[B][3H]`) and `h_out` (`[B][H]`).
+    #[allow(clippy::too_many_arguments)]
+    fn gru_cell_forward(
+        &mut self,
+        gi: View<'_, Self>,
+        gh: View<'_, Self>,
+        h_prev: View<'_, Self>,
+        hidden: usize,
+        gates: ViewMut<'_, Self>,
+        h_out: ViewMut<'_, Self>,
+    ) -> Result<(), BackendError>;
+
+    /// Backward through one GRU step's element-wise part: on entry `d_h` holds `∂L/∂h'`, on
+    /// exit its direct part `∂L/∂h' ⊙ z` (the caller adds `d_gh W_h`); writes `d_gi`, `d_gh`.
+    #[allow(clippy::too_many_arguments)]
+    fn gru_cell_backward(
+        &mut self,
+        d_h: ViewMut<'_, Self>,
+        gates: View<'_, Self>,
+        gh: View<'_, Self>,
+        h_prev: View<'_, Self>,
+        hidden: usize,
+        d_gi: ViewMut<'_, Self>,
+        d_gh: ViewMut<'_, Self>,
+    ) -> Result<(), BackendError>;
+
+    /// The gradient carried into a GRU step from the step after it: zero the rows of `d_h`
+    /// where `starts_next` (the next step's episode starts, if any) is non-zero, then add
+    /// `from_heads`, the gradient arriving at this step's output from above.
+    fn gru_carry_grad(
+        &mut self,
+        d_h: ViewMut<'_, Self>,
+        starts_next: Option<View<'_, Self>>,
+        from_heads: View<'_, Self>,
+        hidden: usize,
+    ) -> Result<(), BackendError>;
+
+    /// `out[i] = log π(a_i | x_i) − reference[i]` (or `log π(a_i | x_i)` without a reference)
+    /// from the logits in row `i` of the heads block (`stride = A + 1`).
+    #[allow(clippy::too_many_arguments)]
+    fn action_log_probs(
+        &mut self,
+        heads: View<'_, Self>,
+        n_actions: usize,
+        actions: View<'_, Self>,
+        reference: Option<View<'_, Self>>,
+        out: ViewMut<'_, Self>,
+    ) -> Result<(), BackendError>;
+
+    /// `out[i] = min(exp(prox[i] − behaviour[i]), clip)` (Hilton et al. 2021).
+    fn behaviour_weights(
+        &mut self,
+        prox_log_probs: View<'_, Self>,
+        behaviour_log_probs: View<'_, Self>,
+        clip: f32,
+        out: ViewMut<'_, Self>,
+    ) -> Result<(), BackendError>;
+
+    /// GAE(γ, λ) advantages and λ-returns over `[T][B]` (Schulman et al. 2016, eq. (16));
+    /// `values: [T][B]`, `bootstrap_value: [B]`.
+    #[allow(clippy::too_many_arguments)]
+    fn gae_scan(
+        &mut self,
+        t_len: usize,
+        b_len: usize,
+        discounts: View<'_, Self>,
+        rewards: View<'_, Self>,
+        values: View<'_, Self>,
+        bootstrap_value: View<'_, Self>,
+        lambda_: f32,
+        advantages: ViewMut<'_, Self>,
+        returns: ViewMut<'_, Self>,
+    ) -> Result<(), BackendError>;
+
+    /// Start the statistics of an update of `n_evaluations` loss evaluations (gradient steps):
+    /// every slot is zeroed.
+    fn begin_evaluations(&mut self, n_evaluations: usize) -> Result<(), BackendError>;
+
+    /// The fused IMPALA loss with V-trace targets (Espeholt et al. 2018, sec. 4.2): log-ρ,
+    /// the V-trace scan, the weighted loss sums into evaluation `slot`, and `∂L/∂heads`.
+    /// Same result as [`crate::losses::vtrace_loss`].
+    fn vtrace_loss(
+        &mut self,
+        inputs: &VTraceLossInputs<'_, Self>,
+        config: &VTraceLossConfig,
+        outputs: VTraceLossOutputs<'_, Self>,
+        slot: usize,
+    ) -> Result<(), BackendError>;
+
+    /// The fused decoupled PPO-clip loss (Schulman et al. 2017; Hilton et al. 2021) over one
+    /// minibatch: the weighted loss sums into evaluation `slot`, and `∂L/∂heads`. Same result
+    /// as [`crate::losses::ppo_loss`].
+    fn ppo_loss(
+        &mut self,
+        inputs: &PpoLossInputs<'_, Self>,
+        config: &PpoLossConfig,
+        d_heads: ViewMut<'_, Self>,
+        slot: usize,
+    ) -> Result<(), BackendError>;
+
+    /// Whole columns of a time-major `[rows][b_len][width]` block:
+    /// `dst[t][j] = src[t][columns[columns_offset + j]]` for `j < n_columns`.
+    #[allow(clippy::too_many_arguments)]
+    fn gather_columns(
+        &mut self,
+        src: View<'_, Self>,
+        rows: usize,
+        b_len: usize,
+        width: usize,
+        columns: &Self::Indices,
+        columns_offset: usize,
+        n_columns: usize,
+        dst: ViewMut<'_, Self>,
+    ) -> Result<(), BackendError>;
+
+    /// Adam's step count `t`, on the device.
+    fn step_count(&mut self, t: u64) -> Result<Self::StepCount, BackendError>;
+
+    /// Read Adam's step count back.
+    fn read_step_count(&mut self, step: &Self::StepCount) -> Result<u64, BackendError>;
+
+    /// Global-norm clipping (Pascanu et al. 2013) then Adam (Kingma & Ba 2015) over the flat
+    /// parameter buffer; the pre-clip norm goes to evaluation `slot`. A non-finite norm skips
+    /// the step (parameters, moments and `t` unchanged). `grads` may be scaled in place.
+    #[allow(clippy::too_many_arguments)]
+    fn clip_adam_step(
+        &mut self,
+        params: ViewMut<'_, Self>,
+        grads: ViewMut<'_, Self>,
+        adam_m: ViewMut<'_, Self>,
+        adam_v: ViewMut<'_, Self>,
+        step: &mut Self::StepCount,
+        config: &AdamConfig,
+        learning_rate: f32,
+        max_grad_norm: f32,
+        slot: usize,
+    ) -> Result<(), BackendError>;
+
+    /// The statistics of this update's evaluations (one device-to-host transfer on CUDA).
+    fn read_evaluations(&mut self, out: &mut Vec<Evaluation>) -> Result<(), BackendError>;
 }
 
 #[cfg(test)]
@@ -147,6 +629,24 @@ mod tests {
             assert_eq!(kind.to_string().parse::<BackendKind>(), Ok(kind));
         }
         assert!("gpu".parse::<BackendKind>().unwrap_err().contains("auto, cpu or cuda"));
+    }
+
+    #[test]
+    fn views_cut_ranges_of_their_buffer() {
+        let buffer = vec![0.0f32, 1.0, 2.0, 3.0, 4.0];
+        let view = View::<CpuBackend>::range(&buffer, 1..4).slice(1..3);
+        assert_eq!(view.parts().1, 2..4);
+        assert_eq!(view.len(), 2);
+        let mut buffer = buffer;
+        let mut view = ViewMut::<CpuBackend>::of(&mut buffer);
+        assert_eq!(view.slice(3..5).parts().1, 3..5);
+    }
+
+    #[test]
+    #[should_panic(expected = "view 2..6 of a buffer of 5")]
+    fn a_view_past_the_buffer_is_refused() {
+        let buffer = vec![0.0f32; 5];
+        let _ = View::<CpuBackend>::range(&buffer, 2..6);
     }
 
     #[test]

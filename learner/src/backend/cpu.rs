@@ -1,0 +1,642 @@
+//! The CPU backend: buffers are `Vec<f32>`, products go through `matrixmultiply` with strides
+//! (`volley_policy::ops`, the same kernels the actors' inference runs), the losses are
+//! [`crate::losses`] on the fused heads block and the optimiser is [`crate::optim`].
+//! Single-threaded; every operation works on contiguous slices and allocates nothing.
+
+use volley_policy::distributions::log_softmax;
+use volley_policy::ops::{
+    act_backward_in_place, column_sums, dense_forward, gemm, gru_cell_backward, gru_cell_forward, Mat,
+};
+use volley_policy::returns::gae;
+use volley_policy::Activation;
+
+use super::{
+    check_len, Backend, BackendError, Evaluation, PpoLossInputs, VTraceLossInputs, VTraceLossOutputs, View, ViewMut,
+};
+use crate::losses::{self, PpoLossConfig, PpoTargets, SequenceBatch, VTraceLossConfig};
+use crate::optim::{adam_step, clip_grad_global_norm, AdamConfig};
+
+/// The CPU backend (see the module documentation).
+#[derive(Debug, Default)]
+pub struct CpuBackend {
+    evaluations: Vec<Evaluation>,
+}
+
+impl CpuBackend {
+    /// A CPU backend.
+    pub fn new() -> Self {
+        Self::default()
+    }
+}
+
+fn slice<'a>(view: View<'a, CpuBackend>) -> &'a [f32] {
+    let (buffer, range) = view.parts();
+    &buffer[range]
+}
+
+fn slice_mut<'a>(view: ViewMut<'a, CpuBackend>) -> &'a mut [f32] {
+    let (buffer, range) = view.parts();
+    &mut buffer[range]
+}
+
+/// Actions travel as `u32` bit patterns in float buffers (see [`Backend::Floats`]).
+fn actions(view: View<'_, CpuBackend>) -> &[u32] {
+    bytemuck_u32(slice(view))
+}
+
+/// Reinterpret floats as the `u32` words they carry.
+fn bytemuck_u32(floats: &[f32]) -> &[u32] {
+    // SAFETY: `f32` and `u32` have the same size and alignment and every bit pattern is a valid
+    // `u32`; the length is the same number of 4-byte words and the borrow keeps its lifetime.
+    unsafe { std::slice::from_raw_parts(floats.as_ptr().cast::<u32>(), floats.len()) }
+}
+
+impl CpuBackend {
+    fn slot(&mut self, slot: usize) -> Result<&mut Evaluation, BackendError> {
+        let n = self.evaluations.len();
+        self.evaluations.get_mut(slot).ok_or(BackendError::Shape {
+            op: "evaluation",
+            operand: "slot",
+            expected: n,
+            got: slot,
+        })
+    }
+}
+
+impl Backend for CpuBackend {
+    type Floats = Vec<f32>;
+    type Indices = Vec<u32>;
+    type StepCount = u64;
+
+    fn description(&self) -> String {
+        "cpu".into()
+    }
+
+    fn len(buffer: &Vec<f32>) -> usize {
+        buffer.len()
+    }
+
+    fn alloc(&mut self, len: usize) -> Result<Vec<f32>, BackendError> {
+        Ok(vec![0.0; len])
+    }
+
+    fn upload_indices(&mut self, indices: &[u32], dst: &mut Option<Vec<u32>>) -> Result<(), BackendError> {
+        let dst = dst.get_or_insert_with(Vec::new);
+        dst.clear();
+        dst.extend_from_slice(indices);
+        Ok(())
+    }
+
+    fn upload(&mut self, host: &[f32], dst: ViewMut<'_, Self>) -> Result<(), BackendError> {
+        let dst = slice_mut(dst);
+        check_len("upload", "dst", host.len(), dst.len())?;
+        dst.copy_from_slice(host);
+        Ok(())
+    }
+
+    fn upload_packed(
+        &mut self,
+        len: usize,
+        pack: &mut dyn FnMut(&mut [f32]),
+        dst: &mut Vec<f32>,
+    ) -> Result<(), BackendError> {
+        if dst.len() != len {
+            dst.resize(len, 0.0);
+        }
+        pack(dst);
+        Ok(())
+    }
+
+    fn download(&mut self, src: View<'_, Self>, host: &mut [f32]) -> Result<(), BackendError> {
+        let src = slice(src);
+        check_len("download", "host", src.len(), host.len())?;
+        host.copy_from_slice(src);
+        Ok(())
+    }
+
+    fn host_slice<'a>(&self, src: View<'a, Self>) -> Option<&'a [f32]> {
+        Some(slice(src))
+    }
+
+    fn fill(&mut self, x: ViewMut<'_, Self>, value: f32) -> Result<(), BackendError> {
+        slice_mut(x).fill(value);
+        Ok(())
+    }
+
+    fn dense_forward(
+        &mut self,
+        x: View<'_, Self>,
+        rows: usize,
+        n_in: usize,
+        weight: View<'_, Self>,
+        bias: View<'_, Self>,
+        n_out: usize,
+        act: Option<Activation>,
+        y: ViewMut<'_, Self>,
+    ) -> Result<(), BackendError> {
+        let op = "dense_forward";
+        check_len(op, "x", rows * n_in, x.len())?;
+        check_len(op, "weight", n_out * n_in, weight.len())?;
+        check_len(op, "bias", n_out, bias.len())?;
+        check_len(op, "y", rows * n_out, y.len())?;
+        if rows == 0 {
+            return Ok(());
+        }
+        dense_forward(slice(x), rows, slice(weight), slice(bias), act, slice_mut(y));
+        Ok(())
+    }
+
+    fn act_backward(&mut self, dy: ViewMut<'_, Self>, y: View<'_, Self>, act: Activation) -> Result<(), BackendError> {
+        check_len("act_backward", "y", dy.len(), y.len())?;
+        act_backward_in_place(slice_mut(dy), slice(y), act);
+        Ok(())
+    }
+
+    fn matmul_dw(
+        &mut self,
+        dy: View<'_, Self>,
+        x: View<'_, Self>,
+        rows: usize,
+        n_out: usize,
+        n_in: usize,
+        dw: ViewMut<'_, Self>,
+    ) -> Result<(), BackendError> {
+        let op = "matmul_dw";
+        check_len(op, "dy", rows * n_out, dy.len())?;
+        check_len(op, "x", rows * n_in, x.len())?;
+        check_len(op, "dw", n_out * n_in, dw.len())?;
+        gemm(1.0, Mat::row_major(slice(dy), rows, n_out).t(), Mat::row_major(slice(x), rows, n_in), 0.0, slice_mut(dw));
+        Ok(())
+    }
+
+    fn matmul_dx(
+        &mut self,
+        dy: View<'_, Self>,
+        rows: usize,
+        n_out: usize,
+        weight: View<'_, Self>,
+        n_in: usize,
+        dx: ViewMut<'_, Self>,
+        accumulate: bool,
+    ) -> Result<(), BackendError> {
+        let op = "matmul_dx";
+        check_len(op, "dy", rows * n_out, dy.len())?;
+        check_len(op, "weight", n_out * n_in, weight.len())?;
+        check_len(op, "dx", rows * n_in, dx.len())?;
+        let beta = if accumulate { 1.0 } else { 0.0 };
+        gemm(
+            1.0,
+            Mat::row_major(slice(dy), rows, n_out),
+            Mat::row_major(slice(weight), n_out, n_in),
+            beta,
+            slice_mut(dx),
+        );
+        Ok(())
+    }
+
+    fn column_sums(&mut self, dy: View<'_, Self>, rows: usize, out: ViewMut<'_, Self>) -> Result<(), BackendError> {
+        check_len("column_sums", "dy", rows * out.len(), dy.len())?;
+        column_sums(slice(dy), slice_mut(out));
+        Ok(())
+    }
+
+    fn take_column(
+        &mut self,
+        src: View<'_, Self>,
+        rows: usize,
+        width: usize,
+        column: usize,
+        dst: ViewMut<'_, Self>,
+    ) -> Result<(), BackendError> {
+        check_len("take_column", "src", rows * width, src.len())?;
+        check_len("take_column", "dst", rows, dst.len())?;
+        for (out, row) in slice_mut(dst).iter_mut().zip(slice(src).chunks_exact(width)) {
+            *out = row[column];
+        }
+        Ok(())
+    }
+
+    fn gru_reset_copy(
+        &mut self,
+        src: View<'_, Self>,
+        starts: View<'_, Self>,
+        hidden: usize,
+        dst: ViewMut<'_, Self>,
+    ) -> Result<(), BackendError> {
+        check_len("gru_reset_copy", "src", starts.len() * hidden, src.len())?;
+        check_len("gru_reset_copy", "dst", starts.len() * hidden, dst.len())?;
+        let rows = slice_mut(dst).chunks_exact_mut(hidden).zip(slice(src).chunks_exact(hidden)).zip(slice(starts));
+        for ((dst, src), &start) in rows {
+            if start != 0.0 {
+                dst.fill(0.0);
+            } else {
+                dst.copy_from_slice(src);
+            }
+        }
+        Ok(())
+    }
+
+    fn gru_cell_forward(
+        &mut self,
+        gi: View<'_, Self>,
+        gh: View<'_, Self>,
+        h_prev: View<'_, Self>,
+        hidden: usize,
+        gates: ViewMut<'_, Self>,
+        h_out: ViewMut<'_, Self>,
+    ) -> Result<(), BackendError> {
+        let op = "gru_cell_forward";
+        let state = h_prev.len();
+        check_len(op, "gi", 3 * state, gi.len())?;
+        check_len(op, "gh", 3 * state, gh.len())?;
+        check_len(op, "gates", 3 * state, gates.len())?;
+        check_len(op, "h_out", state, h_out.len())?;
+        gru_cell_forward(slice(gi), slice(gh), slice(h_prev), hidden, slice_mut(gates), slice_mut(h_out));
+        Ok(())
+    }
+
+    fn gru_cell_backward(
+        &mut self,
+        d_h: ViewMut<'_, Self>,
+        gates: View<'_, Self>,
+        gh: View<'_, Self>,
+        h_prev: View<'_, Self>,
+        hidden: usize,
+        d_gi: ViewMut<'_, Self>,
+        d_gh: ViewMut<'_, Self>,
+    ) -> Result<(), BackendError> {
+        let op = "gru_cell_backward";
+        let state = d_h.len();
+        check_len(op, "gates", 3 * state, gates.len())?;
+        check_len(op, "gh", 3 * state, gh.len())?;
+        check_len(op, "h_prev", state, h_prev.len())?;
+        check_len(op, "d_gi", 3 * state, d_gi.len())?;
+        check_len(op, "d_gh", 3 * state, d_gh.len())?;
+        gru_cell_backward(
+            slice_mut(d_h),
+            slice(gates),
+            slice(gh),
+            slice(h_prev),
+            hidden,
+            slice_mut(d_gi),
+            slice_mut(d_gh),
+        );
+        Ok(())
+    }
+
+    fn gru_carry_grad(
+        &mut self,
+        d_h: ViewMut<'_, Self>,
+        starts_next: Option<View<'_, Self>>,
+        from_heads: View<'_, Self>,
+        hidden: usize,
+    ) -> Result<(), BackendError> {
+        check_len("gru_carry_grad", "from_heads", d_h.len(), from_heads.len())?;
+        let d_h = slice_mut(d_h);
+        if let Some(starts) = starts_next {
+            check_len("gru_carry_grad", "starts_next", d_h.len(), starts.len() * hidden)?;
+            for (d_row, &start) in d_h.chunks_exact_mut(hidden).zip(slice(starts)) {
+                if start != 0.0 {
+                    d_row.fill(0.0);
+                }
+            }
+        }
+        for (d, &from_heads) in d_h.iter_mut().zip(slice(from_heads)) {
+            *d += from_heads;
+        }
+        Ok(())
+    }
+
+    fn action_log_probs(
+        &mut self,
+        heads: View<'_, Self>,
+        n_actions: usize,
+        actions_view: View<'_, Self>,
+        reference: Option<View<'_, Self>>,
+        out: ViewMut<'_, Self>,
+    ) -> Result<(), BackendError> {
+        let n = out.len();
+        let stride = n_actions + 1;
+        check_len("action_log_probs", "heads", n * stride, heads.len())?;
+        check_len("action_log_probs", "actions", n, actions_view.len())?;
+        if let Some(reference) = reference {
+            check_len("action_log_probs", "reference", n, reference.len())?;
+        }
+        let mut log_probs = [0.0f32; 16];
+        let mut log_probs_heap = Vec::new();
+        let log_probs: &mut [f32] = if n_actions <= log_probs.len() {
+            &mut log_probs[..n_actions]
+        } else {
+            log_probs_heap.resize(n_actions, 0.0);
+            &mut log_probs_heap
+        };
+        let out = slice_mut(out);
+        let reference = reference.map(slice);
+        for (i, (row, &action)) in slice(heads).chunks_exact(stride).zip(actions(actions_view)).enumerate() {
+            let action = action as usize;
+            if action >= n_actions {
+                return Err(BackendError::Shape {
+                    op: "action_log_probs",
+                    operand: "action",
+                    expected: n_actions,
+                    got: action,
+                });
+            }
+            log_softmax(&row[..n_actions], log_probs);
+            out[i] = log_probs[action] - reference.map_or(0.0, |r| r[i]);
+        }
+        Ok(())
+    }
+
+    fn behaviour_weights(
+        &mut self,
+        prox_log_probs: View<'_, Self>,
+        behaviour_log_probs: View<'_, Self>,
+        clip: f32,
+        out: ViewMut<'_, Self>,
+    ) -> Result<(), BackendError> {
+        check_len("behaviour_weights", "behaviour_log_probs", prox_log_probs.len(), behaviour_log_probs.len())?;
+        check_len("behaviour_weights", "out", prox_log_probs.len(), out.len())?;
+        losses::behaviour_is_weights(slice(prox_log_probs), slice(behaviour_log_probs), clip, slice_mut(out));
+        Ok(())
+    }
+
+    fn gae_scan(
+        &mut self,
+        t_len: usize,
+        b_len: usize,
+        discounts: View<'_, Self>,
+        rewards: View<'_, Self>,
+        values: View<'_, Self>,
+        bootstrap_value: View<'_, Self>,
+        lambda_: f32,
+        advantages: ViewMut<'_, Self>,
+        returns: ViewMut<'_, Self>,
+    ) -> Result<(), BackendError> {
+        let n = t_len * b_len;
+        for (operand, len) in [
+            ("discounts", discounts.len()),
+            ("rewards", rewards.len()),
+            ("values", values.len()),
+            ("advantages", advantages.len()),
+            ("returns", returns.len()),
+        ] {
+            check_len("gae_scan", operand, n, len)?;
+        }
+        check_len("gae_scan", "bootstrap_value", b_len, bootstrap_value.len())?;
+        gae(
+            t_len,
+            b_len,
+            slice(discounts),
+            slice(rewards),
+            slice(values),
+            slice(bootstrap_value),
+            lambda_,
+            slice_mut(advantages),
+            slice_mut(returns),
+        );
+        Ok(())
+    }
+
+    fn begin_evaluations(&mut self, n_evaluations: usize) -> Result<(), BackendError> {
+        self.evaluations.clear();
+        self.evaluations.resize(n_evaluations, Evaluation::default());
+        Ok(())
+    }
+
+    fn vtrace_loss(
+        &mut self,
+        inputs: &VTraceLossInputs<'_, Self>,
+        config: &VTraceLossConfig,
+        outputs: VTraceLossOutputs<'_, Self>,
+        slot: usize,
+    ) -> Result<(), BackendError> {
+        let n = inputs.t_len * inputs.b_len;
+        for (operand, len) in [
+            ("actions", inputs.actions.len()),
+            ("behaviour_log_probs", inputs.behaviour_log_probs.len()),
+            ("rewards", inputs.rewards.len()),
+            ("discounts", inputs.discounts.len()),
+            ("sample_weights", inputs.sample_weights.len()),
+            ("log_rhos", outputs.log_rhos.len()),
+            ("vs", outputs.vs.len()),
+            ("pg_advantages", outputs.pg_advantages.len()),
+        ] {
+            check_len("vtrace_loss", operand, n, len)?;
+        }
+        let rows = n + inputs.b_len;
+        check_len("vtrace_loss", "heads", rows * (inputs.n_actions + 1), inputs.heads.len())?;
+        check_len("vtrace_loss", "values", rows, inputs.values.len())?;
+        check_len("vtrace_loss", "d_heads", rows * (inputs.n_actions + 1), outputs.d_heads.len())?;
+        check_actions(actions(inputs.actions), inputs.n_actions, "vtrace_loss")?;
+        let batch = SequenceBatch {
+            t_len: inputs.t_len,
+            b_len: inputs.b_len,
+            n_actions: inputs.n_actions,
+            actions: actions(inputs.actions),
+            behaviour_log_probs: slice(inputs.behaviour_log_probs),
+            rewards: slice(inputs.rewards),
+            discounts: slice(inputs.discounts),
+            sample_weights: slice(inputs.sample_weights),
+        };
+        let (sums, weight_sum) = losses::vtrace_loss_heads(
+            &batch,
+            slice(inputs.heads),
+            slice(inputs.values),
+            config,
+            slice_mut(outputs.log_rhos),
+            slice_mut(outputs.vs),
+            slice_mut(outputs.pg_advantages),
+            slice_mut(outputs.d_heads),
+        );
+        let evaluation = self.slot(slot)?;
+        evaluation.sums = sums;
+        evaluation.weight_sum = weight_sum;
+        Ok(())
+    }
+
+    fn ppo_loss(
+        &mut self,
+        inputs: &PpoLossInputs<'_, Self>,
+        config: &PpoLossConfig,
+        d_heads: ViewMut<'_, Self>,
+        slot: usize,
+    ) -> Result<(), BackendError> {
+        let n = inputs.n_samples;
+        for (operand, len) in [
+            ("values", inputs.values.len()),
+            ("actions", inputs.actions.len()),
+            ("sample_weights", inputs.sample_weights.len()),
+            ("advantages", inputs.advantages.len()),
+            ("returns", inputs.returns.len()),
+            ("prox_log_probs", inputs.prox_log_probs.len()),
+            ("is_weights", inputs.is_weights.len()),
+        ] {
+            check_len("ppo_loss", operand, n, len)?;
+        }
+        check_len("ppo_loss", "heads", n * (inputs.n_actions + 1), inputs.heads.len())?;
+        check_len("ppo_loss", "d_heads", n * (inputs.n_actions + 1), d_heads.len())?;
+        check_actions(actions(inputs.actions), inputs.n_actions, "ppo_loss")?;
+        // The PPO loss treats samples independently, so one row of n samples is its batch.
+        let batch = SequenceBatch {
+            t_len: 1,
+            b_len: n,
+            n_actions: inputs.n_actions,
+            actions: actions(inputs.actions),
+            behaviour_log_probs: &[],
+            rewards: &[],
+            discounts: &[],
+            sample_weights: slice(inputs.sample_weights),
+        };
+        let targets = PpoTargets {
+            advantages: slice(inputs.advantages),
+            returns: slice(inputs.returns),
+            prox_log_probs: slice(inputs.prox_log_probs),
+            is_weights: slice(inputs.is_weights),
+        };
+        let (sums, weight_sum) = losses::ppo_loss_heads(
+            &batch,
+            &targets,
+            slice(inputs.heads),
+            slice(inputs.values),
+            config,
+            slice_mut(d_heads),
+        );
+        let evaluation = self.slot(slot)?;
+        evaluation.sums = sums;
+        evaluation.weight_sum = weight_sum;
+        Ok(())
+    }
+
+    fn gather_columns(
+        &mut self,
+        src: View<'_, Self>,
+        rows: usize,
+        b_len: usize,
+        width: usize,
+        columns: &Vec<u32>,
+        columns_offset: usize,
+        n_columns: usize,
+        dst: ViewMut<'_, Self>,
+    ) -> Result<(), BackendError> {
+        check_len("gather_columns", "src", rows * b_len * width, src.len())?;
+        check_len("gather_columns", "dst", rows * n_columns * width, dst.len())?;
+        let Some(columns) = columns.get(columns_offset..columns_offset + n_columns) else {
+            return Err(BackendError::Shape {
+                op: "gather_columns",
+                operand: "columns",
+                expected: columns_offset + n_columns,
+                got: columns.len(),
+            });
+        };
+        if let Some(&column) = columns.iter().find(|&&c| c as usize >= b_len) {
+            return Err(BackendError::Shape {
+                op: "gather_columns",
+                operand: "column",
+                expected: b_len,
+                got: column as usize,
+            });
+        }
+        let (src, dst) = (slice(src), slice_mut(dst));
+        for (src_row, dst_row) in src.chunks_exact(b_len * width).zip(dst.chunks_exact_mut(n_columns * width)) {
+            for (&column, dst) in columns.iter().zip(dst_row.chunks_exact_mut(width)) {
+                let column = column as usize;
+                dst.copy_from_slice(&src_row[column * width..(column + 1) * width]);
+            }
+        }
+        Ok(())
+    }
+
+    fn step_count(&mut self, t: u64) -> Result<u64, BackendError> {
+        Ok(t)
+    }
+
+    fn read_step_count(&mut self, step: &u64) -> Result<u64, BackendError> {
+        Ok(*step)
+    }
+
+    fn clip_adam_step(
+        &mut self,
+        params: ViewMut<'_, Self>,
+        grads: ViewMut<'_, Self>,
+        adam_m: ViewMut<'_, Self>,
+        adam_v: ViewMut<'_, Self>,
+        step: &mut u64,
+        config: &AdamConfig,
+        learning_rate: f32,
+        max_grad_norm: f32,
+        slot: usize,
+    ) -> Result<(), BackendError> {
+        let n = params.len();
+        for (operand, len) in [("grads", grads.len()), ("adam_m", adam_m.len()), ("adam_v", adam_v.len())] {
+            check_len("clip_adam_step", operand, n, len)?;
+        }
+        let grads = slice_mut(grads);
+        let norm = clip_grad_global_norm(grads, max_grad_norm);
+        self.slot(slot)?.grad_norm = norm;
+        if norm.is_finite() {
+            adam_step(config, slice_mut(params), grads, slice_mut(adam_m), slice_mut(adam_v), step, learning_rate);
+        }
+        Ok(())
+    }
+
+    fn read_evaluations(&mut self, out: &mut Vec<Evaluation>) -> Result<(), BackendError> {
+        out.clear();
+        out.extend_from_slice(&self.evaluations);
+        Ok(())
+    }
+}
+
+/// Segments are validated on arrival; an out-of-range action here is refused, not indexed.
+fn check_actions(actions: &[u32], n_actions: usize, op: &'static str) -> Result<(), BackendError> {
+    match actions.iter().find(|&&a| a as usize >= n_actions) {
+        Some(&action) => Err(BackendError::Shape { op, operand: "action", expected: n_actions, got: action as usize }),
+        None => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gather_columns_takes_whole_columns_in_the_given_order() {
+        let mut cpu = CpuBackend::new();
+        // [rows 2][b_len 3][width 2]
+        let src: Vec<f32> = (0..12).map(|i| i as f32).collect();
+        let mut columns = None;
+        cpu.upload_indices(&[9, 2, 0], &mut columns).unwrap();
+        let columns = columns.unwrap();
+        let mut dst = vec![0.0; 2 * 2 * 2];
+        cpu.gather_columns(View::of(&src), 2, 3, 2, &columns, 1, 2, ViewMut::of(&mut dst)).unwrap();
+        assert_eq!(dst, [4.0, 5.0, 0.0, 1.0, 10.0, 11.0, 6.0, 7.0]);
+        let err = cpu.gather_columns(View::of(&src), 2, 3, 2, &columns, 0, 2, ViewMut::of(&mut dst)).unwrap_err();
+        assert!(err.to_string().contains("column"), "{err}");
+    }
+
+    #[test]
+    fn a_wrong_length_is_an_error_naming_the_operand() {
+        let mut cpu = CpuBackend::new();
+        let (x, w, b) = (vec![0.0; 6], vec![0.0; 6], vec![0.0; 3]);
+        let mut y = vec![0.0; 5];
+        let err = cpu
+            .dense_forward(View::of(&x), 3, 2, View::of(&w), View::of(&b), 3, None, ViewMut::of(&mut y))
+            .unwrap_err();
+        assert_eq!(err.to_string(), "dense_forward: y expected 9 elements, got 5");
+    }
+
+    #[test]
+    fn action_log_probs_reads_the_logits_of_each_heads_row() {
+        let mut cpu = CpuBackend::new();
+        // Two rows of [logit 0, logit 1, value].
+        let heads = vec![0.0, 0.0, 5.0, 1.0, 0.0, -5.0];
+        let actions = vec![f32::from_bits(1), f32::from_bits(0)];
+        let mut out = vec![0.0; 2];
+        cpu.action_log_probs(View::of(&heads), 2, View::of(&actions), None, ViewMut::of(&mut out)).unwrap();
+        assert!((out[0] - 0.5f32.ln()).abs() < 1e-6);
+        let expected = 1.0 - (1.0f32.exp() + 1.0).ln();
+        assert!((out[1] - expected).abs() < 1e-6, "{out:?}");
+        let bad = vec![f32::from_bits(2), f32::from_bits(0)];
+        assert!(cpu.action_log_probs(View::of(&heads), 2, View::of(&bad), None, ViewMut::of(&mut out)).is_err());
+    }
+}

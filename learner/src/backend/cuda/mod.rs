@@ -1,0 +1,724 @@
+//! The CUDA backend: [`Backend`] on one GPU.
+//!
+//! - [`device`]: the context, streams, cuBLAS handle and the matrix products.
+//! - [`kernels`]: the `.cu` sources in `learner/kernels/`, their NVRTC compilation and one safe
+//!   launcher per kernel.
+//! - [`profile`]: event timings for the benchmarks.
+//!
+//! Parameters, gradients, Adam's moments and step count, activations and loss intermediates
+//! live in device memory for the learner's lifetime (the generic [`crate::train::Trainer`] owns
+//! them as [`CudaSlice`]s). An update uploads one packed batch (page-locked host memory, one
+//! asynchronous copy on the copy stream that the compute stream waits for through an event) and
+//! reads back only the statistics; the clipping decision, Adam's step count and its bias
+//! corrections stay on the device, so a gradient step needs no host round trip. Weights come
+//! back to the host only when the learner publishes or checkpoints them.
+
+pub mod device;
+pub mod kernels;
+pub mod profile;
+#[cfg(test)]
+mod tests;
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaEvent, CudaSlice, CudaView, CudaViewMut, PinnedHostSlice};
+use volley_policy::Activation;
+
+use self::device::Gpu;
+use self::kernels::{
+    PpoLossGradArgs, VTraceLossGradArgs, VTraceScanArgs, ACT_IDENTITY, ACT_RELU, ACT_TANH, SLOT, SLOT_STATS, SLOT_SUMSQ,
+};
+pub use self::profile::{DeviceTiming, KernelTiming};
+use self::profile::{Mark, Profile};
+use super::{Backend, BackendError, Evaluation, PpoLossInputs, VTraceLossInputs, VTraceLossOutputs, View, ViewMut};
+use crate::losses::{PpoLossConfig, VTraceLossConfig, WeightedSums};
+use crate::optim::AdamConfig;
+
+/// A CUDA device with the learner's kernels compiled and loaded, and a cuBLAS handle.
+#[derive(Clone)]
+pub struct CudaDevice {
+    gpu: Arc<Gpu>,
+}
+
+impl std::fmt::Debug for CudaDevice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaDevice").field("description", &self.description()).finish()
+    }
+}
+
+impl CudaDevice {
+    /// The device's name, architecture and ordinal.
+    pub fn description(&self) -> &str {
+        &self.gpu.description
+    }
+}
+
+/// Open CUDA device `ordinal` and compile the kernels for it, or say why not. Never panics on a
+/// machine without CUDA.
+pub fn open_cuda(ordinal: usize) -> Result<CudaDevice, BackendError> {
+    // SAFETY: each probe only tries to dlopen the library's candidate names.
+    let present = unsafe {
+        [
+            (cudarc::driver::sys::is_culib_present(), "driver", "libcuda.so", ": is the NVIDIA driver installed?"),
+            (
+                cudarc::nvrtc::sys::is_culib_present(),
+                "NVRTC",
+                "libnvrtc.so",
+                ": install the CUDA runtime libraries (the learner image has them)",
+            ),
+            (
+                cudarc::cublas::sys::is_culib_present(),
+                "cuBLAS",
+                "libcublas.so",
+                ": install the CUDA runtime libraries (the learner image has them)",
+            ),
+        ]
+    };
+    for (ok, what, file, hint) in present {
+        if !ok {
+            return Err(BackendError::LibraryMissing { what, file, hint });
+        }
+    }
+    // The libraries loaded, so cudarc will not panic for want of them; catch anything else
+    // rather than take the process down.
+    match std::panic::catch_unwind(|| Gpu::open(ordinal)) {
+        Ok(result) => result.map(|gpu| CudaDevice { gpu: Arc::new(gpu) }),
+        Err(panic) => {
+            let message = panic
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_else(|| "unknown panic".into());
+            Err(BackendError::Panicked(message))
+        }
+    }
+}
+
+/// The CUDA backend on one device (see the module documentation).
+pub struct CudaBackend {
+    gpu: Arc<Gpu>,
+    /// Ones for column sums through a product; `ones_filled` of them hold 1.0.
+    ones: CudaSlice<f32>,
+    ones_filled: usize,
+    /// `SLOT` doubles per loss evaluation of the current update (see [`kernels::SLOT`]).
+    evaluation_sums: CudaSlice<f64>,
+    /// The pre-clip gradient norm of each evaluation of the current update.
+    grad_norms: CudaSlice<f32>,
+    n_evaluations: usize,
+    /// Adam's per-step coefficients `[clip scale, step size, 1/√(1 − β₂ᵗ), apply]`.
+    adam_coeffs: CudaSlice<f32>,
+    /// The batch upload: page-locked host buffer, and the event the compute stream waits on.
+    host_stage: Option<PinnedHostSlice<f32>>,
+    uploaded: CudaEvent,
+    // Host scratch for the read-back.
+    host_sums: Vec<f64>,
+    host_norms: Vec<f32>,
+    profile: Option<Profile>,
+}
+
+impl std::fmt::Debug for CudaBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaBackend").field("device", &self.gpu.description).finish()
+    }
+}
+
+fn view<'a>(view: View<'a, CudaBackend>) -> CudaView<'a, f32> {
+    let (buffer, range) = view.parts();
+    buffer.slice(range)
+}
+
+fn view_mut<'a>(view: ViewMut<'a, CudaBackend>) -> CudaViewMut<'a, f32> {
+    let (buffer, range) = view.parts();
+    buffer.slice_mut(range)
+}
+
+/// Record `mark`'s event when profiling.
+fn record(profile: &Option<Profile>, gpu: &Gpu, mark: Mark, on_copy_stream: bool) -> Result<(), BackendError> {
+    if let Some(profile) = profile {
+        let stream = if on_copy_stream { &gpu.copy_stream } else { &gpu.stream };
+        profile.event(mark).record(stream)?;
+    }
+    Ok(())
+}
+
+fn activation_code(act: Option<Activation>) -> i32 {
+    match act {
+        None => ACT_IDENTITY,
+        Some(Activation::Tanh) => ACT_TANH,
+        Some(Activation::Relu) => ACT_RELU,
+    }
+}
+
+impl CudaBackend {
+    /// A backend on an opened device.
+    pub fn new(device: &CudaDevice) -> Result<Self, BackendError> {
+        let gpu = device.gpu.clone();
+        let stream = &gpu.stream;
+        let backend = CudaBackend {
+            ones: stream.alloc_zeros(1)?,
+            ones_filled: 0,
+            evaluation_sums: stream.alloc_zeros(SLOT)?,
+            grad_norms: stream.alloc_zeros(1)?,
+            n_evaluations: 0,
+            adam_coeffs: stream.alloc_zeros(4)?,
+            host_stage: None,
+            uploaded: gpu.ctx.new_event(None)?,
+            host_sums: Vec::new(),
+            host_norms: Vec::new(),
+            profile: None,
+            gpu,
+        };
+        backend.gpu.stream.synchronize()?;
+        Ok(backend)
+    }
+
+    /// Time every update with CUDA events from now on (or stop); see [`Self::last_timing`].
+    pub fn set_profiling(&mut self, on: bool) -> Result<(), BackendError> {
+        self.profile = if on { Some(Profile::new(&self.gpu)?) } else { None };
+        Ok(())
+    }
+
+    /// Device timings of the last update, when profiling.
+    pub fn last_timing(&self) -> Option<DeviceTiming> {
+        self.profile.as_ref().and_then(Profile::last)
+    }
+
+    fn mark(&self, mark: Mark, on_copy_stream: bool) -> Result<(), BackendError> {
+        record(&self.profile, &self.gpu, mark, on_copy_stream)
+    }
+
+    /// At least `rows` ones, for column sums.
+    fn ones(&mut self, rows: usize) -> Result<CudaView<'_, f32>, BackendError> {
+        if self.ones.len() < rows {
+            self.ones = self.gpu.stream.alloc_zeros(rows)?;
+            self.ones_filled = 0;
+        }
+        if self.ones_filled < rows {
+            let len = self.ones.len();
+            self.gpu.kernels.fill(&self.gpu.stream, &mut self.ones.slice_mut(..len), 1.0)?;
+            self.ones_filled = len;
+        }
+        Ok(self.ones.slice(..rows))
+    }
+
+    /// The moments (`[0..3]`), loss sums (`[3..9]`) and `Σ g²` (`[9]`) of evaluation `slot`.
+    fn slot(&mut self, slot: usize) -> Result<CudaViewMut<'_, f64>, BackendError> {
+        if slot >= self.n_evaluations {
+            return Err(BackendError::Shape {
+                op: "evaluation",
+                operand: "slot",
+                expected: self.n_evaluations,
+                got: slot,
+            });
+        }
+        Ok(self.evaluation_sums.slice_mut(slot * SLOT..(slot + 1) * SLOT))
+    }
+}
+
+impl Backend for CudaBackend {
+    type Floats = CudaSlice<f32>;
+    type Indices = CudaSlice<u32>;
+    type StepCount = CudaSlice<f64>;
+
+    fn description(&self) -> String {
+        format!("cuda: {}", self.gpu.description)
+    }
+
+    fn len(buffer: &CudaSlice<f32>) -> usize {
+        buffer.len()
+    }
+
+    fn alloc(&mut self, len: usize) -> Result<CudaSlice<f32>, BackendError> {
+        Ok(self.gpu.stream.alloc_zeros::<f32>(len.max(1))?)
+    }
+
+    fn upload_indices(&mut self, indices: &[u32], dst: &mut Option<CudaSlice<u32>>) -> Result<(), BackendError> {
+        let n = indices.len();
+        if dst.as_ref().is_none_or(|d| d.len() < n.max(1)) {
+            *dst = Some(self.gpu.stream.alloc_zeros::<u32>(n.max(1))?);
+        }
+        let dst = dst.as_mut().expect("allocated above");
+        self.gpu.stream.memcpy_htod(indices, &mut dst.slice_mut(..n))?;
+        Ok(())
+    }
+
+    fn upload(&mut self, host: &[f32], dst: ViewMut<'_, Self>) -> Result<(), BackendError> {
+        super::check_len("upload", "dst", host.len(), dst.len())?;
+        self.gpu.stream.memcpy_htod(host, &mut view_mut(dst))?;
+        Ok(())
+    }
+
+    fn upload_packed(
+        &mut self,
+        len: usize,
+        pack: &mut dyn FnMut(&mut [f32]),
+        dst: &mut CudaSlice<f32>,
+    ) -> Result<(), BackendError> {
+        if self.host_stage.as_ref().is_none_or(|h| h.len() != len) {
+            // SAFETY: page-locked memory of plain f32s; `pack` writes every word before the copy.
+            self.host_stage = Some(unsafe { self.gpu.ctx.alloc_pinned::<f32>(len.max(1)) }?);
+        }
+        if dst.len() < len {
+            *dst = self.gpu.stream.alloc_zeros::<f32>(len.max(1))?;
+            // The copy stream must not touch the buffer before its stream-ordered allocation.
+            self.gpu.stream.synchronize()?;
+        }
+        let host = self.host_stage.as_mut().expect("allocated above");
+        // Waits for the previous copy out of this buffer to finish before handing it out.
+        let words = host.as_mut_slice()?;
+        pack(&mut words[..len]);
+        // The device buffer is free: every update ends with a blocking read-back, so no kernel
+        // still reads the previous batch.
+        record(&self.profile, &self.gpu, Mark::UploadStart, true)?;
+        let host_len = host.len();
+        self.gpu.copy_stream.memcpy_htod(&*host, &mut dst.slice_mut(..host_len))?;
+        record(&self.profile, &self.gpu, Mark::UploadEnd, true)?;
+        self.uploaded.record(&self.gpu.copy_stream)?;
+        self.gpu.stream.wait(&self.uploaded)?;
+        self.mark(Mark::ComputeStart, false)
+    }
+
+    fn download(&mut self, src: View<'_, Self>, host: &mut [f32]) -> Result<(), BackendError> {
+        super::check_len("download", "host", src.len(), host.len())?;
+        self.gpu.stream.memcpy_dtoh(&view(src), host)?;
+        self.gpu.stream.synchronize()?;
+        Ok(())
+    }
+
+    fn host_slice<'a>(&self, _src: View<'a, Self>) -> Option<&'a [f32]> {
+        None
+    }
+
+    fn fill(&mut self, x: ViewMut<'_, Self>, value: f32) -> Result<(), BackendError> {
+        self.gpu.kernels.fill(&self.gpu.stream, &mut view_mut(x), value)
+    }
+
+    fn dense_forward(
+        &mut self,
+        x: View<'_, Self>,
+        rows: usize,
+        n_in: usize,
+        weight: View<'_, Self>,
+        bias: View<'_, Self>,
+        n_out: usize,
+        act: Option<Activation>,
+        y: ViewMut<'_, Self>,
+    ) -> Result<(), BackendError> {
+        let op = "dense_forward";
+        super::check_len(op, "x", rows * n_in, x.len())?;
+        super::check_len(op, "weight", n_out * n_in, weight.len())?;
+        super::check_len(op, "bias", n_out, bias.len())?;
+        super::check_len(op, "y", rows * n_out, y.len())?;
+        let gpu = &self.gpu;
+        let mut y = view_mut(y);
+        gpu.gemm_xwt(&view(x), rows, n_in, &view(weight), n_out, &mut y)?;
+        gpu.kernels.bias_act_fwd(&gpu.stream, &mut y, &view(bias), rows, activation_code(act))
+    }
+
+    fn act_backward(&mut self, dy: ViewMut<'_, Self>, y: View<'_, Self>, act: Activation) -> Result<(), BackendError> {
+        self.gpu.kernels.act_bwd(&self.gpu.stream, &mut view_mut(dy), &view(y), activation_code(Some(act)))
+    }
+
+    fn matmul_dw(
+        &mut self,
+        dy: View<'_, Self>,
+        x: View<'_, Self>,
+        rows: usize,
+        n_out: usize,
+        n_in: usize,
+        dw: ViewMut<'_, Self>,
+    ) -> Result<(), BackendError> {
+        super::check_len("matmul_dw", "dy", rows * n_out, dy.len())?;
+        super::check_len("matmul_dw", "x", rows * n_in, x.len())?;
+        super::check_len("matmul_dw", "dw", n_out * n_in, dw.len())?;
+        self.gpu.gemm_dw(&view(dy), rows, n_out, &view(x), n_in, &mut view_mut(dw))
+    }
+
+    fn matmul_dx(
+        &mut self,
+        dy: View<'_, Self>,
+        rows: usize,
+        n_out: usize,
+        weight: View<'_, Self>,
+        n_in: usize,
+        dx: ViewMut<'_, Self>,
+        accumulate: bool,
+    ) -> Result<(), BackendError> {
+        super::check_len("matmul_dx", "dy", rows * n_out, dy.len())?;
+        super::check_len("matmul_dx", "weight", n_out * n_in, weight.len())?;
+        super::check_len("matmul_dx", "dx", rows * n_in, dx.len())?;
+        let beta = if accumulate { 1.0 } else { 0.0 };
+        self.gpu.gemm_dx(&view(dy), rows, n_out, &view(weight), n_in, &mut view_mut(dx), beta)
+    }
+
+    fn column_sums(&mut self, dy: View<'_, Self>, rows: usize, out: ViewMut<'_, Self>) -> Result<(), BackendError> {
+        super::check_len("column_sums", "dy", rows * out.len(), dy.len())?;
+        let gpu = self.gpu.clone();
+        let ones = self.ones(rows)?;
+        gpu.column_sums(&view(dy), rows, &ones, &mut view_mut(out))
+    }
+
+    fn take_column(
+        &mut self,
+        src: View<'_, Self>,
+        rows: usize,
+        width: usize,
+        column: usize,
+        dst: ViewMut<'_, Self>,
+    ) -> Result<(), BackendError> {
+        super::check_len("take_column", "dst", rows, dst.len())?;
+        self.gpu.kernels.take_column(&self.gpu.stream, &view(src), width, column, &mut view_mut(dst))
+    }
+
+    fn gru_reset_copy(
+        &mut self,
+        src: View<'_, Self>,
+        starts: View<'_, Self>,
+        hidden: usize,
+        dst: ViewMut<'_, Self>,
+    ) -> Result<(), BackendError> {
+        self.gpu.kernels.gru_reset_copy(&self.gpu.stream, &view(src), &view(starts), hidden, &mut view_mut(dst))
+    }
+
+    fn gru_cell_forward(
+        &mut self,
+        gi: View<'_, Self>,
+        gh: View<'_, Self>,
+        h_prev: View<'_, Self>,
+        hidden: usize,
+        gates: ViewMut<'_, Self>,
+        h_out: ViewMut<'_, Self>,
+    ) -> Result<(), BackendError> {
+        self.gpu.kernels.gru_cell_fwd(
+            &self.gpu.stream,
+            &view(gi),
+            &view(gh),
+            &view(h_prev),
+            hidden,
+            &mut view_mut(gates),
+            &mut view_mut(h_out),
+        )
+    }
+
+    fn gru_cell_backward(
+        &mut self,
+        d_h: ViewMut<'_, Self>,
+        gates: View<'_, Self>,
+        gh: View<'_, Self>,
+        h_prev: View<'_, Self>,
+        hidden: usize,
+        d_gi: ViewMut<'_, Self>,
+        d_gh: ViewMut<'_, Self>,
+    ) -> Result<(), BackendError> {
+        self.gpu.kernels.gru_cell_bwd(
+            &self.gpu.stream,
+            &mut view_mut(d_h),
+            &view(gates),
+            &view(gh),
+            &view(h_prev),
+            hidden,
+            &mut view_mut(d_gi),
+            &mut view_mut(d_gh),
+        )
+    }
+
+    fn gru_carry_grad(
+        &mut self,
+        d_h: ViewMut<'_, Self>,
+        starts_next: Option<View<'_, Self>>,
+        from_heads: View<'_, Self>,
+        hidden: usize,
+    ) -> Result<(), BackendError> {
+        let starts = starts_next.map(view);
+        self.gpu.kernels.gru_carry_grad(
+            &self.gpu.stream,
+            &mut view_mut(d_h),
+            starts.as_ref(),
+            &view(from_heads),
+            hidden,
+        )
+    }
+
+    fn action_log_probs(
+        &mut self,
+        heads: View<'_, Self>,
+        n_actions: usize,
+        actions: View<'_, Self>,
+        reference: Option<View<'_, Self>>,
+        out: ViewMut<'_, Self>,
+    ) -> Result<(), BackendError> {
+        super::check_len("action_log_probs", "heads", out.len() * (n_actions + 1), heads.len())?;
+        let reference = reference.map(view);
+        self.gpu.kernels.action_log_probs(
+            &self.gpu.stream,
+            &view(heads),
+            n_actions,
+            &view(actions),
+            reference.as_ref(),
+            &mut view_mut(out),
+        )
+    }
+
+    fn behaviour_weights(
+        &mut self,
+        prox_log_probs: View<'_, Self>,
+        behaviour_log_probs: View<'_, Self>,
+        clip: f32,
+        out: ViewMut<'_, Self>,
+    ) -> Result<(), BackendError> {
+        self.gpu.kernels.behaviour_weights(
+            &self.gpu.stream,
+            &view(prox_log_probs),
+            &view(behaviour_log_probs),
+            clip,
+            &mut view_mut(out),
+        )
+    }
+
+    fn gae_scan(
+        &mut self,
+        t_len: usize,
+        b_len: usize,
+        discounts: View<'_, Self>,
+        rewards: View<'_, Self>,
+        values: View<'_, Self>,
+        bootstrap_value: View<'_, Self>,
+        lambda_: f32,
+        advantages: ViewMut<'_, Self>,
+        returns: ViewMut<'_, Self>,
+    ) -> Result<(), BackendError> {
+        self.gpu.kernels.gae_scan(
+            &self.gpu.stream,
+            t_len,
+            b_len,
+            &view(discounts),
+            &view(rewards),
+            &view(values),
+            &view(bootstrap_value),
+            lambda_,
+            &mut view_mut(advantages),
+            &mut view_mut(returns),
+        )
+    }
+
+    fn begin_evaluations(&mut self, n_evaluations: usize) -> Result<(), BackendError> {
+        let stream = &self.gpu.stream;
+        if self.evaluation_sums.len() < n_evaluations * SLOT {
+            self.evaluation_sums = stream.alloc_zeros(n_evaluations * SLOT)?;
+            self.grad_norms = stream.alloc_zeros(n_evaluations.max(1))?;
+        }
+        stream.memset_zeros(&mut self.evaluation_sums)?;
+        self.n_evaluations = n_evaluations;
+        Ok(())
+    }
+
+    fn vtrace_loss(
+        &mut self,
+        inputs: &VTraceLossInputs<'_, Self>,
+        config: &VTraceLossConfig,
+        outputs: VTraceLossOutputs<'_, Self>,
+        slot: usize,
+    ) -> Result<(), BackendError> {
+        let (t_len, b_len) = (inputs.t_len, inputs.b_len);
+        let n = t_len * b_len;
+        super::check_len("vtrace_loss", "values", n + b_len, inputs.values.len())?;
+        let gpu = self.gpu.clone();
+        let stream = &gpu.stream;
+        let mut log_rhos = view_mut(outputs.log_rhos);
+        let mut vs = view_mut(outputs.vs);
+        let mut pg_advantages = view_mut(outputs.pg_advantages);
+        let mut d_heads = view_mut(outputs.d_heads);
+        let values = inputs.values;
+        gpu.kernels.action_log_probs(
+            stream,
+            &view(inputs.heads),
+            inputs.n_actions,
+            &view(inputs.actions),
+            Some(&view(inputs.behaviour_log_probs)),
+            &mut log_rhos,
+        )?;
+        let scan = VTraceScanArgs {
+            t_len,
+            b_len,
+            log_rhos: log_rhos.as_view(),
+            discounts: view(inputs.discounts),
+            rewards: view(inputs.rewards),
+            values: view(values.slice(0..n)),
+            bootstrap: view(values.slice(n..n + b_len)),
+            rho_bar: config.vtrace.clip_rho_threshold,
+            pg_rho_bar: config.vtrace.clip_pg_rho_threshold,
+            c_bar: config.vtrace.clip_c_threshold,
+            lambda_: config.vtrace.lambda_,
+        };
+        gpu.kernels.vtrace_scan(stream, &scan, &mut vs, &mut pg_advantages)?;
+        let mut slot_sums = self.slot(slot)?;
+        let (mut moments, mut rest) = slot_sums.split_at_mut(SLOT_STATS);
+        let mut stats = rest.slice_mut(..6);
+        let weights = view(inputs.sample_weights);
+        gpu.kernels.weighted_sum(stream, &weights, None, &mut moments)?;
+        let args = VTraceLossGradArgs {
+            heads: view(inputs.heads),
+            n_actions: inputs.n_actions,
+            actions: view(inputs.actions),
+            weights,
+            values: view(values),
+            vs: vs.as_view(),
+            log_rhos: log_rhos.as_view(),
+            pg_advantages: pg_advantages.as_view(),
+            rho_bar: config.vtrace.clip_rho_threshold,
+            value_coef: config.value_coef,
+            ent_coef: config.ent_coef,
+        };
+        gpu.kernels.vtrace_loss_grad(stream, &args, &mut moments, &mut d_heads, &mut stats)
+    }
+
+    fn ppo_loss(
+        &mut self,
+        inputs: &PpoLossInputs<'_, Self>,
+        config: &PpoLossConfig,
+        d_heads: ViewMut<'_, Self>,
+        slot: usize,
+    ) -> Result<(), BackendError> {
+        let gpu = self.gpu.clone();
+        let stream = &gpu.stream;
+        let mut slot_sums = self.slot(slot)?;
+        let (mut moments, mut rest) = slot_sums.split_at_mut(SLOT_STATS);
+        let mut stats = rest.slice_mut(..6);
+        let weights = view(inputs.sample_weights);
+        let advantages = view(inputs.advantages);
+        gpu.kernels.weighted_sum(stream, &weights, Some(&advantages), &mut moments)?;
+        if config.normalize_advantages {
+            gpu.kernels.weighted_var(stream, &weights, &advantages, &mut moments)?;
+        }
+        let args = PpoLossGradArgs {
+            heads: view(inputs.heads),
+            n_actions: inputs.n_actions,
+            actions: view(inputs.actions),
+            weights,
+            values: view(inputs.values),
+            advantages,
+            returns: view(inputs.returns),
+            prox_log_probs: view(inputs.prox_log_probs),
+            is_weights: view(inputs.is_weights),
+            clip_coef: config.clip_coef,
+            value_coef: config.value_coef,
+            ent_coef: config.ent_coef,
+            normalize: config.normalize_advantages,
+        };
+        gpu.kernels.ppo_loss_grad(stream, &args, &mut moments, &mut view_mut(d_heads), &mut stats)
+    }
+
+    fn gather_columns(
+        &mut self,
+        src: View<'_, Self>,
+        rows: usize,
+        b_len: usize,
+        width: usize,
+        columns: &CudaSlice<u32>,
+        columns_offset: usize,
+        n_columns: usize,
+        dst: ViewMut<'_, Self>,
+    ) -> Result<(), BackendError> {
+        if columns.len() < columns_offset + n_columns {
+            return Err(BackendError::Shape {
+                op: "gather_columns",
+                operand: "columns",
+                expected: columns_offset + n_columns,
+                got: columns.len(),
+            });
+        }
+        let columns = columns.slice(columns_offset..columns_offset + n_columns);
+        self.gpu.kernels.gather_columns(&self.gpu.stream, &view(src), rows, b_len, width, &columns, &mut view_mut(dst))
+    }
+
+    fn step_count(&mut self, t: u64) -> Result<CudaSlice<f64>, BackendError> {
+        // Adam's t is a double on the device; exact up to 2^53 steps.
+        Ok(self.gpu.stream.clone_htod(&[t as f64])?)
+    }
+
+    fn read_step_count(&mut self, step: &CudaSlice<f64>) -> Result<u64, BackendError> {
+        let mut t = [0.0f64];
+        self.gpu.stream.memcpy_dtoh(step, &mut t)?;
+        self.gpu.stream.synchronize()?;
+        Ok(t[0] as u64)
+    }
+
+    fn clip_adam_step(
+        &mut self,
+        params: ViewMut<'_, Self>,
+        grads: ViewMut<'_, Self>,
+        adam_m: ViewMut<'_, Self>,
+        adam_v: ViewMut<'_, Self>,
+        step: &mut CudaSlice<f64>,
+        config: &AdamConfig,
+        learning_rate: f32,
+        max_grad_norm: f32,
+        slot: usize,
+    ) -> Result<(), BackendError> {
+        let gpu = self.gpu.clone();
+        let stream = &gpu.stream;
+        let grads = view_mut(grads);
+        {
+            let mut slot_sums = self.slot(slot)?;
+            let mut sumsq = slot_sums.slice_mut(SLOT_SUMSQ..SLOT_SUMSQ + 1);
+            gpu.kernels.sum_squares(stream, &grads.as_view(), &mut sumsq)?;
+        }
+        let sumsq = self.evaluation_sums.slice(slot * SLOT + SLOT_SUMSQ..slot * SLOT + SLOT_SUMSQ + 1);
+        gpu.kernels.adam_prepare(
+            stream,
+            &sumsq,
+            &mut step.slice_mut(..1),
+            &mut self.adam_coeffs.slice_mut(..4),
+            &mut self.grad_norms.slice_mut(slot..slot + 1),
+            learning_rate,
+            max_grad_norm,
+            config.beta1,
+            config.beta2,
+        )?;
+        gpu.kernels.adam_step(
+            stream,
+            &mut view_mut(params),
+            &grads.as_view(),
+            &mut view_mut(adam_m),
+            &mut view_mut(adam_v),
+            &self.adam_coeffs.slice(..4),
+            config.beta1,
+            config.beta2,
+            config.eps,
+        )
+    }
+
+    fn read_evaluations(&mut self, out: &mut Vec<Evaluation>) -> Result<(), BackendError> {
+        let n = self.n_evaluations;
+        self.mark(Mark::ReadbackStart, false)?;
+        self.host_sums.resize(n * SLOT, 0.0);
+        self.host_norms.resize(n, 0.0);
+        if n > 0 {
+            let stream = &self.gpu.stream;
+            stream.memcpy_dtoh(&self.evaluation_sums.slice(..n * SLOT), &mut self.host_sums[..])?;
+            stream.memcpy_dtoh(&self.grad_norms.slice(..n), &mut self.host_norms[..])?;
+        }
+        self.mark(Mark::ReadbackEnd, false)?;
+        self.gpu.stream.synchronize()?;
+        if let Some(profile) = &mut self.profile {
+            profile.finish()?;
+        }
+        out.clear();
+        out.extend(self.host_sums.chunks_exact(SLOT).zip(&self.host_norms).map(|(slot, &grad_norm)| {
+            let s = &slot[SLOT_STATS..];
+            Evaluation {
+                weight_sum: slot[0],
+                sums: WeightedSums {
+                    policy: s[0],
+                    value: s[1],
+                    entropy: s[2],
+                    ratio: s[3],
+                    clipped: s[4],
+                    approx_kl: s[5],
+                },
+                grad_norm,
+            }
+        }));
+        Ok(())
+    }
+}

@@ -1,0 +1,683 @@
+//! Parity of the CUDA backend with the CPU backend: every operation of [`Backend`], the
+//! generic network's forward and backward, the fused losses, the optimiser and whole updates,
+//! on fresh random inputs, with relative-error bounds suited to f32 (different summation
+//! orders, fused multiply-adds).
+//!
+//! Each check is generic over the backend under test and compares it with [`CpuBackend`]; the
+//! `*_harness_*` tests run every check with the CPU backend in that role, so CI exercises the
+//! harness itself. The CUDA runs need a device: without one each test prints
+//! `SKIPPED: <reason>` and passes, unless `VOLLEY_REQUIRE_CUDA=1` (set by
+//! `scripts/gpu-check.sh`), which turns a missing device into a failure.
+
+use rand::{Rng, SeedableRng};
+use rand_pcg::Pcg64Mcg;
+use volley_core::ids::{PolicyVersion, RunId};
+use volley_core::spec::{HyperParams, LossKind, RunSpec};
+use volley_env::EnvConfig;
+use volley_policy::returns::{vtrace, VTraceConfig};
+use volley_policy::{Activation, CoreKind, ParamLayout, PolicySpec};
+
+use super::*;
+use crate::backend::{
+    Backend, CpuBackend, Evaluation, PpoLossInputs, VTraceLossInputs, VTraceLossOutputs, View, ViewMut,
+};
+use crate::batch::SegmentBatch;
+use crate::learner::Learner;
+use crate::losses::{LossStats, PpoLossConfig, VTraceLossConfig};
+use crate::net::Network;
+use crate::optim::AdamConfig;
+
+fn device_or_skip(test: &str) -> Option<CudaDevice> {
+    match open_cuda(0) {
+        Ok(device) => Some(device),
+        Err(err) => {
+            assert!(
+                std::env::var("VOLLEY_REQUIRE_CUDA").map_or(true, |v| v != "1"),
+                "{test}: VOLLEY_REQUIRE_CUDA=1 but the CUDA backend cannot start: {err}"
+            );
+            eprintln!("SKIPPED {test}: no usable CUDA device ({err})");
+            None
+        }
+    }
+}
+
+/// The CUDA backend on the device, or `None` (skipped).
+fn cuda_or_skip(test: &str) -> Option<CudaBackend> {
+    device_or_skip(test).map(|device| CudaBackend::new(&device).expect("backend on an opened device"))
+}
+
+fn rng(seed: u64) -> Pcg64Mcg {
+    Pcg64Mcg::seed_from_u64(seed)
+}
+
+fn uniform(rng: &mut Pcg64Mcg, n: usize, lo: f32, hi: f32) -> Vec<f32> {
+    (0..n).map(|_| rng.random_range(lo..hi)).collect()
+}
+
+/// `|a − b| ≤ atol + rtol · max(|a|, |b|)` element-wise, reporting the worst element.
+#[track_caller]
+fn assert_close(name: &str, other: &[f32], cpu: &[f32], rtol: f32, atol: f32) {
+    assert_eq!(other.len(), cpu.len(), "{name}: lengths differ");
+    let mut worst = (0usize, 0.0f32);
+    for (i, (&g, &c)) in other.iter().zip(cpu).enumerate() {
+        assert!(g.is_finite() == c.is_finite(), "{name}[{i}]: backend {g}, cpu {c}");
+        if !c.is_finite() {
+            continue;
+        }
+        let excess = (g - c).abs() - (atol + rtol * g.abs().max(c.abs()));
+        if excess > worst.1 {
+            worst = (i, excess);
+        }
+    }
+    let i = worst.0;
+    assert!(worst.1 <= 0.0, "{name}[{i}]: backend {} vs cpu {} (rtol {rtol}, atol {atol})", other[i], cpu[i]);
+}
+
+/// A buffer on `backend` holding `host`.
+fn put<B: Backend>(backend: &mut B, host: &[f32]) -> B::Floats {
+    let mut buffer = backend.alloc(host.len()).expect("alloc");
+    backend.upload(host, ViewMut::range(&mut buffer, 0..host.len())).expect("upload");
+    buffer
+}
+
+/// The first `n` floats of `buffer`.
+fn get<B: Backend>(backend: &mut B, buffer: &B::Floats, n: usize) -> Vec<f32> {
+    let mut host = vec![0.0; n];
+    backend.download(View::range(buffer, 0..n), &mut host).expect("download");
+    host
+}
+
+fn actions_as_words(actions: &[u32]) -> Vec<f32> {
+    actions.iter().map(|&a| f32::from_bits(a)).collect()
+}
+
+/// Parameters large enough that every path carries signal (the default init's 0.01 policy
+/// head would hide torso errors).
+fn random_params(layout: &ParamLayout, rng: &mut Pcg64Mcg) -> Vec<f32> {
+    let mut params = vec![0.0; layout.n_params()];
+    for entry in layout.entries() {
+        let scale = if entry.rows == 1 { 0.5 } else { 1.5 / (entry.cols as f32).sqrt() };
+        for p in &mut params[entry.range()] {
+            *p = rng.random_range(-scale..scale);
+        }
+    }
+    params
+}
+
+fn specs() -> Vec<PolicySpec> {
+    vec![
+        PolicySpec { obs_dim: 5, n_actions: 3, torso: vec![32, 16], activation: Activation::Tanh, core: CoreKind::Mlp },
+        PolicySpec { obs_dim: 4, n_actions: 2, torso: vec![24], activation: Activation::Relu, core: CoreKind::Mlp },
+        PolicySpec::gru(6, 4, &[16], Activation::Tanh, 12),
+        PolicySpec {
+            obs_dim: 3,
+            n_actions: 2,
+            torso: vec![],
+            activation: Activation::Tanh,
+            core: CoreKind::Gru { hidden: 8 },
+        },
+    ]
+}
+
+/// The network's heads, values and parameter gradients on `backend` and on the CPU.
+fn check_network<B: Backend>(backend: &mut B) {
+    let mut cpu = CpuBackend::new();
+    for (case, spec) in specs().into_iter().enumerate() {
+        let layout = ParamLayout::new(&spec).expect("valid spec");
+        let mut r = rng(case as u64);
+        let params = random_params(&layout, &mut r);
+        let (t_len, b_len) = (7, 5);
+        let rows = t_len * b_len;
+        let hidden = layout.recurrent_size();
+        let stride = spec.n_actions + 1;
+        let obs = uniform(&mut r, rows * spec.obs_dim, -1.0, 1.0);
+        let starts: Vec<f32> = (0..rows).map(|i| f32::from(i % 11 == 6)).collect();
+        let h0 = uniform(&mut r, b_len * hidden, -0.5, 0.5);
+        let d_heads = uniform(&mut r, rows * stride, -1.0, 1.0);
+        let name = format!("case {case} ({spec:?})");
+
+        let on = |backend: &mut B| {
+            let (p, o, s, h, d) = (
+                put(backend, &params),
+                put(backend, &obs),
+                put(backend, &starts),
+                put(backend, &h0),
+                put(backend, &d_heads),
+            );
+            let mut net = Network::new(backend, &layout).unwrap();
+            net.forward(backend, &p, View::of(&o), View::of(&s), View::range(&h, 0..h0.len()), t_len, b_len).unwrap();
+            let heads = net.heads().parts();
+            let values = net.values().parts();
+            let (heads_buf, heads_range) = heads;
+            let heads = get(backend, heads_buf, heads_range.end);
+            let values = get(backend, values.0, values.1.end);
+            let mut grads = backend.alloc(params.len()).unwrap();
+            net.backward(backend, &p, View::of(&d), View::of(&o), View::of(&s), &mut grads).unwrap();
+            (heads, values, get(backend, &grads, params.len()))
+        };
+        let (heads, values, grads) = on(backend);
+        let on_cpu = |cpu: &mut CpuBackend| {
+            let mut net = Network::new(cpu, &layout).unwrap();
+            net.forward(cpu, &params, View::of(&obs), View::of(&starts), View::of(&h0), t_len, b_len).unwrap();
+            let heads = net.heads().parts();
+            let values = net.values().parts();
+            let (heads, values) = (heads.0[heads.1].to_vec(), values.0[values.1].to_vec());
+            let mut grads = vec![0.0; params.len()];
+            net.backward(cpu, &params, View::of(&d_heads), View::of(&obs), View::of(&starts), &mut grads).unwrap();
+            (heads, values, grads)
+        };
+        let (cpu_heads, cpu_values, cpu_grads) = on_cpu(&mut cpu);
+        assert_close(&format!("{name} heads"), &heads, &cpu_heads, 1e-4, 1e-5);
+        assert_close(&format!("{name} values"), &values, &cpu_values, 1e-4, 1e-5);
+        assert_close(&format!("{name} grads"), &grads, &cpu_grads, 2e-3, 1e-4);
+    }
+}
+
+/// A random `[T+1][B]` batch for the loss checks: heads rows, actions, behaviour log-probs,
+/// rewards, discounts (some zero) and weights (some zero).
+struct LossCase {
+    t_len: usize,
+    b_len: usize,
+    n_actions: usize,
+    heads: Vec<f32>,
+    values: Vec<f32>,
+    actions: Vec<f32>,
+    behaviour: Vec<f32>,
+    rewards: Vec<f32>,
+    discounts: Vec<f32>,
+    weights: Vec<f32>,
+    advantages: Vec<f32>,
+    returns: Vec<f32>,
+    prox: Vec<f32>,
+    is_weights: Vec<f32>,
+}
+
+impl LossCase {
+    fn new(seed: u64, t_len: usize, b_len: usize, n_actions: usize) -> Self {
+        let mut r = rng(seed);
+        let (n, rows) = (t_len * b_len, (t_len + 1) * b_len);
+        let heads = uniform(&mut r, rows * (n_actions + 1), -2.0, 2.0);
+        let values = heads.chunks_exact(n_actions + 1).map(|row| row[n_actions]).collect();
+        let actions: Vec<u32> = (0..n).map(|_| r.random_range(0..n_actions as u32)).collect();
+        let prox = uniform(&mut r, n, -2.0, -0.1);
+        LossCase {
+            t_len,
+            b_len,
+            n_actions,
+            heads,
+            values,
+            actions: actions_as_words(&actions),
+            behaviour: uniform(&mut r, n, -2.0, -0.1),
+            rewards: uniform(&mut r, n, -1.0, 1.0),
+            discounts: (0..n).map(|i| if i % 13 == 5 { 0.0 } else { 0.97 }).collect(),
+            weights: (0..n).map(|i| if i % 17 == 3 { 0.0 } else { 0.5 + (i % 3) as f32 * 0.25 }).collect(),
+            advantages: uniform(&mut r, n, -1.0, 1.0),
+            returns: uniform(&mut r, n, -1.0, 1.0),
+            is_weights: prox.iter().map(|p| (p + 0.5).exp().min(1.0)).collect(),
+            prox,
+        }
+    }
+}
+
+/// Everything a loss check reads back: the gradient rows, the intermediates and the evaluation.
+#[derive(Debug)]
+struct LossResult {
+    d_heads: Vec<f32>,
+    intermediates: Vec<Vec<f32>>,
+    evaluation: Evaluation,
+}
+
+fn run_vtrace_loss<B: Backend>(backend: &mut B, case: &LossCase, config: &VTraceLossConfig) -> LossResult {
+    let (n, rows) = (case.t_len * case.b_len, (case.t_len + 1) * case.b_len);
+    let stride = case.n_actions + 1;
+    let bufs: Vec<B::Floats> =
+        [&case.heads, &case.values, &case.actions, &case.behaviour, &case.rewards, &case.discounts, &case.weights]
+            .iter()
+            .map(|host| put(backend, host))
+            .collect();
+    let (mut log_rhos, mut vs, mut pg) =
+        (backend.alloc(n).unwrap(), backend.alloc(n).unwrap(), backend.alloc(n).unwrap());
+    let mut d_heads = backend.alloc(rows * stride).unwrap();
+    backend.begin_evaluations(1).unwrap();
+    let inputs = VTraceLossInputs {
+        t_len: case.t_len,
+        b_len: case.b_len,
+        n_actions: case.n_actions,
+        heads: View::range(&bufs[0], 0..rows * stride),
+        values: View::range(&bufs[1], 0..rows),
+        actions: View::range(&bufs[2], 0..n),
+        behaviour_log_probs: View::range(&bufs[3], 0..n),
+        rewards: View::range(&bufs[4], 0..n),
+        discounts: View::range(&bufs[5], 0..n),
+        sample_weights: View::range(&bufs[6], 0..n),
+    };
+    let outputs = VTraceLossOutputs {
+        log_rhos: ViewMut::range(&mut log_rhos, 0..n),
+        vs: ViewMut::range(&mut vs, 0..n),
+        pg_advantages: ViewMut::range(&mut pg, 0..n),
+        d_heads: ViewMut::range(&mut d_heads, 0..rows * stride),
+    };
+    backend.vtrace_loss(&inputs, config, outputs, 0).unwrap();
+    let mut evaluations = Vec::new();
+    backend.read_evaluations(&mut evaluations).unwrap();
+    LossResult {
+        d_heads: get(backend, &d_heads, rows * stride),
+        intermediates: vec![get(backend, &log_rhos, n), get(backend, &vs, n), get(backend, &pg, n)],
+        evaluation: evaluations[0],
+    }
+}
+
+fn run_ppo_loss<B: Backend>(backend: &mut B, case: &LossCase, config: &PpoLossConfig) -> LossResult {
+    let n = case.t_len * case.b_len;
+    let stride = case.n_actions + 1;
+    let bufs: Vec<B::Floats> = [
+        &case.heads,
+        &case.values,
+        &case.actions,
+        &case.weights,
+        &case.advantages,
+        &case.returns,
+        &case.prox,
+        &case.is_weights,
+    ]
+    .iter()
+    .map(|host| put(backend, host))
+    .collect();
+    let mut d_heads = backend.alloc(n * stride).unwrap();
+    backend.begin_evaluations(2).unwrap();
+    let inputs = PpoLossInputs {
+        n_samples: n,
+        n_actions: case.n_actions,
+        heads: View::range(&bufs[0], 0..n * stride),
+        values: View::range(&bufs[1], 0..n),
+        actions: View::range(&bufs[2], 0..n),
+        sample_weights: View::range(&bufs[3], 0..n),
+        advantages: View::range(&bufs[4], 0..n),
+        returns: View::range(&bufs[5], 0..n),
+        prox_log_probs: View::range(&bufs[6], 0..n),
+        is_weights: View::range(&bufs[7], 0..n),
+    };
+    // Slot 1: the statistics land in the slot asked for, not slot 0.
+    backend.ppo_loss(&inputs, config, ViewMut::range(&mut d_heads, 0..n * stride), 1).unwrap();
+    let mut evaluations = Vec::new();
+    backend.read_evaluations(&mut evaluations).unwrap();
+    assert_eq!(evaluations[0].weight_sum, 0.0, "slot 0 untouched");
+    LossResult { d_heads: get(backend, &d_heads, n * stride), intermediates: Vec::new(), evaluation: evaluations[1] }
+}
+
+#[track_caller]
+fn assert_stats_close(name: &str, other: &LossStats, cpu: &LossStats) {
+    let fields = |s: &LossStats| {
+        [s.total, s.policy, s.value, s.entropy, s.mean_ratio, s.clip_fraction, s.approx_kl, s.weight_sum]
+    };
+    assert_close(name, &fields(other), &fields(cpu), 1e-3, 1e-5);
+    assert_eq!(other.evaluations, cpu.evaluations, "{name}: evaluations");
+}
+
+fn check_losses<B: Backend>(backend: &mut B) {
+    let mut cpu = CpuBackend::new();
+    for (seed, (t_len, b_len, n_actions)) in [(7, 5, 3), (1, 9, 2), (20, 33, 6)].into_iter().enumerate() {
+        let case = LossCase::new(seed as u64, t_len, b_len, n_actions);
+        for lambda_ in [1.0, 0.9] {
+            let config = VTraceLossConfig {
+                vtrace: VTraceConfig {
+                    clip_rho_threshold: 1.0,
+                    clip_pg_rho_threshold: 0.9,
+                    clip_c_threshold: 1.0,
+                    lambda_,
+                },
+                value_coef: 0.5,
+                ent_coef: 0.01,
+            };
+            let name = format!("vtrace T{t_len} B{b_len} A{n_actions} λ{lambda_}");
+            let (other, reference) =
+                (run_vtrace_loss(backend, &case, &config), run_vtrace_loss(&mut cpu, &case, &config));
+            assert_close(&format!("{name} d_heads"), &other.d_heads, &reference.d_heads, 1e-3, 1e-6);
+            for (k, (o, c)) in other.intermediates.iter().zip(&reference.intermediates).enumerate() {
+                assert_close(&format!("{name} intermediate {k}"), o, c, 1e-4, 1e-5);
+            }
+            let stats = |e: &Evaluation| e.sums.stats(e.weight_sum, config.value_coef, config.ent_coef);
+            assert_stats_close(&name, &stats(&other.evaluation), &stats(&reference.evaluation));
+        }
+        for normalize_advantages in [true, false] {
+            let config = PpoLossConfig { clip_coef: 0.2, value_coef: 0.5, ent_coef: 0.01, normalize_advantages };
+            let name = format!("ppo T{t_len} B{b_len} A{n_actions} normalize {normalize_advantages}");
+            let (other, reference) = (run_ppo_loss(backend, &case, &config), run_ppo_loss(&mut cpu, &case, &config));
+            assert_close(&format!("{name} d_heads"), &other.d_heads, &reference.d_heads, 1e-3, 1e-6);
+            let stats = |e: &Evaluation| e.sums.stats(e.weight_sum, config.value_coef, config.ent_coef);
+            assert_stats_close(&name, &stats(&other.evaluation), &stats(&reference.evaluation));
+        }
+    }
+}
+
+/// Log-probabilities, behaviour weights, GAE and column gathering.
+fn check_elementwise<B: Backend>(backend: &mut B) {
+    let mut cpu = CpuBackend::new();
+    let case = LossCase::new(5, 9, 7, 4);
+    let stride = case.n_actions + 1;
+    fn run<B: Backend>(backend: &mut B, case: &LossCase) -> Vec<Vec<f32>> {
+        let (t_len, b_len) = (case.t_len, case.b_len);
+        let n = t_len * b_len;
+        let stride = case.n_actions + 1;
+        let heads = put(backend, &case.heads);
+        let actions = put(backend, &case.actions);
+        let behaviour = put(backend, &case.behaviour);
+        let values = put(backend, &case.values);
+        let rewards = put(backend, &case.rewards);
+        let discounts = put(backend, &case.discounts);
+        let mut out: Vec<B::Floats> = (0..5).map(|_| backend.alloc(n).unwrap()).collect();
+        let [log_probs, log_rhos, weights, adv, ret] = &mut out[..] else { unreachable!() };
+        let heads_view = View::range(&heads, 0..n * stride);
+        backend.action_log_probs(heads_view, case.n_actions, View::of(&actions), None, ViewMut::of(log_probs)).unwrap();
+        backend
+            .action_log_probs(
+                heads_view,
+                case.n_actions,
+                View::of(&actions),
+                Some(View::of(&behaviour)),
+                ViewMut::of(log_rhos),
+            )
+            .unwrap();
+        backend.behaviour_weights(View::of(log_probs), View::of(&behaviour), 1.0, ViewMut::of(weights)).unwrap();
+        backend
+            .gae_scan(
+                t_len,
+                b_len,
+                View::of(&discounts),
+                View::of(&rewards),
+                View::range(&values, 0..n),
+                View::range(&values, n..n + b_len),
+                0.95,
+                ViewMut::of(adv),
+                ViewMut::of(ret),
+            )
+            .unwrap();
+        let mut columns = None;
+        backend.upload_indices(&[3, 0, 6, 6, 1], &mut columns).unwrap();
+        let mut gathered = backend.alloc(t_len * 3 * stride).unwrap();
+        backend
+            .gather_columns(
+                heads_view,
+                t_len,
+                b_len,
+                stride,
+                columns.as_ref().unwrap(),
+                1,
+                3,
+                ViewMut::of(&mut gathered),
+            )
+            .unwrap();
+        let mut results: Vec<Vec<f32>> = out.iter().map(|b| get(backend, b, n)).collect();
+        results.push(get(backend, &gathered, t_len * 3 * stride));
+        results
+    }
+    let (other, reference) = (run(backend, &case), run(&mut cpu, &case));
+    for (k, (o, c)) in other.iter().zip(&reference).enumerate() {
+        assert_close(&format!("element-wise output {k}"), o, c, 1e-4, 1e-5);
+    }
+    // The CPU side against the reference recursions themselves.
+    assert_eq!(reference[5][..stride], case.heads[0..stride]);
+}
+
+/// Clipping and Adam over several steps, one of them with a non-finite gradient (skipped).
+fn check_optimiser<B: Backend>(backend: &mut B) {
+    let mut cpu = CpuBackend::new();
+    let config = AdamConfig { beta1: 0.9, beta2: 0.999, eps: 1e-8 };
+    fn run<B: Backend>(backend: &mut B, config: &AdamConfig) -> (Vec<Vec<f32>>, u64, Vec<f32>) {
+        let mut r = rng(8);
+        let n = 1000;
+        let mut params = put(backend, &uniform(&mut r, n, -1.0, 1.0));
+        let (mut m, mut v) = (backend.alloc(n).unwrap(), backend.alloc(n).unwrap());
+        let mut step = backend.step_count(3).unwrap();
+        backend.begin_evaluations(4).unwrap();
+        for slot in 0..4 {
+            let mut host = uniform(&mut r, n, -0.3, 0.3);
+            if slot == 2 {
+                host[17] = f32::NAN;
+            }
+            let mut grads = put(backend, &host);
+            backend
+                .clip_adam_step(
+                    ViewMut::of(&mut params),
+                    ViewMut::of(&mut grads),
+                    ViewMut::of(&mut m),
+                    ViewMut::of(&mut v),
+                    &mut step,
+                    config,
+                    1e-2,
+                    if slot == 1 { 0.5 } else { 100.0 },
+                    slot,
+                )
+                .unwrap();
+        }
+        let mut evaluations = Vec::new();
+        backend.read_evaluations(&mut evaluations).unwrap();
+        let t = backend.read_step_count(&step).unwrap();
+        let state = vec![get(backend, &params, n), get(backend, &m, n), get(backend, &v, n)];
+        (state, t, evaluations.iter().map(|e| e.grad_norm).collect())
+    }
+    let (other, other_t, other_norms) = run(backend, &config);
+    let (reference, cpu_t, cpu_norms) = run(&mut cpu, &config);
+    assert_eq!(other_t, 6, "three applied steps after t = 3, one skipped");
+    assert_eq!(other_t, cpu_t);
+    assert!(!other_norms[2].is_finite() && !cpu_norms[2].is_finite());
+    for slot in [0, 1, 3] {
+        assert_close(&format!("norm {slot}"), &other_norms[slot..=slot], &cpu_norms[slot..=slot], 1e-5, 0.0);
+    }
+    for (name, (o, c)) in ["params", "adam m", "adam v"].iter().zip(other.iter().zip(&reference)) {
+        assert_close(name, o, c, 1e-4, 1e-9);
+    }
+}
+
+/// The checks run with the CPU backend in the tested role: the harness works without a GPU.
+#[test]
+fn parity_checks_harness_runs_on_the_cpu() {
+    let mut cpu = CpuBackend::new();
+    check_network(&mut cpu);
+    check_losses(&mut cpu);
+    check_elementwise(&mut cpu);
+    check_optimiser(&mut cpu);
+}
+
+#[test]
+fn network_forward_and_backward_match_the_cpu_backend() {
+    let Some(mut cuda) = cuda_or_skip("network_forward_and_backward_match_the_cpu_backend") else { return };
+    check_network(&mut cuda);
+}
+
+#[test]
+fn fused_losses_match_the_cpu_losses() {
+    let Some(mut cuda) = cuda_or_skip("fused_losses_match_the_cpu_losses") else { return };
+    check_losses(&mut cuda);
+}
+
+#[test]
+fn log_probs_scans_and_gathers_match_the_cpu() {
+    let Some(mut cuda) = cuda_or_skip("log_probs_scans_and_gathers_match_the_cpu") else { return };
+    check_elementwise(&mut cuda);
+}
+
+#[test]
+fn clipped_adam_matches_the_cpu_optimiser_and_skips_non_finite_gradients() {
+    let Some(mut cuda) = cuda_or_skip("clipped_adam_matches_the_cpu_optimiser_and_skips_non_finite_gradients") else {
+        return;
+    };
+    check_optimiser(&mut cuda);
+}
+
+#[test]
+fn the_vtrace_scan_kernel_matches_the_cpu_recursion() {
+    let Some(device) = device_or_skip("the_vtrace_scan_kernel_matches_the_cpu_recursion") else { return };
+    let gpu = &device.gpu;
+    let case = LossCase::new(4, 30, 70, 2);
+    let (t_len, b_len) = (case.t_len, case.b_len);
+    let n = t_len * b_len;
+    let log_rhos: Vec<f32> = case.behaviour.iter().map(|b| b + 1.0).collect();
+    let config =
+        VTraceConfig { clip_rho_threshold: 1.0, clip_pg_rho_threshold: 0.8, clip_c_threshold: 0.9, lambda_: 0.95 };
+    let (mut vs, mut pg) = (vec![0.0; n], vec![0.0; n]);
+    vtrace(
+        t_len,
+        b_len,
+        &log_rhos,
+        &case.discounts,
+        &case.rewards,
+        &case.values[..n],
+        &case.values[n..],
+        &config,
+        &mut vs,
+        &mut pg,
+    );
+    let upload = |host: &[f32]| gpu.stream.clone_htod(host).expect("upload");
+    let (l, d, r, v) = (upload(&log_rhos), upload(&case.discounts), upload(&case.rewards), upload(&case.values));
+    let (mut vs_d, mut pg_d) = (gpu.stream.alloc_zeros::<f32>(n).unwrap(), gpu.stream.alloc_zeros::<f32>(n).unwrap());
+    let args = kernels::VTraceScanArgs {
+        t_len,
+        b_len,
+        log_rhos: l.slice(..),
+        discounts: d.slice(..),
+        rewards: r.slice(..),
+        values: v.slice(..n),
+        bootstrap: v.slice(n..),
+        rho_bar: config.clip_rho_threshold,
+        pg_rho_bar: config.clip_pg_rho_threshold,
+        c_bar: config.clip_c_threshold,
+        lambda_: config.lambda_,
+    };
+    gpu.kernels.vtrace_scan(&gpu.stream, &args, &mut vs_d.slice_mut(..), &mut pg_d.slice_mut(..)).unwrap();
+    let (vs_g, pg_g) = (gpu.stream.clone_dtoh(&vs_d).unwrap(), gpu.stream.clone_dtoh(&pg_d).unwrap());
+    assert_close("vs", &vs_g, &vs, 1e-4, 1e-5);
+    assert_close("pg advantages", &pg_g, &pg, 1e-4, 1e-5);
+}
+
+#[test]
+fn values_for_selection_match_the_cpu_learner() {
+    let Some(device) = device_or_skip("values_for_selection_match_the_cpu_learner") else { return };
+    for policy in cartpole_policies() {
+        let spec = run_spec(policy, LossKind::Vtrace, 10, 6);
+        let mut cpu = Learner::new(spec.clone()).unwrap();
+        let mut gpu = Learner::new(spec.clone()).unwrap();
+        gpu.use_cuda_device(&device).unwrap();
+        let batch = random_batch(&mut rng(5), &spec, cpu.layout().recurrent_size());
+        let (mut cv, mut ca, mut gv, mut ga) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        cpu.values_and_advantages(&batch, 0.95, &mut cv, &mut ca);
+        gpu.values_and_advantages(&batch, 0.95, &mut gv, &mut ga);
+        assert_close("selection values", &gv, &cv, 1e-4, 1e-5);
+        assert_close("selection advantages", &ga, &ca, 1e-3, 1e-5);
+    }
+}
+
+fn run_spec(policy: PolicySpec, loss: LossKind, t_len: usize, b_len: usize) -> RunSpec {
+    RunSpec {
+        run: RunId::new("parity").expect("valid run id"),
+        env: EnvConfig::Cartpole,
+        policy,
+        segment_len: t_len,
+        hyper: HyperParams {
+            loss,
+            batch_segments: b_len,
+            ppo_epochs: 2,
+            ppo_minibatches: 3,
+            learning_rate: 3e-4,
+            final_learning_rate: 3e-4,
+            ..HyperParams::default()
+        },
+        seed: 9,
+    }
+}
+
+fn random_batch(r: &mut Pcg64Mcg, spec: &RunSpec, hidden: usize) -> SegmentBatch {
+    let (t_len, b_len) = (spec.segment_len, spec.hyper.batch_segments);
+    let (d, a) = (spec.policy.obs_dim, spec.policy.n_actions);
+    let steps = t_len * b_len;
+    SegmentBatch {
+        t_len,
+        b_len,
+        obs_dim: d,
+        hidden_size: hidden,
+        observations: uniform(r, (t_len + 1) * b_len * d, -1.0, 1.0),
+        episode_start: (0..(t_len + 1) * b_len).map(|i| f32::from(i % 9 == 4)).collect(),
+        initial_hidden: uniform(r, b_len * hidden, -0.5, 0.5),
+        actions: (0..steps).map(|_| r.random_range(0..a as u32)).collect(),
+        behaviour_log_probs: uniform(r, steps, -(a as f32).ln() - 0.3, -(a as f32).ln() + 0.3),
+        rewards: uniform(r, steps, -1.0, 1.0),
+        discounts: (0..steps).map(|i| if i % 23 == 7 { 0.0 } else { 0.99 }).collect(),
+        sample_weights: (0..steps).map(|i| if i % 31 == 0 { 0.0 } else { 1.0 }).collect(),
+        policy_versions: vec![PolicyVersion(0); b_len],
+    }
+}
+
+/// CartPole-shaped policies (the run spec checks them against the env): an MLP and a GRU.
+fn cartpole_policies() -> [PolicySpec; 2] {
+    [
+        PolicySpec { obs_dim: 4, n_actions: 2, torso: vec![32, 16], activation: Activation::Tanh, core: CoreKind::Mlp },
+        PolicySpec::gru(4, 2, &[16], Activation::Tanh, 12),
+    ]
+}
+
+/// The harness of the whole-update tests works (specs valid, batches well formed) without a
+/// GPU too, so a skipped CUDA run cannot hide a broken test.
+#[test]
+fn parity_harness_runs_on_the_cpu() {
+    for loss in [LossKind::Vtrace, LossKind::Ppo] {
+        for policy in cartpole_policies() {
+            let spec = run_spec(policy, loss, 12, 9);
+            let mut cpu = Learner::new(spec.clone()).unwrap();
+            let hidden = cpu.layout().recurrent_size();
+            let stats = cpu.update(&random_batch(&mut rng(21), &spec, hidden));
+            assert!(stats.grad_norm.is_finite() && stats.loss.total.is_finite(), "{stats:?}");
+        }
+    }
+}
+
+#[test]
+fn whole_updates_match_the_cpu_learner() {
+    let Some(device) = device_or_skip("whole_updates_match_the_cpu_learner") else { return };
+    for loss in [LossKind::Vtrace, LossKind::Ppo] {
+        for policy in cartpole_policies() {
+            let spec = run_spec(policy, loss, 12, 9);
+            let mut cpu = Learner::new(spec.clone()).unwrap();
+            let mut gpu = Learner::new(spec.clone()).unwrap();
+            gpu.use_cuda_device(&device).unwrap();
+            assert!(gpu.backend().starts_with("cuda"), "{}", gpu.backend());
+            let hidden = cpu.layout().recurrent_size();
+            let mut r = rng(21);
+            for update in 0..3 {
+                let batch = random_batch(&mut r, &spec, hidden);
+                let c = cpu.update(&batch);
+                let g = gpu.update(&batch);
+                let name = format!("{loss:?} {:?} update {update}", spec.policy.core);
+                assert_stats_close(&name, &g.loss, &c.loss);
+                assert_close(&format!("{name} grad norm"), &[g.grad_norm], &[c.grad_norm], 1e-3, 1e-6);
+                assert_eq!(g.skipped_steps, c.skipped_steps, "{name}");
+                // Adam's first steps are ±lr per parameter whatever the gradient's size, so a
+                // parameter whose gradient is rounding noise may step either way on the two
+                // backends: require all but a few parameters to agree closely.
+                let (gp, cp) = (gpu.params().to_vec(), cpu.params().to_vec());
+                let off = gp.iter().zip(&cp).filter(|(a, b)| (*a - *b).abs() > 1e-5 + 1e-3 * b.abs()).count();
+                let mean_diff = gp.iter().zip(&cp).map(|(a, b)| (a - b).abs()).sum::<f32>() / gp.len() as f32;
+                assert!(
+                    (off as f32) < 0.02 * gp.len() as f32,
+                    "{name}: {off} of {} parameters differ (mean |Δ| {mean_diff})",
+                    gp.len()
+                );
+            }
+            // A checkpoint from the device has the device's optimiser state.
+            let checkpoint = gpu.checkpoint(0);
+            assert_eq!(checkpoint.adam_t, cpu.checkpoint(0).adam_t);
+        }
+    }
+}
+
+#[test]
+fn profiling_reports_copy_compute_and_readback_times() {
+    let Some(device) = device_or_skip("profiling_reports_copy_compute_and_readback_times") else { return };
+    let spec = run_spec(cartpole_policies()[0].clone(), LossKind::Vtrace, 16, 32);
+    let mut learner = Learner::new(spec.clone()).unwrap();
+    learner.use_cuda_device(&device).unwrap();
+    learner.set_profiling(true).unwrap();
+    let batch = random_batch(&mut rng(3), &spec, 0);
+    learner.update(&batch);
+    let timing = learner.last_timing().expect("profiling is on");
+    assert!(timing.h2d_ms >= 0.0 && timing.compute_ms > 0.0 && timing.d2h_ms >= 0.0, "{timing:?}");
+}

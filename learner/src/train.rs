@@ -1,0 +1,713 @@
+//! The update, written once over [`Backend`]: stage the batch, run the network, take the
+//! V-trace or PPO loss, backprop, clip and step Adam, and read back a few statistics.
+//!
+//! [`Trainer<B>`] owns the parameters, gradients and optimiser state on its backend, the
+//! network's activations and every intermediate of the loss; steady-state updates allocate
+//! nothing on the device. [`AnyTrainer`] is the one enum at the edge: [`crate::Learner`] matches
+//! on it once per update.
+//!
+//! - V-trace (Espeholt et al. 2018): one forward over the `T + 1` rows of the batch (the last
+//!   row supplies the bootstrap value), the fused loss, one backward, one optimiser step.
+//! - PPO (Schulman et al. 2017, decoupled as in Hilton et al. 2021): a forward over `T + 1`
+//!   rows under the parameters before the update gives the proximal log-probabilities and
+//!   values, GAE (Schulman et al. 2016) gives advantages and returns, the behaviour weights
+//!   `min(π_prox/μ, clip)` correct for lag; then `ppo_epochs` epochs of `ppo_minibatches`
+//!   minibatches of whole columns (sequences), shuffled by the learner's seeded generator,
+//!   each a forward over `T` rows, the fused loss, a backward and an optimiser step.
+
+use std::ops::Range;
+
+use rand::seq::SliceRandom;
+use rand_pcg::Pcg64Mcg;
+use volley_core::spec::{HyperParams, LossKind};
+use volley_policy::returns::VTraceConfig;
+use volley_policy::ParamLayout;
+
+use crate::backend::{
+    Backend, BackendError, CpuBackend, CudaBackend, Evaluation, PpoLossInputs, VTraceLossInputs, VTraceLossOutputs,
+    View, ViewMut,
+};
+use crate::batch::SegmentBatch;
+use crate::losses::{LossStats, PpoLossConfig, VTraceLossConfig};
+use crate::net::{ensure, Network};
+use crate::optim::{AdamConfig, AdamState};
+use crate::telemetry::{off_policy_stats, OffPolicyInputs, OffPolicyStats};
+
+/// Host copies of everything a checkpoint needs.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HostState {
+    /// The flat parameters.
+    pub params: Vec<f32>,
+    /// Adam's moments and step count.
+    pub adam: AdamState,
+}
+
+/// What one update measured, before the learner adds its bookkeeping.
+#[derive(Debug, Clone, Default)]
+pub struct StepOutcome {
+    /// Loss statistics, averaged over the applied gradient steps.
+    pub loss: LossStats,
+    /// Mean pre-clip gradient norm of the applied steps (NaN when none was applied).
+    pub grad_norm: f32,
+    /// Gradient steps skipped because the gradient was not finite.
+    pub skipped_steps: u32,
+    /// Off-policy health of the batch, where the backend's buffers are host memory (CPU).
+    pub off_policy: Option<OffPolicyStats>,
+}
+
+/// Where each field of a staged batch sits in its one buffer.
+#[derive(Debug, Clone, Default, PartialEq)]
+struct StagedLayout {
+    observations: Range<usize>,
+    episode_start: Range<usize>,
+    initial_hidden: Range<usize>,
+    actions: Range<usize>,
+    behaviour_log_probs: Range<usize>,
+    rewards: Range<usize>,
+    discounts: Range<usize>,
+    sample_weights: Range<usize>,
+    len: usize,
+}
+
+impl StagedLayout {
+    fn new(t_len: usize, b_len: usize, obs_dim: usize, hidden: usize) -> Self {
+        let steps = t_len * b_len;
+        let mut end = 0;
+        let mut take = |n: usize| {
+            let range = end..end + n;
+            end += n;
+            range
+        };
+        StagedLayout {
+            observations: take((t_len + 1) * b_len * obs_dim),
+            episode_start: take((t_len + 1) * b_len),
+            initial_hidden: take(b_len * hidden),
+            actions: take(steps),
+            behaviour_log_probs: take(steps),
+            rewards: take(steps),
+            discounts: take(steps),
+            sample_weights: take(steps),
+            len: end,
+        }
+    }
+}
+
+/// The `[T][B]` intermediates of the loss, each sized to the batch.
+struct LossBuffers<B: Backend> {
+    log_rhos: B::Floats,
+    vs: B::Floats,
+    pg_advantages: B::Floats,
+    prox_log_probs: B::Floats,
+    is_weights: B::Floats,
+    advantages: B::Floats,
+    returns: B::Floats,
+    d_heads: B::Floats,
+}
+
+/// One PPO minibatch, gathered column by column on the device.
+struct Minibatch<B: Backend> {
+    observations: B::Floats,
+    episode_start: B::Floats,
+    initial_hidden: B::Floats,
+    actions: B::Floats,
+    sample_weights: B::Floats,
+    advantages: B::Floats,
+    returns: B::Floats,
+    prox_log_probs: B::Floats,
+    is_weights: B::Floats,
+}
+
+/// The learner's state and update on one backend (see the module documentation).
+pub struct Trainer<B: Backend> {
+    backend: B,
+    net: Network<B>,
+    n_params: usize,
+    params: B::Floats,
+    grads: B::Floats,
+    adam_m: B::Floats,
+    adam_v: B::Floats,
+    adam_step: B::StepCount,
+    adam_config: AdamConfig,
+    staged: B::Floats,
+    staged_layout: StagedLayout,
+    loss: LossBuffers<B>,
+    minibatch: Minibatch<B>,
+    /// PPO's column permutations, one per epoch, on the device (after the first PPO update).
+    permutations: Option<B::Indices>,
+    // Host scratch.
+    columns: Vec<usize>,
+    host_permutations: Vec<u32>,
+    evaluations: Vec<Evaluation>,
+    prox_log_rhos: Vec<f32>,
+}
+
+impl<B: Backend> Trainer<B> {
+    /// Move `state` (parameters and Adam state laid out by `layout`) onto `backend`.
+    ///
+    /// # Panics
+    /// If `state` does not match the layout's size (the learner checks it first).
+    pub fn new(
+        mut backend: B,
+        layout: &ParamLayout,
+        state: &HostState,
+        adam_config: AdamConfig,
+    ) -> Result<Self, BackendError> {
+        let n = layout.n_params();
+        assert!(
+            state.params.len() == n && state.adam.m.len() == n && state.adam.v.len() == n,
+            "the state matches the layout"
+        );
+        let upload = |backend: &mut B, host: &[f32]| -> Result<B::Floats, BackendError> {
+            let mut buffer = backend.alloc(host.len())?;
+            backend.upload(host, ViewMut::of(&mut buffer))?;
+            Ok(buffer)
+        };
+        let params = upload(&mut backend, &state.params)?;
+        let adam_m = upload(&mut backend, &state.adam.m)?;
+        let adam_v = upload(&mut backend, &state.adam.v)?;
+        let grads = backend.alloc(n)?;
+        let adam_step = backend.step_count(state.adam.t)?;
+        let net = Network::new(&mut backend, layout)?;
+        let mut empty = || backend.alloc(0);
+        let loss = LossBuffers {
+            log_rhos: empty()?,
+            vs: empty()?,
+            pg_advantages: empty()?,
+            prox_log_probs: empty()?,
+            is_weights: empty()?,
+            advantages: empty()?,
+            returns: empty()?,
+            d_heads: empty()?,
+        };
+        let minibatch = Minibatch {
+            observations: empty()?,
+            episode_start: empty()?,
+            initial_hidden: empty()?,
+            actions: empty()?,
+            sample_weights: empty()?,
+            advantages: empty()?,
+            returns: empty()?,
+            prox_log_probs: empty()?,
+            is_weights: empty()?,
+        };
+        let staged = empty()?;
+        Ok(Trainer {
+            backend,
+            net,
+            n_params: n,
+            params,
+            grads,
+            adam_m,
+            adam_v,
+            adam_step,
+            adam_config,
+            staged,
+            staged_layout: StagedLayout::default(),
+            loss,
+            minibatch,
+            permutations: None,
+            columns: Vec::new(),
+            host_permutations: Vec::new(),
+            evaluations: Vec::new(),
+            prox_log_rhos: Vec::new(),
+        })
+    }
+
+    /// The backend.
+    pub fn backend(&self) -> &B {
+        &self.backend
+    }
+
+    /// The backend, mutably (for profiling hooks).
+    pub fn backend_mut(&mut self) -> &mut B {
+        &mut self.backend
+    }
+
+    /// Copy the parameters to `out` (`n_params` long).
+    pub fn download_params(&mut self, out: &mut [f32]) -> Result<(), BackendError> {
+        self.backend.download(View::of(&self.params), out)
+    }
+
+    /// Copy parameters and optimiser state to the host.
+    pub fn download_state(&mut self) -> Result<HostState, BackendError> {
+        let n = self.n_params;
+        let (mut params, mut m, mut v) = (vec![0.0; n], vec![0.0; n], vec![0.0; n]);
+        self.backend.download(View::of(&self.params), &mut params)?;
+        self.backend.download(View::of(&self.adam_m), &mut m)?;
+        self.backend.download(View::of(&self.adam_v), &mut v)?;
+        let t = self.backend.read_step_count(&self.adam_step)?;
+        Ok(HostState { params, adam: AdamState { m, v, t } })
+    }
+
+    /// Pack `batch` into one buffer on the backend.
+    fn stage(&mut self, batch: &SegmentBatch) -> Result<(), BackendError> {
+        let (t_len, b_len) = (batch.t_len, batch.b_len);
+        let (obs_dim, hidden, n_actions) = (self.net.obs_dim(), self.net.hidden(), self.net.n_actions());
+        let layout = StagedLayout::new(t_len, b_len, obs_dim, hidden);
+        let steps = t_len * b_len;
+        let shapes = [
+            ("observations", batch.observations.len(), (t_len + 1) * b_len * obs_dim),
+            ("episode_start", batch.episode_start.len(), (t_len + 1) * b_len),
+            ("initial_hidden", batch.initial_hidden.len(), b_len * hidden),
+            ("actions", batch.actions.len(), steps),
+            ("behaviour_log_probs", batch.behaviour_log_probs.len(), steps),
+            ("rewards", batch.rewards.len(), steps),
+            ("discounts", batch.discounts.len(), steps),
+            ("sample_weights", batch.sample_weights.len(), steps),
+        ];
+        for (operand, got, expected) in shapes {
+            crate::backend::check_len("stage", operand, expected, got)?;
+        }
+        if let Some(&action) = batch.actions.iter().find(|&&a| a as usize >= n_actions) {
+            return Err(BackendError::Shape {
+                op: "stage",
+                operand: "action",
+                expected: n_actions,
+                got: action as usize,
+            });
+        }
+        let mut pack = |words: &mut [f32]| {
+            words[layout.observations.clone()].copy_from_slice(&batch.observations);
+            words[layout.episode_start.clone()].copy_from_slice(&batch.episode_start);
+            words[layout.initial_hidden.clone()].copy_from_slice(&batch.initial_hidden);
+            for (word, &action) in words[layout.actions.clone()].iter_mut().zip(&batch.actions) {
+                *word = f32::from_bits(action);
+            }
+            words[layout.behaviour_log_probs.clone()].copy_from_slice(&batch.behaviour_log_probs);
+            words[layout.rewards.clone()].copy_from_slice(&batch.rewards);
+            words[layout.discounts.clone()].copy_from_slice(&batch.discounts);
+            words[layout.sample_weights.clone()].copy_from_slice(&batch.sample_weights);
+        };
+        self.backend.upload_packed(layout.len, &mut pack, &mut self.staged)?;
+        self.staged_layout = layout;
+        Ok(())
+    }
+
+    /// One update from `batch` with `learning_rate`; `rng` shuffles PPO's minibatch columns.
+    pub fn train_step(
+        &mut self,
+        batch: &SegmentBatch,
+        hyper: &HyperParams,
+        learning_rate: f32,
+        rng: &mut Pcg64Mcg,
+    ) -> Result<StepOutcome, BackendError> {
+        self.stage(batch)?;
+        let off_policy = match hyper.loss {
+            LossKind::Vtrace => self.vtrace_step(batch.t_len, batch.b_len, hyper, learning_rate)?,
+            LossKind::Ppo => self.ppo_step(batch.t_len, batch.b_len, hyper, learning_rate, rng)?,
+        };
+        self.backend.read_evaluations(&mut self.evaluations)?;
+        // Statistics of applied steps only; a skipped step's loss is not finite anyway.
+        let mut total = LossStats::default();
+        let (mut norm_sum, mut applied, mut skipped) = (0.0f32, 0u32, 0u32);
+        for evaluation in &self.evaluations {
+            if !evaluation.grad_norm.is_finite() {
+                skipped += 1;
+                continue;
+            }
+            applied += 1;
+            norm_sum += evaluation.grad_norm;
+            total.accumulate(&evaluation.sums.stats(evaluation.weight_sum, hyper.value_coef, hyper.ent_coef));
+        }
+        Ok(StepOutcome {
+            loss: total.mean(),
+            grad_norm: if applied > 0 { norm_sum / applied as f32 } else { f32::NAN },
+            skipped_steps: skipped,
+            off_policy,
+        })
+    }
+
+    /// Clip and take an Adam step on the gradient of evaluation `slot`.
+    fn apply_gradients(&mut self, hyper: &HyperParams, learning_rate: f32, slot: usize) -> Result<(), BackendError> {
+        self.backend.clip_adam_step(
+            ViewMut::of(&mut self.params),
+            ViewMut::of(&mut self.grads),
+            ViewMut::of(&mut self.adam_m),
+            ViewMut::of(&mut self.adam_v),
+            &mut self.adam_step,
+            &self.adam_config,
+            learning_rate,
+            hyper.max_grad_norm,
+            slot,
+        )
+    }
+
+    /// The forward over the staged batch's `T + 1` rows.
+    fn forward_batch(&mut self, t_len: usize, b_len: usize) -> Result<(), BackendError> {
+        let s = &self.staged_layout;
+        self.net.forward(
+            &mut self.backend,
+            &self.params,
+            View::range(&self.staged, s.observations.clone()),
+            View::range(&self.staged, s.episode_start.clone()),
+            View::range(&self.staged, s.initial_hidden.clone()),
+            t_len + 1,
+            b_len,
+        )
+    }
+
+    fn vtrace_step(
+        &mut self,
+        t_len: usize,
+        b_len: usize,
+        h: &HyperParams,
+        learning_rate: f32,
+    ) -> Result<Option<OffPolicyStats>, BackendError> {
+        let n = t_len * b_len;
+        let stride = self.net.n_actions() + 1;
+        self.backend.begin_evaluations(1)?;
+        self.forward_batch(t_len, b_len)?;
+        let loss = &mut self.loss;
+        for buffer in [&mut loss.log_rhos, &mut loss.vs, &mut loss.pg_advantages] {
+            ensure(&mut self.backend, buffer, n)?;
+        }
+        ensure(&mut self.backend, &mut loss.d_heads, (n + b_len) * stride)?;
+        let config = VTraceLossConfig {
+            vtrace: VTraceConfig {
+                clip_rho_threshold: h.clip_rho_threshold,
+                clip_pg_rho_threshold: h.clip_pg_rho_threshold,
+                clip_c_threshold: h.clip_c_threshold,
+                lambda_: h.vtrace_lambda,
+            },
+            value_coef: h.value_coef,
+            ent_coef: h.ent_coef,
+        };
+        let s = &self.staged_layout;
+        let staged = |range: &Range<usize>| View::range(&self.staged, range.clone());
+        let inputs = VTraceLossInputs {
+            t_len,
+            b_len,
+            n_actions: self.net.n_actions(),
+            heads: self.net.heads(),
+            values: self.net.values(),
+            actions: staged(&s.actions),
+            behaviour_log_probs: staged(&s.behaviour_log_probs),
+            rewards: staged(&s.rewards),
+            discounts: staged(&s.discounts),
+            sample_weights: staged(&s.sample_weights),
+        };
+        let outputs = VTraceLossOutputs {
+            log_rhos: ViewMut::range(&mut loss.log_rhos, 0..n),
+            vs: ViewMut::range(&mut loss.vs, 0..n),
+            pg_advantages: ViewMut::range(&mut loss.pg_advantages, 0..n),
+            d_heads: ViewMut::range(&mut loss.d_heads, 0..(n + b_len) * stride),
+        };
+        self.backend.vtrace_loss(&inputs, &config, outputs, 0)?;
+        let off_policy = (|| {
+            Some(off_policy_stats(&OffPolicyInputs {
+                log_rhos: self.backend.host_slice(View::range(&self.loss.log_rhos, 0..n))?,
+                weights: self.backend.host_slice(inputs.sample_weights)?,
+                values: self.backend.host_slice(inputs.values.slice(0..n))?,
+                value_targets: self.backend.host_slice(View::range(&self.loss.vs, 0..n))?,
+                rho_bar: h.clip_rho_threshold,
+                c_bar: h.clip_c_threshold,
+            }))
+        })();
+        self.net.backward(
+            &mut self.backend,
+            &self.params,
+            View::range(&self.loss.d_heads, 0..(n + b_len) * stride),
+            View::range(&self.staged, s.observations.clone()),
+            View::range(&self.staged, s.episode_start.clone()),
+            &mut self.grads,
+        )?;
+        self.apply_gradients(h, learning_rate, 0)?;
+        Ok(off_policy)
+    }
+
+    /// The value pass shared by PPO and trajectory selection: the forward over the staged
+    /// batch under the current parameters, then GAE(γ, λ) advantages and returns against its
+    /// values, `[T][B]`.
+    fn value_pass(&mut self, t_len: usize, b_len: usize, gae_lambda: f32) -> Result<(), BackendError> {
+        let n = t_len * b_len;
+        self.forward_batch(t_len, b_len)?;
+        let loss = &mut self.loss;
+        for buffer in [&mut loss.prox_log_probs, &mut loss.is_weights, &mut loss.advantages, &mut loss.returns] {
+            ensure(&mut self.backend, buffer, n)?;
+        }
+        let s = &self.staged_layout;
+        let staged = |range: &Range<usize>| View::range(&self.staged, range.clone());
+        let values = self.net.values();
+        self.backend.gae_scan(
+            t_len,
+            b_len,
+            staged(&s.discounts),
+            staged(&s.rewards),
+            values.slice(0..n),
+            values.slice(n..n + b_len),
+            gae_lambda,
+            ViewMut::range(&mut loss.advantages, 0..n),
+            ViewMut::range(&mut loss.returns, 0..n),
+        )
+    }
+
+    fn ppo_step(
+        &mut self,
+        t_len: usize,
+        b_len: usize,
+        h: &HyperParams,
+        learning_rate: f32,
+        rng: &mut Pcg64Mcg,
+    ) -> Result<Option<OffPolicyStats>, BackendError> {
+        let n = t_len * b_len;
+        let (n_actions, obs_dim, hidden) = (self.net.n_actions(), self.net.obs_dim(), self.net.hidden());
+        let stride = n_actions + 1;
+        // 1. The value baseline under the parameters before this update, and GAE advantages
+        // against it (Schulman et al. 2016).
+        self.value_pass(t_len, b_len, h.gae_lambda)?;
+        // 2. The proximal policy: log π_prox of the taken actions, from the same forward.
+        let s = self.staged_layout.clone();
+        self.backend.action_log_probs(
+            self.net.heads().slice(0..n * stride),
+            n_actions,
+            View::range(&self.staged, s.actions.clone()),
+            None,
+            ViewMut::range(&mut self.loss.prox_log_probs, 0..n),
+        )?;
+        // 3. Behaviour importance weights min(π_prox/μ, clip) (Hilton et al. 2021).
+        self.backend.behaviour_weights(
+            View::range(&self.loss.prox_log_probs, 0..n),
+            View::range(&self.staged, s.behaviour_log_probs.clone()),
+            h.behaviour_is_clip,
+            ViewMut::range(&mut self.loss.is_weights, 0..n),
+        )?;
+        let off_policy = self.ppo_off_policy(n, h, &s);
+
+        // 4. Epochs of minibatch gradient steps over whole sequences (columns).
+        let n_minibatches = (h.ppo_minibatches as usize).clamp(1, b_len.max(1));
+        let epochs = h.ppo_epochs as usize;
+        self.columns.clear();
+        self.columns.extend(0..b_len);
+        self.host_permutations.clear();
+        for _ in 0..epochs {
+            self.columns.shuffle(rng);
+            self.host_permutations.extend(self.columns.iter().map(|&c| c as u32));
+        }
+        self.backend.begin_evaluations(epochs * n_minibatches)?;
+        if self.host_permutations.is_empty() {
+            return Ok(off_policy);
+        }
+        self.backend.upload_indices(&self.host_permutations, &mut self.permutations)?;
+        let max_mb_len =
+            (0..n_minibatches).map(|mb| (mb + 1) * b_len / n_minibatches - mb * b_len / n_minibatches).max();
+        let max_m = t_len * max_mb_len.unwrap_or(0);
+        let mb = &mut self.minibatch;
+        ensure(&mut self.backend, &mut mb.observations, max_m * obs_dim)?;
+        ensure(&mut self.backend, &mut mb.initial_hidden, max_mb_len.unwrap_or(0) * hidden)?;
+        for buffer in [
+            &mut mb.episode_start,
+            &mut mb.actions,
+            &mut mb.sample_weights,
+            &mut mb.advantages,
+            &mut mb.returns,
+            &mut mb.prox_log_probs,
+            &mut mb.is_weights,
+        ] {
+            ensure(&mut self.backend, buffer, max_m)?;
+        }
+        ensure(&mut self.backend, &mut self.loss.d_heads, max_m * stride)?;
+        let config = PpoLossConfig {
+            clip_coef: h.clip_coef,
+            value_coef: h.value_coef,
+            ent_coef: h.ent_coef,
+            normalize_advantages: h.normalize_advantages,
+        };
+        let mut slot = 0;
+        for epoch in 0..epochs {
+            for minibatch_idx in 0..n_minibatches {
+                let lo = minibatch_idx * b_len / n_minibatches;
+                let hi = (minibatch_idx + 1) * b_len / n_minibatches;
+                let (mb_len, m) = (hi - lo, t_len * (hi - lo));
+                self.gather_minibatch(t_len, b_len, epoch * b_len + lo, mb_len)?;
+                let mb = &self.minibatch;
+                let obs = View::range(&mb.observations, 0..m * obs_dim);
+                let starts = View::range(&mb.episode_start, 0..m);
+                self.net.forward(
+                    &mut self.backend,
+                    &self.params,
+                    obs,
+                    starts,
+                    View::range(&mb.initial_hidden, 0..mb_len * hidden),
+                    t_len,
+                    mb_len,
+                )?;
+                let inputs = PpoLossInputs {
+                    n_samples: m,
+                    n_actions,
+                    heads: self.net.heads(),
+                    values: self.net.values(),
+                    actions: View::range(&mb.actions, 0..m),
+                    sample_weights: View::range(&mb.sample_weights, 0..m),
+                    advantages: View::range(&mb.advantages, 0..m),
+                    returns: View::range(&mb.returns, 0..m),
+                    prox_log_probs: View::range(&mb.prox_log_probs, 0..m),
+                    is_weights: View::range(&mb.is_weights, 0..m),
+                };
+                self.backend.ppo_loss(&inputs, &config, ViewMut::range(&mut self.loss.d_heads, 0..m * stride), slot)?;
+                self.net.backward(
+                    &mut self.backend,
+                    &self.params,
+                    View::range(&self.loss.d_heads, 0..m * stride),
+                    obs,
+                    starts,
+                    &mut self.grads,
+                )?;
+                self.apply_gradients(h, learning_rate, slot)?;
+                slot += 1;
+            }
+        }
+        Ok(off_policy)
+    }
+
+    /// PPO's off-policy statistics against the proximal policy, where the buffers are host memory.
+    fn ppo_off_policy(&mut self, n: usize, h: &HyperParams, s: &StagedLayout) -> Option<OffPolicyStats> {
+        let backend = &self.backend;
+        let prox = backend.host_slice(View::range(&self.loss.prox_log_probs, 0..n))?;
+        let behaviour = backend.host_slice(View::range(&self.staged, s.behaviour_log_probs.clone()))?;
+        self.prox_log_rhos.clear();
+        self.prox_log_rhos.extend(prox.iter().zip(behaviour).map(|(prox, mu)| prox - mu));
+        Some(off_policy_stats(&OffPolicyInputs {
+            log_rhos: &self.prox_log_rhos,
+            weights: backend.host_slice(View::range(&self.staged, s.sample_weights.clone()))?,
+            values: backend.host_slice(self.net.values().slice(0..n))?,
+            value_targets: backend.host_slice(View::range(&self.loss.returns, 0..n))?,
+            rho_bar: h.behaviour_is_clip,
+            c_bar: h.behaviour_is_clip,
+        }))
+    }
+
+    /// Gather the columns `permutations[offset..offset + mb_len]` of every per-sample field into
+    /// the minibatch buffers.
+    fn gather_minibatch(
+        &mut self,
+        t_len: usize,
+        b_len: usize,
+        offset: usize,
+        mb_len: usize,
+    ) -> Result<(), BackendError> {
+        let (obs_dim, hidden) = (self.net.obs_dim(), self.net.hidden());
+        let n = t_len * b_len;
+        let m = t_len * mb_len;
+        let s = &self.staged_layout;
+        let staged = &self.staged;
+        let mb = &mut self.minibatch;
+        let backend = &mut self.backend;
+        let Some(columns) = &self.permutations else {
+            return Err(BackendError::Shape {
+                op: "gather_minibatch",
+                operand: "permutations",
+                expected: offset + mb_len,
+                got: 0,
+            });
+        };
+        // The bootstrap row is not needed: targets are already computed.
+        let fields: [(View<'_, B>, usize, usize, &mut B::Floats); 9] = [
+            (
+                View::range(staged, s.observations.start..s.observations.start + n * obs_dim),
+                t_len,
+                obs_dim,
+                &mut mb.observations,
+            ),
+            (View::range(staged, s.episode_start.start..s.episode_start.start + n), t_len, 1, &mut mb.episode_start),
+            (View::range(staged, s.initial_hidden.clone()), 1, hidden, &mut mb.initial_hidden),
+            (View::range(staged, s.actions.clone()), t_len, 1, &mut mb.actions),
+            (View::range(staged, s.sample_weights.clone()), t_len, 1, &mut mb.sample_weights),
+            (View::range(&self.loss.advantages, 0..n), t_len, 1, &mut mb.advantages),
+            (View::range(&self.loss.returns, 0..n), t_len, 1, &mut mb.returns),
+            (View::range(&self.loss.prox_log_probs, 0..n), t_len, 1, &mut mb.prox_log_probs),
+            (View::range(&self.loss.is_weights, 0..n), t_len, 1, &mut mb.is_weights),
+        ];
+        for (src, rows, width, dst) in fields {
+            if width == 0 {
+                continue;
+            }
+            let len = rows * mb_len * width;
+            debug_assert!(rows == 1 || len == m * width);
+            backend.gather_columns(src, rows, b_len, width, columns, offset, mb_len, ViewMut::range(dst, 0..len))?;
+        }
+        Ok(())
+    }
+
+    /// Values `[T+1][B]` and GAE(γ, `gae_lambda`) advantages `[T][B]` of `batch` under the current
+    /// parameters, from the backend's forward pass (trajectory selection's priorities; no
+    /// weights leave the device).
+    pub fn values_and_advantages(
+        &mut self,
+        batch: &SegmentBatch,
+        gae_lambda: f32,
+        values: &mut Vec<f32>,
+        advantages: &mut Vec<f32>,
+    ) -> Result<(), BackendError> {
+        let (t_len, b_len) = (batch.t_len, batch.b_len);
+        let n = t_len * b_len;
+        self.stage(batch)?;
+        self.value_pass(t_len, b_len, gae_lambda)?;
+        values.resize(n + b_len, 0.0);
+        advantages.resize(n, 0.0);
+        self.backend.download(self.net.values(), values)?;
+        self.backend.download(View::range(&self.loss.advantages, 0..n), advantages)
+    }
+}
+
+/// The trainer on whichever backend the learner runs: the one place the backend is matched.
+#[allow(clippy::large_enum_variant)]
+pub enum AnyTrainer {
+    /// The CPU backend.
+    Cpu(Trainer<CpuBackend>),
+    /// The CUDA backend.
+    Cuda(Trainer<CudaBackend>),
+}
+
+/// Run `$body` with `$trainer` bound to the concrete trainer inside `$any`.
+macro_rules! with_trainer {
+    ($any:expr, $trainer:ident => $body:expr) => {
+        match $any {
+            AnyTrainer::Cpu($trainer) => $body,
+            AnyTrainer::Cuda($trainer) => $body,
+        }
+    };
+}
+
+impl AnyTrainer {
+    /// `cpu` or `cuda: <device>`.
+    pub fn description(&self) -> String {
+        with_trainer!(self, trainer => trainer.backend().description())
+    }
+
+    /// Whether this is the CPU backend (whose buffers are host memory).
+    pub fn is_cpu(&self) -> bool {
+        matches!(self, AnyTrainer::Cpu(_))
+    }
+
+    /// See [`Trainer::train_step`].
+    pub fn train_step(
+        &mut self,
+        batch: &SegmentBatch,
+        hyper: &HyperParams,
+        learning_rate: f32,
+        rng: &mut Pcg64Mcg,
+    ) -> Result<StepOutcome, BackendError> {
+        with_trainer!(self, trainer => trainer.train_step(batch, hyper, learning_rate, rng))
+    }
+
+    /// See [`Trainer::download_params`].
+    pub fn download_params(&mut self, out: &mut [f32]) -> Result<(), BackendError> {
+        with_trainer!(self, trainer => trainer.download_params(out))
+    }
+
+    /// See [`Trainer::download_state`].
+    pub fn download_state(&mut self) -> Result<HostState, BackendError> {
+        with_trainer!(self, trainer => trainer.download_state())
+    }
+
+    /// See [`Trainer::values_and_advantages`].
+    pub fn values_and_advantages(
+        &mut self,
+        batch: &SegmentBatch,
+        gae_lambda: f32,
+        values: &mut Vec<f32>,
+        advantages: &mut Vec<f32>,
+    ) -> Result<(), BackendError> {
+        with_trainer!(self, trainer => trainer.values_and_advantages(batch, gae_lambda, values, advantages))
+    }
+}
