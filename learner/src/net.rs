@@ -516,8 +516,8 @@ mod tests {
             let heads = net.heads().parts();
             let heads = &heads.0[heads.1];
             for (i, row) in heads.chunks_exact(4).enumerate() {
-                for j in 0..3 {
-                    assert!((row[j] - tape.logits()[i * 3 + j]).abs() < 1e-5, "{spec:?} logit {i},{j}");
+                for (j, (&logit, &expected)) in row[..3].iter().zip(&tape.logits()[i * 3..i * 3 + 3]).enumerate() {
+                    assert!((logit - expected).abs() < 1e-5, "{spec:?} logit {i},{j}");
                 }
                 assert!((row[3] - tape.values()[i]).abs() < 1e-5, "{spec:?} value {i}");
             }

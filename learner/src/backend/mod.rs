@@ -38,12 +38,18 @@
 //!    composed network on the CPU backend (`net.rs`).
 //!
 //! `cudarc` is built with dynamic loading, so nothing here links against CUDA: the workspace
-//! builds and tests on machines without it. [`cuda::open_cuda`] first asks, without panicking,
+//! builds and tests on machines without it. Without the `cuda` feature (on by default),
+//! `cuda/unavailable.rs` stands in under the same names and [`cuda::open_cuda`] returns
+//! [`BackendError::CudaNotCompiled`], so call sites need no `#[cfg]`. [`cuda::open_cuda`] first asks, without panicking,
 //! whether the driver, NVRTC and cuBLAS libraries can be loaded, then whether a device works;
 //! [`BackendKind::Auto`] falls back to the CPU with one warning when any of that fails, and
 //! [`BackendKind::Cuda`] turns it into an error.
 
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
+#[cfg(not(feature = "cuda"))]
+#[path = "cuda/unavailable.rs"]
 pub mod cuda;
 
 use std::fmt;
@@ -119,8 +125,12 @@ pub enum BackendError {
     #[error("cuBLAS: {0}")]
     Cublas(String),
     /// The kernels did not compile or load.
+    #[cfg(feature = "cuda")]
     #[error("kernels: {0}")]
     Kernels(#[from] cuda::kernels::KernelError),
+    /// This build has no CUDA backend (the `cuda` feature of `volley-learner` is off).
+    #[error("CUDA support was not compiled into this build (volley-learner feature `cuda`)")]
+    CudaNotCompiled,
     /// A CUDA library panicked while starting (caught).
     #[error("CUDA start-up panicked: {0}")]
     Panicked(String),

@@ -443,7 +443,7 @@ impl Kernels {
         check_len("gru_cell_fwd", "gh", 3 * state, gh.len())?;
         check_len("gru_cell_fwd", "gates", 3 * state, gates.len())?;
         check_len("gru_cell_fwd", "h_out", state, h_out.len())?;
-        let b_len = if hidden == 0 { 0 } else { state / hidden };
+        let b_len = state.checked_div(hidden).unwrap_or(0);
         let (b_i, h_i) = (int("b_len", b_len)?, int("hidden", hidden)?);
         let mut launch = stream.launch_builder(&self.gru_cell_fwd);
         launch.arg(gi).arg(gh).arg(h_prev).arg(gates).arg(h_out).arg(&b_i).arg(&h_i);
@@ -473,7 +473,7 @@ impl Kernels {
         check_len("gru_cell_bwd", "h_prev", state, h_prev.len())?;
         check_len("gru_cell_bwd", "d_gi", 3 * state, d_gi.len())?;
         check_len("gru_cell_bwd", "d_gh", 3 * state, d_gh.len())?;
-        let b_len = if hidden == 0 { 0 } else { state / hidden };
+        let b_len = state.checked_div(hidden).unwrap_or(0);
         let (b_i, h_i) = (int("b_len", b_len)?, int("hidden", hidden)?);
         let mut launch = stream.launch_builder(&self.gru_cell_bwd);
         launch.arg(d_h).arg(gates).arg(gh).arg(h_prev).arg(d_gi).arg(d_gh).arg(&b_i).arg(&h_i);
@@ -495,7 +495,7 @@ impl Kernels {
     ) -> Result<(), BackendError> {
         let state = d_h.len();
         check_len("gru_carry_grad", "from_heads", state, from_heads.len())?;
-        let b_len = if hidden == 0 { 0 } else { state / hidden };
+        let b_len = state.checked_div(hidden).unwrap_or(0);
         if let Some(starts) = starts_next {
             check_len("gru_carry_grad", "starts_next", b_len, starts.len())?;
         }
