@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# GPU check for the CUDA learner backend (issue 4): finds the CUDA libraries, builds (or takes
-# prebuilt) test and bench binaries, runs every CPU/CUDA parity test with a device required, runs
+# GPU check for the CUDA learner backend (issues 4 and 13): finds the CUDA libraries, builds (or takes
+# prebuilt) test and bench binaries, runs every CPU/CUDA parity test (learner/src/backend/cuda/tests.rs,
+# each operation of the Backend trait, the generic network, both fused losses, clipped Adam, the
+# selection values and whole updates) with a device required, runs
 # `volley train --backend cuda` briefly, then the learner benchmark, and prints a short table.
 # Must finish within 8 minutes on a GPU machine.
 #

@@ -254,12 +254,20 @@ impl Backend for CudaBackend {
         pack: &mut dyn FnMut(&mut [f32]),
         dst: &mut CudaSlice<f32>,
     ) -> Result<(), BackendError> {
-        if self.host_stage.as_ref().is_none_or(|h| h.len() != len) {
-            // SAFETY: page-locked memory of plain f32s; `pack` writes every word before the copy.
-            self.host_stage = Some(unsafe { self.gpu.ctx.alloc_pinned::<f32>(len.max(1)) }?);
+        // Both buffers only grow: the learner alternates between batch sizes (an update's batch,
+        // selection's batch of new segments), and page-locked allocations are slow.
+        if self.host_stage.as_ref().is_none_or(|h| h.len() < len) {
+            // SAFETY: page-locked memory of plain f32s, zeroed below before any word is read.
+            let mut host = unsafe { self.gpu.ctx.alloc_pinned::<f32>(len.max(1)) }?;
+            let (words, ptr) = (host.len(), host.as_mut_ptr()?);
+            // SAFETY: `ptr` addresses the `words` f32s just allocated, which nothing else uses yet;
+            // all-zero bytes are a valid f32 (0.0).
+            unsafe { std::ptr::write_bytes(ptr, 0, words) };
+            self.host_stage = Some(host);
         }
-        if dst.len() < len {
-            *dst = self.gpu.stream.alloc_zeros::<f32>(len.max(1))?;
+        let host_len = self.host_stage.as_ref().map_or(0, PinnedHostSlice::len);
+        if dst.len() < host_len {
+            *dst = self.gpu.stream.alloc_zeros::<f32>(host_len)?;
             // The copy stream must not touch the buffer before its stream-ordered allocation.
             self.gpu.stream.synchronize()?;
         }
@@ -270,7 +278,6 @@ impl Backend for CudaBackend {
         // The device buffer is free: every update ends with a blocking read-back, so no kernel
         // still reads the previous batch.
         record(&self.profile, &self.gpu, Mark::UploadStart, true)?;
-        let host_len = host.len();
         self.gpu.copy_stream.memcpy_htod(&*host, &mut dst.slice_mut(..host_len))?;
         record(&self.profile, &self.gpu, Mark::UploadEnd, true)?;
         self.uploaded.record(&self.gpu.copy_stream)?;
