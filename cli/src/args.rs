@@ -51,6 +51,8 @@ pub enum EnvName {
     Memory,
     /// Chain of rooms with keys (long horizon, sparse reward).
     Milestones,
+    /// Gymnasium Pendulum-v1 (continuous actions; not trainable until the Gaussian head lands).
+    Pendulum,
 }
 
 impl EnvName {
@@ -60,6 +62,7 @@ impl EnvName {
             EnvName::Cartpole => "cartpole",
             EnvName::Memory => "memory",
             EnvName::Milestones => "milestones",
+            EnvName::Pendulum => "pendulum",
         }
     }
 }
@@ -80,7 +83,7 @@ pub fn parse_env_choice(text: &str) -> Result<EnvChoice, String> {
         return EnvServiceName::new(service).map(EnvChoice::Remote).map_err(|err| err.to_string());
     }
     EnvName::from_str(text, true).map(EnvChoice::Builtin).map_err(|_| {
-        format!("unknown environment {text:?} (expected cartpole, memory, milestones or remote:<service>)")
+        format!("unknown environment {text:?} (expected cartpole, memory, milestones, pendulum or remote:<service>)")
     })
 }
 
@@ -365,6 +368,8 @@ pub fn solved_return(env: &EnvConfig) -> Option<f32> {
         EnvConfig::Cartpole => Some(475.0),
         EnvConfig::Memory(_) => Some(0.95),
         EnvConfig::Milestones(_) => Some(0.9),
+        // Gymnasium declares none for Pendulum-v1; -250 is issue 14's target.
+        EnvConfig::Pendulum => Some(-250.0),
         EnvConfig::Remote(remote) => remote.reward_threshold,
     }
 }
@@ -478,6 +483,7 @@ impl SpecArgs {
                 room_len: self.room_len,
                 ..MilestonesConfig::default()
             }),
+            EnvName::Pendulum => EnvConfig::Pendulum,
         }
     }
 

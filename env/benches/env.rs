@@ -8,7 +8,7 @@ use std::hint::black_box;
 use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use volley_env::{CartPole, Env, VecEnv, VecStep};
+use volley_env::{Action, Actions, CartPole, Env, VecEnv, VecStep};
 
 /// Vec steps of precomputed actions to cycle through.
 const N_ACTION_STEPS: usize = 256;
@@ -44,7 +44,7 @@ fn bench_cartpole(c: &mut Criterion) {
             b.iter(|| {
                 let row = &actions[step_idx * n_envs..(step_idx + 1) * n_envs];
                 step_idx = (step_idx + 1) % N_ACTION_STEPS;
-                envs.step(black_box(row), &mut out).expect("actions match n_envs");
+                envs.step(Actions::Discrete(black_box(row)), &mut out).expect("actions match n_envs");
                 black_box(&out.rewards);
             })
         });
@@ -60,7 +60,7 @@ fn bench_cartpole(c: &mut Criterion) {
                 let row = &actions[step_idx * n_envs..(step_idx + 1) * n_envs];
                 step_idx = (step_idx + 1) % N_ACTION_STEPS;
                 for ((env, obs_row), &action) in scalar_envs.iter_mut().zip(obs.chunks_exact_mut(4)).zip(row) {
-                    let outcome = env.step(black_box(action), obs_row).expect("live episode");
+                    let outcome = env.step(Action::Discrete(black_box(action)), obs_row).expect("live episode");
                     if outcome.done() {
                         env.reset_next(obs_row).expect("cartpole resets");
                     }
