@@ -7,11 +7,13 @@
 pub mod cartpole;
 pub mod memory;
 pub mod milestones;
+pub mod minatar;
 mod vec_env;
 
 pub use cartpole::CartPole;
 pub use memory::{Memory, MemoryConfig};
 pub use milestones::{Milestones, MilestonesConfig};
+pub use minatar::{MinAtar, MinatarConfig, MinatarGame};
 pub use vec_env::{derive_env_seed, FinishedEpisode, VecEnv, VecStep, VectorEnv};
 
 use crate::envsvc::EnvServiceName;
@@ -55,7 +57,10 @@ pub enum EnvError {
     #[error("invalid environment config: {0}")]
     Config(String),
     /// An environment name no build of Volley knows.
-    #[error("unknown environment {0:?} (known: cartpole, memory, milestones, remote:<service>)")]
+    #[error(
+        "unknown environment {0:?} (known: cartpole, memory, milestones, minatar-asterix, minatar-breakout, \
+         minatar-freeway, minatar-seaquest, minatar-space_invaders, remote:<service>)"
+    )]
     Unknown(String),
     /// A remote environment (served over NATS, see [`crate::envsvc`]) failed, timed out or
     /// could not be reached; the episodes it hosted were aborted.
@@ -207,6 +212,9 @@ pub enum EnvConfig {
     Memory(MemoryConfig),
     /// A chain of rooms with keys (long horizon, sparse reward).
     Milestones(MilestonesConfig),
+    /// One of the five MinAtar games (Young and Tian 2019), identical to the reference package
+    /// for the same seed and actions: `{"name":"minatar","game":"breakout"}`.
+    Minatar(MinatarConfig),
     /// An environment served by other processes over NATS (docs/ENV_PROTOCOL.md); actors step
     /// it through [`crate::envsvc::RemoteVecEnv`].
     Remote(RemoteEnvConfig),
@@ -261,7 +269,10 @@ impl EnvConfig {
             "cartpole" => Ok(EnvConfig::Cartpole),
             "memory" => Ok(EnvConfig::Memory(MemoryConfig::default())),
             "milestones" => Ok(EnvConfig::Milestones(MilestonesConfig::default())),
-            other => Err(EnvError::Unknown(other.to_string())),
+            other => match MinatarGame::from_env_name(other) {
+                Some(game) => Ok(EnvConfig::Minatar(MinatarConfig::new(game))),
+                None => Err(EnvError::Unknown(other.to_string())),
+            },
         }
     }
 
@@ -271,6 +282,7 @@ impl EnvConfig {
             EnvConfig::Cartpole => "cartpole",
             EnvConfig::Memory(_) => "memory",
             EnvConfig::Milestones(_) => "milestones",
+            EnvConfig::Minatar(config) => config.game.env_name(),
             EnvConfig::Remote(_) => "remote",
         }
     }
@@ -290,6 +302,7 @@ impl EnvConfig {
             EnvConfig::Cartpole => Box::new(CartPole::new()),
             EnvConfig::Memory(config) => Box::new(Memory::new(config.clone())?),
             EnvConfig::Milestones(config) => Box::new(Milestones::new(config.clone())?),
+            EnvConfig::Minatar(config) => config.build()?,
             EnvConfig::Remote(remote) => {
                 return Err(EnvError::Config(format!(
                     "remote environment {} is served over nats; step it with envsvc::RemoteVecEnv",
@@ -313,6 +326,10 @@ impl EnvConfig {
             EnvConfig::Milestones(config) => {
                 EnvBounds { max_abs_reward: 1.0, max_episode_len: Some(config.max_steps as u64) }
             }
+            EnvConfig::Minatar(config) => EnvBounds {
+                max_abs_reward: config.game.max_step_reward(),
+                max_episode_len: config.game.max_episode_steps(),
+            },
             EnvConfig::Remote(remote) => EnvBounds {
                 max_abs_reward: remote
                     .max_abs_reward
