@@ -9,16 +9,16 @@ use std::time::{Duration, Instant};
 use rand::{Rng, SeedableRng};
 use rand_pcg::Pcg64Mcg;
 use tracing::{debug, info, warn};
-use volley_core::distributions::{log_softmax, sample_categorical};
-use volley_core::env::{EnvError, VecEnv, VecStep, VectorEnv};
-use volley_core::envsvc::RemoteEnvCounters;
 use volley_core::ids::{ActorId, PolicyVersion};
-use volley_core::policy::{ParamLayout, PolicyInference};
 use volley_core::spec::{RunSpec, SpecError};
-use volley_core::transport::work::{SnapshotStore, WorkSource, WorkToken};
-use volley_core::transport::{TrajectorySink, TransportError, WeightsFollower};
 use volley_core::wire::{EpisodeSummary, TrajectorySegment, Weights};
 use volley_core::work::{EpisodeSnapshot, SnapshotInfo, Start, WorkItem};
+use volley_env::{EnvError, VecEnv, VecStep, VectorEnv};
+use volley_policy::distributions::{log_softmax, sample_categorical};
+use volley_policy::{ParamLayout, PolicyInference};
+use volley_transport::envsvc::RemoteEnvCounters;
+use volley_transport::work::{SnapshotStore, WorkSource, WorkToken};
+use volley_transport::{TrajectorySink, TransportError, WeightsFollower};
 
 /// Why an actor stopped with an error.
 #[derive(Debug, thiserror::Error)]
@@ -93,7 +93,7 @@ pub struct ActorCounters {
     pub episode_return_mean_bits: AtomicU64,
     /// The sink's live pacing clock, when its transport has one: the throttled time then
     /// includes a wait still in progress (set once, by whoever opened the sink).
-    pub pacing: std::sync::OnceLock<Arc<volley_core::transport::PacingClock>>,
+    pub pacing: std::sync::OnceLock<Arc<volley_transport::PacingClock>>,
     /// Whether the loop is inside [`TrajectorySink::publish`] now (waiting on pacing or on the
     /// broker's acknowledgements: the actor is waiting on others, not stuck).
     pub publishing: std::sync::atomic::AtomicBool,
@@ -164,7 +164,7 @@ struct Slot {
 struct WorkState {
     source: Box<dyn WorkSource>,
     store: Box<dyn SnapshotStore>,
-    tasks: Vec<volley_core::env::EnvConfig>,
+    tasks: Vec<volley_env::EnvConfig>,
     slots: Vec<Slot>,
 }
 
@@ -220,7 +220,7 @@ impl RolloutWorker {
         Self::with_envs(spec, actor, Box::new(envs), seed, counters)
     }
 
-    /// Act in `envs` (e.g. a [`volley_core::envsvc::RemoteVecEnv`]), whose spaces must match
+    /// Act in `envs` (e.g. a [`volley_transport::envsvc::RemoteVecEnv`]), whose spaces must match
     /// the spec's policy.
     pub fn with_envs(
         spec: RunSpec,
@@ -843,10 +843,10 @@ impl SegmentBuilder {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use volley_core::env::{EnvConfig, MemoryConfig};
     use volley_core::ids::RunId;
-    use volley_core::policy::{Activation, CoreKind, PolicySpec};
     use volley_core::spec::HyperParams;
+    use volley_env::{EnvConfig, MemoryConfig};
+    use volley_policy::{Activation, CoreKind, PolicySpec};
 
     fn worker(env: EnvConfig, obs_dim: usize, n_actions: usize, core: CoreKind, t_len: usize) -> RolloutWorker {
         let spec = RunSpec {
@@ -939,7 +939,7 @@ mod tests {
     /// Wraps an in-process vec env and fails environment 0 every 10th step, as a lost remote
     /// server would: a truncation with reward 0 and an error, not a finished episode.
     struct FlakyEnvs {
-        inner: VecEnv<volley_core::env::CartPole>,
+        inner: VecEnv<volley_env::CartPole>,
         steps: usize,
     }
 
@@ -981,7 +981,7 @@ mod tests {
     fn aborted_episodes_are_counted_and_not_reported_as_finished() {
         let spec = worker(EnvConfig::Cartpole, 4, 2, CoreKind::Mlp, 20).spec.clone();
         let layout = spec.validate().expect("valid");
-        let envs = FlakyEnvs { inner: VecEnv::new(vec![volley_core::env::CartPole::new(); 2], 5).unwrap(), steps: 0 };
+        let envs = FlakyEnvs { inner: VecEnv::new(vec![volley_env::CartPole::new(); 2], 5).unwrap(), steps: 0 };
         let counters = Arc::new(ActorCounters::default());
         let mut worker =
             RolloutWorker::with_envs(spec, ActorId::new("flaky").unwrap(), Box::new(envs), 5, counters.clone())
@@ -1000,7 +1000,7 @@ mod tests {
     #[test]
     fn envs_whose_spaces_differ_from_the_policy_are_refused() {
         let spec = worker(EnvConfig::Cartpole, 4, 2, CoreKind::Mlp, 8).spec.clone();
-        let memory = VecEnv::new(vec![volley_core::env::Memory::new(MemoryConfig::default()).unwrap()], 0).unwrap();
+        let memory = VecEnv::new(vec![volley_env::Memory::new(MemoryConfig::default()).unwrap()], 0).unwrap();
         let result = RolloutWorker::with_envs(spec, ActorId::new("a").unwrap(), Box::new(memory), 0, Arc::default());
         assert!(matches!(result, Err(ActorError::Spec(SpecError::Mismatch { what: "obs_dim", .. }))));
     }

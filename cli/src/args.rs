@@ -5,17 +5,17 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use volley_core::env::{EnvConfig, MemoryConfig, MilestonesConfig, RemoteEnvConfig, REMOTE_PREFIX};
-use volley_core::envsvc::EnvServiceName;
 use volley_core::ids::RunId;
-use volley_core::policy::{Activation, CoreKind, PolicySpec};
 use volley_core::spec::{
     HyperParams, LossKind, PriorityConfig, RunSpec, SelectionConfig, TrustConfig, ZeroVarianceConfig,
 };
-use volley_core::transport::nats::{NatsAuth, NatsConfig};
 use volley_core::work::{BudgetPolicy, WorkConfig};
+use volley_env::{EnvConfig, MemoryConfig, MilestonesConfig, MinatarConfig, MinatarGame, RemoteEnvConfig, REMOTE_PREFIX};
 use volley_learner::backend::BackendKind;
 use volley_learner::Checkpoint;
+use volley_policy::{Activation, CoreKind, PolicySpec};
+use volley_transport::envsvc::EnvServiceName;
+use volley_transport::nats::{NatsAuth, NatsConfig};
 
 /// Volley: a distributed actor-learner system for reinforcement learning.
 #[derive(Debug, Parser)]
@@ -51,6 +51,21 @@ pub enum EnvName {
     Memory,
     /// Chain of rooms with keys (long horizon, sparse reward).
     Milestones,
+    /// MinAtar Asterix (10×10×4 image, flattened for the MLP).
+    #[value(name = "minatar-asterix")]
+    MinatarAsterix,
+    /// MinAtar Breakout (10×10×4 image, flattened for the MLP).
+    #[value(name = "minatar-breakout")]
+    MinatarBreakout,
+    /// MinAtar Freeway (10×10×7 image, flattened for the MLP).
+    #[value(name = "minatar-freeway")]
+    MinatarFreeway,
+    /// MinAtar Seaquest (10×10×10 image, flattened for the MLP).
+    #[value(name = "minatar-seaquest")]
+    MinatarSeaquest,
+    /// MinAtar Space Invaders (10×10×6 image, flattened for the MLP).
+    #[value(name = "minatar-space-invaders")]
+    MinatarSpaceInvaders,
 }
 
 impl EnvName {
@@ -60,6 +75,11 @@ impl EnvName {
             EnvName::Cartpole => "cartpole",
             EnvName::Memory => "memory",
             EnvName::Milestones => "milestones",
+            EnvName::MinatarAsterix => MinatarGame::Asterix.env_name(),
+            EnvName::MinatarBreakout => MinatarGame::Breakout.env_name(),
+            EnvName::MinatarFreeway => MinatarGame::Freeway.env_name(),
+            EnvName::MinatarSeaquest => MinatarGame::Seaquest.env_name(),
+            EnvName::MinatarSpaceInvaders => MinatarGame::SpaceInvaders.env_name(),
         }
     }
 }
@@ -74,13 +94,16 @@ pub enum EnvChoice {
     Remote(EnvServiceName),
 }
 
-/// Parse `--env`: `cartpole`, `memory`, `milestones` or `remote:<service>`.
+/// Parse `--env`: `cartpole`, `memory`, `milestones`, `minatar-<game>` or `remote:<service>`.
 pub fn parse_env_choice(text: &str) -> Result<EnvChoice, String> {
     if let Some(service) = text.strip_prefix(REMOTE_PREFIX) {
         return EnvServiceName::new(service).map(EnvChoice::Remote).map_err(|err| err.to_string());
     }
     EnvName::from_str(text, true).map(EnvChoice::Builtin).map_err(|_| {
-        format!("unknown environment {text:?} (expected cartpole, memory, milestones or remote:<service>)")
+        format!(
+            "unknown environment {text:?} (expected cartpole, memory, milestones, minatar-asterix, minatar-breakout, \
+             minatar-freeway, minatar-seaquest, minatar-space-invaders or remote:<service>)"
+        )
     })
 }
 
@@ -365,6 +388,8 @@ pub fn solved_return(env: &EnvConfig) -> Option<f32> {
         EnvConfig::Cartpole => Some(475.0),
         EnvConfig::Memory(_) => Some(0.95),
         EnvConfig::Milestones(_) => Some(0.9),
+        // MinAtar has no solved score; runs go to their step or time budget.
+        EnvConfig::Minatar(_) => None,
         EnvConfig::Remote(remote) => remote.reward_threshold,
     }
 }
@@ -478,6 +503,14 @@ impl SpecArgs {
                 room_len: self.room_len,
                 ..MilestonesConfig::default()
             }),
+            EnvName::MinatarAsterix
+            | EnvName::MinatarBreakout
+            | EnvName::MinatarFreeway
+            | EnvName::MinatarSeaquest
+            | EnvName::MinatarSpaceInvaders => {
+                let game = MinatarGame::from_env_name(name.as_str()).expect("every minatar EnvName is a game");
+                EnvConfig::Minatar(MinatarConfig::new(game))
+            }
         }
     }
 
@@ -877,10 +910,10 @@ pub struct EnvServeArgs {
 
 impl EnvServeArgs {
     /// The service name and the server config.
-    pub fn server_config(&self) -> anyhow::Result<volley_core::envsvc::EnvServerConfig> {
+    pub fn server_config(&self) -> anyhow::Result<volley_transport::envsvc::EnvServerConfig> {
         let env_name = self.env.as_str().to_string();
         let name = EnvServiceName::new(self.name.clone().unwrap_or_else(|| env_name.clone())).context("--name")?;
-        let mut config = volley_core::envsvc::EnvServerConfig::new(name, env_name);
+        let mut config = volley_transport::envsvc::EnvServerConfig::new(name, env_name);
         if self.max_sessions == 0 || self.max_envs_per_session == 0 {
             bail!("--max-sessions and --max-envs-per-session must be at least 1");
         }
@@ -890,7 +923,7 @@ impl EnvServeArgs {
         let builtin = EnvConfig::from_name(&config.env_label).context("--env")?;
         config.reward_threshold = solved_return(&builtin);
         config.max_episode_steps = match builtin {
-            EnvConfig::Cartpole => Some(volley_core::env::cartpole::MAX_EPISODE_STEPS),
+            EnvConfig::Cartpole => Some(volley_env::cartpole::MAX_EPISODE_STEPS),
             _ => None,
         };
         config.max_abs_reward = Some(builtin.bounds().max_abs_reward);

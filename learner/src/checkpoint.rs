@@ -139,11 +139,11 @@ mod tests {
     use super::*;
     use crate::batch::SegmentBatch;
     use crate::learner::Learner;
-    use volley_core::env::EnvConfig;
     use volley_core::ids::{PolicyVersion, RunId};
-    use volley_core::policy::{Activation, CoreKind, PolicySpec};
     use volley_core::spec::{HyperParams, LossKind, RunSpec};
     use volley_core::wire::TrajectorySegment;
+    use volley_env::EnvConfig;
+    use volley_policy::{Activation, CoreKind, PolicySpec};
 
     fn spec(torso: Vec<usize>) -> RunSpec {
         RunSpec {

@@ -6,15 +6,15 @@
 use std::sync::atomic::AtomicBool;
 use std::thread;
 
-use volley_core::env::EnvConfig;
 use volley_core::ids::{PolicyVersion, RunId};
-use volley_core::policy::{Activation, CoreKind, PolicySpec};
 use volley_core::spec::{HyperParams, LossKind, RunSpec};
-use volley_core::transport::local::{trajectory_channel, weights_channel};
-use volley_core::transport::TrajectorySink;
 use volley_core::wire::{EpisodeSummary, TrajectorySegment};
+use volley_env::EnvConfig;
 use volley_learner::consume::SeenSegments;
 use volley_learner::{run_learner, Learner, LearnerReport, RunLimits, StopReason, UpdateStats};
+use volley_policy::{Activation, CoreKind, PolicySpec};
+use volley_transport::local::{trajectory_channel, weights_channel};
+use volley_transport::TrajectorySink;
 
 const T: usize = 8;
 /// The stated bound: hostile input may grow the learner's resident set by at most this much.

@@ -5,14 +5,14 @@
 
 use std::sync::atomic::AtomicBool;
 
-use volley_core::env::EnvConfig;
 use volley_core::ids::{PolicyVersion, RunId};
-use volley_core::policy::{Activation, CoreKind, PolicySpec};
 use volley_core::spec::{HyperParams, LossKind, RunSpec};
-use volley_core::transport::local::{trajectory_channel, weights_channel};
-use volley_core::transport::TrajectorySink;
 use volley_core::wire::{EpisodeSummary, TrajectorySegment};
+use volley_env::EnvConfig;
 use volley_learner::{run_learner, Learner, LearnerReport, RunLimits, StopReason, UpdateStats};
+use volley_policy::{Activation, CoreKind, PolicySpec};
+use volley_transport::local::{trajectory_channel, weights_channel};
+use volley_transport::TrajectorySink;
 
 const T: usize = 8;
 const B: usize = 4;

@@ -483,12 +483,12 @@ pub fn decode_weights(bytes: &[u8], layout_hash: u64, n_params: usize) -> Result
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::env::EnvConfig;
     use crate::ids::RunId;
-    use crate::policy::{Activation, CoreKind, ParamLayout, PolicySpec};
     use crate::spec::HyperParams;
     use proptest::prelude::*;
     use proptest::strategy::ValueTree;
+    use volley_env::EnvConfig;
+    use volley_policy::{Activation, CoreKind, ParamLayout, PolicySpec};
 
     const T: usize = 4;
 
