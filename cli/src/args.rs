@@ -169,7 +169,8 @@ pub enum ProgressMode {
 /// Flags that define the run spec (shared by `volley train` and `volley learner`).
 #[derive(Debug, Clone, Args)]
 pub struct SpecArgs {
-    /// Environment: cartpole, memory, milestones, or remote:SERVICE for one served over NATS
+    /// Environment: cartpole, memory, milestones, minatar-GAME (asterix, breakout, freeway, seaquest,
+    /// space-invaders), or remote:SERVICE for one served over NATS
     /// (docs/ENV_PROTOCOL.md; `volley learner` asks its servers for the spaces).
     #[arg(long, default_value = "cartpole", env = "VOLLEY_ENV", value_parser = parse_env_choice)]
     pub env: EnvChoice,
@@ -1105,6 +1106,18 @@ mod tests {
         } else {
             format!("VOLLEY_{flag}")
         }
+    }
+
+    #[test]
+    fn minatar_env_names_parse_to_their_games() {
+        for game in MinatarGame::ALL {
+            let choice = parse_env_choice(game.env_name()).unwrap();
+            let EnvChoice::Builtin(name) = choice else { panic!("{} is built in", game.env_name()) };
+            assert_eq!(name.as_str(), game.env_name());
+            assert_eq!(EnvConfig::from_name(name.as_str()).unwrap(), EnvConfig::Minatar(MinatarConfig::new(game)));
+        }
+        let err = parse_env_choice("minatar-pong").unwrap_err();
+        assert!(err.contains("minatar-space-invaders"), "{err}");
     }
 
     // Issue 17: docs/OPERATIONS.md and the `volley-run` ConfigMap rely on every flag having a
