@@ -10,7 +10,9 @@ use volley_core::spec::{
     HyperParams, LossKind, PriorityConfig, RunSpec, SelectionConfig, TrustConfig, ZeroVarianceConfig,
 };
 use volley_core::work::{BudgetPolicy, WorkConfig};
-use volley_env::{EnvConfig, MemoryConfig, MilestonesConfig, MinatarConfig, MinatarGame, RemoteEnvConfig, REMOTE_PREFIX};
+use volley_env::{
+    EnvConfig, MemoryConfig, MilestonesConfig, MinatarConfig, MinatarGame, RemoteEnvConfig, REMOTE_PREFIX,
+};
 use volley_learner::backend::BackendKind;
 use volley_learner::Checkpoint;
 use volley_policy::{Activation, CoreKind, PolicySpec};

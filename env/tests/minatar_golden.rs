@@ -93,7 +93,13 @@ fn parse_runs(text: &str) -> Vec<Run<'_>> {
                     difficulty_ramping: fields[4] == "1",
                     sticky_action_prob: fields[5].parse().expect("sticky probability"),
                 };
-                runs.push(Run { game, seed: fields[2].parse().expect("seed"), config, header: line, records: Vec::new() });
+                runs.push(Run {
+                    game,
+                    seed: fields[2].parse().expect("seed"),
+                    config,
+                    header: line,
+                    records: Vec::new(),
+                });
             }
             "end" => {
                 assert_eq!(fields[1].parse::<usize>().expect("run count"), runs.len(), "trace run count");

@@ -59,9 +59,8 @@ impl RandomState {
         let (mut i, mut j) = (1usize, 0usize);
         for _ in 0..STATE_WORDS.max(words.len()) {
             let prev = key[i - 1];
-            key[i] = (key[i] ^ (prev ^ (prev >> 30)).wrapping_mul(1_664_525))
-                .wrapping_add(words[j])
-                .wrapping_add(j as u32);
+            key[i] =
+                (key[i] ^ (prev ^ (prev >> 30)).wrapping_mul(1_664_525)).wrapping_add(words[j]).wrapping_add(j as u32);
             i += 1;
             j += 1;
             if i >= STATE_WORDS {

@@ -264,7 +264,8 @@ impl Seaquest {
                     current = after_removal(current, removed);
                 } else if self.at_sub(sub.x, sub.y) {
                     self.terminal = true;
-                } else if let Some(hit) = self.f_bullets.iter().position(|bullet| (bullet.x, bullet.y) == (sub.x, sub.y))
+                } else if let Some(hit) =
+                    self.f_bullets.iter().position(|bullet| (bullet.x, bullet.y) == (sub.x, sub.y))
                 {
                     let removed = remove_first_equal(&mut self.e_subs, &sub);
                     current = after_removal(current, removed);
@@ -503,14 +504,16 @@ impl Game for Seaquest {
         if (self.sub_or && self.sub_x == 0) || (!self.sub_or && self.sub_x == 9) {
             return Err(format!("seaquest submarine at column {} faces the wall", self.sub_x));
         }
-        let lens = [self.f_bullets.len(), self.e_bullets.len(), self.e_fish.len(), self.e_subs.len(), self.divers.len()];
+        let lens =
+            [self.f_bullets.len(), self.e_bullets.len(), self.e_fish.len(), self.e_subs.len(), self.divers.len()];
         if lens.iter().any(|&len| len > MAX_ENTITIES) {
             return Err(format!("seaquest entity lists {lens:?} longer than {MAX_ENTITIES}"));
         }
         if !(-1..=RAMP_MAX_OXYGEN).contains(&self.oxygen) || self.diver_count > MAX_DIVERS {
             return Err(format!("seaquest oxygen {} or divers {} out of range", self.oxygen, self.diver_count));
         }
-        if !(1..=INIT_SPAWN_SPEED).contains(&self.e_spawn_speed) || !(1..=INIT_MOVE_INTERVAL).contains(&self.move_speed) {
+        if !(1..=INIT_SPAWN_SPEED).contains(&self.e_spawn_speed) || !(1..=INIT_MOVE_INTERVAL).contains(&self.move_speed)
+        {
             return Err(format!(
                 "seaquest spawn speed {} or move speed {} out of range",
                 self.e_spawn_speed, self.move_speed
