@@ -29,10 +29,10 @@ from minatar import Environment
 # (game, seed, full action set, difficulty ramping, sticky action probability, steps).
 # A seed of 2**32 or more is given to numpy as the array of its two 32-bit halves, as Volley does.
 RUNS = [
-    ("asterix", 0, False, True, 0.1, 4000),
+    ("asterix", 0, False, True, 0.1, 8000),
     ("breakout", 1, False, True, 0.1, 4000),
     ("freeway", 2, False, True, 0.1, 5100),
-    ("seaquest", 3, False, True, 0.1, 6000),
+    ("seaquest", 3, False, True, 0.1, 12000),
     ("space_invaders", 4, False, True, 0.1, 4000),
     ("seaquest", 0x9ABCDEF012345678, True, False, 0.1, 3000),
     ("space_invaders", 4294967295, True, True, 0.25, 2000),

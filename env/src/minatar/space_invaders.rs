@@ -314,6 +314,24 @@ mod tests {
     }
 
     #[test]
+    fn clearing_a_wave_brings_a_faster_one_only_with_ramping() {
+        for (ramping, interval, ramp_index) in [(true, ENEMY_MOVE_INTERVAL - 1, 1), (false, ENEMY_MOVE_INTERVAL, 0)] {
+            let mut game = SpaceInvaders::new(ramping);
+            let mut rng = RandomState::from_seed(0);
+            game.reset(&mut rng);
+            // One alien left, right above a torpedo that reaches it this step.
+            game.alien_map = [0; GRID];
+            game.alien_map[4] = 1 << 5;
+            game.f_bullet_map[5] = 1 << 5;
+            game.alien_move_timer = 3;
+            let (reward, terminal) = game.act(Action::Noop, &mut rng);
+            assert_eq!((reward, terminal), (1, false));
+            assert_eq!(game.alien_map, ALIEN_WAVE, "a new wave");
+            assert_eq!((game.enemy_move_interval, game.ramp_index), (interval, ramp_index), "ramping {ramping}");
+        }
+    }
+
+    #[test]
     fn random_play_shoots_aliens() {
         let (episodes, total, _) = random_play::<SpaceInvaders>(3, 5000);
         assert!(episodes > 5, "{episodes} episodes");
