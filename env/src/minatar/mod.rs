@@ -623,6 +623,24 @@ mod tests {
     }
 
     #[test]
+    fn env_config_names_json_and_bounds() {
+        use crate::EnvConfig;
+        let config = EnvConfig::from_name("minatar-space-invaders").unwrap();
+        assert_eq!(config, EnvConfig::Minatar(MinatarConfig::new(MinatarGame::SpaceInvaders)));
+        assert_eq!(config.name(), "minatar-space-invaders");
+        let json = serde_json::to_value(&config).unwrap();
+        assert_eq!(json["name"], "minatar");
+        assert_eq!(json["game"], "space_invaders");
+        assert_eq!(serde_json::from_value::<EnvConfig>(json).unwrap(), config);
+        let short: EnvConfig = serde_json::from_str(r#"{"name":"minatar","game":"freeway"}"#).unwrap();
+        assert_eq!(short.bounds().max_episode_len, Some(2501));
+        assert_eq!(short.bounds().max_abs_reward, 1.0);
+        assert_eq!(short.spaces().unwrap(), (700, 3));
+        assert!(serde_json::from_str::<EnvConfig>(r#"{"name":"minatar","game":"pong"}"#).is_err());
+        assert!(matches!(EnvConfig::from_name("minatar-pong"), Err(EnvError::Unknown(_))));
+    }
+
+    #[test]
     fn full_action_set_maps_indices_directly_and_rejects_seven() {
         let config = MinatarConfig { full_action_set: true, ..MinatarConfig::new(MinatarGame::Breakout) };
         let mut env = MinAtar::<Breakout>::new(config).unwrap();
