@@ -10,6 +10,7 @@
 pub mod cartpole;
 pub mod memory;
 pub mod milestones;
+pub mod minatar;
 pub mod pendulum;
 mod service_name;
 mod vec_env;
@@ -17,6 +18,7 @@ mod vec_env;
 pub use cartpole::CartPole;
 pub use memory::{Memory, MemoryConfig};
 pub use milestones::{Milestones, MilestonesConfig};
+pub use minatar::{MinAtar, MinatarConfig, MinatarGame};
 pub use pendulum::Pendulum;
 pub use vec_env::{derive_env_seed, FinishedEpisode, VecEnv, VecStep, VectorEnv};
 
@@ -67,7 +69,10 @@ pub enum EnvError {
     #[error("invalid environment config: {0}")]
     Config(String),
     /// An environment name no build of Volley knows.
-    #[error("unknown environment {0:?} (known: cartpole, memory, milestones, pendulum, remote:<service>)")]
+    #[error(
+        "unknown environment {0:?} (known: cartpole, memory, milestones, pendulum, minatar-asterix, minatar-breakout, \
+         minatar-freeway, minatar-seaquest, minatar-space-invaders, remote:<service>)"
+    )]
     Unknown(String),
     /// A remote environment (served over NATS, see `volley_transport::envsvc`) failed, timed out or
     /// could not be reached; the episodes it hosted were aborted.
@@ -396,6 +401,9 @@ pub enum EnvConfig {
     Milestones(MilestonesConfig),
     /// Gymnasium Pendulum-v1 (continuous actions).
     Pendulum,
+    /// One of the five MinAtar games (Young and Tian 2019), identical to the reference package
+    /// for the same seed and actions: `{"name":"minatar","game":"breakout"}`.
+    Minatar(MinatarConfig),
     /// An environment served by other processes over NATS (docs/ENV_PROTOCOL.md); actors step
     /// it through `volley_transport::envsvc::RemoteVecEnv`.
     Remote(RemoteEnvConfig),
@@ -451,7 +459,10 @@ impl EnvConfig {
             "memory" => Ok(EnvConfig::Memory(MemoryConfig::default())),
             "milestones" => Ok(EnvConfig::Milestones(MilestonesConfig::default())),
             "pendulum" => Ok(EnvConfig::Pendulum),
-            other => Err(EnvError::Unknown(other.to_string())),
+            other => match MinatarGame::from_env_name(other) {
+                Some(game) => Ok(EnvConfig::Minatar(MinatarConfig::new(game))),
+                None => Err(EnvError::Unknown(other.to_string())),
+            },
         }
     }
 
@@ -462,6 +473,7 @@ impl EnvConfig {
             EnvConfig::Memory(_) => "memory",
             EnvConfig::Milestones(_) => "milestones",
             EnvConfig::Pendulum => "pendulum",
+            EnvConfig::Minatar(config) => config.game.env_name(),
             EnvConfig::Remote(_) => "remote",
         }
     }
@@ -482,6 +494,7 @@ impl EnvConfig {
             EnvConfig::Memory(config) => Box::new(Memory::new(config.clone())?),
             EnvConfig::Milestones(config) => Box::new(Milestones::new(config.clone())?),
             EnvConfig::Pendulum => Box::new(Pendulum::new()),
+            EnvConfig::Minatar(config) => config.build()?,
             EnvConfig::Remote(remote) => {
                 return Err(EnvError::Config(format!(
                     "remote environment {} is served over nats; step it with envsvc::RemoteVecEnv",
@@ -508,6 +521,10 @@ impl EnvConfig {
             EnvConfig::Pendulum => EnvBounds {
                 max_abs_reward: pendulum::MAX_COST as f32 * (1.0 + f32::EPSILON),
                 max_episode_len: Some(pendulum::MAX_EPISODE_STEPS as u64),
+            },
+            EnvConfig::Minatar(config) => EnvBounds {
+                max_abs_reward: config.game.max_step_reward(),
+                max_episode_len: config.game.max_episode_steps(),
             },
             EnvConfig::Remote(remote) => EnvBounds {
                 max_abs_reward: remote
