@@ -3,7 +3,7 @@
 //!
 //! Row-major products through column-major cuBLAS: a row-major `M[r×c]` is the column-major
 //! `Mᵀ[c×r]` with leading dimension `c`, so `Y = X Wᵀ` is computed as `Yᵀ = W Xᵀ`, and so on
-//! (see [`Gpu::gemm_xwt`], [`Gpu::gemm_dw`] and [`Gpu::gemm_dx`]). Products run in plain f32
+//! (see `Gpu::gemm_xwt`, `Gpu::gemm_dw` and `Gpu::gemm_dx`). Products run in plain f32
 //! (no TF32), so results stay within f32 rounding of the CPU backend.
 
 use std::sync::Arc;

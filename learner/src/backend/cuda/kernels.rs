@@ -1,5 +1,5 @@
 //! The CUDA sources of the learner's kernels, their NVRTC compilation, and one safe launcher
-//! per kernel ([`Kernels`]).
+//! per kernel (`Kernels`).
 //!
 //! Each launcher takes typed device views (`CudaView`/`CudaViewMut`, which carry their length),
 //! checks every length against the sizes the kernel will index with, converts sizes to the

@@ -1,6 +1,6 @@
 //! The CUDA backend: [`Backend`] on one GPU.
 //!
-//! - [`device`]: the context, streams, cuBLAS handle and the matrix products.
+//! - `device`: the context, streams, cuBLAS handle and the matrix products.
 //! - [`kernels`]: the `.cu` sources in `learner/kernels/`, their NVRTC compilation and one safe
 //!   launcher per kernel.
 //! - [`profile`]: event timings for the benchmarks.
@@ -13,7 +13,7 @@
 //! corrections stay on the device, so a gradient step needs no host round trip. Weights come
 //! back to the host only when the learner publishes or checkpoints them.
 
-pub mod device;
+pub(crate) mod device;
 pub mod kernels;
 pub mod profile;
 #[cfg(test)]
