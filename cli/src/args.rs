@@ -68,6 +68,8 @@ pub enum EnvName {
     /// MinAtar Space Invaders (10×10×6 image, flattened for the MLP).
     #[value(name = "minatar-space-invaders")]
     MinatarSpaceInvaders,
+    /// Gymnasium Pendulum-v1 (continuous actions; not trainable until the Gaussian head lands).
+    Pendulum,
 }
 
 impl EnvName {
@@ -82,6 +84,7 @@ impl EnvName {
             EnvName::MinatarFreeway => MinatarGame::Freeway.env_name(),
             EnvName::MinatarSeaquest => MinatarGame::Seaquest.env_name(),
             EnvName::MinatarSpaceInvaders => MinatarGame::SpaceInvaders.env_name(),
+            EnvName::Pendulum => "pendulum",
         }
     }
 }
@@ -103,8 +106,8 @@ pub fn parse_env_choice(text: &str) -> Result<EnvChoice, String> {
     }
     EnvName::from_str(text, true).map(EnvChoice::Builtin).map_err(|_| {
         format!(
-            "unknown environment {text:?} (expected cartpole, memory, milestones, minatar-asterix, minatar-breakout, \
-             minatar-freeway, minatar-seaquest, minatar-space-invaders or remote:<service>)"
+            "unknown environment {text:?} (expected cartpole, memory, milestones, pendulum, minatar-asterix, \
+             minatar-breakout, minatar-freeway, minatar-seaquest, minatar-space-invaders or remote:<service>)"
         )
     })
 }
@@ -393,6 +396,8 @@ pub fn solved_return(env: &EnvConfig) -> Option<f32> {
         EnvConfig::Milestones(_) => Some(0.9),
         // MinAtar has no solved score; runs go to their step or time budget.
         EnvConfig::Minatar(_) => None,
+        // Gymnasium declares none for Pendulum-v1; -250 is issue 14's target.
+        EnvConfig::Pendulum => Some(-250.0),
         EnvConfig::Remote(remote) => remote.reward_threshold,
     }
 }
@@ -514,6 +519,7 @@ impl SpecArgs {
                 let game = MinatarGame::from_env_name(name.as_str()).expect("every minatar EnvName is a game");
                 EnvConfig::Minatar(MinatarConfig::new(game))
             }
+            EnvName::Pendulum => EnvConfig::Pendulum,
         }
     }
 

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use volley_env::minatar::{Asterix, Breakout, Freeway, Game, MinAtar, Seaquest, SpaceInvaders, CELLS};
-use volley_env::{CartPole, Env, VecEnv, VecStep};
+use volley_env::{Action, Actions, CartPole, Env, VecEnv, VecStep};
 
 /// Vec steps of precomputed actions to cycle through.
 const N_ACTION_STEPS: usize = 256;
@@ -50,7 +50,7 @@ fn bench_cartpole(c: &mut Criterion) {
             b.iter(|| {
                 let row = &actions[step_idx * n_envs..(step_idx + 1) * n_envs];
                 step_idx = (step_idx + 1) % N_ACTION_STEPS;
-                envs.step(black_box(row), &mut out).expect("actions match n_envs");
+                envs.step(Actions::Discrete(black_box(row)), &mut out).expect("actions match n_envs");
                 black_box(&out.rewards);
             })
         });
@@ -66,7 +66,7 @@ fn bench_cartpole(c: &mut Criterion) {
                 let row = &actions[step_idx * n_envs..(step_idx + 1) * n_envs];
                 step_idx = (step_idx + 1) % N_ACTION_STEPS;
                 for ((env, obs_row), &action) in scalar_envs.iter_mut().zip(obs.chunks_exact_mut(4)).zip(row) {
-                    let outcome = env.step(black_box(action), obs_row).expect("live episode");
+                    let outcome = env.step(Action::Discrete(black_box(action)), obs_row).expect("live episode");
                     if outcome.done() {
                         env.reset_next(obs_row).expect("cartpole resets");
                     }
@@ -88,7 +88,7 @@ fn bench_minatar_game<G: Game>(c: &mut Criterion) {
     group.sample_size(20);
     group.throughput(Throughput::Elements(N_ENVS as u64));
     let template = MinAtar::<G>::with_defaults();
-    let actions = precomputed_actions_below(N_ENVS, template.action_space().n);
+    let actions = precomputed_actions_below(N_ENVS, template.action_space().n_actions());
 
     let mut envs = VecEnv::new(vec![template.clone(); N_ENVS], 0).expect("minatar resets");
     let mut out = VecStep::new(N_ENVS, envs.obs_dim());
@@ -97,7 +97,7 @@ fn bench_minatar_game<G: Game>(c: &mut Criterion) {
         b.iter(|| {
             let row = &actions[step_idx * N_ENVS..(step_idx + 1) * N_ENVS];
             step_idx = (step_idx + 1) % N_ACTION_STEPS;
-            envs.step(black_box(row), &mut out).expect("actions in range");
+            envs.step(Actions::Discrete(black_box(row)), &mut out).expect("actions in range");
             black_box(&out.rewards);
         })
     });
@@ -116,7 +116,7 @@ fn bench_minatar_game<G: Game>(c: &mut Criterion) {
             let row = &actions[step_idx * N_ENVS..(step_idx + 1) * N_ENVS];
             step_idx = (step_idx + 1) % N_ACTION_STEPS;
             for ((env, obs_row), &action) in scalar_envs.iter_mut().zip(obs.chunks_exact_mut(dim)).zip(row) {
-                let outcome = env.step(black_box(action), obs_row).expect("live episode");
+                let outcome = env.step(Action::Discrete(black_box(action)), obs_row).expect("live episode");
                 if outcome.done() {
                     env.reset_next(obs_row).expect("minatar resets");
                 }

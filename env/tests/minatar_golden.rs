@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
 use volley_env::minatar::{Asterix, Breakout, Freeway, Game, MinAtar, Seaquest, SpaceInvaders, CELLS};
-use volley_env::{Env, MinatarConfig, MinatarGame};
+use volley_env::{Action, Env, MinatarConfig, MinatarGame};
 
 /// The reference and the numpy it was checked with (numpy's legacy `RandomState` stream is
 /// frozen, so other versions give the same traces).
@@ -138,7 +138,8 @@ fn check_run<G: Game>(run: &Run<'_>) -> usize {
                 let action: usize = fields[1].parse().expect("action");
                 let reward: f32 = fields[2].parse().expect("reward");
                 let terminal = fields[3] == "1";
-                let outcome = env.step(action, &mut obs).unwrap_or_else(|err| panic!("{context}: step: {err}"));
+                let outcome =
+                    env.step(Action::Discrete(action), &mut obs).unwrap_or_else(|err| panic!("{context}: step: {err}"));
                 assert_eq!(outcome.reward, reward, "{context}: reward");
                 assert_eq!(outcome.terminated, terminal, "{context}: terminal");
                 assert!(!outcome.truncated, "{context}: MinAtar never truncates");
