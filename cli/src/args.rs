@@ -53,6 +53,8 @@ pub enum EnvName {
     Memory,
     /// Chain of rooms with keys (long horizon, sparse reward).
     Milestones,
+    /// Gymnasium Pendulum-v1 (continuous actions; not trainable until the Gaussian head lands).
+    Pendulum,
     /// MinAtar Asterix (10×10×4 image, flattened for the MLP).
     #[value(name = "minatar-asterix")]
     MinatarAsterix,
@@ -68,8 +70,6 @@ pub enum EnvName {
     /// MinAtar Space Invaders (10×10×6 image, flattened for the MLP).
     #[value(name = "minatar-space-invaders")]
     MinatarSpaceInvaders,
-    /// Gymnasium Pendulum-v1 (continuous actions; not trainable until the Gaussian head lands).
-    Pendulum,
 }
 
 impl EnvName {
@@ -79,12 +79,12 @@ impl EnvName {
             EnvName::Cartpole => "cartpole",
             EnvName::Memory => "memory",
             EnvName::Milestones => "milestones",
+            EnvName::Pendulum => "pendulum",
             EnvName::MinatarAsterix => MinatarGame::Asterix.env_name(),
             EnvName::MinatarBreakout => MinatarGame::Breakout.env_name(),
             EnvName::MinatarFreeway => MinatarGame::Freeway.env_name(),
             EnvName::MinatarSeaquest => MinatarGame::Seaquest.env_name(),
             EnvName::MinatarSpaceInvaders => MinatarGame::SpaceInvaders.env_name(),
-            EnvName::Pendulum => "pendulum",
         }
     }
 }
@@ -394,10 +394,10 @@ pub fn solved_return(env: &EnvConfig) -> Option<f32> {
         EnvConfig::Cartpole => Some(475.0),
         EnvConfig::Memory(_) => Some(0.95),
         EnvConfig::Milestones(_) => Some(0.9),
-        // MinAtar has no solved score; runs go to their step or time budget.
-        EnvConfig::Minatar(_) => None,
         // Gymnasium declares none for Pendulum-v1; -250 is issue 14's target.
         EnvConfig::Pendulum => Some(-250.0),
+        // MinAtar has no solved score; runs go to their step or time budget.
+        EnvConfig::Minatar(_) => None,
         EnvConfig::Remote(remote) => remote.reward_threshold,
     }
 }
@@ -511,6 +511,7 @@ impl SpecArgs {
                 room_len: self.room_len,
                 ..MilestonesConfig::default()
             }),
+            EnvName::Pendulum => EnvConfig::Pendulum,
             EnvName::MinatarAsterix
             | EnvName::MinatarBreakout
             | EnvName::MinatarFreeway
@@ -519,7 +520,6 @@ impl SpecArgs {
                 let game = MinatarGame::from_env_name(name.as_str()).expect("every minatar EnvName is a game");
                 EnvConfig::Minatar(MinatarConfig::new(game))
             }
-            EnvName::Pendulum => EnvConfig::Pendulum,
         }
     }
 

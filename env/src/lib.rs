@@ -70,8 +70,8 @@ pub enum EnvError {
     Config(String),
     /// An environment name no build of Volley knows.
     #[error(
-        "unknown environment {0:?} (known: cartpole, memory, milestones, pendulum, minatar-asterix, \
-         minatar-breakout, minatar-freeway, minatar-seaquest, minatar-space-invaders, remote:<service>)"
+        "unknown environment {0:?} (known: cartpole, memory, milestones, pendulum, minatar-asterix, minatar-breakout, \
+         minatar-freeway, minatar-seaquest, minatar-space-invaders, remote:<service>)"
     )]
     Unknown(String),
     /// A remote environment (served over NATS, see `volley_transport::envsvc`) failed, timed out or
@@ -399,11 +399,11 @@ pub enum EnvConfig {
     Memory(MemoryConfig),
     /// A chain of rooms with keys (long horizon, sparse reward).
     Milestones(MilestonesConfig),
+    /// Gymnasium Pendulum-v1 (continuous actions).
+    Pendulum,
     /// One of the five MinAtar games (Young and Tian 2019), identical to the reference package
     /// for the same seed and actions: `{"name":"minatar","game":"breakout"}`.
     Minatar(MinatarConfig),
-    /// Gymnasium Pendulum-v1 (continuous actions).
-    Pendulum,
     /// An environment served by other processes over NATS (docs/ENV_PROTOCOL.md); actors step
     /// it through `volley_transport::envsvc::RemoteVecEnv`.
     Remote(RemoteEnvConfig),
@@ -472,8 +472,8 @@ impl EnvConfig {
             EnvConfig::Cartpole => "cartpole",
             EnvConfig::Memory(_) => "memory",
             EnvConfig::Milestones(_) => "milestones",
-            EnvConfig::Minatar(config) => config.game.env_name(),
             EnvConfig::Pendulum => "pendulum",
+            EnvConfig::Minatar(config) => config.game.env_name(),
             EnvConfig::Remote(_) => "remote",
         }
     }
@@ -493,8 +493,8 @@ impl EnvConfig {
             EnvConfig::Cartpole => Box::new(CartPole::new()),
             EnvConfig::Memory(config) => Box::new(Memory::new(config.clone())?),
             EnvConfig::Milestones(config) => Box::new(Milestones::new(config.clone())?),
-            EnvConfig::Minatar(config) => config.build()?,
             EnvConfig::Pendulum => Box::new(Pendulum::new()),
+            EnvConfig::Minatar(config) => config.build()?,
             EnvConfig::Remote(remote) => {
                 return Err(EnvError::Config(format!(
                     "remote environment {} is served over nats; step it with envsvc::RemoteVecEnv",
@@ -518,13 +518,13 @@ impl EnvConfig {
             EnvConfig::Milestones(config) => {
                 EnvBounds { max_abs_reward: 1.0, max_episode_len: Some(config.max_steps as u64) }
             }
-            EnvConfig::Minatar(config) => EnvBounds {
-                max_abs_reward: config.game.max_step_reward(),
-                max_episode_len: config.game.max_episode_steps(),
-            },
             EnvConfig::Pendulum => EnvBounds {
                 max_abs_reward: pendulum::MAX_COST as f32 * (1.0 + f32::EPSILON),
                 max_episode_len: Some(pendulum::MAX_EPISODE_STEPS as u64),
+            },
+            EnvConfig::Minatar(config) => EnvBounds {
+                max_abs_reward: config.game.max_step_reward(),
+                max_episode_len: config.game.max_episode_steps(),
             },
             EnvConfig::Remote(remote) => EnvBounds {
                 max_abs_reward: remote

@@ -14,7 +14,7 @@
 use serde::{Deserialize, Serialize};
 
 use super::rng::RandomState;
-use super::{set_cell, Game, GameAction, MinatarGame};
+use super::{set_cell, Action, Game, MinatarGame};
 
 const RAMP_INTERVAL: i32 = 100;
 const INIT_SPAWN_SPEED: i32 = 10;
@@ -76,8 +76,7 @@ impl Asterix {
 impl Game for Asterix {
     const GAME: MinatarGame = MinatarGame::Asterix;
     const N_CHANNELS: usize = 4;
-    const MINIMAL_ACTIONS: &'static [GameAction] =
-        &[GameAction::Noop, GameAction::Left, GameAction::Up, GameAction::Right, GameAction::Down];
+    const MINIMAL_ACTIONS: &'static [Action] = &[Action::Noop, Action::Left, Action::Up, Action::Right, Action::Down];
     const MAX_STEP_REWARD: f32 = 2.0;
 
     fn new(ramping: bool) -> Self {
@@ -100,7 +99,7 @@ impl Game for Asterix {
         *self = Self { terminal: false, ..Self::new(self.ramping) };
     }
 
-    fn act(&mut self, action: GameAction, rng: &mut RandomState) -> (u32, bool) {
+    fn act(&mut self, action: Action, rng: &mut RandomState) -> (u32, bool) {
         let mut reward = 0;
         if self.terminal {
             return (reward, true);
@@ -110,10 +109,10 @@ impl Game for Asterix {
             self.spawn_timer = self.spawn_speed;
         }
         match action {
-            GameAction::Left => self.player_x = (self.player_x - 1).max(0),
-            GameAction::Right => self.player_x = (self.player_x + 1).min(9),
-            GameAction::Up => self.player_y = (self.player_y - 1).max(1),
-            GameAction::Down => self.player_y = (self.player_y + 1).min(8),
+            Action::Left => self.player_x = (self.player_x - 1).max(0),
+            Action::Right => self.player_x = (self.player_x + 1).min(9),
+            Action::Up => self.player_y = (self.player_y - 1).max(1),
+            Action::Down => self.player_y = (self.player_y + 1).min(8),
             _ => {}
         }
 
@@ -249,7 +248,7 @@ mod tests {
         game.reset(&mut rng);
         // Keep the player out of harm's way is not needed for the timers: clear entities each step.
         for _ in 0..=RAMP_INTERVAL + 1 {
-            game.act(GameAction::Noop, &mut rng);
+            game.act(Action::Noop, &mut rng);
             game.entities = [None; N_SLOTS];
             game.terminal = false;
         }
@@ -259,7 +258,7 @@ mod tests {
         let mut flat = Asterix::new(false);
         flat.reset(&mut rng);
         for _ in 0..300 {
-            flat.act(GameAction::Noop, &mut rng);
+            flat.act(Action::Noop, &mut rng);
             flat.entities = [None; N_SLOTS];
             flat.terminal = false;
         }

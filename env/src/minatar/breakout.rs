@@ -16,7 +16,7 @@
 use serde::{Deserialize, Serialize};
 
 use super::rng::RandomState;
-use super::{set_cell, Game, GameAction, MinatarGame, GRID};
+use super::{set_cell, Action, Game, MinatarGame, GRID};
 
 const CHANNEL_PADDLE: usize = 0;
 const CHANNEL_BALL: usize = 1;
@@ -52,7 +52,7 @@ impl Breakout {
 impl Game for Breakout {
     const GAME: MinatarGame = MinatarGame::Breakout;
     const N_CHANNELS: usize = 4;
-    const MINIMAL_ACTIONS: &'static [GameAction] = &[GameAction::Noop, GameAction::Left, GameAction::Right];
+    const MINIMAL_ACTIONS: &'static [Action] = &[Action::Noop, Action::Left, Action::Right];
     const MAX_STEP_REWARD: f32 = 1.0;
 
     fn new(_ramping: bool) -> Self {
@@ -81,14 +81,14 @@ impl Game for Breakout {
         self.terminal = false;
     }
 
-    fn act(&mut self, action: GameAction, _rng: &mut RandomState) -> (u32, bool) {
+    fn act(&mut self, action: Action, _rng: &mut RandomState) -> (u32, bool) {
         let mut reward = 0;
         if self.terminal {
             return (reward, true);
         }
         match action {
-            GameAction::Left => self.pos = (self.pos - 1).max(0),
-            GameAction::Right => self.pos = (self.pos + 1).min(9),
+            Action::Left => self.pos = (self.pos - 1).max(0),
+            Action::Right => self.pos = (self.pos + 1).min(9),
             _ => {}
         }
 
@@ -184,7 +184,7 @@ mod tests {
     use proptest::prelude::*;
 
     use super::super::testing::{check_snapshot_properties, random_play};
-    use super::super::{Action, Env, MinAtar, MinatarConfig};
+    use super::super::{Env, MinAtar, MinatarConfig};
     use super::*;
 
     fn no_sticky() -> MinAtar<Breakout> {
@@ -211,7 +211,7 @@ mod tests {
         // Park the paddle at the far left; the ball comes down somewhere else.
         let mut steps = 0;
         loop {
-            let outcome = env.step(Action::Discrete(1), &mut obs).unwrap();
+            let outcome = env.step(crate::Action::Discrete(1), &mut obs).unwrap();
             steps += 1;
             if outcome.terminated {
                 break;
@@ -219,7 +219,7 @@ mod tests {
             assert!(steps < 100, "the ball never fell");
         }
         assert_eq!(env.game().ball_y, 9);
-        assert_eq!(env.step(Action::Discrete(0), &mut obs), Err(super::super::EnvError::EpisodeOver));
+        assert_eq!(env.step(crate::Action::Discrete(0), &mut obs), Err(super::super::EnvError::EpisodeOver));
     }
 
     #[test]

@@ -17,7 +17,7 @@
 use serde::{Deserialize, Serialize};
 
 use super::rng::RandomState;
-use super::{set_cell, Game, GameAction, MinatarGame};
+use super::{set_cell, Action, Game, MinatarGame};
 
 /// Steps between the chicken's moves.
 const PLAYER_SPEED: i32 = 3;
@@ -86,7 +86,7 @@ impl Freeway {
 impl Game for Freeway {
     const GAME: MinatarGame = MinatarGame::Freeway;
     const N_CHANNELS: usize = 7;
-    const MINIMAL_ACTIONS: &'static [GameAction] = &[GameAction::Noop, GameAction::Up, GameAction::Down];
+    const MINIMAL_ACTIONS: &'static [Action] = &[Action::Noop, Action::Up, Action::Down];
     const MAX_STEP_REWARD: f32 = 1.0;
 
     fn new(_ramping: bool) -> Self {
@@ -102,15 +102,15 @@ impl Game for Freeway {
         self.terminal = false;
     }
 
-    fn act(&mut self, action: GameAction, rng: &mut RandomState) -> (u32, bool) {
+    fn act(&mut self, action: Action, rng: &mut RandomState) -> (u32, bool) {
         let mut reward = 0;
         if self.terminal {
             return (reward, true);
         }
-        if action == GameAction::Up && self.move_timer == 0 {
+        if action == Action::Up && self.move_timer == 0 {
             self.move_timer = PLAYER_SPEED;
             self.pos = (self.pos - 1).max(0);
-        } else if action == GameAction::Down && self.move_timer == 0 {
+        } else if action == Action::Down && self.move_timer == 0 {
             self.move_timer = PLAYER_SPEED;
             self.pos = (self.pos + 1).min(9);
         }
@@ -201,7 +201,7 @@ mod tests {
     use proptest::prelude::*;
 
     use super::super::testing::{check_snapshot_properties, random_play};
-    use super::super::{Action, Env, MinAtar};
+    use super::super::{Env, MinAtar};
     use super::*;
 
     #[test]
@@ -210,7 +210,7 @@ mod tests {
         let mut obs = vec![0.0f32; 700];
         env.reset(4, &mut obs).unwrap();
         for step_idx in 1..=2501 {
-            let outcome = env.step(Action::Discrete(0), &mut obs).unwrap();
+            let outcome = env.step(crate::Action::Discrete(0), &mut obs).unwrap();
             assert_eq!(outcome.terminated, step_idx == 2501, "step {step_idx}");
         }
     }
@@ -222,7 +222,7 @@ mod tests {
         env.reset(4, &mut obs).unwrap();
         let mut total = 0.0;
         loop {
-            let outcome = env.step(Action::Discrete(1), &mut obs).unwrap();
+            let outcome = env.step(crate::Action::Discrete(1), &mut obs).unwrap();
             total += outcome.reward;
             if outcome.terminated {
                 break;

@@ -53,8 +53,7 @@ use serde::{Deserialize, Serialize};
 
 use self::rng::{RandomState, RandomStateSnapshot};
 use super::{
-    decode_snapshot, encode_snapshot, obs_shape_error, Action, ActionSpace, Env, EnvError, ObservationSpace,
-    StepOutcome,
+    decode_snapshot, encode_snapshot, obs_shape_error, ActionSpace, Env, EnvError, ObservationSpace, StepOutcome,
 };
 
 /// Rows and columns of every MinAtar game.
@@ -69,7 +68,7 @@ pub const DEFAULT_STICKY_ACTION_PROB: f64 = 0.1;
 /// The six actions of the reference (`action_map = ['n','l','u','r','d','f']`), with their
 /// indices in the full action set.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum GameAction {
+pub enum Action {
     /// `n`: do nothing.
     Noop = 0,
     /// `l`: move left.
@@ -84,10 +83,9 @@ pub enum GameAction {
     Fire = 5,
 }
 
-impl GameAction {
+impl Action {
     /// All six, in the reference's order.
-    pub const ALL: [GameAction; 6] =
-        [GameAction::Noop, GameAction::Left, GameAction::Up, GameAction::Right, GameAction::Down, GameAction::Fire];
+    pub const ALL: [Action; 6] = [Action::Noop, Action::Left, Action::Up, Action::Right, Action::Down, Action::Fire];
 
     /// The action with full-set index `idx`, if `idx < 6`.
     pub fn from_index(idx: usize) -> Option<Self> {
@@ -161,7 +159,7 @@ impl MinatarGame {
     }
 
     /// The reference's `minimal_action_set()`.
-    pub fn minimal_actions(self) -> &'static [GameAction] {
+    pub fn minimal_actions(self) -> &'static [Action] {
         match self {
             MinatarGame::Asterix => Asterix::MINIMAL_ACTIONS,
             MinatarGame::Breakout => Breakout::MINIMAL_ACTIONS,
@@ -240,7 +238,7 @@ impl MinatarConfig {
     /// Number of actions the agent chooses from.
     pub fn n_actions(&self) -> usize {
         if self.full_action_set {
-            GameAction::ALL.len()
+            Action::ALL.len()
         } else {
             self.game.minimal_actions().len()
         }
@@ -271,7 +269,7 @@ pub trait Game: Clone + std::fmt::Debug + Send + Serialize + DeserializeOwned + 
     /// Observation channels.
     const N_CHANNELS: usize;
     /// The reference's `minimal_action_set()`, in its order.
-    const MINIMAL_ACTIONS: &'static [GameAction];
+    const MINIMAL_ACTIONS: &'static [Action];
     /// The largest reward one step can give.
     const MAX_STEP_REWARD: f32;
 
@@ -281,7 +279,7 @@ pub trait Game: Clone + std::fmt::Debug + Send + Serialize + DeserializeOwned + 
     fn reset(&mut self, rng: &mut RandomState);
     /// The reference's `act(a)`: returns the reward and whether the game is now over. A game
     /// that is over returns `(0, true)` and changes nothing.
-    fn act(&mut self, action: GameAction, rng: &mut RandomState) -> (u32, bool);
+    fn act(&mut self, action: Action, rng: &mut RandomState) -> (u32, bool);
     /// The reference's `state()`, channel-major: set the cells that are true in `planes`
     /// (`N_CHANNELS * 100` bytes, all zero on entry) to 1.
     fn render(&self, planes: &mut [u8]);
@@ -314,7 +312,7 @@ pub struct MinAtar<G: Game> {
     config: MinatarConfig,
     game: G,
     rng: RandomState,
-    last_action: GameAction,
+    last_action: Action,
     episode_over: bool,
 }
 
@@ -342,7 +340,7 @@ impl<G: Game> MinAtar<G> {
             )));
         }
         let game = G::new(config.difficulty_ramping);
-        Ok(Self { config, game, rng: RandomState::from_seed(0), last_action: GameAction::Noop, episode_over: true })
+        Ok(Self { config, game, rng: RandomState::from_seed(0), last_action: Action::Noop, episode_over: true })
     }
 
     /// The reference's defaults for game `G`.
@@ -361,7 +359,7 @@ impl<G: Game> MinAtar<G> {
     }
 
     /// The action the last step applied (after sticky actions), in the full set.
-    pub fn last_action(&self) -> GameAction {
+    pub fn last_action(&self) -> Action {
         self.last_action
     }
 
@@ -399,9 +397,9 @@ impl<G: Game> MinAtar<G> {
 
     /// The full-set action for agent action `action`, or `None` when out of range.
     #[inline]
-    fn map_action(&self, action: usize) -> Option<GameAction> {
+    fn map_action(&self, action: usize) -> Option<Action> {
         if self.config.full_action_set {
-            GameAction::from_index(action)
+            Action::from_index(action)
         } else {
             G::MINIMAL_ACTIONS.get(action).copied()
         }
@@ -429,7 +427,7 @@ impl<G: Game> Env for MinAtar<G> {
         }
         // A freshly seeded reference `Environment` starts with `last_action = 0`.
         self.rng = RandomState::from_u64_seed(seed);
-        self.last_action = GameAction::Noop;
+        self.last_action = Action::Noop;
         self.reset_next(obs)
     }
 
@@ -444,15 +442,14 @@ impl<G: Game> Env for MinAtar<G> {
     }
 
     #[inline]
-    fn step(&mut self, action: Action<'_>, obs: &mut [f32]) -> Result<StepOutcome, EnvError> {
+    fn step(&mut self, action: crate::Action<'_>, obs: &mut [f32]) -> Result<StepOutcome, EnvError> {
         let dim = G::N_CHANNELS * CELLS;
         if obs.len() != dim {
             return Err(obs_shape_error(dim, obs.len()));
         }
-        let n_actions = self.config.n_actions();
-        let action = action.discrete(n_actions)?;
+        let action = action.discrete(self.config.n_actions())?;
         let Some(mut action) = self.map_action(action) else {
-            return Err(EnvError::ActionOutOfRange { action, n_actions });
+            return Err(EnvError::ActionOutOfRange { action, n_actions: self.config.n_actions() });
         };
         if self.episode_over {
             return Err(EnvError::EpisodeOver);
@@ -498,7 +495,7 @@ impl<G: Game> Env for MinAtar<G> {
         snapshot.game.check().map_err(|problem| EnvError::BadSnapshot(format!("{}: {problem}", self.name())))?;
         let rng = RandomState::from_snapshot(&snapshot.rng)
             .ok_or_else(|| EnvError::BadSnapshot(format!("{}: malformed random generator state", self.name())))?;
-        let last_action = GameAction::from_index(usize::from(snapshot.last_action)).ok_or_else(|| {
+        let last_action = Action::from_index(usize::from(snapshot.last_action)).ok_or_else(|| {
             EnvError::BadSnapshot(format!("{}: last action {} out of range", self.name(), snapshot.last_action))
         })?;
         if snapshot.game.is_terminal() && !snapshot.episode_over {
@@ -544,7 +541,7 @@ pub(crate) mod testing {
         let mut obs = vec![0.0f32; G::N_CHANNELS * CELLS];
         if target.restore(&bytes, &mut obs).is_ok() {
             for &action in &suffix {
-                if target.step(Action::Discrete(action), &mut obs).is_err() {
+                if target.step(crate::Action::Discrete(action), &mut obs).is_err() {
                     target.reset_next(&mut obs).expect("reset after a restored episode");
                 }
             }
@@ -563,7 +560,7 @@ pub(crate) mod testing {
         let (mut episodes, mut total, mut largest) = (0, 0.0f32, 0.0f32);
         for step_idx in 0..n_steps {
             let action = actions.randint(0, n_actions) as usize;
-            let outcome = env.step(Action::Discrete(action), &mut obs).expect("step");
+            let outcome = env.step(crate::Action::Discrete(action), &mut obs).expect("step");
             assert!(obs.iter().all(|&v| v == 0.0 || v == 1.0));
             assert!(outcome.reward >= 0.0 && outcome.reward <= G::MAX_STEP_REWARD, "reward {}", outcome.reward);
             total += outcome.reward;
@@ -660,15 +657,15 @@ mod tests {
         let mut obs = vec![0.0f32; 400];
         env.reset(1, &mut obs).unwrap();
         assert_eq!(
-            env.step(Action::Discrete(6), &mut obs),
+            env.step(crate::Action::Discrete(6), &mut obs),
             Err(EnvError::ActionOutOfRange { action: 6, n_actions: 6 })
         );
-        env.step(Action::Discrete(5), &mut obs).unwrap();
-        assert!(matches!(env.last_action(), GameAction::Fire | GameAction::Noop));
+        env.step(crate::Action::Discrete(5), &mut obs).unwrap();
+        assert!(matches!(env.last_action(), Action::Fire | Action::Noop));
         let mut minimal = MinAtar::<Breakout>::with_defaults();
         minimal.reset(1, &mut obs).unwrap();
         assert_eq!(
-            minimal.step(Action::Discrete(3), &mut obs),
+            minimal.step(crate::Action::Discrete(3), &mut obs),
             Err(EnvError::ActionOutOfRange { action: 3, n_actions: 3 })
         );
     }
@@ -681,8 +678,8 @@ mod tests {
         let mut obs = vec![0.0f32; 400];
         env.reset(3, &mut obs).unwrap();
         for _ in 0..5 {
-            env.step(Action::Discrete(2), &mut obs).unwrap();
-            assert_eq!(env.last_action(), GameAction::Noop);
+            env.step(crate::Action::Discrete(2), &mut obs).unwrap();
+            assert_eq!(env.last_action(), Action::Noop);
         }
         // With the default 0.1, about a tenth of the steps ignore a changed action.
         let mut env = MinAtar::<SpaceInvaders>::new(MinatarConfig {
@@ -695,11 +692,11 @@ mod tests {
         let (mut changes, mut sticks) = (0, 0);
         for step_idx in 0..4000 {
             let action = step_idx % 2; // Alternate no-op and left: every step changes the action.
-            if env.step(Action::Discrete(action), &mut obs).unwrap().terminated {
+            if env.step(crate::Action::Discrete(action), &mut obs).unwrap().terminated {
                 env.reset_next(&mut obs).unwrap();
             }
             changes += 1;
-            if env.last_action() != GameAction::from_index(action).unwrap() {
+            if env.last_action() != Action::from_index(action).unwrap() {
                 sticks += 1;
             }
         }
@@ -713,7 +710,7 @@ mod tests {
         let mut obs = vec![0.0f32; 1000];
         env.reset(9, &mut obs).unwrap();
         for step_idx in 0..50 {
-            if env.step(Action::Discrete(step_idx % 6), &mut obs).unwrap().terminated {
+            if env.step(crate::Action::Discrete(step_idx % 6), &mut obs).unwrap().terminated {
                 env.reset_next(&mut obs).unwrap();
             }
         }

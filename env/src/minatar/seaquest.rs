@@ -29,7 +29,7 @@
 use serde::{Deserialize, Serialize};
 
 use super::rng::RandomState;
-use super::{set_cell, Game, GameAction, MinatarGame};
+use super::{set_cell, Action, Game, MinatarGame};
 
 const RAMP_MAX_OXYGEN: i32 = 200;
 const INIT_SPAWN_SPEED: i32 = 20;
@@ -338,7 +338,7 @@ impl Seaquest {
 impl Game for Seaquest {
     const GAME: MinatarGame = MinatarGame::Seaquest;
     const N_CHANNELS: usize = 10;
-    const MINIMAL_ACTIONS: &'static [GameAction] = &GameAction::ALL;
+    const MINIMAL_ACTIONS: &'static [Action] = &Action::ALL;
     const MAX_STEP_REWARD: f32 = 13.0;
 
     fn new(ramping: bool) -> Self {
@@ -390,7 +390,7 @@ impl Game for Seaquest {
         };
     }
 
-    fn act(&mut self, action: GameAction, rng: &mut RandomState) -> (u32, bool) {
+    fn act(&mut self, action: Action, rng: &mut RandomState) -> (u32, bool) {
         if self.terminal {
             return (0, true);
         }
@@ -404,20 +404,20 @@ impl Game for Seaquest {
         }
 
         match action {
-            GameAction::Fire if self.shot_timer == 0 => {
+            Action::Fire if self.shot_timer == 0 => {
                 self.f_bullets.push(Bullet { x: self.sub_x, y: self.sub_y, right: self.sub_or });
                 self.shot_timer = SHOT_COOL_DOWN;
             }
-            GameAction::Left => {
+            Action::Left => {
                 self.sub_x = (self.sub_x - 1).max(0);
                 self.sub_or = false;
             }
-            GameAction::Right => {
+            Action::Right => {
                 self.sub_x = (self.sub_x + 1).min(9);
                 self.sub_or = true;
             }
-            GameAction::Up => self.sub_y = (self.sub_y - 1).max(0),
-            GameAction::Down => self.sub_y = (self.sub_y + 1).min(8),
+            Action::Up => self.sub_y = (self.sub_y - 1).max(0),
+            Action::Down => self.sub_y = (self.sub_y + 1).min(8),
             _ => {}
         }
 
@@ -565,14 +565,14 @@ mod tests {
         game.surface = false;
         game.diver_count = MAX_DIVERS;
         game.oxygen = 150;
-        let (reward, terminal) = game.act(GameAction::Up, &mut rng);
+        let (reward, terminal) = game.act(Action::Up, &mut rng);
         assert_eq!((reward, terminal), (7, false));
         assert_eq!(game.diver_count, -1);
         assert_eq!(game.oxygen, RAMP_MAX_OXYGEN);
         assert_eq!(game.ramp_index, 1);
         // A later surfacing with the negative count refills without ending the episode.
-        game.act(GameAction::Down, &mut rng);
-        let (_, terminal) = game.act(GameAction::Up, &mut rng);
+        game.act(Action::Down, &mut rng);
+        let (_, terminal) = game.act(Action::Up, &mut rng);
         assert!(!terminal);
         assert_eq!(game.diver_count, -2);
     }
@@ -581,8 +581,8 @@ mod tests {
     fn surfacing_without_divers_ends_the_episode() {
         let mut game = live_game();
         let mut rng = RandomState::from_seed(0);
-        game.act(GameAction::Down, &mut rng);
-        let (_, terminal) = game.act(GameAction::Up, &mut rng);
+        game.act(Action::Down, &mut rng);
+        let (_, terminal) = game.act(Action::Up, &mut rng);
         assert!(terminal);
     }
 

@@ -19,7 +19,7 @@
 use serde::{Deserialize, Serialize};
 
 use super::rng::RandomState;
-use super::{set_cell, Game, GameAction, MinatarGame, GRID};
+use super::{set_cell, Action, Game, MinatarGame, GRID};
 
 const SHOT_COOL_DOWN: i32 = 5;
 const ENEMY_MOVE_INTERVAL: i32 = 12;
@@ -110,8 +110,7 @@ impl SpaceInvaders {
 impl Game for SpaceInvaders {
     const GAME: MinatarGame = MinatarGame::SpaceInvaders;
     const N_CHANNELS: usize = 6;
-    const MINIMAL_ACTIONS: &'static [GameAction] =
-        &[GameAction::Noop, GameAction::Left, GameAction::Right, GameAction::Fire];
+    const MINIMAL_ACTIONS: &'static [Action] = &[Action::Noop, Action::Left, Action::Right, Action::Fire];
     const MAX_STEP_REWARD: f32 = 2.0;
 
     fn new(ramping: bool) -> Self {
@@ -135,16 +134,16 @@ impl Game for SpaceInvaders {
         *self = Self { terminal: false, ..Self::new(self.ramping) };
     }
 
-    fn act(&mut self, action: GameAction, _rng: &mut RandomState) -> (u32, bool) {
+    fn act(&mut self, action: Action, _rng: &mut RandomState) -> (u32, bool) {
         if self.terminal {
             return (0, true);
         }
-        if action == GameAction::Fire && self.shot_timer == 0 {
+        if action == Action::Fire && self.shot_timer == 0 {
             self.f_bullet_map[9] |= 1 << self.pos;
             self.shot_timer = SHOT_COOL_DOWN;
-        } else if action == GameAction::Left {
+        } else if action == Action::Left {
             self.pos = (self.pos - 1).max(0);
-        } else if action == GameAction::Right {
+        } else if action == Action::Right {
             self.pos = (self.pos + 1).min(9);
         }
 
@@ -306,9 +305,9 @@ mod tests {
         // The wave spans columns 2–7 in rows 0–3; a bullet fired at column 3 rises one row per
         // step and meets the lowest alien (row 3) after 6 steps, unless the block moved.
         game.alien_move_timer = 100;
-        let (mut reward, _) = game.act(GameAction::Fire, &mut rng);
+        let (mut reward, _) = game.act(Action::Fire, &mut rng);
         for _ in 0..6 {
-            reward += game.act(GameAction::Noop, &mut rng).0;
+            reward += game.act(Action::Noop, &mut rng).0;
         }
         assert_eq!(reward, 1);
         assert!(!cell(&game.alien_map, 3, 3));
@@ -325,7 +324,7 @@ mod tests {
             game.alien_map[4] = 1 << 5;
             game.f_bullet_map[5] = 1 << 5;
             game.alien_move_timer = 3;
-            let (reward, terminal) = game.act(GameAction::Noop, &mut rng);
+            let (reward, terminal) = game.act(Action::Noop, &mut rng);
             assert_eq!((reward, terminal), (1, false));
             assert_eq!(game.alien_map, ALIEN_WAVE, "a new wave");
             assert_eq!((game.enemy_move_interval, game.ramp_index), (interval, ramp_index), "ramping {ramping}");
