@@ -136,7 +136,8 @@ fn learner_and_actor_users_can_do_their_jobs() {
     publisher.publish(weights(0)).expect("the learner publishes weights");
 
     let actor = actor_on(&server, RUN);
-    assert_eq!(actor.read_spec().expect("the actor reads the spec"), Some(spec()));
+    let read = actor.read_spec().expect("the actor reads the spec").expect("stored");
+    assert_eq!(read.expect("verified"), spec());
     let mut follower = actor.weights_follower(42, 300_000).expect("follower");
     let first = follower.wait_first(Duration::from_secs(10));
     let first = first.unwrap_or_else(|err| panic!("the actor fetches weights: {err}\n{}", violations(&server)));
