@@ -527,9 +527,9 @@ impl RunSpec {
         let (hex, rest) = rest.split_at_checked(16).ok_or_else(|| malformed("truncated envelope".into()))?;
         let stored = std::str::from_utf8(hex)
             .ok()
-            .filter(|hex| hex.bytes().all(|b| b.is_ascii_hexdigit()))
+            .filter(|hex| hex.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)))
             .and_then(|hex| u64::from_str_radix(hex, 16).ok())
-            .ok_or_else(|| malformed("the checksum is not 16 hex digits".into()))?;
+            .ok_or_else(|| malformed("the checksum is not 16 lowercase hex digits".into()))?;
         let body = rest
             .strip_prefix(STORED_SPEC_MIDDLE)
             .and_then(|rest| rest.strip_suffix(b"}"))
