@@ -40,7 +40,6 @@ use async_nats::jetstream::{self, consumer, kv, object_store, stream, AckKind, E
 use async_nats::{ConnectErrorKind, ConnectOptions, Event, ServerError, Subject};
 use bytes::Bytes;
 use futures::StreamExt;
-use tokio::io::AsyncReadExt;
 use tokio::runtime::Handle;
 use tracing::{debug, info, warn};
 
@@ -52,6 +51,7 @@ use volley_core::spec::{RunSpec, StoredSpecError};
 use volley_core::subjects;
 use volley_core::wire::{self, TrajectorySegment, Weights};
 
+mod consumers;
 pub mod sink;
 pub mod source;
 pub mod weights;
