@@ -52,7 +52,7 @@ fn broker() -> TestNats {
         &[
             ("VOLLEY_LEARNER_PASSWORD", LEARNER_PASSWORD),
             ("VOLLEY_ACTOR_PASSWORD", ACTOR_PASSWORD),
-            ("VOLLEY_ENV_PASSWORD", ENV_PASSWORD),
+            ("VOLLEY_ENV_SERVER_PASSWORD", ENV_PASSWORD),
         ],
     )
 }
@@ -124,7 +124,7 @@ fn repo_broker_config_passes_the_servers_config_check() {
         .env("VOLLEY_NATS_STORE_DIR", &store)
         .env("VOLLEY_LEARNER_PASSWORD", "x")
         .env("VOLLEY_ACTOR_PASSWORD", "y")
-        .env("VOLLEY_ENV_PASSWORD", "z")
+        .env("VOLLEY_ENV_SERVER_PASSWORD", "z")
         .output()
         .expect("run nats-server -t");
     assert!(
