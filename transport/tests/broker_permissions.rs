@@ -362,7 +362,9 @@ fn push_consumer(stream: &str, name: &str, filter: &str, deliver: &str) -> serde
 /// `weights` key, the chunks of one object in the weights and snapshot stores), each named
 /// with its filter in the create subject; not an unnamed consumer (whose filter permissions
 /// cannot see), not another filter, not one whose body asks for a wider filter than its
-/// subject, and they may not delete consumers. The reads themselves pass with no violation in
+/// subject. They may delete consumers on these three streams (an ordered consumer deletes its
+/// predecessor when it re-creates itself), but not the learner's or the work queue's. The
+/// reads themselves pass with no violation in
 /// `learner_and_actor_users_can_do_their_jobs` and `work_queue_and_snapshots_work_with_role_credentials`.
 #[test]
 fn actor_consumer_grants_are_exactly_the_filtered_reads() {
@@ -386,25 +388,30 @@ fn actor_consumer_grants_are_exactly_the_filtered_reads() {
             .unwrap_or_else(|| panic!("{subject} was not answered:\n{}", violations(&server)));
         assert!(answer.get("error").is_none(), "{subject}: {answer}");
         assert!(!has_violation(&server, &subject), "{subject} was denied");
-        // Denied next to it: unnamed, another filter, and a delete.
+        // Granted: deleting it (what a re-created ordered consumer does to its predecessor).
+        let delete = format!("$JS.API.CONSUMER.DELETE.{stream}.ok1");
+        let answer = js_request(&actor, &delete, serde_json::json!({})).expect("delete answered");
+        assert_eq!(answer["success"], true, "{delete}: {answer}");
+        // Denied next to them: unnamed, and another filter.
         let unnamed = format!("$JS.API.CONSUMER.CREATE.{stream}");
         assert!(js_request(&actor, &unnamed, push_consumer(stream, "", granted, &inbox)).is_none(), "{unnamed}");
         assert_violation(&server, &unnamed);
         let elsewhere = format!("$JS.API.CONSUMER.CREATE.{stream}.no1.{other}");
         assert!(js_request(&actor, &elsewhere, push_consumer(stream, "no1", other, &inbox)).is_none(), "{elsewhere}");
         assert_violation(&server, &elsewhere);
-        let delete = format!("$JS.API.CONSUMER.DELETE.{stream}.ok1");
-        assert!(js_request(&actor, &delete, serde_json::json!({})).is_none(), "{delete}");
-        assert_violation(&server, &delete);
         // Allowed subject, wider filter in the body: the server itself refuses it.
         let sneaky = format!("$JS.API.CONSUMER.CREATE.{stream}.no2.{granted}");
         let answer = js_request(&actor, &sneaky, push_consumer(stream, "no2", wide, &inbox)).expect("answered");
         assert!(answer.get("error").is_some(), "{sneaky} with filter {wide} was accepted: {answer}");
     }
-    // The trajectory stream and the learner's consumer are out of reach entirely.
+    // The trajectory stream, the learner's consumer and the work queue's are out of reach.
     let traj = "$JS.API.CONSUMER.CREATE.volley-local-traj.x.volley.local.traj.a1";
     assert!(js_request(&actor, traj, push_consumer("volley-local-traj", "x", "volley.local.traj.a1", &inbox)).is_none());
     assert_violation(&server, traj);
+    for delete in ["$JS.API.CONSUMER.DELETE.volley-local-traj.learner", "$JS.API.CONSUMER.DELETE.volley-local-work.actors"] {
+        assert!(js_request(&actor, delete, serde_json::json!({})).is_none(), "{delete}");
+        assert_violation(&server, delete);
+    }
 }
 
 /// Issue 12: the environment server user `env-<service>` serves its service (endpoints, the
