@@ -222,9 +222,10 @@ impl StoreLimits {
                 return hyper(name, value.to_string(), "1..=i64::MAX");
             }
         }
-        for (name, value) in
-            [("stores.trajectory_max_age_secs", self.trajectory_max_age_secs), ("stores.work_max_age_secs", self.work_max_age_secs)]
-        {
+        for (name, value) in [
+            ("stores.trajectory_max_age_secs", self.trajectory_max_age_secs),
+            ("stores.work_max_age_secs", self.work_max_age_secs),
+        ] {
             // Below a year, so the broker's nanosecond durations cannot overflow.
             if !(value.is_finite() && (0.0..=MAX_STORE_AGE_SECS).contains(&value)) {
                 return hyper(name, value.to_string(), "finite, 0..=31536000 (0: no age limit)");
@@ -520,8 +521,7 @@ impl RunSpec {
             return serde_json::from_slice(bytes).map_err(|err| malformed(err.to_string()));
         }
         let rest = bytes.strip_prefix(STORED_SPEC_HEAD).ok_or_else(|| {
-            let format: String =
-                bytes[STORED_SPEC_ANY_FORMAT.len()..].iter().take(8).map(|&b| b as char).collect();
+            let format: String = bytes[STORED_SPEC_ANY_FORMAT.len()..].iter().take(8).map(|&b| b as char).collect();
             malformed(format!("unknown envelope or format {format:?} (this build reads format {STORED_SPEC_FORMAT})"))
         })?;
         let (hex, rest) = rest.split_at_checked(16).ok_or_else(|| malformed("truncated envelope".into()))?;

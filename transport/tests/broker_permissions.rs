@@ -242,8 +242,11 @@ fn actor_user_is_denied_weights_writes_and_other_runs() {
     assert!(opened.is_err(), "the actor opened the weights publisher");
     assert!(has_violation(&server, "$JS.API.CONSUMER.CREATE.OBJ_volley-local-wts"), "{}", server.log());
     let denied_object = actor.handle().block_on(async {
-        let store =
-            actor.jetstream().get_object_store(subjects::weights_bucket(&actor.config().run)).await.expect("store opens");
+        let store = actor
+            .jetstream()
+            .get_object_store(subjects::weights_bucket(&actor.config().run))
+            .await
+            .expect("store opens");
         store.put(subjects::weights_object(5).as_str(), &mut &b"forged"[..]).await
     });
     assert!(denied_object.is_err(), "the actor wrote a weights object");
@@ -408,7 +411,9 @@ fn actor_consumer_grants_are_exactly_the_filtered_reads() {
     let traj = "$JS.API.CONSUMER.CREATE.volley-local-traj.x.volley.local.traj.a1";
     assert!(js_request(&actor, traj, push_consumer("volley-local-traj", "x", "volley.local.traj.a1", &inbox)).is_none());
     assert_violation(&server, traj);
-    for delete in ["$JS.API.CONSUMER.DELETE.volley-local-traj.learner", "$JS.API.CONSUMER.DELETE.volley-local-work.actors"] {
+    for delete in
+        ["$JS.API.CONSUMER.DELETE.volley-local-traj.learner", "$JS.API.CONSUMER.DELETE.volley-local-work.actors"]
+    {
         assert!(js_request(&actor, delete, serde_json::json!({})).is_none(), "{delete}");
         assert_violation(&server, delete);
     }
@@ -449,7 +454,10 @@ fn env_server_user_serves_its_service_and_nothing_else() {
         let stepped = client.block_on(client.step(&instances[0], opened.session, vec![0, 1])).expect("step");
         assert_eq!(stepped.rewards, vec![1.0; 2]);
         client.block_on(client.close(&instances[0], opened.session)).expect("close");
-        assert_eq!(instances[0].subject(Op::Step).as_str(), format!("volley.env.{ENV_SERVICE}.{}.step", env_server.id()));
+        assert_eq!(
+            instances[0].subject(Op::Step).as_str(),
+            format!("volley.env.{ENV_SERVICE}.{}.step", env_server.id())
+        );
     }
     // Stopping uses its own inbox prefix: no violation, and it returns well before the
     // barrier's 5-second cap.
