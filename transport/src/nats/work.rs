@@ -149,13 +149,21 @@ impl crate::work::WorkQueue for NatsWorkQueue {
                     headers.insert("Nats-Msg-Id", msg_id.as_str());
                     let (subject, payload) = (subject.clone(), payload.clone());
                     async move {
+                        let published_at = Instant::now();
                         let ack = call(
                             "publish work item",
                             timeout,
                             shared.js.publish_with_headers(subject, headers, payload),
                         )
                         .await?;
-                        call("confirm work item", timeout, ack.into_future()).await.map(|_| ())
+                        // A denied publish is never acked; the server's violation can arrive
+                        // before the confirmation is awaited, so look for it since the publish.
+                        call("confirm work item", timeout, ack.into_future()).await.map(|_| ()).map_err(|err| {
+                            match denial_since(published_at) {
+                                Some(violation) if !is_denied(&err) => denied("confirm work item", &violation),
+                                _ => err,
+                            }
+                        })
                     }
                 })
                 .await?;
