@@ -52,6 +52,14 @@ pub struct LearnerSummary {
     pub segments_rejected: std::collections::BTreeMap<String, u64>,
     /// Fraction of loop time spent waiting for data.
     pub learner_wait_ratio: f64,
+    /// Loop seconds spent receiving segments (waiting for data included).
+    pub learner_recv_secs: f64,
+    /// Loop seconds spent in updates.
+    pub learner_update_secs: f64,
+    /// Loop seconds spent handing weights to the publisher.
+    pub learner_publish_secs: f64,
+    /// Loop seconds spent acknowledging segments.
+    pub learner_ack_secs: f64,
     /// Segments by lag in versions: `lag_histogram[k]` counts lag k, the last bucket lag ≥ 15.
     pub lag_histogram: Vec<u64>,
     /// Why the learner stopped.
@@ -211,6 +219,10 @@ pub fn learner(config: LearnerConfig, interrupted: Arc<AtomicBool>) -> anyhow::R
         segments_duplicate: report.segments_duplicate,
         segments_rejected: report.segments_rejected.iter().map(|(k, v)| (k.to_string(), *v)).collect(),
         learner_wait_ratio: if loop_secs > 0.0 { report.wait_time.as_secs_f64() / loop_secs } else { 0.0 },
+        learner_recv_secs: report.wait_time.as_secs_f64(),
+        learner_update_secs: report.update_time.as_secs_f64(),
+        learner_publish_secs: report.publish_time.as_secs_f64(),
+        learner_ack_secs: report.ack_time.as_secs_f64(),
         lag_histogram: report.lag_histogram.clone(),
         stop_reason: report.stop_reason.map(|r| r.to_string()).unwrap_or_default(),
     })

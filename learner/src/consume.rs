@@ -133,8 +133,14 @@ pub struct LearnerReport {
     pub elapsed: Duration,
     /// Time spent waiting for data.
     pub wait_time: Duration,
-    /// Time spent computing updates.
+    /// Time spent computing updates (selection, batching, the update, publishing, acks).
     pub compute_time: Duration,
+    /// Part of `compute_time` spent in the update itself.
+    pub update_time: Duration,
+    /// Part of `compute_time` spent handing weights to the publisher.
+    pub publish_time: Duration,
+    /// Part of `compute_time` spent acknowledging segments.
+    pub ack_time: Duration,
     /// First (env steps, seconds) at which the last-20 mean reached the target.
     pub target_reached_20: Option<(u64, f64)>,
     /// First (env steps, seconds) at which the last-100 mean reached the target.
@@ -434,7 +440,9 @@ pub fn run_learner(
             settled.push(drop.token);
         }
         if !settled.is_empty() {
+            let ack_started = Instant::now();
             ack_or_warn(source, &mut settled);
+            report.ack_time += ack_started.elapsed();
         }
         if !ready {
             report.compute_time += compute_started.elapsed();
@@ -446,12 +454,18 @@ pub fn run_learner(
         }
         let draw = selector.draw();
         batch.fill(&draw.segments, spec.hyper.gamma, spec.hyper.reward_scale, draw.column_weights);
+        let update_started = Instant::now();
         let stats = learner.update(&batch);
+        report.update_time += update_started.elapsed();
         if learner.updates().is_multiple_of(publish_every) {
+            let publish_started = Instant::now();
             publisher.publish(learner.weights())?;
+            report.publish_time += publish_started.elapsed();
         }
         let used = selector.settle_drawn(&mut settled);
+        let ack_started = Instant::now();
         ack_or_warn(source, &mut settled);
+        report.ack_time += ack_started.elapsed();
         report.compute_time += compute_started.elapsed();
         report.updates = learner.updates();
         report.policy_version = learner.version().0;
