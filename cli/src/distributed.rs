@@ -18,7 +18,7 @@ use volley_learner::{
 use volley_transport::envsvc::{EnvServiceClient, RemoteVecEnv, RemoteVecEnvConfig};
 use volley_transport::local::weights_channel;
 use volley_transport::nats::NatsBus;
-use volley_transport::{TrajectorySink, TrajectorySource, WeightsPublisher};
+use volley_transport::{BackgroundPublisher, TrajectorySink, TrajectorySource, WeightsPublisher};
 
 use crate::args::{ActorArgs, EnvChoice, LearnerConfig};
 use crate::serve;
@@ -116,6 +116,10 @@ pub fn learner(config: LearnerConfig, interrupted: Arc<AtomicBool>) -> anyhow::R
             },
             None => info!("no weights published yet for this run"),
         }
+        // Publishing runs on its own thread: the learner goes on with the next update while a
+        // version is stored and announced (issue 16); segments are acknowledged once their
+        // update's version is out.
+        let publisher = BackgroundPublisher::new(publisher).context("starting the weights publisher")?;
         (Box::new(bus.trajectory_source().context("opening the learner consumer")?), Box::new(publisher))
     };
 
@@ -443,7 +447,15 @@ pub fn actor(args: ActorArgs, interrupted: Arc<AtomicBool>) -> anyhow::Result<()
     reporter_stop.store(true, Ordering::Release);
     let _ = reporter.join();
     result.with_context(|| format!("actor {actor_id}"))?;
-    info!(actor = %actor_id, env_steps = counters.env_steps.load(Ordering::Relaxed), "actor stopped");
+    let secs = |nanos: &std::sync::atomic::AtomicU64| nanos.load(Ordering::Relaxed) as f64 * 1e-9;
+    info!(
+        actor = %actor_id,
+        env_steps = counters.env_steps.load(Ordering::Relaxed),
+        weight_fetches = counters.weight_fetches.load(Ordering::Relaxed),
+        weight_fetch_secs = secs(&counters.weight_fetch_nanos),
+        throttled_secs = secs(&counters.throttled_nanos),
+        "actor stopped"
+    );
     Ok(())
 }
 

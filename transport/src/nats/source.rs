@@ -96,6 +96,8 @@ pub struct NatsTrajectorySource {
     backlog: Mutex<BacklogReading>,
     /// Acks given up on because the connection their delivery came on was lost.
     abandoned_acks: u64,
+    /// Deliveries to acknowledge with the next `recv` or `ack` ([`TrajectorySource::ack_later`]).
+    ack_queue: Vec<DeliveryToken>,
 }
 
 impl fmt::Debug for NatsTrajectorySource {
@@ -114,6 +116,7 @@ impl NatsTrajectorySource {
             next_token: 0,
             backlog: Mutex::new(BacklogReading::default()),
             abandoned_acks: 0,
+            ack_queue: Vec::new(),
         }
     }
 
@@ -288,12 +291,21 @@ impl TrajectorySource for NatsTrajectorySource {
         let shared = self.shared.clone();
         let connection = self.connection();
         let mut messages = Vec::with_capacity(max);
-        shared.block_on(async {
+        let queued = std::mem::take(&mut self.ack_queue);
+        let consumer = self.consumer.clone();
+        let (acked, fetched) = shared.block_on(async {
             if matches!(self.mode, SourceMode::Durable) {
                 self.keep_held_alive().await;
             }
-            fetch_into(&self.consumer, max, timeout, shared.config.request_timeout, &mut messages).await
-        })?;
+            // The queued acks' confirmations and the fetch share one round trip.
+            let fetch = fetch_into(&consumer, max, timeout, shared.config.request_timeout, &mut messages);
+            tokio::join!(self.settle("ack", &queued, AckKind::Ack), fetch)
+        });
+        if let Err(err) = acked {
+            // `settle` keeps what it could not settle held; the server redelivers it otherwise.
+            warn!(%err, n = queued.len(), "acknowledging segments failed; they may be redelivered");
+        }
+        fetched?;
         let mut n = 0;
         let mut last_pending = 0;
         let received = messages.len();
@@ -348,8 +360,17 @@ impl TrajectorySource for NatsTrajectorySource {
         if let SourceMode::Replay { .. } = self.mode {
             return Ok(());
         }
+        let mut tokens_all = std::mem::take(&mut self.ack_queue);
+        tokens_all.extend_from_slice(tokens);
         let shared = self.shared.clone();
-        shared.block_on(self.settle("ack", tokens, AckKind::Ack))
+        shared.block_on(self.settle("ack", &tokens_all, AckKind::Ack))
+    }
+
+    fn ack_later(&mut self, tokens: &[DeliveryToken]) -> Result<(), TransportError> {
+        if let SourceMode::Durable = self.mode {
+            self.ack_queue.extend_from_slice(tokens);
+        }
+        Ok(())
     }
 
     fn reject(&mut self, token: DeliveryToken) -> Result<(), TransportError> {
