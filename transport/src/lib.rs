@@ -151,10 +151,10 @@ pub trait TrajectorySource: Send {
     /// Acknowledge deliveries whose contribution is safe; they will not be delivered again.
     /// Acknowledgements queued by [`ack_later`](Self::ack_later) are settled first.
     fn ack(&mut self, tokens: &[DeliveryToken]) -> Result<(), TransportError>;
-    /// Acknowledge deliveries no later than the next [`recv`](Self::recv) or
-    /// [`ack`](Self::ack), which settle them alongside their own work (a networked transport
-    /// overlaps the acknowledgement's round trip with the next fetch's). Until then a crash
-    /// leaves them unacknowledged, so they may be delivered again. By default: at once.
+    /// Acknowledge deliveries without waiting for the confirmation (a networked transport
+    /// confirms in the background; the next [`recv`](Self::recv) or [`ack`](Self::ack)
+    /// collects the outcome, and an unconfirmed delivery is held again). Until confirmed, a
+    /// crash leaves them unacknowledged, so they may be delivered again. By default: at once.
     fn ack_later(&mut self, tokens: &[DeliveryToken]) -> Result<(), TransportError> {
         self.ack(tokens)
     }

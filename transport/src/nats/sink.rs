@@ -76,13 +76,15 @@ struct Pacing {
 }
 
 impl Pacing {
-    /// The backlog now, predicted: the reading, less what the learner drained since at its
-    /// measured rate (never more than the reading held, so a stalled learner costs at most one
-    /// bound of overshoot until the next reading), plus this sink's publishes since.
-    fn estimate(&self, age: Duration) -> Option<u64> {
+    /// The backlog now, predicted: the reading plus this sink's publishes since, less what the
+    /// learner drained since at its measured rate. The predicted drain is capped at `limit`, so
+    /// a learner that stalls right after a reading costs at most one bound of overshoot before
+    /// the next reading shows the truth.
+    fn estimate(&self, age: Duration, limit: u64) -> Option<u64> {
         self.backlog.map(|backlog| {
-            let drained = (self.drain_per_sec * age.as_secs_f64()).min(backlog as f64) as u64;
-            backlog - drained + self.published_since
+            let total = backlog.saturating_add(self.published_since);
+            let drained = (self.drain_per_sec * age.as_secs_f64()).min(total as f64).min(limit as f64) as u64;
+            total - drained
         })
     }
 
@@ -109,8 +111,8 @@ impl Pacing {
 ///   The sink never drops a segment on its own. A retried segment may land after later ones.
 /// - Pacing: before each segment it waits while the learner's backlog (undelivered segments,
 ///   read from the consumer at most every 2 ms while waiting and every 20 ms otherwise,
-///   predicted in between from the learner's measured drain rate, counting this sink's own
-///   publishes) is at or above
+///   counting this sink's own publishes, predicted in between from the learner's measured
+///   drain rate, never draining more than one bound per reading) is at or above
 ///   [`NatsConfig::max_backlog_segments`] (see [`NatsTrajectorySink::set_max_backlog_segments`]);
 ///   the time is counted in [`TrajectorySink::throttled`]. With no learner consumer yet it does
 ///   not wait (the stream keeps the segments). With many actors the bound is approximate:
@@ -308,7 +310,7 @@ impl NatsTrajectorySink {
                 self.read_backlog().await;
                 continue;
             };
-            let estimate = self.pacing.estimate(age);
+            let estimate = self.pacing.estimate(age, limit);
             let room = estimate.is_none_or(|estimate| estimate < limit);
             let trusted_for = if room { PACING_CACHE } else { PACING_POLL };
             if age >= trusted_for {
@@ -411,12 +413,13 @@ mod pacing_tests {
     #[test]
     fn the_backlog_is_predicted_from_the_drain_rate_and_never_below_own_publishes() {
         let mut pacing = Pacing { backlog: Some(16), drain_per_sec: 8_000.0, ..Pacing::default() };
-        assert_eq!(pacing.estimate(Duration::ZERO), Some(16));
-        assert_eq!(pacing.estimate(Duration::from_millis(1)), Some(8));
-        // A stalled learner's rate is stale: the prediction never drains more than the reading.
-        assert_eq!(pacing.estimate(Duration::from_secs(10)), Some(0));
-        pacing.published_since = 5;
-        assert_eq!(pacing.estimate(Duration::from_secs(10)), Some(5));
+        assert_eq!(pacing.estimate(Duration::ZERO, 64), Some(16));
+        assert_eq!(pacing.estimate(Duration::from_millis(1), 64), Some(8));
+        assert_eq!(pacing.estimate(Duration::from_secs(10), 64), Some(0));
+        pacing.published_since = 80;
+        assert_eq!(pacing.estimate(Duration::ZERO, 64), Some(96));
+        // A stalled learner's rate is stale: the prediction drains at most one bound.
+        assert_eq!(pacing.estimate(Duration::from_secs(10), 64), Some(32));
         let wait = pacing.time_to_room(16, 16, Duration::from_millis(2));
         assert!(wait > Duration::ZERO && wait <= Duration::from_micros(200), "{wait:?}");
         // Unknown rate: wait for the next reading; absurd numbers stay within the cap.
@@ -424,7 +427,7 @@ mod pacing_tests {
         assert_eq!(pacing.time_to_room(16, 16, Duration::from_millis(2)), Duration::from_millis(2));
         pacing.drain_per_sec = 1e-300;
         assert_eq!(pacing.time_to_room(u64::MAX, 0, Duration::from_millis(2)), Duration::from_millis(2));
-        assert_eq!(Pacing::default().estimate(Duration::from_secs(1)), None);
+        assert_eq!(Pacing::default().estimate(Duration::from_secs(1), 64), None);
     }
 }
 
