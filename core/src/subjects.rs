@@ -275,7 +275,9 @@ mod tests {
 
     #[test]
     fn kv_keys_and_object_names_are_plain_tokens() {
-        for key in [SPEC_KEY, WEIGHTS_KEY, &weights_object(0), &weights_object(u64::MAX), &weights_delta_object(u64::MAX)] {
+        for key in
+            [SPEC_KEY, WEIGHTS_KEY, &weights_object(0), &weights_object(u64::MAX), &weights_delta_object(u64::MAX)]
+        {
             assert!(key.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_'), "{key:?}");
         }
     }

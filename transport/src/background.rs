@@ -96,10 +96,7 @@ impl BackgroundPublisher {
                     shared.changed.notify_all();
                 }
             })
-            .map_err(|err| TransportError::Failed {
-                operation: "start weights publisher",
-                message: err.to_string(),
-            })?;
+            .map_err(|err| TransportError::Failed { operation: "start weights publisher", message: err.to_string() })?;
         Ok(BackgroundPublisher { shared, last_handed: None, thread: Some(thread) })
     }
 
@@ -234,8 +231,7 @@ mod tests {
     fn a_failure_is_reported_by_the_next_call() {
         let (tx, rx) = mpsc::channel();
         let go = Arc::new((Mutex::new(10), Condvar::new()));
-        let mut publisher =
-            BackgroundPublisher::new(Gated { published: tx, go, fail_at: Some(1) }).expect("thread");
+        let mut publisher = BackgroundPublisher::new(Gated { published: tx, go, fail_at: Some(1) }).expect("thread");
         publisher.publish(weights(0)).expect("handed over");
         publisher.flush_within(Duration::from_secs(30)).expect("v0 out");
         publisher.publish(weights(1)).expect("handed over");

@@ -134,13 +134,8 @@ pub fn decode_frame_header(bytes: &[u8]) -> Result<(FrameHeader, &[u8]), DecodeE
     };
     let n_params = usize::try_from(field(4))
         .map_err(|_| DecodeError::Malformed(format!("parameter count {} does not fit", field(4))))?;
-    let header = FrameHeader {
-        version: PolicyVersion(field(0)),
-        parent,
-        layout_hash: field(2),
-        digest: field(3),
-        n_params,
-    };
+    let header =
+        FrameHeader { version: PolicyVersion(field(0)), parent, layout_hash: field(2), digest: field(3), n_params };
     Ok((header, payload))
 }
 

@@ -181,7 +181,9 @@ async fn read_pointer(kv: &kv::Store, timeout: Duration) -> Result<Option<Weight
 
 /// Whether `name` is one of our weights objects: `v` (anchor) or `d` (delta) and 20 digits.
 fn is_weights_object(name: &str) -> bool {
-    name.len() == 21 && (name.starts_with('v') || name.starts_with('d')) && name[1..].bytes().all(|b| b.is_ascii_digit())
+    name.len() == 21
+        && (name.starts_with('v') || name.starts_with('d'))
+        && name[1..].bytes().all(|b| b.is_ascii_digit())
 }
 
 /// Names of the weights objects in the store (ours only, see [`is_weights_object`]): the live
@@ -578,8 +580,7 @@ impl NatsWeightsFollower {
             FetchError::Refused(this.refuse(pointer, format!("weights v{} refused: {reason}", pointer.version)))
         };
         if pointer.layout_hash != expected_layout {
-            let reason =
-                format!("layout hash {} does not match this actor's {expected_layout}", pointer.layout_hash);
+            let reason = format!("layout hash {} does not match this actor's {expected_layout}", pointer.layout_hash);
             return Err(refused(self, reason));
         }
         // The pointer's size is a claim: never reserve more than a message may hold.
