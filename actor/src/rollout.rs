@@ -13,7 +13,7 @@ use volley_core::ids::{ActorId, PolicyVersion};
 use volley_core::spec::{RunSpec, SpecError};
 use volley_core::wire::{EpisodeSummary, TrajectorySegment, Weights};
 use volley_core::work::{EpisodeSnapshot, SnapshotInfo, Start, WorkItem};
-use volley_env::{EnvError, VecEnv, VecStep, VectorEnv};
+use volley_env::{Actions, EnvError, VecEnv, VecStep, VectorEnv};
 use volley_policy::distributions::{log_softmax, sample_categorical};
 use volley_policy::{ParamLayout, PolicyInference};
 use volley_transport::envsvc::RemoteEnvCounters;
@@ -65,6 +65,9 @@ pub struct ActorCounters {
     pub resume_failures: AtomicU64,
     /// Episodes run without a work item because the queue was empty.
     pub unscheduled_episodes: AtomicU64,
+    /// Run specs read from the broker that failed their checksum or did not decode (never
+    /// used; the actor reads the spec again).
+    pub spec_rejected: AtomicU64,
     /// Environment steps taken.
     pub env_steps: AtomicU64,
     /// Segments published.
@@ -562,7 +565,9 @@ impl RolloutWorker {
             }
             let stepped = Instant::now();
             inference_time += stepped - started;
-            self.envs.step(&self.actions, &mut self.step).expect("actions has one entry per environment");
+            self.envs
+                .step(Actions::Discrete(&self.actions), &mut self.step)
+                .expect("actions has one entry per environment");
             env_time += stepped.elapsed();
             let any_failed = !self.step.env_errors.is_empty();
             if any_failed {
@@ -956,7 +961,7 @@ mod tests {
         fn obs(&self) -> &[f32] {
             self.inner.obs()
         }
-        fn step(&mut self, actions: &[usize], out: &mut VecStep) -> Result<(), EnvError> {
+        fn step(&mut self, actions: Actions<'_>, out: &mut VecStep) -> Result<(), EnvError> {
             self.inner.step(actions, out)?;
             self.steps += 1;
             if self.steps.is_multiple_of(10) {

@@ -65,6 +65,7 @@ impl NatsBus {
         connections.borrow_and_update();
         let task = shared.handle.spawn(follow_pointer(
             shared.js.clone(),
+            shared.client.clone(),
             subjects::run_bucket(&shared.config.run),
             shared.config.request_timeout,
             slot.clone(),
@@ -428,6 +429,7 @@ const FETCH_RETRY_MAX: Duration = Duration::from_secs(30);
 /// the end of the watch, or a reconnect.
 async fn follow_pointer(
     js: jetstream::Context,
+    client: async_nats::Client,
     bucket: String,
     timeout: Duration,
     slot: Arc<PointerSlot>,
@@ -437,16 +439,15 @@ async fn follow_pointer(
     loop {
         connections.borrow_and_update();
         let watch = async {
-            let kv = match open_kv(&js, &bucket, timeout).await? {
-                Some(kv) => kv,
-                None => {
-                    return Err(TransportError::Failed {
-                        operation: "watch weights",
-                        message: format!("bucket {bucket} does not exist yet"),
-                    })
-                }
-            };
-            call("watch weights", timeout, kv.watch_with_history(subjects::WEIGHTS_KEY)).await
+            if open_kv(&js, &bucket, timeout).await?.is_none() {
+                return Err(TransportError::Failed {
+                    operation: "watch weights",
+                    message: format!("bucket {bucket} does not exist yet"),
+                });
+            }
+            // A named consumer filtered on the key, which the actor's permissions grant
+            // (`consumers`), rather than async-nats' unnamed KV watch.
+            call("watch weights", timeout, consumers::watch_key(&js, &client, &bucket, subjects::WEIGHTS_KEY)).await
         };
         let mut watch = match watch.await {
             Ok(watch) => watch,
@@ -467,8 +468,8 @@ async fn follow_pointer(
         loop {
             tokio::select! {
                 entry = watch.next() => match entry {
-                    Some(Ok(entry)) if entry.operation == kv::Operation::Put => {
-                        match serde_json::from_slice::<WeightsPointer>(&entry.value) {
+                    Some(Ok(change)) if !change.deleted => {
+                        match serde_json::from_slice::<WeightsPointer>(&change.value) {
                             Ok(pointer) => slot.offer(pointer),
                             Err(err) => warn!(operation = "decode weights pointer", error = %err, "ignoring bad weights pointer"),
                         }
@@ -642,16 +643,14 @@ impl NatsWeightsFollower {
                 return Err(failed(OPERATION, format!("object store {bucket} does not exist")));
             };
             call(OPERATION, deadline, async {
+                let (js, client, bucket) = (&shared.js, &shared.client, bucket.as_str());
                 let reads = names.iter().map(|name| async move {
-                    let object = store.get(name).await.map_err(|err| format!("{name}: {err}"))?;
-                    let mut bytes = Vec::new();
-                    // Read at most one byte past the limit: an oversized object is refused when decoded.
-                    object
-                        .take(frame_limit as u64 + 1)
-                        .read_to_end(&mut bytes)
-                        .await
-                        .map_err(|err| format!("{name}: {err}"))?;
-                    Ok::<_, String>(bytes)
+                    // At most one byte past the limit is read: an oversized object is refused when decoded.
+                    match consumers::read_object(js, client, store, bucket, name, frame_limit).await {
+                        Ok(Some(bytes)) => Ok(bytes),
+                        Ok(None) => Err(format!("weights object {name} does not exist")),
+                        Err(err) => Err(format!("{name}: {err}")),
+                    }
                 });
                 futures::future::try_join_all(reads).await
             })

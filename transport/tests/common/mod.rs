@@ -1,13 +1,24 @@
 //! Fixtures shared by the NATS integration tests.
 
 use volley_core::ids::{PolicyVersion, RunId};
-use volley_core::spec::{HyperParams, RunSpec};
+use volley_core::spec::{HyperParams, RunSpec, StoreLimits};
 use volley_core::wire::TrajectorySegment;
 use volley_env::EnvConfig;
 use volley_policy::{Activation, CoreKind, PolicySpec};
 
-/// A small CartPole run spec for `run`.
+/// A small CartPole run spec for `run`, with small store bounds: JetStream reserves every
+/// stream's `max_bytes` when it is created, and a test broker may use at most 75 % of the free
+/// disk, which the defaults (about 7 GB in all with work items) can exceed on a full machine.
 pub fn spec(run: &str) -> RunSpec {
+    let stores = StoreLimits {
+        trajectory_max_bytes: 64 << 20,
+        weights_max_bytes: 128 << 20,
+        kv_max_bytes: 16 << 20,
+        work_max_bytes: 16 << 20,
+        snapshot_max_bytes: 64 << 20,
+        snapshot_index_max_bytes: 16 << 20,
+        ..StoreLimits::default()
+    };
     RunSpec {
         run: RunId::new(run).expect("a valid run id"),
         env: EnvConfig::Cartpole,
@@ -19,7 +30,7 @@ pub fn spec(run: &str) -> RunSpec {
             core: CoreKind::Mlp,
         },
         segment_len: 4,
-        hyper: HyperParams::default(),
+        hyper: HyperParams { stores, ..HyperParams::default() },
         seed: 7,
     }
 }
