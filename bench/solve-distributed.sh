@@ -34,8 +34,8 @@ trap 'exit 130' INT TERM
 
 free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 
-printf '%-7s %-5s %-7s %-9s %-9s %-11s %-10s %-9s %-6s %-11s\n' \
-  actors seed solved return100 env_steps learner_s process_s wait_ratio stale stale_share
+printf '%-7s %-5s %-7s %-9s %-9s %-11s %-10s %-9s %-6s %-11s %-7s %-7s %-8s %-7s\n' \
+  actors seed solved return100 env_steps learner_s process_s wait_ratio stale stale_share recv_s update_s publish_s ack_s
 for n in $counts; do
   for seed in $seeds; do
     dir="$out/n$n-s$seed"
@@ -78,9 +78,10 @@ except (OSError, ValueError):
     print("%-7s %-5s failed" % (n, seed))
     sys.exit(0)
 share = s["segments_stale"] / max(1, s["segments_stale"] + s["segments_used"])
-print("%-7s %-5s %-7s %-9.2f %-9d %-11.3f %-10.2f %-9.2f %-6d %-11.3f" % (
+print("%-7s %-5s %-7s %-9.2f %-9d %-11.3f %-10.2f %-9.2f %-6d %-11.3f %-7.3f %-7.3f %-8.3f %-7.3f" % (
     n, seed, s["solved"], s["final_mean_return"], s["env_steps"], s["wall_secs"], float(process_s),
-    s["learner_wait_ratio"], s["segments_stale"], share))
+    s["learner_wait_ratio"], s["segments_stale"], share, s.get("learner_recv_secs", 0), s.get("learner_update_secs", 0),
+    s.get("learner_publish_secs", 0), s.get("learner_ack_secs", 0)))
 with open(rows, "a") as f:
     f.write(json.dumps({"n": int(n), "solved": s["solved"], "env_steps": s["env_steps"],
                         "learner_s": s["wall_secs"], "process_s": float(process_s), "stale_share": share}) + "\n")

@@ -1018,6 +1018,12 @@ pub struct BenchWeightsArgs {
     /// (follower), within this many seconds.
     #[arg(long, default_value_t = 60.0, env = "VOLLEY_BENCH_TIMEOUT_SECS")]
     pub timeout_secs: f64,
+    /// A full frame every this many versions, deltas in between (1: every version full).
+    #[arg(long, default_value_t = 16, env = "VOLLEY_BENCH_ANCHOR_EVERY")]
+    pub anchor_every: u64,
+    /// Weights whose full frame is at most this many KiB go inline in the pointer (0: never).
+    #[arg(long, default_value_t = 256, env = "VOLLEY_BENCH_INLINE_MAX_KIB")]
+    pub inline_max_kib: usize,
 }
 
 /// A validated `volley bench-weights` configuration.
@@ -1064,8 +1070,14 @@ impl TryFrom<BenchWeightsArgs> for BenchWeightsConfig {
             .with_context(|| format!("--layout-hash: {:?} is not a 64-bit hex number", args.layout_hash))?;
         let poll = check_secs("--poll-ms", args.poll_ms * 1e-3)?;
         let timeout = check_secs("--timeout-secs", args.timeout_secs)?;
+        if args.anchor_every == 0 {
+            bail!("--anchor-every must be at least 1");
+        }
+        let mut nats = args.nats.config(run)?;
+        nats.weights_anchor_every = args.anchor_every;
+        nats.weights_inline_max_bytes = args.inline_max_kib.saturating_mul(1024);
         Ok(BenchWeightsConfig {
-            nats: args.nats.config(run)?,
+            nats,
             role: args.role,
             followers: args.followers,
             size_mib: args.size_mib,

@@ -33,7 +33,7 @@ use tracing::{info, warn};
 use volley_core::ids::PolicyVersion;
 use volley_core::spec::{HyperParams, RunSpec};
 use volley_core::subjects;
-use volley_core::wire::{encode_weights, Weights};
+use volley_core::wire::{frame, Weights};
 use volley_env::EnvConfig;
 use volley_policy::{Activation, PolicySpec};
 use volley_transport::nats::{NatsAuth, NatsBus};
@@ -69,8 +69,16 @@ impl Percentiles {
 /// What `volley bench-weights` prints as one JSON line when the driver finishes.
 #[derive(Debug, serde::Serialize)]
 pub struct BenchWeightsSummary {
-    /// Encoded size of one weights version (the object uploaded and downloaded).
+    /// Bytes of one version's full frame.
     pub size_bytes: usize,
+    /// Bytes published per timed version (full frames and deltas), median and maximum.
+    pub frame_bytes_median: usize,
+    /// The largest frame of the timed versions.
+    pub frame_bytes_max: usize,
+    /// Whether the versions travelled inline in the pointer.
+    pub inline: bool,
+    /// A full frame every this many versions.
+    pub anchor_every: u64,
     /// Parameters per version.
     pub n_params: usize,
     /// Follower processes.
@@ -263,9 +271,17 @@ fn collect(
     Ok(Some(usable_at.into_iter().map(|t| t.expect("all reported")).collect()))
 }
 
-/// A buffer that differs from version to version, so no layer could skip an unchanged one.
+/// A buffer in which every parameter moves a little from version to version, as under an
+/// optimiser step (about 1e-4 per version on values of order 0.1–1), so no layer could skip an
+/// unchanged one and deltas are as big as a real learner's.
 fn params_for(version: u64, n_params: usize) -> Vec<f32> {
-    (0..n_params).map(|i| ((i as u64 ^ version) % 1024) as f32 * 1e-3).collect()
+    (0..n_params)
+        .map(|i| {
+            let base = ((i as u64).wrapping_mul(2_654_435_761) % 2048) as f32 * 1e-3 - 1.0;
+            let direction = ((i % 7) as f32 - 3.0) * 3e-5;
+            base + direction * version as f32
+        })
+        .collect()
 }
 
 /// `--role driver`: publish, time, summarise.
@@ -288,13 +304,15 @@ pub fn drive(config: &BenchWeightsConfig, interrupted: &AtomicBool) -> anyhow::R
     let followers = spawn_followers(config, &reports_tx)?;
     drop(reports_tx);
     let warm_up = Arc::new(Weights::new(PolicyVersion(0), config.layout_hash, params_for(0, config.n_params)));
-    let size_bytes = encode_weights(&warm_up).len();
+    let size_bytes = frame::encode_full_frame(&warm_up).len();
+    let inline = size_bytes <= config.nats.weights_inline_max_bytes;
     info!(followers = config.followers, size_bytes, "warm-up: waiting for every follower to hold version 0");
     publisher.publish(warm_up).context("publishing the warm-up version")?;
     if collect(config, &reports, 0, interrupted)?.is_none() {
         bail!("interrupted during warm-up");
     }
 
+    let mut frame_bytes = Vec::new();
     let mut publish_ms = Vec::new();
     let mut first_ms = Vec::new();
     let mut last_ms = Vec::new();
@@ -305,6 +323,7 @@ pub fn drive(config: &BenchWeightsConfig, interrupted: &AtomicBool) -> anyhow::R
         let started = unix_nanos();
         publisher.publish(weights).with_context(|| format!("publishing version {version}"))?;
         let published = unix_nanos();
+        frame_bytes.push(publisher.last_frame_bytes());
         let Some(usable_at) = collect(config, &reports, version, interrupted)? else {
             warn!(version, "interrupted; summarising the versions so far");
             break;
@@ -321,8 +340,13 @@ pub fn drive(config: &BenchWeightsConfig, interrupted: &AtomicBool) -> anyhow::R
     }
     drop(followers);
 
+    frame_bytes.sort_unstable();
     let summary = BenchWeightsSummary {
         size_bytes,
+        frame_bytes_median: frame_bytes.get(frame_bytes.len() / 2).copied().unwrap_or(0),
+        frame_bytes_max: frame_bytes.last().copied().unwrap_or(0),
+        inline,
+        anchor_every: config.nats.weights_anchor_every,
         n_params: config.n_params,
         followers: config.followers,
         versions: last_ms.len(),
@@ -341,6 +365,14 @@ fn print_table(summary: &BenchWeightsSummary) {
         Some(p) => eprintln!("{name:<22} {:>9.2} {:>9.2} {:>9.2}", p.p50, p.p99, p.max),
         None => eprintln!("{name:<22} {:>9} {:>9} {:>9}", "-", "-", "-"),
     };
+    eprintln!(
+        "frames: full {} B, published median {} B, max {} B ({}, anchor every {})",
+        summary.size_bytes,
+        summary.frame_bytes_median,
+        summary.frame_bytes_max,
+        if summary.inline { "inline" } else { "object store" },
+        summary.anchor_every
+    );
     eprintln!(
         "weights {:.2} MiB, {} followers, {} versions (ms from publish call)",
         summary.size_bytes as f64 / (1024.0 * 1024.0),

@@ -18,7 +18,7 @@ use volley_learner::{
 use volley_transport::envsvc::{EnvServiceClient, RemoteVecEnv, RemoteVecEnvConfig};
 use volley_transport::local::weights_channel;
 use volley_transport::nats::NatsBus;
-use volley_transport::{TrajectorySink, TrajectorySource, WeightsPublisher};
+use volley_transport::{BackgroundPublisher, TrajectorySink, TrajectorySource, WeightsPublisher};
 
 use crate::args::{ActorArgs, EnvChoice, LearnerConfig};
 use crate::serve;
@@ -52,6 +52,14 @@ pub struct LearnerSummary {
     pub segments_rejected: std::collections::BTreeMap<String, u64>,
     /// Fraction of loop time spent waiting for data.
     pub learner_wait_ratio: f64,
+    /// Loop seconds spent receiving segments (waiting for data included).
+    pub learner_recv_secs: f64,
+    /// Loop seconds spent in updates.
+    pub learner_update_secs: f64,
+    /// Loop seconds spent handing weights to the publisher.
+    pub learner_publish_secs: f64,
+    /// Loop seconds spent acknowledging segments.
+    pub learner_ack_secs: f64,
     /// Segments by lag in versions: `lag_histogram[k]` counts lag k, the last bucket lag ≥ 15.
     pub lag_histogram: Vec<u64>,
     /// Why the learner stopped.
@@ -108,6 +116,10 @@ pub fn learner(config: LearnerConfig, interrupted: Arc<AtomicBool>) -> anyhow::R
             },
             None => info!("no weights published yet for this run"),
         }
+        // Publishing runs on its own thread: the learner goes on with the next update while a
+        // version is stored and announced (issue 16); segments are acknowledged once their
+        // update's version is out.
+        let publisher = BackgroundPublisher::new(publisher).context("starting the weights publisher")?;
         (Box::new(bus.trajectory_source().context("opening the learner consumer")?), Box::new(publisher))
     };
 
@@ -211,6 +223,10 @@ pub fn learner(config: LearnerConfig, interrupted: Arc<AtomicBool>) -> anyhow::R
         segments_duplicate: report.segments_duplicate,
         segments_rejected: report.segments_rejected.iter().map(|(k, v)| (k.to_string(), *v)).collect(),
         learner_wait_ratio: if loop_secs > 0.0 { report.wait_time.as_secs_f64() / loop_secs } else { 0.0 },
+        learner_recv_secs: report.wait_time.as_secs_f64(),
+        learner_update_secs: report.update_time.as_secs_f64(),
+        learner_publish_secs: report.publish_time.as_secs_f64(),
+        learner_ack_secs: report.ack_time.as_secs_f64(),
         lag_histogram: report.lag_histogram.clone(),
         stop_reason: report.stop_reason.map(|r| r.to_string()).unwrap_or_default(),
     })
@@ -440,7 +456,15 @@ pub fn actor(args: ActorArgs, interrupted: Arc<AtomicBool>) -> anyhow::Result<()
     reporter_stop.store(true, Ordering::Release);
     let _ = reporter.join();
     result.with_context(|| format!("actor {actor_id}"))?;
-    info!(actor = %actor_id, env_steps = counters.env_steps.load(Ordering::Relaxed), "actor stopped");
+    let secs = |nanos: &std::sync::atomic::AtomicU64| nanos.load(Ordering::Relaxed) as f64 * 1e-9;
+    info!(
+        actor = %actor_id,
+        env_steps = counters.env_steps.load(Ordering::Relaxed),
+        weight_fetches = counters.weight_fetches.load(Ordering::Relaxed),
+        weight_fetch_secs = secs(&counters.weight_fetch_nanos),
+        throttled_secs = secs(&counters.throttled_nanos),
+        "actor stopped"
+    );
     Ok(())
 }
 

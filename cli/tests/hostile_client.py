@@ -21,7 +21,7 @@ import nats
 import xxhash
 
 MAGIC = b"VLLY"
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 KIND_SEGMENT = 1
 
 
@@ -134,9 +134,10 @@ async def main(url: str, run: str, learner_pid: int, rounds: int) -> None:
         sent[reason] = sent.get(reason, 0) + 1
 
     rss_before = rss_bytes(learner_pid)
-    # First, a forged weights pointer: the highest version there is, a wrong checksum. Actors
-    # must refuse it and keep following the learner's real pointers written after it.
-    forged = dict(pointer, version=2**64 - 1, checksum="0123456789abcdef")
+    # First, a forged weights pointer: the highest version there is (an anchor, so its chain
+    # adds up), a wrong digest, the real weights inline. Actors must refuse it and keep
+    # following the learner's real pointers written after it.
+    forged = dict(pointer, version=2**64 - 1, anchor=2**64 - 1, digest="0123456789abcdef")
     await kv.put("weights", json.dumps(forged).encode())
     replayed = valid_bytes()
     for _ in range(rounds):

@@ -82,6 +82,12 @@ pub fn weights_object(version: u64) -> String {
     format!("v{version:020}")
 }
 
+/// The object holding the delta that produces policy version `version` from its parent:
+/// `d` and 20 zero-padded digits (a chain of them follows each anchor, [`weights_object`]).
+pub fn weights_delta_object(version: u64) -> String {
+    format!("d{version:020}")
+}
+
 /// The `Nats-Msg-Id` of one segment: `<actor>-<incarnation>-<env_idx>-<segment_idx>`.
 ///
 /// The server drops a second message with the same id inside the stream's duplicate window,
@@ -283,7 +289,9 @@ mod tests {
 
     #[test]
     fn kv_keys_and_object_names_are_plain_tokens() {
-        for key in [SPEC_KEY, WEIGHTS_KEY, &weights_object(0), &weights_object(u64::MAX)] {
+        for key in
+            [SPEC_KEY, WEIGHTS_KEY, &weights_object(0), &weights_object(u64::MAX), &weights_delta_object(u64::MAX)]
+        {
             assert!(key.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_'), "{key:?}");
         }
     }

@@ -1,7 +1,9 @@
 //! The learner loop: receive, check, batch, update, publish, acknowledge.
 //!
 //! Acknowledgement guarantee: a segment is acknowledged only after the update it fed has been
-//! applied to the parameters and the resulting version published (or after it was dropped by
+//! applied to the parameters and the resulting version published (a publisher that publishes
+//! in the background says when, [`WeightsPublisher::is_published`]; the segments wait until
+//! then, while the learner goes on with the next updates) (or after it was dropped by
 //! trajectory selection or rejected as malformed, which are final decisions). A crash before
 //! that point leaves the segment unacknowledged, so a networked transport redelivers it. Which
 //! segments feed an update, and with what weight, is [`crate::selection`]'s decision.
@@ -11,6 +13,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use tracing::{debug, info, warn};
+use volley_core::ids::PolicyVersion;
 use volley_core::wire::TrajectorySegment;
 use volley_transport::{Delivery, DeliveryToken, TrajectorySource, TransportError, WeightsPublisher};
 
@@ -133,8 +136,14 @@ pub struct LearnerReport {
     pub elapsed: Duration,
     /// Time spent waiting for data.
     pub wait_time: Duration,
-    /// Time spent computing updates.
+    /// Time spent computing updates (selection, batching, the update, publishing, acks).
     pub compute_time: Duration,
+    /// Part of `compute_time` spent in the update itself.
+    pub update_time: Duration,
+    /// Part of `compute_time` spent handing weights to the publisher.
+    pub publish_time: Duration,
+    /// Part of `compute_time` spent acknowledging segments.
+    pub ack_time: Duration,
     /// First (env steps, seconds) at which the last-20 mean reached the target.
     pub target_reached_20: Option<(u64, f64)>,
     /// First (env steps, seconds) at which the last-100 mean reached the target.
@@ -351,6 +360,8 @@ pub fn run_learner(
     let mut settled: Vec<DeliveryToken> = Vec::new();
     let mut batch = SegmentBatch::default();
     let mut seen = SeenSegments::new(SEEN_CAPACITY);
+    // Segments behind updates whose version is not published yet, by version, oldest first.
+    let mut unpublished: VecDeque<(PolicyVersion, Vec<DeliveryToken>)> = VecDeque::new();
     // Whether valid data arrived since the last update (then only an update is progress).
     let mut received_since_update = false;
     let stop_reason = loop {
@@ -431,8 +442,11 @@ pub fn run_learner(
             report.count_drop(drop.reason);
             settled.push(drop.token);
         }
+        release_published(&*publisher, &mut unpublished, &mut settled);
         if !settled.is_empty() {
+            let ack_started = Instant::now();
             ack_or_warn(source, &mut settled);
+            report.ack_time += ack_started.elapsed();
         }
         if !ready {
             report.compute_time += compute_started.elapsed();
@@ -444,12 +458,23 @@ pub fn run_learner(
         }
         let draw = selector.draw();
         batch.fill(&draw.segments, spec.hyper.gamma, spec.hyper.reward_scale, draw.column_weights);
+        let update_started = Instant::now();
         let stats = learner.update(&batch);
-        if learner.updates().is_multiple_of(publish_every) {
+        report.update_time += update_started.elapsed();
+        let published = learner.updates().is_multiple_of(publish_every);
+        if published {
+            let publish_started = Instant::now();
             publisher.publish(learner.weights())?;
+            report.publish_time += publish_started.elapsed();
         }
         let used = selector.settle_drawn(&mut settled);
+        if published && !publisher.is_published(learner.version()) {
+            unpublished.push_back((learner.version(), std::mem::take(&mut settled)));
+        }
+        release_published(&*publisher, &mut unpublished, &mut settled);
+        let ack_started = Instant::now();
         ack_or_warn(source, &mut settled);
+        report.ack_time += ack_started.elapsed();
         report.compute_time += compute_started.elapsed();
         report.updates = learner.updates();
         report.policy_version = learner.version().0;
@@ -474,6 +499,12 @@ pub fn run_learner(
     if !learner.updates().is_multiple_of(publish_every) {
         publisher.publish(learner.weights())?;
     }
+    publisher.flush()?;
+    settled.extend(unpublished.into_iter().flat_map(|(_, tokens)| tokens));
+    // `ack` also settles what `ack_later` queued.
+    if let Err(err) = source.ack(&settled) {
+        warn!(%err, n = settled.len(), "acknowledging segments failed; they may be redelivered");
+    }
     info!(
         reason = %stop_reason,
         updates = report.updates,
@@ -484,11 +515,28 @@ pub fn run_learner(
     Ok(report)
 }
 
-/// Acknowledge settled deliveries. A failure (broker unreachable past the transport's retry
-/// deadline) is not fatal: the deliveries are redelivered later and the duplicate filter or
-/// the lag bound takes care of them.
+/// Move the tokens of updates whose version is now published to `settled`.
+fn release_published(
+    publisher: &dyn WeightsPublisher,
+    unpublished: &mut VecDeque<(PolicyVersion, Vec<DeliveryToken>)>,
+    settled: &mut Vec<DeliveryToken>,
+) {
+    while let Some((version, _)) = unpublished.front() {
+        if !publisher.is_published(*version) {
+            break;
+        }
+        if let Some((_, tokens)) = unpublished.pop_front() {
+            settled.extend(tokens);
+        }
+    }
+}
+
+/// Acknowledge settled deliveries, with the next receive ([`TrajectorySource::ack_later`]).
+/// A failure (broker unreachable past the transport's retry deadline) is not fatal: the
+/// deliveries are redelivered later and the duplicate filter or the lag bound takes care of
+/// them.
 fn ack_or_warn(source: &mut dyn TrajectorySource, settled: &mut Vec<DeliveryToken>) {
-    if let Err(err) = source.ack(settled) {
+    if let Err(err) = source.ack_later(settled) {
         warn!(%err, n = settled.len(), "acknowledging segments failed; they may be redelivered");
     }
     settled.clear();

@@ -17,6 +17,7 @@
 //! - [`WeightsFollower::latest`] returns the newest published version; versions only increase.
 #![warn(missing_docs)]
 
+mod background;
 pub mod envsvc;
 pub mod local;
 pub mod nats;
@@ -26,6 +27,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use volley_core::ids::PolicyVersion;
+
+pub use background::BackgroundPublisher;
 use volley_core::wire::{DecodeError, TrajectorySegment, Weights};
 
 /// Transport failures. None is fatal to a process by itself: callers retry, count or stop.
@@ -146,7 +149,15 @@ pub trait TrajectorySource: Send {
     /// Returns how many were appended (0 on timeout).
     fn recv(&mut self, max: usize, timeout: Duration, out: &mut Vec<Delivery>) -> Result<usize, TransportError>;
     /// Acknowledge deliveries whose contribution is safe; they will not be delivered again.
+    /// Acknowledgements queued by [`ack_later`](Self::ack_later) are settled first.
     fn ack(&mut self, tokens: &[DeliveryToken]) -> Result<(), TransportError>;
+    /// Acknowledge deliveries without waiting for the confirmation (a networked transport
+    /// confirms in the background; the next [`recv`](Self::recv) or [`ack`](Self::ack)
+    /// collects the outcome, and an unconfirmed delivery is held again). Until confirmed, a
+    /// crash leaves them unacknowledged, so they may be delivered again. By default: at once.
+    fn ack_later(&mut self, tokens: &[DeliveryToken]) -> Result<(), TransportError> {
+        self.ack(tokens)
+    }
     /// Reject a delivery for good (malformed or unusable): it is not redelivered.
     fn reject(&mut self, token: DeliveryToken) -> Result<(), TransportError>;
     /// Segments published but not yet delivered, when the transport knows.
@@ -157,6 +168,19 @@ pub trait TrajectorySource: Send {
 pub trait WeightsPublisher: Send {
     /// Make `weights` the latest version.
     fn publish(&mut self, weights: Arc<Weights>) -> Result<(), TransportError>;
+
+    /// Whether `version` (or a newer one) is published, so followers can get it. A publisher
+    /// whose `publish` returns only once the version is out (the default) says yes to every
+    /// version it was handed; [`BackgroundPublisher`] says yes once its thread is done.
+    fn is_published(&self, version: PolicyVersion) -> bool {
+        let _ = version;
+        true
+    }
+
+    /// Wait until every version handed to `publish` is out (or return why not).
+    fn flush(&mut self) -> Result<(), TransportError> {
+        Ok(())
+    }
 }
 
 /// How actors follow the latest policy version.

@@ -42,6 +42,15 @@ fn config(server: &TestNats, run_name: &str) -> NatsConfig {
     config
 }
 
+/// Every version a full object in the store (no inline pointer, no deltas), as before issue 16:
+/// for the tests of the object store's bookkeeping and of refused objects.
+fn full_objects_config(server: &TestNats, run_name: &str) -> NatsConfig {
+    let mut config = config(server, run_name);
+    config.weights_inline_max_bytes = 0;
+    config.weights_anchor_every = 1;
+    config
+}
+
 fn spec(run_name: &str) -> RunSpec {
     common::spec(run_name)
 }
@@ -348,7 +357,7 @@ fn weight_objects(bus: &NatsBus) -> Vec<String> {
 #[test]
 fn the_weights_store_holds_only_the_kept_versions_and_no_delete_markers() {
     let server = TestNats::start();
-    let bus = learner_bus(config(&server, "markers"));
+    let bus = learner_bus(full_objects_config(&server, "markers"));
     let mut publisher = bus.weights_publisher().expect("publisher");
     let backing = subjects::object_backing_stream(&subjects::weights_bucket(&bus.config().run));
     let store_messages = || {
@@ -370,7 +379,7 @@ fn the_weights_store_holds_only_the_kept_versions_and_no_delete_markers() {
 #[test]
 fn late_follower_gets_the_newest_weights_at_once() {
     let server = TestNats::start();
-    let bus = learner_bus(config(&server, "weights"));
+    let bus = learner_bus(full_objects_config(&server, "weights"));
     let mut publisher = bus.weights_publisher().expect("publisher");
     for version in 0..4 {
         publisher.publish(weights(version, 16)).expect("publish");
@@ -413,7 +422,7 @@ fn sixteen_mib_weights_roundtrip() {
 #[test]
 fn corrupted_or_mismatched_weights_are_refused() {
     let server = TestNats::start();
-    let bus = learner_bus(config(&server, "bad-weights"));
+    let bus = learner_bus(full_objects_config(&server, "bad-weights"));
     let mut publisher = bus.weights_publisher().expect("publisher");
     publisher.publish(weights(0, 16)).expect("publish");
 

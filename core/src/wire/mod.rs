@@ -9,8 +9,11 @@
 use crate::ids::PolicyVersion;
 use crate::spec::RunSpec;
 
-/// Bumped on any incompatible change of a wire type (3: the envelope carries a body checksum).
-pub const FORMAT_VERSION: u16 = 3;
+pub mod frame;
+
+/// Bumped on any incompatible change of a wire type (3: the envelope carries a body checksum;
+/// 4: the weights checksum is XXH3-64, weights travel as [`frame`]s).
+pub const FORMAT_VERSION: u16 = 4;
 
 /// First bytes of every message: "VLLY".
 pub const MAGIC: [u8; 4] = *b"VLLY";
@@ -26,6 +29,10 @@ pub enum MessageKind {
     Segment = 1,
     /// A [`Weights`] buffer.
     Weights = 2,
+    /// A full weights [`frame`] (an anchor).
+    WeightsFull = 3,
+    /// A delta weights [`frame`] against its parent version.
+    WeightsDelta = 4,
 }
 
 /// The fixed header in front of every message.
@@ -362,13 +369,21 @@ impl Weights {
     }
 }
 
-/// FNV-1a 64 over the little-endian bytes of the parameters: stable across platforms and builds.
+/// XXH3-64 over the little-endian bytes of the parameters: stable across platforms and builds,
+/// and about ten times faster than the byte-wise FNV-1a it replaced (issue 16), so verifying a
+/// 16 MiB buffer costs about a millisecond.
 pub fn checksum(params: &[f32]) -> u64 {
-    const OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
-    const PRIME: u64 = 0x0000_0100_0000_01b3;
-    params.iter().fold(OFFSET, |hash, p| {
-        p.to_bits().to_le_bytes().iter().fold(hash, |h, &byte| (h ^ byte as u64).wrapping_mul(PRIME))
-    })
+    // Hash through a small stack buffer so big-endian hosts hash the same bytes.
+    const CHUNK: usize = 1024;
+    let mut hasher = xxhash_rust::xxh3::Xxh3Default::new();
+    let mut buffer = [0u8; 4 * CHUNK];
+    for chunk in params.chunks(CHUNK) {
+        for (bytes, p) in buffer.chunks_exact_mut(4).zip(chunk) {
+            bytes.copy_from_slice(&p.to_bits().to_le_bytes());
+        }
+        hasher.update(&buffer[..4 * chunk.len()]);
+    }
+    hasher.digest()
 }
 
 fn encode<T: serde::Serialize>(kind: MessageKind, value: &T) -> Vec<u8> {

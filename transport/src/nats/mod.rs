@@ -73,6 +73,8 @@ const PACING_POLL: Duration = Duration::from_millis(2);
 /// since), so a burst of segments does not cost one consumer-info request each. Short: other
 /// actors publish meanwhile too, and every segment of overshoot adds policy lag.
 const PACING_CACHE: Duration = Duration::from_millis(20);
+/// Shortest sleep of a throttled sink between predictions of the backlog.
+const PACING_MIN_SLEEP: Duration = Duration::from_micros(100);
 /// Deadline of the consumer-info request behind pacing and `backlog()`: short, because a slow
 /// answer must not stall the caller (an unknown backlog does not block).
 const BACKLOG_DEADLINE: Duration = Duration::from_millis(500);
@@ -210,8 +212,15 @@ pub struct NatsConfig {
     pub ack_wait: Duration,
     /// Deliveries of one segment before the server gives up on it (-1: no limit).
     pub max_deliver: i64,
-    /// Weights objects kept in the object store (the newest ones); older ones are deleted.
+    /// Weights chains kept in the object store (the newest ones: each an anchor and the deltas
+    /// published against it); older chains are deleted.
     pub keep_weight_versions: usize,
+    /// A full weights frame (an anchor) every this many published versions; deltas in between
+    /// (1 = every version full). See [`weights`].
+    pub weights_anchor_every: u64,
+    /// Weights whose full frame is at most this many bytes travel inside the KV pointer itself
+    /// (one message to every follower, no object); larger ones go through the object store.
+    pub weights_inline_max_bytes: usize,
     /// Copies JetStream keeps of the run's streams and buckets (trajectories, run KV, weights,
     /// and with work items the work queue and snapshot stores): 1 on a single server, 3 on a
     /// 3-node cluster so that losing one server loses nothing. Applied when they are created;
@@ -238,6 +247,8 @@ impl NatsConfig {
             ack_wait: Duration::from_secs(30),
             max_deliver: 10,
             keep_weight_versions: 3,
+            weights_anchor_every: 16,
+            weights_inline_max_bytes: 256 << 10,
             replicas: 1,
             auth: None,
         }

@@ -57,7 +57,7 @@ struct InFlight {
     ack: AckFuture,
 }
 
-/// The last reading of the learner consumer's backlog.
+/// The last reading of the learner consumer's backlog, and how fast the learner drains it.
 #[derive(Debug, Default)]
 struct Pacing {
     checked_at: Option<Instant>,
@@ -69,6 +69,34 @@ struct Pacing {
     backlog: Option<u64>,
     /// Segments this sink published since the reading.
     published_since: u64,
+    /// The consumer's delivered count at the reading, and when it was read.
+    delivered: Option<(u64, Instant)>,
+    /// Deliveries per second between the last two readings (0 when unknown).
+    drain_per_sec: f64,
+}
+
+impl Pacing {
+    /// The backlog now, predicted: the reading plus this sink's publishes since, less what the
+    /// learner drained since at its measured rate. The predicted drain is capped at `limit`, so
+    /// a learner that stalls right after a reading costs at most one bound of overshoot before
+    /// the next reading shows the truth.
+    fn estimate(&self, age: Duration, limit: u64) -> Option<u64> {
+        self.backlog.map(|backlog| {
+            let total = backlog.saturating_add(self.published_since);
+            let drained = (self.drain_per_sec * age.as_secs_f64()).min(total as f64).min(limit as f64) as u64;
+            total - drained
+        })
+    }
+
+    /// How long until the prediction shows room under `limit` (at most `cap`).
+    fn time_to_room(&self, estimate: u64, limit: u64, cap: Duration) -> Duration {
+        if self.drain_per_sec <= 0.0 {
+            return cap;
+        }
+        let excess = estimate.saturating_sub(limit).saturating_add(1) as f64;
+        // Capped before converting, so no rate can overflow a Duration.
+        Duration::from_secs_f64((excess / self.drain_per_sec).min(cap.as_secs_f64())).max(PACING_MIN_SLEEP.min(cap))
+    }
 }
 
 /// Actor side of the NATS transport: publishes segments to `volley.<run>.traj.<actor>`.
@@ -81,9 +109,10 @@ struct Pacing {
 /// - A failed publish or a missing ack is retried with backoff, under the same message id so
 ///   the stream stores it once, until it succeeds or `stop` is set ([`TransportError::Closed`]).
 ///   The sink never drops a segment on its own. A retried segment may land after later ones.
-/// - Pacing: before each segment it waits while the learner's backlog (undelivered plus
-///   unacknowledged segments, read from the consumer at most every 50 ms while waiting and
-///   every 250 ms otherwise, counting this sink's own publishes in between) is at or above
+/// - Pacing: before each segment it waits while the learner's backlog (undelivered segments,
+///   read from the consumer at most every 2 ms while waiting and every 20 ms otherwise,
+///   counting this sink's own publishes, predicted in between from the learner's measured
+///   drain rate, never draining more than one bound per reading) is at or above
 ///   [`NatsConfig::max_backlog_segments`] (see [`NatsTrajectorySink::set_max_backlog_segments`]);
 ///   the time is counted in [`TrajectorySink::throttled`]. With no learner consumer yet it does
 ///   not wait (the stream keeps the segments). With many actors the bound is approximate:
@@ -267,25 +296,33 @@ impl NatsTrajectorySink {
     }
 
     /// Wait while the learner's backlog is at or above the bound (see [`Pacing`]).
+    ///
+    /// Between readings the backlog is predicted from the learner's drain rate (issue 16: with
+    /// a reading every 2 ms while blocked, a learner that drains a batch in about a millisecond
+    /// spent half its time waiting for an actor that was waiting for its next reading).
     async fn pace(&mut self) -> Result<(), TransportError> {
         let limit = self.max_backlog_segments;
         let result = loop {
             if self.stopped() {
                 break Err(TransportError::Closed);
             }
-            let estimate = self.pacing.backlog.map(|backlog| backlog + self.pacing.published_since);
+            let Some(age) = self.pacing.checked_at.map(|at| at.elapsed()) else {
+                self.read_backlog().await;
+                continue;
+            };
+            let estimate = self.pacing.estimate(age, limit);
             let room = estimate.is_none_or(|estimate| estimate < limit);
             let trusted_for = if room { PACING_CACHE } else { PACING_POLL };
-            match self.pacing.checked_at.map(|at| at.elapsed()) {
-                Some(age) if age < trusted_for => {
-                    if room {
-                        break Ok(());
-                    }
-                    self.clock.block();
-                    tokio::time::sleep(trusted_for - age).await;
-                }
-                _ => self.read_backlog().await,
+            if age >= trusted_for {
+                self.read_backlog().await;
+                continue;
             }
+            if room {
+                break Ok(());
+            }
+            self.clock.block();
+            let wait = self.pacing.time_to_room(estimate.unwrap_or(limit), limit, trusted_for - age);
+            tokio::time::sleep(wait).await;
         };
         self.clock.unblock();
         result
@@ -294,8 +331,19 @@ impl NatsTrajectorySink {
     async fn read_backlog(&mut self) {
         let reading =
             tokio::time::timeout(BACKLOG_DEADLINE, self.stream.consumer_info(subjects::LEARNER_CONSUMER)).await;
+        let now = Instant::now();
         self.pacing.backlog = match reading {
-            Ok(Ok(info)) => Some(info.num_pending),
+            Ok(Ok(info)) => {
+                let delivered = info.delivered.consumer_sequence;
+                if let Some((before, at)) = self.pacing.delivered {
+                    let secs = now.duration_since(at).as_secs_f64();
+                    if secs > 0.0 {
+                        self.pacing.drain_per_sec = delivered.saturating_sub(before) as f64 / secs;
+                    }
+                }
+                self.pacing.delivered = Some((delivered, now));
+                Some(info.num_pending)
+            }
             Ok(Err(err)) if matches!(err.kind(), jetstream::context::ConsumerInfoErrorKind::NotFound) => None,
             Ok(Err(err)) => {
                 debug!(operation = "read learner backlog", error = %err, "backlog unknown; not pacing");
@@ -306,7 +354,11 @@ impl NatsTrajectorySink {
                 None
             }
         };
-        self.pacing.checked_at = Some(Instant::now());
+        if self.pacing.backlog.is_none() {
+            self.pacing.delivered = None;
+            self.pacing.drain_per_sec = 0.0;
+        }
+        self.pacing.checked_at = Some(now);
         self.pacing.published_since = 0;
     }
 }
@@ -351,6 +403,31 @@ impl Drop for NatsTrajectorySink {
         if !matches!(outcome, Ok(Ok(()))) {
             warn!(actor = %self.actor, unacknowledged = self.in_flight.len(), "sink dropped with segments not acknowledged");
         }
+    }
+}
+
+#[cfg(test)]
+mod pacing_tests {
+    use super::*;
+
+    #[test]
+    fn the_backlog_is_predicted_from_the_drain_rate_and_never_below_own_publishes() {
+        let mut pacing = Pacing { backlog: Some(16), drain_per_sec: 8_000.0, ..Pacing::default() };
+        assert_eq!(pacing.estimate(Duration::ZERO, 64), Some(16));
+        assert_eq!(pacing.estimate(Duration::from_millis(1), 64), Some(8));
+        assert_eq!(pacing.estimate(Duration::from_secs(10), 64), Some(0));
+        pacing.published_since = 80;
+        assert_eq!(pacing.estimate(Duration::ZERO, 64), Some(96));
+        // A stalled learner's rate is stale: the prediction drains at most one bound.
+        assert_eq!(pacing.estimate(Duration::from_secs(10), 64), Some(32));
+        let wait = pacing.time_to_room(16, 16, Duration::from_millis(2));
+        assert!(wait > Duration::ZERO && wait <= Duration::from_micros(200), "{wait:?}");
+        // Unknown rate: wait for the next reading; absurd numbers stay within the cap.
+        pacing.drain_per_sec = 0.0;
+        assert_eq!(pacing.time_to_room(16, 16, Duration::from_millis(2)), Duration::from_millis(2));
+        pacing.drain_per_sec = 1e-300;
+        assert_eq!(pacing.time_to_room(u64::MAX, 0, Duration::from_millis(2)), Duration::from_millis(2));
+        assert_eq!(Pacing::default().estimate(Duration::from_secs(1), 64), None);
     }
 }
 

@@ -1,6 +1,8 @@
 //! The trajectory source: the learner's durable pull consumer (and the replay consumer),
 //! with explicit acks, redelivery handling and the backlog reading behind pacing.
 
+use futures::FutureExt;
+
 use super::*;
 
 impl NatsBus {
@@ -96,6 +98,11 @@ pub struct NatsTrajectorySource {
     backlog: Mutex<BacklogReading>,
     /// Acks given up on because the connection their delivery came on was lost.
     abandoned_acks: u64,
+    /// Acknowledgements sent by [`TrajectorySource::ack_later`], confirmed in the background.
+    background_acks: VecDeque<tokio::task::JoinHandle<Settled>>,
+    /// The durable consumer's continuous pull: it asks for the next deliveries while the
+    /// learner computes, so a `recv` after an update usually finds them already here.
+    prefetch: Option<consumer::pull::Stream>,
 }
 
 impl fmt::Debug for NatsTrajectorySource {
@@ -114,6 +121,8 @@ impl NatsTrajectorySource {
             next_token: 0,
             backlog: Mutex::new(BacklogReading::default()),
             abandoned_acks: 0,
+            background_acks: VecDeque::new(),
+            prefetch: None,
         }
     }
 
@@ -130,30 +139,6 @@ impl NatsTrajectorySource {
 
     fn connection(&self) -> u64 {
         *self.shared.connections.borrow()
-    }
-
-    /// Settle deliveries from a lost connection with one plain (unconfirmed) ack or term and
-    /// forget them. A broker that still knows a delivery applies it; one that restarted without
-    /// it redelivers the segment later, which the learner's duplicate filter skips (issue 11:
-    /// waiting for confirmations the server never sends stalled training for the whole retry
-    /// deadline, ~30 s, after every broker restart).
-    async fn abandon(&mut self, operation: &'static str, stale: Vec<(u64, Held)>, kind: AckKind) {
-        if stale.is_empty() {
-            return;
-        }
-        let timeout = self.shared.config.request_timeout.min(ABANDON_ACK_DEADLINE);
-        let sent = futures::future::join_all(
-            stale.iter().map(|(_, held)| tokio::time::timeout(timeout, held.message.ack_with(kind))),
-        )
-        .await;
-        let unsent = sent.iter().filter(|outcome| !matches!(outcome, Ok(Ok(())))).count();
-        self.abandoned_acks += stale.len() as u64;
-        info!(
-            operation,
-            abandoned = stale.len(),
-            unsent,
-            "deliveries from before a reconnect settled without confirmation; the server may deliver them again"
-        );
     }
 
     /// Tell the server that held deliveries are still being worked on, so they are not
@@ -176,6 +161,13 @@ impl NatsTrajectorySource {
         tokens: &[DeliveryToken],
         kind: AckKind,
     ) -> Result<(), TransportError> {
+        let settling = self.take_held(operation, tokens);
+        let outcome = settle_detached(self.shared.clone(), operation, settling, kind).await;
+        self.absorb(outcome)
+    }
+
+    /// Remove `tokens` from the held deliveries (unknown tokens are logged and skipped).
+    fn take_held(&mut self, operation: &'static str, tokens: &[DeliveryToken]) -> Vec<(u64, Held)> {
         let mut settling: Vec<(u64, Held)> = Vec::with_capacity(tokens.len());
         for token in tokens {
             match self.held.remove(&token.0) {
@@ -183,50 +175,30 @@ impl NatsTrajectorySource {
                 None => debug!(operation, token = token.0, "token not held (already settled or replayed); ignored"),
             }
         }
-        let timeout = self.shared.config.request_timeout;
-        let started = Instant::now();
-        let mut backoff = Backoff::new();
-        loop {
-            let connection = self.connection();
-            let (current, stale): (Vec<_>, Vec<_>) =
-                settling.into_iter().partition(|(_, held)| held.connection >= connection);
-            self.abandon(operation, stale, kind).await;
-            settling = current;
-            if settling.is_empty() {
-                return Ok(());
-            }
-            let outcomes = futures::future::join_all(
-                settling.iter().map(|(_, held)| tokio::time::timeout(timeout, held.message.double_ack_with(kind))),
-            )
-            .await;
-            let mut problem = None;
-            let mut still = Vec::new();
-            for ((token, held), outcome) in settling.into_iter().zip(outcomes) {
-                match outcome {
-                    Ok(Ok(())) => {}
-                    Ok(Err(err)) => {
-                        problem = Some(err.to_string());
-                        still.push((token, held));
-                    }
-                    Err(_) => {
-                        problem = Some(format!("no confirmation within {timeout:?}"));
-                        still.push((token, held));
+        settling
+    }
+
+    /// Take in what a [`settle_detached`] did: count the abandoned, keep the unsettled.
+    fn absorb(&mut self, outcome: Settled) -> Result<(), TransportError> {
+        self.abandoned_acks += outcome.abandoned;
+        // Keep the unsettled, so a later call may settle them; the server redelivers them otherwise.
+        self.held.extend(outcome.unsettled);
+        outcome.result
+    }
+
+    /// Collect the acks sent in the background that have finished ([`TrajectorySource::ack_later`]).
+    fn reap_background_acks(&mut self) {
+        while self.background_acks.front().is_some_and(|task| task.is_finished()) {
+            let Some(task) = self.background_acks.pop_front() else { break };
+            match task.now_or_never() {
+                Some(Ok(outcome)) => {
+                    if let Err(err) = self.absorb(outcome) {
+                        warn!(%err, "acknowledging segments failed; they may be redelivered");
                     }
                 }
+                Some(Err(err)) => warn!(%err, "an acknowledgement task failed; its segments may be redelivered"),
+                None => {}
             }
-            settling = still;
-            let Some(problem) = problem else {
-                return Ok(());
-            };
-            if started.elapsed() >= self.shared.config.retry_deadline {
-                let unsettled = settling.len();
-                // Keep them, so a later call may settle them; the server redelivers them otherwise.
-                self.held.extend(settling);
-                warn!(operation, unsettled, error = %problem, "giving up; these deliveries may be delivered again");
-                return Err(TransportError::Timeout { operation, after: self.shared.config.retry_deadline });
-            }
-            debug!(operation, unsettled = settling.len(), error = %problem, "retrying");
-            tokio::time::sleep(backoff.next()).await;
         }
     }
 
@@ -277,6 +249,146 @@ pub(super) async fn fetch_into(
     }
 }
 
+/// What settling some deliveries came to.
+struct Settled {
+    result: Result<(), TransportError>,
+    /// Deliveries from a lost connection settled without confirmation.
+    abandoned: u64,
+    /// Deliveries not settled before the retry deadline.
+    unsettled: Vec<(u64, Held)>,
+}
+
+/// Settle deliveries with double acks (or terms), retrying with backoff for
+/// [`NatsConfig::retry_deadline`]. Deliveries from a lost connection get one plain
+/// (unconfirmed) ack or term instead: a broker that still knows a delivery applies it; one that
+/// restarted without it redelivers the segment later, which the learner's duplicate filter
+/// skips (issue 11: waiting for confirmations the server never sends stalled training for the
+/// whole retry deadline, ~30 s, after every broker restart). Owns what it needs, so it can run
+/// as a task of its own.
+async fn settle_detached(
+    shared: Arc<Shared>,
+    operation: &'static str,
+    mut settling: Vec<(u64, Held)>,
+    kind: AckKind,
+) -> Settled {
+    let timeout = shared.config.request_timeout;
+    let started = Instant::now();
+    let mut backoff = Backoff::new();
+    let mut abandoned = 0;
+    loop {
+        let connection = *shared.connections.borrow();
+        let (current, stale): (Vec<_>, Vec<_>) =
+            settling.into_iter().partition(|(_, held)| held.connection >= connection);
+        if !stale.is_empty() {
+            let deadline = timeout.min(ABANDON_ACK_DEADLINE);
+            let sent = futures::future::join_all(
+                stale.iter().map(|(_, held)| tokio::time::timeout(deadline, held.message.ack_with(kind))),
+            )
+            .await;
+            let unsent = sent.iter().filter(|outcome| !matches!(outcome, Ok(Ok(())))).count();
+            abandoned += stale.len() as u64;
+            info!(
+                operation,
+                abandoned = stale.len(),
+                unsent,
+                "deliveries from before a reconnect settled without confirmation; the server may deliver them again"
+            );
+        }
+        settling = current;
+        if settling.is_empty() {
+            return Settled { result: Ok(()), abandoned, unsettled: Vec::new() };
+        }
+        let outcomes = futures::future::join_all(
+            settling.iter().map(|(_, held)| tokio::time::timeout(timeout, held.message.double_ack_with(kind))),
+        )
+        .await;
+        let mut problem = None;
+        let mut still = Vec::new();
+        for ((token, held), outcome) in settling.into_iter().zip(outcomes) {
+            match outcome {
+                Ok(Ok(())) => {}
+                Ok(Err(err)) => {
+                    problem = Some(err.to_string());
+                    still.push((token, held));
+                }
+                Err(_) => {
+                    problem = Some(format!("no confirmation within {timeout:?}"));
+                    still.push((token, held));
+                }
+            }
+        }
+        settling = still;
+        let Some(problem) = problem else {
+            return Settled { result: Ok(()), abandoned, unsettled: Vec::new() };
+        };
+        if started.elapsed() >= shared.config.retry_deadline {
+            let unsettled = settling.len();
+            warn!(operation, unsettled, error = %problem, "giving up; these deliveries may be delivered again");
+            let result = Err(TransportError::Timeout { operation, after: shared.config.retry_deadline });
+            return Settled { result, abandoned, unsettled: settling };
+        }
+        debug!(operation, unsettled = settling.len(), error = %problem, "retrying");
+        tokio::time::sleep(backoff.next()).await;
+    }
+}
+
+/// Take up to `max` deliveries from the consumer's continuous pull (opened on first use with
+/// room for two calls' worth), waiting at most `wait` for the first. An error closes the pull;
+/// the next call opens a new one (deliveries it had buffered are redelivered after `ack_wait`).
+async fn pull_into(
+    prefetch: &mut Option<consumer::pull::Stream>,
+    consumer: &consumer::PullConsumer,
+    max: usize,
+    wait: Duration,
+    request_timeout: Duration,
+    out: &mut Vec<jetstream::Message>,
+) -> Result<(), TransportError> {
+    const OPERATION: &str = "fetch segments";
+    let stream = match prefetch {
+        Some(stream) => stream,
+        None => {
+            let batch = max.saturating_mul(2).clamp(PREFETCH_MIN, PREFETCH_MAX);
+            let opened = call(OPERATION, request_timeout, consumer.stream().max_messages_per_batch(batch).messages());
+            prefetch.insert(opened.await?)
+        }
+    };
+    let first = match tokio::time::timeout(wait, stream.next()).await {
+        Err(_) => return Ok(()),
+        Ok(first) => first,
+    };
+    match first {
+        Some(Ok(message)) => out.push(message),
+        Some(Err(err)) => {
+            *prefetch = None;
+            return Err(failed(OPERATION, err));
+        }
+        None => {
+            *prefetch = None;
+            return Err(failed(OPERATION, "the consumer's pull ended"));
+        }
+    }
+    while out.len() < max {
+        match stream.next().now_or_never() {
+            Some(Some(Ok(message))) => out.push(message),
+            Some(Some(Err(err))) => {
+                debug!(operation = OPERATION, error = %err, "pull interrupted; reopening it next time");
+                *prefetch = None;
+                break;
+            }
+            Some(None) => {
+                *prefetch = None;
+                break;
+            }
+            None => break,
+        }
+    }
+    Ok(())
+}
+
+/// Bounds on the learner's continuous pull: segments asked for per pull request.
+const PREFETCH_MIN: usize = 8;
+const PREFETCH_MAX: usize = 256;
+
 impl TrajectorySource for NatsTrajectorySource {
     fn recv(&mut self, max: usize, timeout: Duration, out: &mut Vec<Delivery>) -> Result<usize, TransportError> {
         if let SourceMode::Replay { finished: true, .. } = self.mode {
@@ -288,11 +400,22 @@ impl TrajectorySource for NatsTrajectorySource {
         let shared = self.shared.clone();
         let connection = self.connection();
         let mut messages = Vec::with_capacity(max);
+        self.reap_background_acks();
+        let durable = matches!(self.mode, SourceMode::Durable);
+        let request_timeout = shared.config.request_timeout;
         shared.block_on(async {
-            if matches!(self.mode, SourceMode::Durable) {
+            if durable {
                 self.keep_held_alive().await;
+                pull_into(&mut self.prefetch, &self.consumer, max, timeout, request_timeout, &mut messages).await?;
+                // The continuous pull waits through an outage quietly; say so, as a fetch would.
+                let state = shared.client.connection_state();
+                if messages.is_empty() && state != async_nats::connection::State::Connected {
+                    return Err(failed("fetch segments", format!("not connected to the server ({state})")));
+                }
+                Ok(())
+            } else {
+                fetch_into(&self.consumer, max, timeout, request_timeout, &mut messages).await
             }
-            fetch_into(&self.consumer, max, timeout, shared.config.request_timeout, &mut messages).await
         })?;
         let mut n = 0;
         let mut last_pending = 0;
@@ -349,7 +472,35 @@ impl TrajectorySource for NatsTrajectorySource {
             return Ok(());
         }
         let shared = self.shared.clone();
+        // Acks sent earlier in the background are confirmed (or given up on) first.
+        let background = std::mem::take(&mut self.background_acks);
+        let earlier = shared.block_on(futures::future::join_all(background));
+        for outcome in earlier {
+            match outcome {
+                Ok(outcome) => {
+                    if let Err(err) = self.absorb(outcome) {
+                        warn!(%err, "acknowledging segments failed; they may be redelivered");
+                    }
+                }
+                Err(err) => warn!(%err, "an acknowledgement task failed; its segments may be redelivered"),
+            }
+        }
         shared.block_on(self.settle("ack", tokens, AckKind::Ack))
+    }
+
+    /// Sends the double acks at once and confirms them on a task of their own (with the same
+    /// retries as [`ack`](TrajectorySource::ack)); the next `recv` collects the outcome, and a
+    /// delivery whose ack was not confirmed goes back to the held ones.
+    fn ack_later(&mut self, tokens: &[DeliveryToken]) -> Result<(), TransportError> {
+        if let SourceMode::Replay { .. } = self.mode {
+            return Ok(());
+        }
+        let settling = self.take_held("ack", tokens);
+        if !settling.is_empty() {
+            let task = settle_detached(self.shared.clone(), "ack", settling, AckKind::Ack);
+            self.background_acks.push_back(self.shared.handle.spawn(task));
+        }
+        Ok(())
     }
 
     fn reject(&mut self, token: DeliveryToken) -> Result<(), TransportError> {

@@ -1,6 +1,8 @@
 //! Weights: the publisher (object store + KV pointer) and the follower (KV watch, verified
 //! fetches, backoff on unverifiable pointers).
 
+use base64::Engine as _;
+
 use super::*;
 
 impl NatsBus {
@@ -44,7 +46,12 @@ impl NatsBus {
             backing,
             published_before: pointer.map(|p| p.version),
             last_version: None,
-            kept: kept.into(),
+            parent: None,
+            anchor: 0,
+            deltas: Vec::new(),
+            // An earlier learner's objects: one old chain, deleted once enough new ones exist.
+            kept: if kept.is_empty() { VecDeque::new() } else { VecDeque::from([kept]) },
+            last_frame_bytes: 0,
             shared,
         })
     }
@@ -79,26 +86,82 @@ impl NatsBus {
     }
 }
 
-/// The KV value under `weights`: where the newest weights are and what to expect of them.
+/// The KV value under `weights`: what the newest version is and how to rebuild it.
+///
 /// JSON, so operators can read it; hashes as hex strings so no JSON reader rounds them.
+/// Versions form chains: an *anchor* (a full frame, object `v<version>`) and then deltas
+/// (object `d<version>`, each against the version before it in the chain). `deltas` lists the
+/// chain's delta versions after `anchor`, ascending, the last being `version`; empty when
+/// `version` is itself an anchor. A follower holding a version of the chain fetches only the
+/// deltas after it; any other follower fetches the anchor and the whole chain. Small weights
+/// travel `inline` instead: the full frame, base64, and no object at all.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 struct WeightsPointer {
     version: u64,
-    object: String,
-    checksum: String,
+    /// The version the newest delta applies to (`None` for an anchor).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    parent: Option<u64>,
+    anchor: u64,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    deltas: Vec<u64>,
+    /// [`wire::checksum`] of the parameters of `version` (XXH3-64), hex.
+    digest: String,
     layout_hash: String,
+    /// Bytes of this version's frame.
     size_bytes: u64,
+    /// The full frame of `version`, base64 (small weights only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    inline: Option<String>,
 }
 
+/// Longest delta chain a pointer may list (a pointer listing more is refused): far above any
+/// sensible anchor interval, and it bounds the fetches one pointer can cause.
+const MAX_CHAIN: usize = 1024;
+
 impl WeightsPointer {
-    fn new(weights: &Weights, object: String, size_bytes: usize) -> Self {
-        WeightsPointer {
-            version: weights.version.0,
-            object,
-            checksum: format!("{:016x}", weights.checksum),
-            layout_hash: format!("{:016x}", weights.layout_hash),
-            size_bytes: size_bytes as u64,
+    /// Check the chain arithmetic: `deltas` strictly ascending above `anchor`, ending at
+    /// `version`, `parent` the entry before the last; an anchor has neither. Comparisons only,
+    /// no arithmetic, so a forged `u64::MAX` cannot overflow anything.
+    fn check_chain(&self) -> Result<(), String> {
+        if self.deltas.len() > MAX_CHAIN {
+            return Err(format!("lists {} deltas, more than {MAX_CHAIN}", self.deltas.len()));
         }
+        let Some(&last) = self.deltas.last() else {
+            return match (self.anchor == self.version, self.parent) {
+                (true, None) => Ok(()),
+                _ => Err(format!("anchor {} without deltas but version {}", self.anchor, self.version)),
+            };
+        };
+        if self.inline.is_some() {
+            return Err("a delta version carries an inline frame".into());
+        }
+        if last != self.version {
+            return Err(format!("the chain ends at {last}, not at version {}", self.version));
+        }
+        let mut previous = self.anchor;
+        for &delta in &self.deltas {
+            if delta <= previous {
+                return Err(format!("the chain is not ascending ({previous} then {delta})"));
+            }
+            if delta == self.version && self.parent != Some(previous) {
+                return Err(format!("parent {:?} is not the chain's {previous}", self.parent));
+            }
+            previous = delta;
+        }
+        Ok(())
+    }
+
+    /// The objects to read, in order, to rebuild `version` starting from `have` (a verified
+    /// version of this chain), or from the anchor when `have` is not in the chain.
+    fn plan(&self, have: Option<PolicyVersion>) -> (bool, Vec<String>) {
+        let from = have.map(|have| have.0).filter(|&have| have == self.anchor || self.deltas.contains(&have));
+        let mut objects = Vec::with_capacity(self.deltas.len() + 1);
+        if from.is_none() {
+            objects.push(subjects::weights_object(self.anchor));
+        }
+        let after = from.unwrap_or(self.anchor);
+        objects.extend(self.deltas.iter().filter(|&&v| v > after).map(|&v| subjects::weights_delta_object(v)));
+        (from.is_some(), objects)
     }
 }
 
@@ -106,11 +169,26 @@ async fn read_pointer(kv: &kv::Store, timeout: Duration) -> Result<Option<Weight
     let Some(bytes) = call("read weights pointer", timeout, kv.get(subjects::WEIGHTS_KEY)).await? else {
         return Ok(None);
     };
-    serde_json::from_slice(&bytes).map(Some).map_err(|err| failed("decode weights pointer", err))
+    match serde_json::from_slice(&bytes) {
+        Ok(pointer) => Ok(Some(pointer)),
+        Err(err) => {
+            // An older build's pointer, or garbage: the learner starts as on a fresh run (its
+            // versions still only go up; followers judge every pointer).
+            warn!(operation = "read weights pointer", error = %err, "unreadable weights pointer ignored");
+            Ok(None)
+        }
+    }
 }
 
-/// Names of the weights objects in the store (ours only: `v` + 20 digits): the live ones, and
-/// the deleted ones whose delete marker is still stored.
+/// Whether `name` is one of our weights objects: `v` (anchor) or `d` (delta) and 20 digits.
+fn is_weights_object(name: &str) -> bool {
+    name.len() == 21
+        && (name.starts_with('v') || name.starts_with('d'))
+        && name[1..].bytes().all(|b| b.is_ascii_digit())
+}
+
+/// Names of the weights objects in the store (ours only, see [`is_weights_object`]): the live
+/// ones, and the deleted ones whose delete marker is still stored.
 async fn list_weight_objects(
     objects: &object_store::ObjectStore,
     timeout: Duration,
@@ -120,10 +198,7 @@ async fn list_weight_objects(
         let (mut live, mut deleted) = (Vec::new(), Vec::new());
         while let Some(info) = list.next().await {
             let info = info.map_err(|err| failed("list weights objects", err))?;
-            let ours = info.name.len() == 21
-                && info.name.starts_with('v')
-                && info.name[1..].bytes().all(|b| b.is_ascii_digit());
-            match (ours, info.deleted) {
+            match (is_weights_object(&info.name), info.deleted) {
                 (true, false) => live.push(info.name),
                 (true, true) => deleted.push(info.name),
                 (false, _) => {}
@@ -145,14 +220,25 @@ async fn purge_weights_marker(backing: &stream::Stream<()>, bucket: &str, object
     }
 }
 
-/// Learner side: publishes each version as an object, then points KV key `weights` at it.
+/// Learner side: publishes each version as a frame and points KV key `weights` at it.
 ///
-/// Versions must increase (a version not newer than this publisher's last is refused, like the
-/// in-process publisher). A publish retries through a broker outage for
-/// [`NatsConfig::retry_deadline`]. Objects beyond the newest
-/// [`NatsConfig::keep_weight_versions`] are deleted. If the run already had a newer version
-/// (a learner restarted from an older checkpoint), followers ignore the new versions until
-/// they pass it; this is logged.
+/// - Weights whose full frame fits [`NatsConfig::weights_inline_max_bytes`] go inline in the
+///   pointer: one KV put per version, one message to each follower.
+/// - Larger weights go to the object store: a full frame (anchor, `v<version>`) every
+///   [`NatsConfig::weights_anchor_every`] versions, lossless deltas (`d<version>`) against the
+///   previous version in between, so a follower that is one version behind downloads only the
+///   delta. A version whose checksum does not match its parameters (a corrupted buffer) is
+///   published as an anchor and never used as a delta's parent, so it cannot poison a chain.
+/// - Versions must increase (a version not newer than this publisher's last is refused, like
+///   the in-process publisher). A publish retries through a broker outage for
+///   [`NatsConfig::retry_deadline`].
+/// - Chains beyond the newest [`NatsConfig::keep_weight_versions`] (each an anchor and its
+///   deltas) are deleted, with their delete markers.
+/// - If the run already had a newer version (a learner restarted from an older checkpoint),
+///   followers ignore the new versions until they pass it; this is logged.
+///
+/// `publish` returns once the version is stored and pointed to; the learner wraps it in a
+/// [`crate::BackgroundPublisher`] so that it does not wait.
 pub struct NatsWeightsPublisher {
     shared: Arc<Shared>,
     kv: kv::Store,
@@ -162,15 +248,24 @@ pub struct NatsWeightsPublisher {
     /// Newest version in KV when this publisher started.
     published_before: Option<u64>,
     last_version: Option<u64>,
-    /// Our objects, oldest first.
-    kept: VecDeque<String>,
+    /// The last version published, when it may be a delta's parent.
+    parent: Option<Arc<Weights>>,
+    /// The current chain: its anchor and deltas.
+    anchor: u64,
+    deltas: Vec<u64>,
+    /// Stored objects by chain, oldest chain first (the current chain last).
+    kept: VecDeque<Vec<String>>,
+    /// Bytes of the last frame published.
+    last_frame_bytes: usize,
 }
 
 impl fmt::Debug for NatsWeightsPublisher {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("NatsWeightsPublisher")
             .field("last_version", &self.last_version)
-            .field("kept", &self.kept)
+            .field("anchor", &self.anchor)
+            .field("deltas", &self.deltas.len())
+            .field("kept_chains", &self.kept.len())
             .finish()
     }
 }
@@ -180,6 +275,39 @@ impl NatsWeightsPublisher {
     /// pointer, no waiting): a restarted learner continues above it.
     pub fn published_before(&self) -> Option<PolicyVersion> {
         self.published_before.map(PolicyVersion)
+    }
+
+    /// Bytes of the frame of the last version published (full or delta; inline or object).
+    pub fn last_frame_bytes(&self) -> usize {
+        self.last_frame_bytes
+    }
+
+    fn store_object(&self, name: &str, frame: &[u8]) -> Result<(), TransportError> {
+        let config = &self.shared.config;
+        let transfer = config.transfer_deadline(frame.len());
+        let objects = &self.objects;
+        self.shared.block_on(retry_for("put weights object", config.retry_deadline, || {
+            let mut reader = frame;
+            async move { call("put weights object", transfer, objects.put(name, &mut reader)).await.map(|_| ()) }
+        }))
+    }
+
+    /// Delete the objects of chains beyond the newest `keep_weight_versions` (best effort: a
+    /// failed delete leaves an object behind, nothing worse).
+    fn purge_old_chains(&mut self) {
+        let config = &self.shared.config;
+        let keep = config.keep_weight_versions.max(1);
+        let bucket = subjects::weights_bucket(&config.run);
+        while self.kept.len() > keep {
+            let Some(chain) = self.kept.pop_front() else { break };
+            self.shared.block_on(async {
+                for old in &chain {
+                    if call("delete old weights", config.request_timeout, self.objects.delete(old)).await.is_ok() {
+                        purge_weights_marker(&self.backing, &bucket, old, config.request_timeout).await;
+                    }
+                }
+            });
+        }
     }
 }
 
@@ -202,42 +330,58 @@ impl WeightsPublisher for NatsWeightsPublisher {
         }
         let shared = self.shared.clone();
         let config = &shared.config;
-        let bytes = wire::encode_weights(&weights);
-        let object = subjects::weights_object(version);
-        let pointer = WeightsPointer::new(&weights, object.clone(), bytes.len());
+        let sound = wire::checksum(&weights.params) == weights.checksum;
+        let full_bytes = wire::HEADER_BYTES + wire::frame::FRAME_HEADER_BYTES + 4 * weights.params.len();
+        let inline = full_bytes <= config.weights_inline_max_bytes;
+        let delta_parent = self
+            .parent
+            .as_ref()
+            .filter(|parent| !inline && parent.params.len() == weights.params.len())
+            .filter(|_| (self.deltas.len() as u64).saturating_add(1) < config.weights_anchor_every.max(1));
+        let (frame, parent) = match delta_parent {
+            Some(parent) => (wire::frame::encode_delta_frame(parent, &weights), Some(parent.version.0)),
+            None => (wire::frame::encode_full_frame(&weights), None),
+        };
+        if inline {
+            self.kept.push_back(Vec::new());
+        } else {
+            let object = match parent {
+                Some(_) => subjects::weights_delta_object(version),
+                None => subjects::weights_object(version),
+            };
+            self.store_object(&object, &frame)?;
+            match (parent, self.kept.back_mut()) {
+                (Some(_), Some(chain)) => chain.push(object),
+                _ => self.kept.push_back(vec![object]),
+            }
+        }
+        let (anchor, deltas) = match parent {
+            Some(_) => (self.anchor, self.deltas.iter().copied().chain([version]).collect()),
+            None => (version, Vec::new()),
+        };
+        let pointer = WeightsPointer {
+            version,
+            parent,
+            anchor,
+            deltas,
+            digest: format!("{:016x}", weights.checksum),
+            layout_hash: format!("{:016x}", weights.layout_hash),
+            size_bytes: frame.len() as u64,
+            inline: inline.then(|| base64::engine::general_purpose::STANDARD.encode(&frame)),
+        };
         let pointer_json =
             Bytes::from(serde_json::to_vec(&pointer).map_err(|err| failed("encode weights pointer", err))?);
-        let transfer = config.transfer_deadline(bytes.len());
-        let (objects, kv) = (&self.objects, &self.kv);
-        shared.block_on(async {
-            retry_for("put weights object", config.retry_deadline, || {
-                let mut reader = bytes.as_slice();
-                let object = object.as_str();
-                async move { call("put weights object", transfer, objects.put(object, &mut reader)).await.map(|_| ()) }
-            })
-            .await?;
-            retry_for("put weights pointer", config.retry_deadline, || {
-                call("put weights pointer", config.request_timeout, kv.put(subjects::WEIGHTS_KEY, pointer_json.clone()))
-            })
-            .await?;
-            Ok::<_, TransportError>(())
-        })?;
-        debug!(version, size_bytes = bytes.len(), "weights published");
+        let kv = &self.kv;
+        shared.block_on(retry_for("put weights pointer", config.retry_deadline, || {
+            call("put weights pointer", config.request_timeout, kv.put(subjects::WEIGHTS_KEY, pointer_json.clone()))
+        }))?;
+        debug!(version, parent, size_bytes = frame.len(), inline, "weights published");
         self.last_version = Some(version);
-        if self.kept.back() != Some(&object) {
-            self.kept.push_back(object);
-        }
-        let keep = config.keep_weight_versions.max(1);
-        while self.kept.len() > keep {
-            let Some(old) = self.kept.pop_front() else { break };
-            // Best effort: a failed delete leaves an object behind, nothing worse.
-            let bucket = subjects::weights_bucket(&config.run);
-            shared.block_on(async {
-                if call("delete old weights", config.request_timeout, self.objects.delete(&old)).await.is_ok() {
-                    purge_weights_marker(&self.backing, &bucket, &old, config.request_timeout).await;
-                }
-            });
-        }
+        self.last_frame_bytes = frame.len();
+        self.anchor = pointer.anchor;
+        self.deltas = pointer.deltas;
+        self.parent = sound.then_some(weights);
+        self.purge_old_chains();
         Ok(())
     }
 }
@@ -427,84 +571,94 @@ impl NatsWeightsFollower {
     /// Refuse `pointer` for its content (see the type's docs).
     #[cold]
     fn refuse(&mut self, pointer: &WeightsPointer, reason: String) -> TransportError {
-        warn!(version = pointer.version, object = %pointer.object, %reason, "weights pointer refused");
+        warn!(version = pointer.version, %reason, "weights pointer refused");
         failed("weights fetch", reason)
     }
 
     fn fetch(&mut self, pointer: &WeightsPointer) -> Result<Arc<Weights>, FetchError> {
-        const OPERATION: &str = "weights fetch";
         let expected_layout = format!("{:016x}", self.layout_hash);
+        let refused = |this: &mut Self, reason: String| {
+            FetchError::Refused(this.refuse(pointer, format!("weights v{} refused: {reason}", pointer.version)))
+        };
         if pointer.layout_hash != expected_layout {
-            return Err(FetchError::Refused(self.refuse(
-                pointer,
-                format!(
-                    "weights {} refused: layout hash {} does not match this actor's {expected_layout}",
-                    pointer.object, pointer.layout_hash
-                ),
-            )));
+            let reason = format!("layout hash {} does not match this actor's {expected_layout}", pointer.layout_hash);
+            return Err(refused(self, reason));
         }
         // The pointer's size is a claim: never reserve more than a message may hold.
         if pointer.size_bytes as usize > wire::MAX_MESSAGE_BYTES {
-            return Err(FetchError::Refused(self.refuse(
-                pointer,
-                format!(
-                    "weights {} refused: claimed size {} bytes exceeds the limit",
-                    pointer.object, pointer.size_bytes
-                ),
-            )));
+            return Err(refused(self, format!("claimed size {} bytes exceeds the limit", pointer.size_bytes)));
         }
+        if let Err(reason) = pointer.check_chain() {
+            return Err(refused(self, format!("bad chain: {reason}")));
+        }
+        let (from_have, frames) = match &pointer.inline {
+            Some(inline) => match base64::engine::general_purpose::STANDARD.decode(inline) {
+                Ok(frame) => (false, vec![frame]),
+                Err(err) => return Err(refused(self, format!("inline frame is not base64: {err}"))),
+            },
+            None => {
+                let (from_have, names) = pointer.plan(self.newest.as_ref().map(|w| w.version));
+                (from_have, self.download(pointer, &names).map_err(FetchError::Unavailable)?)
+            }
+        };
+        let mut base = if from_have { self.newest.clone() } else { None };
+        for frame in &frames {
+            match wire::frame::decode_frame(frame, base.as_deref(), self.layout_hash, self.n_params) {
+                Ok(weights) => base = Some(Arc::new(weights)),
+                Err(err) => return Err(refused(self, format!("frame ({}): {err}", err.reason()))),
+            }
+        }
+        let Some(weights) = base.filter(|_| !frames.is_empty()) else {
+            return Err(refused(self, "no frame to rebuild it from".into()));
+        };
+        let digest = format!("{:016x}", weights.checksum);
+        if weights.version.0 != pointer.version || digest != pointer.digest {
+            return Err(refused(
+                self,
+                format!(
+                    "rebuilt {} with digest {digest}, pointer says v{} with digest {}",
+                    weights.version, pointer.version, pointer.digest
+                ),
+            ));
+        }
+        self.newest = Some(weights.clone());
+        Ok(weights)
+    }
+
+    /// Read `names` from the object store, all at once, each bounded by the largest frame of
+    /// this layout (a full frame), under one deadline.
+    fn download(&mut self, pointer: &WeightsPointer, names: &[String]) -> Result<Vec<Vec<u8>>, TransportError> {
+        const OPERATION: &str = "weights fetch";
         let shared = self.shared.clone();
         let config = &shared.config;
         let bucket = subjects::weights_bucket(&config.run);
-        let deadline = config.transfer_deadline(pointer.size_bytes as usize);
+        let frame_limit = wire::HEADER_BYTES + wire::frame::FRAME_HEADER_BYTES + 4 * self.n_params;
+        let deadline = config.transfer_deadline(frame_limit.saturating_mul(names.len()));
         let objects = &mut self.objects;
-        let bytes = shared.block_on(async {
+        let downloaded = shared.block_on(async {
             if objects.is_none() {
                 *objects = open_objects(&shared.js, &bucket, config.request_timeout).await?;
             }
             let Some(store) = objects.as_ref() else {
                 return Err(failed(OPERATION, format!("object store {bucket} does not exist")));
             };
-            // At most one byte past the limit is read: an oversized object is refused below.
-            let read = consumers::read_object(
-                &shared.js,
-                &shared.client,
-                store,
-                &bucket,
-                &pointer.object,
-                wire::MAX_MESSAGE_BYTES,
-            );
-            call(OPERATION, deadline, read)
-                .await?
-                .ok_or_else(|| failed(OPERATION, format!("weights object {} does not exist", pointer.object)))
+            call(OPERATION, deadline, async {
+                let (js, client, bucket) = (&shared.js, &shared.client, bucket.as_str());
+                let reads = names.iter().map(|name| async move {
+                    // At most one byte past the limit is read: an oversized object is refused when decoded.
+                    match consumers::read_object(js, client, store, bucket, name, frame_limit).await {
+                        Ok(Some(bytes)) => Ok(bytes),
+                        Ok(None) => Err(format!("weights object {name} does not exist")),
+                        Err(err) => Err(format!("{name}: {err}")),
+                    }
+                });
+                futures::future::try_join_all(reads).await
+            })
+            .await
         });
-        let bytes = match bytes {
-            Ok(bytes) => bytes,
-            Err(err) => {
-                warn!(version = pointer.version, object = %pointer.object, %err, "weights object not fetchable; retrying with backoff");
-                return Err(FetchError::Unavailable(err));
-            }
-        };
-        let weights = match wire::decode_weights(&bytes, self.layout_hash, self.n_params) {
-            Ok(weights) => weights,
-            Err(err) => {
-                let reason = format!("weights {} refused ({}): {err}", pointer.object, err.reason());
-                return Err(FetchError::Refused(self.refuse(pointer, reason)));
-            }
-        };
-        let checksum = format!("{:016x}", weights.checksum);
-        if weights.version.0 != pointer.version || checksum != pointer.checksum {
-            return Err(FetchError::Refused(self.refuse(
-                pointer,
-                format!(
-                    "weights {} refused: object holds {} with checksum {checksum}, pointer says v{} with checksum {}",
-                    pointer.object, weights.version, pointer.version, pointer.checksum
-                ),
-            )));
-        }
-        let weights = Arc::new(weights);
-        self.newest = Some(weights.clone());
-        Ok(weights)
+        downloaded.inspect_err(|err| {
+            warn!(version = pointer.version, %err, "weights objects not fetchable; retrying with backoff");
+        })
     }
 }
 
@@ -595,16 +749,22 @@ enum FetchError {
 mod tests {
     use super::*;
 
+    fn pointer(version: u64) -> WeightsPointer {
+        WeightsPointer {
+            version,
+            parent: None,
+            anchor: version,
+            deltas: Vec::new(),
+            digest: "0".into(),
+            layout_hash: "0".into(),
+            size_bytes: 0,
+            inline: None,
+        }
+    }
+
     #[test]
     fn pointer_slot_keeps_the_last_write_whatever_its_version() {
         let slot = PointerSlot::default();
-        let pointer = |version| WeightsPointer {
-            version,
-            object: subjects::weights_object(version),
-            checksum: "0".into(),
-            layout_hash: "0".into(),
-            size_bytes: 0,
-        };
         slot.offer(pointer(3));
         // Issue 12: a forged pointer with a huge version must not hide later real ones.
         slot.offer(pointer(u64::MAX));
@@ -618,11 +778,54 @@ mod tests {
 
     #[test]
     fn weights_pointer_is_readable_json() {
-        let weights = Weights::new(PolicyVersion(7), 0xdead_beef, vec![1.0, 2.0]);
-        let pointer = WeightsPointer::new(&weights, subjects::weights_object(7), 123);
+        let pointer = WeightsPointer { parent: Some(5), anchor: 3, deltas: vec![5, 7], ..pointer(7) };
         let json = serde_json::to_string(&pointer).expect("serializable");
         assert!(json.contains("\"version\":7"), "{json}");
-        assert!(json.contains("\"layout_hash\":\"00000000deadbeef\""), "{json}");
+        assert!(json.contains("\"deltas\":[5,7]"), "{json}");
+        assert!(!json.contains("inline"), "{json}");
         assert_eq!(serde_json::from_str::<WeightsPointer>(&json).expect("roundtrip"), pointer);
+    }
+
+    #[test]
+    fn chain_arithmetic_is_checked() {
+        let delta = |anchor, deltas: Vec<u64>, parent| WeightsPointer {
+            version: deltas.last().copied().unwrap_or(anchor),
+            parent,
+            anchor,
+            deltas,
+            ..pointer(0)
+        };
+        assert!(pointer(9).check_chain().is_ok());
+        assert!(delta(3, vec![5, 7], Some(5)).check_chain().is_ok());
+        assert!(delta(3, vec![4], Some(3)).check_chain().is_ok());
+        // Not ascending, starting at or below the anchor, wrong parent, wrong end.
+        assert!(delta(3, vec![7, 5], Some(7)).check_chain().is_err());
+        assert!(delta(3, vec![3, 7], Some(3)).check_chain().is_err());
+        assert!(delta(3, vec![5, 7], Some(3)).check_chain().is_err());
+        assert!(delta(3, vec![5, 7], None).check_chain().is_err());
+        assert!(WeightsPointer { version: u64::MAX, ..delta(3, vec![5, 7], Some(5)) }.check_chain().is_err());
+        assert!(WeightsPointer { anchor: 2, ..pointer(9) }.check_chain().is_err());
+        assert!(WeightsPointer { parent: Some(8), ..pointer(9) }.check_chain().is_err());
+        // Forged extremes neither overflow nor pass.
+        assert!(delta(u64::MAX, vec![u64::MAX], Some(u64::MAX)).check_chain().is_err());
+        assert!(delta(0, (1..=MAX_CHAIN as u64 + 1).collect(), Some(MAX_CHAIN as u64)).check_chain().is_err());
+        assert!(WeightsPointer { inline: Some(String::new()), ..delta(3, vec![5], Some(3)) }.check_chain().is_err());
+    }
+
+    #[test]
+    fn plan_fetches_only_the_deltas_after_a_verified_version() {
+        let p = WeightsPointer { parent: Some(5), anchor: 3, deltas: vec![4, 5, 7], ..pointer(7) };
+        let (from_have, names) = p.plan(Some(PolicyVersion(4)));
+        assert!(from_have);
+        assert_eq!(names, vec![subjects::weights_delta_object(5), subjects::weights_delta_object(7)]);
+        // A version outside the chain (missed an anchor, or a late joiner) starts at the anchor.
+        for have in [None, Some(PolicyVersion(6)), Some(PolicyVersion(1))] {
+            let (from_have, names) = p.plan(have);
+            assert!(!from_have);
+            assert_eq!(names.len(), 4);
+            assert_eq!(names[0], subjects::weights_object(3));
+        }
+        assert!(is_weights_object(&subjects::weights_delta_object(7)));
+        assert!(!is_weights_object("x00000000000000000007"));
     }
 }

@@ -1,0 +1,320 @@
+//! Weights frames: one policy version as a full parameter buffer (an *anchor*) or as a
+//! lossless delta against an earlier version (its *parent*), with the digest of the
+//! parameters the frame produces.
+//!
+//! A frame is an ordinary message: the [`super::Envelope`] (kind [`MessageKind::WeightsFull`]
+//! or [`MessageKind::WeightsDelta`], body checksum) and then a fixed little-endian body:
+//!
+//! | bytes | field |
+//! | --- | --- |
+//! | 8 | version |
+//! | 8 | parent version (`u64::MAX` in a full frame) |
+//! | 8 | layout hash |
+//! | 8 | digest of the resulting parameters ([`super::checksum`]) |
+//! | 8 | number of parameters `n` |
+//! | … | full: `4n` bytes, the parameters little-endian; delta: four byte planes |
+//!
+//! A delta holds `bits(new) XOR bits(parent)` per parameter, split into its four little-endian
+//! byte planes. An optimiser step moves most parameters by a small relative amount, so the
+//! high planes (sign, exponent, top of the mantissa) are mostly zero; each plane is stored
+//! dense (`0`, then `n` bytes) or sparse (`1`, then a bitmap of its non-zero bytes, `⌈n/8⌉`
+//! bytes, then those bytes), whichever is smaller. XOR is exact, so the follower reconstructs
+//! the learner's parameters bit for bit, and the digest proves it.
+
+use super::{body_checksum, checksum, DecodeError, MessageKind, Weights, FORMAT_VERSION, HEADER_BYTES, MAGIC};
+use crate::ids::PolicyVersion;
+
+/// Bytes of the frame header after the envelope: version, parent, layout hash, digest, n.
+pub const FRAME_HEADER_BYTES: usize = 40;
+
+const NO_PARENT: u64 = u64::MAX;
+const PLANE_DENSE: u8 = 0;
+const PLANE_SPARSE: u8 = 1;
+
+/// What a frame says about itself (read before its payload is decoded).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FrameHeader {
+    /// The version the frame produces.
+    pub version: PolicyVersion,
+    /// The version a delta applies to; `None` for a full frame.
+    pub parent: Option<PolicyVersion>,
+    /// Architecture hash of the layout.
+    pub layout_hash: u64,
+    /// [`super::checksum`] of the parameters the frame produces.
+    pub digest: u64,
+    /// Number of parameters.
+    pub n_params: usize,
+}
+
+/// Encode `weights` as a full frame (an anchor).
+pub fn encode_full_frame(weights: &Weights) -> Vec<u8> {
+    let n = weights.params.len();
+    let mut out = frame_start(MessageKind::WeightsFull, weights, None, 4 * n);
+    for p in &weights.params {
+        out.extend_from_slice(&p.to_bits().to_le_bytes());
+    }
+    seal(out)
+}
+
+/// Encode `weights` as a lossless delta against `parent` (same number of parameters).
+///
+/// # Panics
+/// If `parent` has another number of parameters: both come from the same learner.
+pub fn encode_delta_frame(parent: &Weights, weights: &Weights) -> Vec<u8> {
+    let n = weights.params.len();
+    assert_eq!(parent.params.len(), n, "a delta needs two buffers of one layout");
+    let mut out = frame_start(MessageKind::WeightsDelta, weights, Some(parent.version), n + 4);
+    let mut plane = vec![0u8; n];
+    let mut bitmap = vec![0u8; n.div_ceil(8)];
+    for shift in [0u32, 8, 16, 24] {
+        let mut nonzero = 0usize;
+        for ((byte, new), old) in plane.iter_mut().zip(&weights.params).zip(&parent.params) {
+            *byte = ((new.to_bits() ^ old.to_bits()) >> shift) as u8;
+            nonzero += usize::from(*byte != 0);
+        }
+        if bitmap.len() + nonzero < n {
+            bitmap.fill(0);
+            out.push(PLANE_SPARSE);
+            let bitmap_at = out.len();
+            out.extend_from_slice(&bitmap);
+            for (idx, &byte) in plane.iter().enumerate().filter(|(_, byte)| **byte != 0) {
+                out[bitmap_at + idx / 8] |= 1 << (idx % 8);
+                out.push(byte);
+            }
+        } else {
+            out.push(PLANE_DENSE);
+            out.extend_from_slice(&plane);
+        }
+    }
+    seal(out)
+}
+
+fn frame_start(kind: MessageKind, weights: &Weights, parent: Option<PolicyVersion>, payload: usize) -> Vec<u8> {
+    let mut out = Vec::with_capacity(HEADER_BYTES + FRAME_HEADER_BYTES + payload);
+    out.extend_from_slice(&MAGIC);
+    out.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
+    out.push(kind as u8);
+    out.extend_from_slice(&[0; 8]);
+    for field in [
+        weights.version.0,
+        parent.map_or(NO_PARENT, |p| p.0),
+        weights.layout_hash,
+        weights.checksum,
+        weights.params.len() as u64,
+    ] {
+        out.extend_from_slice(&field.to_le_bytes());
+    }
+    out
+}
+
+fn seal(mut out: Vec<u8>) -> Vec<u8> {
+    let checksum = body_checksum(&out[HEADER_BYTES..]);
+    out[7..HEADER_BYTES].copy_from_slice(&checksum.to_le_bytes());
+    out
+}
+
+/// Read a frame's envelope (checksum included) and header; returns the header and payload.
+pub fn decode_frame_header(bytes: &[u8]) -> Result<(FrameHeader, &[u8]), DecodeError> {
+    let kind = match bytes.get(6) {
+        Some(&kind) if kind == MessageKind::WeightsDelta as u8 => MessageKind::WeightsDelta,
+        _ => MessageKind::WeightsFull,
+    };
+    let (_, body) = super::decode_envelope(bytes, kind)?;
+    let Some((header, payload)) = body.split_first_chunk::<FRAME_HEADER_BYTES>() else {
+        return Err(DecodeError::Truncated(format!(
+            "weights frame body of {} bytes, its header needs {FRAME_HEADER_BYTES}",
+            body.len()
+        )));
+    };
+    let field = |idx: usize| u64::from_le_bytes(header[8 * idx..8 * idx + 8].try_into().expect("8 bytes"));
+    let parent = match (kind, field(1)) {
+        (MessageKind::WeightsFull, NO_PARENT) => None,
+        (MessageKind::WeightsDelta, parent) if parent != NO_PARENT => Some(PolicyVersion(parent)),
+        (_, parent) => return Err(DecodeError::Malformed(format!("{kind:?} frame with parent field {parent:#x}"))),
+    };
+    let n_params = usize::try_from(field(4))
+        .map_err(|_| DecodeError::Malformed(format!("parameter count {} does not fit", field(4))))?;
+    let header =
+        FrameHeader { version: PolicyVersion(field(0)), parent, layout_hash: field(2), digest: field(3), n_params };
+    Ok((header, payload))
+}
+
+/// Decode a frame into the weights it produces, checking the layout, the parameter count and,
+/// after reconstruction, the digest.
+///
+/// A full frame needs no `base`; a delta needs `base` to be its parent version (a delta
+/// against anything else is refused, [`DecodeError::Mismatch`]). The result's `checksum` is
+/// the digest, verified.
+pub fn decode_frame(
+    bytes: &[u8],
+    base: Option<&Weights>,
+    layout_hash: u64,
+    n_params: usize,
+) -> Result<Weights, DecodeError> {
+    let (header, payload) = decode_frame_header(bytes)?;
+    if header.layout_hash != layout_hash {
+        return Err(DecodeError::Mismatch {
+            what: "layout hash",
+            got: format!("{:016x}", header.layout_hash),
+            expected: format!("{layout_hash:016x}"),
+        });
+    }
+    if header.n_params != n_params {
+        return Err(DecodeError::Shape { field: "params", expected: n_params, got: header.n_params });
+    }
+    let params = match header.parent {
+        None => decode_full_payload(payload, n_params)?,
+        Some(parent) => {
+            let base = base.filter(|base| base.version == parent).ok_or_else(|| DecodeError::Mismatch {
+                what: "delta parent",
+                got: parent.to_string(),
+                expected: base.map_or_else(|| "a full frame".to_string(), |base| base.version.to_string()),
+            })?;
+            if base.params.len() != n_params {
+                return Err(DecodeError::Shape { field: "params", expected: n_params, got: base.params.len() });
+            }
+            apply_delta_payload(payload, &base.params)?
+        }
+    };
+    let got = checksum(&params);
+    if got != header.digest {
+        return Err(DecodeError::Checksum { expected: header.digest, got });
+    }
+    Ok(Weights { version: header.version, layout_hash, checksum: got, params })
+}
+
+fn decode_full_payload(payload: &[u8], n_params: usize) -> Result<Vec<f32>, DecodeError> {
+    if payload.len() != 4 * n_params {
+        return Err(DecodeError::Malformed(format!(
+            "full frame of {n_params} parameters has {} payload bytes, expected {}",
+            payload.len(),
+            4 * n_params
+        )));
+    }
+    Ok(payload.chunks_exact(4).map(|b| f32::from_bits(u32::from_le_bytes(b.try_into().expect("4 bytes")))).collect())
+}
+
+fn apply_delta_payload(mut payload: &[u8], base: &[f32]) -> Result<Vec<f32>, DecodeError> {
+    let n = base.len();
+    let mut bits: Vec<u32> = base.iter().map(|p| p.to_bits()).collect();
+    for shift in [0u32, 8, 16, 24] {
+        let truncated = || DecodeError::Truncated(format!("delta byte plane at bit {shift}"));
+        let (&mode, rest) = payload.split_first().ok_or_else(truncated)?;
+        payload = match mode {
+            PLANE_DENSE => {
+                let (plane, rest) = rest.split_at_checked(n).ok_or_else(truncated)?;
+                for (word, &byte) in bits.iter_mut().zip(plane) {
+                    *word ^= u32::from(byte) << shift;
+                }
+                rest
+            }
+            PLANE_SPARSE => {
+                let (bitmap, mut rest) = rest.split_at_checked(n.div_ceil(8)).ok_or_else(truncated)?;
+                for (idx, word) in bits.iter_mut().enumerate() {
+                    if bitmap[idx / 8] & (1 << (idx % 8)) != 0 {
+                        let (&byte, tail) = rest.split_first().ok_or_else(truncated)?;
+                        *word ^= u32::from(byte) << shift;
+                        rest = tail;
+                    }
+                }
+                rest
+            }
+            other => return Err(DecodeError::Malformed(format!("delta byte plane mode {other}"))),
+        };
+    }
+    if !payload.is_empty() {
+        return Err(DecodeError::Malformed(format!("{} trailing bytes after the delta planes", payload.len())));
+    }
+    Ok(bits.into_iter().map(f32::from_bits).collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn weights(version: u64, params: Vec<f32>) -> Weights {
+        Weights::new(PolicyVersion(version), 7, params)
+    }
+
+    #[test]
+    fn full_frame_roundtrips_exactly() {
+        let w = weights(3, vec![1.0, -0.0, f32::MIN_POSITIVE, 3.5e-12]);
+        let bytes = encode_full_frame(&w);
+        assert_eq!(decode_frame(&bytes, None, 7, 4).expect("decodes"), w);
+        let (header, _) = decode_frame_header(&bytes).expect("header");
+        assert_eq!(header.parent, None);
+        assert_eq!(header.digest, w.checksum);
+    }
+
+    #[test]
+    fn small_steps_make_small_deltas() {
+        let parent = weights(1, (0..4096).map(|i| (i as f32 * 0.37).sin()).collect());
+        let child = weights(2, parent.params.iter().map(|p| p * (1.0 + 1e-4)).collect());
+        let delta = encode_delta_frame(&parent, &child);
+        let full = encode_full_frame(&child);
+        assert!(delta.len() < full.len() * 3 / 4, "delta {} vs full {}", delta.len(), full.len());
+        assert_eq!(decode_frame(&delta, Some(&parent), 7, 4096).expect("applies"), child);
+        // Only a few parameters change: the delta is mostly bitmaps.
+        let mut sparse = parent.params.clone();
+        sparse[17] += 1.0;
+        let sparse = weights(3, sparse);
+        let delta = encode_delta_frame(&parent, &sparse);
+        assert!(delta.len() < 4 * 4096 / 8 + 100, "{}", delta.len());
+        assert_eq!(decode_frame(&delta, Some(&parent), 7, 4096).expect("applies"), sparse);
+    }
+
+    #[test]
+    fn delta_against_the_wrong_parent_is_refused() {
+        let a = weights(1, vec![1.0, 2.0]);
+        let b = weights(2, vec![1.5, 2.0]);
+        let c = weights(5, vec![9.0, 9.0]);
+        let delta = encode_delta_frame(&a, &b);
+        assert_eq!(decode_frame(&delta, Some(&c), 7, 2).unwrap_err().reason(), "mismatch");
+        assert_eq!(decode_frame(&delta, None, 7, 2).unwrap_err().reason(), "mismatch");
+        // Same version number, other content: the digest after reconstruction catches it.
+        let forged_base = weights(1, vec![1.0, 2.5]);
+        assert_eq!(decode_frame(&delta, Some(&forged_base), 7, 2).unwrap_err().reason(), "checksum");
+    }
+
+    #[test]
+    fn frames_of_another_layout_or_size_are_refused() {
+        let w = weights(1, vec![1.0, 2.0]);
+        let bytes = encode_full_frame(&w);
+        assert_eq!(decode_frame(&bytes, None, 8, 2).unwrap_err().reason(), "mismatch");
+        assert_eq!(decode_frame(&bytes, None, 7, 3).unwrap_err().reason(), "shape");
+    }
+
+    proptest! {
+        #[test]
+        fn delta_reconstructs_bit_for_bit(
+            base in proptest::collection::vec(any::<u32>(), 0..300),
+            flips in proptest::collection::vec(any::<u32>(), 0..300),
+        ) {
+            let n = base.len().min(flips.len());
+            let parent = weights(4, base[..n].iter().map(|&b| f32::from_bits(b)).collect());
+            let child = weights(9, base[..n].iter().zip(&flips).map(|(&b, &f)| f32::from_bits(b ^ (f & 0x00ff_f0ff))).collect());
+            let delta = encode_delta_frame(&parent, &child);
+            let got = decode_frame(&delta, Some(&parent), 7, n).expect("applies");
+            prop_assert_eq!(got.params.iter().map(|p| p.to_bits()).collect::<Vec<_>>(),
+                            child.params.iter().map(|p| p.to_bits()).collect::<Vec<_>>());
+            prop_assert_eq!(got.checksum, child.checksum);
+        }
+
+        #[test]
+        fn frame_decoding_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..200), n in 0usize..40) {
+            let base = weights(0, vec![0.5; n]);
+            let _ = decode_frame(&bytes, Some(&base), 7, n);
+        }
+
+        #[test]
+        fn corrupted_deltas_are_refused(seed in proptest::collection::vec(any::<u8>(), 64), at in 0usize..10_000, bit in 0u8..8) {
+            let parent = weights(1, seed.iter().map(|&b| f32::from(b) * 0.1).collect());
+            let child = weights(2, seed.iter().map(|&b| f32::from(b) * 0.1 + 0.01).collect());
+            let mut delta = encode_delta_frame(&parent, &child);
+            let at = at % delta.len();
+            delta[at] ^= 1 << bit;
+            prop_assert!(decode_frame(&delta, Some(&parent), 7, 64).is_err());
+        }
+    }
+}

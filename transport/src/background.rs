@@ -1,0 +1,244 @@
+//! [`BackgroundPublisher`]: any [`WeightsPublisher`] on its own thread, so the learner hands a
+//! version over and goes on with the next update while the version is stored and announced.
+
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use tracing::{debug, warn};
+use volley_core::ids::PolicyVersion;
+use volley_core::wire::Weights;
+
+use crate::{TransportError, WeightsPublisher};
+
+/// What the learner and the publishing thread share.
+#[derive(Default)]
+struct State {
+    /// The newest version handed over and not yet taken by the thread.
+    pending: Option<Arc<Weights>>,
+    /// The newest version the inner publisher has published.
+    confirmed: Option<PolicyVersion>,
+    /// A version the thread is publishing right now.
+    in_progress: Option<PolicyVersion>,
+    /// The first failure of the inner publisher (reported by the next call, then cleared).
+    failure: Option<TransportError>,
+    /// Versions handed over but replaced by a newer one before the thread took them.
+    skipped: u64,
+    /// Set when the handle is dropped: the thread publishes what is pending and ends.
+    closing: bool,
+}
+
+struct Shared {
+    state: Mutex<State>,
+    changed: Condvar,
+}
+
+/// Publishes weights from a dedicated thread, newest first.
+///
+/// [`publish`](WeightsPublisher::publish) returns at once: the version replaces any version
+/// still waiting (the thread publishes only the newest, so a slow store costs versions, never
+/// learner time), and the thread hands it to the inner publisher. A failure of the inner
+/// publisher (after its own retries) is returned by the next `publish` or
+/// [`flush`](WeightsPublisher::flush). [`is_published`](WeightsPublisher::is_published) tells
+/// the learner which versions are out, so it acknowledges the segments behind an update only
+/// after the update's version was published (learner/src/consume.rs).
+pub struct BackgroundPublisher {
+    shared: Arc<Shared>,
+    last_handed: Option<PolicyVersion>,
+    thread: Option<thread::JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for BackgroundPublisher {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let state = self.shared.state.lock().expect("publisher lock is never poisoned");
+        f.debug_struct("BackgroundPublisher")
+            .field("last_handed", &self.last_handed)
+            .field("confirmed", &state.confirmed)
+            .field("skipped", &state.skipped)
+            .finish()
+    }
+}
+
+impl BackgroundPublisher {
+    /// Start the publishing thread around `inner`.
+    pub fn new(mut inner: impl WeightsPublisher + 'static) -> Result<Self, TransportError> {
+        let shared = Arc::new(Shared { state: Mutex::new(State::default()), changed: Condvar::new() });
+        let thread_shared = shared.clone();
+        let thread = thread::Builder::new()
+            .name("weights-publisher".into())
+            .spawn(move || {
+                let shared = thread_shared;
+                loop {
+                    let weights = {
+                        let mut state = shared.state.lock().expect("publisher lock is never poisoned");
+                        loop {
+                            if let Some(weights) = state.pending.take() {
+                                state.in_progress = Some(weights.version);
+                                break weights;
+                            }
+                            if state.closing {
+                                return;
+                            }
+                            state = shared.changed.wait(state).expect("publisher lock is never poisoned");
+                        }
+                    };
+                    let version = weights.version;
+                    let outcome = inner.publish(weights);
+                    let mut state = shared.state.lock().expect("publisher lock is never poisoned");
+                    state.in_progress = None;
+                    match outcome {
+                        Ok(()) => state.confirmed = Some(version),
+                        Err(err) => {
+                            warn!(version = version.0, %err, "weights publish failed");
+                            state.failure.get_or_insert(err);
+                        }
+                    }
+                    shared.changed.notify_all();
+                }
+            })
+            .map_err(|err| TransportError::Failed { operation: "start weights publisher", message: err.to_string() })?;
+        Ok(BackgroundPublisher { shared, last_handed: None, thread: Some(thread) })
+    }
+
+    /// Versions replaced by a newer one before they were published.
+    pub fn skipped(&self) -> u64 {
+        self.shared.state.lock().expect("publisher lock is never poisoned").skipped
+    }
+
+    /// Wait until every version handed over is published or has failed, at most `timeout`.
+    pub fn flush_within(&mut self, timeout: Duration) -> Result<(), TransportError> {
+        let started = Instant::now();
+        let mut state = self.shared.state.lock().expect("publisher lock is never poisoned");
+        loop {
+            if let Some(err) = state.failure.take() {
+                return Err(err);
+            }
+            if state.pending.is_none() && state.in_progress.is_none() {
+                return Ok(());
+            }
+            let left = timeout.saturating_sub(started.elapsed());
+            if left.is_zero() {
+                return Err(TransportError::Timeout { operation: "weights publish", after: timeout });
+            }
+            state = self.shared.changed.wait_timeout(state, left).expect("publisher lock is never poisoned").0;
+        }
+    }
+}
+
+impl WeightsPublisher for BackgroundPublisher {
+    fn publish(&mut self, weights: Arc<Weights>) -> Result<(), TransportError> {
+        if let Some(last) = self.last_handed.filter(|&last| weights.version <= last) {
+            return Err(TransportError::Failed {
+                operation: "weights publish",
+                message: format!("version {} is not newer than {last}", weights.version),
+            });
+        }
+        let mut state = self.shared.state.lock().expect("publisher lock is never poisoned");
+        if let Some(err) = state.failure.take() {
+            return Err(err);
+        }
+        if let Some(replaced) = state.pending.replace(weights.clone()) {
+            debug!(version = replaced.version.0, "weights version replaced before it was published");
+            state.skipped += 1;
+        }
+        self.last_handed = Some(weights.version);
+        self.shared.changed.notify_all();
+        Ok(())
+    }
+
+    fn is_published(&self, version: PolicyVersion) -> bool {
+        let state = self.shared.state.lock().expect("publisher lock is never poisoned");
+        state.confirmed.is_some_and(|confirmed| confirmed >= version)
+    }
+
+    fn flush(&mut self) -> Result<(), TransportError> {
+        // Far above any healthy publish; the inner publisher has its own deadlines.
+        self.flush_within(Duration::from_secs(600))
+    }
+}
+
+impl Drop for BackgroundPublisher {
+    fn drop(&mut self) {
+        self.shared.state.lock().expect("publisher lock is never poisoned").closing = true;
+        self.shared.changed.notify_all();
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::mpsc;
+
+    /// Publishes into a channel, each publish waiting for a go-ahead.
+    struct Gated {
+        published: mpsc::Sender<u64>,
+        go: Arc<(Mutex<u64>, Condvar)>,
+        fail_at: Option<u64>,
+    }
+
+    impl WeightsPublisher for Gated {
+        fn publish(&mut self, weights: Arc<Weights>) -> Result<(), TransportError> {
+            let (lock, cvar) = &*self.go;
+            let mut allowed = lock.lock().unwrap();
+            while *allowed == 0 {
+                allowed = cvar.wait(allowed).unwrap();
+            }
+            *allowed -= 1;
+            if self.fail_at == Some(weights.version.0) {
+                return Err(TransportError::Failed { operation: "test", message: "refused".into() });
+            }
+            self.published.send(weights.version.0).unwrap();
+            Ok(())
+        }
+    }
+
+    fn weights(version: u64) -> Arc<Weights> {
+        Arc::new(Weights::new(PolicyVersion(version), 1, vec![version as f32]))
+    }
+
+    fn allow(go: &Arc<(Mutex<u64>, Condvar)>, n: u64) {
+        *go.0.lock().unwrap() += n;
+        go.1.notify_all();
+    }
+
+    #[test]
+    fn publish_does_not_wait_and_only_the_newest_pending_version_is_published() {
+        let (tx, rx) = mpsc::channel();
+        let go = Arc::new((Mutex::new(0), Condvar::new()));
+        let mut publisher =
+            BackgroundPublisher::new(Gated { published: tx, go: go.clone(), fail_at: None }).expect("thread");
+        publisher.publish(weights(0)).expect("handed over");
+        // The thread holds v0 (blocked); v1 and v2 queue up, v2 replaces v1.
+        while publisher.shared.state.lock().unwrap().in_progress.is_none() {
+            thread::yield_now();
+        }
+        publisher.publish(weights(1)).expect("handed over");
+        publisher.publish(weights(2)).expect("handed over");
+        assert!(!publisher.is_published(PolicyVersion(0)));
+        assert!(publisher.publish(weights(2)).is_err(), "versions must increase");
+        allow(&go, 2);
+        publisher.flush_within(Duration::from_secs(30)).expect("flushed");
+        assert_eq!(rx.try_iter().collect::<Vec<_>>(), vec![0, 2]);
+        assert_eq!(publisher.skipped(), 1);
+        assert!(publisher.is_published(PolicyVersion(1)), "v2 covers v1");
+        assert!(!publisher.is_published(PolicyVersion(3)));
+    }
+
+    #[test]
+    fn a_failure_is_reported_by_the_next_call() {
+        let (tx, rx) = mpsc::channel();
+        let go = Arc::new((Mutex::new(10), Condvar::new()));
+        let mut publisher = BackgroundPublisher::new(Gated { published: tx, go, fail_at: Some(1) }).expect("thread");
+        publisher.publish(weights(0)).expect("handed over");
+        publisher.flush_within(Duration::from_secs(30)).expect("v0 out");
+        publisher.publish(weights(1)).expect("handed over");
+        assert!(publisher.flush_within(Duration::from_secs(30)).is_err(), "v1 failed");
+        publisher.publish(weights(2)).expect("the failure was reported once");
+        publisher.flush().expect("v2 out");
+        assert_eq!(rx.try_iter().collect::<Vec<_>>(), vec![0, 2]);
+        assert!(!publisher.is_published(PolicyVersion(3)));
+    }
+}
