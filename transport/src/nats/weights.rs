@@ -209,15 +209,25 @@ impl WeightsPublisher for NatsWeightsPublisher {
             Bytes::from(serde_json::to_vec(&pointer).map_err(|err| failed("encode weights pointer", err))?);
         let transfer = config.transfer_deadline(bytes.len());
         let (objects, kv) = (&self.objects, &self.kv);
+        // A put in flight across a broker restart is retried at once (issue 11).
+        let connections = &shared.connections;
         shared.block_on(async {
             retry_for("put weights object", config.retry_deadline, || {
                 let mut reader = bytes.as_slice();
                 let object = object.as_str();
-                async move { call("put weights object", transfer, objects.put(object, &mut reader)).await.map(|_| ()) }
+                async move {
+                    let put = call("put weights object", transfer, objects.put(object, &mut reader));
+                    unless_reconnected(connections, "put weights object", put).await.map(|_| ())
+                }
             })
             .await?;
             retry_for("put weights pointer", config.retry_deadline, || {
-                call("put weights pointer", config.request_timeout, kv.put(subjects::WEIGHTS_KEY, pointer_json.clone()))
+                let put = call(
+                    "put weights pointer",
+                    config.request_timeout,
+                    kv.put(subjects::WEIGHTS_KEY, pointer_json.clone()),
+                );
+                unless_reconnected(connections, "put weights pointer", put)
             })
             .await?;
             Ok::<_, TransportError>(())
@@ -233,7 +243,8 @@ impl WeightsPublisher for NatsWeightsPublisher {
             // Best effort: a failed delete leaves an object behind, nothing worse.
             let bucket = subjects::weights_bucket(&config.run);
             shared.block_on(async {
-                if call("delete old weights", config.request_timeout, self.objects.delete(&old)).await.is_ok() {
+                let delete = call("delete old weights", config.request_timeout, self.objects.delete(&old));
+                if unless_reconnected(&shared.connections, "delete old weights", delete).await.is_ok() {
                     purge_weights_marker(&self.backing, &bucket, &old, config.request_timeout).await;
                 }
             });
