@@ -606,6 +606,33 @@ async fn call<T, E: fmt::Display>(
     })
 }
 
+/// Wait for `request`, but give up waiting, with a retryable error, once the connection has been
+/// re-established meanwhile: a request in flight across a reconnect may never be answered (the
+/// publish acks of chunks sent to the server that died), and waiting out its deadline only
+/// delays the retry (issue 11: the learner's first update after a broker restart came 4-5 s
+/// late, the request timeout of a weights put).
+async fn unless_reconnected<T>(
+    connections: &tokio::sync::watch::Receiver<u64>,
+    operation: &'static str,
+    request: impl Future<Output = Result<T, TransportError>>,
+) -> Result<T, TransportError> {
+    let mut connections = connections.clone();
+    connections.borrow_and_update();
+    let reconnected = async {
+        if connections.changed().await.is_err() {
+            // The bus is going away; only the request can end the wait.
+            std::future::pending::<()>().await;
+        }
+    };
+    tokio::select! {
+        result = request => result,
+        () = reconnected => {
+            info!(operation, "reconnected while waiting for an answer; retrying at once");
+            Err(TransportError::Failed { operation, message: "interrupted by a reconnect".to_string() })
+        }
+    }
+}
+
 /// Exponential backoff between retries: 50 ms doubling to 1 s.
 #[derive(Debug)]
 struct Backoff(Duration);

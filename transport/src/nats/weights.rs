@@ -286,9 +286,14 @@ impl NatsWeightsPublisher {
         let config = &self.shared.config;
         let transfer = config.transfer_deadline(frame.len());
         let objects = &self.objects;
+        // A put in flight across a broker restart is retried at once (issue 11).
+        let connections = &self.shared.connections;
         self.shared.block_on(retry_for("put weights object", config.retry_deadline, || {
             let mut reader = frame;
-            async move { call("put weights object", transfer, objects.put(name, &mut reader)).await.map(|_| ()) }
+            async move {
+                let put = call("put weights object", transfer, objects.put(name, &mut reader));
+                unless_reconnected(connections, "put weights object", put).await.map(|_| ())
+            }
         }))
     }
 
@@ -302,7 +307,8 @@ impl NatsWeightsPublisher {
             let Some(chain) = self.kept.pop_front() else { break };
             self.shared.block_on(async {
                 for old in &chain {
-                    if call("delete old weights", config.request_timeout, self.objects.delete(old)).await.is_ok() {
+                    let delete = call("delete old weights", config.request_timeout, self.objects.delete(old));
+                    if unless_reconnected(&self.shared.connections, "delete old weights", delete).await.is_ok() {
                         purge_weights_marker(&self.backing, &bucket, old, config.request_timeout).await;
                     }
                 }
@@ -372,8 +378,15 @@ impl WeightsPublisher for NatsWeightsPublisher {
         let pointer_json =
             Bytes::from(serde_json::to_vec(&pointer).map_err(|err| failed("encode weights pointer", err))?);
         let kv = &self.kv;
+        // A put in flight across a broker restart is retried at once (issue 11).
+        let connections = &shared.connections;
         shared.block_on(retry_for("put weights pointer", config.retry_deadline, || {
-            call("put weights pointer", config.request_timeout, kv.put(subjects::WEIGHTS_KEY, pointer_json.clone()))
+            let put = call(
+                "put weights pointer",
+                config.request_timeout,
+                kv.put(subjects::WEIGHTS_KEY, pointer_json.clone()),
+            );
+            unless_reconnected(connections, "put weights pointer", put)
         }))?;
         debug!(version, parent, size_bytes = frame.len(), inline, "weights published");
         self.last_version = Some(version);
