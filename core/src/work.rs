@@ -202,7 +202,7 @@ pub struct EpisodeSnapshot {
     /// Steps so far.
     pub episode_len: u32,
     /// Behaviour policy version when saved.
-    pub policy_version: u64,
+    pub policy_version: crate::ids::PolicyVersion,
     /// The episode's action-sampling generator.
     pub rng: Pcg64Mcg,
     /// Environment-defined progress ([`crate::env::Env::progress`]).
@@ -298,7 +298,7 @@ mod tests {
             hidden: vec![0.5, -0.25],
             episode_return: 3.5,
             episode_len: 17,
-            policy_version: 9,
+            policy_version: crate::ids::PolicyVersion(9),
             rng,
             progress: 1.5,
         };

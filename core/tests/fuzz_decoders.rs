@@ -208,7 +208,7 @@ fn fuzz_work_item_and_snapshot_decoders() {
                 hidden: vec![0.5],
                 episode_return: 2.0,
                 episode_len: 8,
-                policy_version: 4,
+                policy_version: volley_core::ids::PolicyVersion(4),
                 rng: rng.clone(),
                 progress: 0.5,
             }

@@ -178,7 +178,7 @@ mod tests {
             hidden: vec![],
             episode_return: 0.0,
             episode_len: len,
-            policy_version: 0,
+            policy_version: crate::ids::PolicyVersion(0),
             rng: rand_pcg::Pcg64Mcg::seed_from_u64(1),
             progress: 0.0,
         }
