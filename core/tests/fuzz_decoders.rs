@@ -9,6 +9,8 @@
 //! changed must be rejected. The number of cases per target is `VOLLEY_FUZZ_CASES` (default
 //! 20,000, so the normal suite runs in about a second); CI can raise it for a longer bounded run.
 
+use std::cell::RefCell;
+use std::collections::BTreeSet;
 use std::time::Instant;
 
 use proptest::prelude::*;
@@ -156,17 +158,45 @@ fn fuzz(target: &str, corpus: Vec<Vec<u8>>, check: impl Fn(&[u8], bool)) {
     eprintln!("fuzz {target}: {cases} cases in {secs:.2} s ({:.0} cases/s)", f64::from(cases) / secs);
 }
 
+/// The reasons of the rejections a target saw: each must be a listed label, and a long enough
+/// run must have reached each of `expected` (so the typed error paths are exercised).
+#[derive(Default)]
+struct Reasons(RefCell<BTreeSet<&'static str>>);
+
+impl Reasons {
+    fn record<T>(&self, decoded: &Result<T, wire::DecodeError>) {
+        if let Err(err) = decoded {
+            let reason = err.reason();
+            assert!(wire::DecodeError::REASONS.contains(&reason), "unlisted reason {reason}");
+            self.0.borrow_mut().insert(reason);
+        }
+    }
+
+    fn assert_reached(&self, target: &str, expected: &[&str]) {
+        if cases() < 5_000 {
+            return;
+        }
+        let seen = self.0.borrow();
+        for reason in expected {
+            assert!(seen.contains(reason), "{target}: no mutation was rejected as {reason}; saw {seen:?}");
+        }
+    }
+}
+
 #[test]
 fn fuzz_segment_decoder() {
     let spec = spec();
     let hash = layout().hash();
     let corpus: Vec<Vec<u8>> = (0..4).map(|i| wire::encode_segment(&segment(i))).collect();
+    let reasons = Reasons::default();
     fuzz("segment", corpus, |mutated, changed| {
         let decoded = wire::decode_segment(mutated, &spec, hash, 0);
+        reasons.record(&decoded);
         if changed {
             assert!(decoded.is_err(), "a changed segment was accepted");
         }
     });
+    reasons.assert_reached("segment", &["bad_magic", "wrong_version", "wrong_kind", "truncated", "corrupt"]);
 }
 
 #[test]
@@ -175,12 +205,15 @@ fn fuzz_weights_decoder() {
     let corpus: Vec<Vec<u8>> = (0..3)
         .map(|v| wire::encode_weights(&Weights::new(PolicyVersion(v), layout.hash(), layout.init_params(v))))
         .collect();
+    let reasons = Reasons::default();
     fuzz("weights", corpus, |mutated, changed| {
         let decoded = wire::decode_weights(mutated, layout.hash(), layout.n_params());
+        reasons.record(&decoded);
         if changed {
             assert!(decoded.is_err(), "changed weights were accepted");
         }
     });
+    reasons.assert_reached("weights", &["bad_magic", "truncated", "corrupt"]);
 }
 
 #[test]
@@ -189,12 +222,16 @@ fn fuzz_work_item_and_snapshot_decoders() {
         WorkItem { id: 1, task_id: 0, start: Start::Fresh { seed: 9 }, episodes: 2 },
         WorkItem { id: u64::MAX, task_id: 3, start: Start::Resume { snapshot: "w1-e0-s8".into() }, episodes: 1 },
     ];
+    let reasons = Reasons::default();
     fuzz("work item", items.iter().map(WorkItem::to_json).collect(), |mutated, _| {
-        if let Ok(item) = WorkItem::from_json(mutated) {
+        let decoded = wire::decode_work_item(mutated);
+        reasons.record(&decoded);
+        if let Ok(item) = decoded {
             // A change that still decodes (JSON whitespace) must leave a real item's content.
             assert!(items.contains(&item), "a changed work item was accepted: {item:?}");
         }
     });
+    reasons.assert_reached("work item", &["malformed", "truncated", "corrupt"]);
     let mut rng = Pcg64Mcg::seed_from_u64(3);
     let _: u64 = rng.random();
     let snapshots: Vec<Vec<u8>> = (0..2)
@@ -215,12 +252,15 @@ fn fuzz_work_item_and_snapshot_decoders() {
             .encode()
         })
         .collect();
+    let reasons = Reasons::default();
     fuzz("episode snapshot", snapshots, |mutated, changed| {
-        let decoded = EpisodeSnapshot::decode(mutated);
+        let decoded = wire::decode_episode_snapshot(mutated);
+        reasons.record(&decoded);
         if changed {
             assert!(decoded.is_err(), "a changed snapshot was accepted");
         }
     });
+    reasons.assert_reached("episode snapshot", &["bad_magic", "truncated", "corrupt"]);
 }
 
 #[test]

@@ -294,7 +294,7 @@ impl Learner {
         Checkpoint {
             spec_json: serde_json::to_string(&self.spec).expect("a run spec always serializes"),
             layout_hash: self.layout.hash(),
-            version: self.version.0,
+            version: self.version,
             updates: self.updates,
             params: self.params.clone(),
             adam_m: adam.m.clone(),
@@ -314,7 +314,7 @@ impl Learner {
     ) -> Result<Self, LearnerError> {
         let mismatch = |reason: String| CheckpointError::Mismatch { path: path.to_path_buf(), reason };
         let mut learner =
-            Learner::with_state(spec, checkpoint.params, PolicyVersion(checkpoint.version), checkpoint.updates)?;
+            Learner::with_state(spec, checkpoint.params, checkpoint.version, checkpoint.updates)?;
         if checkpoint.layout_hash != learner.layout.hash() {
             return Err(mismatch(format!(
                 "layout {:016x}, run has {:016x}",
