@@ -570,8 +570,8 @@ impl SegmentBuilder {
     ) -> TrajectorySegment {
         let h = self.initial_hidden.len();
         let segment = TrajectorySegment {
-            run: spec.run.to_string(),
-            actor: actor.to_string(),
+            run: spec.run.clone(),
+            actor: actor.clone(),
             incarnation,
             env_idx: env_idx as u32,
             episode_id: self.episode_id_at_start,

@@ -107,6 +107,12 @@ impl From<RunId> for String {
     }
 }
 
+impl PartialEq<&str> for RunId {
+    fn eq(&self, other: &&str) -> bool {
+        self.0 == *other
+    }
+}
+
 impl fmt::Display for RunId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(&self.0)
@@ -148,6 +154,12 @@ impl TryFrom<String> for ActorId {
 impl From<ActorId> for String {
     fn from(id: ActorId) -> String {
         id.0
+    }
+}
+
+impl PartialEq<&str> for ActorId {
+    fn eq(&self, other: &&str) -> bool {
+        self.0 == *other
     }
 }
 

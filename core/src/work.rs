@@ -285,7 +285,7 @@ mod tests {
         let item = WorkItem { id: 4, task_id: 1, start: Start::Resume { snapshot: "w1-e0-s8".into() }, episodes: 2 };
         let json = item.to_json();
         assert_eq!(WorkItem::from_json(&json).unwrap(), item);
-        assert!(String::from_utf8(json).unwrap().contains("\"kind\":\"resume\""));
+        assert!(String::from_utf8(json.clone()).unwrap().contains("\"kind\":\"resume\""));
         assert_eq!(WorkItem::from_json(b"{\"id\":1}").unwrap_err().reason(), "malformed");
         assert_eq!(WorkItem::from_json(&json[..json.len() / 2]).unwrap_err().reason(), "truncated");
         // Issue 12: a flipped field value that still parses is refused by the checksum.

@@ -17,16 +17,16 @@ use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
 use rand::{Rng, SeedableRng};
 use rand_pcg::Pcg64Mcg;
-use volley_core::env::EnvConfig;
 use volley_core::envsvc::protocol::{self, CloseRequest, OpenRequest, ResetRequest, StepRequest};
 use volley_core::envsvc::protocol::{
     EnvFailure, ObsReply, OpenReply, RestoreRequest, SnapshotReply, SpacesReply, StepReply,
 };
-use volley_core::ids::{PolicyVersion, RunId};
-use volley_core::policy::{Activation, CoreKind, ParamLayout, PolicySpec};
-use volley_core::spec::{HyperParams, RunSpec};
-use volley_core::wire::{self, EpisodeSummary, TrajectorySegment, Weights};
+use volley_core::ids::PolicyVersion;
+use volley_core::policy::ParamLayout;
+use volley_core::spec::RunSpec;
+use volley_core::wire::{self, TrajectorySegment, Weights};
 use volley_core::work::{EpisodeSnapshot, Start, WorkItem};
+use volley_testkit::fixtures::{SegmentBuilder, SpecBuilder};
 
 const T: usize = 4;
 
@@ -35,20 +35,7 @@ fn cases() -> u32 {
 }
 
 fn spec() -> RunSpec {
-    RunSpec {
-        run: RunId::new("fuzz").expect("valid"),
-        env: EnvConfig::Cartpole,
-        policy: PolicySpec {
-            obs_dim: 4,
-            n_actions: 2,
-            torso: vec![8],
-            activation: Activation::Tanh,
-            core: CoreKind::Mlp,
-        },
-        segment_len: T,
-        hyper: HyperParams::default(),
-        seed: 0,
-    }
+    SpecBuilder::cartpole(T).run("fuzz").build()
 }
 
 fn layout() -> ParamLayout {
@@ -56,29 +43,19 @@ fn layout() -> ParamLayout {
 }
 
 fn segment(idx: u64) -> TrajectorySegment {
-    TrajectorySegment {
-        run: "fuzz".into(),
-        actor: format!("actor-{idx}"),
-        incarnation: idx,
-        env_idx: 0,
-        episode_id: idx,
-        segment_idx: idx,
-        task_id: 0,
-        start_snapshot: (idx % 2 == 1).then(|| "w1-e0-s8".into()),
-        policy_version: PolicyVersion(idx),
-        layout_hash: layout().hash(),
-        obs_dim: 4,
-        observations: (0..(T + 1) * 4).map(|i| (i as f32 * 0.3).sin()).collect(),
-        actions: vec![0, 1, 1, 0],
-        rewards: vec![1.0; T],
-        terminated: vec![0, 0, 0, 1],
-        truncated: vec![0; T],
-        behaviour_log_probs: vec![-0.7; T],
-        truncation_values: vec![0.0; T],
-        initial_hidden: vec![],
-        finished_episodes: vec![EpisodeSummary { episode_return: 4.0, episode_len: 4, ..EpisodeSummary::default() }],
-        saved_snapshots: vec![],
-    }
+    SegmentBuilder::for_spec(&spec())
+        .actor(&format!("actor-{idx}"))
+        .incarnation(idx)
+        .episode_id(idx)
+        .segment_idx(idx)
+        .start_snapshot((idx % 2 == 1).then_some("w1-e0-s8"))
+        .version(idx)
+        .observations_from(|i| (i as f32 * 0.3).sin())
+        .actions(vec![0, 1, 1, 0])
+        .terminal_at(3)
+        .log_prob(-0.7)
+        .episode(4.0, 4)
+        .build()
 }
 
 /// One mutation of a message.

@@ -261,9 +261,9 @@ mod tests {
     use super::*;
     use volley_testkit::fixtures::{SegmentBuilder, SpecBuilder};
     use volley_core::env::{EnvConfig, MilestonesConfig};
-    use volley_core::ids::RunId;
-    use volley_core::policy::{Activation, CoreKind, PolicySpec};
-    use volley_core::spec::HyperParams;
+    
+    
+    
     use volley_core::wire::EpisodeSummary;
     use volley_core::work::SnapshotInfo;
 

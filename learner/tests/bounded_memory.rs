@@ -6,13 +6,11 @@
 use std::sync::atomic::AtomicBool;
 use std::thread;
 
-use volley_core::env::EnvConfig;
-use volley_core::ids::{PolicyVersion, RunId};
-use volley_core::policy::{Activation, CoreKind, PolicySpec};
 use volley_core::spec::{HyperParams, LossKind, RunSpec};
 use volley_core::transport::local::{trajectory_channel, weights_channel};
 use volley_core::transport::TrajectorySink;
-use volley_core::wire::{EpisodeSummary, TrajectorySegment};
+use volley_core::wire::TrajectorySegment;
+use volley_core::work::SnapshotInfo;
 use volley_testkit::fixtures::{SegmentBuilder, SpecBuilder};
 use volley_learner::consume::SeenSegments;
 use volley_learner::{run_learner, Learner, LearnerReport, RunLimits, StopReason, UpdateStats};
@@ -56,9 +54,9 @@ fn hostile_ids_and_keys_do_not_grow_the_learner() {
     // (The longest actor id that decodes: `ActorId` bounds it; longer ones are `bad_id`.)
     let mut seen = SeenSegments::new(100_000);
     let long_id = "x".repeat(64);
-    let spec = spec();
+    let run_spec = spec();
     for idx in 0..250_000u64 {
-        let mut s = segment(&spec, &long_id, idx);
+        let mut s = segment(&run_spec, &long_id, idx);
         s.observations = Vec::new();
         assert!(seen.insert(&s));
     }

@@ -11,7 +11,7 @@ use rand_pcg::Pcg64Mcg;
 use volley_core::env::{EnvConfig, RemoteEnvConfig};
 use volley_core::envsvc::EnvServiceName;
 use volley_core::ids::{PolicyVersion, RunId};
-use volley_core::policy::{Activation, CoreKind, PolicySpec};
+
 use volley_core::spec::{GuardConfig, HyperParams, LossKind, PriorityConfig, RunSpec, ZeroVarianceConfig};
 use volley_core::transport::local::{trajectory_channel, weights_channel, LocalTrajectorySource};
 use volley_core::transport::{
@@ -71,7 +71,7 @@ fn malformed_segments_are_counted_and_dropped_while_training_continues() {
         let mut bad = valid_segment(&learner, &mut rng, 0, 100 + idx);
         match idx % 4 {
             0 => bad.rewards[2] = f32::NAN,
-            1 => bad.run = "another-run".into(),
+            1 => bad.run = RunId::new("another-run").expect("valid run id"),
             2 => {
                 bad.observations.pop();
             }

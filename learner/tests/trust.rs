@@ -5,9 +5,7 @@
 
 use std::sync::atomic::AtomicBool;
 
-use volley_core::env::EnvConfig;
-use volley_core::ids::{PolicyVersion, RunId};
-use volley_core::policy::{Activation, CoreKind, PolicySpec};
+use volley_core::ids::PolicyVersion;
 use volley_core::spec::{HyperParams, LossKind, RunSpec};
 use volley_core::transport::local::{trajectory_channel, weights_channel};
 use volley_core::transport::TrajectorySink;

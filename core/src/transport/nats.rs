@@ -2278,7 +2278,7 @@ impl super::work::SnapshotStore for NatsSnapshotStore {
         bytes
             .map(|bytes| {
                 crate::work::EpisodeSnapshot::decode(&bytes)
-                    .map_err(|message| TransportError::Failed { operation: "decode snapshot", message })
+                    .map_err(|err| TransportError::Failed { operation: "decode snapshot", message: err.to_string() })
             })
             .transpose()
     }

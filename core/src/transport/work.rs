@@ -156,7 +156,7 @@ impl SnapshotStore for LocalSnapshotStore {
             .get(key)
             .map(|(bytes, _)| {
                 EpisodeSnapshot::decode(bytes)
-                    .map_err(|message| TransportError::Failed { operation: "load snapshot", message })
+                    .map_err(|err| TransportError::Failed { operation: "load snapshot", message: err.to_string() })
             })
             .transpose()
     }
