@@ -5,11 +5,11 @@ use std::sync::Arc;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use volley_actor::{ActorCounters, RolloutWorker};
-use volley_core::env::EnvConfig;
 use volley_core::ids::{ActorId, PolicyVersion, RunId};
-use volley_core::policy::{Activation, CoreKind, ParamLayout, PolicySpec};
 use volley_core::spec::{HyperParams, RunSpec};
 use volley_core::wire::{encode_segment, Weights};
+use volley_env::EnvConfig;
+use volley_policy::{Activation, CoreKind, ParamLayout, PolicySpec};
 
 fn cartpole_spec(segment_len: usize) -> RunSpec {
     RunSpec {

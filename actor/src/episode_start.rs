@@ -29,11 +29,11 @@ use std::time::Duration;
 use rand::SeedableRng;
 use rand_pcg::Pcg64Mcg;
 use tracing::{debug, info, warn};
-use volley_core::env::{EnvConfig, VectorEnv};
 use volley_core::ids::{ActorId, PolicyVersion};
 use volley_core::spec::{RunSpec, SpecError};
-use volley_core::transport::work::{SnapshotStore, WorkSource, WorkToken};
 use volley_core::work::{EpisodeSnapshot, SnapshotInfo, Start, WorkItem};
+use volley_env::{EnvConfig, VectorEnv};
+use volley_transport::work::{SnapshotStore, WorkSource, WorkToken};
 
 use crate::rollout::{ActorCounters, ActorError};
 

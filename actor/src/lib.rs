@@ -1,5 +1,5 @@
 //! Volley's actor runtime: steps a vector of environments with the latest policy, cuts the
-//! experience into segments and publishes them through a [`volley_core::transport::TrajectorySink`].
+//! experience into segments and publishes them through a [`volley_transport::TrajectorySink`].
 //!
 //! Invariant: an actor holds no state that matters beyond its current segment; it switches
 //! policy versions only between segments, so every segment has exactly one behaviour version.

@@ -9,16 +9,16 @@ use std::time::{Duration, Instant};
 use rand::{Rng, SeedableRng};
 use rand_pcg::Pcg64Mcg;
 use tracing::{debug, info, warn};
-use volley_core::distributions::{log_softmax, sample_categorical};
-use volley_core::env::{EnvError, VecEnv, VecStep, VectorEnv};
-use volley_core::envsvc::RemoteEnvCounters;
 use volley_core::ids::{ActorId, PolicyVersion};
-use volley_core::policy::{ParamLayout, PolicyInference};
 use volley_core::spec::{RunSpec, SpecError};
-use volley_core::transport::work::{SnapshotStore, WorkSource};
-use volley_core::transport::{TrajectorySink, TransportError, WeightsFollower};
 use volley_core::wire::{EpisodeSummary, TrajectorySegment, Weights};
 use volley_core::work::SnapshotInfo;
+use volley_env::{EnvError, VecEnv, VecStep, VectorEnv};
+use volley_policy::distributions::{log_softmax, sample_categorical};
+use volley_policy::{ParamLayout, PolicyInference};
+use volley_transport::envsvc::RemoteEnvCounters;
+use volley_transport::work::{SnapshotStore, WorkSource};
+use volley_transport::{TrajectorySink, TransportError, WeightsFollower};
 
 use crate::episode_start::{EpisodeStarts, FreshStarts, RunningEpisode, SlotView, WorkStarts};
 
@@ -95,7 +95,7 @@ pub struct ActorCounters {
     pub episode_return_mean_bits: AtomicU64,
     /// The sink's live pacing clock, when its transport has one: the throttled time then
     /// includes a wait still in progress (set once, by whoever opened the sink).
-    pub pacing: std::sync::OnceLock<Arc<volley_core::transport::PacingClock>>,
+    pub pacing: std::sync::OnceLock<Arc<volley_transport::PacingClock>>,
     /// Whether the loop is inside [`TrajectorySink::publish`] now (waiting on pacing or on the
     /// broker's acknowledgements: the actor is waiting on others, not stuck).
     pub publishing: std::sync::atomic::AtomicBool,
@@ -187,7 +187,7 @@ impl RolloutWorker {
         Self::with_envs(spec, actor, Box::new(envs), seed, counters)
     }
 
-    /// Act in `envs` (e.g. a [`volley_core::envsvc::RemoteVecEnv`]), whose spaces must match
+    /// Act in `envs` (e.g. a [`volley_transport::envsvc::RemoteVecEnv`]), whose spaces must match
     /// the spec's policy.
     pub fn with_envs(
         spec: RunSpec,
@@ -601,20 +601,14 @@ impl SegmentBuilder {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use volley_core::env::{EnvConfig, MemoryConfig};
-    use volley_core::ids::RunId;
-    use volley_core::policy::{Activation, CoreKind, PolicySpec};
-    use volley_core::spec::HyperParams;
+    use volley_core::work::{Start, WorkConfig, WorkItem};
+    use volley_env::{EnvConfig, MemoryConfig};
+    use volley_policy::CoreKind;
+    use volley_testkit::fixtures::SpecBuilder;
+    use volley_transport::work::{local_work_queue, LocalSnapshotStore, WorkQueue};
 
     fn worker(env: EnvConfig, obs_dim: usize, n_actions: usize, core: CoreKind, t_len: usize) -> RolloutWorker {
-        let spec = RunSpec {
-            run: RunId::new("actor-test").expect("valid"),
-            env,
-            policy: PolicySpec { obs_dim, n_actions, torso: vec![8], activation: Activation::Tanh, core },
-            segment_len: t_len,
-            hyper: HyperParams::default(),
-            seed: 1,
-        };
+        let spec = SpecBuilder::cartpole(t_len).run("actor-test").env(env, obs_dim, n_actions).core(core).seed(1).build();
         let layout = spec.validate().expect("valid spec");
         let weights = Arc::new(Weights::new(PolicyVersion(4), layout.hash(), layout.init_params(2)));
         let mut worker =
@@ -697,7 +691,7 @@ mod tests {
     /// Wraps an in-process vec env and fails environment 0 every 10th step, as a lost remote
     /// server would: a truncation with reward 0 and an error, not a finished episode.
     struct FlakyEnvs {
-        inner: VecEnv<volley_core::env::CartPole>,
+        inner: VecEnv<volley_env::CartPole>,
         steps: usize,
     }
 
@@ -739,7 +733,7 @@ mod tests {
     fn aborted_episodes_are_counted_and_not_reported_as_finished() {
         let spec = worker(EnvConfig::Cartpole, 4, 2, CoreKind::Mlp, 20).spec.clone();
         let layout = spec.validate().expect("valid");
-        let envs = FlakyEnvs { inner: VecEnv::new(vec![volley_core::env::CartPole::new(); 2], 5).unwrap(), steps: 0 };
+        let envs = FlakyEnvs { inner: VecEnv::new(vec![volley_env::CartPole::new(); 2], 5).unwrap(), steps: 0 };
         let counters = Arc::new(ActorCounters::default());
         let mut worker =
             RolloutWorker::with_envs(spec, ActorId::new("flaky").unwrap(), Box::new(envs), 5, counters.clone())
@@ -758,7 +752,7 @@ mod tests {
     #[test]
     fn envs_whose_spaces_differ_from_the_policy_are_refused() {
         let spec = worker(EnvConfig::Cartpole, 4, 2, CoreKind::Mlp, 8).spec.clone();
-        let memory = VecEnv::new(vec![volley_core::env::Memory::new(MemoryConfig::default()).unwrap()], 0).unwrap();
+        let memory = VecEnv::new(vec![volley_env::Memory::new(MemoryConfig::default()).unwrap()], 0).unwrap();
         let result = RolloutWorker::with_envs(spec, ActorId::new("a").unwrap(), Box::new(memory), 0, Arc::default());
         assert!(matches!(result, Err(ActorError::Spec(SpecError::Mismatch { what: "obs_dim", .. }))));
     }
@@ -777,21 +771,84 @@ mod tests {
 
     #[test]
     fn a_spec_this_build_cannot_serve_is_refused() {
-        let spec = RunSpec {
-            run: RunId::new("x").expect("valid"),
-            env: EnvConfig::Cartpole,
-            policy: PolicySpec {
-                obs_dim: 5,
-                n_actions: 2,
-                torso: vec![8],
-                activation: Activation::Tanh,
-                core: CoreKind::Mlp,
-            },
-            segment_len: 8,
-            hyper: HyperParams::default(),
-            seed: 0,
-        };
+        let spec = SpecBuilder::cartpole(8).run("x").env(EnvConfig::Cartpole, 5, 2).build();
         let result = RolloutWorker::new(spec, ActorId::new("a").expect("valid"), 1, 0, Arc::default());
         assert!(matches!(result, Err(ActorError::Spec(_))));
+    }
+
+    fn work_spec(segment_len: usize, snapshot_every_steps: u32) -> RunSpec {
+        let mut spec = worker(EnvConfig::Cartpole, 4, 2, CoreKind::Mlp, segment_len).spec.clone();
+        spec.hyper.work =
+            WorkConfig { enabled: true, snapshot_every_steps, snapshot_at_milestones: false, ..WorkConfig::default() };
+        spec
+    }
+
+    /// One environment taking `items` from a fresh queue, saving to `store`.
+    fn work_worker(spec: &RunSpec, items: &[WorkItem], store: &LocalSnapshotStore) -> RolloutWorker {
+        let (mut queue, source) = local_work_queue();
+        queue.submit(items).expect("in-process queue");
+        let layout = spec.validate().expect("valid");
+        let mut worker =
+            RolloutWorker::new(spec.clone(), ActorId::new("w-0").expect("valid"), 1, 3, Arc::default())
+                .expect("buildable")
+                .with_work(Box::new(source), Box::new(store.clone()))
+                .expect("work enabled");
+        worker.set_weights(Arc::new(Weights::new(PolicyVersion(2), layout.hash(), layout.init_params(2)))).unwrap();
+        worker
+    }
+
+    /// Segments until `n` episodes of work item `item` finished.
+    fn until_item_episodes(worker: &mut RolloutWorker, item: u64, n: usize) -> (Vec<EpisodeSummary>, Vec<SnapshotInfo>) {
+        let (mut episodes, mut saved) = (Vec::new(), Vec::new());
+        for _ in 0..1000 {
+            for segment in worker.collect_segments() {
+                episodes.extend(segment.finished_episodes.into_iter().filter(|e| e.work_item == Some(item)));
+                saved.extend(segment.saved_snapshots);
+            }
+            if episodes.len() >= n {
+                return (episodes, saved);
+            }
+        }
+        panic!("work item {item} did not finish {n} episodes");
+    }
+
+    #[test]
+    fn scheduled_episodes_are_tagged_snapshotted_and_completed() {
+        let spec = work_spec(8, 3);
+        let store = LocalSnapshotStore::new(1000);
+        let item = WorkItem { id: 7, task_id: 0, start: Start::Fresh { seed: 11 }, episodes: 2 };
+        let mut worker = work_worker(&spec, &[item], &store);
+        let (episodes, saved) = until_item_episodes(&mut worker, 7, 2);
+        assert!(episodes.iter().all(|e| e.start.is_none() && e.task_id == 0));
+        assert!(!saved.is_empty() && saved.iter().all(|s| s.key.starts_with("w7-")), "{saved:?}");
+        assert!(saved.iter().all(|s| s.episode_len % 3 == 0), "saved every 3 steps: {saved:?}");
+        let mut store_reader = store.clone();
+        let snapshot = store_reader.load(&saved[0].key).expect("readable").expect("kept");
+        assert_eq!(snapshot.policy_version, PolicyVersion(2));
+        // The second episode's end completed the item; the queue was empty after it.
+        assert_eq!(worker.counters.work_items_completed.load(Ordering::Relaxed), 1);
+        assert!(worker.counters.unscheduled_episodes.load(Ordering::Relaxed) >= 1);
+    }
+
+    /// The in-process version of `cli/tests/save_load.rs`: an item taken again after its actor
+    /// stopped mid-episode continues from the newest snapshot to the same return and length.
+    #[test]
+    fn an_interrupted_item_continues_to_the_uninterrupted_outcome() {
+        let spec = work_spec(4, 2);
+        let item = WorkItem { id: 7, task_id: 0, start: Start::Fresh { seed: 11 }, episodes: 1 };
+        let (uninterrupted, _) =
+            until_item_episodes(&mut work_worker(&spec, &[item.clone()], &LocalSnapshotStore::new(100)), 7, 1);
+        let store = LocalSnapshotStore::new(100);
+        // Four steps: shorter than any CartPole episode, so the episode is cut mid-way.
+        let first = work_worker(&spec, &[item.clone()], &store).collect_segments();
+        assert!(first[0].finished_episodes.is_empty());
+        assert_eq!(first[0].saved_snapshots.len(), 2);
+        let mut resumed = work_worker(&spec, &[item], &store);
+        let (continued, _) = until_item_episodes(&mut resumed, 7, 1);
+        assert_eq!(resumed.counters.episodes_resumed.load(Ordering::Relaxed), 1);
+        assert_eq!(
+            (continued[0].episode_return, continued[0].episode_len),
+            (uninterrupted[0].episode_return, uninterrupted[0].episode_len)
+        );
     }
 }

@@ -1,6 +1,6 @@
 """Peer baseline for docs/BENCHMARKS.md: Gymnasium CartPole-v1 raw env steps/s on one core.
 
-Run beside `cargo bench -p volley-core --bench env` on the same machine:
+Run beside `cargo bench -p volley-env --bench env` on the same machine:
     pip install gymnasium==1.4.0
     taskset -c 0 python3 bench/peers/gymnasium_cartpole.py
 Prints one line per mode with the median of 5 runs.

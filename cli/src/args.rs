@@ -5,17 +5,17 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use volley_core::env::{EnvConfig, MemoryConfig, MilestonesConfig, RemoteEnvConfig, REMOTE_PREFIX};
-use volley_core::envsvc::EnvServiceName;
 use volley_core::ids::RunId;
-use volley_core::policy::{Activation, CoreKind, PolicySpec};
 use volley_core::spec::{
     HyperParams, LossKind, PriorityConfig, RunSpec, SelectionConfig, TrustConfig, ZeroVarianceConfig,
 };
-use volley_core::transport::nats::{NatsAuth, NatsConfig};
 use volley_core::work::{BudgetPolicy, WorkConfig};
+use volley_env::{EnvConfig, MemoryConfig, MilestonesConfig, RemoteEnvConfig, REMOTE_PREFIX};
 use volley_learner::backend::BackendKind;
 use volley_learner::Checkpoint;
+use volley_policy::{Activation, CoreKind, PolicySpec};
+use volley_transport::envsvc::EnvServiceName;
+use volley_transport::nats::{NatsAuth, NatsConfig};
 
 /// Volley: a distributed actor-learner system for reinforcement learning.
 #[derive(Debug, Parser)]
@@ -877,10 +877,10 @@ pub struct EnvServeArgs {
 
 impl EnvServeArgs {
     /// The service name and the server config.
-    pub fn server_config(&self) -> anyhow::Result<volley_core::envsvc::EnvServerConfig> {
+    pub fn server_config(&self) -> anyhow::Result<volley_transport::envsvc::EnvServerConfig> {
         let env_name = self.env.as_str().to_string();
         let name = EnvServiceName::new(self.name.clone().unwrap_or_else(|| env_name.clone())).context("--name")?;
-        let mut config = volley_core::envsvc::EnvServerConfig::new(name, env_name);
+        let mut config = volley_transport::envsvc::EnvServerConfig::new(name, env_name);
         if self.max_sessions == 0 || self.max_envs_per_session == 0 {
             bail!("--max-sessions and --max-envs-per-session must be at least 1");
         }
@@ -890,7 +890,7 @@ impl EnvServeArgs {
         let builtin = EnvConfig::from_name(&config.env_label).context("--env")?;
         config.reward_threshold = solved_return(&builtin);
         config.max_episode_steps = match builtin {
-            EnvConfig::Cartpole => Some(volley_core::env::cartpole::MAX_EPISODE_STEPS),
+            EnvConfig::Cartpole => Some(volley_env::cartpole::MAX_EPISODE_STEPS),
             _ => None,
         };
         config.max_abs_reward = Some(builtin.bounds().max_abs_reward);

@@ -4,7 +4,7 @@
 //! starts `--followers` copies of this binary with `--role follower`, publishes one warm-up
 //! version and waits until every follower holds it (so all are connected, watching and have
 //! opened the object store), then publishes `--versions` timed versions of a `--size-mib`
-//! buffer through [`NatsWeightsPublisher`](volley_core::transport::nats::NatsWeightsPublisher).
+//! buffer through [`NatsWeightsPublisher`](volley_transport::nats::NatsWeightsPublisher).
 //! For each it records the wall clock (`CLOCK_REALTIME`) when `publish` was called and waits
 //! until every follower reported the version, then pauses `--pause-ms` before the next one, so
 //! transfers of consecutive versions never overlap.
@@ -30,14 +30,14 @@ use anyhow::{bail, Context};
 use async_nats::jetstream::context::GetStreamErrorKind;
 use async_nats::jetstream::ErrorCode;
 use tracing::{info, warn};
-use volley_core::env::EnvConfig;
 use volley_core::ids::PolicyVersion;
-use volley_core::policy::{Activation, PolicySpec};
 use volley_core::spec::{HyperParams, RunSpec};
 use volley_core::subjects;
-use volley_core::transport::nats::{NatsAuth, NatsBus};
-use volley_core::transport::{WeightsFollower, WeightsPublisher};
 use volley_core::wire::{encode_weights, Weights};
+use volley_env::EnvConfig;
+use volley_policy::{Activation, PolicySpec};
+use volley_transport::nats::{NatsAuth, NatsBus};
+use volley_transport::{WeightsFollower, WeightsPublisher};
 
 use crate::args::{BenchRole, BenchWeightsConfig};
 

@@ -8,17 +8,17 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use anyhow::{bail, Context};
 use tracing::{info, warn};
 use volley_actor::{ActorCounters, ActorMetrics, RolloutWorker};
-use volley_core::env::{EnvConfig, RemoteEnvConfig};
-use volley_core::envsvc::{EnvServiceClient, RemoteVecEnv, RemoteVecEnvConfig};
 use volley_core::ids::{ActorId, PolicyVersion, RunId};
-use volley_core::transport::local::weights_channel;
-use volley_core::transport::nats::NatsBus;
-use volley_core::transport::{TrajectorySink, TrajectorySource, WeightsPublisher};
+use volley_env::{EnvConfig, RemoteEnvConfig};
 use volley_learner::metrics::{ActorLag, WorkMetrics};
 use volley_learner::scheduler::{Planned, Scheduler, WorkPlanner};
 use volley_learner::{
     run_learner, Checkpoint, Learner, LearnerControl, LearnerMetrics, LearnerReport, RunLimits, UpdateStats,
 };
+use volley_transport::envsvc::{EnvServiceClient, RemoteVecEnv, RemoteVecEnvConfig};
+use volley_transport::local::weights_channel;
+use volley_transport::nats::NatsBus;
+use volley_transport::{TrajectorySink, TrajectorySource, WeightsPublisher};
 
 use crate::args::{ActorArgs, EnvChoice, LearnerConfig};
 use crate::serve;

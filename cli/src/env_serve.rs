@@ -7,8 +7,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use tracing::{info, warn};
-use volley_core::env::{EnvConfig, RemoteEnvConfig};
-use volley_core::envsvc::{connect_nats, EnvFactory, EnvServer, EnvServiceClient, EnvServiceName};
+use volley_env::{EnvConfig, RemoteEnvConfig};
+use volley_transport::envsvc::{connect_nats, EnvFactory, EnvServer, EnvServiceClient, EnvServiceName};
 
 use crate::args::{EnvServeArgs, NatsArgs};
 

@@ -134,11 +134,11 @@ mod tests {
     use super::*;
     use std::collections::BTreeSet;
     use volley_actor::ActorMetrics;
-    use volley_core::env::EnvConfig;
     use volley_core::ids::RunId;
-    use volley_core::policy::{Activation, CoreKind, PolicySpec};
     use volley_core::spec::{HyperParams, RunSpec};
+    use volley_env::EnvConfig;
     use volley_learner::{Learner, LearnerMetrics, LearnerReport, UpdateStats};
+    use volley_policy::{Activation, CoreKind, PolicySpec};
 
     fn exported_names() -> BTreeSet<String> {
         let learner_registry = registry_for("learner").expect("registry");

@@ -14,10 +14,10 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use tracing::{info, warn};
 use volley_actor::{ActorCounters, RolloutWorker};
 use volley_core::ids::{ActorId, PolicyVersion};
-use volley_core::transport::local::{trajectory_channel, weights_channel};
-use volley_core::transport::work::{local_work_queue, LocalSnapshotStore};
 use volley_learner::scheduler::{Planned, Scheduler, WorkPlanner};
 use volley_learner::{run_learner, Learner, LearnerReport, RunLimits, UpdateStats};
+use volley_transport::local::{trajectory_channel, weights_channel};
+use volley_transport::work::{local_work_queue, LocalSnapshotStore};
 
 use crate::args::{ProgressMode, TrainConfig};
 use crate::curve;

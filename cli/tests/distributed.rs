@@ -249,8 +249,8 @@ struct StreamState {
 /// The trajectory stream and learner consumer as a plain NATS client sees them.
 fn stream_state(nats: &TestNats, run: &str) -> StreamState {
     let run = volley_core::ids::RunId::new(run).expect("run");
-    let config = volley_core::transport::nats::NatsConfig::new(nats.url(), run.clone());
-    let bus = volley_core::transport::nats::NatsBus::connect(config).expect("connect");
+    let config = volley_transport::nats::NatsConfig::new(nats.url(), run.clone());
+    let bus = volley_transport::nats::NatsBus::connect(config).expect("connect");
     let js = bus.jetstream().clone();
     let stream_name = volley_core::subjects::trajectory_stream(&run);
     let dead_subject =
@@ -367,11 +367,9 @@ fn malformed_messages_are_counted_and_dropped() {
     let dir = tempfile::tempdir().expect("temp dir");
     let mut learner = Proc::volley(dir.path(), "learner", &learner_args(&nats, "garbage", dir.path(), &[]), PATIENCE);
     learner.wait_for_log("no weights published yet");
-    let config = volley_core::transport::nats::NatsConfig::new(
-        nats.url(),
-        volley_core::ids::RunId::new("garbage").expect("run"),
-    );
-    let bus = volley_core::transport::nats::NatsBus::connect(config).expect("connect");
+    let config =
+        volley_transport::nats::NatsConfig::new(nats.url(), volley_core::ids::RunId::new("garbage").expect("run"));
+    let bus = volley_transport::nats::NatsBus::connect(config).expect("connect");
     let js = bus.jetstream().clone();
     let mut wrong_version = b"VLLY".to_vec();
     wrong_version.extend_from_slice(&99u16.to_le_bytes());

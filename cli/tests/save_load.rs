@@ -10,16 +10,16 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use volley_actor::RolloutWorker;
-use volley_core::env::{EnvConfig, MilestonesConfig};
 use volley_core::ids::{ActorId, PolicyVersion, RunId};
-use volley_core::policy::{Activation, CoreKind, PolicySpec};
 use volley_core::spec::{HyperParams, LossKind, RunSpec};
-use volley_core::transport::nats::{NatsBus, NatsConfig};
-use volley_core::transport::work::{local_work_queue, LocalSnapshotStore, SnapshotStore, WorkQueue};
-use volley_core::transport::{Delivery, TrajectorySource, WeightsPublisher};
 use volley_core::wire::{EpisodeSummary, Weights};
 use volley_core::work::{Start, WorkConfig, WorkItem};
+use volley_env::{EnvConfig, MilestonesConfig};
+use volley_policy::{Activation, CoreKind, PolicySpec};
 use volley_testkit::TestNats;
+use volley_transport::nats::{NatsBus, NatsConfig};
+use volley_transport::work::{local_work_queue, LocalSnapshotStore, SnapshotStore, WorkQueue};
+use volley_transport::{Delivery, TrajectorySource, WeightsPublisher};
 
 mod common;
 use common::Proc;

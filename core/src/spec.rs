@@ -1,9 +1,9 @@
 //! The run spec: everything an actor needs to join a run, and the hyper-parameters the learner
 //! uses, in one serializable value (written to a KV bucket by the learner in distributed runs).
 
-use crate::env::{EnvConfig, EnvError};
 use crate::ids::RunId;
-use crate::policy::{ParamLayout, PolicyError, PolicySpec};
+use volley_env::{EnvConfig, EnvError};
+use volley_policy::{ParamLayout, PolicyError, PolicySpec};
 
 /// Which loss the learner optimises.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -115,7 +115,7 @@ pub struct HyperParams {
 
 /// Limits on how far one actor can move what the learner reports (docs/SECURITY.md).
 ///
-/// Segments are validated against the environment's [`crate::env::EnvBounds`] whatever these
+/// Segments are validated against the environment's [`volley_env::EnvBounds`] whatever these
 /// say; this bounds what valid-looking data from one actor id can do to the mean return that
 /// the solved stop and every report read.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -540,9 +540,9 @@ impl RunSpec {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::env::RemoteEnvConfig;
-    use crate::envsvc::EnvServiceName;
-    use crate::policy::{Activation, CoreKind};
+    use volley_env::EnvServiceName;
+    use volley_env::RemoteEnvConfig;
+    use volley_policy::{Activation, CoreKind};
 
     fn spec(env: EnvConfig, obs_dim: usize) -> RunSpec {
         RunSpec {

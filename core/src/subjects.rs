@@ -33,8 +33,8 @@
 //! A [`RunId`] is `[a-z0-9-]{1,16}` and an [`ActorId`] `[A-Za-z0-9_-]{1,64}`, so every name
 //! built here is valid by construction.
 
-use crate::envsvc::EnvServiceName;
 use crate::ids::{ActorId, RunId};
+use volley_env::EnvServiceName;
 
 /// Durable name of the learner's pull consumer on the trajectory stream (named after its role).
 pub const LEARNER_CONSUMER: &str = "learner";

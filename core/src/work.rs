@@ -12,8 +12,8 @@
 use rand_pcg::Pcg64Mcg;
 use serde::{Deserialize, Serialize};
 
-use crate::env::EnvConfig;
 use crate::wire::DecodeError;
+use volley_env::EnvConfig;
 
 /// How the scheduler splits the rollout budget between tasks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -52,7 +52,7 @@ pub struct WorkConfig {
     pub episodes_per_item: u32,
     /// Save a snapshot every this many steps of an episode (0: only at env milestones).
     pub snapshot_every_steps: u32,
-    /// Save at the environment's milestones ([`crate::env::Env::at_milestone`]).
+    /// Save at the environment's milestones ([`volley_env::Env::at_milestone`]).
     pub snapshot_at_milestones: bool,
     /// Work items kept queued per actor environment slot.
     pub queue_per_slot: u32,
@@ -172,7 +172,7 @@ pub struct EpisodeSnapshot {
     pub task_id: u32,
     /// The start the episode came from (`None`: fresh).
     pub origin: Option<String>,
-    /// [`crate::env::Env::snapshot`] bytes.
+    /// [`volley_env::Env::snapshot`] bytes.
     pub env: Vec<u8>,
     /// Recurrent state `[H]` before the next step.
     pub hidden: Vec<f32>,
@@ -184,7 +184,7 @@ pub struct EpisodeSnapshot {
     pub policy_version: crate::ids::PolicyVersion,
     /// The episode's action-sampling generator.
     pub rng: Pcg64Mcg,
-    /// Environment-defined progress ([`crate::env::Env::progress`]).
+    /// Environment-defined progress ([`volley_env::Env::progress`]).
     pub progress: f32,
 }
 

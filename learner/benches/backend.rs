@@ -21,13 +21,13 @@ use std::time::Instant;
 
 use rand::{Rng, SeedableRng};
 use rand_pcg::Pcg64Mcg;
-use volley_core::env::EnvConfig;
 use volley_core::ids::{PolicyVersion, RunId};
-use volley_core::policy::{Activation, CoreKind, PolicySpec};
 use volley_core::spec::{HyperParams, LossKind, RunSpec};
+use volley_env::EnvConfig;
 use volley_learner::backend::{open_cuda, CudaDevice};
 use volley_learner::batch::SegmentBatch;
 use volley_learner::Learner;
+use volley_policy::{Activation, CoreKind, PolicySpec};
 
 const OBS_DIM: usize = 4;
 const N_ACTIONS: usize = 2;

@@ -4,13 +4,13 @@
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use rand::{Rng, SeedableRng};
 use rand_pcg::Pcg64Mcg;
-use volley_core::env::EnvConfig;
 use volley_core::ids::RunId;
-use volley_core::policy::{Activation, CoreKind, PolicySpec};
 use volley_core::spec::{HyperParams, LossKind, RunSpec};
 use volley_core::wire::TrajectorySegment;
+use volley_env::EnvConfig;
 use volley_learner::batch::SegmentBatch;
 use volley_learner::Learner;
+use volley_policy::{Activation, CoreKind, PolicySpec};
 use volley_testkit::fixtures::SegmentBuilder;
 
 fn spec(loss: LossKind, core: CoreKind, t_len: usize, b_len: usize) -> RunSpec {

@@ -1,7 +1,7 @@
 // Shared device helpers for Volley's learner kernels. Prepended to every .cu file before NVRTC
 // compiles it (NVRTC has no include path here), so each kernel file stays self-contained.
 //
-// Layout conventions (the same as the CPU backend, learner/src and core/src/policy):
+// Layout conventions (the same as the CPU backend, learner/src and policy/src):
 // - every matrix is row-major; a batch is time-major `[T][B]` flattened as `t * B + b`;
 // - the two heads form one `[rows][A + 1]` block: columns 0..A are logits, column A the value;
 // - reductions accumulate in double, as the CPU backend does, with one atomicAdd per block.
@@ -11,7 +11,7 @@
 typedef unsigned int u32;
 
 // Eigen's [13/6] rational fit of tanh with the input clamped to +-7.905311 (the CPU backend's
-// fast_tanh, core/src/policy/linalg.rs): the same coefficients, so both backends agree to ~1e-6.
+// fast_tanh, policy/src/linalg.rs): the same coefficients, so both backends agree to ~1e-6.
 __device__ __forceinline__ float volley_tanh(float x) {
     const float clamp = 7.90531110763549805f;
     x = fminf(fmaxf(x, -clamp), clamp);

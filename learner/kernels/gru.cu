@@ -1,6 +1,6 @@
 // Element-wise GRU cell kernels (PyTorch gate convention, gate blocks r, z, n side by side in
 // [rows][3H] rows); the matrix products x W_i^T and h W_h^T are cuBLAS calls. Mirrors
-// core/src/policy/gru.rs unit for unit.
+// policy/src/gru.rs unit for unit.
 
 // dst[b] = starts[b] != 0 ? 0 : src[b]: the state entering a step, zeroed where an episode starts.
 extern "C" __global__ void gru_reset_copy(const float* src, const float* starts, float* dst, int b_len, int hidden) {

@@ -1,6 +1,6 @@
 // Policy-head and loss kernels: log-softmax rows, the V-trace and GAE reverse scans over time,
 // weighted moments, and the fused V-trace / PPO loss that writes the heads' gradient rows.
-// Mirrors learner/src/losses.rs and core/src/returns (same formulas, f32 per sample, double sums).
+// Mirrors learner/src/losses.rs and policy/src/returns (same formulas, f32 per sample, double sums).
 
 // For each sample row i < n of the heads block (stride = A + 1): out[i] = log pi(a_i | x_i) - ref[i]
 // (ref = behaviour log-probs gives log rho; ref == NULL gives log pi(a_i) itself).
@@ -23,7 +23,7 @@ extern "C" __global__ void behaviour_weights(const float* prox, const float* beh
 
 // V-trace targets and policy-gradient advantages (Espeholt et al. 2018, eq. (1), sec. 4.2):
 // one thread per batch column walks time backwards; every load is coalesced across columns.
-// `vs` doubles as the carry, as in core/src/returns/vtrace.rs.
+// `vs` doubles as the carry, as in policy/src/returns/vtrace.rs.
 extern "C" __global__ void vtrace_scan(int t_len, int b_len, const float* log_rhos, const float* discounts, const float* rewards,
                                        const float* values, const float* bootstrap, float rho_bar, float pg_rho_bar, float c_bar,
                                        float lambda_, float* vs, float* pg_adv) {

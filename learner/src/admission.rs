@@ -10,7 +10,7 @@
 //!   actor (it only runs published versions), so it is rejected as `future_version` instead
 //!   of being trained on with lag 0;
 //! - **rewards**: every reward within the environment's per-step bound
-//!   ([`volley_core::env::EnvBounds`]), every truncation value within what that bound allows
+//!   ([`volley_env::EnvBounds`]), every truncation value within what that bound allows
 //!   over a horizon (`reward_bound`);
 //! - **episode summaries** (`episode_summary`): at most one per episode end in the segment;
 //!   lengths at least 1 and within the time limit; returns within the bound times the length;
@@ -25,10 +25,10 @@
 //! A rejected segment is counted under [`Rejection::reason`], logged and acknowledged, like a
 //! malformed one.
 
-use volley_core::env::EnvBounds;
 use volley_core::ids::PolicyVersion;
 use volley_core::spec::RunSpec;
 use volley_core::wire::TrajectorySegment;
+use volley_env::EnvBounds;
 
 /// Longest snapshot key a segment may name (keys are `w<item>-e<episode>-s<steps>`).
 pub const MAX_KEY_BYTES: usize = 128;
@@ -259,13 +259,10 @@ fn cut(value: &str) -> &str {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use volley_testkit::fixtures::{SegmentBuilder, SpecBuilder};
-    use volley_core::env::{EnvConfig, MilestonesConfig};
-    
-    
-    
     use volley_core::wire::EpisodeSummary;
     use volley_core::work::SnapshotInfo;
+    use volley_env::{EnvConfig, MilestonesConfig};
+    use volley_testkit::fixtures::{SegmentBuilder, SpecBuilder};
 
     const T: usize = 8;
 

@@ -141,11 +141,8 @@ mod tests {
     use volley_testkit::fixtures::{SegmentBuilder, SpecBuilder};
     use crate::batch::SegmentBatch;
     use crate::learner::Learner;
-    
     use volley_core::ids::PolicyVersion;
-    
     use volley_core::spec::{HyperParams, LossKind, RunSpec};
-    
 
     fn spec(torso: Vec<usize>) -> RunSpec {
         let hyper = HyperParams { loss: LossKind::Ppo, batch_segments: 2, ppo_minibatches: 2, ..HyperParams::default() };

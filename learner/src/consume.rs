@@ -11,9 +11,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use tracing::{debug, info, warn};
-use volley_core::transport::{Delivery, DeliveryToken, TrajectorySource, TransportError, WeightsPublisher};
 use volley_core::ids::PolicyVersion;
 use volley_core::wire::TrajectorySegment;
+use volley_transport::{Delivery, DeliveryToken, TrajectorySource, TransportError, WeightsPublisher};
 
 use crate::admission::Admission;
 use crate::batch::SegmentBatch;

@@ -5,13 +5,13 @@ use std::sync::Arc;
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use rand_pcg::Pcg64Mcg;
-use volley_core::distributions::log_softmax;
 use volley_core::ids::PolicyVersion;
-use volley_core::policy::{ParamLayout, PolicyTape};
-use volley_core::returns::gae::gae;
-use volley_core::returns::vtrace::VTraceConfig;
 use volley_core::spec::{LossKind, RunSpec, SpecError};
 use volley_core::wire::Weights;
+use volley_policy::distributions::log_softmax;
+use volley_policy::returns::gae::gae;
+use volley_policy::returns::vtrace::VTraceConfig;
+use volley_policy::{ParamLayout, PolicyTape};
 
 use crate::backend::cuda::{CudaEngine, DeviceState};
 use crate::backend::{open_cuda, BackendError, BackendKind, CudaDevice, DeviceTiming};

@@ -6,7 +6,7 @@
 //! - [`ppo_loss`]: PPO-clip (Schulman et al. 2017, eq. (7)) in the decoupled form of Hilton
 //!   et al. 2021 ("Batch size-invariance for policy optimization", eq. (2)), on `[T][B]`
 //!   network outputs (no bootstrap row), with advantages and targets ([`PpoTargets`]) computed
-//!   beforehand (for example by [`volley_core::returns::gae()`]).
+//!   beforehand (for example by [`volley_policy::returns::gae()`]).
 //!
 //! Both losses are weighted sums normalised by the weight sum `W = Σ_i w_i`:
 //!
@@ -24,8 +24,8 @@
 //! per-row gradient is computed in place: each row of `dlogits` first receives the row's
 //! log-probabilities and then its gradient, so the losses allocate nothing per sample.
 
-use volley_core::distributions::{entropy_from_log_probs, log_softmax};
-use volley_core::returns::{vtrace, VTraceConfig};
+use volley_policy::distributions::{entropy_from_log_probs, log_softmax};
+use volley_policy::returns::{vtrace, VTraceConfig};
 
 /// A time-major batch (or minibatch) of `B` segments of `T` steps, as both losses consume it.
 ///

@@ -1,7 +1,7 @@
 //! The optimiser over the flat parameter buffer: Adam with bias correction, global-norm gradient
 //! clipping, and learning-rate schedules.
 //!
-//! Parameters and gradients are one contiguous `f32` buffer each (see `core::policy`'s flat
+//! Parameters and gradients are one contiguous `f32` buffer each (see `volley_policy`'s flat
 //! layout), so the optimiser never needs to know the network's shape.
 
 /// Errors restoring the optimiser from saved state.
@@ -273,7 +273,7 @@ mod tests {
             (walk / (5000.0 * n_params as f64), spike)
         };
         let (paper_walk, paper_spike) = run(1e-8);
-        let (run_walk, run_spike) = run(volley_core::spec::default_adam_eps(&volley_core::env::EnvConfig::Cartpole));
+        let (run_walk, run_spike) = run(volley_core::spec::default_adam_eps(&volley_env::EnvConfig::Cartpole));
         // The mechanism with ε = 1e-8: noise moves each parameter by a sizeable fraction of lr
         // per update, and the spike by well over lr.
         assert!(paper_walk > 0.1 * f64::from(lr), "paper ε: mean step {paper_walk}");

@@ -23,11 +23,11 @@ use std::time::{Duration, Instant};
 
 use rand::{Rng, SeedableRng};
 use rand_pcg::Pcg64Mcg;
-use volley_core::env::EnvConfig;
-use volley_core::transport::work::WorkQueue;
-use volley_core::transport::TransportError;
 use volley_core::wire::TrajectorySegment;
 use volley_core::work::{episode_success, BudgetPolicy, Start, WorkConfig, WorkItem};
+use volley_env::EnvConfig;
+use volley_transport::work::WorkQueue;
+use volley_transport::TransportError;
 
 /// Weight every task keeps under [`BudgetPolicy::Learnability`], as a fraction of the largest
 /// possible `p (1 − p)` (¼), so a solved or hopeless task is still visited now and then.
@@ -441,10 +441,10 @@ fn sample_weighted(rng: &mut Pcg64Mcg, weights: &[f64]) -> usize {
 mod tests {
     use super::*;
     use volley_testkit::fixtures::SegmentBuilder;
-    use volley_core::env::MemoryConfig;
-    use volley_core::transport::work::local_work_queue;
     use volley_core::wire::EpisodeSummary;
     use volley_core::work::SnapshotInfo;
+    use volley_env::MemoryConfig;
+    use volley_transport::work::local_work_queue;
 
     fn memory_tasks() -> Vec<EnvConfig> {
         (1..=3).map(|delay| EnvConfig::Memory(MemoryConfig { n_cues: 2, delay })).collect()

@@ -28,11 +28,11 @@ use rand::{Rng, SeedableRng};
 use rand_pcg::Pcg64Mcg;
 use tracing::debug;
 use volley_core::ids::PolicyVersion;
-use volley_core::policy::{ParamLayout, PolicyTape};
-use volley_core::returns::gae::gae;
 use volley_core::spec::{GuardConfig, PriorityConfig, RunSpec, ZeroVarianceConfig};
-use volley_core::transport::DeliveryToken;
 use volley_core::wire::TrajectorySegment;
+use volley_policy::returns::gae::gae;
+use volley_policy::{ParamLayout, PolicyTape};
+use volley_transport::DeliveryToken;
 
 use crate::batch::{resize, SegmentBatch};
 
@@ -521,11 +521,11 @@ mod tests {
     use super::*;
     use volley_testkit::fixtures::SegmentBuilder;
     use proptest::prelude::*;
-    use volley_core::env::EnvConfig;
     use volley_core::ids::RunId;
-    use volley_core::policy::{Activation, PolicySpec};
     use volley_core::spec::{HyperParams, SelectionConfig};
     use volley_core::wire::EpisodeSummary;
+    use volley_env::EnvConfig;
+    use volley_policy::{Activation, PolicySpec};
 
     const T: usize = 4;
 

@@ -8,18 +8,15 @@ use std::time::Duration;
 
 use rand::{Rng, SeedableRng};
 use rand_pcg::Pcg64Mcg;
-use volley_core::env::{EnvConfig, RemoteEnvConfig};
-use volley_core::envsvc::EnvServiceName;
 use volley_core::ids::{PolicyVersion, RunId};
-
 use volley_core::spec::{GuardConfig, HyperParams, LossKind, PriorityConfig, RunSpec, ZeroVarianceConfig};
-use volley_core::transport::local::{trajectory_channel, weights_channel, LocalTrajectorySource};
-use volley_core::transport::{
-    Delivery, DeliveryToken, TrajectorySink, TrajectorySource, TransportError, WeightsFollower,
-};
 use volley_core::wire::{EpisodeSummary, TrajectorySegment};
+use volley_env::{EnvConfig, RemoteEnvConfig};
 use volley_testkit::fixtures::{SegmentBuilder, SpecBuilder};
 use volley_learner::{run_learner, Learner, LearnerMetrics, LearnerReport, RunLimits, StopReason, UpdateStats};
+use volley_transport::envsvc::EnvServiceName;
+use volley_transport::local::{trajectory_channel, weights_channel, LocalTrajectorySource};
+use volley_transport::{Delivery, DeliveryToken, TrajectorySink, TrajectorySource, TransportError, WeightsFollower};
 
 const T: usize = 8;
 const B: usize = 4;

@@ -7,11 +7,11 @@ use std::sync::atomic::AtomicBool;
 
 use volley_core::ids::PolicyVersion;
 use volley_core::spec::{HyperParams, LossKind, RunSpec};
-use volley_core::transport::local::{trajectory_channel, weights_channel};
-use volley_core::transport::TrajectorySink;
 use volley_core::wire::{EpisodeSummary, TrajectorySegment};
 use volley_testkit::fixtures::{SegmentBuilder, SpecBuilder};
 use volley_learner::{run_learner, Learner, LearnerReport, RunLimits, StopReason, UpdateStats};
+use volley_transport::local::{trajectory_channel, weights_channel};
+use volley_transport::TrajectorySink;
 
 const T: usize = 8;
 const B: usize = 4;

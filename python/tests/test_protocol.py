@@ -1,4 +1,4 @@
-"""The encoding, byte for byte as the Rust side expects it (core/src/envsvc/protocol.rs)."""
+"""The encoding, byte for byte as the Rust side expects it (transport/src/envsvc/protocol.rs)."""
 
 import msgpack
 import numpy as np
@@ -17,7 +17,7 @@ from volley_envs.protocol import (
 
 
 def test_open_reply_bytes_match_the_rust_encoding():
-    # The same bytes core::envsvc::protocol's test expects from rmp_serde::to_vec_named.
+    # The same bytes volley_transport::envsvc::protocol's test expects from rmp_serde::to_vec_named.
     data = pack({"session": 7, "obs": f32_bin([1.0]), "idle_timeout_ms": 0})
     assert data[:10] == bytes([0x83, 0xA7]) + b"session" + bytes([7])
     assert data[10:20] == bytes([0xA3]) + b"obs" + bytes([0xC4, 4, 0, 0, 0x80, 0x3F])

@@ -11,12 +11,12 @@
 //! segment.validate(&spec, layout.hash(), 0).expect("a spec-valid segment");
 //! ```
 
-use volley_core::env::EnvConfig;
 use volley_core::ids::{ActorId, PolicyVersion, RunId};
-use volley_core::policy::{Activation, CoreKind, ParamLayout, PolicySpec};
 use volley_core::spec::{HyperParams, RunSpec};
 use volley_core::wire::{EpisodeSummary, TrajectorySegment};
 use volley_core::work::SnapshotInfo;
+use volley_env::EnvConfig;
+use volley_policy::{Activation, CoreKind, ParamLayout, PolicySpec};
 
 /// Builds a [`RunSpec`]; starts from [`SpecBuilder::cartpole`].
 #[derive(Debug, Clone)]

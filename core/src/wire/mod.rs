@@ -279,11 +279,12 @@ pub(crate) fn test_segment(run: &str, t_len: usize, obs_dim: usize, segment_idx:
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::env::EnvConfig;
-    use crate::policy::{Activation, CoreKind, ParamLayout, PolicySpec};
+    use crate::ids::RunId;
     use crate::spec::HyperParams;
     use proptest::prelude::*;
     use proptest::strategy::ValueTree;
+    use volley_env::EnvConfig;
+    use volley_policy::{Activation, CoreKind, ParamLayout, PolicySpec};
 
     const T: usize = 4;
 

@@ -26,8 +26,8 @@ use cudarc::driver::{
 };
 use rand::seq::SliceRandom;
 use rand_pcg::Pcg64Mcg;
-use volley_core::policy::{Activation, CoreKind, ParamLayout};
 use volley_core::spec::{HyperParams, LossKind};
+use volley_policy::{Activation, CoreKind, ParamLayout};
 
 use super::kernels::{self, KernelError};
 use super::BackendError;

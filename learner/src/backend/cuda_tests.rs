@@ -12,11 +12,11 @@ use crate::learner::Learner;
 use crate::losses::{self, PpoLossConfig, PpoTargets, SequenceBatch, VTraceLossConfig};
 use crate::optim::{clip_grad_global_norm, Adam, AdamConfig};
 use rand::{Rng, SeedableRng};
-use volley_core::env::EnvConfig;
 use volley_core::ids::{PolicyVersion, RunId};
-use volley_core::policy::{PolicySpec, PolicyTape};
-use volley_core::returns::{gae, vtrace, VTraceConfig};
 use volley_core::spec::RunSpec;
+use volley_env::EnvConfig;
+use volley_policy::returns::{gae, vtrace, VTraceConfig};
+use volley_policy::{PolicySpec, PolicyTape};
 
 fn device_or_skip(test: &str) -> Option<CudaDevice> {
     match open_cuda(0) {
@@ -369,7 +369,7 @@ fn log_probs_and_loss_kernels_match_the_cpu_losses() {
         .zip(&actions)
         .map(|(row, &act)| {
             let mut lp = vec![0.0; a];
-            volley_core::distributions::log_softmax(row, &mut lp);
+            volley_policy::distributions::log_softmax(row, &mut lp);
             lp[act as usize] + r.random_range(-0.3..0.3)
         })
         .collect();
@@ -405,7 +405,7 @@ fn log_probs_and_loss_kernels_match_the_cpu_losses() {
         .zip(&actions)
         .map(|(row, &act)| {
             let mut lp = vec![0.0; a];
-            volley_core::distributions::log_softmax(row, &mut lp);
+            volley_policy::distributions::log_softmax(row, &mut lp);
             lp[act as usize]
         })
         .collect();

@@ -1,0 +1,279 @@
+//! Batched one-step inference for actors.
+
+use super::layout::ParamLayout;
+use super::linalg::dense_forward;
+use super::{gru, PolicyError};
+
+/// Batched one-step policy evaluation for actors: observations (and recurrent state) in,
+/// logits and values out.
+///
+/// It owns a workspace sized for `max_batch` agents at construction, so [`forward`](Self::forward)
+/// allocates nothing of its own (the `matrixmultiply` GEMMs still take one short-lived packing
+/// buffer per product internally). Every layer is one GEMM over the whole batch followed by a
+/// fused bias + activation pass; the policy and value heads share one GEMM.
+///
+/// Recurrent state is the caller's: `hidden` is `[n][H]`, read and advanced in place. An actor
+/// starts an agent's state at zeros and zeroes it again when that agent's episode ends, which is
+/// exactly what `episode_start` does in [`PolicyTape`](super::PolicyTape).
+///
+/// ```
+/// use volley_policy::{Activation, ParamLayout, PolicyInference, PolicySpec};
+/// let layout = ParamLayout::new(&PolicySpec::mlp(4, 2, &[64, 64], Activation::Tanh)).unwrap();
+/// let params = layout.init_params(0);
+/// let mut inference = PolicyInference::new(&layout, 8);
+/// let obs = [0.1f32; 3 * 4];
+/// let (mut logits, mut values) = ([0.0f32; 3 * 2], [0.0f32; 3]);
+/// inference.forward(&params, &obs, 3, &mut [], &mut logits, &mut values);
+/// assert!(logits.iter().chain(&values).all(|x| x.is_finite()));
+/// ```
+#[derive(Debug, Clone)]
+pub struct PolicyInference {
+    layout: ParamLayout,
+    max_batch: usize,
+    /// Ping-pong torso activations, `[max_batch][max torso width]` each.
+    act_a: Vec<f32>,
+    act_b: Vec<f32>,
+    /// GRU input and hidden projections, `[max_batch][3H]` each (empty without a GRU).
+    gi: Vec<f32>,
+    gh: Vec<f32>,
+    /// Fused head output, `[max_batch][n_actions + 1]`.
+    heads_out: Vec<f32>,
+}
+
+impl PolicyInference {
+    /// A workspace for batches of up to `max_batch` agents.
+    pub fn new(layout: &ParamLayout, max_batch: usize) -> Self {
+        let width = layout.max_torso_width();
+        let gates = 3 * layout.recurrent_size();
+        PolicyInference {
+            layout: layout.clone(),
+            max_batch,
+            act_a: vec![0.0; max_batch * width],
+            act_b: vec![0.0; max_batch * width],
+            gi: vec![0.0; max_batch * gates],
+            gh: vec![0.0; max_batch * gates],
+            heads_out: vec![0.0; max_batch * (layout.n_actions() + 1)],
+        }
+    }
+
+    /// The layout this workspace was built for.
+    pub fn layout(&self) -> &ParamLayout {
+        &self.layout
+    }
+
+    /// The largest batch [`forward`](Self::forward) accepts.
+    pub fn max_batch(&self) -> usize {
+        self.max_batch
+    }
+
+    /// One step for `n` agents.
+    ///
+    /// * `params`: the flat buffer, `n_params` long.
+    /// * `obs`: `[n][obs_dim]`.
+    /// * `hidden`: `[n][H]` with `H = layout.recurrent_size()`, advanced in place (pass `&mut []`
+    ///   for a feed-forward policy).
+    /// * `logits`: `[n][n_actions]`, overwritten.
+    /// * `values`: `[n]`, overwritten.
+    ///
+    /// # Panics
+    /// If a length disagrees with the layout or `n > max_batch`; these are caller invariants.
+    /// Use [`try_forward`](Self::try_forward) to get a [`PolicyError`] instead.
+    pub fn forward(
+        &mut self,
+        params: &[f32],
+        obs: &[f32],
+        n: usize,
+        hidden: &mut [f32],
+        logits: &mut [f32],
+        values: &mut [f32],
+    ) {
+        if let Err(err) = self.try_forward(params, obs, n, hidden, logits, values) {
+            panic!("PolicyInference::forward: {err}");
+        }
+    }
+
+    /// [`forward`](Self::forward) that reports bad lengths as [`PolicyError`] instead of
+    /// panicking.
+    pub fn try_forward(
+        &mut self,
+        params: &[f32],
+        obs: &[f32],
+        n: usize,
+        hidden: &mut [f32],
+        logits: &mut [f32],
+        values: &mut [f32],
+    ) -> Result<(), PolicyError> {
+        self.check_shapes(params, obs, n, hidden, logits, values)?;
+        self.run(params, obs, n, hidden, logits, values);
+        Ok(())
+    }
+
+    #[cold]
+    fn shape_error(field: &'static str, expected: usize, got: usize) -> PolicyError {
+        PolicyError::Shape { field, expected, got }
+    }
+
+    fn check_shapes(
+        &self,
+        params: &[f32],
+        obs: &[f32],
+        n: usize,
+        hidden: &[f32],
+        logits: &[f32],
+        values: &[f32],
+    ) -> Result<(), PolicyError> {
+        if n > self.max_batch {
+            return Err(PolicyError::BatchSize {
+                field: "n",
+                value: n,
+                rule: format!("at most max_batch = {}", self.max_batch),
+            });
+        }
+        let layout = &self.layout;
+        let expected = [
+            ("params", layout.n_params(), params.len()),
+            ("obs", n * layout.obs_dim(), obs.len()),
+            ("hidden", n * layout.recurrent_size(), hidden.len()),
+            ("logits", n * layout.n_actions(), logits.len()),
+            ("values", n, values.len()),
+        ];
+        for (field, expected, got) in expected {
+            if expected != got {
+                return Err(Self::shape_error(field, expected, got));
+            }
+        }
+        Ok(())
+    }
+
+    /// The forward pass proper; lengths were checked by the caller.
+    fn run(
+        &mut self,
+        params: &[f32],
+        obs: &[f32],
+        n: usize,
+        hidden: &mut [f32],
+        logits: &mut [f32],
+        values: &mut [f32],
+    ) {
+        if n == 0 {
+            return;
+        }
+        let layout = &self.layout;
+        let activation = layout.spec().activation;
+        let torso = layout.torso();
+        // Layer i reads the buffer layer i−1 wrote (obs for i = 0) and writes the other one.
+        for (layer_idx, layer) in torso.iter().enumerate() {
+            let (input, output) =
+                if layer_idx % 2 == 0 { (&self.act_b, &mut self.act_a) } else { (&self.act_a, &mut self.act_b) };
+            let x = if layer_idx == 0 { obs } else { &input[..] };
+            dense_forward(x, n, layer.weight(params), layer.bias(params), Some(activation), output);
+        }
+        let torso_features: &[f32] = match torso.len() {
+            0 => obs,
+            n_layers if n_layers % 2 == 1 => &self.act_a,
+            _ => &self.act_b,
+        };
+        let features: &[f32] = match layout.gru() {
+            None => torso_features,
+            Some(gru) => {
+                let gates = 3 * gru.hidden;
+                let gi = &mut self.gi[..n * gates];
+                let gh = &mut self.gh[..n * gates];
+                dense_forward(torso_features, n, gru.weight_ih(params), gru.bias_ih(params), None, gi);
+                dense_forward(hidden, n, gru.weight_hh(params), gru.bias_hh(params), None, gh);
+                gru::cell_forward_in_place(gi, gh, hidden, gru.hidden);
+                hidden
+            }
+        };
+        let heads = layout.heads();
+        let n_actions = layout.n_actions();
+        let heads_out = &mut self.heads_out[..n * heads.n_out];
+        dense_forward(features, n, heads.weight(params), heads.bias(params), None, heads_out);
+        split_heads(heads_out, n_actions, logits, values);
+    }
+}
+
+/// Split fused head rows `[logits…, value]` into the caller's logits and values.
+pub(crate) fn split_heads(heads_out: &[f32], n_actions: usize, logits: &mut [f32], values: &mut [f32]) {
+    for ((row, logits), value) in
+        heads_out.chunks_exact(n_actions + 1).zip(logits.chunks_exact_mut(n_actions)).zip(values.iter_mut())
+    {
+        logits.copy_from_slice(&row[..n_actions]);
+        *value = row[n_actions];
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::{Activation, PolicySpec};
+    use super::*;
+
+    #[test]
+    fn wrong_lengths_are_shape_errors() {
+        let layout = ParamLayout::new(&PolicySpec::gru(3, 2, &[4], Activation::Tanh, 5)).unwrap();
+        let params = layout.init_params(0);
+        let mut inference = PolicyInference::new(&layout, 4);
+        let obs = vec![0.0; 2 * 3];
+        let mut hidden = vec![0.0; 2 * 5];
+        let mut logits = vec![0.0; 2 * 2];
+        let mut values = vec![0.0; 2];
+        assert!(inference.try_forward(&params, &obs, 2, &mut hidden, &mut logits, &mut values).is_ok());
+        let err = inference.try_forward(&params[1..], &obs, 2, &mut hidden, &mut logits, &mut values).unwrap_err();
+        assert!(matches!(err, PolicyError::Shape { field: "params", .. }));
+        let err = inference.try_forward(&params, &obs[1..], 2, &mut hidden, &mut logits, &mut values).unwrap_err();
+        assert!(matches!(err, PolicyError::Shape { field: "obs", .. }));
+        let err = inference.try_forward(&params, &obs, 2, &mut [], &mut logits, &mut values).unwrap_err();
+        assert!(matches!(err, PolicyError::Shape { field: "hidden", .. }));
+        let err = inference.try_forward(&params, &obs, 2, &mut hidden, &mut logits[1..], &mut values).unwrap_err();
+        assert!(matches!(err, PolicyError::Shape { field: "logits", .. }));
+        let err = inference.try_forward(&params, &obs, 2, &mut hidden, &mut logits, &mut values[1..]).unwrap_err();
+        assert!(matches!(err, PolicyError::Shape { field: "values", .. }));
+        let err = inference.try_forward(&params, &[], 5, &mut [], &mut [], &mut []).unwrap_err();
+        assert!(matches!(err, PolicyError::BatchSize { field: "n", value: 5, .. }));
+        assert_eq!(err.to_string(), "n = 5 out of range, must be at most max_batch = 4");
+    }
+
+    #[test]
+    #[should_panic(expected = "PolicyInference::forward: obs: expected 6 elements, got 5")]
+    fn forward_panics_with_the_shape_error() {
+        let layout = ParamLayout::new(&PolicySpec::mlp(3, 2, &[4], Activation::Tanh)).unwrap();
+        let params = layout.init_params(0);
+        let mut inference = PolicyInference::new(&layout, 4);
+        inference.forward(&params, &[0.0; 5], 2, &mut [], &mut [0.0; 4], &mut [0.0; 2]);
+    }
+
+    #[test]
+    fn empty_batch_is_a_no_op() {
+        let layout = ParamLayout::new(&PolicySpec::mlp(3, 2, &[4], Activation::Relu)).unwrap();
+        let params = layout.init_params(0);
+        let mut inference = PolicyInference::new(&layout, 0);
+        inference.forward(&params, &[], 0, &mut [], &mut [], &mut []);
+    }
+
+    #[test]
+    fn batch_rows_are_independent() {
+        // Each agent's output must not depend on which other agents share its batch.
+        let spec = PolicySpec::gru(3, 4, &[8, 6], Activation::Tanh, 5);
+        let layout = ParamLayout::new(&spec).unwrap();
+        let params = layout.init_params(11);
+        let n = 6;
+        let obs: Vec<f32> = (0..n * 3).map(|i| (i as f32 * 0.37).sin()).collect();
+        let hidden0: Vec<f32> = (0..n * 5).map(|i| (i as f32 * 0.11).cos() * 0.5).collect();
+        let mut inference = PolicyInference::new(&layout, n);
+        let mut hidden = hidden0.clone();
+        let (mut logits, mut values) = (vec![0.0; n * 4], vec![0.0; n]);
+        inference.forward(&params, &obs, n, &mut hidden, &mut logits, &mut values);
+        for agent in 0..n {
+            let mut h = hidden0[agent * 5..(agent + 1) * 5].to_vec();
+            let (mut l, mut v) = (vec![0.0; 4], vec![0.0; 1]);
+            inference.forward(&params, &obs[agent * 3..(agent + 1) * 3], 1, &mut h, &mut l, &mut v);
+            for (a, b) in l.iter().zip(&logits[agent * 4..(agent + 1) * 4]) {
+                assert!((a - b).abs() < 1e-6);
+            }
+            assert!((v[0] - values[agent]).abs() < 1e-6);
+            for (a, b) in h.iter().zip(&hidden[agent * 5..(agent + 1) * 5]) {
+                assert!((a - b).abs() < 1e-6);
+            }
+        }
+    }
+}

@@ -1,0 +1,597 @@
+//! The flat parameter layout: where every weight matrix and bias vector of a [`PolicySpec`]
+//! lives in the single `f32` parameter buffer, and a stable hash that names the architecture.
+
+use std::ops::Range;
+
+use super::{CoreKind, PolicyError, PolicySpec, MAX_LAYER_WIDTH, MAX_PARAMS, MAX_TORSO_LAYERS};
+
+/// One named block of the flat parameter buffer: a row-major `rows × cols` matrix starting at
+/// `offset`. Bias vectors are `1 × width` rows.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ParamEntry {
+    /// Dotted name, e.g. `"torso.0.weight"`, `"gru.weight_hh"`, `"value.bias"`.
+    pub name: String,
+    /// Index of the block's first element in the flat buffer.
+    pub offset: usize,
+    /// Number of rows (output units for a weight, 1 for a bias).
+    pub rows: usize,
+    /// Number of columns (input units for a weight, output units for a bias).
+    pub cols: usize,
+}
+
+impl ParamEntry {
+    /// Number of `f32`s in the block (`rows * cols`).
+    pub fn n_elements(&self) -> usize {
+        self.rows * self.cols
+    }
+
+    /// The block's index range in the flat buffer.
+    pub fn range(&self) -> Range<usize> {
+        self.offset..self.offset + self.n_elements()
+    }
+}
+
+/// Offsets of one linear layer `Y = X Wᵀ + b` with `W: [n_out][n_in]`, `b: [n_out]`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct DenseOffsets {
+    pub(crate) weight: usize,
+    pub(crate) bias: usize,
+    pub(crate) n_in: usize,
+    pub(crate) n_out: usize,
+}
+
+impl DenseOffsets {
+    pub(crate) fn weight<'p>(&self, params: &'p [f32]) -> &'p [f32] {
+        &params[self.weight..self.weight + self.n_out * self.n_in]
+    }
+
+    pub(crate) fn bias<'p>(&self, params: &'p [f32]) -> &'p [f32] {
+        &params[self.bias..self.bias + self.n_out]
+    }
+}
+
+/// Offsets of the GRU core; gate blocks are stacked `r, z, n` along the rows (PyTorch order).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct GruOffsets {
+    pub(crate) weight_ih: usize,
+    pub(crate) weight_hh: usize,
+    pub(crate) bias_ih: usize,
+    pub(crate) bias_hh: usize,
+    pub(crate) n_in: usize,
+    pub(crate) hidden: usize,
+}
+
+impl GruOffsets {
+    /// The input-to-hidden weights `W_i = [W_ir; W_iz; W_in]`, `[3H][n_in]`.
+    pub(crate) fn weight_ih<'p>(&self, params: &'p [f32]) -> &'p [f32] {
+        &params[self.weight_ih..self.weight_ih + 3 * self.hidden * self.n_in]
+    }
+
+    /// The hidden-to-hidden weights `W_h = [W_hr; W_hz; W_hn]`, `[3H][H]`.
+    pub(crate) fn weight_hh<'p>(&self, params: &'p [f32]) -> &'p [f32] {
+        &params[self.weight_hh..self.weight_hh + 3 * self.hidden * self.hidden]
+    }
+
+    pub(crate) fn bias_ih<'p>(&self, params: &'p [f32]) -> &'p [f32] {
+        &params[self.bias_ih..self.bias_ih + 3 * self.hidden]
+    }
+
+    pub(crate) fn bias_hh<'p>(&self, params: &'p [f32]) -> &'p [f32] {
+        &params[self.bias_hh..self.bias_hh + 3 * self.hidden]
+    }
+}
+
+/// How [`ParamLayout::init_params`] fills an entry.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) enum InitRule {
+    /// Zeros (all biases).
+    Zeros,
+    /// Orthogonal with `gain`, drawn independently for each of `blocks` equal row blocks (the
+    /// GRU's per-gate matrices); `blocks == 1` for an ordinary layer.
+    Orthogonal { gain: f32, blocks: usize },
+}
+
+/// Where every parameter of a [`PolicySpec`] lives in one flat `f32` buffer.
+///
+/// Entries, in buffer order, with `F` the torso output width (`obs_dim` if the torso is empty),
+/// `H` the GRU hidden size, `F'` the heads' input width (`H` with a GRU, else `F`) and
+/// `A = n_actions`:
+///
+/// | name               | shape (rows × cols)      | init (cleanrl `layer_init`)          |
+/// |--------------------|--------------------------|--------------------------------------|
+/// | `torso.{i}.weight` | `torso[i] × in_i`        | orthogonal, gain √2                  |
+/// | `torso.{i}.bias`   | `1 × torso[i]`           | 0                                    |
+/// | `gru.weight_ih`    | `3H × F` (gates r, z, n) | orthogonal per gate block, gain √2   |
+/// | `gru.weight_hh`    | `3H × H` (gates r, z, n) | orthogonal per gate block, gain 1    |
+/// | `gru.bias_ih`      | `1 × 3H`                 | 0                                    |
+/// | `gru.bias_hh`      | `1 × 3H`                 | 0                                    |
+/// | `policy.weight`    | `A × F'`                 | orthogonal, gain 0.01                |
+/// | `value.weight`     | `1 × F'`                 | orthogonal, gain 1                   |
+/// | `policy.bias`      | `1 × A`                  | 0                                    |
+/// | `value.bias`       | `1 × 1`                  | 0                                    |
+///
+/// The `gru.*` entries exist only for [`CoreKind::Gru`]. Weights are row-major `[out][in]`
+/// (PyTorch's `nn.Linear`/`nn.GRU` convention), so a layer computes `Y = X Wᵀ + b` on a batch
+/// `X: [n][in]`. The value head is stored right after the policy head (weights, then biases),
+/// so the two heads form one contiguous `(A + 1) × F'` matrix and one `A + 1` bias that a single
+/// GEMM evaluates; output column `A` is the value.
+///
+/// The GRU follows PyTorch's gate convention (Cho et al. 2014, eq. 5–8, with the reset gate
+/// applied after the hidden matmul):
+///
+/// ```text
+/// r  = σ(W_ir x + b_ir + W_hr h + b_hr)
+/// z  = σ(W_iz x + b_iz + W_hz h + b_hz)
+/// n  = tanh(W_in x + b_in + r ⊙ (W_hn h + b_hn))
+/// h' = (1 − z) ⊙ n + z ⊙ h
+/// ```
+#[derive(Debug, Clone, PartialEq)]
+pub struct ParamLayout {
+    spec: PolicySpec,
+    entries: Vec<ParamEntry>,
+    init_rules: Vec<InitRule>,
+    n_params: usize,
+    hash: u64,
+    torso: Vec<DenseOffsets>,
+    gru: Option<GruOffsets>,
+    heads: DenseOffsets,
+}
+
+impl ParamLayout {
+    /// Validate `spec` and lay its parameters out.
+    ///
+    /// Fails with [`PolicyError::InvalidSpec`] when a size is zero, above [`MAX_LAYER_WIDTH`],
+    /// or the torso is deeper than [`MAX_TORSO_LAYERS`], and with
+    /// [`PolicyError::TooManyParams`] above [`MAX_PARAMS`] parameters.
+    ///
+    /// ```
+    /// use volley_policy::{Activation, ParamLayout, PolicySpec};
+    /// let layout = ParamLayout::new(&PolicySpec::mlp(4, 2, &[64, 64], Activation::Tanh)).unwrap();
+    /// // 4·64+64 + 64·64+64 + (2+1)·64 + (2+1)
+    /// assert_eq!(layout.n_params(), 4675);
+    /// ```
+    pub fn new(spec: &PolicySpec) -> Result<Self, PolicyError> {
+        validate(spec)?;
+        let mut builder = Builder::default();
+        let mut n_in = spec.obs_dim;
+        let mut torso = Vec::with_capacity(spec.torso.len());
+        let sqrt2 = std::f32::consts::SQRT_2;
+        for (layer_idx, &n_out) in spec.torso.iter().enumerate() {
+            let weight = builder.push(
+                format!("torso.{layer_idx}.weight"),
+                n_out,
+                n_in,
+                InitRule::Orthogonal { gain: sqrt2, blocks: 1 },
+            );
+            let bias = builder.push(format!("torso.{layer_idx}.bias"), 1, n_out, InitRule::Zeros);
+            torso.push(DenseOffsets { weight, bias, n_in, n_out });
+            n_in = n_out;
+        }
+        let gru = match spec.core {
+            CoreKind::Mlp => None,
+            CoreKind::Gru { hidden } => {
+                // Input weights get the torso's ReLU/tanh gain; recurrent weights gain 1 so the
+                // linearised recurrence starts norm-preserving (Saxe et al. 2014).
+                let weight_ih = builder.push(
+                    "gru.weight_ih".into(),
+                    3 * hidden,
+                    n_in,
+                    InitRule::Orthogonal { gain: sqrt2, blocks: 3 },
+                );
+                let weight_hh = builder.push(
+                    "gru.weight_hh".into(),
+                    3 * hidden,
+                    hidden,
+                    InitRule::Orthogonal { gain: 1.0, blocks: 3 },
+                );
+                let bias_ih = builder.push("gru.bias_ih".into(), 1, 3 * hidden, InitRule::Zeros);
+                let bias_hh = builder.push("gru.bias_hh".into(), 1, 3 * hidden, InitRule::Zeros);
+                let offsets = GruOffsets { weight_ih, weight_hh, bias_ih, bias_hh, n_in, hidden };
+                n_in = hidden;
+                Some(offsets)
+            }
+        };
+        let n_actions = spec.n_actions;
+        let policy_weight =
+            builder.push("policy.weight".into(), n_actions, n_in, InitRule::Orthogonal { gain: 0.01, blocks: 1 });
+        builder.push("value.weight".into(), 1, n_in, InitRule::Orthogonal { gain: 1.0, blocks: 1 });
+        let policy_bias = builder.push("policy.bias".into(), 1, n_actions, InitRule::Zeros);
+        builder.push("value.bias".into(), 1, 1, InitRule::Zeros);
+        let heads = DenseOffsets { weight: policy_weight, bias: policy_bias, n_in, n_out: n_actions + 1 };
+        let Builder { entries, init_rules, n_params } = builder;
+        let mut layout = ParamLayout { spec: spec.clone(), entries, init_rules, n_params, hash: 0, torso, gru, heads };
+        layout.hash = layout.compute_hash();
+        Ok(layout)
+    }
+
+    /// The spec this layout was built from.
+    pub fn spec(&self) -> &PolicySpec {
+        &self.spec
+    }
+
+    /// Total number of parameters (the flat buffer's length).
+    pub fn n_params(&self) -> usize {
+        self.n_params
+    }
+
+    /// All parameter blocks in buffer order; they tile `0..n_params` without gaps.
+    pub fn entries(&self) -> &[ParamEntry] {
+        &self.entries
+    }
+
+    /// The entry called `name`, if any.
+    pub fn entry(&self, name: &str) -> Option<&ParamEntry> {
+        self.entries.iter().find(|entry| entry.name == name)
+    }
+
+    /// A 64-bit FNV-1a hash of the canonical architecture description: a format tag, `obs_dim`,
+    /// `n_actions`, the torso widths, the activation, the core, and every entry's name, shape
+    /// and offset.
+    ///
+    /// It is hand-written over explicit little-endian bytes, so it is the same on every platform,
+    /// build and Rust version; weights published under one hash can only be loaded by a process
+    /// whose layout has the same hash.
+    pub fn hash(&self) -> u64 {
+        self.hash
+    }
+
+    /// Recurrent state size per agent: 0 for [`CoreKind::Mlp`], `hidden` for [`CoreKind::Gru`].
+    pub fn recurrent_size(&self) -> usize {
+        self.gru.map_or(0, |gru| gru.hidden)
+    }
+
+    /// Width of the feature vector the heads read (last torso width, GRU hidden size, or
+    /// `obs_dim` for a linear policy).
+    pub fn feature_dim(&self) -> usize {
+        self.heads.n_in
+    }
+
+    /// Fresh parameters: cleanrl-style orthogonal weights (see the table on [`ParamLayout`]) and
+    /// zero biases, drawn from a PCG-64 stream seeded with `seed`. The same seed gives the same
+    /// bits on a given platform (the Gaussian draws go through libm's `ln`/`cos` in `f64`, whose
+    /// last-ulp differences across platforms almost never survive rounding to `f32`).
+    pub fn init_params(&self, seed: u64) -> Vec<f32> {
+        super::init::init_params(self, seed)
+    }
+
+    pub(crate) fn init_rules(&self) -> &[InitRule] {
+        &self.init_rules
+    }
+
+    pub(crate) fn torso(&self) -> &[DenseOffsets] {
+        &self.torso
+    }
+
+    pub(crate) fn gru(&self) -> Option<GruOffsets> {
+        self.gru
+    }
+
+    /// The fused policy + value head, `n_out = n_actions + 1`.
+    pub(crate) fn heads(&self) -> DenseOffsets {
+        self.heads
+    }
+
+    pub(crate) fn n_actions(&self) -> usize {
+        self.spec.n_actions
+    }
+
+    pub(crate) fn obs_dim(&self) -> usize {
+        self.spec.obs_dim
+    }
+
+    /// The widest torso layer (0 when the torso is empty).
+    pub(crate) fn max_torso_width(&self) -> usize {
+        self.spec.torso.iter().copied().max().unwrap_or(0)
+    }
+
+    fn compute_hash(&self) -> u64 {
+        let mut hasher = Fnv1a::new();
+        hasher.write_str("volley.policy.layout.v1");
+        hasher.write_u64(self.spec.obs_dim as u64);
+        hasher.write_u64(self.spec.n_actions as u64);
+        hasher.write_u64(self.spec.torso.len() as u64);
+        for &width in &self.spec.torso {
+            hasher.write_u64(width as u64);
+        }
+        hasher.write_str(self.spec.activation.name());
+        match self.spec.core {
+            CoreKind::Mlp => hasher.write_str("mlp"),
+            CoreKind::Gru { hidden } => {
+                hasher.write_str("gru");
+                hasher.write_u64(hidden as u64);
+            }
+        }
+        hasher.write_u64(self.entries.len() as u64);
+        for entry in &self.entries {
+            hasher.write_str(&entry.name);
+            hasher.write_u64(entry.offset as u64);
+            hasher.write_u64(entry.rows as u64);
+            hasher.write_u64(entry.cols as u64);
+        }
+        hasher.finish()
+    }
+}
+
+#[derive(Default)]
+struct Builder {
+    entries: Vec<ParamEntry>,
+    init_rules: Vec<InitRule>,
+    n_params: usize,
+}
+
+impl Builder {
+    /// Append a `rows × cols` block and return its offset.
+    fn push(&mut self, name: String, rows: usize, cols: usize, init: InitRule) -> usize {
+        let offset = self.n_params;
+        self.entries.push(ParamEntry { name, offset, rows, cols });
+        self.init_rules.push(init);
+        self.n_params += rows * cols;
+        offset
+    }
+}
+
+fn validate(spec: &PolicySpec) -> Result<(), PolicyError> {
+    const WIDTH_RULE: &str = "between 1 and 65536";
+    fn check_width(field: impl Into<String>, value: usize) -> Result<(), PolicyError> {
+        if (1..=MAX_LAYER_WIDTH).contains(&value) {
+            Ok(())
+        } else {
+            Err(PolicyError::InvalidSpec { field: field.into(), value, rule: WIDTH_RULE })
+        }
+    }
+    check_width("obs_dim", spec.obs_dim)?;
+    check_width("n_actions", spec.n_actions)?;
+    if spec.torso.len() > MAX_TORSO_LAYERS {
+        return Err(PolicyError::InvalidSpec {
+            field: "torso.len()".into(),
+            value: spec.torso.len(),
+            rule: "at most 64",
+        });
+    }
+    for (layer_idx, &width) in spec.torso.iter().enumerate() {
+        check_width(format!("torso[{layer_idx}]"), width)?;
+    }
+    if let CoreKind::Gru { hidden } = spec.core {
+        check_width("core.hidden", hidden)?;
+    }
+    // Widths are at most 2¹⁶ and there are at most 64 layers, so every product below fits in
+    // u64; saturate anyway so the check cannot be defeated by a future limit change.
+    let mut n_params: u64 = 0;
+    let mut n_in = spec.obs_dim as u64;
+    let mut add_dense = |n_in: u64, n_out: u64| {
+        n_params = n_params.saturating_add(n_out.saturating_mul(n_in.saturating_add(1)));
+    };
+    for &width in &spec.torso {
+        add_dense(n_in, width as u64);
+        n_in = width as u64;
+    }
+    if let CoreKind::Gru { hidden } = spec.core {
+        let hidden = hidden as u64;
+        add_dense(n_in, 3 * hidden);
+        add_dense(hidden, 3 * hidden);
+        n_in = hidden;
+    }
+    add_dense(n_in, spec.n_actions as u64 + 1);
+    if n_params > MAX_PARAMS as u64 {
+        return Err(PolicyError::TooManyParams { n_params, max: MAX_PARAMS });
+    }
+    Ok(())
+}
+
+/// 64-bit FNV-1a (Fowler–Noll–Vo), written out so the value never depends on std's hasher.
+struct Fnv1a(u64);
+
+impl Fnv1a {
+    const OFFSET_BASIS: u64 = 0xcbf2_9ce4_8422_2325;
+    const PRIME: u64 = 0x0000_0100_0000_01b3;
+
+    fn new() -> Self {
+        Fnv1a(Self::OFFSET_BASIS)
+    }
+
+    fn write_bytes(&mut self, bytes: &[u8]) {
+        for &byte in bytes {
+            self.0 ^= u64::from(byte);
+            self.0 = self.0.wrapping_mul(Self::PRIME);
+        }
+    }
+
+    fn write_u64(&mut self, value: u64) {
+        self.write_bytes(&value.to_le_bytes());
+    }
+
+    /// Length-prefixed, so `("ab", "c")` and `("a", "bc")` hash differently.
+    fn write_str(&mut self, value: &str) {
+        self.write_u64(value.len() as u64);
+        self.write_bytes(value.as_bytes());
+    }
+
+    fn finish(&self) -> u64 {
+        self.0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::Activation;
+    use super::*;
+    use proptest::prelude::*;
+    use std::collections::HashSet;
+
+    fn cartpole_mlp() -> PolicySpec {
+        PolicySpec::mlp(4, 2, &[64, 64], Activation::Tanh)
+    }
+
+    #[test]
+    fn fnv1a_matches_reference_vectors() {
+        // Reference values from the FNV specification's test suite.
+        let mut hasher = Fnv1a::new();
+        assert_eq!(hasher.finish(), 0xcbf2_9ce4_8422_2325);
+        hasher.write_bytes(b"a");
+        assert_eq!(hasher.finish(), 0xaf63_dc4c_8601_ec8c);
+        let mut hasher = Fnv1a::new();
+        hasher.write_bytes(b"foobar");
+        assert_eq!(hasher.finish(), 0x8594_4171_f739_67e8);
+    }
+
+    #[test]
+    fn layout_hash_of_cartpole_mlp_is_golden() {
+        // Changing this value means published weights and checkpoints no longer load: bump the
+        // format tag in `compute_hash` deliberately if the layout really has to change.
+        let layout = ParamLayout::new(&cartpole_mlp()).unwrap();
+        assert_eq!(layout.hash(), 11_684_108_682_957_078_939);
+        let gru = ParamLayout::new(&PolicySpec::gru(4, 2, &[64], Activation::Relu, 32)).unwrap();
+        assert_eq!(gru.hash(), 3_160_628_195_615_717_663);
+    }
+
+    #[test]
+    fn layout_hash_differs_for_every_spec_change() {
+        let base = cartpole_mlp();
+        let mut variants = vec![base.clone()];
+        let mut push = |edit: &dyn Fn(&mut PolicySpec)| {
+            let mut spec = base.clone();
+            edit(&mut spec);
+            variants.push(spec);
+        };
+        push(&|s| s.obs_dim = 5);
+        push(&|s| s.n_actions = 3);
+        push(&|s| s.torso = vec![64]);
+        push(&|s| s.torso = vec![64, 64, 64]);
+        push(&|s| s.torso = vec![64, 32]);
+        push(&|s| s.torso = vec![32, 64]);
+        push(&|s| s.torso = vec![]);
+        push(&|s| s.activation = Activation::Relu);
+        push(&|s| s.core = CoreKind::Gru { hidden: 64 });
+        push(&|s| s.core = CoreKind::Gru { hidden: 32 });
+        push(&|s| {
+            s.torso = vec![];
+            s.core = CoreKind::Gru { hidden: 64 };
+        });
+        // Same parameter count as the base (4·64+64 + 64·64+64 + 3·64+3) is not enough to collide.
+        push(&|s| {
+            s.obs_dim = 64;
+            s.torso = vec![4, 64];
+        });
+        let hashes: HashSet<u64> = variants.iter().map(|spec| ParamLayout::new(spec).unwrap().hash()).collect();
+        assert_eq!(hashes.len(), variants.len(), "two specs share a layout hash");
+    }
+
+    #[test]
+    fn cartpole_mlp_entries_have_documented_names_shapes_and_offsets() {
+        let layout = ParamLayout::new(&cartpole_mlp()).unwrap();
+        let summary: Vec<(&str, usize, usize, usize)> =
+            layout.entries().iter().map(|e| (e.name.as_str(), e.offset, e.rows, e.cols)).collect();
+        assert_eq!(
+            summary,
+            [
+                ("torso.0.weight", 0, 64, 4),
+                ("torso.0.bias", 256, 1, 64),
+                ("torso.1.weight", 320, 64, 64),
+                ("torso.1.bias", 4416, 1, 64),
+                ("policy.weight", 4480, 2, 64),
+                ("value.weight", 4608, 1, 64),
+                ("policy.bias", 4672, 1, 2),
+                ("value.bias", 4674, 1, 1),
+            ]
+        );
+        assert_eq!(layout.n_params(), 4675);
+        assert_eq!(layout.recurrent_size(), 0);
+        assert_eq!(layout.feature_dim(), 64);
+    }
+
+    #[test]
+    fn gru_layout_has_gate_stacked_entries() {
+        let layout = ParamLayout::new(&PolicySpec::gru(3, 5, &[], Activation::Tanh, 7)).unwrap();
+        let shape = |name: &str| {
+            let e = layout.entry(name).unwrap();
+            (e.rows, e.cols)
+        };
+        assert_eq!(shape("gru.weight_ih"), (21, 3));
+        assert_eq!(shape("gru.weight_hh"), (21, 7));
+        assert_eq!(shape("gru.bias_ih"), (1, 21));
+        assert_eq!(shape("gru.bias_hh"), (1, 21));
+        assert_eq!(shape("policy.weight"), (5, 7));
+        assert_eq!(shape("value.weight"), (1, 7));
+        assert_eq!(layout.recurrent_size(), 7);
+        assert_eq!(layout.feature_dim(), 7);
+    }
+
+    #[test]
+    fn invalid_specs_are_errors_not_panics() {
+        let zero_obs = PolicySpec::mlp(0, 2, &[8], Activation::Tanh);
+        assert!(matches!(
+            ParamLayout::new(&zero_obs),
+            Err(PolicyError::InvalidSpec { ref field, value: 0, .. }) if field == "obs_dim"
+        ));
+        let zero_actions = PolicySpec::mlp(4, 0, &[8], Activation::Tanh);
+        assert!(ParamLayout::new(&zero_actions).is_err());
+        let zero_width = PolicySpec::mlp(4, 2, &[8, 0], Activation::Tanh);
+        assert!(matches!(
+            ParamLayout::new(&zero_width),
+            Err(PolicyError::InvalidSpec { ref field, .. }) if field == "torso[1]"
+        ));
+        let zero_hidden = PolicySpec::gru(4, 2, &[8], Activation::Tanh, 0);
+        assert!(ParamLayout::new(&zero_hidden).is_err());
+        let huge_width = PolicySpec::mlp(4, 2, &[usize::MAX], Activation::Tanh);
+        assert!(ParamLayout::new(&huge_width).is_err());
+        let huge_hidden = PolicySpec::gru(4, 2, &[], Activation::Tanh, usize::MAX / 2);
+        assert!(ParamLayout::new(&huge_hidden).is_err());
+        let too_deep = PolicySpec::mlp(4, 2, &[2; MAX_TORSO_LAYERS + 1], Activation::Tanh);
+        assert!(ParamLayout::new(&too_deep).is_err());
+        let too_many = PolicySpec::mlp(4, 2, &[MAX_LAYER_WIDTH; 4], Activation::Tanh);
+        let err = ParamLayout::new(&too_many).unwrap_err();
+        assert!(matches!(err, PolicyError::TooManyParams { .. }));
+        assert!(err.to_string().contains("parameters exceed the limit"));
+    }
+
+    #[test]
+    fn spec_serializes_with_lowercase_names() {
+        let spec = PolicySpec::gru(4, 2, &[64], Activation::Tanh, 16);
+        let config = bincode::config::standard();
+        let bytes = bincode::serde::encode_to_vec(&spec, config).unwrap();
+        let (decoded, _): (PolicySpec, usize) = bincode::serde::decode_from_slice(&bytes, config).unwrap();
+        assert_eq!(decoded, spec);
+    }
+
+    fn arb_spec() -> impl Strategy<Value = PolicySpec> {
+        (1usize..20, 1usize..8, prop::collection::vec(1usize..20, 0..4), prop::bool::ANY, prop::option::of(1usize..16))
+            .prop_map(|(obs_dim, n_actions, torso, relu, hidden)| PolicySpec {
+                obs_dim,
+                n_actions,
+                torso,
+                activation: if relu { Activation::Relu } else { Activation::Tanh },
+                core: hidden.map_or(CoreKind::Mlp, |hidden| CoreKind::Gru { hidden }),
+            })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(64))]
+
+        #[test]
+        fn entries_tile_the_buffer_without_gaps_or_overlap(spec in arb_spec()) {
+            let layout = ParamLayout::new(&spec).unwrap();
+            let mut next = 0;
+            for entry in layout.entries() {
+                prop_assert_eq!(entry.offset, next);
+                prop_assert!(entry.n_elements() > 0);
+                next = entry.range().end;
+            }
+            prop_assert_eq!(next, layout.n_params());
+            // The fused head invariant: value rows follow policy rows, value bias follows policy bias.
+            let policy_w = layout.entry("policy.weight").unwrap();
+            let value_w = layout.entry("value.weight").unwrap();
+            prop_assert_eq!(policy_w.range().end, value_w.offset);
+            let policy_b = layout.entry("policy.bias").unwrap();
+            let value_b = layout.entry("value.bias").unwrap();
+            prop_assert_eq!(policy_b.range().end, value_b.offset);
+        }
+
+        #[test]
+        fn layout_is_a_pure_function_of_the_spec(spec in arb_spec()) {
+            let a = ParamLayout::new(&spec).unwrap();
+            let b = ParamLayout::new(&spec.clone()).unwrap();
+            prop_assert_eq!(a.hash(), b.hash());
+            prop_assert_eq!(a, b);
+        }
+    }
+}

@@ -1,0 +1,445 @@
+//! [`EnvServer`]: serves any Rust [`Env`] as an environment service (docs/ENV_PROTOCOL.md).
+//!
+//! One server is one instance of the NATS micro service `volley-env-<name>`: it answers
+//! `$SRV.PING`, `$SRV.INFO` and `$SRV.STATS` (async-nats' service API), and serves the seven
+//! operations on `volley.env.<name>.<instance>.<op>`. A session is a [`VecEnv`] of the
+//! requested size; sessions idle for longer than the idle timeout are dropped.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use async_nats::service::{self, ServiceExt};
+use futures::StreamExt;
+use tokio::task::JoinHandle;
+use tracing::{debug, info, warn};
+
+use super::protocol::{
+    self, CloseRequest, EmptyReply, EnvFailure, ErrorCode, ObsReply, Op, OpenReply, OpenRequest, ResetRequest,
+    RestoreRequest, SnapshotReply, SnapshotRequest, SpacesReply, StepReply, StepRequest, VersionProbe, METADATA_ENV,
+    METADATA_PROTOCOL, PROTOCOL_VERSION,
+};
+use super::{EnvServiceError, EnvServiceName};
+use volley_core::subjects;
+use volley_env::{Env, EnvError, VecEnv, VecStep};
+
+/// Builds one environment of the served kind.
+pub type EnvFactory = Arc<dyn Fn() -> Result<Box<dyn Env>, EnvError> + Send + Sync>;
+
+/// What an [`EnvServer`] serves and its limits.
+#[derive(Debug, Clone)]
+pub struct EnvServerConfig {
+    /// The service name.
+    pub name: EnvServiceName,
+    /// What runs behind it, for `spaces` and the service description (`"cartpole"`).
+    pub env_label: String,
+    /// Sessions held at once; more `open`s are refused with code 503.
+    pub max_sessions: usize,
+    /// Largest session.
+    pub max_envs_per_session: usize,
+    /// A session without requests for this long is dropped.
+    pub idle_timeout: Duration,
+    /// Declared in `spaces`: the solved threshold.
+    pub reward_threshold: Option<f32>,
+    /// Declared in `spaces`: the episode time limit.
+    pub max_episode_steps: Option<u32>,
+    /// Declared in `spaces`: the largest |reward| of one step.
+    pub max_abs_reward: Option<f32>,
+}
+
+impl EnvServerConfig {
+    /// Defaults: 1024 sessions of at most 4096 environments, a 5-minute idle timeout.
+    pub fn new(name: EnvServiceName, env_label: impl Into<String>) -> Self {
+        EnvServerConfig {
+            name,
+            env_label: env_label.into(),
+            max_sessions: 1024,
+            max_envs_per_session: 4096,
+            idle_timeout: Duration::from_secs(300),
+            reward_threshold: None,
+            max_episode_steps: None,
+            max_abs_reward: None,
+        }
+    }
+}
+
+/// One session: a vector of environments and its reusable step buffers.
+struct Session {
+    envs: VecEnv<Box<dyn Env>>,
+    step: VecStep,
+    last_used: Instant,
+}
+
+/// Counters of a server (for logs and tests).
+#[derive(Debug, Default)]
+pub struct ServerCounters {
+    /// Requests answered (including errors).
+    pub requests: AtomicU64,
+    /// Requests that did not decode or were out of range (answered with code 400).
+    pub rejected: AtomicU64,
+    /// Sessions dropped after their idle timeout.
+    pub expired: AtomicU64,
+}
+
+struct ServerState {
+    config: EnvServerConfig,
+    factory: EnvFactory,
+    spaces: Vec<u8>,
+    obs_dim: usize,
+    sessions: Mutex<HashMap<u64, Arc<Mutex<Session>>>>,
+    next_session: AtomicU64,
+    counters: Arc<ServerCounters>,
+}
+
+type Failure = (ErrorCode, String);
+
+/// A running environment server (one service instance). Stopped by [`EnvServer::stop`] or
+/// on drop; either way its endpoints and `$SRV` subscriptions go away at once.
+pub struct EnvServer {
+    id: String,
+    client: async_nats::Client,
+    service: Option<service::Service>,
+    tasks: Vec<JoinHandle<()>>,
+    state: Arc<ServerState>,
+}
+
+impl std::fmt::Debug for EnvServer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EnvServer").field("id", &self.id).field("name", &self.state.config.name).finish()
+    }
+}
+
+impl EnvServer {
+    /// Build one environment to learn the spaces, register the service and start serving.
+    /// Must be called within a multi-thread tokio runtime.
+    pub async fn start(
+        client: async_nats::Client,
+        factory: EnvFactory,
+        config: EnvServerConfig,
+    ) -> Result<EnvServer, EnvServiceError> {
+        let incompatible = |message: String| EnvServiceError::Incompatible { instance: String::new(), message };
+        let probe = factory().map_err(|err| incompatible(format!("cannot build the environment: {err}")))?;
+        let space = probe.observation_space();
+        let spaces = SpacesReply {
+            env: config.env_label.clone(),
+            obs_dim: space.dim() as u32,
+            obs_low: space.low.clone(),
+            obs_high: space.high.clone(),
+            n_actions: probe.action_space().n as u32,
+            reward_threshold: config.reward_threshold,
+            max_episode_steps: config.max_episode_steps,
+            max_abs_reward: config.max_abs_reward,
+            snapshot: true,
+            max_envs_per_session: config.max_envs_per_session as u32,
+        };
+        let service_name = subjects::env_service(&config.name);
+        let metadata = HashMap::from([
+            (METADATA_PROTOCOL.to_string(), PROTOCOL_VERSION.to_string()),
+            (METADATA_ENV.to_string(), config.name.to_string()),
+        ]);
+        let service = client
+            .service_builder()
+            .description(format!("volley environment server: {}", config.env_label))
+            .metadata(metadata)
+            .start(service_name.clone(), env!("CARGO_PKG_VERSION"))
+            .await
+            .map_err(|err| EnvServiceError::Nats { operation: "register service", message: err.to_string() })?;
+        let id = service.info().await.id;
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(0);
+        let state = Arc::new(ServerState {
+            obs_dim: space.dim(),
+            spaces: protocol::encode(&spaces),
+            factory,
+            sessions: Mutex::new(HashMap::new()),
+            // Session ids stay below 2^53 (exact in any JSON or JavaScript reader) and start
+            // at a different place per server, so a restarted server does not reuse them.
+            next_session: AtomicU64::new((nanos ^ ((std::process::id() as u64) << 20)) & ((1 << 52) - 1)),
+            counters: Arc::new(ServerCounters::default()),
+            config,
+        });
+        let mut tasks = Vec::with_capacity(Op::ALL.len() + 1);
+        for op in Op::ALL {
+            let subject = subjects::env_endpoint(&state.config.name, &id, op.name());
+            let endpoint = service
+                .endpoint_builder()
+                .name(op.name())
+                .add(subject)
+                .await
+                .map_err(|err| EnvServiceError::Nats { operation: "add endpoint", message: err.to_string() })?;
+            tasks.push(tokio::spawn(serve_endpoint(state.clone(), op, endpoint)));
+        }
+        tasks.push(tokio::spawn(expire_idle_sessions(state.clone())));
+        // A round trip, so the subscriptions are in place before anyone is told we are up.
+        client.flush().await.map_err(|err| EnvServiceError::Nats { operation: "flush", message: err.to_string() })?;
+        info!(service = %service_name, instance = %id, env = %state.config.env_label, obs_dim = space.dim(),
+              n_actions = probe.action_space().n, "environment server ready");
+        Ok(EnvServer { id, client, service: Some(service), tasks, state })
+    }
+
+    /// The instance id.
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    /// Sessions held now.
+    pub fn n_sessions(&self) -> usize {
+        self.state.sessions.lock().expect("sessions lock is never poisoned").len()
+    }
+
+    /// The server's counters.
+    pub fn counters(&self) -> &Arc<ServerCounters> {
+        &self.state.counters
+    }
+
+    /// Stop serving: unsubscribe every endpoint and the `$SRV` verbs, drop the sessions.
+    /// Returns once the server has processed the unsubscriptions, so a request sent after
+    /// this returns finds no responder.
+    pub async fn stop(mut self) {
+        let tasks: Vec<JoinHandle<()>> = self.tasks.drain(..).collect();
+        self.shutdown();
+        for task in tasks {
+            task.abort();
+            let _ = task.await;
+        }
+        // A request nobody answers, on the same connection: the server handles it after the
+        // unsubscriptions sent before it, and answers "no responders" at once.
+        let barrier = self.client.new_inbox();
+        let _ = tokio::time::timeout(Duration::from_secs(5), self.client.request(barrier, bytes::Bytes::new())).await;
+    }
+
+    fn shutdown(&mut self) {
+        if let Some(service) = self.service.take() {
+            // `Service::stop` only signals and aborts its verb task; nothing in it waits.
+            let _ = futures::executor::block_on(service.stop());
+        }
+        for task in self.tasks.drain(..) {
+            task.abort();
+        }
+        self.state.sessions.lock().expect("sessions lock is never poisoned").clear();
+    }
+}
+
+impl Drop for EnvServer {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+/// Answer the requests of one endpoint; each runs on the blocking pool (stepping is CPU work).
+async fn serve_endpoint(state: Arc<ServerState>, op: Op, mut endpoint: service::endpoint::Endpoint) {
+    while let Some(request) = endpoint.next().await {
+        let state = state.clone();
+        tokio::spawn(async move {
+            let payload = request.message.payload.clone();
+            let worker_state = state.clone();
+            let reply = tokio::task::spawn_blocking(move || worker_state.handle(op, &payload))
+                .await
+                .unwrap_or_else(|err| Err((ErrorCode::Internal, format!("handler panicked: {err}"))));
+            state.counters.requests.fetch_add(1, Ordering::Relaxed);
+            let response = match reply {
+                Ok(bytes) => Ok(bytes.into()),
+                Err((code, message)) => {
+                    if code == ErrorCode::BadRequest {
+                        state.counters.rejected.fetch_add(1, Ordering::Relaxed);
+                        warn!(op = op.name(), %message, reason = "bad_request", "malformed environment request rejected");
+                    }
+                    // Header values cannot hold line breaks.
+                    let status = message.replace(['\r', '\n'], " ");
+                    Err(service::error::Error { status, code: code.code() as usize })
+                }
+            };
+            if let Err(err) = request.respond(response).await {
+                debug!(op = op.name(), %err, "could not send a reply");
+            }
+        });
+    }
+}
+
+/// Drop sessions idle for longer than the idle timeout.
+async fn expire_idle_sessions(state: Arc<ServerState>) {
+    let timeout = state.config.idle_timeout;
+    let mut ticks = tokio::time::interval((timeout / 4).clamp(Duration::from_millis(50), Duration::from_secs(10)));
+    loop {
+        ticks.tick().await;
+        let mut sessions = state.sessions.lock().expect("sessions lock is never poisoned");
+        let before = sessions.len();
+        sessions.retain(|_, session| match session.try_lock() {
+            Ok(session) => session.last_used.elapsed() < timeout,
+            // Busy right now, so not idle.
+            Err(_) => true,
+        });
+        let expired = before - sessions.len();
+        if expired > 0 {
+            state.counters.expired.fetch_add(expired as u64, Ordering::Relaxed);
+            info!(expired, remaining = sessions.len(), "idle environment sessions dropped");
+        }
+    }
+}
+
+fn bad(message: impl Into<String>) -> Failure {
+    (ErrorCode::BadRequest, message.into())
+}
+
+fn decode<T: serde::de::DeserializeOwned>(what: &'static str, payload: &[u8]) -> Result<T, Failure> {
+    protocol::decode(what, payload).map_err(|err| bad(err.to_string()))
+}
+
+impl ServerState {
+    /// Answer one request: the encoded reply, or an error code and description.
+    fn handle(&self, op: Op, payload: &[u8]) -> Result<Vec<u8>, Failure> {
+        let probe: VersionProbe = decode("request", payload)?;
+        match probe.v {
+            Some(PROTOCOL_VERSION) => {}
+            Some(other) => {
+                return Err((
+                    ErrorCode::UnsupportedVersion,
+                    format!("protocol version {other} is not served here (this server speaks {PROTOCOL_VERSION})"),
+                ))
+            }
+            None => return Err(bad("request without a protocol version \"v\"")),
+        }
+        match op {
+            Op::Spaces => Ok(self.spaces.clone()),
+            Op::Open => self.open(decode("open request", payload)?),
+            Op::Reset => {
+                let request: ResetRequest = decode("reset request", payload)?;
+                self.with_session(request.session, |session| {
+                    let n_envs = session.envs.n_envs();
+                    if request.seeds.len() != n_envs {
+                        return Err(bad(format!("{} seeds for {n_envs} environments", request.seeds.len())));
+                    }
+                    for (env_idx, seed) in request.seeds.iter().enumerate() {
+                        session
+                            .envs
+                            .reset_env(env_idx, *seed)
+                            .map_err(|err| (ErrorCode::Internal, format!("reset of environment {env_idx}: {err}")))?;
+                    }
+                    Ok(protocol::encode(&ObsReply { obs: session.envs.obs().to_vec() }))
+                })
+            }
+            Op::Step => {
+                let request: StepRequest = decode("step request", payload)?;
+                self.with_session(request.session, |session| step(session, &request.actions, self.obs_dim))
+            }
+            Op::Snapshot => {
+                let request: SnapshotRequest = decode("snapshot request", payload)?;
+                self.with_session(request.session, |session| {
+                    let env_idx = env_index(request.env, session.envs.n_envs())?;
+                    Ok(protocol::encode(&SnapshotReply { state: session.envs.snapshot_env(env_idx) }))
+                })
+            }
+            Op::Restore => {
+                let request: RestoreRequest = decode("restore request", payload)?;
+                self.with_session(request.session, |session| {
+                    let env_idx = env_index(request.env, session.envs.n_envs())?;
+                    session.envs.restore_env(env_idx, &request.state).map_err(|err| match err {
+                        EnvError::BadSnapshot(_) => bad(err.to_string()),
+                        other => (ErrorCode::Internal, other.to_string()),
+                    })?;
+                    let dim = self.obs_dim;
+                    let obs = session.envs.obs()[env_idx * dim..(env_idx + 1) * dim].to_vec();
+                    Ok(protocol::encode(&ObsReply { obs }))
+                })
+            }
+            Op::Close => {
+                let request: CloseRequest = decode("close request", payload)?;
+                self.sessions.lock().expect("sessions lock is never poisoned").remove(&request.session);
+                Ok(protocol::encode(&EmptyReply {}))
+            }
+        }
+    }
+
+    fn open(&self, request: OpenRequest) -> Result<Vec<u8>, Failure> {
+        let n_envs = request.n_envs as usize;
+        let max = self.config.max_envs_per_session;
+        if n_envs == 0 || n_envs > max {
+            return Err(bad(format!("n_envs {n_envs} out of range 1..={max}")));
+        }
+        if request.seeds.len() != n_envs {
+            return Err(bad(format!("{} seeds for {n_envs} environments", request.seeds.len())));
+        }
+        if self.sessions.lock().expect("sessions lock is never poisoned").len() >= self.config.max_sessions {
+            return Err((ErrorCode::Capacity, format!("{} sessions already open", self.config.max_sessions)));
+        }
+        let internal = |err: EnvError| (ErrorCode::Internal, err.to_string());
+        let envs = (0..n_envs).map(|_| (self.factory)()).collect::<Result<Vec<_>, _>>().map_err(internal)?;
+        let mut envs = VecEnv::new(envs, 0).map_err(internal)?;
+        for (env_idx, &seed) in request.seeds.iter().enumerate() {
+            envs.reset_env(env_idx, Some(seed)).map_err(internal)?;
+        }
+        let obs = envs.obs().to_vec();
+        let session_id = self.next_session.fetch_add(1, Ordering::Relaxed);
+        let session = Session { step: VecStep::new(n_envs, self.obs_dim), envs, last_used: Instant::now() };
+        self.sessions
+            .lock()
+            .expect("sessions lock is never poisoned")
+            .insert(session_id, Arc::new(Mutex::new(session)));
+        debug!(session = session_id, n_envs, "session opened");
+        Ok(protocol::encode(&OpenReply {
+            session: session_id,
+            obs,
+            idle_timeout_ms: self.config.idle_timeout.as_millis() as u64,
+        }))
+    }
+
+    fn with_session(
+        &self,
+        session_id: u64,
+        work: impl FnOnce(&mut Session) -> Result<Vec<u8>, Failure>,
+    ) -> Result<Vec<u8>, Failure> {
+        let session = self
+            .sessions
+            .lock()
+            .expect("sessions lock is never poisoned")
+            .get(&session_id)
+            .cloned()
+            .ok_or_else(|| (ErrorCode::UnknownSession, format!("unknown session {session_id}")))?;
+        let mut session = session.lock().expect("a session lock is never poisoned");
+        session.last_used = Instant::now();
+        work(&mut session)
+    }
+}
+
+fn env_index(env: u32, n_envs: usize) -> Result<usize, Failure> {
+    let env_idx = env as usize;
+    if env_idx >= n_envs {
+        return Err(bad(format!("environment {env_idx} out of range for {n_envs} environments")));
+    }
+    Ok(env_idx)
+}
+
+/// One step of a session, encoded as a [`StepReply`].
+fn step(session: &mut Session, actions: &[u32], obs_dim: usize) -> Result<Vec<u8>, Failure> {
+    let n_envs = session.envs.n_envs();
+    if actions.len() != n_envs {
+        return Err(bad(format!("{} actions for {n_envs} environments", actions.len())));
+    }
+    let actions: Vec<usize> = actions.iter().map(|&a| a as usize).collect();
+    session.envs.step(&actions, &mut session.step).map_err(|err| bad(err.to_string()))?;
+    let out = &session.step;
+    let mut final_obs = Vec::new();
+    for (env_idx, row) in out.final_obs.chunks_exact(obs_dim).enumerate() {
+        if out.terminated[env_idx] || out.truncated[env_idx] {
+            final_obs.extend_from_slice(row);
+        }
+    }
+    let mut errors: Vec<EnvFailure> = Vec::new();
+    for (env_idx, error) in &out.env_errors {
+        // A reset failure right after an episode ended is reported once per environment.
+        if !errors.iter().any(|f| f.env as usize == *env_idx) {
+            errors.push(EnvFailure { env: *env_idx as u32, message: error.to_string() });
+        }
+    }
+    Ok(protocol::encode(&StepReply {
+        obs: session.envs.obs().to_vec(),
+        rewards: out.rewards.clone(),
+        terminated: out.terminated.clone(),
+        truncated: out.truncated.clone(),
+        final_obs,
+        errors,
+    }))
+}

@@ -1,0 +1,193 @@
+//! `volley-transport`: how processes talk. The transport traits with the in-process bus
+//! ([`local`]) and NATS JetStream ([`nats`]), work queues and snapshot stores ([`work`]), and
+//! environments as NATS services ([`envsvc`]). Depends on `volley-core` (what is sent),
+//! `volley-env` and `volley-policy`; nothing depends on it but the processes (actor, learner, cli).
+//!
+//! The transport traits between actors and the learner, and the in-process implementation.
+//!
+//! Actor and learner code is written against these traits only, so the same code runs on the
+//! embedded bus ([`local`]) and on NATS. The traits are blocking: actors and the learner are
+//! CPU-bound threads, and a networked implementation owns its async runtime behind them.
+//!
+//! Semantics every implementation keeps:
+//! - [`TrajectorySink::publish`] applies backpressure (blocks) when the learner is behind, up to
+//!   a deadline, and returns [`TransportError::Closed`] once the run is over.
+//! - [`TrajectorySource::recv`] delivers each segment at least once; a delivery that is not
+//!   acked may be delivered again (networked transports), so consumers deduplicate by key.
+//! - [`WeightsFollower::latest`] returns the newest published version; versions only increase.
+#![warn(missing_docs)]
+
+pub mod envsvc;
+pub mod local;
+pub mod nats;
+pub mod work;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use volley_core::ids::PolicyVersion;
+use volley_core::wire::{DecodeError, TrajectorySegment, Weights};
+
+/// Transport failures. None is fatal to a process by itself: callers retry, count or stop.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum TransportError {
+    /// The other side has shut down; the run is over.
+    #[error("transport closed")]
+    Closed,
+    /// A deadline passed.
+    #[error("{operation} timed out after {after:?}")]
+    Timeout {
+        /// What was waited for.
+        operation: &'static str,
+        /// How long.
+        after: Duration,
+    },
+    /// The peer or broker answered with an error.
+    #[error("{operation} failed: {message}")]
+    Failed {
+        /// What failed.
+        operation: &'static str,
+        /// The underlying error.
+        message: String,
+    },
+}
+
+/// Opaque handle to acknowledge one delivery.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct DeliveryToken(pub u64);
+
+/// A segment as delivered to the learner.
+#[derive(Debug)]
+pub struct Delivery {
+    /// The decoded segment, or why its bytes did not decode. Validation against the run spec
+    /// is the consumer's job; a decode error is counted and the delivery rejected.
+    pub segment: Result<TrajectorySegment, DecodeError>,
+    /// Ack handle.
+    pub token: DeliveryToken,
+    /// How many times this segment was delivered (1 on first delivery).
+    pub delivery_count: u64,
+}
+
+/// Where actors send segments.
+pub trait TrajectorySink: Send {
+    /// Publish segments, blocking while the transport applies backpressure.
+    fn publish(&mut self, segments: Vec<TrajectorySegment>) -> Result<(), TransportError>;
+    /// Time this sink spent blocked by backpressure so far.
+    fn throttled(&self) -> Duration;
+    /// Publish attempts that failed and were retried so far (a lost ack, a broker error).
+    /// Default: 0, for transports that cannot fail.
+    fn publish_retries(&self) -> u64 {
+        0
+    }
+    /// A live view of the time spent blocked by backpressure, readable from other threads
+    /// while [`TrajectorySink::publish`] is still waiting (metrics, liveness). Default: none.
+    fn pacing_clock(&self) -> Option<Arc<PacingClock>> {
+        None
+    }
+}
+
+/// Time a sink has spent blocked by backpressure, including a wait still in progress; shared
+/// between the publishing thread and readers on other threads.
+#[derive(Debug)]
+pub struct PacingClock {
+    epoch: std::time::Instant,
+    /// Nanoseconds of finished waits.
+    finished_nanos: std::sync::atomic::AtomicU64,
+    /// Nanoseconds after `epoch` at which the current wait began, plus one; 0 when not blocked.
+    blocked_since: std::sync::atomic::AtomicU64,
+}
+
+impl Default for PacingClock {
+    fn default() -> Self {
+        PacingClock {
+            epoch: std::time::Instant::now(),
+            finished_nanos: Default::default(),
+            blocked_since: Default::default(),
+        }
+    }
+}
+
+impl PacingClock {
+    fn now_nanos(&self) -> u64 {
+        self.epoch.elapsed().as_nanos() as u64
+    }
+
+    /// A wait begins (no-op when one is already in progress).
+    pub fn block(&self) {
+        use std::sync::atomic::Ordering;
+        let _ = self.blocked_since.compare_exchange(0, self.now_nanos() + 1, Ordering::AcqRel, Ordering::Acquire);
+    }
+
+    /// The wait in progress (if any) ends and is added to the total.
+    pub fn unblock(&self) {
+        use std::sync::atomic::Ordering;
+        let since = self.blocked_since.swap(0, Ordering::AcqRel);
+        if since > 0 {
+            self.finished_nanos.fetch_add(self.now_nanos().saturating_sub(since - 1), Ordering::AcqRel);
+        }
+    }
+
+    /// How long the wait in progress has lasted, if the sink is blocked now.
+    pub fn blocked_for(&self) -> Option<Duration> {
+        let since = self.blocked_since.load(std::sync::atomic::Ordering::Acquire);
+        (since > 0).then(|| Duration::from_nanos(self.now_nanos().saturating_sub(since - 1)))
+    }
+
+    /// Total time blocked, the wait in progress included.
+    pub fn total(&self) -> Duration {
+        let finished = Duration::from_nanos(self.finished_nanos.load(std::sync::atomic::Ordering::Acquire));
+        finished + self.blocked_for().unwrap_or_default()
+    }
+}
+
+/// Where the learner receives segments.
+pub trait TrajectorySource: Send {
+    /// Append up to `max` deliveries to `out`, waiting at most `timeout` for the first one.
+    /// Returns how many were appended (0 on timeout).
+    fn recv(&mut self, max: usize, timeout: Duration, out: &mut Vec<Delivery>) -> Result<usize, TransportError>;
+    /// Acknowledge deliveries whose contribution is safe; they will not be delivered again.
+    fn ack(&mut self, tokens: &[DeliveryToken]) -> Result<(), TransportError>;
+    /// Reject a delivery for good (malformed or unusable): it is not redelivered.
+    fn reject(&mut self, token: DeliveryToken) -> Result<(), TransportError>;
+    /// Segments published but not yet delivered, when the transport knows.
+    fn backlog(&self) -> Option<u64>;
+}
+
+/// Where the learner publishes new policy versions.
+pub trait WeightsPublisher: Send {
+    /// Make `weights` the latest version.
+    fn publish(&mut self, weights: Arc<Weights>) -> Result<(), TransportError>;
+}
+
+/// How actors follow the latest policy version.
+pub trait WeightsFollower: Send {
+    /// The latest weights if newer than `have` (`None` = have nothing yet); `Ok(None)` when
+    /// there is nothing newer. Never blocks for long.
+    fn latest(&mut self, have: Option<PolicyVersion>) -> Result<Option<Arc<Weights>>, TransportError>;
+    /// Wait up to `timeout` for the first version to appear.
+    fn wait_first(&mut self, timeout: Duration) -> Result<Arc<Weights>, TransportError>;
+}
+
+#[cfg(test)]
+mod pacing_clock_tests {
+    use super::*;
+
+    #[test]
+    fn pacing_clock_counts_a_wait_in_progress() {
+        let clock = PacingClock::default();
+        assert_eq!(clock.blocked_for(), None);
+        assert_eq!(clock.total(), Duration::ZERO);
+        clock.block();
+        std::thread::sleep(Duration::from_millis(5));
+        let during = clock.total();
+        assert!(during >= Duration::from_millis(5), "{during:?}");
+        assert!(clock.blocked_for().is_some());
+        clock.block(); // a second block keeps the first start
+        clock.unblock();
+        assert_eq!(clock.blocked_for(), None);
+        assert!(clock.total() >= during);
+        let after = clock.total();
+        clock.unblock(); // no wait in progress: nothing added
+        assert_eq!(clock.total(), after);
+    }
+}

@@ -1,0 +1,701 @@
+//! The NATS JetStream transport: the four transport traits over a real broker.
+//!
+//! Layout of one run (all names from [`volley_core::subjects`]):
+//! - Actors publish encoded segments to `volley.<run>.traj.<actor>`, each with a
+//!   `Nats-Msg-Id`, so a retried publish is stored once (server-side dedup inside the
+//!   stream's duplicate window).
+//! - The stream `volley-<run>-traj` (file storage, limits retention) keeps segments after
+//!   they were consumed, bounded by bytes and age, so a run can be replayed.
+//! - The learner reads through the durable pull consumer `learner` with explicit acks.
+//! - The KV bucket `volley-<run>` holds the run spec (key `spec`) and a pointer to the newest
+//!   weights (key `weights`); the object store `volley-<run>-wts` holds the weights buffers
+//!   (chunked, so any size works with the default 1 MiB `max_payload`).
+//!
+//! The traits are blocking, because actors and the learner are CPU threads. [`NatsBus`] owns a
+//! small tokio runtime (or borrows one through [`NatsBus::connect_with_handle`]) and every
+//! blocking method runs its async work with `Handle::block_on`. Never call them from inside
+//! a tokio worker thread (tokio panics); call them from plain threads or `spawn_blocking`.
+//!
+//! Every network call has a deadline, so a stalled broker surfaces as
+//! [`TransportError::Timeout`] within seconds, and every failure is logged with its operation.
+//! async-nats reconnects by itself; the components here retry across a broker restart:
+//! the sink until its segment is stored (or `stop`), ack/reject/weights publish for
+//! [`NatsConfig::retry_deadline`], the learner's fetch on its next `recv`, and the weights
+//! follower re-creates its KV watch after every reconnect.
+//!
+//! This module holds the connection ([`NatsBus`], its config, auth, retries and the helpers
+//! every component uses); each component lives in its own file with the `NatsBus` method
+//! that makes it: [`sink`] (actors' segments), [`source`] (the learner's consumer and replay),
+//! [`weights`] (publisher and follower) and [`work`] (work queue and snapshot store).
+
+use std::collections::{HashMap, VecDeque};
+use std::fmt;
+use std::future::{Future, IntoFuture};
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use async_nats::jetstream::{self, consumer, kv, object_store, stream, AckKind, ErrorCode};
+use async_nats::{ConnectErrorKind, ConnectOptions, Event, ServerError, Subject};
+use bytes::Bytes;
+use futures::StreamExt;
+use tokio::io::AsyncReadExt;
+use tokio::runtime::Handle;
+use tracing::{debug, info, warn};
+
+use super::{
+    Delivery, DeliveryToken, TrajectorySink, TrajectorySource, TransportError, WeightsFollower, WeightsPublisher,
+};
+use volley_core::ids::{ActorId, PolicyVersion, RunId};
+use volley_core::spec::RunSpec;
+use volley_core::subjects;
+use volley_core::wire::{self, TrajectorySegment, Weights};
+
+pub mod sink;
+pub mod source;
+pub mod weights;
+pub mod work;
+
+pub use sink::{NatsTrajectorySink, SinkStats};
+pub use source::NatsTrajectorySource;
+pub use weights::{NatsWeightsFollower, NatsWeightsPublisher};
+pub use work::{NatsSnapshotStore, NatsWorkQueue, NatsWorkSource};
+
+use source::fetch_into;
+use work::ensure_work_objects;
+
+/// How often a throttled sink re-reads the learner's backlog. Short, because a fast learner
+/// drains a batch in well under a millisecond; one consumer-info request costs the server
+/// about as much as one small publish.
+const PACING_POLL: Duration = Duration::from_millis(2);
+/// How long a backlog reading that showed room is trusted (counting the sink's own publishes
+/// since), so a burst of segments does not cost one consumer-info request each. Short: other
+/// actors publish meanwhile too, and every segment of overshoot adds policy lag.
+const PACING_CACHE: Duration = Duration::from_millis(20);
+/// Deadline of the consumer-info request behind pacing and `backlog()`: short, because a slow
+/// answer must not stall the caller (an unknown backlog does not block).
+const BACKLOG_DEADLINE: Duration = Duration::from_millis(500);
+/// How long `TrajectorySource::backlog` trusts its last reading.
+const BACKLOG_CACHE: Duration = Duration::from_secs(1);
+/// How long an ack for a delivery from a lost connection may take to hand to the client.
+const ABANDON_ACK_DEADLINE: Duration = Duration::from_secs(1);
+/// First and longest pause between retries.
+const BACKOFF_FIRST: Duration = Duration::from_millis(50);
+const BACKOFF_MAX: Duration = Duration::from_secs(1);
+/// Weights transfers get `request_timeout` plus the time to move their bytes at this rate
+/// (far below loopback or LAN speed, so only a stalled transfer hits the deadline).
+const MIN_TRANSFER_BYTES_PER_SEC: f64 = 8.0 * 1024.0 * 1024.0;
+/// An ephemeral replay consumer is removed by the server after this long without a fetch.
+const REPLAY_INACTIVE_THRESHOLD: Duration = Duration::from_secs(300);
+/// How a permission violation reported by the server starts (`-ERR 'Permissions Violation for
+/// Publish to "<subject>"'`, or `... for Subscription to ...`).
+const PERMISSION_VIOLATION: &str = "permissions violation";
+/// Start of the message of a [`TransportError::Failed`] caused by a permission violation.
+const PERMISSION_DENIED: &str = "permission denied by the nats server";
+/// Permission violations remembered per connection (the newest ones).
+const DENIALS_KEPT: usize = 16;
+
+/// How a [`NatsBus`] authenticates to the server. `Debug` never shows a secret.
+#[derive(Clone, PartialEq, Eq)]
+pub enum NatsAuth {
+    /// A user name and password (a `users` entry in the server config, see `broker-config/`).
+    UserPassword {
+        /// The user name.
+        user: String,
+        /// The password (plain text; the server may store a bcrypt hash of it).
+        password: String,
+    },
+    /// A token (`authorization { token }` in the server config).
+    Token(String),
+}
+
+impl fmt::Debug for NatsAuth {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            NatsAuth::UserPassword { user, .. } => {
+                f.debug_struct("UserPassword").field("user", user).field("password", &"<redacted>").finish()
+            }
+            NatsAuth::Token(_) => f.write_str("Token(<redacted>)"),
+        }
+    }
+}
+
+impl NatsAuth {
+    /// Who connects, for logs and errors (never the secret).
+    fn describe(&self) -> String {
+        match self {
+            NatsAuth::UserPassword { user, .. } => format!("user {user}"),
+            NatsAuth::Token(_) => "a token".to_string(),
+        }
+    }
+}
+
+/// Permission violations the server reported on one connection, newest last.
+///
+/// The server answers a denied publish (a JetStream API request included) with an
+/// asynchronous `-ERR` and drops the message, so the request behind it only times out. The
+/// transport remembers the violations so that such a timeout is reported as the denial it is
+/// (see [`timed`] and [`call`]), and so that retry loops give up instead of retrying a denial.
+#[derive(Debug, Default)]
+struct Denials {
+    recent: Mutex<VecDeque<(Instant, String)>>,
+}
+
+impl Denials {
+    fn record(&self, message: String) {
+        let mut recent = self.recent.lock().expect("denials lock is never poisoned");
+        if recent.len() == DENIALS_KEPT {
+            recent.pop_front();
+        }
+        recent.push_back((Instant::now(), message));
+    }
+
+    /// The newest violation reported at or after `since` whose message contains `subject`
+    /// (any violation when `subject` is empty).
+    fn since(&self, since: Instant, subject: &str) -> Option<String> {
+        let recent = self.recent.lock().expect("denials lock is never poisoned");
+        recent.iter().rev().find(|(at, message)| *at >= since && message.contains(subject)).map(|(_, m)| m.clone())
+    }
+}
+
+tokio::task_local! {
+    /// The denials of the bus whose `block_on` runs the current future; lets [`timed`] and
+    /// [`call`] explain a timeout without a reference to the bus.
+    static DENIALS: Arc<Denials>;
+}
+
+/// A [`TransportError::Failed`] for a permission violation reported while `operation` ran.
+#[cold]
+fn denied(operation: &'static str, violation: &str) -> TransportError {
+    let message = format!("{PERMISSION_DENIED}: {violation} (check the NATS user's permissions, see broker-config/)");
+    warn!(operation, error = %message, "nats operation denied");
+    TransportError::Failed { operation, message }
+}
+
+/// Whether `err` reports a permission violation (retrying it cannot help).
+fn is_denied(err: &TransportError) -> bool {
+    matches!(err, TransportError::Failed { message, .. } if message.starts_with(PERMISSION_DENIED))
+}
+
+/// The permission violation reported since `started` on the connection of the bus running
+/// this future, if any.
+fn denial_since(started: Instant) -> Option<String> {
+    DENIALS.try_with(|denials| denials.since(started, "")).ok().flatten()
+}
+
+/// Connection and run-layout settings of a [`NatsBus`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct NatsConfig {
+    /// Server URL, e.g. `nats://127.0.0.1:4222`.
+    pub url: String,
+    /// The run whose subjects, stream and buckets this bus uses.
+    pub run: RunId,
+    /// How long [`NatsBus::connect`] keeps trying to reach the server.
+    pub connect_timeout: Duration,
+    /// Deadline of one request to the server (stream admin, KV, acks, publish acks).
+    pub request_timeout: Duration,
+    /// How long learner-side operations (ack, reject, weights publish) keep retrying through a
+    /// broker outage before they return an error.
+    pub retry_deadline: Duration,
+    /// Upper bound on the bytes the trajectory stream keeps; the oldest segments go first.
+    pub stream_max_bytes: i64,
+    /// Segments older than this are removed from the trajectory stream.
+    pub stream_max_age: Duration,
+    /// The window in which the server drops a second message with the same `Nats-Msg-Id`.
+    pub duplicate_window: Duration,
+    /// Publish acks a sink keeps in flight before it waits for the oldest.
+    pub publish_window: usize,
+    /// Pacing: a sink waits while the learner consumer's backlog (undelivered plus
+    /// delivered-but-unacknowledged segments) is at or above this.
+    pub max_backlog_segments: u64,
+    /// A delivery not acknowledged within this is delivered again (held deliveries are kept
+    /// alive by `recv`, see [`NatsTrajectorySource`]).
+    pub ack_wait: Duration,
+    /// Deliveries of one segment before the server gives up on it (-1: no limit).
+    pub max_deliver: i64,
+    /// Weights objects kept in the object store (the newest ones); older ones are deleted.
+    pub keep_weight_versions: usize,
+    /// Copies JetStream keeps of the run's streams and buckets (trajectories, run KV, weights,
+    /// and with work items the work queue and snapshot stores): 1 on a single server, 3 on a
+    /// 3-node cluster so that losing one server loses nothing. Applied when they are created;
+    /// the two streams are also updated to it when they exist.
+    pub replicas: usize,
+    /// How to authenticate (`None`: anonymous, for a server without auth).
+    pub auth: Option<NatsAuth>,
+}
+
+impl NatsConfig {
+    /// Defaults sized for one learner and tens of actors on a LAN: 5 s requests, 30 s retry
+    /// budget and ack wait, a 1 GiB / 24 h trajectory stream, 32 publish acks in flight,
+    /// a backlog bound of 256 segments, 10 deliveries, 3 weights versions kept, one replica.
+    pub fn new(url: impl Into<String>, run: RunId) -> Self {
+        NatsConfig {
+            url: url.into(),
+            run,
+            connect_timeout: Duration::from_secs(10),
+            request_timeout: Duration::from_secs(5),
+            retry_deadline: Duration::from_secs(30),
+            stream_max_bytes: 1 << 30,
+            stream_max_age: Duration::from_secs(24 * 3600),
+            duplicate_window: Duration::from_secs(120),
+            publish_window: 32,
+            max_backlog_segments: 256,
+            ack_wait: Duration::from_secs(30),
+            max_deliver: 10,
+            keep_weight_versions: 3,
+            replicas: 1,
+            auth: None,
+        }
+    }
+
+    fn transfer_deadline(&self, size_bytes: usize) -> Duration {
+        self.request_timeout + Duration::from_secs_f64(size_bytes as f64 / MIN_TRANSFER_BYTES_PER_SEC)
+    }
+}
+
+/// Shuts an owned runtime down without waiting for its tasks, so dropping the bus never
+/// blocks (and works even from inside another runtime).
+struct OwnedRuntime(Option<tokio::runtime::Runtime>);
+
+impl Drop for OwnedRuntime {
+    fn drop(&mut self) {
+        if let Some(runtime) = self.0.take() {
+            runtime.shutdown_background();
+        }
+    }
+}
+
+/// What every component of one bus shares. Background tasks never hold it, so the runtime is
+/// never dropped from inside itself.
+struct Shared {
+    config: NatsConfig,
+    client: async_nats::Client,
+    js: jetstream::Context,
+    handle: Handle,
+    /// Counts (re)connections; the weights follower re-creates its watch when it changes.
+    connections: tokio::sync::watch::Receiver<u64>,
+    /// Permission violations the server reported on this connection.
+    denials: Arc<Denials>,
+    /// Declared last: dropped after the client.
+    _runtime: OwnedRuntime,
+}
+
+impl Shared {
+    fn block_on<F: Future>(&self, future: F) -> F::Output {
+        self.handle.block_on(DENIALS.scope(self.denials.clone(), future))
+    }
+}
+
+/// A connection to a NATS server for one run; the factory of sinks, sources, publishers and
+/// followers. Cheap to keep around; every component it makes shares its connection.
+pub struct NatsBus {
+    shared: Arc<Shared>,
+}
+
+impl fmt::Debug for NatsBus {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("NatsBus").field("url", &self.shared.config.url).field("run", &self.shared.config.run).finish()
+    }
+}
+
+impl NatsBus {
+    /// Connect with a runtime of its own (two worker threads), retrying for
+    /// [`NatsConfig::connect_timeout`]; the error names the URL and the last failure.
+    pub fn connect(config: NatsConfig) -> Result<Self, TransportError> {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("volley-nats")
+            .enable_all()
+            .build()
+            .map_err(|err| failed("start nats runtime", err))?;
+        let handle = runtime.handle().clone();
+        Self::connect_inner(config, handle, OwnedRuntime(Some(runtime)))
+    }
+
+    /// Connect using an existing multi-thread tokio runtime (a current-thread runtime cannot
+    /// drive I/O for `Handle::block_on`). The blocking methods must still be called from
+    /// outside its worker threads.
+    pub fn connect_with_handle(config: NatsConfig, handle: Handle) -> Result<Self, TransportError> {
+        Self::connect_inner(config, handle, OwnedRuntime(None))
+    }
+
+    fn connect_inner(config: NatsConfig, handle: Handle, runtime: OwnedRuntime) -> Result<Self, TransportError> {
+        let (connections_tx, connections) = tokio::sync::watch::channel(0u64);
+        let connections_tx = Arc::new(connections_tx);
+        let denials = Arc::new(Denials::default());
+        // Our own retry loop instead of `retry_on_initial_connect`: that option returns at once
+        // and leaves a task retrying forever, while a bounded loop gives a clear error.
+        let client = handle.block_on(async {
+            let started = Instant::now();
+            let mut backoff = Backoff::new();
+            let mut attempts = 0u32;
+            loop {
+                attempts += 1;
+                let remaining = config.connect_timeout.saturating_sub(started.elapsed());
+                let (events, event_denials) = (connections_tx.clone(), denials.clone());
+                let mut options = ConnectOptions::new()
+                    .name("volley")
+                    .connection_timeout(config.request_timeout.min(remaining).max(Duration::from_millis(10)))
+                    .request_timeout(Some(config.request_timeout))
+                    .reconnect_delay_callback(reconnect_delay)
+                    .event_callback(move |event| {
+                        let (events, denials) = (events.clone(), event_denials.clone());
+                        async move { on_connection_event(&events, &denials, event) }
+                    });
+                options = match &config.auth {
+                    Some(NatsAuth::UserPassword { user, password }) => {
+                        options.user_and_password(user.clone(), password.clone())
+                    }
+                    Some(NatsAuth::Token(token)) => options.token(token.clone()),
+                    None => options,
+                };
+                let problem = match tokio::time::timeout(remaining, options.connect(config.url.as_str())).await {
+                    Ok(Ok(client)) => break Ok(client),
+                    // Wrong credentials do not get better with retries.
+                    Ok(Err(err)) if err.kind() == ConnectErrorKind::AuthorizationViolation => {
+                        let who = config.auth.as_ref().map_or_else(|| "anonymous".to_string(), NatsAuth::describe);
+                        break Err(failed(
+                            "connect",
+                            format!("nats server {} refused {who}: {err} (wrong user or password?)", config.url),
+                        ));
+                    }
+                    Ok(Err(err)) => err.to_string(),
+                    Err(_) => "timed out".to_string(),
+                };
+                if started.elapsed() >= config.connect_timeout {
+                    let message = format!(
+                        "cannot reach nats server {} within {:?} ({attempts} attempts): {problem}",
+                        config.url, config.connect_timeout
+                    );
+                    warn!(operation = "connect", url = %config.url, %message, "nats connect failed");
+                    break Err(TransportError::Failed { operation: "connect", message });
+                }
+                debug!(url = %config.url, attempts, %problem, "nats connect failed; retrying");
+                let pause = backoff.next().min(config.connect_timeout.saturating_sub(started.elapsed()));
+                tokio::time::sleep(pause).await;
+            }
+        })?;
+        // Building the context spawns its acker task, which needs the runtime entered.
+        let js = {
+            let _entered = handle.enter();
+            jetstream::ContextBuilder::new().timeout(config.request_timeout).build(client.clone())
+        };
+        info!(url = %config.url, run = %config.run, max_payload = client.max_payload(), "connected to nats");
+        Ok(NatsBus { shared: Arc::new(Shared { config, client, js, handle, connections, denials, _runtime: runtime }) })
+    }
+
+    /// The bus configuration.
+    pub fn config(&self) -> &NatsConfig {
+        &self.shared.config
+    }
+
+    /// The largest message the server accepts, headers included (`max_payload`, 1 MiB by
+    /// default). Segments must fit; weights need not (the object store chunks them).
+    pub fn max_payload(&self) -> usize {
+        self.shared.client.max_payload()
+    }
+
+    /// The underlying async-nats client (for tests and tools; the transport does not need it).
+    pub fn client(&self) -> &async_nats::Client {
+        &self.shared.client
+    }
+
+    /// The JetStream context the bus uses (request timeout = [`NatsConfig::request_timeout`]).
+    pub fn jetstream(&self) -> &jetstream::Context {
+        &self.shared.js
+    }
+
+    /// The runtime the bus runs its async work on.
+    pub fn handle(&self) -> &Handle {
+        &self.shared.handle
+    }
+
+    /// Learner side: idempotently create the run's broker objects and publish the run spec.
+    ///
+    /// Creates or updates the trajectory stream (file storage, limits retention so consumed
+    /// segments stay for replay, [`NatsConfig::stream_max_bytes`] / `stream_max_age` bounds
+    /// discarding the oldest, a [`NatsConfig::duplicate_window`] for `Nats-Msg-Id` dedup), the
+    /// durable pull consumer `learner` (explicit ack, `ack_wait`, `max_deliver`), the KV bucket
+    /// and the object store, all with [`NatsConfig::replicas`] copies, then puts `spec` as JSON
+    /// under key `spec`. Safe to call again,
+    /// e.g. by a restarted learner; changed limits are applied to the existing stream and
+    /// consumer.
+    pub fn ensure_run(&self, spec: &RunSpec) -> Result<(), TransportError> {
+        let shared = &self.shared;
+        let config = &shared.config;
+        if spec.run != config.run {
+            return Err(failed(
+                "ensure run",
+                format!("spec is for run {} but the bus serves run {}", spec.run, config.run),
+            ));
+        }
+        let spec_json = serde_json::to_vec_pretty(spec).map_err(|err| failed("encode run spec", err))?;
+        let timeout = config.request_timeout;
+        let stores = &spec.hyper.stores;
+        shared.block_on(async {
+            let stream_name = subjects::trajectory_stream(&config.run);
+            let stream_config = stream::Config {
+                name: stream_name.clone(),
+                description: Some(format!("volley run {} trajectory segments", config.run)),
+                subjects: vec![subjects::trajectories_all(&config.run)],
+                retention: stream::RetentionPolicy::Limits,
+                storage: stream::StorageType::File,
+                discard: stream::DiscardPolicy::Old,
+                max_bytes: config.stream_max_bytes,
+                max_age: config.stream_max_age,
+                duplicate_window: config.duplicate_window,
+                num_replicas: config.replicas,
+                ..Default::default()
+            };
+            call("create trajectory stream", timeout, shared.js.create_or_update_stream(stream_config)).await?;
+            let stream = call("open trajectory stream", timeout, shared.js.get_stream_no_info(&stream_name)).await?;
+            call("create learner consumer", timeout, stream.create_consumer(learner_consumer_config(config))).await?;
+
+            let bucket = subjects::run_bucket(&config.run);
+            let kv = match open_kv(&shared.js, &bucket, timeout).await? {
+                Some(kv) => kv,
+                None => {
+                    let kv_config = kv::Config {
+                        bucket: bucket.clone(),
+                        description: format!("volley run {}: spec and weights pointer", config.run),
+                        history: stores.kv_history as i64,
+                        max_bytes: stores.kv_max_bytes as i64,
+                        storage: stream::StorageType::File,
+                        num_replicas: config.replicas,
+                        ..Default::default()
+                    };
+                    match call("create run bucket", timeout, shared.js.create_key_value(kv_config)).await {
+                        Ok(kv) => kv,
+                        // Another learner may have created it in between.
+                        Err(err) => open_kv(&shared.js, &bucket, timeout).await?.ok_or(err)?,
+                    }
+                }
+            };
+            let weights_bucket = subjects::weights_bucket(&config.run);
+            if open_objects(&shared.js, &weights_bucket, timeout).await?.is_none() {
+                let objects_config = object_store::Config {
+                    bucket: weights_bucket.clone(),
+                    description: Some(format!("volley run {}: weights buffers", config.run)),
+                    max_bytes: stores.weights_max_bytes as i64,
+                    storage: stream::StorageType::File,
+                    num_replicas: config.replicas,
+                    ..Default::default()
+                };
+                if let Err(err) =
+                    call("create weights store", timeout, shared.js.create_object_store(objects_config)).await
+                {
+                    open_objects(&shared.js, &weights_bucket, timeout).await?.ok_or(err)?;
+                }
+            }
+            if spec.hyper.work.enabled {
+                ensure_work_objects(shared, &spec.hyper.work, stores).await?;
+            }
+            call("put run spec", timeout, kv.put(subjects::SPEC_KEY, Bytes::from(spec_json))).await?;
+            info!(run = %config.run, stream = %stream_name, "run ready on nats");
+            Ok(())
+        })
+    }
+
+    /// Actor side: the run spec, or `Ok(None)` when the run's bucket or its `spec` key does not
+    /// exist (yet).
+    pub fn read_spec(&self) -> Result<Option<RunSpec>, TransportError> {
+        let shared = &self.shared;
+        let timeout = shared.config.request_timeout;
+        shared.block_on(async {
+            let Some(kv) = open_kv(&shared.js, &subjects::run_bucket(&shared.config.run), timeout).await? else {
+                return Ok(None);
+            };
+            let Some(bytes) = call("read run spec", timeout, kv.get(subjects::SPEC_KEY)).await? else {
+                return Ok(None);
+            };
+            serde_json::from_slice(&bytes).map(Some).map_err(|err| failed("decode run spec", err))
+        })
+    }
+}
+
+fn learner_consumer_config(config: &NatsConfig) -> consumer::pull::Config {
+    consumer::pull::Config {
+        durable_name: Some(subjects::LEARNER_CONSUMER.to_string()),
+        description: Some(format!("volley run {} learner", config.run)),
+        deliver_policy: consumer::DeliverPolicy::All,
+        ack_policy: consumer::AckPolicy::Explicit,
+        ack_wait: config.ack_wait,
+        max_deliver: config.max_deliver,
+        ..Default::default()
+    }
+}
+
+fn reconnect_delay(attempts: usize) -> Duration {
+    // Exponential from 0 like async-nats' default, but capped at 2 s instead of 4 s, so a
+    // restarted broker is picked up quickly.
+    let exponent = attempts.saturating_sub(1).min(16) as u32;
+    Duration::from_millis(if attempts <= 1 { 0 } else { 2u64.pow(exponent) }).min(Duration::from_secs(2))
+}
+
+fn on_connection_event(connections: &tokio::sync::watch::Sender<u64>, denials: &Denials, event: Event) {
+    match event {
+        Event::ServerError(ServerError::Other(message)) if message.to_lowercase().starts_with(PERMISSION_VIOLATION) => {
+            warn!(error = %message, "nats server denied an operation");
+            denials.record(message);
+        }
+        Event::Connected => {
+            connections.send_modify(|n| *n += 1);
+            info!("nats connected");
+        }
+        Event::Disconnected => warn!("nats disconnected; reconnecting"),
+        Event::Closed => warn!("nats connection closed"),
+        Event::SlowConsumer(sid) => warn!(sid, "nats slow consumer"),
+        other => debug!(event = %other, "nats connection event"),
+    }
+}
+
+/// A per-sink id for message ids: time-based, so a restarted actor gets a new one.
+fn incarnation() -> String {
+    let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
+    format!("{:x}", (nanos as u64) ^ ((std::process::id() as u64) << 48))
+}
+
+/// Log and wrap a failure.
+#[cold]
+fn failed(operation: &'static str, err: impl fmt::Display) -> TransportError {
+    let message = err.to_string();
+    warn!(operation, error = %message, "nats operation failed");
+    TransportError::Failed { operation, message }
+}
+
+/// Run `future` with a deadline; log and map an expiry to [`TransportError::Timeout`].
+/// A timeout after a permission violation reported meanwhile becomes that denial.
+async fn timed<F: Future>(operation: &'static str, after: Duration, future: F) -> Result<F::Output, TransportError> {
+    let started = Instant::now();
+    tokio::time::timeout(after, future).await.map_err(|_| {
+        if let Some(violation) = denial_since(started) {
+            return denied(operation, &violation);
+        }
+        warn!(operation, ?after, "nats operation timed out");
+        TransportError::Timeout { operation, after }
+    })
+}
+
+/// [`timed`] for a fallible call: both the deadline and the call's error become a
+/// [`TransportError`] naming `operation`.
+async fn call<T, E: fmt::Display>(
+    operation: &'static str,
+    after: Duration,
+    future: impl Future<Output = Result<T, E>>,
+) -> Result<T, TransportError> {
+    let started = Instant::now();
+    // async-nats times its requests out after the same `request_timeout`: a denied request
+    // usually fails here, as an error of the call, rather than in `timed`.
+    timed(operation, after, future).await?.map_err(|err| match denial_since(started) {
+        Some(violation) => denied(operation, &violation),
+        None => failed(operation, err),
+    })
+}
+
+/// Exponential backoff between retries: 50 ms doubling to 1 s.
+#[derive(Debug)]
+struct Backoff(Duration);
+
+impl Backoff {
+    fn new() -> Self {
+        Backoff(BACKOFF_FIRST)
+    }
+
+    fn next(&mut self) -> Duration {
+        let pause = self.0;
+        self.0 = (self.0 * 2).min(BACKOFF_MAX);
+        pause
+    }
+}
+
+/// Retry `attempt` with backoff until it succeeds or `budget` has passed; returns the last
+/// error then. Each failure is logged (by `call`/`timed`) with its operation.
+async fn retry_for<T, F, Fut>(operation: &'static str, budget: Duration, mut attempt: F) -> Result<T, TransportError>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<T, TransportError>>,
+{
+    let started = Instant::now();
+    let mut backoff = Backoff::new();
+    let mut attempts = 0u32;
+    loop {
+        attempts += 1;
+        match attempt().await {
+            Ok(value) => {
+                if attempts > 1 {
+                    info!(operation, attempts, "nats operation succeeded after retries");
+                }
+                return Ok(value);
+            }
+            Err(err) if is_denied(&err) => return Err(err),
+            Err(err) if started.elapsed() >= budget => {
+                warn!(operation, attempts, %err, "nats operation failed; giving up");
+                return Err(err);
+            }
+            Err(_) => tokio::time::sleep(backoff.next()).await,
+        }
+    }
+}
+
+/// Whether the JetStream stream `name` exists.
+async fn stream_exists(js: &jetstream::Context, name: &str, timeout: Duration) -> Result<bool, TransportError> {
+    match timed("look up stream", timeout, js.get_stream(name)).await? {
+        Ok(_) => Ok(true),
+        Err(err) => match err.kind() {
+            jetstream::context::GetStreamErrorKind::JetStream(js_err)
+                if js_err.error_code() == ErrorCode::STREAM_NOT_FOUND =>
+            {
+                Ok(false)
+            }
+            _ => Err(failed("look up stream", err)),
+        },
+    }
+}
+
+/// The KV bucket, or `None` when it does not exist.
+async fn open_kv(
+    js: &jetstream::Context,
+    bucket: &str,
+    timeout: Duration,
+) -> Result<Option<kv::Store>, TransportError> {
+    if !stream_exists(js, &subjects::kv_backing_stream(bucket), timeout).await? {
+        return Ok(None);
+    }
+    call("open kv bucket", timeout, js.get_key_value(bucket)).await.map(Some)
+}
+
+/// The object store, or `None` when it does not exist.
+async fn open_objects(
+    js: &jetstream::Context,
+    bucket: &str,
+    timeout: Duration,
+) -> Result<Option<object_store::ObjectStore>, TransportError> {
+    if !stream_exists(js, &subjects::object_backing_stream(bucket), timeout).await? {
+        return Ok(None);
+    }
+    call("open object store", timeout, js.get_object_store(bucket)).await.map(Some)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_doubles_up_to_the_cap() {
+        let mut backoff = Backoff::new();
+        let pauses: Vec<Duration> = (0..8).map(|_| backoff.next()).collect();
+        assert_eq!(pauses[0], BACKOFF_FIRST);
+        assert_eq!(pauses[1], BACKOFF_FIRST * 2);
+        assert!(pauses.windows(2).all(|w| w[1] >= w[0]));
+        assert_eq!(*pauses.last().expect("eight pauses"), BACKOFF_MAX);
+    }
+
+    #[test]
+    fn reconnect_delay_starts_at_zero_and_is_capped() {
+        assert_eq!(reconnect_delay(0), Duration::ZERO);
+        assert_eq!(reconnect_delay(1), Duration::ZERO);
+        assert_eq!(reconnect_delay(2), Duration::from_millis(2));
+        assert_eq!(reconnect_delay(100), Duration::from_secs(2));
+    }
+}

@@ -1,0 +1,289 @@
+//! The repo's broker config (`broker-config/`) against a real `nats-server` and the real
+//! transport: the per-run users `learner-local` and `actor-local` can do their jobs and
+//! nothing else, and a denied operation comes back as a clear [`TransportError`], not a hang.
+//!
+//! The server runs `broker-config/accounts.conf` verbatim (its text in the test's config) on a
+//! loopback port, with the passwords it reads from the environment set to test values.
+//! Every allowed flow also checks that the server logged no permission violation, so a grant
+//! that async-nats needs but the config lacks fails here even where the transport tolerates
+//! the failure (e.g. the pacing read).
+
+mod common;
+
+use std::path::PathBuf;
+use std::sync::atomic::AtomicBool;
+use std::sync::{mpsc, Arc};
+use std::thread;
+use std::time::Duration;
+
+use bytes::Bytes;
+use volley_core::ids::{ActorId, PolicyVersion, RunId};
+use volley_core::spec::RunSpec;
+use volley_core::subjects;
+use volley_core::wire::{TrajectorySegment, Weights};
+use volley_testkit::TestNats;
+use volley_transport::nats::{NatsAuth, NatsBus, NatsConfig};
+use volley_transport::{TrajectorySink, TrajectorySource, TransportError, WeightsFollower, WeightsPublisher};
+
+/// The run `broker-config/accounts.conf` has users for.
+const RUN: &str = "local";
+const LEARNER_PASSWORD: &str = "learner-test-password";
+const ACTOR_PASSWORD: &str = "actor-test-password";
+/// Bound on any wait: only there so that a regression (e.g. a denial retried forever) fails
+/// instead of hanging.
+const GUARD: Duration = Duration::from_secs(60);
+/// What a denial turns into (see `volley_transport::nats`).
+const DENIED: &str = "permission denied by the nats server";
+
+fn repo_file(relative: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..").join(relative)
+}
+
+/// A server running the repo's accounts and permissions.
+fn broker() -> TestNats {
+    // Verbatim: nats-server resolves `include` relative to the including file, even for
+    // absolute paths, so the text is copied rather than included.
+    let accounts = std::fs::read_to_string(repo_file("broker-config/accounts.conf")).expect("read accounts.conf");
+    TestNats::start_with_config(
+        &accounts,
+        &[("VOLLEY_LEARNER_PASSWORD", LEARNER_PASSWORD), ("VOLLEY_ACTOR_PASSWORD", ACTOR_PASSWORD)],
+    )
+}
+
+fn config(server: &TestNats, run: &str, user: &str, password: &str) -> NatsConfig {
+    let mut config = NatsConfig::new(server.url(), RunId::new(run).expect("a valid run id"));
+    config.connect_timeout = Duration::from_secs(10);
+    config.request_timeout = Duration::from_secs(2);
+    config.retry_deadline = Duration::from_secs(4);
+    config.auth = Some(NatsAuth::UserPassword { user: user.to_string(), password: password.to_string() });
+    config
+}
+
+fn learner(server: &TestNats) -> NatsBus {
+    NatsBus::connect(config(server, RUN, "learner-local", LEARNER_PASSWORD)).expect("learner connects")
+}
+
+fn actor_on(server: &TestNats, run: &str) -> NatsBus {
+    NatsBus::connect(config(server, run, "actor-local", ACTOR_PASSWORD)).expect("actor connects")
+}
+
+fn spec() -> RunSpec {
+    common::spec(RUN)
+}
+
+fn segment(actor: &str, segment_idx: u64) -> TrajectorySegment {
+    common::segment(RUN, actor, 0, segment_idx)
+}
+
+fn weights(version: u64) -> Arc<Weights> {
+    let params = (0..300_000).map(|i| (i as f32 * 0.001 + version as f32).sin()).collect();
+    Arc::new(Weights::new(PolicyVersion(version), 42, params))
+}
+
+/// Run `work` on its own thread and fail the test if it does not return within [`GUARD`].
+fn within_guard<T: Send + 'static>(what: &str, work: impl FnOnce() -> T + Send + 'static) -> T {
+    let (tx, rx) = mpsc::channel();
+    thread::spawn(move || {
+        let _ = tx.send(work());
+    });
+    rx.recv_timeout(GUARD).unwrap_or_else(|_| panic!("{what} did not return within {GUARD:?}"))
+}
+
+fn assert_denied(what: &str, result: Result<(), TransportError>) {
+    match result {
+        Err(TransportError::Failed { message, .. }) if message.starts_with(DENIED) => {}
+        other => panic!("{what}: expected a permission denial, got {other:?}"),
+    }
+}
+
+/// The permission violations in the server's log, one per line.
+fn violations(server: &TestNats) -> String {
+    server.log().lines().filter(|line| line.contains("Violation")).collect::<Vec<_>>().join("\n")
+}
+
+fn assert_no_violations(server: &TestNats) {
+    let violations = violations(server);
+    assert!(violations.is_empty(), "the server reported violations:\n{violations}");
+}
+
+#[test]
+fn repo_broker_config_passes_the_servers_config_check() {
+    // `-t` parses only; the store directory is not created.
+    let store = std::env::temp_dir().join("volley-broker-config-check");
+    let output = std::process::Command::new(volley_testkit::find_nats_server())
+        .arg("-t")
+        .arg("-c")
+        .arg(repo_file("broker-config/nats.conf"))
+        .env("VOLLEY_NATS_STORE_DIR", &store)
+        .env("VOLLEY_LEARNER_PASSWORD", "x")
+        .env("VOLLEY_ACTOR_PASSWORD", "y")
+        .output()
+        .expect("run nats-server -t");
+    assert!(
+        output.status.success(),
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+}
+
+#[test]
+fn learner_and_actor_users_can_do_their_jobs() {
+    let server = broker();
+    let learner = learner(&server);
+    learner.ensure_run(&spec()).expect("the learner creates the run");
+    let mut publisher = learner.weights_publisher().expect("the learner opens the weights publisher");
+    publisher.publish(weights(0)).expect("the learner publishes weights");
+
+    let actor = actor_on(&server, RUN);
+    assert_eq!(actor.read_spec().expect("the actor reads the spec"), Some(spec()));
+    let mut follower = actor.weights_follower(42, 300_000).expect("follower");
+    let first = follower.wait_first(Duration::from_secs(10));
+    let first = first.unwrap_or_else(|err| panic!("the actor fetches weights: {err}\n{}", violations(&server)));
+    assert_eq!(first.version, PolicyVersion(0));
+    let mut sink = actor
+        .trajectory_sink(&ActorId::new("a1").expect("valid"), Arc::new(AtomicBool::new(false)))
+        .expect("the actor opens its sink");
+    sink.publish((0..3).map(|i| segment("a1", i)).collect()).expect("the actor publishes segments");
+    sink.flush().expect("the segments are stored");
+
+    let mut source = learner.trajectory_source().expect("the learner opens its consumer");
+    let mut deliveries = Vec::new();
+    while deliveries.len() < 3 {
+        let received = source.recv(3, Duration::from_millis(500), &mut deliveries);
+        received.unwrap_or_else(|err| panic!("the learner consumes: {err}\n{}", violations(&server)));
+    }
+    let tokens: Vec<_> = deliveries.iter().map(|d| d.token).collect();
+    source.ack(&tokens).expect("the learner acks");
+    publisher.publish(weights(1)).expect("the learner publishes the next version");
+    let newest = within_guard("following v1", move || loop {
+        if let Some(newest) = follower.latest(Some(PolicyVersion(0))).expect("the actor follows") {
+            return newest.version;
+        }
+        thread::sleep(Duration::from_millis(10));
+    });
+    assert_eq!(newest, PolicyVersion(1));
+    assert_no_violations(&server);
+}
+
+/// Save-load and budget assignment with the repo's permissions: the learner creates the work
+/// queue and snapshot store and plans items; the actor takes an item, saves and reloads a
+/// snapshot through the index, and completes the item; the actor cannot plan work itself.
+#[test]
+fn work_queue_and_snapshots_work_with_role_credentials() {
+    use volley_core::work::{EpisodeSnapshot, Start, WorkConfig, WorkItem};
+    use volley_transport::work::{SnapshotStore, WorkQueue, WorkSource};
+    let server = broker();
+    let learner = learner(&server);
+    let mut spec = spec();
+    spec.hyper.work = WorkConfig { enabled: true, ..WorkConfig::default() };
+    learner
+        .ensure_run(&spec)
+        .unwrap_or_else(|err| panic!("the learner creates the run: {err}\n{}", violations(&server)));
+    let mut queue = learner.work_queue().expect("the learner opens the work queue");
+    let item = WorkItem { id: 9, task_id: 0, start: Start::Fresh { seed: 1 }, episodes: 1 };
+    queue.submit(std::slice::from_ref(&item)).unwrap_or_else(|err| panic!("plan: {err}\n{}", violations(&server)));
+
+    let actor = actor_on(&server, RUN);
+    let mut source = actor.work_source().unwrap_or_else(|err| panic!("work source: {err}\n{}", violations(&server)));
+    let (taken, token) = source
+        .take(Duration::from_secs(5))
+        .unwrap_or_else(|err| panic!("take: {err}\n{}", violations(&server)))
+        .expect("the planned item");
+    assert_eq!(taken, item);
+    let mut store = actor.snapshot_store().unwrap_or_else(|err| panic!("store: {err}\n{}", violations(&server)));
+    let snapshot = EpisodeSnapshot {
+        work_item: 9,
+        episode_index: 0,
+        task_id: 0,
+        origin: None,
+        env: vec![1, 2, 3],
+        hidden: vec![],
+        episode_return: 1.0,
+        episode_len: 5,
+        policy_version: volley_core::ids::PolicyVersion(0),
+        rng: rand_pcg::Pcg64Mcg::new(7),
+        progress: 0.0,
+    };
+    let key = store.save(&snapshot).unwrap_or_else(|err| panic!("save: {err}\n{}", violations(&server)));
+    assert_eq!(store.latest_for_item(9).expect("index").as_deref(), Some(key.as_str()));
+    assert_eq!(store.load(&key).expect("load"), Some(snapshot));
+    source.progress(token).expect("progress");
+    source.complete(token).unwrap_or_else(|err| panic!("complete: {err}\n{}", violations(&server)));
+    assert_no_violations(&server);
+
+    let mut actor_queue = actor.work_queue().expect("opening only looks the stream up");
+    let denied = within_guard("actor planning work", move || actor_queue.submit(&[item]));
+    assert_denied("actor publishing work items", denied);
+}
+
+#[test]
+fn actor_user_is_denied_weights_writes_and_other_runs() {
+    let server = broker();
+    let learner = learner(&server);
+    learner.ensure_run(&spec()).expect("the learner creates the run");
+    let actor = actor_on(&server, RUN);
+
+    // Weights through the transport: the object put is refused, and the error says so.
+    let publisher = actor.weights_publisher();
+    let mut publisher = publisher.unwrap_or_else(|err| panic!("opening only reads: {err}\n{}", violations(&server)));
+    let result = within_guard("actor weights publish", move || publisher.publish(weights(5)));
+    assert_denied("actor publishing weights", result);
+
+    // The weights pointer straight in KV, and deleting the stream.
+    let denied_put = actor.handle().block_on(async {
+        let kv = actor.jetstream().get_key_value(subjects::run_bucket(&actor.config().run)).await.expect("kv opens");
+        kv.put(subjects::WEIGHTS_KEY, Bytes::from_static(b"{}")).await
+    });
+    assert!(denied_put.is_err(), "the actor wrote the weights pointer");
+    let denied_delete = actor
+        .handle()
+        .block_on(async { actor.jetstream().delete_stream(subjects::trajectory_stream(&actor.config().run)).await });
+    assert!(denied_delete.is_err(), "the actor deleted the trajectory stream");
+
+    // Another run's trajectory subject: the sink gives up with a denial instead of retrying.
+    let other = actor_on(&server, "other");
+    let mut sink = other
+        .trajectory_sink(&ActorId::new("a1").expect("valid"), Arc::new(AtomicBool::new(false)))
+        .expect("opening the sink sends nothing");
+    let result = within_guard("publish to another run", move || {
+        sink.publish(vec![segment("a1", 0)])?;
+        sink.flush()
+    });
+    assert_denied("actor publishing to another run", result);
+
+    let log = server.log();
+    for subject in ["$KV.volley-local.weights", "$JS.API.STREAM.DELETE.volley-local-traj", "volley.other.traj.a1"] {
+        assert!(
+            log.contains(&format!("Publish Violation - Subject \"{subject}\"")),
+            "no violation for {subject}:\n{log}"
+        );
+    }
+    assert!(log.contains("Subject \"$O.volley-local-wts."), "no violation for the object store:\n{log}");
+}
+
+#[test]
+fn learner_user_cannot_publish_trajectories() {
+    let server = broker();
+    let learner = learner(&server);
+    learner.ensure_run(&spec()).expect("the learner creates the run");
+    let mut sink = learner
+        .trajectory_sink(&ActorId::new("a1").expect("valid"), Arc::new(AtomicBool::new(false)))
+        .expect("opening the sink sends nothing");
+    let result = within_guard("learner publishing trajectories", move || {
+        sink.publish(vec![segment("a1", 0)])?;
+        sink.flush()
+    });
+    assert_denied("learner publishing trajectories", result);
+}
+
+#[test]
+fn wrong_password_fails_fast_with_a_clear_error() {
+    let server = broker();
+    let mut config = config(&server, RUN, "actor-local", "not-the-password");
+    config.connect_timeout = GUARD;
+    let err = within_guard("connect", move || NatsBus::connect(config).expect_err("a wrong password"));
+    let message = err.to_string();
+    assert!(message.contains("refused user actor-local"), "{message}");
+    assert!(!message.contains("not-the-password"), "the password leaked into {message}");
+}

@@ -1,0 +1,290 @@
+//! The environment protocol against a real nats-server: `EnvServer` instances in this process,
+//! discovered and stepped through `EnvServiceClient` and `RemoteVecEnv`.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use volley_env::{CartPole, Env, EnvConfig, VecEnv, VecStep, VectorEnv};
+use volley_testkit::TestNats;
+use volley_transport::envsvc::protocol::{self, Op, PROTOCOL_VERSION};
+use volley_transport::envsvc::{
+    EnvFactory, EnvServer, EnvServerConfig, EnvServiceClient, EnvServiceError, EnvServiceName, RemoteVecEnv,
+    RemoteVecEnvConfig,
+};
+
+const TIMEOUT: Duration = Duration::from_secs(5);
+
+fn name(text: &str) -> EnvServiceName {
+    EnvServiceName::new(text).expect("valid name")
+}
+
+fn cartpole_factory() -> EnvFactory {
+    Arc::new(|| EnvConfig::Cartpole.build())
+}
+
+/// A runtime hosting the servers, with its own NATS connection.
+struct Servers {
+    runtime: tokio::runtime::Runtime,
+    client: async_nats::Client,
+}
+
+impl Servers {
+    fn new(nats: &TestNats) -> Self {
+        let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+        let client = runtime.block_on(async_nats::connect(nats.url())).expect("connect");
+        Servers { runtime, client }
+    }
+
+    fn start(&self, config: EnvServerConfig) -> EnvServer {
+        self.runtime.block_on(EnvServer::start(self.client.clone(), cartpole_factory(), config)).expect("server starts")
+    }
+}
+
+fn client(nats: &TestNats) -> EnvServiceClient {
+    EnvServiceClient::connect(&nats.url(), None, TIMEOUT, TIMEOUT).expect("connect")
+}
+
+#[test]
+fn every_operation_round_trips_against_a_server() {
+    let nats = TestNats::start();
+    let servers = Servers::new(&nats);
+    let mut config = EnvServerConfig::new(name("cartpole"), "cartpole");
+    config.reward_threshold = Some(475.0);
+    let server = servers.start(config);
+    let client = client(&nats);
+    let instances = client.block_on(client.discover(&name("cartpole"))).unwrap();
+    assert_eq!(instances.len(), 1);
+    let instance = &instances[0];
+    assert_eq!(instance.id, server.id());
+    assert_eq!(instance.subject(Op::Step).as_str(), format!("volley.env.cartpole.{}.step", server.id()));
+    assert!(client.block_on(client.discover(&name("other"))).unwrap().is_empty());
+
+    let spaces = client.block_on(client.spaces(instance)).unwrap();
+    assert_eq!((spaces.obs_dim, spaces.n_actions, spaces.reward_threshold), (4, 2, Some(475.0)));
+    assert!(spaces.snapshot);
+
+    let opened = client.block_on(client.open(instance, &[11, 12, 13])).unwrap();
+    let mut local = CartPole::new();
+    let mut obs = [0.0f32; 4];
+    local.reset(12, &mut obs).unwrap();
+    assert_eq!(&opened.obs[4..8], &obs, "environment 1 was reset with seed 12");
+    assert_eq!(server.n_sessions(), 1);
+
+    let stepped = client.block_on(client.step(instance, opened.session, vec![0, 1, 1])).unwrap();
+    let outcome = local.step(1, &mut obs).unwrap();
+    assert_eq!(&stepped.obs[4..8], &obs);
+    assert_eq!(stepped.rewards, vec![1.0; 3]);
+    assert_eq!(stepped.rewards[1], outcome.reward);
+    assert!(stepped.final_obs.is_empty() && stepped.errors.is_empty());
+
+    let state = client.block_on(client.snapshot(instance, opened.session, 1)).unwrap();
+    let reset = client.block_on(client.reset(instance, opened.session, vec![Some(12), None, None])).unwrap();
+    assert_eq!(reset.len(), 12);
+    let restored = client.block_on(client.restore(instance, opened.session, 2, state)).unwrap();
+    assert_eq!(restored, obs, "environment 1's state restored into environment 2");
+
+    client.block_on(client.close(instance, opened.session)).unwrap();
+    assert_eq!(server.n_sessions(), 0);
+    client.block_on(client.close(instance, opened.session)).expect("closing twice is fine");
+    let err = client.block_on(client.step(instance, opened.session, vec![0, 0, 0])).unwrap_err();
+    assert_eq!(err.reason(), "remote_unknown_session", "{err}");
+}
+
+#[test]
+fn malformed_and_foreign_requests_are_answered_with_codes_and_counted() {
+    let nats = TestNats::start();
+    let servers = Servers::new(&nats);
+    let server = servers.start(EnvServerConfig::new(name("codes"), "cartpole"));
+    let client = client(&nats);
+    let instance = client.block_on(client.discover(&name("codes"))).unwrap().remove(0);
+    let raw = |op: Op, payload: Vec<u8>| {
+        let message = client
+            .block_on(client.nats().request(instance.subject(op).clone(), Bytes::from(payload)))
+            .expect("a reply");
+        let headers = message.headers.expect("an error reply has headers");
+        (
+            headers.get(protocol::ERROR_CODE_HEADER).map(|v| v.as_str().to_string()),
+            headers.get(protocol::ERROR_HEADER).map(|v| v.as_str().to_string()).unwrap_or_default(),
+        )
+    };
+    assert_eq!(raw(Op::Step, b"not msgpack".to_vec()).0.as_deref(), Some("400"));
+    let future = protocol::encode(&protocol::SpacesRequest { v: PROTOCOL_VERSION + 1 });
+    let (code, message) = raw(Op::Spaces, future);
+    assert_eq!(code.as_deref(), Some("505"));
+    assert!(message.contains("protocol version 2"), "{message}");
+    let opened = client.block_on(client.open(&instance, &[1, 2])).unwrap();
+    let wrong_len =
+        protocol::encode(&protocol::StepRequest { v: PROTOCOL_VERSION, session: opened.session, actions: vec![0] });
+    let (code, message) = raw(Op::Step, wrong_len);
+    assert_eq!(code.as_deref(), Some("400"));
+    assert!(message.contains("1 actions for 2 environments"), "{message}");
+    let too_many = client.block_on(client.open(&instance, &vec![0; 5000])).unwrap_err();
+    assert_eq!(too_many.reason(), "remote_server_error", "{too_many}");
+    assert_eq!(server.counters().rejected.load(Ordering::Relaxed), 3);
+
+    // An out-of-range action is an environment failure, not a request error: the environment
+    // is reset and the step reported as a truncation.
+    let stepped = client.block_on(client.step(&instance, opened.session, vec![0, 7])).unwrap();
+    assert_eq!(stepped.errors.len(), 1);
+    assert_eq!(stepped.errors[0].env, 1);
+    assert_eq!((stepped.truncated[1], stepped.rewards[1]), (true, 0.0));
+    assert_eq!(stepped.final_obs.len(), 4);
+}
+
+/// Issue 12 (docs/ENV_PROTOCOL.md, "Errors"): fields of the wrong type or range are 400, never
+/// 505 (a string version is malformed, not foreign) or 500 (a negative seed).
+#[test]
+fn fields_of_the_wrong_type_or_range_are_bad_requests() {
+    let nats = TestNats::start();
+    let servers = Servers::new(&nats);
+    let server = servers.start(EnvServerConfig::new(name("fields"), "cartpole"));
+    let client = client(&nats);
+    let instance = client.block_on(client.discover(&name("fields"))).unwrap().remove(0);
+    let code = |op: Op, request: serde_json::Value| {
+        let payload = rmp_serde::to_vec_named(&request).expect("encodable");
+        let message = client
+            .block_on(client.nats().request(instance.subject(op).clone(), Bytes::from(payload)))
+            .expect("a reply");
+        let headers = message.headers.expect("an error reply has headers");
+        headers.get(protocol::ERROR_CODE_HEADER).map(|v| v.as_str().to_string()).unwrap_or_default()
+    };
+    use serde_json::json;
+    let opened = client.block_on(client.open(&instance, &[1, 2])).unwrap();
+    let bad = [
+        (Op::Spaces, json!({"v": "1"})),
+        (Op::Spaces, json!({"v": -1})),
+        (Op::Spaces, json!({"v": true})),
+        (Op::Open, json!({"v": 1, "n_envs": 1, "seeds": [-1]})),
+        (Op::Open, json!({"v": 1, "n_envs": 1, "seeds": [1.5]})),
+        (Op::Open, json!({"v": 1, "n_envs": "1", "seeds": [0]})),
+        (Op::Open, json!({"v": 1, "n_envs": 0, "seeds": []})),
+        (Op::Reset, json!({"v": 1, "session": opened.session, "seeds": [-5, null]})),
+        (Op::Step, json!({"v": 1, "session": "abc", "actions": [0, 1]})),
+        (Op::Step, json!({"v": 1, "session": opened.session, "actions": "01"})),
+    ];
+    for (op, request) in &bad {
+        assert_eq!(code(*op, request.clone()), "400", "{op:?} {request}");
+    }
+    assert_eq!(server.counters().rejected.load(Ordering::Relaxed), bad.len() as u64);
+}
+
+/// With generation-0 seeds, a remote vector env is step for step the in-process one, however
+/// its environments are split into sessions over instances.
+#[test]
+fn remote_vec_env_matches_the_in_process_vec_env_bit_for_bit() {
+    let nats = TestNats::start();
+    let servers = Servers::new(&nats);
+    let _a = servers.start(EnvServerConfig::new(name("same"), "cartpole"));
+    let _b = servers.start(EnvServerConfig::new(name("same"), "cartpole"));
+    let n_envs = 7;
+    let mut config = RemoteVecEnvConfig::new(name("same"), n_envs, 42);
+    config.envs_per_session = 3;
+    config.expected_spaces = Some((4, 2));
+    let mut remote = RemoteVecEnv::new(client(&nats), config).unwrap();
+    assert_eq!(remote.n_sessions(), 3);
+    assert_eq!(remote.instances_in_use().len(), 2, "sessions are spread over both instances");
+    let mut local = VecEnv::new(vec![CartPole::new(); n_envs], 42).unwrap();
+    assert_eq!(VectorEnv::obs(&remote), local.obs());
+    let (mut remote_out, mut local_out) = (VecStep::new(n_envs, 4), VecStep::new(n_envs, 4));
+    let mut n_finished = 0;
+    for step_idx in 0..600usize {
+        let actions: Vec<usize> = (0..n_envs).map(|i| (step_idx * 7 + i * 3 + step_idx / 5) % 2).collect();
+        VectorEnv::step(&mut remote, &actions, &mut remote_out).unwrap();
+        local.step(&actions, &mut local_out).unwrap();
+        assert_eq!(remote_out.rewards, local_out.rewards);
+        assert_eq!(remote_out.terminated, local_out.terminated);
+        assert_eq!(remote_out.truncated, local_out.truncated);
+        assert_eq!(remote_out.finished_episodes, local_out.finished_episodes);
+        for env_idx in 0..n_envs {
+            if local_out.terminated[env_idx] || local_out.truncated[env_idx] {
+                assert_eq!(remote_out.final_obs[env_idx * 4..][..4], local_out.final_obs[env_idx * 4..][..4]);
+            }
+        }
+        assert!(remote_out.env_errors.is_empty());
+        assert_eq!(VectorEnv::obs(&remote), local.obs(), "step {step_idx}");
+        n_finished += local_out.finished_episodes.len();
+    }
+    assert!(n_finished > 20, "episodes ended and auto-reset remotely too ({n_finished})");
+    // Snapshot and restore go through the session of the environment.
+    let state = remote.snapshot_env(5).unwrap();
+    remote.restore_env(0, &state).unwrap();
+    assert_eq!(VectorEnv::obs(&remote)[0..4], VectorEnv::obs(&remote)[20..24]);
+}
+
+/// A server that stops mid-run aborts the episodes it hosted (reported, counted, not listed as
+/// finished); the vector env re-opens those environments on the surviving instance.
+#[test]
+fn a_lost_server_aborts_its_episodes_and_the_env_moves_to_another_instance() {
+    let nats = TestNats::start();
+    let servers = Servers::new(&nats);
+    let a = servers.start(EnvServerConfig::new(name("failover"), "cartpole"));
+    let b = servers.start(EnvServerConfig::new(name("failover"), "cartpole"));
+    let client = client(&nats);
+    let counters = client.counters().clone();
+    let mut remote = RemoteVecEnv::new(client, RemoteVecEnvConfig::new(name("failover"), 8, 3)).unwrap();
+    assert_eq!(remote.n_sessions(), 2, "auto batching: one session per instance");
+    let mut out = VecStep::new(8, 4);
+    for _ in 0..5 {
+        VectorEnv::step(&mut remote, &[1; 8], &mut out).unwrap();
+    }
+    let before = VectorEnv::obs(&remote).to_vec();
+    let (dead, survivor) = (a.id().to_string(), b.id().to_string());
+    servers.runtime.block_on(a.stop());
+    VectorEnv::step(&mut remote, &[1; 8], &mut out).unwrap();
+    assert_eq!(out.env_errors.len(), 4, "the four environments of the dead session: {:?}", out.env_errors);
+    for (env_idx, error) in &out.env_errors {
+        assert_eq!(error.reason(), "remote_gone", "{error}");
+        assert!(out.truncated[*env_idx] && !out.terminated[*env_idx] && out.rewards[*env_idx] == 0.0);
+        assert_eq!(out.final_obs[env_idx * 4..][..4], before[env_idx * 4..][..4], "the last observation received");
+        assert!(out.finished_episodes.iter().all(|e| e.env_idx != *env_idx), "an aborted episode is not finished");
+    }
+    assert_eq!(counters.sessions_lost.load(Ordering::Relaxed), 1);
+    assert_eq!(counters.sessions_opened.load(Ordering::Relaxed), 3);
+    assert_eq!(remote.instances_in_use(), vec![survivor.clone()]);
+    assert!(!remote.instances_in_use().contains(&dead));
+    assert_eq!(b.n_sessions(), 2);
+    for _ in 0..50 {
+        VectorEnv::step(&mut remote, &[0; 8], &mut out).unwrap();
+        assert!(out.env_errors.is_empty());
+    }
+}
+
+/// A session the server expired (idle timeout) is lost and re-opened on the same instance.
+#[test]
+fn an_expired_session_is_reopened() {
+    let nats = TestNats::start();
+    let servers = Servers::new(&nats);
+    let mut config = EnvServerConfig::new(name("expiry"), "cartpole");
+    config.idle_timeout = Duration::from_millis(200);
+    let server = servers.start(config);
+    let client = client(&nats);
+    let counters = client.counters().clone();
+    let mut remote = RemoteVecEnv::new(client, RemoteVecEnvConfig::new(name("expiry"), 2, 0)).unwrap();
+    while server.n_sessions() > 0 {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let mut out = VecStep::new(2, 4);
+    VectorEnv::step(&mut remote, &[0, 1], &mut out).unwrap();
+    assert!(out.env_errors.iter().all(|(_, e)| e.reason() == "remote_unknown_session"));
+    assert_eq!(out.env_errors.len(), 2);
+    assert_eq!(counters.sessions_lost.load(Ordering::Relaxed), 1);
+    assert_eq!(remote.instances_in_use(), vec![server.id().to_string()]);
+    assert_eq!(server.counters().expired.load(Ordering::Relaxed), 1);
+    VectorEnv::step(&mut remote, &[0, 1], &mut out).unwrap();
+    assert!(out.env_errors.is_empty());
+}
+
+/// Instances serving other spaces are skipped; with none usable and `stop` set, building fails.
+#[test]
+fn instances_with_other_spaces_are_skipped() {
+    let nats = TestNats::start();
+    let servers = Servers::new(&nats);
+    let _server = servers.start(EnvServerConfig::new(name("spaces"), "cartpole"));
+    let mut config = RemoteVecEnvConfig::new(name("spaces"), 2, 0);
+    config.expected_spaces = Some((5, 2));
+    config.stop.store(true, Ordering::Release);
+    let err = RemoteVecEnv::new(client(&nats), config).unwrap_err();
+    assert!(matches!(err, EnvServiceError::NoInstances { .. }), "{err}");
+}

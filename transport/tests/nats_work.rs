@@ -1,0 +1,110 @@
+//! The work queue and snapshot store over a real nats-server: items go to one actor at a time,
+//! an item its actor neither completes nor keeps alive is delivered again, a completed one is
+//! not, garbage on the work subject is dropped, and snapshots round-trip through the store and
+//! its per-item index.
+
+#[allow(dead_code)] // this test uses only part of the shared fixtures
+mod common;
+
+use std::time::{Duration, Instant};
+
+use rand::SeedableRng;
+use volley_core::ids::RunId;
+use volley_core::subjects;
+use volley_core::work::{EpisodeSnapshot, Start, WorkConfig, WorkItem};
+use volley_testkit::TestNats;
+use volley_transport::nats::{NatsBus, NatsConfig};
+use volley_transport::work::{SnapshotStore, WorkQueue, WorkSource, WorkToken};
+
+fn bus(server: &TestNats, ack_wait_secs: f64) -> NatsBus {
+    let mut spec = common::spec("work");
+    spec.hyper.work = WorkConfig { enabled: true, ack_wait_secs, ..WorkConfig::default() };
+    let bus = NatsBus::connect(NatsConfig::new(server.url(), RunId::new("work").unwrap())).expect("connect");
+    bus.ensure_run(&spec).expect("run with work objects");
+    bus
+}
+
+fn item(id: u64) -> WorkItem {
+    WorkItem { id, task_id: 0, start: Start::Fresh { seed: id }, episodes: 1 }
+}
+
+/// Take an item, retrying within a generous safety net (redelivery happens after ack_wait).
+fn take_within(source: &mut impl WorkSource, patience: Duration) -> Option<(WorkItem, WorkToken)> {
+    let started = Instant::now();
+    while started.elapsed() < patience {
+        if let Some(taken) = source.take(Duration::from_millis(200)).expect("take") {
+            return Some(taken);
+        }
+    }
+    None
+}
+
+#[test]
+fn items_go_to_one_actor_and_an_abandoned_one_is_redelivered() {
+    let server = TestNats::start();
+    let bus = bus(&server, 1.0);
+    let mut queue = bus.work_queue().expect("queue");
+    queue.submit(&[item(1), item(2)]).expect("submit");
+    // A retried publish of the same item is stored once (Nats-Msg-Id).
+    queue.submit(&[item(2)]).expect("resubmit");
+    assert_eq!(queue.queued().expect("depth"), 2);
+
+    let mut first = bus.work_source().expect("actor a");
+    let mut second = bus.work_source().expect("actor b");
+    let (a, token_a) = first.take(Duration::from_secs(5)).expect("take").expect("an item");
+    let (b, token_b) = second.take(Duration::from_secs(5)).expect("take").expect("another item");
+    assert_ne!(a.id, b.id, "each item goes to one actor");
+    second.complete(token_b).expect("complete");
+    first.progress(token_a).expect("progress");
+    // Actor a dies holding its item: nobody completes it; it comes back after ack_wait.
+    drop(first);
+    let (again, token) = take_within(&mut second, Duration::from_secs(30)).expect("the abandoned item is redelivered");
+    assert_eq!(again.id, a.id);
+    second.complete(token).expect("complete");
+    // Completed items never come back.
+    assert!(second.take(Duration::from_millis(1500)).expect("take").is_none());
+}
+
+#[test]
+fn garbage_on_the_work_subject_is_dropped_and_valid_items_still_flow() {
+    let server = TestNats::start();
+    let bus = bus(&server, 30.0);
+    let subject = subjects::work(&RunId::new("work").unwrap());
+    bus.handle().block_on(async {
+        let ack = bus.jetstream().publish(subject, "not json".into()).await.expect("publish");
+        ack.await.expect("stored");
+    });
+    bus.work_queue().expect("queue").submit(&[item(7)]).expect("submit");
+    let mut source = bus.work_source().expect("source");
+    let (got, _) = take_within(&mut source, Duration::from_secs(10)).expect("the valid item arrives");
+    assert_eq!(got.id, 7);
+    assert_eq!(source.undecodable(), 1);
+}
+
+#[test]
+fn snapshots_round_trip_through_the_store_and_its_index() {
+    let server = TestNats::start();
+    let bus = bus(&server, 30.0);
+    let mut store = bus.snapshot_store().expect("store");
+    assert_eq!(store.latest_for_item(3).expect("index"), None);
+    assert!(store.load("w3-e0-s1").expect("load").is_none(), "a missing snapshot is None, not an error");
+    let mut snapshot = EpisodeSnapshot {
+        work_item: 3,
+        episode_index: 0,
+        task_id: 1,
+        origin: Some("w1-e0-s4".into()),
+        env: vec![9; 300_000],
+        hidden: vec![0.25; 8],
+        episode_return: 2.5,
+        episode_len: 16,
+        policy_version: volley_core::ids::PolicyVersion(4),
+        rng: rand_pcg::Pcg64Mcg::seed_from_u64(5),
+        progress: 1.5,
+    };
+    let first = store.save(&snapshot).expect("save");
+    snapshot.episode_len = 32;
+    let second = store.save(&snapshot).expect("save");
+    assert_eq!(store.latest_for_item(3).expect("index").as_deref(), Some(second.as_str()));
+    assert_eq!(store.load(&second).expect("load").expect("present"), snapshot);
+    assert_eq!(store.load(&first).expect("load").expect("present").episode_len, 16);
+}
