@@ -204,7 +204,7 @@ impl WorkStarts {
     /// Mid-segment (`at_boundary` false) a start that must restore recurrent state waits for
     /// the next segment (the learner resets that state to zero at episode starts); the slot
     /// runs an unscheduled episode meanwhile.
-    fn start_next(&mut self, slot_view: SlotView<'_>, at_boundary: bool) {
+    fn start_next(&mut self, mut slot_view: SlotView<'_>, at_boundary: bool) {
         let env_idx = slot_view.env_idx;
         let slot = &mut self.slots[env_idx];
         slot.scheduled = false;
@@ -244,10 +244,8 @@ impl WorkStarts {
                 },
             }
         };
-        let SlotView { envs, hidden, episode, .. } = slot_view;
-        let restored = snapshot.and_then(|snapshot| {
-            restore(&self.tasks, &self.actor, slot, envs, env_idx, hidden, episode, snapshot, seed)
-        });
+        let restored =
+            snapshot.and_then(|snapshot| restore(&self.tasks, &self.actor, slot, &mut slot_view, snapshot, seed));
         let rng = match restored {
             Some(rng) => {
                 self.counters.episodes_resumed.fetch_add(1, Ordering::Relaxed);
@@ -256,6 +254,7 @@ impl WorkStarts {
             }
             None => {
                 let task_id = item_task.min(self.tasks.len().saturating_sub(1) as u32);
+                let envs = &mut *slot_view.envs;
                 let reset = if task_id != slot.task_id {
                     envs.switch_task(env_idx, &self.tasks[task_id as usize], seed)
                 } else {
@@ -266,8 +265,8 @@ impl WorkStarts {
                     return;
                 }
                 slot.task_id = task_id;
-                hidden.fill(0.0);
-                *episode = RunningEpisode::default();
+                slot_view.hidden.fill(0.0);
+                *slot_view.episode = RunningEpisode::default();
                 slot.start = None;
                 Pcg64Mcg::seed_from_u64(seed ^ 0x5a3e_ed01)
             }
@@ -337,18 +336,16 @@ fn newest_snapshot(store: &mut dyn SnapshotStore, actor: &ActorId, item: u64) ->
 /// Put `snapshot`'s episode into the slot (task, environment state, recurrent state, running
 /// statistics) and return its action-sampling generator; `None` when it does not fit, with
 /// the slot then needing a fresh reset.
-#[allow(clippy::too_many_arguments)]
 fn restore(
     tasks: &[EnvConfig],
     actor: &ActorId,
     slot: &mut Slot,
-    envs: &mut dyn VectorEnv,
-    env_idx: usize,
-    hidden: &mut [f32],
-    episode: &mut RunningEpisode,
+    view: &mut SlotView<'_>,
     snapshot: EpisodeSnapshot,
     seed: u64,
 ) -> Option<Pcg64Mcg> {
+    let SlotView { env_idx, envs, hidden, episode } = view;
+    let env_idx = *env_idx;
     let task = tasks.get(snapshot.task_id as usize)?;
     if snapshot.hidden.len() != hidden.len() {
         return None;
@@ -365,7 +362,7 @@ fn restore(
         return None;
     }
     hidden.copy_from_slice(&snapshot.hidden);
-    *episode = RunningEpisode { episode_return: snapshot.episode_return, episode_len: snapshot.episode_len };
+    **episode = RunningEpisode { episode_return: snapshot.episode_return, episode_len: snapshot.episode_len };
     Some(snapshot.rng)
 }
 

@@ -608,7 +608,8 @@ mod tests {
     use volley_transport::work::{local_work_queue, LocalSnapshotStore, WorkQueue};
 
     fn worker(env: EnvConfig, obs_dim: usize, n_actions: usize, core: CoreKind, t_len: usize) -> RolloutWorker {
-        let spec = SpecBuilder::cartpole(t_len).run("actor-test").env(env, obs_dim, n_actions).core(core).seed(1).build();
+        let spec =
+            SpecBuilder::cartpole(t_len).run("actor-test").env(env, obs_dim, n_actions).core(core).seed(1).build();
         let layout = spec.validate().expect("valid spec");
         let weights = Arc::new(Weights::new(PolicyVersion(4), layout.hash(), layout.init_params(2)));
         let mut worker =
@@ -788,17 +789,20 @@ mod tests {
         let (mut queue, source) = local_work_queue();
         queue.submit(items).expect("in-process queue");
         let layout = spec.validate().expect("valid");
-        let mut worker =
-            RolloutWorker::new(spec.clone(), ActorId::new("w-0").expect("valid"), 1, 3, Arc::default())
-                .expect("buildable")
-                .with_work(Box::new(source), Box::new(store.clone()))
-                .expect("work enabled");
+        let mut worker = RolloutWorker::new(spec.clone(), ActorId::new("w-0").expect("valid"), 1, 3, Arc::default())
+            .expect("buildable")
+            .with_work(Box::new(source), Box::new(store.clone()))
+            .expect("work enabled");
         worker.set_weights(Arc::new(Weights::new(PolicyVersion(2), layout.hash(), layout.init_params(2)))).unwrap();
         worker
     }
 
     /// Segments until `n` episodes of work item `item` finished.
-    fn until_item_episodes(worker: &mut RolloutWorker, item: u64, n: usize) -> (Vec<EpisodeSummary>, Vec<SnapshotInfo>) {
+    fn until_item_episodes(
+        worker: &mut RolloutWorker,
+        item: u64,
+        n: usize,
+    ) -> (Vec<EpisodeSummary>, Vec<SnapshotInfo>) {
         let (mut episodes, mut saved) = (Vec::new(), Vec::new());
         for _ in 0..1000 {
             for segment in worker.collect_segments() {
@@ -836,11 +840,14 @@ mod tests {
     fn an_interrupted_item_continues_to_the_uninterrupted_outcome() {
         let spec = work_spec(4, 2);
         let item = WorkItem { id: 7, task_id: 0, start: Start::Fresh { seed: 11 }, episodes: 1 };
-        let (uninterrupted, _) =
-            until_item_episodes(&mut work_worker(&spec, &[item.clone()], &LocalSnapshotStore::new(100)), 7, 1);
+        let (uninterrupted, _) = until_item_episodes(
+            &mut work_worker(&spec, std::slice::from_ref(&item), &LocalSnapshotStore::new(100)),
+            7,
+            1,
+        );
         let store = LocalSnapshotStore::new(100);
         // Four steps: shorter than any CartPole episode, so the episode is cut mid-way.
-        let first = work_worker(&spec, &[item.clone()], &store).collect_segments();
+        let first = work_worker(&spec, std::slice::from_ref(&item), &store).collect_segments();
         assert!(first[0].finished_episodes.is_empty());
         assert_eq!(first[0].saved_snapshots.len(), 2);
         let mut resumed = work_worker(&spec, &[item], &store);

@@ -138,14 +138,15 @@ impl Checkpoint {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use volley_testkit::fixtures::{SegmentBuilder, SpecBuilder};
     use crate::batch::SegmentBatch;
     use crate::learner::Learner;
     use volley_core::ids::PolicyVersion;
     use volley_core::spec::{HyperParams, LossKind, RunSpec};
+    use volley_testkit::fixtures::{SegmentBuilder, SpecBuilder};
 
     fn spec(torso: Vec<usize>) -> RunSpec {
-        let hyper = HyperParams { loss: LossKind::Ppo, batch_segments: 2, ppo_minibatches: 2, ..HyperParams::default() };
+        let hyper =
+            HyperParams { loss: LossKind::Ppo, batch_segments: 2, ppo_minibatches: 2, ..HyperParams::default() };
         SpecBuilder::cartpole(4).run("ckpt").torso(torso).hyper(hyper).seed(1).build()
     }
 

@@ -313,8 +313,7 @@ impl Learner {
         path: &std::path::Path,
     ) -> Result<Self, LearnerError> {
         let mismatch = |reason: String| CheckpointError::Mismatch { path: path.to_path_buf(), reason };
-        let mut learner =
-            Learner::with_state(spec, checkpoint.params, checkpoint.version, checkpoint.updates)?;
+        let mut learner = Learner::with_state(spec, checkpoint.params, checkpoint.version, checkpoint.updates)?;
         if checkpoint.layout_hash != learner.layout.hash() {
             return Err(mismatch(format!(
                 "layout {:016x}, run has {:016x}",

@@ -440,10 +440,10 @@ fn sample_weighted(rng: &mut Pcg64Mcg, weights: &[f64]) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use volley_testkit::fixtures::SegmentBuilder;
     use volley_core::wire::EpisodeSummary;
     use volley_core::work::SnapshotInfo;
     use volley_env::MemoryConfig;
+    use volley_testkit::fixtures::SegmentBuilder;
     use volley_transport::work::local_work_queue;
 
     fn memory_tasks() -> Vec<EnvConfig> {

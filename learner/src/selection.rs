@@ -519,13 +519,13 @@ fn guard_check(segment: &TrajectorySegment, guard: &GuardConfig, gamma: f32, rew
 #[cfg(test)]
 mod tests {
     use super::*;
-    use volley_testkit::fixtures::SegmentBuilder;
     use proptest::prelude::*;
     use volley_core::ids::RunId;
     use volley_core::spec::{HyperParams, SelectionConfig};
     use volley_core::wire::EpisodeSummary;
     use volley_env::EnvConfig;
     use volley_policy::{Activation, PolicySpec};
+    use volley_testkit::fixtures::SegmentBuilder;
 
     const T: usize = 4;
 

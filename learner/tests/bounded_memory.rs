@@ -9,9 +9,9 @@ use std::thread;
 use volley_core::spec::{HyperParams, LossKind, RunSpec};
 use volley_core::wire::TrajectorySegment;
 use volley_core::work::SnapshotInfo;
-use volley_testkit::fixtures::{SegmentBuilder, SpecBuilder};
 use volley_learner::consume::SeenSegments;
 use volley_learner::{run_learner, Learner, LearnerReport, RunLimits, StopReason, UpdateStats};
+use volley_testkit::fixtures::{SegmentBuilder, SpecBuilder};
 use volley_transport::local::{trajectory_channel, weights_channel};
 use volley_transport::TrajectorySink;
 

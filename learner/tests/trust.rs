@@ -8,8 +8,8 @@ use std::sync::atomic::AtomicBool;
 use volley_core::ids::PolicyVersion;
 use volley_core::spec::{HyperParams, LossKind, RunSpec};
 use volley_core::wire::{EpisodeSummary, TrajectorySegment};
-use volley_testkit::fixtures::{SegmentBuilder, SpecBuilder};
 use volley_learner::{run_learner, Learner, LearnerReport, RunLimits, StopReason, UpdateStats};
+use volley_testkit::fixtures::{SegmentBuilder, SpecBuilder};
 use volley_transport::local::{trajectory_channel, weights_channel};
 use volley_transport::TrajectorySink;
 
@@ -17,7 +17,8 @@ const T: usize = 8;
 const B: usize = 4;
 
 fn spec() -> RunSpec {
-    let hyper = HyperParams { loss: LossKind::Vtrace, batch_segments: B, max_policy_lag: 100, ..HyperParams::default() };
+    let hyper =
+        HyperParams { loss: LossKind::Vtrace, batch_segments: B, max_policy_lag: 100, ..HyperParams::default() };
     SpecBuilder::cartpole(T).run("trust").torso(vec![16]).hyper(hyper).seed(5).build()
 }
 

@@ -290,7 +290,11 @@ impl SegmentBuilder {
 
     /// One more finished episode with this return and length.
     pub fn episode(mut self, episode_return: f32, episode_len: u32) -> Self {
-        self.segment.finished_episodes.push(EpisodeSummary { episode_return, episode_len, ..EpisodeSummary::default() });
+        self.segment.finished_episodes.push(EpisodeSummary {
+            episode_return,
+            episode_len,
+            ..EpisodeSummary::default()
+        });
         self
     }
 

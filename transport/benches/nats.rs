@@ -161,7 +161,9 @@ fn bench_segments(c: &mut Criterion) {
                         let ids: Vec<String> = if with_msg_id {
                             batch
                                 .iter()
-                                .map(|s| subjects::trajectory_msg_id(&s.actor, RAW_INCARNATION, s.env_idx, s.segment_idx))
+                                .map(|s| {
+                                    subjects::trajectory_msg_id(&s.actor, RAW_INCARNATION, s.env_idx, s.segment_idx)
+                                })
                                 .collect()
                         } else {
                             Vec::new()

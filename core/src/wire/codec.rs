@@ -156,7 +156,6 @@ impl DecodeError {
     }
 }
 
-
 fn encode<T: serde::Serialize>(kind: MessageKind, value: &T) -> Vec<u8> {
     let mut out = Vec::with_capacity(1024);
     out.extend_from_slice(&MAGIC);
@@ -275,7 +274,6 @@ pub fn decode_weights(bytes: &[u8], layout_hash: u64, n_params: usize) -> Result
     Ok(weights)
 }
 
-
 /// A work item as the work queue carries it: the item's fields plus `checksum`, the XXH3-64
 /// (hex) of the item's own JSON encoding, so a corrupted item is refused (docs/SECURITY.md).
 #[derive(serde::Serialize, serde::Deserialize)]
@@ -351,12 +349,12 @@ pub fn decode_episode_snapshot(bytes: &[u8]) -> Result<EpisodeSnapshot, DecodeEr
     if let Some(magic) = bytes.first_chunk::<4>().filter(|magic| **magic != EPISODE_SNAPSHOT_MAGIC) {
         return Err(DecodeError::BadMagic(*magic));
     }
-    let sealed = bytes.strip_prefix(&EPISODE_SNAPSHOT_MAGIC).ok_or_else(|| {
-        DecodeError::Truncated(format!("episode snapshot of {} bytes, header needs 12", bytes.len()))
-    })?;
-    let (checksum, body) = sealed.split_first_chunk::<8>().ok_or_else(|| {
-        DecodeError::Truncated(format!("episode snapshot of {} bytes, header needs 12", bytes.len()))
-    })?;
+    let sealed = bytes
+        .strip_prefix(&EPISODE_SNAPSHOT_MAGIC)
+        .ok_or_else(|| DecodeError::Truncated(format!("episode snapshot of {} bytes, header needs 12", bytes.len())))?;
+    let (checksum, body) = sealed
+        .split_first_chunk::<8>()
+        .ok_or_else(|| DecodeError::Truncated(format!("episode snapshot of {} bytes, header needs 12", bytes.len())))?;
     let (expected, got) = (u64::from_le_bytes(*checksum), body_checksum(body));
     if expected != got {
         return Err(DecodeError::Corrupt { expected, got });

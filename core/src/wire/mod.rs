@@ -143,7 +143,11 @@ impl TrajectorySegment {
     /// Check the segment against the run spec: run, layout, shapes, action range, finiteness.
     pub fn validate(&self, spec: &RunSpec, layout_hash: u64, hidden_size: usize) -> Result<(), DecodeError> {
         if self.run != spec.run {
-            return Err(DecodeError::Mismatch { what: "run", got: self.run.to_string(), expected: spec.run.to_string() });
+            return Err(DecodeError::Mismatch {
+                what: "run",
+                got: self.run.to_string(),
+                expected: spec.run.to_string(),
+            });
         }
         if self.layout_hash != layout_hash {
             return Err(DecodeError::Mismatch {
