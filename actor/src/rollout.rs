@@ -13,7 +13,7 @@ use volley_core::ids::{ActorId, PolicyVersion};
 use volley_core::spec::{RunSpec, SpecError};
 use volley_core::wire::{EpisodeSummary, TrajectorySegment, Weights};
 use volley_core::work::SnapshotInfo;
-use volley_env::{EnvError, VecEnv, VecStep, VectorEnv};
+use volley_env::{Actions, EnvError, VecEnv, VecStep, VectorEnv};
 use volley_policy::distributions::{log_softmax, sample_categorical};
 use volley_policy::{ParamLayout, PolicyInference};
 use volley_transport::envsvc::RemoteEnvCounters;
@@ -321,7 +321,9 @@ impl RolloutWorker {
             }
             let stepped = Instant::now();
             inference_time += stepped - started;
-            self.envs.step(&self.actions, &mut self.step).expect("actions has one entry per environment");
+            self.envs
+                .step(Actions::Discrete(&self.actions), &mut self.step)
+                .expect("actions has one entry per environment");
             env_time += stepped.elapsed();
             let any_failed = !self.step.env_errors.is_empty();
             if any_failed {
@@ -709,7 +711,7 @@ mod tests {
         fn obs(&self) -> &[f32] {
             self.inner.obs()
         }
-        fn step(&mut self, actions: &[usize], out: &mut VecStep) -> Result<(), EnvError> {
+        fn step(&mut self, actions: Actions<'_>, out: &mut VecStep) -> Result<(), EnvError> {
             self.inner.step(actions, out)?;
             self.steps += 1;
             if self.steps.is_multiple_of(10) {

@@ -10,7 +10,9 @@ use volley_core::spec::{
     HyperParams, LossKind, PriorityConfig, RunSpec, SelectionConfig, TrustConfig, ZeroVarianceConfig,
 };
 use volley_core::work::{BudgetPolicy, WorkConfig};
-use volley_env::{EnvConfig, MemoryConfig, MilestonesConfig, RemoteEnvConfig, REMOTE_PREFIX};
+use volley_env::{
+    EnvConfig, MemoryConfig, MilestonesConfig, MinatarConfig, MinatarGame, RemoteEnvConfig, REMOTE_PREFIX,
+};
 use volley_learner::backend::BackendKind;
 use volley_learner::Checkpoint;
 use volley_policy::{Activation, CoreKind, PolicySpec};
@@ -51,6 +53,23 @@ pub enum EnvName {
     Memory,
     /// Chain of rooms with keys (long horizon, sparse reward).
     Milestones,
+    /// Gymnasium Pendulum-v1 (continuous actions; not trainable until the Gaussian head lands).
+    Pendulum,
+    /// MinAtar Asterix (10×10×4 image, flattened for the MLP).
+    #[value(name = "minatar-asterix")]
+    MinatarAsterix,
+    /// MinAtar Breakout (10×10×4 image, flattened for the MLP).
+    #[value(name = "minatar-breakout")]
+    MinatarBreakout,
+    /// MinAtar Freeway (10×10×7 image, flattened for the MLP).
+    #[value(name = "minatar-freeway")]
+    MinatarFreeway,
+    /// MinAtar Seaquest (10×10×10 image, flattened for the MLP).
+    #[value(name = "minatar-seaquest")]
+    MinatarSeaquest,
+    /// MinAtar Space Invaders (10×10×6 image, flattened for the MLP).
+    #[value(name = "minatar-space-invaders")]
+    MinatarSpaceInvaders,
 }
 
 impl EnvName {
@@ -60,6 +79,12 @@ impl EnvName {
             EnvName::Cartpole => "cartpole",
             EnvName::Memory => "memory",
             EnvName::Milestones => "milestones",
+            EnvName::Pendulum => "pendulum",
+            EnvName::MinatarAsterix => MinatarGame::Asterix.env_name(),
+            EnvName::MinatarBreakout => MinatarGame::Breakout.env_name(),
+            EnvName::MinatarFreeway => MinatarGame::Freeway.env_name(),
+            EnvName::MinatarSeaquest => MinatarGame::Seaquest.env_name(),
+            EnvName::MinatarSpaceInvaders => MinatarGame::SpaceInvaders.env_name(),
         }
     }
 }
@@ -74,13 +99,16 @@ pub enum EnvChoice {
     Remote(EnvServiceName),
 }
 
-/// Parse `--env`: `cartpole`, `memory`, `milestones` or `remote:<service>`.
+/// Parse `--env`: `cartpole`, `memory`, `milestones`, `minatar-<game>` or `remote:<service>`.
 pub fn parse_env_choice(text: &str) -> Result<EnvChoice, String> {
     if let Some(service) = text.strip_prefix(REMOTE_PREFIX) {
         return EnvServiceName::new(service).map(EnvChoice::Remote).map_err(|err| err.to_string());
     }
     EnvName::from_str(text, true).map(EnvChoice::Builtin).map_err(|_| {
-        format!("unknown environment {text:?} (expected cartpole, memory, milestones or remote:<service>)")
+        format!(
+            "unknown environment {text:?} (expected cartpole, memory, milestones, pendulum, minatar-asterix, \
+             minatar-breakout, minatar-freeway, minatar-seaquest, minatar-space-invaders or remote:<service>)"
+        )
     })
 }
 
@@ -146,7 +174,8 @@ pub enum ProgressMode {
 /// Flags that define the run spec (shared by `volley train` and `volley learner`).
 #[derive(Debug, Clone, Args)]
 pub struct SpecArgs {
-    /// Environment: cartpole, memory, milestones, or remote:SERVICE for one served over NATS
+    /// Environment: cartpole, memory, milestones, minatar-GAME (asterix, breakout, freeway, seaquest,
+    /// space-invaders), or remote:SERVICE for one served over NATS
     /// (docs/ENV_PROTOCOL.md; `volley learner` asks its servers for the spaces).
     #[arg(long, default_value = "cartpole", env = "VOLLEY_ENV", value_parser = parse_env_choice)]
     pub env: EnvChoice,
@@ -365,6 +394,10 @@ pub fn solved_return(env: &EnvConfig) -> Option<f32> {
         EnvConfig::Cartpole => Some(475.0),
         EnvConfig::Memory(_) => Some(0.95),
         EnvConfig::Milestones(_) => Some(0.9),
+        // Gymnasium declares none for Pendulum-v1; -250 is issue 14's target.
+        EnvConfig::Pendulum => Some(-250.0),
+        // MinAtar has no solved score; runs go to their step or time budget.
+        EnvConfig::Minatar(_) => None,
         EnvConfig::Remote(remote) => remote.reward_threshold,
     }
 }
@@ -478,6 +511,15 @@ impl SpecArgs {
                 room_len: self.room_len,
                 ..MilestonesConfig::default()
             }),
+            EnvName::Pendulum => EnvConfig::Pendulum,
+            EnvName::MinatarAsterix
+            | EnvName::MinatarBreakout
+            | EnvName::MinatarFreeway
+            | EnvName::MinatarSeaquest
+            | EnvName::MinatarSpaceInvaders => {
+                let game = MinatarGame::from_env_name(name.as_str()).expect("every minatar EnvName is a game");
+                EnvConfig::Minatar(MinatarConfig::new(game))
+            }
         }
     }
 
@@ -1072,6 +1114,18 @@ mod tests {
         } else {
             format!("VOLLEY_{flag}")
         }
+    }
+
+    #[test]
+    fn minatar_env_names_parse_to_their_games() {
+        for game in MinatarGame::ALL {
+            let choice = parse_env_choice(game.env_name()).unwrap();
+            let EnvChoice::Builtin(name) = choice else { panic!("{} is built in", game.env_name()) };
+            assert_eq!(name.as_str(), game.env_name());
+            assert_eq!(EnvConfig::from_name(name.as_str()).unwrap(), EnvConfig::Minatar(MinatarConfig::new(game)));
+        }
+        let err = parse_env_choice("minatar-pong").unwrap_err();
+        assert!(err.contains("minatar-space-invaders"), "{err}");
     }
 
     // Issue 17: docs/OPERATIONS.md and the `volley-run` ConfigMap rely on every flag having a

@@ -404,6 +404,9 @@ pub enum SpecError {
         /// The environment's name.
         env_name: String,
     },
+    /// A combination this build cannot train.
+    #[error("unsupported: {0}")]
+    Unsupported(String),
     /// A hyper-parameter is out of range.
     #[error("invalid hyper-parameter {name} = {value}: {rule}")]
     Hyper {
@@ -437,6 +440,13 @@ impl RunSpec {
     /// Check cross-field consistency once; the rest of the code trusts a validated spec.
     pub fn validate(&self) -> Result<ParamLayout, SpecError> {
         let (obs_dim, n_actions) = self.env.spaces()?;
+        if !matches!(self.env, EnvConfig::Remote(_)) && self.env.build()?.action_space().is_continuous() {
+            return Err(SpecError::Unsupported(format!(
+                "environment {} has continuous actions; the policy has a categorical head only \
+                 (the diagonal Gaussian head is issue 14)",
+                self.env.describe()
+            )));
+        }
         let layout = ParamLayout::new(&self.policy)?;
         if self.policy.obs_dim != obs_dim {
             return Err(SpecError::Mismatch {
@@ -520,7 +530,7 @@ impl RunSpec {
             let task_env = task.build()?;
             for (what, want, got) in [
                 ("obs_dim", obs_dim, task_env.observation_space().dim()),
-                ("n_actions", n_actions, task_env.action_space().n),
+                ("n_actions", n_actions, task_env.action_space().n_actions()),
             ] {
                 if want != got {
                     return Err(SpecError::Mismatch {

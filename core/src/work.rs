@@ -224,11 +224,15 @@ pub struct SnapshotInfo {
 
 /// Whether an episode of `env` with this return counts as a success for the scheduler's
 /// success rates: CartPole lasting to its 500-step limit, a correct memory recall, reaching the
-/// last milestones door.
+/// last milestones door, Pendulum held upright for most of its episode, scoring in a MinAtar game.
 pub fn episode_success(env: &EnvConfig, episode_return: f32) -> bool {
     match env {
         EnvConfig::Cartpole => episode_return >= 500.0,
         EnvConfig::Memory(_) | EnvConfig::Milestones(_) => episode_return > 0.5,
+        // Swung up and held for most of the 200 steps (random torques score about -1200).
+        EnvConfig::Pendulum => episode_return >= -200.0,
+        // MinAtar games have no goal; an episode that scores at all counts.
+        EnvConfig::Minatar(_) => episode_return > 0.0,
         // Work items are for built-in environments (`RunSpec::validate` refuses remote ones).
         EnvConfig::Remote(_) => episode_return > 0.0,
     }

@@ -8,13 +8,19 @@ use std::hint::black_box;
 use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use volley_env::{CartPole, Env, VecEnv, VecStep};
+use volley_env::minatar::{Asterix, Breakout, Freeway, Game, MinAtar, Seaquest, SpaceInvaders, CELLS};
+use volley_env::{Action, Actions, CartPole, Env, VecEnv, VecStep};
 
 /// Vec steps of precomputed actions to cycle through.
 const N_ACTION_STEPS: usize = 256;
 
 /// Pseudo-random 0/1 actions (SplitMix64 bits), `[N_ACTION_STEPS][n_envs]`.
 fn precomputed_actions(n_envs: usize) -> Vec<usize> {
+    precomputed_actions_below(n_envs, 2)
+}
+
+/// Pseudo-random actions in `0..n_actions` (SplitMix64), `[N_ACTION_STEPS][n_envs]`.
+fn precomputed_actions_below(n_envs: usize, n_actions: usize) -> Vec<usize> {
     let mut z: u64 = 0x5EED;
     (0..N_ACTION_STEPS * n_envs)
         .map(|_| {
@@ -22,7 +28,7 @@ fn precomputed_actions(n_envs: usize) -> Vec<usize> {
             let mut x = z;
             x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
             x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-            ((x ^ (x >> 31)) & 1) as usize
+            ((x ^ (x >> 31)) % n_actions as u64) as usize
         })
         .collect()
 }
@@ -44,7 +50,7 @@ fn bench_cartpole(c: &mut Criterion) {
             b.iter(|| {
                 let row = &actions[step_idx * n_envs..(step_idx + 1) * n_envs];
                 step_idx = (step_idx + 1) % N_ACTION_STEPS;
-                envs.step(black_box(row), &mut out).expect("actions match n_envs");
+                envs.step(Actions::Discrete(black_box(row)), &mut out).expect("actions match n_envs");
                 black_box(&out.rewards);
             })
         });
@@ -60,7 +66,7 @@ fn bench_cartpole(c: &mut Criterion) {
                 let row = &actions[step_idx * n_envs..(step_idx + 1) * n_envs];
                 step_idx = (step_idx + 1) % N_ACTION_STEPS;
                 for ((env, obs_row), &action) in scalar_envs.iter_mut().zip(obs.chunks_exact_mut(4)).zip(row) {
-                    let outcome = env.step(black_box(action), obs_row).expect("live episode");
+                    let outcome = env.step(Action::Discrete(black_box(action)), obs_row).expect("live episode");
                     if outcome.done() {
                         env.reset_next(obs_row).expect("cartpole resets");
                     }
@@ -72,5 +78,62 @@ fn bench_cartpole(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, bench_cartpole);
+/// One MinAtar game: `n_envs` environments stepped with uniformly random actions, resetting at
+/// episode ends.
+fn bench_minatar_game<G: Game>(c: &mut Criterion) {
+    const N_ENVS: usize = 64;
+    let mut group = c.benchmark_group(format!("minatar/{}", G::GAME.game_name()));
+    group.measurement_time(Duration::from_secs(3));
+    group.warm_up_time(Duration::from_secs(1));
+    group.sample_size(20);
+    group.throughput(Throughput::Elements(N_ENVS as u64));
+    let template = MinAtar::<G>::with_defaults();
+    let actions = precomputed_actions_below(N_ENVS, template.action_space().n_actions());
+
+    let mut envs = VecEnv::new(vec![template.clone(); N_ENVS], 0).expect("minatar resets");
+    let mut out = VecStep::new(N_ENVS, envs.obs_dim());
+    let mut step_idx = 0;
+    group.bench_function(BenchmarkId::new("vec_env_step_f32", N_ENVS), |b| {
+        b.iter(|| {
+            let row = &actions[step_idx * N_ENVS..(step_idx + 1) * N_ENVS];
+            step_idx = (step_idx + 1) % N_ACTION_STEPS;
+            envs.step(Actions::Discrete(black_box(row)), &mut out).expect("actions in range");
+            black_box(&out.rewards);
+        })
+    });
+
+    // The bare loop, as the Python reference is timed: step (which writes the observation) and
+    // reset at episode ends.
+    let dim = G::N_CHANNELS * CELLS;
+    let mut scalar_envs = vec![template; N_ENVS];
+    let mut obs = vec![0.0f32; N_ENVS * dim];
+    for (env_idx, (env, obs_row)) in scalar_envs.iter_mut().zip(obs.chunks_exact_mut(dim)).enumerate() {
+        env.reset(env_idx as u64, obs_row).expect("minatar resets");
+    }
+    let mut step_idx = 0;
+    group.bench_function(BenchmarkId::new("scalar_step", N_ENVS), |b| {
+        b.iter(|| {
+            let row = &actions[step_idx * N_ENVS..(step_idx + 1) * N_ENVS];
+            step_idx = (step_idx + 1) % N_ACTION_STEPS;
+            for ((env, obs_row), &action) in scalar_envs.iter_mut().zip(obs.chunks_exact_mut(dim)).zip(row) {
+                let outcome = env.step(Action::Discrete(black_box(action)), obs_row).expect("live episode");
+                if outcome.done() {
+                    env.reset_next(obs_row).expect("minatar resets");
+                }
+            }
+            black_box(&obs);
+        })
+    });
+    group.finish();
+}
+
+fn bench_minatar(c: &mut Criterion) {
+    bench_minatar_game::<Asterix>(c);
+    bench_minatar_game::<Breakout>(c);
+    bench_minatar_game::<Freeway>(c);
+    bench_minatar_game::<Seaquest>(c);
+    bench_minatar_game::<SpaceInvaders>(c);
+}
+
+criterion_group!(benches, bench_cartpole, bench_minatar);
 criterion_main!(benches);

@@ -24,7 +24,8 @@ use rand_pcg::Pcg64Mcg;
 use serde::{Deserialize, Serialize};
 
 use super::{
-    decode_snapshot, encode_snapshot, obs_shape_error, ActionSpace, Env, EnvError, ObservationSpace, StepOutcome,
+    decode_snapshot, encode_snapshot, obs_shape_error, Action, ActionSpace, Env, EnvError, ObservationSpace,
+    StepOutcome,
 };
 
 /// Gravitational acceleration, m/s².
@@ -85,19 +86,10 @@ pub fn cartpole_is_terminal(state: &[f64; 4]) -> bool {
     x < -X_THRESHOLD || x > X_THRESHOLD || theta < -THETA_THRESHOLD_RADIANS || theta > THETA_THRESHOLD_RADIANS
 }
 
-/// The force for a CartPole action, or `None` when the action is out of range.
-#[inline]
-fn force_for_action(action: usize) -> Option<f64> {
-    match action {
-        0 => Some(-FORCE_MAG),
-        1 => Some(FORCE_MAG),
-        _ => None,
-    }
-}
-
+/// The error for an action other than 0 or 1.
 #[cold]
-fn action_out_of_range(action: usize) -> EnvError {
-    EnvError::ActionOutOfRange { action, n_actions: N_ACTIONS }
+fn bad_action(action: Action<'_>) -> EnvError {
+    action.discrete(N_ACTIONS).err().unwrap_or(EnvError::ActionOutOfRange { action: N_ACTIONS, n_actions: N_ACTIONS })
 }
 
 #[inline]
@@ -179,7 +171,7 @@ impl Env for CartPole {
     }
 
     fn action_space(&self) -> ActionSpace {
-        ActionSpace { n: N_ACTIONS }
+        ActionSpace::Discrete { n: N_ACTIONS }
     }
 
     fn reset(&mut self, seed: u64, obs: &mut [f32]) -> Result<(), EnvError> {
@@ -207,11 +199,13 @@ impl Env for CartPole {
     // `#[inline]` here and on `reset_next` lets `VecEnv<CartPole>` in other crates inline the
     // step: about 45 vs 27 million steps/s in `benches/env.rs`.
     #[inline]
-    fn step(&mut self, action: usize, obs: &mut [f32]) -> Result<StepOutcome, EnvError> {
+    fn step(&mut self, action: Action<'_>, obs: &mut [f32]) -> Result<StepOutcome, EnvError> {
         let obs_len = obs.len();
         let obs: &mut [f32; OBS_DIM] = obs.try_into().map_err(|_| obs_shape_error(OBS_DIM, obs_len))?;
-        let Some(force) = force_for_action(action) else {
-            return Err(action_out_of_range(action));
+        let force = match action {
+            Action::Discrete(0) => -FORCE_MAG,
+            Action::Discrete(1) => FORCE_MAG,
+            other => return Err(bad_action(other)),
         };
         if self.episode_over {
             return Err(EnvError::EpisodeOver);
@@ -281,7 +275,7 @@ mod tests {
     fn one_step_matches_hand_computed_euler_update() {
         let mut env = live_cartpole(START);
         let mut obs = [0.0f32; 4];
-        let outcome = env.step(1, &mut obs).unwrap();
+        let outcome = env.step(Action::Discrete(1), &mut obs).unwrap();
 
         // The formulas written out by hand, in Gymnasium's order of operations.
         let [x, x_dot, theta, theta_dot] = START;
@@ -305,7 +299,7 @@ mod tests {
     fn steps_match_python_golden_bits() {
         let mut env = live_cartpole(START);
         let mut obs = [0.0f32; 4];
-        env.step(1, &mut obs).unwrap();
+        env.step(Action::Discrete(1), &mut obs).unwrap();
         assert_eq!(
             env.state().map(f64::to_bits),
             [4576687645003166306, 4595461501577559966, 4584534716993896657, 13821297530646352165]
@@ -313,7 +307,7 @@ mod tests {
         assert_eq!(obs.map(f32::to_bits), [0x3c1d4952, 0x3e32df1a, 0x3cfc5048, 0xbe78e702]);
 
         let mut env = live_cartpole(START);
-        env.step(0, &mut obs).unwrap();
+        env.step(Action::Discrete(0), &mut obs).unwrap();
         assert_eq!(
             env.state().map(f64::to_bits),
             [4576687645003166306, 13820305668642174633, 4584534716993896657, 4599832458167346957]
@@ -323,7 +317,7 @@ mod tests {
         // Ten steps with actions 0, 1, 0, 1, ...
         let mut env = live_cartpole(START);
         for step_idx in 0..10 {
-            env.step(step_idx % 2, &mut obs).unwrap();
+            env.step(Action::Discrete(step_idx % 2), &mut obs).unwrap();
         }
         assert_eq!(
             env.state().map(f64::to_bits),
@@ -343,33 +337,33 @@ mod tests {
         let mut obs = [0.0f32; 4];
         // x = 2.4 exactly is still inside; moving right at 1 m/s takes it past.
         let mut env = live_cartpole([X_THRESHOLD - 0.01, 1.0, 0.0, 0.0]);
-        let outcome = env.step(1, &mut obs).unwrap();
+        let outcome = env.step(Action::Discrete(1), &mut obs).unwrap();
         assert!(env.state()[0] > X_THRESHOLD);
         assert!(outcome.terminated && !outcome.truncated);
         assert_eq!(outcome.reward, 1.0);
 
         let mut env = live_cartpole([-X_THRESHOLD + 0.01, -1.0, 0.0, 0.0]);
-        assert!(env.step(0, &mut obs).unwrap().terminated);
+        assert!(env.step(Action::Discrete(0), &mut obs).unwrap().terminated);
 
         // Landing exactly on the threshold does not terminate (strict inequality).
         let mut env = live_cartpole([X_THRESHOLD, 0.0, 0.0, 0.0]);
-        assert!(!env.step(1, &mut obs).unwrap().terminated);
+        assert!(!env.step(Action::Discrete(1), &mut obs).unwrap().terminated);
     }
 
     #[test]
     fn terminates_when_pole_passes_twelve_degrees() {
         let mut obs = [0.0f32; 4];
         let mut env = live_cartpole([0.0, 0.0, THETA_THRESHOLD_RADIANS - 0.001, 1.0]);
-        let outcome = env.step(0, &mut obs).unwrap();
+        let outcome = env.step(Action::Discrete(0), &mut obs).unwrap();
         assert!(env.state()[2] > THETA_THRESHOLD_RADIANS);
         assert!(outcome.terminated);
         assert_eq!(outcome.reward, 1.0);
 
         let mut env = live_cartpole([0.0, 0.0, -THETA_THRESHOLD_RADIANS + 0.001, -1.0]);
-        assert!(env.step(1, &mut obs).unwrap().terminated);
+        assert!(env.step(Action::Discrete(1), &mut obs).unwrap().terminated);
 
         let mut env = live_cartpole([0.0, 0.0, THETA_THRESHOLD_RADIANS - 0.001, 0.0]);
-        assert!(!env.step(1, &mut obs).unwrap().terminated);
+        assert!(!env.step(Action::Discrete(1), &mut obs).unwrap().terminated);
     }
 
     #[test]
@@ -382,13 +376,13 @@ mod tests {
             // the step counter is what is under test here.
             let state = env.state();
             env.state = [0.0, 0.0, state[2].clamp(-0.01, 0.01), 0.0];
-            let outcome = env.step((step_idx % 2) as usize, &mut obs).unwrap();
+            let outcome = env.step(Action::Discrete((step_idx % 2) as usize), &mut obs).unwrap();
             assert!(!outcome.terminated, "step {step_idx}");
             assert_eq!(outcome.truncated, step_idx == MAX_EPISODE_STEPS, "step {step_idx}");
             assert_eq!(outcome.reward, 1.0);
         }
         assert_eq!(env.elapsed_steps(), 500);
-        assert_eq!(env.step(0, &mut obs), Err(EnvError::EpisodeOver));
+        assert_eq!(env.step(Action::Discrete(0), &mut obs), Err(EnvError::EpisodeOver));
     }
 
     #[test]
@@ -400,7 +394,7 @@ mod tests {
         loop {
             // Push toward the side the pole leans to, damped by the angular velocity.
             let action = usize::from(obs[2] + 0.5 * obs[3] + 0.01 * obs[0] + 0.1 * obs[1] > 0.0);
-            let outcome = env.step(action, &mut obs).unwrap();
+            let outcome = env.step(Action::Discrete(action), &mut obs).unwrap();
             episode_len += 1;
             if outcome.done() {
                 assert!(outcome.truncated && !outcome.terminated);
@@ -414,23 +408,26 @@ mod tests {
     fn step_after_termination_is_episode_over() {
         let mut env = live_cartpole([X_THRESHOLD, 1.0, 0.0, 0.0]);
         let mut obs = [0.0f32; 4];
-        assert!(env.step(1, &mut obs).unwrap().terminated);
-        assert_eq!(env.step(1, &mut obs), Err(EnvError::EpisodeOver));
+        assert!(env.step(Action::Discrete(1), &mut obs).unwrap().terminated);
+        assert_eq!(env.step(Action::Discrete(1), &mut obs), Err(EnvError::EpisodeOver));
         env.reset_next(&mut obs).unwrap();
-        assert!(env.step(1, &mut obs).is_ok());
+        assert!(env.step(Action::Discrete(1), &mut obs).is_ok());
     }
 
     #[test]
     fn new_env_must_be_reset_before_stepping() {
         let mut obs = [0.0f32; 4];
-        assert_eq!(CartPole::new().step(0, &mut obs), Err(EnvError::EpisodeOver));
+        assert_eq!(CartPole::new().step(Action::Discrete(0), &mut obs), Err(EnvError::EpisodeOver));
     }
 
     #[test]
     fn out_of_range_action_is_rejected_without_changing_state() {
         let mut env = live_cartpole(START);
         let mut obs = [0.0f32; 4];
-        assert_eq!(env.step(2, &mut obs), Err(EnvError::ActionOutOfRange { action: 2, n_actions: 2 }));
+        assert_eq!(
+            env.step(Action::Discrete(2), &mut obs),
+            Err(EnvError::ActionOutOfRange { action: 2, n_actions: 2 })
+        );
         assert_eq!(env.state(), START);
         assert_eq!(env.elapsed_steps(), 0);
     }
@@ -439,7 +436,7 @@ mod tests {
     fn wrong_obs_length_is_a_shape_error() {
         let mut env = live_cartpole(START);
         let mut obs = [0.0f32; 3];
-        assert!(matches!(env.step(0, &mut obs), Err(EnvError::Shape { expected: 4, got: 3, .. })));
+        assert!(matches!(env.step(Action::Discrete(0), &mut obs), Err(EnvError::Shape { expected: 4, got: 3, .. })));
         assert!(env.reset(0, &mut obs).is_err());
     }
 
@@ -493,7 +490,7 @@ mod tests {
     fn restore_writes_observation_and_resumes_step_counter() {
         let mut env = live_cartpole(START);
         let mut obs = [0.0f32; 4];
-        env.step(1, &mut obs).unwrap();
+        env.step(Action::Discrete(1), &mut obs).unwrap();
         let bytes = env.snapshot();
         let mut restored = CartPole::new();
         let mut restored_obs = [0.0f32; 4];
@@ -539,7 +536,7 @@ mod tests {
             let mut target = CartPole::new();
             if target.restore(&bytes, &mut obs).is_ok() {
                 for action in actions {
-                    if target.step(action, &mut obs).is_err() {
+                    if target.step(Action::Discrete(action), &mut obs).is_err() {
                         target.reset_next(&mut obs).unwrap();
                     }
                 }

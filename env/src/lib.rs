@@ -10,12 +10,16 @@
 pub mod cartpole;
 pub mod memory;
 pub mod milestones;
+pub mod minatar;
+pub mod pendulum;
 mod service_name;
 mod vec_env;
 
 pub use cartpole::CartPole;
 pub use memory::{Memory, MemoryConfig};
 pub use milestones::{Milestones, MilestonesConfig};
+pub use minatar::{MinAtar, MinatarConfig, MinatarGame};
+pub use pendulum::Pendulum;
 pub use vec_env::{derive_env_seed, FinishedEpisode, VecEnv, VecStep, VectorEnv};
 
 pub use service_name::{EnvServiceName, InvalidServiceName};
@@ -31,6 +35,12 @@ pub enum EnvError {
         /// The number of discrete actions.
         n_actions: usize,
     },
+    /// A discrete action for a continuous environment, or the other way round.
+    #[error("expected a {expected} action")]
+    WrongActionKind {
+        /// `"discrete"` or `"continuous"`.
+        expected: &'static str,
+    },
     /// `step` was called on an episode that already ended (reset first).
     #[error("step called after the episode ended; call reset first")]
     EpisodeOver,
@@ -40,7 +50,7 @@ pub enum EnvError {
     /// The environment produced a non-finite observation or reward.
     #[error("non-finite {what} from environment {env}")]
     NonFinite {
-        /// `"observation"` or `"reward"`.
+        /// `"observation"`, `"reward"` or `"action"`.
         what: &'static str,
         /// The environment's name.
         env: &'static str,
@@ -59,7 +69,10 @@ pub enum EnvError {
     #[error("invalid environment config: {0}")]
     Config(String),
     /// An environment name no build of Volley knows.
-    #[error("unknown environment {0:?} (known: cartpole, memory, milestones, remote:<service>)")]
+    #[error(
+        "unknown environment {0:?} (known: cartpole, memory, milestones, pendulum, minatar-asterix, minatar-breakout, \
+         minatar-freeway, minatar-seaquest, minatar-space-invaders, remote:<service>)"
+    )]
     Unknown(String),
     /// A remote environment (served over NATS, see `volley_transport::envsvc`) failed, timed out or
     /// could not be reached; the episodes it hosted were aborted.
@@ -79,6 +92,7 @@ impl EnvError {
     pub fn reason(&self) -> &'static str {
         match self {
             EnvError::ActionOutOfRange { .. } => "action_out_of_range",
+            EnvError::WrongActionKind { .. } => "wrong_action_kind",
             EnvError::EpisodeOver => "episode_over",
             EnvError::BadSnapshot(_) => "bad_snapshot",
             EnvError::NonFinite { .. } => "non_finite",
@@ -107,11 +121,182 @@ impl ObservationSpace {
     }
 }
 
-/// The action space: `n` discrete actions `0..n`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ActionSpace {
-    /// Number of discrete actions.
-    pub n: usize,
+/// The action space: discrete actions `0..n`, or a box of continuous actions.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ActionSpace {
+    /// `n` discrete actions `0..n`.
+    Discrete {
+        /// Number of actions.
+        n: usize,
+    },
+    /// Continuous actions: `product(shape)` `f32` values, flat in row-major order of `shape`,
+    /// value `i` within `[low[i], high[i]]` (Gymnasium's `Box`).
+    Box {
+        /// Lower bound per value (finite).
+        low: Vec<f32>,
+        /// Upper bound per value (finite, `>= low`).
+        high: Vec<f32>,
+        /// The action's shape (`[dim]` for a vector).
+        shape: Vec<usize>,
+    },
+}
+
+/// What [`ActionSpace::repair`] changed in one continuous action.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ActionRepair {
+    /// Values that were NaN or infinite.
+    pub non_finite: u32,
+    /// Finite values outside `[low, high]`.
+    pub out_of_range: u32,
+}
+
+impl ActionRepair {
+    /// Whether anything was changed.
+    pub fn any(&self) -> bool {
+        self.non_finite > 0 || self.out_of_range > 0
+    }
+}
+
+impl ActionSpace {
+    /// A one-dimensional box `[low, high]`, checked: equal lengths, at least one value, every
+    /// bound finite and `low <= high`.
+    pub fn continuous(low: Vec<f32>, high: Vec<f32>) -> Result<Self, EnvError> {
+        let dim = low.len();
+        if dim == 0 || high.len() != dim {
+            return Err(EnvError::Config(format!("box action space: {} low and {} high bounds", dim, high.len())));
+        }
+        if let Some(i) = (0..dim).find(|&i| !(low[i].is_finite() && high[i].is_finite() && low[i] <= high[i])) {
+            return Err(EnvError::Config(format!(
+                "box action space: bounds [{}, {}] of value {i} must be finite with low <= high",
+                low[i], high[i]
+            )));
+        }
+        Ok(ActionSpace::Box { low, high, shape: vec![dim] })
+    }
+
+    /// The number of discrete actions, or `None` for a box.
+    pub fn discrete_n(&self) -> Option<usize> {
+        match self {
+            ActionSpace::Discrete { n } => Some(*n),
+            ActionSpace::Box { .. } => None,
+        }
+    }
+
+    /// Whether actions are continuous.
+    pub fn is_continuous(&self) -> bool {
+        matches!(self, ActionSpace::Box { .. })
+    }
+
+    /// Width of the policy's action head: the number of discrete actions, or the number of
+    /// values of a continuous action (the mean of a diagonal Gaussian).
+    pub fn n_actions(&self) -> usize {
+        match self {
+            ActionSpace::Discrete { n } => *n,
+            ActionSpace::Box { low, .. } => low.len(),
+        }
+    }
+
+    /// Make a continuous action valid in place, as documented in docs/SECURITY.md ("bad
+    /// actions"): a NaN becomes the middle of its range, an infinite or out-of-range value is
+    /// clipped to the nearest bound. Never fails; returns what it changed so callers can count
+    /// it. A discrete space or a wrong length changes nothing (the step reports those).
+    pub fn repair(&self, action: &mut [f32]) -> ActionRepair {
+        let mut repair = ActionRepair::default();
+        let ActionSpace::Box { low, high, .. } = self else {
+            return repair;
+        };
+        for ((value, &lo), &hi) in action.iter_mut().zip(low).zip(high) {
+            if value.is_nan() {
+                repair.non_finite += 1;
+                *value = lo + 0.5 * (hi - lo);
+            } else if !value.is_finite() {
+                repair.non_finite += 1;
+                *value = value.clamp(lo, hi);
+            } else if *value < lo || *value > hi {
+                repair.out_of_range += 1;
+                *value = value.clamp(lo, hi);
+            }
+        }
+        repair
+    }
+}
+
+/// One environment's action for one step.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Action<'a> {
+    /// A discrete action index.
+    Discrete(usize),
+    /// The values of a continuous action.
+    Continuous(&'a [f32]),
+}
+
+impl<'a> Action<'a> {
+    /// The discrete index, checked against `n_actions`.
+    #[inline]
+    pub fn discrete(self, n_actions: usize) -> Result<usize, EnvError> {
+        match self {
+            Action::Discrete(action) if action < n_actions => Ok(action),
+            Action::Discrete(action) => Err(EnvError::ActionOutOfRange { action, n_actions }),
+            Action::Continuous(_) => Err(EnvError::WrongActionKind { expected: "discrete" }),
+        }
+    }
+
+    /// The continuous values, checked to be `dim` long.
+    #[inline]
+    pub fn continuous(self, dim: usize) -> Result<&'a [f32], EnvError> {
+        match self {
+            Action::Continuous(values) if values.len() == dim => Ok(values),
+            Action::Continuous(values) => Err(EnvError::Shape { field: "action", expected: dim, got: values.len() }),
+            Action::Discrete(_) => Err(EnvError::WrongActionKind { expected: "continuous" }),
+        }
+    }
+}
+
+/// The actions of every environment of a [`VectorEnv`] for one step.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Actions<'a> {
+    /// One index per environment, `[n_envs]`.
+    Discrete(&'a [usize]),
+    /// `dim` values per environment, `[n_envs][dim]`.
+    Continuous {
+        /// The values.
+        values: &'a [f32],
+        /// Values per environment.
+        dim: usize,
+    },
+}
+
+impl<'a> Actions<'a> {
+    /// Number of environments these actions are for (a continuous batch whose length is not
+    /// a multiple of `dim` counts its whole rows only; [`Actions::check`] refuses it).
+    pub fn n_envs(&self) -> usize {
+        match *self {
+            Actions::Discrete(actions) => actions.len(),
+            Actions::Continuous { values, dim } => values.len().checked_div(dim).unwrap_or(0),
+        }
+    }
+
+    /// Refuse a batch for other than `n_envs` environments.
+    pub fn check(&self, n_envs: usize) -> Result<(), EnvError> {
+        match *self {
+            Actions::Discrete(actions) if actions.len() != n_envs => {
+                Err(EnvError::Shape { field: "actions", expected: n_envs, got: actions.len() })
+            }
+            Actions::Continuous { values, dim } if dim == 0 || values.len() != n_envs * dim => {
+                Err(EnvError::Shape { field: "actions", expected: n_envs * dim.max(1), got: values.len() })
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// The action of environment `env_idx` (after [`Actions::check`]).
+    #[inline]
+    pub fn get(&self, env_idx: usize) -> Action<'a> {
+        match *self {
+            Actions::Discrete(actions) => Action::Discrete(actions[env_idx]),
+            Actions::Continuous { values, dim } => Action::Continuous(&values[env_idx * dim..(env_idx + 1) * dim]),
+        }
+    }
 }
 
 /// What one step produced (the observation is written into the caller's buffer).
@@ -132,7 +317,8 @@ impl StepOutcome {
     }
 }
 
-/// A reinforcement-learning environment with a flat `f32` observation and discrete actions.
+/// A reinforcement-learning environment with a flat `f32` observation and discrete or
+/// continuous actions ([`ActionSpace`]).
 ///
 /// Implementations write observations into caller-owned buffers of length
 /// `observation_space().dim()` and never allocate per step.
@@ -147,8 +333,10 @@ pub trait Env: Send {
     fn reset(&mut self, seed: u64, obs: &mut [f32]) -> Result<(), EnvError>;
     /// Start a new episode drawing randomness from the environment's own generator.
     fn reset_next(&mut self, obs: &mut [f32]) -> Result<(), EnvError>;
-    /// Apply `action`, write the next observation and return reward and episode flags.
-    fn step(&mut self, action: usize, obs: &mut [f32]) -> Result<StepOutcome, EnvError>;
+    /// Apply `action`, write the next observation and return reward and episode flags. An
+    /// action of the wrong kind or out of range is an error (a continuous one is clipped by
+    /// [`VecEnv`] before it gets here; see [`ActionSpace::repair`]).
+    fn step(&mut self, action: Action<'_>, obs: &mut [f32]) -> Result<StepOutcome, EnvError>;
     /// The complete state (dynamics, step counter, random generator) as bytes.
     fn snapshot(&self) -> Vec<u8>;
     /// Restore a state written by [`Env::snapshot`] and write the current observation.
@@ -180,7 +368,7 @@ impl<E: Env + ?Sized> Env for Box<E> {
     fn reset_next(&mut self, obs: &mut [f32]) -> Result<(), EnvError> {
         (**self).reset_next(obs)
     }
-    fn step(&mut self, action: usize, obs: &mut [f32]) -> Result<StepOutcome, EnvError> {
+    fn step(&mut self, action: Action<'_>, obs: &mut [f32]) -> Result<StepOutcome, EnvError> {
         (**self).step(action, obs)
     }
     fn snapshot(&self) -> Vec<u8> {
@@ -211,6 +399,11 @@ pub enum EnvConfig {
     Memory(MemoryConfig),
     /// A chain of rooms with keys (long horizon, sparse reward).
     Milestones(MilestonesConfig),
+    /// Gymnasium Pendulum-v1 (continuous actions).
+    Pendulum,
+    /// One of the five MinAtar games (Young and Tian 2019), identical to the reference package
+    /// for the same seed and actions: `{"name":"minatar","game":"breakout"}`.
+    Minatar(MinatarConfig),
     /// An environment served by other processes over NATS (docs/ENV_PROTOCOL.md); actors step
     /// it through `volley_transport::envsvc::RemoteVecEnv`.
     Remote(RemoteEnvConfig),
@@ -265,7 +458,11 @@ impl EnvConfig {
             "cartpole" => Ok(EnvConfig::Cartpole),
             "memory" => Ok(EnvConfig::Memory(MemoryConfig::default())),
             "milestones" => Ok(EnvConfig::Milestones(MilestonesConfig::default())),
-            other => Err(EnvError::Unknown(other.to_string())),
+            "pendulum" => Ok(EnvConfig::Pendulum),
+            other => match MinatarGame::from_env_name(other) {
+                Some(game) => Ok(EnvConfig::Minatar(MinatarConfig::new(game))),
+                None => Err(EnvError::Unknown(other.to_string())),
+            },
         }
     }
 
@@ -275,6 +472,8 @@ impl EnvConfig {
             EnvConfig::Cartpole => "cartpole",
             EnvConfig::Memory(_) => "memory",
             EnvConfig::Milestones(_) => "milestones",
+            EnvConfig::Pendulum => "pendulum",
+            EnvConfig::Minatar(config) => config.game.env_name(),
             EnvConfig::Remote(_) => "remote",
         }
     }
@@ -294,6 +493,8 @@ impl EnvConfig {
             EnvConfig::Cartpole => Box::new(CartPole::new()),
             EnvConfig::Memory(config) => Box::new(Memory::new(config.clone())?),
             EnvConfig::Milestones(config) => Box::new(Milestones::new(config.clone())?),
+            EnvConfig::Pendulum => Box::new(Pendulum::new()),
+            EnvConfig::Minatar(config) => config.build()?,
             EnvConfig::Remote(remote) => {
                 return Err(EnvError::Config(format!(
                     "remote environment {} is served over nats; step it with envsvc::RemoteVecEnv",
@@ -317,6 +518,14 @@ impl EnvConfig {
             EnvConfig::Milestones(config) => {
                 EnvBounds { max_abs_reward: 1.0, max_episode_len: Some(config.max_steps as u64) }
             }
+            EnvConfig::Pendulum => EnvBounds {
+                max_abs_reward: pendulum::MAX_COST as f32 * (1.0 + f32::EPSILON),
+                max_episode_len: Some(pendulum::MAX_EPISODE_STEPS as u64),
+            },
+            EnvConfig::Minatar(config) => EnvBounds {
+                max_abs_reward: config.game.max_step_reward(),
+                max_episode_len: config.game.max_episode_steps(),
+            },
             EnvConfig::Remote(remote) => EnvBounds {
                 max_abs_reward: remote
                     .max_abs_reward
@@ -342,7 +551,7 @@ impl EnvConfig {
             }
             builtin => {
                 let env = builtin.build()?;
-                Ok((env.observation_space().dim(), env.action_space().n))
+                Ok((env.observation_space().dim(), env.action_space().n_actions()))
             }
         }
     }
@@ -416,7 +625,7 @@ pub(crate) fn obs_shape_error(expected: usize, got: usize) -> EnvError {
 /// Helpers shared by the environments' property tests.
 #[cfg(test)]
 pub(crate) mod testing {
-    use super::Env;
+    use super::{Action, Env};
 
     /// Everything one step produced, as bits, so comparisons are exact (NaN-safe).
     #[derive(Debug, Clone, PartialEq, Eq)]
@@ -435,7 +644,7 @@ pub(crate) mod testing {
         let mut obs = vec![0.0f32; dim];
         let mut records = Vec::with_capacity(actions.len() * 2);
         for &action in actions {
-            let outcome = env.step(action, &mut obs).expect("in-range action on a live episode");
+            let outcome = env.step(Action::Discrete(action), &mut obs).expect("in-range action on a live episode");
             records.push(StepRecord {
                 obs_bits: obs.iter().map(|v| v.to_bits()).collect(),
                 reward_bits: outcome.reward.to_bits(),

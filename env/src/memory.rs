@@ -25,7 +25,8 @@ use rand_pcg::Pcg64Mcg;
 use serde::{Deserialize, Serialize};
 
 use super::{
-    decode_snapshot, encode_snapshot, obs_shape_error, ActionSpace, Env, EnvError, ObservationSpace, StepOutcome,
+    decode_snapshot, encode_snapshot, obs_shape_error, Action, ActionSpace, Env, EnvError, ObservationSpace,
+    StepOutcome,
 };
 
 /// Largest `n_cues` a [`MemoryConfig`] accepts.
@@ -154,7 +155,7 @@ impl Env for Memory {
     }
 
     fn action_space(&self) -> ActionSpace {
-        ActionSpace { n: self.config.n_cues }
+        ActionSpace::Discrete { n: self.config.n_cues }
     }
 
     fn reset(&mut self, seed: u64, obs: &mut [f32]) -> Result<(), EnvError> {
@@ -172,11 +173,9 @@ impl Env for Memory {
         Ok(())
     }
 
-    fn step(&mut self, action: usize, obs: &mut [f32]) -> Result<StepOutcome, EnvError> {
+    fn step(&mut self, action: Action<'_>, obs: &mut [f32]) -> Result<StepOutcome, EnvError> {
         self.check_obs_len(obs)?;
-        if action >= self.config.n_cues {
-            return Err(EnvError::ActionOutOfRange { action, n_actions: self.config.n_cues });
-        }
+        let action = action.discrete(self.config.n_cues)?;
         if self.episode_over {
             return Err(EnvError::EpisodeOver);
         }
@@ -252,7 +251,7 @@ mod tests {
         let mut episode_return = 0.0;
         loop {
             seen.push(obs.clone());
-            let outcome = env.step(query_action(&obs), &mut obs).unwrap();
+            let outcome = env.step(Action::Discrete(query_action(&obs)), &mut obs).unwrap();
             episode_return += outcome.reward;
             if outcome.done() {
                 assert!(outcome.terminated && !outcome.truncated);
@@ -285,14 +284,14 @@ mod tests {
         let wrong = (cue + 1) % 4;
         // Rewards during the delay are 0 whatever the action, including the cue itself.
         for action in [cue, wrong, cue] {
-            let outcome = env.step(action, &mut obs).unwrap();
+            let outcome = env.step(Action::Discrete(action), &mut obs).unwrap();
             assert_eq!(outcome, StepOutcome::default());
         }
         assert_eq!(obs[4], 1.0);
-        let outcome = env.step(cue, &mut obs).unwrap();
+        let outcome = env.step(Action::Discrete(cue), &mut obs).unwrap();
         assert_eq!(outcome.reward, 1.0);
         assert!(outcome.terminated);
-        assert_eq!(env.step(cue, &mut obs), Err(EnvError::EpisodeOver));
+        assert_eq!(env.step(Action::Discrete(cue), &mut obs), Err(EnvError::EpisodeOver));
     }
 
     #[test]
@@ -301,9 +300,9 @@ mod tests {
         let mut obs = vec![0.0; 3];
         env.reset(9, &mut obs).unwrap();
         let wrong = 1 - env.cue();
-        env.step(0, &mut obs).unwrap();
-        env.step(0, &mut obs).unwrap();
-        let outcome = env.step(wrong, &mut obs).unwrap();
+        env.step(Action::Discrete(0), &mut obs).unwrap();
+        env.step(Action::Discrete(0), &mut obs).unwrap();
+        let outcome = env.step(Action::Discrete(wrong), &mut obs).unwrap();
         assert_eq!(outcome.reward, 0.0);
         assert!(outcome.terminated);
     }
@@ -372,7 +371,10 @@ mod tests {
         let mut env = memory(2, 3);
         let mut obs = vec![0.0; 3];
         env.reset(0, &mut obs).unwrap();
-        assert_eq!(env.step(2, &mut obs), Err(EnvError::ActionOutOfRange { action: 2, n_actions: 2 }));
+        assert_eq!(
+            env.step(Action::Discrete(2), &mut obs),
+            Err(EnvError::ActionOutOfRange { action: 2, n_actions: 2 })
+        );
         assert_eq!(env.elapsed_steps(), 0);
     }
 
@@ -437,7 +439,7 @@ mod tests {
             let mut target = Memory::new(MemoryConfig::default()).unwrap();
             if target.restore(&bytes, &mut obs).is_ok() {
                 for action in actions {
-                    if target.step(action, &mut obs).is_err() {
+                    if target.step(Action::Discrete(action), &mut obs).is_err() {
                         target.reset_next(&mut obs).unwrap();
                     }
                 }

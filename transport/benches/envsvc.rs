@@ -26,7 +26,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
-use volley_env::{CartPole, EnvConfig, VecEnv, VecStep, VectorEnv};
+use volley_env::{Actions, CartPole, EnvConfig, VecEnv, VecStep, VectorEnv};
 use volley_testkit::TestNats;
 use volley_transport::envsvc::{
     EnvServer, EnvServerConfig, EnvServiceClient, EnvServiceName, RemoteVecEnv, RemoteVecEnvConfig,
@@ -52,7 +52,7 @@ fn bench_vector_env(c: &mut Criterion, group_name: &str, id: &str, envs: &mut dy
     let mut step_idx = 0;
     group.bench_function(id, |b| {
         b.iter(|| {
-            envs.step(&all_actions[step_idx % all_actions.len()], &mut out).expect("actions fit");
+            envs.step(Actions::Discrete(&all_actions[step_idx % all_actions.len()]), &mut out).expect("actions fit");
             step_idx += 1;
             black_box(&out);
         })

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use volley_env::{CartPole, Env, EnvConfig, VecEnv, VecStep, VectorEnv};
+use volley_env::{Action, Actions, CartPole, Env, EnvConfig, VecEnv, VecStep, VectorEnv};
 use volley_testkit::TestNats;
 use volley_transport::envsvc::protocol::{self, Op, PROTOCOL_VERSION};
 use volley_transport::envsvc::{
@@ -73,7 +73,7 @@ fn every_operation_round_trips_against_a_server() {
     assert_eq!(server.n_sessions(), 1);
 
     let stepped = client.block_on(client.step(instance, opened.session, vec![0, 1, 1])).unwrap();
-    let outcome = local.step(1, &mut obs).unwrap();
+    let outcome = local.step(Action::Discrete(1), &mut obs).unwrap();
     assert_eq!(&stepped.obs[4..8], &obs);
     assert_eq!(stepped.rewards, vec![1.0; 3]);
     assert_eq!(stepped.rewards[1], outcome.reward);
@@ -191,8 +191,8 @@ fn remote_vec_env_matches_the_in_process_vec_env_bit_for_bit() {
     let mut n_finished = 0;
     for step_idx in 0..600usize {
         let actions: Vec<usize> = (0..n_envs).map(|i| (step_idx * 7 + i * 3 + step_idx / 5) % 2).collect();
-        VectorEnv::step(&mut remote, &actions, &mut remote_out).unwrap();
-        local.step(&actions, &mut local_out).unwrap();
+        VectorEnv::step(&mut remote, Actions::Discrete(&actions), &mut remote_out).unwrap();
+        local.step(Actions::Discrete(&actions), &mut local_out).unwrap();
         assert_eq!(remote_out.rewards, local_out.rewards);
         assert_eq!(remote_out.terminated, local_out.terminated);
         assert_eq!(remote_out.truncated, local_out.truncated);
@@ -227,12 +227,12 @@ fn a_lost_server_aborts_its_episodes_and_the_env_moves_to_another_instance() {
     assert_eq!(remote.n_sessions(), 2, "auto batching: one session per instance");
     let mut out = VecStep::new(8, 4);
     for _ in 0..5 {
-        VectorEnv::step(&mut remote, &[1; 8], &mut out).unwrap();
+        VectorEnv::step(&mut remote, Actions::Discrete(&[1; 8]), &mut out).unwrap();
     }
     let before = VectorEnv::obs(&remote).to_vec();
     let (dead, survivor) = (a.id().to_string(), b.id().to_string());
     servers.runtime.block_on(a.stop());
-    VectorEnv::step(&mut remote, &[1; 8], &mut out).unwrap();
+    VectorEnv::step(&mut remote, Actions::Discrete(&[1; 8]), &mut out).unwrap();
     assert_eq!(out.env_errors.len(), 4, "the four environments of the dead session: {:?}", out.env_errors);
     for (env_idx, error) in &out.env_errors {
         assert_eq!(error.reason(), "remote_gone", "{error}");
@@ -246,7 +246,7 @@ fn a_lost_server_aborts_its_episodes_and_the_env_moves_to_another_instance() {
     assert!(!remote.instances_in_use().contains(&dead));
     assert_eq!(b.n_sessions(), 2);
     for _ in 0..50 {
-        VectorEnv::step(&mut remote, &[0; 8], &mut out).unwrap();
+        VectorEnv::step(&mut remote, Actions::Discrete(&[0; 8]), &mut out).unwrap();
         assert!(out.env_errors.is_empty());
     }
 }
@@ -266,13 +266,13 @@ fn an_expired_session_is_reopened() {
         std::thread::sleep(Duration::from_millis(20));
     }
     let mut out = VecStep::new(2, 4);
-    VectorEnv::step(&mut remote, &[0, 1], &mut out).unwrap();
+    VectorEnv::step(&mut remote, Actions::Discrete(&[0, 1]), &mut out).unwrap();
     assert!(out.env_errors.iter().all(|(_, e)| e.reason() == "remote_unknown_session"));
     assert_eq!(out.env_errors.len(), 2);
     assert_eq!(counters.sessions_lost.load(Ordering::Relaxed), 1);
     assert_eq!(remote.instances_in_use(), vec![server.id().to_string()]);
     assert_eq!(server.counters().expired.load(Ordering::Relaxed), 1);
-    VectorEnv::step(&mut remote, &[0, 1], &mut out).unwrap();
+    VectorEnv::step(&mut remote, Actions::Discrete(&[0, 1]), &mut out).unwrap();
     assert!(out.env_errors.is_empty());
 }
 

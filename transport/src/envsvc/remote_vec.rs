@@ -10,7 +10,7 @@ use tracing::{info, warn};
 
 use super::client::{EnvServiceClient, Instance};
 use super::{EnvServiceError, EnvServiceName};
-use volley_env::{derive_env_seed, EnvError, FinishedEpisode, VecStep, VectorEnv};
+use volley_env::{derive_env_seed, Actions, EnvError, FinishedEpisode, VecStep, VectorEnv};
 
 /// First and longest pause between discovery attempts while no instance is usable.
 const WAIT_FIRST: Duration = Duration::from_millis(100);
@@ -466,11 +466,13 @@ impl VectorEnv for RemoteVecEnv {
         &self.obs
     }
 
-    fn step(&mut self, actions: &[usize], out: &mut VecStep) -> Result<(), EnvError> {
+    fn step(&mut self, actions: Actions<'_>, out: &mut VecStep) -> Result<(), EnvError> {
         let n_envs = self.config.n_envs;
-        if actions.len() != n_envs {
-            return Err(EnvError::Shape { field: "actions", expected: n_envs, got: actions.len() });
-        }
+        actions.check(n_envs)?;
+        // The environment protocol carries discrete actions only (docs/ENV_PROTOCOL.md).
+        let Actions::Discrete(actions) = actions else {
+            return Err(EnvError::WrongActionKind { expected: "discrete" });
+        };
         out.prepare(n_envs, self.obs_dim);
         let requests: Vec<(usize, Arc<Instance>, u64, Vec<u32>)> = self
             .slots

@@ -22,7 +22,7 @@ use super::protocol::{
 };
 use super::{EnvServiceError, EnvServiceName};
 use volley_core::subjects;
-use volley_env::{Env, EnvError, VecEnv, VecStep};
+use volley_env::{Actions, Env, EnvError, VecEnv, VecStep};
 
 /// Builds one environment of the served kind.
 pub type EnvFactory = Arc<dyn Fn() -> Result<Box<dyn Env>, EnvError> + Send + Sync>;
@@ -121,12 +121,18 @@ impl EnvServer {
         let incompatible = |message: String| EnvServiceError::Incompatible { instance: String::new(), message };
         let probe = factory().map_err(|err| incompatible(format!("cannot build the environment: {err}")))?;
         let space = probe.observation_space();
+        let Some(n_actions) = probe.action_space().discrete_n() else {
+            return Err(incompatible(format!(
+                "{} has continuous actions; this version of the environment protocol carries discrete actions only",
+                probe.name()
+            )));
+        };
         let spaces = SpacesReply {
             env: config.env_label.clone(),
             obs_dim: space.dim() as u32,
             obs_low: space.low.clone(),
             obs_high: space.high.clone(),
-            n_actions: probe.action_space().n as u32,
+            n_actions: n_actions as u32,
             reward_threshold: config.reward_threshold,
             max_episode_steps: config.max_episode_steps,
             max_abs_reward: config.max_abs_reward,
@@ -176,7 +182,7 @@ impl EnvServer {
         // A round trip, so the subscriptions are in place before anyone is told we are up.
         client.flush().await.map_err(|err| EnvServiceError::Nats { operation: "flush", message: err.to_string() })?;
         info!(service = %service_name, instance = %id, env = %state.config.env_label, obs_dim = space.dim(),
-              n_actions = probe.action_space().n, "environment server ready");
+              n_actions, "environment server ready");
         Ok(EnvServer { id, client, service: Some(service), tasks, state })
     }
 
@@ -419,7 +425,7 @@ fn step(session: &mut Session, actions: &[u32], obs_dim: usize) -> Result<Vec<u8
         return Err(bad(format!("{} actions for {n_envs} environments", actions.len())));
     }
     let actions: Vec<usize> = actions.iter().map(|&a| a as usize).collect();
-    session.envs.step(&actions, &mut session.step).map_err(|err| bad(err.to_string()))?;
+    session.envs.step(Actions::Discrete(&actions), &mut session.step).map_err(|err| bad(err.to_string()))?;
     let out = &session.step;
     let mut final_obs = Vec::new();
     for (env_idx, row) in out.final_obs.chunks_exact(obs_dim).enumerate() {
