@@ -32,10 +32,10 @@ pub enum ActorError {
     #[error("environment: {0}")]
     Env(#[from] EnvError),
     /// The weights do not fit this actor's layout.
-    #[error("weights v{version} rejected: {reason}")]
+    #[error("weights {version} rejected: {reason}")]
     Weights {
         /// The version offered.
-        version: u64,
+        version: PolicyVersion,
         /// Why.
         reason: String,
     },
@@ -262,7 +262,7 @@ impl RolloutWorker {
     pub fn set_weights(&mut self, weights: Arc<Weights>) -> Result<(), ActorError> {
         weights
             .verify(self.layout.hash(), self.layout.n_params())
-            .map_err(|err| ActorError::Weights { version: weights.version.0, reason: err.to_string() })?;
+            .map_err(|err| ActorError::Weights { version: weights.version, reason: err.to_string() })?;
         self.counters.policy_version.store(weights.version.0, Ordering::Relaxed);
         self.weights = Some(weights);
         self.counters.weight_updates.fetch_add(1, Ordering::Relaxed);
@@ -765,7 +765,7 @@ mod tests {
         let mut worker = worker(EnvConfig::Cartpole, 4, 2, CoreKind::Mlp, 8);
         let n = worker.layout.n_params();
         let foreign = Arc::new(Weights::new(PolicyVersion(9), worker.layout.hash() ^ 1, vec![0.0; n]));
-        assert!(matches!(worker.set_weights(foreign), Err(ActorError::Weights { version: 9, .. })));
+        assert!(matches!(worker.set_weights(foreign), Err(ActorError::Weights { version: PolicyVersion(9), .. })));
         let mut corrupt = Weights::new(PolicyVersion(9), worker.layout.hash(), vec![0.0; n]);
         corrupt.params[0] = 1.0;
         assert!(worker.set_weights(Arc::new(corrupt)).is_err());

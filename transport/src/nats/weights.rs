@@ -36,7 +36,7 @@ impl NatsBus {
         })?;
         kept.sort();
         if let Some(pointer) = &pointer {
-            info!(run = %shared.config.run, version = pointer.version, "weights already published in this run");
+            info!(run = %shared.config.run, version = pointer.version.0, "weights already published in this run");
         }
         Ok(NatsWeightsPublisher {
             kv,
@@ -82,7 +82,7 @@ impl NatsBus {
 /// JSON, so operators can read it; hashes as hex strings so no JSON reader rounds them.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 struct WeightsPointer {
-    version: u64,
+    version: PolicyVersion,
     object: String,
     checksum: String,
     layout_hash: String,
@@ -92,7 +92,7 @@ struct WeightsPointer {
 impl WeightsPointer {
     fn new(weights: &Weights, object: String, size_bytes: usize) -> Self {
         WeightsPointer {
-            version: weights.version.0,
+            version: weights.version,
             object,
             checksum: format!("{:016x}", weights.checksum),
             layout_hash: format!("{:016x}", weights.layout_hash),
@@ -159,7 +159,7 @@ pub struct NatsWeightsPublisher {
     /// The stream behind `objects`, for purging delete markers.
     backing: stream::Stream<()>,
     /// Newest version in KV when this publisher started.
-    published_before: Option<u64>,
+    published_before: Option<PolicyVersion>,
     last_version: Option<u64>,
     /// Our objects, oldest first.
     kept: VecDeque<String>,
@@ -178,7 +178,7 @@ impl NatsWeightsPublisher {
     /// The newest version this run had published when the publisher opened (read from the KV
     /// pointer, no waiting): a restarted learner continues above it.
     pub fn published_before(&self) -> Option<PolicyVersion> {
-        self.published_before.map(PolicyVersion)
+        self.published_before
     }
 }
 
@@ -191,7 +191,7 @@ impl WeightsPublisher for NatsWeightsPublisher {
             }
         }
         if self.last_version.is_none() {
-            if let Some(before) = self.published_before.filter(|&before| before >= version) {
+            if let Some(before) = self.published_before.filter(|before| before.0 >= version).map(|before| before.0) {
                 warn!(
                     version,
                     newest_in_run = before,
@@ -262,7 +262,7 @@ impl PointerSlot {
         if slot.as_ref().is_some_and(|(current, _)| *current == pointer) {
             return;
         }
-        debug!(version = pointer.version, "new weights pointer");
+        debug!(version = pointer.version.0, "new weights pointer");
         let write = self.writes.load(Ordering::Acquire).saturating_add(1);
         *slot = Some((pointer, write));
         self.writes.store(write, Ordering::Release);
@@ -405,7 +405,7 @@ impl Drop for NatsWeightsFollower {
 impl NatsWeightsFollower {
     /// The version the pointer written last claims (fetched or not, verified or not).
     pub fn announced_version(&self) -> Option<PolicyVersion> {
-        self.slot.newest().map(|(pointer, _)| PolicyVersion(pointer.version))
+        self.slot.newest().map(|(pointer, _)| pointer.version)
     }
 
     /// The newest version this follower fetched and verified.
@@ -426,7 +426,7 @@ impl NatsWeightsFollower {
     /// Refuse `pointer` for its content (see the type's docs).
     #[cold]
     fn refuse(&mut self, pointer: &WeightsPointer, reason: String) -> TransportError {
-        warn!(version = pointer.version, object = %pointer.object, %reason, "weights pointer refused");
+        warn!(version = pointer.version.0, object = %pointer.object, %reason, "weights pointer refused");
         failed("weights fetch", reason)
     }
 
@@ -476,7 +476,7 @@ impl NatsWeightsFollower {
         let bytes = match bytes {
             Ok(bytes) => bytes,
             Err(err) => {
-                warn!(version = pointer.version, object = %pointer.object, %err, "weights object not fetchable; retrying with backoff");
+                warn!(version = pointer.version.0, object = %pointer.object, %err, "weights object not fetchable; retrying with backoff");
                 return Err(FetchError::Unavailable(err));
             }
         };
@@ -488,12 +488,12 @@ impl NatsWeightsFollower {
             }
         };
         let checksum = format!("{:016x}", weights.checksum);
-        if weights.version.0 != pointer.version || checksum != pointer.checksum {
+        if weights.version != pointer.version || checksum != pointer.checksum {
             return Err(FetchError::Refused(self.refuse(
                 pointer,
                 format!(
                     "weights {} refused: object holds {} with checksum {checksum}, pointer says v{} with checksum {}",
-                    pointer.object, weights.version, pointer.version, pointer.checksum
+                    pointer.object, weights.version, pointer.version.0, pointer.checksum
                 ),
             )));
         }
@@ -515,7 +515,7 @@ impl WeightsFollower for NatsWeightsFollower {
         // Only a version above everything verified (and above what the caller runs) is worth
         // fetching; an older or equal claim is settled at once (versions never go back).
         let current = self.newest.as_ref().map(|w| w.version).max(have);
-        if current.is_some_and(|current| pointer.version <= current.0) {
+        if current.is_some_and(|current| pointer.version <= current) {
             self.settled_write = write;
             self.retry = None;
             return Ok(self.newest.clone().filter(|newest| have.is_none_or(|have| newest.version > have)));
@@ -594,7 +594,7 @@ mod tests {
     fn pointer_slot_keeps_the_last_write_whatever_its_version() {
         let slot = PointerSlot::default();
         let pointer = |version| WeightsPointer {
-            version,
+            version: PolicyVersion(version),
             object: subjects::weights_object(version),
             checksum: "0".into(),
             layout_hash: "0".into(),
@@ -604,11 +604,11 @@ mod tests {
         // Issue 12: a forged pointer with a huge version must not hide later real ones.
         slot.offer(pointer(u64::MAX));
         slot.offer(pointer(2));
-        assert_eq!(slot.newest().map(|(p, write)| (p.version, write)), Some((2, 3)));
+        assert_eq!(slot.newest().map(|(p, write)| (p.version.0, write)), Some((2, 3)));
         slot.offer(pointer(2));
         assert_eq!(slot.writes.load(Ordering::Acquire), 3, "a re-delivered value is not a new write");
         slot.offer(pointer(4));
-        assert_eq!(slot.newest().map(|(p, _)| p.version), Some(4));
+        assert_eq!(slot.newest().map(|(p, _)| p.version.0), Some(4));
     }
 
     #[test]
