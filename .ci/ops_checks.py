@@ -247,6 +247,43 @@ def consistency():
             problem(f"k8s/overlays/gpu/kustomization.yaml: image {image} is not pinned by digest "
                     "(images: digest: sha256:<64 hex>, no newTag)")
 
+    # Every password variable the accounts read reaches nats-server wherever it runs: the
+    # compose stack, the cluster's StatefulSet (from the credentials Secret) and the example
+    # Secret, and every NATS user a workload logs in as exists in the accounts.
+    accounts = open(os.path.join(ROOT, "broker-config", "accounts.conf")).read()
+    password_vars = set(re.findall(r"password:\s*\$(VOLLEY_[A-Z_]+)", accounts))
+    users = set(re.findall(r"user:\s*([a-z0-9-]+)", accounts))
+    compose_docs = load_yaml(os.path.join(ROOT, "deploy", "compose.yaml"))
+    services = compose_docs[0]["services"]
+    missing = password_vars - set(services["nats"].get("environment", {}))
+    if missing:
+        problem(f"deploy/compose.yaml: the nats service lacks {sorted(missing)} (read by broker-config/accounts.conf)")
+    for name, service in services.items():
+        user = service.get("environment", {}).get("VOLLEY_NATS_USER")
+        if user is not None and user not in users:
+            problem(f"deploy/compose.yaml: service {name} logs in as {user}, not a user in broker-config/accounts.conf")
+    (statefulset,) = load_yaml(os.path.join(ROOT, "k8s", "base", "nats", "statefulset.yaml"))
+    nats_env = {e["name"]: e for c in statefulset["spec"]["template"]["spec"]["containers"] for e in c.get("env", [])}
+    (secret,) = load_yaml(os.path.join(ROOT, "k8s", "components", "example-credentials", "secret.yaml"))
+    for var in sorted(password_vars):
+        key = nats_env.get(var, {}).get("valueFrom", {}).get("secretKeyRef", {}).get("key")
+        if key is None:
+            problem(f"k8s/base/nats/statefulset.yaml: no {var} from the credentials Secret")
+        elif key not in secret.get("stringData", {}):
+            problem(f"k8s/components/example-credentials/secret.yaml: no key {key} (the NATS servers read it as {var})")
+    for path in glob.glob(os.path.join(ROOT, "k8s", "**", "*.yaml"), recursive=True):
+        for doc in load_yaml(path):
+            if not isinstance(doc, dict) or doc.get("kind") not in ("Deployment", "Job", "StatefulSet"):
+                continue
+            for container in doc["spec"]["template"]["spec"]["containers"]:
+                for env in container.get("env", []):
+                    if env["name"] == "VOLLEY_NATS_USER" and env.get("value") not in users:
+                        problem(f"{os.path.relpath(path, ROOT)}: logs in as {env.get('value')}, "
+                                "not a user in broker-config/accounts.conf")
+                    key = env.get("valueFrom", {}).get("secretKeyRef", {}).get("key")
+                    if key is not None and key not in secret.get("stringData", {}):
+                        problem(f"{os.path.relpath(path, ROOT)}: reads Secret key {key}, which the example Secret lacks")
+
     # Every nats_* series used anywhere must exist.
     sources = [(rules_path, r.get("expr", "")) for g in rules_doc["groups"] for r in g["rules"]]
     sources += [(r["_where"], r["expr"]) for r in dashboard_rules()]

@@ -34,6 +34,7 @@ pub struct ActorMetrics {
     episodes_resumed: IntCounter,
     resume_failures: IntCounter,
     unscheduled_episodes: IntCounter,
+    spec_rejected: IntCounter,
     episode_return_mean: Gauge,
     descs: Vec<Desc>,
 }
@@ -104,6 +105,10 @@ impl ActorMetrics {
                 "volley_actor_unscheduled_episodes_total",
                 "Episodes run without a work item because the work queue was empty.",
             )?,
+            spec_rejected: int(
+                "volley_actor_spec_rejected_total",
+                "Run specs read from NATS that failed their checksum (corrupt) or did not decode; never used, read again.",
+            )?,
             episode_return_mean: Gauge::with_opts(Opts::new(
                 "volley_actor_episode_return_mean",
                 "Mean return of this actor's last 100 finished episodes (0 until one ends).",
@@ -115,7 +120,7 @@ impl ActorMetrics {
         registry.register(Box::new(metrics))
     }
 
-    fn parts(&self) -> [&dyn Collector; 21] {
+    fn parts(&self) -> [&dyn Collector; 22] {
         [
             &self.env_steps,
             &self.episodes,
@@ -137,6 +142,7 @@ impl ActorMetrics {
             &self.episodes_resumed,
             &self.resume_failures,
             &self.unscheduled_episodes,
+            &self.spec_rejected,
             &self.episode_return_mean,
         ]
     }
@@ -185,6 +191,7 @@ impl Collector for ActorMetrics {
         catch_up_int(&self.episodes_resumed, c.episodes_resumed.load(Ordering::Relaxed));
         catch_up_int(&self.resume_failures, c.resume_failures.load(Ordering::Relaxed));
         catch_up_int(&self.unscheduled_episodes, c.unscheduled_episodes.load(Ordering::Relaxed));
+        catch_up_int(&self.spec_rejected, c.spec_rejected.load(Ordering::Relaxed));
         self.episode_return_mean.set(f64::from_bits(c.episode_return_mean_bits.load(Ordering::Relaxed)));
         self.parts().iter().flat_map(|c| c.collect()).collect()
     }

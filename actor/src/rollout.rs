@@ -67,6 +67,9 @@ pub struct ActorCounters {
     pub resume_failures: AtomicU64,
     /// Episodes run without a work item because the queue was empty.
     pub unscheduled_episodes: AtomicU64,
+    /// Run specs read from the broker that failed their checksum or did not decode (never
+    /// used; the actor reads the spec again).
+    pub spec_rejected: AtomicU64,
     /// Environment steps taken.
     pub env_steps: AtomicU64,
     /// Segments published.

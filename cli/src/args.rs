@@ -720,6 +720,13 @@ pub struct LearnerArgs {
     /// keep it at most `--max-policy-lag` batches or data goes stale while it waits.
     #[arg(long, env = "VOLLEY_MAX_BACKLOG_SEGMENTS")]
     pub max_backlog_segments: Option<u64>,
+    /// Upper bound on the bytes the run's trajectory stream keeps on the broker (segments stay
+    /// after they were consumed, for `--replay`; the oldest are discarded first).
+    #[arg(long, env = "VOLLEY_TRAJECTORY_MAX_BYTES", default_value_t = 1 << 30)]
+    pub trajectory_max_bytes: u64,
+    /// Segments older than this are removed from the trajectory stream (0: no age limit).
+    #[arg(long, env = "VOLLEY_TRAJECTORY_MAX_AGE_SECS", default_value_t = 24.0 * 3600.0)]
+    pub trajectory_max_age_secs: f64,
     /// Train from the run's recorded trajectory stream instead of live actors (no weights are
     /// published and no checkpoint is written).
     #[arg(long, env = "VOLLEY_REPLAY")]
@@ -783,6 +790,9 @@ impl TryFrom<LearnerArgs> for LearnerConfig {
             );
         }
         spec.hyper.max_backlog_segments = max_backlog_segments;
+        spec.hyper.stores.trajectory_max_bytes = args.trajectory_max_bytes;
+        spec.hyper.stores.trajectory_max_age_secs = args.trajectory_max_age_secs;
+        spec.validate().context("--trajectory-max-bytes / --trajectory-max-age-secs")?;
         check_target(args.target_return)?;
         if args.checkpoint_every_updates == 0 || args.publish_every == 0 {
             bail!("--checkpoint-every-updates and --publish-every must be at least 1");

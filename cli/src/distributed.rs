@@ -351,7 +351,16 @@ pub fn actor(args: ActorArgs, interrupted: Arc<AtomicBool>) -> anyhow::Result<()
             return Ok(());
         }
         match bus.read_spec() {
-            Ok(Some(spec)) => break spec,
+            Ok(Some(Ok(spec))) => break spec,
+            // Issue 12: a spec that fails its checksum (or does not decode) is never used; it
+            // is counted and read again, since the learner rewrites it when it starts.
+            Ok(Some(Err(err))) => {
+                counters.spec_rejected.fetch_add(1, Ordering::Relaxed);
+                if last_wait_log.is_none_or(|t| t.elapsed() >= Duration::from_secs(5)) {
+                    warn!(run = %run, reason = err.reason(), %err, "run spec refused; reading it again");
+                    last_wait_log = Some(Instant::now());
+                }
+            }
             Ok(None) => {
                 if last_wait_log.is_none_or(|t| t.elapsed() >= Duration::from_secs(5)) {
                     info!(run = %run, "waiting for run {run}: no run spec on NATS yet (start `volley learner --run {run}`)");

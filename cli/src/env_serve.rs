@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use tracing::{info, warn};
 use volley_env::{EnvConfig, RemoteEnvConfig};
-use volley_transport::envsvc::{connect_nats, EnvFactory, EnvServer, EnvServiceClient, EnvServiceName};
+use volley_transport::envsvc::{connect_env_server, EnvFactory, EnvServer, EnvServiceClient, EnvServiceName};
 
 use crate::args::{EnvServeArgs, NatsArgs};
 
@@ -31,7 +31,7 @@ pub fn env_serve(args: EnvServeArgs, interrupted: Arc<AtomicBool>) -> anyhow::Re
         .context("starting the runtime")?;
     let url = args.nats.nats_url.clone();
     let client = runtime
-        .block_on(connect_nats(&url, auth.as_ref(), CONNECT_TIMEOUT, timeout))
+        .block_on(connect_env_server(&url, auth.as_ref(), CONNECT_TIMEOUT, timeout))
         .with_context(|| format!("connecting to NATS at {url}"))?;
     info!(url = %url, name = %config.name, env = %config.env_label, max_sessions = config.max_sessions,
           max_envs_per_session = config.max_envs_per_session, idle_timeout_secs = config.idle_timeout.as_secs_f64(),

@@ -80,11 +80,24 @@ def rss_bytes(pid: int) -> int:
     return 0
 
 
+def stored_spec(value: bytes) -> dict:
+    """The run spec from its KV envelope (docs/SECURITY.md), checksum verified."""
+    head = b'{"format":1,"xxh3":"'
+    middle = b'","spec":'
+    assert value.startswith(head) and value.endswith(b"}"), value[:40]
+    checksum = int(value[len(head):len(head) + 16], 16)
+    body = value[len(head) + 16:-1]
+    assert body.startswith(middle), body[:20]
+    body = body[len(middle):]
+    assert xxhash.xxh3_64_intdigest(body) == checksum, "run spec checksum mismatch"
+    return json.loads(body)
+
+
 async def main(url: str, run: str, learner_pid: int, rounds: int) -> None:
     nc = await nats.connect(url)
     js = nc.jetstream()
     kv = await js.key_value(f"volley-{run}")
-    spec = json.loads((await kv.get("spec")).value)
+    spec = stored_spec((await kv.get("spec")).value)
     while True:
         try:
             pointer = json.loads((await kv.get("weights")).value)

@@ -136,7 +136,7 @@ impl Default for TrustConfig {
 }
 
 /// Explicit bounds on every JetStream store a distributed run creates (applied when the store
-/// is created; the trajectory stream's bounds are the learner's `NatsConfig`).
+/// is created; the trajectory stream's bounds also when the learner starts again).
 ///
 /// Weights objects are additionally purged by the learner: only the newest
 /// `weights_keep_versions` stay, and the delete marker of each removed version is purged
@@ -144,6 +144,12 @@ impl Default for TrustConfig {
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 #[serde(default)]
 pub struct StoreLimits {
+    /// Upper bound on the trajectory stream's bytes; the oldest segments are discarded first.
+    /// Segments stay after they were consumed (for replay), so on a long run this is the
+    /// stream's size.
+    pub trajectory_max_bytes: u64,
+    /// Age after which a segment is removed from the trajectory stream (0: never).
+    pub trajectory_max_age_secs: f64,
     /// Weights versions kept in the object store (the newest ones).
     pub weights_keep_versions: usize,
     /// Upper bound on the weights object store's bytes (chunks and metadata).
@@ -168,6 +174,8 @@ pub struct StoreLimits {
 impl Default for StoreLimits {
     fn default() -> Self {
         StoreLimits {
+            trajectory_max_bytes: 1 << 30,
+            trajectory_max_age_secs: 24.0 * 3600.0,
             weights_keep_versions: 3,
             weights_max_bytes: 1 << 30,
             kv_history: 1,
@@ -180,6 +188,9 @@ impl Default for StoreLimits {
         }
     }
 }
+
+/// Longest age limit a store may have: one year.
+const MAX_STORE_AGE_SECS: f64 = 365.0 * 24.0 * 3600.0;
 
 impl StoreLimits {
     fn validate(&self, weights_bytes: u64) -> Result<(), SpecError> {
@@ -200,6 +211,7 @@ impl StoreLimits {
             return hyper("stores.kv_history", self.kv_history.to_string(), "1..=64");
         }
         for (name, value) in [
+            ("stores.trajectory_max_bytes", self.trajectory_max_bytes),
             ("stores.kv_max_bytes", self.kv_max_bytes),
             ("stores.work_max_messages", self.work_max_messages),
             ("stores.work_max_bytes", self.work_max_bytes),
@@ -210,8 +222,14 @@ impl StoreLimits {
                 return hyper(name, value.to_string(), "1..=i64::MAX");
             }
         }
-        if !(self.work_max_age_secs.is_finite() && self.work_max_age_secs >= 0.0) {
-            return hyper("stores.work_max_age_secs", self.work_max_age_secs.to_string(), "finite and >= 0");
+        for (name, value) in [
+            ("stores.trajectory_max_age_secs", self.trajectory_max_age_secs),
+            ("stores.work_max_age_secs", self.work_max_age_secs),
+        ] {
+            // Below a year, so the broker's nanosecond durations cannot overflow.
+            if !(value.is_finite() && (0.0..=MAX_STORE_AGE_SECS).contains(&value)) {
+                return hyper(name, value.to_string(), "finite, 0..=31536000 (0: no age limit)");
+            }
         }
         Ok(())
     }
@@ -419,6 +437,42 @@ pub enum SpecError {
     },
 }
 
+/// Version of the stored run spec's envelope ([`RunSpec::encode_stored`]).
+pub const STORED_SPEC_FORMAT: u32 = 1;
+/// Start of a stored run spec, up to its checksum's 16 hex digits.
+const STORED_SPEC_HEAD: &[u8] = b"{\"format\":1,\"xxh3\":\"";
+/// Between the checksum and the spec itself.
+const STORED_SPEC_MIDDLE: &[u8] = b"\",\"spec\":";
+/// How every stored envelope starts, whatever its format number.
+const STORED_SPEC_ANY_FORMAT: &[u8] = b"{\"format\":";
+
+/// Why a stored run spec was refused ([`RunSpec::decode_stored`]).
+#[derive(Debug, thiserror::Error)]
+pub enum StoredSpecError {
+    /// The spec's bytes do not match the checksum stored with them.
+    #[error("run spec checksum mismatch: stored {stored:016x}, computed {computed:016x}")]
+    Corrupt {
+        /// The checksum in the envelope.
+        stored: u64,
+        /// XXH3-64 of the spec bytes as read.
+        computed: u64,
+    },
+    /// The bytes are not a stored run spec (bad envelope, unknown format, or JSON that is
+    /// not a run spec).
+    #[error("run spec does not decode: {0}")]
+    Malformed(String),
+}
+
+impl StoredSpecError {
+    /// The `reason` label this error is counted under.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            StoredSpecError::Corrupt { .. } => "corrupt",
+            StoredSpecError::Malformed(_) => "malformed",
+        }
+    }
+}
+
 /// Everything shared across the processes of one run.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct RunSpec {
@@ -437,6 +491,59 @@ pub struct RunSpec {
 }
 
 impl RunSpec {
+    /// The spec as the learner stores it in the run's KV bucket: a JSON envelope
+    /// `{"format":1,"xxh3":"<16 hex digits>","spec":<the spec as pretty JSON>}` whose checksum
+    /// is XXH3-64 (seed 0) of the spec's bytes exactly as they follow `"spec":`, so operators
+    /// can still read it and a reader can verify it without re-serialising.
+    ///
+    /// ```
+    /// # use volley_core::spec::RunSpec;
+    /// # fn round_trip(spec: &RunSpec) {
+    /// let stored = spec.encode_stored();
+    /// assert_eq!(&RunSpec::decode_stored(&stored).unwrap(), spec);
+    /// # }
+    /// ```
+    pub fn encode_stored(&self) -> Vec<u8> {
+        let body = serde_json::to_vec_pretty(self).expect("a run spec always serialises to JSON");
+        let checksum = format!("{:016x}", xxhash_rust::xxh3::xxh3_64(&body));
+        let mut stored = Vec::with_capacity(body.len() + 48);
+        stored.extend_from_slice(STORED_SPEC_HEAD);
+        stored.extend_from_slice(checksum.as_bytes());
+        stored.extend_from_slice(STORED_SPEC_MIDDLE);
+        stored.extend_from_slice(&body);
+        stored.push(b'}');
+        stored
+    }
+
+    /// Read a stored spec ([`RunSpec::encode_stored`]), verifying its checksum before the spec
+    /// is decoded. A plain JSON spec, as learners before the envelope wrote it, is still read
+    /// (it has no checksum to verify). Does not [`validate`](RunSpec::validate).
+    pub fn decode_stored(bytes: &[u8]) -> Result<RunSpec, StoredSpecError> {
+        let malformed = |what: String| StoredSpecError::Malformed(what);
+        if !bytes.starts_with(STORED_SPEC_ANY_FORMAT) {
+            return serde_json::from_slice(bytes).map_err(|err| malformed(err.to_string()));
+        }
+        let rest = bytes.strip_prefix(STORED_SPEC_HEAD).ok_or_else(|| {
+            let format: String = bytes[STORED_SPEC_ANY_FORMAT.len()..].iter().take(8).map(|&b| b as char).collect();
+            malformed(format!("unknown envelope or format {format:?} (this build reads format {STORED_SPEC_FORMAT})"))
+        })?;
+        let (hex, rest) = rest.split_at_checked(16).ok_or_else(|| malformed("truncated envelope".into()))?;
+        let stored = std::str::from_utf8(hex)
+            .ok()
+            .filter(|hex| hex.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)))
+            .and_then(|hex| u64::from_str_radix(hex, 16).ok())
+            .ok_or_else(|| malformed("the checksum is not 16 lowercase hex digits".into()))?;
+        let body = rest
+            .strip_prefix(STORED_SPEC_MIDDLE)
+            .and_then(|rest| rest.strip_suffix(b"}"))
+            .ok_or_else(|| malformed("bad envelope around the spec".into()))?;
+        let computed = xxhash_rust::xxh3::xxh3_64(body);
+        if computed != stored {
+            return Err(StoredSpecError::Corrupt { stored, computed });
+        }
+        serde_json::from_slice(body).map_err(|err| malformed(err.to_string()))
+    }
+
     /// Check cross-field consistency once; the rest of the code trusts a validated spec.
     pub fn validate(&self) -> Result<ParamLayout, SpecError> {
         let (obs_dim, n_actions) = self.env.spaces()?;
@@ -584,9 +691,64 @@ mod tests {
         small.hyper.stores.weights_max_bytes = 1000;
         let err = small.validate().expect_err("1000 bytes cannot hold 4 versions plus metadata").to_string();
         assert!(err.contains("stores.weights_max_bytes"), "{err}");
-        let mut zero = spec;
+        let mut zero = spec.clone();
         zero.hyper.stores.work_max_messages = 0;
         assert!(zero.validate().expect_err("unbounded").to_string().contains("stores.work_max_messages"));
+        let mut unbounded = spec.clone();
+        unbounded.hyper.stores.trajectory_max_bytes = 0;
+        let err = unbounded.validate().expect_err("no byte bound").to_string();
+        assert!(err.contains("stores.trajectory_max_bytes"), "{err}");
+        for age in [-1.0, f64::NAN, 1e12] {
+            let mut aged = spec.clone();
+            aged.hyper.stores.trajectory_max_age_secs = age;
+            let err = aged.validate().expect_err("not a usable age").to_string();
+            assert!(err.contains("stores.trajectory_max_age_secs"), "{age}: {err}");
+        }
+        let mut small_stream = spec;
+        small_stream.hyper.stores.trajectory_max_bytes = 64 << 20;
+        small_stream.hyper.stores.trajectory_max_age_secs = 0.0;
+        small_stream.validate().expect("64 MiB and no age limit is a bounded stream");
+    }
+
+    /// Issue 12: the stored spec carries a checksum that is verified before it is decoded;
+    /// every single-bit flip of the stored bytes is refused, and a plain JSON spec from an
+    /// older learner is still read.
+    #[test]
+    fn stored_spec_round_trips_and_every_bit_flip_is_refused() {
+        let spec = spec(EnvConfig::Cartpole, 4);
+        let stored = spec.encode_stored();
+        assert_eq!(RunSpec::decode_stored(&stored).expect("round trip"), spec);
+        let envelope: serde_json::Value = serde_json::from_slice(&stored).expect("the envelope is JSON");
+        assert_eq!(envelope["format"], STORED_SPEC_FORMAT);
+        let inner: RunSpec = serde_json::from_value(envelope["spec"].clone()).expect("the spec is readable JSON");
+        assert_eq!(inner, spec);
+        let (mut corrupt, mut malformed) = (0, 0);
+        for bit in 0..stored.len() * 8 {
+            let mut flipped = stored.clone();
+            flipped[bit / 8] ^= 1 << (bit % 8);
+            match RunSpec::decode_stored(&flipped) {
+                Ok(decoded) => panic!("bit {bit} flipped and still decoded: {decoded:?}"),
+                Err(err @ StoredSpecError::Corrupt { .. }) => {
+                    assert_eq!(err.reason(), "corrupt");
+                    corrupt += 1;
+                }
+                Err(err) => {
+                    assert_eq!(err.reason(), "malformed");
+                    malformed += 1;
+                }
+            }
+        }
+        // Flips inside the spec or its checksum fail the checksum; flips in the envelope's
+        // framing fail to parse.
+        assert!(corrupt > stored.len() * 8 * 9 / 10, "{corrupt} corrupt, {malformed} malformed");
+        let legacy = serde_json::to_vec_pretty(&spec).expect("json");
+        assert_eq!(RunSpec::decode_stored(&legacy).expect("a plain spec still reads"), spec);
+        let future = String::from_utf8(stored.clone()).expect("utf8").replacen("\"format\":1", "\"format\":2", 1);
+        let err = RunSpec::decode_stored(future.as_bytes()).expect_err("an unknown format");
+        assert!(err.to_string().contains("format"), "{err}");
+        for cut in [0, 5, 20, 40, stored.len() - 1] {
+            assert!(RunSpec::decode_stored(&stored[..cut]).is_err(), "truncated at {cut}");
+        }
     }
 
     /// Specs written before remote environments existed still parse, unchanged.

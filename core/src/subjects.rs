@@ -138,6 +138,18 @@ pub fn object_meta_subject(bucket: &str, object: &str) -> String {
     format!("$O.{bucket}.M.{}", base64_url(object.as_bytes()))
 }
 
+/// The subject of the chunks of one stored object version (`nuid`, from its metadata) in the
+/// object store `bucket`: `$O.<bucket>.C.<nuid>`, as the NATS object store defines it.
+pub fn object_chunk_subject(bucket: &str, nuid: &str) -> String {
+    format!("$O.{bucket}.C.{nuid}")
+}
+
+/// The subject that holds the values of `key` in the KV bucket `bucket`: `$KV.<bucket>.<key>`,
+/// as the NATS key-value store defines it.
+pub fn kv_key_subject(bucket: &str, key: &str) -> String {
+    format!("$KV.{bucket}.{key}")
+}
+
 /// RFC 4648 §5 base64 ("URL and filename safe") with padding, the object store's name encoding.
 fn base64_url(bytes: &[u8]) -> String {
     const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
@@ -192,6 +204,8 @@ mod tests {
         }
         assert_eq!(super::base64_url(&[0xfb, 0xff]), "-_8=");
         assert_eq!(super::object_meta_subject("b", "v00000000000000000001"), "$O.b.M.djAwMDAwMDAwMDAwMDAwMDAwMDAx");
+        assert_eq!(super::object_chunk_subject("b", "Xy12"), "$O.b.C.Xy12");
+        assert_eq!(super::kv_key_subject("volley-local", super::WEIGHTS_KEY), "$KV.volley-local.weights");
     }
 
     use super::*;

@@ -29,6 +29,9 @@ use volley_transport::{TrajectorySink, TrajectorySource, TransportError, Weights
 const RUN: &str = "local";
 const LEARNER_PASSWORD: &str = "learner-test-password";
 const ACTOR_PASSWORD: &str = "actor-test-password";
+const ENV_PASSWORD: &str = "env-test-password";
+/// The environment service `broker-config/accounts.conf` has a server user for.
+const ENV_SERVICE: &str = "cartpole";
 /// Bound on any wait: only there so that a regression (e.g. a denial retried forever) fails
 /// instead of hanging.
 const GUARD: Duration = Duration::from_secs(60);
@@ -46,7 +49,11 @@ fn broker() -> TestNats {
     let accounts = std::fs::read_to_string(repo_file("broker-config/accounts.conf")).expect("read accounts.conf");
     TestNats::start_with_config(
         &accounts,
-        &[("VOLLEY_LEARNER_PASSWORD", LEARNER_PASSWORD), ("VOLLEY_ACTOR_PASSWORD", ACTOR_PASSWORD)],
+        &[
+            ("VOLLEY_LEARNER_PASSWORD", LEARNER_PASSWORD),
+            ("VOLLEY_ACTOR_PASSWORD", ACTOR_PASSWORD),
+            ("VOLLEY_ENV_SERVER_PASSWORD", ENV_PASSWORD),
+        ],
     )
 }
 
@@ -117,6 +124,7 @@ fn repo_broker_config_passes_the_servers_config_check() {
         .env("VOLLEY_NATS_STORE_DIR", &store)
         .env("VOLLEY_LEARNER_PASSWORD", "x")
         .env("VOLLEY_ACTOR_PASSWORD", "y")
+        .env("VOLLEY_ENV_SERVER_PASSWORD", "z")
         .output()
         .expect("run nats-server -t");
     assert!(
@@ -136,7 +144,8 @@ fn learner_and_actor_users_can_do_their_jobs() {
     publisher.publish(weights(0)).expect("the learner publishes weights");
 
     let actor = actor_on(&server, RUN);
-    assert_eq!(actor.read_spec().expect("the actor reads the spec"), Some(spec()));
+    let read = actor.read_spec().expect("the actor reads the spec").expect("stored");
+    assert_eq!(read.expect("verified"), spec());
     let mut follower = actor.weights_follower(42, 300_000).expect("follower");
     let first = follower.wait_first(Duration::from_secs(10));
     let first = first.unwrap_or_else(|err| panic!("the actor fetches weights: {err}\n{}", violations(&server)));
@@ -224,11 +233,23 @@ fn actor_user_is_denied_weights_writes_and_other_runs() {
     learner.ensure_run(&spec()).expect("the learner creates the run");
     let actor = actor_on(&server, RUN);
 
-    // Weights through the transport: the object put is refused, and the error says so.
-    let publisher = actor.weights_publisher();
-    let mut publisher = publisher.unwrap_or_else(|err| panic!("opening only reads: {err}\n{}", violations(&server)));
-    let result = within_guard("actor weights publish", move || publisher.publish(weights(5)));
-    assert_denied("actor publishing weights", result);
+    // Weights through the transport: even opening the publisher is refused (it lists the
+    // store through an unnamed consumer, issue 12), and a direct object put is refused too.
+    let opened = within_guard("actor opening the weights publisher", {
+        let actor = actor_on(&server, RUN);
+        move || actor.weights_publisher().map(|_| ())
+    });
+    assert!(opened.is_err(), "the actor opened the weights publisher");
+    assert!(has_violation(&server, "$JS.API.CONSUMER.CREATE.OBJ_volley-local-wts"), "{}", server.log());
+    let denied_object = actor.handle().block_on(async {
+        let store = actor
+            .jetstream()
+            .get_object_store(subjects::weights_bucket(&actor.config().run))
+            .await
+            .expect("store opens");
+        store.put(subjects::weights_object(5).as_str(), &mut &b"forged"[..]).await
+    });
+    assert!(denied_object.is_err(), "the actor wrote a weights object");
 
     // The weights pointer straight in KV, and deleting the stream.
     let denied_put = actor.handle().block_on(async {
@@ -286,4 +307,185 @@ fn wrong_password_fails_fast_with_a_clear_error() {
     let message = err.to_string();
     assert!(message.contains("refused user actor-local"), "{message}");
     assert!(!message.contains("not-the-password"), "the password leaked into {message}");
+}
+
+/// Whether the server logged a violation for `subject` (publish or subscription).
+fn has_violation(server: &TestNats, subject: &str) -> bool {
+    server.log().lines().any(|line| line.contains("Violation") && line.contains(&format!("\"{subject}\"")))
+}
+
+/// Poll the server log until it shows a violation for `subject` (bounded by [`GUARD`]).
+fn assert_violation(server: &TestNats, subject: &str) {
+    let started = std::time::Instant::now();
+    while !has_violation(server, subject) {
+        assert!(started.elapsed() < GUARD, "no violation for {subject}:\n{}", server.log());
+        thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// A raw JetStream API request as `bus`'s user: the server's JSON answer, or `None` when the
+/// request was dropped (denied by permissions: the request times out).
+fn js_request(bus: &NatsBus, subject: &str, body: serde_json::Value) -> Option<serde_json::Value> {
+    let client = bus.client().clone();
+    let subject = subject.to_string();
+    bus.handle().block_on(async move {
+        let reply = tokio::time::timeout(
+            Duration::from_secs(2),
+            client.request(subject, Bytes::from(serde_json::to_vec(&body).expect("json"))),
+        )
+        .await;
+        match reply {
+            Ok(Ok(message)) => Some(serde_json::from_slice(&message.payload).expect("a JSON answer")),
+            _ => None,
+        }
+    })
+}
+
+/// An ephemeral push consumer's create request body (as async-nats' ordered consumers send it).
+fn push_consumer(stream: &str, name: &str, filter: &str, deliver: &str) -> serde_json::Value {
+    serde_json::json!({
+        "stream_name": stream,
+        "config": {
+            "name": name,
+            "deliver_subject": deliver,
+            "filter_subject": filter,
+            "deliver_policy": "all",
+            "ack_policy": "none",
+            "flow_control": true,
+            "idle_heartbeat": 5_000_000_000u64,
+            "inactive_threshold": 30_000_000_000u64,
+            "mem_storage": true,
+            "num_replicas": 1
+        },
+        "action": ""
+    })
+}
+
+/// Issue 12: actors may create exactly the consumers their reads need (a watch of the
+/// `weights` key, the chunks of one object in the weights and snapshot stores), each named
+/// with its filter in the create subject; not an unnamed consumer (whose filter permissions
+/// cannot see), not another filter, not one whose body asks for a wider filter than its
+/// subject. They may delete consumers on these three streams (an ordered consumer deletes its
+/// predecessor when it re-creates itself), but not the learner's or the work queue's. The
+/// reads themselves pass with no violation in
+/// `learner_and_actor_users_can_do_their_jobs` and `work_queue_and_snapshots_work_with_role_credentials`.
+#[test]
+fn actor_consumer_grants_are_exactly_the_filtered_reads() {
+    use volley_core::work::WorkConfig;
+    let server = broker();
+    let learner = learner(&server);
+    let mut spec = spec();
+    spec.hyper.work = WorkConfig { enabled: true, ..WorkConfig::default() };
+    learner.ensure_run(&spec).expect("the learner creates the run");
+    let actor = actor_on(&server, RUN);
+    let inbox = actor.client().new_inbox();
+    let cases = [
+        ("KV_volley-local", "$KV.volley-local.weights", "$KV.volley-local.spec", "$KV.volley-local.>"),
+        ("OBJ_volley-local-wts", "$O.volley-local-wts.C.abc", "$O.volley-local-wts.M.abc", "$O.volley-local-wts.>"),
+        ("OBJ_volley-local-snap", "$O.volley-local-snap.C.abc", "$O.volley-local-snap.M.abc", "$O.volley-local-snap.>"),
+    ];
+    for (stream, granted, other, wide) in cases {
+        // Granted: a named consumer with the filter in its create subject.
+        let subject = format!("$JS.API.CONSUMER.CREATE.{stream}.ok1.{granted}");
+        let answer = js_request(&actor, &subject, push_consumer(stream, "ok1", granted, &inbox))
+            .unwrap_or_else(|| panic!("{subject} was not answered:\n{}", violations(&server)));
+        assert!(answer.get("error").is_none(), "{subject}: {answer}");
+        assert!(!has_violation(&server, &subject), "{subject} was denied");
+        // Granted: deleting it (what a re-created ordered consumer does to its predecessor).
+        let delete = format!("$JS.API.CONSUMER.DELETE.{stream}.ok1");
+        let answer = js_request(&actor, &delete, serde_json::json!({})).expect("delete answered");
+        assert_eq!(answer["success"], true, "{delete}: {answer}");
+        // Denied next to them: unnamed, and another filter.
+        let unnamed = format!("$JS.API.CONSUMER.CREATE.{stream}");
+        assert!(js_request(&actor, &unnamed, push_consumer(stream, "", granted, &inbox)).is_none(), "{unnamed}");
+        assert_violation(&server, &unnamed);
+        let elsewhere = format!("$JS.API.CONSUMER.CREATE.{stream}.no1.{other}");
+        assert!(js_request(&actor, &elsewhere, push_consumer(stream, "no1", other, &inbox)).is_none(), "{elsewhere}");
+        assert_violation(&server, &elsewhere);
+        // Allowed subject, wider filter in the body: the server itself refuses it.
+        let sneaky = format!("$JS.API.CONSUMER.CREATE.{stream}.no2.{granted}");
+        let answer = js_request(&actor, &sneaky, push_consumer(stream, "no2", wide, &inbox)).expect("answered");
+        assert!(answer.get("error").is_some(), "{sneaky} with filter {wide} was accepted: {answer}");
+    }
+    // The trajectory stream, the learner's consumer and the work queue's are out of reach.
+    let traj = "$JS.API.CONSUMER.CREATE.volley-local-traj.x.volley.local.traj.a1";
+    assert!(js_request(&actor, traj, push_consumer("volley-local-traj", "x", "volley.local.traj.a1", &inbox)).is_none());
+    assert_violation(&server, traj);
+    for delete in
+        ["$JS.API.CONSUMER.DELETE.volley-local-traj.learner", "$JS.API.CONSUMER.DELETE.volley-local-work.actors"]
+    {
+        assert!(js_request(&actor, delete, serde_json::json!({})).is_none(), "{delete}");
+        assert_violation(&server, delete);
+    }
+}
+
+/// Issue 12: the environment server user `env-<service>` serves its service (endpoints, the
+/// `$SRV` verbs, replies) and nothing else; actors and the learner may discover and call it
+/// but not serve it.
+#[test]
+fn env_server_user_serves_its_service_and_nothing_else() {
+    use volley_transport::envsvc::protocol::Op;
+    use volley_transport::envsvc::{
+        connect_env_server, EnvFactory, EnvServer, EnvServerConfig, EnvServiceClient, EnvServiceName,
+    };
+    let server = broker();
+    let auth = |user: &str, password: &str| NatsAuth::UserPassword { user: user.into(), password: password.into() };
+    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
+    let env_user = auth(&format!("env-{ENV_SERVICE}"), ENV_PASSWORD);
+    let timeout = Duration::from_secs(5);
+    let env_client = runtime
+        .block_on(connect_env_server(&server.url(), Some(&env_user), timeout, timeout))
+        .expect("the env server connects");
+    let factory: EnvFactory = Arc::new(|| volley_env::EnvConfig::Cartpole.build());
+    let name = EnvServiceName::new(ENV_SERVICE).expect("valid");
+    let env_server = runtime
+        .block_on(EnvServer::start(env_client.clone(), factory.clone(), EnvServerConfig::new(name.clone(), "cartpole")))
+        .expect("the env server starts");
+
+    // Actors step it, the learner asks it for the spaces.
+    for (user, password) in [("actor-local", ACTOR_PASSWORD), ("learner-local", LEARNER_PASSWORD)] {
+        let client = EnvServiceClient::connect(&server.url(), Some(&auth(user, password)), timeout, timeout)
+            .unwrap_or_else(|err| panic!("{user} connects: {err}"));
+        let instances = client.block_on(client.discover(&name)).expect("discovery");
+        assert_eq!(instances.len(), 1, "{user} finds the server:\n{}", violations(&server));
+        let spaces = client.block_on(client.spaces(&instances[0])).expect("spaces");
+        assert_eq!((spaces.obs_dim, spaces.n_actions), (4, 2));
+        let opened = client.block_on(client.open(&instances[0], &[1, 2])).expect("open");
+        let stepped = client.block_on(client.step(&instances[0], opened.session, vec![0, 1])).expect("step");
+        assert_eq!(stepped.rewards, vec![1.0; 2]);
+        client.block_on(client.close(&instances[0], opened.session)).expect("close");
+        assert_eq!(
+            instances[0].subject(Op::Step).as_str(),
+            format!("volley.env.{ENV_SERVICE}.{}.step", env_server.id())
+        );
+    }
+    // Stopping uses its own inbox prefix: no violation, and it returns well before the
+    // barrier's 5-second cap.
+    let started = std::time::Instant::now();
+    runtime.block_on(env_server.stop());
+    assert!(started.elapsed() < Duration::from_secs(4), "the stop barrier was not answered");
+    assert_no_violations(&server);
+
+    // Denied next to the grants: the run's data, replies meant for others, other services.
+    runtime.block_on(async {
+        env_client.publish("volley.local.traj.a1", Bytes::from_static(b"x")).await.expect("sent");
+        env_client.publish("$JS.API.INFO", Bytes::new()).await.expect("sent");
+        let _inbox = env_client.subscribe("_INBOX.>").await.expect("sent");
+        let _other = env_client.subscribe("volley.env.other.>").await.expect("sent");
+        env_client.flush().await.expect("flushed");
+    });
+    for subject in ["volley.local.traj.a1", "$JS.API.INFO", "_INBOX.>", "volley.env.other.>"] {
+        assert_violation(&server, subject);
+    }
+    let other = EnvServerConfig::new(EnvServiceName::new("other").expect("valid"), "cartpole");
+    let _impostor = runtime.block_on(EnvServer::start(env_client.clone(), factory, other));
+    assert_violation(&server, "$SRV.PING.volley-env-other");
+
+    // Actors may call the service but not serve it.
+    let actor = actor_on(&server, RUN);
+    actor.handle().block_on(async {
+        let _serve = actor.client().subscribe(format!("volley.env.{ENV_SERVICE}.>")).await.expect("sent");
+        actor.client().flush().await.expect("flushed");
+    });
+    assert_violation(&server, &format!("volley.env.{ENV_SERVICE}.>"));
 }

@@ -299,13 +299,23 @@ fn fuzz_run_spec() {
         r#"{"name":"remote","service":"cartpole-v1","obs_dim":4,"n_actions":2,"max_abs_reward":1.0}"#,
     )
     .expect("remote env config");
+    // Stored envelopes as the learner writes them (checksummed), and plain JSON specs as older
+    // learners wrote them (read for compatibility, no checksum to verify).
     let corpus = vec![
+        spec().encode_stored(),
+        remote.encode_stored(),
         serde_json::to_vec(&spec()).expect("json"),
-        serde_json::to_vec(&remote).expect("json"),
-        serde_json::to_vec_pretty(&spec()).expect("json"),
+        serde_json::to_vec_pretty(&remote).expect("json"),
     ];
-    fuzz("run spec", corpus, |mutated, _| {
-        if let Ok(spec) = serde_json::from_slice::<RunSpec>(mutated) {
+    let envelopes = corpus[..2].to_vec();
+    fuzz("run spec", corpus, |mutated, changed| {
+        let decoded = RunSpec::decode_stored(mutated);
+        // A changed envelope never decodes (unless the mutations happened to turn it into one
+        // of the plain specs, which carry no checksum).
+        if changed && envelopes.iter().any(|e| mutated.starts_with(&e[..10])) {
+            assert!(decoded.is_err(), "a changed stored spec was accepted");
+        }
+        if let Ok(spec) = decoded {
             let _ = spec.validate();
         }
     });

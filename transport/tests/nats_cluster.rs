@@ -88,7 +88,7 @@ fn run_objects_are_replicated_on_every_server_of_a_cluster() {
         }
     });
     // The run works as usual: the spec written by ensure_run reads back.
-    assert_eq!(bus.read_spec().expect("read the spec"), Some(spec));
+    assert_eq!(bus.read_spec().expect("read the spec").expect("stored").expect("verified"), spec);
 }
 
 #[test]

@@ -459,11 +459,38 @@ fn corrupted_or_mismatched_weights_are_refused() {
 fn spec_is_none_before_the_run_exists_and_readable_after() {
     let server = TestNats::start();
     let actor_bus = NatsBus::connect(config(&server, "spec")).expect("connect");
-    assert_eq!(actor_bus.read_spec().expect("no error"), None);
+    assert!(actor_bus.read_spec().expect("no error").is_none());
     let learner = learner_bus(config(&server, "spec"));
-    assert_eq!(actor_bus.read_spec().expect("readable"), Some(spec("spec")));
+    let read = actor_bus.read_spec().expect("readable").expect("stored");
+    assert_eq!(read.expect("verified"), spec("spec"));
     learner.ensure_run(&spec("spec")).expect("idempotent");
     assert!(learner.ensure_run(&spec("other")).is_err(), "a spec for another run is refused");
+}
+
+/// Issue 12: a run spec corrupted in KV is refused as `corrupt` before it is decoded, a plain
+/// JSON spec (as older learners wrote it) still reads, and the learner's next write repairs it.
+#[test]
+fn a_corrupted_run_spec_is_refused_and_a_plain_one_still_reads() {
+    let server = TestNats::start();
+    let learner = learner_bus(config(&server, "spec"));
+    let actor_bus = NatsBus::connect(config(&server, "spec")).expect("connect");
+    let put = |value: Vec<u8>| {
+        learner.handle().block_on(async {
+            let kv = learner.jetstream().get_key_value(subjects::run_bucket(&learner.config().run)).await.expect("kv");
+            kv.put(subjects::SPEC_KEY, value.into()).await.expect("put");
+        })
+    };
+    let mut stored = spec("spec").encode_stored();
+    // Flip one bit inside the spec (a digit of the seed keeps it valid JSON).
+    let at = stored.len() - 10;
+    stored[at] ^= 0x01;
+    put(stored);
+    let err = actor_bus.read_spec().expect("the broker answered").expect("stored").expect_err("corrupt");
+    assert_eq!(err.reason(), "corrupt", "{err}");
+    put(serde_json::to_vec(&spec("spec")).expect("json"));
+    assert_eq!(actor_bus.read_spec().expect("read").expect("stored").expect("plain json"), spec("spec"));
+    learner.ensure_run(&spec("spec")).expect("rewrite");
+    assert_eq!(actor_bus.read_spec().expect("read").expect("stored").expect("verified"), spec("spec"));
 }
 
 #[test]

@@ -558,13 +558,22 @@ pub(crate) mod testing {
         let mut actions = RandomState::from_u64_seed(seed ^ 0x5eed);
         let n_actions = env.action_space().n_actions() as i64;
         let (mut episodes, mut total, mut largest) = (0, 0.0f32, 0.0f32);
-        for _ in 0..n_steps {
+        for step_idx in 0..n_steps {
             let action = actions.randint(0, n_actions) as usize;
             let outcome = env.step(crate::Action::Discrete(action), &mut obs).expect("step");
             assert!(obs.iter().all(|&v| v == 0.0 || v == 1.0));
             assert!(outcome.reward >= 0.0 && outcome.reward <= G::MAX_STEP_REWARD, "reward {}", outcome.reward);
             total += outcome.reward;
             largest = largest.max(outcome.reward);
+            if step_idx % 97 == 0 {
+                // Every state the dynamics reach must pass `Game::check` and fit the snapshot
+                // size limit.
+                let mut restored_obs = vec![0.0f32; obs.len()];
+                MinAtar::<G>::with_defaults()
+                    .restore(&env.snapshot(), &mut restored_obs)
+                    .unwrap_or_else(|err| panic!("step {step_idx}: {err}"));
+                assert_eq!(restored_obs, obs);
+            }
             if outcome.terminated {
                 episodes += 1;
                 env.reset_next(&mut obs).expect("reset_next");

@@ -348,6 +348,32 @@ pub async fn connect_nats(
     connect_timeout: Duration,
     request_timeout: Duration,
 ) -> Result<async_nats::Client, EnvServiceError> {
+    connect_with_inbox(url, auth, connect_timeout, request_timeout, None).await
+}
+
+/// The inbox prefix of environment servers' connections. Their NATS user may use this prefix
+/// and not `_INBOX.>`, where actors' and learners' replies (weights included) travel
+/// (broker-config/accounts.conf, docs/SECURITY.md).
+pub const ENV_SERVER_INBOX_PREFIX: &str = "_INBOX_ENV";
+
+/// [`connect_nats`] for an environment server: its own requests (only the stop barrier of
+/// [`EnvServer::stop`](super::EnvServer::stop)) use [`ENV_SERVER_INBOX_PREFIX`].
+pub async fn connect_env_server(
+    url: &str,
+    auth: Option<&NatsAuth>,
+    connect_timeout: Duration,
+    request_timeout: Duration,
+) -> Result<async_nats::Client, EnvServiceError> {
+    connect_with_inbox(url, auth, connect_timeout, request_timeout, Some(ENV_SERVER_INBOX_PREFIX)).await
+}
+
+async fn connect_with_inbox(
+    url: &str,
+    auth: Option<&NatsAuth>,
+    connect_timeout: Duration,
+    request_timeout: Duration,
+    inbox_prefix: Option<&str>,
+) -> Result<async_nats::Client, EnvServiceError> {
     let started = Instant::now();
     let mut pause = Duration::from_millis(50);
     loop {
@@ -363,6 +389,9 @@ pub async fn connect_nats(
             Some(NatsAuth::Token(token)) => options.token(token.clone()),
             None => options,
         };
+        if let Some(prefix) = inbox_prefix {
+            options = options.custom_inbox_prefix(prefix);
+        }
         let problem = match tokio::time::timeout(remaining, options.connect(url)).await {
             Ok(Ok(client)) => return Ok(client),
             Ok(Err(err)) => err.to_string(),

@@ -22,7 +22,7 @@ use std::fmt;
 use std::sync::atomic::AtomicU64;
 use std::time::Duration;
 
-pub use client::{connect_nats, EnvServiceClient, Instance};
+pub use client::{connect_env_server, connect_nats, EnvServiceClient, Instance, ENV_SERVER_INBOX_PREFIX};
 pub use remote_vec::{RemoteVecEnv, RemoteVecEnvConfig};
 pub use server::{EnvFactory, EnvServer, EnvServerConfig};
 

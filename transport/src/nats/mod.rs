@@ -40,7 +40,6 @@ use async_nats::jetstream::{self, consumer, kv, object_store, stream, AckKind, E
 use async_nats::{ConnectErrorKind, ConnectOptions, Event, ServerError, Subject};
 use bytes::Bytes;
 use futures::StreamExt;
-use tokio::io::AsyncReadExt;
 use tokio::runtime::Handle;
 use tracing::{debug, info, warn};
 
@@ -48,10 +47,11 @@ use super::{
     Delivery, DeliveryToken, TrajectorySink, TrajectorySource, TransportError, WeightsFollower, WeightsPublisher,
 };
 use volley_core::ids::{ActorId, PolicyVersion, RunId};
-use volley_core::spec::RunSpec;
+use volley_core::spec::{RunSpec, StoredSpecError};
 use volley_core::subjects;
 use volley_core::wire::{self, TrajectorySegment, Weights};
 
+mod consumers;
 pub mod sink;
 pub mod source;
 pub mod weights;
@@ -198,10 +198,6 @@ pub struct NatsConfig {
     /// How long learner-side operations (ack, reject, weights publish) keep retrying through a
     /// broker outage before they return an error.
     pub retry_deadline: Duration,
-    /// Upper bound on the bytes the trajectory stream keeps; the oldest segments go first.
-    pub stream_max_bytes: i64,
-    /// Segments older than this are removed from the trajectory stream.
-    pub stream_max_age: Duration,
     /// The window in which the server drops a second message with the same `Nats-Msg-Id`.
     pub duplicate_window: Duration,
     /// Publish acks a sink keeps in flight before it waits for the oldest.
@@ -227,7 +223,7 @@ pub struct NatsConfig {
 
 impl NatsConfig {
     /// Defaults sized for one learner and tens of actors on a LAN: 5 s requests, 30 s retry
-    /// budget and ack wait, a 1 GiB / 24 h trajectory stream, 32 publish acks in flight,
+    /// budget and ack wait, 32 publish acks in flight,
     /// a backlog bound of 256 segments, 10 deliveries, 3 weights versions kept, one replica.
     pub fn new(url: impl Into<String>, run: RunId) -> Self {
         NatsConfig {
@@ -236,8 +232,6 @@ impl NatsConfig {
             connect_timeout: Duration::from_secs(10),
             request_timeout: Duration::from_secs(5),
             retry_deadline: Duration::from_secs(30),
-            stream_max_bytes: 1 << 30,
-            stream_max_age: Duration::from_secs(24 * 3600),
             duplicate_window: Duration::from_secs(120),
             publish_window: 32,
             max_backlog_segments: 256,
@@ -414,8 +408,8 @@ impl NatsBus {
     /// Learner side: idempotently create the run's broker objects and publish the run spec.
     ///
     /// Creates or updates the trajectory stream (file storage, limits retention so consumed
-    /// segments stay for replay, [`NatsConfig::stream_max_bytes`] / `stream_max_age` bounds
-    /// discarding the oldest, a [`NatsConfig::duplicate_window`] for `Nats-Msg-Id` dedup), the
+    /// segments stay for replay, the run spec's `hyper.stores.trajectory_max_bytes` /
+    /// `trajectory_max_age_secs` bounds discarding the oldest, a [`NatsConfig::duplicate_window`] for `Nats-Msg-Id` dedup), the
     /// durable pull consumer `learner` (explicit ack, `ack_wait`, `max_deliver`), the KV bucket
     /// and the object store, all with [`NatsConfig::replicas`] copies, then puts `spec` as JSON
     /// under key `spec`. Safe to call again,
@@ -430,9 +424,15 @@ impl NatsBus {
                 format!("spec is for run {} but the bus serves run {}", spec.run, config.run),
             ));
         }
-        let spec_json = serde_json::to_vec_pretty(spec).map_err(|err| failed("encode run spec", err))?;
+        let stored_spec = spec.encode_stored();
         let timeout = config.request_timeout;
         let stores = &spec.hyper.stores;
+        let max_age = Duration::try_from_secs_f64(stores.trajectory_max_age_secs).map_err(|err| {
+            failed("ensure run", format!("stores.trajectory_max_age_secs {}: {err}", stores.trajectory_max_age_secs))
+        })?;
+        // The server refuses a duplicate window longer than the stream's age limit.
+        let duplicate_window =
+            if max_age.is_zero() { config.duplicate_window } else { config.duplicate_window.min(max_age) };
         shared.block_on(async {
             let stream_name = subjects::trajectory_stream(&config.run);
             let stream_config = stream::Config {
@@ -442,9 +442,9 @@ impl NatsBus {
                 retention: stream::RetentionPolicy::Limits,
                 storage: stream::StorageType::File,
                 discard: stream::DiscardPolicy::Old,
-                max_bytes: config.stream_max_bytes,
-                max_age: config.stream_max_age,
-                duplicate_window: config.duplicate_window,
+                max_bytes: stores.trajectory_max_bytes as i64,
+                max_age,
+                duplicate_window,
                 num_replicas: config.replicas,
                 ..Default::default()
             };
@@ -491,15 +491,17 @@ impl NatsBus {
             if spec.hyper.work.enabled {
                 ensure_work_objects(shared, &spec.hyper.work, stores).await?;
             }
-            call("put run spec", timeout, kv.put(subjects::SPEC_KEY, Bytes::from(spec_json))).await?;
+            call("put run spec", timeout, kv.put(subjects::SPEC_KEY, Bytes::from(stored_spec))).await?;
             info!(run = %config.run, stream = %stream_name, "run ready on nats");
             Ok(())
         })
     }
 
     /// Actor side: the run spec, or `Ok(None)` when the run's bucket or its `spec` key does not
-    /// exist (yet).
-    pub fn read_spec(&self) -> Result<Option<RunSpec>, TransportError> {
+    /// exist (yet). The stored value's checksum is verified before it is decoded
+    /// ([`RunSpec::decode_stored`]): the inner error is the value's (corrupt or malformed, to
+    /// be counted and read again later), the outer one the broker's.
+    pub fn read_spec(&self) -> Result<Option<Result<RunSpec, StoredSpecError>>, TransportError> {
         let shared = &self.shared;
         let timeout = shared.config.request_timeout;
         shared.block_on(async {
@@ -509,7 +511,7 @@ impl NatsBus {
             let Some(bytes) = call("read run spec", timeout, kv.get(subjects::SPEC_KEY)).await? else {
                 return Ok(None);
             };
-            serde_json::from_slice(&bytes).map(Some).map_err(|err| failed("decode run spec", err))
+            Ok(Some(RunSpec::decode_stored(&bytes)))
         })
     }
 }

@@ -58,6 +58,7 @@ impl NatsBus {
         connections.borrow_and_update();
         let task = shared.handle.spawn(follow_pointer(
             shared.js.clone(),
+            shared.client.clone(),
             subjects::run_bucket(&shared.config.run),
             shared.config.request_timeout,
             slot.clone(),
@@ -284,6 +285,7 @@ const FETCH_RETRY_MAX: Duration = Duration::from_secs(30);
 /// the end of the watch, or a reconnect.
 async fn follow_pointer(
     js: jetstream::Context,
+    client: async_nats::Client,
     bucket: String,
     timeout: Duration,
     slot: Arc<PointerSlot>,
@@ -293,16 +295,15 @@ async fn follow_pointer(
     loop {
         connections.borrow_and_update();
         let watch = async {
-            let kv = match open_kv(&js, &bucket, timeout).await? {
-                Some(kv) => kv,
-                None => {
-                    return Err(TransportError::Failed {
-                        operation: "watch weights",
-                        message: format!("bucket {bucket} does not exist yet"),
-                    })
-                }
-            };
-            call("watch weights", timeout, kv.watch_with_history(subjects::WEIGHTS_KEY)).await
+            if open_kv(&js, &bucket, timeout).await?.is_none() {
+                return Err(TransportError::Failed {
+                    operation: "watch weights",
+                    message: format!("bucket {bucket} does not exist yet"),
+                });
+            }
+            // A named consumer filtered on the key, which the actor's permissions grant
+            // (`consumers`), rather than async-nats' unnamed KV watch.
+            call("watch weights", timeout, consumers::watch_key(&js, &client, &bucket, subjects::WEIGHTS_KEY)).await
         };
         let mut watch = match watch.await {
             Ok(watch) => watch,
@@ -323,8 +324,8 @@ async fn follow_pointer(
         loop {
             tokio::select! {
                 entry = watch.next() => match entry {
-                    Some(Ok(entry)) if entry.operation == kv::Operation::Put => {
-                        match serde_json::from_slice::<WeightsPointer>(&entry.value) {
+                    Some(Ok(change)) if !change.deleted => {
+                        match serde_json::from_slice::<WeightsPointer>(&change.value) {
                             Ok(pointer) => slot.offer(pointer),
                             Err(err) => warn!(operation = "decode weights pointer", error = %err, "ignoring bad weights pointer"),
                         }
@@ -464,14 +465,18 @@ impl NatsWeightsFollower {
             let Some(store) = objects.as_ref() else {
                 return Err(failed(OPERATION, format!("object store {bucket} does not exist")));
             };
-            call(OPERATION, deadline, async {
-                let object = store.get(&pointer.object).await?;
-                let mut bytes = Vec::with_capacity(pointer.size_bytes as usize);
-                // Read at most one byte past the limit: an oversized object is refused below.
-                object.take(wire::MAX_MESSAGE_BYTES as u64 + 1).read_to_end(&mut bytes).await?;
-                Ok::<_, Box<dyn std::error::Error + Send + Sync>>(bytes)
-            })
-            .await
+            // At most one byte past the limit is read: an oversized object is refused below.
+            let read = consumers::read_object(
+                &shared.js,
+                &shared.client,
+                store,
+                &bucket,
+                &pointer.object,
+                wire::MAX_MESSAGE_BYTES,
+            );
+            call(OPERATION, deadline, read)
+                .await?
+                .ok_or_else(|| failed(OPERATION, format!("weights object {} does not exist", pointer.object)))
         });
         let bytes = match bytes {
             Ok(bytes) => bytes,

@@ -302,18 +302,18 @@ impl crate::work::SnapshotStore for NatsSnapshotStore {
     fn load(&mut self, key: &str) -> Result<Option<volley_core::work::EpisodeSnapshot>, TransportError> {
         let shared = &self.shared;
         let deadline = shared.config.transfer_deadline(volley_core::work::MAX_EPISODE_SNAPSHOT_BYTES);
-        let objects = &self.objects;
-        let bytes = shared.block_on(async {
-            match timed("get snapshot", deadline, objects.get(key)).await? {
-                Ok(mut object) => {
-                    let mut bytes = Vec::new();
-                    object.read_to_end(&mut bytes).await.map_err(|err| failed("read snapshot", err))?;
-                    Ok(Some(bytes))
-                }
-                Err(err) if matches!(err.kind(), object_store::GetErrorKind::NotFound) => Ok(None),
-                Err(err) => Err(failed("get snapshot", err)),
-            }
-        })?;
+        let bucket = subjects::snapshot_bucket(&shared.config.run);
+        // Through a named consumer filtered on the object's chunks, which the actor's
+        // permissions grant (`consumers`); an oversized snapshot is refused by its decoder.
+        let read = consumers::read_object(
+            &shared.js,
+            &shared.client,
+            &self.objects,
+            &bucket,
+            key,
+            volley_core::work::MAX_EPISODE_SNAPSHOT_BYTES,
+        );
+        let bytes = shared.block_on(call("get snapshot", deadline, read))?;
         bytes
             .map(|bytes| {
                 volley_core::work::EpisodeSnapshot::decode(&bytes)
