@@ -3,10 +3,14 @@
 //!
 //! Invariant: an actor holds no state that matters beyond its current segment; it switches
 //! policy versions only between segments, so every segment has exactly one behaviour version.
-//! Start reading at [`rollout::RolloutWorker`].
+//! Invariant: the rollout loop knows nothing of work items or snapshots; it asks an
+//! [`episode_start::EpisodeStarts`] where episodes start.
+//! Start reading at [`rollout::RolloutWorker`], then [`episode_start`].
 
+pub mod episode_start;
 pub mod metrics;
 pub mod rollout;
 
+pub use episode_start::{EpisodeStarts, FreshStarts, WorkStarts};
 pub use metrics::ActorMetrics;
 pub use rollout::{ActorCounters, ActorError, RolloutWorker};

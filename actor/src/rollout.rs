@@ -12,13 +12,15 @@ use tracing::{debug, info, warn};
 use volley_core::ids::{ActorId, PolicyVersion};
 use volley_core::spec::{RunSpec, SpecError};
 use volley_core::wire::{EpisodeSummary, TrajectorySegment, Weights};
-use volley_core::work::{EpisodeSnapshot, SnapshotInfo, Start, WorkItem};
+use volley_core::work::SnapshotInfo;
 use volley_env::{Actions, EnvError, VecEnv, VecStep, VectorEnv};
 use volley_policy::distributions::{log_softmax, sample_categorical};
 use volley_policy::{ParamLayout, PolicyInference};
 use volley_transport::envsvc::RemoteEnvCounters;
-use volley_transport::work::{SnapshotStore, WorkSource, WorkToken};
+use volley_transport::work::{SnapshotStore, WorkSource};
 use volley_transport::{TrajectorySink, TransportError, WeightsFollower};
+
+use crate::episode_start::{EpisodeStarts, FreshStarts, RunningEpisode, SlotView, WorkStarts};
 
 /// Why an actor stopped with an error.
 #[derive(Debug, thiserror::Error)]
@@ -30,10 +32,10 @@ pub enum ActorError {
     #[error("environment: {0}")]
     Env(#[from] EnvError),
     /// The weights do not fit this actor's layout.
-    #[error("weights v{version} rejected: {reason}")]
+    #[error("weights {version} rejected: {reason}")]
     Weights {
         /// The version offered.
-        version: u64,
+        version: PolicyVersion,
         /// Why.
         reason: String,
     },
@@ -119,8 +121,7 @@ pub const RETURN_WINDOW: usize = 100;
 struct SegmentBuilder {
     episode_id: u64,
     segment_idx: u64,
-    episode_return: f32,
-    episode_len: u32,
+    episode: RunningEpisode,
     episode_id_at_start: u64,
     observations: Vec<f32>,
     actions: Vec<u32>,
@@ -134,41 +135,6 @@ struct SegmentBuilder {
     saved_snapshots: Vec<SnapshotInfo>,
     task_id_at_start: u32,
     start_at_start: Option<String>,
-}
-
-/// A work item an environment slot is running.
-struct ActiveItem {
-    item: WorkItem,
-    token: WorkToken,
-    /// Episodes of the item finished (or, for an interrupted item, finished before the crash).
-    episodes_done: u32,
-    /// The newest snapshot of an interrupted run of this item, to continue from.
-    continue_from: Option<EpisodeSnapshot>,
-}
-
-/// Save-load state of one environment slot.
-#[derive(Default)]
-struct Slot {
-    item: Option<ActiveItem>,
-    task_id: u32,
-    /// The saved state the current episode started from (`None`: fresh).
-    start: Option<String>,
-    /// The current scheduled episode's action-sampling generator (saved in its snapshots).
-    rng: Option<Pcg64Mcg>,
-    /// The current episode belongs to `item`.
-    scheduled: bool,
-    episode_index: u32,
-    steps_since_save: u32,
-    /// Waiting for a segment boundary to start (a resume that restores recurrent state).
-    needs_start: bool,
-}
-
-/// Work queue, snapshot store and per-slot state of an actor whose episodes are scheduled.
-struct WorkState {
-    source: Box<dyn WorkSource>,
-    store: Box<dyn SnapshotStore>,
-    tasks: Vec<volley_env::EnvConfig>,
-    slots: Vec<Slot>,
 }
 
 /// Steps `n_envs` environments with the latest policy and produces segments.
@@ -201,7 +167,8 @@ pub struct RolloutWorker {
     /// Returns of the last [`RETURN_WINDOW`] finished episodes, oldest first.
     recent_returns: VecDeque<f32>,
     counters: Arc<ActorCounters>,
-    work: Option<WorkState>,
+    /// Where episodes start: fresh, or scheduled through work items.
+    starts: Box<dyn EpisodeStarts>,
 }
 
 impl RolloutWorker {
@@ -269,7 +236,7 @@ impl RolloutWorker {
             incarnation: new_incarnation(),
             weights: None,
             counters,
-            work: None,
+            starts: Box::new(FreshStarts),
         })
     }
 
@@ -277,224 +244,16 @@ impl RolloutWorker {
     /// `work.enabled`), save snapshots to `store` at milestones and every
     /// `work.snapshot_every_steps` steps, and continue interrupted items from their newest
     /// snapshot.
-    pub fn with_work(mut self, source: Box<dyn WorkSource>, store: Box<dyn SnapshotStore>) -> Result<Self, ActorError> {
-        let work = &self.spec.hyper.work;
-        if !work.enabled {
-            return Err(ActorError::Spec(SpecError::Work("the run spec does not enable work items".into())));
-        }
-        let tasks = work.task_list(&self.spec.env);
-        let slots = (0..self.envs.n_envs()).map(|_| Slot { needs_start: true, ..Slot::default() }).collect();
-        self.work = Some(WorkState { source, store, tasks, slots });
-        Ok(self)
+    pub fn with_work(self, source: Box<dyn WorkSource>, store: Box<dyn SnapshotStore>) -> Result<Self, ActorError> {
+        let starts =
+            WorkStarts::new(&self.spec, self.envs.n_envs(), source, store, self.actor.clone(), self.counters.clone())?;
+        Ok(self.with_episode_starts(Box::new(starts)))
     }
 
-    /// Give slot `env_idx` its next scheduled episode: the next episode of its item, or a new
-    /// item. Mid-segment (`at_boundary` false) a start that must restore recurrent state waits
-    /// for the next segment (the learner resets that state to zero at episode starts); the slot
-    /// runs an unscheduled episode meanwhile.
-    fn start_next(&mut self, env_idx: usize, at_boundary: bool) {
-        let h = self.layout.recurrent_size();
-        let Some(work) = self.work.as_mut() else { return };
-        let slot = &mut work.slots[env_idx];
-        slot.scheduled = false;
-        slot.rng = None;
-        slot.start = None;
-        loop {
-            if let Some(active) = &slot.item {
-                if active.episodes_done < active.item.episodes {
-                    break;
-                }
-                let active = slot.item.take().expect("checked above");
-                if let Err(err) = work.source.complete(active.token) {
-                    warn!(actor = %self.actor, item = active.item.id, %err, "could not complete a work item; it may run again");
-                }
-                self.counters.work_items_completed.fetch_add(1, Ordering::Relaxed);
-            }
-            let wait = if at_boundary { Duration::from_millis(20) } else { Duration::ZERO };
-            match work.source.take(wait) {
-                Ok(Some((item, token))) => {
-                    // An item taken again after its actor died continues from its newest snapshot.
-                    let continue_from = match work.store.latest_for_item(item.id) {
-                        Ok(Some(key)) => match work.store.load(&key) {
-                            Ok(Some(snapshot)) if snapshot.work_item == item.id => Some(snapshot),
-                            Ok(_) => None,
-                            Err(err) => {
-                                warn!(actor = %self.actor, item = item.id, %err, "newest snapshot unusable; restarting the item");
-                                None
-                            }
-                        },
-                        Ok(None) => None,
-                        Err(err) => {
-                            warn!(actor = %self.actor, item = item.id, %err, "snapshot index unreadable; restarting the item");
-                            None
-                        }
-                    };
-                    let episodes_done = continue_from.as_ref().map_or(0, |s| s.episode_index);
-                    if continue_from.is_some() {
-                        info!(actor = %self.actor, item = item.id, "continuing an interrupted work item from its newest snapshot");
-                    }
-                    slot.item = Some(ActiveItem { item, token, episodes_done, continue_from });
-                }
-                Ok(None) => {
-                    slot.needs_start = !at_boundary;
-                    self.counters.unscheduled_episodes.fetch_add(1, Ordering::Relaxed);
-                    return;
-                }
-                Err(err) => {
-                    warn!(actor = %self.actor, %err, "taking work failed; running an unscheduled episode");
-                    slot.needs_start = !at_boundary;
-                    self.counters.unscheduled_episodes.fetch_add(1, Ordering::Relaxed);
-                    return;
-                }
-            }
-        }
-        let active = slot.item.as_mut().expect("an item is active here");
-        let restores_state = active.continue_from.is_some() || matches!(active.item.start, Start::Resume { .. });
-        if !at_boundary && h > 0 && restores_state {
-            slot.needs_start = true;
-            return;
-        }
-        slot.needs_start = false;
-        // Where this episode starts: the interrupted run's newest state, the item's saved
-        // state, or a fresh reset.
-        let (snapshot, origin) = if let Some(snapshot) = active.continue_from.take() {
-            let origin = snapshot.origin.clone();
-            (Some(snapshot), origin)
-        } else {
-            match &active.item.start {
-                Start::Fresh { .. } => (None, None),
-                Start::Resume { snapshot: key } => match work.store.load(key) {
-                    Ok(Some(snapshot)) => (Some(snapshot), Some(key.clone())),
-                    Ok(None) | Err(_) => {
-                        warn!(actor = %self.actor, snapshot = %key, "saved state gone; fresh start instead");
-                        self.counters.resume_failures.fetch_add(1, Ordering::Relaxed);
-                        (None, None)
-                    }
-                },
-            }
-        };
-        let episode_index = active.episodes_done;
-        let item_id = active.item.id;
-        let item_task = active.item.task_id;
-        let seed = match active.item.start {
-            Start::Fresh { seed } => seed.wrapping_add(u64::from(episode_index)),
-            Start::Resume { .. } => item_id.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ u64::from(episode_index),
-        };
-        let builder = &mut self.builders[env_idx];
-        let hidden = &mut self.hidden[env_idx * h..(env_idx + 1) * h];
-        let restored = snapshot.and_then(|snapshot| {
-            let task = work.tasks.get(snapshot.task_id as usize)?;
-            if snapshot.hidden.len() != h {
-                return None;
-            }
-            if snapshot.task_id != slot.task_id {
-                if let Err(err) = self.envs.switch_task(env_idx, task, seed) {
-                    warn!(actor = %self.actor, %err, "cannot switch task for a saved state");
-                    return None;
-                }
-                slot.task_id = snapshot.task_id;
-            }
-            if let Err(err) = self.envs.restore_env(env_idx, &snapshot.env) {
-                warn!(actor = %self.actor, %err, "saved state does not restore; fresh start instead");
-                return None;
-            }
-            hidden.copy_from_slice(&snapshot.hidden);
-            builder.episode_return = snapshot.episode_return;
-            builder.episode_len = snapshot.episode_len;
-            Some(snapshot.rng)
-        });
-        let rng = match restored {
-            Some(rng) => {
-                self.counters.episodes_resumed.fetch_add(1, Ordering::Relaxed);
-                slot.start = origin;
-                rng
-            }
-            None => {
-                let task_id = item_task.min(work.tasks.len().saturating_sub(1) as u32);
-                let reset = if task_id != slot.task_id {
-                    self.envs.switch_task(env_idx, &work.tasks[task_id as usize], seed)
-                } else {
-                    self.envs.reset_env(env_idx, seed)
-                };
-                if let Err(err) = reset {
-                    warn!(actor = %self.actor, %err, "scheduled reset failed; running an unscheduled episode");
-                    return;
-                }
-                slot.task_id = task_id;
-                hidden.fill(0.0);
-                builder.episode_return = 0.0;
-                builder.episode_len = 0;
-                slot.start = None;
-                Pcg64Mcg::seed_from_u64(seed ^ 0x5a3e_ed01)
-            }
-        };
-        slot.rng = Some(rng);
-        slot.scheduled = true;
-        slot.episode_index = episode_index;
-        slot.steps_since_save = 0;
-        debug!(actor = %self.actor, item = item_id, env_idx, "scheduled episode started");
-    }
-
-    /// Save slot `env_idx`'s episode if it is at a milestone or due by step count.
-    fn maybe_save(&mut self, env_idx: usize, policy_version: u64) {
-        let h = self.layout.recurrent_size();
-        let config = &self.spec.hyper.work;
-        let Some(work) = self.work.as_mut() else { return };
-        let slot = &mut work.slots[env_idx];
-        let (Some(active), true) = (&slot.item, slot.scheduled) else { return };
-        slot.steps_since_save += 1;
-        let at_milestone = config.snapshot_at_milestones && self.envs.env_at_milestone(env_idx);
-        let due = config.snapshot_every_steps > 0 && slot.steps_since_save >= config.snapshot_every_steps;
-        if !(at_milestone || due) {
-            return;
-        }
-        let env = match self.envs.snapshot_env(env_idx) {
-            Ok(env) => env,
-            Err(err) => {
-                debug!(actor = %self.actor, %err, "environment cannot snapshot");
-                return;
-            }
-        };
-        let builder = &mut self.builders[env_idx];
-        let snapshot = EpisodeSnapshot {
-            work_item: active.item.id,
-            episode_index: slot.episode_index,
-            task_id: slot.task_id,
-            origin: slot.start.clone(),
-            env,
-            hidden: self.hidden[env_idx * h..(env_idx + 1) * h].to_vec(),
-            episode_return: builder.episode_return,
-            episode_len: builder.episode_len,
-            policy_version,
-            rng: slot.rng.clone().expect("a scheduled episode has its generator"),
-            progress: self.envs.env_progress(env_idx),
-        };
-        match work.store.save(&snapshot) {
-            Ok(key) => {
-                slot.steps_since_save = 0;
-                self.counters.snapshots_saved.fetch_add(1, Ordering::Relaxed);
-                builder.saved_snapshots.push(SnapshotInfo {
-                    key,
-                    task_id: snapshot.task_id,
-                    progress: snapshot.progress,
-                    episode_return: snapshot.episode_return,
-                    episode_len: snapshot.episode_len,
-                });
-            }
-            Err(err) => warn!(actor = %self.actor, %err, "snapshot not saved"),
-        }
-    }
-
-    /// Tell the work queue every running item is still alive.
-    fn heartbeat(&mut self) {
-        let Some(work) = self.work.as_mut() else { return };
-        for slot in &work.slots {
-            if let Some(active) = &slot.item {
-                if let Err(err) = work.source.progress(active.token) {
-                    debug!(actor = %self.actor, %err, "work progress signal failed");
-                }
-            }
-        }
+    /// Take episode starts from `starts` instead of running fresh episodes back to back.
+    pub fn with_episode_starts(mut self, starts: Box<dyn EpisodeStarts>) -> Self {
+        self.starts = starts;
+        self
     }
 
     /// The policy version in use, if any weights arrived yet.
@@ -506,7 +265,7 @@ impl RolloutWorker {
     pub fn set_weights(&mut self, weights: Arc<Weights>) -> Result<(), ActorError> {
         weights
             .verify(self.layout.hash(), self.layout.n_params())
-            .map_err(|err| ActorError::Weights { version: weights.version.0, reason: err.to_string() })?;
+            .map_err(|err| ActorError::Weights { version: weights.version, reason: err.to_string() })?;
         self.counters.policy_version.store(weights.version.0, Ordering::Relaxed);
         self.weights = Some(weights);
         self.counters.weight_updates.fetch_add(1, Ordering::Relaxed);
@@ -525,20 +284,19 @@ impl RolloutWorker {
         let obs_dim = self.envs.obs_dim();
         let n_actions = self.envs.n_actions();
         let h = self.layout.recurrent_size();
-        if self.work.is_some() {
-            for env_idx in 0..n_envs {
-                if self.work.as_ref().is_some_and(|w| w.slots[env_idx].needs_start) {
-                    self.start_next(env_idx, true);
-                }
-            }
+        for (env_idx, builder) in self.builders.iter_mut().enumerate() {
+            self.starts.at_segment_boundary(SlotView {
+                env_idx,
+                envs: self.envs.as_mut(),
+                hidden: &mut self.hidden[env_idx * h..(env_idx + 1) * h],
+                episode: &mut builder.episode,
+            });
         }
         for (env_idx, builder) in self.builders.iter_mut().enumerate() {
             builder.begin(&self.hidden[env_idx * h..(env_idx + 1) * h]);
-            if let Some(work) = &self.work {
-                let slot = &work.slots[env_idx];
-                builder.task_id_at_start = slot.task_id;
-                builder.start_at_start = if slot.scheduled { slot.start.clone() } else { None };
-            }
+            let tags = self.starts.tags(env_idx);
+            builder.task_id_at_start = tags.task_id;
+            builder.start_at_start = tags.start;
         }
         let mut env_time = Duration::ZERO;
         let mut inference_time = Duration::ZERO;
@@ -552,8 +310,9 @@ impl RolloutWorker {
             for env_idx in 0..n_envs {
                 let row = &self.logits[env_idx * n_actions..(env_idx + 1) * n_actions];
                 log_softmax(row, &mut self.log_probs);
-                let slot_rng = self.work.as_mut().and_then(|w| w.slots[env_idx].rng.as_mut());
-                let u = match slot_rng {
+                // A scheduled episode samples from its own generator, so a resumed episode
+                // replays exactly; otherwise all slots share the worker's.
+                let u = match self.starts.action_rng(env_idx) {
                     Some(rng) => rng.random::<f32>(),
                     None => self.rng.random::<f32>(),
                 };
@@ -571,18 +330,7 @@ impl RolloutWorker {
             env_time += stepped.elapsed();
             let any_failed = !self.step.env_errors.is_empty();
             if any_failed {
-                self.aborted.fill(false);
-                for (env_idx, error) in &self.step.env_errors {
-                    let env_idx = *env_idx;
-                    self.counters.env_errors.fetch_add(1, Ordering::Relaxed);
-                    warn!(actor = %self.actor, env_idx, %error, reason = error.reason(), "environment failed; reset");
-                    // A failure right after an episode ended (a failed reset) aborts nothing.
-                    let finished = self.step.finished_episodes.iter().any(|e| e.env_idx == env_idx);
-                    if !finished && !self.aborted[env_idx] {
-                        self.aborted[env_idx] = true;
-                        self.counters.episodes_aborted.fetch_add(1, Ordering::Relaxed);
-                    }
-                }
+                self.count_env_errors();
             }
             self.bootstrap_truncated(params);
             for env_idx in 0..n_envs {
@@ -593,52 +341,35 @@ impl RolloutWorker {
                 builder.rewards.push(reward);
                 builder.terminated.push(terminated as u8);
                 builder.truncated.push(truncated as u8);
-                builder.episode_return += reward;
-                builder.episode_len += 1;
-                if terminated || truncated {
-                    // An aborted episode did not end on its own: its return is no measure of
-                    // the policy, so it is not reported.
-                    if !(any_failed && self.aborted[env_idx]) {
-                        let (task_id, work_item, start) = match &self.work {
-                            Some(work) => {
-                                let slot = &work.slots[env_idx];
-                                let item = slot.item.as_ref().filter(|_| slot.scheduled).map(|a| a.item.id);
-                                (slot.task_id, item, if slot.scheduled { slot.start.clone() } else { None })
-                            }
-                            None => (0, None, None),
-                        };
-                        builder.finished_episodes.push(EpisodeSummary {
-                            episode_return: builder.episode_return,
-                            episode_len: builder.episode_len,
-                            task_id,
-                            work_item,
-                            start,
-                        });
-                        if self.recent_returns.len() == RETURN_WINDOW {
-                            self.recent_returns.pop_front();
-                        }
-                        self.recent_returns.push_back(builder.episode_return);
-                        let mean = self.recent_returns.iter().map(|&r| r as f64).sum::<f64>()
-                            / self.recent_returns.len() as f64;
-                        self.counters.episode_return_mean_bits.store(mean.to_bits(), Ordering::Relaxed);
+                builder.episode.episode_return += reward;
+                builder.episode.episode_len += 1;
+                let hidden = &mut self.hidden[env_idx * h..(env_idx + 1) * h];
+                if !(terminated || truncated) {
+                    let slot = SlotView { env_idx, envs: self.envs.as_mut(), hidden, episode: &mut builder.episode };
+                    if let Some(saved) = self.starts.after_step(slot, weights.version) {
+                        builder.saved_snapshots.push(saved);
                     }
-                    if let Some(active) = self.work.as_mut().and_then(|w| {
-                        let slot = &mut w.slots[env_idx];
-                        slot.item.as_mut().filter(|_| slot.scheduled)
-                    }) {
-                        active.episodes_done += 1;
-                    }
-                    builder.episode_return = 0.0;
-                    builder.episode_len = 0;
-                    builder.episode_id += 1;
-                    // A new episode starts with a zero recurrent state.
-                    self.hidden[env_idx * h..(env_idx + 1) * h].fill(0.0);
-                    if self.work.is_some() {
-                        self.start_next(env_idx, false);
-                    }
-                } else if self.work.is_some() {
-                    self.maybe_save(env_idx, weights.version.0);
+                    continue;
                 }
+                // An aborted episode did not end on its own: its return is no measure of the
+                // policy, so it is not reported.
+                if !(any_failed && self.aborted[env_idx]) {
+                    let tags = self.starts.tags(env_idx);
+                    builder.finished_episodes.push(EpisodeSummary {
+                        episode_return: builder.episode.episode_return,
+                        episode_len: builder.episode.episode_len,
+                        task_id: tags.task_id,
+                        work_item: tags.work_item,
+                        start: tags.start,
+                    });
+                    record_return(&mut self.recent_returns, &self.counters, builder.episode.episode_return);
+                }
+                builder.episode = RunningEpisode::default();
+                builder.episode_id += 1;
+                // A new episode starts with a zero recurrent state.
+                hidden.fill(0.0);
+                let slot = SlotView { env_idx, envs: self.envs.as_mut(), hidden, episode: &mut builder.episode };
+                self.starts.episode_ended(slot);
             }
             self.counters.episodes.fetch_add(self.step.finished_episodes.len() as u64, Ordering::Relaxed);
         }
@@ -648,12 +379,29 @@ impl RolloutWorker {
             builder.observations.extend_from_slice(&obs[env_idx * obs_dim..(env_idx + 1) * obs_dim]);
             segments.push(builder.finish(&self.spec, &self.actor, self.incarnation, env_idx, &weights, obs_dim));
         }
-        self.heartbeat();
+        self.starts.segment_done();
         let steps = (self.spec.segment_len * n_envs) as u64;
         self.counters.env_steps.fetch_add(steps, Ordering::Relaxed);
         self.counters.env_nanos.fetch_add(env_time.as_nanos() as u64, Ordering::Relaxed);
         self.counters.inference_nanos.fetch_add(inference_time.as_nanos() as u64, Ordering::Relaxed);
         segments
+    }
+
+    /// Count this step's environment failures and mark the episodes they aborted.
+    #[cold]
+    fn count_env_errors(&mut self) {
+        self.aborted.fill(false);
+        for (env_idx, error) in &self.step.env_errors {
+            let env_idx = *env_idx;
+            self.counters.env_errors.fetch_add(1, Ordering::Relaxed);
+            warn!(actor = %self.actor, env_idx, %error, reason = error.reason(), "environment failed; reset");
+            // A failure right after an episode ended (a failed reset) aborts nothing.
+            let finished = self.step.finished_episodes.iter().any(|e| e.env_idx == env_idx);
+            if !finished && !self.aborted[env_idx] {
+                self.aborted[env_idx] = true;
+                self.counters.episodes_aborted.fetch_add(1, Ordering::Relaxed);
+            }
+        }
     }
 
     /// For environments truncated this step, store the behaviour value of the final
@@ -772,6 +520,16 @@ impl RolloutWorker {
     }
 }
 
+/// Add a finished episode's return to the window behind the exported mean return.
+fn record_return(recent_returns: &mut VecDeque<f32>, counters: &ActorCounters, episode_return: f32) {
+    if recent_returns.len() == RETURN_WINDOW {
+        recent_returns.pop_front();
+    }
+    recent_returns.push_back(episode_return);
+    let mean = recent_returns.iter().map(|&r| r as f64).sum::<f64>() / recent_returns.len() as f64;
+    counters.episode_return_mean_bits.store(mean.to_bits(), Ordering::Relaxed);
+}
+
 /// A number that differs between workers started at different times or in different processes.
 fn new_incarnation() -> u64 {
     let nanos =
@@ -817,8 +575,8 @@ impl SegmentBuilder {
     ) -> TrajectorySegment {
         let h = self.initial_hidden.len();
         let segment = TrajectorySegment {
-            run: spec.run.to_string(),
-            actor: actor.to_string(),
+            run: spec.run.clone(),
+            actor: actor.clone(),
             incarnation,
             env_idx: env_idx as u32,
             episode_id: self.episode_id_at_start,
@@ -848,20 +606,15 @@ impl SegmentBuilder {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use volley_core::ids::RunId;
-    use volley_core::spec::HyperParams;
+    use volley_core::work::{Start, WorkConfig, WorkItem};
     use volley_env::{EnvConfig, MemoryConfig};
-    use volley_policy::{Activation, CoreKind, PolicySpec};
+    use volley_policy::CoreKind;
+    use volley_testkit::fixtures::SpecBuilder;
+    use volley_transport::work::{local_work_queue, LocalSnapshotStore, WorkQueue};
 
     fn worker(env: EnvConfig, obs_dim: usize, n_actions: usize, core: CoreKind, t_len: usize) -> RolloutWorker {
-        let spec = RunSpec {
-            run: RunId::new("actor-test").expect("valid"),
-            env,
-            policy: PolicySpec { obs_dim, n_actions, torso: vec![8], activation: Activation::Tanh, core },
-            segment_len: t_len,
-            hyper: HyperParams::default(),
-            seed: 1,
-        };
+        let spec =
+            SpecBuilder::cartpole(t_len).run("actor-test").env(env, obs_dim, n_actions).core(core).seed(1).build();
         let layout = spec.validate().expect("valid spec");
         let weights = Arc::new(Weights::new(PolicyVersion(4), layout.hash(), layout.init_params(2)));
         let mut worker =
@@ -1015,7 +768,7 @@ mod tests {
         let mut worker = worker(EnvConfig::Cartpole, 4, 2, CoreKind::Mlp, 8);
         let n = worker.layout.n_params();
         let foreign = Arc::new(Weights::new(PolicyVersion(9), worker.layout.hash() ^ 1, vec![0.0; n]));
-        assert!(matches!(worker.set_weights(foreign), Err(ActorError::Weights { version: 9, .. })));
+        assert!(matches!(worker.set_weights(foreign), Err(ActorError::Weights { version: PolicyVersion(9), .. })));
         let mut corrupt = Weights::new(PolicyVersion(9), worker.layout.hash(), vec![0.0; n]);
         corrupt.params[0] = 1.0;
         assert!(worker.set_weights(Arc::new(corrupt)).is_err());
@@ -1024,21 +777,90 @@ mod tests {
 
     #[test]
     fn a_spec_this_build_cannot_serve_is_refused() {
-        let spec = RunSpec {
-            run: RunId::new("x").expect("valid"),
-            env: EnvConfig::Cartpole,
-            policy: PolicySpec {
-                obs_dim: 5,
-                n_actions: 2,
-                torso: vec![8],
-                activation: Activation::Tanh,
-                core: CoreKind::Mlp,
-            },
-            segment_len: 8,
-            hyper: HyperParams::default(),
-            seed: 0,
-        };
+        let spec = SpecBuilder::cartpole(8).run("x").env(EnvConfig::Cartpole, 5, 2).build();
         let result = RolloutWorker::new(spec, ActorId::new("a").expect("valid"), 1, 0, Arc::default());
         assert!(matches!(result, Err(ActorError::Spec(_))));
+    }
+
+    fn work_spec(segment_len: usize, snapshot_every_steps: u32) -> RunSpec {
+        let mut spec = worker(EnvConfig::Cartpole, 4, 2, CoreKind::Mlp, segment_len).spec.clone();
+        spec.hyper.work =
+            WorkConfig { enabled: true, snapshot_every_steps, snapshot_at_milestones: false, ..WorkConfig::default() };
+        spec
+    }
+
+    /// One environment taking `items` from a fresh queue, saving to `store`.
+    fn work_worker(spec: &RunSpec, items: &[WorkItem], store: &LocalSnapshotStore) -> RolloutWorker {
+        let (mut queue, source) = local_work_queue();
+        queue.submit(items).expect("in-process queue");
+        let layout = spec.validate().expect("valid");
+        let mut worker = RolloutWorker::new(spec.clone(), ActorId::new("w-0").expect("valid"), 1, 3, Arc::default())
+            .expect("buildable")
+            .with_work(Box::new(source), Box::new(store.clone()))
+            .expect("work enabled");
+        worker.set_weights(Arc::new(Weights::new(PolicyVersion(2), layout.hash(), layout.init_params(2)))).unwrap();
+        worker
+    }
+
+    /// Segments until `n` episodes of work item `item` finished.
+    fn until_item_episodes(
+        worker: &mut RolloutWorker,
+        item: u64,
+        n: usize,
+    ) -> (Vec<EpisodeSummary>, Vec<SnapshotInfo>) {
+        let (mut episodes, mut saved) = (Vec::new(), Vec::new());
+        for _ in 0..1000 {
+            for segment in worker.collect_segments() {
+                episodes.extend(segment.finished_episodes.into_iter().filter(|e| e.work_item == Some(item)));
+                saved.extend(segment.saved_snapshots);
+            }
+            if episodes.len() >= n {
+                return (episodes, saved);
+            }
+        }
+        panic!("work item {item} did not finish {n} episodes");
+    }
+
+    #[test]
+    fn scheduled_episodes_are_tagged_snapshotted_and_completed() {
+        let spec = work_spec(8, 3);
+        let store = LocalSnapshotStore::new(1000);
+        let item = WorkItem { id: 7, task_id: 0, start: Start::Fresh { seed: 11 }, episodes: 2 };
+        let mut worker = work_worker(&spec, &[item], &store);
+        let (episodes, saved) = until_item_episodes(&mut worker, 7, 2);
+        assert!(episodes.iter().all(|e| e.start.is_none() && e.task_id == 0));
+        assert!(!saved.is_empty() && saved.iter().all(|s| s.key.starts_with("w7-")), "{saved:?}");
+        assert!(saved.iter().all(|s| s.episode_len % 3 == 0), "saved every 3 steps: {saved:?}");
+        let mut store_reader = store.clone();
+        let snapshot = store_reader.load(&saved[0].key).expect("readable").expect("kept");
+        assert_eq!(snapshot.policy_version, PolicyVersion(2));
+        // The second episode's end completed the item; the queue was empty after it.
+        assert_eq!(worker.counters.work_items_completed.load(Ordering::Relaxed), 1);
+        assert!(worker.counters.unscheduled_episodes.load(Ordering::Relaxed) >= 1);
+    }
+
+    /// The in-process version of `cli/tests/save_load.rs`: an item taken again after its actor
+    /// stopped mid-episode continues from the newest snapshot to the same return and length.
+    #[test]
+    fn an_interrupted_item_continues_to_the_uninterrupted_outcome() {
+        let spec = work_spec(4, 2);
+        let item = WorkItem { id: 7, task_id: 0, start: Start::Fresh { seed: 11 }, episodes: 1 };
+        let (uninterrupted, _) = until_item_episodes(
+            &mut work_worker(&spec, std::slice::from_ref(&item), &LocalSnapshotStore::new(100)),
+            7,
+            1,
+        );
+        let store = LocalSnapshotStore::new(100);
+        // Four steps: shorter than any CartPole episode, so the episode is cut mid-way.
+        let first = work_worker(&spec, std::slice::from_ref(&item), &store).collect_segments();
+        assert!(first[0].finished_episodes.is_empty());
+        assert_eq!(first[0].saved_snapshots.len(), 2);
+        let mut resumed = work_worker(&spec, &[item], &store);
+        let (continued, _) = until_item_episodes(&mut resumed, 7, 1);
+        assert_eq!(resumed.counters.episodes_resumed.load(Ordering::Relaxed), 1);
+        assert_eq!(
+            (continued[0].episode_return, continued[0].episode_len),
+            (uninterrupted[0].episode_return, uninterrupted[0].episode_len)
+        );
     }
 }

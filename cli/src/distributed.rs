@@ -8,7 +8,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use anyhow::{bail, Context};
 use tracing::{info, warn};
 use volley_actor::{ActorCounters, ActorMetrics, RolloutWorker};
-use volley_core::ids::{ActorId, RunId};
+use volley_core::ids::{ActorId, PolicyVersion, RunId};
 use volley_env::{EnvConfig, RemoteEnvConfig};
 use volley_learner::metrics::{ActorLag, WorkMetrics};
 use volley_learner::scheduler::{Planned, Scheduler, WorkPlanner};
@@ -39,9 +39,9 @@ pub struct LearnerSummary {
     /// Updates applied (including those before a resume).
     pub updates: u64,
     /// Final policy version.
-    pub policy_version: u64,
+    pub policy_version: PolicyVersion,
     /// Version this process started from.
-    pub resumed_from_version: Option<u64>,
+    pub resumed_from_version: Option<PolicyVersion>,
     /// Segments used, dropped stale, skipped as duplicates and rejected.
     pub segments_used: u64,
     /// Stale segments dropped.
@@ -85,7 +85,7 @@ pub fn learner(config: LearnerConfig, interrupted: Arc<AtomicBool>) -> anyhow::R
     let (mut learner, resume_env_steps, resumed_from) = match checkpoint {
         Some(checkpoint) => {
             let (version, env_steps) = (checkpoint.version, checkpoint.env_steps);
-            info!(version, updates = checkpoint.updates, path = %config.checkpoint_path.display(), "resuming from checkpoint");
+            info!(version = version.0, updates = checkpoint.updates, path = %config.checkpoint_path.display(), "resuming from checkpoint");
             let learner = Learner::from_checkpoint(spec.clone(), checkpoint, &config.checkpoint_path)
                 .context("resuming the learner")?;
             (learner, env_steps, Some(version))
@@ -216,7 +216,7 @@ pub fn learner(config: LearnerConfig, interrupted: Arc<AtomicBool>) -> anyhow::R
         final_mean_return: mean_100,
         solved: config.target_return.is_some_and(|t| report.recent_returns.len() >= 100 && mean_100 >= t),
         updates: learner.updates(),
-        policy_version: learner.version().0,
+        policy_version: learner.version(),
         resumed_from_version: resumed_from,
         segments_used: report.segments_used,
         segments_stale: report.segments_stale,
@@ -275,7 +275,7 @@ impl LearnerControl for LearnerOps {
     }
 
     fn on_segment(&mut self, segment: &volley_core::wire::TrajectorySegment) {
-        self.actor_lag.observe(&segment.actor, self.version.saturating_sub(segment.policy_version.0));
+        self.actor_lag.observe(segment.actor.as_str(), self.version.saturating_sub(segment.policy_version.0));
     }
 
     fn on_tick(&mut self, learner: &Learner, report: &LearnerReport) {
@@ -292,7 +292,7 @@ impl LearnerControl for LearnerOps {
             let loop_secs = report.elapsed.as_secs_f64().max(1e-9);
             info!(
                 env_steps = report.env_steps,
-                version = report.policy_version,
+                version = report.policy_version.0,
                 updates = report.updates,
                 mean_return_100 = report.mean_return(100),
                 lag_max = self.last_lag_max,

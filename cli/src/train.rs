@@ -13,7 +13,7 @@ use anyhow::Context;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use tracing::{info, warn};
 use volley_actor::{ActorCounters, RolloutWorker};
-use volley_core::ids::ActorId;
+use volley_core::ids::{ActorId, PolicyVersion};
 use volley_learner::scheduler::{Planned, Scheduler, WorkPlanner};
 use volley_learner::{run_learner, Learner, LearnerReport, RunLimits, UpdateStats};
 use volley_transport::local::{trajectory_channel, weights_channel};
@@ -49,7 +49,7 @@ pub struct TrainSummary {
     /// Updates applied.
     pub updates: u64,
     /// Final policy version.
-    pub policy_version: u64,
+    pub policy_version: PolicyVersion,
     /// Episodes finished.
     pub episodes: u64,
     /// Env steps and seconds when the last-20 mean first reached the threshold.
@@ -84,7 +84,7 @@ pub struct TrainSummary {
 #[derive(Debug, serde::Serialize)]
 struct MetricsRow {
     update: u64,
-    policy_version: u64,
+    policy_version: PolicyVersion,
     env_steps: u64,
     wall_secs: f64,
     episodes: u64,
@@ -334,7 +334,7 @@ impl Progress {
             "return {:.1} (last 100 {:.1}) v{} lag {}",
             report.mean_return(20),
             report.mean_return(100),
-            report.policy_version,
+            report.policy_version.0,
             stats.lag_max
         );
         if let Some(bar) = &self.bar {

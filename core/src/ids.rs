@@ -30,12 +30,43 @@ impl fmt::Display for PolicyVersion {
 }
 
 /// An identifier that failed validation.
+///
+/// The offending value is kept cut to [`IdError::MAX_SHOWN_CHARS`] characters, with its full
+/// length: ids arrive from the network, and a 200 KB actor id must not become a 200 KB log line.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("invalid {kind} {value:?}: expected {rule}")]
+#[error("invalid {kind} {value:?} ({len_bytes} bytes): expected {rule}")]
 pub struct IdError {
     kind: &'static str,
     value: String,
+    len_bytes: usize,
     rule: &'static str,
+}
+
+impl IdError {
+    /// The most characters of an invalid value an error keeps.
+    pub const MAX_SHOWN_CHARS: usize = 64;
+
+    /// Every `kind` an [`IdError`] names; its message starts with `invalid <kind> `.
+    pub const KINDS: &'static [&'static str] = &["run id", "actor id"];
+
+    fn new(kind: &'static str, value: &str, rule: &'static str) -> Self {
+        let shown = match value.char_indices().nth(Self::MAX_SHOWN_CHARS) {
+            Some((end, _)) => &value[..end],
+            None => value,
+        };
+        IdError { kind, value: shown.to_owned(), len_bytes: value.len(), rule }
+    }
+
+    /// Which kind of id failed (one of [`IdError::KINDS`]).
+    pub fn kind(&self) -> &'static str {
+        self.kind
+    }
+
+    /// Whether `message` is the text of an [`IdError`]: how a codec recognises an id that
+    /// failed its `Deserialize` (serde formats carry custom errors as text only).
+    pub fn is_message(message: &str) -> bool {
+        Self::KINDS.iter().any(|kind| message.strip_prefix("invalid ").is_some_and(|rest| rest.starts_with(kind)))
+    }
 }
 
 /// A run name: `[a-z0-9-]{1,16}`, so every subject, stream and bucket name built from it is valid.
@@ -53,7 +84,7 @@ impl RunId {
         if valid {
             Ok(RunId(name))
         } else {
-            Err(IdError { kind: "run id", value: name, rule: "1-16 characters of [a-z0-9-]" })
+            Err(IdError::new("run id", &name, "1-16 characters of [a-z0-9-]"))
         }
     }
 
@@ -73,6 +104,12 @@ impl TryFrom<String> for RunId {
 impl From<RunId> for String {
     fn from(id: RunId) -> String {
         id.0
+    }
+}
+
+impl PartialEq<&str> for RunId {
+    fn eq(&self, other: &&str) -> bool {
+        self.0 == *other
     }
 }
 
@@ -97,7 +134,7 @@ impl ActorId {
         if valid {
             Ok(ActorId(name))
         } else {
-            Err(IdError { kind: "actor id", value: name, rule: "1-64 characters of [A-Za-z0-9_-]" })
+            Err(IdError::new("actor id", &name, "1-64 characters of [A-Za-z0-9_-]"))
         }
     }
 
@@ -117,6 +154,12 @@ impl TryFrom<String> for ActorId {
 impl From<ActorId> for String {
     fn from(id: ActorId) -> String {
         id.0
+    }
+}
+
+impl PartialEq<&str> for ActorId {
+    fn eq(&self, other: &&str) -> bool {
+        self.0 == *other
     }
 }
 
@@ -145,6 +188,17 @@ mod tests {
         assert!(ActorId::new("volley-actor-7f9c6d-x2kq").is_ok());
         assert!(ActorId::new("a b").is_err());
         assert!(ActorId::new("a.b").is_err());
+    }
+
+    #[test]
+    fn errors_cut_long_values_and_are_recognisable_as_text() {
+        let err = ActorId::new("x".repeat(200_000)).expect_err("too long");
+        let message = err.to_string();
+        assert!(message.len() < 200, "{message}");
+        assert!(message.contains("200000 bytes"), "{message}");
+        assert!(IdError::is_message(&message));
+        assert!(IdError::is_message(&RunId::new("A").expect_err("uppercase").to_string()));
+        assert!(!IdError::is_message("invalid value: integer `7`"));
     }
 
     #[test]

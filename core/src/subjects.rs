@@ -95,7 +95,7 @@ pub fn weights_delta_object(version: u64) -> String {
 /// `incarnation` is fixed per sink (a new one per actor process), so an actor that restarts
 /// under the same name and counts `segment_idx` from 0 again is not mistaken for a retry.
 /// The id stays unambiguous because the last three tokens are numbers or hex.
-pub fn trajectory_msg_id(actor: &str, incarnation: &str, env_idx: u32, segment_idx: u64) -> String {
+pub fn trajectory_msg_id(actor: &ActorId, incarnation: &str, env_idx: u32, segment_idx: u64) -> String {
     format!("{actor}-{incarnation}-{env_idx}-{segment_idx}")
 }
 
@@ -306,11 +306,12 @@ mod tests {
 
     #[test]
     fn message_ids_differ_per_segment_and_per_incarnation() {
-        let id = trajectory_msg_id("a-1", "0f", 2, 3);
+        let actor = |name: &str| ActorId::new(name).expect("valid");
+        let id = trajectory_msg_id(&actor("a-1"), "0f", 2, 3);
         assert_eq!(id, "a-1-0f-2-3");
-        assert_ne!(id, trajectory_msg_id("a-1", "0f", 2, 4));
-        assert_ne!(id, trajectory_msg_id("a-1", "10", 2, 3));
-        assert_ne!(trajectory_msg_id("a", "1", 2, 3), trajectory_msg_id("a-1", "2", 3, 3));
+        assert_ne!(id, trajectory_msg_id(&actor("a-1"), "0f", 2, 4));
+        assert_ne!(id, trajectory_msg_id(&actor("a-1"), "10", 2, 3));
+        assert_ne!(trajectory_msg_id(&actor("a"), "1", 2, 3), trajectory_msg_id(&actor("a-1"), "2", 3, 3));
     }
 
     #[test]

@@ -12,6 +12,7 @@
 use rand_pcg::Pcg64Mcg;
 use serde::{Deserialize, Serialize};
 
+use crate::wire::DecodeError;
 use volley_env::EnvConfig;
 
 /// How the scheduler splits the rollout budget between tasks.
@@ -146,37 +147,15 @@ pub struct WorkItem {
     pub episodes: u32,
 }
 
-/// A work item as the work queue carries it: the item's fields plus `checksum`, the XXH3-64
-/// (hex) of the item's own JSON encoding, so a corrupted item is refused (docs/SECURITY.md).
-#[derive(Serialize, Deserialize)]
-struct SealedWorkItem {
-    #[serde(flatten)]
-    item: WorkItem,
-    checksum: String,
-}
-
 impl WorkItem {
-    fn checksum(&self) -> String {
-        let json = serde_json::to_vec(self).expect("a work item always serializes");
-        format!("{:016x}", crate::wire::body_checksum(&json))
-    }
-
-    /// JSON, the work queue's message body (readable with `nats stream view`), with the
-    /// item's checksum.
+    /// The work queue's message body: [`crate::wire::encode_work_item`].
     pub fn to_json(&self) -> Vec<u8> {
-        let sealed = SealedWorkItem { item: self.clone(), checksum: self.checksum() };
-        serde_json::to_vec(&sealed).expect("a work item always serializes")
+        crate::wire::encode_work_item(self)
     }
 
-    /// Parse a work-queue message body and verify its checksum.
-    pub fn from_json(bytes: &[u8]) -> Result<Self, String> {
-        let sealed: SealedWorkItem =
-            serde_json::from_slice(bytes).map_err(|err| format!("undecodable work item: {err}"))?;
-        let expected = sealed.item.checksum();
-        if sealed.checksum != expected {
-            return Err(format!("corrupt work item: checksum {} does not match {expected}", sealed.checksum));
-        }
-        Ok(sealed.item)
+    /// Parse a work-queue message body: [`crate::wire::decode_work_item`].
+    pub fn from_json(bytes: &[u8]) -> Result<Self, DecodeError> {
+        crate::wire::decode_work_item(bytes)
     }
 }
 
@@ -202,49 +181,24 @@ pub struct EpisodeSnapshot {
     /// Steps so far.
     pub episode_len: u32,
     /// Behaviour policy version when saved.
-    pub policy_version: u64,
+    pub policy_version: crate::ids::PolicyVersion,
     /// The episode's action-sampling generator.
     pub rng: Pcg64Mcg,
     /// Environment-defined progress ([`volley_env::Env::progress`]).
     pub progress: f32,
 }
 
-/// Leading bytes of an encoded [`EpisodeSnapshot`].
-const EPISODE_SNAPSHOT_MAGIC: [u8; 4] = *b"VLYE";
-/// Largest encoded episode snapshot accepted (16 MiB).
-pub const MAX_EPISODE_SNAPSHOT_BYTES: usize = 16 << 20;
+pub use crate::wire::MAX_EPISODE_SNAPSHOT_BYTES;
 
 impl EpisodeSnapshot {
-    /// `b"VLYE"`, the XXH3-64 of the body (8 bytes, little-endian), then the bincode body.
+    /// Encode for a snapshot store: [`crate::wire::encode_episode_snapshot`].
     pub fn encode(&self) -> Vec<u8> {
-        let body = bincode::serde::encode_to_vec(self, bincode::config::standard()).expect("plain data always encodes");
-        let mut bytes = EPISODE_SNAPSHOT_MAGIC.to_vec();
-        bytes.extend_from_slice(&crate::wire::body_checksum(&body).to_le_bytes());
-        bytes.extend(body);
-        bytes
+        crate::wire::encode_episode_snapshot(self)
     }
 
-    /// Decode untrusted bytes; every failure is an error, never a panic.
-    pub fn decode(bytes: &[u8]) -> Result<Self, String> {
-        if bytes.len() > MAX_EPISODE_SNAPSHOT_BYTES {
-            return Err(format!("episode snapshot of {} bytes exceeds the limit", bytes.len()));
-        }
-        let sealed = bytes.strip_prefix(&EPISODE_SNAPSHOT_MAGIC).ok_or("not an episode snapshot (magic)")?;
-        let (checksum, body) = sealed.split_first_chunk::<8>().ok_or("episode snapshot truncated")?;
-        let (expected, got) = (u64::from_le_bytes(*checksum), crate::wire::body_checksum(body));
-        if expected != got {
-            return Err(format!("corrupt episode snapshot: checksum {expected:016x}, body hashes to {got:016x}"));
-        }
-        let config = bincode::config::standard().with_limit::<MAX_EPISODE_SNAPSHOT_BYTES>();
-        let (snapshot, used): (Self, usize) =
-            bincode::serde::decode_from_slice(body, config).map_err(|err| format!("episode snapshot: {err}"))?;
-        if used != body.len() {
-            return Err(format!("{} trailing bytes after an episode snapshot", body.len() - used));
-        }
-        if !snapshot.episode_return.is_finite() || snapshot.hidden.iter().any(|h| !h.is_finite()) {
-            return Err("episode snapshot holds non-finite values".into());
-        }
-        Ok(snapshot)
+    /// Decode untrusted bytes: [`crate::wire::decode_episode_snapshot`].
+    pub fn decode(bytes: &[u8]) -> Result<Self, DecodeError> {
+        crate::wire::decode_episode_snapshot(bytes)
     }
 
     /// The store key: `w<item>-e<episode>-s<steps>`, unique per item and position.
@@ -302,23 +256,27 @@ mod tests {
             hidden: vec![0.5, -0.25],
             episode_return: 3.5,
             episode_len: 17,
-            policy_version: 9,
+            policy_version: crate::ids::PolicyVersion(9),
             rng,
             progress: 1.5,
         };
         let bytes = snapshot.encode();
         assert_eq!(EpisodeSnapshot::decode(&bytes).unwrap(), snapshot);
         assert_eq!(snapshot.key(), "w12-e1-s17");
+        let nan = EpisodeSnapshot { hidden: vec![0.0, f32::NAN], ..snapshot.clone() };
+        assert_eq!(EpisodeSnapshot::decode(&nan.encode()).unwrap_err().reason(), "non_finite");
         assert!(EpisodeSnapshot::decode(&bytes[..bytes.len() - 1]).is_err());
-        assert!(EpisodeSnapshot::decode(b"VLYS....").unwrap_err().contains("magic"));
+        assert_eq!(EpisodeSnapshot::decode(b"VLYS....").unwrap_err().reason(), "bad_magic");
+        assert_eq!(EpisodeSnapshot::decode(b"VLY").unwrap_err().reason(), "truncated");
+        assert_eq!(EpisodeSnapshot::decode(&[0; (16 << 20) + 1]).unwrap_err().reason(), "too_large");
         let mut trailing = bytes.clone();
         trailing.push(0);
-        assert!(EpisodeSnapshot::decode(&trailing).unwrap_err().contains("corrupt"));
+        assert_eq!(EpisodeSnapshot::decode(&trailing).unwrap_err().reason(), "corrupt");
         // Issue 12: every bit flip after the magic is caught by the checksum.
         for bit in 32..bytes.len() * 8 {
             let mut flipped = bytes.clone();
             flipped[bit / 8] ^= 1 << (bit % 8);
-            assert!(EpisodeSnapshot::decode(&flipped).unwrap_err().contains("corrupt"), "bit {bit}");
+            assert_eq!(EpisodeSnapshot::decode(&flipped).unwrap_err().reason(), "corrupt", "bit {bit}");
         }
         // The restored generator continues the same sequence.
         let mut a = EpisodeSnapshot::decode(&bytes).unwrap().rng;
@@ -331,13 +289,14 @@ mod tests {
         let item = WorkItem { id: 4, task_id: 1, start: Start::Resume { snapshot: "w1-e0-s8".into() }, episodes: 2 };
         let json = item.to_json();
         assert_eq!(WorkItem::from_json(&json).unwrap(), item);
-        assert!(String::from_utf8(json).unwrap().contains("\"kind\":\"resume\""));
-        assert!(WorkItem::from_json(b"{\"id\":1}").is_err());
+        assert!(String::from_utf8(json.clone()).unwrap().contains("\"kind\":\"resume\""));
+        assert_eq!(WorkItem::from_json(b"{\"id\":1}").unwrap_err().reason(), "malformed");
+        assert_eq!(WorkItem::from_json(&json[..json.len() / 2]).unwrap_err().reason(), "truncated");
         // Issue 12: a flipped field value that still parses is refused by the checksum.
         let json = String::from_utf8(item.to_json()).unwrap();
         let forged = json.replace("\"episodes\":2", "\"episodes\":3");
         assert_ne!(forged, json);
-        assert!(WorkItem::from_json(forged.as_bytes()).unwrap_err().contains("corrupt"));
+        assert_eq!(WorkItem::from_json(forged.as_bytes()).unwrap_err().reason(), "corrupt");
         let config: WorkConfig = serde_json::from_str("{}").unwrap();
         assert_eq!(config, WorkConfig::default());
         assert!(WorkConfig { restart_share: 1.5, ..WorkConfig::default() }.validate().is_err());

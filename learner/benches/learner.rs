@@ -4,13 +4,14 @@
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use rand::{Rng, SeedableRng};
 use rand_pcg::Pcg64Mcg;
-use volley_core::ids::{PolicyVersion, RunId};
+use volley_core::ids::RunId;
 use volley_core::spec::{HyperParams, LossKind, RunSpec};
 use volley_core::wire::TrajectorySegment;
 use volley_env::EnvConfig;
 use volley_learner::batch::SegmentBatch;
 use volley_learner::Learner;
 use volley_policy::{Activation, CoreKind, PolicySpec};
+use volley_testkit::fixtures::SegmentBuilder;
 
 fn spec(loss: LossKind, core: CoreKind, t_len: usize, b_len: usize) -> RunSpec {
     RunSpec {
@@ -24,29 +25,13 @@ fn spec(loss: LossKind, core: CoreKind, t_len: usize, b_len: usize) -> RunSpec {
 }
 
 fn random_segment(rng: &mut Pcg64Mcg, t_len: usize, hidden: usize) -> TrajectorySegment {
-    TrajectorySegment {
-        run: "bench".into(),
-        actor: "a".into(),
-        incarnation: 0,
-        env_idx: 0,
-        episode_id: 0,
-        segment_idx: 0,
-        task_id: 0,
-        start_snapshot: None,
-        policy_version: PolicyVersion(0),
-        layout_hash: 0,
-        obs_dim: 4,
-        observations: (0..(t_len + 1) * 4).map(|_| rng.random_range(-1.0..1.0)).collect(),
-        actions: (0..t_len).map(|_| rng.random_range(0..2)).collect(),
-        rewards: vec![1.0; t_len],
-        terminated: (0..t_len).map(|_| (rng.random::<f32>() < 0.05) as u8).collect(),
-        truncated: vec![0; t_len],
-        behaviour_log_probs: vec![-std::f32::consts::LN_2; t_len],
-        truncation_values: vec![0.0; t_len],
-        initial_hidden: vec![0.0; hidden],
-        finished_episodes: vec![],
-        saved_snapshots: Vec::new(),
-    }
+    SegmentBuilder::cartpole(t_len)
+        .run("bench")
+        .observations_from(|_| rng.random_range(-1.0..1.0))
+        .actions((0..t_len).map(|_| rng.random_range(0..2)).collect())
+        .terminated((0..t_len).map(|_| (rng.random::<f32>() < 0.05) as u8).collect())
+        .initial_hidden(vec![0.0; hidden])
+        .build()
 }
 
 fn learner_update(c: &mut Criterion) {

@@ -134,31 +134,15 @@ pub fn gather<T: Copy>(src: &[T], rows: usize, b_len: usize, width: usize, cols:
 #[cfg(test)]
 mod tests {
     use super::*;
+    use volley_testkit::fixtures::SegmentBuilder;
 
     fn segment(t_len: usize, obs_dim: usize, base: f32) -> TrajectorySegment {
-        TrajectorySegment {
-            run: "r".into(),
-            actor: "a".into(),
-            incarnation: 0,
-            env_idx: 0,
-            episode_id: 0,
-            segment_idx: 0,
-            task_id: 0,
-            start_snapshot: None,
-            policy_version: PolicyVersion(base as u64),
-            layout_hash: 0,
-            obs_dim: obs_dim as u32,
-            observations: (0..(t_len + 1) * obs_dim).map(|i| base + i as f32).collect(),
-            actions: (0..t_len as u32).collect(),
-            rewards: vec![1.0; t_len],
-            terminated: vec![0; t_len],
-            truncated: vec![0; t_len],
-            behaviour_log_probs: vec![-0.5; t_len],
-            truncation_values: vec![0.0; t_len],
-            initial_hidden: vec![],
-            finished_episodes: vec![],
-            saved_snapshots: Vec::new(),
-        }
+        SegmentBuilder::new(t_len, obs_dim)
+            .version(base as u64)
+            .observations_from(|i| base + i as f32)
+            .actions((0..t_len as u32).collect())
+            .log_prob(-0.5)
+            .build()
     }
 
     #[test]

@@ -10,6 +10,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use rand_pcg::Pcg64Mcg;
+use volley_core::ids::PolicyVersion;
 
 const MAGIC: [u8; 4] = *b"VLCK";
 const FORMAT_VERSION: u16 = 1;
@@ -56,7 +57,7 @@ pub struct Checkpoint {
     /// Layout hash of `params`.
     pub layout_hash: u64,
     /// Policy version of `params`.
-    pub version: u64,
+    pub version: PolicyVersion,
     /// Updates applied.
     pub updates: u64,
     /// The flat parameters.
@@ -139,46 +140,24 @@ mod tests {
     use super::*;
     use crate::batch::SegmentBatch;
     use crate::learner::Learner;
-    use volley_core::ids::{PolicyVersion, RunId};
+    use volley_core::ids::PolicyVersion;
     use volley_core::spec::{HyperParams, LossKind, RunSpec};
-    use volley_core::wire::TrajectorySegment;
-    use volley_env::EnvConfig;
-    use volley_policy::{Activation, CoreKind, PolicySpec};
+    use volley_testkit::fixtures::{SegmentBuilder, SpecBuilder};
 
     fn spec(torso: Vec<usize>) -> RunSpec {
-        RunSpec {
-            run: RunId::new("ckpt").expect("valid"),
-            env: EnvConfig::Cartpole,
-            policy: PolicySpec { obs_dim: 4, n_actions: 2, torso, activation: Activation::Tanh, core: CoreKind::Mlp },
-            segment_len: 4,
-            hyper: HyperParams { loss: LossKind::Ppo, batch_segments: 2, ppo_minibatches: 2, ..HyperParams::default() },
-            seed: 1,
-        }
+        let hyper =
+            HyperParams { loss: LossKind::Ppo, batch_segments: 2, ppo_minibatches: 2, ..HyperParams::default() };
+        SpecBuilder::cartpole(4).run("ckpt").torso(torso).hyper(hyper).seed(1).build()
     }
 
     fn batch() -> SegmentBatch {
-        let segment = |shift: f32| TrajectorySegment {
-            run: "ckpt".into(),
-            actor: "a".into(),
-            incarnation: 0,
-            env_idx: 0,
-            episode_id: 0,
-            segment_idx: 0,
-            task_id: 0,
-            start_snapshot: None,
-            policy_version: PolicyVersion(0),
-            layout_hash: 0,
-            obs_dim: 4,
-            observations: (0..20).map(|i| (i as f32 * 0.1 + shift).sin()).collect(),
-            actions: vec![0, 1, 1, 0],
-            rewards: vec![1.0; 4],
-            terminated: vec![0, 0, 0, 1],
-            truncated: vec![0; 4],
-            behaviour_log_probs: vec![-0.7; 4],
-            truncation_values: vec![0.0; 4],
-            initial_hidden: vec![],
-            finished_episodes: vec![],
-            saved_snapshots: Vec::new(),
+        let segment = |shift: f32| {
+            SegmentBuilder::cartpole(4)
+                .observations_from(|i| (i as f32 * 0.1 + shift).sin())
+                .actions(vec![0, 1, 1, 0])
+                .terminal_at(3)
+                .log_prob(-0.7)
+                .build()
         };
         let (a, b) = (segment(0.0), segment(1.0));
         let mut batch = SegmentBatch::default();

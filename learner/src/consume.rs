@@ -100,7 +100,7 @@ pub struct LearnerReport {
     /// Updates applied.
     pub updates: u64,
     /// Current policy version.
-    pub policy_version: u64,
+    pub policy_version: PolicyVersion,
     /// Environment steps in accepted or stale-dropped segments.
     pub env_steps: u64,
     /// Samples used in gradient updates.
@@ -225,7 +225,7 @@ impl LearnerReport {
     /// from a saved state (save-load exploration) did not face the task from its start.
     /// The segment has passed admission, so every return is finite and bounded.
     fn record_episodes(&mut self, segment: &TrajectorySegment, target: Option<f32>) {
-        let actor = volley_core::wire::id_hash(segment.actor.as_bytes());
+        let actor = volley_core::wire::id_hash(segment.actor.as_str().as_bytes());
         for episode in segment.finished_episodes.iter().filter(|e| e.start.is_none()) {
             self.episodes += 1;
             // Admission rejects non-finite returns; this keeps the means safe regardless.
@@ -280,7 +280,7 @@ impl SeenSegments {
 
     /// Record a segment; false if it was seen before.
     pub fn insert(&mut self, segment: &TrajectorySegment) -> bool {
-        let actor = volley_core::wire::id_hash(segment.actor.as_bytes());
+        let actor = volley_core::wire::id_hash(segment.actor.as_str().as_bytes());
         let key = (actor, segment.incarnation, segment.env_idx, segment.segment_idx);
         if self.keys.contains(&key) {
             return false;
@@ -346,7 +346,7 @@ pub fn run_learner(
     }
     let publish_every = limits.publish_every.max(1);
     let mut report = LearnerReport {
-        policy_version: learner.version().0,
+        policy_version: learner.version(),
         env_steps: limits.resume_env_steps,
         lag_histogram: vec![0; LAG_BUCKETS],
         max_returns_per_actor: ((spec.hyper.trust.max_actor_return_share as f64 * RETURN_WINDOW as f64).ceil()
@@ -477,7 +477,7 @@ pub fn run_learner(
         report.ack_time += ack_started.elapsed();
         report.compute_time += compute_started.elapsed();
         report.updates = learner.updates();
-        report.policy_version = learner.version().0;
+        report.policy_version = learner.version();
         report.samples_trained += stats.samples as u64;
         report.segments_used += used as u64;
         report.pool_segments = selector.len() as u64;

@@ -253,7 +253,7 @@ impl Learner {
         Checkpoint {
             spec_json: serde_json::to_string(&self.spec).expect("a run spec always serializes"),
             layout_hash: self.layout.hash(),
-            version: self.version.0,
+            version: self.version,
             updates: self.updates,
             params,
             adam_m: adam.m,
@@ -288,7 +288,7 @@ impl Learner {
             params: checkpoint.params,
             adam: AdamState { m: checkpoint.adam_m, v: checkpoint.adam_v, t: checkpoint.adam_t },
         };
-        Self::build(spec, state, PolicyVersion(checkpoint.version), checkpoint.updates, checkpoint.rng)
+        Self::build(spec, state, checkpoint.version, checkpoint.updates, checkpoint.rng)
     }
 
     /// Make sure the next published version is above `published` (a version some earlier

@@ -443,6 +443,7 @@ mod tests {
     use volley_core::wire::EpisodeSummary;
     use volley_core::work::SnapshotInfo;
     use volley_env::MemoryConfig;
+    use volley_testkit::fixtures::SegmentBuilder;
     use volley_transport::work::local_work_queue;
 
     fn memory_tasks() -> Vec<EnvConfig> {
@@ -454,29 +455,7 @@ mod tests {
     }
 
     fn segment(episodes: Vec<EpisodeSummary>, snapshots: Vec<SnapshotInfo>) -> TrajectorySegment {
-        TrajectorySegment {
-            run: "r".into(),
-            actor: "a".into(),
-            incarnation: 0,
-            env_idx: 0,
-            episode_id: 0,
-            segment_idx: 0,
-            task_id: 0,
-            start_snapshot: None,
-            policy_version: volley_core::ids::PolicyVersion(0),
-            layout_hash: 0,
-            obs_dim: 0,
-            observations: vec![],
-            actions: vec![],
-            rewards: vec![],
-            terminated: vec![],
-            truncated: vec![],
-            behaviour_log_probs: vec![],
-            truncation_values: vec![],
-            initial_hidden: vec![],
-            finished_episodes: episodes,
-            saved_snapshots: snapshots,
-        }
+        SegmentBuilder::new(0, 0).finished_episodes(episodes).saved_snapshots(snapshots).build()
     }
 
     fn outcome(task_id: u32, success: bool, start: Option<&str>) -> EpisodeSummary {

@@ -537,6 +537,7 @@ mod tests {
     use volley_core::wire::EpisodeSummary;
     use volley_env::EnvConfig;
     use volley_policy::{Activation, PolicySpec};
+    use volley_testkit::fixtures::SegmentBuilder;
 
     const T: usize = 4;
 
@@ -570,29 +571,14 @@ mod tests {
     }
 
     fn segment(idx: u64, version: u64, reward: f32) -> TrajectorySegment {
-        TrajectorySegment {
-            run: "select".into(),
-            actor: "a".into(),
-            incarnation: 0,
-            env_idx: 0,
-            episode_id: idx,
-            segment_idx: idx,
-            task_id: 0,
-            start_snapshot: None,
-            policy_version: PolicyVersion(version),
-            layout_hash: 0,
-            obs_dim: 4,
-            observations: (0..(T + 1) * 4).map(|i| (i as f32 * 0.1 + idx as f32).sin() * 0.1).collect(),
-            actions: vec![0; T],
-            rewards: vec![reward; T],
-            terminated: vec![0; T],
-            truncated: vec![0; T],
-            behaviour_log_probs: vec![-0.7; T],
-            truncation_values: vec![0.0; T],
-            initial_hidden: vec![],
-            finished_episodes: vec![],
-            saved_snapshots: Vec::new(),
-        }
+        SegmentBuilder::cartpole(T)
+            .episode_id(idx)
+            .segment_idx(idx)
+            .version(version)
+            .observations_from(|i| (i as f32 * 0.1 + idx as f32).sin() * 0.1)
+            .reward(reward)
+            .log_prob(-0.7)
+            .build()
     }
 
     fn with_return(mut segment: TrajectorySegment, task_id: u32, start: Option<&str>, ret: f32) -> TrajectorySegment {

@@ -6,13 +6,12 @@
 use std::sync::atomic::AtomicBool;
 use std::thread;
 
-use volley_core::ids::{PolicyVersion, RunId};
 use volley_core::spec::{HyperParams, LossKind, RunSpec};
-use volley_core::wire::{EpisodeSummary, TrajectorySegment};
-use volley_env::EnvConfig;
+use volley_core::wire::TrajectorySegment;
+use volley_core::work::SnapshotInfo;
 use volley_learner::consume::SeenSegments;
 use volley_learner::{run_learner, Learner, LearnerReport, RunLimits, StopReason, UpdateStats};
-use volley_policy::{Activation, CoreKind, PolicySpec};
+use volley_testkit::fixtures::{SegmentBuilder, SpecBuilder};
 use volley_transport::local::{trajectory_channel, weights_channel};
 use volley_transport::TrajectorySink;
 
@@ -22,51 +21,22 @@ const MAX_RSS_GROWTH_BYTES: u64 = 64 << 20;
 const HOSTILE_ID_BYTES: usize = 1 << 20;
 
 fn spec() -> RunSpec {
-    RunSpec {
-        run: RunId::new("memory").expect("valid run id"),
-        env: EnvConfig::Cartpole,
-        policy: PolicySpec {
-            obs_dim: 4,
-            n_actions: 2,
-            torso: vec![16],
-            activation: Activation::Tanh,
-            core: CoreKind::Mlp,
-        },
-        segment_len: T,
-        hyper: HyperParams {
-            loss: LossKind::Vtrace,
-            batch_segments: 4,
-            max_policy_lag: 1000,
-            ..HyperParams::default()
-        },
-        seed: 5,
-    }
+    let hyper =
+        HyperParams { loss: LossKind::Vtrace, batch_segments: 4, max_policy_lag: 1000, ..HyperParams::default() };
+    SpecBuilder::cartpole(T).run("memory").torso(vec![16]).hyper(hyper).seed(5).build()
 }
 
-fn segment(run: &str, layout_hash: u64, actor: String, idx: u64) -> TrajectorySegment {
-    TrajectorySegment {
-        run: run.into(),
-        actor,
-        incarnation: idx,
-        env_idx: 0,
-        episode_id: idx,
-        segment_idx: idx,
-        task_id: 0,
-        start_snapshot: None,
-        policy_version: PolicyVersion(0),
-        layout_hash,
-        obs_dim: 4,
-        observations: (0..(T + 1) * 4).map(|i| (i as f32 * 0.37).sin() * 0.1).collect(),
-        actions: (0..T).map(|t| (t % 2) as u32).collect(),
-        rewards: vec![1.0; T],
-        terminated: (0..T).map(|t| (t == T - 1) as u8).collect(),
-        truncated: vec![0; T],
-        behaviour_log_probs: vec![-std::f32::consts::LN_2; T],
-        truncation_values: vec![0.0; T],
-        initial_hidden: vec![],
-        finished_episodes: vec![EpisodeSummary { episode_return: 8.0, episode_len: 8, ..EpisodeSummary::default() }],
-        saved_snapshots: Vec::new(),
-    }
+fn segment(spec: &RunSpec, actor: &str, idx: u64) -> TrajectorySegment {
+    SegmentBuilder::for_spec(spec)
+        .actor(actor)
+        .incarnation(idx)
+        .episode_id(idx)
+        .segment_idx(idx)
+        .observations_from(|i| (i as f32 * 0.37).sin() * 0.1)
+        .actions((0..T).map(|t| (t % 2) as u32).collect())
+        .terminal_at(T - 1)
+        .episode(8.0, 8)
+        .build()
 }
 
 /// Resident set size of this process, from /proc (None where there is no /proc).
@@ -81,10 +51,12 @@ fn rss_bytes() -> Option<u64> {
 fn hostile_ids_and_keys_do_not_grow_the_learner() {
     // The duplicate filter, the one table keyed by actor-chosen ids of every segment: its
     // accounted bytes stay within its stated bound whatever the ids, and whatever their number.
+    // (The longest actor id that decodes: `ActorId` bounds it; longer ones are `bad_id`.)
     let mut seen = SeenSegments::new(100_000);
-    let long_id = "x".repeat(4096);
+    let long_id = "x".repeat(64);
+    let run_spec = spec();
     for idx in 0..250_000u64 {
-        let mut s = segment("memory", 0, long_id.clone(), idx);
+        let mut s = segment(&run_spec, &long_id, idx);
         s.observations = Vec::new();
         assert!(seen.insert(&s));
     }
@@ -99,9 +71,10 @@ fn hostile_ids_and_keys_do_not_grow_the_learner() {
     drop(seen);
 
     // The learner loop, fed hostile segments one at a time (so the input never piles up):
-    // 1 MiB actor ids, start keys and episode start keys, between honest segments.
+    // 1 MiB saved-snapshot keys, start keys and episode start keys, between honest segments.
+    // (A 1 MiB actor id no longer decodes: `wire::DecodeError::BadId`, tested in core.)
     let mut learner = Learner::new(spec()).expect("valid spec");
-    let (run, layout_hash) = (learner.spec().run.to_string(), learner.layout().hash());
+    let spec = learner.spec().clone();
     let (mut sink, mut source) = trajectory_channel(2);
     let (mut publisher, _follower) = weights_channel();
     let Some(before) = rss_bytes() else {
@@ -111,13 +84,21 @@ fn hostile_ids_and_keys_do_not_grow_the_learner() {
     let producer = thread::spawn(move || {
         for idx in 0..600u64 {
             let huge = || "a".repeat(HOSTILE_ID_BYTES);
-            let mut hostile = segment(&run, layout_hash, "actor-h".into(), 10_000 + idx);
+            let mut hostile = segment(&spec, "actor-h", 10_000 + idx);
             match idx % 3 {
-                0 => hostile.actor = huge(),
+                0 => {
+                    hostile.saved_snapshots = vec![SnapshotInfo {
+                        key: huge(),
+                        task_id: 0,
+                        progress: 0.0,
+                        episode_return: 1.0,
+                        episode_len: 1,
+                    }]
+                }
                 1 => hostile.start_snapshot = Some(huge()),
                 _ => hostile.finished_episodes[0].start = Some(huge()),
             }
-            let honest = segment(&run, layout_hash, "honest".into(), idx);
+            let honest = segment(&spec, "honest", idx);
             if sink.publish(vec![hostile, honest]).is_err() {
                 return;
             }

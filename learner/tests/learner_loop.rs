@@ -13,7 +13,7 @@ use volley_core::spec::{GuardConfig, HyperParams, LossKind, PriorityConfig, RunS
 use volley_core::wire::{EpisodeSummary, TrajectorySegment};
 use volley_env::{EnvConfig, RemoteEnvConfig};
 use volley_learner::{run_learner, Learner, LearnerMetrics, LearnerReport, RunLimits, StopReason, UpdateStats};
-use volley_policy::{Activation, CoreKind, PolicySpec};
+use volley_testkit::fixtures::{SegmentBuilder, SpecBuilder};
 use volley_transport::envsvc::EnvServiceName;
 use volley_transport::local::{trajectory_channel, weights_channel, LocalTrajectorySource};
 use volley_transport::{Delivery, DeliveryToken, TrajectorySink, TrajectorySource, TransportError, WeightsFollower};
@@ -22,50 +22,20 @@ const T: usize = 8;
 const B: usize = 4;
 
 fn spec(loss: LossKind, max_policy_lag: u64) -> RunSpec {
-    RunSpec {
-        run: RunId::new("loop").expect("valid run id"),
-        env: EnvConfig::Cartpole,
-        policy: PolicySpec {
-            obs_dim: 4,
-            n_actions: 2,
-            torso: vec![16],
-            activation: Activation::Tanh,
-            core: CoreKind::Mlp,
-        },
-        segment_len: T,
-        hyper: HyperParams { loss, batch_segments: B, max_policy_lag, ppo_minibatches: 2, ..HyperParams::default() },
-        seed: 3,
-    }
+    let hyper = HyperParams { loss, batch_segments: B, max_policy_lag, ppo_minibatches: 2, ..HyperParams::default() };
+    SpecBuilder::cartpole(T).run("loop").torso(vec![16]).hyper(hyper).seed(3).build()
 }
 
 fn valid_segment(learner: &Learner, rng: &mut Pcg64Mcg, version: u64, idx: u64) -> TrajectorySegment {
-    TrajectorySegment {
-        run: learner.spec().run.to_string(),
-        actor: "actor-0".into(),
-        incarnation: 0,
-        env_idx: 0,
-        episode_id: idx,
-        segment_idx: idx,
-        task_id: 0,
-        start_snapshot: None,
-        policy_version: PolicyVersion(version),
-        layout_hash: learner.layout().hash(),
-        obs_dim: 4,
-        observations: (0..(T + 1) * 4).map(|_| rng.random_range(-0.1..0.1)).collect(),
-        actions: (0..T).map(|_| rng.random_range(0..2)).collect(),
-        rewards: vec![1.0; T],
-        terminated: (0..T).map(|t| (t == T - 1) as u8).collect(),
-        truncated: vec![0; T],
-        behaviour_log_probs: vec![-std::f32::consts::LN_2; T],
-        truncation_values: vec![0.0; T],
-        initial_hidden: vec![],
-        finished_episodes: vec![EpisodeSummary {
-            episode_return: T as f32,
-            episode_len: T as u32,
-            ..EpisodeSummary::default()
-        }],
-        saved_snapshots: Vec::new(),
-    }
+    SegmentBuilder::for_spec(learner.spec())
+        .episode_id(idx)
+        .segment_idx(idx)
+        .version(version)
+        .observations_from(|_| rng.random_range(-0.1..0.1))
+        .actions((0..T).map(|_| rng.random_range(0..2)).collect())
+        .terminal_at(T - 1)
+        .episode(T as f32, T as u32)
+        .build()
 }
 
 fn run(learner: &mut Learner, segments: Vec<TrajectorySegment>, max_updates: u64) -> (LearnerReport, u64) {
@@ -98,7 +68,7 @@ fn malformed_segments_are_counted_and_dropped_while_training_continues() {
         let mut bad = valid_segment(&learner, &mut rng, 0, 100 + idx);
         match idx % 4 {
             0 => bad.rewards[2] = f32::NAN,
-            1 => bad.run = "another-run".into(),
+            1 => bad.run = RunId::new("another-run").expect("valid run id"),
             2 => {
                 bad.observations.pop();
             }

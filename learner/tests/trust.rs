@@ -5,12 +5,11 @@
 
 use std::sync::atomic::AtomicBool;
 
-use volley_core::ids::{PolicyVersion, RunId};
+use volley_core::ids::PolicyVersion;
 use volley_core::spec::{HyperParams, LossKind, RunSpec};
 use volley_core::wire::{EpisodeSummary, TrajectorySegment};
-use volley_env::EnvConfig;
 use volley_learner::{run_learner, Learner, LearnerReport, RunLimits, StopReason, UpdateStats};
-use volley_policy::{Activation, CoreKind, PolicySpec};
+use volley_testkit::fixtures::{SegmentBuilder, SpecBuilder};
 use volley_transport::local::{trajectory_channel, weights_channel};
 use volley_transport::TrajectorySink;
 
@@ -18,48 +17,23 @@ const T: usize = 8;
 const B: usize = 4;
 
 fn spec() -> RunSpec {
-    RunSpec {
-        run: RunId::new("trust").expect("valid run id"),
-        env: EnvConfig::Cartpole,
-        policy: PolicySpec {
-            obs_dim: 4,
-            n_actions: 2,
-            torso: vec![16],
-            activation: Activation::Tanh,
-            core: CoreKind::Mlp,
-        },
-        segment_len: T,
-        hyper: HyperParams { loss: LossKind::Vtrace, batch_segments: B, max_policy_lag: 100, ..HyperParams::default() },
-        seed: 5,
-    }
+    let hyper =
+        HyperParams { loss: LossKind::Vtrace, batch_segments: B, max_policy_lag: 100, ..HyperParams::default() };
+    SpecBuilder::cartpole(T).run("trust").torso(vec![16]).hyper(hyper).seed(5).build()
 }
 
 /// A CartPole segment whose one episode ends at the last step with `episode_return` over
 /// `episode_len` steps (the steps before the segment are the actor's claim).
 fn segment(learner: &Learner, actor: &str, idx: u64, episode_return: f32, episode_len: u32) -> TrajectorySegment {
-    TrajectorySegment {
-        run: learner.spec().run.to_string(),
-        actor: actor.into(),
-        incarnation: 0,
-        env_idx: 0,
-        episode_id: idx,
-        segment_idx: idx,
-        task_id: 0,
-        start_snapshot: None,
-        policy_version: PolicyVersion(0),
-        layout_hash: learner.layout().hash(),
-        obs_dim: 4,
-        observations: (0..(T + 1) * 4).map(|i| (i as f32 * 0.37).sin() * 0.1).collect(),
-        actions: (0..T).map(|t| (t % 2) as u32).collect(),
-        rewards: vec![1.0; T],
-        terminated: (0..T).map(|t| (t == T - 1) as u8).collect(),
-        truncated: vec![0; T],
-        behaviour_log_probs: vec![-std::f32::consts::LN_2; T],
-        truncation_values: vec![0.0; T],
-        initial_hidden: vec![],
-        finished_episodes: vec![EpisodeSummary { episode_return, episode_len, ..EpisodeSummary::default() }],
-        saved_snapshots: Vec::new(),
-    }
+    SegmentBuilder::for_spec(learner.spec())
+        .actor(actor)
+        .episode_id(idx)
+        .segment_idx(idx)
+        .observations_from(|i| (i as f32 * 0.37).sin() * 0.1)
+        .actions((0..T).map(|t| (t % 2) as u32).collect())
+        .terminal_at(T - 1)
+        .episode(episode_return, episode_len)
+        .build()
 }
 
 fn run(learner: &mut Learner, segments: Vec<TrajectorySegment>, limits: RunLimits) -> (LearnerReport, Vec<f32>) {

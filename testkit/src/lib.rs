@@ -2,11 +2,13 @@
 //!
 //! [`TestNats`] runs a real `nats-server` with JetStream on a free loopback port and a
 //! temporary store directory, the way the async-nats test suite does: integration tests talk
-//! to the real broker, not to a mock.
+//! to the real broker, not to a mock. [`fixtures`] builds run specs and trajectory segments.
 //!
 //! Invariant: every server a [`TestNats`] starts is killed when the guard drops, and its store
 //! directory is removed.
-//! Start reading at [`TestNats::start`].
+//! Start reading at [`TestNats::start`] and [`fixtures::SegmentBuilder`].
+
+pub mod fixtures;
 
 use std::fs::File;
 use std::io::{BufRead, BufReader, Read};

@@ -28,12 +28,13 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use volley_core::ids::{ActorId, PolicyVersion, RunId};
+use volley_core::ids::{ActorId, RunId};
 use volley_core::spec::{HyperParams, RunSpec};
 use volley_core::subjects;
-use volley_core::wire::{self, EpisodeSummary, TrajectorySegment};
+use volley_core::wire::{self, TrajectorySegment};
 use volley_env::EnvConfig;
 use volley_policy::{Activation, PolicySpec};
+use volley_testkit::fixtures::SegmentBuilder;
 use volley_testkit::TestNats;
 use volley_transport::nats::{NatsBus, NatsConfig};
 use volley_transport::TrajectorySink;
@@ -59,31 +60,21 @@ fn segment(obs_dim: usize, env_idx: u32, segment_idx: u64) -> TrajectorySegment 
         z = z.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
         (z >> 8) as f32 / (1u32 << 24) as f32 - 0.5
     };
-    let mut terminated = vec![0u8; t];
-    terminated[t / 2] = 1;
-    TrajectorySegment {
-        run: RUN.into(),
-        actor: ACTOR.into(),
-        incarnation: 1,
-        env_idx,
-        episode_id: segment_idx / 4,
-        segment_idx,
-        task_id: 0,
-        start_snapshot: None,
-        policy_version: PolicyVersion(segment_idx / 8),
-        layout_hash: 0x0123_4567_89ab_cdef,
-        obs_dim: obs_dim as u32,
-        observations: (0..(t + 1) * obs_dim).map(|_| next()).collect(),
-        actions: (0..t).map(|i| (i % 2) as u32).collect(),
-        rewards: vec![1.0; t],
-        terminated,
-        truncated: vec![0; t],
-        behaviour_log_probs: (0..t).map(|_| -0.69 + 0.1 * next()).collect(),
-        truncation_values: vec![0.0; t],
-        initial_hidden: Vec::new(),
-        finished_episodes: vec![EpisodeSummary { episode_return: 57.0, episode_len: 57, ..EpisodeSummary::default() }],
-        saved_snapshots: Vec::new(),
-    }
+    SegmentBuilder::new(t, obs_dim)
+        .run(RUN)
+        .actor(ACTOR)
+        .incarnation(1)
+        .env_idx(env_idx)
+        .episode_id(segment_idx / 4)
+        .segment_idx(segment_idx)
+        .version(segment_idx / 8)
+        .layout_hash(0x0123_4567_89ab_cdef)
+        .observations_from(|_| next())
+        .actions((0..t).map(|i| (i % 2) as u32).collect())
+        .terminal_at(t / 2)
+        .log_probs((0..t).map(|_| -0.69 + 0.1 * next()).collect())
+        .episode(57.0, 57)
+        .build()
 }
 
 /// A fresh batch like `template` with new segment indices, hence new message ids: the server
@@ -170,7 +161,9 @@ fn bench_segments(c: &mut Criterion) {
                         let ids: Vec<String> = if with_msg_id {
                             batch
                                 .iter()
-                                .map(|s| subjects::trajectory_msg_id(ACTOR, RAW_INCARNATION, s.env_idx, s.segment_idx))
+                                .map(|s| {
+                                    subjects::trajectory_msg_id(&s.actor, RAW_INCARNATION, s.env_idx, s.segment_idx)
+                                })
                                 .collect()
                         } else {
                             Vec::new()

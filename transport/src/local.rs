@@ -214,31 +214,10 @@ impl WeightsFollower for LocalWeightsFollower {
 mod tests {
     use super::*;
     use std::thread;
+    use volley_testkit::fixtures::SegmentBuilder;
 
     fn segment(idx: u64) -> TrajectorySegment {
-        TrajectorySegment {
-            run: "r".into(),
-            actor: "a".into(),
-            incarnation: 0,
-            env_idx: 0,
-            episode_id: 0,
-            segment_idx: idx,
-            task_id: 0,
-            start_snapshot: None,
-            policy_version: PolicyVersion(0),
-            layout_hash: 0,
-            obs_dim: 1,
-            observations: vec![0.0; 2],
-            actions: vec![0],
-            rewards: vec![0.0],
-            terminated: vec![0],
-            truncated: vec![0],
-            behaviour_log_probs: vec![0.0],
-            truncation_values: vec![0.0],
-            initial_hidden: vec![],
-            finished_episodes: vec![],
-            saved_snapshots: Vec::new(),
-        }
+        SegmentBuilder::new(1, 1).run("r").segment_idx(idx).reward(0.0).log_prob(0.0).build()
     }
 
     #[test]

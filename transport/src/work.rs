@@ -156,7 +156,7 @@ impl SnapshotStore for LocalSnapshotStore {
             .get(key)
             .map(|(bytes, _)| {
                 EpisodeSnapshot::decode(bytes)
-                    .map_err(|message| TransportError::Failed { operation: "load snapshot", message })
+                    .map_err(|err| TransportError::Failed { operation: "load snapshot", message: err.to_string() })
             })
             .transpose()
     }
@@ -178,7 +178,7 @@ mod tests {
             hidden: vec![],
             episode_return: 0.0,
             episode_len: len,
-            policy_version: 0,
+            policy_version: volley_core::ids::PolicyVersion(0),
             rng: rand_pcg::Pcg64Mcg::seed_from_u64(1),
             progress: 0.0,
         }

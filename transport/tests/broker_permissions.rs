@@ -210,7 +210,7 @@ fn work_queue_and_snapshots_work_with_role_credentials() {
         hidden: vec![],
         episode_return: 1.0,
         episode_len: 5,
-        policy_version: 0,
+        policy_version: volley_core::ids::PolicyVersion(0),
         rng: rand_pcg::Pcg64Mcg::new(7),
         progress: 0.0,
     };

@@ -9,18 +9,20 @@
 //! changed must be rejected. The number of cases per target is `VOLLEY_FUZZ_CASES` (default
 //! 20,000, so the normal suite runs in about a second); CI can raise it for a longer bounded run.
 
+use std::cell::RefCell;
+use std::collections::BTreeSet;
 use std::time::Instant;
 
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
 use rand::{Rng, SeedableRng};
 use rand_pcg::Pcg64Mcg;
-use volley_core::ids::{PolicyVersion, RunId};
-use volley_core::spec::{HyperParams, RunSpec};
-use volley_core::wire::{self, EpisodeSummary, TrajectorySegment, Weights};
+use volley_core::ids::PolicyVersion;
+use volley_core::spec::RunSpec;
+use volley_core::wire::{self, TrajectorySegment, Weights};
 use volley_core::work::{EpisodeSnapshot, Start, WorkItem};
-use volley_env::EnvConfig;
-use volley_policy::{Activation, CoreKind, ParamLayout, PolicySpec};
+use volley_policy::ParamLayout;
+use volley_testkit::fixtures::{SegmentBuilder, SpecBuilder};
 use volley_transport::envsvc::protocol::{self, CloseRequest, OpenRequest, ResetRequest, StepRequest};
 use volley_transport::envsvc::protocol::{
     EnvFailure, ObsReply, OpenReply, RestoreRequest, SnapshotReply, SpacesReply, StepReply,
@@ -33,20 +35,7 @@ fn cases() -> u32 {
 }
 
 fn spec() -> RunSpec {
-    RunSpec {
-        run: RunId::new("fuzz").expect("valid"),
-        env: EnvConfig::Cartpole,
-        policy: PolicySpec {
-            obs_dim: 4,
-            n_actions: 2,
-            torso: vec![8],
-            activation: Activation::Tanh,
-            core: CoreKind::Mlp,
-        },
-        segment_len: T,
-        hyper: HyperParams::default(),
-        seed: 0,
-    }
+    SpecBuilder::cartpole(T).run("fuzz").build()
 }
 
 fn layout() -> ParamLayout {
@@ -54,29 +43,19 @@ fn layout() -> ParamLayout {
 }
 
 fn segment(idx: u64) -> TrajectorySegment {
-    TrajectorySegment {
-        run: "fuzz".into(),
-        actor: format!("actor-{idx}"),
-        incarnation: idx,
-        env_idx: 0,
-        episode_id: idx,
-        segment_idx: idx,
-        task_id: 0,
-        start_snapshot: (idx % 2 == 1).then(|| "w1-e0-s8".into()),
-        policy_version: PolicyVersion(idx),
-        layout_hash: layout().hash(),
-        obs_dim: 4,
-        observations: (0..(T + 1) * 4).map(|i| (i as f32 * 0.3).sin()).collect(),
-        actions: vec![0, 1, 1, 0],
-        rewards: vec![1.0; T],
-        terminated: vec![0, 0, 0, 1],
-        truncated: vec![0; T],
-        behaviour_log_probs: vec![-0.7; T],
-        truncation_values: vec![0.0; T],
-        initial_hidden: vec![],
-        finished_episodes: vec![EpisodeSummary { episode_return: 4.0, episode_len: 4, ..EpisodeSummary::default() }],
-        saved_snapshots: vec![],
-    }
+    SegmentBuilder::for_spec(&spec())
+        .actor(&format!("actor-{idx}"))
+        .incarnation(idx)
+        .episode_id(idx)
+        .segment_idx(idx)
+        .start_snapshot((idx % 2 == 1).then_some("w1-e0-s8"))
+        .version(idx)
+        .observations_from(|i| (i as f32 * 0.3).sin())
+        .actions(vec![0, 1, 1, 0])
+        .terminal_at(3)
+        .log_prob(-0.7)
+        .episode(4.0, 4)
+        .build()
 }
 
 /// One mutation of a message.
@@ -156,17 +135,45 @@ fn fuzz(target: &str, corpus: Vec<Vec<u8>>, check: impl Fn(&[u8], bool)) {
     eprintln!("fuzz {target}: {cases} cases in {secs:.2} s ({:.0} cases/s)", f64::from(cases) / secs);
 }
 
+/// The reasons of the rejections a target saw: each must be a listed label, and a long enough
+/// run must have reached each of `expected` (so the typed error paths are exercised).
+#[derive(Default)]
+struct Reasons(RefCell<BTreeSet<&'static str>>);
+
+impl Reasons {
+    fn record<T>(&self, decoded: &Result<T, wire::DecodeError>) {
+        if let Err(err) = decoded {
+            let reason = err.reason();
+            assert!(wire::DecodeError::REASONS.contains(&reason), "unlisted reason {reason}");
+            self.0.borrow_mut().insert(reason);
+        }
+    }
+
+    fn assert_reached(&self, target: &str, expected: &[&str]) {
+        if cases() < 5_000 {
+            return;
+        }
+        let seen = self.0.borrow();
+        for reason in expected {
+            assert!(seen.contains(reason), "{target}: no mutation was rejected as {reason}; saw {seen:?}");
+        }
+    }
+}
+
 #[test]
 fn fuzz_segment_decoder() {
     let spec = spec();
     let hash = layout().hash();
     let corpus: Vec<Vec<u8>> = (0..4).map(|i| wire::encode_segment(&segment(i))).collect();
+    let reasons = Reasons::default();
     fuzz("segment", corpus, |mutated, changed| {
         let decoded = wire::decode_segment(mutated, &spec, hash, 0);
+        reasons.record(&decoded);
         if changed {
             assert!(decoded.is_err(), "a changed segment was accepted");
         }
     });
+    reasons.assert_reached("segment", &["bad_magic", "wrong_version", "wrong_kind", "truncated", "corrupt"]);
 }
 
 #[test]
@@ -175,12 +182,15 @@ fn fuzz_weights_decoder() {
     let corpus: Vec<Vec<u8>> = (0..3)
         .map(|v| wire::encode_weights(&Weights::new(PolicyVersion(v), layout.hash(), layout.init_params(v))))
         .collect();
+    let reasons = Reasons::default();
     fuzz("weights", corpus, |mutated, changed| {
         let decoded = wire::decode_weights(mutated, layout.hash(), layout.n_params());
+        reasons.record(&decoded);
         if changed {
             assert!(decoded.is_err(), "changed weights were accepted");
         }
     });
+    reasons.assert_reached("weights", &["bad_magic", "truncated", "corrupt"]);
 }
 
 #[test]
@@ -189,12 +199,16 @@ fn fuzz_work_item_and_snapshot_decoders() {
         WorkItem { id: 1, task_id: 0, start: Start::Fresh { seed: 9 }, episodes: 2 },
         WorkItem { id: u64::MAX, task_id: 3, start: Start::Resume { snapshot: "w1-e0-s8".into() }, episodes: 1 },
     ];
+    let reasons = Reasons::default();
     fuzz("work item", items.iter().map(WorkItem::to_json).collect(), |mutated, _| {
-        if let Ok(item) = WorkItem::from_json(mutated) {
+        let decoded = wire::decode_work_item(mutated);
+        reasons.record(&decoded);
+        if let Ok(item) = decoded {
             // A change that still decodes (JSON whitespace) must leave a real item's content.
             assert!(items.contains(&item), "a changed work item was accepted: {item:?}");
         }
     });
+    reasons.assert_reached("work item", &["malformed", "truncated", "corrupt"]);
     let mut rng = Pcg64Mcg::seed_from_u64(3);
     let _: u64 = rng.random();
     let snapshots: Vec<Vec<u8>> = (0..2)
@@ -208,19 +222,22 @@ fn fuzz_work_item_and_snapshot_decoders() {
                 hidden: vec![0.5],
                 episode_return: 2.0,
                 episode_len: 8,
-                policy_version: 4,
+                policy_version: volley_core::ids::PolicyVersion(4),
                 rng: rng.clone(),
                 progress: 0.5,
             }
             .encode()
         })
         .collect();
+    let reasons = Reasons::default();
     fuzz("episode snapshot", snapshots, |mutated, changed| {
-        let decoded = EpisodeSnapshot::decode(mutated);
+        let decoded = wire::decode_episode_snapshot(mutated);
+        reasons.record(&decoded);
         if changed {
             assert!(decoded.is_err(), "a changed snapshot was accepted");
         }
     });
+    reasons.assert_reached("episode snapshot", &["bad_magic", "truncated", "corrupt"]);
 }
 
 #[test]

@@ -97,7 +97,7 @@ fn snapshots_round_trip_through_the_store_and_its_index() {
         hidden: vec![0.25; 8],
         episode_return: 2.5,
         episode_len: 16,
-        policy_version: 4,
+        policy_version: volley_core::ids::PolicyVersion(4),
         rng: rand_pcg::Pcg64Mcg::seed_from_u64(5),
         progress: 1.5,
     };

@@ -6,7 +6,11 @@
 //! Decoding validates sizes, shapes against the run spec, finiteness and limits, so a bad
 //! message becomes a [`DecodeError`] with a bounded [`DecodeError::reason`] label, never a panic.
 
-use crate::ids::PolicyVersion;
+mod codec;
+
+pub use codec::*;
+
+use crate::ids::{ActorId, PolicyVersion, RunId};
 use crate::spec::RunSpec;
 
 pub mod frame;
@@ -62,135 +66,6 @@ pub fn body_checksum(body: &[u8]) -> u64 {
     xxhash_rust::xxh3::xxh3_64(body)
 }
 
-/// Why a message was rejected.
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
-pub enum DecodeError {
-    /// Shorter than the header, or truncated body.
-    #[error("truncated message: {0}")]
-    Truncated(String),
-    /// The magic bytes are wrong: not a Volley message.
-    #[error("bad magic {0:02x?}: not a volley message")]
-    BadMagic([u8; 4]),
-    /// A format version this build does not read: the sender is another build (mixed actor and
-    /// learner images), so the message names the fix.
-    #[error(
-        "unsupported format version {got} (this build reads {FORMAT_VERSION}): sender and receiver are \
-         different builds; run actors and learner from one build (on Kubernetes pin both images by \
-         digest, docs/OPERATIONS.md)"
-    )]
-    WrongVersion {
-        /// The version in the message.
-        got: u16,
-    },
-    /// The kind byte names another message type.
-    #[error("unexpected message kind {got} (expected {expected})")]
-    WrongKind {
-        /// The kind byte found.
-        got: u8,
-        /// The kind expected.
-        expected: u8,
-    },
-    /// The body does not decode.
-    #[error("malformed body: {0}")]
-    Malformed(String),
-    /// A field has the wrong number of elements.
-    #[error("{field}: expected {expected} elements, got {got}")]
-    Shape {
-        /// Which field.
-        field: &'static str,
-        /// Expected length.
-        expected: usize,
-        /// Actual length.
-        got: usize,
-    },
-    /// A float field holds NaN or ±inf.
-    #[error("{field}: non-finite value at index {index}")]
-    NonFinite {
-        /// Which field.
-        field: &'static str,
-        /// First bad index.
-        index: usize,
-    },
-    /// An action outside the action space.
-    #[error("action {action} at step {step} out of range for {n_actions} actions")]
-    ActionOutOfRange {
-        /// The action.
-        action: u32,
-        /// The step.
-        step: usize,
-        /// Number of actions.
-        n_actions: usize,
-    },
-    /// The message belongs to another run or architecture.
-    #[error("{what} mismatch: message has {got}, run has {expected}")]
-    Mismatch {
-        /// What differs.
-        what: &'static str,
-        /// The message's value.
-        got: String,
-        /// The run's value.
-        expected: String,
-    },
-    /// Checksum over the weights does not match.
-    #[error("checksum mismatch: header {expected:016x}, computed {got:016x}")]
-    Checksum {
-        /// Checksum in the message.
-        expected: u64,
-        /// Checksum computed.
-        got: u64,
-    },
-    /// Larger than [`MAX_MESSAGE_BYTES`].
-    #[error("message of {got_bytes} bytes exceeds the limit of {MAX_MESSAGE_BYTES}")]
-    TooLarge {
-        /// The size.
-        got_bytes: usize,
-    },
-    /// The body's checksum does not match the envelope's: corrupted in transit or at rest.
-    #[error("corrupt message: envelope checksum {expected:016x}, body hashes to {got:016x}")]
-    Corrupt {
-        /// Checksum in the envelope.
-        expected: u64,
-        /// Checksum of the body received.
-        got: u64,
-    },
-}
-
-impl DecodeError {
-    /// Every value [`DecodeError::reason`] can return (metrics export each at 0 from the start).
-    pub const REASONS: &'static [&'static str] = &[
-        "truncated",
-        "bad_magic",
-        "wrong_version",
-        "wrong_kind",
-        "malformed",
-        "shape",
-        "non_finite",
-        "action_out_of_range",
-        "mismatch",
-        "checksum",
-        "too_large",
-        "corrupt",
-    ];
-
-    /// Bounded label for the `reason` of `…_rejected_total`; one of [`DecodeError::REASONS`].
-    pub fn reason(&self) -> &'static str {
-        match self {
-            DecodeError::Truncated(_) => "truncated",
-            DecodeError::BadMagic(_) => "bad_magic",
-            DecodeError::WrongVersion { .. } => "wrong_version",
-            DecodeError::WrongKind { .. } => "wrong_kind",
-            DecodeError::Malformed(_) => "malformed",
-            DecodeError::Shape { .. } => "shape",
-            DecodeError::NonFinite { .. } => "non_finite",
-            DecodeError::ActionOutOfRange { .. } => "action_out_of_range",
-            DecodeError::Mismatch { .. } => "mismatch",
-            DecodeError::Checksum { .. } => "checksum",
-            DecodeError::TooLarge { .. } => "too_large",
-            DecodeError::Corrupt { .. } => "corrupt",
-        }
-    }
-}
-
 /// An episode that finished inside a segment (for return statistics).
 #[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct EpisodeSummary {
@@ -216,9 +91,9 @@ pub struct EpisodeSummary {
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct TrajectorySegment {
     /// The run this segment belongs to.
-    pub run: String,
+    pub run: RunId,
     /// The actor that produced it.
-    pub actor: String,
+    pub actor: ActorId,
     /// Which incarnation of the actor (a restarted actor with the same id gets a new one, so
     /// its segment indices, which restart at 0, do not collide with the old ones).
     pub incarnation: u64,
@@ -274,8 +149,12 @@ impl TrajectorySegment {
 
     /// Check the segment against the run spec: run, layout, shapes, action range, finiteness.
     pub fn validate(&self, spec: &RunSpec, layout_hash: u64, hidden_size: usize) -> Result<(), DecodeError> {
-        if self.run != spec.run.as_str() {
-            return Err(DecodeError::Mismatch { what: "run", got: self.run.clone(), expected: spec.run.to_string() });
+        if self.run != spec.run {
+            return Err(DecodeError::Mismatch {
+                what: "run",
+                got: self.run.to_string(),
+                expected: spec.run.to_string(),
+            });
         }
         if self.layout_hash != layout_hash {
             return Err(DecodeError::Mismatch {
@@ -386,113 +265,34 @@ pub fn checksum(params: &[f32]) -> u64 {
     hasher.digest()
 }
 
-fn encode<T: serde::Serialize>(kind: MessageKind, value: &T) -> Vec<u8> {
-    let mut out = Vec::with_capacity(1024);
-    out.extend_from_slice(&MAGIC);
-    out.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
-    out.push(kind as u8);
-    out.extend_from_slice(&[0; 8]);
-    bincode::serde::encode_into_std_write(value, &mut out, bincode::config::standard())
-        .expect("encoding into a Vec cannot fail");
-    let checksum = body_checksum(&out[HEADER_BYTES..]);
-    out[7..HEADER_BYTES].copy_from_slice(&checksum.to_le_bytes());
-    out
-}
-
-/// Read and check the envelope and the body's checksum, returning the body.
-pub fn decode_envelope(bytes: &[u8], expected: MessageKind) -> Result<(Envelope, &[u8]), DecodeError> {
-    if bytes.len() > MAX_MESSAGE_BYTES {
-        return Err(DecodeError::TooLarge { got_bytes: bytes.len() });
+/// The crate's one segment fixture for its own unit tests: `volley_testkit::fixtures` builds
+/// segments for every other crate and for integration tests, but a unit test inside core
+/// would see testkit's copy of core as another crate.
+#[cfg(test)]
+pub(crate) fn test_segment(run: &str, t_len: usize, obs_dim: usize, segment_idx: u64) -> TrajectorySegment {
+    TrajectorySegment {
+        run: RunId::new(run).expect("a valid test run id"),
+        actor: ActorId::new("actor-0").expect("a valid test actor id"),
+        incarnation: 0,
+        env_idx: 0,
+        episode_id: 0,
+        segment_idx,
+        task_id: 0,
+        start_snapshot: None,
+        policy_version: PolicyVersion(0),
+        layout_hash: 0,
+        obs_dim: obs_dim as u32,
+        observations: vec![0.0; (t_len + 1) * obs_dim],
+        actions: vec![0; t_len],
+        rewards: vec![0.0; t_len],
+        terminated: vec![0; t_len],
+        truncated: vec![0; t_len],
+        behaviour_log_probs: vec![0.0; t_len],
+        truncation_values: vec![0.0; t_len],
+        initial_hidden: Vec::new(),
+        finished_episodes: Vec::new(),
+        saved_snapshots: Vec::new(),
     }
-    // Field by field, each as soon as its bytes are there: a message that is not Volley's, or
-    // of another format version (an older build's shorter header), says so however short.
-    if let Some(magic) = bytes.first_chunk::<4>().filter(|magic| **magic != MAGIC) {
-        return Err(DecodeError::BadMagic(*magic));
-    }
-    let format_version = match bytes.get(4..6) {
-        Some(&[low, high]) => u16::from_le_bytes([low, high]),
-        _ => FORMAT_VERSION,
-    };
-    if format_version != FORMAT_VERSION {
-        return Err(DecodeError::WrongVersion { got: format_version });
-    }
-    if let Some(&kind) = bytes.get(6).filter(|&&kind| kind != expected as u8) {
-        return Err(DecodeError::WrongKind { got: kind, expected: expected as u8 });
-    }
-    if bytes.len() < HEADER_BYTES {
-        return Err(DecodeError::Truncated(format!("{} bytes, header needs {HEADER_BYTES}", bytes.len())));
-    }
-    let checksum = u64::from_le_bytes(bytes[7..HEADER_BYTES].try_into().expect("length checked above"));
-    let body = &bytes[HEADER_BYTES..];
-    let got = body_checksum(body);
-    if got != checksum {
-        return Err(DecodeError::Corrupt { expected: checksum, got });
-    }
-    Ok((Envelope { format_version, kind: expected, checksum }, body))
-}
-
-fn decode_body<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, DecodeError> {
-    let config = bincode::config::standard().with_limit::<MAX_MESSAGE_BYTES>();
-    match bincode::serde::decode_from_slice::<T, _>(body, config) {
-        Ok((value, used)) if used == body.len() => Ok(value),
-        Ok((_, used)) => Err(DecodeError::Malformed(format!("{} trailing bytes", body.len() - used))),
-        Err(bincode::error::DecodeError::UnexpectedEnd { additional }) => {
-            Err(DecodeError::Truncated(format!("body needs {additional} more bytes")))
-        }
-        Err(err) => Err(DecodeError::Malformed(err.to_string())),
-    }
-}
-
-/// Encode a segment with its envelope.
-pub fn encode_segment(segment: &TrajectorySegment) -> Vec<u8> {
-    encode(MessageKind::Segment, segment)
-}
-
-/// Decode a segment and validate it against the run spec.
-///
-/// ```
-/// # use volley_core::wire::{decode_segment, DecodeError};
-/// # fn check(spec: &volley_core::spec::RunSpec) {
-/// let err = decode_segment(b"garbage", spec, 0, 0).unwrap_err();
-/// assert_eq!(err.reason(), "bad_magic");
-/// # }
-/// ```
-pub fn decode_segment(
-    bytes: &[u8],
-    spec: &RunSpec,
-    layout_hash: u64,
-    hidden_size: usize,
-) -> Result<TrajectorySegment, DecodeError> {
-    let segment = decode_segment_body(bytes)?;
-    segment.validate(spec, layout_hash, hidden_size)?;
-    Ok(segment)
-}
-
-/// Decode a segment's envelope and body without validating it against a run spec.
-///
-/// Transports use this (they do not know the spec); the learner validates afterwards with
-/// [`TrajectorySegment::validate`]. [`decode_segment`] is this plus that validation.
-///
-/// ```
-/// # use volley_core::wire::decode_segment_body;
-/// assert_eq!(decode_segment_body(b"VLL").unwrap_err().reason(), "truncated");
-/// ```
-pub fn decode_segment_body(bytes: &[u8]) -> Result<TrajectorySegment, DecodeError> {
-    let (_, body) = decode_envelope(bytes, MessageKind::Segment)?;
-    decode_body(body)
-}
-
-/// Encode weights with their envelope.
-pub fn encode_weights(weights: &Weights) -> Vec<u8> {
-    encode(MessageKind::Weights, weights)
-}
-
-/// Decode weights and verify layout and checksum.
-pub fn decode_weights(bytes: &[u8], layout_hash: u64, n_params: usize) -> Result<Weights, DecodeError> {
-    let (_, body) = decode_envelope(bytes, MessageKind::Weights)?;
-    let weights: Weights = decode_body(body)?;
-    weights.verify(layout_hash, n_params)?;
-    Ok(weights)
 }
 
 #[cfg(test)]
@@ -539,31 +339,21 @@ mod tests {
             any::<u64>(),
         )
             .prop_map(|(observations, actions, rewards, terminated, logp, version, idx)| TrajectorySegment {
-                run: "wire".into(),
-                actor: "actor-0".into(),
-                incarnation: 0,
                 env_idx: 1,
                 episode_id: idx / 3,
-                segment_idx: idx,
-                task_id: 0,
-                start_snapshot: None,
                 policy_version: PolicyVersion(version),
                 layout_hash: layout_hash(),
-                obs_dim: 4,
                 observations,
                 actions,
                 rewards,
-                truncated: vec![0; T],
                 terminated,
                 behaviour_log_probs: logp,
-                truncation_values: vec![0.0; T],
-                initial_hidden: vec![],
                 finished_episodes: vec![EpisodeSummary {
                     episode_return: 3.0,
                     episode_len: 3,
                     ..EpisodeSummary::default()
                 }],
-                saved_snapshots: Vec::new(),
+                ..test_segment("wire", T, 4, idx)
             })
     }
 
@@ -632,7 +422,7 @@ mod tests {
         s.rewards[1] = f32::NAN;
         assert_eq!(check(&s), Err("non_finite"));
         let mut s = valid_segment();
-        s.run = "other".into();
+        s.run = RunId::new("other").expect("valid");
         assert_eq!(check(&s), Err("mismatch"));
         let mut s = valid_segment();
         s.layout_hash ^= 1;
@@ -675,11 +465,33 @@ mod tests {
             DecodeError::ActionOutOfRange { action: 2, step: 0, n_actions: 2 },
             DecodeError::Mismatch { what: "x", got: String::new(), expected: String::new() },
             DecodeError::Checksum { expected: 0, got: 1 },
-            DecodeError::TooLarge { got_bytes: 0 },
+            DecodeError::TooLarge { got_bytes: 0, limit_bytes: 0 },
             DecodeError::Corrupt { expected: 0, got: 1 },
+            DecodeError::BadId(String::new()),
         ];
         let reasons: Vec<_> = errors.iter().map(DecodeError::reason).collect();
         assert_eq!(reasons, DecodeError::REASONS);
+    }
+
+    /// An id the typed `Deserialize` refuses is `bad_id`, the label admission used for it
+    /// before ids were typed (issue 13), and its message stays short however long the id.
+    #[test]
+    fn an_invalid_id_in_a_checksummed_segment_is_bad_id() {
+        let bytes = encode_segment(&valid_segment());
+        let resealed = |from: &[u8], to: &[u8]| {
+            let mut body = bytes[HEADER_BYTES..].to_vec();
+            let at = body.windows(from.len()).position(|w| w == from).expect("the id is in the body");
+            body.splice(at..at + from.len(), to.iter().copied());
+            let mut out = bytes[..HEADER_BYTES].to_vec();
+            out[7..HEADER_BYTES].copy_from_slice(&body_checksum(&body).to_le_bytes());
+            out.extend(body);
+            out
+        };
+        let bad_actor = resealed(b"actor-0", b"actor.0");
+        let err = decode_segment_body(&bad_actor).expect_err("a dot is not allowed in an actor id");
+        assert_eq!(err.reason(), "bad_id", "{err}");
+        let bad_run = resealed(b"wire", b"WIRE");
+        assert_eq!(decode_segment_body(&bad_run).expect_err("uppercase run").reason(), "bad_id");
     }
 
     #[test]

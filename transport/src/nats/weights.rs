@@ -44,7 +44,7 @@ impl NatsBus {
             kv,
             objects,
             backing,
-            published_before: pointer.map(|p| p.version),
+            published_before: pointer.map(|p| PolicyVersion(p.version)),
             last_version: None,
             parent: None,
             anchor: 0,
@@ -246,7 +246,7 @@ pub struct NatsWeightsPublisher {
     /// The stream behind `objects`, for purging delete markers.
     backing: stream::Stream<()>,
     /// Newest version in KV when this publisher started.
-    published_before: Option<u64>,
+    published_before: Option<PolicyVersion>,
     last_version: Option<u64>,
     /// The last version published, when it may be a delta's parent.
     parent: Option<Arc<Weights>>,
@@ -274,7 +274,7 @@ impl NatsWeightsPublisher {
     /// The newest version this run had published when the publisher opened (read from the KV
     /// pointer, no waiting): a restarted learner continues above it.
     pub fn published_before(&self) -> Option<PolicyVersion> {
-        self.published_before.map(PolicyVersion)
+        self.published_before
     }
 
     /// Bytes of the frame of the last version published (full or delta; inline or object).
@@ -326,7 +326,7 @@ impl WeightsPublisher for NatsWeightsPublisher {
             }
         }
         if self.last_version.is_none() {
-            if let Some(before) = self.published_before.filter(|&before| before >= version) {
+            if let Some(before) = self.published_before.filter(|before| before.0 >= version).map(|before| before.0) {
                 warn!(
                     version,
                     newest_in_run = before,
@@ -687,7 +687,7 @@ impl WeightsFollower for NatsWeightsFollower {
         // Only a version above everything verified (and above what the caller runs) is worth
         // fetching; an older or equal claim is settled at once (versions never go back).
         let current = self.newest.as_ref().map(|w| w.version).max(have);
-        if current.is_some_and(|current| pointer.version <= current.0) {
+        if current.is_some_and(|current| PolicyVersion(pointer.version) <= current) {
             self.settled_write = write;
             self.retry = None;
             return Ok(self.newest.clone().filter(|newest| have.is_none_or(|have| newest.version > have)));

@@ -317,7 +317,7 @@ impl crate::work::SnapshotStore for NatsSnapshotStore {
         bytes
             .map(|bytes| {
                 volley_core::work::EpisodeSnapshot::decode(&bytes)
-                    .map_err(|message| TransportError::Failed { operation: "decode snapshot", message })
+                    .map_err(|err| TransportError::Failed { operation: "decode snapshot", message: err.to_string() })
             })
             .transpose()
     }
