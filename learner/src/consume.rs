@@ -252,6 +252,9 @@ const LAG_BUCKETS: usize = 16;
 /// otherwise (nats-server's default `max_ack_pending`; the learner's consumer keeps it).
 const NATS_DEFAULT_MAX_ACK_PENDING: usize = 1000;
 
+/// Versions the learner may be ahead of what its publisher has put out before it waits.
+const MAX_UNPUBLISHED_VERSIONS: usize = 2;
+
 /// Episodes in the return window behind `mean_return(100)` and the solved stop.
 pub const RETURN_WINDOW: usize = 100;
 
@@ -472,6 +475,14 @@ pub fn run_learner(
         let used = selector.settle_drawn(&mut settled);
         if published && !publisher.is_published(learner.version()) {
             unpublished.push_back((learner.version(), std::mem::take(&mut settled)));
+            // A publisher that fell behind (a broker outage, a slow store) holds the learner
+            // back, as a synchronous one did: otherwise it runs `max_policy_lag` versions ahead
+            // of what actors can have, and every segment after that is dropped as stale.
+            if unpublished.len() > MAX_UNPUBLISHED_VERSIONS {
+                let publish_started = Instant::now();
+                publisher.flush()?;
+                report.publish_time += publish_started.elapsed();
+            }
         }
         release_published(&*publisher, &mut unpublished, &mut settled);
         let ack_started = Instant::now();
