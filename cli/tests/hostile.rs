@@ -80,12 +80,24 @@ fn a_hostile_actor_cannot_stop_freeze_or_bloat_a_run() {
         .collect();
     actors[0].wait_for_log("actor started");
 
+    // The honest actors pause while the client attacks (SIGSTOP, then SIGCONT): since issue 16
+    // the learner solves CartPole in about a second, faster than the client sends its rounds,
+    // and every hostile message must reach the learner before it stops. The actors hold
+    // weights from before the forged pointer and must follow the real pointers after it.
+    let signal_actors = |signal: &str| {
+        for actor in &actors {
+            let status = Command::new("kill").args([signal, &actor.child.id().to_string()]).status();
+            assert!(status.is_ok_and(|s| s.success()), "kill {signal} an actor");
+        }
+    };
+    signal_actors("-STOP");
     let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/hostile_client.py");
     let output = Command::new(&python)
         .arg(&script)
         .args([nats.url(), "hostile".into(), learner.child.id().to_string(), ROUNDS.to_string()])
         .output()
         .expect("run the hostile client");
+    signal_actors("-CONT");
     assert!(output.status.success(), "hostile client failed:\n{}", String::from_utf8_lossy(&output.stderr));
     let report: serde_json::Value =
         serde_json::from_slice(&output.stdout).unwrap_or_else(|e| panic!("client report: {e}: {:?}", output.stdout));

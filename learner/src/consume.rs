@@ -252,6 +252,12 @@ const LAG_BUCKETS: usize = 16;
 /// otherwise (nats-server's default `max_ack_pending`; the learner's consumer keeps it).
 const NATS_DEFAULT_MAX_ACK_PENDING: usize = 1000;
 
+/// Versions the learner may be ahead of what its publisher has put out before it waits: half
+/// the lag bound (at least 2), so a publisher that fell behind costs lag, never stale data.
+fn max_unpublished_versions(max_policy_lag: u64) -> usize {
+    usize::try_from(max_policy_lag / 2).unwrap_or(usize::MAX).max(2)
+}
+
 /// Episodes in the return window behind `mean_return(100)` and the solved stop.
 pub const RETURN_WINDOW: usize = 100;
 
@@ -362,6 +368,7 @@ pub fn run_learner(
     let mut seen = SeenSegments::new(SEEN_CAPACITY);
     // Segments behind updates whose version is not published yet, by version, oldest first.
     let mut unpublished: VecDeque<(PolicyVersion, Vec<DeliveryToken>)> = VecDeque::new();
+    let max_unpublished = max_unpublished_versions(spec.hyper.max_policy_lag);
     // Whether valid data arrived since the last update (then only an update is progress).
     let mut received_since_update = false;
     let stop_reason = loop {
@@ -470,6 +477,14 @@ pub fn run_learner(
         let used = selector.settle_drawn(&mut settled);
         if published && !publisher.is_published(learner.version()) {
             unpublished.push_back((learner.version(), std::mem::take(&mut settled)));
+            // A publisher that fell behind (a broker outage, a slow store) holds the learner
+            // back, as a synchronous one did: otherwise it runs `max_policy_lag` versions ahead
+            // of what actors can have, and every segment after that is dropped as stale.
+            if unpublished.len() > max_unpublished {
+                let publish_started = Instant::now();
+                publisher.flush()?;
+                report.publish_time += publish_started.elapsed();
+            }
         }
         release_published(&*publisher, &mut unpublished, &mut settled);
         let ack_started = Instant::now();

@@ -114,6 +114,9 @@ struct WeightsPointer {
     inline: Option<String>,
 }
 
+/// Deadline of one attempt to put the weights pointer (see `NatsWeightsPublisher::publish`).
+const POINTER_PUT_DEADLINE: Duration = Duration::from_millis(500);
+
 /// Longest delta chain a pointer may list (a pointer listing more is refused): far above any
 /// sensible anchor interval, and it bounds the fetches one pointer can cause.
 const MAX_CHAIN: usize = 1024;
@@ -378,14 +381,14 @@ impl WeightsPublisher for NatsWeightsPublisher {
         let pointer_json =
             Bytes::from(serde_json::to_vec(&pointer).map_err(|err| failed("encode weights pointer", err))?);
         let kv = &self.kv;
-        // A put in flight across a broker restart is retried at once (issue 11).
+        // A put in flight across a broker restart is retried at once (issue 11), and each attempt
+        // has a short deadline: a put whose ack was lost is sent again after half a second
+        // instead of the whole request timeout, during which actors would act with ever staler
+        // weights. Putting the same pointer twice is harmless.
         let connections = &shared.connections;
+        let attempt = config.request_timeout.min(POINTER_PUT_DEADLINE);
         shared.block_on(retry_for("put weights pointer", config.retry_deadline, || {
-            let put = call(
-                "put weights pointer",
-                config.request_timeout,
-                kv.put(subjects::WEIGHTS_KEY, pointer_json.clone()),
-            );
+            let put = call("put weights pointer", attempt, kv.put(subjects::WEIGHTS_KEY, pointer_json.clone()));
             unless_reconnected(connections, "put weights pointer", put)
         }))?;
         debug!(version, parent, size_bytes = frame.len(), inline, "weights published");
