@@ -57,7 +57,25 @@ struct InFlight {
     ack: AckFuture,
 }
 
-/// The last reading of the learner consumer's backlog, and how fast the learner drains it.
+/// One reading of the learner consumer, the input of [`Pacing`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Reading {
+    /// `num_pending`: stored, not yet delivered.
+    pending: u64,
+    /// Deliveries so far (the consumer sequence).
+    delivered: u64,
+    /// Segments stored so far: the stream sequence of the last delivery plus `pending`.
+    stored: u64,
+}
+
+/// The last reading of the learner consumer's backlog, and the rates that predict it between
+/// readings: how fast the learner drains it and how fast the *other* actors fill it.
+///
+/// Issue 11: predicting only the drain let every one of N actors spend the same predicted
+/// room, so the backlog overshot the bound by up to N times the drain between readings, and
+/// segments waited there long enough to go stale (22 % stale at 6 actors). Counting the other
+/// publishers' measured inflow leaves each actor its share of the room (the simulation test
+/// below shows both).
 #[derive(Debug, Default)]
 struct Pacing {
     checked_at: Option<Instant>,
@@ -69,20 +87,80 @@ struct Pacing {
     backlog: Option<u64>,
     /// Segments this sink published since the reading.
     published_since: u64,
-    /// The consumer's delivered count at the reading, and when it was read.
-    delivered: Option<(u64, Instant)>,
-    /// Deliveries per second between the last two readings (0 when unknown).
+    /// The previous reading and when it was taken.
+    last: Option<(Reading, Instant)>,
+    /// Deliveries per second, smoothed over readings (0 when unknown).
     drain_per_sec: f64,
+    /// Segments per second stored by other publishers, smoothed over readings.
+    others_per_sec: f64,
+    /// Segments per second this sink published, smoothed over readings.
+    own_per_sec: f64,
 }
 
+/// Time constant of the smoothed rates in [`Pacing`]: a few learner updates, so one bursty
+/// interval (an actor's round lands at once; the learner drains a batch at once) does not
+/// swing the prediction.
+const PACING_RATE_WINDOW: Duration = Duration::from_millis(20);
+
 impl Pacing {
-    /// The backlog now, predicted: the reading plus this sink's publishes since, less what the
-    /// learner drained since at its measured rate. The predicted drain is capped at `limit`, so
-    /// a learner that stalls right after a reading costs at most one bound of overshoot before
-    /// the next reading shows the truth.
+    /// Take a reading (`None`: unknown, which does not block) at `now`.
+    fn record(&mut self, reading: Option<Reading>, now: Instant) {
+        match reading {
+            Some(reading) => {
+                if let Some((before, at)) = self.last {
+                    let secs = now.duration_since(at).as_secs_f64();
+                    if secs > 0.0 {
+                        let drained = reading.delivered.saturating_sub(before.delivered) as f64 / secs;
+                        // Own publishes not stored yet at this reading show up in the next one;
+                        // over a few readings that evens out.
+                        let others = reading.stored.saturating_sub(before.stored).saturating_sub(self.published_since);
+                        let weight = 1.0 - (-secs / PACING_RATE_WINDOW.as_secs_f64()).exp();
+                        self.drain_per_sec += weight * (drained - self.drain_per_sec);
+                        self.others_per_sec += weight * (others as f64 / secs - self.others_per_sec);
+                        self.own_per_sec += weight * (self.published_since as f64 / secs - self.own_per_sec);
+                    }
+                }
+                self.last = Some((reading, now));
+                self.backlog = Some(reading.pending);
+            }
+            None => {
+                self.backlog = None;
+                self.last = None;
+                self.drain_per_sec = 0.0;
+                self.others_per_sec = 0.0;
+                self.own_per_sec = 0.0;
+            }
+        }
+        self.checked_at = Some(now);
+        self.published_since = 0;
+    }
+
+    /// This sink's share of the publishing, from the smoothed rates (1 when alone or unknown),
+    /// at least 1/64.
+    fn share(&self) -> f64 {
+        let total = self.own_per_sec + self.others_per_sec;
+        if total > 0.0 {
+            (self.own_per_sec / total).clamp(1.0 / 64.0, 1.0)
+        } else {
+            1.0
+        }
+    }
+
+    /// The backlog now, predicted: the reading plus this sink's publishes since and the other
+    /// publishers', less what the learner drained since at its measured rate. The others'
+    /// publishes are predicted at their measured rate and, when the reading was over half the
+    /// bound, at least in proportion to this sink's own: actors held back by a full backlog
+    /// all see the room a drain makes at once and publish into it together. The predicted drain is capped at `limit`, so a learner that stalls right after a
+    /// reading costs at most one bound of overshoot before the next reading shows the truth.
     fn estimate(&self, age: Duration, limit: u64) -> Option<u64> {
         self.backlog.map(|backlog| {
-            let total = backlog.saturating_add(self.published_since);
+            let own = self.published_since as f64;
+            let mut others = self.others_per_sec * age.as_secs_f64();
+            if backlog > limit / 2 {
+                // Contended: the others were likely held back too and now publish with us.
+                others = others.max(own * (1.0 / self.share() - 1.0));
+            }
+            let total = backlog.saturating_add(self.published_since).saturating_add(others.min(u32::MAX as f64) as u64);
             let drained = (self.drain_per_sec * age.as_secs_f64()).min(total as f64).min(limit as f64) as u64;
             total - drained
         })
@@ -90,12 +168,13 @@ impl Pacing {
 
     /// How long until the prediction shows room under `limit` (at most `cap`).
     fn time_to_room(&self, estimate: u64, limit: u64, cap: Duration) -> Duration {
-        if self.drain_per_sec <= 0.0 {
+        let net_drain = self.drain_per_sec - self.others_per_sec;
+        if net_drain <= 0.0 {
             return cap;
         }
         let excess = estimate.saturating_sub(limit).saturating_add(1) as f64;
         // Capped before converting, so no rate can overflow a Duration.
-        Duration::from_secs_f64((excess / self.drain_per_sec).min(cap.as_secs_f64())).max(PACING_MIN_SLEEP.min(cap))
+        Duration::from_secs_f64((excess / net_drain).min(cap.as_secs_f64())).max(PACING_MIN_SLEEP.min(cap))
     }
 }
 
@@ -331,19 +410,12 @@ impl NatsTrajectorySink {
     async fn read_backlog(&mut self) {
         let reading =
             tokio::time::timeout(BACKLOG_DEADLINE, self.stream.consumer_info(subjects::LEARNER_CONSUMER)).await;
-        let now = Instant::now();
-        self.pacing.backlog = match reading {
-            Ok(Ok(info)) => {
-                let delivered = info.delivered.consumer_sequence;
-                if let Some((before, at)) = self.pacing.delivered {
-                    let secs = now.duration_since(at).as_secs_f64();
-                    if secs > 0.0 {
-                        self.pacing.drain_per_sec = delivered.saturating_sub(before) as f64 / secs;
-                    }
-                }
-                self.pacing.delivered = Some((delivered, now));
-                Some(info.num_pending)
-            }
+        let reading = match reading {
+            Ok(Ok(info)) => Some(Reading {
+                pending: info.num_pending,
+                delivered: info.delivered.consumer_sequence,
+                stored: info.delivered.stream_sequence.saturating_add(info.num_pending),
+            }),
             Ok(Err(err)) if matches!(err.kind(), jetstream::context::ConsumerInfoErrorKind::NotFound) => None,
             Ok(Err(err)) => {
                 debug!(operation = "read learner backlog", error = %err, "backlog unknown; not pacing");
@@ -354,12 +426,7 @@ impl NatsTrajectorySink {
                 None
             }
         };
-        if self.pacing.backlog.is_none() {
-            self.pacing.delivered = None;
-            self.pacing.drain_per_sec = 0.0;
-        }
-        self.pacing.checked_at = Some(now);
-        self.pacing.published_since = 0;
+        self.pacing.record(reading, Instant::now());
     }
 }
 
@@ -428,6 +495,98 @@ mod pacing_tests {
         pacing.drain_per_sec = 1e-300;
         assert_eq!(pacing.time_to_room(u64::MAX, 0, Duration::from_millis(2)), Duration::from_millis(2));
         assert_eq!(Pacing::default().estimate(Duration::from_secs(1), 64), None);
+    }
+
+    /// A learner that drains `BATCH` segments per update and `actors` actors that each publish
+    /// rounds of `ROUND` segments, paced as [`NatsTrajectorySink::pace`] paces (a reading every
+    /// `PACING_POLL` while blocked, every `PACING_CACHE` while there is room; readings are
+    /// exact). Virtual time in 50 µs ticks; returns the largest backlog seen after warm-up and
+    /// the segments the learner took.
+    fn simulate(actors: usize, predict_others: bool) -> (u64, u64) {
+        const LIMIT: u64 = 16;
+        const BATCH: u64 = 8;
+        const ROUND: u64 = 8;
+        let tick = Duration::from_micros(50);
+        let update = Duration::from_micros(1_000);
+        let collect = Duration::from_micros(4_000);
+        let start = Instant::now();
+        let (mut pending, mut delivered, mut stored) = (0u64, 0u64, 0u64);
+        let mut learner_free = start;
+        // Per actor: its pacing, segments left in its round, and when its collection ends
+        // (staggered so the rounds do not land in lockstep).
+        let mut state: Vec<(Pacing, u64, Instant)> =
+            (0..actors).map(|i| (Pacing::default(), 0, start + collect * i as u32 / actors as u32)).collect();
+        let mut worst = 0;
+        for step in 0..40_000u32 {
+            let now = start + tick * step;
+            if now >= learner_free && pending >= BATCH {
+                pending -= BATCH;
+                delivered += BATCH;
+                learner_free = now + update;
+            }
+            for (pacing, left, collecting_until) in &mut state {
+                if *left == 0 {
+                    if now < *collecting_until {
+                        continue;
+                    }
+                    *left = ROUND;
+                }
+                let reading = Reading { pending, delivered, stored };
+                loop {
+                    let Some(at) = pacing.checked_at else {
+                        pacing.record(Some(reading), now);
+                        continue;
+                    };
+                    let age = now - at;
+                    let estimate = pacing.estimate(age, LIMIT);
+                    let room = estimate.is_none_or(|estimate| estimate < LIMIT);
+                    if age >= if room { PACING_CACHE } else { PACING_POLL } {
+                        pacing.record(Some(reading), now);
+                        if !predict_others {
+                            pacing.others_per_sec = 0.0;
+                            pacing.own_per_sec = 0.0;
+                        }
+                        continue;
+                    }
+                    if room {
+                        // One publish per tick and actor (about what a publish costs).
+                        pending += 1;
+                        stored += 1;
+                        pacing.published_since += 1;
+                        *left -= 1;
+                        if *left == 0 {
+                            *collecting_until = now + collect;
+                        }
+                    }
+                    break;
+                }
+            }
+            if step > 4_000 {
+                worst = worst.max(pending);
+            }
+        }
+        (worst, delivered)
+    }
+
+    #[test]
+    fn many_actors_share_the_room_instead_of_each_spending_all_of_it() {
+        for actors in [1, 2, 4, 6, 12] {
+            let (shared, taken) = simulate(actors, true);
+            let (alone, taken_alone) = simulate(actors, false);
+            println!(
+                "{actors} actors: worst backlog {shared} predicting the others, {alone} predicting only the drain; \
+                 the learner took {taken} and {taken_alone} segments"
+            );
+            // Bound 16: each actor may overshoot by about one segment per reading it trusts.
+            assert!(shared <= 16 + 2 * actors as u64, "{actors} actors: backlog reached {shared}");
+            // Sharing the room must not starve the learner.
+            assert!(
+                taken as f64 >= 0.95 * taken_alone as f64,
+                "{actors} actors: the learner took {taken} of {taken_alone}"
+            );
+        }
+        // The mechanism behind issue 11's stale data at 4 and 6 actors.
+        assert!(simulate(6, false).0 > 16 + 2 * 6, "predicting only the drain no longer overshoots");
     }
 }
 
