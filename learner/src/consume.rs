@@ -246,7 +246,7 @@ impl LearnerReport {
     }
 }
 
-const LAG_BUCKETS: usize = 16;
+const LAG_BUCKETS: usize = 65;
 
 /// The most deliveries a JetStream consumer hands out unacknowledged unless configured
 /// otherwise (nats-server's default `max_ack_pending`; the learner's consumer keeps it).

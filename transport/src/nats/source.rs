@@ -347,7 +347,7 @@ async fn pull_into(
     let stream = match prefetch {
         Some(stream) => stream,
         None => {
-            let batch = max.saturating_mul(2).clamp(PREFETCH_MIN, PREFETCH_MAX);
+            let batch = max.clamp(PREFETCH_MIN, PREFETCH_MAX);
             let opened = call(OPERATION, request_timeout, consumer.stream().max_messages_per_batch(batch).messages());
             prefetch.insert(opened.await?)
         }
