@@ -120,10 +120,28 @@ def study(evidence, out, name, which, title, threshold):
     return table
 
 
+# Two-sided 95% Student-t quantiles by degrees of freedom (1..10).
+T95 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228]
+
+
+def mean_ci(values):
+    """Mean ± the half-width of its 95% confidence interval (Student t over seeds)."""
+    n = len(values)
+    mean = sum(values) / n
+    if n < 2:
+        return f"{mean:.2f}"
+    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
+    t = T95[min(n - 1, len(T95)) - 1]
+    return f"{mean:.2f} ± {t * sd / math.sqrt(n):.2f}"
+
+
 def main():
     evidence, out = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
     out.mkdir(parents=True, exist_ok=True)
     for name, which, title, threshold in [
+        ("chain-restarts", "mean", "milestones 5x6, 24 steps per room: fresh-start success", 0.5),
+        ("family-budget", "mean", "task family (1x4, 2x6, 3x6, 6x8 rooms): mean fresh-start success", 0.9),
+        ("family-budget", "hardest", "task family: the 6-room member's fresh-start success", 0.5),
         ("milestones-restarts", "mean", "milestones 3x6, fresh-start success", 0.2),
         ("milestones-tasks", "hardest", "milestones, 4-room task (tasks: 2, 3, 4 rooms)", 0.2),
         ("milestones-tasks", "mean", "milestones, mean over 2/3/4-room tasks", 0.2),
@@ -133,12 +151,12 @@ def main():
             continue
         table = study(evidence, out, name, which, title, threshold)
         print(f"\n{title}\n")
-        print(f"| config | fresh success, last 10% of updates (seeds) | mean | env steps to {threshold} (seeds) | wall s | restart share |")
+        print(f"| config | fresh success, last 10% of updates (seeds) | mean ± 95% CI | env steps to {threshold} (seeds) | wall s | restart share |")
         print("| --- | --- | --- | --- | --- | --- |")
         for c, tails, steps_to, secs, restart in table:
             fmt_steps = ", ".join("–" if s is None else f"{s / 1e3:.0f}K" for s in steps_to)
             print(
-                f"| {c} | {', '.join(f'{t:.2f}' for t in tails)} | {sum(tails) / len(tails):.2f} | {fmt_steps} | "
+                f"| {c} | {', '.join(f'{t:.2f}' for t in tails)} | {mean_ci(tails)} | {fmt_steps} | "
                 f"{sum(secs) / len(secs):.1f} | {sum(restart) / len(restart):.2f} |"
             )
 

@@ -281,6 +281,18 @@ pub struct SpecArgs {
     /// Milestones task: cells per room.
     #[arg(long, default_value_t = 8, env = "VOLLEY_ROOM_LEN")]
     pub room_len: usize,
+    /// Milestones task: steps before truncation (at least rooms × (room length + 1)).
+    #[arg(long, default_value_t = 128, env = "VOLLEY_ROOM_MAX_STEPS")]
+    pub room_max_steps: usize,
+    /// Milestones task: steps allowed in each room (0: no limit); a room that takes longer
+    /// ends the episode (the long sparse chain where restarts from saved states pay;
+    /// docs/AGENTIC.md).
+    #[arg(long, default_value_t = 0, env = "VOLLEY_ROOM_STEPS")]
+    pub room_steps: usize,
+    /// Milestones task: the observation also says the chain's size (for task families; the
+    /// `--task` entries must set `task_features=true` too).
+    #[arg(long, env = "VOLLEY_MILESTONES_TASK_FEATURES")]
+    pub milestones_task_features: bool,
     /// Schedule every episode through work items: budget assignment across `--task`s and
     /// saved states, snapshots at milestones (save-load).
     #[arg(long, env = "VOLLEY_WORK")]
@@ -511,7 +523,9 @@ impl SpecArgs {
             EnvName::Milestones => EnvConfig::Milestones(MilestonesConfig {
                 n_rooms: self.rooms,
                 room_len: self.room_len,
-                ..MilestonesConfig::default()
+                max_steps: self.room_max_steps,
+                room_steps: self.room_steps,
+                task_features: self.milestones_task_features,
             }),
             EnvName::Pendulum => EnvConfig::Pendulum,
             EnvName::MinatarAsterix

@@ -32,7 +32,12 @@ const SEGMENT_LEN: usize = 16;
 fn spec() -> RunSpec {
     RunSpec {
         run: RunId::new("saveload").expect("valid run id"),
-        env: EnvConfig::Milestones(MilestonesConfig { n_rooms: 2, room_len: 6, max_steps: 3000 }),
+        env: EnvConfig::Milestones(MilestonesConfig {
+            n_rooms: 2,
+            room_len: 6,
+            max_steps: 3000,
+            ..MilestonesConfig::default()
+        }),
         policy: PolicySpec {
             obs_dim: 5,
             n_actions: 3,

@@ -14,12 +14,20 @@
 //!   interaction is a no-op.
 //! - **Observation** (5 × `f32`, each in `[0, 1]`):
 //!   `[position / (room_len - 1), key_position / (room_len - 1), has_key,
-//!   room / (n_rooms - 1) (0 with one room), elapsed_steps / max_steps]`.
+//!   room / (n_rooms - 1) (0 with one room), elapsed_steps / max_steps]`
+//!   (with `room_steps`, the last one is `steps_in_room / room_steps` instead),
+//!   and with `task_features` two more that say which member of a task family this is:
+//!   `[min(n_rooms, 16) / 16, min(room_len, 64) / 64]` (7 in all).
 //!   The last feature is the time left to the limit, which makes the value of a state
 //!   well-defined under truncation (Pardo et al. 2018, "Time limits in reinforcement
 //!   learning"). The key position is shown whether or not the key has been picked up.
 //! - **Reward**: 1.0 on the step that opens the last room's door, 0.0 otherwise.
-//! - **Termination**: when the last door opens.
+//! - **Termination**: when the last door opens; with `room_steps > 0`, also (reward 0) when
+//!   the agent has spent `room_steps` steps in one room without opening its door. Such chains
+//!   are the setting where restarting from saved states pays (Go-Explore; Salimans & Chen 2018):
+//!   a random policy clears each room with some probability `q < 1` (about 0.19 for rooms of 6
+//!   cells and 32 steps), so fresh episodes reach room `k` with probability about `q^k`, while
+//!   an episode restarted on entering room `k` faces only the rooms left.
 //! - **Truncation**: after `max_steps` steps of the episode, unless the same step terminated.
 //! - **Milestones**: [`Env::at_milestone`] is true exactly between the step that opened a door
 //!   into room 1, 2, … and the next step (or reset or restore of another state): the state right
@@ -38,8 +46,10 @@ use super::{
     StepOutcome,
 };
 
-/// Observation length.
+/// Observation length without task features.
 pub const OBS_DIM: usize = 5;
+/// Observation length with [`MilestonesConfig::task_features`].
+pub const OBS_DIM_WITH_TASK_FEATURES: usize = OBS_DIM + 2;
 /// Number of discrete actions: left, right, interact.
 pub const N_ACTIONS: usize = 3;
 /// Action: move one cell left.
@@ -66,12 +76,24 @@ pub struct MilestonesConfig {
     /// Steps before the episode is truncated; at least [`MilestonesConfig::min_solution_steps`]
     /// so the task stays solvable, at most 100000000.
     pub max_steps: usize,
+    /// Steps allowed in each room (0: no per-room limit, 1..=100000000): the episode ends with
+    /// reward 0 when one room takes this long (see the module documentation).
+    pub room_steps: usize,
+    /// Append `n_rooms` and `room_len` (scaled) to the observation, so a policy shared by a
+    /// family of chains can tell them apart.
+    pub task_features: bool,
 }
 
 impl Default for MilestonesConfig {
     fn default() -> Self {
         let (n_rooms, room_len) = (4, 8);
-        Self { n_rooms, room_len, max_steps: Self::default_max_steps(n_rooms, room_len) }
+        Self {
+            n_rooms,
+            room_len,
+            max_steps: Self::default_max_steps(n_rooms, room_len),
+            room_steps: 0,
+            task_features: false,
+        }
     }
 }
 
@@ -88,6 +110,15 @@ impl MilestonesConfig {
         self.n_rooms * (self.room_len + 1)
     }
 
+    /// Observation length: [`OBS_DIM`], or [`OBS_DIM_WITH_TASK_FEATURES`].
+    pub fn obs_dim(&self) -> usize {
+        if self.task_features {
+            OBS_DIM_WITH_TASK_FEATURES
+        } else {
+            OBS_DIM
+        }
+    }
+
     /// Check the bounds documented on each field.
     pub fn validate(&self) -> Result<(), EnvError> {
         if !(1..=MAX_N_ROOMS).contains(&self.n_rooms) {
@@ -95,6 +126,13 @@ impl MilestonesConfig {
         }
         if !(3..=MAX_ROOM_LEN).contains(&self.room_len) {
             return Err(EnvError::Config(format!("milestones room_len {} outside 3..={MAX_ROOM_LEN}", self.room_len)));
+        }
+        if self.room_steps != 0 && !(self.room_len + 1..=MAX_MAX_STEPS).contains(&self.room_steps) {
+            return Err(EnvError::Config(format!(
+                "milestones room_steps {} outside {}..={MAX_MAX_STEPS} (or 0 for no per-room limit)",
+                self.room_steps,
+                self.room_len + 1
+            )));
         }
         let min_steps = self.min_solution_steps();
         if !(min_steps..=MAX_MAX_STEPS).contains(&self.max_steps) {
@@ -128,6 +166,8 @@ struct RoomState {
     has_key: bool,
     just_entered_room: bool,
     elapsed_steps: usize,
+    /// Steps since entering the current room.
+    room_elapsed: usize,
     episode_over: bool,
 }
 
@@ -151,6 +191,7 @@ impl Milestones {
                 has_key: false,
                 just_entered_room: false,
                 elapsed_steps: 0,
+                room_elapsed: 0,
                 episode_over: true,
             },
             config,
@@ -199,7 +240,24 @@ impl Milestones {
         obs[1] = self.state.key_position as f32 / last_cell;
         obs[2] = f32::from(u8::from(self.state.has_key));
         obs[3] = self.state.room as f32 / last_room;
-        obs[4] = self.state.elapsed_steps as f32 / self.config.max_steps as f32;
+        obs[4] = if self.config.room_steps > 0 {
+            self.state.room_elapsed as f32 / self.config.room_steps as f32
+        } else {
+            self.state.elapsed_steps as f32 / self.config.max_steps as f32
+        };
+        if self.config.task_features {
+            obs[5] = self.config.n_rooms.min(16) as f32 / 16.0;
+            obs[6] = self.config.room_len.min(64) as f32 / 64.0;
+        }
+    }
+
+    fn check_obs_len(&self, obs: &[f32]) -> Result<(), EnvError> {
+        let want = self.config.obs_dim();
+        if obs.len() == want {
+            Ok(())
+        } else {
+            Err(obs_shape_error(want, obs.len()))
+        }
     }
 
     /// Validate a decoded state against this environment's configuration.
@@ -217,6 +275,9 @@ impl Milestones {
         if state.elapsed_steps > config.max_steps || (state.elapsed_steps == config.max_steps && !state.episode_over) {
             return Err(format!("step counter {} with max_steps {}", state.elapsed_steps, config.max_steps));
         }
+        if config.room_steps > 0 && (state.room_elapsed >= config.room_steps && !state.episode_over) {
+            return Err(format!("{} steps in a room with room_steps {}", state.room_elapsed, config.room_steps));
+        }
         Ok(())
     }
 }
@@ -227,7 +288,8 @@ impl Env for Milestones {
     }
 
     fn observation_space(&self) -> ObservationSpace {
-        ObservationSpace { low: vec![0.0; OBS_DIM], high: vec![1.0; OBS_DIM] }
+        let dim = self.config.obs_dim();
+        ObservationSpace { low: vec![0.0; dim], high: vec![1.0; dim] }
     }
 
     fn action_space(&self) -> ActionSpace {
@@ -235,17 +297,13 @@ impl Env for Milestones {
     }
 
     fn reset(&mut self, seed: u64, obs: &mut [f32]) -> Result<(), EnvError> {
-        if obs.len() != OBS_DIM {
-            return Err(obs_shape_error(OBS_DIM, obs.len()));
-        }
+        self.check_obs_len(obs)?;
         self.rng = Pcg64Mcg::seed_from_u64(seed);
         self.reset_next(obs)
     }
 
     fn reset_next(&mut self, obs: &mut [f32]) -> Result<(), EnvError> {
-        if obs.len() != OBS_DIM {
-            return Err(obs_shape_error(OBS_DIM, obs.len()));
-        }
+        self.check_obs_len(obs)?;
         self.state = RoomState {
             room: 0,
             position: 0,
@@ -253,6 +311,7 @@ impl Env for Milestones {
             has_key: false,
             just_entered_room: false,
             elapsed_steps: 0,
+            room_elapsed: 0,
             episode_over: false,
         };
         self.write_obs(obs);
@@ -260,17 +319,17 @@ impl Env for Milestones {
     }
 
     fn step(&mut self, action: Action<'_>, obs: &mut [f32]) -> Result<StepOutcome, EnvError> {
-        if obs.len() != OBS_DIM {
-            return Err(obs_shape_error(OBS_DIM, obs.len()));
-        }
+        self.check_obs_len(obs)?;
         let action = action.discrete(N_ACTIONS)?;
         if self.state.episode_over {
             return Err(EnvError::EpisodeOver);
         }
         let door_cell = self.config.room_len - 1;
         self.state.elapsed_steps += 1;
+        self.state.room_elapsed += 1;
         self.state.just_entered_room = false;
         let mut terminated = false;
+        let mut reward = 0.0;
         match action {
             ACTION_LEFT => self.state.position = self.state.position.saturating_sub(1),
             ACTION_RIGHT => self.state.position = (self.state.position + 1).min(door_cell),
@@ -280,15 +339,21 @@ impl Env for Milestones {
                 } else if self.state.has_key && self.state.position == door_cell {
                     if self.state.room + 1 == self.config.n_rooms {
                         terminated = true;
+                        reward = 1.0;
                     } else {
                         self.state.room += 1;
                         self.state.position = 0;
                         self.state.has_key = false;
                         self.state.key_position = self.draw_key_position();
                         self.state.just_entered_room = true;
+                        self.state.room_elapsed = 0;
                     }
                 }
             }
+        }
+        if self.config.room_steps > 0 && self.state.room_elapsed >= self.config.room_steps {
+            // Only reached when this step did not open the room's door (that resets the count).
+            terminated = true;
         }
         let truncated = !terminated && self.state.elapsed_steps >= self.config.max_steps;
         self.state.episode_over = terminated || truncated;
@@ -296,7 +361,7 @@ impl Env for Milestones {
             self.state.just_entered_room = false;
         }
         self.write_obs(obs);
-        Ok(StepOutcome { reward: if terminated { 1.0 } else { 0.0 }, terminated, truncated })
+        Ok(StepOutcome { reward, terminated, truncated })
     }
 
     fn snapshot(&self) -> Vec<u8> {
@@ -307,9 +372,7 @@ impl Env for Milestones {
     }
 
     fn restore(&mut self, bytes: &[u8], obs: &mut [f32]) -> Result<(), EnvError> {
-        if obs.len() != OBS_DIM {
-            return Err(obs_shape_error(OBS_DIM, obs.len()));
-        }
+        self.check_obs_len(obs)?;
         let snapshot: MilestonesSnapshot = decode_snapshot(self.name(), bytes)?;
         if snapshot.config != self.config {
             return Err(EnvError::BadSnapshot(format!(
@@ -368,6 +431,55 @@ mod tests {
                 return outcome.terminated;
             }
         }
+    }
+
+    #[test]
+    fn a_room_that_takes_room_steps_ends_the_episode_and_opening_a_door_resets_the_count() {
+        let config = MilestonesConfig { n_rooms: 2, room_len: 6, room_steps: 10, max_steps: 40, ..Default::default() };
+        let mut env = Milestones::new(config.clone()).unwrap();
+        let mut obs = vec![0.0; OBS_DIM];
+        env.reset(3, &mut obs).unwrap();
+        // Pacing left at the wall: the tenth step in the room ends the episode, no reward.
+        for step in 1..=10 {
+            let outcome = env.step(Action::Discrete(ACTION_LEFT), &mut obs).unwrap();
+            assert_eq!(obs[4], step as f32 / 10.0);
+            assert_eq!(outcome.terminated, step == 10, "step {step}");
+            assert!(!outcome.truncated && outcome.reward == 0.0);
+        }
+        // The scripted policy clears each room in at most 7 steps, so a room limit of 10 never
+        // ends its episode, and entering the second room resets the count.
+        env.reset(3, &mut obs).unwrap();
+        let mut steps = 0;
+        loop {
+            let outcome = env.step(Action::Discrete(scripted_action(&env)), &mut obs).unwrap();
+            steps += 1;
+            if env.at_milestone() {
+                assert_eq!(obs[4], 0.0);
+            }
+            if outcome.done() {
+                assert!(outcome.terminated && outcome.reward == 1.0, "{outcome:?} after {steps}");
+                break;
+            }
+        }
+        // Snapshots carry the count (and `restored_snapshot_replays_bit_identically` covers
+        // per-room limits too).
+        assert!(MilestonesConfig { room_steps: 6, ..config.clone() }.validate().is_err(), "room_steps <= room_len");
+    }
+
+    #[test]
+    fn task_features_say_which_chain_this_is() {
+        let config = MilestonesConfig { n_rooms: 3, room_len: 6, task_features: true, ..Default::default() };
+        let mut env = Milestones::new(config.clone()).unwrap();
+        assert_eq!(env.observation_space().dim(), OBS_DIM_WITH_TASK_FEATURES);
+        let mut short = vec![0.0; OBS_DIM];
+        assert!(env.reset(1, &mut short).is_err());
+        let mut obs = vec![0.0; OBS_DIM_WITH_TASK_FEATURES];
+        env.reset(1, &mut obs).unwrap();
+        assert_eq!(&obs[5..], &[3.0 / 16.0, 6.0 / 64.0]);
+        let big = MilestonesConfig { n_rooms: 40, room_len: 100, max_steps: 16_000, ..config };
+        let mut env = Milestones::new(big).unwrap();
+        env.reset(1, &mut obs).unwrap();
+        assert_eq!(&obs[5..], &[1.0, 1.0]);
     }
 
     #[test]
@@ -441,7 +553,7 @@ mod tests {
 
     #[test]
     fn truncates_at_max_steps() {
-        let config = MilestonesConfig { n_rooms: 1, room_len: 3, max_steps: 4 };
+        let config = MilestonesConfig { n_rooms: 1, room_len: 3, max_steps: 4, ..Default::default() };
         let mut env = Milestones::new(config).unwrap();
         let mut obs = vec![0.0; OBS_DIM];
         env.reset(0, &mut obs).unwrap();
@@ -469,7 +581,7 @@ mod tests {
             (1, 8, MAX_MAX_STEPS + 1),
         ];
         for (n_rooms, room_len, max_steps) in bad {
-            let config = MilestonesConfig { n_rooms, room_len, max_steps };
+            let config = MilestonesConfig { n_rooms, room_len, max_steps, ..Default::default() };
             assert!(matches!(Milestones::new(config), Err(EnvError::Config(_))));
         }
         let default = MilestonesConfig::default();
@@ -522,15 +634,25 @@ mod tests {
     fn restore_rejects_other_config() {
         let (env, mut obs) = reset_default(3);
         let bytes = env.snapshot();
-        let mut other = Milestones::new(MilestonesConfig { n_rooms: 5, room_len: 8, max_steps: 160 }).unwrap();
+        let mut other =
+            Milestones::new(MilestonesConfig { n_rooms: 5, room_len: 8, max_steps: 160, ..Default::default() })
+                .unwrap();
         assert!(matches!(other.restore(&bytes, &mut obs), Err(EnvError::BadSnapshot(_))));
     }
 
     fn config_strategy() -> impl Strategy<Value = MilestonesConfig> {
-        (1usize..4, 3usize..7, 0usize..20).prop_map(|(n_rooms, room_len, extra)| {
-            let min_steps = n_rooms * (room_len + 1);
-            MilestonesConfig { n_rooms, room_len, max_steps: min_steps + extra }
-        })
+        (1usize..4, 3usize..7, 0usize..20, proptest::option::of(0usize..8), any::<bool>()).prop_map(
+            |(n_rooms, room_len, extra, room_extra, task_features)| {
+                let min_steps = n_rooms * (room_len + 1);
+                MilestonesConfig {
+                    n_rooms,
+                    room_len,
+                    max_steps: min_steps + extra,
+                    room_steps: room_extra.map_or(0, |extra| room_len + 1 + extra),
+                    task_features,
+                }
+            },
+        )
     }
 
     proptest! {

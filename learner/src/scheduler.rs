@@ -254,6 +254,37 @@ impl Scheduler {
         }
     }
 
+    /// A saved state to restart from, Go-Explore style: first a cell, the states of one task
+    /// at one progress, with weight `(1 + progress)² / √(1 + visits of the cell)`; then a
+    /// state of that cell, least visited first (`1 / √(1 + visits)`).
+    ///
+    /// Weighing states one by one (as before issue 18) let the many states of early progress
+    /// outweigh the few at the frontier: on a 6-room chain with thousands of saved room-1
+    /// entries, the furthest rooms were almost never chosen and restarts never reached the
+    /// end. Call only with saved states known.
+    fn choose_snapshot(&mut self) -> String {
+        let mut cells: HashMap<(u32, u32), (u64, f32, Vec<&String>)> = HashMap::new();
+        for (key, known) in &self.snapshots {
+            let cell =
+                cells.entry((known.task_id, known.progress.to_bits())).or_insert((0, known.progress, Vec::new()));
+            cell.0 += known.visits;
+            cell.2.push(key);
+        }
+        // Sorted, so a seed gives the same choices whatever the map's order.
+        let mut cells: Vec<_> = cells.into_iter().collect();
+        cells.sort_by(|a, b| a.0.cmp(&b.0));
+        let weights: Vec<f64> = cells
+            .iter()
+            .map(|(_, (visits, progress, _))| {
+                (1.0 + f64::from(progress.max(0.0))).powi(2) / (1.0 + *visits as f64).sqrt()
+            })
+            .collect();
+        let (_, (_, _, keys)) = &mut cells[sample_weighted(&mut self.rng, &weights)];
+        keys.sort();
+        let weights: Vec<f64> = keys.iter().map(|k| 1.0 / (1.0 + self.snapshots[*k].visits as f64).sqrt()).collect();
+        keys[sample_weighted(&mut self.rng, &weights)].clone()
+    }
+
     /// The next `n` work items.
     pub fn next_items(&mut self, n: usize) -> Vec<WorkItem> {
         let mut items = Vec::with_capacity(n);
@@ -264,9 +295,7 @@ impl Scheduler {
                 && !self.snapshots.is_empty()
                 && self.rng.random::<f32>() < self.config.restart_share;
             let item = if restart {
-                let keys: Vec<&String> = self.snapshots.keys().collect();
-                let weights: Vec<f64> = keys.iter().map(|k| self.snapshots[*k].weight()).collect();
-                let key = keys[sample_weighted(&mut self.rng, &weights)].clone();
+                let key = self.choose_snapshot();
                 let known = self.snapshots.get_mut(&key).expect("chosen from the map");
                 known.visits += 1;
                 let task_id = known.task_id;
@@ -540,6 +569,38 @@ mod tests {
         assert_eq!(scheduler.items_issued(), (0, 400));
         scheduler.observe_segment(&segment(vec![outcome(1, true, Some("far"))], vec![]));
         assert_eq!(scheduler.snapshots["far"].outcomes.episodes, 1);
+    }
+
+    /// Regression for issue 18: weighed one by one, 1000 saved states at progress 1 outweighed
+    /// the one frontier state at progress 3 (16 against 4000: chosen 0.4 % of the time), and
+    /// restarts on a long chain never got past the early rooms.
+    #[test]
+    fn restarts_choose_the_frontier_cell_however_many_early_states_are_saved() {
+        let work = WorkConfig { restart_share: 1.0, ..config(BudgetPolicy::Uniform) };
+        let mut scheduler = Scheduler::new(&work, &memory_tasks()[0], 7, 0);
+        let info = |key: String, progress: f32| SnapshotInfo {
+            key,
+            task_id: 0,
+            progress,
+            episode_return: 0.0,
+            episode_len: 3,
+        };
+        let mut saved: Vec<SnapshotInfo> = (0..1000).map(|i| info(format!("room1-{i}"), 1.0)).collect();
+        saved.push(info("room3".into(), 3.0));
+        scheduler.observe_segment(&segment(vec![], saved));
+        let items = scheduler.next_items(400);
+        let frontier = items.iter().filter(|i| i.start == Start::Resume { snapshot: "room3".into() }).count();
+        // Cells weigh 4/√(1+v₁) and 16/√(1+v₃): the frontier takes most items, and the early
+        // cell still gets some, spread over its states (least visited first).
+        assert!(frontier > 200, "the frontier was chosen {frontier} of 400 times");
+        let early: std::collections::HashSet<_> = items
+            .iter()
+            .filter_map(|i| match &i.start {
+                Start::Resume { snapshot } if snapshot != "room3" => Some(snapshot),
+                _ => None,
+            })
+            .collect();
+        assert!(early.len() as f64 >= 0.9 * (400 - frontier) as f64, "{} distinct early states", early.len());
     }
 
     #[test]
