@@ -116,7 +116,7 @@ impl Pacing {
 /// - The segments of one `publish` call travel together: up to
 ///   [`NatsConfig::max_segments_per_message`] of them in one message (a batch frame,
 ///   [`wire::batch`], each segment still encoded and checksummed on its own), as many as fit
-///   in `max_payload`. A call's segments are never held back for a later call's, so batching
+///   in [`NatsConfig::max_frame_bytes`] and `max_payload`. A call's segments are never held back for a later call's, so batching
 ///   adds no latency. A lone segment is sent as a plain segment message.
 /// - Up to [`NatsConfig::publish_window`] publish acks are in flight; `publish` returns once
 ///   every segment was sent and all but that many were acknowledged. [`NatsTrajectorySink::flush`]
@@ -164,17 +164,29 @@ fn msg_id_header_bytes(msg_id: &str) -> usize {
     "NATS/1.0\r\n".len() + "Nats-Msg-Id".len() + ": ".len() + msg_id.len() + "\r\n".len() + "\r\n".len()
 }
 
-/// Encode a `publish` call's segments into messages: runs of up to `max_per_message`
-/// consecutive segments, each run as long as its frame and id header fit in `max_payload`;
-/// a run of one is a plain segment message. Fails, publishing nothing, if a segment does not
-/// fit on its own.
+/// How [`pack_segments`] bounds a message.
+#[derive(Debug, Clone, Copy)]
+struct FrameLimits {
+    /// The server's limit on a message, headers included.
+    max_payload: usize,
+    /// [`NatsConfig::max_segments_per_message`].
+    max_segments: usize,
+    /// [`NatsConfig::max_frame_bytes`].
+    max_frame_bytes: usize,
+}
+
+/// Encode a `publish` call's segments into messages: runs of up to `max_segments`
+/// consecutive segments, each run as long as its frame and id header fit in `max_frame_bytes`
+/// and `max_payload`; a run of one is a plain segment message. Fails, publishing nothing, if
+/// a segment does not fit in `max_payload` on its own.
 fn pack_segments(
     segments: &[TrajectorySegment],
     incarnation: &str,
-    max_payload: usize,
-    max_per_message: usize,
+    limits: FrameLimits,
 ) -> Result<Vec<Outgoing>, TransportError> {
-    let max_per_message = max_per_message.clamp(1, wire::batch::MAX_SEGMENTS_PER_BATCH);
+    let FrameLimits { max_payload, max_segments, max_frame_bytes } = limits;
+    let max_per_message = max_segments.clamp(1, wire::batch::MAX_SEGMENTS_PER_BATCH);
+    let frame_limit = max_frame_bytes.min(max_payload);
     let mut encoded = Vec::with_capacity(segments.len());
     for segment in segments {
         let payload = wire::encode_segment(segment);
@@ -204,7 +216,7 @@ fn pack_segments(
         while end < segments.len()
             && end - start < max_per_message
             && wire::batch::batch_header_bytes(end + 1 - start) + body_bytes + encoded[end].len() + id_bytes
-                <= max_payload
+                <= frame_limit
         {
             body_bytes += encoded[end].len();
             end += 1;
@@ -264,8 +276,12 @@ impl NatsTrajectorySink {
 
     async fn publish_all(&mut self, segments: Vec<TrajectorySegment>) -> Result<(), TransportError> {
         let max_payload = self.shared.client.max_payload();
-        let max_per_message = self.shared.config.max_segments_per_message;
-        let messages = pack_segments(&segments, &self.incarnation, max_payload, max_per_message)?;
+        let limits = FrameLimits {
+            max_payload,
+            max_segments: self.shared.config.max_segments_per_message,
+            max_frame_bytes: self.shared.config.max_frame_bytes,
+        };
+        let messages = pack_segments(&segments, &self.incarnation, limits)?;
         drop(segments);
         let window = self.shared.config.publish_window.max(1);
         for Outgoing { msg_id, payload, n_segments } in messages {
@@ -510,6 +526,10 @@ mod tests {
         (0..n).map(|idx| SegmentBuilder::new(8, obs_dim).env_idx(idx as u32).segment_idx(7).build()).collect()
     }
 
+    fn limits(max_payload: usize, max_segments: usize) -> FrameLimits {
+        FrameLimits { max_payload, max_segments, max_frame_bytes: usize::MAX }
+    }
+
     fn parts_of(message: &Outgoing) -> Vec<TrajectorySegment> {
         if wire::batch::is_segment_batch(&message.payload) {
             let parts = wire::batch::split_segment_batch(&message.payload).expect("a valid frame");
@@ -522,15 +542,16 @@ mod tests {
     #[test]
     fn a_calls_segments_are_packed_in_order_within_the_count_and_the_payload() {
         let input = segments(10, 4);
-        let packed = pack_segments(&input, "0f", 1 << 20, 4).expect("fits");
+        let packed = pack_segments(&input, "0f", limits(1 << 20, 4)).expect("fits");
         assert_eq!(packed.iter().map(|m| m.n_segments).collect::<Vec<_>>(), [4, 4, 2]);
         let unpacked: Vec<_> = packed.iter().flat_map(parts_of).collect();
         assert_eq!(unpacked, input);
         assert!(packed[0].msg_id.ends_with("-0-7+4") && packed[2].msg_id.ends_with("-8-7+2"), "{}", packed[0].msg_id);
-        // The payload bound: three segments' worth of bytes holds two per message, the rest alone.
+        // The frame bound: three segments' worth of bytes holds at most three per message.
         let one = wire::encode_segment(&input[0]).len();
         let limit = wire::batch::batch_header_bytes(3) + 3 * one + 60;
-        let packed = pack_segments(&input[..5], "0f", limit, 64).expect("fits");
+        let packed = pack_segments(&input[..5], "0f", FrameLimits { max_frame_bytes: limit, ..limits(1 << 20, 64) })
+            .expect("fits");
         assert!(packed.iter().all(|m| m.payload.len() + msg_id_header_bytes(&m.msg_id) <= limit));
         assert_eq!(packed.iter().map(|m| m.n_segments).sum::<u64>(), 5);
         assert!(packed.iter().all(|m| m.n_segments <= 3));
@@ -540,7 +561,7 @@ mod tests {
     #[test]
     fn one_segment_per_message_sends_plain_segments_with_their_own_ids() {
         let input = segments(3, 4);
-        let packed = pack_segments(&input, "0f", 1 << 20, 1).expect("fits");
+        let packed = pack_segments(&input, "0f", limits(1 << 20, 1)).expect("fits");
         assert_eq!(packed.len(), 3);
         for (message, segment) in packed.iter().zip(&input) {
             assert!(!wire::batch::is_segment_batch(&message.payload));
@@ -552,7 +573,7 @@ mod tests {
     fn a_segment_over_max_payload_fails_the_whole_call() {
         let input = segments(3, 4);
         let one = wire::encode_segment(&input[0]).len();
-        let err = pack_segments(&input, "0f", one, 64).err().expect("a segment plus its header does not fit");
+        let err = pack_segments(&input, "0f", limits(one, 64)).err().expect("a segment plus its header does not fit");
         assert!(matches!(&err, TransportError::Failed { message, .. } if message.contains("max_payload")), "{err}");
     }
 

@@ -394,7 +394,8 @@ async fn settle_detached(
 }
 
 /// Take up to `max` deliveries from the consumer's continuous pull (opened on first use with
-/// room for two calls' worth), waiting at most `wait` for the first. An error closes the pull;
+/// room for two calls' worth, and at most [`PREFETCH_MAX_BYTES`] or two messages of
+/// `max_payload` per pull request), waiting at most `wait` for the first. An error closes the pull;
 /// the next call opens a new one (deliveries it had buffered are redelivered after `ack_wait`).
 async fn pull_into(
     prefetch: &mut Option<consumer::pull::Stream>,
@@ -402,6 +403,7 @@ async fn pull_into(
     max: usize,
     wait: Duration,
     request_timeout: Duration,
+    max_payload: usize,
     out: &mut Vec<jetstream::Message>,
 ) -> Result<(), TransportError> {
     const OPERATION: &str = "fetch segments";
@@ -409,7 +411,9 @@ async fn pull_into(
         Some(stream) => stream,
         None => {
             let batch = max.saturating_mul(2).clamp(PREFETCH_MIN, PREFETCH_MAX);
-            let opened = call(OPERATION, request_timeout, consumer.stream().max_messages_per_batch(batch).messages());
+            let max_bytes = PREFETCH_MAX_BYTES.max(2 * max_payload);
+            let pull = consumer.stream().max_messages_per_batch(batch).max_bytes_per_batch(max_bytes);
+            let opened = call(OPERATION, request_timeout, pull.messages());
             prefetch.insert(opened.await?)
         }
     };
@@ -488,6 +492,11 @@ fn unpack_message(
 /// Bounds on the learner's continuous pull: messages asked for per pull request.
 const PREFETCH_MIN: usize = 8;
 const PREFETCH_MAX: usize = 256;
+/// Bytes asked for per pull request (at least two messages of `max_payload`). Without a byte
+/// bound, 256 messages of ~1 MiB (84×84 frames) were more than the server lets wait for one
+/// client (`max_pending`, 64 MiB by default): it dropped deliveries, which came again only
+/// after `ack_wait`, and the learner stalled (issue 16, `cargo bench --bench ingest`).
+const PREFETCH_MAX_BYTES: usize = 16 << 20;
 
 impl TrajectorySource for NatsTrajectorySource {
     fn recv(&mut self, max: usize, timeout: Duration, out: &mut Vec<Delivery>) -> Result<usize, TransportError> {
@@ -519,8 +528,17 @@ impl TrajectorySource for NatsTrajectorySource {
         let fetched = shared.block_on(async {
             if durable {
                 self.keep_held_alive().await;
-                pull_into(&mut self.prefetch, &self.consumer, want_messages, wait, request_timeout, &mut messages)
-                    .await?;
+                let max_payload = shared.client.max_payload();
+                pull_into(
+                    &mut self.prefetch,
+                    &self.consumer,
+                    want_messages,
+                    wait,
+                    request_timeout,
+                    max_payload,
+                    &mut messages,
+                )
+                .await?;
                 // The continuous pull waits through an outage quietly; say so, as a fetch would.
                 let state = shared.client.connection_state();
                 if messages.is_empty() && state != async_nats::connection::State::Connected {
