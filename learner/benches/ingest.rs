@@ -17,6 +17,10 @@
 //! - `source_cpu`: the same with `Learner::update` (V-trace, MLP 64×64, the CPU backend) on
 //!   every batch.
 //!
+//! - `decode_only`: the learner's per-segment CPU work of `source_noop` without NATS (frame
+//!   split, checksum, decode, validation, admission, batch layout) on the same bytes in memory,
+//!   one thread: the ceiling of `source_noop` on this machine.
+//!
 //! Each variant stops when it has read every segment or after [`VARIANT_BUDGET`], and reports
 //! samples (segment steps) per second over the segments it handed to batches. Every variant
 //! runs [`repeats`] times (`VOLLEY_INGEST_REPEATS`, default 3), interleaved; the table gives
@@ -73,16 +77,18 @@ enum Variant {
     Raw,
     SourceNoop,
     SourceCpu,
+    DecodeOnly,
 }
 
 impl Variant {
-    const ALL: [Variant; 3] = [Variant::Raw, Variant::SourceNoop, Variant::SourceCpu];
+    const ALL: [Variant; 4] = [Variant::Raw, Variant::SourceNoop, Variant::SourceCpu, Variant::DecodeOnly];
 
     fn name(self) -> &'static str {
         match self {
             Variant::Raw => "raw",
             Variant::SourceNoop => "source_noop",
             Variant::SourceCpu => "source_cpu",
+            Variant::DecodeOnly => "decode_only",
         }
     }
 }
@@ -265,6 +271,54 @@ fn read_source(bus: &NatsBus, spec: &RunSpec, n_segments: usize, update: bool) -
     reading
 }
 
+/// The learner's per-segment CPU work alone, no NATS: the messages the sink would publish for
+/// `shape` (frames of 8, or single segments) split, decoded, validated, admitted and laid out
+/// in batches, on this thread. The duplicate filter is left out (the same bytes repeat).
+fn decode_only(spec: &RunSpec, shape: &Shape) -> Reading {
+    let templates: Vec<TrajectorySegment> = (0..ENVS).map(|env| template(spec, env)).collect();
+    let encoded: Vec<Vec<u8>> = templates.iter().map(wire::encode_segment).collect();
+    let frame_fits = wire::batch::batch_header_bytes(ENVS) + encoded.iter().map(Vec::len).sum::<usize>() <= 64 << 10;
+    let messages: Vec<Vec<u8>> = if shape.max_segments_per_message > 1 && frame_fits {
+        vec![wire::batch::encode_segment_batch(&encoded)]
+    } else {
+        encoded
+    };
+    let learner = Learner::new(spec.clone()).expect("valid spec");
+    let (layout_hash, hidden_size) = (learner.layout().hash(), learner.layout().recurrent_size());
+    let admission = Admission::new(spec);
+    let mut segments: Vec<TrajectorySegment> = Vec::with_capacity(BATCH_SEGMENTS);
+    let mut batch = SegmentBatch::default();
+    let column_weights = vec![1.0; BATCH_SEGMENTS];
+    let mut used = 0;
+    let started = Instant::now();
+    'outer: while used < shape.n_segments && started.elapsed() < VARIANT_BUDGET {
+        for message in &messages {
+            let parts: Vec<&[u8]> = if wire::batch::is_segment_batch(message) {
+                wire::batch::split_segment_batch(message).expect("a valid frame").collect()
+            } else {
+                vec![message.as_slice()]
+            };
+            for part in parts {
+                let segment = wire::decode_segment_body(part).expect("decodes");
+                segment.validate(spec, layout_hash, hidden_size).expect("valid");
+                admission.check(&segment, learner.version()).expect("admitted");
+                segments.push(segment);
+                if segments.len() == BATCH_SEGMENTS {
+                    let refs: Vec<&TrajectorySegment> = segments.iter().collect();
+                    batch.fill(&refs, spec.hyper.gamma, spec.hyper.reward_scale, &column_weights);
+                    std::hint::black_box(&batch);
+                    used += segments.len();
+                    segments.clear();
+                    if used >= shape.n_segments {
+                        break 'outer;
+                    }
+                }
+            }
+        }
+    }
+    Reading { segments: used, elapsed: started.elapsed() }
+}
+
 fn median_and_range(values: &mut [f64]) -> (f64, f64, f64) {
     values.sort_by(f64::total_cmp);
     (values[values.len() / 2], values[0], values[values.len() - 1])
@@ -294,6 +348,7 @@ fn main() {
                     Variant::Raw => read_raw(&bus, n_messages, shape.n_segments),
                     Variant::SourceNoop => read_source(&bus, &spec, shape.n_segments, false),
                     Variant::SourceCpu => read_source(&bus, &spec, shape.n_segments, true),
+                    Variant::DecodeOnly => decode_only(&spec, shape),
                 };
                 eprintln!(
                     "{} {} #{repeat}: {} segments in {:.2?}, {:.0} samples/s",
