@@ -99,6 +99,23 @@ pub fn trajectory_msg_id(actor: &ActorId, incarnation: &str, env_idx: u32, segme
     format!("{actor}-{incarnation}-{env_idx}-{segment_idx}")
 }
 
+/// The `Nats-Msg-Id` of a batch frame of `n_segments` segments ([`crate::wire::batch`]) whose
+/// first segment has the id [`trajectory_msg_id`]`(actor, incarnation, env_idx, segment_idx)`:
+/// that id and `+<n_segments>`.
+///
+/// A sink sends a retried frame with the same id, so the stream stores it once. No two frames
+/// of one sink start with the same segment, and the `+` keeps a frame's id apart from any
+/// single segment's.
+pub fn trajectory_batch_msg_id(
+    actor: &ActorId,
+    incarnation: &str,
+    env_idx: u32,
+    segment_idx: u64,
+    n_segments: usize,
+) -> String {
+    format!("{actor}-{incarnation}-{env_idx}-{segment_idx}+{n_segments}")
+}
+
 /// Name of the JetStream stream NATS creates behind the KV bucket `bucket` (`KV_<bucket>`).
 pub fn kv_backing_stream(bucket: &str) -> String {
     format!("KV_{bucket}")
@@ -312,6 +329,8 @@ mod tests {
         assert_ne!(id, trajectory_msg_id(&actor("a-1"), "0f", 2, 4));
         assert_ne!(id, trajectory_msg_id(&actor("a-1"), "10", 2, 3));
         assert_ne!(trajectory_msg_id(&actor("a"), "1", 2, 3), trajectory_msg_id(&actor("a-1"), "2", 3, 3));
+        assert_eq!(trajectory_batch_msg_id(&actor("a-1"), "0f", 2, 3, 8), "a-1-0f-2-3+8");
+        assert_ne!(trajectory_batch_msg_id(&actor("a-1"), "0f", 2, 3, 1), id);
     }
 
     #[test]

@@ -6,11 +6,16 @@
 //! acknowledged by the stream. Only the publishing is timed: each batch is built (cloned from a
 //! template with fresh segment indices) just before, untimed, in every variant. Variants, all on
 //! the same connection, runtime, subject and stream:
-//! - `volley_sink`: `NatsTrajectorySink::publish` of owned segments (encoding, message id,
-//!   size check, pacing check, 32 acks in flight) and `flush()` at the end of the sample;
+//! - `volley_sink`: `NatsTrajectorySink::publish` of owned segments (encoding, packing the
+//!   call's 8 segments into one batch frame, message id, size check, pacing check, 32 acks in
+//!   flight) and `flush()` at the end of the sample;
+//! - `volley_sink_single`: the same with `max_segments_per_message = 1`: one message (and one
+//!   ack and message id) per segment, as before batch frames (issue 16);
 //! - `raw`: `jetstream::Context::publish` of the same bytes pre-encoded, 32 acks in flight;
 //! - `raw_msg_id`: the same with a unique `Nats-Msg-Id` header per message, shaped like the
 //!   sink's (which it adds for server-side deduplication of retried publishes);
+//! - `raw_frame`: raw publishing of the batch's pre-encoded frame, one message per batch with
+//!   no header: the sink's message shape without the sink;
 //! - `encode`: `wire::encode_segment` alone, for the share of the sink's time spent encoding.
 //!
 //! The run is created with `ensure_run`, so the learner's durable consumer exists (nobody
@@ -118,6 +123,12 @@ fn bench_segments(c: &mut Criterion) {
     let mut sink = bus.trajectory_sink(&actor, Arc::new(AtomicBool::new(false))).expect("open the sink");
     sink.set_max_backlog_segments(u64::MAX);
     let subject = sink.subject().to_string();
+    let mut single_config = NatsConfig::new(server.url(), RunId::new(RUN).expect("valid run id"));
+    single_config.max_segments_per_message = 1;
+    let single_bus = NatsBus::connect(single_config).expect("connect to the bench server");
+    let mut single_sink =
+        single_bus.trajectory_sink(&actor, Arc::new(AtomicBool::new(false))).expect("open the unbatched sink");
+    single_sink.set_max_backlog_segments(u64::MAX);
     let js = bus.jetstream().clone();
     let mut next_idx = 0u64;
 
@@ -130,24 +141,28 @@ fn bench_segments(c: &mut Criterion) {
         eprintln!("{label}: {} bytes per encoded segment", batch_bytes / BATCH);
         group.throughput(Throughput::ElementsAndBytes { elements: BATCH as u64, bytes: batch_bytes as u64 });
 
-        group.bench_function(BenchmarkId::new("volley_sink", label), |b| {
-            b.iter_custom(|iters| {
-                purge(&bus);
-                let mut timed = Duration::ZERO;
-                for _ in 0..iters {
-                    let batch = next_batch(&template, &mut next_idx);
+        for (name, sink) in [("volley_sink", &mut sink), ("volley_sink_single", &mut single_sink)] {
+            group.bench_function(BenchmarkId::new(name, label), |b| {
+                b.iter_custom(|iters| {
+                    purge(&bus);
+                    let mut timed = Duration::ZERO;
+                    for _ in 0..iters {
+                        let batch = next_batch(&template, &mut next_idx);
+                        let started = Instant::now();
+                        sink.publish(batch).expect("publish");
+                        timed += started.elapsed();
+                    }
                     let started = Instant::now();
-                    sink.publish(batch).expect("publish");
-                    timed += started.elapsed();
-                }
-                let started = Instant::now();
-                sink.flush().expect("flush");
-                timed + started.elapsed()
-            })
-        });
+                    sink.flush().expect("flush");
+                    timed + started.elapsed()
+                })
+            });
+        }
 
-        for with_msg_id in [false, true] {
-            let name = if with_msg_id { "raw_msg_id" } else { "raw" };
+        let frame = [Bytes::from(wire::batch::encode_segment_batch(&encoded))];
+        for (name, with_msg_id, payloads) in
+            [("raw", false, &encoded[..]), ("raw_msg_id", true, &encoded[..]), ("raw_frame", false, &frame[..])]
+        {
             group.bench_function(BenchmarkId::new(name, label), |b| {
                 b.iter_custom(|iters| {
                     purge(&bus);
@@ -170,7 +185,7 @@ fn bench_segments(c: &mut Criterion) {
                         };
                         let started = Instant::now();
                         bus.handle().block_on(async {
-                            for (i, payload) in encoded.iter().enumerate() {
+                            for (i, payload) in payloads.iter().enumerate() {
                                 let mut message =
                                     async_nats::jetstream::message::PublishMessage::build().payload(payload.clone());
                                 if let Some(id) = ids.get(i) {
@@ -207,6 +222,8 @@ fn bench_segments(c: &mut Criterion) {
     }
     group.finish();
     drop(sink);
+    drop(single_sink);
+    drop(single_bus);
     drop(bus);
     drop(server);
 }

@@ -186,6 +186,8 @@ fn rejected_delivery_is_never_redelivered() {
     let server = TestNats::start();
     let mut config = config(&server, "reject");
     config.ack_wait = Duration::from_secs(1);
+    // One message per segment: a batch frame settles as a whole (tests/nats_batch_frames.rs).
+    config.max_segments_per_message = 1;
     let bus = learner_bus(config);
     let mut sink = bus.trajectory_sink(&actor("a"), Arc::new(AtomicBool::new(false))).expect("sink");
     sink.publish(vec![segment("a", 0, 0), segment("a", 0, 1)]).expect("publish");
@@ -253,7 +255,11 @@ fn same_segment_published_twice_is_stored_once() {
 #[test]
 fn sink_waits_while_the_backlog_is_full_and_resumes_as_the_learner_drains() {
     let server = TestNats::start();
-    let bus = learner_bus(config(&server, "pacing"));
+    let mut config = config(&server, "pacing");
+    // One message per segment, so the stream's message count is the backlog in segments
+    // (batch frames: tests/nats_batch_frames.rs).
+    config.max_segments_per_message = 1;
+    let bus = learner_bus(config);
     let mut sink = bus.trajectory_sink(&actor("a"), Arc::new(AtomicBool::new(false))).expect("sink");
     sink.set_max_backlog_segments(4);
     let (done_tx, done_rx) = mpsc::channel();
@@ -297,6 +303,7 @@ fn stop_releases_a_throttled_sink() {
     let server = TestNats::start();
     let mut config = config(&server, "stop");
     config.max_backlog_segments = 1;
+    config.max_segments_per_message = 1;
     let bus = learner_bus(config);
     let stop = Arc::new(AtomicBool::new(false));
     let mut sink = bus.trajectory_sink(&actor("a"), stop.clone()).expect("sink");

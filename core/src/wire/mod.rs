@@ -13,6 +13,7 @@ pub use codec::*;
 use crate::ids::{ActorId, PolicyVersion, RunId};
 use crate::spec::RunSpec;
 
+pub mod batch;
 pub mod frame;
 
 /// Bumped on any incompatible change of a wire type (3: the envelope carries a body checksum;

@@ -204,6 +204,15 @@ pub struct NatsConfig {
     pub duplicate_window: Duration,
     /// Publish acks a sink keeps in flight before it waits for the oldest.
     pub publish_window: usize,
+    /// A sink packs up to this many segments of one `publish` call into one message (a batch
+    /// frame, [`volley_core::wire::batch`], within the server's `max_payload`): one publish,
+    /// one ack and one deduplication id per message instead of per segment (issue 16). 1 sends
+    /// every segment as a message of its own, as before batch frames.
+    pub max_segments_per_message: usize,
+    /// A batch frame grows only while it stays within this many bytes (and `max_payload`); a
+    /// segment this large or larger travels alone. Large frames publish slower than the same
+    /// bytes in 64 KiB messages (`cargo bench -p volley-transport --bench nats`, issue 16).
+    pub max_frame_bytes: usize,
     /// Pacing: a sink waits while the learner consumer's backlog (undelivered plus
     /// delivered-but-unacknowledged segments) is at or above this.
     pub max_backlog_segments: u64,
@@ -232,7 +241,7 @@ pub struct NatsConfig {
 
 impl NatsConfig {
     /// Defaults sized for one learner and tens of actors on a LAN: 5 s requests, 30 s retry
-    /// budget and ack wait, 32 publish acks in flight,
+    /// budget and ack wait, 32 publish acks in flight, up to 64 segments (64 KiB) per message,
     /// a backlog bound of 256 segments, 10 deliveries, 3 weights versions kept, one replica.
     pub fn new(url: impl Into<String>, run: RunId) -> Self {
         NatsConfig {
@@ -243,6 +252,8 @@ impl NatsConfig {
             retry_deadline: Duration::from_secs(30),
             duplicate_window: Duration::from_secs(120),
             publish_window: 32,
+            max_segments_per_message: 64,
+            max_frame_bytes: 64 << 10,
             max_backlog_segments: 256,
             ack_wait: Duration::from_secs(30),
             max_deliver: 10,

@@ -50,11 +50,21 @@ pub struct SinkStats {
 type AckFuture =
     Pin<Box<dyn Future<Output = Result<jetstream::publish::PublishAck, jetstream::context::PublishError>> + Send>>;
 
-/// A published segment whose ack has not arrived yet; kept so it can be sent again.
+/// A published message whose ack has not arrived yet; kept so it can be sent again.
 struct InFlight {
     msg_id: String,
     payload: Bytes,
+    /// Segments the message holds (more than one in a batch frame).
+    n_segments: u64,
     ack: AckFuture,
+}
+
+/// One message to publish: a single segment, or a batch frame of several
+/// ([`wire::batch`]), with its deduplication id.
+struct Outgoing {
+    msg_id: String,
+    payload: Bytes,
+    n_segments: u64,
 }
 
 /// One reading of the learner consumer, the input of [`Pacing`].
@@ -64,12 +74,14 @@ struct Reading {
     pending: u64,
     /// Deliveries so far (the consumer sequence).
     delivered: u64,
-    /// Segments stored so far: the stream sequence of the last delivery plus `pending`.
+    /// Messages stored so far: the stream sequence of the last delivery plus `pending`.
     stored: u64,
 }
 
 /// The last reading of the learner consumer's backlog, and the rates that predict it between
 /// readings: how fast the learner drains it and how fast the *other* actors fill it.
+///
+/// Counts are in messages (a batch frame counts once, like the consumer counts it).
 ///
 /// Issue 11: predicting only the drain let every one of N actors spend the same predicted
 /// room, so the backlog overshot the bound by up to N times the drain between readings, and
@@ -85,15 +97,15 @@ struct Pacing {
     /// crash they stay unacknowledged until `ack_wait`, and counting them would stall every
     /// actor for that long.
     backlog: Option<u64>,
-    /// Segments this sink published since the reading.
+    /// Messages this sink published since the reading (a batch frame counts once).
     published_since: u64,
     /// The previous reading and when it was taken.
     last: Option<(Reading, Instant)>,
     /// Deliveries per second, smoothed over readings (0 when unknown).
     drain_per_sec: f64,
-    /// Segments per second stored by other publishers, smoothed over readings.
+    /// Messages per second stored by other publishers, smoothed over readings.
     others_per_sec: f64,
-    /// Segments per second this sink published, smoothed over readings.
+    /// Messages per second this sink published, smoothed over readings.
     own_per_sec: f64,
 }
 
@@ -182,13 +194,18 @@ impl Pacing {
 ///
 /// - A segment whose encoded size plus headers exceeds the server's `max_payload` is refused
 ///   with [`TransportError::Failed`] naming both sizes; nothing from that call is published.
+/// - The segments of one `publish` call travel together: up to
+///   [`NatsConfig::max_segments_per_message`] of them in one message (a batch frame,
+///   [`wire::batch`], each segment still encoded and checksummed on its own), as many as fit
+///   in [`NatsConfig::max_frame_bytes`] and `max_payload`. A call's segments are never held back for a later call's, so batching
+///   adds no latency. A lone segment is sent as a plain segment message.
 /// - Up to [`NatsConfig::publish_window`] publish acks are in flight; `publish` returns once
 ///   every segment was sent and all but that many were acknowledged. [`NatsTrajectorySink::flush`]
 ///   (and drop, best effort) waits for the rest.
 /// - A failed publish or a missing ack is retried with backoff, under the same message id so
-///   the stream stores it once, until it succeeds or `stop` is set ([`TransportError::Closed`]).
+///   the stream stores it once (a batch frame keeps its id and its bytes), until it succeeds or `stop` is set ([`TransportError::Closed`]).
 ///   The sink never drops a segment on its own. A retried segment may land after later ones.
-/// - Pacing: before each segment it waits while the learner's backlog (undelivered segments,
+/// - Pacing: before each message it waits while the learner's backlog (undelivered segments,
 ///   read from the consumer at most every 2 ms while waiting and every 20 ms otherwise,
 ///   counting this sink's own publishes, predicted in between from the learner's measured
 ///   drain rate, never draining more than one bound per reading) is at or above
@@ -228,6 +245,83 @@ fn msg_id_header_bytes(msg_id: &str) -> usize {
     "NATS/1.0\r\n".len() + "Nats-Msg-Id".len() + ": ".len() + msg_id.len() + "\r\n".len() + "\r\n".len()
 }
 
+/// How [`pack_segments`] bounds a message.
+#[derive(Debug, Clone, Copy)]
+struct FrameLimits {
+    /// The server's limit on a message, headers included.
+    max_payload: usize,
+    /// [`NatsConfig::max_segments_per_message`].
+    max_segments: usize,
+    /// [`NatsConfig::max_frame_bytes`].
+    max_frame_bytes: usize,
+}
+
+/// Encode a `publish` call's segments into messages: runs of up to `max_segments`
+/// consecutive segments, each run as long as its frame and id header fit in `max_frame_bytes`
+/// and `max_payload`; a run of one is a plain segment message. Fails, publishing nothing, if
+/// a segment does not fit in `max_payload` on its own.
+fn pack_segments(
+    segments: &[TrajectorySegment],
+    incarnation: &str,
+    limits: FrameLimits,
+) -> Result<Vec<Outgoing>, TransportError> {
+    let FrameLimits { max_payload, max_segments, max_frame_bytes } = limits;
+    let max_per_message = max_segments.clamp(1, wire::batch::MAX_SEGMENTS_PER_BATCH);
+    let frame_limit = max_frame_bytes.min(max_payload);
+    let mut encoded = Vec::with_capacity(segments.len());
+    for segment in segments {
+        let payload = wire::encode_segment(segment);
+        let msg_id = subjects::trajectory_msg_id(&segment.actor, incarnation, segment.env_idx, segment.segment_idx);
+        let wire_bytes = payload.len() + msg_id_header_bytes(&msg_id);
+        if wire_bytes > max_payload {
+            return Err(failed(
+                "publish segment",
+                format!(
+                    "segment {msg_id} encodes to {wire_bytes} bytes (with headers), over the server's max_payload of \
+                     {max_payload} bytes; shorten segment_len or raise max_payload"
+                ),
+            ));
+        }
+        encoded.push(payload);
+    }
+    let mut messages = Vec::new();
+    let mut start = 0;
+    while start < segments.len() {
+        // Grow the run while the next segment still fits; the id of a frame is at most the
+        // longest single id plus `+` and the count, bounded here by 24 bytes.
+        let mut end = start + 1;
+        let mut body_bytes = encoded[start].len();
+        let first = &segments[start];
+        let single_id = subjects::trajectory_msg_id(&first.actor, incarnation, first.env_idx, first.segment_idx);
+        let id_bytes = msg_id_header_bytes(&single_id) + 24;
+        while end < segments.len()
+            && end - start < max_per_message
+            && wire::batch::batch_header_bytes(end + 1 - start) + body_bytes + encoded[end].len() + id_bytes
+                <= frame_limit
+        {
+            body_bytes += encoded[end].len();
+            end += 1;
+        }
+        let n_segments = end - start;
+        let outgoing = if n_segments == 1 {
+            Outgoing { msg_id: single_id, payload: Bytes::from(std::mem::take(&mut encoded[start])), n_segments: 1 }
+        } else {
+            let msg_id = subjects::trajectory_batch_msg_id(
+                &first.actor,
+                incarnation,
+                first.env_idx,
+                first.segment_idx,
+                n_segments,
+            );
+            let payload = Bytes::from(wire::batch::encode_segment_batch(&encoded[start..end]));
+            Outgoing { msg_id, payload, n_segments: n_segments as u64 }
+        };
+        messages.push(outgoing);
+        start = end;
+    }
+    Ok(messages)
+}
+
 impl NatsTrajectorySink {
     /// Counters so far.
     pub fn stats(&self) -> SinkStats {
@@ -263,32 +357,22 @@ impl NatsTrajectorySink {
 
     async fn publish_all(&mut self, segments: Vec<TrajectorySegment>) -> Result<(), TransportError> {
         let max_payload = self.shared.client.max_payload();
-        let mut encoded = Vec::with_capacity(segments.len());
-        for segment in &segments {
-            let msg_id =
-                subjects::trajectory_msg_id(&segment.actor, &self.incarnation, segment.env_idx, segment.segment_idx);
-            let payload = wire::encode_segment(segment);
-            let wire_bytes = payload.len() + msg_id_header_bytes(&msg_id);
-            if wire_bytes > max_payload {
-                return Err(failed(
-                    "publish segment",
-                    format!(
-                        "segment {msg_id} encodes to {wire_bytes} bytes (with headers), over the server's max_payload of \
-                         {max_payload} bytes; shorten segment_len or raise max_payload"
-                    ),
-                ));
-            }
-            encoded.push((msg_id, Bytes::from(payload)));
-        }
+        let limits = FrameLimits {
+            max_payload,
+            max_segments: self.shared.config.max_segments_per_message,
+            max_frame_bytes: self.shared.config.max_frame_bytes,
+        };
+        let messages = pack_segments(&segments, &self.incarnation, limits)?;
+        drop(segments);
         let window = self.shared.config.publish_window.max(1);
-        for (msg_id, payload) in encoded {
+        for Outgoing { msg_id, payload, n_segments } in messages {
             if self.stopped() {
                 return Err(TransportError::Closed);
             }
-            self.pace().await?;
+            self.pace(n_segments).await?;
             let ack = self.send(&msg_id, payload.clone()).await?;
             self.pacing.published_since += 1;
-            self.in_flight.push_back(InFlight { msg_id, payload, ack });
+            self.in_flight.push_back(InFlight { msg_id, payload, n_segments, ack });
             while self.in_flight.len() >= window {
                 self.settle_oldest().await?;
             }
@@ -339,7 +423,7 @@ impl NatsTrajectorySink {
 
     /// Wait for the oldest ack; on failure send that segment again until it is acknowledged.
     async fn settle_oldest(&mut self) -> Result<(), TransportError> {
-        let Some(InFlight { msg_id, payload, mut ack }) = self.in_flight.pop_front() else {
+        let Some(InFlight { msg_id, payload, n_segments, mut ack }) = self.in_flight.pop_front() else {
             return Ok(());
         };
         let mut attempts = 0u32;
@@ -353,7 +437,7 @@ impl NatsTrajectorySink {
                     if publish_ack.duplicate {
                         debug!(actor = %self.actor, msg_id, "stream already had this segment");
                     }
-                    self.stats.published += 1;
+                    self.stats.published += n_segments;
                     return Ok(());
                 }
                 Err(err) => err.to_string(),
@@ -379,8 +463,11 @@ impl NatsTrajectorySink {
     /// Between readings the backlog is predicted from the learner's drain rate (issue 16: with
     /// a reading every 2 ms while blocked, a learner that drains a batch in about a millisecond
     /// spent half its time waiting for an actor that was waiting for its next reading).
-    async fn pace(&mut self) -> Result<(), TransportError> {
-        let limit = self.max_backlog_segments;
+    ///
+    /// The backlog is read in messages; a sink whose messages hold `segments_per_message`
+    /// segments waits at the bound divided by that many messages.
+    async fn pace(&mut self, segments_per_message: u64) -> Result<(), TransportError> {
+        let limit = self.max_backlog_segments.div_ceil(segments_per_message.max(1));
         let result = loop {
             if self.stopped() {
                 break Err(TransportError::Closed);
@@ -593,6 +680,63 @@ mod pacing_tests {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    use volley_testkit::fixtures::SegmentBuilder;
+
+    fn segments(n: usize, obs_dim: usize) -> Vec<TrajectorySegment> {
+        (0..n).map(|idx| SegmentBuilder::new(8, obs_dim).env_idx(idx as u32).segment_idx(7).build()).collect()
+    }
+
+    fn limits(max_payload: usize, max_segments: usize) -> FrameLimits {
+        FrameLimits { max_payload, max_segments, max_frame_bytes: usize::MAX }
+    }
+
+    fn parts_of(message: &Outgoing) -> Vec<TrajectorySegment> {
+        if wire::batch::is_segment_batch(&message.payload) {
+            let parts = wire::batch::split_segment_batch(&message.payload).expect("a valid frame");
+            parts.map(|part| wire::decode_segment_body(part).expect("a valid segment")).collect()
+        } else {
+            vec![wire::decode_segment_body(&message.payload).expect("a valid segment")]
+        }
+    }
+
+    #[test]
+    fn a_calls_segments_are_packed_in_order_within_the_count_and_the_payload() {
+        let input = segments(10, 4);
+        let packed = pack_segments(&input, "0f", limits(1 << 20, 4)).expect("fits");
+        assert_eq!(packed.iter().map(|m| m.n_segments).collect::<Vec<_>>(), [4, 4, 2]);
+        let unpacked: Vec<_> = packed.iter().flat_map(parts_of).collect();
+        assert_eq!(unpacked, input);
+        assert!(packed[0].msg_id.ends_with("-0-7+4") && packed[2].msg_id.ends_with("-8-7+2"), "{}", packed[0].msg_id);
+        // The frame bound: three segments' worth of bytes holds at most three per message.
+        let one = wire::encode_segment(&input[0]).len();
+        let limit = wire::batch::batch_header_bytes(3) + 3 * one + 60;
+        let packed = pack_segments(&input[..5], "0f", FrameLimits { max_frame_bytes: limit, ..limits(1 << 20, 64) })
+            .expect("fits");
+        assert!(packed.iter().all(|m| m.payload.len() + msg_id_header_bytes(&m.msg_id) <= limit));
+        assert_eq!(packed.iter().map(|m| m.n_segments).sum::<u64>(), 5);
+        assert!(packed.iter().all(|m| m.n_segments <= 3));
+        assert_eq!(packed.iter().flat_map(parts_of).collect::<Vec<_>>(), input[..5]);
+    }
+
+    #[test]
+    fn one_segment_per_message_sends_plain_segments_with_their_own_ids() {
+        let input = segments(3, 4);
+        let packed = pack_segments(&input, "0f", limits(1 << 20, 1)).expect("fits");
+        assert_eq!(packed.len(), 3);
+        for (message, segment) in packed.iter().zip(&input) {
+            assert!(!wire::batch::is_segment_batch(&message.payload));
+            assert_eq!(message.msg_id, subjects::trajectory_msg_id(&segment.actor, "0f", segment.env_idx, 7));
+        }
+    }
+
+    #[test]
+    fn a_segment_over_max_payload_fails_the_whole_call() {
+        let input = segments(3, 4);
+        let one = wire::encode_segment(&input[0]).len();
+        let err = pack_segments(&input, "0f", limits(one, 64)).err().expect("a segment plus its header does not fit");
+        assert!(matches!(&err, TransportError::Failed { message, .. } if message.contains("max_payload")), "{err}");
+    }
 
     #[test]
     fn header_size_matches_the_nats_framing() {

@@ -61,7 +61,7 @@ enum SourceMode {
     Replay { end_sequence: u64, finished: bool },
 }
 
-/// A delivery the learner has not settled yet.
+/// A delivered message the learner has not settled yet.
 struct Held {
     message: jetstream::Message,
     /// When the server last heard about it (delivery or progress signal).
@@ -70,6 +70,11 @@ struct Held {
     /// reconnect the server may no longer know the delivery (a restarted broker drops pending
     /// state it had not yet written), and then it never answers a double ack for it.
     connection: u64,
+    /// Its segments (deliveries) the learner has not acked or rejected yet: the message is
+    /// settled with the server when this reaches 0.
+    open: u32,
+    /// Whether any of its segments was acked (then the message is acked, else terminated).
+    acked: bool,
 }
 
 #[derive(Debug, Default)]
@@ -89,12 +94,30 @@ struct BacklogReading {
 /// redelivered under the learner's feet. [`TrajectorySource::reject`] terminates a delivery
 /// (`+TERM`): it is never delivered again. Bytes that do not decode come back as a
 /// [`Delivery`] holding the [`wire::DecodeError`], to be counted and rejected by the learner.
+///
+/// A message holding a batch frame ([`wire::batch`]) becomes one delivery per segment, each
+/// decoded and checked on its own (a bad segment is one rejected delivery; the frame's other
+/// segments are delivered as usual; a frame whose own header is bad is one rejected
+/// delivery). The message is acknowledged once every one of its segments is acked or
+/// rejected: with an ack if any was acked, else terminated. Until then it is held (and kept
+/// alive), so a crash redelivers all its segments, those already used included (at least
+/// once). `recv` hands out at most `max` deliveries and keeps the rest of a frame for the
+/// next call.
 pub struct NatsTrajectorySource {
     shared: Arc<Shared>,
     consumer: consumer::PullConsumer,
     mode: SourceMode,
+    /// Held messages, by message key.
     held: HashMap<u64, Held>,
+    /// The message key of every delivery handed out and not yet settled, by token.
+    parts: HashMap<u64, u64>,
+    /// Deliveries unpacked from a frame beyond what `recv` was asked for, handed out first.
+    ready: VecDeque<Delivery>,
+    /// Segments per message lately (a moving average), to size pull requests and to report
+    /// the backlog in segments.
+    segments_per_message: f64,
     next_token: u64,
+    next_message: u64,
     backlog: Mutex<BacklogReading>,
     /// Acks given up on because the connection their delivery came on was lost.
     abandoned_acks: u64,
@@ -118,7 +141,11 @@ impl NatsTrajectorySource {
             consumer,
             mode,
             held: HashMap::new(),
+            parts: HashMap::new(),
+            ready: VecDeque::new(),
+            segments_per_message: 1.0,
             next_token: 0,
+            next_message: 0,
             backlog: Mutex::new(BacklogReading::default()),
             abandoned_acks: 0,
             background_acks: VecDeque::new(),
@@ -126,8 +153,15 @@ impl NatsTrajectorySource {
         }
     }
 
-    /// Deliveries received and not yet acknowledged or rejected.
+    /// Deliveries received and not yet acknowledged or rejected, those waiting for the next
+    /// `recv` included.
     pub fn held(&self) -> usize {
+        self.parts.len()
+    }
+
+    /// Messages received and not yet settled with the server (a batch frame holds several
+    /// deliveries).
+    pub fn held_messages(&self) -> usize {
         self.held.len()
     }
 
@@ -161,18 +195,37 @@ impl NatsTrajectorySource {
         tokens: &[DeliveryToken],
         kind: AckKind,
     ) -> Result<(), TransportError> {
-        let settling = self.take_held(operation, tokens);
-        let outcome = settle_detached(self.shared.clone(), operation, settling, kind).await;
-        self.absorb(outcome)
+        let settling = self.take_held(operation, tokens, kind);
+        // A terminated segment of a frame whose other segments were acked settles the frame
+        // with an ack: the learner used them.
+        let (acks, terms): (Vec<_>, Vec<_>) =
+            settling.into_iter().partition(|(_, held)| held.acked || !matches!(kind, AckKind::Term));
+        let mut result = Ok(());
+        for (settling, kind) in [(acks, kind_or_ack(kind)), (terms, AckKind::Term)] {
+            if !settling.is_empty() {
+                let outcome = settle_detached(self.shared.clone(), operation, settling, kind).await;
+                result = result.and(self.absorb(outcome));
+            }
+        }
+        result
     }
 
-    /// Remove `tokens` from the held deliveries (unknown tokens are logged and skipped).
-    fn take_held(&mut self, operation: &'static str, tokens: &[DeliveryToken]) -> Vec<(u64, Held)> {
+    /// Mark `tokens` settled (`kind`: acked or rejected) and remove the messages none of whose
+    /// deliveries is open any more from the held ones (unknown tokens are logged and skipped).
+    fn take_held(&mut self, operation: &'static str, tokens: &[DeliveryToken], kind: AckKind) -> Vec<(u64, Held)> {
         let mut settling: Vec<(u64, Held)> = Vec::with_capacity(tokens.len());
         for token in tokens {
-            match self.held.remove(&token.0) {
-                Some(held) => settling.push((token.0, held)),
-                None => debug!(operation, token = token.0, "token not held (already settled or replayed); ignored"),
+            let Some(key) = self.parts.remove(&token.0) else {
+                debug!(operation, token = token.0, "token not held (already settled or replayed); ignored");
+                continue;
+            };
+            let Some(held) = self.held.get_mut(&key) else { continue };
+            held.open = held.open.saturating_sub(1);
+            held.acked |= matches!(kind, AckKind::Ack);
+            if held.open == 0 {
+                if let Some(held) = self.held.remove(&key) {
+                    settling.push((key, held));
+                }
             }
         }
         settling
@@ -205,6 +258,14 @@ impl NatsTrajectorySource {
     fn record_backlog(&self, value: u64) {
         let mut reading = self.backlog.lock().expect("backlog lock is never poisoned");
         *reading = BacklogReading { at: Some(Instant::now()), value: Some(value) };
+    }
+}
+
+/// The kind that settles a message one of whose segments was acked: `Term` becomes `Ack`.
+fn kind_or_ack(kind: AckKind) -> AckKind {
+    match kind {
+        AckKind::Term => AckKind::Ack,
+        kind => kind,
     }
 }
 
@@ -333,7 +394,8 @@ async fn settle_detached(
 }
 
 /// Take up to `max` deliveries from the consumer's continuous pull (opened on first use with
-/// room for two calls' worth), waiting at most `wait` for the first. An error closes the pull;
+/// room for one call's worth, and at most [`PREFETCH_MAX_BYTES`] or two messages of
+/// `max_payload` per pull request), waiting at most `wait` for the first. An error closes the pull;
 /// the next call opens a new one (deliveries it had buffered are redelivered after `ack_wait`).
 async fn pull_into(
     prefetch: &mut Option<consumer::pull::Stream>,
@@ -341,6 +403,7 @@ async fn pull_into(
     max: usize,
     wait: Duration,
     request_timeout: Duration,
+    max_payload: usize,
     out: &mut Vec<jetstream::Message>,
 ) -> Result<(), TransportError> {
     const OPERATION: &str = "fetch segments";
@@ -348,7 +411,9 @@ async fn pull_into(
         Some(stream) => stream,
         None => {
             let batch = max.clamp(PREFETCH_MIN, PREFETCH_MAX);
-            let opened = call(OPERATION, request_timeout, consumer.stream().max_messages_per_batch(batch).messages());
+            let max_bytes = PREFETCH_MAX_BYTES.max(2 * max_payload);
+            let pull = consumer.stream().max_messages_per_batch(batch).max_bytes_per_batch(max_bytes);
+            let opened = call(OPERATION, request_timeout, pull.messages());
             prefetch.insert(opened.await?)
         }
     };
@@ -385,41 +450,118 @@ async fn pull_into(
     Ok(())
 }
 
-/// Bounds on the learner's continuous pull: segments asked for per pull request.
-const PREFETCH_MIN: usize = 8;
+/// Turn one delivered message into deliveries, calling `deliver` with each segment (decoded,
+/// or why not) and a fresh token: one for a plain segment message, one per part of a batch
+/// frame, one error for a frame whose header does not check out.
+fn unpack_message(
+    payload: &[u8],
+    stream_sequence: u64,
+    next_token: &mut u64,
+    mut deliver: impl FnMut(Result<TrajectorySegment, wire::DecodeError>, DeliveryToken),
+) {
+    let mut token = || {
+        *next_token += 1;
+        DeliveryToken(*next_token)
+    };
+    let decode = |bytes: &[u8]| {
+        let segment = wire::decode_segment_body(bytes);
+        if let Err(err) = &segment {
+            debug!(reason = err.reason(), stream_sequence, "undecodable segment delivered");
+        }
+        segment
+    };
+    if !wire::batch::is_segment_batch(payload) {
+        let segment = decode(payload);
+        deliver(segment, token());
+        return;
+    }
+    match wire::batch::split_segment_batch(payload) {
+        Ok(parts) => {
+            for part in parts {
+                let segment = decode(part);
+                deliver(segment, token());
+            }
+        }
+        Err(err) => {
+            debug!(reason = err.reason(), stream_sequence, "undecodable segment batch delivered");
+            deliver(Err(err), token());
+        }
+    }
+}
+
+/// Bounds on the learner's continuous pull: messages asked for per pull request. One call's
+/// worth, not more: deliveries waiting in the learner's client are invisible to the actors'
+/// pacing, and each batch of them adds a version of lag (issue 11); with batch frames one
+/// message holds an actor's whole round, so the floor is two messages.
+const PREFETCH_MIN: usize = 2;
 const PREFETCH_MAX: usize = 256;
+/// Bytes asked for per pull request (at least two messages of `max_payload`). Without a byte
+/// bound, 256 messages of ~1 MiB (84×84 frames) were more than the server lets wait for one
+/// client (`max_pending`, 64 MiB by default): it dropped deliveries, which came again only
+/// after `ack_wait`, and the learner stalled (issue 16, `cargo bench --bench ingest`).
+const PREFETCH_MAX_BYTES: usize = 16 << 20;
 
 impl TrajectorySource for NatsTrajectorySource {
     fn recv(&mut self, max: usize, timeout: Duration, out: &mut Vec<Delivery>) -> Result<usize, TransportError> {
-        if let SourceMode::Replay { finished: true, .. } = self.mode {
-            return Err(TransportError::Closed);
-        }
         if max == 0 {
             return Ok(0);
         }
+        // Segments of a frame left over from the last call go first.
+        let mut n = 0;
+        while n < max {
+            let Some(delivery) = self.ready.pop_front() else { break };
+            out.push(delivery);
+            n += 1;
+        }
+        if n == max {
+            return Ok(n);
+        }
+        if let SourceMode::Replay { finished: true, .. } = self.mode {
+            return if n == 0 { Err(TransportError::Closed) } else { Ok(n) };
+        }
+        // Ask for about as many messages as hold the segments wanted.
+        let want_messages = (((max - n) as f64 / self.segments_per_message.max(1.0)).ceil() as usize).max(1);
+        let wait = if n > 0 { Duration::ZERO } else { timeout };
         let shared = self.shared.clone();
         let connection = self.connection();
-        let mut messages = Vec::with_capacity(max);
+        let mut messages = Vec::with_capacity(want_messages);
         self.reap_background_acks();
         let durable = matches!(self.mode, SourceMode::Durable);
         let request_timeout = shared.config.request_timeout;
-        shared.block_on(async {
+        let fetched = shared.block_on(async {
             if durable {
                 self.keep_held_alive().await;
-                pull_into(&mut self.prefetch, &self.consumer, max, timeout, request_timeout, &mut messages).await?;
+                let max_payload = shared.client.max_payload();
+                pull_into(
+                    &mut self.prefetch,
+                    &self.consumer,
+                    want_messages,
+                    wait,
+                    request_timeout,
+                    max_payload,
+                    &mut messages,
+                )
+                .await?;
                 // The continuous pull waits through an outage quietly; say so, as a fetch would.
                 let state = shared.client.connection_state();
                 if messages.is_empty() && state != async_nats::connection::State::Connected {
                     return Err(failed("fetch segments", format!("not connected to the server ({state})")));
                 }
                 Ok(())
+            } else if wait.is_zero() {
+                // Replay: a fetch always waits for the server, so none while deliveries are in hand.
+                Ok(())
             } else {
-                fetch_into(&self.consumer, max, timeout, request_timeout, &mut messages).await
+                fetch_into(&self.consumer, want_messages, wait, request_timeout, &mut messages).await
             }
-        })?;
-        let mut n = 0;
+        });
+        if let Err(err) = fetched {
+            // Deliveries already handed out this call stay handed out; the error comes next time.
+            return if n > 0 { Ok(n) } else { Err(err) };
+        }
         let mut last_pending = 0;
         let received = messages.len();
+        let mut unpacked = 0usize;
         for message in messages {
             let (delivered, pending, stream_sequence) = match message.info() {
                 Ok(info) => (info.delivered.max(1) as u64, info.pending, info.stream_sequence),
@@ -429,36 +571,51 @@ impl TrajectorySource for NatsTrajectorySource {
                 }
             };
             last_pending = pending;
-            let segment = wire::decode_segment_body(&message.payload);
-            if let Err(err) = &segment {
-                debug!(reason = err.reason(), stream_sequence, "undecodable segment delivered");
+            if let SourceMode::Replay { end_sequence, .. } = self.mode {
+                if stream_sequence > end_sequence {
+                    // Published after the replay started: past its end.
+                    self.mode = SourceMode::Replay { end_sequence, finished: true };
+                    break;
+                }
             }
-            self.next_token += 1;
-            let token = DeliveryToken(self.next_token);
+            let before = self.ready.len();
+            unpack_message(&message.payload, stream_sequence, &mut self.next_token, |segment, token| {
+                self.ready.push_back(Delivery { segment, token, delivery_count: delivered });
+            });
+            let n_parts = self.ready.len() - before;
+            unpacked += n_parts;
             match &mut self.mode {
                 SourceMode::Durable => {
-                    self.held.insert(token.0, Held { message, touched: Instant::now(), connection });
+                    self.next_message += 1;
+                    let key = self.next_message;
+                    for delivery in self.ready.range(before..) {
+                        self.parts.insert(delivery.token.0, key);
+                    }
+                    let open = u32::try_from(n_parts).expect("a frame holds at most MAX_SEGMENTS_PER_BATCH segments");
+                    self.held.insert(key, Held { message, touched: Instant::now(), connection, open, acked: false });
                 }
                 SourceMode::Replay { end_sequence, finished } => {
-                    if stream_sequence > *end_sequence {
-                        // Published after the replay started: past its end.
+                    if stream_sequence == *end_sequence || pending == 0 {
                         *finished = true;
                         break;
                     }
-                    if stream_sequence == *end_sequence || pending == 0 {
-                        *finished = true;
-                    }
                 }
             }
-            out.push(Delivery { segment, token, delivery_count: delivered });
-            n += 1;
-            if let SourceMode::Replay { finished: true, .. } = self.mode {
-                break;
-            }
         }
-        // Each delivery carries the consumer's pending count, so the backlog is known for free;
-        // an empty fetch means nothing was pending.
-        self.record_backlog(if received == 0 { 0 } else { last_pending });
+        if received > 0 {
+            // A moving average over recent calls, so one odd message does not swing it.
+            let this_call = unpacked as f64 / received as f64;
+            self.segments_per_message = 0.75 * self.segments_per_message + 0.25 * this_call;
+        }
+        while n < max {
+            let Some(delivery) = self.ready.pop_front() else { break };
+            out.push(delivery);
+            n += 1;
+        }
+        // Each delivery carries the consumer's pending count (in messages), so the backlog is
+        // known for free; an empty fetch means nothing was pending.
+        let pending_segments = if received == 0 { 0 } else { (last_pending as f64 * self.segments_per_message) as u64 };
+        self.record_backlog(pending_segments);
         if n == 0 {
             if let SourceMode::Replay { finished: true, .. } = self.mode {
                 return Err(TransportError::Closed);
@@ -495,7 +652,7 @@ impl TrajectorySource for NatsTrajectorySource {
         if let SourceMode::Replay { .. } = self.mode {
             return Ok(());
         }
-        let settling = self.take_held("ack", tokens);
+        let settling = self.take_held("ack", tokens, AckKind::Ack);
         if !settling.is_empty() {
             let task = settle_detached(self.shared.clone(), "ack", settling, AckKind::Ack);
             self.background_acks.push_back(self.shared.handle.spawn(task));
@@ -520,7 +677,8 @@ impl TrajectorySource for NatsTrajectorySource {
         let reply =
             self.shared.block_on(async { tokio::time::timeout(BACKLOG_DEADLINE, self.consumer.get_info()).await });
         if let Ok(Ok(info)) = reply {
-            reading.value = Some(info.num_pending);
+            // The server counts messages; a batch frame holds several segments.
+            reading.value = Some((info.num_pending as f64 * self.segments_per_message.max(1.0)) as u64);
         }
         reading.at = Some(Instant::now());
         reading.value
