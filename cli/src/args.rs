@@ -15,7 +15,7 @@ use volley_env::{
 };
 use volley_learner::backend::BackendKind;
 use volley_learner::Checkpoint;
-use volley_policy::{Activation, CoreKind, PolicySpec};
+use volley_policy::{ActionHead, Activation, CoreKind, PolicySpec};
 use volley_transport::envsvc::EnvServiceName;
 use volley_transport::nats::{NatsAuth, NatsConfig};
 
@@ -206,6 +206,10 @@ pub struct SpecArgs {
     /// Recurrent core.
     #[arg(long, value_enum, default_value = "mlp", env = "VOLLEY_CORE")]
     pub core: CoreName,
+    /// Continuous actions: squash the Gaussian head's samples through tanh into the action
+    /// box (default: unsquashed samples, clipped by the environment).
+    #[arg(long, env = "VOLLEY_SQUASH_ACTIONS")]
+    pub squash_actions: bool,
     /// GRU width (with --core gru).
     #[arg(long, default_value_t = 64, env = "VOLLEY_GRU_HIDDEN")]
     pub gru_hidden: usize,
@@ -456,6 +460,10 @@ impl SpecArgs {
             core: match self.core {
                 CoreName::Mlp => CoreKind::Mlp,
                 CoreName::Gru => CoreKind::Gru { hidden: self.gru_hidden },
+            },
+            head: match volley_core::spec::default_action_head(&env).context("environment config")? {
+                ActionHead::Gaussian { .. } => ActionHead::Gaussian { squash: self.squash_actions },
+                categorical => categorical,
             },
         };
         let steps_per_update = (self.segment_len * self.batch_segments) as u64;
