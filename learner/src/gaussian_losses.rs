@@ -82,7 +82,7 @@ pub fn gaussian_log_probs(
 }
 
 /// The IMPALA V-trace loss for a Gaussian head over `[T+1][B]` heads rows (row `T` supplies
-/// the bootstrap value only), as [`crate::losses::vtrace_loss_heads`] for a categorical one:
+/// the bootstrap value only), as [`crate::losses::vtrace_loss`] does for a categorical one:
 /// writes `log_rhos`, `vs`, `pg_advantages` (`[T][B]`), `d_heads` (`[T+1][B][A + 1]`, zero on
 /// the bootstrap row) and `d_log_std_rows` (`[T][B][A]`). Returns the weighted sums and `W`.
 ///
@@ -200,7 +200,7 @@ pub struct GaussianPpoTargets<'a> {
 }
 
 /// The decoupled PPO-clip loss for a Gaussian head over `n = T·B` independent samples, as
-/// [`crate::losses::ppo_loss_heads`] for a categorical one: writes `d_heads` (`[n][A + 1]`)
+/// [`crate::losses::ppo_loss`] does for a categorical one: writes `d_heads` (`[n][A + 1]`)
 /// and `d_log_std_rows` (`[n][A]`). Returns the weighted sums and `W`.
 ///
 /// # Panics
