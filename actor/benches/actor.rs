@@ -21,6 +21,7 @@ fn cartpole_spec(segment_len: usize) -> RunSpec {
             torso: vec![64, 64],
             activation: Activation::Tanh,
             core: CoreKind::Mlp,
+            head: volley_policy::ActionHead::Categorical,
         },
         segment_len,
         hyper: HyperParams::default(),
@@ -54,8 +55,69 @@ fn actor_path(c: &mut Criterion) {
             })
         });
     }
+    // Issue 14: the Gaussian head on pendulum (3 observations, one continuous action).
+    for n_envs in [8usize, 64] {
+        let spec = RunSpec {
+            env: EnvConfig::Pendulum,
+            policy: PolicySpec::mlp(3, 1, &[64, 64], Activation::Tanh)
+                .with_head(volley_policy::ActionHead::Gaussian { squash: false }),
+            ..cartpole_spec(segment_len)
+        };
+        let layout = ParamLayout::new(&spec.policy).expect("valid policy");
+        let weights = Arc::new(Weights::new(PolicyVersion(1), layout.hash(), layout.init_params(3)));
+        let mut worker = RolloutWorker::new(
+            spec,
+            ActorId::new("bench").expect("valid actor id"),
+            n_envs,
+            11,
+            Arc::new(ActorCounters::default()),
+        )
+        .expect("pendulum actor");
+        worker.set_weights(weights).expect("matching weights");
+        group.throughput(Throughput::Elements((segment_len * n_envs) as u64));
+        group.bench_with_input(BenchmarkId::new("pendulum_gaussian_mlp64x64_encode", n_envs), &n_envs, |b, _| {
+            b.iter(|| {
+                let segments = worker.collect_segments();
+                let bytes: usize = segments.iter().map(|s| encode_segment(s).len()).sum();
+                std::hint::black_box(bytes)
+            })
+        });
+    }
     group.finish();
 }
 
-criterion_group!(benches, actor_path);
+/// The policy side of an actor step with the Gaussian head, without an environment: batched
+/// MLP 64×64 inference and one Gaussian draw with its log-probability per agent, for the
+/// observation and action widths of pendulum (3, 1) and MuJoCo HalfCheetah (17, 6).
+fn gaussian_policy_step(c: &mut Criterion) {
+    use rand::SeedableRng;
+    let mut group = c.benchmark_group("actor_gaussian_policy_steps");
+    group.sample_size(10).measurement_time(std::time::Duration::from_secs(3));
+    let n = 64;
+    for (obs_dim, action_dim) in [(3usize, 1usize), (17, 6)] {
+        let policy = PolicySpec::mlp(obs_dim, action_dim, &[64, 64], Activation::Tanh)
+            .with_head(volley_policy::ActionHead::Gaussian { squash: false });
+        let layout = ParamLayout::new(&policy).expect("valid policy");
+        let params = layout.init_params(3);
+        let log_std = &params[layout.log_std_range().expect("a Gaussian layout")];
+        let mut inference = volley_policy::PolicyInference::new(&layout, n);
+        let obs: Vec<f32> = (0..n * obs_dim).map(|i| (i as f32 * 0.37).sin()).collect();
+        let (mut means, mut values, mut actions) = (vec![0.0; n * action_dim], vec![0.0; n], vec![0.0; n * action_dim]);
+        let mut rng = rand::rngs::SmallRng::seed_from_u64(1);
+        group.throughput(Throughput::Elements(n as u64));
+        group.bench_function(BenchmarkId::new(format!("obs{obs_dim}_act{action_dim}_mlp64x64"), n), |b| {
+            b.iter(|| {
+                inference.forward(&params, &obs, n, &mut [], &mut means, &mut values);
+                let mut total = 0.0f32;
+                for (mean, action) in means.chunks_exact(action_dim).zip(actions.chunks_exact_mut(action_dim)) {
+                    total += volley_policy::gaussian::sample(mean, log_std, false, &mut rng, action);
+                }
+                std::hint::black_box(total)
+            })
+        });
+    }
+    group.finish();
+}
+
+criterion_group!(benches, actor_path, gaussian_policy_step);
 criterion_main!(benches);

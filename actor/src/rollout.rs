@@ -15,7 +15,7 @@ use volley_core::wire::{EpisodeSummary, TrajectorySegment, Weights};
 use volley_core::work::SnapshotInfo;
 use volley_env::{Actions, EnvError, VecEnv, VecStep, VectorEnv};
 use volley_policy::distributions::{log_softmax, sample_categorical};
-use volley_policy::{ParamLayout, PolicyInference};
+use volley_policy::{gaussian, ActionHead, ParamLayout, PolicyInference};
 use volley_transport::envsvc::RemoteEnvCounters;
 use volley_transport::work::{SnapshotStore, WorkSource};
 use volley_transport::{TrajectorySink, TransportError, WeightsFollower};
@@ -125,6 +125,7 @@ struct SegmentBuilder {
     episode_id_at_start: u64,
     observations: Vec<f32>,
     actions: Vec<u32>,
+    continuous_actions: Vec<f32>,
     rewards: Vec<f32>,
     terminated: Vec<u8>,
     truncated: Vec<u8>,
@@ -153,6 +154,12 @@ pub struct RolloutWorker {
     log_probs: Vec<f32>,
     values: Vec<f32>,
     actions: Vec<usize>,
+    /// The Gaussian head's draws `[n_envs][A]` (recorded), and what the environments get
+    /// (the same values, or squashed ones scaled to the action box).
+    continuous_actions: Vec<f32>,
+    env_actions: Vec<f32>,
+    /// The action box `(low, high)` of a continuous environment.
+    action_box: Option<(Vec<f32>, Vec<f32>)>,
     step: VecStep,
     /// Per environment: its episode was aborted this step (valid while `step.env_errors` is
     /// not empty).
@@ -208,9 +215,21 @@ impl RolloutWorker {
                 return Err(ActorError::Spec(SpecError::Mismatch { what, policy, env, env_name: spec.env.describe() }));
             }
         }
+        let action_box = match envs.action_space() {
+            volley_env::ActionSpace::Box { low, high, .. } => Some((low, high)),
+            volley_env::ActionSpace::Discrete { .. } => None,
+        };
+        if action_box.is_some() != spec.policy.head.is_continuous() {
+            return Err(ActorError::Spec(SpecError::Unsupported(format!(
+                "environment {} and the policy head {:?} disagree on continuous actions",
+                spec.env.describe(),
+                spec.policy.head
+            ))));
+        }
         let obs_dim = envs.obs_dim();
         let n_actions = envs.n_actions();
         let h = layout.recurrent_size();
+        let n_continuous = if action_box.is_some() { n_envs * n_actions } else { 0 };
         let t_len = spec.segment_len;
         let builders = (0..n_envs).map(|_| SegmentBuilder::with_capacity(t_len, obs_dim, h)).collect();
         Ok(RolloutWorker {
@@ -220,6 +239,9 @@ impl RolloutWorker {
             log_probs: vec![0.0; n_actions],
             values: vec![0.0; n_envs],
             actions: vec![0; n_envs],
+            continuous_actions: vec![0.0; n_continuous],
+            env_actions: vec![0.0; n_continuous],
+            action_box,
             step: VecStep::new(n_envs, obs_dim),
             aborted: vec![false; n_envs],
             builders,
@@ -300,6 +322,7 @@ impl RolloutWorker {
         }
         let mut env_time = Duration::ZERO;
         let mut inference_time = Duration::ZERO;
+        let continuous = self.spec.policy.head.is_continuous();
         for _ in 0..self.spec.segment_len {
             let started = Instant::now();
             let obs = self.envs.obs();
@@ -307,7 +330,9 @@ impl RolloutWorker {
                 builder.observations.extend_from_slice(&obs[env_idx * obs_dim..(env_idx + 1) * obs_dim]);
             }
             self.inference.forward(params, obs, n_envs, &mut self.hidden, &mut self.logits, &mut self.values);
-            for env_idx in 0..n_envs {
+            // A categorical head samples here; a Gaussian head in `sample_gaussian` below.
+            let categorical_envs = if continuous { 0 } else { n_envs };
+            for env_idx in 0..categorical_envs {
                 let row = &self.logits[env_idx * n_actions..(env_idx + 1) * n_actions];
                 log_softmax(row, &mut self.log_probs);
                 // A scheduled episode samples from its own generator, so a resumed episode
@@ -322,11 +347,17 @@ impl RolloutWorker {
                 builder.actions.push(action as u32);
                 builder.behaviour_log_probs.push(self.log_probs[action]);
             }
+            if let ActionHead::Gaussian { squash } = self.spec.policy.head {
+                self.sample_gaussian(params, squash);
+            }
             let stepped = Instant::now();
             inference_time += stepped - started;
-            self.envs
-                .step(Actions::Discrete(&self.actions), &mut self.step)
-                .expect("actions has one entry per environment");
+            let actions = if continuous {
+                Actions::Continuous { values: &self.env_actions, dim: n_actions }
+            } else {
+                Actions::Discrete(&self.actions)
+            };
+            self.envs.step(actions, &mut self.step).expect("actions has one entry per environment");
             env_time += stepped.elapsed();
             let any_failed = !self.step.env_errors.is_empty();
             if any_failed {
@@ -385,6 +416,34 @@ impl RolloutWorker {
         self.counters.env_nanos.fetch_add(env_time.as_nanos() as u64, Ordering::Relaxed);
         self.counters.inference_nanos.fetch_add(inference_time.as_nanos() as u64, Ordering::Relaxed);
         segments
+    }
+
+    /// Draw every environment's action from the Gaussian head (means in `self.logits`), record
+    /// it with its log-probability ([`volley_policy::gaussian::sample`]: the learner re-evaluates
+    /// exactly this), and write what the environments get into `env_actions`: the draw itself
+    /// (the environment clips it to its box and counts the repair) or, squashed, the draw
+    /// scaled from `(−1, 1)` to the box.
+    fn sample_gaussian(&mut self, params: &[f32], squash: bool) {
+        let n_actions = self.envs.n_actions();
+        let log_std = &params[self.layout.log_std_range().expect("a Gaussian head has a log-std entry")];
+        for env_idx in 0..self.envs.n_envs() {
+            let row = env_idx * n_actions..(env_idx + 1) * n_actions;
+            let mean = &self.logits[row.clone()];
+            let action = &mut self.continuous_actions[row.clone()];
+            let log_prob = match self.starts.action_rng(env_idx) {
+                Some(rng) => gaussian::sample(mean, log_std, squash, rng, action),
+                None => gaussian::sample(mean, log_std, squash, &mut self.rng, action),
+            };
+            match (&self.action_box, squash) {
+                (Some((low, high)), true) => {
+                    gaussian::scale_to_box(action, low, high, &mut self.env_actions[row]);
+                }
+                _ => self.env_actions[row].copy_from_slice(action),
+            }
+            let builder = &mut self.builders[env_idx];
+            builder.continuous_actions.extend_from_slice(action);
+            builder.behaviour_log_probs.push(log_prob);
+        }
     }
 
     /// Count this step's environment failures and mark the episodes they aborted.
@@ -550,6 +609,7 @@ impl SegmentBuilder {
     fn reserve(&mut self, t_len: usize, obs_dim: usize, h: usize) {
         self.observations.reserve((t_len + 1) * obs_dim);
         self.actions.reserve(t_len);
+        self.continuous_actions.reserve(t_len);
         self.rewards.reserve(t_len);
         self.terminated.reserve(t_len);
         self.truncated.reserve(t_len);
@@ -588,6 +648,7 @@ impl SegmentBuilder {
             obs_dim: obs_dim as u32,
             observations: std::mem::take(&mut self.observations),
             actions: std::mem::take(&mut self.actions),
+            continuous_actions: std::mem::take(&mut self.continuous_actions),
             rewards: std::mem::take(&mut self.rewards),
             terminated: std::mem::take(&mut self.terminated),
             truncated: std::mem::take(&mut self.truncated),

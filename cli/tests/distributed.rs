@@ -512,3 +512,28 @@ fn an_actor_waits_for_a_run_that_does_not_exist_yet() {
     let summary = learner.summary();
     assert!(summary["env_steps"].as_u64().expect("steps") >= 20_000, "the waiting actor fed the learner: {summary}");
 }
+
+/// Issue 14: continuous actions over NATS: one learner and one actor process train pendulum
+/// with the Gaussian head until the learner's env-step budget; every segment is accepted.
+#[test]
+fn a_learner_and_an_actor_process_train_pendulum() {
+    let _serial = serial();
+    let nats = TestNats::start();
+    let dir = tempfile::tempdir().expect("temp dir");
+    let extra = ["--env", "pendulum", "--max-env-steps", "8192", "--segment-len", "32", "--batch-segments", "8"];
+    let mut learner =
+        Proc::volley(dir.path(), "learner", &learner_args(&nats, "pendulum", dir.path(), &extra), PATIENCE);
+    let mut actors = spawn_actors(&nats, "pendulum", dir.path(), 1);
+    let summary = learner.summary_with_exit_code(0);
+    assert_eq!(summary["stop_reason"], "env_step_budget", "{summary}");
+    assert!(summary["env_steps"].as_u64().expect("env_steps") >= 8192, "{summary}");
+    assert!(summary["updates"].as_u64().expect("updates") >= 1, "{summary}");
+    let rejected: u64 =
+        summary["segments_rejected"].as_object().expect("map").values().filter_map(|v| v.as_u64()).sum();
+    assert_eq!(rejected, 0, "{summary}");
+    let mean = summary["final_mean_return"].as_f64().expect("a mean return");
+    assert!((-16.3 * 200.0..=0.0).contains(&mean), "{summary}");
+    for actor in &mut actors {
+        actor.terminate();
+    }
+}

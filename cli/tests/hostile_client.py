@@ -21,7 +21,7 @@ import nats
 import xxhash
 
 MAGIC = b"VLLY"
-FORMAT_VERSION = 4
+FORMAT_VERSION = 5
 KIND_SEGMENT = 1
 
 
@@ -55,6 +55,7 @@ def segment_body(seg: dict) -> bytes:
     out += varint(seg["policy_version"]) + varint(seg["layout_hash"]) + varint(seg["obs_dim"])
     out += f32s(seg["observations"])
     out += varint(len(seg["actions"])) + b"".join(varint(a) for a in seg["actions"])
+    out += f32s(seg.get("continuous_actions", []))  # format 5: continuous actions (none here)
     out += f32s(seg["rewards"])
     out += varint(len(seg["terminated"])) + bytes(seg["terminated"])
     out += varint(len(seg["truncated"])) + bytes(seg["truncated"])

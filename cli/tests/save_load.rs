@@ -44,6 +44,7 @@ fn spec() -> RunSpec {
             torso: vec![16],
             activation: Activation::Tanh,
             core: CoreKind::Mlp,
+            head: volley_policy::ActionHead::Categorical,
         },
         segment_len: SEGMENT_LEN,
         hyper: HyperParams {

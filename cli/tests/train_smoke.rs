@@ -125,3 +125,35 @@ fn a_gru_solves_the_memory_task_where_an_mlp_stays_at_chance() {
     // Two cues: chance is 0.5; 100 episodes put the mean within about ±0.15 of it.
     assert!((0.3..=0.7).contains(&mlp_return), "the MLP cannot beat chance: {mlp}");
 }
+
+/// Issue 14: a continuous environment trains end to end on the embedded bus with the Gaussian
+/// head, squashed or not, with finite losses and every segment accepted.
+#[test]
+fn pendulum_trains_with_a_gaussian_head() {
+    for extra in [&[][..], &["--squash-actions", "--loss", "vtrace"][..]] {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let run_dir = dir.path().join("run");
+        let output = volley()
+            .args(["train", "--env", "pendulum", "--max-env-steps", "4096", "--segment-len", "32"])
+            .args(["--batch-segments", "8", "--progress", "quiet", "--run-dir"])
+            .arg(&run_dir)
+            .args(extra)
+            .output()
+            .expect("run volley");
+        assert!(output.status.success(), "{extra:?}: {}", String::from_utf8_lossy(&output.stderr));
+        let summary: serde_json::Value = serde_json::from_slice(&output.stdout).expect("one JSON summary");
+        assert!(summary["updates"].as_u64().expect("updates") >= 1, "{summary}");
+        let mean = summary["final_mean_return"].as_f64().expect("a mean return after 20 episodes");
+        assert!((-16.3 * 200.0..=0.0).contains(&mean), "{summary}");
+        assert_eq!(summary["segments_rejected"], 0, "{summary}");
+        let spec: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(run_dir.join("spec.json")).expect("spec.json"))
+                .expect("json");
+        assert_eq!(spec["policy"]["head"]["gaussian"]["squash"], !extra.is_empty(), "{spec}");
+        let metrics = std::fs::read_to_string(run_dir.join("metrics.jsonl")).expect("metrics");
+        for line in metrics.lines() {
+            let row: serde_json::Value = serde_json::from_str(line).expect("json row");
+            assert!(row["loss_total"].as_f64().expect("loss").is_finite(), "{row}");
+        }
+    }
+}

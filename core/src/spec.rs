@@ -3,7 +3,7 @@
 
 use crate::ids::RunId;
 use volley_env::{EnvConfig, EnvError};
-use volley_policy::{ParamLayout, PolicyError, PolicySpec};
+use volley_policy::{ActionHead, ParamLayout, PolicyError, PolicySpec};
 
 /// Which loss the learner optimises.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -40,6 +40,20 @@ pub fn default_adam_eps(env: &EnvConfig) -> f32 {
         EnvConfig::Cartpole => 1e-3,
         _ => 1e-8,
     }
+}
+
+/// Whether `env`'s actions are continuous (remote environments serve discrete actions only).
+pub fn env_is_continuous(env: &EnvConfig) -> Result<bool, EnvError> {
+    match env {
+        EnvConfig::Remote(_) => Ok(false),
+        builtin => Ok(builtin.build()?.action_space().is_continuous()),
+    }
+}
+
+/// The policy head a run on `env` uses unless told otherwise: categorical for discrete
+/// actions, an unsquashed diagonal Gaussian for continuous ones (the environment clips).
+pub fn default_action_head(env: &EnvConfig) -> Result<ActionHead, EnvError> {
+    Ok(if env_is_continuous(env)? { ActionHead::Gaussian { squash: false } } else { ActionHead::Categorical })
 }
 
 /// Learner hyper-parameters, named as in the papers.
@@ -547,11 +561,14 @@ impl RunSpec {
     /// Check cross-field consistency once; the rest of the code trusts a validated spec.
     pub fn validate(&self) -> Result<ParamLayout, SpecError> {
         let (obs_dim, n_actions) = self.env.spaces()?;
-        if !matches!(self.env, EnvConfig::Remote(_)) && self.env.build()?.action_space().is_continuous() {
+        let env_continuous = env_is_continuous(&self.env)?;
+        if env_continuous != self.policy.head.is_continuous() {
             return Err(SpecError::Unsupported(format!(
-                "environment {} has continuous actions; the policy has a categorical head only \
-                 (the diagonal Gaussian head is issue 14)",
-                self.env.describe()
+                "environment {} has {} actions but the policy head is {:?} (a Gaussian head for \
+                 continuous actions, a categorical one for discrete actions)",
+                self.env.describe(),
+                if env_continuous { "continuous" } else { "discrete" },
+                self.policy.head,
             )));
         }
         let layout = ParamLayout::new(&self.policy)?;
@@ -635,6 +652,9 @@ impl RunSpec {
                 return Err(SpecError::Work("work.tasks must be built-in environments".into()));
             }
             let task_env = task.build()?;
+            if task_env.action_space().is_continuous() != env_continuous {
+                return Err(SpecError::Work(format!("work task {} has another kind of actions", task_env.name())));
+            }
             for (what, want, got) in [
                 ("obs_dim", obs_dim, task_env.observation_space().dim()),
                 ("n_actions", n_actions, task_env.action_space().n_actions()),
@@ -671,6 +691,7 @@ mod tests {
                 torso: vec![8],
                 activation: Activation::Tanh,
                 core: CoreKind::Mlp,
+                head: volley_policy::ActionHead::Categorical,
             },
             segment_len: 8,
             hyper: HyperParams::default(),
@@ -749,6 +770,33 @@ mod tests {
         for cut in [0, 5, 20, 40, stored.len() - 1] {
             assert!(RunSpec::decode_stored(&stored[..cut]).is_err(), "truncated at {cut}");
         }
+    }
+
+    /// Issue 14: a continuous environment trains with a Gaussian head; a head that does not
+    /// fit the environment's actions is refused by name, and specs written before heads
+    /// existed parse as categorical.
+    #[test]
+    fn the_action_head_must_fit_the_environment() {
+        let mut pendulum = spec(EnvConfig::Pendulum, 3);
+        pendulum.policy.n_actions = 1;
+        let err = pendulum.validate().expect_err("a categorical head on pendulum").to_string();
+        assert!(err.contains("continuous") && err.contains("pendulum"), "{err}");
+        assert_eq!(default_action_head(&EnvConfig::Pendulum).unwrap(), ActionHead::Gaussian { squash: false });
+        for squash in [false, true] {
+            pendulum.policy.head = ActionHead::Gaussian { squash };
+            let layout = pendulum.validate().expect("a Gaussian head on pendulum");
+            assert_eq!(layout.log_std_range().map(|r| r.len()), Some(1));
+        }
+        let mut cartpole = spec(EnvConfig::Cartpole, 4);
+        let mut old = serde_json::to_value(&cartpole).unwrap();
+        assert_eq!(old["policy"]["head"], "categorical");
+        old["policy"].as_object_mut().unwrap().remove("head");
+        assert_eq!(serde_json::from_value::<RunSpec>(old).unwrap(), cartpole);
+        cartpole.policy.head = ActionHead::Gaussian { squash: false };
+        assert!(cartpole.validate().expect_err("a Gaussian head on cartpole").to_string().contains("discrete"));
+        let json = serde_json::to_value(&pendulum).unwrap();
+        assert_eq!(json["policy"]["head"], serde_json::json!({"gaussian": {"squash": true}}));
+        assert_eq!(serde_json::from_value::<RunSpec>(json).unwrap(), pendulum);
     }
 
     /// Specs written before remote environments existed still parse, unchanged.

@@ -42,6 +42,7 @@ fn spec(width: usize, loss: LossKind, t_len: usize, b_len: usize) -> RunSpec {
             torso: vec![width, width],
             activation: Activation::Tanh,
             core: CoreKind::Mlp,
+            head: volley_policy::ActionHead::Categorical,
         },
         segment_len: t_len,
         hyper: HyperParams {
@@ -68,6 +69,8 @@ fn batch(rng: &mut Pcg64Mcg, t_len: usize, b_len: usize) -> SegmentBatch {
         episode_start: vec![0.0; (t_len + 1) * b_len],
         initial_hidden: Vec::new(),
         actions: (0..steps).map(|_| rng.random_range(0..N_ACTIONS as u32)).collect(),
+        action_dim: 0,
+        continuous_actions: Vec::new(),
         behaviour_log_probs: vec![-(N_ACTIONS as f32).ln(); steps],
         rewards: (0..steps).map(|_| rng.random_range(-1.0..1.0)).collect(),
         discounts: vec![0.99; steps],

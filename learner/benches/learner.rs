@@ -11,13 +11,20 @@ use volley_env::EnvConfig;
 use volley_learner::batch::SegmentBatch;
 use volley_learner::Learner;
 use volley_policy::{Activation, CoreKind, PolicySpec};
-use volley_testkit::fixtures::SegmentBuilder;
+use volley_testkit::fixtures::{SegmentBuilder, SpecBuilder};
 
 fn spec(loss: LossKind, core: CoreKind, t_len: usize, b_len: usize) -> RunSpec {
     RunSpec {
         run: RunId::new("bench").expect("valid run id"),
         env: EnvConfig::Cartpole,
-        policy: PolicySpec { obs_dim: 4, n_actions: 2, torso: vec![64, 64], activation: Activation::Tanh, core },
+        policy: PolicySpec {
+            obs_dim: 4,
+            n_actions: 2,
+            torso: vec![64, 64],
+            activation: Activation::Tanh,
+            core,
+            head: volley_policy::ActionHead::Categorical,
+        },
         segment_len: t_len,
         hyper: HyperParams { loss, batch_segments: b_len, ppo_epochs: 1, ppo_minibatches: 1, ..HyperParams::default() },
         seed: 5,
@@ -49,6 +56,37 @@ fn learner_update(c: &mut Criterion) {
         let hidden = learner.layout().recurrent_size();
         let mut rng = Pcg64Mcg::seed_from_u64(1);
         let segments: Vec<_> = (0..b_len).map(|_| random_segment(&mut rng, t_len, hidden)).collect();
+        let refs: Vec<_> = segments.iter().collect();
+        let mut batch = SegmentBatch::default();
+        batch.fill(&refs, 0.99, 1.0, &vec![1.0; b_len]);
+        group.bench_with_input(BenchmarkId::new(name, format!("T{t_len}xB{b_len}")), &batch, |b, batch| {
+            b.iter(|| std::hint::black_box(learner.update(batch)))
+        });
+    }
+    // Issue 14: the Gaussian head (pendulum: 3 observations, one continuous action).
+    for (name, loss) in [("vtrace_mlp64x64_gaussian", LossKind::Vtrace), ("ppo_mlp64x64_gaussian", LossKind::Ppo)] {
+        let spec = SpecBuilder::pendulum(t_len)
+            .run("bench")
+            .torso(vec![64, 64])
+            .hyper(HyperParams {
+                loss,
+                batch_segments: b_len,
+                ppo_epochs: 1,
+                ppo_minibatches: 1,
+                ..HyperParams::default()
+            })
+            .build();
+        let mut learner = Learner::new(spec.clone()).expect("valid spec");
+        let mut rng = Pcg64Mcg::seed_from_u64(1);
+        let segments: Vec<_> = (0..b_len)
+            .map(|_| {
+                SegmentBuilder::for_spec(&spec)
+                    .observations_from(|_| rng.random_range(-1.0..1.0))
+                    .continuous_actions((0..t_len).map(|_| rng.random_range(-2.0..2.0)).collect())
+                    .log_prob(-1.0)
+                    .build()
+            })
+            .collect();
         let refs: Vec<_> = segments.iter().collect();
         let mut batch = SegmentBatch::default();
         batch.fill(&refs, 0.99, 1.0, &vec![1.0; b_len]);

@@ -25,8 +25,12 @@ pub struct SegmentBatch {
     pub episode_start: Vec<f32>,
     /// `[B][H]` recurrent state before step 0.
     pub initial_hidden: Vec<f32>,
-    /// `[T][B]`.
+    /// `[T][B]` discrete actions (empty when actions are continuous).
     pub actions: Vec<u32>,
+    /// Values per continuous action (0 for discrete actions).
+    pub action_dim: usize,
+    /// `[T][B][action_dim]` continuous actions (empty for discrete ones).
+    pub continuous_actions: Vec<f32>,
     /// `[T][B]` log μ(a|x).
     pub behaviour_log_probs: Vec<f32>,
     /// `[T][B]`, with truncation bootstrap folded in.
@@ -50,6 +54,8 @@ impl SegmentBatch {
         let t_len = segments.first().map_or(0, |s| s.len());
         let obs_dim = segments.first().map_or(0, |s| s.obs_dim as usize);
         let hidden_size = segments.first().map_or(0, |s| s.initial_hidden.len());
+        let action_dim = segments.first().map_or(0, |s| s.continuous_actions.len().checked_div(t_len).unwrap_or(0));
+        self.action_dim = action_dim;
         self.t_len = t_len;
         self.b_len = b_len;
         self.obs_dim = obs_dim;
@@ -59,7 +65,8 @@ impl SegmentBatch {
         resize(&mut self.episode_start, (t_len + 1) * b_len);
         resize(&mut self.initial_hidden, b_len * hidden_size);
         self.actions.clear();
-        self.actions.resize(steps, 0);
+        self.actions.resize(if action_dim == 0 { steps } else { 0 }, 0);
+        resize(&mut self.continuous_actions, steps * action_dim);
         resize(&mut self.behaviour_log_probs, steps);
         resize(&mut self.rewards, steps);
         resize(&mut self.discounts, steps);
@@ -75,13 +82,21 @@ impl SegmentBatch {
                 self.observations[dst..dst + obs_dim]
                     .copy_from_slice(&segment.observations[t * obs_dim..(t + 1) * obs_dim]);
             }
+            assert_eq!(segment.continuous_actions.len(), t_len * action_dim, "segments in a batch share action_dim");
+            for t in 0..t_len {
+                let dst = (t * b_len + b) * action_dim;
+                self.continuous_actions[dst..dst + action_dim]
+                    .copy_from_slice(&segment.continuous_actions[t * action_dim..(t + 1) * action_dim]);
+            }
             self.episode_start[b] = 0.0;
             for t in 0..t_len {
                 let i = t * b_len + b;
                 let terminated = segment.terminated[t] != 0;
                 let truncated = segment.truncated[t] != 0;
                 let done = terminated || truncated;
-                self.actions[i] = segment.actions[t];
+                if action_dim == 0 {
+                    self.actions[i] = segment.actions[t];
+                }
                 self.behaviour_log_probs[i] = segment.behaviour_log_probs[t];
                 let bootstrap = if truncated && !terminated { gamma * segment.truncation_values[t] } else { 0.0 };
                 self.rewards[i] = segment.rewards[t] * reward_scale + bootstrap;
@@ -102,7 +117,13 @@ impl SegmentBatch {
         gather(&self.observations, t_len + 1, b_len, self.obs_dim, cols, &mut out.observations);
         gather(&self.episode_start, t_len + 1, b_len, 1, cols, &mut out.episode_start);
         gather(&self.initial_hidden, 1, b_len, self.hidden_size, cols, &mut out.initial_hidden);
-        gather(&self.actions, t_len, b_len, 1, cols, &mut out.actions);
+        if self.action_dim == 0 {
+            gather(&self.actions, t_len, b_len, 1, cols, &mut out.actions);
+        } else {
+            out.actions.clear();
+        }
+        out.action_dim = self.action_dim;
+        gather(&self.continuous_actions, t_len, b_len, self.action_dim, cols, &mut out.continuous_actions);
         gather(&self.behaviour_log_probs, t_len, b_len, 1, cols, &mut out.behaviour_log_probs);
         gather(&self.rewards, t_len, b_len, 1, cols, &mut out.rewards);
         gather(&self.discounts, t_len, b_len, 1, cols, &mut out.discounts);

@@ -10,6 +10,7 @@ pub mod backend;
 pub mod batch;
 pub mod checkpoint;
 pub mod consume;
+pub mod gaussian_losses;
 pub mod learner;
 pub mod losses;
 pub mod metrics;

@@ -647,7 +647,7 @@ pub struct WeightedSums {
 }
 
 impl WeightedSums {
-    fn add_ratio(&mut self, weight: f64, ratio: f64, log_ratio: f64, clipped: bool) {
+    pub(crate) fn add_ratio(&mut self, weight: f64, ratio: f64, log_ratio: f64, clipped: bool) {
         self.ratio += weight * ratio;
         if clipped {
             self.clipped += weight;

@@ -21,11 +21,11 @@ use rand::seq::SliceRandom;
 use rand_pcg::Pcg64Mcg;
 use volley_core::spec::{HyperParams, LossKind};
 use volley_policy::returns::VTraceConfig;
-use volley_policy::ParamLayout;
+use volley_policy::{ActionHead, ParamLayout};
 
 use crate::backend::{
-    Backend, BackendError, CpuBackend, CudaBackend, Evaluation, PpoLossInputs, VTraceLossInputs, VTraceLossOutputs,
-    View, ViewMut,
+    Backend, BackendError, CpuBackend, CudaBackend, Evaluation, GaussianHead, PpoLossInputs, VTraceLossInputs,
+    VTraceLossOutputs, View, ViewMut,
 };
 use crate::batch::SegmentBatch;
 use crate::losses::{LossStats, PpoLossConfig, VTraceLossConfig};
@@ -70,7 +70,8 @@ struct StagedLayout {
 }
 
 impl StagedLayout {
-    fn new(t_len: usize, b_len: usize, obs_dim: usize, hidden: usize) -> Self {
+    /// `action_width` words per action: 1 for a discrete index, `A` for a continuous action.
+    fn new(t_len: usize, b_len: usize, obs_dim: usize, hidden: usize, action_width: usize) -> Self {
         let steps = t_len * b_len;
         let mut end = 0;
         let mut take = |n: usize| {
@@ -82,7 +83,7 @@ impl StagedLayout {
             observations: take((t_len + 1) * b_len * obs_dim),
             episode_start: take((t_len + 1) * b_len),
             initial_hidden: take(b_len * hidden),
-            actions: take(steps),
+            actions: take(steps * action_width),
             behaviour_log_probs: take(steps),
             rewards: take(steps),
             discounts: take(steps),
@@ -102,6 +103,8 @@ struct LossBuffers<B: Backend> {
     advantages: B::Floats,
     returns: B::Floats,
     d_heads: B::Floats,
+    /// A Gaussian head's per-sample log-std gradient, `[n][A]`.
+    d_log_std_rows: B::Floats,
 }
 
 /// One PPO minibatch, gathered column by column on the device.
@@ -139,6 +142,8 @@ pub struct Trainer<B: Backend> {
     host_permutations: Vec<u32>,
     evaluations: Vec<Evaluation>,
     prox_log_rhos: Vec<f32>,
+    /// A Gaussian head's log-std parameters and squashing (`None`: categorical).
+    gaussian: Option<(Range<usize>, bool)>,
 }
 
 impl<B: Backend> Trainer<B> {
@@ -178,6 +183,7 @@ impl<B: Backend> Trainer<B> {
             advantages: empty()?,
             returns: empty()?,
             d_heads: empty()?,
+            d_log_std_rows: empty()?,
         };
         let minibatch = Minibatch {
             observations: empty()?,
@@ -210,6 +216,10 @@ impl<B: Backend> Trainer<B> {
             host_permutations: Vec::new(),
             evaluations: Vec::new(),
             prox_log_rhos: Vec::new(),
+            gaussian: match layout.head() {
+                ActionHead::Categorical => None,
+                ActionHead::Gaussian { squash } => Some((layout.log_std_range().expect("a Gaussian layout"), squash)),
+            },
         })
     }
 
@@ -243,13 +253,17 @@ impl<B: Backend> Trainer<B> {
     fn stage(&mut self, batch: &SegmentBatch) -> Result<(), BackendError> {
         let (t_len, b_len) = (batch.t_len, batch.b_len);
         let (obs_dim, hidden, n_actions) = (self.net.obs_dim(), self.net.hidden(), self.net.n_actions());
-        let layout = StagedLayout::new(t_len, b_len, obs_dim, hidden);
+        let continuous = self.gaussian.is_some();
+        let action_width = if continuous { n_actions } else { 1 };
+        let layout = StagedLayout::new(t_len, b_len, obs_dim, hidden, action_width);
         let steps = t_len * b_len;
+        let (discrete_len, continuous_len) = if continuous { (0, steps * n_actions) } else { (steps, 0) };
         let shapes = [
             ("observations", batch.observations.len(), (t_len + 1) * b_len * obs_dim),
             ("episode_start", batch.episode_start.len(), (t_len + 1) * b_len),
             ("initial_hidden", batch.initial_hidden.len(), b_len * hidden),
-            ("actions", batch.actions.len(), steps),
+            ("actions", batch.actions.len(), discrete_len),
+            ("continuous_actions", batch.continuous_actions.len(), continuous_len),
             ("behaviour_log_probs", batch.behaviour_log_probs.len(), steps),
             ("rewards", batch.rewards.len(), steps),
             ("discounts", batch.discounts.len(), steps),
@@ -257,6 +271,15 @@ impl<B: Backend> Trainer<B> {
         ];
         for (operand, got, expected) in shapes {
             crate::backend::check_len("stage", operand, expected, got)?;
+        }
+        if let Some(index) = batch.continuous_actions.iter().position(|a| !a.is_finite()) {
+            // Decode refuses these; a batch built another way must not reach the loss.
+            return Err(BackendError::Shape {
+                op: "stage",
+                operand: "continuous_actions (non-finite value at the index in `got`)",
+                expected: 0,
+                got: index,
+            });
         }
         if let Some(&action) = batch.actions.iter().find(|&&a| a as usize >= n_actions) {
             return Err(BackendError::Shape {
@@ -270,8 +293,12 @@ impl<B: Backend> Trainer<B> {
             words[layout.observations.clone()].copy_from_slice(&batch.observations);
             words[layout.episode_start.clone()].copy_from_slice(&batch.episode_start);
             words[layout.initial_hidden.clone()].copy_from_slice(&batch.initial_hidden);
-            for (word, &action) in words[layout.actions.clone()].iter_mut().zip(&batch.actions) {
-                *word = f32::from_bits(action);
+            if continuous {
+                words[layout.actions.clone()].copy_from_slice(&batch.continuous_actions);
+            } else {
+                for (word, &action) in words[layout.actions.clone()].iter_mut().zip(&batch.actions) {
+                    *word = f32::from_bits(action);
+                }
             }
             words[layout.behaviour_log_probs.clone()].copy_from_slice(&batch.behaviour_log_probs);
             words[layout.rewards.clone()].copy_from_slice(&batch.rewards);
@@ -362,6 +389,11 @@ impl<B: Backend> Trainer<B> {
             ensure(&mut self.backend, buffer, n)?;
         }
         ensure(&mut self.backend, &mut loss.d_heads, (n + b_len) * stride)?;
+        ensure(
+            &mut self.backend,
+            &mut loss.d_log_std_rows,
+            if self.gaussian.is_some() { n * (stride - 1) } else { 0 },
+        )?;
         let config = VTraceLossConfig {
             vtrace: VTraceConfig {
                 clip_rho_threshold: h.clip_rho_threshold,
@@ -392,7 +424,14 @@ impl<B: Backend> Trainer<B> {
             pg_advantages: ViewMut::range(&mut loss.pg_advantages, 0..n),
             d_heads: ViewMut::range(&mut loss.d_heads, 0..(n + b_len) * stride),
         };
-        self.backend.vtrace_loss(&inputs, &config, outputs, 0)?;
+        match &self.gaussian {
+            Some((log_std, squash)) => {
+                let head = GaussianHead { log_std: View::range(&self.params, log_std.clone()), squash: *squash };
+                let d_log_std_rows = ViewMut::range(&mut loss.d_log_std_rows, 0..n * (stride - 1));
+                self.backend.gaussian_vtrace_loss(&inputs, &head, &config, outputs, d_log_std_rows, 0)?;
+            }
+            None => self.backend.vtrace_loss(&inputs, &config, outputs, 0)?,
+        }
         let off_policy = (|| {
             Some(off_policy_stats(&OffPolicyInputs {
                 log_rhos: self.backend.host_slice(View::range(&self.loss.log_rhos, 0..n))?,
@@ -411,8 +450,19 @@ impl<B: Backend> Trainer<B> {
             View::range(&self.staged, s.episode_start.clone()),
             &mut self.grads,
         )?;
+        self.log_std_gradient(n)?;
         self.apply_gradients(h, learning_rate, 0)?;
         Ok(off_policy)
+    }
+
+    /// A Gaussian head's log-std gradient: the sum over the `n` samples' rows of
+    /// `loss.d_log_std_rows` (the network's backward does not touch that entry).
+    fn log_std_gradient(&mut self, n: usize) -> Result<(), BackendError> {
+        let Some((log_std, _)) = &self.gaussian else {
+            return Ok(());
+        };
+        let rows = View::range(&self.loss.d_log_std_rows, 0..n * log_std.len());
+        self.backend.column_sums(rows, n, ViewMut::range(&mut self.grads, log_std.clone()))
     }
 
     /// The value pass shared by PPO and trajectory selection: the forward over the staged
@@ -457,13 +507,24 @@ impl<B: Backend> Trainer<B> {
         self.value_pass(t_len, b_len, h.gae_lambda)?;
         // 2. The proximal policy: log π_prox of the taken actions, from the same forward.
         let s = self.staged_layout.clone();
-        self.backend.action_log_probs(
-            self.net.heads().slice(0..n * stride),
-            n_actions,
-            View::range(&self.staged, s.actions.clone()),
-            None,
-            ViewMut::range(&mut self.loss.prox_log_probs, 0..n),
-        )?;
+        match &self.gaussian {
+            Some((log_std, squash)) => self.backend.gaussian_log_probs(
+                self.net.heads().slice(0..n * stride),
+                n_actions,
+                &GaussianHead { log_std: View::range(&self.params, log_std.clone()), squash: *squash },
+                View::range(&self.staged, s.actions.clone()),
+                None,
+                ViewMut::range(&mut self.loss.prox_log_probs, 0..n),
+            )?,
+            None => self.backend.action_log_probs(
+                self.net.heads().slice(0..n * stride),
+                n_actions,
+                View::range(&self.staged, s.actions.clone()),
+                None,
+                ViewMut::range(&mut self.loss.prox_log_probs, 0..n),
+            )?,
+        }
+        let action_width = if self.gaussian.is_some() { n_actions } else { 1 };
         // 3. Behaviour importance weights min(π_prox/μ, clip) (Hilton et al. 2021).
         self.backend.behaviour_weights(
             View::range(&self.loss.prox_log_probs, 0..n),
@@ -494,9 +555,9 @@ impl<B: Backend> Trainer<B> {
         let mb = &mut self.minibatch;
         ensure(&mut self.backend, &mut mb.observations, max_m * obs_dim)?;
         ensure(&mut self.backend, &mut mb.initial_hidden, max_mb_len.unwrap_or(0) * hidden)?;
+        ensure(&mut self.backend, &mut mb.actions, max_m * action_width)?;
         for buffer in [
             &mut mb.episode_start,
-            &mut mb.actions,
             &mut mb.sample_weights,
             &mut mb.advantages,
             &mut mb.returns,
@@ -506,6 +567,8 @@ impl<B: Backend> Trainer<B> {
             ensure(&mut self.backend, buffer, max_m)?;
         }
         ensure(&mut self.backend, &mut self.loss.d_heads, max_m * stride)?;
+        let log_std_width = if self.gaussian.is_some() { n_actions } else { 0 };
+        ensure(&mut self.backend, &mut self.loss.d_log_std_rows, max_m * log_std_width)?;
         let config = PpoLossConfig {
             clip_coef: h.clip_coef,
             value_coef: h.value_coef,
@@ -536,14 +599,23 @@ impl<B: Backend> Trainer<B> {
                     n_actions,
                     heads: self.net.heads(),
                     values: self.net.values(),
-                    actions: View::range(&mb.actions, 0..m),
+                    actions: View::range(&mb.actions, 0..m * action_width),
                     sample_weights: View::range(&mb.sample_weights, 0..m),
                     advantages: View::range(&mb.advantages, 0..m),
                     returns: View::range(&mb.returns, 0..m),
                     prox_log_probs: View::range(&mb.prox_log_probs, 0..m),
                     is_weights: View::range(&mb.is_weights, 0..m),
                 };
-                self.backend.ppo_loss(&inputs, &config, ViewMut::range(&mut self.loss.d_heads, 0..m * stride), slot)?;
+                let d_heads = ViewMut::range(&mut self.loss.d_heads, 0..m * stride);
+                match &self.gaussian {
+                    Some((log_std, squash)) => {
+                        let head =
+                            GaussianHead { log_std: View::range(&self.params, log_std.clone()), squash: *squash };
+                        let d_log_std_rows = ViewMut::range(&mut self.loss.d_log_std_rows, 0..m * log_std_width);
+                        self.backend.gaussian_ppo_loss(&inputs, &head, &config, d_heads, d_log_std_rows, slot)?;
+                    }
+                    None => self.backend.ppo_loss(&inputs, &config, d_heads, slot)?,
+                }
                 self.net.backward(
                     &mut self.backend,
                     &self.params,
@@ -552,6 +624,7 @@ impl<B: Backend> Trainer<B> {
                     starts,
                     &mut self.grads,
                 )?;
+                self.log_std_gradient(m)?;
                 self.apply_gradients(h, learning_rate, slot)?;
                 slot += 1;
             }
@@ -586,6 +659,7 @@ impl<B: Backend> Trainer<B> {
         mb_len: usize,
     ) -> Result<(), BackendError> {
         let (obs_dim, hidden) = (self.net.obs_dim(), self.net.hidden());
+        let action_width = if self.gaussian.is_some() { self.net.n_actions() } else { 1 };
         let n = t_len * b_len;
         let m = t_len * mb_len;
         let s = &self.staged_layout;
@@ -610,7 +684,7 @@ impl<B: Backend> Trainer<B> {
             ),
             (View::range(staged, s.episode_start.start..s.episode_start.start + n), t_len, 1, &mut mb.episode_start),
             (View::range(staged, s.initial_hidden.clone()), 1, hidden, &mut mb.initial_hidden),
-            (View::range(staged, s.actions.clone()), t_len, 1, &mut mb.actions),
+            (View::range(staged, s.actions.clone()), t_len, action_width, &mut mb.actions),
             (View::range(staged, s.sample_weights.clone()), t_len, 1, &mut mb.sample_weights),
             (View::range(&self.loss.advantages, 0..n), t_len, 1, &mut mb.advantages),
             (View::range(&self.loss.returns, 0..n), t_len, 1, &mut mb.returns),

@@ -3,7 +3,7 @@
 
 use std::ops::Range;
 
-use super::{CoreKind, PolicyError, PolicySpec, MAX_LAYER_WIDTH, MAX_PARAMS, MAX_TORSO_LAYERS};
+use super::{ActionHead, CoreKind, PolicyError, PolicySpec, MAX_LAYER_WIDTH, MAX_PARAMS, MAX_TORSO_LAYERS};
 
 /// One named block of the flat parameter buffer: a row-major `rows × cols` matrix starting at
 /// `offset`. Bias vectors are `1 × width` rows.
@@ -109,8 +109,11 @@ pub(crate) enum InitRule {
 /// | `value.weight`     | `1 × F'`                 | orthogonal, gain 1                   |
 /// | `policy.bias`      | `1 × A`                  | 0                                    |
 /// | `value.bias`       | `1 × 1`                  | 0                                    |
+/// | `policy.log_std`   | `1 × A`                  | 0 (σ = 1)                            |
 ///
-/// The `gru.*` entries exist only for [`CoreKind::Gru`]. Weights are row-major `[out][in]`
+/// The `gru.*` entries exist only for [`CoreKind::Gru`], and `policy.log_std` only for an
+/// [`ActionHead::Gaussian`] head, whose policy head outputs the `A` means; it comes last, so
+/// every other offset is the same as for a categorical head of the same width. Weights are row-major `[out][in]`
 /// (PyTorch's `nn.Linear`/`nn.GRU` convention), so a layer computes `Y = X Wᵀ + b` on a batch
 /// `X: [n][in]`. The value head is stored right after the policy head (weights, then biases),
 /// so the two heads form one contiguous `(A + 1) × F'` matrix and one `A + 1` bias that a single
@@ -135,6 +138,8 @@ pub struct ParamLayout {
     torso: Vec<DenseOffsets>,
     gru: Option<GruOffsets>,
     heads: DenseOffsets,
+    /// Offset of `policy.log_std` (Gaussian heads only).
+    log_std: Option<usize>,
 }
 
 impl ParamLayout {
@@ -197,9 +202,14 @@ impl ParamLayout {
         builder.push("value.weight".into(), 1, n_in, InitRule::Orthogonal { gain: 1.0, blocks: 1 });
         let policy_bias = builder.push("policy.bias".into(), 1, n_actions, InitRule::Zeros);
         builder.push("value.bias".into(), 1, 1, InitRule::Zeros);
+        let log_std = match spec.head {
+            ActionHead::Categorical => None,
+            ActionHead::Gaussian { .. } => Some(builder.push("policy.log_std".into(), 1, n_actions, InitRule::Zeros)),
+        };
         let heads = DenseOffsets { weight: policy_weight, bias: policy_bias, n_in, n_out: n_actions + 1 };
         let Builder { entries, init_rules, n_params } = builder;
-        let mut layout = ParamLayout { spec: spec.clone(), entries, init_rules, n_params, hash: 0, torso, gru, heads };
+        let mut layout =
+            ParamLayout { spec: spec.clone(), entries, init_rules, n_params, hash: 0, torso, gru, heads, log_std };
         layout.hash = layout.compute_hash();
         Ok(layout)
     }
@@ -233,6 +243,17 @@ impl ParamLayout {
     /// whose layout has the same hash.
     pub fn hash(&self) -> u64 {
         self.hash
+    }
+
+    /// The action head.
+    pub fn head(&self) -> ActionHead {
+        self.spec.head
+    }
+
+    /// Where the Gaussian head's state-independent log-std vector (`A` values) sits in the flat
+    /// buffer, or `None` for a categorical head.
+    pub fn log_std_range(&self) -> Option<Range<usize>> {
+        self.log_std.map(|offset| offset..offset + self.spec.n_actions)
     }
 
     /// Recurrent state size per agent: 0 for [`CoreKind::Mlp`], `hidden` for [`CoreKind::Gru`].
@@ -300,6 +321,11 @@ impl ParamLayout {
                 hasher.write_str("gru");
                 hasher.write_u64(hidden as u64);
             }
+        }
+        // Categorical layouts hash as they did before heads existed, so their weights and
+        // checkpoints still load.
+        if let ActionHead::Gaussian { squash } = self.spec.head {
+            hasher.write_str(if squash { "gaussian-tanh" } else { "gaussian" });
         }
         hasher.write_u64(self.entries.len() as u64);
         for entry in &self.entries {
@@ -372,6 +398,9 @@ fn validate(spec: &PolicySpec) -> Result<(), PolicyError> {
         n_in = hidden;
     }
     add_dense(n_in, spec.n_actions as u64 + 1);
+    if spec.head.is_continuous() {
+        n_params = n_params.saturating_add(spec.n_actions as u64);
+    }
     if n_params > MAX_PARAMS as u64 {
         return Err(PolicyError::TooManyParams { n_params, max: MAX_PARAMS });
     }
@@ -463,6 +492,8 @@ mod tests {
         push(&|s| s.activation = Activation::Relu);
         push(&|s| s.core = CoreKind::Gru { hidden: 64 });
         push(&|s| s.core = CoreKind::Gru { hidden: 32 });
+        push(&|s| s.head = ActionHead::Gaussian { squash: false });
+        push(&|s| s.head = ActionHead::Gaussian { squash: true });
         push(&|s| {
             s.torso = vec![];
             s.core = CoreKind::Gru { hidden: 64 };
@@ -561,6 +592,7 @@ mod tests {
                 torso,
                 activation: if relu { Activation::Relu } else { Activation::Tanh },
                 core: hidden.map_or(CoreKind::Mlp, |hidden| CoreKind::Gru { hidden }),
+                head: super::super::ActionHead::Categorical,
             })
     }
 

@@ -37,6 +37,7 @@
 #![warn(missing_docs)]
 
 pub mod distributions;
+pub mod gaussian;
 mod gru;
 mod inference;
 mod init;
@@ -108,12 +109,41 @@ pub enum CoreKind {
     },
 }
 
+/// The policy head's distribution over actions.
+///
+/// In JSON: `"categorical"` for discrete actions, `{"gaussian":{"squash":false}}` for
+/// continuous ones; specs written before continuous actions existed have no `head` field and
+/// are categorical. (Externally tagged, so bincode can encode a [`PolicySpec`] too.)
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ActionHead {
+    /// A categorical distribution over `n_actions` logits.
+    #[default]
+    Categorical,
+    /// A diagonal Gaussian over `n_actions` values ([`gaussian`]): the head outputs the means,
+    /// and a state-independent log-std vector (`policy.log_std` in the [`ParamLayout`]) gives
+    /// the standard deviations.
+    Gaussian {
+        /// Squash samples through `tanh` into `(−1, 1)` (the actor rescales them to the action
+        /// box), with the change-of-variables correction in the log-density.
+        squash: bool,
+    },
+}
+
+impl ActionHead {
+    /// Whether actions are continuous.
+    pub fn is_continuous(&self) -> bool {
+        matches!(self, ActionHead::Gaussian { .. })
+    }
+}
+
 /// The architecture of a policy network; see the [module docs](self) for the picture.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct PolicySpec {
     /// Length of one flat observation vector.
     pub obs_dim: usize,
-    /// Number of discrete actions (the length of the logits vector).
+    /// Number of discrete actions (the length of the logits vector), or for a Gaussian head
+    /// the number of values of one continuous action.
     pub n_actions: usize,
     /// Output width of each torso layer, input side first; may be empty.
     pub torso: Vec<usize>,
@@ -121,17 +151,40 @@ pub struct PolicySpec {
     pub activation: Activation,
     /// Optional recurrent core between torso and heads.
     pub core: CoreKind,
+    /// The action distribution (categorical unless the spec says otherwise).
+    #[serde(default)]
+    pub head: ActionHead,
 }
 
 impl PolicySpec {
     /// A feed-forward spec: `obs_dim → torso… → heads`.
     pub fn mlp(obs_dim: usize, n_actions: usize, torso: &[usize], activation: Activation) -> Self {
-        PolicySpec { obs_dim, n_actions, torso: torso.to_vec(), activation, core: CoreKind::Mlp }
+        PolicySpec {
+            obs_dim,
+            n_actions,
+            torso: torso.to_vec(),
+            activation,
+            core: CoreKind::Mlp,
+            head: ActionHead::Categorical,
+        }
+    }
+
+    /// This spec with action head `head`.
+    pub fn with_head(mut self, head: ActionHead) -> Self {
+        self.head = head;
+        self
     }
 
     /// A recurrent spec: `obs_dim → torso… → GRU(hidden) → heads`.
     pub fn gru(obs_dim: usize, n_actions: usize, torso: &[usize], activation: Activation, hidden: usize) -> Self {
-        PolicySpec { obs_dim, n_actions, torso: torso.to_vec(), activation, core: CoreKind::Gru { hidden } }
+        PolicySpec {
+            obs_dim,
+            n_actions,
+            torso: torso.to_vec(),
+            activation,
+            core: CoreKind::Gru { hidden },
+            head: ActionHead::Categorical,
+        }
     }
 }
 

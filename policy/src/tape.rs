@@ -883,6 +883,7 @@ mod tests {
                 torso,
                 activation: if relu { Activation::Relu } else { Activation::Tanh },
                 core: hidden.map_or(super::super::CoreKind::Mlp, |hidden| super::super::CoreKind::Gru { hidden }),
+                head: super::super::ActionHead::Categorical,
             })
     }
 

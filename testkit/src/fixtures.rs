@@ -16,7 +16,7 @@ use volley_core::spec::{HyperParams, RunSpec};
 use volley_core::wire::{EpisodeSummary, TrajectorySegment};
 use volley_core::work::SnapshotInfo;
 use volley_env::EnvConfig;
-use volley_policy::{Activation, CoreKind, ParamLayout, PolicySpec};
+use volley_policy::{ActionHead, Activation, CoreKind, ParamLayout, PolicySpec};
 
 /// Builds a [`RunSpec`]; starts from [`SpecBuilder::cartpole`].
 #[derive(Debug, Clone)]
@@ -38,6 +38,7 @@ impl SpecBuilder {
                     torso: vec![8],
                     activation: Activation::Tanh,
                     core: CoreKind::Mlp,
+                    head: ActionHead::Categorical,
                 },
                 segment_len,
                 hyper: HyperParams::default(),
@@ -46,12 +47,24 @@ impl SpecBuilder {
         }
     }
 
+    /// Pendulum (3 observations, one continuous action) with an unsquashed Gaussian head on an
+    /// 8-unit tanh MLP, `segment_len` steps per segment, default hyper-parameters.
+    pub fn pendulum(segment_len: usize) -> Self {
+        Self::cartpole(segment_len).env(EnvConfig::Pendulum, 3, 1).head(ActionHead::Gaussian { squash: false })
+    }
+
     /// The run's name.
     ///
     /// # Panics
     /// If `name` is not a valid [`RunId`].
     pub fn run(mut self, name: &str) -> Self {
         self.spec.run = RunId::new(name).expect("a valid run id");
+        self
+    }
+
+    /// The policy's action head.
+    pub fn head(mut self, head: ActionHead) -> Self {
+        self.spec.policy.head = head;
         self
     }
 
@@ -129,6 +142,7 @@ impl SegmentBuilder {
                 obs_dim: obs_dim as u32,
                 observations: vec![0.0; (t_len + 1) * obs_dim],
                 actions: vec![0; t_len],
+                continuous_actions: Vec::new(),
                 rewards: vec![1.0; t_len],
                 terminated: vec![0; t_len],
                 truncated: vec![0; t_len],
@@ -157,6 +171,10 @@ impl SegmentBuilder {
         builder.segment.run = spec.run.clone();
         builder.segment.layout_hash = layout.hash();
         builder.segment.initial_hidden = vec![0.0; layout.recurrent_size()];
+        if spec.policy.head.is_continuous() {
+            builder.segment.actions.clear();
+            builder.segment.continuous_actions = vec![0.0; spec.segment_len * spec.policy.n_actions];
+        }
         builder
     }
 
@@ -240,6 +258,19 @@ impl SegmentBuilder {
         self
     }
 
+    /// Continuous actions, `[T][action_dim]` (the segment's discrete actions are removed).
+    pub fn continuous_actions(mut self, values: Vec<f32>) -> Self {
+        let steps = self.segment.rewards.len();
+        assert!(
+            steps > 0 && values.len().is_multiple_of(steps),
+            "continuous actions: {} values for {steps} steps",
+            values.len()
+        );
+        self.segment.actions.clear();
+        self.segment.continuous_actions = values;
+        self
+    }
+
     /// Rewards, one per step.
     pub fn rewards(mut self, rewards: Vec<f32>) -> Self {
         self.check_steps("rewards", rewards.len());
@@ -316,7 +347,7 @@ impl SegmentBuilder {
     }
 
     fn check_steps(&self, field: &str, got: usize) {
-        let expected = self.segment.actions.len();
+        let expected = self.segment.rewards.len();
         assert_eq!(got, expected, "{field}: a segment of {expected} steps needs {expected} values");
     }
 }

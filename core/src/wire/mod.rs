@@ -17,8 +17,14 @@ pub mod batch;
 pub mod frame;
 
 /// Bumped on any incompatible change of a wire type (3: the envelope carries a body checksum;
-/// 4: the weights checksum is XXH3-64, weights travel as [`frame`]s).
-pub const FORMAT_VERSION: u16 = 4;
+/// 4: the weights checksum is XXH3-64, weights travel as [`frame`]s; 5: segments carry
+/// continuous actions, [`TrajectorySegment::continuous_actions`]).
+pub const FORMAT_VERSION: u16 = 5;
+
+/// Largest |value| of a recorded continuous action the learner accepts (an unsquashed
+/// Gaussian sample is recorded before the environment clips it; anything this far out is a
+/// broken actor, and would overflow the log-density in `f32`).
+pub const MAX_ABS_CONTINUOUS_ACTION: f32 = 1e6;
 
 /// First bytes of every message: "VLLY".
 pub const MAGIC: [u8; 4] = *b"VLLY";
@@ -117,8 +123,12 @@ pub struct TrajectorySegment {
     pub obs_dim: u32,
     /// `[T + 1][obs_dim]`.
     pub observations: Vec<f32>,
-    /// `[T]`.
+    /// `[T]` discrete action indices; empty when the policy's actions are continuous.
     pub actions: Vec<u32>,
+    /// `[T][action_dim]` continuous actions as the policy drew them (a Gaussian sample before
+    /// the environment clipped it, or the `tanh`-squashed value in `(−1, 1)` before it was
+    /// scaled to the action box: `volley_policy::gaussian`); empty for discrete actions.
+    pub continuous_actions: Vec<f32>,
     /// `[T]`.
     pub rewards: Vec<f32>,
     /// `[T]`, 1 where the step reached a terminal state.
@@ -140,12 +150,12 @@ pub struct TrajectorySegment {
 impl TrajectorySegment {
     /// Number of steps T.
     pub fn len(&self) -> usize {
-        self.actions.len()
+        self.rewards.len()
     }
 
     /// Whether the segment has no steps.
     pub fn is_empty(&self) -> bool {
-        self.actions.is_empty()
+        self.rewards.is_empty()
     }
 
     /// Check the segment against the run spec: run, layout, shapes, action range, finiteness.
@@ -166,10 +176,14 @@ impl TrajectorySegment {
         }
         let t_len = spec.segment_len;
         let obs_dim = spec.policy.obs_dim;
+        let n_actions = spec.policy.n_actions;
+        let continuous = spec.policy.head.is_continuous();
+        let (discrete_len, continuous_len) = if continuous { (0, t_len * n_actions) } else { (t_len, 0) };
         let shapes = [
             ("obs_dim", obs_dim, self.obs_dim as usize),
             ("observations", (t_len + 1) * obs_dim, self.observations.len()),
-            ("actions", t_len, self.actions.len()),
+            ("actions", discrete_len, self.actions.len()),
+            ("continuous_actions", continuous_len, self.continuous_actions.len()),
             ("rewards", t_len, self.rewards.len()),
             ("terminated", t_len, self.terminated.len()),
             ("truncated", t_len, self.truncated.len()),
@@ -182,12 +196,12 @@ impl TrajectorySegment {
                 return Err(DecodeError::Shape { field, expected, got });
             }
         }
-        let n_actions = spec.policy.n_actions;
         if let Some((step, &action)) = self.actions.iter().enumerate().find(|(_, &a)| a as usize >= n_actions) {
             return Err(DecodeError::ActionOutOfRange { action, step, n_actions });
         }
-        let floats: [(&'static str, &[f32]); 5] = [
+        let floats: [(&'static str, &[f32]); 6] = [
             ("observations", &self.observations),
+            ("continuous_actions", &self.continuous_actions),
             ("rewards", &self.rewards),
             ("behaviour_log_probs", &self.behaviour_log_probs),
             ("truncation_values", &self.truncation_values),
@@ -198,11 +212,25 @@ impl TrajectorySegment {
                 return Err(DecodeError::NonFinite { field, index });
             }
         }
-        if let Some(index) = self.behaviour_log_probs.iter().position(|&lp| lp > 1e-4) {
+        if let volley_policy::ActionHead::Gaussian { squash } = spec.policy.head {
+            let bound = if squash { 1.0 } else { MAX_ABS_CONTINUOUS_ACTION };
+            if let Some(index) = self.continuous_actions.iter().position(|a| a.abs() > bound) {
+                return Err(DecodeError::Mismatch {
+                    what: "continuous action",
+                    got: format!("{} at index {index}", self.continuous_actions[index]),
+                    expected: format!("|a| <= {bound}"),
+                });
+            }
+        }
+        // A density can exceed 1, so a continuous log-probability may be positive; it is
+        // bounded per value by the narrowest Gaussian the head allows (log-std >= -20: 19.1)
+        // plus the squashing correction at the clamp (13.1).
+        let max_log_prob = if continuous { 40.0 * n_actions as f32 } else { 1e-4 };
+        if let Some(index) = self.behaviour_log_probs.iter().position(|&lp| lp > max_log_prob) {
             return Err(DecodeError::Mismatch {
                 what: "behaviour log-prob",
                 got: format!("{} at step {index}", self.behaviour_log_probs[index]),
-                expected: "<= 0".into(),
+                expected: format!("<= {max_log_prob}"),
             });
         }
         Ok(())
@@ -285,6 +313,7 @@ pub(crate) fn test_segment(run: &str, t_len: usize, obs_dim: usize, segment_idx:
         obs_dim: obs_dim as u32,
         observations: vec![0.0; (t_len + 1) * obs_dim],
         actions: vec![0; t_len],
+        continuous_actions: Vec::new(),
         rewards: vec![0.0; t_len],
         terminated: vec![0; t_len],
         truncated: vec![0; t_len],
@@ -318,6 +347,7 @@ mod tests {
                 torso: vec![8],
                 activation: Activation::Tanh,
                 core: CoreKind::Mlp,
+                head: volley_policy::ActionHead::Categorical,
             },
             segment_len: T,
             hyper: HyperParams::default(),
@@ -385,6 +415,87 @@ mod tests {
             let decoded = decode_weights(&encode_weights(&weights), 42, params.len()).expect("valid weights");
             prop_assert_eq!(decoded, weights);
         }
+    }
+
+    const ACTION_DIM: usize = 2;
+
+    /// A run on a continuous environment: a Gaussian head with `ACTION_DIM` values.
+    fn continuous_spec(squash: bool) -> RunSpec {
+        let policy = PolicySpec::mlp(4, ACTION_DIM, &[8], Activation::Tanh)
+            .with_head(volley_policy::ActionHead::Gaussian { squash });
+        RunSpec { policy, ..spec() }
+    }
+
+    fn continuous_hash(squash: bool) -> u64 {
+        ParamLayout::new(&continuous_spec(squash).policy).expect("valid").hash()
+    }
+
+    fn continuous_segment_strategy(squash: bool) -> impl Strategy<Value = TrajectorySegment> {
+        let bound = if squash { 1.0f32 } else { 1e3 };
+        (
+            proptest::collection::vec(-bound..bound, T * ACTION_DIM),
+            proptest::collection::vec(-1.0f32..1.0, T),
+            proptest::collection::vec(-20.0f32..20.0, T),
+            any::<u64>(),
+        )
+            .prop_map(move |(continuous_actions, rewards, logp, idx)| TrajectorySegment {
+                layout_hash: continuous_hash(squash),
+                actions: Vec::new(),
+                continuous_actions,
+                rewards,
+                behaviour_log_probs: logp,
+                ..test_segment("wire", T, 4, idx)
+            })
+    }
+
+    proptest! {
+        /// Issue 14: continuous actions round-trip bit for bit, squashed or not.
+        #[test]
+        fn continuous_segment_roundtrips(segment in continuous_segment_strategy(false), squashed in continuous_segment_strategy(true)) {
+            let decoded = decode_segment(&encode_segment(&segment), &continuous_spec(false), continuous_hash(false), 0)
+                .expect("valid continuous segment decodes");
+            prop_assert_eq!(decoded, segment);
+            let decoded = decode_segment(&encode_segment(&squashed), &continuous_spec(true), continuous_hash(true), 0)
+                .expect("valid squashed segment decodes");
+            prop_assert_eq!(decoded, squashed);
+        }
+    }
+
+    /// Issue 14: the learner refuses non-finite, absurd or misshapen continuous actions, and
+    /// discrete actions where the run's are continuous (and the other way round), by name.
+    #[test]
+    fn continuous_actions_are_validated() {
+        let spec = continuous_spec(true);
+        let hash = continuous_hash(true);
+        let mut runner = proptest::test_runner::TestRunner::deterministic();
+        let valid = continuous_segment_strategy(true).new_tree(&mut runner).expect("strategy").current();
+        let check = |segment: &TrajectorySegment| segment.validate(&spec, hash, 0).map_err(|e| e.to_string());
+        assert_eq!(check(&valid), Ok(()));
+        let mut s = valid.clone();
+        s.continuous_actions[3] = f32::NAN;
+        assert!(check(&s).unwrap_err().contains("continuous_actions: non-finite value at index 3"));
+        let mut s = valid.clone();
+        s.continuous_actions[1] = 1.5;
+        assert!(check(&s).unwrap_err().contains("continuous action"));
+        let mut s = valid.clone();
+        s.continuous_actions.pop();
+        assert!(check(&s).unwrap_err().contains("continuous_actions: expected 8 elements, got 7"));
+        let mut s = valid.clone();
+        s.actions = vec![0; T];
+        assert!(check(&s).unwrap_err().contains("actions: expected 0 elements"));
+        let mut s = valid.clone();
+        s.behaviour_log_probs[0] = 1e6;
+        assert!(check(&s).unwrap_err().contains("behaviour log-prob"));
+        let mut unsquashed = valid.clone();
+        unsquashed.layout_hash = continuous_hash(false);
+        unsquashed.continuous_actions[0] = 2e6;
+        let err = unsquashed.validate(&continuous_spec(false), continuous_hash(false), 0).unwrap_err();
+        assert_eq!(err.reason(), "mismatch", "{err}");
+        // A discrete segment is refused by a continuous run, and a continuous one by a discrete run.
+        let discrete = valid_segment();
+        assert_eq!(discrete.validate(&spec, discrete.layout_hash, 0).unwrap_err().reason(), "shape");
+        let err = TrajectorySegment { layout_hash: layout_hash(), ..valid }.validate(&self::spec(), layout_hash(), 0);
+        assert_eq!(err.unwrap_err().reason(), "shape");
     }
 
     fn valid_segment() -> TrajectorySegment {

@@ -11,8 +11,10 @@ use volley_policy::returns::gae;
 use volley_policy::Activation;
 
 use super::{
-    check_len, Backend, BackendError, Evaluation, PpoLossInputs, VTraceLossInputs, VTraceLossOutputs, View, ViewMut,
+    check_len, Backend, BackendError, Evaluation, GaussianHead, PpoLossInputs, VTraceLossInputs, VTraceLossOutputs,
+    View, ViewMut,
 };
+use crate::gaussian_losses::{self, GaussianBatch, GaussianPpoTargets};
 use crate::losses::{self, PpoLossConfig, PpoTargets, SequenceBatch, VTraceLossConfig};
 use crate::optim::{adam_step, clip_grad_global_norm, AdamConfig};
 
@@ -501,6 +503,149 @@ impl Backend for CpuBackend {
             slice(inputs.values),
             config,
             slice_mut(d_heads),
+        );
+        let evaluation = self.slot(slot)?;
+        evaluation.sums = sums;
+        evaluation.weight_sum = weight_sum;
+        Ok(())
+    }
+
+    fn gaussian_log_probs(
+        &mut self,
+        heads: View<'_, Self>,
+        n_actions: usize,
+        head: &GaussianHead<'_, Self>,
+        actions: View<'_, Self>,
+        reference: Option<View<'_, Self>>,
+        out: ViewMut<'_, Self>,
+    ) -> Result<(), BackendError> {
+        let n = out.len();
+        check_len("gaussian_log_probs", "heads", n * (n_actions + 1), heads.len())?;
+        check_len("gaussian_log_probs", "log_std", n_actions, head.log_std.len())?;
+        check_len("gaussian_log_probs", "actions", n * n_actions, actions.len())?;
+        if let Some(reference) = reference {
+            check_len("gaussian_log_probs", "reference", n, reference.len())?;
+        }
+        gaussian_losses::gaussian_log_probs(
+            slice(heads),
+            slice(head.log_std),
+            slice(actions),
+            head.squash,
+            reference.map(slice),
+            slice_mut(out),
+        );
+        Ok(())
+    }
+
+    fn gaussian_vtrace_loss(
+        &mut self,
+        inputs: &VTraceLossInputs<'_, Self>,
+        head: &GaussianHead<'_, Self>,
+        config: &VTraceLossConfig,
+        outputs: VTraceLossOutputs<'_, Self>,
+        d_log_std_rows: ViewMut<'_, Self>,
+        slot: usize,
+    ) -> Result<(), BackendError> {
+        let (n, a) = (inputs.t_len * inputs.b_len, inputs.n_actions);
+        for (operand, len) in [
+            ("behaviour_log_probs", inputs.behaviour_log_probs.len()),
+            ("rewards", inputs.rewards.len()),
+            ("discounts", inputs.discounts.len()),
+            ("sample_weights", inputs.sample_weights.len()),
+            ("log_rhos", outputs.log_rhos.len()),
+            ("vs", outputs.vs.len()),
+            ("pg_advantages", outputs.pg_advantages.len()),
+        ] {
+            check_len("gaussian_vtrace_loss", operand, n, len)?;
+        }
+        let rows = n + inputs.b_len;
+        check_len("gaussian_vtrace_loss", "actions", n * a, inputs.actions.len())?;
+        check_len("gaussian_vtrace_loss", "log_std", a, head.log_std.len())?;
+        check_len("gaussian_vtrace_loss", "heads", rows * (a + 1), inputs.heads.len())?;
+        check_len("gaussian_vtrace_loss", "values", rows, inputs.values.len())?;
+        check_len("gaussian_vtrace_loss", "d_heads", rows * (a + 1), outputs.d_heads.len())?;
+        check_len("gaussian_vtrace_loss", "d_log_std_rows", n * a, d_log_std_rows.len())?;
+        let batch = GaussianBatch {
+            t_len: inputs.t_len,
+            b_len: inputs.b_len,
+            action_dim: a,
+            squash: head.squash,
+            log_std: slice(head.log_std),
+            actions: slice(inputs.actions),
+            behaviour_log_probs: slice(inputs.behaviour_log_probs),
+            rewards: slice(inputs.rewards),
+            discounts: slice(inputs.discounts),
+            sample_weights: slice(inputs.sample_weights),
+        };
+        let (sums, weight_sum) = gaussian_losses::gaussian_vtrace_loss_heads(
+            &batch,
+            slice(inputs.heads),
+            slice(inputs.values),
+            config,
+            slice_mut(outputs.log_rhos),
+            slice_mut(outputs.vs),
+            slice_mut(outputs.pg_advantages),
+            slice_mut(outputs.d_heads),
+            slice_mut(d_log_std_rows),
+        );
+        let evaluation = self.slot(slot)?;
+        evaluation.sums = sums;
+        evaluation.weight_sum = weight_sum;
+        Ok(())
+    }
+
+    fn gaussian_ppo_loss(
+        &mut self,
+        inputs: &PpoLossInputs<'_, Self>,
+        head: &GaussianHead<'_, Self>,
+        config: &PpoLossConfig,
+        d_heads: ViewMut<'_, Self>,
+        d_log_std_rows: ViewMut<'_, Self>,
+        slot: usize,
+    ) -> Result<(), BackendError> {
+        let (n, a) = (inputs.n_samples, inputs.n_actions);
+        for (operand, len) in [
+            ("values", inputs.values.len()),
+            ("sample_weights", inputs.sample_weights.len()),
+            ("advantages", inputs.advantages.len()),
+            ("returns", inputs.returns.len()),
+            ("prox_log_probs", inputs.prox_log_probs.len()),
+            ("is_weights", inputs.is_weights.len()),
+        ] {
+            check_len("gaussian_ppo_loss", operand, n, len)?;
+        }
+        check_len("gaussian_ppo_loss", "actions", n * a, inputs.actions.len())?;
+        check_len("gaussian_ppo_loss", "log_std", a, head.log_std.len())?;
+        check_len("gaussian_ppo_loss", "heads", n * (a + 1), inputs.heads.len())?;
+        check_len("gaussian_ppo_loss", "d_heads", n * (a + 1), d_heads.len())?;
+        check_len("gaussian_ppo_loss", "d_log_std_rows", n * a, d_log_std_rows.len())?;
+        // The PPO loss treats samples independently, so one row of n samples is its batch.
+        let batch = GaussianBatch {
+            t_len: 1,
+            b_len: n,
+            action_dim: a,
+            squash: head.squash,
+            log_std: slice(head.log_std),
+            actions: slice(inputs.actions),
+            behaviour_log_probs: &[],
+            rewards: &[],
+            discounts: &[],
+            sample_weights: slice(inputs.sample_weights),
+        };
+        let targets = GaussianPpoTargets {
+            advantages: slice(inputs.advantages),
+            returns: slice(inputs.returns),
+            prox_log_probs: slice(inputs.prox_log_probs),
+            is_weights: slice(inputs.is_weights),
+        };
+        let (sums, weight_sum) = gaussian_losses::gaussian_ppo_loss_heads(
+            &batch,
+            &targets,
+            slice(inputs.heads),
+            slice(inputs.values),
+            config,
+            slice_mut(d_heads),
+            slice_mut(d_log_std_rows),
         );
         let evaluation = self.slot(slot)?;
         evaluation.sums = sums;

@@ -364,6 +364,17 @@ pub struct PpoLossInputs<'a, B: Backend + ?Sized> {
     pub is_weights: View<'a, B>,
 }
 
+/// A diagonal Gaussian action head's parameters beyond the heads block (issue 14): the
+/// state-independent log-std vector and the squashing convention
+/// (`volley_policy::gaussian`). With it, the heads block's first `A` columns are the means, and
+/// the `actions` views of the loss inputs hold `[n][A]` action values as floats.
+pub struct GaussianHead<'a, B: Backend + ?Sized> {
+    /// `policy.log_std`, `[A]`.
+    pub log_std: View<'a, B>,
+    /// Whether actions are `tanh`-squashed.
+    pub squash: bool,
+}
+
 /// The learner's device operations, at the level of the math (STYLE.md R4): matrix products,
 /// bias + activation, the GRU cell, log-probabilities, the return scans, the fused losses,
 /// clipping + Adam, and buffers. Generic code ([`crate::net`], [`crate::train`]) composes them;
@@ -584,6 +595,48 @@ pub trait Backend {
         inputs: &PpoLossInputs<'_, Self>,
         config: &PpoLossConfig,
         d_heads: ViewMut<'_, Self>,
+        slot: usize,
+    ) -> Result<(), BackendError>;
+
+    /// [`Backend::action_log_probs`] for a Gaussian head: `out[i] = log π(a_i | x_i) −
+    /// reference[i]` from the means in row `i` of the heads block, the log-std and the action
+    /// values `actions: [n][A]`.
+    #[allow(clippy::too_many_arguments)]
+    fn gaussian_log_probs(
+        &mut self,
+        heads: View<'_, Self>,
+        n_actions: usize,
+        head: &GaussianHead<'_, Self>,
+        actions: View<'_, Self>,
+        reference: Option<View<'_, Self>>,
+        out: ViewMut<'_, Self>,
+    ) -> Result<(), BackendError>;
+
+    /// [`Backend::vtrace_loss`] for a Gaussian head (`inputs.actions` holds `[T][B][A]` action
+    /// values): also writes `∂L/∂s` per sample into `d_log_std_rows` (`[T][B][A]`), which the
+    /// caller sums over rows into the log-std gradient. Same result as
+    /// [`crate::gaussian_losses::gaussian_vtrace_loss_heads`].
+    fn gaussian_vtrace_loss(
+        &mut self,
+        inputs: &VTraceLossInputs<'_, Self>,
+        head: &GaussianHead<'_, Self>,
+        config: &VTraceLossConfig,
+        outputs: VTraceLossOutputs<'_, Self>,
+        d_log_std_rows: ViewMut<'_, Self>,
+        slot: usize,
+    ) -> Result<(), BackendError>;
+
+    /// [`Backend::ppo_loss`] for a Gaussian head (`inputs.actions` holds `[n][A]` action
+    /// values): also writes `∂L/∂s` per sample into `d_log_std_rows` (`[n][A]`). Same result
+    /// as [`crate::gaussian_losses::gaussian_ppo_loss_heads`].
+    #[allow(clippy::too_many_arguments)]
+    fn gaussian_ppo_loss(
+        &mut self,
+        inputs: &PpoLossInputs<'_, Self>,
+        head: &GaussianHead<'_, Self>,
+        config: &PpoLossConfig,
+        d_heads: ViewMut<'_, Self>,
+        d_log_std_rows: ViewMut<'_, Self>,
         slot: usize,
     ) -> Result<(), BackendError>;
 

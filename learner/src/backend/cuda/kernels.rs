@@ -60,6 +60,11 @@ pub const FILES: &[KernelFile] = &[
         ],
     },
     KernelFile {
+        name: "gaussian.cu",
+        source: include_str!("../../../kernels/gaussian.cu"),
+        kernels: &["gaussian_log_probs", "gaussian_vtrace_loss_grad", "gaussian_ppo_loss_grad"],
+    },
+    KernelFile {
         name: "optim.cu",
         source: include_str!("../../../kernels/optim.cu"),
         kernels: &["sum_squares", "adam_prepare", "adam_step"],
@@ -158,7 +163,7 @@ pub fn compile_check(arch: Option<&'static str>) -> Result<Vec<(&'static str, us
 const BLOCK: u32 = 256;
 
 /// A grid for a grid-stride loop over `n` elements.
-fn grid(n: usize) -> LaunchConfig {
+pub(crate) fn grid(n: usize) -> LaunchConfig {
     let blocks = n.div_ceil(BLOCK as usize).clamp(1, 65_535 * 8) as u32;
     LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (BLOCK, 1, 1), shared_mem_bytes: 0 }
 }
@@ -174,7 +179,7 @@ fn long(what: &'static str, value: usize) -> Result<i64, BackendError> {
 }
 
 /// The null pointer a kernel reads as "no such input" (`ref == NULL`, `x == NULL`).
-const NULL: u64 = 0;
+pub(crate) const NULL: u64 = 0;
 
 /// Activation codes of `bias_act_fwd` and `act_bwd`.
 pub(crate) const ACT_IDENTITY: i32 = 0;
@@ -205,6 +210,10 @@ pub(crate) struct Kernels {
     sum_squares: CudaFunction,
     adam_prepare: CudaFunction,
     adam_step: CudaFunction,
+    /// The Gaussian head's kernels (`gaussian.cu`), launched from `cuda/gaussian.rs`.
+    pub(crate) gaussian_log_probs: CudaFunction,
+    pub(crate) gaussian_vtrace_loss_grad: CudaFunction,
+    pub(crate) gaussian_ppo_loss_grad: CudaFunction,
     /// Keeps the functions' module loaded.
     _module: Arc<CudaModule>,
 }
@@ -297,6 +306,9 @@ impl Kernels {
             sum_squares: f("sum_squares")?,
             adam_prepare: f("adam_prepare")?,
             adam_step: f("adam_step")?,
+            gaussian_log_probs: f("gaussian_log_probs")?,
+            gaussian_vtrace_loss_grad: f("gaussian_vtrace_loss_grad")?,
+            gaussian_ppo_loss_grad: f("gaussian_ppo_loss_grad")?,
             _module: module,
         })
     }

@@ -106,8 +106,22 @@ fn random_params(layout: &ParamLayout, rng: &mut Pcg64Mcg) -> Vec<f32> {
 
 fn specs() -> Vec<PolicySpec> {
     vec![
-        PolicySpec { obs_dim: 5, n_actions: 3, torso: vec![32, 16], activation: Activation::Tanh, core: CoreKind::Mlp },
-        PolicySpec { obs_dim: 4, n_actions: 2, torso: vec![24], activation: Activation::Relu, core: CoreKind::Mlp },
+        PolicySpec {
+            obs_dim: 5,
+            n_actions: 3,
+            torso: vec![32, 16],
+            activation: Activation::Tanh,
+            core: CoreKind::Mlp,
+            head: volley_policy::ActionHead::Categorical,
+        },
+        PolicySpec {
+            obs_dim: 4,
+            n_actions: 2,
+            torso: vec![24],
+            activation: Activation::Relu,
+            core: CoreKind::Mlp,
+            head: volley_policy::ActionHead::Categorical,
+        },
         PolicySpec::gru(6, 4, &[16], Activation::Tanh, 12),
         PolicySpec {
             obs_dim: 3,
@@ -115,6 +129,7 @@ fn specs() -> Vec<PolicySpec> {
             torso: vec![],
             activation: Activation::Tanh,
             core: CoreKind::Gru { hidden: 8 },
+            head: volley_policy::ActionHead::Categorical,
         },
     ]
 }
@@ -590,6 +605,7 @@ fn random_batch(r: &mut Pcg64Mcg, spec: &RunSpec, hidden: usize) -> SegmentBatch
     let (t_len, b_len) = (spec.segment_len, spec.hyper.batch_segments);
     let (d, a) = (spec.policy.obs_dim, spec.policy.n_actions);
     let steps = t_len * b_len;
+    let continuous = spec.policy.head.is_continuous();
     SegmentBatch {
         t_len,
         b_len,
@@ -598,7 +614,10 @@ fn random_batch(r: &mut Pcg64Mcg, spec: &RunSpec, hidden: usize) -> SegmentBatch
         observations: uniform(r, (t_len + 1) * b_len * d, -1.0, 1.0),
         episode_start: (0..(t_len + 1) * b_len).map(|i| f32::from(i % 9 == 4)).collect(),
         initial_hidden: uniform(r, b_len * hidden, -0.5, 0.5),
-        actions: (0..steps).map(|_| r.random_range(0..a as u32)).collect(),
+        actions: if continuous { Vec::new() } else { (0..steps).map(|_| r.random_range(0..a as u32)).collect() },
+        action_dim: if continuous { a } else { 0 },
+        // Within (−1, 1), so the same batch serves squashed heads.
+        continuous_actions: if continuous { uniform(r, steps * a, -0.9, 0.9) } else { Vec::new() },
         behaviour_log_probs: uniform(r, steps, -(a as f32).ln() - 0.3, -(a as f32).ln() + 0.3),
         rewards: uniform(r, steps, -1.0, 1.0),
         discounts: (0..steps).map(|i| if i % 23 == 7 { 0.0 } else { 0.99 }).collect(),
@@ -610,7 +629,14 @@ fn random_batch(r: &mut Pcg64Mcg, spec: &RunSpec, hidden: usize) -> SegmentBatch
 /// CartPole-shaped policies (the run spec checks them against the env): an MLP and a GRU.
 fn cartpole_policies() -> [PolicySpec; 2] {
     [
-        PolicySpec { obs_dim: 4, n_actions: 2, torso: vec![32, 16], activation: Activation::Tanh, core: CoreKind::Mlp },
+        PolicySpec {
+            obs_dim: 4,
+            n_actions: 2,
+            torso: vec![32, 16],
+            activation: Activation::Tanh,
+            core: CoreKind::Mlp,
+            head: volley_policy::ActionHead::Categorical,
+        },
         PolicySpec::gru(4, 2, &[16], Activation::Tanh, 12),
     ]
 }
@@ -665,6 +691,61 @@ fn whole_updates_match_the_cpu_learner() {
             // A checkpoint from the device has the device's optimiser state.
             let checkpoint = gpu.checkpoint(0);
             assert_eq!(checkpoint.adam_t, cpu.checkpoint(0).adam_t);
+        }
+    }
+}
+
+/// Pendulum-shaped policies with the Gaussian head (issue 14): unsquashed and squashed.
+fn pendulum_specs(loss: LossKind) -> Vec<RunSpec> {
+    [false, true]
+        .into_iter()
+        .map(|squash| {
+            let policy = PolicySpec::mlp(3, 1, &[32, 16], Activation::Tanh)
+                .with_head(volley_policy::ActionHead::Gaussian { squash });
+            RunSpec { env: EnvConfig::Pendulum, ..run_spec(policy, loss, 12, 9) }
+        })
+        .collect()
+}
+
+/// The Gaussian whole-update harness runs without a GPU too.
+#[test]
+fn gaussian_parity_harness_runs_on_the_cpu() {
+    for loss in [LossKind::Vtrace, LossKind::Ppo] {
+        for spec in pendulum_specs(loss) {
+            let mut cpu = Learner::new(spec.clone()).unwrap();
+            let before = cpu.params().to_vec();
+            let stats = cpu.update(&random_batch(&mut rng(21), &spec, 0));
+            assert!(stats.grad_norm.is_finite() && stats.loss.total.is_finite(), "{stats:?}");
+            let log_std = cpu.layout().log_std_range().expect("a Gaussian layout");
+            assert_ne!(cpu.params()[log_std.clone()], before[log_std], "the log-std parameters learn");
+        }
+    }
+}
+
+/// Issue 14: whole V-trace and PPO updates with the Gaussian head (log-probabilities, the
+/// fused losses and the log-std gradient rows of `gaussian.cu`) match the CPU learner.
+#[test]
+fn gaussian_whole_updates_match_the_cpu_learner() {
+    let Some(device) = device_or_skip("gaussian_whole_updates_match_the_cpu_learner") else { return };
+    for loss in [LossKind::Vtrace, LossKind::Ppo] {
+        for spec in pendulum_specs(loss) {
+            let mut cpu = Learner::new(spec.clone()).unwrap();
+            let mut gpu = Learner::new(spec.clone()).unwrap();
+            gpu.use_cuda_device(&device).unwrap();
+            let mut r = rng(23);
+            for update in 0..3 {
+                let batch = random_batch(&mut r, &spec, 0);
+                let c = cpu.update(&batch);
+                let g = gpu.update(&batch);
+                let name = format!("{loss:?} {:?} update {update}", spec.policy.head);
+                assert_stats_close(&name, &g.loss, &c.loss);
+                assert_close(&format!("{name} grad norm"), &[g.grad_norm], &[c.grad_norm], 1e-3, 1e-6);
+                let (gp, cp) = (gpu.params().to_vec(), cpu.params().to_vec());
+                let off = gp.iter().zip(&cp).filter(|(a, b)| (*a - *b).abs() > 1e-5 + 1e-3 * b.abs()).count();
+                assert!((off as f32) < 0.02 * gp.len() as f32, "{name}: {off} of {} parameters differ", gp.len());
+                let log_std = cpu.layout().log_std_range().expect("a Gaussian layout");
+                assert_close(&format!("{name} log_std"), &gp[log_std.clone()], &cp[log_std], 1e-3, 1e-5);
+            }
         }
     }
 }

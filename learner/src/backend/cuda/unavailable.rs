@@ -5,7 +5,9 @@
 
 use std::convert::Infallible;
 
-use super::{Backend, BackendError, Evaluation, PpoLossInputs, VTraceLossInputs, VTraceLossOutputs, View, ViewMut};
+use super::{
+    Backend, BackendError, Evaluation, GaussianHead, PpoLossInputs, VTraceLossInputs, VTraceLossOutputs, View, ViewMut,
+};
 use crate::losses::{PpoLossConfig, VTraceLossConfig};
 use crate::optim::AdamConfig;
 use volley_policy::Activation;
@@ -293,6 +295,42 @@ impl Backend for CudaBackend {
         _inputs: &PpoLossInputs<'_, Self>,
         _config: &PpoLossConfig,
         _d_heads: ViewMut<'_, Self>,
+        _slot: usize,
+    ) -> Result<(), BackendError> {
+        match *self {}
+    }
+
+    fn gaussian_log_probs(
+        &mut self,
+        _heads: View<'_, Self>,
+        _n_actions: usize,
+        _head: &GaussianHead<'_, Self>,
+        _actions: View<'_, Self>,
+        _reference: Option<View<'_, Self>>,
+        _out: ViewMut<'_, Self>,
+    ) -> Result<(), BackendError> {
+        match *self {}
+    }
+
+    fn gaussian_vtrace_loss(
+        &mut self,
+        _inputs: &VTraceLossInputs<'_, Self>,
+        _head: &GaussianHead<'_, Self>,
+        _config: &VTraceLossConfig,
+        _outputs: VTraceLossOutputs<'_, Self>,
+        _d_log_std_rows: ViewMut<'_, Self>,
+        _slot: usize,
+    ) -> Result<(), BackendError> {
+        match *self {}
+    }
+
+    fn gaussian_ppo_loss(
+        &mut self,
+        _inputs: &PpoLossInputs<'_, Self>,
+        _head: &GaussianHead<'_, Self>,
+        _config: &PpoLossConfig,
+        _d_heads: ViewMut<'_, Self>,
+        _d_log_std_rows: ViewMut<'_, Self>,
         _slot: usize,
     ) -> Result<(), BackendError> {
         match *self {}
