@@ -21,6 +21,7 @@ fn cartpole_spec(segment_len: usize) -> RunSpec {
             torso: vec![64, 64],
             activation: Activation::Tanh,
             core: CoreKind::Mlp,
+            conv: None,
         },
         segment_len,
         hyper: HyperParams::default(),

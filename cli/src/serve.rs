@@ -152,6 +152,7 @@ mod tests {
                 torso: vec![4],
                 activation: Activation::Tanh,
                 core: CoreKind::Mlp,
+                conv: None,
             },
             segment_len: 4,
             hyper: HyperParams::default(),

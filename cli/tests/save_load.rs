@@ -39,6 +39,7 @@ fn spec() -> RunSpec {
             torso: vec![16],
             activation: Activation::Tanh,
             core: CoreKind::Mlp,
+            conv: None,
         },
         segment_len: SEGMENT_LEN,
         hyper: HyperParams {

@@ -671,6 +671,7 @@ mod tests {
                 torso: vec![8],
                 activation: Activation::Tanh,
                 core: CoreKind::Mlp,
+                conv: None,
             },
             segment_len: 8,
             hyper: HyperParams::default(),

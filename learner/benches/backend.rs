@@ -42,6 +42,7 @@ fn spec(width: usize, loss: LossKind, t_len: usize, b_len: usize) -> RunSpec {
             torso: vec![width, width],
             activation: Activation::Tanh,
             core: CoreKind::Mlp,
+            conv: None,
         },
         segment_len: t_len,
         hyper: HyperParams {

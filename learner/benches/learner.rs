@@ -17,7 +17,14 @@ fn spec(loss: LossKind, core: CoreKind, t_len: usize, b_len: usize) -> RunSpec {
     RunSpec {
         run: RunId::new("bench").expect("valid run id"),
         env: EnvConfig::Cartpole,
-        policy: PolicySpec { obs_dim: 4, n_actions: 2, torso: vec![64, 64], activation: Activation::Tanh, core },
+        policy: PolicySpec {
+            obs_dim: 4,
+            n_actions: 2,
+            torso: vec![64, 64],
+            activation: Activation::Tanh,
+            core,
+            conv: None,
+        },
         segment_len: t_len,
         hyper: HyperParams { loss, batch_segments: b_len, ppo_epochs: 1, ppo_minibatches: 1, ..HyperParams::default() },
         seed: 5,

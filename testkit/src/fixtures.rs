@@ -38,6 +38,7 @@ impl SpecBuilder {
                     torso: vec![8],
                     activation: Activation::Tanh,
                     core: CoreKind::Mlp,
+                    conv: None,
                 },
                 segment_len,
                 hyper: HyperParams::default(),

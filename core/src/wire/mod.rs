@@ -317,6 +317,7 @@ mod tests {
                 torso: vec![8],
                 activation: Activation::Tanh,
                 core: CoreKind::Mlp,
+                conv: None,
             },
             segment_len: T,
             hyper: HyperParams::default(),

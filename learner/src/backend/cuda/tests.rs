@@ -106,8 +106,22 @@ fn random_params(layout: &ParamLayout, rng: &mut Pcg64Mcg) -> Vec<f32> {
 
 fn specs() -> Vec<PolicySpec> {
     vec![
-        PolicySpec { obs_dim: 5, n_actions: 3, torso: vec![32, 16], activation: Activation::Tanh, core: CoreKind::Mlp },
-        PolicySpec { obs_dim: 4, n_actions: 2, torso: vec![24], activation: Activation::Relu, core: CoreKind::Mlp },
+        PolicySpec {
+            obs_dim: 5,
+            n_actions: 3,
+            torso: vec![32, 16],
+            activation: Activation::Tanh,
+            core: CoreKind::Mlp,
+            conv: None,
+        },
+        PolicySpec {
+            obs_dim: 4,
+            n_actions: 2,
+            torso: vec![24],
+            activation: Activation::Relu,
+            core: CoreKind::Mlp,
+            conv: None,
+        },
         PolicySpec::gru(6, 4, &[16], Activation::Tanh, 12),
         PolicySpec {
             obs_dim: 3,
@@ -115,7 +129,11 @@ fn specs() -> Vec<PolicySpec> {
             torso: vec![],
             activation: Activation::Tanh,
             core: CoreKind::Gru { hidden: 8 },
+            conv: None,
         },
+        // Conv torsos (issue 15): im2col and col2im with stride, padding and both layouts.
+        PolicySpec::mlp(0, 3, &[16], Activation::Relu).with_conv(crate::backend::cuda::conv_tests::two_layer_conv()),
+        PolicySpec::gru(0, 4, &[], Activation::Tanh, 6).with_conv(volley_policy::ConvSpec::minatar(3, 10, 10)),
     ]
 }
 
@@ -610,7 +628,14 @@ fn random_batch(r: &mut Pcg64Mcg, spec: &RunSpec, hidden: usize) -> SegmentBatch
 /// CartPole-shaped policies (the run spec checks them against the env): an MLP and a GRU.
 fn cartpole_policies() -> [PolicySpec; 2] {
     [
-        PolicySpec { obs_dim: 4, n_actions: 2, torso: vec![32, 16], activation: Activation::Tanh, core: CoreKind::Mlp },
+        PolicySpec {
+            obs_dim: 4,
+            n_actions: 2,
+            torso: vec![32, 16],
+            activation: Activation::Tanh,
+            core: CoreKind::Mlp,
+            conv: None,
+        },
         PolicySpec::gru(4, 2, &[16], Activation::Tanh, 12),
     ]
 }
