@@ -7,6 +7,7 @@
 //! message becomes a [`DecodeError`] with a bounded [`DecodeError::reason`] label, never a panic.
 
 mod codec;
+pub mod observations;
 
 pub use codec::*;
 
@@ -16,8 +17,9 @@ use crate::spec::RunSpec;
 pub mod frame;
 
 /// Bumped on any incompatible change of a wire type (3: the envelope carries a body checksum;
-/// 4: the weights checksum is XXH3-64, weights travel as [`frame`]s).
-pub const FORMAT_VERSION: u16 = 4;
+/// 4: the weights checksum is XXH3-64, weights travel as [`frame`]s; 5: byte-valued
+/// observations, such as images, travel as one byte each: [`observations`]).
+pub const FORMAT_VERSION: u16 = 5;
 
 /// First bytes of every message: "VLLY".
 pub const MAGIC: [u8; 4] = *b"VLLY";
@@ -114,7 +116,9 @@ pub struct TrajectorySegment {
     pub layout_hash: u64,
     /// Observation width.
     pub obs_dim: u32,
-    /// `[T + 1][obs_dim]`.
+    /// `[T + 1][obs_dim]`. On the wire as bytes when every value is a whole number in
+    /// `0..=255` (image observations), else as `f32` ([`observations`]).
+    #[serde(serialize_with = "observations::serialize", deserialize_with = "observations::deserialize")]
     pub observations: Vec<f32>,
     /// `[T]`.
     pub actions: Vec<u32>,
