@@ -219,7 +219,7 @@ impl ConvGeometry {
 }
 
 /// Unfold the receptive fields of `n` images `x` into `cols: [n·OH·OW][C·K·K]` (see the
-/// [module docs](self)); zero padding reads as 0.
+/// module docs of `conv.rs`); zero padding reads as 0.
 pub fn im2col(geometry: &ConvGeometry, x: &[f32], n: usize, cols: &mut [f32]) -> Result<(), PolicyError> {
     geometry.check("im2col", n, x.len(), cols.len())?;
     im2col_generic(geometry, x, n, cols, |v: f32| v);
