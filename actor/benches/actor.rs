@@ -8,8 +8,8 @@ use volley_actor::{ActorCounters, RolloutWorker};
 use volley_core::ids::{ActorId, PolicyVersion, RunId};
 use volley_core::spec::{HyperParams, RunSpec};
 use volley_core::wire::{encode_segment, Weights};
-use volley_env::EnvConfig;
-use volley_policy::{Activation, CoreKind, ParamLayout, PolicySpec};
+use volley_env::{EnvConfig, MinatarConfig, MinatarGame};
+use volley_policy::{Activation, ConvSpec, CoreKind, ParamLayout, PolicySpec};
 
 fn cartpole_spec(segment_len: usize) -> RunSpec {
     RunSpec {
@@ -22,6 +22,7 @@ fn cartpole_spec(segment_len: usize) -> RunSpec {
             activation: Activation::Tanh,
             core: CoreKind::Mlp,
             head: volley_policy::ActionHead::Categorical,
+            conv: None,
         },
         segment_len,
         hyper: HyperParams::default(),
@@ -119,5 +120,51 @@ fn gaussian_policy_step(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, actor_path, gaussian_policy_step);
+/// MinAtar Breakout with the MinAtar network (3×3 conv, 16 filters, then 128 ReLU units): the
+/// actor path for image observations (issue 15).
+fn minatar_conv_spec(segment_len: usize) -> RunSpec {
+    let env = EnvConfig::Minatar(MinatarConfig::new(MinatarGame::Breakout));
+    let (_, n_actions) = env.spaces().expect("minatar spaces");
+    let [channels, height, width] = env.image_shape().expect("minatar observations are images");
+    RunSpec {
+        run: RunId::new("bench").expect("valid run id"),
+        env,
+        policy: PolicySpec::mlp(0, n_actions, &[128], Activation::Relu)
+            .with_conv(ConvSpec::minatar(channels, height, width)),
+        segment_len,
+        hyper: HyperParams::default(),
+        seed: 7,
+    }
+}
+
+fn actor_path_minatar_conv(c: &mut Criterion) {
+    let mut group = c.benchmark_group("actor_agent_steps");
+    group.sample_size(10).measurement_time(std::time::Duration::from_secs(3));
+    let segment_len = 32;
+    for n_envs in [8usize, 64] {
+        let spec = minatar_conv_spec(segment_len);
+        let layout = ParamLayout::new(&spec.policy).expect("valid policy");
+        let weights = Arc::new(Weights::new(PolicyVersion(1), layout.hash(), layout.init_params(3)));
+        let mut worker = RolloutWorker::new(
+            spec,
+            ActorId::new("bench").expect("valid actor id"),
+            n_envs,
+            11,
+            Arc::new(ActorCounters::default()),
+        )
+        .expect("minatar actor");
+        worker.set_weights(weights).expect("matching weights");
+        group.throughput(Throughput::Elements((segment_len * n_envs) as u64));
+        group.bench_with_input(BenchmarkId::new("minatar_breakout_conv_encode", n_envs), &n_envs, |b, _| {
+            b.iter(|| {
+                let segments = worker.collect_segments();
+                let bytes: usize = segments.iter().map(|s| encode_segment(s).len()).sum();
+                std::hint::black_box(bytes)
+            })
+        });
+    }
+    group.finish();
+}
+
+criterion_group!(benches, actor_path, gaussian_policy_step, actor_path_minatar_conv);
 criterion_main!(benches);

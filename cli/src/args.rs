@@ -15,7 +15,7 @@ use volley_env::{
 };
 use volley_learner::backend::BackendKind;
 use volley_learner::Checkpoint;
-use volley_policy::{ActionHead, Activation, CoreKind, PolicySpec};
+use volley_policy::{ActionHead, Activation, ConvSpec, CoreKind, PolicySpec};
 use volley_transport::envsvc::EnvServiceName;
 use volley_transport::nats::{NatsAuth, NatsConfig};
 
@@ -121,6 +121,17 @@ pub enum CoreName {
     Gru,
 }
 
+/// The convolutional torso in front of the dense torso (image observations only).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum ConvName {
+    /// No conv torso: the observation feeds the dense torso as a vector.
+    None,
+    /// The MinAtar network: one 3×3 conv with 16 filters (use with --torso 128).
+    Minatar,
+    /// The Nature-DQN / IMPALA-shallow network: 32 8×8/4, 64 4×4/2, 64 3×3/1 (use with --torso 512).
+    Nature,
+}
+
 /// Torso activation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum ActivationName {
@@ -213,6 +224,9 @@ pub struct SpecArgs {
     /// GRU width (with --core gru).
     #[arg(long, default_value_t = 64, env = "VOLLEY_GRU_HIDDEN")]
     pub gru_hidden: usize,
+    /// Convolutional torso preset in front of --torso (image observations, e.g. MinAtar).
+    #[arg(long, value_enum, default_value = "none", env = "VOLLEY_CONV")]
+    pub conv: ConvName,
     /// Adam learning rate at the start (decays linearly to --final-learning-rate over
     /// --max-env-steps) [default: 2e-3; pendulum: 1e-3].
     #[arg(long, env = "VOLLEY_LEARNING_RATE")]
@@ -520,6 +534,7 @@ impl SpecArgs {
                 ActionHead::Gaussian { .. } => ActionHead::Gaussian { squash: self.squash_actions },
                 categorical => categorical,
             },
+            conv: self.conv_spec(&env)?,
         };
         let preset = EnvDefaults::for_env(&env);
         let segment_len = self.segment_len.unwrap_or(preset.segment_len);
@@ -567,6 +582,21 @@ impl SpecArgs {
 }
 
 impl SpecArgs {
+    /// The conv torso `--conv` asks for, shaped by the environment's image observations.
+    fn conv_spec(&self, env: &EnvConfig) -> anyhow::Result<Option<ConvSpec>> {
+        if self.conv == ConvName::None {
+            return Ok(None);
+        }
+        let Some([channels, height, width]) = env.image_shape() else {
+            bail!("--conv {:?} needs image observations; {} has vector observations", self.conv, env.describe());
+        };
+        Ok(Some(match self.conv {
+            ConvName::None => unreachable!("handled above"),
+            ConvName::Minatar => ConvSpec::minatar(channels, height, width),
+            ConvName::Nature => ConvSpec::nature(channels, height, width),
+        }))
+    }
+
     /// The built-in environment `name` with the task flags.
     pub fn builtin_env(&self, name: EnvName) -> EnvConfig {
         match name {

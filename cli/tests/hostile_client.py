@@ -53,7 +53,7 @@ def segment_body(seg: dict) -> bytes:
     out += varint(seg["incarnation"]) + varint(seg["env_idx"]) + varint(seg["episode_id"]) + varint(seg["segment_idx"])
     out += varint(seg["task_id"]) + option(seg["start_snapshot"], string)
     out += varint(seg["policy_version"]) + varint(seg["layout_hash"]) + varint(seg["obs_dim"])
-    out += f32s(seg["observations"])
+    out += varint(0) + f32s(seg["observations"])  # the F32 variant of the observations enum
     out += varint(len(seg["actions"])) + b"".join(varint(a) for a in seg["actions"])
     out += f32s(seg.get("continuous_actions", []))  # format 5: continuous actions (none here)
     out += f32s(seg["rewards"])

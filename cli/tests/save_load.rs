@@ -45,6 +45,7 @@ fn spec() -> RunSpec {
             activation: Activation::Tanh,
             core: CoreKind::Mlp,
             head: volley_policy::ActionHead::Categorical,
+            conv: None,
         },
         segment_len: SEGMENT_LEN,
         hyper: HyperParams {

@@ -555,6 +555,15 @@ impl EnvConfig {
             }
         }
     }
+
+    /// The observation's image shape `[C, H, W]` (channel-major, so `C·H·W` is the
+    /// observation length) for environments whose observations are images, else `None`.
+    pub fn image_shape(&self) -> Option<[usize; 3]> {
+        match self {
+            EnvConfig::Minatar(config) => Some([config.game.n_channels(), minatar::GRID, minatar::GRID]),
+            _ => None,
+        }
+    }
 }
 
 /// Leading bytes of every environment snapshot: magic, then the snapshot format version.

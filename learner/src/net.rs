@@ -2,8 +2,12 @@
 //! written once over [`Backend`] operations (so the CPU and CUDA backends run the same steps).
 //!
 //! ```text
-//! obs ─► torso: (dense ─► activation) × n ─► [GRU over time] ─► heads: dense ─► [logits | value]
+//! obs ─► [conv: (im2col ─► dense ─► ReLU) × n] ─► torso: (dense ─► activation) × n ─► [GRU over time] ─► heads: dense ─► [logits | value]
 //! ```
+//!
+//! A conv layer is an `im2col` unfolding followed by the dense product over all `T·B·OH·OW`
+//! output positions (`volley_policy`'s `conv.rs` has the layouts); its backward is the two dense
+//! gradient products over the same unfolding, recomputed rather than stored, and `col2im`.
 //!
 //! Work is batched as widely as the data dependencies allow: the torso, the GRU's input
 //! projection and the heads each run as one product over all `T·B` rows; only the GRU's
@@ -16,7 +20,7 @@
 
 use std::ops::Range;
 
-use volley_policy::{Activation, CoreKind, ParamLayout};
+use volley_policy::{Activation, ConvGeometry, CoreKind, ParamLayout};
 
 use crate::backend::{Backend, BackendError, View, ViewMut};
 
@@ -27,6 +31,14 @@ struct Dense {
     bias: Range<usize>,
     n_in: usize,
     n_out: usize,
+}
+
+/// Where one conv layer's parameters sit (`[OC][C·K·K]` and `[OC]`), and its geometry.
+#[derive(Debug, Clone)]
+struct ConvLayer {
+    weight: Range<usize>,
+    bias: Range<usize>,
+    geometry: ConvGeometry,
 }
 
 /// Where the GRU core's parameters sit in the flat buffer.
@@ -45,6 +57,7 @@ struct GruLayer {
 struct Shape {
     obs_dim: usize,
     n_actions: usize,
+    conv: Vec<ConvLayer>,
     torso: Vec<Dense>,
     gru: Option<GruLayer>,
     /// Policy and value heads fused: `[A + 1][F']`, bias `[A + 1]`.
@@ -57,7 +70,17 @@ impl Shape {
         let spec = layout.spec();
         // A validated layout always has these entries (ParamLayout::new builds them).
         let entry = |name: &str| layout.entry(name).unwrap_or_else(|| panic!("layout has no `{name}` entry")).range();
-        let mut n_in = spec.obs_dim;
+        let conv: Vec<ConvLayer> = layout
+            .conv_geometries()
+            .iter()
+            .enumerate()
+            .map(|(i, &geometry)| ConvLayer {
+                weight: entry(&format!("conv.{i}.weight")),
+                bias: entry(&format!("conv.{i}.bias")),
+                geometry,
+            })
+            .collect();
+        let mut n_in = conv.last().map_or(spec.obs_dim, |layer| layer.geometry.output_len());
         let torso = spec
             .torso
             .iter()
@@ -96,11 +119,22 @@ impl Shape {
             n_in: features,
             n_out,
         };
-        Shape { obs_dim: spec.obs_dim, n_actions: spec.n_actions, torso, gru, heads, activation: spec.activation }
+        Shape { obs_dim: spec.obs_dim, n_actions: spec.n_actions, conv, torso, gru, heads, activation: spec.activation }
     }
 
     fn widest(&self) -> usize {
-        self.torso.iter().map(|d| d.n_out).max().unwrap_or(0).max(self.heads.n_in).max(self.obs_dim)
+        let conv = self.conv.iter().map(|layer| layer.geometry.output_len()).max().unwrap_or(0);
+        self.torso.iter().map(|d| d.n_out).max().unwrap_or(0).max(self.heads.n_in).max(self.obs_dim).max(conv)
+    }
+
+    /// The width the dense torso reads: the last conv layer's `OH·OW·OC`, else `obs_dim`.
+    fn conv_width(&self) -> usize {
+        self.conv.last().map_or(self.obs_dim, |layer| layer.geometry.output_len())
+    }
+
+    /// The widest unfolding of one image over the conv layers (`OH·OW·C·K·K`).
+    fn widest_cols(&self) -> usize {
+        self.conv.iter().map(|layer| layer.geometry.cols_len()).max().unwrap_or(0)
     }
 }
 
@@ -118,6 +152,11 @@ pub struct Network<B: Backend> {
     shape: Shape,
     t_len: usize,
     b_len: usize,
+    /// Post-ReLU output of each conv layer, `[T·B][OH·OW·OC]` (channel-last).
+    conv_out: Vec<B::Floats>,
+    /// One conv layer's unfolding, `[T·B·OH·OW][C·K·K]`, and its gradient (backward scratch).
+    conv_cols: B::Floats,
+    d_conv_cols: B::Floats,
     /// Post-activation output of each torso layer, `[T·B][width]`.
     torso_out: Vec<B::Floats>,
     /// GRU records, `[T·B][3H]`: input projection, hidden projection, gates `[r, z, n]`.
@@ -143,6 +182,9 @@ impl<B: Backend> Network<B> {
         let shape = Shape::new(layout);
         let mut empty = || backend.alloc(0);
         Ok(Network {
+            conv_out: shape.conv.iter().map(|_| empty()).collect::<Result<_, _>>()?,
+            conv_cols: empty()?,
+            d_conv_cols: empty()?,
             torso_out: shape.torso.iter().map(|_| empty()).collect::<Result<_, _>>()?,
             gru_input_proj: empty()?,
             gru_hidden_proj: empty()?,
@@ -206,11 +248,36 @@ impl<B: Backend> Network<B> {
         self.b_len = b_len;
         let param = |range: &Range<usize>| View::range(params, range.clone());
 
+        ensure(backend, &mut self.conv_cols, rows * shape.widest_cols())?;
+        for (i, layer) in shape.conv.iter().enumerate() {
+            let geometry = &layer.geometry;
+            let (before, rest) = self.conv_out.split_at_mut(i);
+            let y = &mut rest[0];
+            ensure(backend, y, rows * geometry.output_len())?;
+            let x = if i == 0 { obs } else { View::range(&before[i - 1], 0..rows * geometry.input_len()) };
+            let cols_len = rows * geometry.cols_len();
+            backend.im2col(x, rows, geometry, ViewMut::range(&mut self.conv_cols, 0..cols_len))?;
+            backend.dense_forward(
+                View::range(&self.conv_cols, 0..cols_len),
+                rows * geometry.out_positions(),
+                geometry.patch_len(),
+                param(&layer.weight),
+                param(&layer.bias),
+                geometry.out_channels,
+                Some(Activation::Relu),
+                ViewMut::range(y, 0..rows * geometry.output_len()),
+            )?;
+        }
+        let conv_features = match self.conv_out.last() {
+            Some(out) => View::range(out, 0..rows * shape.conv_width()),
+            None => obs,
+        };
+
         for (i, layer) in shape.torso.iter().enumerate() {
             let (before, rest) = self.torso_out.split_at_mut(i);
             let y = &mut rest[0];
             ensure(backend, y, rows * layer.n_out)?;
-            let x = if i == 0 { obs } else { View::range(&before[i - 1], 0..rows * layer.n_in) };
+            let x = if i == 0 { conv_features } else { View::range(&before[i - 1], 0..rows * layer.n_in) };
             backend.dense_forward(
                 x,
                 rows,
@@ -222,10 +289,10 @@ impl<B: Backend> Network<B> {
                 ViewMut::range(y, 0..rows * layer.n_out),
             )?;
         }
-        let torso_width = shape.torso.last().map_or(shape.obs_dim, |d| d.n_out);
+        let torso_width = shape.torso.last().map_or(shape.conv_width(), |d| d.n_out);
         let torso_features = match self.torso_out.last() {
             Some(out) => View::range(out, 0..rows * torso_width),
-            None => obs,
+            None => conv_features,
         };
 
         if let Some(gru) = &shape.gru {
@@ -321,10 +388,14 @@ impl<B: Backend> Network<B> {
         let rows = t_len * b_len;
         let shape = &self.shape;
         let param = |range: &Range<usize>| View::range(params, range.clone());
-        let torso_width = shape.torso.last().map_or(shape.obs_dim, |d| d.n_out);
+        let conv_features = match self.conv_out.last() {
+            Some(out) => View::range(out, 0..rows * shape.conv_width()),
+            None => obs,
+        };
+        let torso_width = shape.torso.last().map_or(shape.conv_width(), |d| d.n_out);
         let torso_features = match self.torso_out.last() {
             Some(out) => View::range(out, 0..rows * torso_width),
-            None => obs,
+            None => conv_features,
         };
         let features = match &shape.gru {
             Some(gru) => View::range(&self.gru_h_out, 0..rows * gru.hidden),
@@ -342,7 +413,7 @@ impl<B: Backend> Network<B> {
         )?;
         backend.column_sums(d_heads, rows, ViewMut::range(grads, heads.bias.clone()))?;
         // ∂L/∂features is only needed if something upstream has parameters.
-        if shape.torso.is_empty() && shape.gru.is_none() {
+        if shape.conv.is_empty() && shape.torso.is_empty() && shape.gru.is_none() {
             return Ok(());
         }
         let widest = shape.widest();
@@ -425,7 +496,7 @@ impl<B: Backend> Network<B> {
                 ViewMut::range(grads, gru.weight_hh.clone()),
             )?;
             backend.column_sums(d_hidden_proj, rows, ViewMut::range(grads, gru.bias_hh.clone()))?;
-            if !shape.torso.is_empty() {
+            if !shape.torso.is_empty() || !shape.conv.is_empty() {
                 backend.matmul_dx(
                     d_input_proj,
                     rows,
@@ -445,11 +516,11 @@ impl<B: Backend> Network<B> {
                 View::range(&self.torso_out[i], 0..n),
                 shape.activation,
             )?;
-            let x = if i == 0 { obs } else { View::range(&self.torso_out[i - 1], 0..rows * layer.n_in) };
+            let x = if i == 0 { conv_features } else { View::range(&self.torso_out[i - 1], 0..rows * layer.n_in) };
             let d_pre = View::range(d_cur, 0..n);
             backend.matmul_dw(d_pre, x, rows, layer.n_out, layer.n_in, ViewMut::range(grads, layer.weight.clone()))?;
             backend.column_sums(d_pre, rows, ViewMut::range(grads, layer.bias.clone()))?;
-            if i > 0 {
+            if i > 0 || !shape.conv.is_empty() {
                 backend.matmul_dx(
                     d_pre,
                     rows,
@@ -458,6 +529,52 @@ impl<B: Backend> Network<B> {
                     layer.n_in,
                     ViewMut::range(d_next, 0..rows * layer.n_in),
                     false,
+                )?;
+                std::mem::swap(&mut d_cur, &mut d_next);
+            }
+        }
+
+        if !shape.conv.is_empty() {
+            ensure(backend, &mut self.d_conv_cols, rows * shape.widest_cols())?;
+        }
+        for (i, layer) in shape.conv.iter().enumerate().rev() {
+            let geometry = &layer.geometry;
+            let (positions, out_len, cols_len) =
+                (rows * geometry.out_positions(), rows * geometry.output_len(), rows * geometry.cols_len());
+            backend.act_backward(
+                ViewMut::range(d_cur, 0..out_len),
+                View::range(&self.conv_out[i], 0..out_len),
+                Activation::Relu,
+            )?;
+            // The unfolding is recomputed rather than kept from the forward: it is the largest
+            // activation of a conv torso (K² times its input) and cheap to rebuild.
+            let x = if i == 0 { obs } else { View::range(&self.conv_out[i - 1], 0..rows * geometry.input_len()) };
+            backend.im2col(x, rows, geometry, ViewMut::range(&mut self.conv_cols, 0..cols_len))?;
+            let d_pre = View::range(d_cur, 0..out_len);
+            backend.matmul_dw(
+                d_pre,
+                View::range(&self.conv_cols, 0..cols_len),
+                positions,
+                geometry.out_channels,
+                geometry.patch_len(),
+                ViewMut::range(grads, layer.weight.clone()),
+            )?;
+            backend.column_sums(d_pre, positions, ViewMut::range(grads, layer.bias.clone()))?;
+            if i > 0 {
+                backend.matmul_dx(
+                    d_pre,
+                    positions,
+                    geometry.out_channels,
+                    param(&layer.weight),
+                    geometry.patch_len(),
+                    ViewMut::range(&mut self.d_conv_cols, 0..cols_len),
+                    false,
+                )?;
+                backend.col2im(
+                    View::range(&self.d_conv_cols, 0..cols_len),
+                    rows,
+                    geometry,
+                    ViewMut::range(d_next, 0..rows * geometry.input_len()),
                 )?;
                 std::mem::swap(&mut d_cur, &mut d_next);
             }
@@ -529,3 +646,7 @@ mod tests {
         }
     }
 }
+
+#[cfg(test)]
+#[path = "net_conv_tests.rs"]
+mod conv_tests;

@@ -1,8 +1,9 @@
 //! Batched one-step inference for actors.
 
+use super::conv::im2col;
 use super::layout::ParamLayout;
 use super::linalg::dense_forward;
-use super::{gru, PolicyError};
+use super::{gru, Activation, PolicyError};
 
 /// Batched one-step policy evaluation for actors: observations (and recurrent state) in,
 /// logits and values out.
@@ -30,6 +31,12 @@ use super::{gru, PolicyError};
 pub struct PolicyInference {
     layout: ParamLayout,
     max_batch: usize,
+    /// The unfolded receptive fields of one conv layer, `[max_batch·OH·OW][C·K·K]` for the
+    /// largest layer (empty without a conv torso).
+    conv_cols: Vec<f32>,
+    /// Ping-pong conv feature maps, `[max_batch][OH·OW·OC]` of the largest layer each.
+    conv_a: Vec<f32>,
+    conv_b: Vec<f32>,
     /// Ping-pong torso activations, `[max_batch][max torso width]` each.
     act_a: Vec<f32>,
     act_b: Vec<f32>,
@@ -45,9 +52,15 @@ impl PolicyInference {
     pub fn new(layout: &ParamLayout, max_batch: usize) -> Self {
         let width = layout.max_torso_width();
         let gates = 3 * layout.recurrent_size();
+        let geometries = layout.conv_geometries();
+        let widest_cols = geometries.iter().map(|g| g.cols_len()).max().unwrap_or(0);
+        let widest_map = geometries.iter().map(|g| g.output_len()).max().unwrap_or(0);
         PolicyInference {
             layout: layout.clone(),
             max_batch,
+            conv_cols: vec![0.0; max_batch * widest_cols],
+            conv_a: vec![0.0; max_batch * widest_map],
+            conv_b: vec![0.0; max_batch * widest_map],
             act_a: vec![0.0; max_batch * width],
             act_b: vec![0.0; max_batch * width],
             gi: vec![0.0; max_batch * gates],
@@ -160,16 +173,33 @@ impl PolicyInference {
         }
         let layout = &self.layout;
         let activation = layout.spec().activation;
+        // Conv layer i unfolds what layer i−1 wrote (obs for i = 0), then one GEMM over all
+        // n·OH·OW positions writes the other ping-pong buffer, channel-last.
+        for (layer_idx, (layer, geometry)) in layout.conv().iter().zip(layout.conv_geometries()).enumerate() {
+            let (input, output) =
+                if layer_idx % 2 == 0 { (&self.conv_b, &mut self.conv_a) } else { (&self.conv_a, &mut self.conv_b) };
+            let x = if layer_idx == 0 { obs } else { &input[..n * geometry.input_len()] };
+            let positions = n * geometry.out_positions();
+            let cols = &mut self.conv_cols[..n * geometry.cols_len()];
+            im2col(geometry, x, n, cols).expect("conv input and cols are sized by the layout (checked)");
+            dense_forward(cols, positions, layer.weight(params), layer.bias(params), Some(Activation::Relu), output);
+        }
+        let conv_features: &[f32] = match layout.conv().len() {
+            0 => obs,
+            n_layers if n_layers % 2 == 1 => &self.conv_a[..n * layout.torso_input_dim()],
+            _ => &self.conv_b[..n * layout.torso_input_dim()],
+        };
         let torso = layout.torso();
-        // Layer i reads the buffer layer i−1 wrote (obs for i = 0) and writes the other one.
+        // Layer i reads the buffer layer i−1 wrote (the conv features for i = 0) and writes the
+        // other one.
         for (layer_idx, layer) in torso.iter().enumerate() {
             let (input, output) =
                 if layer_idx % 2 == 0 { (&self.act_b, &mut self.act_a) } else { (&self.act_a, &mut self.act_b) };
-            let x = if layer_idx == 0 { obs } else { &input[..] };
+            let x = if layer_idx == 0 { conv_features } else { &input[..] };
             dense_forward(x, n, layer.weight(params), layer.bias(params), Some(activation), output);
         }
         let torso_features: &[f32] = match torso.len() {
-            0 => obs,
+            0 => conv_features,
             n_layers if n_layers % 2 == 1 => &self.act_a,
             _ => &self.act_b,
         };

@@ -3,7 +3,7 @@
 
 use std::ops::Range;
 
-use super::{ActionHead, CoreKind, PolicyError, PolicySpec, MAX_LAYER_WIDTH, MAX_PARAMS, MAX_TORSO_LAYERS};
+use super::{ActionHead, ConvGeometry, CoreKind, PolicyError, PolicySpec, MAX_LAYER_WIDTH, MAX_PARAMS, MAX_TORSO_LAYERS};
 
 /// One named block of the flat parameter buffer: a row-major `rows × cols` matrix starting at
 /// `offset`. Bias vectors are `1 × width` rows.
@@ -99,6 +99,8 @@ pub(crate) enum InitRule {
 ///
 /// | name               | shape (rows × cols)      | init (cleanrl `layer_init`)          |
 /// |--------------------|--------------------------|--------------------------------------|
+/// | `conv.{i}.weight`  | `OC_i × C_i·K_i·K_i`     | orthogonal, gain √2                  |
+/// | `conv.{i}.bias`    | `1 × OC_i`               | 0                                    |
 /// | `torso.{i}.weight` | `torso[i] × in_i`        | orthogonal, gain √2                  |
 /// | `torso.{i}.bias`   | `1 × torso[i]`           | 0                                    |
 /// | `gru.weight_ih`    | `3H × F` (gates r, z, n) | orthogonal per gate block, gain √2   |
@@ -111,6 +113,9 @@ pub(crate) enum InitRule {
 /// | `value.bias`       | `1 × 1`                  | 0                                    |
 /// | `policy.log_std`   | `1 × A`                  | 0 (σ = 1)                            |
 ///
+/// The `conv.*` entries exist only with a conv torso ([`PolicySpec::conv`]); a conv weight is
+/// PyTorch's `[OC][C][K][K]` flattened, and the first dense layer then reads the last conv
+/// layer's `OH·OW·OC` outputs in channel-last order (see `conv.rs`).
 /// The `gru.*` entries exist only for [`CoreKind::Gru`], and `policy.log_std` only for an
 /// [`ActionHead::Gaussian`] head, whose policy head outputs the `A` means; it comes last, so
 /// every other offset is the same as for a categorical head of the same width. Weights are row-major `[out][in]`
@@ -135,6 +140,8 @@ pub struct ParamLayout {
     init_rules: Vec<InitRule>,
     n_params: usize,
     hash: u64,
+    conv: Vec<DenseOffsets>,
+    conv_geometries: Vec<ConvGeometry>,
     torso: Vec<DenseOffsets>,
     gru: Option<GruOffsets>,
     heads: DenseOffsets,
@@ -161,6 +168,23 @@ impl ParamLayout {
         let mut n_in = spec.obs_dim;
         let mut torso = Vec::with_capacity(spec.torso.len());
         let sqrt2 = std::f32::consts::SQRT_2;
+        let conv_geometries = match &spec.conv {
+            Some(conv) => conv.geometries()?,
+            None => Vec::new(),
+        };
+        let mut conv = Vec::with_capacity(conv_geometries.len());
+        for (layer_idx, geometry) in conv_geometries.iter().enumerate() {
+            let (n_out, patch) = (geometry.out_channels, geometry.patch_len());
+            let weight = builder.push(
+                format!("conv.{layer_idx}.weight"),
+                n_out,
+                patch,
+                InitRule::Orthogonal { gain: sqrt2, blocks: 1 },
+            );
+            let bias = builder.push(format!("conv.{layer_idx}.bias"), 1, n_out, InitRule::Zeros);
+            conv.push(DenseOffsets { weight, bias, n_in: patch, n_out });
+            n_in = geometry.output_len();
+        }
         for (layer_idx, &n_out) in spec.torso.iter().enumerate() {
             let weight = builder.push(
                 format!("torso.{layer_idx}.weight"),
@@ -208,8 +232,19 @@ impl ParamLayout {
         };
         let heads = DenseOffsets { weight: policy_weight, bias: policy_bias, n_in, n_out: n_actions + 1 };
         let Builder { entries, init_rules, n_params } = builder;
-        let mut layout =
-            ParamLayout { spec: spec.clone(), entries, init_rules, n_params, hash: 0, torso, gru, heads, log_std };
+        let mut layout = ParamLayout {
+            spec: spec.clone(),
+            entries,
+            init_rules,
+            n_params,
+            hash: 0,
+            conv,
+            conv_geometries,
+            torso,
+            gru,
+            heads,
+            log_std,
+        };
         layout.hash = layout.compute_hash();
         Ok(layout)
     }
@@ -256,6 +291,11 @@ impl ParamLayout {
         self.log_std.map(|offset| offset..offset + self.spec.n_actions)
     }
 
+    /// The geometry of each conv layer, input side first (empty without a conv torso).
+    pub fn conv_geometries(&self) -> &[ConvGeometry] {
+        &self.conv_geometries
+    }
+
     /// Recurrent state size per agent: 0 for [`CoreKind::Mlp`], `hidden` for [`CoreKind::Gru`].
     pub fn recurrent_size(&self) -> usize {
         self.gru.map_or(0, |gru| gru.hidden)
@@ -277,6 +317,16 @@ impl ParamLayout {
 
     pub(crate) fn init_rules(&self) -> &[InitRule] {
         &self.init_rules
+    }
+
+    /// The conv layers' weights (`[OC][C·K·K]`, as `n_out × n_in`) and biases.
+    pub(crate) fn conv(&self) -> &[DenseOffsets] {
+        &self.conv
+    }
+
+    /// The width the dense torso reads: the last conv layer's `OH·OW·OC`, else `obs_dim`.
+    pub(crate) fn torso_input_dim(&self) -> usize {
+        self.conv_geometries.last().map_or(self.spec.obs_dim, |g| g.output_len())
     }
 
     pub(crate) fn torso(&self) -> &[DenseOffsets] {
@@ -326,6 +376,18 @@ impl ParamLayout {
         // checkpoints still load.
         if let ActionHead::Gaussian { squash } = self.spec.head {
             hasher.write_str(if squash { "gaussian-tanh" } else { "gaussian" });
+        }
+        // Written only when present, so the hashes of specs without a conv torso are unchanged.
+        if let Some(conv) = &self.spec.conv {
+            hasher.write_str("conv");
+            for value in [conv.in_channels, conv.height, conv.width, conv.layers.len()] {
+                hasher.write_u64(value as u64);
+            }
+            for layer in &conv.layers {
+                for value in [layer.out_channels, layer.kernel, layer.stride, layer.padding] {
+                    hasher.write_u64(value as u64);
+                }
+            }
         }
         hasher.write_u64(self.entries.len() as u64);
         for entry in &self.entries {
@@ -387,6 +449,19 @@ fn validate(spec: &PolicySpec) -> Result<(), PolicyError> {
     let mut add_dense = |n_in: u64, n_out: u64| {
         n_params = n_params.saturating_add(n_out.saturating_mul(n_in.saturating_add(1)));
     };
+    if let Some(conv) = &spec.conv {
+        if conv.input_dim() != spec.obs_dim {
+            return Err(PolicyError::InvalidSpec {
+                field: "obs_dim".into(),
+                value: spec.obs_dim,
+                rule: "equal to the conv input's channels × height × width",
+            });
+        }
+        for geometry in conv.geometries()? {
+            add_dense(geometry.patch_len() as u64, geometry.out_channels as u64);
+            n_in = geometry.output_len() as u64;
+        }
+    }
     for &width in &spec.torso {
         add_dense(n_in, width as u64);
         n_in = width as u64;
@@ -548,6 +623,35 @@ mod tests {
     }
 
     #[test]
+    fn conv_torso_entries_come_first_and_change_the_hash() {
+        let spec = PolicySpec::mlp(0, 6, &[128], Activation::Relu).with_conv(crate::ConvSpec::minatar(4, 10, 10));
+        assert_eq!(spec.obs_dim, 400);
+        let layout = ParamLayout::new(&spec).unwrap();
+        let summary: Vec<(&str, usize, usize, usize)> =
+            layout.entries().iter().take(4).map(|e| (e.name.as_str(), e.offset, e.rows, e.cols)).collect();
+        // 16 filters of 4·3·3, then the dense layer over the 8·8·16 = 1024 conv outputs.
+        assert_eq!(
+            summary,
+            [
+                ("conv.0.weight", 0, 16, 36),
+                ("conv.0.bias", 576, 1, 16),
+                ("torso.0.weight", 592, 128, 1024),
+                ("torso.0.bias", 592 + 128 * 1024, 1, 128)
+            ]
+        );
+        assert_eq!(layout.conv_geometries().len(), 1);
+        let mut stride_2 = spec.clone();
+        stride_2.conv.as_mut().unwrap().layers[0].stride = 2;
+        let hashes: HashSet<u64> =
+            [cartpole_mlp(), spec.clone(), stride_2].iter().map(|s| ParamLayout::new(s).unwrap().hash()).collect();
+        assert_eq!(hashes.len(), 3);
+        let mut mismatched = spec;
+        mismatched.obs_dim = 401;
+        let err = ParamLayout::new(&mismatched).unwrap_err().to_string();
+        assert!(err.contains("obs_dim") && err.contains("conv"), "{err}");
+    }
+
+    #[test]
     fn invalid_specs_are_errors_not_panics() {
         let zero_obs = PolicySpec::mlp(0, 2, &[8], Activation::Tanh);
         assert!(matches!(
@@ -593,6 +697,7 @@ mod tests {
                 activation: if relu { Activation::Relu } else { Activation::Tanh },
                 core: hidden.map_or(CoreKind::Mlp, |hidden| CoreKind::Gru { hidden }),
                 head: super::super::ActionHead::Categorical,
+                conv: None,
             })
     }
 

@@ -7,10 +7,12 @@
 //! One actor-critic network (as in cleanrl's `ppo.py` `Agent` and IMPALA, Espeholt et al. 2018):
 //!
 //! ```text
-//! obs ─► torso: (Linear ─► activation) × torso.len() ─► [GRU core] ─┬─► policy head: Linear ─► logits [A]
-//!                                                                   └─► value head:  Linear ─► value  [1]
+//! obs ─► [conv: (Conv2d ─► ReLU) × n] ─► torso: (Linear ─► activation) × torso.len() ─► [GRU core] ─┬─► policy head: Linear ─► logits [A]
+//!                                                                                                  └─► value head:  Linear ─► value  [1]
 //! ```
 //!
+//! * The optional conv torso ([`ConvSpec`], module `conv`) reads the observation as an image
+//!   `[C][H][W]` and is lowered to im2col + the same GEMM as the dense layers.
 //! * The torso may be empty, in which case the observation feeds the core (or the heads) directly.
 //! * The optional GRU core ([`CoreKind::Gru`]) is the standard GRU (Cho et al. 2014) with PyTorch's
 //!   gate convention (see [`ParamLayout`] for the equations).
@@ -36,6 +38,7 @@
 //! Start reading at [`PolicySpec`], then [`ParamLayout`], then [`PolicyTape::forward`].
 #![warn(missing_docs)]
 
+mod conv;
 pub mod distributions;
 pub mod gaussian;
 mod gru;
@@ -46,6 +49,7 @@ mod linalg;
 pub mod returns;
 mod tape;
 
+pub use conv::{ConvGeometry, ConvLayerSpec, ConvSpec, MAX_CONV_LAYERS};
 pub use inference::PolicyInference;
 pub use layout::{ParamEntry, ParamLayout};
 pub use tape::PolicyTape;
@@ -55,6 +59,7 @@ pub use tape::PolicyTape;
 /// (`volley_learner::backend::cpu`) runs its layers on these, so actors and learner compute the
 /// same function.
 pub mod ops {
+    pub use super::conv::{col2im, im2col, im2col_u8};
     pub use super::gru::{cell_backward as gru_cell_backward, cell_forward as gru_cell_forward};
     pub use super::linalg::{
         act_backward_in_place, bias_act_rows, bias_rows, column_sums, dense_forward, fast_sigmoid, fast_tanh, gemm, Mat,
@@ -154,6 +159,10 @@ pub struct PolicySpec {
     /// The action distribution (categorical unless the spec says otherwise).
     #[serde(default)]
     pub head: ActionHead,
+    /// Optional convolutional torso in front of the dense torso (image observations); absent in
+    /// specs written before it existed.
+    #[serde(default)]
+    pub conv: Option<ConvSpec>,
 }
 
 impl PolicySpec {
@@ -166,6 +175,7 @@ impl PolicySpec {
             activation,
             core: CoreKind::Mlp,
             head: ActionHead::Categorical,
+            conv: None,
         }
     }
 
@@ -184,7 +194,16 @@ impl PolicySpec {
             activation,
             core: CoreKind::Gru { hidden },
             head: ActionHead::Categorical,
+            conv: None,
         }
+    }
+
+    /// This spec with a convolutional torso in front of its dense torso; `obs_dim` becomes the
+    /// image's `C·H·W`.
+    pub fn with_conv(mut self, conv: ConvSpec) -> Self {
+        self.obs_dim = conv.input_dim();
+        self.conv = Some(conv);
+        self
     }
 }
 

@@ -80,7 +80,13 @@ fn ensure_len(buffer: &mut Vec<f32>, len: usize) {
 
 impl PolicyTape {
     /// An empty tape for `layout`; buffers are sized by the first forward.
+    ///
+    /// # Panics
+    /// If the layout has a conv torso: the tape is the dense and recurrent reference; conv
+    /// torsos are trained by the learner's generic network (`volley_learner::net`), which is
+    /// checked against finite differences and against [`PolicyInference`](super::PolicyInference).
     pub fn new(layout: &ParamLayout) -> Self {
+        assert!(layout.conv().is_empty(), "PolicyTape does not support conv torsos");
         PolicyTape {
             layout: layout.clone(),
             t_len: 0,
@@ -884,6 +890,7 @@ mod tests {
                 activation: if relu { Activation::Relu } else { Activation::Tanh },
                 core: hidden.map_or(super::super::CoreKind::Mlp, |hidden| super::super::CoreKind::Gru { hidden }),
                 head: super::super::ActionHead::Categorical,
+                conv: None,
             })
     }
 

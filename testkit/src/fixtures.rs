@@ -39,6 +39,7 @@ impl SpecBuilder {
                     activation: Activation::Tanh,
                     core: CoreKind::Mlp,
                     head: ActionHead::Categorical,
+                    conv: None,
                 },
                 segment_len,
                 hyper: HyperParams::default(),

@@ -7,6 +7,7 @@
 //! message becomes a [`DecodeError`] with a bounded [`DecodeError::reason`] label, never a panic.
 
 mod codec;
+pub mod observations;
 
 pub use codec::*;
 
@@ -18,7 +19,8 @@ pub mod frame;
 
 /// Bumped on any incompatible change of a wire type (3: the envelope carries a body checksum;
 /// 4: the weights checksum is XXH3-64, weights travel as [`frame`]s; 5: segments carry
-/// continuous actions, [`TrajectorySegment::continuous_actions`]).
+/// continuous actions, [`TrajectorySegment::continuous_actions`], and byte-valued
+/// observations, such as images, travel as one byte each: [`observations`]).
 pub const FORMAT_VERSION: u16 = 5;
 
 /// Largest |value| of a recorded continuous action the learner accepts (an unsquashed
@@ -121,7 +123,9 @@ pub struct TrajectorySegment {
     pub layout_hash: u64,
     /// Observation width.
     pub obs_dim: u32,
-    /// `[T + 1][obs_dim]`.
+    /// `[T + 1][obs_dim]`. On the wire as bytes when every value is a whole number in
+    /// `0..=255` (image observations), else as `f32` ([`observations`]).
+    #[serde(serialize_with = "observations::serialize", deserialize_with = "observations::deserialize")]
     pub observations: Vec<f32>,
     /// `[T]` discrete action indices; empty when the policy's actions are continuous.
     pub actions: Vec<u32>,
@@ -348,6 +352,7 @@ mod tests {
                 activation: Activation::Tanh,
                 core: CoreKind::Mlp,
                 head: volley_policy::ActionHead::Categorical,
+                conv: None,
             },
             segment_len: T,
             hyper: HyperParams::default(),

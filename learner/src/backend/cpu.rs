@@ -5,10 +5,10 @@
 
 use volley_policy::distributions::log_softmax;
 use volley_policy::ops::{
-    act_backward_in_place, column_sums, dense_forward, gemm, gru_cell_backward, gru_cell_forward, Mat,
+    act_backward_in_place, col2im, column_sums, dense_forward, gemm, gru_cell_backward, gru_cell_forward, im2col, Mat,
 };
 use volley_policy::returns::gae;
-use volley_policy::Activation;
+use volley_policy::{Activation, ConvGeometry};
 
 use super::{
     check_len, Backend, BackendError, Evaluation, GaussianHead, PpoLossInputs, VTraceLossInputs, VTraceLossOutputs,
@@ -199,6 +199,32 @@ impl Backend for CpuBackend {
     fn column_sums(&mut self, dy: View<'_, Self>, rows: usize, out: ViewMut<'_, Self>) -> Result<(), BackendError> {
         check_len("column_sums", "dy", rows * out.len(), dy.len())?;
         column_sums(slice(dy), slice_mut(out));
+        Ok(())
+    }
+
+    fn im2col(
+        &mut self,
+        x: View<'_, Self>,
+        n: usize,
+        geometry: &ConvGeometry,
+        cols: ViewMut<'_, Self>,
+    ) -> Result<(), BackendError> {
+        check_len("im2col", "x", n * geometry.input_len(), x.len())?;
+        check_len("im2col", "cols", n * geometry.cols_len(), cols.len())?;
+        im2col(geometry, slice(x), n, slice_mut(cols)).expect("lengths checked above");
+        Ok(())
+    }
+
+    fn col2im(
+        &mut self,
+        d_cols: View<'_, Self>,
+        n: usize,
+        geometry: &ConvGeometry,
+        dx: ViewMut<'_, Self>,
+    ) -> Result<(), BackendError> {
+        check_len("col2im", "d_cols", n * geometry.cols_len(), d_cols.len())?;
+        check_len("col2im", "dx", n * geometry.input_len(), dx.len())?;
+        col2im(geometry, slice(d_cols), n, slice_mut(dx)).expect("lengths checked above");
         Ok(())
     }
 

@@ -56,7 +56,7 @@ use std::fmt;
 use std::ops::Range;
 use std::str::FromStr;
 
-use volley_policy::Activation;
+use volley_policy::{Activation, ConvGeometry};
 
 use crate::losses::{PpoLossConfig, VTraceLossConfig, WeightedSums};
 use crate::optim::AdamConfig;
@@ -475,6 +475,27 @@ pub trait Backend {
 
     /// The bias gradient, overwritten: `out[j] = Σ_r dy[r][j]`, `dy: [rows][out.len()]`.
     fn column_sums(&mut self, dy: View<'_, Self>, rows: usize, out: ViewMut<'_, Self>) -> Result<(), BackendError>;
+
+    /// Unfold the receptive fields of `n` images for one conv layer (`volley_policy::ops::im2col`):
+    /// `x: [n][C·H·W]` in the geometry's layout, `cols: [n·OH·OW][C·K·K]` (zeros where the
+    /// kernel covers padding). The layer itself is then [`Backend::dense_forward`] over `cols`.
+    fn im2col(
+        &mut self,
+        x: View<'_, Self>,
+        n: usize,
+        geometry: &ConvGeometry,
+        cols: ViewMut<'_, Self>,
+    ) -> Result<(), BackendError>;
+
+    /// The adjoint of [`Backend::im2col`], overwriting `dx: [n][C·H·W]` with, for every input
+    /// element, the sum of the entries of `d_cols: [n·OH·OW][C·K·K]` that read it.
+    fn col2im(
+        &mut self,
+        d_cols: View<'_, Self>,
+        n: usize,
+        geometry: &ConvGeometry,
+        dx: ViewMut<'_, Self>,
+    ) -> Result<(), BackendError>;
 
     /// `dst[i] = src[i · width + column]` for `i < rows` (the value column of the heads).
     fn take_column(

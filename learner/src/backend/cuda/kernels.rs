@@ -17,6 +17,8 @@ use std::sync::Arc;
 use cudarc::driver::{CudaFunction, CudaModule, CudaStream, CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::{CompileOptions, Ptx};
 
+use volley_policy::ConvGeometry;
+
 use crate::backend::{check_len, BackendError};
 
 /// One kernel source file and the `extern "C"` kernels it defines.
@@ -69,6 +71,7 @@ pub const FILES: &[KernelFile] = &[
         source: include_str!("../../../kernels/optim.cu"),
         kernels: &["sum_squares", "adam_prepare", "adam_step"],
     },
+    KernelFile { name: "conv.cu", source: include_str!("../../../kernels/conv.cu"), kernels: &["im2col", "col2im"] },
 ];
 
 /// The whole module: the header followed by every file.
@@ -214,6 +217,8 @@ pub(crate) struct Kernels {
     pub(crate) gaussian_log_probs: CudaFunction,
     pub(crate) gaussian_vtrace_loss_grad: CudaFunction,
     pub(crate) gaussian_ppo_loss_grad: CudaFunction,
+    im2col: CudaFunction,
+    col2im: CudaFunction,
     /// Keeps the functions' module loaded.
     _module: Arc<CudaModule>,
 }
@@ -309,6 +314,8 @@ impl Kernels {
             gaussian_log_probs: f("gaussian_log_probs")?,
             gaussian_vtrace_loss_grad: f("gaussian_vtrace_loss_grad")?,
             gaussian_ppo_loss_grad: f("gaussian_ppo_loss_grad")?,
+            im2col: f("im2col")?,
+            col2im: f("col2im")?,
             _module: module,
         })
     }
@@ -912,6 +919,84 @@ impl Kernels {
         // n floats and coeffs four (checked); the four buffers are distinct allocations.
         unsafe { launch.launch(grid(len)) }?;
         Ok(())
+    }
+
+    /// Unfold `n` images `x` into `cols: [n·OH·OW][C·K·K]` (see `conv.cu`).
+    pub(crate) fn im2col(
+        &self,
+        stream: &Arc<CudaStream>,
+        x: &CudaView<'_, f32>,
+        n: usize,
+        geometry: &ConvGeometry,
+        cols: &mut CudaViewMut<'_, f32>,
+    ) -> Result<(), BackendError> {
+        check_len("im2col", "x", n * geometry.input_len(), x.len())?;
+        check_len("im2col", "cols", n * geometry.cols_len(), cols.len())?;
+        let args = ConvInts::new(n, geometry)?;
+        let len = cols.len();
+        let mut launch = stream.launch_builder(&self.im2col);
+        launch.arg(x).arg(cols);
+        args.push(&mut launch);
+        // SAFETY: the argument list matches im2col's (x, cols, then the ten ints of
+        // ConvInts::push); the kernel writes cols[0..n·OH·OW·C·K·K) and reads x only at in-image
+        // positions of images 0..n, below n·C·H·W; both lengths are checked above, and cols (a
+        // mutable borrow) cannot alias x.
+        unsafe { launch.launch(grid(len)) }?;
+        Ok(())
+    }
+
+    /// Fold `d_cols: [n·OH·OW][C·K·K]` back into `dx: [n][C·H·W]`, overwriting it (see `conv.cu`).
+    pub(crate) fn col2im(
+        &self,
+        stream: &Arc<CudaStream>,
+        d_cols: &CudaView<'_, f32>,
+        n: usize,
+        geometry: &ConvGeometry,
+        dx: &mut CudaViewMut<'_, f32>,
+    ) -> Result<(), BackendError> {
+        check_len("col2im", "d_cols", n * geometry.cols_len(), d_cols.len())?;
+        check_len("col2im", "dx", n * geometry.input_len(), dx.len())?;
+        let args = ConvInts::new(n, geometry)?;
+        let len = dx.len();
+        let mut launch = stream.launch_builder(&self.col2im);
+        launch.arg(d_cols).arg(dx);
+        args.push(&mut launch);
+        // SAFETY: the argument list matches col2im's (d_cols, dx, then the ten ints of
+        // ConvInts::push); the kernel writes dx[0..n·C·H·W) and reads d_cols only at rows of
+        // in-range output positions of images 0..n, below n·OH·OW·C·K·K; both lengths are
+        // checked above, and dx (a mutable borrow) cannot alias d_cols.
+        unsafe { launch.launch(grid(len)) }?;
+        Ok(())
+    }
+}
+
+/// The integer arguments shared by `im2col` and `col2im`, converted once.
+struct ConvInts([i32; 10]);
+
+impl ConvInts {
+    fn new(n: usize, g: &ConvGeometry) -> Result<Self, BackendError> {
+        // Every product the kernels form in 64 bits must fit as well.
+        long("cols", n.saturating_mul(g.cols_len()))?;
+        long("input", n.saturating_mul(g.input_len()))?;
+        Ok(ConvInts([
+            int("n", n)?,
+            int("in_channels", g.in_channels)?,
+            int("in_height", g.in_height)?,
+            int("in_width", g.in_width)?,
+            int("kernel", g.kernel)?,
+            int("stride", g.stride)?,
+            int("padding", g.padding)?,
+            int("out_height", g.out_height())?,
+            int("out_width", g.out_width())?,
+            i32::from(g.channels_last),
+        ]))
+    }
+
+    /// Push `n, c_in, h, w, k, stride, pad, out_h, out_w, channels_last`, in the kernels' order.
+    fn push<'a>(&'a self, launch: &mut cudarc::driver::LaunchArgs<'a>) {
+        for value in &self.0 {
+            launch.arg(value);
+        }
     }
 }
 

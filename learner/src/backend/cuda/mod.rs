@@ -13,6 +13,8 @@
 //! corrections stay on the device, so a gradient step needs no host round trip. Weights come
 //! back to the host only when the learner publishes or checkpoints them.
 
+#[cfg(test)]
+mod conv_tests;
 pub(crate) mod device;
 mod gaussian;
 pub mod kernels;
@@ -23,7 +25,7 @@ mod tests;
 use std::sync::Arc;
 
 use cudarc::driver::{CudaEvent, CudaSlice, CudaView, CudaViewMut, PinnedHostSlice};
-use volley_policy::Activation;
+use volley_policy::{Activation, ConvGeometry};
 
 use self::device::Gpu;
 use self::gaussian::{GaussianPpoArgs, GaussianRows, GaussianVTraceArgs};
@@ -367,6 +369,26 @@ impl Backend for CudaBackend {
         let gpu = self.gpu.clone();
         let ones = self.ones(rows)?;
         gpu.column_sums(&view(dy), rows, &ones, &mut view_mut(out))
+    }
+
+    fn im2col(
+        &mut self,
+        x: View<'_, Self>,
+        n: usize,
+        geometry: &ConvGeometry,
+        cols: ViewMut<'_, Self>,
+    ) -> Result<(), BackendError> {
+        self.gpu.kernels.im2col(&self.gpu.stream, &view(x), n, geometry, &mut view_mut(cols))
+    }
+
+    fn col2im(
+        &mut self,
+        d_cols: View<'_, Self>,
+        n: usize,
+        geometry: &ConvGeometry,
+        dx: ViewMut<'_, Self>,
+    ) -> Result<(), BackendError> {
+        self.gpu.kernels.col2im(&self.gpu.stream, &view(d_cols), n, geometry, &mut view_mut(dx))
     }
 
     fn take_column(

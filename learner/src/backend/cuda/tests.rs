@@ -113,6 +113,7 @@ fn specs() -> Vec<PolicySpec> {
             activation: Activation::Tanh,
             core: CoreKind::Mlp,
             head: volley_policy::ActionHead::Categorical,
+            conv: None,
         },
         PolicySpec {
             obs_dim: 4,
@@ -121,6 +122,7 @@ fn specs() -> Vec<PolicySpec> {
             activation: Activation::Relu,
             core: CoreKind::Mlp,
             head: volley_policy::ActionHead::Categorical,
+            conv: None,
         },
         PolicySpec::gru(6, 4, &[16], Activation::Tanh, 12),
         PolicySpec {
@@ -130,7 +132,11 @@ fn specs() -> Vec<PolicySpec> {
             activation: Activation::Tanh,
             core: CoreKind::Gru { hidden: 8 },
             head: volley_policy::ActionHead::Categorical,
+            conv: None,
         },
+        // Conv torsos (issue 15): im2col and col2im with stride, padding and both layouts.
+        PolicySpec::mlp(0, 3, &[16], Activation::Relu).with_conv(crate::backend::cuda::conv_tests::two_layer_conv()),
+        PolicySpec::gru(0, 4, &[], Activation::Tanh, 6).with_conv(volley_policy::ConvSpec::minatar(3, 10, 10)),
     ]
 }
 
@@ -636,6 +642,7 @@ fn cartpole_policies() -> [PolicySpec; 2] {
             activation: Activation::Tanh,
             core: CoreKind::Mlp,
             head: volley_policy::ActionHead::Categorical,
+            conv: None,
         },
         PolicySpec::gru(4, 2, &[16], Activation::Tanh, 12),
     ]

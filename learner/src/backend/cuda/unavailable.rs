@@ -10,7 +10,7 @@ use super::{
 };
 use crate::losses::{PpoLossConfig, VTraceLossConfig};
 use crate::optim::AdamConfig;
-use volley_policy::Activation;
+use volley_policy::{Activation, ConvGeometry};
 
 /// A CUDA device (none can exist in this build).
 #[derive(Debug, Clone)]
@@ -181,6 +181,26 @@ impl Backend for CudaBackend {
     }
 
     fn column_sums(&mut self, _dy: View<'_, Self>, _rows: usize, _out: ViewMut<'_, Self>) -> Result<(), BackendError> {
+        match *self {}
+    }
+
+    fn im2col(
+        &mut self,
+        _x: View<'_, Self>,
+        _n: usize,
+        _geometry: &ConvGeometry,
+        _cols: ViewMut<'_, Self>,
+    ) -> Result<(), BackendError> {
+        match *self {}
+    }
+
+    fn col2im(
+        &mut self,
+        _d_cols: View<'_, Self>,
+        _n: usize,
+        _geometry: &ConvGeometry,
+        _dx: ViewMut<'_, Self>,
+    ) -> Result<(), BackendError> {
         match *self {}
     }
 

@@ -1,0 +1,73 @@
+// The conv torso as im2col + the cuBLAS products of the dense layers (volley_policy's conv.rs
+// has the layouts). An image's element (c, y, x) sits at c*H*W + y*W + x for the observation
+// (channels_last = 0) and at (y*W + x)*C + c for an earlier conv layer's output (channels_last = 1).
+
+__device__ __forceinline__ long long conv_input_index(int c, int y, int x, int c_in, int h, int w, int channels_last) {
+    return channels_last ? ((long long)y * w + x) * c_in + c : ((long long)c * h + y) * w + x;
+}
+
+// cols[(img, oy, ox)][(c, ky, kx)] = x[img](c, oy*stride - pad + ky, ox*stride - pad + kx), or 0
+// in the padding. One thread per element of cols, so consecutive threads write consecutive
+// addresses.
+extern "C" __global__ void im2col(const float* x, float* cols, int n, int c_in, int h, int w, int k, int stride,
+                                  int pad, int out_h, int out_w, int channels_last) {
+    const int patch = c_in * k * k;
+    const long long image_len = (long long)c_in * h * w;
+    const long long total = (long long)n * out_h * out_w * patch;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total; i += (long long)gridDim.x * blockDim.x) {
+        const int col = (int)(i % patch);
+        const long long row = i / patch;
+        const int ox = (int)(row % out_w);
+        const long long rest = row / out_w;
+        const int oy = (int)(rest % out_h);
+        const long long img = rest / out_h;
+        const int kx = col % k;
+        const int ky = (col / k) % k;
+        const int c = col / (k * k);
+        const int iy = oy * stride - pad + ky;
+        const int ix = ox * stride - pad + kx;
+        float v = 0.0f;
+        if (iy >= 0 && iy < h && ix >= 0 && ix < w) {
+            v = x[img * image_len + conv_input_index(c, iy, ix, c_in, h, w, channels_last)];
+        }
+        cols[i] = v;
+    }
+}
+
+// The adjoint of im2col: every input element gathers the d_cols entries that read it, over the
+// kernel offsets (ky, kx) whose output position ((iy + pad - ky) / stride, (ix + pad - kx) / stride)
+// is whole and inside the output. One thread per input element, so no atomics and a fixed
+// summation order.
+extern "C" __global__ void col2im(const float* d_cols, float* dx, int n, int c_in, int h, int w, int k, int stride,
+                                  int pad, int out_h, int out_w, int channels_last) {
+    const int patch = c_in * k * k;
+    const long long image_len = (long long)c_in * h * w;
+    const long long total = (long long)n * image_len;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total; i += (long long)gridDim.x * blockDim.x) {
+        const long long img = i / image_len;
+        const long long e = i % image_len;
+        int c, iy, ix;
+        if (channels_last) {
+            c = (int)(e % c_in);
+            ix = (int)((e / c_in) % w);
+            iy = (int)(e / ((long long)c_in * w));
+        } else {
+            ix = (int)(e % w);
+            iy = (int)((e / w) % h);
+            c = (int)(e / ((long long)h * w));
+        }
+        float sum = 0.0f;
+        for (int ky = 0; ky < k; ++ky) {
+            const int ty = iy + pad - ky;
+            if (ty < 0 || ty % stride != 0 || ty / stride >= out_h) continue;
+            const int oy = ty / stride;
+            for (int kx = 0; kx < k; ++kx) {
+                const int tx = ix + pad - kx;
+                if (tx < 0 || tx % stride != 0 || tx / stride >= out_w) continue;
+                const int ox = tx / stride;
+                sum += d_cols[((img * out_h + oy) * out_w + ox) * patch + (c * k + ky) * k + kx];
+            }
+        }
+        dx[i] = sum;
+    }
+}

@@ -1,0 +1,100 @@
+//! Parity of the CUDA `im2col` and `col2im` kernels with the CPU backend, for both input
+//! layouts, strides and padding (the network-level parity of conv torsos is in `tests.rs`).
+//! Without a device each CUDA test prints `SKIPPED` and passes, unless `VOLLEY_REQUIRE_CUDA=1`.
+
+use volley_policy::{ConvGeometry, ConvLayerSpec, ConvSpec};
+
+use super::*;
+use crate::backend::{Backend, CpuBackend, View, ViewMut};
+
+/// Two conv layers over a 2×9×8 image: 3×3 with padding 1, then 4×4 with stride 2 over the
+/// channel-last output of the first.
+pub(super) fn two_layer_conv() -> ConvSpec {
+    let layer = |out_channels, kernel, stride, padding| ConvLayerSpec { out_channels, kernel, stride, padding };
+    ConvSpec { in_channels: 2, height: 9, width: 8, layers: vec![layer(5, 3, 1, 1), layer(4, 4, 2, 0)] }
+}
+
+fn geometries() -> Vec<ConvGeometry> {
+    let mut geometries = two_layer_conv().geometries().expect("valid");
+    geometries.extend(ConvSpec::nature(4, 84, 84).geometries().expect("valid"));
+    geometries.push(ConvGeometry {
+        in_channels: 3,
+        in_height: 7,
+        in_width: 6,
+        out_channels: 2,
+        kernel: 5,
+        stride: 3,
+        padding: 2,
+        channels_last: true,
+    });
+    geometries
+}
+
+fn values(len: usize, seed: f32) -> Vec<f32> {
+    (0..len).map(|i| ((i as f32 + seed) * 0.377).sin()).collect()
+}
+
+/// `im2col` then `col2im` on `backend`, as host vectors.
+fn run<B: Backend>(
+    backend: &mut B,
+    geometry: &ConvGeometry,
+    n: usize,
+    x: &[f32],
+    d_cols: &[f32],
+) -> (Vec<f32>, Vec<f32>) {
+    let upload = |backend: &mut B, host: &[f32]| {
+        let mut buffer = backend.alloc(host.len()).expect("alloc");
+        backend.upload(host, ViewMut::of(&mut buffer)).expect("upload");
+        buffer
+    };
+    let (x_buf, d_buf) = (upload(backend, x), upload(backend, d_cols));
+    let mut cols = backend.alloc(d_cols.len()).expect("alloc");
+    let mut dx = upload(backend, &vec![f32::NAN; x.len()]);
+    backend.im2col(View::of(&x_buf), n, geometry, ViewMut::of(&mut cols)).expect("im2col");
+    backend.col2im(View::of(&d_buf), n, geometry, ViewMut::of(&mut dx)).expect("col2im");
+    let (mut cols_host, mut dx_host) = (vec![0.0; d_cols.len()], vec![0.0; x.len()]);
+    backend.download(View::of(&cols), &mut cols_host).expect("download");
+    backend.download(View::of(&dx), &mut dx_host).expect("download");
+    (cols_host, dx_host)
+}
+
+fn check_conv_ops<B: Backend>(backend: &mut B) {
+    let mut cpu = CpuBackend::new();
+    for geometry in geometries() {
+        let n = 3;
+        let x = values(n * geometry.input_len(), 0.25);
+        let d_cols = values(n * geometry.cols_len(), 4.0);
+        let (cols, dx) = run(backend, &geometry, n, &x, &d_cols);
+        let (cpu_cols, cpu_dx) = run(&mut cpu, &geometry, n, &x, &d_cols);
+        // The unfolding copies values, so it must agree exactly; the fold sums in another order.
+        assert_eq!(cols, cpu_cols, "{geometry:?}: im2col");
+        for (i, (&a, &b)) in dx.iter().zip(&cpu_dx).enumerate() {
+            assert!((a - b).abs() <= 1e-5 * (1.0 + b.abs()), "{geometry:?}: col2im[{i}] {a} vs {b}");
+        }
+        let mut short = cpu.alloc(1).expect("alloc");
+        let err = cpu.im2col(View::of(&x), n, &geometry, ViewMut::of(&mut short)).expect_err("wrong cols length");
+        assert!(err.to_string().contains("cols"), "{err}");
+    }
+}
+
+#[test]
+fn conv_ops_harness_runs_on_the_cpu() {
+    check_conv_ops(&mut CpuBackend::new());
+}
+
+#[test]
+fn im2col_and_col2im_kernels_match_the_cpu_backend() {
+    let device = match open_cuda(0) {
+        Ok(device) => device,
+        Err(err) => {
+            assert!(
+                std::env::var("VOLLEY_REQUIRE_CUDA").map_or(true, |v| v != "1"),
+                "VOLLEY_REQUIRE_CUDA=1 but the CUDA backend cannot start: {err}"
+            );
+            eprintln!("SKIPPED im2col_and_col2im_kernels_match_the_cpu_backend: no usable CUDA device ({err})");
+            return;
+        }
+    };
+    let mut cuda = CudaBackend::new(&device).expect("backend on an opened device");
+    check_conv_ops(&mut cuda);
+}

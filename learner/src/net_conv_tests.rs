@@ -1,0 +1,207 @@
+//! The conv torso in the generic network: finite-difference gradient checks of every conv
+//! parameter (with strides, padding, both input layouts, with and without a dense torso and a
+//! GRU), and agreement of the learner's forward with the actors' `PolicyInference`.
+
+use rand::{Rng, SeedableRng};
+use rand_pcg::Pcg64;
+use volley_policy::{Activation, ConvLayerSpec, ConvSpec, ParamLayout, PolicyInference, PolicySpec};
+
+use super::*;
+use crate::backend::CpuBackend;
+
+fn layer(out_channels: usize, kernel: usize, stride: usize, padding: usize) -> ConvLayerSpec {
+    ConvLayerSpec { out_channels, kernel, stride, padding }
+}
+
+/// Small conv specs that between them exercise stride > 1, padding, a channel-last second
+/// layer, an empty dense torso, and a GRU reading the conv features directly.
+fn conv_specs() -> Vec<PolicySpec> {
+    let two_layers =
+        ConvSpec { in_channels: 2, height: 6, width: 5, layers: vec![layer(3, 3, 1, 1), layer(4, 3, 2, 0)] };
+    let strided = ConvSpec { in_channels: 3, height: 5, width: 5, layers: vec![layer(4, 3, 2, 1)] };
+    vec![
+        PolicySpec::mlp(0, 3, &[6], Activation::Tanh).with_conv(two_layers.clone()),
+        PolicySpec::mlp(0, 3, &[], Activation::Relu).with_conv(strided.clone()),
+        PolicySpec::gru(0, 2, &[], Activation::Tanh, 4).with_conv(strided),
+        PolicySpec::gru(0, 2, &[5], Activation::Relu, 3).with_conv(two_layers),
+    ]
+}
+
+fn random(rng: &mut Pcg64, n: usize, scale: f32) -> Vec<f32> {
+    (0..n).map(|_| rng.random_range(-scale..scale)).collect()
+}
+
+/// Parameters with signal on every path (scaled by fan-in), biases in ±0.5.
+fn random_params(layout: &ParamLayout, rng: &mut Pcg64) -> Vec<f32> {
+    let mut params = vec![0.0; layout.n_params()];
+    for entry in layout.entries() {
+        let scale = if entry.rows == 1 { 0.5 } else { 1.5 / (entry.cols as f32).sqrt() };
+        for p in &mut params[entry.range()] {
+            *p = rng.random_range(-scale..scale);
+        }
+    }
+    params
+}
+
+struct Case {
+    layout: ParamLayout,
+    t_len: usize,
+    b_len: usize,
+    obs: Vec<f32>,
+    starts: Vec<f32>,
+    h0: Vec<f32>,
+    /// The loss is `Σ c ⊙ heads`, so `∂L/∂heads = c`.
+    c: Vec<f32>,
+}
+
+impl Case {
+    fn new(spec: &PolicySpec, rng: &mut Pcg64) -> Self {
+        let layout = ParamLayout::new(spec).expect("valid spec");
+        let (t_len, b_len) = (3, 2);
+        let rows = t_len * b_len;
+        let mut starts = vec![0.0; rows];
+        starts[b_len + 1] = 1.0;
+        Case {
+            t_len,
+            b_len,
+            obs: random(rng, rows * spec.obs_dim, 1.0),
+            starts,
+            h0: random(rng, b_len * layout.recurrent_size(), 0.8),
+            c: random(rng, rows * (spec.n_actions + 1), 4.0),
+            layout,
+        }
+    }
+
+    fn forward(&self, net: &mut Network<CpuBackend>, cpu: &mut CpuBackend, params: &Vec<f32>) {
+        let (obs, starts, h0) = (View::of(&self.obs), View::of(&self.starts), View::of(&self.h0));
+        net.forward(cpu, params, obs, starts, h0, self.t_len, self.b_len).expect("forward");
+    }
+
+    fn loss(&self, net: &mut Network<CpuBackend>, cpu: &mut CpuBackend, params: &Vec<f32>) -> f64 {
+        self.forward(net, cpu, params);
+        let (heads, range) = net.heads().parts();
+        heads[range].iter().zip(&self.c).map(|(&h, &c)| f64::from(h) * f64::from(c)).sum()
+    }
+}
+
+/// Which ReLU units (conv layers, and a ReLU dense torso) are active: a central difference that
+/// flips one is not a derivative.
+fn relu_pattern(net: &Network<CpuBackend>) -> Vec<bool> {
+    let torso = if net.shape.activation == Activation::Relu { &net.torso_out[..] } else { &[] };
+    net.conv_out.iter().chain(torso).flat_map(|out| out.iter().map(|&y| y > 0.0)).collect()
+}
+
+const GRAD_ATOL: f64 = 2e-3;
+const GRAD_RTOL: f64 = 1e-2;
+
+fn mismatch(analytic: f32, numeric: f64) -> bool {
+    let a = f64::from(analytic);
+    (a - numeric).abs() > GRAD_ATOL + GRAD_RTOL * a.abs().max(numeric.abs())
+}
+
+/// Every parameter of every conv spec (conv weights and biases included) has the gradient
+/// that central differences give, and the check catches a 3 % error in each entry's largest
+/// gradient (so it cannot pass vacuously).
+#[test]
+fn conv_network_gradients_match_finite_differences() {
+    for spec in conv_specs() {
+        let mut rng = Pcg64::seed_from_u64(11);
+        let case = Case::new(&spec, &mut rng);
+        let layout = &case.layout;
+        let params = random_params(layout, &mut rng);
+        let mut cpu = CpuBackend::new();
+        let mut net = Network::new(&mut cpu, layout).expect("network");
+        case.forward(&mut net, &mut cpu, &params);
+        let base_pattern = relu_pattern(&net);
+        let mut analytic = vec![f32::NAN; params.len()];
+        let (obs, starts) = (View::of(&case.obs), View::of(&case.starts));
+        net.backward(&mut cpu, &params, View::of(&case.c), obs, starts, &mut analytic).expect("backward");
+
+        let mut perturbed = params.clone();
+        let mut numeric = vec![None; params.len()];
+        for (idx, slot) in numeric.iter_mut().enumerate() {
+            let p = params[idx];
+            let eps = 1e-3 * p.abs().max(1.0);
+            perturbed[idx] = p + eps;
+            let plus = case.loss(&mut net, &mut cpu, &perturbed);
+            let kink_plus = relu_pattern(&net) != base_pattern;
+            perturbed[idx] = p - eps;
+            let minus = case.loss(&mut net, &mut cpu, &perturbed);
+            let kink_minus = relu_pattern(&net) != base_pattern;
+            perturbed[idx] = p;
+            let step = f64::from(p + eps) - f64::from(p - eps);
+            *slot = (!(kink_plus || kink_minus)).then(|| (plus - minus) / step);
+        }
+        let skipped = numeric.iter().filter(|n| n.is_none()).count();
+        assert!(skipped * 10 <= numeric.len(), "{spec:?}: {skipped} of {} straddle a kink", numeric.len());
+        for entry in layout.entries() {
+            for idx in entry.range() {
+                if let Some(n) = numeric[idx] {
+                    assert!(
+                        !mismatch(analytic[idx], n),
+                        "{spec:?} {}[{}]: analytic {} numeric {n}",
+                        entry.name,
+                        idx - entry.offset,
+                        analytic[idx]
+                    );
+                }
+            }
+            let (idx, g) = entry
+                .range()
+                .filter_map(|idx| numeric[idx].map(|n| (idx, n)))
+                .max_by(|a, b| a.1.abs().total_cmp(&b.1.abs()))
+                .expect("the entry has a checkable parameter");
+            assert!(g.abs() > 10.0 * GRAD_ATOL, "{}: gradient {g} too small to check", entry.name);
+            assert!(
+                mismatch(analytic[idx] + (0.03 * g.abs() + 3.0 * GRAD_ATOL) as f32, g),
+                "{} not sensitive",
+                entry.name
+            );
+        }
+        assert!(layout.entries().iter().any(|e| e.name == "conv.0.weight"));
+    }
+}
+
+/// The actors' one-step `PolicyInference` and the learner's network compute the same logits,
+/// values and recurrent state for conv specs (the MinAtar preset included), to rounding.
+#[test]
+fn actor_inference_matches_the_learner_forward_for_conv_torsos() {
+    let mut specs = conv_specs();
+    specs.push(PolicySpec::mlp(0, 6, &[128], Activation::Relu).with_conv(ConvSpec::minatar(4, 10, 10)));
+    specs.push(PolicySpec::mlp(0, 4, &[32], Activation::Relu).with_conv(ConvSpec::nature(2, 36, 36)));
+    for spec in specs {
+        let mut rng = Pcg64::seed_from_u64(5);
+        let layout = ParamLayout::new(&spec).expect("valid spec");
+        let params = random_params(&layout, &mut rng);
+        let n = 5;
+        let hidden = layout.recurrent_size();
+        let obs = random(&mut rng, n * spec.obs_dim, 1.0);
+        let h0 = random(&mut rng, n * hidden, 0.8);
+
+        let mut inference = PolicyInference::new(&layout, n);
+        let mut h = h0.clone();
+        let (mut logits, mut values) = (vec![0.0; n * spec.n_actions], vec![0.0; n]);
+        inference.forward(&params, &obs, n, &mut h, &mut logits, &mut values);
+
+        let mut cpu = CpuBackend::new();
+        let mut net = Network::new(&mut cpu, &layout).expect("network");
+        let starts = vec![0.0; n];
+        net.forward(&mut cpu, &params, View::of(&obs), View::of(&starts), View::of(&h0), 1, n).expect("forward");
+        let (heads, range) = net.heads().parts();
+        let stride = spec.n_actions + 1;
+        for (i, row) in heads[range].chunks_exact(stride).enumerate() {
+            for (a, (&learner, &actor)) in row[..spec.n_actions].iter().zip(&logits[i * spec.n_actions..]).enumerate() {
+                assert!(
+                    (learner - actor).abs() <= 1e-5 * (1.0 + actor.abs()),
+                    "{spec:?} logit {i},{a}: {learner} vs {actor}"
+                );
+            }
+            assert!((row[spec.n_actions] - values[i]).abs() <= 1e-5 * (1.0 + values[i].abs()), "{spec:?} value {i}");
+        }
+        if hidden > 0 {
+            for (&learner, &actor) in net.gru_h_out[..n * hidden].iter().zip(&h) {
+                assert!((learner - actor).abs() <= 1e-5, "{spec:?} hidden: {learner} vs {actor}");
+            }
+        }
+    }
+}
