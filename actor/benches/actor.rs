@@ -22,6 +22,7 @@ fn cartpole_spec(segment_len: usize) -> RunSpec {
             activation: Activation::Tanh,
             core: CoreKind::Mlp,
             head: volley_policy::ActionHead::Categorical,
+            normalize_obs: false,
         },
         segment_len,
         hyper: HyperParams::default(),

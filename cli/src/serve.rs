@@ -153,6 +153,7 @@ mod tests {
                 activation: Activation::Tanh,
                 core: CoreKind::Mlp,
                 head: volley_policy::ActionHead::Categorical,
+                normalize_obs: false,
             },
             segment_len: 4,
             hyper: HyperParams::default(),

@@ -40,6 +40,7 @@ fn spec() -> RunSpec {
             activation: Activation::Tanh,
             core: CoreKind::Mlp,
             head: volley_policy::ActionHead::Categorical,
+            normalize_obs: false,
         },
         segment_len: SEGMENT_LEN,
         hyper: HyperParams {

@@ -692,6 +692,7 @@ mod tests {
                 activation: Activation::Tanh,
                 core: CoreKind::Mlp,
                 head: volley_policy::ActionHead::Categorical,
+                normalize_obs: false,
             },
             segment_len: 8,
             hyper: HyperParams::default(),

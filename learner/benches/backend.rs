@@ -43,6 +43,7 @@ fn spec(width: usize, loss: LossKind, t_len: usize, b_len: usize) -> RunSpec {
             activation: Activation::Tanh,
             core: CoreKind::Mlp,
             head: volley_policy::ActionHead::Categorical,
+            normalize_obs: false,
         },
         segment_len: t_len,
         hyper: HyperParams {

@@ -43,6 +43,7 @@ mod inference;
 mod init;
 mod layout;
 mod linalg;
+pub mod obs_norm;
 pub mod returns;
 mod tape;
 
@@ -154,6 +155,11 @@ pub struct PolicySpec {
     /// The action distribution (categorical unless the spec says otherwise).
     #[serde(default)]
     pub head: ActionHead,
+    /// Normalise observations by running statistics that live in the parameter buffer
+    /// ([`obs_norm`]), so every weights version carries the statistics its policy was trained
+    /// with. Off in specs written before it existed.
+    #[serde(default)]
+    pub normalize_obs: bool,
 }
 
 impl PolicySpec {
@@ -166,12 +172,19 @@ impl PolicySpec {
             activation,
             core: CoreKind::Mlp,
             head: ActionHead::Categorical,
+            normalize_obs: false,
         }
     }
 
     /// This spec with action head `head`.
     pub fn with_head(mut self, head: ActionHead) -> Self {
         self.head = head;
+        self
+    }
+
+    /// This spec with observation normalisation on or off.
+    pub fn with_obs_normalization(mut self, on: bool) -> Self {
+        self.normalize_obs = on;
         self
     }
 
@@ -184,6 +197,7 @@ impl PolicySpec {
             activation,
             core: CoreKind::Gru { hidden },
             head: ActionHead::Categorical,
+            normalize_obs: false,
         }
     }
 }

@@ -884,6 +884,7 @@ mod tests {
                 activation: if relu { Activation::Relu } else { Activation::Tanh },
                 core: hidden.map_or(super::super::CoreKind::Mlp, |hidden| super::super::CoreKind::Gru { hidden }),
                 head: super::super::ActionHead::Categorical,
+                normalize_obs: false,
             })
     }
 

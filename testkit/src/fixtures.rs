@@ -39,6 +39,7 @@ impl SpecBuilder {
                     activation: Activation::Tanh,
                     core: CoreKind::Mlp,
                     head: ActionHead::Categorical,
+                    normalize_obs: false,
                 },
                 segment_len,
                 hyper: HyperParams::default(),
@@ -65,6 +66,12 @@ impl SpecBuilder {
     /// The policy's action head.
     pub fn head(mut self, head: ActionHead) -> Self {
         self.spec.policy.head = head;
+        self
+    }
+
+    /// Observation normalisation on or off.
+    pub fn normalize_obs(mut self, on: bool) -> Self {
+        self.spec.policy.normalize_obs = on;
         self
     }
 

@@ -347,6 +347,7 @@ mod tests {
                 activation: Activation::Tanh,
                 core: CoreKind::Mlp,
                 head: volley_policy::ActionHead::Categorical,
+                normalize_obs: false,
             },
             segment_len: T,
             hyper: HyperParams::default(),

@@ -113,6 +113,7 @@ fn specs() -> Vec<PolicySpec> {
             activation: Activation::Tanh,
             core: CoreKind::Mlp,
             head: volley_policy::ActionHead::Categorical,
+            normalize_obs: false,
         },
         PolicySpec {
             obs_dim: 4,
@@ -121,6 +122,7 @@ fn specs() -> Vec<PolicySpec> {
             activation: Activation::Relu,
             core: CoreKind::Mlp,
             head: volley_policy::ActionHead::Categorical,
+            normalize_obs: false,
         },
         PolicySpec::gru(6, 4, &[16], Activation::Tanh, 12),
         PolicySpec {
@@ -130,6 +132,7 @@ fn specs() -> Vec<PolicySpec> {
             activation: Activation::Tanh,
             core: CoreKind::Gru { hidden: 8 },
             head: volley_policy::ActionHead::Categorical,
+            normalize_obs: false,
         },
     ]
 }
@@ -636,6 +639,7 @@ fn cartpole_policies() -> [PolicySpec; 2] {
             activation: Activation::Tanh,
             core: CoreKind::Mlp,
             head: volley_policy::ActionHead::Categorical,
+            normalize_obs: false,
         },
         PolicySpec::gru(4, 2, &[16], Activation::Tanh, 12),
     ]
