@@ -23,6 +23,7 @@ fn cartpole_spec(segment_len: usize) -> RunSpec {
             core: CoreKind::Mlp,
             head: volley_policy::ActionHead::Categorical,
             conv: None,
+            normalize_obs: false,
         },
         segment_len,
         hyper: HyperParams::default(),

@@ -221,6 +221,9 @@ pub struct SpecArgs {
     /// box (default: unsquashed samples, clipped by the environment).
     #[arg(long, env = "VOLLEY_SQUASH_ACTIONS")]
     pub squash_actions: bool,
+    /// Normalise observations by running statistics that travel with the weights.
+    #[arg(long, env = "VOLLEY_NORMALIZE_OBS")]
+    pub normalize_obs: bool,
     /// GRU width (with --core gru).
     #[arg(long, default_value_t = 64, env = "VOLLEY_GRU_HIDDEN")]
     pub gru_hidden: usize,
@@ -535,6 +538,7 @@ impl SpecArgs {
                 categorical => categorical,
             },
             conv: self.conv_spec(&env)?,
+            normalize_obs: self.normalize_obs,
         };
         let preset = EnvDefaults::for_env(&env);
         let segment_len = self.segment_len.unwrap_or(preset.segment_len);

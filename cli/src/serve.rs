@@ -154,6 +154,7 @@ mod tests {
                 core: CoreKind::Mlp,
                 head: volley_policy::ActionHead::Categorical,
                 conv: None,
+                normalize_obs: false,
             },
             segment_len: 4,
             hyper: HyperParams::default(),

@@ -16,8 +16,13 @@ use volley_testkit::fixtures::SpecBuilder;
 #[test]
 fn recorded_behaviour_log_probs_equal_the_learners_for_the_same_weights() {
     const T: usize = 32;
-    for squash in [false, true] {
-        let spec = SpecBuilder::pendulum(T).torso(vec![16, 16]).head(ActionHead::Gaussian { squash }).seed(5).build();
+    for (squash, normalize_obs) in [(false, false), (true, false), (false, true)] {
+        let spec = SpecBuilder::pendulum(T)
+            .torso(vec![16, 16])
+            .head(ActionHead::Gaussian { squash })
+            .normalize_obs(normalize_obs)
+            .seed(5)
+            .build();
         let layout = spec.validate().expect("a valid pendulum spec");
         // Non-trivial weights: a random perturbation of the initialisation, and a log-std
         // away from zero.
@@ -27,6 +32,10 @@ fn recorded_behaviour_log_probs_equal_the_learners_for_the_same_weights() {
         }
         let log_std = layout.log_std_range().expect("a Gaussian layout");
         params[log_std.clone()].fill(-0.4);
+        // Observation statistics far from the identity, as the learner would have published.
+        if let Some(stats) = layout.obs_norm_range() {
+            params[stats].copy_from_slice(&[0.1, -0.2, 1.0, 0.5, 0.5, 9.0, 100.0]);
+        }
         let weights = Arc::new(Weights::new(PolicyVersion(1), layout.hash(), params.clone()));
         let counters = Arc::new(ActorCounters::default());
         let actor = ActorId::new("actor-0").expect("valid");
@@ -45,17 +54,14 @@ fn recorded_behaviour_log_probs_equal_the_learners_for_the_same_weights() {
             if squash {
                 assert!(segment.continuous_actions.iter().all(|a| a.abs() < 1.0));
             }
-            let observations = &segment.observations[..T * spec.policy.obs_dim];
-            net.forward(
-                &mut cpu,
-                &params,
-                View::of(&observations.to_vec()),
-                View::of(&starts),
-                View::of(&Vec::new()),
-                T,
-                1,
-            )
-            .expect("forward");
+            let mut observations = segment.observations[..T * spec.policy.obs_dim].to_vec();
+            // What the trainer's staging does with the statistics in the weights.
+            if let Some(stats) = layout.obs_norm_range() {
+                let raw = observations.clone();
+                volley_policy::obs_norm::normalize(&params[stats], &raw, &mut observations);
+            }
+            net.forward(&mut cpu, &params, View::of(&observations), View::of(&starts), View::of(&Vec::new()), T, 1)
+                .expect("forward");
             let mut log_probs = vec![0.0f32; T];
             let head = GaussianHead { log_std: View::range(&params, log_std.clone()), squash };
             cpu.gaussian_log_probs(
@@ -75,6 +81,6 @@ fn recorded_behaviour_log_probs_equal_the_learners_for_the_same_weights() {
                 checked += 1;
             }
         }
-        assert_eq!(checked, 3 * T);
+        assert_eq!(checked, 3 * T, "squash {squash}, normalize_obs {normalize_obs}");
     }
 }

@@ -46,6 +46,7 @@ fn spec() -> RunSpec {
             core: CoreKind::Mlp,
             head: volley_policy::ActionHead::Categorical,
             conv: None,
+            normalize_obs: false,
         },
         segment_len: SEGMENT_LEN,
         hyper: HyperParams {

@@ -130,7 +130,7 @@ fn a_gru_solves_the_memory_task_where_an_mlp_stays_at_chance() {
 /// head, squashed or not, with finite losses and every segment accepted.
 #[test]
 fn pendulum_trains_with_a_gaussian_head() {
-    for extra in [&[][..], &["--squash-actions", "--loss", "vtrace"][..]] {
+    for extra in [&[][..], &["--squash-actions", "--loss", "vtrace"][..], &["--normalize-obs"][..]] {
         let dir = tempfile::tempdir().expect("temp dir");
         let run_dir = dir.path().join("run");
         let output = volley()
@@ -149,7 +149,8 @@ fn pendulum_trains_with_a_gaussian_head() {
         let spec: serde_json::Value =
             serde_json::from_str(&std::fs::read_to_string(run_dir.join("spec.json")).expect("spec.json"))
                 .expect("json");
-        assert_eq!(spec["policy"]["head"]["gaussian"]["squash"], !extra.is_empty(), "{spec}");
+        assert_eq!(spec["policy"]["head"]["gaussian"]["squash"], extra.contains(&"--squash-actions"), "{spec}");
+        assert_eq!(spec["policy"]["normalize_obs"], extra.contains(&"--normalize-obs"), "{spec}");
         let metrics = std::fs::read_to_string(run_dir.join("metrics.jsonl")).expect("metrics");
         for line in metrics.lines() {
             let row: serde_json::Value = serde_json::from_str(line).expect("json row");

@@ -693,6 +693,7 @@ mod tests {
                 core: CoreKind::Mlp,
                 head: volley_policy::ActionHead::Categorical,
                 conv: None,
+                normalize_obs: false,
             },
             segment_len: 8,
             hyper: HyperParams::default(),

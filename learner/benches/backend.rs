@@ -44,6 +44,7 @@ fn spec(width: usize, loss: LossKind, t_len: usize, b_len: usize) -> RunSpec {
             core: CoreKind::Mlp,
             head: volley_policy::ActionHead::Categorical,
             conv: None,
+            normalize_obs: false,
         },
         segment_len: t_len,
         hyper: HyperParams {

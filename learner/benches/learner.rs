@@ -25,6 +25,7 @@ fn spec(loss: LossKind, core: CoreKind, t_len: usize, b_len: usize) -> RunSpec {
             core,
             head: volley_policy::ActionHead::Categorical,
             conv: None,
+            normalize_obs: false,
         },
         segment_len: t_len,
         hyper: HyperParams { loss, batch_segments: b_len, ppo_epochs: 1, ppo_minibatches: 1, ..HyperParams::default() },

@@ -144,6 +144,9 @@ pub struct Trainer<B: Backend> {
     prox_log_rhos: Vec<f32>,
     /// A Gaussian head's log-std parameters and squashing (`None`: categorical).
     gaussian: Option<(Range<usize>, bool)>,
+    /// Observation normalisation (`normalize_obs`): where the statistics sit in the parameters,
+    /// and the host copy this trainer updates and uploads there before every update.
+    obs_norm: Option<(Range<usize>, Vec<f32>)>,
 }
 
 impl<B: Backend> Trainer<B> {
@@ -216,6 +219,7 @@ impl<B: Backend> Trainer<B> {
             host_permutations: Vec::new(),
             evaluations: Vec::new(),
             prox_log_rhos: Vec::new(),
+            obs_norm: layout.obs_norm_range().map(|range| (range.clone(), state.params[range].to_vec())),
             gaussian: match layout.head() {
                 ActionHead::Categorical => None,
                 ActionHead::Gaussian { squash } => Some((layout.log_std_range().expect("a Gaussian layout"), squash)),
@@ -289,8 +293,16 @@ impl<B: Backend> Trainer<B> {
                 got: action as usize,
             });
         }
+        let obs_stats = self.obs_norm.as_ref().map(|(_, stats)| stats.as_slice());
         let mut pack = |words: &mut [f32]| {
-            words[layout.observations.clone()].copy_from_slice(&batch.observations);
+            match obs_stats {
+                Some(stats) => volley_policy::obs_norm::normalize(
+                    stats,
+                    &batch.observations,
+                    &mut words[layout.observations.clone()],
+                ),
+                None => words[layout.observations.clone()].copy_from_slice(&batch.observations),
+            }
             words[layout.episode_start.clone()].copy_from_slice(&batch.episode_start);
             words[layout.initial_hidden.clone()].copy_from_slice(&batch.initial_hidden);
             if continuous {
@@ -318,6 +330,12 @@ impl<B: Backend> Trainer<B> {
         learning_rate: f32,
         rng: &mut Pcg64Mcg,
     ) -> Result<StepOutcome, BackendError> {
+        // Observation statistics move with the data before the update, and the new ones go
+        // into the parameters, so the version this update publishes carries them.
+        if let Some((range, stats)) = &mut self.obs_norm {
+            volley_policy::obs_norm::update(stats, &batch.observations);
+            self.backend.upload(stats, ViewMut::range(&mut self.params, range.clone()))?;
+        }
         self.stage(batch)?;
         let off_policy = match hyper.loss {
             LossKind::Vtrace => self.vtrace_step(batch.t_len, batch.b_len, hyper, learning_rate)?,

@@ -45,6 +45,8 @@ pub struct PolicyInference {
     gh: Vec<f32>,
     /// Fused head output, `[max_batch][n_actions + 1]`.
     heads_out: Vec<f32>,
+    /// Normalised observations, `[max_batch][obs_dim]` (empty without `normalize_obs`).
+    obs_normalized: Vec<f32>,
 }
 
 impl PolicyInference {
@@ -66,6 +68,7 @@ impl PolicyInference {
             gi: vec![0.0; max_batch * gates],
             gh: vec![0.0; max_batch * gates],
             heads_out: vec![0.0; max_batch * (layout.n_actions() + 1)],
+            obs_normalized: vec![0.0; if layout.spec().normalize_obs { max_batch * layout.obs_dim() } else { 0 }],
         }
     }
 
@@ -172,6 +175,14 @@ impl PolicyInference {
             return;
         }
         let layout = &self.layout;
+        let obs: &[f32] = match layout.obs_norm_range() {
+            Some(stats) => {
+                let out = &mut self.obs_normalized[..obs.len()];
+                crate::obs_norm::normalize(&params[stats], obs, out);
+                out
+            }
+            None => obs,
+        };
         let activation = layout.spec().activation;
         // Conv layer i unfolds what layer i−1 wrote (obs for i = 0), then one GEMM over all
         // n·OH·OW positions writes the other ping-pong buffer, channel-last.

@@ -14,6 +14,7 @@ pub(crate) fn init_params(layout: &ParamLayout, seed: u64) -> Vec<f32> {
     for (entry, rule) in layout.entries().iter().zip(layout.init_rules()) {
         match *rule {
             InitRule::Zeros => {}
+            InitRule::Ones => params[entry.range()].fill(1.0),
             InitRule::Orthogonal { gain, blocks } => {
                 let block_rows = entry.rows / blocks;
                 for block in params[entry.range()].chunks_exact_mut(block_rows * entry.cols) {
@@ -155,6 +156,7 @@ mod tests {
                     assert!(entry.name.contains("bias"), "{}", entry.name);
                     assert!(block.iter().all(|&x| x == 0.0), "{} not zero", entry.name);
                 }
+                InitRule::Ones => unreachable!("only obs_norm.var starts at one; this spec has none"),
                 InitRule::Orthogonal { gain, blocks } => {
                     let expected_gain = match entry.name.as_str() {
                         "gru.weight_hh" | "value.weight" => 1.0,

@@ -86,6 +86,8 @@ impl GruOffsets {
 pub(crate) enum InitRule {
     /// Zeros (all biases).
     Zeros,
+    /// Ones (the observation variances' start).
+    Ones,
     /// Orthogonal with `gain`, drawn independently for each of `blocks` equal row blocks (the
     /// GRU's per-gate matrices); `blocks == 1` for an ordinary layer.
     Orthogonal { gain: f32, blocks: usize },
@@ -112,14 +114,20 @@ pub(crate) enum InitRule {
 /// | `policy.bias`      | `1 × A`                  | 0                                    |
 /// | `value.bias`       | `1 × 1`                  | 0                                    |
 /// | `policy.log_std`   | `1 × A`                  | 0 (σ = 1)                            |
+/// | `obs_norm.mean`    | `1 × obs_dim`            | 0                                    |
+/// | `obs_norm.var`     | `1 × obs_dim`            | 1                                    |
+/// | `obs_norm.count`   | `1 × 1`                  | 0                                    |
 ///
 /// The `conv.*` entries exist only with a conv torso ([`PolicySpec::conv`]); a conv weight is
 /// PyTorch's `[OC][C][K][K]` flattened, and the first dense layer then reads the last conv
 /// layer's `OH·OW·OC` outputs in channel-last order (see `conv.rs`).
 /// The `gru.*` entries exist only for [`CoreKind::Gru`], and `policy.log_std` only for an
 /// [`ActionHead::Gaussian`] head, whose policy head outputs the `A` means; it comes last, so
-/// every other offset is the same as for a categorical head of the same width. Weights are row-major `[out][in]`
-/// (PyTorch's `nn.Linear`/`nn.GRU` convention), so a layer computes `Y = X Wᵀ + b` on a batch
+/// every other offset is the same as for a categorical head of the same width. The `obs_norm.*`
+/// entries exist only with [`PolicySpec::normalize_obs`]: running statistics the learner
+/// updates (not trained by gradient) and every forward reads ([`crate::obs_norm`]).
+///
+/// Weights are row-major `[out][in]` (PyTorch's `nn.Linear`/`nn.GRU` convention), so a layer computes `Y = X Wᵀ + b` on a batch
 /// `X: [n][in]`. The value head is stored right after the policy head (weights, then biases),
 /// so the two heads form one contiguous `(A + 1) × F'` matrix and one `A + 1` bias that a single
 /// GEMM evaluates; output column `A` is the value.
@@ -147,6 +155,8 @@ pub struct ParamLayout {
     heads: DenseOffsets,
     /// Offset of `policy.log_std` (Gaussian heads only).
     log_std: Option<usize>,
+    /// Offset of the `obs_norm.*` statistics (with `normalize_obs` only).
+    obs_norm: Option<usize>,
 }
 
 impl ParamLayout {
@@ -230,6 +240,12 @@ impl ParamLayout {
             ActionHead::Categorical => None,
             ActionHead::Gaussian { .. } => Some(builder.push("policy.log_std".into(), 1, n_actions, InitRule::Zeros)),
         };
+        let obs_norm = spec.normalize_obs.then(|| {
+            let mean = builder.push("obs_norm.mean".into(), 1, spec.obs_dim, InitRule::Zeros);
+            builder.push("obs_norm.var".into(), 1, spec.obs_dim, InitRule::Ones);
+            builder.push("obs_norm.count".into(), 1, 1, InitRule::Zeros);
+            mean
+        });
         let heads = DenseOffsets { weight: policy_weight, bias: policy_bias, n_in, n_out: n_actions + 1 };
         let Builder { entries, init_rules, n_params } = builder;
         let mut layout = ParamLayout {
@@ -244,6 +260,7 @@ impl ParamLayout {
             gru,
             heads,
             log_std,
+            obs_norm,
         };
         layout.hash = layout.compute_hash();
         Ok(layout)
@@ -294,6 +311,12 @@ impl ParamLayout {
     /// The geometry of each conv layer, input side first (empty without a conv torso).
     pub fn conv_geometries(&self) -> &[ConvGeometry] {
         &self.conv_geometries
+    }
+
+    /// Where the observation statistics `[mean (obs_dim), var (obs_dim), count]` sit in the
+    /// flat buffer, or `None` without observation normalisation ([`crate::obs_norm`]).
+    pub fn obs_norm_range(&self) -> Option<Range<usize>> {
+        self.obs_norm.map(|offset| offset..offset + crate::obs_norm::stats_len(self.spec.obs_dim))
     }
 
     /// Recurrent state size per agent: 0 for [`CoreKind::Mlp`], `hidden` for [`CoreKind::Gru`].
@@ -389,6 +412,9 @@ impl ParamLayout {
                 }
             }
         }
+        if self.spec.normalize_obs {
+            hasher.write_str("obs-norm");
+        }
         hasher.write_u64(self.entries.len() as u64);
         for entry in &self.entries {
             hasher.write_str(&entry.name);
@@ -475,6 +501,9 @@ fn validate(spec: &PolicySpec) -> Result<(), PolicyError> {
     add_dense(n_in, spec.n_actions as u64 + 1);
     if spec.head.is_continuous() {
         n_params = n_params.saturating_add(spec.n_actions as u64);
+    }
+    if spec.normalize_obs {
+        n_params = n_params.saturating_add(2 * spec.obs_dim as u64 + 1);
     }
     if n_params > MAX_PARAMS as u64 {
         return Err(PolicyError::TooManyParams { n_params, max: MAX_PARAMS });
@@ -569,6 +598,7 @@ mod tests {
         push(&|s| s.core = CoreKind::Gru { hidden: 32 });
         push(&|s| s.head = ActionHead::Gaussian { squash: false });
         push(&|s| s.head = ActionHead::Gaussian { squash: true });
+        push(&|s| s.normalize_obs = true);
         push(&|s| {
             s.torso = vec![];
             s.core = CoreKind::Gru { hidden: 64 };
@@ -698,6 +728,7 @@ mod tests {
                 core: hidden.map_or(CoreKind::Mlp, |hidden| CoreKind::Gru { hidden }),
                 head: super::super::ActionHead::Categorical,
                 conv: None,
+                normalize_obs: false,
             })
     }
 

@@ -46,6 +46,7 @@ mod inference;
 mod init;
 mod layout;
 mod linalg;
+pub mod obs_norm;
 pub mod returns;
 mod tape;
 
@@ -163,6 +164,11 @@ pub struct PolicySpec {
     /// specs written before it existed.
     #[serde(default)]
     pub conv: Option<ConvSpec>,
+    /// Normalise observations by running statistics that live in the parameter buffer
+    /// ([`obs_norm`]), so every weights version carries the statistics its policy was trained
+    /// with. Off in specs written before it existed.
+    #[serde(default)]
+    pub normalize_obs: bool,
 }
 
 impl PolicySpec {
@@ -176,12 +182,19 @@ impl PolicySpec {
             core: CoreKind::Mlp,
             head: ActionHead::Categorical,
             conv: None,
+            normalize_obs: false,
         }
     }
 
     /// This spec with action head `head`.
     pub fn with_head(mut self, head: ActionHead) -> Self {
         self.head = head;
+        self
+    }
+
+    /// This spec with observation normalisation on or off.
+    pub fn with_obs_normalization(mut self, on: bool) -> Self {
+        self.normalize_obs = on;
         self
     }
 
@@ -195,6 +208,7 @@ impl PolicySpec {
             core: CoreKind::Gru { hidden },
             head: ActionHead::Categorical,
             conv: None,
+            normalize_obs: false,
         }
     }
 

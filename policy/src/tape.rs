@@ -891,6 +891,7 @@ mod tests {
                 core: hidden.map_or(super::super::CoreKind::Mlp, |hidden| super::super::CoreKind::Gru { hidden }),
                 head: super::super::ActionHead::Categorical,
                 conv: None,
+                normalize_obs: false,
             })
     }
 

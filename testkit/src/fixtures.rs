@@ -40,6 +40,7 @@ impl SpecBuilder {
                     core: CoreKind::Mlp,
                     head: ActionHead::Categorical,
                     conv: None,
+                    normalize_obs: false,
                 },
                 segment_len,
                 hyper: HyperParams::default(),
@@ -66,6 +67,12 @@ impl SpecBuilder {
     /// The policy's action head.
     pub fn head(mut self, head: ActionHead) -> Self {
         self.spec.policy.head = head;
+        self
+    }
+
+    /// Observation normalisation on or off.
+    pub fn normalize_obs(mut self, on: bool) -> Self {
+        self.spec.policy.normalize_obs = on;
         self
     }
 

@@ -353,6 +353,7 @@ mod tests {
                 core: CoreKind::Mlp,
                 head: volley_policy::ActionHead::Categorical,
                 conv: None,
+                normalize_obs: false,
             },
             segment_len: T,
             hyper: HyperParams::default(),

@@ -114,6 +114,7 @@ fn specs() -> Vec<PolicySpec> {
             core: CoreKind::Mlp,
             head: volley_policy::ActionHead::Categorical,
             conv: None,
+            normalize_obs: false,
         },
         PolicySpec {
             obs_dim: 4,
@@ -123,6 +124,7 @@ fn specs() -> Vec<PolicySpec> {
             core: CoreKind::Mlp,
             head: volley_policy::ActionHead::Categorical,
             conv: None,
+            normalize_obs: false,
         },
         PolicySpec::gru(6, 4, &[16], Activation::Tanh, 12),
         PolicySpec {
@@ -133,6 +135,7 @@ fn specs() -> Vec<PolicySpec> {
             core: CoreKind::Gru { hidden: 8 },
             head: volley_policy::ActionHead::Categorical,
             conv: None,
+            normalize_obs: false,
         },
         // Conv torsos (issue 15): im2col and col2im with stride, padding and both layouts.
         PolicySpec::mlp(0, 3, &[16], Activation::Relu).with_conv(crate::backend::cuda::conv_tests::two_layer_conv()),
@@ -643,6 +646,7 @@ fn cartpole_policies() -> [PolicySpec; 2] {
             core: CoreKind::Mlp,
             head: volley_policy::ActionHead::Categorical,
             conv: None,
+            normalize_obs: false,
         },
         PolicySpec::gru(4, 2, &[16], Activation::Tanh, 12),
     ]
