@@ -1,5 +1,5 @@
 //! Byte fuzzing of every decoder that reads untrusted input (issue 12, docs/SECURITY.md,
-//! "Fuzzing"): the segment, weights, work item and episode snapshot codecs, the environment
+//! "Fuzzing"): the segment (alone and in batch frames), weights, work item and episode snapshot codecs, the environment
 //! protocol's requests and replies, and the run spec.
 //!
 //! Each target starts from real messages (encoded by the same code that sends them) and
@@ -174,6 +174,33 @@ fn fuzz_segment_decoder() {
         }
     });
     reasons.assert_reached("segment", &["bad_magic", "wrong_version", "wrong_kind", "truncated", "corrupt"]);
+}
+
+/// Batch frames (issue 16): a frame's header has its own checksum, each part its envelope's,
+/// so whatever the mutation, a part the learner accepts is byte for byte a real segment.
+#[test]
+fn fuzz_segment_batch_frames() {
+    let spec = spec();
+    let hash = layout().hash();
+    let parts: Vec<Vec<u8>> = (0..4).map(|i| wire::encode_segment(&segment(i))).collect();
+    let corpus: Vec<Vec<u8>> = (1..=4).map(|n| wire::batch::encode_segment_batch(&parts[..n])).collect();
+    let reasons = Reasons::default();
+    fuzz("segment batch", corpus, |mutated, _| match wire::batch::split_segment_batch(mutated) {
+        Ok(split) => {
+            for part in split {
+                let decoded = wire::decode_segment(part, &spec, hash, 0);
+                reasons.record(&decoded);
+                if decoded.is_ok() {
+                    assert!(
+                        parts.iter().any(|p| p.as_slice() == part),
+                        "a changed segment inside a frame was accepted"
+                    );
+                }
+            }
+        }
+        Err(err) => reasons.record::<()>(&Err(err)),
+    });
+    reasons.assert_reached("segment batch", &["bad_magic", "truncated", "corrupt", "malformed"]);
 }
 
 #[test]

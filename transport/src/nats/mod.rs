@@ -1,7 +1,8 @@
 //! The NATS JetStream transport: the four transport traits over a real broker.
 //!
 //! Layout of one run (all names from [`volley_core::subjects`]):
-//! - Actors publish encoded segments to `volley.<run>.traj.<actor>`, each with a
+//! - Actors publish encoded segments to `volley.<run>.traj.<actor>`, the segments of one call
+//!   packed into batch frames ([`volley_core::wire::batch`]), each message with a
 //!   `Nats-Msg-Id`, so a retried publish is stored once (server-side dedup inside the
 //!   stream's duplicate window).
 //! - The stream `volley-<run>-traj` (file storage, limits retention) keeps segments after

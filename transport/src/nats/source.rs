@@ -75,6 +75,9 @@ struct Held {
     open: u32,
     /// Whether any of its segments was acked (then the message is acked, else terminated).
     acked: bool,
+    /// Its deliveries' tokens: `n_tokens` consecutive ones from `first_token`.
+    first_token: u64,
+    n_tokens: u32,
 }
 
 #[derive(Debug, Default)]
@@ -234,8 +237,15 @@ impl NatsTrajectorySource {
     /// Take in what a [`settle_detached`] did: count the abandoned, keep the unsettled.
     fn absorb(&mut self, outcome: Settled) -> Result<(), TransportError> {
         self.abandoned_acks += outcome.abandoned;
-        // Keep the unsettled, so a later call may settle them; the server redelivers them otherwise.
-        self.held.extend(outcome.unsettled);
+        // Keep the unsettled, with every delivery of theirs open again, so a later call settling
+        // their tokens settles them; the server redelivers them otherwise.
+        for (key, mut held) in outcome.unsettled {
+            for token in held.first_token..held.first_token + u64::from(held.n_tokens) {
+                self.parts.insert(token, key);
+            }
+            held.open = held.n_tokens;
+            self.held.insert(key, held);
+        }
         outcome.result
     }
 
@@ -592,7 +602,18 @@ impl TrajectorySource for NatsTrajectorySource {
                         self.parts.insert(delivery.token.0, key);
                     }
                     let open = u32::try_from(n_parts).expect("a frame holds at most MAX_SEGMENTS_PER_BATCH segments");
-                    self.held.insert(key, Held { message, touched: Instant::now(), connection, open, acked: false });
+                    // `unpack_message` hands out at least one delivery per message, with consecutive tokens.
+                    let first_token = self.ready.get(before).map_or(0, |delivery| delivery.token.0);
+                    let held = Held {
+                        message,
+                        touched: Instant::now(),
+                        connection,
+                        open,
+                        acked: false,
+                        first_token,
+                        n_tokens: open,
+                    };
+                    self.held.insert(key, held);
                 }
                 SourceMode::Replay { end_sequence, finished } => {
                     if stream_sequence == *end_sequence || pending == 0 {
