@@ -846,6 +846,16 @@ mod tests {
         }
     }
 
+    /// Issue 15: specs written before the conv torso existed still parse, without one.
+    #[test]
+    fn a_spec_written_before_conv_torsos_existed_parses_without_one() {
+        let mut json = serde_json::to_value(small_spec()).expect("serializes");
+        assert!(json["policy"]["conv"].is_null());
+        json["policy"].as_object_mut().expect("policy is an object").remove("conv");
+        let parsed: RunSpec = serde_json::from_value(json).expect("old specs still parse");
+        assert_eq!(parsed, small_spec());
+    }
+
     #[test]
     fn a_spec_written_before_selection_existed_parses_with_the_default() {
         let mut json = serde_json::to_value(small_spec()).expect("serializes");
