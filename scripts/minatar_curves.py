@@ -6,7 +6,7 @@ Markdown table of the mean return of the last 100 episodes at fixed env-step mar
 seeds, and each seed), and writes an SVG with one panel per game and one line per seed.
 Standard library only.
 
-    python3 scripts/minatar_curves.py <runs dir> docs/img/minatar-conv-curves.svg
+    python3 scripts/minatar_curves.py <runs dir> docs/img/minatar-conv-curves.svg [marks, e.g. 500000,1000000]
 """
 import json
 import pathlib
@@ -49,14 +49,17 @@ def panel(svg, points_by_seed, game, x0, y0, w, h):
 
 
 def main():
+    global MARKS
     runs = pathlib.Path(sys.argv[1])
     out = pathlib.Path(sys.argv[2]) if len(sys.argv) > 2 else None
+    if len(sys.argv) > 3:
+        MARKS = [int(m) for m in sys.argv[3].split(",")]
     data = {}
     for game in GAMES:
         for run in sorted(runs.glob(f"minatar-{game}-s*")):
             if run.is_dir() and run.joinpath("summary.json").exists():
                 data.setdefault(game, {})[run.name.rsplit("-s", 1)[1]] = load(run)
-    print("| game | seeds | " + " | ".join(f"{m // 1000}k" for m in MARKS) + " | final (each seed) |")
+    print("| game | seeds | " + " | ".join(f"{m / 1e6:g}M" for m in MARKS) + " | final (each seed) |")
     print("|---|---|" + "---|" * len(MARKS) + "---|")
     for game, by_seed in data.items():
         cells = []
