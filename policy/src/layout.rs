@@ -3,7 +3,9 @@
 
 use std::ops::Range;
 
-use super::{ActionHead, ConvGeometry, CoreKind, PolicyError, PolicySpec, MAX_LAYER_WIDTH, MAX_PARAMS, MAX_TORSO_LAYERS};
+use super::{
+    ActionHead, ConvGeometry, CoreKind, PolicyError, PolicySpec, MAX_LAYER_WIDTH, MAX_PARAMS, MAX_TORSO_LAYERS,
+};
 
 /// One named block of the flat parameter buffer: a row-major `rows × cols` matrix starting at
 /// `offset`. Bias vectors are `1 × width` rows.
