@@ -70,6 +70,8 @@ fn batch(rng: &mut Pcg64Mcg, obs_dim: usize, n_actions: usize, t_len: usize, b_l
         episode_start: vec![0.0; (t_len + 1) * b_len],
         initial_hidden: Vec::new(),
         actions: (0..steps).map(|_| rng.random_range(0..n_actions as u32)).collect(),
+        action_dim: 0,
+        continuous_actions: Vec::new(),
         behaviour_log_probs: vec![-(n_actions as f32).ln(); steps],
         rewards: (0..steps).map(|_| rng.random_range(-1.0..1.0)).collect(),
         discounts: vec![0.99; steps],

@@ -272,7 +272,7 @@ impl Scheduler {
         }
         // Sorted, so a seed gives the same choices whatever the map's order.
         let mut cells: Vec<_> = cells.into_iter().collect();
-        cells.sort_by(|a, b| a.0.cmp(&b.0));
+        cells.sort_by_key(|cell| cell.0);
         let weights: Vec<f64> = cells
             .iter()
             .map(|(_, (visits, progress, _))| {
