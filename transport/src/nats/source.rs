@@ -119,6 +119,8 @@ pub struct NatsTrajectorySource {
     /// Segments per message lately (a moving average), to size pull requests and to report
     /// the backlog in segments.
     segments_per_message: f64,
+    /// Whether a message has been seen, so `segments_per_message` is measured, not assumed.
+    measured_message_size: bool,
     next_token: u64,
     next_message: u64,
     backlog: Mutex<BacklogReading>,
@@ -147,6 +149,7 @@ impl NatsTrajectorySource {
             parts: HashMap::new(),
             ready: VecDeque::new(),
             segments_per_message: 1.0,
+            measured_message_size: false,
             next_token: 0,
             next_message: 0,
             backlog: Mutex::new(BacklogReading::default()),
@@ -539,7 +542,13 @@ impl TrajectorySource for NatsTrajectorySource {
         let durable = matches!(self.mode, SourceMode::Durable);
         let request_timeout = shared.config.request_timeout;
         let fetched = shared.block_on(async {
-            if durable {
+            if durable && self.prefetch.is_none() && !self.measured_message_size {
+                // The continuous pull's request size is fixed when it opens, so learn the
+                // segments per message from one fetched message first: opened on the guess of
+                // one segment per message, it asked for 8 messages of 8-segment frames, and the
+                // 64 segments waiting in the client added 8 versions of lag (issue 11).
+                fetch_into(&self.consumer, 1, wait, request_timeout, &mut messages).await
+            } else if durable {
                 self.keep_held_alive().await;
                 let max_payload = shared.client.max_payload();
                 pull_into(
@@ -626,7 +635,12 @@ impl TrajectorySource for NatsTrajectorySource {
         if received > 0 {
             // A moving average over recent calls, so one odd message does not swing it.
             let this_call = unpacked as f64 / received as f64;
-            self.segments_per_message = 0.75 * self.segments_per_message + 0.25 * this_call;
+            self.segments_per_message = if self.measured_message_size {
+                0.75 * self.segments_per_message + 0.25 * this_call
+            } else {
+                this_call
+            };
+            self.measured_message_size = true;
         }
         while n < max {
             let Some(delivery) = self.ready.pop_front() else { break };
