@@ -53,7 +53,7 @@ pub enum EnvName {
     Memory,
     /// Chain of rooms with keys (long horizon, sparse reward).
     Milestones,
-    /// Gymnasium Pendulum-v1 (continuous actions; not trainable until the Gaussian head lands).
+    /// Gymnasium Pendulum-v1 (continuous actions, Gaussian head).
     Pendulum,
     /// MinAtar Asterix (10×10×4 image, flattened for the MLP).
     #[value(name = "minatar-asterix")]
@@ -250,9 +250,13 @@ pub struct SpecArgs {
     /// Multiply rewards by this before computing returns [default: 0.05; pendulum: 0.1].
     #[arg(long, env = "VOLLEY_REWARD_SCALE")]
     pub reward_scale: Option<f32>,
-    /// Entropy bonus coefficient.
-    #[arg(long, default_value_t = 0.0, env = "VOLLEY_ENT_COEF")]
-    pub ent_coef: f32,
+    /// Entropy bonus coefficient [default: 0.01 with PPO on discrete actions; 0 otherwise].
+    /// PPO runs ten epochs on each batch; with actors several versions behind, those steps
+    /// pushed a policy that was still improving to a deterministic wrong one (CartPole stuck at
+    /// a return of ~9) in 2 of 16 runs with 4 and 6 actor processes and none with 0.01
+    /// (docs/BENCHMARKS.md, issue 11).
+    #[arg(long, env = "VOLLEY_ENT_COEF")]
+    pub ent_coef: Option<f32>,
     /// PPO epochs per batch.
     #[arg(long, default_value_t = 10, env = "VOLLEY_PPO_EPOCHS")]
     pub ppo_epochs: u32,
@@ -262,6 +266,9 @@ pub struct SpecArgs {
     /// GAE λ.
     #[arg(long, default_value_t = 0.95, env = "VOLLEY_GAE_LAMBDA")]
     pub gae_lambda: f32,
+    /// PPO: truncation of the behaviour importance weight π_prox/μ of each sample.
+    #[arg(long, default_value_t = HyperParams::default().behaviour_is_clip, env = "VOLLEY_BEHAVIOUR_IS_CLIP")]
+    pub behaviour_is_clip: f32,
     /// Drop segments whose lag exceeds this many versions. 32 is inside what V-trace's
     /// truncated importance weights (and PPO's behaviour weights) correct, and above the lag
     /// that several actor processes produce on a busy machine (each actor's round of one batch
@@ -554,11 +561,15 @@ impl SpecArgs {
             learning_rate: self.learning_rate.unwrap_or(preset.learning_rate),
             final_learning_rate: self.final_learning_rate,
             lr_decay_updates: (self.max_env_steps / steps_per_update.max(1)).max(1),
-            ent_coef: self.ent_coef,
+            ent_coef: self.ent_coef.unwrap_or(match (&policy.head, self.loss.unwrap_or(preset.loss)) {
+                (ActionHead::Categorical, LossName::Ppo) => 0.01,
+                _ => 0.0,
+            }),
             adam_eps: self.adam_eps.unwrap_or_else(|| volley_core::spec::default_adam_eps(&env)),
             ppo_epochs: self.ppo_epochs,
             ppo_minibatches: self.ppo_minibatches.unwrap_or(preset.ppo_minibatches),
             gae_lambda: self.gae_lambda,
+            behaviour_is_clip: self.behaviour_is_clip,
             batch_segments,
             max_policy_lag: self.max_policy_lag,
             work: WorkConfig {
@@ -1342,6 +1353,23 @@ mod tests {
         let cartpole = spec(&[]);
         assert_eq!((cartpole.hyper.loss, cartpole.hyper.gamma, cartpole.segment_len), (LossKind::Vtrace, 0.99, 32));
         assert_eq!(cartpole.policy.head, ActionHead::Categorical);
+    }
+
+    /// Issue 11: PPO on discrete actions gets an entropy bonus of 0.01 by default (without it,
+    /// distributed CartPole runs collapsed to a deterministic policy); V-trace and the Gaussian
+    /// head keep 0, and the flag still wins.
+    #[test]
+    fn ppo_on_discrete_actions_defaults_to_an_entropy_bonus() {
+        let ent_coef = |flags: &[&str]| {
+            let cli = Cli::try_parse_from(["volley", "train"].iter().chain(flags)).expect("valid flags");
+            let Command::Train(args) = cli.command else { panic!("parsed {:?}", cli.command) };
+            args.spec.to_spec().expect("a valid spec").hyper.ent_coef
+        };
+        assert_eq!(ent_coef(&["--loss", "ppo"]), 0.01);
+        assert_eq!(ent_coef(&[]), 0.0);
+        assert_eq!(ent_coef(&["--env", "pendulum"]), 0.0);
+        assert_eq!(ent_coef(&["--loss", "ppo", "--ent-coef", "0"]), 0.0);
+        assert_eq!(ent_coef(&["--ent-coef", "0.02"]), 0.02);
     }
 
     /// Regression for issue 11: `--publish-every 6` with the default `--max-policy-lag 4`
