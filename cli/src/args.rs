@@ -253,7 +253,7 @@ pub struct SpecArgs {
     /// Entropy bonus coefficient [default: 0.01 with PPO on discrete actions; 0 otherwise].
     /// PPO runs ten epochs on each batch; with actors several versions behind, those steps
     /// pushed a policy that was still improving to a deterministic wrong one (CartPole stuck at
-    /// a return of ~9) in 2 of 16 runs with 4 and 6 actor processes and none with 0.01
+    /// a return of ~9) in 2 of 32 runs with 4 and 6 actor processes, and in 1 of 64 with 0.01
     /// (docs/BENCHMARKS.md, issue 11).
     #[arg(long, env = "VOLLEY_ENT_COEF")]
     pub ent_coef: Option<f32>,
