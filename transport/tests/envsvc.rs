@@ -8,7 +8,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use volley_env::{Action, Actions, CartPole, Env, EnvConfig, VecEnv, VecStep, VectorEnv};
 use volley_testkit::TestNats;
-use volley_transport::envsvc::protocol::{self, Op, PROTOCOL_VERSION};
+use volley_transport::envsvc::protocol::{self, Op, StepActions, PROTOCOL_VERSION};
 use volley_transport::envsvc::{
     EnvFactory, EnvServer, EnvServerConfig, EnvServiceClient, EnvServiceError, EnvServiceName, RemoteVecEnv,
     RemoteVecEnvConfig,
@@ -72,7 +72,7 @@ fn every_operation_round_trips_against_a_server() {
     assert_eq!(&opened.obs[4..8], &obs, "environment 1 was reset with seed 12");
     assert_eq!(server.n_sessions(), 1);
 
-    let stepped = client.block_on(client.step(instance, opened.session, vec![0, 1, 1])).unwrap();
+    let stepped = client.block_on(client.step(instance, opened.session, StepActions::Discrete(vec![0, 1, 1]))).unwrap();
     let outcome = local.step(Action::Discrete(1), &mut obs).unwrap();
     assert_eq!(&stepped.obs[4..8], &obs);
     assert_eq!(stepped.rewards, vec![1.0; 3]);
@@ -88,7 +88,7 @@ fn every_operation_round_trips_against_a_server() {
     client.block_on(client.close(instance, opened.session)).unwrap();
     assert_eq!(server.n_sessions(), 0);
     client.block_on(client.close(instance, opened.session)).expect("closing twice is fine");
-    let err = client.block_on(client.step(instance, opened.session, vec![0, 0, 0])).unwrap_err();
+    let err = client.block_on(client.step(instance, opened.session, StepActions::Discrete(vec![0, 0, 0]))).unwrap_err();
     assert_eq!(err.reason(), "remote_unknown_session", "{err}");
 }
 
@@ -113,20 +113,41 @@ fn malformed_and_foreign_requests_are_answered_with_codes_and_counted() {
     let future = protocol::encode(&protocol::SpacesRequest { v: PROTOCOL_VERSION + 1 });
     let (code, message) = raw(Op::Spaces, future);
     assert_eq!(code.as_deref(), Some("505"));
-    assert!(message.contains("protocol version 2"), "{message}");
+    assert!(message.contains(&format!("protocol version {}", PROTOCOL_VERSION + 1)), "{message}");
+    // Version 1 is still served for this discrete environment.
+    let v1 = client.block_on(client.nats().request(
+        instance.subject(Op::Spaces).clone(),
+        Bytes::from(protocol::encode(&protocol::SpacesRequest { v: 1 })),
+    ));
+    let v1 = v1.expect("a reply");
+    assert!(v1.headers.is_none(), "a version-1 spaces request is answered");
+    let spaces: protocol::SpacesReply = protocol::decode("spaces", &v1.payload).unwrap();
+    assert_eq!((spaces.n_actions, spaces.action_space().unwrap().n_actions()), (2, 2));
     let opened = client.block_on(client.open(&instance, &[1, 2])).unwrap();
-    let wrong_len =
-        protocol::encode(&protocol::StepRequest { v: PROTOCOL_VERSION, session: opened.session, actions: vec![0] });
+    let wrong_len = protocol::encode(&protocol::StepRequest {
+        v: PROTOCOL_VERSION,
+        session: opened.session,
+        actions: StepActions::Discrete(vec![0]),
+    });
     let (code, message) = raw(Op::Step, wrong_len);
     assert_eq!(code.as_deref(), Some("400"));
     assert!(message.contains("1 actions for 2 environments"), "{message}");
+    // Box actions for a discrete environment are a request error, not a panic.
+    let floats = protocol::encode(&protocol::StepRequest {
+        v: PROTOCOL_VERSION,
+        session: opened.session,
+        actions: StepActions::Box(vec![0.5, 0.5]),
+    });
+    let (code, message) = raw(Op::Step, floats);
+    assert_eq!(code.as_deref(), Some("400"));
+    assert!(message.contains("box actions"), "{message}");
     let too_many = client.block_on(client.open(&instance, &vec![0; 5000])).unwrap_err();
     assert_eq!(too_many.reason(), "remote_server_error", "{too_many}");
-    assert_eq!(server.counters().rejected.load(Ordering::Relaxed), 3);
+    assert_eq!(server.counters().rejected.load(Ordering::Relaxed), 4);
 
     // An out-of-range action is an environment failure, not a request error: the environment
     // is reset and the step reported as a truncation.
-    let stepped = client.block_on(client.step(&instance, opened.session, vec![0, 7])).unwrap();
+    let stepped = client.block_on(client.step(&instance, opened.session, StepActions::Discrete(vec![0, 7]))).unwrap();
     assert_eq!(stepped.errors.len(), 1);
     assert_eq!(stepped.errors[0].env, 1);
     assert_eq!((stepped.truncated[1], stepped.rewards[1]), (true, 0.0));

@@ -16,9 +16,9 @@ use tokio::task::JoinHandle;
 use tracing::{debug, info, warn};
 
 use super::protocol::{
-    self, CloseRequest, EmptyReply, EnvFailure, ErrorCode, ObsReply, Op, OpenReply, OpenRequest, ResetRequest,
-    RestoreRequest, SnapshotReply, SnapshotRequest, SpacesReply, StepReply, StepRequest, VersionProbe, METADATA_ENV,
-    METADATA_PROTOCOL, PROTOCOL_VERSION,
+    self, ActionSpaceMsg, CloseRequest, EmptyReply, EnvFailure, ErrorCode, ObsReply, Op, OpenReply, OpenRequest,
+    ResetRequest, RestoreRequest, SnapshotReply, SnapshotRequest, SpacesReply, StepActions, StepReply, StepRequest,
+    VersionProbe, METADATA_ENV, METADATA_PROTOCOL, MIN_PROTOCOL_VERSION, PROTOCOL_VERSION,
 };
 use super::{EnvServiceError, EnvServiceName};
 use volley_core::subjects;
@@ -121,9 +121,12 @@ impl EnvServer {
         let incompatible = |message: String| EnvServiceError::Incompatible { instance: String::new(), message };
         let probe = factory().map_err(|err| incompatible(format!("cannot build the environment: {err}")))?;
         let space = probe.observation_space();
+        // Continuous built-ins (pendulum) run in the actor's process; the Python server serves
+        // box actions (docs/ENV_PROTOCOL.md), this one does not yet.
         let Some(n_actions) = probe.action_space().discrete_n() else {
             return Err(incompatible(format!(
-                "{} has continuous actions; this version of the environment protocol carries discrete actions only",
+                "{} has continuous actions; `volley env-serve` serves discrete environments only \
+                 (`volley-envs serve` serves box actions)",
                 probe.name()
             )));
         };
@@ -133,6 +136,7 @@ impl EnvServer {
             obs_low: space.low.clone(),
             obs_high: space.high.clone(),
             n_actions: n_actions as u32,
+            action_space: Some(ActionSpaceMsg::from_space(&probe.action_space())),
             reward_threshold: config.reward_threshold,
             max_episode_steps: config.max_episode_steps,
             max_abs_reward: config.max_abs_reward,
@@ -298,12 +302,16 @@ impl ServerState {
     /// Answer one request: the encoded reply, or an error code and description.
     fn handle(&self, op: Op, payload: &[u8]) -> Result<Vec<u8>, Failure> {
         let probe: VersionProbe = decode("request", payload)?;
+        // Version 1 is version 2 for discrete environments, which are all this server serves.
         match probe.v {
-            Some(PROTOCOL_VERSION) => {}
+            Some(MIN_PROTOCOL_VERSION..=PROTOCOL_VERSION) => {}
             Some(other) => {
                 return Err((
                     ErrorCode::UnsupportedVersion,
-                    format!("protocol version {other} is not served here (this server speaks {PROTOCOL_VERSION})"),
+                    format!(
+                        "protocol version {other} is not served here (this server speaks \
+                         {MIN_PROTOCOL_VERSION} to {PROTOCOL_VERSION})"
+                    ),
                 ))
             }
             None => return Err(bad("request without a protocol version \"v\"")),
@@ -419,8 +427,11 @@ fn env_index(env: u32, n_envs: usize) -> Result<usize, Failure> {
 }
 
 /// One step of a session, encoded as a [`StepReply`].
-fn step(session: &mut Session, actions: &[u32], obs_dim: usize) -> Result<Vec<u8>, Failure> {
+fn step(session: &mut Session, actions: &StepActions, obs_dim: usize) -> Result<Vec<u8>, Failure> {
     let n_envs = session.envs.n_envs();
+    let StepActions::Discrete(actions) = actions else {
+        return Err(bad("box actions for an environment with discrete actions"));
+    };
     if actions.len() != n_envs {
         return Err(bad(format!("{} actions for {n_envs} environments", actions.len())));
     }
