@@ -521,7 +521,7 @@ pub(crate) mod f32_bin {
 
     /// Little-endian `f32`s of `bytes`; a length that is not a multiple of 4 is an error.
     pub(crate) fn from_bytes(bytes: &[u8]) -> Result<Vec<f32>, String> {
-        if bytes.len() % 4 != 0 {
+        if !bytes.len().is_multiple_of(4) {
             return Err(format!("f32 array of {} bytes is not a multiple of 4", bytes.len()));
         }
         Ok(bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
