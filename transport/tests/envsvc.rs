@@ -306,6 +306,18 @@ fn instances_with_other_spaces_are_skipped() {
     let mut config = RemoteVecEnvConfig::new(name("spaces"), 2, 0);
     config.expected_spaces = Some((5, 2));
     config.stop.store(true, Ordering::Release);
-    let err = RemoteVecEnv::new(client(&nats), config).unwrap_err();
+    let err = RemoteVecEnv::new(client(&nats), config.clone()).unwrap_err();
     assert!(matches!(err, EnvServiceError::NoInstances { .. }), "{err}");
+    // The right sizes but the other kind of actions (a Gaussian policy needs a box): skipped.
+    config.expected_spaces = Some((4, 2));
+    config.expected_continuous = Some(true);
+    let err = RemoteVecEnv::new(client(&nats), config.clone()).unwrap_err();
+    assert!(matches!(err, EnvServiceError::NoInstances { .. }), "{err}");
+    config.expected_continuous = Some(false);
+    let mut env = RemoteVecEnv::new(client(&nats), config).expect("discrete actions were asked for");
+    assert_eq!(VectorEnv::action_space(&env), volley_env::ActionSpace::Discrete { n: 2 });
+    // Continuous actions for discrete servers are refused before anything is sent.
+    let mut out = VecStep::new(2, 4);
+    let err = VectorEnv::step(&mut env, Actions::Continuous { values: &[0.0, 0.0], dim: 1 }, &mut out).unwrap_err();
+    assert!(matches!(err, volley_env::EnvError::WrongActionKind { expected: "discrete" }), "{err}");
 }
