@@ -272,3 +272,44 @@ fn gymnasium_halfcheetah_smoke_run_over_nats() {
     let (summary, _) = box_action_run(&python, "gymnasium:HalfCheetah-v5", "halfcheetah-v5", 6, "3000");
     assert!(summary["env_steps"].as_u64().expect("steps") >= 3000, "{summary}");
 }
+
+/// `volley train` (embedded learner, actor threads) on a box-action environment served over
+/// NATS: each actor thread opens its own sessions, and the spec written to the run directory
+/// carries the server's action bounds.
+#[test]
+fn embedded_train_steps_a_remote_box_env() {
+    let Some(python) = python_or_skip("embedded_train_steps_a_remote_box_env", None) else { return };
+    let _serial = serial();
+    let nats = TestNats::start();
+    let dir = tempfile::tempdir().expect("temp dir");
+    let mut server = python_server(dir.path(), &python, &nats, "gymnasium:Pendulum-v1");
+    let run_dir = dir.path().join("run").display().to_string();
+    let args = strings(&[
+        "train",
+        "--env",
+        "remote:pendulum-v1",
+        "--nats",
+        &nats.url(),
+        "--actors",
+        "2",
+        "--max-env-steps",
+        "3000",
+        "--target-return",
+        "1e9",
+        "--run-dir",
+        &run_dir,
+        "--progress",
+        "lines",
+    ]);
+    let mut train = Proc::volley(dir.path(), "train", &args, PATIENCE);
+    let summary = train.summary();
+    assert_eq!(summary["stop_reason"], "env_step_budget", "{summary}\n{}", train.log());
+    assert!(summary["env_steps"].as_u64().expect("steps") >= 3000, "{summary}");
+    assert_eq!(train.log().matches("remote environments ready").count(), 2, "{}", train.log());
+    let spec: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.path().join("run/spec.json")).expect("spec.json"))
+            .expect("spec json");
+    assert_eq!(spec["env"]["action_box"], serde_json::json!({"low": [-2.0], "high": [2.0]}), "{spec}");
+    assert_eq!(spec["policy"]["n_actions"], 1, "{spec}");
+    assert!(server.terminate_and_wait().success(), "{}", server.log());
+}
