@@ -1256,6 +1256,7 @@ mod tests {
         ("actor", "nats", "VOLLEY_NATS_URL"),
         ("bench-weights", "nats", "VOLLEY_NATS_URL"),
         ("env-serve", "nats", "VOLLEY_NATS_URL"),
+        ("train", "nats", "VOLLEY_NATS_URL"),
         // The same setting as `train --envs-per-actor`: one ConfigMap key for both.
         ("actor", "envs", "VOLLEY_ENVS_PER_ACTOR"),
         // VOLLEY_SEED and VOLLEY_ENV are the run's, in the ConfigMap every actor reads: an
