@@ -321,3 +321,73 @@ fn instances_with_other_spaces_are_skipped() {
     let err = VectorEnv::step(&mut env, Actions::Continuous { values: &[0.0, 0.0], dim: 1 }, &mut out).unwrap_err();
     assert!(matches!(err, volley_env::EnvError::WrongActionKind { expected: "discrete" }), "{err}");
 }
+
+/// Box actions (protocol version 2) through the Rust server: a remote Pendulum steps bit for bit
+/// like the in-process one, out-of-range values clipped the same way; a non-finite action fails
+/// only its environment; version-1 requests and integer actions are refused.
+#[test]
+fn pendulum_box_actions_step_like_the_in_process_vec_env() {
+    let nats = TestNats::start();
+    let servers = Servers::new(&nats);
+    let _server = servers
+        .runtime
+        .block_on(EnvServer::start(
+            servers.client.clone(),
+            Arc::new(|| EnvConfig::Pendulum.build()),
+            EnvServerConfig::new(name("pendulum"), "pendulum"),
+        ))
+        .expect("server starts");
+    let n_envs = 3;
+    let mut config = RemoteVecEnvConfig::new(name("pendulum"), n_envs, 9);
+    config.expected_spaces = Some((3, 1));
+    config.expected_continuous = Some(true);
+    let mut remote = RemoteVecEnv::new(client(&nats), config).unwrap();
+    let space = VectorEnv::action_space(&remote);
+    assert_eq!(space, volley_env::ActionSpace::Box { low: vec![-2.0], high: vec![2.0], shape: vec![1] });
+    let mut local = VecEnv::new((0..n_envs).map(|_| EnvConfig::Pendulum.build().unwrap()).collect(), 9).unwrap();
+    assert_eq!(VectorEnv::obs(&remote), local.obs());
+    let (mut remote_out, mut local_out) = (VecStep::new(n_envs, 3), VecStep::new(n_envs, 3));
+    let mut n_finished = 0;
+    for step_idx in 0..450usize {
+        // Values in [-3.5, 3.5]: a third of them outside the bounds.
+        let values: Vec<f32> = (0..n_envs).map(|i| ((step_idx * 7 + i * 5) % 15) as f32 * 0.5 - 3.5).collect();
+        let actions = Actions::Continuous { values: &values, dim: 1 };
+        VectorEnv::step(&mut remote, actions, &mut remote_out).unwrap();
+        local.step(actions, &mut local_out).unwrap();
+        assert_eq!(remote_out.rewards, local_out.rewards, "step {step_idx}");
+        assert_eq!(remote_out.truncated, local_out.truncated);
+        assert_eq!(remote_out.finished_episodes, local_out.finished_episodes);
+        assert!(remote_out.env_errors.is_empty());
+        assert_eq!(VectorEnv::obs(&remote), local.obs(), "step {step_idx}");
+        n_finished += local_out.finished_episodes.len();
+    }
+    assert_eq!(n_finished, 2 * n_envs, "Pendulum truncates at 200 steps, remotely too");
+    // Integer actions for box servers are refused before anything is sent.
+    let err = VectorEnv::step(&mut remote, Actions::Discrete(&[0, 0, 0]), &mut remote_out).unwrap_err();
+    assert!(matches!(err, volley_env::EnvError::WrongActionKind { expected: "continuous" }), "{err}");
+
+    // The raw protocol: a NaN and an infinite action fail their environments only.
+    let client = client(&nats);
+    let instance = client.block_on(client.discover(&name("pendulum"))).unwrap().remove(0);
+    let opened = client.block_on(client.open(&instance, &[1, 2, 3])).unwrap();
+    let actions = StepActions::Box(vec![0.5, f32::NAN, f32::NEG_INFINITY]);
+    let stepped = client.block_on(client.step(&instance, opened.session, actions)).unwrap();
+    assert_eq!(stepped.errors.iter().map(|f| f.env).collect::<Vec<_>>(), vec![1, 2]);
+    assert!(stepped.errors.iter().all(|f| f.message.contains("non-finite action")));
+    assert_eq!(stepped.truncated, vec![false, true, true]);
+    assert_eq!((stepped.rewards[1], stepped.rewards[2]), (0.0, 0.0));
+    assert_eq!(stepped.final_obs, opened.obs[3..9].to_vec(), "the last valid observations are final");
+    // Wrong length and integer actions are request errors; version 1 cannot carry box actions.
+    for actions in [StepActions::Box(vec![0.0; 2]), StepActions::Discrete(vec![0, 0, 0])] {
+        let err = client.block_on(client.step(&instance, opened.session, actions)).unwrap_err();
+        assert!(matches!(err, EnvServiceError::Server { code: 400, .. }), "{err}");
+    }
+    let v1 = client
+        .block_on(client.nats().request(
+            instance.subject(Op::Spaces).clone(),
+            Bytes::from(protocol::encode(&protocol::SpacesRequest { v: 1 })),
+        ))
+        .expect("a reply");
+    let code = v1.headers.as_ref().and_then(|h| h.get(protocol::ERROR_CODE_HEADER)).map(|v| v.as_str().to_string());
+    assert_eq!(code.as_deref(), Some("505"));
+}
