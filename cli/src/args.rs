@@ -406,6 +406,25 @@ pub struct TrainArgs {
     /// batches are too small to occupy a GPU.
     #[arg(long, value_enum, default_value = "auto", env = "VOLLEY_BACKEND")]
     pub backend: BackendName,
+    /// NATS, for `--env remote:<service>` only (the embedded run itself needs no broker).
+    #[command(flatten)]
+    pub nats: NatsArgs,
+    /// Remote environment settings (`--env remote:<service>`).
+    #[command(flatten)]
+    pub remote_env: RemoteEnvArgs,
+    /// With `--env remote:<service>`: how long to wait for a server of the service to tell the
+    /// environment's spaces.
+    #[arg(long, env = "VOLLEY_ENV_WAIT_SECS", default_value_t = 120.0)]
+    pub env_wait_secs: f64,
+}
+
+/// Where the actor threads of an embedded run find a remote environment's servers.
+#[derive(Debug, Clone)]
+pub struct TrainRemote {
+    /// The NATS connection.
+    pub nats: NatsArgs,
+    /// Deadlines, batching and concurrency of environment requests.
+    pub remote_env: RemoteEnvArgs,
 }
 
 /// A validated `volley train` configuration.
@@ -429,6 +448,8 @@ pub struct TrainConfig {
     pub progress: ProgressMode,
     /// Learner backend.
     pub backend: BackendKind,
+    /// How actor threads reach a remote environment's servers (`--env remote:<service>`).
+    pub remote: Option<TrainRemote>,
 }
 
 /// The defaults of the flags whose best value depends on the environment (a flag given on the
@@ -503,11 +524,11 @@ fn parse_widths(text: &str) -> anyhow::Result<Vec<usize>> {
 
 impl SpecArgs {
     /// Build and validate the run spec these flags describe; refuses a remote environment
-    /// (whose spaces only its servers know: see [`SpecArgs::to_spec_with`]).
+    /// (whose spaces only its servers know: see [`SpecArgs::to_spec_with`]). For tests: the
+    /// commands resolve remote environments over NATS.
+    #[cfg(test)]
     pub fn to_spec(&self) -> anyhow::Result<RunSpec> {
-        self.to_spec_with(&|service| {
-            bail!("--env remote:{service}: remote environments need NATS; use `volley learner` and `volley actor`")
-        })
+        self.to_spec_with(&|service| bail!("--env remote:{service}: remote environments need NATS"))
     }
 
     /// Build and validate the run spec these flags describe, asking `resolve_remote` for the
@@ -682,7 +703,18 @@ impl TryFrom<TrainArgs> for TrainConfig {
         }
         let max_duration = check_secs("--max-secs", args.max_secs)?;
         check_target(args.target_return)?;
-        let spec = args.spec.to_spec()?;
+        let env_wait = check_secs("--env-wait-secs", args.env_wait_secs)?;
+        let spec = args.spec.to_spec_with(&|service| {
+            crate::env_serve::remote_env_config(&args.nats, service, env_wait)
+                .with_context(|| format!("asking the servers of environment service {service} for its spaces"))
+        })?;
+        let remote = match spec.env {
+            volley_env::EnvConfig::Remote(_) => {
+                args.remote_env.validate()?;
+                Some(TrainRemote { nats: args.nats.clone(), remote_env: args.remote_env.clone() })
+            }
+            _ => None,
+        };
         let target_return = args.target_return.or_else(|| solved_return(&spec.env));
         let run_dir = args
             .run_dir
@@ -696,6 +728,7 @@ impl TryFrom<TrainArgs> for TrainConfig {
             run_dir,
             progress: args.progress,
             backend: args.backend.into(),
+            remote,
             spec,
         })
     }
@@ -1223,6 +1256,7 @@ mod tests {
         ("actor", "nats", "VOLLEY_NATS_URL"),
         ("bench-weights", "nats", "VOLLEY_NATS_URL"),
         ("env-serve", "nats", "VOLLEY_NATS_URL"),
+        ("train", "nats", "VOLLEY_NATS_URL"),
         // The same setting as `train --envs-per-actor`: one ConfigMap key for both.
         ("actor", "envs", "VOLLEY_ENVS_PER_ACTOR"),
         // VOLLEY_SEED and VOLLEY_ENV are the run's, in the ConfigMap every actor reads: an

@@ -396,6 +396,8 @@ pub fn actor(args: ActorArgs, interrupted: Arc<AtomicBool>) -> anyhow::Result<()
             service: service.clone(),
             obs_dim: spec.policy.obs_dim,
             n_actions: spec.policy.n_actions,
+            // Only the service is used: the servers' spaces are checked against the policy.
+            action_box: None,
             reward_threshold: None,
             max_abs_reward: None,
             max_episode_steps: None,
@@ -410,6 +412,7 @@ pub fn actor(args: ActorArgs, interrupted: Arc<AtomicBool>) -> anyhow::Result<()
             config.envs_per_session = args.remote_env.envs_per_session;
             config.max_in_flight = args.remote_env.env_max_in_flight;
             config.expected_spaces = Some((spec.policy.obs_dim, spec.policy.n_actions));
+            config.expected_continuous = Some(spec.policy.head.is_continuous());
             config.stop = interrupted.clone();
             let envs = match RemoteVecEnv::new(client, config) {
                 Ok(envs) => envs,

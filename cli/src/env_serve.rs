@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use tracing::{info, warn};
-use volley_env::{EnvConfig, RemoteEnvConfig};
+use volley_env::{ActionSpace, EnvConfig, RemoteActionBox, RemoteEnvConfig};
 use volley_transport::envsvc::{connect_env_server, EnvFactory, EnvServer, EnvServiceClient, EnvServiceName};
 
 use crate::args::{EnvServeArgs, NatsArgs};
@@ -71,13 +71,20 @@ pub fn remote_env_config(nats: &NatsArgs, service: &EnvServiceName, wait: Durati
         for instance in &instances {
             match client.block_on(client.spaces(instance)) {
                 Ok(spaces) => {
+                    // Checked by the client's `spaces`.
+                    let action_space = spaces.action_space().map_err(|message| anyhow::anyhow!(message))?;
                     info!(service = %service, instance = %instance.id, env = %spaces.env, obs_dim = spaces.obs_dim,
-                          n_actions = spaces.n_actions, reward_threshold = ?spaces.reward_threshold,
-                          servers = instances.len(), "remote environment found");
+                          n_actions = action_space.n_actions(), continuous = action_space.is_continuous(),
+                          reward_threshold = ?spaces.reward_threshold, servers = instances.len(),
+                          "remote environment found");
                     return Ok(RemoteEnvConfig {
                         service: service.clone(),
                         obs_dim: spaces.obs_dim as usize,
-                        n_actions: spaces.n_actions as usize,
+                        n_actions: action_space.n_actions(),
+                        action_box: match action_space {
+                            ActionSpace::Box { low, high, .. } => Some(RemoteActionBox { low, high }),
+                            ActionSpace::Discrete { .. } => None,
+                        },
                         reward_threshold: spaces.reward_threshold.filter(|t| t.is_finite()),
                         max_abs_reward: spaces.max_abs_reward.filter(|b| b.is_finite() && *b > 0.0),
                         max_episode_steps: spaces.max_episode_steps.map(u64::from),

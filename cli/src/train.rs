@@ -14,12 +14,14 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use tracing::{info, warn};
 use volley_actor::{ActorCounters, RolloutWorker};
 use volley_core::ids::{ActorId, PolicyVersion};
+use volley_env::EnvConfig;
 use volley_learner::scheduler::{Planned, Scheduler, WorkPlanner};
 use volley_learner::{run_learner, Learner, LearnerReport, RunLimits, UpdateStats};
+use volley_transport::envsvc::{EnvServiceClient, RemoteVecEnv, RemoteVecEnvConfig};
 use volley_transport::local::{trajectory_channel, weights_channel};
 use volley_transport::work::{local_work_queue, LocalSnapshotStore};
 
-use crate::args::{ProgressMode, TrainConfig};
+use crate::args::{ProgressMode, TrainConfig, TrainRemote};
 use crate::curve;
 
 /// Snapshots the embedded run keeps (its retention bound).
@@ -155,13 +157,18 @@ pub fn train(config: TrainConfig, interrupted: Arc<AtomicBool>) -> anyhow::Resul
     });
     for (actor_idx, actor_counters) in counters.iter().enumerate() {
         let actor_id = ActorId::new(format!("actor-{actor_idx}")).expect("generated actor ids are valid");
-        let worker = RolloutWorker::new(
-            spec.clone(),
-            actor_id.clone(),
-            config.envs_per_actor,
-            spec.seed.wrapping_mul(1_000_003).wrapping_add(actor_idx as u64),
-            actor_counters.clone(),
-        )
+        let seed = spec.seed.wrapping_mul(1_000_003).wrapping_add(actor_idx as u64);
+        let worker = match (&spec.env, &config.remote) {
+            // A remote environment: each actor thread steps its own sessions on the servers.
+            (EnvConfig::Remote(remote), Some(nats)) => {
+                let envs = remote_envs(remote, nats, config.envs_per_actor, seed, actor_counters, &interrupted)
+                    .with_context(|| format!("remote environment {} for actor {actor_id}", remote.service))?;
+                RolloutWorker::with_envs(spec.clone(), actor_id.clone(), Box::new(envs), seed, actor_counters.clone())
+            }
+            _ => {
+                RolloutWorker::new(spec.clone(), actor_id.clone(), config.envs_per_actor, seed, actor_counters.clone())
+            }
+        }
         .with_context(|| format!("building actor {actor_id}"))?;
         let worker = if work.enabled {
             worker
@@ -355,4 +362,32 @@ impl Progress {
         }
         self.metrics.flush().context("writing metrics.jsonl")
     }
+}
+
+/// The vector of remote environments one actor thread steps: its own NATS connection and
+/// sessions, checked against the run's policy (observation size, action width and kind).
+fn remote_envs(
+    remote: &volley_env::RemoteEnvConfig,
+    train_remote: &TrainRemote,
+    n_envs: usize,
+    seed: u64,
+    counters: &Arc<ActorCounters>,
+    interrupted: &Arc<AtomicBool>,
+) -> anyhow::Result<RemoteVecEnv> {
+    let nats = &train_remote.nats;
+    let client = EnvServiceClient::connect(
+        &nats.nats_url,
+        nats.auth()?.as_ref(),
+        Duration::from_secs(10),
+        train_remote.remote_env.timeout()?,
+    )
+    .with_context(|| format!("connecting to NATS at {}", nats.nats_url))?
+    .with_counters(counters.remote_env.clone());
+    let mut config = RemoteVecEnvConfig::new(remote.service.clone(), n_envs, seed);
+    config.envs_per_session = train_remote.remote_env.envs_per_session;
+    config.max_in_flight = train_remote.remote_env.env_max_in_flight;
+    config.expected_spaces = Some((remote.obs_dim, remote.n_actions));
+    config.expected_continuous = Some(remote.action_box.is_some());
+    config.stop = interrupted.clone();
+    Ok(RemoteVecEnv::new(client, config)?)
 }

@@ -182,3 +182,134 @@ fn a_killed_env_server_aborts_its_episodes_and_the_actor_continues() {
     assert!(actor.terminate_and_wait().success(), "{}", actor.log());
     assert!(servers[1].terminate_and_wait().success(), "{}", servers[1].log());
 }
+
+/// A Python server started with `python -m volley_envs serve <env>`, ready to answer.
+fn python_server(dir: &Path, python: &str, nats: &TestNats, env: &str) -> Proc {
+    let args = strings(&["-m", "volley_envs", "serve", env, "--nats", &nats.url()]);
+    let mut server = Proc::spawn(dir, "gym-box", python, &args, PATIENCE);
+    server.wait_for_log("environment server ready");
+    server
+}
+
+/// A short learner + actor run over a box-action environment served by Python (protocol
+/// version 2): the learner's spec gets a Gaussian head with the server's action width, the
+/// actor sends f32 actions, and the run reaches its env-step budget with no environment error.
+/// Returns the learner's summary and the actor's log.
+fn box_action_run(
+    python: &str,
+    env: &str,
+    service: &str,
+    action_dim: usize,
+    steps: &str,
+) -> (serde_json::Value, String) {
+    let _serial = serial();
+    let nats = TestNats::start();
+    let dir = tempfile::tempdir().expect("temp dir");
+    let mut server = python_server(dir.path(), python, &nats, env);
+    let remote = format!("remote:{service}");
+    let mut learner = learner(
+        &nats,
+        dir.path(),
+        service,
+        &["--env", &remote, "--max-env-steps", steps, "--target-return", "1e9", "--segment-len", "32"],
+    );
+    learner.wait_for_log("remote environment found");
+    let log = learner.log();
+    assert!(log.contains(&format!("n_actions={action_dim}")) && log.contains("continuous=true"), "{log}");
+    let mut actor = actor(&nats, dir.path(), service, "actor-0", &[]);
+    let summary = learner.summary();
+    assert_eq!(summary["stop_reason"], "env_step_budget", "{summary}\n{}", learner.log());
+    let actor_log = actor.log();
+    assert!(actor_log.contains(&format!("env={remote}")), "{actor_log}");
+    assert!(!actor_log.contains("environment session lost"), "{actor_log}");
+    assert!(!actor_log.contains("remote_env_failed"), "no environment failed: {actor_log}");
+    assert!(actor.terminate_and_wait().success(), "{actor_log}");
+    let server_log = server.log();
+    assert!(!server_log.contains("malformed environment request"), "{server_log}");
+    assert!(server.terminate_and_wait().success(), "{server_log}");
+    (summary, actor_log)
+}
+
+/// The Python interpreter, or `None` after saying why the test is skipped (a failure when
+/// `.ci/run` requires the Python server).
+fn python_or_skip(test: &str, extra_import: Option<&str>) -> Option<String> {
+    let checked = python_with_volley_envs().and_then(|python| match extra_import {
+        None => Ok(python),
+        Some(module) => {
+            let probe = Command::new(&python).args(["-c", &format!("import {module}")]).output();
+            match probe {
+                Ok(out) if out.status.success() => Ok(python),
+                _ => Err(format!("{python:?} cannot import {module} (pip install 'gymnasium[mujoco]')")),
+            }
+        }
+    });
+    match checked {
+        Ok(python) => Some(python),
+        Err(reason) if std::env::var(REQUIRE_PYTHON_ENV).is_ok_and(|v| v == "1") => {
+            panic!("{REQUIRE_PYTHON_ENV}=1 but {test} cannot run: {reason}")
+        }
+        Err(reason) => {
+            eprintln!("SKIPPED {test}: {reason}");
+            None
+        }
+    }
+}
+
+/// Gymnasium's Pendulum-v1 (box actions in [-2, 2], one value) through the environment
+/// service: distributed learner and actor, a short budget, no learning target.
+#[test]
+fn gymnasium_pendulum_box_actions_train_over_nats() {
+    let Some(python) = python_or_skip("gymnasium_pendulum_box_actions_train_over_nats", None) else { return };
+    let (summary, _) = box_action_run(&python, "gymnasium:Pendulum-v1", "pendulum-v1", 1, "4000");
+    assert!(summary["env_steps"].as_u64().expect("steps") >= 4000, "{summary}");
+}
+
+/// The CI smoke run of a MuJoCo environment through the service (issue 14): HalfCheetah-v5,
+/// six action values, a few thousand env steps. Needs `mujoco`; `.ci/run` installs it.
+#[test]
+fn gymnasium_halfcheetah_smoke_run_over_nats() {
+    let Some(python) = python_or_skip("gymnasium_halfcheetah_smoke_run_over_nats", Some("mujoco")) else { return };
+    let (summary, _) = box_action_run(&python, "gymnasium:HalfCheetah-v5", "halfcheetah-v5", 6, "3000");
+    assert!(summary["env_steps"].as_u64().expect("steps") >= 3000, "{summary}");
+}
+
+/// `volley train` (embedded learner, actor threads) on a box-action environment served over
+/// NATS: each actor thread opens its own sessions, and the spec written to the run directory
+/// carries the server's action bounds.
+#[test]
+fn embedded_train_steps_a_remote_box_env() {
+    let Some(python) = python_or_skip("embedded_train_steps_a_remote_box_env", None) else { return };
+    let _serial = serial();
+    let nats = TestNats::start();
+    let dir = tempfile::tempdir().expect("temp dir");
+    let mut server = python_server(dir.path(), &python, &nats, "gymnasium:Pendulum-v1");
+    let run_dir = dir.path().join("run").display().to_string();
+    let args = strings(&[
+        "train",
+        "--env",
+        "remote:pendulum-v1",
+        "--nats",
+        &nats.url(),
+        "--actors",
+        "2",
+        "--max-env-steps",
+        "3000",
+        "--target-return",
+        "1e9",
+        "--run-dir",
+        &run_dir,
+        "--progress",
+        "lines",
+    ]);
+    let mut train = Proc::volley(dir.path(), "train", &args, PATIENCE);
+    let summary = train.summary();
+    assert_eq!(summary["stop_reason"], "env_step_budget", "{summary}\n{}", train.log());
+    assert!(summary["env_steps"].as_u64().expect("steps") >= 3000, "{summary}");
+    assert_eq!(train.log().matches("remote environments ready").count(), 2, "{}", train.log());
+    let spec: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.path().join("run/spec.json")).expect("spec.json"))
+            .expect("spec json");
+    assert_eq!(spec["env"]["action_box"], serde_json::json!({"low": [-2.0], "high": [2.0]}), "{spec}");
+    assert_eq!(spec["policy"]["n_actions"], 1, "{spec}");
+    assert!(server.terminate_and_wait().success(), "{}", server.log());
+}

@@ -42,10 +42,11 @@ pub fn default_adam_eps(env: &EnvConfig) -> f32 {
     }
 }
 
-/// Whether `env`'s actions are continuous (remote environments serve discrete actions only).
+/// Whether `env`'s actions are continuous (a remote environment's spec says so with its
+/// `action_box`).
 pub fn env_is_continuous(env: &EnvConfig) -> Result<bool, EnvError> {
     match env {
-        EnvConfig::Remote(_) => Ok(false),
+        EnvConfig::Remote(remote) => Ok(remote.action_space()?.is_continuous()),
         builtin => Ok(builtin.build()?.action_space().is_continuous()),
     }
 }
@@ -816,6 +817,7 @@ mod tests {
             service: EnvServiceName::new("cartpole-v1").unwrap(),
             obs_dim: 4,
             n_actions: 2,
+            action_box: None,
             reward_threshold: Some(475.0),
             max_abs_reward: None,
             max_episode_steps: None,
@@ -833,6 +835,29 @@ mod tests {
         assert!(mismatch.to_string().contains("remote:cartpole-v1"), "{mismatch}");
         let bad_name = r#"{"name":"remote","service":"Bad.Name","obs_dim":4,"n_actions":2}"#;
         assert!(serde_json::from_str::<EnvConfig>(bad_name).is_err());
+    }
+
+    /// A remote environment with box actions (docs/ENV_PROTOCOL.md, version 2) gets a Gaussian
+    /// head by default, and its bounds must fit its `n_actions`.
+    #[test]
+    fn a_remote_env_with_box_actions_is_continuous() {
+        let json = r#"{"name":"remote","service":"pendulum-v1","obs_dim":3,"n_actions":1,
+            "action_box":{"low":[-2.0],"high":[2.0]}}"#;
+        let env: EnvConfig = serde_json::from_str(json).unwrap();
+        assert!(env_is_continuous(&env).unwrap());
+        assert_eq!(default_action_head(&env).unwrap(), ActionHead::Gaussian { squash: false });
+        assert_eq!(env.spaces().unwrap(), (3, 1));
+        let mut spec = spec(env.clone(), 3);
+        spec.policy = PolicySpec::mlp(3, 1, &[8], Activation::Tanh);
+        assert!(spec.validate().is_err(), "a categorical head on box actions is refused");
+        spec.policy.head = ActionHead::Gaussian { squash: false };
+        spec.validate().expect("a Gaussian head fits box actions");
+        let EnvConfig::Remote(mut remote) = env else { unreachable!() };
+        remote.n_actions = 2;
+        assert!(EnvConfig::Remote(remote.clone()).spaces().is_err(), "1 bound for 2 action values");
+        remote.n_actions = 1;
+        remote.action_box = Some(volley_env::RemoteActionBox { low: vec![1.0], high: vec![-1.0] });
+        assert!(EnvConfig::Remote(remote).spaces().is_err(), "low > high");
     }
 
     fn small_spec() -> RunSpec {

@@ -418,8 +418,13 @@ pub struct RemoteEnvConfig {
     pub service: EnvServiceName,
     /// Observation length.
     pub obs_dim: usize,
-    /// Number of discrete actions.
+    /// Number of discrete actions, or for a box action space the number of values of one
+    /// action (the width of the policy's head, as [`ActionSpace::n_actions`]).
     pub n_actions: usize,
+    /// The bounds of a continuous (box) action space, `n_actions` values each; absent for
+    /// discrete actions, so specs written before box actions still parse.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub action_box: Option<RemoteActionBox>,
     /// The mean return at which the environment counts as solved, if its server declares one
     /// (Gymnasium's `spec.reward_threshold`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -431,6 +436,36 @@ pub struct RemoteEnvConfig {
     /// The episode time limit its servers declare, if any; longer claimed episodes are rejected.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_episode_steps: Option<u64>,
+}
+
+/// The bounds of a remote environment's box action space (docs/ENV_PROTOCOL.md).
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct RemoteActionBox {
+    /// Lower bound per value.
+    pub low: Vec<f32>,
+    /// Upper bound per value.
+    pub high: Vec<f32>,
+}
+
+impl RemoteEnvConfig {
+    /// The action space the spec declares, checked (a box needs `n_actions` finite bounds
+    /// with `low <= high`).
+    pub fn action_space(&self) -> Result<ActionSpace, EnvError> {
+        match &self.action_box {
+            None => Ok(ActionSpace::Discrete { n: self.n_actions }),
+            Some(bounds) => {
+                if bounds.low.len() != self.n_actions {
+                    return Err(EnvError::Config(format!(
+                        "remote environment {}: {} action bounds for {} action values",
+                        self.service,
+                        bounds.low.len(),
+                        self.n_actions
+                    )));
+                }
+                ActionSpace::continuous(bounds.low.clone(), bounds.high.clone())
+            }
+        }
+    }
 }
 
 /// The per-step reward bound of a remote environment whose servers declare none.
@@ -547,6 +582,7 @@ impl EnvConfig {
                         remote.service, remote.obs_dim, remote.n_actions
                     )));
                 }
+                remote.action_space()?;
                 Ok((remote.obs_dim, remote.n_actions))
             }
             builtin => {

@@ -35,6 +35,7 @@ fn spec(preset: &str, t_len: usize, b_len: usize) -> RunSpec {
                 service: EnvServiceName::new("frames").expect("valid service name"),
                 obs_dim: 4 * 84 * 84,
                 n_actions: 6,
+                action_box: None,
                 reward_threshold: None,
                 max_abs_reward: None,
                 max_episode_steps: None,

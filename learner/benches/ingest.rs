@@ -121,6 +121,7 @@ fn spec(run: &str, obs_dim: usize) -> RunSpec {
             service: EnvServiceName::new("pixels").expect("valid service name"),
             obs_dim,
             n_actions: 2,
+            action_box: None,
             reward_threshold: None,
             max_abs_reward: Some(1.0),
             max_episode_steps: None,

@@ -175,6 +175,7 @@ fn selection_drops_are_counted_by_reason_while_training_continues() {
         service: EnvServiceName::new("loop").expect("valid service name"),
         obs_dim: 4,
         n_actions: 2,
+        action_box: None,
         reward_threshold: None,
         max_abs_reward: Some(1e4),
         max_episode_steps: None,

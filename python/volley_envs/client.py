@@ -18,9 +18,11 @@ from .protocol import (
     ERROR_CODE_HEADER,
     ERROR_HEADER,
     METADATA_PROTOCOL,
+    MIN_PROTOCOL_VERSION,
     OPS,
     PROTOCOL_VERSION,
     ProtocolError,
+    f32_bin,
     from_f32_bin,
     pack,
     service_name,
@@ -39,6 +41,8 @@ class Instance:
 
     id: str
     subjects: dict
+    # The protocol version the instance announces; its requests carry it.
+    protocol: int = PROTOCOL_VERSION
 
 
 async def discover(nc, name: str, window: float = 0.3) -> list:
@@ -68,11 +72,14 @@ async def discover(nc, name: str, window: float = 0.3) -> list:
                 break
             continue
         info = json.loads(message.data)
-        if info.get("metadata", {}).get(METADATA_PROTOCOL) != str(PROTOCOL_VERSION):
+        # Version-1 instances serve Discrete environments with version 2's messages.
+        announced = (info.get("metadata") or {}).get(METADATA_PROTOCOL)
+        served = [str(v) for v in range(MIN_PROTOCOL_VERSION, PROTOCOL_VERSION + 1)]
+        if announced not in served:
             continue
         endpoints = {e["name"]: e["subject"] for e in info.get("endpoints") or []}
         if all(op in endpoints for op in OPS):
-            instances.append(Instance(id=info["id"], subjects=endpoints))
+            instances.append(Instance(id=info["id"], subjects=endpoints, protocol=int(announced)))
     await replies.unsubscribe()
     return instances
 
@@ -80,7 +87,7 @@ async def discover(nc, name: str, window: float = 0.3) -> list:
 async def call(nc, instance: Instance, op: str, request: dict, timeout: float = 5.0) -> dict:
     """One request; error replies raise :class:`ProtocolError`, a dead instance :class:`Gone`."""
     try:
-        message = await nc.request(instance.subjects[op], pack({"v": PROTOCOL_VERSION, **request}), timeout=timeout)
+        message = await nc.request(instance.subjects[op], pack({"v": instance.protocol, **request}), timeout=timeout)
     except NoRespondersError:
         raise Gone(f"instance {instance.id} is gone ({op}: no responders)") from None
     headers = message.headers or {}
@@ -105,8 +112,13 @@ class RemoteSession:
         self.n_envs = len(seeds)
         return from_f32_bin(reply["obs"]).reshape(self.n_envs, self.obs_dim)
 
-    async def step(self, actions: list) -> dict:
-        reply = await call(self.nc, self.instance, "step", {"session": self.session, "actions": list(actions)})
+    async def step(self, actions) -> dict:
+        """Step with a list of integers (Discrete) or a float array of ``n_envs`` rows (Box)."""
+        if isinstance(actions, np.ndarray) and actions.dtype.kind == "f":
+            wire = f32_bin(actions)
+        else:
+            wire = list(actions)
+        reply = await call(self.nc, self.instance, "step", {"session": self.session, "actions": wire})
         reply["obs"] = from_f32_bin(reply["obs"]).reshape(self.n_envs, self.obs_dim)
         reply["rewards"] = from_f32_bin(reply["rewards"])
         reply["final_obs"] = from_f32_bin(reply.get("final_obs", b"")).reshape(-1, self.obs_dim)

@@ -1,4 +1,4 @@
-"""The Volley environment protocol, version 1 (docs/ENV_PROTOCOL.md).
+"""The Volley environment protocol, version 2 (docs/ENV_PROTOCOL.md).
 
 Requests and replies are MessagePack maps with string keys. Arrays of floats are ``bin``
 values of little-endian ``float32``. Errors are empty replies with the NATS service-API
@@ -12,7 +12,12 @@ import re
 import msgpack
 import numpy as np
 
-PROTOCOL_VERSION = 1
+# Version 2 added Box (continuous) actions. Version 1 messages are version 2's for Discrete
+# environments, so servers still answer them there; clients accept instances of either.
+PROTOCOL_VERSION = 2
+MIN_PROTOCOL_VERSION = 1
+ACTION_DISCRETE = "discrete"
+ACTION_BOX = "box"
 METADATA_PROTOCOL = "volley_env_protocol"
 METADATA_ENV = "volley_env"
 ERROR_HEADER = "Nats-Service-Error"

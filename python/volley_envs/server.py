@@ -3,6 +3,11 @@
 A session is a list of environments stepped in one request (vector batching): the server
 steps each, resets those whose episode ended (auto-reset) and returns all observations,
 rewards and flags in one reply, the last observation of every ended episode in ``final_obs``.
+
+Actions are ``Discrete`` (one integer per environment) or ``Box`` (protocol version 2:
+``n_envs x action_dim`` little-endian float32s). A non-finite Box action fails its environment
+(reported in ``errors``); a finite one outside the bounds is clipped to them, as Gymnasium's
+MuJoCo environments and Pendulum do themselves (docs/ENV_PROTOCOL.md, "Continuous actions").
 """
 
 from __future__ import annotations
@@ -22,11 +27,14 @@ from nats.micro.request import Request
 
 from . import __version__
 from .protocol import (
+    ACTION_BOX,
+    ACTION_DISCRETE,
     BAD_REQUEST,
     CAPACITY,
     INTERNAL,
     METADATA_ENV,
     METADATA_PROTOCOL,
+    MIN_PROTOCOL_VERSION,
     OPS,
     PROTOCOL_VERSION,
     UNKNOWN_SESSION,
@@ -36,6 +44,7 @@ from .protocol import (
     check_name,
     endpoint_subject,
     f32_bin,
+    from_f32_bin,
     pack,
     service_name,
     unpack,
@@ -67,10 +76,25 @@ class Spaces:
     obs_dim: int
     obs_low: np.ndarray
     obs_high: np.ndarray
+    # Discrete: the number of actions and the first one (Gymnasium's ``start``); 0 for a Box.
     n_actions: int
     action_start: int
     reward_threshold: Optional[float]
     max_episode_steps: Optional[int]
+    # Box: the action's shape, flat bounds and dtype; None for Discrete.
+    action_shape: Optional[tuple] = None
+    action_low: Optional[np.ndarray] = None
+    action_high: Optional[np.ndarray] = None
+    action_dtype: Optional[np.dtype] = None
+
+    @property
+    def continuous(self) -> bool:
+        return self.action_shape is not None
+
+    @property
+    def action_dim(self) -> int:
+        """Values per action: 1 for Discrete (one integer), ``prod(shape)`` for a Box."""
+        return int(np.prod(self.action_shape)) if self.continuous else 1
 
     @staticmethod
     def probe(env) -> "Spaces":
@@ -80,8 +104,16 @@ class Spaces:
         obs_space, act_space = env.observation_space, env.action_space
         if not isinstance(obs_space, spaces.Box):
             raise ValueError(f"observation space {obs_space} is not a Box")
-        if not isinstance(act_space, spaces.Discrete):
-            raise ValueError(f"action space {act_space} is not Discrete")
+        box = None
+        if isinstance(act_space, spaces.Box):
+            low = np.asarray(act_space.low, dtype=np.float32).reshape(-1)
+            high = np.asarray(act_space.high, dtype=np.float32).reshape(-1)
+            # Volley's Gaussian policy needs a bounded box to clip into (docs/ENV_PROTOCOL.md).
+            if low.size == 0 or not (np.isfinite(low).all() and np.isfinite(high).all() and (low <= high).all()):
+                raise ValueError(f"action space {act_space} is not a non-empty Box with finite bounds, low <= high")
+            box = (tuple(int(d) for d in act_space.shape), low, high, np.dtype(act_space.dtype))
+        elif not isinstance(act_space, spaces.Discrete):
+            raise ValueError(f"action space {act_space} is neither Discrete nor Box")
         spec = getattr(env, "spec", None)
         threshold = getattr(spec, "reward_threshold", None)
         max_steps = getattr(spec, "max_episode_steps", None)
@@ -89,10 +121,14 @@ class Spaces:
             obs_dim=int(np.prod(obs_space.shape)),
             obs_low=np.asarray(obs_space.low, dtype=np.float32).reshape(-1),
             obs_high=np.asarray(obs_space.high, dtype=np.float32).reshape(-1),
-            n_actions=int(act_space.n),
-            action_start=int(getattr(act_space, "start", 0)),
+            n_actions=0 if box else int(act_space.n),
+            action_start=0 if box else int(getattr(act_space, "start", 0)),
             reward_threshold=float(threshold) if threshold is not None and math.isfinite(threshold) else None,
             max_episode_steps=int(max_steps) if max_steps is not None else None,
+            action_shape=box[0] if box else None,
+            action_low=box[1] if box else None,
+            action_high=box[2] if box else None,
+            action_dtype=box[3] if box else None,
         )
 
 
@@ -167,8 +203,9 @@ class EnvServer:
         self._reaper = asyncio.get_running_loop().create_task(self._expire_idle_sessions())
         await nc.flush()
         log.info(
-            "environment server ready service=%s instance=%s env=%s obs_dim=%d n_actions=%d",
-            service_name(self.name), self.id, self.label, self.spaces.obs_dim, self.spaces.n_actions,
+            "environment server ready service=%s instance=%s env=%s obs_dim=%d actions=%s",
+            service_name(self.name), self.id, self.label, self.spaces.obs_dim,
+            f"box{self.spaces.action_shape}" if self.spaces.continuous else f"discrete({self.spaces.n_actions})",
         )
 
     async def stop(self) -> None:
@@ -222,10 +259,12 @@ class EnvServer:
         # protocol (docs/SECURITY.md, issue 12: a string version was answered with 505).
         if not isinstance(version, int) or isinstance(version, bool) or not 0 <= version < 2**32:
             raise ProtocolError(BAD_REQUEST, f"v must be an unsigned integer, got {version!r}")
-        if version != PROTOCOL_VERSION:
+        # Version 1 is version 2 without Box actions: served for Discrete environments only.
+        if not MIN_PROTOCOL_VERSION <= version <= PROTOCOL_VERSION or (version < 2 and self.spaces.continuous):
+            served = f"{MIN_PROTOCOL_VERSION} to {PROTOCOL_VERSION}" if not self.spaces.continuous else "2 (Box actions)"
             raise ProtocolError(
                 UNSUPPORTED_VERSION,
-                f"protocol version {version} is not served here (this server speaks {PROTOCOL_VERSION})",
+                f"protocol version {version} is not served here (this server speaks {served})",
             )
         if op == "spaces":
             return pack(self._spaces_reply())
@@ -264,12 +303,39 @@ class EnvServer:
             "obs_low": f32_bin(s.obs_low),
             "obs_high": f32_bin(s.obs_high),
             "n_actions": s.n_actions,
+            "action_space": self._action_space(),
             "reward_threshold": s.reward_threshold,
             "max_episode_steps": s.max_episode_steps,
             "max_abs_reward": self.max_abs_reward,
             "snapshot": False,
             "max_envs_per_session": self.max_envs_per_session,
         }
+
+    def _action_space(self) -> dict:
+        s = self.spaces
+        if not s.continuous:
+            return {"kind": ACTION_DISCRETE, "n": s.n_actions}
+        return {
+            "kind": ACTION_BOX,
+            "shape": list(s.action_shape),
+            "low": f32_bin(s.action_low),
+            "high": f32_bin(s.action_high),
+        }
+
+    def _box_actions(self, actions, n_envs: int):
+        """Box actions of a step request: one row per environment, clipped to the bounds, and
+        the environments whose row is not finite (they fail; see the module docstring)."""
+        dim = self.spaces.action_dim
+        if not isinstance(actions, bytes) or len(actions) != 4 * n_envs * dim:
+            got = f"{len(actions)} bytes" if isinstance(actions, bytes) else type(actions).__name__
+            raise ProtocolError(
+                BAD_REQUEST, f"Box actions must be a bin of {n_envs}x{dim} float32 ({4 * n_envs * dim} bytes), got {got}"
+            )
+        values = from_f32_bin(actions).reshape(n_envs, dim)
+        non_finite = ~np.isfinite(values).all(axis=1)
+        clipped = np.clip(values, self.spaces.action_low, self.spaces.action_high)
+        rows = clipped.astype(self.spaces.action_dtype).reshape((n_envs, *self.spaces.action_shape))
+        return rows, non_finite
 
     def _open(self, request: dict) -> dict:
         n_envs = _int(request, "n_envs")
@@ -329,22 +395,32 @@ class EnvServer:
     def _step(self, session: Session, request: dict) -> dict:
         actions = request.get("actions")
         n_envs = len(session.envs)
-        if not isinstance(actions, list) or len(actions) != n_envs:
+        spaces = self.spaces
+        failed: dict = {}
+        if spaces.continuous:
+            actions, non_finite = self._box_actions(actions, n_envs)
+            for env_idx in np.flatnonzero(non_finite).tolist():
+                failed[env_idx] = "ValueError: non-finite action"
+        elif not isinstance(actions, list) or len(actions) != n_envs:
             got = len(actions) if isinstance(actions, list) else type(actions).__name__
             raise ProtocolError(BAD_REQUEST, f"{got} actions for {n_envs} environments")
-        spaces = self.spaces
         dim, n_actions, start = spaces.obs_dim, spaces.n_actions, spaces.action_start
         # The hot loop only steps and copies; checks run once over the whole batch after it.
         rows = np.zeros((n_envs, dim), dtype=np.float32)
         rewards = np.zeros(n_envs, dtype=np.float32)
         terminated = [False] * n_envs
         truncated = [False] * n_envs
-        failed: dict = {}
+        continuous = spaces.continuous
         for env_idx, (env, action) in enumerate(zip(session.envs, actions)):
+            if env_idx in failed:
+                continue
             try:
-                if action.__class__ is not int or not 0 <= action < n_actions:
-                    raise ValueError(f"action {action!r} out of range for {n_actions} actions")
-                obs, reward, term, trunc, _info = env.step(start + action)
+                if continuous:
+                    obs, reward, term, trunc, _info = env.step(action)
+                else:
+                    if action.__class__ is not int or not 0 <= action < n_actions:
+                        raise ValueError(f"action {action!r} out of range for {n_actions} actions")
+                    obs, reward, term, trunc, _info = env.step(start + action)
                 rows[env_idx] = obs if self._flat_obs else np.ravel(obs)
                 rewards[env_idx] = reward
             except Exception as exc:

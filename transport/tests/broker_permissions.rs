@@ -451,7 +451,13 @@ fn env_server_user_serves_its_service_and_nothing_else() {
         let spaces = client.block_on(client.spaces(&instances[0])).expect("spaces");
         assert_eq!((spaces.obs_dim, spaces.n_actions), (4, 2));
         let opened = client.block_on(client.open(&instances[0], &[1, 2])).expect("open");
-        let stepped = client.block_on(client.step(&instances[0], opened.session, vec![0, 1])).expect("step");
+        let stepped = client
+            .block_on(client.step(
+                &instances[0],
+                opened.session,
+                volley_transport::envsvc::protocol::StepActions::Discrete(vec![0, 1]),
+            ))
+            .expect("step");
         assert_eq!(stepped.rewards, vec![1.0; 2]);
         client.block_on(client.close(&instances[0], opened.session)).expect("close");
         assert_eq!(

@@ -8,7 +8,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use volley_env::{Action, Actions, CartPole, Env, EnvConfig, VecEnv, VecStep, VectorEnv};
 use volley_testkit::TestNats;
-use volley_transport::envsvc::protocol::{self, Op, PROTOCOL_VERSION};
+use volley_transport::envsvc::protocol::{self, Op, StepActions, PROTOCOL_VERSION};
 use volley_transport::envsvc::{
     EnvFactory, EnvServer, EnvServerConfig, EnvServiceClient, EnvServiceError, EnvServiceName, RemoteVecEnv,
     RemoteVecEnvConfig,
@@ -72,7 +72,7 @@ fn every_operation_round_trips_against_a_server() {
     assert_eq!(&opened.obs[4..8], &obs, "environment 1 was reset with seed 12");
     assert_eq!(server.n_sessions(), 1);
 
-    let stepped = client.block_on(client.step(instance, opened.session, vec![0, 1, 1])).unwrap();
+    let stepped = client.block_on(client.step(instance, opened.session, StepActions::Discrete(vec![0, 1, 1]))).unwrap();
     let outcome = local.step(Action::Discrete(1), &mut obs).unwrap();
     assert_eq!(&stepped.obs[4..8], &obs);
     assert_eq!(stepped.rewards, vec![1.0; 3]);
@@ -88,7 +88,7 @@ fn every_operation_round_trips_against_a_server() {
     client.block_on(client.close(instance, opened.session)).unwrap();
     assert_eq!(server.n_sessions(), 0);
     client.block_on(client.close(instance, opened.session)).expect("closing twice is fine");
-    let err = client.block_on(client.step(instance, opened.session, vec![0, 0, 0])).unwrap_err();
+    let err = client.block_on(client.step(instance, opened.session, StepActions::Discrete(vec![0, 0, 0]))).unwrap_err();
     assert_eq!(err.reason(), "remote_unknown_session", "{err}");
 }
 
@@ -113,20 +113,41 @@ fn malformed_and_foreign_requests_are_answered_with_codes_and_counted() {
     let future = protocol::encode(&protocol::SpacesRequest { v: PROTOCOL_VERSION + 1 });
     let (code, message) = raw(Op::Spaces, future);
     assert_eq!(code.as_deref(), Some("505"));
-    assert!(message.contains("protocol version 2"), "{message}");
+    assert!(message.contains(&format!("protocol version {}", PROTOCOL_VERSION + 1)), "{message}");
+    // Version 1 is still served for this discrete environment.
+    let v1 = client.block_on(client.nats().request(
+        instance.subject(Op::Spaces).clone(),
+        Bytes::from(protocol::encode(&protocol::SpacesRequest { v: 1 })),
+    ));
+    let v1 = v1.expect("a reply");
+    assert!(v1.headers.is_none(), "a version-1 spaces request is answered");
+    let spaces: protocol::SpacesReply = protocol::decode("spaces", &v1.payload).unwrap();
+    assert_eq!((spaces.n_actions, spaces.action_space().unwrap().n_actions()), (2, 2));
     let opened = client.block_on(client.open(&instance, &[1, 2])).unwrap();
-    let wrong_len =
-        protocol::encode(&protocol::StepRequest { v: PROTOCOL_VERSION, session: opened.session, actions: vec![0] });
+    let wrong_len = protocol::encode(&protocol::StepRequest {
+        v: PROTOCOL_VERSION,
+        session: opened.session,
+        actions: StepActions::Discrete(vec![0]),
+    });
     let (code, message) = raw(Op::Step, wrong_len);
     assert_eq!(code.as_deref(), Some("400"));
     assert!(message.contains("1 actions for 2 environments"), "{message}");
+    // Box actions for a discrete environment are a request error, not a panic.
+    let floats = protocol::encode(&protocol::StepRequest {
+        v: PROTOCOL_VERSION,
+        session: opened.session,
+        actions: StepActions::Box(vec![0.5, 0.5]),
+    });
+    let (code, message) = raw(Op::Step, floats);
+    assert_eq!(code.as_deref(), Some("400"));
+    assert!(message.contains("box actions"), "{message}");
     let too_many = client.block_on(client.open(&instance, &vec![0; 5000])).unwrap_err();
     assert_eq!(too_many.reason(), "remote_server_error", "{too_many}");
-    assert_eq!(server.counters().rejected.load(Ordering::Relaxed), 3);
+    assert_eq!(server.counters().rejected.load(Ordering::Relaxed), 4);
 
     // An out-of-range action is an environment failure, not a request error: the environment
     // is reset and the step reported as a truncation.
-    let stepped = client.block_on(client.step(&instance, opened.session, vec![0, 7])).unwrap();
+    let stepped = client.block_on(client.step(&instance, opened.session, StepActions::Discrete(vec![0, 7]))).unwrap();
     assert_eq!(stepped.errors.len(), 1);
     assert_eq!(stepped.errors[0].env, 1);
     assert_eq!((stepped.truncated[1], stepped.rewards[1]), (true, 0.0));
@@ -285,6 +306,88 @@ fn instances_with_other_spaces_are_skipped() {
     let mut config = RemoteVecEnvConfig::new(name("spaces"), 2, 0);
     config.expected_spaces = Some((5, 2));
     config.stop.store(true, Ordering::Release);
-    let err = RemoteVecEnv::new(client(&nats), config).unwrap_err();
+    let err = RemoteVecEnv::new(client(&nats), config.clone()).unwrap_err();
     assert!(matches!(err, EnvServiceError::NoInstances { .. }), "{err}");
+    // The right sizes but the other kind of actions (a Gaussian policy needs a box): skipped.
+    config.expected_spaces = Some((4, 2));
+    config.expected_continuous = Some(true);
+    let err = RemoteVecEnv::new(client(&nats), config.clone()).unwrap_err();
+    assert!(matches!(err, EnvServiceError::NoInstances { .. }), "{err}");
+    config.expected_continuous = Some(false);
+    let mut env = RemoteVecEnv::new(client(&nats), config).expect("discrete actions were asked for");
+    assert_eq!(VectorEnv::action_space(&env), volley_env::ActionSpace::Discrete { n: 2 });
+    // Continuous actions for discrete servers are refused before anything is sent.
+    let mut out = VecStep::new(2, 4);
+    let err = VectorEnv::step(&mut env, Actions::Continuous { values: &[0.0, 0.0], dim: 1 }, &mut out).unwrap_err();
+    assert!(matches!(err, volley_env::EnvError::WrongActionKind { expected: "discrete" }), "{err}");
+}
+
+/// Box actions (protocol version 2) through the Rust server: a remote Pendulum steps bit for bit
+/// like the in-process one, out-of-range values clipped the same way; a non-finite action fails
+/// only its environment; version-1 requests and integer actions are refused.
+#[test]
+fn pendulum_box_actions_step_like_the_in_process_vec_env() {
+    let nats = TestNats::start();
+    let servers = Servers::new(&nats);
+    let _server = servers
+        .runtime
+        .block_on(EnvServer::start(
+            servers.client.clone(),
+            Arc::new(|| EnvConfig::Pendulum.build()),
+            EnvServerConfig::new(name("pendulum"), "pendulum"),
+        ))
+        .expect("server starts");
+    let n_envs = 3;
+    let mut config = RemoteVecEnvConfig::new(name("pendulum"), n_envs, 9);
+    config.expected_spaces = Some((3, 1));
+    config.expected_continuous = Some(true);
+    let mut remote = RemoteVecEnv::new(client(&nats), config).unwrap();
+    let space = VectorEnv::action_space(&remote);
+    assert_eq!(space, volley_env::ActionSpace::Box { low: vec![-2.0], high: vec![2.0], shape: vec![1] });
+    let mut local = VecEnv::new((0..n_envs).map(|_| EnvConfig::Pendulum.build().unwrap()).collect(), 9).unwrap();
+    assert_eq!(VectorEnv::obs(&remote), local.obs());
+    let (mut remote_out, mut local_out) = (VecStep::new(n_envs, 3), VecStep::new(n_envs, 3));
+    let mut n_finished = 0;
+    for step_idx in 0..450usize {
+        // Values in [-3.5, 3.5]: a third of them outside the bounds.
+        let values: Vec<f32> = (0..n_envs).map(|i| ((step_idx * 7 + i * 5) % 15) as f32 * 0.5 - 3.5).collect();
+        let actions = Actions::Continuous { values: &values, dim: 1 };
+        VectorEnv::step(&mut remote, actions, &mut remote_out).unwrap();
+        local.step(actions, &mut local_out).unwrap();
+        assert_eq!(remote_out.rewards, local_out.rewards, "step {step_idx}");
+        assert_eq!(remote_out.truncated, local_out.truncated);
+        assert_eq!(remote_out.finished_episodes, local_out.finished_episodes);
+        assert!(remote_out.env_errors.is_empty());
+        assert_eq!(VectorEnv::obs(&remote), local.obs(), "step {step_idx}");
+        n_finished += local_out.finished_episodes.len();
+    }
+    assert_eq!(n_finished, 2 * n_envs, "Pendulum truncates at 200 steps, remotely too");
+    // Integer actions for box servers are refused before anything is sent.
+    let err = VectorEnv::step(&mut remote, Actions::Discrete(&[0, 0, 0]), &mut remote_out).unwrap_err();
+    assert!(matches!(err, volley_env::EnvError::WrongActionKind { expected: "continuous" }), "{err}");
+
+    // The raw protocol: a NaN and an infinite action fail their environments only.
+    let client = client(&nats);
+    let instance = client.block_on(client.discover(&name("pendulum"))).unwrap().remove(0);
+    let opened = client.block_on(client.open(&instance, &[1, 2, 3])).unwrap();
+    let actions = StepActions::Box(vec![0.5, f32::NAN, f32::NEG_INFINITY]);
+    let stepped = client.block_on(client.step(&instance, opened.session, actions)).unwrap();
+    assert_eq!(stepped.errors.iter().map(|f| f.env).collect::<Vec<_>>(), vec![1, 2]);
+    assert!(stepped.errors.iter().all(|f| f.message.contains("non-finite action")));
+    assert_eq!(stepped.truncated, vec![false, true, true]);
+    assert_eq!((stepped.rewards[1], stepped.rewards[2]), (0.0, 0.0));
+    assert_eq!(stepped.final_obs, opened.obs[3..9].to_vec(), "the last valid observations are final");
+    // Wrong length and integer actions are request errors; version 1 cannot carry box actions.
+    for actions in [StepActions::Box(vec![0.0; 2]), StepActions::Discrete(vec![0, 0, 0])] {
+        let err = client.block_on(client.step(&instance, opened.session, actions)).unwrap_err();
+        assert!(matches!(err, EnvServiceError::Server { code: 400, .. }), "{err}");
+    }
+    let v1 = client
+        .block_on(client.nats().request(
+            instance.subject(Op::Spaces).clone(),
+            Bytes::from(protocol::encode(&protocol::SpacesRequest { v: 1 })),
+        ))
+        .expect("a reply");
+    let code = v1.headers.as_ref().and_then(|h| h.get(protocol::ERROR_CODE_HEADER)).map(|v| v.as_str().to_string());
+    assert_eq!(code.as_deref(), Some("505"));
 }

@@ -16,8 +16,8 @@ use tracing::{debug, warn};
 
 use super::protocol::{
     self, CloseRequest, EmptyReply, ObsReply, Op, OpenReply, OpenRequest, ResetRequest, RestoreRequest, ServiceInfo,
-    SnapshotReply, SnapshotRequest, SpacesReply, SpacesRequest, StepReply, StepRequest, ERROR_CODE_HEADER,
-    ERROR_HEADER, METADATA_PROTOCOL, PROTOCOL_VERSION,
+    SnapshotReply, SnapshotRequest, SpacesReply, SpacesRequest, StepActions, StepReply, StepRequest, ERROR_CODE_HEADER,
+    ERROR_HEADER, METADATA_PROTOCOL, MIN_PROTOCOL_VERSION, PROTOCOL_VERSION,
 };
 use super::{EnvServiceError, EnvServiceName, OwnedRuntime, RemoteEnvCounters};
 use crate::nats::NatsAuth;
@@ -34,6 +34,9 @@ pub struct Instance {
     pub id: String,
     /// The server's own version string; informative.
     pub version: String,
+    /// The environment protocol version the instance announces, which every request to it
+    /// carries (`MIN_PROTOCOL_VERSION..=PROTOCOL_VERSION`).
+    pub protocol: u32,
     subjects: Vec<Subject>,
 }
 
@@ -45,12 +48,18 @@ impl Instance {
         if info.name != subjects::env_service(name) {
             return Err(incompatible(format!("it is service {:?}, not {}", info.name, subjects::env_service(name))));
         }
+        // A version-1 instance serves discrete environments with the messages version 2 has
+        // for them, so it stays usable; newer (or unparsable) versions are skipped.
         let version = info.metadata.get(METADATA_PROTOCOL).map(String::as_str);
-        if version != Some(PROTOCOL_VERSION.to_string().as_str()) {
-            return Err(incompatible(format!(
-                "it speaks environment protocol {version:?}, this build speaks {PROTOCOL_VERSION}"
-            )));
-        }
+        let protocol = match version.and_then(|v| v.parse::<u32>().ok()) {
+            Some(v) if (MIN_PROTOCOL_VERSION..=PROTOCOL_VERSION).contains(&v) => v,
+            _ => {
+                return Err(incompatible(format!(
+                    "it speaks environment protocol {version:?}, this build speaks \
+                     {MIN_PROTOCOL_VERSION} to {PROTOCOL_VERSION}"
+                )))
+            }
+        };
         let mut subjects = Vec::with_capacity(Op::ALL.len());
         for op in Op::ALL {
             let endpoint = info
@@ -60,7 +69,7 @@ impl Instance {
                 .ok_or_else(|| incompatible(format!("it lists no {:?} endpoint", op.name())))?;
             subjects.push(Subject::from(endpoint.subject.as_str()));
         }
-        Ok(Instance { id: info.id.clone(), version: info.version, subjects })
+        Ok(Instance { id: info.id.clone(), version: info.version, protocol, subjects })
     }
 
     /// The subject requests for `op` go to.
@@ -213,19 +222,19 @@ impl EnvServiceClient {
 
     /// The instance's spaces and limits.
     pub async fn spaces(&self, instance: &Instance) -> Result<SpacesReply, EnvServiceError> {
-        let reply: SpacesReply = self.call(instance, Op::Spaces, &SpacesRequest { v: PROTOCOL_VERSION }).await?;
+        let reply: SpacesReply = self.call(instance, Op::Spaces, &SpacesRequest { v: instance.protocol }).await?;
         let dim = reply.obs_dim as usize;
-        if reply.obs_low.len() != dim || reply.obs_high.len() != dim || dim == 0 || reply.n_actions == 0 {
-            return Err(EnvServiceError::BadReply {
-                instance: instance.id.clone(),
-                op: "spaces",
-                message: format!(
-                    "obs_dim {dim} with {} low and {} high bounds, {} actions",
-                    reply.obs_low.len(),
-                    reply.obs_high.len(),
-                    reply.n_actions
-                ),
-            });
+        let bad = |message: String| EnvServiceError::BadReply { instance: instance.id.clone(), op: "spaces", message };
+        if reply.obs_low.len() != dim || reply.obs_high.len() != dim || dim == 0 {
+            return Err(bad(format!(
+                "obs_dim {dim} with {} low and {} high bounds",
+                reply.obs_low.len(),
+                reply.obs_high.len()
+            )));
+        }
+        let actions = reply.action_space().map_err(&bad)?;
+        if actions.is_continuous() && instance.protocol < 2 {
+            return Err(bad("a box action space from a version-1 instance".to_string()));
         }
         Ok(reply)
     }
@@ -233,7 +242,7 @@ impl EnvServiceClient {
     /// Open a session of `seeds.len()` environments, environment `i` reset with `seeds[i]`.
     /// The caller checks the observation length.
     pub async fn open(&self, instance: &Instance, seeds: &[u64]) -> Result<OpenReply, EnvServiceError> {
-        let request = OpenRequest { v: PROTOCOL_VERSION, n_envs: seeds.len() as u32, seeds: seeds.to_vec() };
+        let request = OpenRequest { v: instance.protocol, n_envs: seeds.len() as u32, seeds: seeds.to_vec() };
         self.call(instance, Op::Open, &request).await
     }
 
@@ -245,7 +254,7 @@ impl EnvServiceClient {
         seeds: Vec<Option<u64>>,
     ) -> Result<Vec<f32>, EnvServiceError> {
         let reply: ObsReply =
-            self.call(instance, Op::Reset, &ResetRequest { v: PROTOCOL_VERSION, session, seeds }).await?;
+            self.call(instance, Op::Reset, &ResetRequest { v: instance.protocol, session, seeds }).await?;
         Ok(reply.obs)
     }
 
@@ -254,15 +263,15 @@ impl EnvServiceClient {
         &self,
         instance: &Instance,
         session: u64,
-        actions: Vec<u32>,
+        actions: StepActions,
     ) -> Result<StepReply, EnvServiceError> {
-        self.call(instance, Op::Step, &StepRequest { v: PROTOCOL_VERSION, session, actions }).await
+        self.call(instance, Op::Step, &StepRequest { v: instance.protocol, session, actions }).await
     }
 
     /// The state of environment `env` of a session.
     pub async fn snapshot(&self, instance: &Instance, session: u64, env: u32) -> Result<Vec<u8>, EnvServiceError> {
         let reply: SnapshotReply =
-            self.call(instance, Op::Snapshot, &SnapshotRequest { v: PROTOCOL_VERSION, session, env }).await?;
+            self.call(instance, Op::Snapshot, &SnapshotRequest { v: instance.protocol, session, env }).await?;
         Ok(reply.state)
     }
 
@@ -274,14 +283,14 @@ impl EnvServiceClient {
         env: u32,
         state: Vec<u8>,
     ) -> Result<Vec<f32>, EnvServiceError> {
-        let request = RestoreRequest { v: PROTOCOL_VERSION, session, env, state };
+        let request = RestoreRequest { v: instance.protocol, session, env, state };
         let reply: ObsReply = self.call(instance, Op::Restore, &request).await?;
         Ok(reply.obs)
     }
 
     /// Drop a session (succeeds for an unknown one).
     pub async fn close(&self, instance: &Instance, session: u64) -> Result<(), EnvServiceError> {
-        let _: EmptyReply = self.call(instance, Op::Close, &CloseRequest { v: PROTOCOL_VERSION, session }).await?;
+        let _: EmptyReply = self.call(instance, Op::Close, &CloseRequest { v: instance.protocol, session }).await?;
         Ok(())
     }
 
@@ -406,5 +415,37 @@ async fn connect_with_inbox(
         debug!(url, %problem, "nats connect failed; retrying");
         tokio::time::sleep(pause.min(connect_timeout.saturating_sub(started.elapsed()))).await;
         pause = (pause * 2).min(Duration::from_secs(1));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::envsvc::protocol::ServiceEndpoint;
+
+    fn info(protocol: Option<&str>) -> ServiceInfo {
+        ServiceInfo {
+            name: "volley-env-x".into(),
+            id: "i1".into(),
+            version: "0.1.0".into(),
+            metadata: protocol.map(|p| (METADATA_PROTOCOL.to_string(), p.to_string())).into_iter().collect(),
+            endpoints: Op::ALL
+                .iter()
+                .map(|op| ServiceEndpoint { name: op.name().into(), subject: format!("volley.env.x.i1.{}", op.name()) })
+                .collect(),
+        }
+    }
+
+    /// Version-1 instances stay usable (their requests carry `v: 1`); unknown versions are
+    /// skipped (docs/ENV_PROTOCOL.md, "Versioning").
+    #[test]
+    fn instances_of_versions_one_and_two_are_used_and_others_skipped() {
+        let name = EnvServiceName::new("x").unwrap();
+        assert_eq!(Instance::from_info(&name, info(Some("1"))).unwrap().protocol, 1);
+        assert_eq!(Instance::from_info(&name, info(Some("2"))).unwrap().protocol, PROTOCOL_VERSION);
+        for bad in [Some("3"), Some("0"), Some("two"), None] {
+            let err = Instance::from_info(&name, info(bad)).unwrap_err();
+            assert_eq!(err.reason(), "remote_incompatible", "{bad:?}: {err}");
+        }
     }
 }

@@ -14,10 +14,16 @@
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
-/// The protocol version every request carries in `v`. A server answers a request with another
-/// version with [`ErrorCode::UnsupportedVersion`]; a client skips instances whose service
-/// metadata announces another version.
-pub const PROTOCOL_VERSION: u32 = 1;
+/// The newest protocol version, which every request of this build carries in `v` to an instance
+/// announcing it. Version 2 added continuous (`Box`) actions: the `spaces` reply's
+/// `action_space` and `f32` actions in `step` (docs/ENV_PROTOCOL.md, "Versioning").
+pub const PROTOCOL_VERSION: u32 = 2;
+
+/// The oldest version this build speaks. Version 1 messages are version 2's for `Discrete`
+/// environments, so keeping it costs one comparison: a server answers version 1 requests for a
+/// discrete environment (and [`ErrorCode::UnsupportedVersion`] for a continuous one), and a
+/// client talks version 1 to a version-1 instance when it needs discrete actions.
+pub const MIN_PROTOCOL_VERSION: u32 = 1;
 
 /// Service metadata key announcing the protocol version (value: the version in decimal).
 pub const METADATA_PROTOCOL: &str = "volley_env_protocol";
@@ -139,8 +145,13 @@ pub struct SpacesReply {
     /// Upper bounds, `obs_dim` floats (`inf` where unbounded).
     #[serde(with = "f32_bin")]
     pub obs_high: Vec<f32>,
-    /// Number of discrete actions `0..n_actions`.
+    /// Number of discrete actions `0..n_actions`; 0 for a `Box` action space (a version-1 reader
+    /// then refuses the reply instead of stepping integers).
+    #[serde(default)]
     pub n_actions: u32,
+    /// The action space (version 2); absent (a version-1 server): `Discrete { n: n_actions }`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub action_space: Option<ActionSpaceMsg>,
     /// Mean return at which the environment counts as solved, if known.
     #[serde(default)]
     pub reward_threshold: Option<f32>,
@@ -156,6 +167,89 @@ pub struct SpacesReply {
     pub snapshot: bool,
     /// Largest `n_envs` an `open` may ask for.
     pub max_envs_per_session: u32,
+}
+
+/// The `action_space` of a `spaces` reply: `{kind: "discrete", n}` or
+/// `{kind: "box", shape, low, high}`. A flat map with a `kind` string rather than a tagged
+/// enum, so that any MessagePack library writes it without knowing serde's enum layouts.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct ActionSpaceMsg {
+    /// `"discrete"` or `"box"`.
+    pub kind: String,
+    /// Discrete: the number of actions.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub n: u32,
+    /// Box: the action's shape; the values travel flat, row-major (`product(shape)` of them).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub shape: Vec<u32>,
+    /// Box: lower bound per value (finite).
+    #[serde(default, skip_serializing_if = "Vec::is_empty", with = "f32_bin")]
+    pub low: Vec<f32>,
+    /// Box: upper bound per value (finite, `>= low`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty", with = "f32_bin")]
+    pub high: Vec<f32>,
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
+}
+
+/// The `kind` of a discrete [`ActionSpaceMsg`].
+pub const ACTION_KIND_DISCRETE: &str = "discrete";
+/// The `kind` of a continuous [`ActionSpaceMsg`].
+pub const ACTION_KIND_BOX: &str = "box";
+
+impl ActionSpaceMsg {
+    /// The message for an action space.
+    pub fn from_space(space: &volley_env::ActionSpace) -> Self {
+        match space {
+            volley_env::ActionSpace::Discrete { n } => {
+                ActionSpaceMsg { kind: ACTION_KIND_DISCRETE.into(), n: *n as u32, ..Default::default() }
+            }
+            volley_env::ActionSpace::Box { low, high, shape } => ActionSpaceMsg {
+                kind: ACTION_KIND_BOX.into(),
+                n: 0,
+                shape: shape.iter().map(|&d| d as u32).collect(),
+                low: low.clone(),
+                high: high.clone(),
+            },
+        }
+    }
+}
+
+impl SpacesReply {
+    /// The action space, checked: a known kind, at least one action, and for a box a shape
+    /// whose product is the number of bounds, every bound finite with `low <= high` (what
+    /// [`volley_env::ActionSpace::continuous`] accepts). A reply without `action_space` (a
+    /// version-1 server) is `Discrete { n: n_actions }`.
+    pub fn action_space(&self) -> Result<volley_env::ActionSpace, String> {
+        let Some(msg) = &self.action_space else {
+            if self.n_actions == 0 {
+                return Err("no actions (n_actions 0 and no action_space)".to_string());
+            }
+            return Ok(volley_env::ActionSpace::Discrete { n: self.n_actions as usize });
+        };
+        match msg.kind.as_str() {
+            ACTION_KIND_DISCRETE if msg.n > 0 => Ok(volley_env::ActionSpace::Discrete { n: msg.n as usize }),
+            ACTION_KIND_DISCRETE => Err("a discrete action space of 0 actions".to_string()),
+            ACTION_KIND_BOX => {
+                let dim = msg.shape.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d as usize));
+                if msg.shape.is_empty() || dim != Some(msg.low.len()) {
+                    return Err(format!("box action shape {:?} for {} bounds", msg.shape, msg.low.len()));
+                }
+                match volley_env::ActionSpace::continuous(msg.low.clone(), msg.high.clone()) {
+                    Ok(volley_env::ActionSpace::Box { low, high, .. }) => Ok(volley_env::ActionSpace::Box {
+                        low,
+                        high,
+                        shape: msg.shape.iter().map(|&d| d as usize).collect(),
+                    }),
+                    Ok(other) => Ok(other),
+                    Err(err) => Err(err.to_string()),
+                }
+            }
+            other => Err(format!("unknown action space kind {other:?}")),
+        }
+    }
 }
 
 /// `open` request: create a session of `n_envs` environments, reset environment `i` with
@@ -209,8 +303,59 @@ pub struct StepRequest {
     pub v: u32,
     /// The session.
     pub session: u64,
-    /// `n_envs` actions in `0..n_actions`.
-    pub actions: Vec<u32>,
+    /// The actions: an array of `n_envs` integers, or a `bin` of `n_envs × action_dim` floats.
+    pub actions: StepActions,
+}
+
+/// The `actions` of a [`StepRequest`], told apart by their MessagePack type, as observations
+/// are: an **array** of `u32` (discrete), or a **bin** of little-endian `f32`s,
+/// `[n_envs][action_dim]` row-major (box).
+#[derive(Debug, Clone, PartialEq)]
+pub enum StepActions {
+    /// One action in `0..n` per environment.
+    Discrete(Vec<u32>),
+    /// `action_dim` values per environment, flat.
+    Box(Vec<f32>),
+}
+
+impl Serialize for StepActions {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        match self {
+            StepActions::Discrete(actions) => actions.serialize(serializer),
+            StepActions::Box(values) => f32_bin::serialize(values, serializer),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for StepActions {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Visitor;
+        impl<'de> serde::de::Visitor<'de> for Visitor {
+            type Value = StepActions;
+
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("an array of u32 actions or a bin of little-endian f32 actions")
+            }
+
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<StepActions, A::Error> {
+                // At most what the message can hold: a hostile length prefix allocates nothing.
+                let mut actions = Vec::with_capacity(seq.size_hint().unwrap_or(0).min(4096));
+                while let Some(action) = seq.next_element::<u32>()? {
+                    actions.push(action);
+                }
+                Ok(StepActions::Discrete(actions))
+            }
+
+            fn visit_bytes<E: serde::de::Error>(self, bytes: &[u8]) -> Result<StepActions, E> {
+                f32_bin::from_bytes(bytes).map(StepActions::Box).map_err(E::custom)
+            }
+
+            fn visit_byte_buf<E: serde::de::Error>(self, bytes: Vec<u8>) -> Result<StepActions, E> {
+                self.visit_bytes(&bytes)
+            }
+        }
+        deserializer.deserialize_any(Visitor)
+    }
 }
 
 /// One environment that failed during a step; the server started it again.
@@ -371,8 +516,13 @@ pub(crate) mod f32_bin {
 
     pub(crate) fn deserialize<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Vec<f32>, D::Error> {
         let bytes = serde_bytes::ByteBuf::deserialize(deserializer)?;
-        if bytes.len() % 4 != 0 {
-            return Err(D::Error::custom(format!("f32 array of {} bytes is not a multiple of 4", bytes.len())));
+        from_bytes(&bytes).map_err(D::Error::custom)
+    }
+
+    /// Little-endian `f32`s of `bytes`; a length that is not a multiple of 4 is an error.
+    pub(crate) fn from_bytes(bytes: &[u8]) -> Result<Vec<f32>, String> {
+        if !bytes.len().is_multiple_of(4) {
+            return Err(format!("f32 array of {} bytes is not a multiple of 4", bytes.len()));
         }
         Ok(bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
     }
@@ -462,6 +612,78 @@ mod tests {
         assert!(err.message.contains("multiple of 4"), "{err}");
     }
 
+    fn spaces_reply() -> SpacesReply {
+        SpacesReply {
+            env: "x".into(),
+            obs_dim: 3,
+            obs_low: vec![-1.0; 3],
+            obs_high: vec![1.0; 3],
+            n_actions: 0,
+            action_space: None,
+            reward_threshold: None,
+            max_episode_steps: None,
+            max_abs_reward: None,
+            snapshot: false,
+            max_envs_per_session: 8,
+        }
+    }
+
+    /// What Python writes for Pendulum: `{"kind": "box", "shape": [1], "low": bin, "high": bin}`
+    /// with the key order and widths msgpack picks.
+    #[test]
+    fn a_box_action_space_from_python_bytes_decodes_and_bad_ones_are_refused() {
+        let msg = |kind: &str, shape: &[u32], low: &[f32], high: &[f32]| ActionSpaceMsg {
+            kind: kind.into(),
+            n: 0,
+            shape: shape.to_vec(),
+            low: low.to_vec(),
+            high: high.to_vec(),
+        };
+        let with = |m: ActionSpaceMsg| SpacesReply { action_space: Some(m), ..spaces_reply() };
+        let pendulum = with(msg("box", &[1], &[-2.0], &[2.0]));
+        assert_eq!(
+            pendulum.action_space().unwrap(),
+            volley_env::ActionSpace::Box { low: vec![-2.0], high: vec![2.0], shape: vec![1] }
+        );
+        let matrix = with(msg("box", &[2, 2], &[-1.0; 4], &[1.0; 4]));
+        assert_eq!(matrix.action_space().unwrap().n_actions(), 4);
+        for (bad, why) in [
+            (with(msg("box", &[2], &[-1.0], &[1.0])), "shape"),
+            (with(msg("box", &[], &[], &[])), "shape"),
+            (with(msg("box", &[1], &[f32::NEG_INFINITY], &[1.0])), "finite"),
+            (with(msg("box", &[1], &[1.0], &[-1.0])), "low <= high"),
+            (with(msg("box", &[1], &[-1.0], &[])), "bounds"),
+            (with(msg("multibinary", &[1], &[0.0], &[1.0])), "unknown"),
+            (with(ActionSpaceMsg { kind: "discrete".into(), ..Default::default() }), "0 actions"),
+            (spaces_reply(), "no actions"),
+        ] {
+            let err = bad.action_space().unwrap_err();
+            assert!(err.contains(why), "{err} should mention {why}");
+        }
+        // A version-1 reply: discrete by n_actions.
+        let v1 = SpacesReply { n_actions: 2, ..spaces_reply() };
+        assert_eq!(v1.action_space().unwrap(), volley_env::ActionSpace::Discrete { n: 2 });
+    }
+
+    /// The wire form of both kinds of actions: an array of integers, or a bin of floats.
+    #[test]
+    fn step_actions_are_an_array_or_a_bin() {
+        let discrete = encode(&StepRequest { v: 2, session: 1, actions: StepActions::Discrete(vec![1, 0]) });
+        // ... "actions" fixstr, then fixarray of 2: 1, 0.
+        assert!(discrete.ends_with(&[0xa7, b'a', b'c', b't', b'i', b'o', b'n', b's', 0x92, 1, 0]));
+        let continuous = encode(&StepRequest { v: 2, session: 1, actions: StepActions::Box(vec![1.0]) });
+        assert!(continuous.ends_with(&[0xa7, b'a', b'c', b't', b'i', b'o', b'n', b's', 0xc4, 4, 0, 0, 0x80, 0x3f]));
+        // A bin whose length is not a multiple of 4, or an array of non-integers, is refused.
+        let mut odd = continuous.clone();
+        let at = odd.len() - 5;
+        odd[at] = 3;
+        odd.pop();
+        assert!(decode::<StepRequest>("step request", &odd).unwrap_err().message.contains("multiple of 4"));
+        let mut floats = discrete[..discrete.len() - 3].to_vec();
+        floats.extend_from_slice(&[0x91, 0xca, 0, 0, 0x80, 0x3f]);
+        assert!(decode::<StepRequest>("step request", &floats).is_err());
+    }
+
     #[test]
     fn ops_and_codes_round_trip() {
         for op in Op::ALL {
@@ -498,8 +720,35 @@ mod tests {
 
         #[test]
         fn step_requests_round_trip(session in any::<u64>(), actions in proptest::collection::vec(any::<u32>(), 0..64)) {
-            let request = StepRequest { v: PROTOCOL_VERSION, session, actions };
+            let request = StepRequest { v: PROTOCOL_VERSION, session, actions: StepActions::Discrete(actions) };
             prop_assert_eq!(decode::<StepRequest>("step request", &encode(&request)).unwrap(), request);
+        }
+
+        /// Box actions round-trip bit for bit, NaN and infinities included (the server, not
+        /// the codec, decides what a non-finite action means).
+        #[test]
+        fn box_step_requests_round_trip(session in any::<u64>(), bits in proptest::collection::vec(any::<u32>(), 0..64)) {
+            let values: Vec<f32> = bits.iter().map(|&b| f32::from_bits(b)).collect();
+            let request = StepRequest { v: PROTOCOL_VERSION, session, actions: StepActions::Box(values) };
+            let decoded = decode::<StepRequest>("step request", &encode(&request)).unwrap();
+            let StepActions::Box(decoded_values) = &decoded.actions else {
+                return Err(TestCaseError::fail("box actions decoded as discrete"));
+            };
+            let decoded_bits: Vec<u32> = decoded_values.iter().map(|v| v.to_bits()).collect();
+            prop_assert_eq!(decoded_bits, bits);
+            prop_assert_eq!(decoded.session, session);
+        }
+
+        #[test]
+        fn box_action_spaces_round_trip(
+            bounds in proptest::collection::vec((-1e6f32..1e6, 0f32..1e6), 1..8),
+        ) {
+            let low: Vec<f32> = bounds.iter().map(|&(lo, _)| lo).collect();
+            let high: Vec<f32> = bounds.iter().map(|&(lo, width)| lo + width).collect();
+            let space = volley_env::ActionSpace::continuous(low, high).unwrap();
+            let reply = SpacesReply { action_space: Some(ActionSpaceMsg::from_space(&space)), ..spaces_reply() };
+            let decoded: SpacesReply = decode("spaces reply", &encode(&reply)).unwrap();
+            prop_assert_eq!(decoded.action_space().unwrap(), space);
         }
     }
 }

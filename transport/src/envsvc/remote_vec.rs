@@ -9,8 +9,9 @@ use futures::StreamExt;
 use tracing::{info, warn};
 
 use super::client::{EnvServiceClient, Instance};
+use super::protocol::StepActions;
 use super::{EnvServiceError, EnvServiceName};
-use volley_env::{derive_env_seed, Actions, EnvError, FinishedEpisode, VecStep, VectorEnv};
+use volley_env::{derive_env_seed, ActionSpace, Actions, EnvError, FinishedEpisode, VecStep, VectorEnv};
 
 /// First and longest pause between discovery attempts while no instance is usable.
 const WAIT_FIRST: Duration = Duration::from_millis(100);
@@ -38,8 +39,13 @@ pub struct RemoteVecEnvConfig {
     /// [`volley_env::VecEnv`]; re-opened sessions get fresh seeds.
     pub seed: u64,
     /// Observation length and number of actions the caller needs (e.g. from the run spec);
-    /// instances serving other spaces are skipped. `None`: take the first instance's.
+    /// instances serving other spaces are skipped. `None`: take the first instance's. For a
+    /// box action space, `n_actions` is the number of values of one action.
     pub expected_spaces: Option<(usize, usize)>,
+    /// Whether the caller needs continuous (box) actions, e.g. because its policy has a
+    /// Gaussian head; instances serving the other kind are skipped. `None`: the first
+    /// instance's kind.
+    pub expected_continuous: Option<bool>,
     /// Set to stop waiting for instances (the actor is shutting down).
     pub stop: Arc<AtomicBool>,
 }
@@ -54,6 +60,7 @@ impl RemoteVecEnvConfig {
             max_in_flight: 8,
             seed,
             expected_spaces: None,
+            expected_continuous: None,
             stop: Arc::new(AtomicBool::new(false)),
         }
     }
@@ -100,6 +107,9 @@ pub struct RemoteVecEnv {
     config: RemoteVecEnvConfig,
     obs_dim: usize,
     n_actions: usize,
+    /// The action space of the first usable instance; later ones must have the same kind and
+    /// size (box bounds may differ: each server clips to its own).
+    action_space: Option<ActionSpace>,
     obs: Vec<f32>,
     stats: Vec<EpisodeStats>,
     slots: Vec<Slot>,
@@ -123,6 +133,7 @@ impl RemoteVecEnv {
         let mut env = RemoteVecEnv {
             obs_dim: config.expected_spaces.map_or(0, |(d, _)| d),
             n_actions: config.expected_spaces.map_or(0, |(_, n)| n),
+            action_space: None,
             obs: Vec::new(),
             stats: vec![EpisodeStats::default(); config.n_envs],
             slots: Vec::new(),
@@ -234,14 +245,26 @@ impl RemoteVecEnv {
                     continue;
                 }
             };
-            let (obs_dim, n_actions) = (spaces.obs_dim as usize, spaces.n_actions as usize);
+            // Checked by the client's `spaces`.
+            let Ok(action_space) = spaces.action_space() else { continue };
+            let (obs_dim, n_actions) = (spaces.obs_dim as usize, action_space.n_actions());
+            let continuous = action_space.is_continuous();
             if self.obs_dim == 0 {
                 (self.obs_dim, self.n_actions) = (obs_dim, n_actions);
             }
-            if (obs_dim, n_actions) != (self.obs_dim, self.n_actions) {
-                warn!(service = %service, instance = %instance.id, obs_dim, n_actions, expected_obs_dim = self.obs_dim,
-                      expected_n_actions = self.n_actions, "environment server serves other spaces; skipped");
+            let expected_continuous = self
+                .config
+                .expected_continuous
+                .or_else(|| self.action_space.as_ref().map(ActionSpace::is_continuous))
+                .unwrap_or(continuous);
+            if (obs_dim, n_actions, continuous) != (self.obs_dim, self.n_actions, expected_continuous) {
+                warn!(service = %service, instance = %instance.id, obs_dim, n_actions, continuous,
+                      expected_obs_dim = self.obs_dim, expected_n_actions = self.n_actions, expected_continuous,
+                      "environment server serves other spaces; skipped");
                 continue;
+            }
+            if self.action_space.is_none() {
+                self.action_space = Some(action_space);
             }
             let max_envs_per_session = (spaces.max_envs_per_session as usize).max(1);
             self.known
@@ -462,6 +485,10 @@ impl VectorEnv for RemoteVecEnv {
         self.n_actions
     }
 
+    fn action_space(&self) -> ActionSpace {
+        self.action_space.clone().unwrap_or(ActionSpace::Discrete { n: self.n_actions })
+    }
+
     fn obs(&self) -> &[f32] {
         &self.obs
     }
@@ -469,18 +496,35 @@ impl VectorEnv for RemoteVecEnv {
     fn step(&mut self, actions: Actions<'_>, out: &mut VecStep) -> Result<(), EnvError> {
         let n_envs = self.config.n_envs;
         actions.check(n_envs)?;
-        // The environment protocol carries discrete actions only (docs/ENV_PROTOCOL.md).
-        let Actions::Discrete(actions) = actions else {
-            return Err(EnvError::WrongActionKind { expected: "discrete" });
-        };
+        // Actions of the kind the servers serve; box values go as they are (the caller repairs
+        // them, and the server clips again: docs/ENV_PROTOCOL.md, "Continuous actions").
+        let continuous = self.action_space.as_ref().is_some_and(ActionSpace::is_continuous);
+        match actions {
+            Actions::Discrete(_) if continuous => return Err(EnvError::WrongActionKind { expected: "continuous" }),
+            Actions::Continuous { .. } if !continuous => {
+                return Err(EnvError::WrongActionKind { expected: "discrete" })
+            }
+            Actions::Continuous { dim, .. } if dim != self.n_actions => {
+                return Err(EnvError::Shape { field: "action", expected: self.n_actions, got: dim })
+            }
+            _ => {}
+        }
         out.prepare(n_envs, self.obs_dim);
-        let requests: Vec<(usize, Arc<Instance>, u64, Vec<u32>)> = self
+        let requests: Vec<(usize, Arc<Instance>, u64, StepActions)> = self
             .slots
             .iter()
             .enumerate()
             .filter_map(|(slot_idx, slot)| {
                 let (instance, session) = slot.session.as_ref()?;
-                let slot_actions = actions[slot.start..slot.start + slot.len].iter().map(|&a| a as u32).collect();
+                let range = slot.start..slot.start + slot.len;
+                let slot_actions = match actions {
+                    Actions::Discrete(actions) => {
+                        StepActions::Discrete(actions[range].iter().map(|&a| a as u32).collect())
+                    }
+                    Actions::Continuous { values, dim } => {
+                        StepActions::Box(values[range.start * dim..range.end * dim].to_vec())
+                    }
+                };
                 Some((slot_idx, instance.clone(), *session, slot_actions))
             })
             .collect();

@@ -16,13 +16,13 @@ use tokio::task::JoinHandle;
 use tracing::{debug, info, warn};
 
 use super::protocol::{
-    self, CloseRequest, EmptyReply, EnvFailure, ErrorCode, ObsReply, Op, OpenReply, OpenRequest, ResetRequest,
-    RestoreRequest, SnapshotReply, SnapshotRequest, SpacesReply, StepReply, StepRequest, VersionProbe, METADATA_ENV,
-    METADATA_PROTOCOL, PROTOCOL_VERSION,
+    self, ActionSpaceMsg, CloseRequest, EmptyReply, EnvFailure, ErrorCode, ObsReply, Op, OpenReply, OpenRequest,
+    ResetRequest, RestoreRequest, SnapshotReply, SnapshotRequest, SpacesReply, StepActions, StepReply, StepRequest,
+    VersionProbe, METADATA_ENV, METADATA_PROTOCOL, MIN_PROTOCOL_VERSION, PROTOCOL_VERSION,
 };
 use super::{EnvServiceError, EnvServiceName};
 use volley_core::subjects;
-use volley_env::{Actions, Env, EnvError, VecEnv, VecStep};
+use volley_env::{ActionSpace, Actions, Env, EnvError, VecEnv, VecStep};
 
 /// Builds one environment of the served kind.
 pub type EnvFactory = Arc<dyn Fn() -> Result<Box<dyn Env>, EnvError> + Send + Sync>;
@@ -87,6 +87,7 @@ struct ServerState {
     factory: EnvFactory,
     spaces: Vec<u8>,
     obs_dim: usize,
+    action_space: ActionSpace,
     sessions: Mutex<HashMap<u64, Arc<Mutex<Session>>>>,
     next_session: AtomicU64,
     counters: Arc<ServerCounters>,
@@ -121,18 +122,16 @@ impl EnvServer {
         let incompatible = |message: String| EnvServiceError::Incompatible { instance: String::new(), message };
         let probe = factory().map_err(|err| incompatible(format!("cannot build the environment: {err}")))?;
         let space = probe.observation_space();
-        let Some(n_actions) = probe.action_space().discrete_n() else {
-            return Err(incompatible(format!(
-                "{} has continuous actions; this version of the environment protocol carries discrete actions only",
-                probe.name()
-            )));
-        };
+        let action_space = probe.action_space();
+        // 0 for a box: a version-1 reader refuses the reply instead of stepping integers.
+        let n_actions = action_space.discrete_n().unwrap_or(0);
         let spaces = SpacesReply {
             env: config.env_label.clone(),
             obs_dim: space.dim() as u32,
             obs_low: space.low.clone(),
             obs_high: space.high.clone(),
             n_actions: n_actions as u32,
+            action_space: Some(ActionSpaceMsg::from_space(&action_space)),
             reward_threshold: config.reward_threshold,
             max_episode_steps: config.max_episode_steps,
             max_abs_reward: config.max_abs_reward,
@@ -158,6 +157,7 @@ impl EnvServer {
             .unwrap_or(0);
         let state = Arc::new(ServerState {
             obs_dim: space.dim(),
+            action_space,
             spaces: protocol::encode(&spaces),
             factory,
             sessions: Mutex::new(HashMap::new()),
@@ -298,12 +298,23 @@ impl ServerState {
     /// Answer one request: the encoded reply, or an error code and description.
     fn handle(&self, op: Op, payload: &[u8]) -> Result<Vec<u8>, Failure> {
         let probe: VersionProbe = decode("request", payload)?;
+        // Version 1 is version 2 without box actions: served for discrete environments only.
+        let continuous = self.action_space.is_continuous();
         match probe.v {
-            Some(PROTOCOL_VERSION) => {}
+            Some(1) if continuous => {
+                return Err((
+                    ErrorCode::UnsupportedVersion,
+                    format!("protocol version 1 is not served here (box actions need {PROTOCOL_VERSION})"),
+                ))
+            }
+            Some(MIN_PROTOCOL_VERSION..=PROTOCOL_VERSION) => {}
             Some(other) => {
                 return Err((
                     ErrorCode::UnsupportedVersion,
-                    format!("protocol version {other} is not served here (this server speaks {PROTOCOL_VERSION})"),
+                    format!(
+                        "protocol version {other} is not served here (this server speaks \
+                         {MIN_PROTOCOL_VERSION} to {PROTOCOL_VERSION})"
+                    ),
                 ))
             }
             None => return Err(bad("request without a protocol version \"v\"")),
@@ -329,7 +340,9 @@ impl ServerState {
             }
             Op::Step => {
                 let request: StepRequest = decode("step request", payload)?;
-                self.with_session(request.session, |session| step(session, &request.actions, self.obs_dim))
+                self.with_session(request.session, |session| {
+                    step(session, &request.actions, self.obs_dim, &self.action_space)
+                })
             }
             Op::Snapshot => {
                 let request: SnapshotRequest = decode("snapshot request", payload)?;
@@ -419,13 +432,70 @@ fn env_index(env: u32, n_envs: usize) -> Result<usize, Failure> {
 }
 
 /// One step of a session, encoded as a [`StepReply`].
-fn step(session: &mut Session, actions: &[u32], obs_dim: usize) -> Result<Vec<u8>, Failure> {
+///
+/// Box actions follow docs/ENV_PROTOCOL.md ("Continuous actions"): a row with a non-finite
+/// value fails its environment (reported, truncated with reward 0, its previous observation
+/// final, reset) and the environment never sees the value (it is stepped with the repaired row
+/// and then reset, which the client cannot tell apart); finite rows are clipped by the
+/// [`VecEnv`], as in-process.
+fn step(
+    session: &mut Session,
+    actions: &StepActions,
+    obs_dim: usize,
+    action_space: &ActionSpace,
+) -> Result<Vec<u8>, Failure> {
     let n_envs = session.envs.n_envs();
-    if actions.len() != n_envs {
-        return Err(bad(format!("{} actions for {n_envs} environments", actions.len())));
+    // Environments whose action was not finite, with the observation they had.
+    let mut failed: Vec<(usize, Vec<f32>)> = Vec::new();
+    match (actions, action_space) {
+        (StepActions::Discrete(actions), ActionSpace::Discrete { .. }) => {
+            if actions.len() != n_envs {
+                return Err(bad(format!("{} actions for {n_envs} environments", actions.len())));
+            }
+            let actions: Vec<usize> = actions.iter().map(|&a| a as usize).collect();
+            session.envs.step(Actions::Discrete(&actions), &mut session.step).map_err(|err| bad(err.to_string()))?;
+        }
+        (StepActions::Box(values), ActionSpace::Box { low, .. }) => {
+            let dim = low.len();
+            if values.len() != n_envs * dim {
+                return Err(bad(format!("{} action values for {n_envs} environments of {dim}", values.len())));
+            }
+            let mut values = values.clone();
+            for (env_idx, row) in values.chunks_exact_mut(dim).enumerate() {
+                if !row.iter().all(|v| v.is_finite()) {
+                    failed.push((env_idx, session.envs.obs()[env_idx * obs_dim..(env_idx + 1) * obs_dim].to_vec()));
+                    action_space.repair(row);
+                }
+            }
+            session
+                .envs
+                .step(Actions::Continuous { values: &values, dim }, &mut session.step)
+                .map_err(|err| bad(err.to_string()))?;
+        }
+        (StepActions::Box(_), ActionSpace::Discrete { .. }) => {
+            return Err(bad("box actions for an environment with discrete actions"))
+        }
+        (StepActions::Discrete(_), ActionSpace::Box { .. }) => {
+            return Err(bad("integer actions for an environment with box actions"))
+        }
     }
-    let actions: Vec<usize> = actions.iter().map(|&a| a as usize).collect();
-    session.envs.step(Actions::Discrete(&actions), &mut session.step).map_err(|err| bad(err.to_string()))?;
+    let mut errors: Vec<EnvFailure> = Vec::new();
+    for (env_idx, previous) in &failed {
+        let env_idx = *env_idx;
+        let out = &mut session.step;
+        let ended = out.terminated[env_idx] || out.truncated[env_idx];
+        out.rewards[env_idx] = 0.0;
+        out.terminated[env_idx] = false;
+        out.truncated[env_idx] = true;
+        out.final_obs[env_idx * obs_dim..(env_idx + 1) * obs_dim].copy_from_slice(previous);
+        errors.push(EnvFailure { env: env_idx as u32, message: "non-finite action".to_string() });
+        // An episode that ended in this step was reset by the vector env already.
+        if !ended {
+            if let Err(err) = session.envs.reset_env(env_idx, None) {
+                errors.push(EnvFailure { env: env_idx as u32, message: err.to_string() });
+            }
+        }
+    }
     let out = &session.step;
     let mut final_obs = Vec::new();
     for (env_idx, row) in out.final_obs.chunks_exact(obs_dim).enumerate() {
@@ -433,13 +503,13 @@ fn step(session: &mut Session, actions: &[u32], obs_dim: usize) -> Result<Vec<u8
             final_obs.extend_from_slice(row);
         }
     }
-    let mut errors: Vec<EnvFailure> = Vec::new();
     for (env_idx, error) in &out.env_errors {
         // A reset failure right after an episode ended is reported once per environment.
         if !errors.iter().any(|f| f.env as usize == *env_idx) {
             errors.push(EnvFailure { env: *env_idx as u32, message: error.to_string() });
         }
     }
+    errors.sort_by_key(|failure| failure.env);
     Ok(protocol::encode(&StepReply {
         obs: session.envs.obs().to_vec(),
         rewards: out.rewards.clone(),
