@@ -15,7 +15,7 @@ use volley_env::{
 };
 use volley_learner::backend::BackendKind;
 use volley_learner::Checkpoint;
-use volley_policy::{ActionHead, Activation, ConvSpec, CoreKind, PolicySpec};
+use volley_policy::{ActionHead, Activation, ConvInput, ConvSpec, CoreKind, PolicySpec};
 use volley_transport::envsvc::EnvServiceName;
 use volley_transport::nats::{NatsAuth, NatsConfig};
 
@@ -230,6 +230,10 @@ pub struct SpecArgs {
     /// Convolutional torso preset in front of --torso (image observations, e.g. MinAtar).
     #[arg(long, value_enum, default_value = "none", env = "VOLLEY_CONV")]
     pub conv: ConvName,
+    /// Frames the actors stack along the channel axis for a remote environment (e.g. 4 for
+    /// Atari through `volley-envs serve atari:Pong`); servers send single frames.
+    #[arg(long, default_value_t = 1, env = "VOLLEY_FRAME_STACK")]
+    pub frame_stack: usize,
     /// Adam learning rate at the start (decays linearly to --final-learning-rate over
     /// --max-env-steps) [default: 2e-3; pendulum: 1e-3].
     #[arg(long, env = "VOLLEY_LEARNING_RATE")]
@@ -544,9 +548,19 @@ impl SpecArgs {
         if self.gru_hidden == 0 || self.gru_hidden > 4096 {
             bail!("--gru-hidden: {} out of range 1..=4096", self.gru_hidden);
         }
+        if self.frame_stack == 0 || self.frame_stack > volley_env::MAX_FRAME_STACK {
+            bail!("--frame-stack: {} out of range 1..={}", self.frame_stack, volley_env::MAX_FRAME_STACK);
+        }
         let env = match &self.env {
+            EnvChoice::Builtin(_) if self.frame_stack > 1 => {
+                bail!("--frame-stack is for remote environments (built-in ones send what their policy reads)")
+            }
             EnvChoice::Builtin(name) => self.builtin_env(*name),
-            EnvChoice::Remote(service) => EnvConfig::Remote(resolve_remote(service)?),
+            EnvChoice::Remote(service) => {
+                let mut remote = resolve_remote(service)?;
+                remote.frame_stack = self.frame_stack;
+                EnvConfig::Remote(remote)
+            }
         };
         let (obs_dim, n_actions) = env.spaces().context("environment config")?;
         let policy = PolicySpec {
@@ -626,11 +640,17 @@ impl SpecArgs {
         let Some([channels, height, width]) = env.image_shape() else {
             bail!("--conv {:?} needs image observations; {} has vector observations", self.conv, env.describe());
         };
-        Ok(Some(match self.conv {
+        let mut spec = match self.conv {
             ConvName::None => unreachable!("handled above"),
             ConvName::Minatar => ConvSpec::minatar(channels, height, width),
             ConvName::Nature => ConvSpec::nature(channels, height, width),
-        }))
+        };
+        // Served images are 8-bit frames (protocol version 3), read as pixels; MinAtar's
+        // planes are 0/1 and read as they are.
+        if matches!(env, EnvConfig::Remote(_)) {
+            spec.input = ConvInput::Pixels;
+        }
+        Ok(Some(spec))
     }
 
     /// The built-in environment `name` with the task flags.

@@ -392,15 +392,14 @@ pub fn actor(args: ActorArgs, interrupted: Arc<AtomicBool>) -> anyhow::Result<()
     let env = match &args.env {
         None => spec.env.clone(),
         Some(EnvChoice::Builtin(name)) => EnvConfig::from_name(name.as_str())?,
-        Some(EnvChoice::Remote(service)) => EnvConfig::Remote(RemoteEnvConfig {
-            service: service.clone(),
-            obs_dim: spec.policy.obs_dim,
-            n_actions: spec.policy.n_actions,
-            // Only the service is used: the servers' spaces are checked against the policy.
-            action_box: None,
-            reward_threshold: None,
-            max_abs_reward: None,
-            max_episode_steps: None,
+        // Only the service changes: the servers' spaces are checked against the spec's.
+        Some(EnvChoice::Remote(service)) => EnvConfig::Remote(match &spec.env {
+            EnvConfig::Remote(remote) => RemoteEnvConfig { service: service.clone(), ..remote.clone() },
+            builtin => RemoteEnvConfig {
+                // A built-in image environment (MinAtar) is served as images.
+                image: builtin.image_shape(),
+                ..RemoteEnvConfig::new(service.clone(), spec.policy.obs_dim, spec.policy.n_actions)
+            },
         }),
     };
     let worker = match &env {
@@ -411,7 +410,7 @@ pub fn actor(args: ActorArgs, interrupted: Arc<AtomicBool>) -> anyhow::Result<()
             let mut config = RemoteVecEnvConfig::new(remote.service.clone(), args.envs, seed);
             config.envs_per_session = args.remote_env.envs_per_session;
             config.max_in_flight = args.remote_env.env_max_in_flight;
-            config.expected_spaces = Some((spec.policy.obs_dim, spec.policy.n_actions));
+            config.expected_spaces = Some((remote.obs_dim, spec.policy.n_actions));
             config.expected_continuous = Some(spec.policy.head.is_continuous());
             config.stop = interrupted.clone();
             let envs = match RemoteVecEnv::new(client, config) {
@@ -420,7 +419,9 @@ pub fn actor(args: ActorArgs, interrupted: Arc<AtomicBool>) -> anyhow::Result<()
                 Err(_) if interrupted.load(Ordering::Acquire) => return Ok(()),
                 Err(err) => return Err(err).with_context(|| format!("remote environment {}", remote.service)),
             };
-            RolloutWorker::with_envs(spec.clone(), actor_id.clone(), Box::new(envs), seed, counters.clone())
+            let envs = crate::env_serve::actor_envs(envs, remote)
+                .with_context(|| format!("remote environment {}", remote.service))?;
+            RolloutWorker::with_envs(spec.clone(), actor_id.clone(), envs, seed, counters.clone())
         }
         local => {
             let mut local_spec = spec.clone();

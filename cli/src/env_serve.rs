@@ -7,8 +7,10 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use tracing::{info, warn};
-use volley_env::{ActionSpace, EnvConfig, RemoteActionBox, RemoteEnvConfig};
-use volley_transport::envsvc::{connect_env_server, EnvFactory, EnvServer, EnvServiceClient, EnvServiceName};
+use volley_env::{ActionSpace, EnvConfig, FrameStack, RemoteActionBox, RemoteEnvConfig, VectorEnv};
+use volley_transport::envsvc::{
+    connect_env_server, EnvFactory, EnvServer, EnvServiceClient, EnvServiceName, RemoteVecEnv,
+};
 
 use crate::args::{EnvServeArgs, NatsArgs};
 
@@ -18,8 +20,10 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// Serve until interrupted (SIGINT or SIGTERM): the service is deregistered on the way out, so
 /// actors stop sending here at once.
 pub fn env_serve(args: EnvServeArgs, interrupted: Arc<AtomicBool>) -> anyhow::Result<()> {
-    let config = args.server_config()?;
+    let mut config = args.server_config()?;
     let builtin = EnvConfig::from_name(&config.env_label).context("--env")?;
+    // Image environments (MinAtar) are served as u8 images (protocol version 3).
+    config.image_shape = builtin.image_shape();
     let factory: EnvFactory = Arc::new(move || builtin.build());
     let timeout = args.nats.timeout()?;
     let auth = args.nats.auth()?;
@@ -88,6 +92,9 @@ pub fn remote_env_config(nats: &NatsArgs, service: &EnvServiceName, wait: Durati
                         reward_threshold: spaces.reward_threshold.filter(|t| t.is_finite()),
                         max_abs_reward: spaces.max_abs_reward.filter(|b| b.is_finite() && *b > 0.0),
                         max_episode_steps: spaces.max_episode_steps.map(u64::from),
+                        // Checked by the client's `spaces`.
+                        image: spaces.image_shape().ok().flatten(),
+                        frame_stack: 1,
                     });
                 }
                 Err(err) => warn!(service = %service, instance = %instance.id, %err, "spaces request failed"),
@@ -101,5 +108,29 @@ pub fn remote_env_config(nats: &NatsArgs, service: &EnvServiceName, wait: Durati
             last_log = Some(Instant::now());
         }
         std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// What an actor steps for `remote`: the servers' environments, checked to send the image
+/// shape the run spec declares, with the spec's frame stacking on top.
+pub fn actor_envs(envs: RemoteVecEnv, remote: &RemoteEnvConfig) -> anyhow::Result<Box<dyn VectorEnv>> {
+    if envs.image_shape() != remote.image {
+        bail!(
+            "the servers of {} send {} but the run spec expects {}",
+            remote.service,
+            describe_image(envs.image_shape()),
+            describe_image(remote.image)
+        );
+    }
+    Ok(match remote.frame_stack {
+        0 | 1 => Box::new(envs),
+        k => Box::new(FrameStack::new(Box::new(envs), k)?),
+    })
+}
+
+fn describe_image(image: Option<[usize; 3]>) -> String {
+    match image {
+        Some([c, h, w]) => format!("{c}x{h}x{w} u8 images"),
+        None => "flat f32 vectors".to_string(),
     }
 }

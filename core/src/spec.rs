@@ -821,6 +821,8 @@ mod tests {
             reward_threshold: Some(475.0),
             max_abs_reward: None,
             max_episode_steps: None,
+            image: None,
+            frame_stack: 1,
         });
         let spec = spec(remote.clone(), 4);
         spec.validate().expect("declared spaces match the policy");

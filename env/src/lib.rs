@@ -12,6 +12,7 @@ pub mod memory;
 pub mod milestones;
 pub mod minatar;
 pub mod pendulum;
+mod frame_stack;
 mod service_name;
 mod vec_env;
 
@@ -20,6 +21,7 @@ pub use memory::{Memory, MemoryConfig};
 pub use milestones::{Milestones, MilestonesConfig};
 pub use minatar::{MinAtar, MinatarConfig, MinatarGame};
 pub use pendulum::Pendulum;
+pub use frame_stack::{FrameStack, MAX_FRAME_STACK};
 pub use vec_env::{derive_env_seed, FinishedEpisode, VecEnv, VecStep, VectorEnv};
 
 pub use service_name::{EnvServiceName, InvalidServiceName};
@@ -436,6 +438,22 @@ pub struct RemoteEnvConfig {
     /// The episode time limit its servers declare, if any; longer claimed episodes are rejected.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_episode_steps: Option<u64>,
+    /// The `[C, H, W]` shape of one served frame when the servers send `u8` images (protocol
+    /// version 3); absent for flat vectors. `obs_dim` is then `C·H·W`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image: Option<[usize; 3]>,
+    /// Frames the actor stacks along the channel axis ([`FrameStack`]): the policy sees the
+    /// last `frame_stack` frames, `frame_stack·obs_dim` values. 1 (absent): no stacking.
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    pub frame_stack: usize,
+}
+
+fn one() -> usize {
+    1
+}
+
+fn is_one(n: &usize) -> bool {
+    *n == 1
 }
 
 /// The bounds of a remote environment's box action space (docs/ENV_PROTOCOL.md).
@@ -448,6 +466,27 @@ pub struct RemoteActionBox {
 }
 
 impl RemoteEnvConfig {
+    /// A remote environment of `obs_dim` flat observations and `n_actions` discrete actions
+    /// (or action values, with `action_box`), with nothing else declared.
+    pub fn new(service: EnvServiceName, obs_dim: usize, n_actions: usize) -> Self {
+        RemoteEnvConfig {
+            service,
+            obs_dim,
+            n_actions,
+            action_box: None,
+            reward_threshold: None,
+            max_abs_reward: None,
+            max_episode_steps: None,
+            image: None,
+            frame_stack: 1,
+        }
+    }
+
+    /// The length of the observation the policy sees: `frame_stack` frames of `obs_dim`.
+    pub fn policy_obs_dim(&self) -> usize {
+        self.obs_dim.saturating_mul(self.frame_stack)
+    }
+
     /// The action space the spec declares, checked (a box needs `n_actions` finite bounds
     /// with `low <= high`).
     pub fn action_space(&self) -> Result<ActionSpace, EnvError> {
@@ -583,7 +622,21 @@ impl EnvConfig {
                     )));
                 }
                 remote.action_space()?;
-                Ok((remote.obs_dim, remote.n_actions))
+                if remote.frame_stack == 0 || remote.frame_stack > MAX_FRAME_STACK {
+                    return Err(EnvError::Config(format!(
+                        "remote environment {}: frame_stack {} out of range 1..={MAX_FRAME_STACK}",
+                        remote.service, remote.frame_stack
+                    )));
+                }
+                if let Some(shape) = remote.image {
+                    if shape.iter().product::<usize>() != remote.obs_dim || shape[0] == 0 {
+                        return Err(EnvError::Config(format!(
+                            "remote environment {}: image shape {shape:?} for obs_dim {}",
+                            remote.service, remote.obs_dim
+                        )));
+                    }
+                }
+                Ok((remote.policy_obs_dim(), remote.n_actions))
             }
             builtin => {
                 let env = builtin.build()?;
@@ -593,10 +646,15 @@ impl EnvConfig {
     }
 
     /// The observation's image shape `[C, H, W]` (channel-major, so `C·H·W` is the
-    /// observation length) for environments whose observations are images, else `None`.
+    /// observation length) for environments whose observations are images, else `None`. For a
+    /// remote environment with frame stacking, the stacked shape the policy sees.
     pub fn image_shape(&self) -> Option<[usize; 3]> {
         match self {
             EnvConfig::Minatar(config) => Some([config.game.n_channels(), minatar::GRID, minatar::GRID]),
+            // Stacked frames are more channels.
+            EnvConfig::Remote(remote) => {
+                remote.image.map(|[channels, height, width]| [channels * remote.frame_stack, height, width])
+            }
             _ => None,
         }
     }

@@ -39,6 +39,8 @@ fn spec(preset: &str, t_len: usize, b_len: usize) -> RunSpec {
                 reward_threshold: None,
                 max_abs_reward: None,
                 max_episode_steps: None,
+                image: None,
+                frame_stack: 1,
             });
             let policy = PolicySpec::mlp(0, 6, &[512], Activation::Relu).with_conv(ConvSpec::nature(4, 84, 84));
             (env, policy)

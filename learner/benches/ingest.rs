@@ -125,6 +125,8 @@ fn spec(run: &str, obs_dim: usize) -> RunSpec {
             reward_threshold: None,
             max_abs_reward: Some(1.0),
             max_episode_steps: None,
+            image: None,
+            frame_stack: 1,
         })
     };
     RunSpec {

@@ -147,6 +147,8 @@ pub struct Trainer<B: Backend> {
     /// Observation normalisation (`normalize_obs`): where the statistics sit in the parameters,
     /// and the host copy this trainer updates and uploads there before every update.
     obs_norm: Option<(Range<usize>, Vec<f32>)>,
+    /// The factor observations are scaled by when staged ([`ParamLayout::input_scale`]).
+    input_scale: f32,
 }
 
 impl<B: Backend> Trainer<B> {
@@ -220,6 +222,7 @@ impl<B: Backend> Trainer<B> {
             evaluations: Vec::new(),
             prox_log_rhos: Vec::new(),
             obs_norm: layout.obs_norm_range().map(|range| (range.clone(), state.params[range].to_vec())),
+            input_scale: layout.input_scale(),
             gaussian: match layout.head() {
                 ActionHead::Categorical => None,
                 ActionHead::Gaussian { squash } => Some((layout.log_std_range().expect("a Gaussian layout"), squash)),
@@ -294,6 +297,7 @@ impl<B: Backend> Trainer<B> {
             });
         }
         let obs_stats = self.obs_norm.as_ref().map(|(_, stats)| stats.as_slice());
+        let input_scale = self.input_scale;
         let mut pack = |words: &mut [f32]| {
             match obs_stats {
                 Some(stats) => volley_policy::obs_norm::normalize(
@@ -301,6 +305,12 @@ impl<B: Backend> Trainer<B> {
                     &batch.observations,
                     &mut words[layout.observations.clone()],
                 ),
+                // Pixels become [0, 1] here, inside the network (conv `input = pixels`).
+                None if input_scale != 1.0 => {
+                    for (word, &value) in words[layout.observations.clone()].iter_mut().zip(&batch.observations) {
+                        *word = value * input_scale;
+                    }
+                }
                 None => words[layout.observations.clone()].copy_from_slice(&batch.observations),
             }
             words[layout.episode_start.clone()].copy_from_slice(&batch.episode_start);

@@ -56,6 +56,37 @@ pub struct ConvSpec {
     pub width: usize,
     /// The conv layers, input side first (at least one).
     pub layers: Vec<ConvLayerSpec>,
+    /// What the observation values are, and so how the network scales them before the first
+    /// layer; absent in specs written before it existed (raw).
+    #[serde(default, skip_serializing_if = "ConvInput::is_raw")]
+    pub input: ConvInput,
+}
+
+/// How a conv torso reads its observation values.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ConvInput {
+    /// As they are (MinAtar's 0/1 planes).
+    #[default]
+    Raw,
+    /// 8-bit pixel values `0..=255`, divided by 255 inside the network (the observations stay
+    /// whole numbers in memory and one byte each on the wire), as the Nature-DQN network reads
+    /// Atari frames.
+    Pixels,
+}
+
+impl ConvInput {
+    /// The factor applied to every observation value.
+    pub fn scale(self) -> f32 {
+        match self {
+            ConvInput::Raw => 1.0,
+            ConvInput::Pixels => 1.0 / 255.0,
+        }
+    }
+
+    fn is_raw(&self) -> bool {
+        *self == ConvInput::Raw
+    }
 }
 
 impl ConvSpec {
@@ -67,6 +98,7 @@ impl ConvSpec {
             height,
             width,
             layers: vec![ConvLayerSpec { out_channels: 16, kernel: 3, stride: 1, padding: 0 }],
+            input: ConvInput::Raw,
         }
     }
 
@@ -75,7 +107,13 @@ impl ConvSpec {
     /// 84×84 frames that leaves a 7×7×64 map. Use it with a dense torso of 512 units.
     pub fn nature(in_channels: usize, height: usize, width: usize) -> Self {
         let layer = |out_channels, kernel, stride| ConvLayerSpec { out_channels, kernel, stride, padding: 0 };
-        ConvSpec { in_channels, height, width, layers: vec![layer(32, 8, 4), layer(64, 4, 2), layer(64, 3, 1)] }
+        ConvSpec {
+            in_channels,
+            height,
+            width,
+            layers: vec![layer(32, 8, 4), layer(64, 4, 2), layer(64, 3, 1)],
+            input: ConvInput::Raw,
+        }
     }
 
     /// The observation length this torso reads, `C·H·W`.

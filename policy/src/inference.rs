@@ -68,7 +68,7 @@ impl PolicyInference {
             gi: vec![0.0; max_batch * gates],
             gh: vec![0.0; max_batch * gates],
             heads_out: vec![0.0; max_batch * (layout.n_actions() + 1)],
-            obs_normalized: vec![0.0; if layout.spec().normalize_obs { max_batch * layout.obs_dim() } else { 0 }],
+            obs_normalized: vec![0.0; if scaled_input(&layout) { max_batch * layout.obs_dim() } else { 0 }],
         }
     }
 
@@ -175,13 +175,21 @@ impl PolicyInference {
             return;
         }
         let layout = &self.layout;
-        let obs: &[f32] = match layout.obs_norm_range() {
-            Some(stats) => {
+        let obs: &[f32] = match (layout.obs_norm_range(), layout.input_scale()) {
+            (Some(stats), _) => {
                 let out = &mut self.obs_normalized[..obs.len()];
                 crate::obs_norm::normalize(&params[stats], obs, out);
                 out
             }
-            None => obs,
+            // Pixels become [0, 1] here, inside the network (conv `input = pixels`).
+            (None, scale) if scale != 1.0 => {
+                let out = &mut self.obs_normalized[..obs.len()];
+                for (scaled, &value) in out.iter_mut().zip(obs) {
+                    *scaled = value * scale;
+                }
+                out
+            }
+            (None, _) => obs,
         };
         let activation = layout.spec().activation;
         // Conv layer i unfolds what layer i−1 wrote (obs for i = 0), then one GEMM over all
@@ -242,6 +250,11 @@ pub(crate) fn split_heads(heads_out: &[f32], n_actions: usize, logits: &mut [f32
         logits.copy_from_slice(&row[..n_actions]);
         *value = row[n_actions];
     }
+}
+
+/// Whether the forward pass rewrites the observations first (normalisation or scaling).
+fn scaled_input(layout: &ParamLayout) -> bool {
+    layout.spec().normalize_obs || layout.input_scale() != 1.0
 }
 
 #[cfg(test)]

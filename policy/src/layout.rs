@@ -446,6 +446,16 @@ impl Builder {
     }
 }
 
+impl ParamLayout {
+    /// The factor the network applies to every observation value before its first layer: 1,
+    /// or 1/255 for a conv torso that reads 8-bit pixels ([`crate::ConvInput::Pixels`]).
+    /// Actors' inference and the learner's batch staging both apply it, so observations stay
+    /// whole pixel values in memory and one byte each on the wire.
+    pub fn input_scale(&self) -> f32 {
+        self.spec().conv.as_ref().map_or(1.0, |conv| conv.input.scale())
+    }
+}
+
 fn validate(spec: &PolicySpec) -> Result<(), PolicyError> {
     const WIDTH_RULE: &str = "between 1 and 65536";
     fn check_width(field: impl Into<String>, value: usize) -> Result<(), PolicyError> {
@@ -457,6 +467,13 @@ fn validate(spec: &PolicySpec) -> Result<(), PolicyError> {
     }
     check_width("obs_dim", spec.obs_dim)?;
     check_width("n_actions", spec.n_actions)?;
+    if spec.normalize_obs && spec.conv.as_ref().is_some_and(|conv| conv.input != crate::ConvInput::Raw) {
+        return Err(PolicyError::InvalidSpec {
+            field: "normalize_obs".into(),
+            value: 1,
+            rule: "off for a conv torso that scales pixels (conv.input = pixels)",
+        });
+    }
     if spec.torso.len() > MAX_TORSO_LAYERS {
         return Err(PolicyError::InvalidSpec {
             field: "torso.len()".into(),

@@ -50,7 +50,7 @@ pub mod obs_norm;
 pub mod returns;
 mod tape;
 
-pub use conv::{ConvGeometry, ConvLayerSpec, ConvSpec, MAX_CONV_LAYERS};
+pub use conv::{ConvGeometry, ConvInput, ConvLayerSpec, ConvSpec, MAX_CONV_LAYERS};
 pub use inference::PolicyInference;
 pub use layout::{ParamEntry, ParamLayout};
 pub use tape::PolicyTape;

@@ -8,7 +8,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use volley_env::{Action, Actions, CartPole, Env, EnvConfig, VecEnv, VecStep, VectorEnv};
 use volley_testkit::TestNats;
-use volley_transport::envsvc::protocol::{self, Op, StepActions, PROTOCOL_VERSION};
+use volley_transport::envsvc::protocol::{self, ObsBin, ObsEncoding, Op, StepActions, PROTOCOL_VERSION};
 use volley_transport::envsvc::{
     EnvFactory, EnvServer, EnvServerConfig, EnvServiceClient, EnvServiceError, EnvServiceName, RemoteVecEnv,
     RemoteVecEnvConfig,
@@ -69,20 +69,21 @@ fn every_operation_round_trips_against_a_server() {
     let mut local = CartPole::new();
     let mut obs = [0.0f32; 4];
     local.reset(12, &mut obs).unwrap();
-    assert_eq!(&opened.obs[4..8], &obs, "environment 1 was reset with seed 12");
+    assert_eq!(&f32s(&opened.obs)[4..8], &obs, "environment 1 was reset with seed 12");
     assert_eq!(server.n_sessions(), 1);
 
     let stepped = client.block_on(client.step(instance, opened.session, StepActions::Discrete(vec![0, 1, 1]))).unwrap();
     let outcome = local.step(Action::Discrete(1), &mut obs).unwrap();
-    assert_eq!(&stepped.obs[4..8], &obs);
+    assert_eq!(&f32s(&stepped.obs)[4..8], &obs);
     assert_eq!(stepped.rewards, vec![1.0; 3]);
     assert_eq!(stepped.rewards[1], outcome.reward);
     assert!(stepped.final_obs.is_empty() && stepped.errors.is_empty());
 
     let state = client.block_on(client.snapshot(instance, opened.session, 1)).unwrap();
-    let reset = client.block_on(client.reset(instance, opened.session, vec![Some(12), None, None])).unwrap();
+    let reset =
+        client.block_on(client.reset(instance, opened.session, vec![Some(12), None, None], ObsEncoding::F32)).unwrap();
     assert_eq!(reset.len(), 12);
-    let restored = client.block_on(client.restore(instance, opened.session, 2, state)).unwrap();
+    let restored = client.block_on(client.restore(instance, opened.session, 2, state, ObsEncoding::F32)).unwrap();
     assert_eq!(restored, obs, "environment 1's state restored into environment 2");
 
     client.block_on(client.close(instance, opened.session)).unwrap();
@@ -151,7 +152,7 @@ fn malformed_and_foreign_requests_are_answered_with_codes_and_counted() {
     assert_eq!(stepped.errors.len(), 1);
     assert_eq!(stepped.errors[0].env, 1);
     assert_eq!((stepped.truncated[1], stepped.rewards[1]), (true, 0.0));
-    assert_eq!(stepped.final_obs.len(), 4);
+    assert_eq!(f32s(&stepped.final_obs).len(), 4);
 }
 
 /// Issue 12 (docs/ENV_PROTOCOL.md, "Errors"): fields of the wrong type or range are 400, never
@@ -376,7 +377,7 @@ fn pendulum_box_actions_step_like_the_in_process_vec_env() {
     assert!(stepped.errors.iter().all(|f| f.message.contains("non-finite action")));
     assert_eq!(stepped.truncated, vec![false, true, true]);
     assert_eq!((stepped.rewards[1], stepped.rewards[2]), (0.0, 0.0));
-    assert_eq!(stepped.final_obs, opened.obs[3..9].to_vec(), "the last valid observations are final");
+    assert_eq!(f32s(&stepped.final_obs), f32s(&opened.obs)[3..9].to_vec(), "the last valid observations are final");
     // Wrong length and integer actions are request errors; version 1 cannot carry box actions.
     for actions in [StepActions::Box(vec![0.0; 2]), StepActions::Discrete(vec![0, 0, 0])] {
         let err = client.block_on(client.step(&instance, opened.session, actions)).unwrap_err();
@@ -390,4 +391,9 @@ fn pendulum_box_actions_step_like_the_in_process_vec_env() {
         .expect("a reply");
     let code = v1.headers.as_ref().and_then(|h| h.get(protocol::ERROR_CODE_HEADER)).map(|v| v.as_str().to_string());
     assert_eq!(code.as_deref(), Some("505"));
+}
+
+/// Observations of a vector environment, as floats.
+fn f32s(obs: &ObsBin) -> Vec<f32> {
+    obs.decode(ObsEncoding::F32).expect("f32 observations")
 }

@@ -299,6 +299,7 @@ fn fuzz_env_protocol_messages() {
             max_abs_reward: Some(1.0),
             snapshot: true,
             max_envs_per_session: 16,
+            obs_space: None,
         }),
         protocol::encode(&SpacesReply {
             env: "gymnasium:Pendulum-v1".into(),
@@ -314,21 +315,38 @@ fn fuzz_env_protocol_messages() {
             max_abs_reward: None,
             snapshot: false,
             max_envs_per_session: 16,
+            obs_space: Some(protocol::ObsSpaceMsg { kind: "box".into(), ..Default::default() }),
         }),
-        protocol::encode(&OpenReply { session: 7, obs: vec![0.5; 8], idle_timeout_ms: 300_000 }),
+        protocol::encode(&SpacesReply {
+            env: "atari:Pong".into(),
+            obs_dim: 84 * 84,
+            obs_low: vec![0.0; 84 * 84],
+            obs_high: vec![255.0; 84 * 84],
+            n_actions: 6,
+            action_space: None,
+            reward_threshold: None,
+            max_episode_steps: Some(27_000),
+            max_abs_reward: None,
+            snapshot: false,
+            max_envs_per_session: 16,
+            obs_space: Some(protocol::ObsSpaceMsg::image([1, 84, 84])),
+        }),
+        protocol::encode(&OpenReply { session: 7, obs: f32_obs(&[0.5; 8]), idle_timeout_ms: 300_000 }),
         protocol::encode(&StepReply {
-            obs: vec![0.1; 8],
+            obs: protocol::ObsBin::encode(&[7.0; 16], protocol::ObsEncoding::U8),
             rewards: vec![1.0, 1.0],
             terminated: vec![false, true],
             truncated: vec![false, false],
-            final_obs: vec![0.2; 4],
+            final_obs: f32_obs(&[0.2; 4]),
             errors: vec![EnvFailure { env: 1, message: "kaboom".into() }],
         }),
-        protocol::encode(&ObsReply { obs: vec![0.3; 8] }),
+        protocol::encode(&ObsReply { obs: f32_obs(&[0.3; 8]) }),
         protocol::encode(&SnapshotReply { state: vec![9; 32] }),
     ];
     fuzz("env protocol replies", replies, |mutated, _| {
-        let _ = protocol::decode::<SpacesReply>("spaces", mutated);
+        if let Ok(spaces) = protocol::decode::<SpacesReply>("spaces", mutated) {
+            let _ = (spaces.image_shape(), spaces.action_space());
+        }
         let _ = protocol::decode::<OpenReply>("open", mutated);
         let _ = protocol::decode::<StepReply>("step", mutated);
         let _ = protocol::decode::<ObsReply>("obs", mutated);
@@ -363,4 +381,9 @@ fn fuzz_run_spec() {
             let _ = spec.validate();
         }
     });
+}
+
+/// Float observations as they travel.
+fn f32_obs(values: &[f32]) -> protocol::ObsBin {
+    protocol::ObsBin::encode(values, protocol::ObsEncoding::F32)
 }

@@ -15,7 +15,7 @@ use tokio::runtime::Handle;
 use tracing::{debug, warn};
 
 use super::protocol::{
-    self, CloseRequest, EmptyReply, ObsReply, Op, OpenReply, OpenRequest, ResetRequest, RestoreRequest, ServiceInfo,
+    self, CloseRequest, EmptyReply, ObsEncoding, ObsReply, Op, OpenReply, OpenRequest, ResetRequest, RestoreRequest, ServiceInfo,
     SnapshotReply, SnapshotRequest, SpacesReply, SpacesRequest, StepActions, StepReply, StepRequest, ERROR_CODE_HEADER,
     ERROR_HEADER, METADATA_PROTOCOL, MIN_PROTOCOL_VERSION, PROTOCOL_VERSION,
 };
@@ -236,6 +236,9 @@ impl EnvServiceClient {
         if actions.is_continuous() && instance.protocol < 2 {
             return Err(bad("a box action space from a version-1 instance".to_string()));
         }
+        if reply.image_shape().map_err(&bad)?.is_some() && instance.protocol < protocol::IMAGE_PROTOCOL_VERSION {
+            return Err(bad(format!("image observations from a version-{} instance", instance.protocol)));
+        }
         Ok(reply)
     }
 
@@ -246,16 +249,22 @@ impl EnvServiceClient {
         self.call(instance, Op::Open, &request).await
     }
 
-    /// Reset every environment of a session (`None`: the environment's own generator).
+    /// Reset every environment of a session (`None`: the environment's own generator); the
+    /// observations decoded as `encoding` (the instance's [`SpacesReply::obs_encoding`]).
     pub async fn reset(
         &self,
         instance: &Instance,
         session: u64,
         seeds: Vec<Option<u64>>,
+        encoding: ObsEncoding,
     ) -> Result<Vec<f32>, EnvServiceError> {
         let reply: ObsReply =
             self.call(instance, Op::Reset, &ResetRequest { v: instance.protocol, session, seeds }).await?;
-        Ok(reply.obs)
+        reply.obs.decode(encoding).map_err(|message| EnvServiceError::BadReply {
+            instance: instance.id.clone(),
+            op: "reset",
+            message,
+        })
     }
 
     /// Step every environment of a session. The caller checks lengths and values.
@@ -275,17 +284,22 @@ impl EnvServiceClient {
         Ok(reply.state)
     }
 
-    /// Restore environment `env` of a session; returns its observation.
+    /// Restore environment `env` of a session; returns its observation, decoded as `encoding`.
     pub async fn restore(
         &self,
         instance: &Instance,
         session: u64,
         env: u32,
         state: Vec<u8>,
+        encoding: ObsEncoding,
     ) -> Result<Vec<f32>, EnvServiceError> {
         let request = RestoreRequest { v: instance.protocol, session, env, state };
         let reply: ObsReply = self.call(instance, Op::Restore, &request).await?;
-        Ok(reply.obs)
+        reply.obs.decode(encoding).map_err(|message| EnvServiceError::BadReply {
+            instance: instance.id.clone(),
+            op: "restore",
+            message,
+        })
     }
 
     /// Drop a session (succeeds for an unknown one).

@@ -16,8 +16,13 @@ use serde::{Deserialize, Serialize};
 
 /// The newest protocol version, which every request of this build carries in `v` to an instance
 /// announcing it. Version 2 added continuous (`Box`) actions: the `spaces` reply's
-/// `action_space` and `f32` actions in `step` (docs/ENV_PROTOCOL.md, "Versioning").
-pub const PROTOCOL_VERSION: u32 = 2;
+/// `action_space` and `f32` actions in `step`. Version 3 added image observations: the
+/// `spaces` reply's `obs_space` and observations of one byte per value (docs/ENV_PROTOCOL.md,
+/// "Versioning").
+pub const PROTOCOL_VERSION: u32 = 3;
+
+/// The oldest version that carries image observations (`obs_space` kind `image`).
+pub const IMAGE_PROTOCOL_VERSION: u32 = 3;
 
 /// The oldest version this build speaks. Version 1 messages are version 2's for `Discrete`
 /// environments, so keeping it costs one comparison: a server answers version 1 requests for a
@@ -167,6 +172,85 @@ pub struct SpacesReply {
     pub snapshot: bool,
     /// Largest `n_envs` an `open` may ask for.
     pub max_envs_per_session: u32,
+    /// The observation space (version 3): absent or kind `box` for flat `f32` vectors, kind
+    /// `image` for `u8` images, whose observations travel one byte per value.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub obs_space: Option<ObsSpaceMsg>,
+}
+
+/// The `obs_space` of a `spaces` reply: `{kind: "box"}` (flat `f32` vectors, as without the
+/// key) or `{kind: "image", shape: [C, H, W], dtype: "u8"}`.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct ObsSpaceMsg {
+    /// `"box"` or `"image"`.
+    pub kind: String,
+    /// Image: `[C, H, W]`, channel-major; `C·H·W` is `obs_dim`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub shape: Vec<u32>,
+    /// Image: the element type, `"u8"`.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub dtype: String,
+}
+
+/// The `kind` of a flat vector [`ObsSpaceMsg`].
+pub const OBS_KIND_BOX: &str = "box";
+/// The `kind` of an image [`ObsSpaceMsg`].
+pub const OBS_KIND_IMAGE: &str = "image";
+/// The `dtype` of an image [`ObsSpaceMsg`].
+pub const OBS_DTYPE_U8: &str = "u8";
+
+/// How observations travel: little-endian `f32`s, or one byte per value (images).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ObsEncoding {
+    /// Four bytes per value, little-endian IEEE-754.
+    #[default]
+    F32,
+    /// One byte per value, `0..=255`.
+    U8,
+}
+
+impl ObsSpaceMsg {
+    /// The message for a `u8` image of shape `[C, H, W]`.
+    pub fn image(shape: [usize; 3]) -> Self {
+        ObsSpaceMsg {
+            kind: OBS_KIND_IMAGE.into(),
+            shape: shape.iter().map(|&d| d as u32).collect(),
+            dtype: OBS_DTYPE_U8.into(),
+        }
+    }
+}
+
+impl SpacesReply {
+    /// The image shape `[C, H, W]` for an image observation space, `None` for flat vectors;
+    /// an unknown kind or dtype, or a shape that is not `obs_dim` values, is an error.
+    pub fn image_shape(&self) -> Result<Option<[usize; 3]>, String> {
+        let Some(msg) = &self.obs_space else { return Ok(None) };
+        match msg.kind.as_str() {
+            OBS_KIND_BOX => Ok(None),
+            OBS_KIND_IMAGE => {
+                if msg.dtype != OBS_DTYPE_U8 {
+                    return Err(format!("image observations of dtype {:?} (only \"u8\" is known)", msg.dtype));
+                }
+                let [c, h, w] = msg.shape[..] else {
+                    return Err(format!("image shape {:?} is not [C, H, W]", msg.shape));
+                };
+                let len = (c as usize).checked_mul(h as usize).and_then(|n| n.checked_mul(w as usize));
+                if len != Some(self.obs_dim as usize) || len == Some(0) {
+                    return Err(format!("image shape {:?} for obs_dim {}", msg.shape, self.obs_dim));
+                }
+                Ok(Some([c as usize, h as usize, w as usize]))
+            }
+            other => Err(format!("unknown observation space kind {other:?}")),
+        }
+    }
+
+    /// How this instance's observations travel.
+    pub fn obs_encoding(&self) -> ObsEncoding {
+        match self.image_shape() {
+            Ok(Some(_)) => ObsEncoding::U8,
+            _ => ObsEncoding::F32,
+        }
+    }
 }
 
 /// The `action_space` of a `spaces` reply: `{kind: "discrete", n}` or
@@ -269,9 +353,8 @@ pub struct OpenRequest {
 pub struct OpenReply {
     /// The session id (unique within this instance).
     pub session: u64,
-    /// First observations, `n_envs × obs_dim` floats.
-    #[serde(with = "f32_bin")]
-    pub obs: Vec<f32>,
+    /// First observations, `n_envs × obs_dim` values ([`ObsBin`]).
+    pub obs: ObsBin,
     /// The server drops a session that received no request for this long.
     #[serde(default)]
     pub idle_timeout_ms: u64,
@@ -291,9 +374,8 @@ pub struct ResetRequest {
 /// Reply of `reset` and `restore`: observations.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ObsReply {
-    /// `reset`: `n_envs × obs_dim` floats; `restore`: the restored environment's `obs_dim`.
-    #[serde(with = "f32_bin")]
-    pub obs: Vec<f32>,
+    /// `reset`: `n_envs × obs_dim` values; `restore`: the restored environment's `obs_dim`.
+    pub obs: ObsBin,
 }
 
 /// `step` request: one action per environment of the session.
@@ -372,9 +454,8 @@ pub struct EnvFailure {
 /// observation is in `final_obs`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct StepReply {
-    /// Current observations, `n_envs × obs_dim` floats.
-    #[serde(with = "f32_bin")]
-    pub obs: Vec<f32>,
+    /// Current observations, `n_envs × obs_dim` values.
+    pub obs: ObsBin,
     /// `n_envs` rewards.
     #[serde(with = "f32_bin")]
     pub rewards: Vec<f32>,
@@ -384,8 +465,8 @@ pub struct StepReply {
     pub truncated: Vec<bool>,
     /// One `obs_dim` row per environment whose episode ended, in environment order: the
     /// observation before the reset (the last valid one for a failed environment).
-    #[serde(default, with = "f32_bin")]
-    pub final_obs: Vec<f32>,
+    #[serde(default)]
+    pub final_obs: ObsBin,
     /// Environments that failed this step (reported truncated with reward 0, then reset).
     #[serde(default)]
     pub errors: Vec<EnvFailure>,
@@ -501,6 +582,47 @@ pub fn decode<T: DeserializeOwned>(what: &'static str, bytes: &[u8]) -> Result<T
     rmp_serde::from_slice(bytes).map_err(|err| ProtocolError { what, message: err.to_string() })
 }
 
+/// Observations as they travel: a MessagePack `bin` whose element type the instance's
+/// `obs_space` fixes ([`SpacesReply::obs_encoding`]): little-endian `f32`s, or one byte per
+/// value for images. The reader decodes them with the encoding it learnt from `spaces`.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct ObsBin(#[serde(with = "serde_bytes")] pub Vec<u8>);
+
+impl ObsBin {
+    /// Encode `values` as `encoding` says. For [`ObsEncoding::U8`] every value must be a whole
+    /// number in `0..=255` (what an image environment produces); others saturate.
+    pub fn encode(values: &[f32], encoding: ObsEncoding) -> Self {
+        match encoding {
+            ObsEncoding::F32 => ObsBin(values.iter().flat_map(|v| v.to_le_bytes()).collect()),
+            ObsEncoding::U8 => ObsBin(values.iter().map(|&v| v as u8).collect()),
+        }
+    }
+
+    /// Whether there are no bytes (no observations).
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// The number of values the bytes hold in `encoding`, or an error for a length that is not
+    /// a whole number of values.
+    pub fn n_values(&self, encoding: ObsEncoding) -> Result<usize, String> {
+        match encoding {
+            ObsEncoding::U8 => Ok(self.0.len()),
+            ObsEncoding::F32 if self.0.len().is_multiple_of(4) => Ok(self.0.len() / 4),
+            ObsEncoding::F32 => Err(format!("f32 array of {} bytes is not a multiple of 4", self.0.len())),
+        }
+    }
+
+    /// The values, decoded as `encoding` says.
+    pub fn decode(&self, encoding: ObsEncoding) -> Result<Vec<f32>, String> {
+        match encoding {
+            ObsEncoding::F32 => f32_bin::from_bytes(&self.0),
+            ObsEncoding::U8 => Ok(self.0.iter().map(|&b| f32::from(b)).collect()),
+        }
+    }
+}
+
 /// `Vec<f32>` as a MessagePack `bin` of little-endian `f32`s.
 pub(crate) mod f32_bin {
     use serde::de::Error;
@@ -535,22 +657,69 @@ mod tests {
 
     #[test]
     fn step_reply_round_trips_with_infinite_and_negative_values() {
+        let obs = vec![1.5, -0.0, f32::INFINITY, -3.25];
         let reply = StepReply {
-            obs: vec![1.5, -0.0, f32::INFINITY, -3.25],
+            obs: ObsBin::encode(&obs, ObsEncoding::F32),
             rewards: vec![1.0, 0.0],
             terminated: vec![true, false],
             truncated: vec![false, true],
-            final_obs: vec![9.0, 8.0, 7.0, 6.0],
+            final_obs: ObsBin::encode(&[9.0, 8.0, 7.0, 6.0], ObsEncoding::F32),
             errors: vec![EnvFailure { env: 1, message: "boom".into() }],
         };
         let bytes = encode(&reply);
-        assert_eq!(decode::<StepReply>("step reply", &bytes).unwrap(), reply);
+        let decoded = decode::<StepReply>("step reply", &bytes).unwrap();
+        assert_eq!(decoded, reply);
+        let bits = |values: &[f32]| values.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&decoded.obs.decode(ObsEncoding::F32).unwrap()), bits(&obs));
+    }
+
+    /// Image observations travel one byte per value and decode to the same whole numbers.
+    #[test]
+    fn image_observations_are_one_byte_per_value() {
+        let values: Vec<f32> = (0..=255).map(|v| v as f32).collect();
+        let reply = ObsReply { obs: ObsBin::encode(&values, ObsEncoding::U8) };
+        let bytes = encode(&reply);
+        // fixmap of 1, "obs", then bin16 of 256 bytes.
+        assert_eq!(&bytes[..8], &[0x81, 0xa3, b'o', b'b', b's', 0xc5, 1, 0]);
+        assert_eq!(bytes.len(), 8 + 256);
+        let decoded: ObsReply = decode("obs reply", &bytes).unwrap();
+        assert_eq!(decoded.obs.n_values(ObsEncoding::U8), Ok(256));
+        assert_eq!(decoded.obs.decode(ObsEncoding::U8).unwrap(), values);
+        // The same bytes read as floats are 64 values, so a reader that ignored obs_space would
+        // fail the length check.
+        assert_eq!(decoded.obs.n_values(ObsEncoding::F32), Ok(64));
+    }
+
+    #[test]
+    fn image_obs_spaces_are_checked() {
+        let mut spaces = spaces_reply();
+        assert_eq!(spaces.image_shape(), Ok(None));
+        assert_eq!(spaces.obs_encoding(), ObsEncoding::F32);
+        spaces.obs_space = Some(ObsSpaceMsg { kind: OBS_KIND_BOX.into(), ..Default::default() });
+        assert_eq!(spaces.image_shape(), Ok(None));
+        spaces.obs_dim = 2 * 84 * 84;
+        spaces.obs_space = Some(ObsSpaceMsg::image([2, 84, 84]));
+        assert_eq!(spaces.image_shape(), Ok(Some([2, 84, 84])));
+        assert_eq!(spaces.obs_encoding(), ObsEncoding::U8);
+        let decoded: SpacesReply = decode("spaces", &encode(&spaces)).unwrap();
+        assert_eq!(decoded.image_shape(), Ok(Some([2, 84, 84])));
+        for (shape, dtype, kind) in [
+            (vec![1, 84, 84], "u8", "image"),
+            (vec![2, 84], "u8", "image"),
+            (vec![2, 84, 84], "f32", "image"),
+            (vec![2, 84, 84], "u8", "voxels"),
+            (vec![0, 84, 84], "u8", "image"),
+        ] {
+            spaces.obs_space = Some(ObsSpaceMsg { kind: kind.into(), shape, dtype: dtype.into() });
+            assert!(spaces.image_shape().is_err(), "{:?}", spaces.obs_space);
+        }
     }
 
     /// The layout other languages must produce: a map with string keys, floats as `bin`.
     #[test]
     fn open_reply_bytes_are_a_named_map_with_f32_bins() {
-        let bytes = encode(&OpenReply { session: 7, obs: vec![1.0], idle_timeout_ms: 0 });
+        let bytes =
+            encode(&OpenReply { session: 7, obs: ObsBin::encode(&[1.0], ObsEncoding::F32), idle_timeout_ms: 0 });
         // fixmap of 3 entries, then "session" as fixstr, 7 as positive fixint.
         assert_eq!(&bytes[..10], &[0x83, 0xa7, b's', b'e', b's', b's', b'i', b'o', b'n', 7]);
         // "obs" then bin8 of 4 bytes holding 1.0f32 little-endian.
@@ -603,13 +772,14 @@ mod tests {
 
     #[test]
     fn a_float_array_of_odd_length_is_refused() {
-        let mut bytes = encode(&ObsReply { obs: vec![1.0] });
+        let mut bytes = encode(&ObsReply { obs: ObsBin::encode(&[1.0], ObsEncoding::F32) });
         // Shorten the bin from 4 to 3 bytes.
         let len_at = bytes.len() - 5;
         bytes[len_at] = 3;
         bytes.pop();
-        let err = decode::<ObsReply>("obs reply", &bytes).unwrap_err();
-        assert!(err.message.contains("multiple of 4"), "{err}");
+        let reply = decode::<ObsReply>("obs reply", &bytes).unwrap();
+        let err = reply.obs.decode(ObsEncoding::F32).unwrap_err();
+        assert!(err.contains("multiple of 4"), "{err}");
     }
 
     fn spaces_reply() -> SpacesReply {
@@ -625,6 +795,7 @@ mod tests {
             max_abs_reward: None,
             snapshot: false,
             max_envs_per_session: 8,
+            obs_space: None,
         }
     }
 

@@ -9,7 +9,7 @@ use futures::StreamExt;
 use tracing::{info, warn};
 
 use super::client::{EnvServiceClient, Instance};
-use super::protocol::StepActions;
+use super::protocol::{ObsEncoding, StepActions, StepReply};
 use super::{EnvServiceError, EnvServiceName};
 use volley_env::{derive_env_seed, ActionSpace, Actions, EnvError, FinishedEpisode, VecStep, VectorEnv};
 
@@ -110,6 +110,9 @@ pub struct RemoteVecEnv {
     /// The action space of the first usable instance; later ones must have the same kind and
     /// size (box bounds may differ: each server clips to its own).
     action_space: Option<ActionSpace>,
+    /// How the first usable instance's observations travel (and so every later one's), with
+    /// its image shape if they are images.
+    obs_space: Option<(ObsEncoding, Option<[usize; 3]>)>,
     obs: Vec<f32>,
     stats: Vec<EpisodeStats>,
     slots: Vec<Slot>,
@@ -134,6 +137,7 @@ impl RemoteVecEnv {
             obs_dim: config.expected_spaces.map_or(0, |(d, _)| d),
             n_actions: config.expected_spaces.map_or(0, |(_, n)| n),
             action_space: None,
+            obs_space: None,
             obs: Vec::new(),
             stats: vec![EpisodeStats::default(); config.n_envs],
             slots: Vec::new(),
@@ -195,7 +199,12 @@ impl RemoteVecEnv {
             n_envs.div_ceil(n_sessions)
         };
         let instance_cap = self.known.values().map(|k| k.max_envs_per_session).max().unwrap_or(1);
-        let payload_cap = (self.client.max_payload() / PAYLOAD_SHARE) / (2 * 4 * self.obs_dim + STEP_BYTES_PER_ENV);
+        let value_bytes = match self.obs_encoding() {
+            ObsEncoding::F32 => 4,
+            ObsEncoding::U8 => 1,
+        };
+        let payload_cap =
+            (self.client.max_payload() / PAYLOAD_SHARE) / (2 * value_bytes * self.obs_dim + STEP_BYTES_PER_ENV);
         wanted.min(instance_cap).min(payload_cap.max(1)).max(1)
     }
 
@@ -249,6 +258,15 @@ impl RemoteVecEnv {
             let Ok(action_space) = spaces.action_space() else { continue };
             let (obs_dim, n_actions) = (spaces.obs_dim as usize, action_space.n_actions());
             let continuous = action_space.is_continuous();
+            // Checked by the client's `spaces` too.
+            let Ok(image) = spaces.image_shape() else { continue };
+            let obs_space = (spaces.obs_encoding(), image);
+            if self.obs_space.is_some_and(|known| known != obs_space) {
+                warn!(service = %service, instance = %instance.id, ?image,
+                      expected_image = ?self.obs_space.and_then(|(_, image)| image),
+                      "environment server serves another observation space; skipped");
+                continue;
+            }
             if self.obs_dim == 0 {
                 (self.obs_dim, self.n_actions) = (obs_dim, n_actions);
             }
@@ -266,6 +284,7 @@ impl RemoteVecEnv {
             if self.action_space.is_none() {
                 self.action_space = Some(action_space);
             }
+            self.obs_space = Some(obs_space);
             let max_envs_per_session = (spaces.max_envs_per_session as usize).max(1);
             self.known
                 .insert(instance.id.clone(), Known { instance: Arc::new(instance), max_envs_per_session, sessions: 0 });
@@ -298,23 +317,22 @@ impl RemoteVecEnv {
             let seed = self.config.seed ^ generation.wrapping_mul(0x9E37_79B9_7F4A_7C15);
             let seeds: Vec<u64> = (start..start + len).map(|env_idx| derive_env_seed(seed, env_idx)).collect();
             let client = self.client.clone();
+            let encoding = self.obs_encoding();
             let result = client.block_on(client.open(&instance, &seeds)).and_then(|reply| {
-                if reply.obs.len() != len * self.obs_dim || !reply.obs.iter().all(|v| v.is_finite()) {
-                    return Err(EnvServiceError::BadReply {
-                        instance: instance.id.clone(),
-                        op: "open",
-                        message: format!(
-                            "{} finite observations expected, got {}",
-                            len * self.obs_dim,
-                            reply.obs.len()
-                        ),
-                    });
+                let bad = |message: String| EnvServiceError::BadReply { instance: instance.id.clone(), op: "open", message };
+                let obs = reply.obs.decode(encoding).map_err(bad)?;
+                if obs.len() != len * self.obs_dim || !obs.iter().all(|v| v.is_finite()) {
+                    return Err(bad(format!(
+                        "{} finite observations expected, got {}",
+                        len * self.obs_dim,
+                        obs.len()
+                    )));
                 }
-                Ok(reply)
+                Ok((reply, obs))
             });
             match result {
-                Ok(reply) => {
-                    self.obs[start * self.obs_dim..(start + len) * self.obs_dim].copy_from_slice(&reply.obs);
+                Ok((reply, obs)) => {
+                    self.obs[start * self.obs_dim..(start + len) * self.obs_dim].copy_from_slice(&obs);
                     self.stats[start..start + len].fill(EpisodeStats::default());
                     if let Some(known) = self.known.get_mut(&instance.id) {
                         known.sessions += 1;
@@ -335,34 +353,47 @@ impl RemoteVecEnv {
         }
     }
 
-    /// Check a step reply against the session's shape.
-    fn check_reply(&self, len: usize, reply: &super::protocol::StepReply) -> Result<(), String> {
+    /// How observations travel (`F32` until an instance is known).
+    fn obs_encoding(&self) -> ObsEncoding {
+        self.obs_space.map_or(ObsEncoding::F32, |(encoding, _)| encoding)
+    }
+
+    /// The image shape `[C, H, W]` of the servers' observations, if they are images.
+    pub fn image_shape(&self) -> Option<[usize; 3]> {
+        self.obs_space.and_then(|(_, image)| image)
+    }
+
+    /// Check a step reply against the session's shape; its observations and final
+    /// observations, decoded.
+    fn check_reply(&self, len: usize, reply: &StepReply) -> Result<(Vec<f32>, Vec<f32>), String> {
         let dim = self.obs_dim;
-        if reply.obs.len() != len * dim
+        let obs = reply.obs.decode(self.obs_encoding())?;
+        let final_obs = reply.final_obs.decode(self.obs_encoding())?;
+        if obs.len() != len * dim
             || reply.rewards.len() != len
             || reply.terminated.len() != len
             || reply.truncated.len() != len
         {
             return Err(format!(
                 "{len} environments of {dim} observations expected, got {} observations, {} rewards, {} and {} flags",
-                reply.obs.len(),
+                obs.len(),
                 reply.rewards.len(),
                 reply.terminated.len(),
                 reply.truncated.len()
             ));
         }
         let n_done = reply.terminated.iter().zip(&reply.truncated).filter(|(&te, &tr)| te || tr).count();
-        if reply.final_obs.len() != n_done * dim {
-            return Err(format!("{n_done} final observations expected, got {} floats", reply.final_obs.len()));
+        if final_obs.len() != n_done * dim {
+            return Err(format!("{n_done} final observations expected, got {} values", final_obs.len()));
         }
         if let Some(failure) = reply.errors.iter().find(|f| f.env as usize >= len) {
             return Err(format!("error for environment {} of {len}", failure.env));
         }
         let finite = |values: &[f32]| values.iter().all(|v| v.is_finite());
-        if !(finite(&reply.obs) && finite(&reply.rewards) && finite(&reply.final_obs)) {
+        if !(finite(&obs) && finite(&reply.rewards) && finite(&final_obs)) {
             return Err("non-finite observation or reward".to_string());
         }
-        Ok(())
+        Ok((obs, final_obs))
     }
 
     /// Abort the episodes of `slot_idx` after `error`, and open the slot again elsewhere.
@@ -404,7 +435,13 @@ impl RemoteVecEnv {
     }
 
     /// Apply a checked step reply of `slot_idx`.
-    fn apply_reply(&mut self, slot_idx: usize, reply: super::protocol::StepReply, out: &mut VecStep) {
+    fn apply_reply(
+        &mut self,
+        slot_idx: usize,
+        reply: StepReply,
+        (obs, final_obs): (Vec<f32>, Vec<f32>),
+        out: &mut VecStep,
+    ) {
         let dim = self.obs_dim;
         let (start, len) = (self.slots[slot_idx].start, self.slots[slot_idx].len);
         self.errored.clear();
@@ -420,7 +457,7 @@ impl RemoteVecEnv {
                 },
             ));
         }
-        let mut final_rows = reply.final_obs.chunks_exact(dim.max(1));
+        let mut final_rows = final_obs.chunks_exact(dim.max(1));
         for k in 0..len {
             let env_idx = start + k;
             let errored = self.errored[k];
@@ -451,7 +488,7 @@ impl RemoteVecEnv {
                 stats.episode_len += 1;
             }
         }
-        self.obs[start * dim..(start + len) * dim].copy_from_slice(&reply.obs);
+        self.obs[start * dim..(start + len) * dim].copy_from_slice(&obs);
     }
 
     /// Find the slot and the index within it of environment `env_idx`.
@@ -546,11 +583,11 @@ impl VectorEnv for RemoteVecEnv {
             answered[slot_idx] = true;
             let len = self.slots[slot_idx].len;
             let checked = result.and_then(|reply| match self.check_reply(len, &reply) {
-                Ok(()) => Ok(reply),
+                Ok(decoded) => Ok((reply, decoded)),
                 Err(message) => Err(EnvServiceError::BadReply { instance: instance.clone(), op: "step", message }),
             });
             match checked {
-                Ok(reply) => self.apply_reply(slot_idx, reply, out),
+                Ok((reply, decoded)) => self.apply_reply(slot_idx, reply, decoded, out),
                 Err(error) => self.lose_slot(slot_idx, &error, out),
             }
         }
@@ -581,7 +618,7 @@ impl VectorEnv for RemoteVecEnv {
         };
         let client = self.client.clone();
         let obs = client
-            .block_on(client.restore(&instance, session, within, bytes.to_vec()))
+            .block_on(client.restore(&instance, session, within, bytes.to_vec(), self.obs_encoding()))
             .map_err(|err| self.remote_error(&err))?;
         let dim = self.obs_dim;
         if obs.len() != dim || !obs.iter().all(|v| v.is_finite()) {

@@ -16,9 +16,9 @@ use tokio::task::JoinHandle;
 use tracing::{debug, info, warn};
 
 use super::protocol::{
-    self, ActionSpaceMsg, CloseRequest, EmptyReply, EnvFailure, ErrorCode, ObsReply, Op, OpenReply, OpenRequest,
+    self, ActionSpaceMsg, CloseRequest, EmptyReply, EnvFailure, ErrorCode, ObsBin, ObsEncoding, ObsReply, ObsSpaceMsg, Op, OpenReply, OpenRequest,
     ResetRequest, RestoreRequest, SnapshotReply, SnapshotRequest, SpacesReply, StepActions, StepReply, StepRequest,
-    VersionProbe, METADATA_ENV, METADATA_PROTOCOL, MIN_PROTOCOL_VERSION, PROTOCOL_VERSION,
+    VersionProbe, IMAGE_PROTOCOL_VERSION, METADATA_ENV, METADATA_PROTOCOL, MIN_PROTOCOL_VERSION, PROTOCOL_VERSION,
 };
 use super::{EnvServiceError, EnvServiceName};
 use volley_core::subjects;
@@ -46,6 +46,10 @@ pub struct EnvServerConfig {
     pub max_episode_steps: Option<u32>,
     /// Declared in `spaces`: the largest |reward| of one step.
     pub max_abs_reward: Option<f32>,
+    /// Serve the observations as `u8` images of this `[C, H, W]` shape (protocol version 3),
+    /// e.g. MinAtar's planes; `None`: flat `f32` vectors. Every value the environment produces
+    /// must then be a whole number in `0..=255` (checked at start on the first observation).
+    pub image_shape: Option<[usize; 3]>,
 }
 
 impl EnvServerConfig {
@@ -60,6 +64,7 @@ impl EnvServerConfig {
             reward_threshold: None,
             max_episode_steps: None,
             max_abs_reward: None,
+            image_shape: None,
         }
     }
 }
@@ -87,6 +92,8 @@ struct ServerState {
     factory: EnvFactory,
     spaces: Vec<u8>,
     obs_dim: usize,
+    /// How observations travel: `U8` for an image environment.
+    obs_encoding: ObsEncoding,
     action_space: ActionSpace,
     sessions: Mutex<HashMap<u64, Arc<Mutex<Session>>>>,
     next_session: AtomicU64,
@@ -120,8 +127,19 @@ impl EnvServer {
         config: EnvServerConfig,
     ) -> Result<EnvServer, EnvServiceError> {
         let incompatible = |message: String| EnvServiceError::Incompatible { instance: String::new(), message };
-        let probe = factory().map_err(|err| incompatible(format!("cannot build the environment: {err}")))?;
+        let mut probe = factory().map_err(|err| incompatible(format!("cannot build the environment: {err}")))?;
         let space = probe.observation_space();
+        if let Some(shape) = config.image_shape {
+            if shape.iter().product::<usize>() != space.dim() {
+                return Err(incompatible(format!("image shape {shape:?} for {} observation values", space.dim())));
+            }
+            let mut obs = vec![0.0; space.dim()];
+            probe.reset(0, &mut obs).map_err(|err| incompatible(format!("cannot reset the environment: {err}")))?;
+            if !obs.iter().all(|&v| volley_core::wire::observations::is_byte_valued(v)) {
+                return Err(incompatible("image observations must be whole numbers in 0..=255".to_string()));
+            }
+        }
+        let obs_encoding = if config.image_shape.is_some() { ObsEncoding::U8 } else { ObsEncoding::F32 };
         let action_space = probe.action_space();
         // 0 for a box: a version-1 reader refuses the reply instead of stepping integers.
         let n_actions = action_space.discrete_n().unwrap_or(0);
@@ -137,6 +155,7 @@ impl EnvServer {
             max_abs_reward: config.max_abs_reward,
             snapshot: true,
             max_envs_per_session: config.max_envs_per_session as u32,
+            obs_space: config.image_shape.map(ObsSpaceMsg::image),
         };
         let service_name = subjects::env_service(&config.name);
         let metadata = HashMap::from([
@@ -157,6 +176,7 @@ impl EnvServer {
             .unwrap_or(0);
         let state = Arc::new(ServerState {
             obs_dim: space.dim(),
+            obs_encoding,
             action_space,
             spaces: protocol::encode(&spaces),
             factory,
@@ -300,7 +320,17 @@ impl ServerState {
         let probe: VersionProbe = decode("request", payload)?;
         // Version 1 is version 2 without box actions: served for discrete environments only.
         let continuous = self.action_space.is_continuous();
+        // Versions 1 and 2 are version 3 without image observations.
+        let image = self.obs_encoding == ObsEncoding::U8;
         match probe.v {
+            Some(v) if image && v < IMAGE_PROTOCOL_VERSION => {
+                return Err((
+                    ErrorCode::UnsupportedVersion,
+                    format!(
+                        "protocol version {v} is not served here (image observations need {IMAGE_PROTOCOL_VERSION})"
+                    ),
+                ))
+            }
             Some(1) if continuous => {
                 return Err((
                     ErrorCode::UnsupportedVersion,
@@ -335,13 +365,13 @@ impl ServerState {
                             .reset_env(env_idx, *seed)
                             .map_err(|err| (ErrorCode::Internal, format!("reset of environment {env_idx}: {err}")))?;
                     }
-                    Ok(protocol::encode(&ObsReply { obs: session.envs.obs().to_vec() }))
+                    Ok(protocol::encode(&ObsReply { obs: ObsBin::encode(session.envs.obs(), self.obs_encoding) }))
                 })
             }
             Op::Step => {
                 let request: StepRequest = decode("step request", payload)?;
                 self.with_session(request.session, |session| {
-                    step(session, &request.actions, self.obs_dim, &self.action_space)
+                    step(session, &request.actions, self.obs_dim, self.obs_encoding, &self.action_space)
                 })
             }
             Op::Snapshot => {
@@ -360,8 +390,8 @@ impl ServerState {
                         other => (ErrorCode::Internal, other.to_string()),
                     })?;
                     let dim = self.obs_dim;
-                    let obs = session.envs.obs()[env_idx * dim..(env_idx + 1) * dim].to_vec();
-                    Ok(protocol::encode(&ObsReply { obs }))
+                    let obs = &session.envs.obs()[env_idx * dim..(env_idx + 1) * dim];
+                    Ok(protocol::encode(&ObsReply { obs: ObsBin::encode(obs, self.obs_encoding) }))
                 })
             }
             Op::Close => {
@@ -390,7 +420,7 @@ impl ServerState {
         for (env_idx, &seed) in request.seeds.iter().enumerate() {
             envs.reset_env(env_idx, Some(seed)).map_err(internal)?;
         }
-        let obs = envs.obs().to_vec();
+        let obs = ObsBin::encode(envs.obs(), self.obs_encoding);
         let session_id = self.next_session.fetch_add(1, Ordering::Relaxed);
         let session = Session { step: VecStep::new(n_envs, self.obs_dim), envs, last_used: Instant::now() };
         self.sessions
@@ -442,6 +472,7 @@ fn step(
     session: &mut Session,
     actions: &StepActions,
     obs_dim: usize,
+    obs_encoding: ObsEncoding,
     action_space: &ActionSpace,
 ) -> Result<Vec<u8>, Failure> {
     let n_envs = session.envs.n_envs();
@@ -511,11 +542,11 @@ fn step(
     }
     errors.sort_by_key(|failure| failure.env);
     Ok(protocol::encode(&StepReply {
-        obs: session.envs.obs().to_vec(),
+        obs: ObsBin::encode(session.envs.obs(), obs_encoding),
         rewards: out.rewards.clone(),
         terminated: out.terminated.clone(),
         truncated: out.truncated.clone(),
-        final_obs,
+        final_obs: ObsBin::encode(&final_obs, obs_encoding),
         errors,
     }))
 }
