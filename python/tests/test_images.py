@@ -1,9 +1,13 @@
-"""Image observations, protocol version 3: a tiny uint8 (H, W, 3) environment defined here,
-against a real nats-server."""
+"""Image observations, protocol version 3: a tiny uint8 (H, W, 3) environment defined here and
+Atari Pong (``atari:Pong``, ale-py), each against a real nats-server."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import subprocess
+import sys
 
 import gymnasium as gym
 import nats
@@ -160,3 +164,91 @@ def test_a_vector_env_still_sends_floats_to_every_version(nats_url):
         await nc.close()
 
     run(scenario())
+
+
+def atari_pong(**kwargs):
+    return make_factory("atari:Pong", kwargs)()
+
+
+def test_atari_pong_serves_84x84_grayscale_frames(nats_url):
+    async def scenario():
+        server = EnvServer(make_factory("atari:Pong"), "pong", label="atari:Pong")
+        nc = await started(nats_url, server)
+        (instance,) = await discover(nc, "pong")
+        spaces_reply = await call(nc, instance, "spaces", {})
+        assert spaces_reply["obs_space"] == {"kind": "image", "shape": [1, 84, 84], "dtype": "u8"}
+        assert spaces_reply["obs_dim"] == 7056
+        assert spaces_reply["n_actions"] == 6
+        assert spaces_reply["action_space"] == {"kind": "discrete", "n": 6}
+        assert spaces_reply["max_episode_steps"] == 27000
+        assert spaces_reply["max_abs_reward"] is None and spaces_reply["snapshot"] is False
+        session = RemoteSession.for_spaces(nc, instance, spaces_reply)
+        seeds = [0, 1]
+        obs = await session.open(seeds)
+        assert obs.shape == (2, 7056) and obs.dtype == np.uint8
+        # The same frames as the wrapped environment stepped here (sticky actions included).
+        local = atari_pong()
+        frame, _ = local.reset(seed=seeds[0])
+        assert np.array_equal(obs[0], frame.reshape(-1))
+        rng = np.random.default_rng(0)
+        for _ in range(50):
+            actions = rng.integers(0, 6, size=2).tolist()
+            raw = await call(nc, instance, "step", {"session": session.session, "actions": actions})
+            assert isinstance(raw["obs"], bytes) and len(raw["obs"]) == 2 * 7056
+            rewards = from_f32_bin(raw["rewards"])
+            assert rewards.shape == (2,) and np.all(np.isfinite(rewards))
+            assert raw["errors"] == []
+            frame, reward, term, trunc, _ = local.step(actions[0])
+            assert raw["obs"][:7056] == frame.tobytes() and rewards[0] == reward
+        await session.close()
+        local.close()
+        await server.stop()
+        await nc.close()
+
+    run(scenario())
+
+
+def test_atari_env_kwargs_go_to_make_or_to_the_wrapper():
+    env = atari_pong(terminal_on_life_loss=True, repeat_action_probability=0.0, noop_max=0)
+    try:
+        assert env.terminal_on_life_loss is True and env.noop_max == 0 and env.frame_skip == 4
+        assert env.unwrapped.ale.getFloat("repeat_action_probability") == 0.0
+        assert env.spec.kwargs["frameskip"] == 1 and env.spec.kwargs["full_action_space"] is False
+    finally:
+        env.close()
+    # Colour frames are images too, with 3 channels; a limit of frames sets the episode steps.
+    server = EnvServer(make_factory("atari:Pong", {"grayscale_obs": False, "max_num_frames_per_episode": 4000}), "pong")
+    assert server.spaces.image_shape == (3, 84, 84) and server.spaces.max_episode_steps == 1000
+    with pytest.raises(ValueError, match="atari game"):
+        make_factory("atari:ALE/Pong-v5")
+
+
+def test_the_command_line_serves_atari_as_pong(nats_url):
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "volley_envs", "serve", "atari:Pong", "--nats", nats_url,
+         "--env-kwargs", '{"terminal_on_life_loss": true}'],
+        stderr=subprocess.PIPE, text=True, env=env,
+    )
+    try:
+        line = ""
+        while "environment server ready" not in line:
+            line = process.stderr.readline()
+            assert line, "the server exited before it was ready"
+        assert "service=volley-env-pong " in line and "image[1, 84, 84]:u8" in line
+
+        async def scenario():
+            nc = await nats.connect(nats_url)
+            (instance,) = await discover(nc, "pong")
+            assert (await call(nc, instance, "spaces", {}))["env"] == "atari:Pong"
+            opened = await call(nc, instance, "open", {"n_envs": 1, "seeds": [5]})
+            assert len(opened["obs"]) == 7056
+            await nc.close()
+
+        run(scenario())
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import inspect
 import logging
 import math
 import os
@@ -65,12 +66,55 @@ log = logging.getLogger("volley_envs")
 EnvFactory = Callable[[], object]
 
 
+# `atari:<Game>`: ALE/<Game>-v5 with the standard preprocessing of the v5 environments: sticky
+# actions (0.25), the minimal action set, frame skip 4 with max-pooling over the last two frames,
+# 84x84 grayscale, up to 30 no-op starts, no episodic life. Single frames: actors stack them.
+ATARI_MAKE_DEFAULTS = {"frameskip": 1, "repeat_action_probability": 0.25, "full_action_space": False}
+ATARI_WRAPPER_DEFAULTS = {
+    "noop_max": 30,
+    "frame_skip": 4,
+    "screen_size": 84,
+    "terminal_on_life_loss": False,
+    "grayscale_obs": True,
+    "scale_obs": False,
+}
+
+
+def atari_factory(game: str, kwargs: Optional[dict] = None) -> EnvFactory:
+    """A factory for ``ALE/<game>-v5`` in ``gymnasium.wrappers.AtariPreprocessing``.
+
+    Each key of ``kwargs`` overrides a default of the wrapper if the wrapper takes it (e.g.
+    ``terminal_on_life_loss``, ``noop_max``), else of ``gymnasium.make`` (e.g.
+    ``repeat_action_probability``, ``max_num_frames_per_episode``)."""
+    if not game.isascii() or not game.isalnum():
+        raise ValueError(f"atari game {game!r}: expected a name such as Pong or Breakout")
+    import gymnasium
+    from gymnasium.wrappers import AtariPreprocessing
+
+    try:
+        import ale_py
+    except ImportError as exc:
+        raise ValueError(
+            f"atari:{game} needs the ale-py package (pip install 'volley-envs[atari]'): {exc}"
+        ) from None
+    gymnasium.register_envs(ale_py)
+    wrapper_keys = set(inspect.signature(AtariPreprocessing.__init__).parameters) - {"self", "env"}
+    make_kwargs, wrapper_kwargs = dict(ATARI_MAKE_DEFAULTS), dict(ATARI_WRAPPER_DEFAULTS)
+    for key, value in (kwargs or {}).items():
+        (wrapper_kwargs if key in wrapper_keys else make_kwargs)[key] = value
+    env_id = f"ALE/{game}-v5"
+    return lambda: AtariPreprocessing(gymnasium.make(env_id, **make_kwargs), **wrapper_kwargs)
+
+
 def make_factory(spec: str, kwargs: Optional[dict] = None) -> EnvFactory:
-    """A factory for ``gymnasium:<id>`` (``gymnasium.make``) or ``<module>:<callable>``."""
+    """A factory for ``gymnasium:<id>`` (``gymnasium.make``), ``atari:<Game>`` (see
+    :func:`atari_factory`) or ``<module>:<callable>``."""
     kwargs = dict(kwargs or {})
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
-        raise ValueError(f"environment {spec!r}: expected gymnasium:<id> or <module>:<callable>")
+        raise ValueError(f"environment {spec!r}: expected gymnasium:<id>, atari:<Game> or <module>:<callable>")
+    if module_name == "atari":
+        return atari_factory(attr, kwargs)
     if module_name == "gymnasium":
         import gymnasium
 
