@@ -33,12 +33,12 @@ def pendulum_server(name="pendulum-v1", **kwargs) -> EnvServer:
     return EnvServer(make_factory("gymnasium:Pendulum-v1"), name, label="gymnasium:Pendulum-v1", **kwargs)
 
 
-def test_pendulum_spaces_announce_a_box_and_protocol_2(nats_url):
+def test_pendulum_spaces_announce_a_box_and_protocol_3(nats_url):
     async def scenario():
         server = pendulum_server("pend-spaces")
         nc = await started(nats_url, server)
         (instance,) = await discover(nc, "pend-spaces")
-        assert instance.protocol == 2
+        assert instance.protocol == 3
         spaces = await call(nc, instance, "spaces", {})
         assert spaces["obs_dim"] == 3 and spaces["n_actions"] == 0
         action = spaces["action_space"]
@@ -49,7 +49,10 @@ def test_pendulum_spaces_announce_a_box_and_protocol_2(nats_url):
         # A version-1 client cannot step floats: it is told which version to speak.
         with pytest.raises(ProtocolError) as err:
             await call(nc, type(instance)(id=instance.id, subjects=instance.subjects, protocol=1), "spaces", {})
-        assert err.value.code == 505 and "2" in err.value.message
+        assert err.value.code == 505 and "Box actions need protocol version 2" in err.value.message
+        # Version 2 is still served for vector observations.
+        v2 = type(instance)(id=instance.id, subjects=instance.subjects, protocol=2)
+        assert (await call(nc, v2, "spaces", {}))["action_space"]["kind"] == "box"
         await server.stop()
         await nc.close()
 

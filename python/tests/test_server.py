@@ -105,8 +105,8 @@ def test_errors_are_answered_with_codes(nats_url):
 
         assert (await code_of("step", None, raw=b"\xc1"))[0] == 400
         assert (await code_of("spaces", {}))[0] == 400
-        code, message = await code_of("spaces", {"v": 3})
-        assert code == 505 and "protocol version 3" in message
+        code, message = await code_of("spaces", {"v": 4})
+        assert code == 505 and "protocol version 4" in message and "1 to 3" in message
         assert (await code_of("step", {"v": 1, "session": 123, "actions": [0]}))[0] == 404
         assert (await code_of("open", {"v": 1, "n_envs": 5, "seeds": [0] * 5}))[0] == 400
         opened = await call(nc, instance, "open", {"n_envs": 2, "seeds": [1, 2]})

@@ -20,13 +20,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="volley-envs", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help="serve one environment as one service instance")
-    serve.add_argument("env", help="gymnasium:<id> (e.g. gymnasium:CartPole-v1) or <module>:<callable>")
+    serve.add_argument("env", help="gymnasium:<id> (e.g. gymnasium:CartPole-v1), atari:<Game> (e.g. atari:Pong: "
+                                   "ALE/<Game>-v5 with the standard Atari preprocessing; needs ale-py) or "
+                                   "<module>:<callable>")
     serve.add_argument("--nats", default=os.environ.get("VOLLEY_NATS_URL", "nats://127.0.0.1:4222"),
                        help="NATS server URL (env VOLLEY_NATS_URL)")
     serve.add_argument("--name", default=os.environ.get("VOLLEY_ENV_SERVICE"),
                        help="service name actors ask for with --env remote:<name> (default: from the id, "
-                            "CartPole-v1 -> cartpole-v1)")
-    serve.add_argument("--env-kwargs", default="{}", help="JSON object of keyword arguments for the factory")
+                            "CartPole-v1 -> cartpole-v1, atari:Pong -> pong)")
+    serve.add_argument("--env-kwargs", default="{}",
+                       help="JSON object of keyword arguments for the factory (atari: for gymnasium.make or "
+                            "AtariPreprocessing, e.g. {\"terminal_on_life_loss\": true})")
     serve.add_argument("--max-sessions", type=int, default=1024, help="sessions held at once")
     serve.add_argument("--max-abs-reward", type=float,
                        default=float(os.environ["VOLLEY_ENV_MAX_ABS_REWARD"])

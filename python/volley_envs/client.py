@@ -19,11 +19,13 @@ from .protocol import (
     ERROR_HEADER,
     METADATA_PROTOCOL,
     MIN_PROTOCOL_VERSION,
+    OBS_IMAGE,
     OPS,
     PROTOCOL_VERSION,
     ProtocolError,
     f32_bin,
     from_f32_bin,
+    from_u8_bin,
     pack,
     service_name,
 )
@@ -72,7 +74,7 @@ async def discover(nc, name: str, window: float = 0.3) -> list:
                 break
             continue
         info = json.loads(message.data)
-        # Version-1 instances serve Discrete environments with version 2's messages.
+        # Older instances serve the environments they can describe with the newer messages.
         announced = (info.get("metadata") or {}).get(METADATA_PROTOCOL)
         served = [str(v) for v in range(MIN_PROTOCOL_VERSION, PROTOCOL_VERSION + 1)]
         if announced not in served:
@@ -96,21 +98,39 @@ async def call(nc, instance: Instance, op: str, request: dict, timeout: float = 
     return msgpack.unpackb(message.data, raw=False)
 
 
-class RemoteSession:
-    """A session of ``n_envs`` environments on one instance."""
+def is_image(spaces: dict) -> bool:
+    """Whether a ``spaces`` reply declares image observations (protocol version 3: u8 bins)."""
+    return (spaces.get("obs_space") or {}).get("kind") == OBS_IMAGE
 
-    def __init__(self, nc, instance: Instance, obs_dim: int):
+
+class RemoteSession:
+    """A session of ``n_envs`` environments on one instance.
+
+    Observations come back as ``float32`` rows of ``obs_dim`` values, or with ``image=True``
+    (a ``spaces`` reply whose ``obs_space`` is an image) as ``uint8`` rows of C*H*W bytes."""
+
+    def __init__(self, nc, instance: Instance, obs_dim: int, image: bool = False):
         self.nc = nc
         self.instance = instance
         self.obs_dim = obs_dim
+        self.image = image
         self.session: Optional[int] = None
         self.n_envs = 0
+
+    @classmethod
+    def for_spaces(cls, nc, instance: Instance, spaces: dict) -> "RemoteSession":
+        """A session shaped by the instance's ``spaces`` reply."""
+        return cls(nc, instance, obs_dim=int(spaces["obs_dim"]), image=is_image(spaces))
+
+    def _obs(self, data: bytes, rows: int) -> np.ndarray:
+        values = from_u8_bin(data) if self.image else from_f32_bin(data)
+        return values.reshape(rows, self.obs_dim)
 
     async def open(self, seeds: list) -> np.ndarray:
         reply = await call(self.nc, self.instance, "open", {"n_envs": len(seeds), "seeds": list(seeds)})
         self.session = reply["session"]
         self.n_envs = len(seeds)
-        return from_f32_bin(reply["obs"]).reshape(self.n_envs, self.obs_dim)
+        return self._obs(reply["obs"], self.n_envs)
 
     async def step(self, actions) -> dict:
         """Step with a list of integers (Discrete) or a float array of ``n_envs`` rows (Box)."""
@@ -119,14 +139,14 @@ class RemoteSession:
         else:
             wire = list(actions)
         reply = await call(self.nc, self.instance, "step", {"session": self.session, "actions": wire})
-        reply["obs"] = from_f32_bin(reply["obs"]).reshape(self.n_envs, self.obs_dim)
+        reply["obs"] = self._obs(reply["obs"], self.n_envs)
         reply["rewards"] = from_f32_bin(reply["rewards"])
-        reply["final_obs"] = from_f32_bin(reply.get("final_obs", b"")).reshape(-1, self.obs_dim)
+        reply["final_obs"] = self._obs(reply.get("final_obs", b""), -1)
         return reply
 
     async def reset(self, seeds: list) -> np.ndarray:
         reply = await call(self.nc, self.instance, "reset", {"session": self.session, "seeds": list(seeds)})
-        return from_f32_bin(reply["obs"]).reshape(self.n_envs, self.obs_dim)
+        return self._obs(reply["obs"], self.n_envs)
 
     async def close(self) -> None:
         await call(self.nc, self.instance, "close", {"session": self.session})

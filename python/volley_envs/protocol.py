@@ -1,7 +1,8 @@
-"""The Volley environment protocol, version 2 (docs/ENV_PROTOCOL.md).
+"""The Volley environment protocol, version 3 (docs/ENV_PROTOCOL.md).
 
 Requests and replies are MessagePack maps with string keys. Arrays of floats are ``bin``
-values of little-endian ``float32``. Errors are empty replies with the NATS service-API
+values of little-endian ``float32``; image observations (version 3) are ``bin`` values of one
+byte per value, each row in C,H,W order. Errors are empty replies with the NATS service-API
 headers ``Nats-Service-Error`` (description) and ``Nats-Service-Error-Code`` (code).
 """
 
@@ -12,12 +13,19 @@ import re
 import msgpack
 import numpy as np
 
-# Version 2 added Box (continuous) actions. Version 1 messages are version 2's for Discrete
-# environments, so servers still answer them there; clients accept instances of either.
-PROTOCOL_VERSION = 2
+# Version 2 added Box (continuous) actions, version 3 image (u8) observations. Older messages
+# are the newer ones' for the environments they can describe (version 1: Discrete actions and
+# vector observations; version 2: vector observations), so servers still answer them there;
+# clients accept instances of any of them.
+PROTOCOL_VERSION = 3
 MIN_PROTOCOL_VERSION = 1
+# The first version that carries image observations.
+IMAGE_PROTOCOL_VERSION = 3
 ACTION_DISCRETE = "discrete"
 ACTION_BOX = "box"
+OBS_BOX = "box"
+OBS_IMAGE = "image"
+OBS_DTYPE_U8 = "u8"
 METADATA_PROTOCOL = "volley_env_protocol"
 METADATA_ENV = "volley_env"
 ERROR_HEADER = "Nats-Service-Error"
@@ -76,6 +84,16 @@ def from_f32_bin(data: bytes) -> np.ndarray:
     if len(data) % 4:
         raise ProtocolError(BAD_REQUEST, f"f32 array of {len(data)} bytes is not a multiple of 4")
     return np.frombuffer(data, dtype="<f4").astype(np.float32)
+
+
+def u8_bin(values) -> bytes:
+    """Bytes 0..=255 (an image observation) as a bin of one byte per value."""
+    return np.ascontiguousarray(values, dtype=np.uint8).tobytes()
+
+
+def from_u8_bin(data: bytes) -> np.ndarray:
+    """A bin of one byte per value as a uint8 array."""
+    return np.frombuffer(data, dtype=np.uint8)
 
 
 def pack(message: dict) -> bytes:

@@ -8,12 +8,18 @@ Actions are ``Discrete`` (one integer per environment) or ``Box`` (protocol vers
 ``n_envs x action_dim`` little-endian float32s). A non-finite Box action fails its environment
 (reported in ``errors``); a finite one outside the bounds is clipped to them, as Gymnasium's
 MuJoCo environments and Pendulum do themselves (docs/ENV_PROTOCOL.md, "Continuous actions").
+
+Observations are flat ``float32`` vectors, or (protocol version 3) images: a ``uint8`` Box with
+bounds 0 and 255 of shape ``(H, W)`` or ``(H, W, C)`` with C in {1, 3, 4} travels as one byte
+per value, each observation transposed to C,H,W. ``atari:<Game>`` serves ``ALE/<Game>-v5``
+with the standard Atari preprocessing (84x84 grayscale, frame skip 4, sticky actions).
 """
 
 from __future__ import annotations
 
 import asyncio
 import importlib
+import inspect
 import logging
 import math
 import os
@@ -31,10 +37,14 @@ from .protocol import (
     ACTION_DISCRETE,
     BAD_REQUEST,
     CAPACITY,
+    IMAGE_PROTOCOL_VERSION,
     INTERNAL,
     METADATA_ENV,
     METADATA_PROTOCOL,
     MIN_PROTOCOL_VERSION,
+    OBS_BOX,
+    OBS_DTYPE_U8,
+    OBS_IMAGE,
     OPS,
     PROTOCOL_VERSION,
     UNKNOWN_SESSION,
@@ -47,6 +57,7 @@ from .protocol import (
     from_f32_bin,
     pack,
     service_name,
+    u8_bin,
     unpack,
 )
 
@@ -55,12 +66,55 @@ log = logging.getLogger("volley_envs")
 EnvFactory = Callable[[], object]
 
 
+# `atari:<Game>`: ALE/<Game>-v5 with the standard preprocessing of the v5 environments: sticky
+# actions (0.25), the minimal action set, frame skip 4 with max-pooling over the last two frames,
+# 84x84 grayscale, up to 30 no-op starts, no episodic life. Single frames: actors stack them.
+ATARI_MAKE_DEFAULTS = {"frameskip": 1, "repeat_action_probability": 0.25, "full_action_space": False}
+ATARI_WRAPPER_DEFAULTS = {
+    "noop_max": 30,
+    "frame_skip": 4,
+    "screen_size": 84,
+    "terminal_on_life_loss": False,
+    "grayscale_obs": True,
+    "scale_obs": False,
+}
+
+
+def atari_factory(game: str, kwargs: Optional[dict] = None) -> EnvFactory:
+    """A factory for ``ALE/<game>-v5`` in ``gymnasium.wrappers.AtariPreprocessing``.
+
+    Each key of ``kwargs`` overrides a default of the wrapper if the wrapper takes it (e.g.
+    ``terminal_on_life_loss``, ``noop_max``), else of ``gymnasium.make`` (e.g.
+    ``repeat_action_probability``, ``max_num_frames_per_episode``)."""
+    if not game.isascii() or not game.isalnum():
+        raise ValueError(f"atari game {game!r}: expected a name such as Pong or Breakout")
+    import gymnasium
+    from gymnasium.wrappers import AtariPreprocessing
+
+    try:
+        import ale_py
+    except ImportError as exc:
+        raise ValueError(
+            f"atari:{game} needs the ale-py package (pip install 'volley-envs[atari]'): {exc}"
+        ) from None
+    gymnasium.register_envs(ale_py)
+    wrapper_keys = set(inspect.signature(AtariPreprocessing.__init__).parameters) - {"self", "env"}
+    make_kwargs, wrapper_kwargs = dict(ATARI_MAKE_DEFAULTS), dict(ATARI_WRAPPER_DEFAULTS)
+    for key, value in (kwargs or {}).items():
+        (wrapper_kwargs if key in wrapper_keys else make_kwargs)[key] = value
+    env_id = f"ALE/{game}-v5"
+    return lambda: AtariPreprocessing(gymnasium.make(env_id, **make_kwargs), **wrapper_kwargs)
+
+
 def make_factory(spec: str, kwargs: Optional[dict] = None) -> EnvFactory:
-    """A factory for ``gymnasium:<id>`` (``gymnasium.make``) or ``<module>:<callable>``."""
+    """A factory for ``gymnasium:<id>`` (``gymnasium.make``), ``atari:<Game>`` (see
+    :func:`atari_factory`) or ``<module>:<callable>``."""
     kwargs = dict(kwargs or {})
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
-        raise ValueError(f"environment {spec!r}: expected gymnasium:<id> or <module>:<callable>")
+        raise ValueError(f"environment {spec!r}: expected gymnasium:<id>, atari:<Game> or <module>:<callable>")
+    if module_name == "atari":
+        return atari_factory(attr, kwargs)
     if module_name == "gymnasium":
         import gymnasium
 
@@ -86,10 +140,25 @@ class Spaces:
     action_low: Optional[np.ndarray] = None
     action_high: Optional[np.ndarray] = None
     action_dtype: Optional[np.dtype] = None
+    # The observation space's shape as the environment returns it, and for an image (protocol
+    # version 3) the shape it travels in, [C, H, W]; None for a vector.
+    obs_shape: tuple = ()
+    image_shape: Optional[tuple] = None
 
     @property
     def continuous(self) -> bool:
         return self.action_shape is not None
+
+    @property
+    def image(self) -> bool:
+        return self.image_shape is not None
+
+    @property
+    def min_version(self) -> int:
+        """The oldest protocol version that can describe these spaces."""
+        if self.image:
+            return IMAGE_PROTOCOL_VERSION
+        return 2 if self.continuous else MIN_PROTOCOL_VERSION
 
     @property
     def action_dim(self) -> int:
@@ -117,6 +186,8 @@ class Spaces:
         spec = getattr(env, "spec", None)
         threshold = getattr(spec, "reward_threshold", None)
         max_steps = getattr(spec, "max_episode_steps", None)
+        if max_steps is None:
+            max_steps = _ale_max_episode_steps(spec)
         return Spaces(
             obs_dim=int(np.prod(obs_space.shape)),
             obs_low=np.asarray(obs_space.low, dtype=np.float32).reshape(-1),
@@ -129,7 +200,45 @@ class Spaces:
             action_low=box[1] if box else None,
             action_high=box[2] if box else None,
             action_dtype=box[3] if box else None,
+            obs_shape=tuple(int(d) for d in obs_space.shape),
+            image_shape=image_shape(obs_space),
         )
+
+
+def image_shape(obs_space) -> Optional[tuple]:
+    """``(C, H, W)`` if the Box ``obs_space`` is an image (protocol version 3): dtype uint8,
+    bounds 0 and 255, shape ``(H, W)`` or ``(H, W, C)`` with C in {1, 3, 4}; else None."""
+    shape = tuple(int(d) for d in obs_space.shape)
+    if np.dtype(obs_space.dtype) != np.uint8 or 0 in shape:
+        return None
+    if not (np.all(obs_space.low == 0) and np.all(obs_space.high == 255)):
+        return None
+    if len(shape) == 2:
+        return (1, *shape)
+    if len(shape) == 3 and shape[2] in (1, 3, 4):
+        return (shape[2], shape[0], shape[1])
+    return None
+
+
+def _ale_max_episode_steps(spec) -> Optional[int]:
+    """The agent steps an ALE episode can last: its frame limit (v5: 108,000 frames, 30 minutes
+    at 60 Hz) over the frames of one step (the environment's frameskip times the frame_skip of
+    an ``AtariPreprocessing`` wrapper). None for other environments, or without a limit."""
+    kwargs = getattr(spec, "kwargs", None) or {}
+    frames = kwargs.get("max_num_frames_per_episode")
+    if not isinstance(frames, int) or isinstance(frames, bool) or frames <= 0:
+        return None
+    skip = kwargs.get("frameskip", 1)
+    # Stochastic frame skip (a (low, high) range in v0/v4 ids): the fewest frames per step.
+    skip = min(skip) if isinstance(skip, (tuple, list)) else skip
+    if not isinstance(skip, int) or skip < 1:
+        return None
+    for wrapper in getattr(spec, "additional_wrappers", None) or ():
+        if getattr(wrapper, "name", None) == "AtariPreprocessing":
+            wrapper_skip = (getattr(wrapper, "kwargs", None) or {}).get("frame_skip", 1)
+            if isinstance(wrapper_skip, int) and wrapper_skip >= 1:
+                skip *= wrapper_skip
+    return -(-frames // skip)
 
 
 @dataclass
@@ -171,6 +280,9 @@ class EnvServer:
             self._flat_obs = len(probe.observation_space.shape) == 1
         finally:
             probe.close()
+        # Images travel as one byte per value (protocol version 3), vectors as float32.
+        self._obs_dtype = np.uint8 if self.spaces.image else np.float32
+        self._obs_bin = u8_bin if self.spaces.image else f32_bin
         self.sessions: dict[int, Session] = {}
         # Ids below 2^53, starting at a different place per process (see the Rust server).
         self._next_session = (time.time_ns() ^ (os.getpid() << 20)) & ((1 << 52) - 1)
@@ -203,8 +315,9 @@ class EnvServer:
         self._reaper = asyncio.get_running_loop().create_task(self._expire_idle_sessions())
         await nc.flush()
         log.info(
-            "environment server ready service=%s instance=%s env=%s obs_dim=%d actions=%s",
+            "environment server ready service=%s instance=%s env=%s obs_dim=%d obs=%s actions=%s",
             service_name(self.name), self.id, self.label, self.spaces.obs_dim,
+            f"image{list(self.spaces.image_shape)}:u8" if self.spaces.image else "box:f32",
             f"box{self.spaces.action_shape}" if self.spaces.continuous else f"discrete({self.spaces.n_actions})",
         )
 
@@ -259,12 +372,21 @@ class EnvServer:
         # protocol (docs/SECURITY.md, issue 12: a string version was answered with 505).
         if not isinstance(version, int) or isinstance(version, bool) or not 0 <= version < 2**32:
             raise ProtocolError(BAD_REQUEST, f"v must be an unsigned integer, got {version!r}")
-        # Version 1 is version 2 without Box actions: served for Discrete environments only.
-        if not MIN_PROTOCOL_VERSION <= version <= PROTOCOL_VERSION or (version < 2 and self.spaces.continuous):
-            served = f"{MIN_PROTOCOL_VERSION} to {PROTOCOL_VERSION}" if not self.spaces.continuous else "2 (Box actions)"
+        # Version 1 is version 2 without Box actions, version 2 is version 3 without image
+        # observations: each is served for the environments it can describe.
+        oldest = self.spaces.min_version
+        if not oldest <= version <= PROTOCOL_VERSION:
+            served = f"{oldest} to {PROTOCOL_VERSION}" if oldest < PROTOCOL_VERSION else str(PROTOCOL_VERSION)
+            why = ""
+            if MIN_PROTOCOL_VERSION <= version < oldest:
+                why = (
+                    f"image observations need protocol version {IMAGE_PROTOCOL_VERSION}; "
+                    if self.spaces.image
+                    else "Box actions need protocol version 2; "
+                )
             raise ProtocolError(
                 UNSUPPORTED_VERSION,
-                f"protocol version {version} is not served here (this server speaks {served})",
+                f"protocol version {version} is not served here ({why}this server speaks {served})",
             )
         if op == "spaces":
             return pack(self._spaces_reply())
@@ -290,7 +412,7 @@ class EnvServer:
                 error = self._reset_one(session, env_idx, seed)
                 if error is not None:
                     raise ProtocolError(INTERNAL, f"reset of environment {env_idx}: {error}")
-            return pack({"obs": f32_bin(session.obs)})
+            return pack({"obs": self._obs_bin(session.obs)})
         if op in ("snapshot", "restore"):
             raise ProtocolError(UNSUPPORTED, f"{op} is not supported by gymnasium environments")
         raise ProtocolError(BAD_REQUEST, f"unknown operation {op!r}")
@@ -304,12 +426,19 @@ class EnvServer:
             "obs_high": f32_bin(s.obs_high),
             "n_actions": s.n_actions,
             "action_space": self._action_space(),
+            "obs_space": self._obs_space(),
             "reward_threshold": s.reward_threshold,
             "max_episode_steps": s.max_episode_steps,
             "max_abs_reward": self.max_abs_reward,
             "snapshot": False,
             "max_envs_per_session": self.max_envs_per_session,
         }
+
+    def _obs_space(self) -> dict:
+        s = self.spaces
+        if not s.image:
+            return {"kind": OBS_BOX}
+        return {"kind": OBS_IMAGE, "shape": list(s.image_shape), "dtype": OBS_DTYPE_U8}
 
     def _action_space(self) -> dict:
         s = self.spaces
@@ -347,7 +476,7 @@ class EnvServer:
             raise ProtocolError(BAD_REQUEST, f"open needs {n_envs} u64 seeds")
         if len(self.sessions) >= self.max_sessions:
             raise ProtocolError(CAPACITY, f"{self.max_sessions} sessions already open")
-        session = Session(envs=[], obs=np.zeros((n_envs, self.spaces.obs_dim), dtype=np.float32))
+        session = Session(envs=[], obs=np.zeros((n_envs, self.spaces.obs_dim), dtype=self._obs_dtype))
         try:
             for env_idx, seed in enumerate(seeds):
                 session.envs.append(self.factory())
@@ -364,7 +493,11 @@ class EnvServer:
         self._next_session += 1
         self.sessions[session_id] = session
         log.debug("session opened session=%d n_envs=%d", session_id, n_envs)
-        return {"session": session_id, "obs": f32_bin(session.obs), "idle_timeout_ms": int(self.idle_timeout * 1000)}
+        return {
+            "session": session_id,
+            "obs": self._obs_bin(session.obs),
+            "idle_timeout_ms": int(self.idle_timeout * 1000),
+        }
 
     def _session(self, request: dict) -> Session:
         session_id = _int(request, "session")
@@ -375,12 +508,28 @@ class EnvServer:
         return session
 
     def _observation(self, obs) -> np.ndarray:
+        if self.spaces.image:
+            return self._image_row(obs)
         row = np.asarray(obs, dtype=np.float32).reshape(-1)
         if row.shape != (self.spaces.obs_dim,):
             raise ValueError(f"observation of {row.size} values, expected {self.spaces.obs_dim}")
         if not np.all(np.isfinite(row)):
             raise ValueError("non-finite observation")
         return row
+
+    def _image_row(self, obs) -> np.ndarray:
+        """An image observation as one row of bytes in C,H,W order."""
+        image = np.asarray(obs)
+        if image.shape != self.spaces.obs_shape:
+            raise ValueError(f"image observation of shape {image.shape}, expected {self.spaces.obs_shape}")
+        if image.dtype != np.uint8:
+            # Tolerated: integers that fit in a byte (the space says uint8, so this is rare).
+            if image.dtype.kind not in "iu" or image.size and (image.min() < 0 or image.max() > 255):
+                raise ValueError(f"image observation of dtype {image.dtype} is not bytes 0..=255")
+            image = image.astype(np.uint8)
+        if image.ndim == 3:
+            image = image.transpose(2, 0, 1)
+        return image.reshape(-1)
 
     def _reset_one(self, session: Session, env_idx: int, seed: Optional[int]) -> Optional[str]:
         """Reset one environment into its row; on failure zero the row and return why."""
@@ -406,7 +555,8 @@ class EnvServer:
             raise ProtocolError(BAD_REQUEST, f"{got} actions for {n_envs} environments")
         dim, n_actions, start = spaces.obs_dim, spaces.n_actions, spaces.action_start
         # The hot loop only steps and copies; checks run once over the whole batch after it.
-        rows = np.zeros((n_envs, dim), dtype=np.float32)
+        rows = np.zeros((n_envs, dim), dtype=self._obs_dtype)
+        image, flat = spaces.image, self._flat_obs
         rewards = np.zeros(n_envs, dtype=np.float32)
         terminated = [False] * n_envs
         truncated = [False] * n_envs
@@ -421,7 +571,10 @@ class EnvServer:
                     if action.__class__ is not int or not 0 <= action < n_actions:
                         raise ValueError(f"action {action!r} out of range for {n_actions} actions")
                     obs, reward, term, trunc, _info = env.step(start + action)
-                rows[env_idx] = obs if self._flat_obs else np.ravel(obs)
+                if image:
+                    rows[env_idx] = self._image_row(obs)
+                else:
+                    rows[env_idx] = obs if flat else np.ravel(obs)
                 rewards[env_idx] = reward
             except Exception as exc:
                 failed[env_idx] = f"{type(exc).__name__}: {exc}"
@@ -429,7 +582,8 @@ class EnvServer:
                 continue
             terminated[env_idx] = bool(term)
             truncated[env_idx] = bool(trunc)
-        finite = np.isfinite(rows).all(axis=1) & np.isfinite(rewards)
+        # Bytes are always finite: only float observations need the check.
+        finite = np.isfinite(rewards) if image else np.isfinite(rows).all(axis=1) & np.isfinite(rewards)
         if not finite.all():
             for env_idx in np.flatnonzero(~finite).tolist():
                 failed.setdefault(env_idx, "ValueError: non-finite observation or reward")
@@ -451,13 +605,13 @@ class EnvServer:
                     errors.append({"env": env_idx, "message": error})
             else:
                 session.obs[env_idx] = rows[env_idx]
-        final_obs = np.concatenate(final_rows) if final_rows else np.zeros(0, dtype=np.float32)
+        final_obs = np.concatenate(final_rows) if final_rows else np.zeros(0, dtype=self._obs_dtype)
         return {
-            "obs": f32_bin(session.obs),
+            "obs": self._obs_bin(session.obs),
             "rewards": f32_bin(rewards),
             "terminated": terminated,
             "truncated": truncated,
-            "final_obs": f32_bin(final_obs),
+            "final_obs": self._obs_bin(final_obs),
             "errors": errors,
         }
 
