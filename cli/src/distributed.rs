@@ -76,6 +76,7 @@ pub fn learner(config: LearnerConfig, interrupted: Arc<AtomicBool>) -> anyhow::R
     }
     let bus =
         NatsBus::connect(config.nats.clone()).with_context(|| format!("connecting to NATS at {}", config.nats.url))?;
+    check_segment_fits(&spec, bus.max_payload())?;
     let checkpoint = if config.replay {
         None
     } else {
@@ -506,5 +507,53 @@ fn report_progress(actor: &ActorId, counters: &ActorCounters, heartbeat: &serve:
         );
         last = Instant::now();
         last_steps = steps;
+    }
+}
+
+/// Refuse at start a run whose image segments cannot fit in one message: every segment carries
+/// `segment_len + 1` observations, one byte per value at best (docs/ARCHITECTURE.md, "Image
+/// observations"), and the actors' sink refuses a segment over `max_payload`.
+fn check_segment_fits(spec: &volley_core::spec::RunSpec, max_payload: usize) -> anyhow::Result<()> {
+    if spec.env.image_shape().is_none() {
+        return Ok(());
+    }
+    let t = spec.segment_len;
+    // Observations as bytes, plus the per-step fields and the envelope (generous).
+    let bytes = (t + 1) * spec.policy.obs_dim + 64 * t + 4096;
+    if bytes > max_payload {
+        let fits = (max_payload.saturating_sub(4096) / (spec.policy.obs_dim + 64)).saturating_sub(1);
+        bail!(
+            "--segment-len {t}: a segment of {t} steps of {}-value image observations is about {bytes} bytes, over \
+             the NATS server's max_payload of {max_payload}; use --segment-len {fits} or less, or raise max_payload \
+             (broker-config/nats.conf sets 8 MB)",
+            spec.policy.obs_dim
+        );
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::check_segment_fits;
+    use volley_env::{EnvConfig, EnvServiceName, RemoteEnvConfig};
+    use volley_testkit::fixtures::SpecBuilder;
+
+    /// Pong with 4 stacked 84×84 frames: 32-step segments fit the 1 MiB default `max_payload`,
+    /// 64-step ones are refused at start with the longest that fits; vector envs are not
+    /// checked.
+    #[test]
+    fn image_segments_over_max_payload_are_refused_at_start() {
+        let pong = RemoteEnvConfig {
+            image: Some([1, 84, 84]),
+            frame_stack: 4,
+            ..RemoteEnvConfig::new(EnvServiceName::new("pong").unwrap(), 84 * 84, 6)
+        };
+        let spec = |t: usize| SpecBuilder::cartpole(t).env(EnvConfig::Remote(pong.clone()), 4 * 84 * 84, 6).build();
+        let mib = 1 << 20;
+        check_segment_fits(&spec(32), mib).expect("32 steps fit 1 MiB");
+        let err = check_segment_fits(&spec(64), mib).unwrap_err().to_string();
+        assert!(err.contains("--segment-len 35 or less"), "{err}");
+        check_segment_fits(&spec(64), 8 << 20).expect("64 steps fit 8 MiB");
+        check_segment_fits(&SpecBuilder::cartpole(4096).build(), 1024).expect("vector observations are not checked");
     }
 }

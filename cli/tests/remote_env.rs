@@ -239,7 +239,7 @@ fn python_or_skip(test: &str, extra_import: Option<&str>) -> Option<String> {
             let probe = Command::new(&python).args(["-c", &format!("import {module}")]).output();
             match probe {
                 Ok(out) if out.status.success() => Ok(python),
-                _ => Err(format!("{python:?} cannot import {module} (pip install 'gymnasium[mujoco]')")),
+                _ => Err(format!("{python:?} cannot import {module} (see .ci/run for the pinned packages)")),
             }
         }
     });
@@ -312,4 +312,55 @@ fn embedded_train_steps_a_remote_box_env() {
     assert_eq!(spec["env"]["action_box"], serde_json::json!({"low": [-2.0], "high": [2.0]}), "{spec}");
     assert_eq!(spec["policy"]["n_actions"], 1, "{spec}");
     assert!(server.terminate_and_wait().success(), "{}", server.log());
+}
+
+/// The CI smoke run of Atari through the service (issue 15): `volley-envs serve atari:Pong`
+/// sends single 84×84 `u8` frames (protocol version 3), the actor stacks 4, and the learner
+/// trains the Nature-DQN network on them for a couple of thousand env steps (no learning
+/// target). Needs `ale_py` and OpenCV; `.ci/run` installs them.
+#[test]
+fn atari_pong_smoke_run_over_nats() {
+    let Some(python) = python_or_skip("atari_pong_smoke_run_over_nats", Some("ale_py, cv2")) else { return };
+    let _serial = serial();
+    let nats = TestNats::start();
+    let dir = tempfile::tempdir().expect("temp dir");
+    let mut server = python_server(dir.path(), &python, &nats, "atari:Pong");
+    let mut learner = learner(
+        &nats,
+        dir.path(),
+        "pong",
+        &[
+            "--env",
+            "remote:pong",
+            "--frame-stack",
+            "4",
+            "--conv",
+            "nature",
+            "--torso",
+            "512",
+            "--activation",
+            "relu",
+            "--segment-len",
+            "32",
+            "--max-env-steps",
+            "2048",
+            "--target-return",
+            "1e9",
+        ],
+    );
+    learner.wait_for_log("remote environment found");
+    // Single served frames of 1×84×84 bytes.
+    assert!(learner.log().contains("obs_dim=7056"), "{}", learner.log());
+    let mut actor = actor(&nats, dir.path(), "pong", "actor-0", &[]);
+    let summary = learner.summary();
+    assert_eq!(summary["stop_reason"], "env_step_budget", "{summary}\n{}", learner.log());
+    assert!(summary["env_steps"].as_u64().expect("steps") >= 2048, "{summary}");
+    assert!(summary["updates"].as_u64().expect("updates") >= 1, "{summary}");
+    let actor_log = actor.log();
+    assert!(!actor_log.contains("environment session lost"), "{actor_log}");
+    assert!(!actor_log.contains("remote_env_failed"), "no environment failed: {actor_log}");
+    assert!(actor.terminate_and_wait().success(), "{actor_log}");
+    let server_log = server.log();
+    assert!(!server_log.contains("malformed environment request"), "{server_log}");
+    assert!(server.terminate_and_wait().success(), "{server_log}");
 }

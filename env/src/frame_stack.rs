@@ -180,11 +180,13 @@ mod tests {
         let d = plain.obs_dim();
         assert_eq!(VectorEnv::obs_dim(&stacked), k * d);
         // history[i]: env i's frames since its episode began.
-        let mut history: Vec<Vec<Vec<f32>>> = (0..n_envs).map(|i| vec![plain.obs()[i * d..(i + 1) * d].to_vec()]).collect();
+        let mut history: Vec<Vec<Vec<f32>>> =
+            (0..n_envs).map(|i| vec![plain.obs()[i * d..(i + 1) * d].to_vec()]).collect();
         let expect = |frames: &[Vec<f32>]| -> Vec<f32> {
             let first = &frames[0];
-            let padded: Vec<&Vec<f32>> =
-                std::iter::repeat_n(first, k.saturating_sub(frames.len())).chain(frames.iter().rev().take(k).rev()).collect();
+            let padded: Vec<&Vec<f32>> = std::iter::repeat_n(first, k.saturating_sub(frames.len()))
+                .chain(frames.iter().rev().take(k).rev())
+                .collect();
             padded.into_iter().flatten().copied().collect()
         };
         let (mut plain_out, mut stacked_out) = (VecStep::new(n_envs, d), VecStep::new(n_envs, k * d));

@@ -8,20 +8,20 @@
 #![warn(missing_docs)]
 
 pub mod cartpole;
+mod frame_stack;
 pub mod memory;
 pub mod milestones;
 pub mod minatar;
 pub mod pendulum;
-mod frame_stack;
 mod service_name;
 mod vec_env;
 
 pub use cartpole::CartPole;
+pub use frame_stack::{FrameStack, MAX_FRAME_STACK};
 pub use memory::{Memory, MemoryConfig};
 pub use milestones::{Milestones, MilestonesConfig};
 pub use minatar::{MinAtar, MinatarConfig, MinatarGame};
 pub use pendulum::Pendulum;
-pub use frame_stack::{FrameStack, MAX_FRAME_STACK};
 pub use vec_env::{derive_env_seed, FinishedEpisode, VecEnv, VecStep, VectorEnv};
 
 pub use service_name::{EnvServiceName, InvalidServiceName};

@@ -16,9 +16,15 @@ fn layer(out_channels: usize, kernel: usize, stride: usize, padding: usize) -> C
 /// Small conv specs that between them exercise stride > 1, padding, a channel-last second
 /// layer, an empty dense torso, and a GRU reading the conv features directly.
 fn conv_specs() -> Vec<PolicySpec> {
-    let two_layers =
-        ConvSpec { in_channels: 2, height: 6, width: 5, layers: vec![layer(3, 3, 1, 1), layer(4, 3, 2, 0)], input: Default::default() };
-    let strided = ConvSpec { in_channels: 3, height: 5, width: 5, layers: vec![layer(4, 3, 2, 1)], input: Default::default() };
+    let two_layers = ConvSpec {
+        in_channels: 2,
+        height: 6,
+        width: 5,
+        layers: vec![layer(3, 3, 1, 1), layer(4, 3, 2, 0)],
+        input: Default::default(),
+    };
+    let strided =
+        ConvSpec { in_channels: 3, height: 5, width: 5, layers: vec![layer(4, 3, 2, 1)], input: Default::default() };
     vec![
         PolicySpec::mlp(0, 3, &[6], Activation::Tanh).with_conv(two_layers.clone()),
         PolicySpec::mlp(0, 3, &[], Activation::Relu).with_conv(strided.clone()),

@@ -296,6 +296,34 @@ mod tests {
         inference.forward(&params, &[0.0; 5], 2, &mut [], &mut [0.0; 4], &mut [0.0; 2]);
     }
 
+    /// A conv torso that reads pixels sees `obs / 255`: the same outputs as a raw torso fed the
+    /// scaled values, and the caller's observations are left as they were.
+    #[test]
+    fn pixel_input_is_scaled_inside_the_network() {
+        let conv = crate::ConvSpec::nature(2, 36, 36);
+        let raw = PolicySpec::mlp(0, 3, &[16], Activation::Relu).with_conv(conv.clone());
+        let pixels = raw.clone().with_conv(crate::ConvSpec { input: crate::ConvInput::Pixels, ..conv });
+        let (raw, pixels) = (ParamLayout::new(&raw).unwrap(), ParamLayout::new(&pixels).unwrap());
+        assert_eq!((raw.input_scale(), pixels.input_scale()), (1.0, 1.0 / 255.0));
+        let params = raw.init_params(3);
+        assert_eq!(params.len(), pixels.n_params(), "the scale adds no parameters");
+        let n = 2;
+        let obs: Vec<f32> = (0..n * 2 * 36 * 36).map(|i| ((i * 37) % 256) as f32).collect();
+        let scaled: Vec<f32> = obs.iter().map(|&v| v * (1.0 / 255.0)).collect();
+        let run = |layout: &ParamLayout, obs: &[f32]| {
+            let (mut logits, mut values) = (vec![0.0; n * 3], vec![0.0; n]);
+            PolicyInference::new(layout, n).forward(&params, obs, n, &mut [], &mut logits, &mut values);
+            (logits, values)
+        };
+        let before = obs.clone();
+        assert_eq!(run(&pixels, &obs), run(&raw, &scaled));
+        assert_ne!(run(&raw, &obs), run(&raw, &scaled), "the scale matters");
+        assert_eq!(obs, before);
+        // Pixels and running normalisation do not combine.
+        let both = PolicySpec { normalize_obs: true, ..pixels.spec().clone() };
+        assert!(ParamLayout::new(&both).is_err());
+    }
+
     #[test]
     fn empty_batch_is_a_no_op() {
         let layout = ParamLayout::new(&PolicySpec::mlp(3, 2, &[4], Activation::Relu)).unwrap();

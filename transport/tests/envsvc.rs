@@ -397,3 +397,71 @@ fn pendulum_box_actions_step_like_the_in_process_vec_env() {
 fn f32s(obs: &ObsBin) -> Vec<f32> {
     obs.decode(ObsEncoding::F32).expect("f32 observations")
 }
+
+/// Protocol version 3: MinAtar served as `u8` images (one byte per value on the wire) is step
+/// for step the in-process game, frame-stacked on the client side as the actor does; a
+/// version-2 request to an image server is refused with 505.
+#[test]
+fn image_observations_travel_as_bytes_and_match_the_in_process_env() {
+    let nats = TestNats::start();
+    let servers = Servers::new(&nats);
+    let game = EnvConfig::from_name("minatar-breakout").unwrap();
+    let shape = game.image_shape().expect("MinAtar is an image env");
+    let dim: usize = shape.iter().product();
+    let mut config = EnvServerConfig::new(name("breakout"), "minatar-breakout");
+    config.image_shape = Some(shape);
+    let factory: EnvFactory = {
+        let game = game.clone();
+        Arc::new(move || game.build())
+    };
+    let _server =
+        servers.runtime.block_on(EnvServer::start(servers.client.clone(), factory, config)).expect("server starts");
+
+    // The raw protocol: the spaces declare the image, observations are dim bytes per env.
+    let client = client(&nats);
+    let instance = client.block_on(client.discover(&name("breakout"))).unwrap().remove(0);
+    assert_eq!(instance.protocol, PROTOCOL_VERSION);
+    let spaces = client.block_on(client.spaces(&instance)).unwrap();
+    assert_eq!(spaces.image_shape(), Ok(Some(shape)));
+    assert_eq!(spaces.obs_encoding(), ObsEncoding::U8);
+    let opened = client.block_on(client.open(&instance, &[1, 2])).unwrap();
+    assert_eq!(opened.obs.0.len(), 2 * dim, "one byte per value");
+    let v2 = client.block_on(async {
+        let payload = protocol::encode(&protocol::SpacesRequest { v: 2 });
+        client.nats().request(instance.subject(Op::Spaces).clone(), payload.into()).await
+    });
+    let reply = v2.expect("an error reply");
+    let headers = reply.headers.expect("error headers");
+    assert_eq!(headers.get(protocol::ERROR_CODE_HEADER).map(|v| v.as_str()), Some("505"));
+
+    // Through the remote vector env, with 4 frames stacked: bit for bit the local game.
+    let n_envs = 3;
+    let mut config = RemoteVecEnvConfig::new(name("breakout"), n_envs, 9);
+    config.expected_spaces = Some((dim, 3));
+    let remote = RemoteVecEnv::new(client.clone(), config).unwrap();
+    assert_eq!(remote.image_shape(), Some(shape));
+    let mut remote = volley_env::FrameStack::new(Box::new(remote), 4).unwrap();
+    let local = VecEnv::new((0..n_envs).map(|_| game.build().unwrap()).collect(), 9).unwrap();
+    let mut local = volley_env::FrameStack::new(Box::new(local), 4).unwrap();
+    assert_eq!(VectorEnv::obs(&remote), VectorEnv::obs(&local));
+    let (mut remote_out, mut local_out) = (VecStep::new(n_envs, 4 * dim), VecStep::new(n_envs, 4 * dim));
+    let mut n_finished = 0;
+    for step_idx in 0..400usize {
+        let actions: Vec<usize> = (0..n_envs).map(|i| (step_idx * 5 + i + step_idx / 7) % 3).collect();
+        VectorEnv::step(&mut remote, Actions::Discrete(&actions), &mut remote_out).unwrap();
+        VectorEnv::step(&mut local, Actions::Discrete(&actions), &mut local_out).unwrap();
+        assert_eq!(remote_out.rewards, local_out.rewards);
+        assert_eq!(remote_out.terminated, local_out.terminated);
+        assert_eq!(remote_out.finished_episodes, local_out.finished_episodes);
+        for env_idx in 0..n_envs {
+            if local_out.terminated[env_idx] || local_out.truncated[env_idx] {
+                let row = env_idx * 4 * dim..(env_idx + 1) * 4 * dim;
+                assert_eq!(remote_out.final_obs[row.clone()], local_out.final_obs[row]);
+            }
+        }
+        assert!(remote_out.env_errors.is_empty());
+        assert_eq!(VectorEnv::obs(&remote), VectorEnv::obs(&local), "step {step_idx}");
+        n_finished += local_out.finished_episodes.len();
+    }
+    assert!(n_finished > 0, "Breakout episodes ended and reset remotely too");
+}

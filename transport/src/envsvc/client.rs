@@ -15,9 +15,9 @@ use tokio::runtime::Handle;
 use tracing::{debug, warn};
 
 use super::protocol::{
-    self, CloseRequest, EmptyReply, ObsEncoding, ObsReply, Op, OpenReply, OpenRequest, ResetRequest, RestoreRequest, ServiceInfo,
-    SnapshotReply, SnapshotRequest, SpacesReply, SpacesRequest, StepActions, StepReply, StepRequest, ERROR_CODE_HEADER,
-    ERROR_HEADER, METADATA_PROTOCOL, MIN_PROTOCOL_VERSION, PROTOCOL_VERSION,
+    self, CloseRequest, EmptyReply, ObsEncoding, ObsReply, Op, OpenReply, OpenRequest, ResetRequest, RestoreRequest,
+    ServiceInfo, SnapshotReply, SnapshotRequest, SpacesReply, SpacesRequest, StepActions, StepReply, StepRequest,
+    ERROR_CODE_HEADER, ERROR_HEADER, METADATA_PROTOCOL, MIN_PROTOCOL_VERSION, PROTOCOL_VERSION,
 };
 use super::{EnvServiceError, EnvServiceName, OwnedRuntime, RemoteEnvCounters};
 use crate::nats::NatsAuth;
@@ -453,11 +453,12 @@ mod tests {
     /// Version-1 instances stay usable (their requests carry `v: 1`); unknown versions are
     /// skipped (docs/ENV_PROTOCOL.md, "Versioning").
     #[test]
-    fn instances_of_versions_one_and_two_are_used_and_others_skipped() {
+    fn instances_of_versions_one_to_three_are_used_and_others_skipped() {
         let name = EnvServiceName::new("x").unwrap();
         assert_eq!(Instance::from_info(&name, info(Some("1"))).unwrap().protocol, 1);
-        assert_eq!(Instance::from_info(&name, info(Some("2"))).unwrap().protocol, PROTOCOL_VERSION);
-        for bad in [Some("3"), Some("0"), Some("two"), None] {
+        assert_eq!(Instance::from_info(&name, info(Some("2"))).unwrap().protocol, 2);
+        assert_eq!(Instance::from_info(&name, info(Some("3"))).unwrap().protocol, PROTOCOL_VERSION);
+        for bad in [Some("4"), Some("0"), Some("two"), None] {
             let err = Instance::from_info(&name, info(bad)).unwrap_err();
             assert_eq!(err.reason(), "remote_incompatible", "{bad:?}: {err}");
         }

@@ -319,14 +319,11 @@ impl RemoteVecEnv {
             let client = self.client.clone();
             let encoding = self.obs_encoding();
             let result = client.block_on(client.open(&instance, &seeds)).and_then(|reply| {
-                let bad = |message: String| EnvServiceError::BadReply { instance: instance.id.clone(), op: "open", message };
+                let bad =
+                    |message: String| EnvServiceError::BadReply { instance: instance.id.clone(), op: "open", message };
                 let obs = reply.obs.decode(encoding).map_err(bad)?;
                 if obs.len() != len * self.obs_dim || !obs.iter().all(|v| v.is_finite()) {
-                    return Err(bad(format!(
-                        "{} finite observations expected, got {}",
-                        len * self.obs_dim,
-                        obs.len()
-                    )));
+                    return Err(bad(format!("{} finite observations expected, got {}", len * self.obs_dim, obs.len())));
                 }
                 Ok((reply, obs))
             });

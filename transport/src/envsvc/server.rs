@@ -16,9 +16,10 @@ use tokio::task::JoinHandle;
 use tracing::{debug, info, warn};
 
 use super::protocol::{
-    self, ActionSpaceMsg, CloseRequest, EmptyReply, EnvFailure, ErrorCode, ObsBin, ObsEncoding, ObsReply, ObsSpaceMsg, Op, OpenReply, OpenRequest,
-    ResetRequest, RestoreRequest, SnapshotReply, SnapshotRequest, SpacesReply, StepActions, StepReply, StepRequest,
-    VersionProbe, IMAGE_PROTOCOL_VERSION, METADATA_ENV, METADATA_PROTOCOL, MIN_PROTOCOL_VERSION, PROTOCOL_VERSION,
+    self, ActionSpaceMsg, CloseRequest, EmptyReply, EnvFailure, ErrorCode, ObsBin, ObsEncoding, ObsReply, ObsSpaceMsg,
+    Op, OpenReply, OpenRequest, ResetRequest, RestoreRequest, SnapshotReply, SnapshotRequest, SpacesReply, StepActions,
+    StepReply, StepRequest, VersionProbe, IMAGE_PROTOCOL_VERSION, METADATA_ENV, METADATA_PROTOCOL,
+    MIN_PROTOCOL_VERSION, PROTOCOL_VERSION,
 };
 use super::{EnvServiceError, EnvServiceName};
 use volley_core::subjects;

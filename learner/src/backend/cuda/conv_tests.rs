@@ -11,7 +11,13 @@ use crate::backend::{Backend, CpuBackend, View, ViewMut};
 /// channel-last output of the first.
 pub(super) fn two_layer_conv() -> ConvSpec {
     let layer = |out_channels, kernel, stride, padding| ConvLayerSpec { out_channels, kernel, stride, padding };
-    ConvSpec { in_channels: 2, height: 9, width: 8, layers: vec![layer(5, 3, 1, 1), layer(4, 4, 2, 0)], input: Default::default() }
+    ConvSpec {
+        in_channels: 2,
+        height: 9,
+        width: 8,
+        layers: vec![layer(5, 3, 1, 1), layer(4, 4, 2, 0)],
+        input: Default::default(),
+    }
 }
 
 fn geometries() -> Vec<ConvGeometry> {

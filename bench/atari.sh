@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Atari through the environment service (issue 15, item 5): `volley-envs serve atari:<Game>`
+# (ALE v5, sticky actions 0.25, frame skip 4 with max-pooling, 84x84 grayscale, up to 30 no-op
+# starts; single u8 frames over NATS, protocol version 3) and `volley train` on it: 4 frames
+# stacked on the actor, the Nature-DQN network (pixels scaled by 1/255 inside the network),
+# V-trace with an entropy bonus. One run per seed, bounded by agent steps (1 agent step = 4 frames).
+#
+#   PATH=<dir with nats-server>:$PATH PYTHON=<python with volley_envs, ale_py, cv2> \
+#     bench/atari.sh OUT_DIR GAME STEPS SEED...
+#   e.g. bench/atari.sh /tmp/pong Pong 500000 1
+#
+# Extra `volley train` flags go in TRAIN_FLAGS. Curves: OUT_DIR/<game>-s<seed>/metrics.jsonl and
+# curve.svg (written by volley train).
+set -euo pipefail
+out=${1:?out dir}; game=${2:?game, e.g. Pong}; steps=${3:?agent steps}; shift 3
+python=${PYTHON:-python3}
+volley=${VOLLEY:-target/release/volley}
+port=${PORT:-14888}
+mkdir -p "$out"
+service=$(echo "$game" | tr '[:upper:]' '[:lower:]')
+store=$(mktemp -d)
+nats-server -a 127.0.0.1 -p "$port" -js -sd "$store" > "$out/nats.log" 2>&1 &
+nats_pid=$!
+"$python" -m volley_envs serve "atari:$game" --nats "nats://127.0.0.1:$port" > "$out/server.log" 2>&1 &
+server_pid=$!
+trap 'kill $server_pid $nats_pid 2>/dev/null; wait 2>/dev/null; rm -rf "$store"' EXIT
+for _ in $(seq 100); do grep -q "environment server ready" "$out/server.log" && break; sleep 0.2; done
+for seed in "$@"; do
+  run="$out/$service-s$seed"
+  # shellcheck disable=SC2086
+  "$volley" train --env "remote:$service" --nats "nats://127.0.0.1:$port" --seed "$seed" \
+    --frame-stack 4 --conv nature --torso 512 --activation relu \
+    --learning-rate 6e-4 --ent-coef 0.01 --reward-scale 1 \
+    --max-env-steps "$steps" --max-secs 86400 --target-return 1e9 \
+    --run-dir "$run" --progress quiet ${TRAIN_FLAGS:-} > "$run.summary.json" 2> "$run.log"
+  cat "$run.summary.json"
+done
