@@ -198,16 +198,16 @@ mod tests {
             assert_eq!(stacked_out.rewards, plain_out.rewards);
             assert_eq!(stacked_out.terminated, plain_out.terminated);
             assert_eq!(stacked_out.finished_episodes, plain_out.finished_episodes);
-            for i in 0..n_envs {
+            for (i, frames) in history.iter_mut().enumerate() {
                 if plain_out.terminated[i] || plain_out.truncated[i] {
-                    history[i].push(plain_out.final_obs[i * d..(i + 1) * d].to_vec());
-                    assert_eq!(&stacked_out.final_obs[i * k * d..(i + 1) * k * d], &expect(&history[i])[..]);
-                    history[i] = vec![plain.obs()[i * d..(i + 1) * d].to_vec()];
+                    frames.push(plain_out.final_obs[i * d..(i + 1) * d].to_vec());
+                    assert_eq!(&stacked_out.final_obs[i * k * d..(i + 1) * k * d], &expect(frames)[..]);
+                    *frames = vec![plain.obs()[i * d..(i + 1) * d].to_vec()];
                     n_ended += 1;
                 } else {
-                    history[i].push(plain.obs()[i * d..(i + 1) * d].to_vec());
+                    frames.push(plain.obs()[i * d..(i + 1) * d].to_vec());
                 }
-                assert_eq!(&stacked.obs()[i * k * d..(i + 1) * k * d], &expect(&history[i])[..], "step {step} env {i}");
+                assert_eq!(&stacked.obs()[i * k * d..(i + 1) * k * d], &expect(frames)[..], "step {step} env {i}");
             }
         }
         assert!(n_ended > 0, "some Breakout episode ended");

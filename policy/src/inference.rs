@@ -68,7 +68,7 @@ impl PolicyInference {
             gi: vec![0.0; max_batch * gates],
             gh: vec![0.0; max_batch * gates],
             heads_out: vec![0.0; max_batch * (layout.n_actions() + 1)],
-            obs_normalized: vec![0.0; if scaled_input(&layout) { max_batch * layout.obs_dim() } else { 0 }],
+            obs_normalized: vec![0.0; if scaled_input(layout) { max_batch * layout.obs_dim() } else { 0 }],
         }
     }
 
