@@ -167,7 +167,7 @@ impl Env for CartPole {
 
     fn observation_space(&self) -> ObservationSpace {
         let high = [(X_THRESHOLD * 2.0) as f32, f32::INFINITY, (THETA_THRESHOLD_RADIANS * 2.0) as f32, f32::INFINITY];
-        ObservationSpace { low: high.iter().map(|v| -v).collect(), high: high.to_vec() }
+        ObservationSpace::vector(high.iter().map(|v| -v).collect(), high.to_vec())
     }
 
     fn action_space(&self) -> ActionSpace {

@@ -107,16 +107,31 @@ impl EnvError {
 }
 
 /// The observation space: a flat box of `f32` values with per-dimension bounds
-/// (`f32::INFINITY` where unbounded).
+/// (`f32::INFINITY` where unbounded), or an image of whole numbers in `0..=255`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ObservationSpace {
     /// Lower bound per dimension.
     pub low: Vec<f32>,
     /// Upper bound per dimension.
     pub high: Vec<f32>,
+    /// For an image, its `[C, H, W]` shape (channel-major, so the flat observation is `C·H·W`
+    /// values): every value is then a whole number in `0..=255` (a `u8` pixel or plane cell),
+    /// which travels as one byte on the wire (segments, and environment protocol version 3).
+    pub image: Option<[usize; 3]>,
 }
 
 impl ObservationSpace {
+    /// A flat vector box with these bounds.
+    pub fn vector(low: Vec<f32>, high: Vec<f32>) -> Self {
+        ObservationSpace { low, high, image: None }
+    }
+
+    /// A `[C, H, W]` image whose values are whole numbers in `0..=max` (`max <= 255`).
+    pub fn image(shape: [usize; 3], max: f32) -> Self {
+        let dim = shape.iter().product();
+        ObservationSpace { low: vec![0.0; dim], high: vec![max.min(255.0); dim], image: Some(shape) }
+    }
+
     /// Number of dimensions.
     pub fn dim(&self) -> usize {
         self.low.len()
@@ -650,12 +665,12 @@ impl EnvConfig {
     /// remote environment with frame stacking, the stacked shape the policy sees.
     pub fn image_shape(&self) -> Option<[usize; 3]> {
         match self {
-            EnvConfig::Minatar(config) => Some([config.game.n_channels(), minatar::GRID, minatar::GRID]),
             // Stacked frames are more channels.
             EnvConfig::Remote(remote) => {
                 remote.image.map(|[channels, height, width]| [channels * remote.frame_stack, height, width])
             }
-            _ => None,
+            // Declared by the environment (its observation space): MinAtar's planes.
+            builtin => builtin.build().ok()?.observation_space().image,
         }
     }
 }

@@ -151,7 +151,7 @@ impl Env for Memory {
     }
 
     fn observation_space(&self) -> ObservationSpace {
-        ObservationSpace { low: vec![0.0; self.config.obs_dim()], high: vec![1.0; self.config.obs_dim()] }
+        ObservationSpace::vector(vec![0.0; self.config.obs_dim()], vec![1.0; self.config.obs_dim()])
     }
 
     fn action_space(&self) -> ActionSpace {

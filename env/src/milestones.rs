@@ -289,7 +289,7 @@ impl Env for Milestones {
 
     fn observation_space(&self) -> ObservationSpace {
         let dim = self.config.obs_dim();
-        ObservationSpace { low: vec![0.0; dim], high: vec![1.0; dim] }
+        ObservationSpace::vector(vec![0.0; dim], vec![1.0; dim])
     }
 
     fn action_space(&self) -> ActionSpace {

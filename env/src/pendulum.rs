@@ -149,7 +149,7 @@ impl Env for Pendulum {
 
     fn observation_space(&self) -> ObservationSpace {
         let max_speed = MAX_SPEED as f32;
-        ObservationSpace { low: vec![-1.0, -1.0, -max_speed], high: vec![1.0, 1.0, max_speed] }
+        ObservationSpace::vector(vec![-1.0, -1.0, -max_speed], vec![1.0, 1.0, max_speed])
     }
 
     fn action_space(&self) -> ActionSpace {

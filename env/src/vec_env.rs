@@ -476,7 +476,7 @@ mod tests {
             "faulty"
         }
         fn observation_space(&self) -> ObservationSpace {
-            ObservationSpace { low: vec![0.0; 2], high: vec![f32::INFINITY; 2] }
+            ObservationSpace::vector(vec![0.0; 2], vec![f32::INFINITY; 2])
         }
         fn action_space(&self) -> ActionSpace {
             ActionSpace::Discrete { n: 4 }

@@ -412,8 +412,8 @@ impl<G: Game> Env for MinAtar<G> {
     }
 
     fn observation_space(&self) -> ObservationSpace {
-        let dim = G::N_CHANNELS * CELLS;
-        ObservationSpace { low: vec![0.0; dim], high: vec![1.0; dim] }
+        // 0/1 planes: an image of whole numbers, so it travels one byte per cell.
+        ObservationSpace::image([G::N_CHANNELS, GRID, GRID], 1.0)
     }
 
     fn action_space(&self) -> ActionSpace {

@@ -47,9 +47,10 @@ pub struct EnvServerConfig {
     pub max_episode_steps: Option<u32>,
     /// Declared in `spaces`: the largest |reward| of one step.
     pub max_abs_reward: Option<f32>,
-    /// Serve the observations as `u8` images of this `[C, H, W]` shape (protocol version 3),
-    /// e.g. MinAtar's planes; `None`: flat `f32` vectors. Every value the environment produces
-    /// must then be a whole number in `0..=255` (checked at start on the first observation).
+    /// Serve the observations as `u8` images of this `[C, H, W]` shape (protocol version 3);
+    /// `None`: as the environment's observation space declares (images for MinAtar's planes,
+    /// flat `f32` vectors otherwise). Every value the environment produces must then be a
+    /// whole number in `0..=255` (checked at start on the first observation).
     pub image_shape: Option<[usize; 3]>,
 }
 
@@ -130,6 +131,9 @@ impl EnvServer {
         let incompatible = |message: String| EnvServiceError::Incompatible { instance: String::new(), message };
         let mut probe = factory().map_err(|err| incompatible(format!("cannot build the environment: {err}")))?;
         let space = probe.observation_space();
+        // An image environment is served as images unless the config says otherwise.
+        let mut config = config;
+        config.image_shape = config.image_shape.or(space.image);
         if let Some(shape) = config.image_shape {
             if shape.iter().product::<usize>() != space.dim() {
                 return Err(incompatible(format!("image shape {shape:?} for {} observation values", space.dim())));
