@@ -60,6 +60,7 @@ from .protocol import (
     u8_bin,
     unpack,
 )
+from .snapshot import Adapter, SnapshotError, adapter_for
 
 log = logging.getLogger("volley_envs")
 
@@ -262,6 +263,7 @@ class EnvServer:
         max_envs_per_session: int = 1024,
         idle_timeout: float = 300.0,
         max_abs_reward: Optional[float] = None,
+        snapshot_key: Optional[bytes] = None,
     ):
         self.factory = factory
         # Declared in `spaces`: the largest |reward| of one step; the learner rejects segments
@@ -278,6 +280,10 @@ class EnvServer:
         try:
             self.spaces = Spaces.probe(probe)
             self._flat_obs = len(probe.observation_space.shape) == 1
+            # Save-load (volley_envs.snapshot): an adapter for this kind of environment, or None.
+            # The key authenticates states whose decoder trusts its input (ALE's); instances of
+            # one service share it to restore each other's states. Default: this process's own.
+            self.snapshots: Optional[Adapter] = adapter_for(probe, snapshot_key or os.urandom(32))
         finally:
             probe.close()
         # Images travel as one byte per value (protocol version 3), vectors as float32.
@@ -397,6 +403,8 @@ class EnvServer:
             if session is not None:
                 _close_all(session.envs)
             return pack({})
+        if op in ("snapshot", "restore") and self.snapshots is None:
+            raise ProtocolError(UNSUPPORTED, f"{op} is not supported for {self.label}: no snapshot adapter applies")
         session = self._session(request)
         if op == "step":
             return pack(self._step(session, request))
@@ -413,8 +421,10 @@ class EnvServer:
                 if error is not None:
                     raise ProtocolError(INTERNAL, f"reset of environment {env_idx}: {error}")
             return pack({"obs": self._obs_bin(session.obs)})
-        if op in ("snapshot", "restore"):
-            raise ProtocolError(UNSUPPORTED, f"{op} is not supported by gymnasium environments")
+        if op == "snapshot":
+            return pack(self._snapshot(session, request))
+        if op == "restore":
+            return pack(self._restore(session, request))
         raise ProtocolError(BAD_REQUEST, f"unknown operation {op!r}")
 
     def _spaces_reply(self) -> dict:
@@ -430,9 +440,38 @@ class EnvServer:
             "reward_threshold": s.reward_threshold,
             "max_episode_steps": s.max_episode_steps,
             "max_abs_reward": self.max_abs_reward,
-            "snapshot": False,
+            "snapshot": self.snapshots is not None,
             "max_envs_per_session": self.max_envs_per_session,
         }
+
+    def _env_index(self, session: Session, request: dict) -> int:
+        env_idx = _int(request, "env")
+        if not 0 <= env_idx < len(session.envs):
+            raise ProtocolError(BAD_REQUEST, f"env {env_idx} out of range for {len(session.envs)} environments")
+        return env_idx
+
+    def _snapshot(self, session: Session, request: dict) -> dict:
+        env_idx = self._env_index(session, request)
+        try:
+            return {"state": self.snapshots.capture(session.envs[env_idx])}
+        except Exception as exc:
+            raise ProtocolError(INTERNAL, f"snapshot of environment {env_idx}: {type(exc).__name__}: {exc}") from None
+
+    def _restore(self, session: Session, request: dict) -> dict:
+        """Check the whole state first (400), then apply it; an environment that fails while
+        applying is reset (500), so that it is never left half restored."""
+        env_idx = self._env_index(session, request)
+        try:
+            checked = self.snapshots.check(request.get("state"))
+        except SnapshotError as err:
+            raise ProtocolError(BAD_REQUEST, f"restore: {err}") from None
+        try:
+            row = self._observation(self.snapshots.restore(session.envs[env_idx], checked))
+        except Exception as exc:
+            self._reset_one(session, env_idx, None)
+            raise ProtocolError(INTERNAL, f"restore of environment {env_idx}: {type(exc).__name__}: {exc}") from None
+        session.obs[env_idx] = row
+        return {"obs": self._obs_bin(row)}
 
     def _obs_space(self) -> dict:
         s = self.spaces
