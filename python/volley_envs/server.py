@@ -249,6 +249,9 @@ class Session:
     envs: list
     obs: np.ndarray
     last_used: float = field(default_factory=time.monotonic)
+    # Per environment, the last action it was stepped with since its episode started (0 after
+    # a reset), for snapshot adapters that need it (ALE's sticky action); else unused.
+    last_actions: list = field(default_factory=list)
 
 
 class EnvServer:
@@ -286,6 +289,9 @@ class EnvServer:
             self.snapshots: Optional[Adapter] = adapter_for(probe, snapshot_key or os.urandom(32))
         finally:
             probe.close()
+        self._track_actions = bool(self.snapshots is not None and self.snapshots.tracks_last_action)
+        if self._track_actions and self.spaces.continuous:
+            self.snapshots, self._track_actions = None, False  # ALE's continuous actions: not supported
         # Images travel as one byte per value (protocol version 3), vectors as float32.
         self._obs_dtype = np.uint8 if self.spaces.image else np.float32
         self._obs_bin = u8_bin if self.spaces.image else f32_bin
@@ -453,7 +459,7 @@ class EnvServer:
     def _snapshot(self, session: Session, request: dict) -> dict:
         env_idx = self._env_index(session, request)
         try:
-            return {"state": self.snapshots.capture(session.envs[env_idx])}
+            return {"state": self.snapshots.capture(session.envs[env_idx], session.last_actions[env_idx])}
         except Exception as exc:
             raise ProtocolError(INTERNAL, f"snapshot of environment {env_idx}: {type(exc).__name__}: {exc}") from None
 
@@ -471,6 +477,8 @@ class EnvServer:
             self._reset_one(session, env_idx, None)
             raise ProtocolError(INTERNAL, f"restore of environment {env_idx}: {type(exc).__name__}: {exc}") from None
         session.obs[env_idx] = row
+        if self._track_actions:
+            session.last_actions[env_idx] = checked["last_action"]
         return {"obs": self._obs_bin(row)}
 
     def _obs_space(self) -> dict:
@@ -515,7 +523,9 @@ class EnvServer:
             raise ProtocolError(BAD_REQUEST, f"open needs {n_envs} u64 seeds")
         if len(self.sessions) >= self.max_sessions:
             raise ProtocolError(CAPACITY, f"{self.max_sessions} sessions already open")
-        session = Session(envs=[], obs=np.zeros((n_envs, self.spaces.obs_dim), dtype=self._obs_dtype))
+        session = Session(
+            envs=[], obs=np.zeros((n_envs, self.spaces.obs_dim), dtype=self._obs_dtype), last_actions=[0] * n_envs
+        )
         try:
             for env_idx, seed in enumerate(seeds):
                 session.envs.append(self.factory())
@@ -572,6 +582,8 @@ class EnvServer:
 
     def _reset_one(self, session: Session, env_idx: int, seed: Optional[int]) -> Optional[str]:
         """Reset one environment into its row; on failure zero the row and return why."""
+        if env_idx < len(session.last_actions):
+            session.last_actions[env_idx] = 0
         try:
             obs, _info = session.envs[env_idx].reset(seed=seed)
             session.obs[env_idx] = self._observation(obs)
@@ -621,6 +633,9 @@ class EnvServer:
                 continue
             terminated[env_idx] = bool(term)
             truncated[env_idx] = bool(trunc)
+        if self._track_actions:
+            # Environments that end or fail are reset below, which sets theirs back to 0.
+            session.last_actions[:] = [start + a if a.__class__ is int else 0 for a in actions]
         # Bytes are always finite: only float observations need the check.
         finite = np.isfinite(rewards) if image else np.isfinite(rows).all(axis=1) & np.isfinite(rewards)
         if not finite.all():

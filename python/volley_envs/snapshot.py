@@ -23,7 +23,9 @@ as 16 little-endian bytes each, ``has_uint32``, ``uinteger``). The kinds:
   positions back and observes with ``_get_obs()``.
 - ``ale`` (``ALE/...`` environments, optionally in ``AtariPreprocessing``): ``ale``, ALE's
   ``cloneState(include_rng=True).serialize()`` (emulator, sticky-action generator, frame
-  counters), ``mac``, an HMAC-SHA256 of it, and the wrapper's ``frames`` (its two max-pooled
+  counters), ``mac``, an HMAC-SHA256 of it, ``last_action``, the last action the server
+  stepped the environment with since its episode started (ALE's state leaves out the sticky
+  action; restore sets it by acting it before restoring), and the wrapper's ``frames`` (its two max-pooled
   screen buffers), ``lives`` and ``game_over``. ALE's own decoder trusts its input (random
   bytes hang or crash it), so a state is only decoded if its MAC verifies under the server's
   snapshot key: states restore on instances that share the key (``--snapshot-key-file``).
@@ -164,8 +166,13 @@ class Adapter:
         """Put the checked fields in place and return the environment's observation."""
         raise NotImplementedError
 
-    def capture(self, env) -> bytes:
+    # Whether the server must pass the last action since the episode's start to capture()
+    # and keep the one restore() returns (ALE: the emulator's sticky action).
+    tracks_last_action = False
+
+    def capture(self, env, last_action: int = 0) -> bytes:
         chain, unwrapped = _wrappers(env)
+        self._last_action = last_action
         state = {
             "volley_snapshot": SNAPSHOT_VERSION,
             "kind": self.kind,
@@ -336,6 +343,7 @@ class Ale(Adapter):
 
     kind = "ale"
     MAX_ALE_BYTES = 256 * 1024
+    PRIME_FRAMES = 32
 
     def __init__(self, probe, key: bytes):
         super().__init__(probe)
@@ -345,13 +353,16 @@ class Ale(Adapter):
         chain, _ = _wrappers(probe)
         pre = [w for w in chain if type(w).__name__ == "AtariPreprocessing"]
         self.frame_shapes = [tuple(b.shape) for b in pre[0].obs_buffer] if pre else []
+        self.n_actions = len(probe.unwrapped._action_set)
 
     def _mac(self, ale_state: bytes) -> bytes:
         return hmac.new(self._key, self.env_id.encode() + b"\0" + ale_state, hashlib.sha256).digest()
 
+    tracks_last_action = True
+
     def _capture(self, env, unwrapped) -> dict:
         ale_state = unwrapped.ale.cloneState(include_rng=True).serialize()
-        fields = {"ale": ale_state, "mac": self._mac(ale_state)}
+        fields = {"ale": ale_state, "mac": self._mac(ale_state), "last_action": int(self._last_action)}
         pre = _preprocessing(env)
         if pre is not None:
             fields["frames"] = [np.ascontiguousarray(b, dtype=np.uint8).tobytes() for b in pre.obs_buffer]
@@ -365,7 +376,7 @@ class Ale(Adapter):
             raise SnapshotError(f"state field 'ale' of {len(ale_state)} bytes exceeds {self.MAX_ALE_BYTES}")
         if not hmac.compare_digest(_bytes(state, "mac", 32), self._mac(ale_state)):
             raise SnapshotError("state field 'ale' is not authenticated by this service's snapshot key")
-        checked = {"ale": ale_state}
+        checked = {"ale": ale_state, "last_action": _count(state, "last_action", self.n_actions - 1)}
         if self.frame_shapes:
             frames = _field(state, "frames")
             if not isinstance(frames, list) or len(frames) != len(self.frame_shapes):
@@ -385,6 +396,12 @@ class Ale(Adapter):
     def _apply(self, env, unwrapped, checked: dict):
         from ale_py import ALEState
 
+        # ALE's state leaves out the emulator's current (sticky) action, which the next frames
+        # repeat with the sticky probability: set it first by acting the snapshot's last action
+        # (each frame takes it with probability 1 - 0.25; 32 frames miss it with 0.25^32), then
+        # restore, which rewinds the emulator, its generator and counters, not that action.
+        for _ in range(self.PRIME_FRAMES):
+            unwrapped.ale.act(unwrapped._action_set[checked["last_action"]])
         unwrapped.ale.restoreState(ALEState(checked["ale"]))
         pre = _preprocessing(env)
         if pre is None:
