@@ -181,7 +181,7 @@ def test_atari_pong_serves_84x84_grayscale_frames(nats_url):
         assert spaces_reply["n_actions"] == 6
         assert spaces_reply["action_space"] == {"kind": "discrete", "n": 6}
         assert spaces_reply["max_episode_steps"] == 27000
-        assert spaces_reply["max_abs_reward"] is None and spaces_reply["snapshot"] is False
+        assert spaces_reply["max_abs_reward"] is None and spaces_reply["snapshot"] is True
         session = RemoteSession.for_spaces(nc, instance, spaces_reply)
         seeds = [0, 1]
         obs = await session.open(seeds)

@@ -46,7 +46,7 @@ def test_discovery_lists_every_instance_with_its_endpoints(nats_url):
         spaces = await call(nc, instances[0], "spaces", {})
         assert (spaces["obs_dim"], spaces["n_actions"]) == (4, 2)
         assert spaces["reward_threshold"] == 475.0 and spaces["max_episode_steps"] == 500
-        assert spaces["snapshot"] is False
+        assert spaces["snapshot"] is True  # CartPole's state is captured (volley_envs.snapshot)
         assert np.array_equal(from_f32_bin(spaces["obs_low"]), gym.make("CartPole-v1").observation_space.low)
         await a.stop()
         await b.stop()
@@ -113,8 +113,8 @@ def test_errors_are_answered_with_codes(nats_url):
         assert (await code_of("open", {"v": 1, "n_envs": 1, "seeds": [0]}))[0] == 503
         code, message = await code_of("step", {"v": 1, "session": opened["session"], "actions": [0]})
         assert code == 400 and "1 actions for 2 environments" in message
-        assert (await code_of("snapshot", {"v": 1, "session": opened["session"], "env": 0}))[0] == 501
-        assert server.rejected == 4
+        assert (await code_of("snapshot", {"v": 1, "session": opened["session"], "env": 2}))[0] == 400
+        assert server.rejected == 5
         # Issue 12: malformed fields are 400, not 505 or 500 (docs/ENV_PROTOCOL.md).
         code, message = await code_of("spaces", {"v": "1"})
         assert code == 400 and "unsigned integer" in message
@@ -128,7 +128,7 @@ def test_errors_are_answered_with_codes(nats_url):
         assert (await code_of("reset", {"v": 1, "session": opened["session"], "seeds": [-5, None]}))[0] == 400
         assert (await code_of("reset", {"v": 1, "session": "abc", "seeds": [1, 2]}))[0] == 400
         assert (await code_of("step", {"v": 1, "session": opened["session"], "actions": "01"}))[0] == 400
-        assert server.rejected == 4 + 11
+        assert server.rejected == 5 + 11
         # An out-of-range action fails that environment only: truncated, reward 0, reset.
         reply = await call(nc, instance, "step", {"session": opened["session"], "actions": [0, 9]})
         assert reply["errors"][0]["env"] == 1 and "out of range" in reply["errors"][0]["message"]

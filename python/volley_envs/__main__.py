@@ -40,6 +40,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     serve.add_argument("--max-envs-per-session", type=int, default=1024, help="largest session")
     serve.add_argument("--idle-timeout-secs", type=float, default=300.0,
                        help="drop a session without requests for this long")
+    serve.add_argument("--snapshot-key-file", default=os.environ.get("VOLLEY_ENVS_SNAPSHOT_KEY_FILE"),
+                       help="file of at least 16 bytes that authenticates snapshot states whose decoder trusts "
+                            "its input (ALE's); instances that share it restore each other's states (env "
+                            "VOLLEY_ENVS_SNAPSHOT_KEY_FILE; default: a random key, states restore on this "
+                            "instance only)")
     serve.add_argument("--user", default=os.environ.get("VOLLEY_NATS_USER"), help="NATS user (env VOLLEY_NATS_USER)")
     serve.add_argument("--password", default=os.environ.get("VOLLEY_NATS_PASSWORD"),
                        help="NATS password (env VOLLEY_NATS_PASSWORD)")
@@ -54,9 +59,15 @@ async def serve(args: argparse.Namespace) -> None:
     factory = make_factory(args.env, kwargs)
     env_id = args.env.partition(":")[2]
     name = check_name(args.name) if args.name else default_name(env_id)
+    snapshot_key = None
+    if args.snapshot_key_file:
+        with open(args.snapshot_key_file, "rb") as key_file:
+            snapshot_key = key_file.read()
+        if len(snapshot_key) < 16:
+            raise SystemExit("--snapshot-key-file must hold at least 16 bytes")
     server = EnvServer(factory, name, label=args.env, max_sessions=args.max_sessions,
                        max_envs_per_session=args.max_envs_per_session, idle_timeout=args.idle_timeout_secs,
-                       max_abs_reward=args.max_abs_reward)
+                       max_abs_reward=args.max_abs_reward, snapshot_key=snapshot_key)
     options = {"servers": [args.nats], "name": "volley-envs"}
     if args.user:
         options.update(user=args.user, password=args.password)

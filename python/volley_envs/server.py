@@ -60,6 +60,7 @@ from .protocol import (
     u8_bin,
     unpack,
 )
+from .snapshot import Adapter, SnapshotError, adapter_for
 
 log = logging.getLogger("volley_envs")
 
@@ -248,6 +249,9 @@ class Session:
     envs: list
     obs: np.ndarray
     last_used: float = field(default_factory=time.monotonic)
+    # Per environment, the last action it was stepped with since its episode started (0 after
+    # a reset), for snapshot adapters that need it (ALE's sticky action); else unused.
+    last_actions: list = field(default_factory=list)
 
 
 class EnvServer:
@@ -262,6 +266,7 @@ class EnvServer:
         max_envs_per_session: int = 1024,
         idle_timeout: float = 300.0,
         max_abs_reward: Optional[float] = None,
+        snapshot_key: Optional[bytes] = None,
     ):
         self.factory = factory
         # Declared in `spaces`: the largest |reward| of one step; the learner rejects segments
@@ -278,8 +283,15 @@ class EnvServer:
         try:
             self.spaces = Spaces.probe(probe)
             self._flat_obs = len(probe.observation_space.shape) == 1
+            # Save-load (volley_envs.snapshot): an adapter for this kind of environment, or None.
+            # The key authenticates states whose decoder trusts its input (ALE's); instances of
+            # one service share it to restore each other's states. Default: this process's own.
+            self.snapshots: Optional[Adapter] = adapter_for(probe, snapshot_key or os.urandom(32))
         finally:
             probe.close()
+        self._track_actions = bool(self.snapshots is not None and self.snapshots.tracks_last_action)
+        if self._track_actions and self.spaces.continuous:
+            self.snapshots, self._track_actions = None, False  # ALE's continuous actions: not supported
         # Images travel as one byte per value (protocol version 3), vectors as float32.
         self._obs_dtype = np.uint8 if self.spaces.image else np.float32
         self._obs_bin = u8_bin if self.spaces.image else f32_bin
@@ -397,6 +409,8 @@ class EnvServer:
             if session is not None:
                 _close_all(session.envs)
             return pack({})
+        if op in ("snapshot", "restore") and self.snapshots is None:
+            raise ProtocolError(UNSUPPORTED, f"{op} is not supported for {self.label}: no snapshot adapter applies")
         session = self._session(request)
         if op == "step":
             return pack(self._step(session, request))
@@ -413,8 +427,10 @@ class EnvServer:
                 if error is not None:
                     raise ProtocolError(INTERNAL, f"reset of environment {env_idx}: {error}")
             return pack({"obs": self._obs_bin(session.obs)})
-        if op in ("snapshot", "restore"):
-            raise ProtocolError(UNSUPPORTED, f"{op} is not supported by gymnasium environments")
+        if op == "snapshot":
+            return pack(self._snapshot(session, request))
+        if op == "restore":
+            return pack(self._restore(session, request))
         raise ProtocolError(BAD_REQUEST, f"unknown operation {op!r}")
 
     def _spaces_reply(self) -> dict:
@@ -430,9 +446,40 @@ class EnvServer:
             "reward_threshold": s.reward_threshold,
             "max_episode_steps": s.max_episode_steps,
             "max_abs_reward": self.max_abs_reward,
-            "snapshot": False,
+            "snapshot": self.snapshots is not None,
             "max_envs_per_session": self.max_envs_per_session,
         }
+
+    def _env_index(self, session: Session, request: dict) -> int:
+        env_idx = _int(request, "env")
+        if not 0 <= env_idx < len(session.envs):
+            raise ProtocolError(BAD_REQUEST, f"env {env_idx} out of range for {len(session.envs)} environments")
+        return env_idx
+
+    def _snapshot(self, session: Session, request: dict) -> dict:
+        env_idx = self._env_index(session, request)
+        try:
+            return {"state": self.snapshots.capture(session.envs[env_idx], session.last_actions[env_idx])}
+        except Exception as exc:
+            raise ProtocolError(INTERNAL, f"snapshot of environment {env_idx}: {type(exc).__name__}: {exc}") from None
+
+    def _restore(self, session: Session, request: dict) -> dict:
+        """Check the whole state first (400), then apply it; an environment that fails while
+        applying is reset (500), so that it is never left half restored."""
+        env_idx = self._env_index(session, request)
+        try:
+            checked = self.snapshots.check(request.get("state"))
+        except SnapshotError as err:
+            raise ProtocolError(BAD_REQUEST, f"restore: {err}") from None
+        try:
+            row = self._observation(self.snapshots.restore(session.envs[env_idx], checked))
+        except Exception as exc:
+            self._reset_one(session, env_idx, None)
+            raise ProtocolError(INTERNAL, f"restore of environment {env_idx}: {type(exc).__name__}: {exc}") from None
+        session.obs[env_idx] = row
+        if self._track_actions:
+            session.last_actions[env_idx] = checked["last_action"]
+        return {"obs": self._obs_bin(row)}
 
     def _obs_space(self) -> dict:
         s = self.spaces
@@ -476,7 +523,9 @@ class EnvServer:
             raise ProtocolError(BAD_REQUEST, f"open needs {n_envs} u64 seeds")
         if len(self.sessions) >= self.max_sessions:
             raise ProtocolError(CAPACITY, f"{self.max_sessions} sessions already open")
-        session = Session(envs=[], obs=np.zeros((n_envs, self.spaces.obs_dim), dtype=self._obs_dtype))
+        session = Session(
+            envs=[], obs=np.zeros((n_envs, self.spaces.obs_dim), dtype=self._obs_dtype), last_actions=[0] * n_envs
+        )
         try:
             for env_idx, seed in enumerate(seeds):
                 session.envs.append(self.factory())
@@ -533,6 +582,8 @@ class EnvServer:
 
     def _reset_one(self, session: Session, env_idx: int, seed: Optional[int]) -> Optional[str]:
         """Reset one environment into its row; on failure zero the row and return why."""
+        if env_idx < len(session.last_actions):
+            session.last_actions[env_idx] = 0
         try:
             obs, _info = session.envs[env_idx].reset(seed=seed)
             session.obs[env_idx] = self._observation(obs)
@@ -582,6 +633,9 @@ class EnvServer:
                 continue
             terminated[env_idx] = bool(term)
             truncated[env_idx] = bool(trunc)
+        if self._track_actions:
+            # Environments that end or fail are reset below, which sets theirs back to 0.
+            session.last_actions[:] = [start + a if a.__class__ is int else 0 for a in actions]
         # Bytes are always finite: only float observations need the check.
         finite = np.isfinite(rewards) if image else np.isfinite(rows).all(axis=1) & np.isfinite(rewards)
         if not finite.all():
