@@ -95,6 +95,7 @@ pub fn remote_env_config(nats: &NatsArgs, service: &EnvServiceName, wait: Durati
                         // Checked by the client's `spaces`.
                         image: spaces.image_shape().ok().flatten(),
                         frame_stack: 1,
+                        snapshot: spaces.snapshot,
                     });
                 }
                 Err(err) => warn!(service = %service, instance = %instance.id, %err, "spaces request failed"),

@@ -364,3 +364,55 @@ fn atari_pong_smoke_run_over_nats() {
     assert!(!server_log.contains("malformed environment request"), "{server_log}");
     assert!(server.terminate_and_wait().success(), "{server_log}");
 }
+
+/// Issue 18, item 4: a served Gymnasium environment that snapshots (CartPole-v1: its state,
+/// generator and time limit, no pickle) runs scheduled episodes (`--work`): the actor saves
+/// snapshots through the environment protocol, restarts episodes from them on the server
+/// (`restore`) and starts fresh ones with a reset of that environment alone (version 3).
+#[test]
+fn work_items_run_on_a_served_env_that_snapshots() {
+    let Some(python) = python_or_skip("work_items_run_on_a_served_env_that_snapshots", None) else { return };
+    let _serial = serial();
+    let nats = TestNats::start();
+    let dir = tempfile::tempdir().expect("temp dir");
+    let mut server = python_server(dir.path(), &python, &nats, "gymnasium:CartPole-v1");
+    let mut learner = learner(
+        &nats,
+        dir.path(),
+        "work",
+        &[
+            "--env",
+            "remote:cartpole-v1",
+            "--work",
+            "--restart-share",
+            "0.5",
+            "--snapshot-every",
+            "10",
+            "--max-env-steps",
+            "8000",
+            "--target-return",
+            "1e9",
+        ],
+    );
+    learner.wait_for_log("remote environment found");
+    let metrics_addr = format!("127.0.0.1:{}", volley_testkit::free_port());
+    let mut actor = actor(&nats, dir.path(), "work", "actor-0", &["--metrics-addr", &metrics_addr]);
+    let summary = learner.summary();
+    assert_eq!(summary["stop_reason"], "env_step_budget", "{summary}\n{}", learner.log());
+    let saved = metric(&metrics_addr, "volley_actor_snapshots_saved_total");
+    let resumed = metric(&metrics_addr, "volley_actor_episodes_resumed_total");
+    let completed = metric(&metrics_addr, "volley_actor_work_items_completed_total");
+    let failures = metric(&metrics_addr, "volley_actor_resume_failures_total");
+    let actor_log = actor.log();
+    assert!(
+        saved > 0.0 && resumed > 0.0 && completed > 0.0,
+        "saved {saved}, resumed {resumed}, completed {completed}: {actor_log}"
+    );
+    assert_eq!(failures, 0.0, "every saved state restored: {actor_log}");
+    assert!(!actor_log.contains("scheduled reset failed"), "fresh starts reset one environment: {actor_log}");
+    assert!(!actor_log.contains("environment session lost"), "{actor_log}");
+    assert!(!actor_log.contains("remote_env_failed"), "no environment failed: {actor_log}");
+    assert!(actor.terminate_and_wait().success(), "{actor_log}");
+    let server_log = server.log();
+    assert!(server.terminate_and_wait().success(), "{server_log}");
+}

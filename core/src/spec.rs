@@ -644,9 +644,17 @@ impl RunSpec {
         h.work.validate().map_err(SpecError::Work)?;
         h.stores.validate(layout.n_params() as u64 * 4)?;
         // Every task must fit the one policy: same spaces as the run's env. Save-load needs
-        // in-process environments (remote servers may not snapshot).
-        if h.work.enabled && matches!(self.env, EnvConfig::Remote(_)) {
-            return Err(SpecError::Work("work items need built-in environments, not remote ones".into()));
+        // environments that snapshot: built-in ones, or remote ones whose servers declared it.
+        if let EnvConfig::Remote(remote) = &self.env {
+            if h.work.enabled && !remote.snapshot {
+                return Err(SpecError::Work(format!(
+                    "work items need environments that snapshot; the servers of {} declare snapshot: false",
+                    remote.service
+                )));
+            }
+            if !h.work.tasks.is_empty() {
+                return Err(SpecError::Work("work.tasks are built-in environments; the run's env is remote".into()));
+            }
         }
         for task in &h.work.tasks {
             if matches!(task, EnvConfig::Remote(_)) {
@@ -823,6 +831,7 @@ mod tests {
             max_episode_steps: None,
             image: None,
             frame_stack: 1,
+            snapshot: false,
         });
         let spec = spec(remote.clone(), 4);
         spec.validate().expect("declared spaces match the policy");
@@ -837,6 +846,29 @@ mod tests {
         assert!(mismatch.to_string().contains("remote:cartpole-v1"), "{mismatch}");
         let bad_name = r#"{"name":"remote","service":"Bad.Name","obs_dim":4,"n_actions":2}"#;
         assert!(serde_json::from_str::<EnvConfig>(bad_name).is_err());
+    }
+
+    /// Scheduled episodes (`--work`) run on a remote environment only if its servers snapshot;
+    /// its successes are returns at the declared threshold.
+    #[test]
+    fn work_items_on_a_remote_env_need_snapshots() {
+        let mut remote = RemoteEnvConfig {
+            reward_threshold: Some(475.0),
+            ..RemoteEnvConfig::new(EnvServiceName::new("cartpole-v1").unwrap(), 4, 2)
+        };
+        let mut with_work = spec(EnvConfig::Remote(remote.clone()), 4);
+        with_work.hyper.work.enabled = true;
+        let err = with_work.validate().unwrap_err().to_string();
+        assert!(err.contains("declare snapshot: false"), "{err}");
+        remote.snapshot = true;
+        with_work.env = EnvConfig::Remote(remote.clone());
+        with_work.validate().expect("servers that snapshot can run work items");
+        with_work.hyper.work.tasks = vec![EnvConfig::Cartpole];
+        assert!(with_work.validate().is_err(), "tasks are built-in environments");
+        let json = serde_json::to_string(&EnvConfig::Remote(remote.clone())).unwrap();
+        assert!(json.contains(r#""snapshot":true"#), "{json}");
+        let env = EnvConfig::Remote(remote);
+        assert!(crate::work::episode_success(&env, 500.0) && !crate::work::episode_success(&env, 474.0));
     }
 
     /// A remote environment with box actions (docs/ENV_PROTOCOL.md, version 2) gets a Gaussian

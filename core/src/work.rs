@@ -233,8 +233,12 @@ pub fn episode_success(env: &EnvConfig, episode_return: f32) -> bool {
         EnvConfig::Pendulum => episode_return >= -200.0,
         // MinAtar games have no goal; an episode that scores at all counts.
         EnvConfig::Minatar(_) => episode_return > 0.0,
-        // Work items are for built-in environments (`RunSpec::validate` refuses remote ones).
-        EnvConfig::Remote(_) => episode_return > 0.0,
+        // Remote environments that snapshot: the servers' solved threshold if they declared
+        // one, else any positive return.
+        EnvConfig::Remote(remote) => match remote.reward_threshold {
+            Some(threshold) => episode_return >= threshold,
+            None => episode_return > 0.0,
+        },
     }
 }
 

@@ -461,6 +461,10 @@ pub struct RemoteEnvConfig {
     /// last `frame_stack` frames, `frame_stack·obs_dim` values. 1 (absent): no stacking.
     #[serde(default = "one", skip_serializing_if = "is_one")]
     pub frame_stack: usize,
+    /// Whether its servers declared `snapshot: true` (save-load works, so scheduled episodes,
+    /// `--work`, can run on it); absent: false.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub snapshot: bool,
 }
 
 fn one() -> usize {
@@ -494,6 +498,7 @@ impl RemoteEnvConfig {
             max_episode_steps: None,
             image: None,
             frame_stack: 1,
+            snapshot: false,
         }
     }
 

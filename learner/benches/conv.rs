@@ -41,6 +41,7 @@ fn spec(preset: &str, t_len: usize, b_len: usize) -> RunSpec {
                 max_episode_steps: None,
                 image: None,
                 frame_stack: 1,
+                snapshot: false,
             });
             let policy = PolicySpec::mlp(0, 6, &[512], Activation::Relu).with_conv(ConvSpec::nature(4, 84, 84));
             (env, policy)

@@ -127,6 +127,7 @@ fn spec(run: &str, obs_dim: usize) -> RunSpec {
             max_episode_steps: None,
             image: None,
             frame_stack: 1,
+            snapshot: false,
         })
     };
     RunSpec {

@@ -181,6 +181,7 @@ fn selection_drops_are_counted_by_reason_while_training_continues() {
         max_episode_steps: None,
         image: None,
         frame_stack: 1,
+        snapshot: false,
     });
     selection_spec.hyper.selection.guard = GuardConfig { enabled: true, max_abs_reward: Some(100.0) };
     selection_spec.hyper.selection.zero_variance = Some(ZeroVarianceConfig { min_group: 2, tolerance: 0.0 });

@@ -85,6 +85,17 @@ def test_a_batched_session_steps_like_local_gymnasium_envs_with_auto_reset(nats_
         assert n_done > 5
         reset = await session.reset([11, None, None])
         assert np.array_equal(reset[0], gym.make("CartPole-v1").reset(seed=11)[0])
+        # Version 3: reset a subset; the others keep their state.
+        before = np.array(reset)
+        reply = await call(nc, instance, "reset", {"session": session.session, "envs": [2], "seeds": [21]})
+        obs = from_f32_bin(reply["obs"]).reshape(3, 4)
+        assert np.array_equal(obs[2], gym.make("CartPole-v1").reset(seed=21)[0])
+        assert np.array_equal(obs[:2], before[:2])
+        for bad in ({"envs": [3], "seeds": [1]}, {"envs": [0, 0], "seeds": [1, 2]}, {"envs": [1], "seeds": [1, 2]},
+                    {"envs": [], "seeds": []}, {"envs": [True], "seeds": [1]}):
+            with pytest.raises(ProtocolError) as err:
+                await call(nc, instance, "reset", {"session": session.session, **bad})
+            assert err.value.code == 400, bad
         await session.close()
         assert server.sessions == {}
         await server.stop()

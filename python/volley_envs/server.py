@@ -415,14 +415,25 @@ class EnvServer:
         if op == "step":
             return pack(self._step(session, request))
         if op == "reset":
+            # Version 3: `envs` lists the environments to reset (default: all), one seed each.
+            envs = request.get("envs")
+            if envs is None:
+                envs = list(range(len(session.envs)))
+            elif (
+                not isinstance(envs, list)
+                or not envs
+                or not all(isinstance(e, int) and not isinstance(e, bool) and 0 <= e < len(session.envs) for e in envs)
+                or len(set(envs)) != len(envs)
+            ):
+                raise ProtocolError(BAD_REQUEST, f"reset envs must be distinct indices below {len(session.envs)}")
             seeds = request.get("seeds")
             if (
                 not isinstance(seeds, list)
-                or len(seeds) != len(session.envs)
+                or len(seeds) != len(envs)
                 or not all(s is None or _is_u64(s) for s in seeds)
             ):
-                raise ProtocolError(BAD_REQUEST, f"reset needs {len(session.envs)} u64 seeds (or nil entries)")
-            for env_idx, seed in enumerate(seeds):
+                raise ProtocolError(BAD_REQUEST, f"reset needs {len(envs)} u64 seeds (or nil entries)")
+            for env_idx, seed in zip(envs, seeds):
                 error = self._reset_one(session, env_idx, seed)
                 if error is not None:
                     raise ProtocolError(INTERNAL, f"reset of environment {env_idx}: {error}")

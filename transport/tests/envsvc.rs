@@ -80,8 +80,9 @@ fn every_operation_round_trips_against_a_server() {
     assert!(stepped.final_obs.is_empty() && stepped.errors.is_empty());
 
     let state = client.block_on(client.snapshot(instance, opened.session, 1)).unwrap();
-    let reset =
-        client.block_on(client.reset(instance, opened.session, vec![Some(12), None, None], ObsEncoding::F32)).unwrap();
+    let reset = client
+        .block_on(client.reset(instance, opened.session, vec![Some(12), None, None], None, ObsEncoding::F32))
+        .unwrap();
     assert_eq!(reset.len(), 12);
     let restored = client.block_on(client.restore(instance, opened.session, 2, state, ObsEncoding::F32)).unwrap();
     assert_eq!(restored, obs, "environment 1's state restored into environment 2");
@@ -229,6 +230,10 @@ fn remote_vec_env_matches_the_in_process_vec_env_bit_for_bit() {
         n_finished += local_out.finished_episodes.len();
     }
     assert!(n_finished > 20, "episodes ended and auto-reset remotely too ({n_finished})");
+    // A scheduled fresh start resets that environment alone (protocol version 3).
+    remote.reset_env(4, 77).unwrap();
+    local.reset_env(4, Some(77)).unwrap();
+    assert_eq!(VectorEnv::obs(&remote), local.obs(), "only environment 4 was reset");
     // Snapshot and restore go through the session of the environment.
     let state = remote.snapshot_env(5).unwrap();
     remote.restore_env(0, &state).unwrap();

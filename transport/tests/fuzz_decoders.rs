@@ -274,7 +274,8 @@ fn fuzz_env_protocol_messages() {
         protocol::encode(&OpenRequest { v, n_envs: 2, seeds: vec![1, 2] }),
         protocol::encode(&StepRequest { v, session: 7, actions: protocol::StepActions::Discrete(vec![0, 1]) }),
         protocol::encode(&StepRequest { v, session: 7, actions: protocol::StepActions::Box(vec![0.5, -2.0]) }),
-        protocol::encode(&ResetRequest { v, session: 7, seeds: vec![Some(3), None] }),
+        protocol::encode(&ResetRequest { v, session: 7, seeds: vec![Some(3), None], envs: None }),
+        protocol::encode(&ResetRequest { v, session: 7, seeds: vec![Some(3)], envs: Some(vec![1]) }),
         protocol::encode(&RestoreRequest { v, session: 7, env: 1, state: vec![1, 2, 3] }),
         protocol::encode(&CloseRequest { v, session: 7 }),
     ];

@@ -249,17 +249,29 @@ impl EnvServiceClient {
         self.call(instance, Op::Open, &request).await
     }
 
-    /// Reset every environment of a session (`None`: the environment's own generator); the
-    /// observations decoded as `encoding` (the instance's [`SpacesReply::obs_encoding`]).
+    /// Reset environments of a session (`None` seeds: the environment's own generator): every
+    /// one, one seed each, or with `envs` (version-3 instances) those listed, one seed each.
+    /// Returns every environment's observation, decoded as `encoding` (the instance's
+    /// [`SpacesReply::obs_encoding`]).
     pub async fn reset(
         &self,
         instance: &Instance,
         session: u64,
         seeds: Vec<Option<u64>>,
+        envs: Option<Vec<u32>>,
         encoding: ObsEncoding,
     ) -> Result<Vec<f32>, EnvServiceError> {
-        let reply: ObsReply =
-            self.call(instance, Op::Reset, &ResetRequest { v: instance.protocol, session, seeds }).await?;
+        if envs.is_some() && instance.protocol < protocol::IMAGE_PROTOCOL_VERSION {
+            return Err(EnvServiceError::Incompatible {
+                instance: instance.id.clone(),
+                message: format!(
+                    "resetting single environments needs protocol version 3; the instance speaks {}",
+                    instance.protocol
+                ),
+            });
+        }
+        let request = ResetRequest { v: instance.protocol, session, seeds, envs };
+        let reply: ObsReply = self.call(instance, Op::Reset, &request).await?;
         reply.obs.decode(encoding).map_err(|message| EnvServiceError::BadReply {
             instance: instance.id.clone(),
             op: "reset",

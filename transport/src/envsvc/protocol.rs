@@ -367,8 +367,13 @@ pub struct ResetRequest {
     pub v: u32,
     /// The session.
     pub session: u64,
-    /// One entry per environment: a seed, or nil to continue the environment's own generator.
+    /// One entry per environment reset: a seed, or nil to continue the environment's own
+    /// generator.
     pub seeds: Vec<Option<u64>>,
+    /// Version 3: the environments to reset, distinct indices within the session (one seed
+    /// each); absent: every environment. The reply holds every environment's observation.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub envs: Option<Vec<u32>>,
 }
 
 /// Reply of `reset` and `restore`: observations.

@@ -629,6 +629,33 @@ impl VectorEnv for RemoteVecEnv {
         self.stats[env_idx] = EpisodeStats::default();
         Ok(())
     }
+
+    /// A scheduled fresh start of one environment (save-load's work items): a version-3
+    /// `reset` of that environment alone.
+    fn reset_env(&mut self, env_idx: usize, seed: u64) -> Result<(), EnvError> {
+        let (slot_idx, within) = self.locate(env_idx)?;
+        let Some((instance, session)) = self.slots[slot_idx].session.clone() else {
+            return Err(EnvError::Config(format!("environment {env_idx} has no session")));
+        };
+        let (start, len) = (self.slots[slot_idx].start, self.slots[slot_idx].len);
+        let client = self.client.clone();
+        let obs = client
+            .block_on(client.reset(&instance, session, vec![Some(seed)], Some(vec![within]), self.obs_encoding()))
+            .map_err(|err| self.remote_error(&err))?;
+        let dim = self.obs_dim;
+        if obs.len() != len * dim || !obs.iter().all(|v| v.is_finite()) {
+            return Err(EnvError::Remote {
+                service: self.config.service.to_string(),
+                reason: "remote_bad_reply",
+                message: format!("reset returned {} values, expected {} finite ones", obs.len(), len * dim),
+            });
+        }
+        // Only the reset environment's row: the others did not change.
+        let row = (env_idx - start) * dim..(env_idx - start + 1) * dim;
+        self.obs[env_idx * dim..(env_idx + 1) * dim].copy_from_slice(&obs[row]);
+        self.stats[env_idx] = EpisodeStats::default();
+        Ok(())
+    }
 }
 
 impl Drop for RemoteVecEnv {

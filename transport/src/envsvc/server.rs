@@ -361,10 +361,22 @@ impl ServerState {
                 let request: ResetRequest = decode("reset request", payload)?;
                 self.with_session(request.session, |session| {
                     let n_envs = session.envs.n_envs();
-                    if request.seeds.len() != n_envs {
-                        return Err(bad(format!("{} seeds for {n_envs} environments", request.seeds.len())));
+                    // Version 3: a subset of the environments (distinct, in range), else all.
+                    let envs: Vec<usize> = match &request.envs {
+                        None => (0..n_envs).collect(),
+                        Some(envs) => {
+                            let envs: Vec<usize> = envs.iter().map(|&e| e as usize).collect();
+                            let distinct = envs.iter().collect::<std::collections::HashSet<_>>().len() == envs.len();
+                            if envs.is_empty() || !distinct || envs.iter().any(|&e| e >= n_envs) {
+                                return Err(bad(format!("reset envs must be distinct indices below {n_envs}")));
+                            }
+                            envs
+                        }
+                    };
+                    if request.seeds.len() != envs.len() {
+                        return Err(bad(format!("{} seeds for {} environments", request.seeds.len(), envs.len())));
                     }
-                    for (env_idx, seed) in request.seeds.iter().enumerate() {
+                    for (&env_idx, seed) in envs.iter().zip(&request.seeds) {
                         session
                             .envs
                             .reset_env(env_idx, *seed)
