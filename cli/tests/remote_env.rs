@@ -191,6 +191,27 @@ fn python_server(dir: &Path, python: &str, nats: &TestNats, env: &str) -> Proc {
     server
 }
 
+/// A broker, a Python server of `env` as service `service`, and a learner process for the run
+/// named after the service on `remote:<service>` with `flags`, past its lookup of the spaces.
+struct ServedRun {
+    nats: TestNats,
+    dir: tempfile::TempDir,
+    server: Proc,
+    learner: Proc,
+}
+
+fn served_run(python: &str, env: &str, service: &str, flags: &[&str]) -> ServedRun {
+    let nats = TestNats::start();
+    let dir = tempfile::tempdir().expect("temp dir");
+    let server = python_server(dir.path(), python, &nats, env);
+    let remote = format!("remote:{service}");
+    let mut args = vec!["--env", remote.as_str()];
+    args.extend_from_slice(flags);
+    let mut learner = learner(&nats, dir.path(), service, &args);
+    learner.wait_for_log("remote environment found");
+    ServedRun { nats, dir, server, learner }
+}
+
 /// A short learner + actor run over a box-action environment served by Python (protocol
 /// version 2): the learner's spec gets a Gaussian head with the server's action width, the
 /// actor sends f32 actions, and the run reaches its env-step budget with no environment error.
@@ -203,17 +224,9 @@ fn box_action_run(
     steps: &str,
 ) -> (serde_json::Value, String) {
     let _serial = serial();
-    let nats = TestNats::start();
-    let dir = tempfile::tempdir().expect("temp dir");
-    let mut server = python_server(dir.path(), python, &nats, env);
     let remote = format!("remote:{service}");
-    let mut learner = learner(
-        &nats,
-        dir.path(),
-        service,
-        &["--env", &remote, "--max-env-steps", steps, "--target-return", "1e9", "--segment-len", "32"],
-    );
-    learner.wait_for_log("remote environment found");
+    let ServedRun { nats, dir, mut server, mut learner } =
+        served_run(python, env, service, &["--max-env-steps", steps, "--target-return", "1e9", "--segment-len", "32"]);
     let log = learner.log();
     assert!(log.contains(&format!("n_actions={action_dim}")) && log.contains("continuous=true"), "{log}");
     let mut actor = actor(&nats, dir.path(), service, "actor-0", &[]);
@@ -322,16 +335,11 @@ fn embedded_train_steps_a_remote_box_env() {
 fn atari_pong_smoke_run_over_nats() {
     let Some(python) = python_or_skip("atari_pong_smoke_run_over_nats", Some("ale_py, cv2")) else { return };
     let _serial = serial();
-    let nats = TestNats::start();
-    let dir = tempfile::tempdir().expect("temp dir");
-    let mut server = python_server(dir.path(), &python, &nats, "atari:Pong");
-    let mut learner = learner(
-        &nats,
-        dir.path(),
+    let ServedRun { nats, dir, mut server, mut learner } = served_run(
+        &python,
+        "atari:Pong",
         "pong",
         &[
-            "--env",
-            "remote:pong",
             "--frame-stack",
             "4",
             "--conv",
@@ -348,7 +356,6 @@ fn atari_pong_smoke_run_over_nats() {
             "1e9",
         ],
     );
-    learner.wait_for_log("remote environment found");
     // Single served frames of 1×84×84 bytes.
     assert!(learner.log().contains("obs_dim=7056"), "{}", learner.log());
     let mut actor = actor(&nats, dir.path(), "pong", "actor-0", &[]);
@@ -373,16 +380,11 @@ fn atari_pong_smoke_run_over_nats() {
 fn work_items_run_on_a_served_env_that_snapshots() {
     let Some(python) = python_or_skip("work_items_run_on_a_served_env_that_snapshots", None) else { return };
     let _serial = serial();
-    let nats = TestNats::start();
-    let dir = tempfile::tempdir().expect("temp dir");
-    let mut server = python_server(dir.path(), &python, &nats, "gymnasium:CartPole-v1");
-    let mut learner = learner(
-        &nats,
-        dir.path(),
-        "work",
+    let ServedRun { nats, dir, mut server, mut learner } = served_run(
+        &python,
+        "gymnasium:CartPole-v1",
+        "cartpole-v1",
         &[
-            "--env",
-            "remote:cartpole-v1",
             "--work",
             "--restart-share",
             "0.5",
@@ -394,9 +396,8 @@ fn work_items_run_on_a_served_env_that_snapshots() {
             "1e9",
         ],
     );
-    learner.wait_for_log("remote environment found");
     let metrics_addr = format!("127.0.0.1:{}", volley_testkit::free_port());
-    let mut actor = actor(&nats, dir.path(), "work", "actor-0", &["--metrics-addr", &metrics_addr]);
+    let mut actor = actor(&nats, dir.path(), "cartpole-v1", "actor-0", &["--metrics-addr", &metrics_addr]);
     let summary = learner.summary();
     assert_eq!(summary["stop_reason"], "env_step_budget", "{summary}\n{}", learner.log());
     let saved = metric(&metrics_addr, "volley_actor_snapshots_saved_total");

@@ -822,16 +822,8 @@ mod tests {
     #[test]
     fn a_remote_env_validates_without_the_network_and_round_trips() {
         let remote = EnvConfig::Remote(RemoteEnvConfig {
-            service: EnvServiceName::new("cartpole-v1").unwrap(),
-            obs_dim: 4,
-            n_actions: 2,
-            action_box: None,
             reward_threshold: Some(475.0),
-            max_abs_reward: None,
-            max_episode_steps: None,
-            image: None,
-            frame_stack: 1,
-            snapshot: false,
+            ..RemoteEnvConfig::new(EnvServiceName::new("cartpole-v1").unwrap(), 4, 2)
         });
         let spec = spec(remote.clone(), 4);
         spec.validate().expect("declared spaces match the policy");

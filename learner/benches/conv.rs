@@ -31,18 +31,8 @@ fn spec(preset: &str, t_len: usize, b_len: usize) -> RunSpec {
             (env, policy)
         }
         _ => {
-            let env = EnvConfig::Remote(RemoteEnvConfig {
-                service: EnvServiceName::new("frames").expect("valid service name"),
-                obs_dim: 4 * 84 * 84,
-                n_actions: 6,
-                action_box: None,
-                reward_threshold: None,
-                max_abs_reward: None,
-                max_episode_steps: None,
-                image: None,
-                frame_stack: 1,
-                snapshot: false,
-            });
+            let service = EnvServiceName::new("frames").expect("valid service name");
+            let env = EnvConfig::Remote(RemoteEnvConfig::new(service, 4 * 84 * 84, 6));
             let policy = PolicySpec::mlp(0, 6, &[512], Activation::Relu).with_conv(ConvSpec::nature(4, 84, 84));
             (env, policy)
         }

@@ -118,16 +118,8 @@ fn spec(run: &str, obs_dim: usize) -> RunSpec {
         EnvConfig::Cartpole
     } else {
         EnvConfig::Remote(RemoteEnvConfig {
-            service: EnvServiceName::new("pixels").expect("valid service name"),
-            obs_dim,
-            n_actions: 2,
-            action_box: None,
-            reward_threshold: None,
             max_abs_reward: Some(1.0),
-            max_episode_steps: None,
-            image: None,
-            frame_stack: 1,
-            snapshot: false,
+            ..RemoteEnvConfig::new(EnvServiceName::new("pixels").expect("valid service name"), obs_dim, 2)
         })
     };
     RunSpec {

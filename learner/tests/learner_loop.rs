@@ -172,16 +172,8 @@ fn selection_drops_are_counted_by_reason_while_training_continues() {
     // An environment with a wide declared reward bound and no time limit, so segments the
     // guard drops (|r| = 1e4 > 100) pass admission (docs/SECURITY.md) and reach selection.
     selection_spec.env = EnvConfig::Remote(RemoteEnvConfig {
-        service: EnvServiceName::new("loop").expect("valid service name"),
-        obs_dim: 4,
-        n_actions: 2,
-        action_box: None,
-        reward_threshold: None,
         max_abs_reward: Some(1e4),
-        max_episode_steps: None,
-        image: None,
-        frame_stack: 1,
-        snapshot: false,
+        ..RemoteEnvConfig::new(EnvServiceName::new("loop").expect("valid service name"), 4, 2)
     });
     selection_spec.hyper.selection.guard = GuardConfig { enabled: true, max_abs_reward: Some(100.0) };
     selection_spec.hyper.selection.zero_variance = Some(ZeroVarianceConfig { min_group: 2, tolerance: 0.0 });

@@ -272,11 +272,7 @@ impl EnvServiceClient {
         }
         let request = ResetRequest { v: instance.protocol, session, seeds, envs };
         let reply: ObsReply = self.call(instance, Op::Reset, &request).await?;
-        reply.obs.decode(encoding).map_err(|message| EnvServiceError::BadReply {
-            instance: instance.id.clone(),
-            op: "reset",
-            message,
-        })
+        decode_obs(instance, "reset", &reply, encoding)
     }
 
     /// Step every environment of a session. The caller checks lengths and values.
@@ -307,11 +303,7 @@ impl EnvServiceClient {
     ) -> Result<Vec<f32>, EnvServiceError> {
         let request = RestoreRequest { v: instance.protocol, session, env, state };
         let reply: ObsReply = self.call(instance, Op::Restore, &request).await?;
-        reply.obs.decode(encoding).map_err(|message| EnvServiceError::BadReply {
-            instance: instance.id.clone(),
-            op: "restore",
-            message,
-        })
+        decode_obs(instance, "restore", &reply, encoding)
     }
 
     /// Drop a session (succeeds for an unknown one).
@@ -442,6 +434,20 @@ async fn connect_with_inbox(
         tokio::time::sleep(pause.min(connect_timeout.saturating_sub(started.elapsed()))).await;
         pause = (pause * 2).min(Duration::from_secs(1));
     }
+}
+
+/// The observations of a `reset` or `restore` reply, decoded as `encoding`.
+fn decode_obs(
+    instance: &Instance,
+    op: &'static str,
+    reply: &ObsReply,
+    encoding: ObsEncoding,
+) -> Result<Vec<f32>, EnvServiceError> {
+    reply.obs.decode(encoding).map_err(|message| EnvServiceError::BadReply {
+        instance: instance.id.clone(),
+        op,
+        message,
+    })
 }
 
 #[cfg(test)]
