@@ -1147,6 +1147,31 @@ pub enum BenchRole {
     Follower,
 }
 
+/// How `volley bench-weights` moves the weights: Volley's path, or a raw NATS pattern that
+/// moves the same bytes (the baselines of issue 16, item 2).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum BenchPattern {
+    /// Volley's weights publisher and followers (frames, pointer, deltas, verification).
+    Volley,
+    /// A plain JetStream object-store put per version, a core-NATS notice, and an object get in
+    /// every follower (no decoding, no verification beyond the object store's own digest).
+    RawObject,
+    /// Core-NATS fan-out: the frame's bytes published in chunks on one subject that every
+    /// follower subscribes to (no persistence, no acknowledgement).
+    RawCore,
+}
+
+impl BenchPattern {
+    /// The flag's value.
+    pub fn name(self) -> &'static str {
+        match self {
+            BenchPattern::Volley => "volley",
+            BenchPattern::RawObject => "raw-object",
+            BenchPattern::RawCore => "raw-core",
+        }
+    }
+}
+
 /// `volley bench-weights`: weight-broadcast latency from the learner's publish to every actor
 /// holding the version (see `cli/src/bench.rs`). Needs a running nats-server; starts none.
 #[derive(Debug, Args)]
@@ -1190,6 +1215,9 @@ pub struct BenchWeightsArgs {
     /// Weights whose full frame is at most this many KiB go inline in the pointer (0: never).
     #[arg(long, default_value_t = 256, env = "VOLLEY_BENCH_INLINE_MAX_KIB")]
     pub inline_max_kib: usize,
+    /// Volley's weights path, or a raw NATS pattern moving the same bytes.
+    #[arg(long, value_enum, default_value = "volley", env = "VOLLEY_BENCH_PATTERN")]
+    pub pattern: BenchPattern,
 }
 
 /// A validated `volley bench-weights` configuration.
@@ -1215,6 +1243,8 @@ pub struct BenchWeightsConfig {
     pub poll: Duration,
     /// Per-version (driver) or idle (follower) limit.
     pub timeout: Duration,
+    /// Volley's path or a raw pattern.
+    pub pattern: BenchPattern,
 }
 
 impl TryFrom<BenchWeightsArgs> for BenchWeightsConfig {
@@ -1253,6 +1283,7 @@ impl TryFrom<BenchWeightsArgs> for BenchWeightsConfig {
             pause: Duration::from_millis(args.pause_ms),
             poll,
             timeout,
+            pattern: args.pattern,
         })
     }
 }

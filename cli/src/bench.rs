@@ -36,10 +36,10 @@ use volley_core::subjects;
 use volley_core::wire::{frame, Weights};
 use volley_env::EnvConfig;
 use volley_policy::{Activation, PolicySpec};
-use volley_transport::nats::{NatsAuth, NatsBus};
+use volley_transport::nats::{NatsAuth, NatsBus, NatsWeightsPublisher};
 use volley_transport::{WeightsFollower, WeightsPublisher};
 
-use crate::args::{BenchRole, BenchWeightsConfig};
+use crate::args::{BenchPattern, BenchRole, BenchWeightsConfig};
 
 /// Latency percentiles over versions, in milliseconds (nearest rank: with 30 versions p99 is
 /// the slowest one).
@@ -102,6 +102,9 @@ fn unix_nanos() -> u64 {
 
 /// `--role follower`: print `version,unix_nanos` for every new version until `--versions`.
 pub fn follow(config: &BenchWeightsConfig, interrupted: &AtomicBool) -> anyhow::Result<()> {
+    if config.pattern != BenchPattern::Volley {
+        return raw::follow(config, interrupted);
+    }
     let bus = NatsBus::connect(config.nats.clone()).with_context(|| format!("connecting to {}", config.nats.url))?;
     let mut follower = bus.weights_follower(config.layout_hash, config.n_params).context("following weights")?;
     let mut out = std::io::stdout().lock();
@@ -189,6 +192,7 @@ fn spawn_followers(config: &BenchWeightsConfig, reports: &mpsc::Sender<Report>) 
             .args(["--versions", &config.versions.to_string()])
             .args(["--poll-ms", &(config.poll.as_secs_f64() * 1e3).to_string()])
             .args(["--timeout-secs", &config.timeout.as_secs_f64().to_string()])
+            .args(["--pattern", config.pattern.name()])
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit());
@@ -298,16 +302,33 @@ pub fn drive(config: &BenchWeightsConfig, interrupted: &AtomicBool) -> anyhow::R
         seed: 0,
     };
     bus.ensure_run(&spec).context("creating the benchmark run")?;
-    let mut publisher = bus.weights_publisher().context("opening the weights store")?;
+    let mut publisher = match config.pattern {
+        BenchPattern::Volley => {
+            Publisher::Volley(Box::new(bus.weights_publisher().context("opening the weights store")?))
+        }
+        pattern => Publisher::Raw(raw::RawPublisher::open(&bus, pattern)?),
+    };
 
     let (reports_tx, reports) = mpsc::channel();
+    let ready = match &publisher {
+        Publisher::Raw(raw) => Some(raw.ready_subscription(&bus)?),
+        Publisher::Volley(_) => None,
+    };
     let followers = spawn_followers(config, &reports_tx)?;
     drop(reports_tx);
+    if let Some(ready) = ready {
+        raw::wait_ready(&bus, ready, config.followers, config.timeout)?;
+    }
     let warm_up = Arc::new(Weights::new(PolicyVersion(0), config.layout_hash, params_for(0, config.n_params)));
     let size_bytes = frame::encode_full_frame(&warm_up).len();
-    let inline = size_bytes <= config.nats.weights_inline_max_bytes;
-    info!(followers = config.followers, size_bytes, "warm-up: waiting for every follower to hold version 0");
-    publisher.publish(warm_up).context("publishing the warm-up version")?;
+    let inline = config.pattern == BenchPattern::Volley && size_bytes <= config.nats.weights_inline_max_bytes;
+    info!(
+        followers = config.followers,
+        size_bytes,
+        pattern = config.pattern.name(),
+        "warm-up: waiting for every follower to hold version 0"
+    );
+    publisher.publish(&bus, warm_up).context("publishing the warm-up version")?;
     if collect(config, &reports, 0, interrupted)?.is_none() {
         bail!("interrupted during warm-up");
     }
@@ -320,8 +341,10 @@ pub fn drive(config: &BenchWeightsConfig, interrupted: &AtomicBool) -> anyhow::R
     for version in 1..=config.versions {
         let weights =
             Arc::new(Weights::new(PolicyVersion(version), config.layout_hash, params_for(version, config.n_params)));
+        // The raw patterns move the bytes of Volley's full frame, encoded before the clock starts.
+        let weights = publisher.prepare(weights);
         let started = unix_nanos();
-        publisher.publish(weights).with_context(|| format!("publishing version {version}"))?;
+        publisher.publish(&bus, weights).with_context(|| format!("publishing version {version}"))?;
         let published = unix_nanos();
         frame_bytes.push(publisher.last_frame_bytes());
         let Some(usable_at) = collect(config, &reports, version, interrupted)? else {
@@ -357,6 +380,237 @@ pub fn drive(config: &BenchWeightsConfig, interrupted: &AtomicBool) -> anyhow::R
     };
     print_table(&summary);
     Ok(summary)
+}
+
+/// What the driver publishes through: Volley's publisher or a raw pattern.
+enum Publisher {
+    Volley(Box<NatsWeightsPublisher>),
+    Raw(raw::RawPublisher),
+}
+
+/// A version ready to publish: Volley's weights, or the raw bytes of their full frame.
+enum Prepared {
+    Weights(Arc<Weights>),
+    Bytes(u64, Vec<u8>),
+}
+
+impl Publisher {
+    fn prepare(&self, weights: Arc<Weights>) -> Prepared {
+        match self {
+            Publisher::Volley(_) => Prepared::Weights(weights),
+            Publisher::Raw(_) => Prepared::Bytes(weights.version.0, frame::encode_full_frame(&weights)),
+        }
+    }
+
+    fn publish(&mut self, bus: &NatsBus, version: impl Into<Prepared>) -> anyhow::Result<()> {
+        match (self, version.into()) {
+            (Publisher::Volley(publisher), Prepared::Weights(weights)) => Ok(publisher.publish(weights)?),
+            (Publisher::Raw(raw), Prepared::Weights(weights)) => {
+                raw.publish(bus, weights.version.0, &frame::encode_full_frame(&weights))
+            }
+            (Publisher::Raw(raw), Prepared::Bytes(version, bytes)) => raw.publish(bus, version, &bytes),
+            (Publisher::Volley(_), Prepared::Bytes(..)) => unreachable!("prepared by this publisher"),
+        }
+    }
+
+    fn last_frame_bytes(&self) -> usize {
+        match self {
+            Publisher::Volley(publisher) => publisher.last_frame_bytes(),
+            Publisher::Raw(raw) => raw.last_bytes,
+        }
+    }
+}
+
+impl From<Arc<Weights>> for Prepared {
+    fn from(weights: Arc<Weights>) -> Self {
+        Prepared::Weights(weights)
+    }
+}
+
+/// The raw NATS patterns `--pattern raw-object` and `raw-core`: the same bytes as Volley's full
+/// frame, moved with nothing of Volley's around them (the baselines of issue 16, item 2).
+mod raw {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::time::{Duration, Instant};
+
+    use anyhow::{bail, Context};
+    use async_nats::jetstream::object_store;
+    use futures::StreamExt;
+    use std::io::Write;
+    use tokio::io::AsyncReadExt;
+
+    use super::unix_nanos;
+    use crate::args::{BenchPattern, BenchWeightsConfig};
+    use volley_transport::nats::NatsBus;
+
+    /// The object-store bucket of `raw-object`.
+    fn bucket(bus: &NatsBus) -> String {
+        format!("volley-bench-raw-{}", bus.config().run)
+    }
+
+    fn subject(bus: &NatsBus, what: &str) -> String {
+        format!("volley-bench.{}.{what}", bus.config().run)
+    }
+
+    /// The driver's side of a raw pattern.
+    pub(super) struct RawPublisher {
+        pattern: BenchPattern,
+        store: Option<object_store::ObjectStore>,
+        /// Bytes of the last version published.
+        pub(super) last_bytes: usize,
+        chunk: usize,
+    }
+
+    impl RawPublisher {
+        /// Re-create the raw bucket (`raw-object`).
+        pub(super) fn open(bus: &NatsBus, pattern: BenchPattern) -> anyhow::Result<Self> {
+            let store = match pattern {
+                BenchPattern::RawObject => {
+                    let js = bus.jetstream();
+                    let name = bucket(bus);
+                    let _ = bus.handle().block_on(js.delete_object_store(&name));
+                    let config = object_store::Config { bucket: name.clone(), ..Default::default() };
+                    Some(bus.handle().block_on(js.create_object_store(config)).context("creating the raw bucket")?)
+                }
+                _ => None,
+            };
+            // Chunks of half the largest message, at most 1 MiB.
+            let chunk = (bus.max_payload() / 2).clamp(1024, 1 << 20);
+            Ok(RawPublisher { pattern, store, last_bytes: 0, chunk })
+        }
+
+        /// Subscribe to the followers' ready notices, before they start.
+        pub(super) fn ready_subscription(&self, bus: &NatsBus) -> anyhow::Result<async_nats::Subscriber> {
+            let client = bus.client().clone();
+            let subject = subject(bus, "ready");
+            bus.handle().block_on(async move {
+                let subscriber = client.subscribe(subject).await?;
+                client.flush().await?;
+                Ok::<_, anyhow::Error>(subscriber)
+            })
+        }
+
+        /// Put version `version`'s bytes and tell the followers (`raw-object`), or fan them out in
+        /// chunks (`raw-core`); returns once the server has them.
+        pub(super) fn publish(&mut self, bus: &NatsBus, version: u64, bytes: &[u8]) -> anyhow::Result<()> {
+            let client = bus.client().clone();
+            let notice = subject(bus, "notice");
+            let chunks = subject(bus, "chunks");
+            let chunk = self.chunk;
+            self.last_bytes = bytes.len();
+            match (self.pattern, &self.store) {
+                (BenchPattern::RawObject, Some(store)) => bus.handle().block_on(async {
+                    store.put(format!("v{version}").as_str(), &mut &bytes[..]).await.context("object put")?;
+                    if version >= 2 {
+                        let _ = store.delete(format!("v{}", version - 2).as_str()).await;
+                    }
+                    client.publish(notice, version.to_string().into()).await?;
+                    client.flush().await?;
+                    Ok(())
+                }),
+                (BenchPattern::RawCore, _) => bus.handle().block_on(async {
+                    let n = bytes.len().div_ceil(chunk).max(1);
+                    for (i, part) in bytes.chunks(chunk).enumerate() {
+                        let mut headers = async_nats::HeaderMap::new();
+                        headers.insert("v", version.to_string().as_str());
+                        headers.insert("i", i.to_string().as_str());
+                        headers.insert("n", n.to_string().as_str());
+                        client.publish_with_headers(chunks.clone(), headers, part.to_vec().into()).await?;
+                    }
+                    client.flush().await?;
+                    Ok(())
+                }),
+                _ => bail!("no raw pattern to publish with"),
+            }
+        }
+    }
+
+    /// Wait until `n` followers said they are subscribed.
+    pub(super) fn wait_ready(
+        bus: &NatsBus,
+        mut ready: async_nats::Subscriber,
+        n: usize,
+        timeout: Duration,
+    ) -> anyhow::Result<()> {
+        bus.handle().block_on(async {
+            for seen in 0..n {
+                match tokio::time::timeout(timeout, ready.next()).await {
+                    Ok(Some(_)) => {}
+                    _ => bail!("only {seen} of {n} followers subscribed within {timeout:?}"),
+                }
+            }
+            Ok(())
+        })
+    }
+
+    /// A follower of a raw pattern: print `version,unix_nanos` when a version's bytes are all here.
+    pub(super) fn follow(config: &BenchWeightsConfig, interrupted: &AtomicBool) -> anyhow::Result<()> {
+        let bus =
+            NatsBus::connect(config.nats.clone()).with_context(|| format!("connecting to {}", config.nats.url))?;
+        let client = bus.client().clone();
+        let handle = bus.handle().clone();
+        let mut out = std::io::stdout().lock();
+        let mut report = |version: u64| -> anyhow::Result<bool> {
+            writeln!(out, "{version},{}", unix_nanos()).and_then(|()| out.flush()).context("stdout")?;
+            Ok(version >= config.versions)
+        };
+        handle.block_on(async {
+            let (mut messages, store) = match config.pattern {
+                BenchPattern::RawObject => {
+                    let store =
+                        bus.jetstream().get_object_store(bucket(&bus)).await.context("opening the raw bucket")?;
+                    (client.subscribe(subject(&bus, "notice")).await?, Some(store))
+                }
+                _ => (client.subscribe(subject(&bus, "chunks")).await?, None),
+            };
+            client.flush().await?;
+            client.publish(subject(&bus, "ready"), "".into()).await?;
+            client.flush().await?;
+            // raw-core reassembly: the version being received, its chunks seen and its bytes.
+            let (mut current, mut seen, mut buffer) = (None::<u64>, 0usize, Vec::<u8>::new());
+            let mut last_new = Instant::now();
+            while !interrupted.load(Ordering::Acquire) {
+                let message = match tokio::time::timeout(Duration::from_millis(200), messages.next()).await {
+                    Ok(Some(message)) => message,
+                    Ok(None) => bail!("subscription closed"),
+                    Err(_) if last_new.elapsed() >= config.timeout => bail!("no new version for {:?}", config.timeout),
+                    Err(_) => continue,
+                };
+                let done = match &store {
+                    Some(store) => {
+                        let version: u64 = std::str::from_utf8(&message.payload)?.parse()?;
+                        let mut object = store.get(format!("v{version}").as_str()).await.context("object get")?;
+                        let mut bytes = Vec::new();
+                        object.read_to_end(&mut bytes).await.context("object read")?;
+                        last_new = Instant::now();
+                        report(version)?
+                    }
+                    None => {
+                        let header = |name: &str| -> anyhow::Result<u64> {
+                            let value = message.headers.as_ref().and_then(|h| h.get(name)).context("chunk header")?;
+                            Ok(value.as_str().parse()?)
+                        };
+                        let (version, n) = (header("v")?, header("n")? as usize);
+                        if current != Some(version) {
+                            (current, seen) = (Some(version), 0);
+                            buffer.clear();
+                        }
+                        buffer.extend_from_slice(&message.payload);
+                        seen += 1;
+                        if seen < n {
+                            continue;
+                        }
+                        last_new = Instant::now();
+                        report(version)?
+                    }
+                };
+                if done {
+                    return Ok(());
+                }
+            }
+            Ok(())
+        })
+    }
 }
 
 /// The human-readable report, on stderr (the JSON summary goes to stdout).
