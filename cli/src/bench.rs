@@ -303,10 +303,8 @@ pub fn drive(config: &BenchWeightsConfig, interrupted: &AtomicBool) -> anyhow::R
     };
     bus.ensure_run(&spec).context("creating the benchmark run")?;
     let mut publisher = match config.pattern {
-        BenchPattern::Volley => {
-            Publisher::Volley(Box::new(bus.weights_publisher().context("opening the weights store")?))
-        }
-        pattern => Publisher::Raw(raw::RawPublisher::open(&bus, pattern)?),
+        BenchPattern::Volley => Publisher::Volley(bus.weights_publisher().context("opening the weights store")?),
+        pattern => Publisher::Raw(Box::new(raw::RawPublisher::open(&bus, pattern)?)),
     };
 
     let (reports_tx, reports) = mpsc::channel();
@@ -385,7 +383,7 @@ pub fn drive(config: &BenchWeightsConfig, interrupted: &AtomicBool) -> anyhow::R
 /// What the driver publishes through: Volley's publisher or a raw pattern.
 enum Publisher {
     Volley(Box<NatsWeightsPublisher>),
-    Raw(raw::RawPublisher),
+    Raw(Box<raw::RawPublisher>),
 }
 
 /// A version ready to publish: Volley's weights, or the raw bytes of their full frame.
