@@ -303,7 +303,9 @@ pub fn drive(config: &BenchWeightsConfig, interrupted: &AtomicBool) -> anyhow::R
     };
     bus.ensure_run(&spec).context("creating the benchmark run")?;
     let mut publisher = match config.pattern {
-        BenchPattern::Volley => Publisher::Volley(bus.weights_publisher().context("opening the weights store")?),
+        BenchPattern::Volley => {
+            Publisher::Volley(Box::new(bus.weights_publisher().context("opening the weights store")?))
+        }
         pattern => Publisher::Raw(Box::new(raw::RawPublisher::open(&bus, pattern)?)),
     };
 
