@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Usage: NATS_SERVER=<path to nats-server> bench/weights-vs-raw.sh   (after cargo build --release -p volley)
+# Issue 16 item 2: Volley's weight broadcast vs the raw NATS patterns, same sitting, interleaved.
+cd "$(dirname "$0")/.."
+NS=${NATS_SERVER:-nats-server}
+rm -rf ${TMPDIR:-/tmp}/volley-wb && mkdir -p ${TMPDIR:-/tmp}/volley-wb
+$NS -a 127.0.0.1 -p 14555 -js -sd ${TMPDIR:-/tmp}/volley-wb/js > ${TMPDIR:-/tmp}/volley-wb/ns.log 2>&1 &
+ns=$!
+sleep 1
+uptime
+for rep in 1 2; do
+  for size in 0.0176 1 16; do
+    for pattern in volley raw-object raw-core; do
+      extra=""
+      [ "$pattern" = volley ] && [ "$size" != 0.0176 ] && extra="--inline-max-kib 0"
+      out=$(target/release/volley bench-weights --nats nats://127.0.0.1:14555 --run "wb-$pattern" --pattern $pattern \
+        --size-mib $size --versions 20 $extra 2>/dev/null)
+      echo "$rep $size $pattern $(echo "$out" | python3 -c 'import json,sys; s=json.load(sys.stdin); print(s["frame_bytes_median"], round(s["publish_ms"]["p50"],1), round(s["last_follower_ms"]["p50"],1), round(s["last_follower_ms"]["p99"],1))')"
+    done
+  done
+done
+uptime
+kill $ns
