@@ -4,7 +4,7 @@
 //! starts `--followers` copies of this binary with `--role follower`, publishes one warm-up
 //! version and waits until every follower holds it (so all are connected, watching and have
 //! opened the object store), then publishes `--versions` timed versions of a `--size-mib`
-//! buffer through [`NatsWeightsPublisher`](volley_transport::nats::NatsWeightsPublisher).
+//! buffer through [`NatsWeightsPublisher`].
 //! For each it records the wall clock (`CLOCK_REALTIME`) when `publish` was called and waits
 //! until every follower reported the version, then pauses `--pause-ms` before the next one, so
 //! transfers of consecutive versions never overlap.
