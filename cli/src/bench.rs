@@ -328,7 +328,7 @@ pub fn drive(config: &BenchWeightsConfig, interrupted: &AtomicBool) -> anyhow::R
         pattern = config.pattern.name(),
         "warm-up: waiting for every follower to hold version 0"
     );
-    publisher.publish(&bus, warm_up).context("publishing the warm-up version")?;
+    publisher.publish(&bus, publisher.prepare(warm_up)).context("publishing the warm-up version")?;
     if collect(config, &reports, 0, interrupted)?.is_none() {
         bail!("interrupted during warm-up");
     }
@@ -402,14 +402,11 @@ impl Publisher {
         }
     }
 
-    fn publish(&mut self, bus: &NatsBus, version: impl Into<Prepared>) -> anyhow::Result<()> {
-        match (self, version.into()) {
+    fn publish(&mut self, bus: &NatsBus, version: Prepared) -> anyhow::Result<()> {
+        match (self, version) {
             (Publisher::Volley(publisher), Prepared::Weights(weights)) => Ok(publisher.publish(weights)?),
-            (Publisher::Raw(raw), Prepared::Weights(weights)) => {
-                raw.publish(bus, weights.version.0, &frame::encode_full_frame(&weights))
-            }
             (Publisher::Raw(raw), Prepared::Bytes(version, bytes)) => raw.publish(bus, version, &bytes),
-            (Publisher::Volley(_), Prepared::Bytes(..)) => unreachable!("prepared by this publisher"),
+            _ => unreachable!("a version is published by the publisher that prepared it"),
         }
     }
 
@@ -418,12 +415,6 @@ impl Publisher {
             Publisher::Volley(publisher) => publisher.last_frame_bytes(),
             Publisher::Raw(raw) => raw.last_bytes,
         }
-    }
-}
-
-impl From<Arc<Weights>> for Prepared {
-    fn from(weights: Arc<Weights>) -> Self {
-        Prepared::Weights(weights)
     }
 }
 

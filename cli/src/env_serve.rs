@@ -20,10 +20,10 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// Serve until interrupted (SIGINT or SIGTERM): the service is deregistered on the way out, so
 /// actors stop sending here at once.
 pub fn env_serve(args: EnvServeArgs, interrupted: Arc<AtomicBool>) -> anyhow::Result<()> {
-    let mut config = args.server_config()?;
+    let config = args.server_config()?;
+    // Image environments (MinAtar) are served as u8 images (protocol version 3): the server
+    // reads that from the environment's observation space.
     let builtin = EnvConfig::from_name(&config.env_label).context("--env")?;
-    // Image environments (MinAtar) are served as u8 images (protocol version 3).
-    config.image_shape = builtin.image_shape();
     let factory: EnvFactory = Arc::new(move || builtin.build());
     let timeout = args.nats.timeout()?;
     let auth = args.nats.auth()?;

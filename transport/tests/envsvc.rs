@@ -413,8 +413,8 @@ fn image_observations_travel_as_bytes_and_match_the_in_process_env() {
     let game = EnvConfig::from_name("minatar-breakout").unwrap();
     let shape = game.image_shape().expect("MinAtar is an image env");
     let dim: usize = shape.iter().product();
-    let mut config = EnvServerConfig::new(name("breakout"), "minatar-breakout");
-    config.image_shape = Some(shape);
+    // No image shape in the config: the server serves what the observation space declares.
+    let config = EnvServerConfig::new(name("breakout"), "minatar-breakout");
     let factory: EnvFactory = {
         let game = game.clone();
         Arc::new(move || game.build())
