@@ -882,8 +882,12 @@ pub struct LearnerArgs {
     #[arg(long, env = "VOLLEY_NATS_REPLICAS", default_value_t = 1)]
     pub nats_replicas: usize,
     /// Actors pause publishing while the learner's backlog exceeds this many segments
-    /// (default: two batches). The backlog divided by the batch size bounds the policy lag, so
-    /// keep it at most `--max-policy-lag` batches or data goes stale while it waits.
+    /// (default: two batches; one batch with PPO). The backlog divided by the batch size bounds
+    /// the policy lag, so keep it at most `--max-policy-lag` batches or data goes stale while
+    /// it waits. PPO's ten epochs per batch keep its learner the slower side, so its backlog
+    /// is always full: with two batches, PPO on CartPole with 6 actor processes trained on data
+    /// 8-13 versions old and took up to 4x the embedded run's env steps; with one, 4-5 versions
+    /// (docs/BENCHMARKS.md, issue 11).
     #[arg(long, env = "VOLLEY_MAX_BACKLOG_SEGMENTS")]
     pub max_backlog_segments: Option<u64>,
     /// Upper bound on the bytes the run's trajectory stream keeps on the broker (segments stay
@@ -948,7 +952,8 @@ impl TryFrom<LearnerArgs> for LearnerConfig {
                 .with_context(|| format!("asking the servers of environment service {service} for its spaces"))
         })?;
         let batch_segments = spec.hyper.batch_segments as u64;
-        let max_backlog_segments = args.max_backlog_segments.unwrap_or(2 * batch_segments);
+        let default_backlog_batches = if spec.hyper.loss == LossKind::Ppo { 1 } else { 2 };
+        let max_backlog_segments = args.max_backlog_segments.unwrap_or(default_backlog_batches * batch_segments);
         if max_backlog_segments < batch_segments {
             bail!(
                 "--max-backlog-segments: {max_backlog_segments} is below --batch-segments {batch_segments}: \

@@ -75,6 +75,15 @@ pub struct Delivery {
 pub trait TrajectorySink: Send {
     /// Publish segments, blocking while the transport applies backpressure.
     fn publish(&mut self, segments: Vec<TrajectorySegment>) -> Result<(), TransportError>;
+    /// Block until the transport has room for a round of `n_segments` segments, so a producer
+    /// can wait *before* it collects them: data collected after the wait, with the weights
+    /// fetched after it, does not age in the producer's hands while the consumer catches up
+    /// (issue 11: an actor that collected first and then waited held its round for several
+    /// learner versions). Counted in [`TrajectorySink::throttled`]. Default: no backpressure.
+    fn wait_for_room(&mut self, n_segments: usize) -> Result<(), TransportError> {
+        let _ = n_segments;
+        Ok(())
+    }
     /// Time this sink spent blocked by backpressure so far.
     fn throttled(&self) -> Duration;
     /// Publish attempts that failed and were retried so far (a lost ack, a broker error).

@@ -212,3 +212,30 @@ fn a_batching_sink_paces_by_segments() {
     assert!(stats.throttled > Duration::ZERO, "the sink must have waited: {stats:?}");
     assert_eq!((stats.published, received), (40, 40));
 }
+
+#[test]
+fn wait_for_room_blocks_while_the_backlog_is_full_and_returns_once_it_drains() {
+    // The actor waits here before it takes the newest weights and collects its round (issue 11).
+    let server = TestNats::start();
+    let bus = learner_bus(config(&server, "roomwait"));
+    let mut sink = bus.trajectory_sink(&actor("a"), Arc::new(AtomicBool::new(false))).expect("sink");
+    sink.set_max_backlog_segments(16);
+    for call in 0..2u64 {
+        sink.publish((0..8).map(|env| segment(env, call)).collect()).expect("publish");
+    }
+    sink.flush().expect("acknowledged");
+    let (done_tx, done_rx) = mpsc::channel();
+    let waiter = thread::spawn(move || {
+        sink.wait_for_room(8).expect("room");
+        done_tx.send(()).expect("main thread waits");
+        sink.stats()
+    });
+    thread::sleep(Duration::from_millis(300));
+    assert_eq!(done_rx.try_recv(), Err(mpsc::TryRecvError::Empty), "wait_for_room returned with the backlog full");
+    let mut source = bus.trajectory_source().expect("source");
+    let deliveries = recv_at_least(&mut source, 16, 16);
+    source.ack(&deliveries.iter().map(|d| d.token).collect::<Vec<_>>()).expect("ack");
+    done_rx.recv_timeout(GUARD).expect("wait_for_room returns once the learner drained the backlog");
+    let stats = waiter.join().expect("waiter thread");
+    assert!(stats.throttled > Duration::ZERO, "the wait counts as throttled time: {stats:?}");
+}

@@ -523,6 +523,14 @@ impl TrajectorySink for NatsTrajectorySink {
         shared.block_on(self.publish_all(segments))
     }
 
+    fn wait_for_room(&mut self, n_segments: usize) -> Result<(), TransportError> {
+        // The round will be packed into messages of at most this many segments; the backlog
+        // is read in messages (see `pace`).
+        let per_message = n_segments.clamp(1, self.shared.config.max_segments_per_message.max(1)) as u64;
+        let shared = self.shared.clone();
+        shared.block_on(self.pace(per_message))
+    }
+
     fn throttled(&self) -> Duration {
         self.clock.total()
     }
