@@ -886,7 +886,8 @@ pub struct LearnerArgs {
     /// the policy lag, so keep it at most `--max-policy-lag` batches or data goes stale while
     /// it waits. PPO's ten epochs per batch keep its learner the slower side, so its backlog
     /// is always full: with two batches, PPO on CartPole with 6 actor processes trained on data
-    /// 8-13 versions old and took up to 4x the embedded run's env steps; with one, 4-5 versions
+    /// 13 versions old and took up to 3.8x the embedded run's env steps; with one batch (and actors
+    /// that wait for room before they collect), 5 versions and at most 1.45x
     /// (docs/BENCHMARKS.md, issue 11).
     #[arg(long, env = "VOLLEY_MAX_BACKLOG_SEGMENTS")]
     pub max_backlog_segments: Option<u64>,
