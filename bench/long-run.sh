@@ -6,7 +6,7 @@
 #
 # usage: bench/long-run.sh [OUT_DIR]
 # env:   VOLLEY_BIN     volley binary (default: target/release/volley, built here when unset)
-#        SEEDS          embedded seeds (default "1 2 3 4 5")
+#        SEEDS          embedded seeds (default "1 2 3 4 5"; "" skips them)
 #        CARTPOLE_STEPS CartPole budget (default 20000000; 0 skips it)
 #        MEMORY_STEPS   memory task (GRU) budget (default 3000000; 0 skips it)
 #        MILESTONES_STEPS milestones budget (default 3000000; 0 skips it)
@@ -23,7 +23,7 @@ if [ -z "${VOLLEY_BIN:-}" ]; then
   cargo build --release -p volley >/dev/null 2>&1
 fi
 volley=${VOLLEY_BIN:-target/release/volley}
-seeds=${SEEDS:-1 2 3 4 5}
+seeds=${SEEDS-1 2 3 4 5}
 flags=${FLAGS:-}
 
 train() { # name steps flags...
