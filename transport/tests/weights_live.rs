@@ -66,6 +66,16 @@ fn next_version(follower: &mut NatsWeightsFollower, have: Option<u64>) -> Arc<We
     }
 }
 
+/// Wait until `follower` has reassembled `frames` live versions and seen the pointer to
+/// `version`, so the next `latest` chooses between both paths deterministically.
+fn both_arrived(follower: &NatsWeightsFollower, frames: u64, version: u64) {
+    let started = Instant::now();
+    while follower.live_received() < frames || follower.announced_version() != Some(PolicyVersion(version)) {
+        assert!(started.elapsed() < GUARD, "v{version} did not arrive: {follower:?}");
+        thread::sleep(Duration::from_millis(2));
+    }
+}
+
 /// Publish raw bytes on the run's live subject, as anyone with publish rights on it could.
 fn publish_live(bus: &NatsBus, chunks: Vec<Vec<u8>>) {
     let subject = subjects::weights_live(&bus.config().run);
@@ -94,8 +104,8 @@ fn connected_followers_take_versions_live_without_the_object_store() {
 
     for version in 0..10 {
         publisher.publish(stepped(version)).expect("published");
-        // Both paths have arrived by now; the live frame is looked at first.
-        thread::sleep(SETTLE);
+        // Once both paths have arrived, the live frame is looked at first.
+        both_arrived(&follower, version + 1, version);
         let got = next_version(&mut follower, version.checked_sub(1));
         assert_exact(&got, &stepped(version));
     }
@@ -114,26 +124,33 @@ fn connected_followers_take_versions_live_without_the_object_store() {
 }
 
 #[test]
-fn late_and_lagging_followers_rebuild_the_learners_weights_from_the_store() {
+fn lagging_late_and_unsubscribed_followers_get_the_learners_exact_weights() {
     let server = TestNats::start();
     let learner = bus(&server, "lagging");
     let mut publisher = learner.weights_publisher().expect("publisher");
     let actor = bus(&server, "lagging");
     let mut lagging = actor.weights_follower(LAYOUT, N_PARAMS).expect("follower");
+    // A follower that receives nothing live (as one whose live chunks were all lost).
+    let mut config = actor.config().clone();
+    config.weights_live = false;
+    let blind_bus = NatsBus::connect(config).expect("connect");
+    let mut blind = blind_bus.weights_follower(LAYOUT, N_PARAMS).expect("follower");
     publisher.publish(stepped(0)).expect("v0");
-    thread::sleep(SETTLE);
+    both_arrived(&lagging, 1, 0);
     assert_exact(&next_version(&mut lagging, None), &stepped(0));
+    assert_exact(&next_version(&mut blind, None), &stepped(0));
 
-    // The lagging follower does not look while 1..=6 go out: it keeps only the newest two
-    // live frames (deltas 5 and 6, whose parents it does not hold), so it needs the store:
-    // from its confirmed v0 across the anchor at 4.
+    // Neither looks while 1..=6 go out (an anchor at 4, deltas between). Live versions are
+    // full frames, so the lagging one takes v6 live whatever it missed; the blind one
+    // rebuilds v6 from the store: from its v0 across the anchor at 4.
     for version in 1..=6 {
         publisher.publish(stepped(version)).expect("published");
     }
-    thread::sleep(SETTLE);
+    both_arrived(&lagging, 7, 6);
     assert_exact(&next_version(&mut lagging, Some(0)), &stepped(6));
-    assert_eq!(lagging.durable_fetches(), 1, "{lagging:?}");
-    assert_eq!(lagging.live_refused(), 0);
+    assert_eq!((lagging.live_applied(), lagging.durable_fetches()), (2, 0), "{lagging:?}");
+    assert_exact(&next_version(&mut blind, Some(0)), &stepped(6));
+    assert_eq!((blind.live_applied(), blind.durable_fetches()), (0, 2), "{blind:?}");
 
     // A follower joining now has no live frame at all: the store gives it v6.
     let late_bus = bus(&server, "lagging");
@@ -141,13 +158,15 @@ fn late_and_lagging_followers_rebuild_the_learners_weights_from_the_store() {
     assert_exact(&late.wait_first(GUARD).expect("first weights"), &stepped(6));
     assert_eq!((late.durable_fetches(), late.live_applied()), (1, 0));
 
-    // From then on both are live again: v7 is a delta against the v6 they hold.
+    // From then on it is live too: v7 (a delta in the store) reaches it as a full frame.
     publisher.publish(stepped(7)).expect("v7");
-    thread::sleep(SETTLE);
+    both_arrived(&lagging, 8, 7);
+    both_arrived(&late, 1, 7);
     for follower in [&mut lagging, &mut late] {
         assert_exact(&next_version(follower, Some(6)), &stepped(7));
-        assert_eq!(follower.durable_fetches(), 1, "v7 came live: {follower:?}");
+        assert_eq!(follower.durable_fetches(), u64::from(follower.live_applied() == 1), "v7 came live: {follower:?}");
     }
+    assert_exact(&next_version(&mut blind, Some(6)), &stepped(7));
 }
 
 /// A run whose learner published v0 and whose follower holds it (taken live).
@@ -157,7 +176,7 @@ fn holding_v0(server: &TestNats, run: &str) -> (NatsBus, Box<dyn WeightsPublishe
     let actor = bus(server, run);
     let mut follower = actor.weights_follower(LAYOUT, N_PARAMS).expect("follower");
     publisher.publish(stepped(0)).expect("v0");
-    thread::sleep(SETTLE);
+    both_arrived(&follower, 1, 0);
     assert_exact(&next_version(&mut follower, None), &stepped(0));
     (learner, Box::new(publisher), actor, follower)
 }
@@ -175,14 +194,22 @@ fn corrupted_and_forged_live_chunks_are_refused() {
     let server = TestNats::start();
     let forged_v1 = Weights::new(PolicyVersion(1), LAYOUT, vec![0.25; N_PARAMS]);
 
-    // A bit flipped in one chunk: refused on arrival; its version never completes.
+    // A bit flipped in a chunk's header: refused on arrival; its version never completes.
     let (learner, _publisher, _actor, mut follower) = holding_v0(&server, "corrupt");
     let mut chunks = live_chunks(&frame::encode_full_frame(&forged_v1));
     assert!(chunks.len() >= 2);
-    chunks[1][live::CHUNK_HEADER_BYTES + 10] ^= 1;
+    chunks[1][10] ^= 1;
     publish_live(&learner, chunks);
     still_v0(&mut follower);
     assert_eq!(follower.live_chunks_refused(), 1);
+
+    // A bit flipped in a chunk's payload: the version completes, the frame's checksum refuses it.
+    let (learner, _publisher, _actor, mut follower) = holding_v0(&server, "corrupt-payload");
+    let mut chunks = live_chunks(&frame::encode_full_frame(&forged_v1));
+    chunks[1][live::CHUNK_HEADER_BYTES + 10] ^= 1;
+    publish_live(&learner, chunks);
+    still_v0(&mut follower);
+    assert_eq!((follower.live_chunks_refused(), follower.live_refused()), (0, 1));
 
     // Sealed chunks whose header digest is not the digest of the frame they carry: the frame
     // rebuilds, the digest check refuses it.
@@ -207,7 +234,7 @@ fn corrupted_and_forged_live_chunks_are_refused() {
     publish_live(&learner, live_chunks(&frame::encode_full_frame(&far)));
     still_v0(&mut follower);
     publisher.publish(stepped(1)).expect("v1");
-    thread::sleep(SETTLE);
+    both_arrived(&follower, 3, 1);
     assert_exact(&next_version(&mut follower, Some(0)), &stepped(1));
     assert_eq!((follower.live_applied(), follower.durable_fetches()), (2, 0));
 
@@ -217,7 +244,7 @@ fn corrupted_and_forged_live_chunks_are_refused() {
     // follower drops the forgery and rebuilds the learner's v1 from the store.
     let (learner, mut publisher, _actor, mut follower) = holding_v0(&server, "overruled");
     publish_live(&learner, live_chunks(&frame::encode_full_frame(&forged_v1)));
-    thread::sleep(SETTLE);
+    both_arrived(&follower, 2, 0);
     assert_eq!(next_version(&mut follower, Some(0)).checksum, forged_v1.checksum);
     publisher.publish(stepped(1)).expect("v1");
     let started = Instant::now();
@@ -230,7 +257,7 @@ fn corrupted_and_forged_live_chunks_are_refused() {
     assert_eq!(follower.live_refused(), 1, "the pointer contradicted the live version");
     // The follower's chain is the learner's again: v2 arrives live against v1.
     publisher.publish(stepped(2)).expect("v2");
-    thread::sleep(SETTLE);
+    both_arrived(&follower, 3, 2);
     assert_exact(&next_version(&mut follower, Some(1)), &stepped(2));
     assert_eq!(follower.durable_fetches(), 1);
 }

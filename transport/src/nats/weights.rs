@@ -397,10 +397,11 @@ impl NatsWeightsPublisher {
         }))
     }
 
-    /// Fan `frame` out on the run's live subject in chunks ([`wire::live`]), each message at
-    /// most half the server's `max_payload` (and 1 MiB). Best effort and not waited for: a
-    /// follower that misses a chunk takes the version from the object store, which this
-    /// publish writes next (the chunks leave first, on the same connection).
+    /// Fan `frame` (the version's full frame) out on the run's live subject in chunks
+    /// ([`wire::live`]), each message at most half the server's `max_payload` (and 1 MiB).
+    /// Best effort and not waited for: a follower that misses a chunk takes the version from
+    /// the object store, which this publish writes next (the chunks leave first, on the same
+    /// connection).
     fn publish_live(&self, frame: &[u8], header: &wire::frame::FrameHeader) {
         let shared = &self.shared;
         let message_bytes = (shared.client.max_payload() / 2).min(1 << 20);
@@ -466,20 +467,26 @@ impl WeightsPublisher for NatsWeightsPublisher {
             .as_ref()
             .filter(|parent| !inline && parent.params.len() == weights.params.len())
             .filter(|_| (self.deltas.len() as u64).saturating_add(1) < config.weights_anchor_every.max(1));
-        let (frame, parent) = match delta_parent {
-            Some(parent) => (wire::frame::encode_delta_frame(parent, &weights), Some(parent.version.0)),
-            None => (wire::frame::encode_full_frame(&weights), None),
-        };
+        // The live path first, and always a full frame: cheap to encode (a copy), cheap to
+        // decode, and applicable by any follower whatever it holds, so neither the delta's
+        // encoding nor a missed version stands between a connected follower and this version.
+        let mut full = None;
         if config.weights_live && sound {
+            let frame = full.insert(wire::frame::encode_full_frame(&weights));
             let header = wire::frame::FrameHeader {
                 version: weights.version,
-                parent: parent.map(PolicyVersion),
+                parent: None,
                 layout_hash: weights.layout_hash,
                 digest: weights.checksum,
                 n_params: weights.params.len(),
             };
-            self.publish_live(&frame, &header);
+            self.publish_live(frame, &header);
         }
+        // Then the durable path: the chain's delta, or the full frame (encoded once).
+        let (frame, parent) = match delta_parent {
+            Some(parent) => (wire::frame::encode_delta_frame(parent, &weights), Some(parent.version.0)),
+            None => (full.take().unwrap_or_else(|| wire::frame::encode_full_frame(&weights)), None),
+        };
         if inline {
             self.kept.push_back(Vec::new());
         } else {
@@ -747,6 +754,11 @@ impl NatsWeightsFollower {
         self.live_refused
     }
 
+    /// Live versions reassembled so far (applied or not).
+    pub fn live_received(&self) -> u64 {
+        self.live.as_ref().map_or(0, |live| live.slot.completed.load(Ordering::Acquire))
+    }
+
     /// Live chunks refused on arrival (corrupt, unreadable, another layout, larger than a
     /// full frame, inconsistent with the rest of their version).
     pub fn live_chunks_refused(&self) -> u64 {
@@ -769,7 +781,14 @@ impl NatsWeightsFollower {
     fn apply_live(&mut self) {
         let Some(slot) = self.live.as_ref().map(|live| live.slot.clone()) else { return };
         let announced = self.slot.newest().map(|(pointer, _)| pointer.version);
-        let frames = std::mem::take(&mut *slot.frames.lock().expect("live lock is never poisoned"));
+        let mut frames = std::mem::take(&mut *slot.frames.lock().expect("live lock is never poisoned"));
+        let ahead = |header: &wire::live::ChunkHeader| {
+            announced.is_none_or(|announced| header.version.0 > announced.saturating_add(MAX_LIVE_LEAD))
+        };
+        // Frames before the newest full frame that may be applied are not needed.
+        if let Some(last_full) = frames.iter().rposition(|f| f.header.parent.is_none() && !ahead(&f.header)) {
+            frames.drain(..last_full);
+        }
         let mut waiting = VecDeque::new();
         for frame in frames {
             let header = frame.header;
@@ -778,7 +797,7 @@ impl NatsWeightsFollower {
                 continue;
             }
             // A version far ahead of the pointer waits for it (or for eviction by newer frames).
-            if announced.is_none_or(|announced| header.version.0 > announced.saturating_add(MAX_LIVE_LEAD)) {
+            if ahead(&header) {
                 waiting.push_back(frame);
                 continue;
             }
