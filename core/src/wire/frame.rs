@@ -162,8 +162,10 @@ pub fn decode_frame(
     if header.n_params != n_params {
         return Err(DecodeError::Shape { field: "params", expected: n_params, got: header.n_params });
     }
-    let params = match header.parent {
-        None => decode_full_payload(payload, n_params)?,
+    let (params, got) = match header.parent {
+        // The payload is the parameters' little-endian bytes, exactly what `checksum` hashes:
+        // hashing it directly gives the same digest without a second pass over the floats.
+        None => (decode_full_payload(payload, n_params)?, body_checksum(payload)),
         Some(parent) => {
             let base = base.filter(|base| base.version == parent).ok_or_else(|| DecodeError::Mismatch {
                 what: "delta parent",
@@ -173,10 +175,11 @@ pub fn decode_frame(
             if base.params.len() != n_params {
                 return Err(DecodeError::Shape { field: "params", expected: n_params, got: base.params.len() });
             }
-            apply_delta_payload(payload, &base.params)?
+            let params = apply_delta_payload(payload, &base.params)?;
+            let got = checksum(&params);
+            (params, got)
         }
     };
-    let got = checksum(&params);
     if got != header.digest {
         return Err(DecodeError::Checksum { expected: header.digest, got });
     }
@@ -255,6 +258,13 @@ mod tests {
         let (header, _) = decode_frame_header(&bytes).expect("header");
         assert_eq!(header.parent, None);
         assert_eq!(header.digest, w.checksum);
+    }
+
+    #[test]
+    fn a_full_payload_hashes_to_the_parameters_checksum() {
+        let w = weights(3, (0..5000).map(|i| (i as f32).sin()).collect());
+        let bytes = encode_full_frame(&w);
+        assert_eq!(body_checksum(&bytes[HEADER_BYTES + FRAME_HEADER_BYTES..]), checksum(&w.params));
     }
 
     #[test]

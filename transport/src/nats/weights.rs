@@ -459,7 +459,6 @@ impl WeightsPublisher for NatsWeightsPublisher {
         }
         let shared = self.shared.clone();
         let config = &shared.config;
-        let sound = wire::checksum(&weights.params) == weights.checksum;
         let full_bytes = wire::HEADER_BYTES + wire::frame::FRAME_HEADER_BYTES + 4 * weights.params.len();
         let inline = full_bytes <= config.weights_inline_max_bytes;
         let delta_parent = self
@@ -470,9 +469,16 @@ impl WeightsPublisher for NatsWeightsPublisher {
         // The live path first, and always a full frame: cheap to encode (a copy), cheap to
         // decode, and applicable by any follower whatever it holds, so neither the delta's
         // encoding nor a missed version stands between a connected follower and this version.
-        let mut full = None;
-        if config.weights_live && sound {
-            let frame = full.insert(wire::frame::encode_full_frame(&weights));
+        let mut full =
+            (config.weights_live || delta_parent.is_none()).then(|| wire::frame::encode_full_frame(&weights));
+        // Whether the parameters match their checksum (a full frame's payload hashes to it).
+        let sound = match &full {
+            Some(frame) => {
+                wire::body_checksum(&frame[wire::HEADER_BYTES + wire::frame::FRAME_HEADER_BYTES..]) == weights.checksum
+            }
+            None => wire::checksum(&weights.params) == weights.checksum,
+        };
+        if let (true, true, Some(frame)) = (config.weights_live, sound, &full) {
             let header = wire::frame::FrameHeader {
                 version: weights.version,
                 parent: None,
@@ -705,7 +711,10 @@ impl fmt::Debug for NatsWeightsFollower {
             .field("verified_version", &self.newest.as_ref().map(|w| w.version))
             .field("refusals", &self.refusals)
             .field("live", &self.live.is_some())
+            .field("live_received", &self.live_received())
             .field("live_applied", &self.live_applied)
+            .field("live_refused", &self.live_refused)
+            .field("live_chunks_refused", &self.live_chunks_refused())
             .field("durable_fetches", &self.durable_fetches)
             .finish()
     }
