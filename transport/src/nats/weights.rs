@@ -100,11 +100,15 @@ impl NatsBus {
 fn open_live(shared: &Arc<Shared>, layout_hash: u64, n_params: usize) -> Option<LiveFeed> {
     let subject = subjects::weights_live(&shared.config.run);
     let client = shared.client.clone();
-    let subscribed = shared.block_on(call("subscribe to live weights", shared.config.request_timeout, async {
+    let timeout = shared.config.request_timeout;
+    let bucket = subjects::run_bucket(&shared.config.run);
+    let subscribed = shared.block_on(call("subscribe to live weights", timeout, async {
         let subscriber = client.subscribe(subject).await.map_err(|err| err.to_string())?;
-        // The server knows the subscription once this returns: no version published after
-        // `weights_follower` returns is missed for want of it.
+        // `flush` only writes the subscription out; an answered request (any answer, the
+        // bucket need not exist yet) shows the server has processed it, so no version
+        // published after `weights_follower` returns is missed for want of it.
         client.flush().await.map_err(|err| err.to_string())?;
+        let _ = open_kv(&shared.js, &bucket, timeout).await;
         Ok::<_, String>(subscriber)
     }));
     let subscriber = match subscribed {
