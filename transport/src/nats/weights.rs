@@ -1,5 +1,7 @@
-//! Weights: the publisher (object store + KV pointer) and the follower (KV watch, verified
-//! fetches, backoff on unverifiable pointers).
+//! Weights: the publisher (live core-NATS fan-out, then object store + KV pointer) and the
+//! follower (live reassembly, KV watch, verified fetches, backoff on unverifiable pointers).
+//! The live path gets a version to connected followers first; the durable path (store and
+//! pointer) serves everyone else and stays the source of truth (docs/ARCHITECTURE.md).
 
 use base64::Engine as _;
 
@@ -660,6 +662,14 @@ async fn follow_pointer(
 }
 
 /// Actor side: follows the newest weights.
+///
+/// Live path (unless [`NatsConfig::weights_live`] is off): a second background task
+/// reassembles the chunks fanned out on `volley.<run>.weights.live`, and `latest` first
+/// applies a completed live frame when it verifies and extends what this follower holds
+/// (see `apply_live`); a pointer for a version it took live confirms it or, with another
+/// digest, overrules it. Counters: [`live_applied`](Self::live_applied),
+/// [`durable_fetches`](Self::durable_fetches), [`live_refused`](Self::live_refused),
+/// [`live_chunks_refused`](Self::live_chunks_refused).
 ///
 /// A background task watches the `weights` pointer (re-creating the watch after errors and
 /// reconnects; a late joiner gets the current pointer at once). [`WeightsFollower::latest`]
