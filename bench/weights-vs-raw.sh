@@ -10,10 +10,13 @@ sleep 1
 uptime
 for rep in 1 2; do
   for size in 0.0176 1 16; do
-    for pattern in volley raw-object raw-core; do
+    # volley: the default (live fan-out, then object store and pointer); volley-durable: the
+    # object store and pointer alone (--nats-weights-live false), the path before issue 16's live path.
+    for pattern in volley volley-durable raw-object raw-core; do
       extra=""
-      [ "$pattern" = volley ] && [ "$size" != 0.0176 ] && extra="--inline-max-kib 0"
-      out=$(target/release/volley bench-weights --nats nats://127.0.0.1:14555 --run "wb-$pattern" --pattern $pattern \
+      [ "$pattern" != raw-object ] && [ "$pattern" != raw-core ] && [ "$size" != 0.0176 ] && extra="--inline-max-kib 0"
+      [ "$pattern" = volley-durable ] && extra="$extra --nats-weights-live false"
+      out=$(target/release/volley bench-weights --nats nats://127.0.0.1:14555 --run "wb-${pattern#volley-}" --pattern ${pattern%-durable} \
         --size-mib $size --versions 20 $extra 2>/dev/null)
       echo "$rep $size $pattern $(echo "$out" | python3 -c 'import json,sys; s=json.load(sys.stdin); print(s["frame_bytes_median"], round(s["publish_ms"]["p50"],1), round(s["last_follower_ms"]["p50"],1), round(s["last_follower_ms"]["p99"],1))')"
     done

@@ -771,6 +771,11 @@ pub struct NatsArgs {
     /// in process listings). Never logged.
     #[arg(long, env = "VOLLEY_NATS_PASSWORD", hide_env_values = true, requires = "nats_user")]
     pub nats_password: Option<String>,
+    /// Weights also travel by core-NATS fan-out to connected actors (the live path), besides
+    /// the object store and pointer; `false` turns it off (the learner does not send, actors
+    /// do not subscribe), e.g. for a broker whose permissions lack the live subject.
+    #[arg(long, env = "VOLLEY_NATS_WEIGHTS_LIVE", default_value_t = true, action = clap::ArgAction::Set)]
+    pub nats_weights_live: bool,
 }
 
 impl std::fmt::Debug for NatsArgs {
@@ -780,6 +785,7 @@ impl std::fmt::Debug for NatsArgs {
             .field("nats_timeout_secs", &self.nats_timeout_secs)
             .field("nats_user", &self.nats_user)
             .field("nats_password", &self.nats_password.as_ref().map(|_| "<redacted>"))
+            .field("nats_weights_live", &self.nats_weights_live)
             .finish()
     }
 }
@@ -790,6 +796,7 @@ impl NatsArgs {
         let mut config = NatsConfig::new(self.nats_url.clone(), run);
         config.request_timeout = self.timeout()?;
         config.auth = self.auth()?;
+        config.weights_live = self.nats_weights_live;
         Ok(config)
     }
 

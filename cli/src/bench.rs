@@ -77,6 +77,8 @@ pub struct BenchWeightsSummary {
     pub frame_bytes_max: usize,
     /// Whether the versions travelled inline in the pointer.
     pub inline: bool,
+    /// Whether the versions were also fanned out by core NATS (the live path).
+    pub live: bool,
     /// A full frame every this many versions.
     pub anchor_every: u64,
     /// Parameters per version.
@@ -119,6 +121,13 @@ pub fn follow(config: &BenchWeightsConfig, interrupted: &AtomicBool) -> anyhow::
                 have = Some(weights.version);
                 last_new = Instant::now();
                 if weights.version.0 >= config.versions {
+                    info!(
+                        live = follower.live_applied(),
+                        durable = follower.durable_fetches(),
+                        live_refused = follower.live_refused(),
+                        live_chunks_refused = follower.live_chunks_refused(),
+                        "versions taken by path"
+                    );
                     return Ok(());
                 }
             }
@@ -193,6 +202,7 @@ fn spawn_followers(config: &BenchWeightsConfig, reports: &mpsc::Sender<Report>) 
             .args(["--poll-ms", &(config.poll.as_secs_f64() * 1e3).to_string()])
             .args(["--timeout-secs", &config.timeout.as_secs_f64().to_string()])
             .args(["--pattern", config.pattern.name()])
+            .args(["--nats-weights-live", &config.nats.weights_live.to_string()])
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit());
@@ -369,6 +379,7 @@ pub fn drive(config: &BenchWeightsConfig, interrupted: &AtomicBool) -> anyhow::R
         frame_bytes_median: frame_bytes.get(frame_bytes.len() / 2).copied().unwrap_or(0),
         frame_bytes_max: frame_bytes.last().copied().unwrap_or(0),
         inline,
+        live: config.pattern == BenchPattern::Volley && config.nats.weights_live,
         anchor_every: config.nats.weights_anchor_every,
         n_params: config.n_params,
         followers: config.followers,
@@ -611,11 +622,12 @@ fn print_table(summary: &BenchWeightsSummary) {
         None => eprintln!("{name:<22} {:>9} {:>9} {:>9}", "-", "-", "-"),
     };
     eprintln!(
-        "frames: full {} B, published median {} B, max {} B ({}, anchor every {})",
+        "frames: full {} B, published median {} B, max {} B ({}{}, anchor every {})",
         summary.size_bytes,
         summary.frame_bytes_median,
         summary.frame_bytes_max,
         if summary.inline { "inline" } else { "object store" },
+        if summary.live { " + live fan-out" } else { "" },
         summary.anchor_every
     );
     eprintln!(

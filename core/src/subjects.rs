@@ -12,6 +12,7 @@
 //! | run KV bucket (keys `spec`, `weights`) | `volley-<run>` |
 //! | weights object store | `volley-<run>-wts` |
 //! | weights object of version `v` | `v<v, 20 digits>` |
+//! | live weights chunks (core NATS, learner publishes, actors subscribe) | `volley.<run>.weights.live` |
 //! | trajectory message id (`Nats-Msg-Id`, dedup) | `<actor>-<incarnation>-<env_idx>-<segment_idx>` |
 //!
 //! Environment services (docs/ENV_PROTOCOL.md) are not tied to a run:
@@ -86,6 +87,13 @@ pub fn weights_object(version: u64) -> String {
 /// `d` and 20 zero-padded digits (a chain of them follows each anchor, [`weights_object`]).
 pub fn weights_delta_object(version: u64) -> String {
     format!("d{version:020}")
+}
+
+/// The core-NATS subject the learner fans every weights version out on, in chunks
+/// ([`crate::wire::live`]), to the followers connected now: `volley.<run>.weights.live`.
+/// Outside the trajectory stream's filter (`volley.<run>.traj.>`), so nothing stores it.
+pub fn weights_live(run: &RunId) -> String {
+    format!("volley.{run}.weights.live")
 }
 
 /// The `Nats-Msg-Id` of one segment: `<actor>-<incarnation>-<env_idx>-<segment_idx>`.
@@ -290,6 +298,9 @@ mod tests {
                 assert!(subject.starts_with(&format!("volley.{run}.traj.")), "{subject}");
                 assert_eq!(subject.split('.').count(), 4, "{subject} is not volley.<run>.traj.<actor>");
             }
+            let live = weights_live(&run);
+            assert_publish_subject(&live);
+            assert!(!live.starts_with(all_prefix(&run).as_str()), "{live} would be stored with the segments");
             let all = trajectories_all(&run);
             assert!(all.ends_with(".>") && all.matches('>').count() == 1, "{all}");
             assert_publish_subject(all.trim_end_matches(".>"));
@@ -302,6 +313,10 @@ mod tests {
             assert_stream_or_consumer_name(&kv_backing_stream(&run_bucket(&run)));
             assert_stream_or_consumer_name(&object_backing_stream(&weights_bucket(&run)));
         }
+    }
+
+    fn all_prefix(run: &RunId) -> String {
+        trajectories_all(run).trim_end_matches('>').to_string()
     }
 
     #[test]

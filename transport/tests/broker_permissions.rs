@@ -165,13 +165,18 @@ fn learner_and_actor_users_can_do_their_jobs() {
     let tokens: Vec<_> = deliveries.iter().map(|d| d.token).collect();
     source.ack(&tokens).expect("the learner acks");
     publisher.publish(weights(1)).expect("the learner publishes the next version");
+    // Time for both paths to arrive, so the live frame is the one taken.
+    thread::sleep(Duration::from_millis(300));
     let newest = within_guard("following v1", move || loop {
         if let Some(newest) = follower.latest(Some(PolicyVersion(0))).expect("the actor follows") {
-            return newest.version;
+            return (newest.version, follower.is_live(), follower.live_applied());
         }
         thread::sleep(Duration::from_millis(10));
     });
-    assert_eq!(newest, PolicyVersion(1));
+    assert_eq!(newest.0, PolicyVersion(1));
+    // The actor user may receive the learner's live weights: v1 came by fan-out.
+    assert!(newest.1, "the actor follows the live subject");
+    assert!(newest.2 >= 1, "v1 came live ({} versions taken live)", newest.2);
     assert_no_violations(&server);
 }
 
@@ -272,6 +277,15 @@ fn actor_user_is_denied_weights_writes_and_other_runs() {
         sink.flush()
     });
     assert_denied("actor publishing to another run", result);
+
+    // The live weights subject: the actor may receive, never send.
+    let live = subjects::weights_live(&actor.config().run);
+    let client = actor.client().clone();
+    actor.handle().block_on(async move {
+        client.publish(live, Bytes::from_static(b"forged")).await.expect("handed to the client");
+        client.flush().await.expect("flushed");
+    });
+    assert_violation(&server, "volley.local.weights.live");
 
     let log = server.log();
     for subject in ["$KV.volley-local.weights", "$JS.API.STREAM.DELETE.volley-local-traj", "volley.other.traj.a1"] {

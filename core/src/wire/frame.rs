@@ -50,8 +50,10 @@ pub struct FrameHeader {
 pub fn encode_full_frame(weights: &Weights) -> Vec<u8> {
     let n = weights.params.len();
     let mut out = frame_start(MessageKind::WeightsFull, weights, None, 4 * n);
-    for p in &weights.params {
-        out.extend_from_slice(&p.to_bits().to_le_bytes());
+    let start = out.len();
+    out.resize(start + 4 * n, 0);
+    for (bytes, p) in out[start..].chunks_exact_mut(4).zip(&weights.params) {
+        bytes.copy_from_slice(&p.to_bits().to_le_bytes());
     }
     seal(out)
 }
@@ -64,23 +66,21 @@ pub fn encode_delta_frame(parent: &Weights, weights: &Weights) -> Vec<u8> {
     let n = weights.params.len();
     assert_eq!(parent.params.len(), n, "a delta needs two buffers of one layout");
     let mut out = frame_start(MessageKind::WeightsDelta, weights, Some(parent.version), n + 4);
+    let xor: Vec<u32> =
+        weights.params.iter().zip(&parent.params).map(|(new, old)| new.to_bits() ^ old.to_bits()).collect();
     let mut plane = vec![0u8; n];
-    let mut bitmap = vec![0u8; n.div_ceil(8)];
     for shift in [0u32, 8, 16, 24] {
-        let mut nonzero = 0usize;
-        for ((byte, new), old) in plane.iter_mut().zip(&weights.params).zip(&parent.params) {
-            *byte = ((new.to_bits() ^ old.to_bits()) >> shift) as u8;
-            nonzero += usize::from(*byte != 0);
+        for (byte, word) in plane.iter_mut().zip(&xor) {
+            *byte = (word >> shift) as u8;
         }
-        if bitmap.len() + nonzero < n {
-            bitmap.fill(0);
+        let nonzero = plane.iter().filter(|&&byte| byte != 0).count();
+        if n.div_ceil(8) + nonzero < n {
             out.push(PLANE_SPARSE);
-            let bitmap_at = out.len();
-            out.extend_from_slice(&bitmap);
-            for (idx, &byte) in plane.iter().enumerate().filter(|(_, byte)| **byte != 0) {
-                out[bitmap_at + idx / 8] |= 1 << (idx % 8);
-                out.push(byte);
-            }
+            // The bitmap, eight parameters per byte, then the non-zero bytes in order.
+            out.extend(plane.chunks(8).map(|group| {
+                group.iter().enumerate().fold(0u8, |mask, (bit, &byte)| mask | (u8::from(byte != 0) << bit))
+            }));
+            out.extend(plane.iter().copied().filter(|&byte| byte != 0));
         } else {
             out.push(PLANE_DENSE);
             out.extend_from_slice(&plane);
@@ -162,8 +162,10 @@ pub fn decode_frame(
     if header.n_params != n_params {
         return Err(DecodeError::Shape { field: "params", expected: n_params, got: header.n_params });
     }
-    let params = match header.parent {
-        None => decode_full_payload(payload, n_params)?,
+    let (params, got) = match header.parent {
+        // The payload is the parameters' little-endian bytes, exactly what `checksum` hashes:
+        // hashing it directly gives the same digest without a second pass over the floats.
+        None => (decode_full_payload(payload, n_params)?, body_checksum(payload)),
         Some(parent) => {
             let base = base.filter(|base| base.version == parent).ok_or_else(|| DecodeError::Mismatch {
                 what: "delta parent",
@@ -173,10 +175,11 @@ pub fn decode_frame(
             if base.params.len() != n_params {
                 return Err(DecodeError::Shape { field: "params", expected: n_params, got: base.params.len() });
             }
-            apply_delta_payload(payload, &base.params)?
+            let params = apply_delta_payload(payload, &base.params)?;
+            let got = checksum(&params);
+            (params, got)
         }
     };
-    let got = checksum(&params);
     if got != header.digest {
         return Err(DecodeError::Checksum { expected: header.digest, got });
     }
@@ -191,7 +194,11 @@ fn decode_full_payload(payload: &[u8], n_params: usize) -> Result<Vec<f32>, Deco
             4 * n_params
         )));
     }
-    Ok(payload.chunks_exact(4).map(|b| f32::from_bits(u32::from_le_bytes(b.try_into().expect("4 bytes")))).collect())
+    let mut params = vec![0f32; n_params];
+    for (p, bytes) in params.iter_mut().zip(payload.chunks_exact(4)) {
+        *p = f32::from_bits(u32::from_le_bytes(bytes.try_into().expect("4 bytes")));
+    }
+    Ok(params)
 }
 
 fn apply_delta_payload(mut payload: &[u8], base: &[f32]) -> Result<Vec<f32>, DecodeError> {
@@ -210,8 +217,14 @@ fn apply_delta_payload(mut payload: &[u8], base: &[f32]) -> Result<Vec<f32>, Dec
             }
             PLANE_SPARSE => {
                 let (bitmap, mut rest) = rest.split_at_checked(n.div_ceil(8)).ok_or_else(truncated)?;
-                for (idx, word) in bits.iter_mut().enumerate() {
-                    if bitmap[idx / 8] & (1 << (idx % 8)) != 0 {
+                // Eight parameters per bitmap byte; zero bytes (most, in a sparse plane) skip
+                // all eight. Bits past the last parameter are ignored, as ever.
+                for (words, &mask) in bits.chunks_mut(8).zip(bitmap) {
+                    let mut mask = mask;
+                    while mask != 0 {
+                        let bit = mask.trailing_zeros() as usize;
+                        mask &= mask - 1;
+                        let Some(word) = words.get_mut(bit) else { break };
                         let (&byte, tail) = rest.split_first().ok_or_else(truncated)?;
                         *word ^= u32::from(byte) << shift;
                         rest = tail;
@@ -245,6 +258,13 @@ mod tests {
         let (header, _) = decode_frame_header(&bytes).expect("header");
         assert_eq!(header.parent, None);
         assert_eq!(header.digest, w.checksum);
+    }
+
+    #[test]
+    fn a_full_payload_hashes_to_the_parameters_checksum() {
+        let w = weights(3, (0..5000).map(|i| (i as f32).sin()).collect());
+        let bytes = encode_full_frame(&w);
+        assert_eq!(body_checksum(&bytes[HEADER_BYTES + FRAME_HEADER_BYTES..]), checksum(&w.params));
     }
 
     #[test]

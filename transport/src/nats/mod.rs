@@ -231,6 +231,11 @@ pub struct NatsConfig {
     /// Weights whose full frame is at most this many bytes travel inside the KV pointer itself
     /// (one message to every follower, no object); larger ones go through the object store.
     pub weights_inline_max_bytes: usize,
+    /// Also fan every weights version out by core NATS to the followers connected now (the
+    /// *live* path, [`volley_core::wire::live`]), before storing it; the object store and the
+    /// pointer stay the durable path for late joiners and for followers that missed a chunk.
+    /// On by default; off, followers see a version only through the pointer.
+    pub weights_live: bool,
     /// Copies JetStream keeps of the run's streams and buckets (trajectories, run KV, weights,
     /// and with work items the work queue and snapshot stores): 1 on a single server, 3 on a
     /// 3-node cluster so that losing one server loses nothing. Applied when they are created;
@@ -261,6 +266,7 @@ impl NatsConfig {
             keep_weight_versions: 3,
             weights_anchor_every: 16,
             weights_inline_max_bytes: 256 << 10,
+            weights_live: true,
             replicas: 1,
             auth: None,
         }

@@ -1,5 +1,7 @@
-//! Weights: the publisher (object store + KV pointer) and the follower (KV watch, verified
-//! fetches, backoff on unverifiable pointers).
+//! Weights: the publisher (live core-NATS fan-out, then object store + KV pointer) and the
+//! follower (live reassembly, KV watch, verified fetches, backoff on unverifiable pointers).
+//! The live path gets a version to connected followers first; the durable path (store and
+//! pointer) serves everyone else and stays the source of truth (docs/ARCHITECTURE.md).
 
 use base64::Engine as _;
 
@@ -71,6 +73,7 @@ impl NatsBus {
             slot.clone(),
             connections,
         ));
+        let live = if shared.config.weights_live { open_live(&shared, layout_hash, n_params) } else { None };
         Ok(NatsWeightsFollower {
             shared,
             layout_hash,
@@ -78,11 +81,111 @@ impl NatsBus {
             slot,
             objects: None,
             newest: None,
+            confirmed: None,
             settled_write: 0,
+            settled_live: 0,
             retry: None,
             refusals: 0,
+            durable_fetches: 0,
+            live_applied: 0,
+            live_refused: 0,
+            contradicted: false,
+            live,
             task,
         })
+    }
+}
+
+/// Subscribe to the run's live weights subject and start reassembling its chunks in the
+/// background; `None` (logged) when the subscription fails, e.g. a broker whose permissions
+/// predate the live path: the follower then uses the pointer alone.
+fn open_live(shared: &Arc<Shared>, layout_hash: u64, n_params: usize) -> Option<LiveFeed> {
+    let subject = subjects::weights_live(&shared.config.run);
+    let client = shared.client.clone();
+    let timeout = shared.config.request_timeout;
+    let bucket = subjects::run_bucket(&shared.config.run);
+    let subscribed = shared.block_on(call("subscribe to live weights", timeout, async {
+        let subscriber = client.subscribe(subject).await.map_err(|err| err.to_string())?;
+        // `flush` only writes the subscription out; an answered request (any answer, the
+        // bucket need not exist yet) shows the server has processed it, so no version
+        // published after `weights_follower` returns is missed for want of it.
+        client.flush().await.map_err(|err| err.to_string())?;
+        let _ = open_kv(&shared.js, &bucket, timeout).await;
+        Ok::<_, String>(subscriber)
+    }));
+    let subscriber = match subscribed {
+        Ok(subscriber) => subscriber,
+        Err(err) => {
+            warn!(%err, "live weights unavailable; following the pointer only");
+            return None;
+        }
+    };
+    let slot = Arc::new(LiveSlot::default());
+    let max_frame = wire::HEADER_BYTES + wire::frame::FRAME_HEADER_BYTES + 4 * n_params;
+    let assembler = wire::live::LiveAssembler::new(layout_hash, max_frame);
+    let task = shared.handle.spawn(follow_live(subscriber, assembler, slot.clone()));
+    Some(LiveFeed { slot, task })
+}
+
+/// Completed live frames waiting for the follower, and what the reassembly refused.
+#[derive(Debug, Default)]
+struct LiveSlot {
+    /// Completed frames, oldest first, at most [`LIVE_FRAMES_KEPT`].
+    frames: Mutex<VecDeque<wire::live::LiveFrame>>,
+    /// Frames completed so far: lets `latest` answer "nothing new" with one load.
+    completed: AtomicU64,
+    /// Chunks refused (unreadable, corrupt, another layout, too large, inconsistent).
+    refused_chunks: AtomicU64,
+    /// Incomplete versions dropped (a lost chunk, or evicted by a newer version).
+    dropped: AtomicU64,
+    changed: tokio::sync::Notify,
+}
+
+/// Completed live frames kept for the follower: the newest two, so a follower that polls
+/// less often than versions arrive can still apply a version and then its child delta.
+const LIVE_FRAMES_KEPT: usize = 2;
+
+/// How far a live version may run ahead of the pointer written last: the learner writes the
+/// pointer of a version before it sends the next one live, so 1 is the rule and 2 leaves
+/// room for a watch that lags. A live version further ahead waits (at most
+/// [`LIVE_FRAMES_KEPT`] of them) until the pointer catches up, so a forged live version cannot
+/// claim a version far above the learner's and make the follower ignore the real ones.
+const MAX_LIVE_LEAD: u64 = 2;
+
+/// The background half of the live path: its slot and reassembly task.
+#[derive(Debug)]
+struct LiveFeed {
+    slot: Arc<LiveSlot>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+/// Reassemble live chunks into frames until the subscription ends (async-nats re-subscribes
+/// by itself after a reconnect).
+async fn follow_live(
+    mut subscriber: async_nats::Subscriber,
+    mut assembler: wire::live::LiveAssembler,
+    slot: Arc<LiveSlot>,
+) {
+    use wire::live::Offered;
+    while let Some(message) = subscriber.next().await {
+        match assembler.offer(&message.payload) {
+            Offered::Complete(frame) => {
+                let mut frames = slot.frames.lock().expect("live lock is never poisoned");
+                if frames.len() >= LIVE_FRAMES_KEPT {
+                    frames.pop_front();
+                }
+                frames.push_back(frame);
+                drop(frames);
+                slot.completed.fetch_add(1, Ordering::AcqRel);
+                slot.changed.notify_waiters();
+            }
+            Offered::Refused(err) => {
+                slot.refused_chunks.fetch_add(1, Ordering::Relaxed);
+                debug!(reason = err.reason(), %err, "live weights chunk refused");
+            }
+            Offered::Pending | Offered::Stale => {}
+        }
+        slot.dropped.store(assembler.dropped(), Ordering::Relaxed);
     }
 }
 
@@ -300,6 +403,29 @@ impl NatsWeightsPublisher {
         }))
     }
 
+    /// Fan `frame` (the version's full frame) out on the run's live subject in chunks
+    /// ([`wire::live`]), each message at most half the server's `max_payload` (and 1 MiB).
+    /// Best effort and not waited for: a follower that misses a chunk takes the version from
+    /// the object store, which this publish writes next (the chunks leave first, on the same
+    /// connection).
+    fn publish_live(&self, frame: &[u8], header: &wire::frame::FrameHeader) {
+        let shared = &self.shared;
+        let message_bytes = (shared.client.max_payload() / 2).min(1 << 20);
+        let chunk_bytes = message_bytes.saturating_sub(wire::live::CHUNK_HEADER_BYTES).max(1024);
+        let subject = Subject::from(subjects::weights_live(&shared.config.run));
+        let chunks = wire::live::encode_live_chunks(frame, header, chunk_bytes);
+        let client = &shared.client;
+        let sent = shared.block_on(call("publish live weights", shared.config.request_timeout, async {
+            for chunk in chunks {
+                client.publish(subject.clone(), Bytes::from(chunk)).await?;
+            }
+            Ok::<_, async_nats::PublishError>(())
+        }));
+        if let Err(err) = sent {
+            debug!(version = header.version.0, %err, "live weights not sent; followers fetch them from the store");
+        }
+    }
+
     /// Delete the objects of chains beyond the newest `keep_weight_versions` (best effort: a
     /// failed delete leaves an object behind, nothing worse).
     fn purge_old_chains(&mut self) {
@@ -339,7 +465,6 @@ impl WeightsPublisher for NatsWeightsPublisher {
         }
         let shared = self.shared.clone();
         let config = &shared.config;
-        let sound = wire::checksum(&weights.params) == weights.checksum;
         let full_bytes = wire::HEADER_BYTES + wire::frame::FRAME_HEADER_BYTES + 4 * weights.params.len();
         let inline = full_bytes <= config.weights_inline_max_bytes;
         let delta_parent = self
@@ -347,9 +472,32 @@ impl WeightsPublisher for NatsWeightsPublisher {
             .as_ref()
             .filter(|parent| !inline && parent.params.len() == weights.params.len())
             .filter(|_| (self.deltas.len() as u64).saturating_add(1) < config.weights_anchor_every.max(1));
+        // The live path first, and always a full frame: cheap to encode (a copy), cheap to
+        // decode, and applicable by any follower whatever it holds, so neither the delta's
+        // encoding nor a missed version stands between a connected follower and this version.
+        let mut full =
+            (config.weights_live || delta_parent.is_none()).then(|| wire::frame::encode_full_frame(&weights));
+        // Whether the parameters match their checksum (a full frame's payload hashes to it).
+        let sound = match &full {
+            Some(frame) => {
+                wire::body_checksum(&frame[wire::HEADER_BYTES + wire::frame::FRAME_HEADER_BYTES..]) == weights.checksum
+            }
+            None => wire::checksum(&weights.params) == weights.checksum,
+        };
+        if let (true, true, Some(frame)) = (config.weights_live, sound, &full) {
+            let header = wire::frame::FrameHeader {
+                version: weights.version,
+                parent: None,
+                layout_hash: weights.layout_hash,
+                digest: weights.checksum,
+                n_params: weights.params.len(),
+            };
+            self.publish_live(frame, &header);
+        }
+        // Then the durable path: the chain's delta, or the full frame (encoded once).
         let (frame, parent) = match delta_parent {
             Some(parent) => (wire::frame::encode_delta_frame(parent, &weights), Some(parent.version.0)),
-            None => (wire::frame::encode_full_frame(&weights), None),
+            None => (full.take().unwrap_or_else(|| wire::frame::encode_full_frame(&weights)), None),
         };
         if inline {
             self.kept.push_back(Vec::new());
@@ -515,6 +663,14 @@ async fn follow_pointer(
 
 /// Actor side: follows the newest weights.
 ///
+/// Live path (unless [`NatsConfig::weights_live`] is off): a second background task
+/// reassembles the chunks fanned out on `volley.<run>.weights.live`, and `latest` first
+/// applies a completed live frame when it verifies and extends what this follower holds
+/// (see `apply_live`); a pointer for a version it took live confirms it or, with another
+/// digest, overrules it. Counters: [`live_applied`](Self::live_applied),
+/// [`durable_fetches`](Self::durable_fetches), [`live_refused`](Self::live_refused),
+/// [`live_chunks_refused`](Self::live_chunks_refused).
+///
 /// A background task watches the `weights` pointer (re-creating the watch after errors and
 /// reconnects; a late joiner gets the current pointer at once). [`WeightsFollower::latest`]
 /// costs one atomic load when nothing was written; otherwise it looks at the pointer written
@@ -534,14 +690,29 @@ pub struct NatsWeightsFollower {
     n_params: usize,
     slot: Arc<PointerSlot>,
     objects: Option<object_store::ObjectStore>,
-    /// The newest weights verified so far.
+    /// The newest weights verified so far (by the pointer, or by the live path alone).
     newest: Option<Arc<Weights>>,
+    /// The newest weights whose version and digest a pointer announced: the base of object
+    /// fetches, and what a live version the pointer contradicts is replaced by.
+    confirmed: Option<Arc<Weights>>,
     /// The last pointer write dealt with for good (adopted, refused, or not newer).
     settled_write: u64,
+    /// Live frames completed when `latest` last looked.
+    settled_live: u64,
     /// A pointer write whose fetch failed, and when to try it again.
     retry: Option<(u64, Instant, Duration)>,
     /// Pointers refused or not fetchable, in total.
     refusals: u64,
+    /// Versions rebuilt through the durable path (object store or inline pointer).
+    durable_fetches: u64,
+    /// Versions taken from the live path.
+    live_applied: u64,
+    /// Complete live frames refused (frame, digest or pointer mismatch), in total.
+    live_refused: u64,
+    /// The pointer contradicted the live version the caller may run: fetch the pointer's
+    /// version even if the caller claims to have it (until fetched or refused).
+    contradicted: bool,
+    live: Option<LiveFeed>,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -553,6 +724,12 @@ impl fmt::Debug for NatsWeightsFollower {
             .field("pointer_version", &self.announced_version())
             .field("verified_version", &self.newest.as_ref().map(|w| w.version))
             .field("refusals", &self.refusals)
+            .field("live", &self.live.is_some())
+            .field("live_received", &self.live_received())
+            .field("live_applied", &self.live_applied)
+            .field("live_refused", &self.live_refused)
+            .field("live_chunks_refused", &self.live_chunks_refused())
+            .field("durable_fetches", &self.durable_fetches)
             .finish()
     }
 }
@@ -560,6 +737,9 @@ impl fmt::Debug for NatsWeightsFollower {
 impl Drop for NatsWeightsFollower {
     fn drop(&mut self) {
         self.task.abort();
+        if let Some(live) = &self.live {
+            live.task.abort();
+        }
     }
 }
 
@@ -579,9 +759,140 @@ impl NatsWeightsFollower {
         self.refusals
     }
 
+    /// Versions this follower rebuilt through the durable path: objects from the store, or
+    /// the frame inline in the pointer.
+    pub fn durable_fetches(&self) -> u64 {
+        self.durable_fetches
+    }
+
+    /// Versions this follower took from the live path (core-NATS fan-out).
+    pub fn live_applied(&self) -> u64 {
+        self.live_applied
+    }
+
+    /// Live versions refused after reassembly: the frame did not decode onto the version this
+    /// follower holds, its digest or version disagreed with its chunks, or the pointer
+    /// announced another digest for it. Each fell back to the durable path.
+    pub fn live_refused(&self) -> u64 {
+        self.live_refused
+    }
+
+    /// Live versions reassembled so far (applied or not).
+    pub fn live_received(&self) -> u64 {
+        self.live.as_ref().map_or(0, |live| live.slot.completed.load(Ordering::Acquire))
+    }
+
+    /// Live chunks refused on arrival (corrupt, unreadable, another layout, larger than a
+    /// full frame, inconsistent with the rest of their version).
+    pub fn live_chunks_refused(&self) -> u64 {
+        self.live.as_ref().map_or(0, |live| live.slot.refused_chunks.load(Ordering::Relaxed))
+    }
+
+    /// Whether this follower receives the live path (it is on, and the subscription worked).
+    pub fn is_live(&self) -> bool {
+        self.live.is_some()
+    }
+
+    /// Take the completed live frames that extend what this follower holds: a frame is
+    /// applied when its version is above the newest verified one and at most
+    /// [`MAX_LIVE_LEAD`] above the pointer written last, it is a full frame or a delta whose
+    /// parent is exactly the newest verified version, it decodes (envelope checksum, layout,
+    /// parameter count, parent), and the rebuilt parameters' digest equals the digest its
+    /// chunks carried, which is the digest the pointer will carry. Anything else is left to
+    /// the durable path. A live version stays provisional until a pointer announces it; a
+    /// pointer that announces that version with another digest replaces it (see `latest`).
+    fn apply_live(&mut self) {
+        let Some(slot) = self.live.as_ref().map(|live| live.slot.clone()) else { return };
+        let announced = self.slot.newest().map(|(pointer, _)| pointer.version);
+        let mut frames = std::mem::take(&mut *slot.frames.lock().expect("live lock is never poisoned"));
+        let ahead = |header: &wire::live::ChunkHeader| {
+            announced.is_none_or(|announced| header.version.0 > announced.saturating_add(MAX_LIVE_LEAD))
+        };
+        // Frames before the newest full frame that may be applied are not needed.
+        if let Some(last_full) = frames.iter().rposition(|f| f.header.parent.is_none() && !ahead(&f.header)) {
+            frames.drain(..last_full);
+        }
+        let mut waiting = VecDeque::new();
+        for frame in frames {
+            let header = frame.header;
+            let held = self.newest.as_ref().map(|w| w.version);
+            if held.is_some_and(|held| header.version <= held) {
+                continue;
+            }
+            // A version far ahead of the pointer waits for it (or for eviction by newer frames).
+            if ahead(&header) {
+                waiting.push_back(frame);
+                continue;
+            }
+            let base = match header.parent {
+                None => None,
+                Some(parent) if held == Some(parent) => self.newest.clone(),
+                // A gap: the version this delta needs never arrived live. The durable path
+                // rebuilds it.
+                Some(_) => continue,
+            };
+            let decoded = wire::frame::decode_frame(&frame.bytes, base.as_deref(), self.layout_hash, self.n_params)
+                .map_err(|err| err.to_string())
+                .and_then(|weights| match weights.version == header.version && weights.checksum == header.digest {
+                    true => Ok(weights),
+                    false => Err(format!(
+                        "frame rebuilt {} with digest {:016x}, its chunks said {} with {:016x}",
+                        weights.version, weights.checksum, header.version, header.digest
+                    )),
+                });
+            match decoded {
+                Ok(weights) => {
+                    debug!(version = header.version.0, "weights taken from the live path");
+                    self.newest = Some(Arc::new(weights));
+                    self.live_applied += 1;
+                }
+                Err(reason) => {
+                    warn!(version = header.version.0, %reason, "live weights refused; using the weights store");
+                    self.live_refused += 1;
+                }
+            }
+        }
+        if !waiting.is_empty() {
+            // Frames that completed meanwhile are newer: they go behind, and the bound holds.
+            let mut frames = slot.frames.lock().expect("live lock is never poisoned");
+            waiting.extend(frames.drain(..));
+            while waiting.len() > LIVE_FRAMES_KEPT {
+                waiting.pop_front();
+            }
+            *frames = waiting;
+        }
+    }
+
     /// The pause before the pointer written last is fetched again, when its fetch failed.
     pub fn retry_pause(&self) -> Option<Duration> {
         self.retry.map(|(_, _, pause)| pause)
+    }
+
+    /// Hold a live version against the pointer: a pointer announcing the version this
+    /// follower took live confirms it when the digests agree; when they do not, the live
+    /// version was not the learner's (or the pointer is not), and the follower drops back to
+    /// the newest confirmed version, from which the pointer's version is then fetched and
+    /// verified as usual.
+    /// Returns whether it dropped a live version; the caller then fetches the pointer's
+    /// version even if the caller runs that version number.
+    fn reconcile(&mut self, pointer: &WeightsPointer) -> bool {
+        let Some(newest) = self.newest.clone() else { return false };
+        if newest.version.0 != pointer.version || self.confirmed.as_ref().is_some_and(|c| Arc::ptr_eq(c, &newest)) {
+            return false;
+        }
+        if format!("{:016x}", newest.checksum) == pointer.digest {
+            self.confirmed = Some(newest);
+            return false;
+        }
+        warn!(
+            version = pointer.version,
+            live_digest = format_args!("{:016x}", newest.checksum),
+            pointer_digest = %pointer.digest,
+            "the pointer contradicts the live version; using the weights store"
+        );
+        self.live_refused += 1;
+        self.newest = self.confirmed.clone();
+        true
     }
 
     /// Refuse `pointer` for its content (see the type's docs).
@@ -613,11 +924,11 @@ impl NatsWeightsFollower {
                 Err(err) => return Err(refused(self, format!("inline frame is not base64: {err}"))),
             },
             None => {
-                let (from_have, names) = pointer.plan(self.newest.as_ref().map(|w| w.version));
+                let (from_have, names) = pointer.plan(self.confirmed.as_ref().map(|w| w.version));
                 (from_have, self.download(pointer, &names).map_err(FetchError::Unavailable)?)
             }
         };
-        let mut base = if from_have { self.newest.clone() } else { None };
+        let mut base = if from_have { self.confirmed.clone() } else { None };
         for frame in &frames {
             match wire::frame::decode_frame(frame, base.as_deref(), self.layout_hash, self.n_params) {
                 Ok(weights) => base = Some(Arc::new(weights)),
@@ -638,6 +949,8 @@ impl NatsWeightsFollower {
             ));
         }
         self.newest = Some(weights.clone());
+        self.confirmed = Some(weights.clone());
+        self.durable_fetches += 1;
         Ok(weights)
     }
 
@@ -680,33 +993,50 @@ impl NatsWeightsFollower {
 
 impl WeightsFollower for NatsWeightsFollower {
     fn latest(&mut self, have: Option<PolicyVersion>) -> Result<Option<Arc<Weights>>, TransportError> {
-        let writes = self.slot.writes.load(Ordering::Acquire);
-        if writes == self.settled_write {
-            return Ok(self.newest.clone().filter(|newest| have.is_none_or(|have| newest.version > have)));
-        }
-        let Some((pointer, write)) = self.slot.newest() else {
-            return Ok(None);
+        let newer = |newest: &Option<Arc<Weights>>| {
+            newest.clone().filter(|newest| have.is_none_or(|have| newest.version > have))
         };
+        let writes = self.slot.writes.load(Ordering::Acquire);
+        let lives = self.live.as_ref().map_or(0, |live| live.slot.completed.load(Ordering::Acquire));
+        if writes == self.settled_write && lives == self.settled_live {
+            return Ok(newer(&self.newest));
+        }
+        // A new frame, or a new pointer that a waiting frame may have been ahead of.
+        self.settled_live = lives;
+        self.apply_live();
+        let Some((pointer, write)) = self.slot.newest() else {
+            return Ok(newer(&self.newest));
+        };
+        if write == self.settled_write {
+            // Only a live frame is new; the pointer written last was judged already.
+            return Ok(newer(&self.newest));
+        }
+        self.contradicted |= self.reconcile(&pointer);
+        let contradicted = self.contradicted;
         // Only a version above everything verified (and above what the caller runs) is worth
-        // fetching; an older or equal claim is settled at once (versions never go back).
-        let current = self.newest.as_ref().map(|w| w.version).max(have);
+        // fetching; an older or equal claim is settled at once (versions never go back). After
+        // a contradiction the caller runs the refused live version: what it has no longer counts.
+        let held = self.newest.as_ref().map(|w| w.version);
+        let current = if contradicted { held } else { held.max(have) };
         if current.is_some_and(|current| PolicyVersion(pointer.version) <= current) {
             self.settled_write = write;
             self.retry = None;
-            return Ok(self.newest.clone().filter(|newest| have.is_none_or(|have| newest.version > have)));
+            return Ok(newer(&self.newest));
         }
         if let Some((retry_write, at, _)) = self.retry {
             if retry_write == write && Instant::now() < at {
-                return Ok(None);
+                return Ok(newer(&self.newest));
             }
         }
         match self.fetch(&pointer) {
             Ok(weights) => {
                 self.settled_write = write;
                 self.retry = None;
+                self.contradicted = false;
                 Ok(Some(weights))
             }
             Err(FetchError::Refused(err)) => {
+                self.contradicted = false;
                 self.settled_write = write;
                 self.retry = None;
                 self.refusals += 1;
@@ -735,8 +1065,9 @@ impl WeightsFollower for NatsWeightsFollower {
             if left.is_zero() {
                 return Err(TransportError::Timeout { operation: "first weights", after: timeout });
             }
-            // Wait for a new pointer write, or until a failed fetch may be retried.
-            let settled = self.settled_write;
+            // Wait for a new pointer write or live frame, or until a failed fetch may be retried.
+            let (settled, settled_live) = (self.settled_write, self.settled_live);
+            let live = self.live.as_ref().map(|live| live.slot.clone());
             let wake = self.retry.map_or(left, |(_, at, _)| at.saturating_duration_since(Instant::now()).min(left));
             self.shared.block_on(async {
                 let written = async {
@@ -748,7 +1079,17 @@ impl WeightsFollower for NatsWeightsFollower {
                         notified.await;
                     }
                 };
-                let _ = tokio::time::timeout(wake, written).await;
+                let arrived = async {
+                    let Some(live) = &live else { return std::future::pending().await };
+                    loop {
+                        let notified = live.changed.notified();
+                        if live.completed.load(Ordering::Acquire) != settled_live {
+                            return;
+                        }
+                        notified.await;
+                    }
+                };
+                let _ = tokio::time::timeout(wake, futures::future::select(Box::pin(written), Box::pin(arrived))).await;
             });
         }
     }

@@ -1,0 +1,282 @@
+//! The live weights path against a real nats-server (issue 16, docs/ARCHITECTURE.md "Weights:
+//! live path and durable path"): connected followers take versions from the core-NATS fan-out
+//! without touching the object store; late joiners and followers that missed versions rebuild
+//! the learner's exact weights from the store; corrupted and forged live chunks are refused or
+//! overruled by the pointer, and never leave a follower with weights the learner did not
+//! publish once the pointer has spoken.
+
+// Only `common::spec` is needed here.
+#[allow(dead_code)]
+mod common;
+
+use std::sync::Arc;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use volley_core::ids::{PolicyVersion, RunId};
+use volley_core::subjects;
+use volley_core::wire::{frame, live, Weights};
+use volley_testkit::TestNats;
+use volley_transport::nats::{NatsBus, NatsConfig, NatsWeightsFollower};
+use volley_transport::{WeightsFollower, WeightsPublisher};
+
+/// Bound on any wait: only there so a regression fails instead of hanging.
+const GUARD: Duration = Duration::from_secs(60);
+/// Long enough for both the live chunks and the pointer of a version to have been processed
+/// by the follower's background tasks on a loaded machine.
+const SETTLE: Duration = Duration::from_millis(300);
+/// 256 KiB of parameters: objects in the store (nothing inline); the learner sends a version
+/// live as one chunk at the test server's 1 MiB `max_payload`, the forgeries below as three.
+const N_PARAMS: usize = 1 << 16;
+const LAYOUT: u64 = 0x6c697665;
+
+fn bus(server: &TestNats, run_name: &str) -> NatsBus {
+    let mut config = NatsConfig::new(server.url(), RunId::new(run_name).unwrap());
+    config.request_timeout = Duration::from_secs(2);
+    config.weights_inline_max_bytes = 0;
+    config.weights_anchor_every = 4;
+    let bus = NatsBus::connect(config).expect("connect to the test server");
+    bus.ensure_run(&common::spec(run_name)).expect("create the run");
+    bus
+}
+
+/// Parameters that move a little per version, as an optimiser's do.
+fn stepped(version: u64) -> Arc<Weights> {
+    let params = (0..N_PARAMS).map(|i| (i as f32 * 0.37).sin() * (1.0 + version as f32 * 1e-4)).collect();
+    Arc::new(Weights::new(PolicyVersion(version), LAYOUT, params))
+}
+
+fn assert_exact(got: &Weights, want: &Weights) {
+    assert_eq!(got.version, want.version);
+    assert_eq!(got.checksum, want.checksum, "digest of the rebuilt weights");
+    assert!(got.params.iter().zip(&want.params).all(|(a, b)| a.to_bits() == b.to_bits()), "bit for bit");
+}
+
+/// Call `latest` until it yields a version above `have`.
+fn next_version(follower: &mut NatsWeightsFollower, have: Option<u64>) -> Arc<Weights> {
+    let started = Instant::now();
+    loop {
+        assert!(started.elapsed() < GUARD, "no version above {have:?}");
+        match follower.latest(have.map(PolicyVersion)) {
+            Ok(Some(weights)) => return weights,
+            Ok(None) => thread::sleep(Duration::from_millis(2)),
+            Err(err) => panic!("unexpected error: {err}"),
+        }
+    }
+}
+
+/// Wait until `follower` has reassembled `frames` live versions and seen the pointer to
+/// `version`, so the next `latest` chooses between both paths deterministically.
+fn both_arrived(follower: &NatsWeightsFollower, frames: u64, version: u64) {
+    let started = Instant::now();
+    while follower.live_received() < frames || follower.announced_version() != Some(PolicyVersion(version)) {
+        assert!(started.elapsed() < GUARD, "v{version} did not arrive: {follower:?}");
+        thread::sleep(Duration::from_millis(2));
+    }
+}
+
+/// Publish raw bytes on the run's live subject, as anyone with publish rights on it could.
+fn publish_live(bus: &NatsBus, chunks: Vec<Vec<u8>>) {
+    let subject = subjects::weights_live(&bus.config().run);
+    let client = bus.client().clone();
+    bus.handle().block_on(async move {
+        for chunk in chunks {
+            client.publish(subject.clone(), Bytes::from(chunk)).await.expect("published");
+        }
+        client.flush().await.expect("flushed");
+    });
+}
+
+fn live_chunks(frame: &[u8]) -> Vec<Vec<u8>> {
+    let (header, _) = frame::decode_frame_header(frame).expect("a frame");
+    live::encode_live_chunks(frame, &header, 100_000)
+}
+
+#[test]
+fn connected_followers_take_versions_live_without_the_object_store() {
+    let server = TestNats::start();
+    let learner = bus(&server, "live");
+    let mut publisher = learner.weights_publisher().expect("publisher");
+    let actor = bus(&server, "live");
+    let mut follower = actor.weights_follower(LAYOUT, N_PARAMS).expect("follower");
+    assert!(follower.is_live());
+
+    for version in 0..10 {
+        publisher.publish(stepped(version)).expect("published");
+        // Once both paths have arrived, the live frame is looked at first.
+        both_arrived(&follower, version + 1, version);
+        let got = next_version(&mut follower, version.checked_sub(1));
+        assert_exact(&got, &stepped(version));
+    }
+    // Anchors (0, 4, 8) and deltas alike came live, the first version included (its frame
+    // waited for the first pointer); the store was never read.
+    assert_eq!(follower.live_applied(), 10, "{follower:?}");
+    assert_eq!(follower.durable_fetches(), 0, "{follower:?}");
+    assert_eq!((follower.live_refused(), follower.live_chunks_refused(), follower.refusals()), (0, 0, 0));
+
+    // Without settling: a follower polling as an actor does still gets every version exactly.
+    for version in 10..16 {
+        publisher.publish(stepped(version)).expect("published");
+        assert_exact(&next_version(&mut follower, Some(version - 1)), &stepped(version));
+    }
+    assert_eq!(follower.refusals(), 0);
+}
+
+#[test]
+fn lagging_late_and_unsubscribed_followers_get_the_learners_exact_weights() {
+    let server = TestNats::start();
+    let learner = bus(&server, "lagging");
+    let mut publisher = learner.weights_publisher().expect("publisher");
+    let actor = bus(&server, "lagging");
+    let mut lagging = actor.weights_follower(LAYOUT, N_PARAMS).expect("follower");
+    // A follower that receives nothing live (as one whose live chunks were all lost).
+    let mut config = actor.config().clone();
+    config.weights_live = false;
+    let blind_bus = NatsBus::connect(config).expect("connect");
+    let mut blind = blind_bus.weights_follower(LAYOUT, N_PARAMS).expect("follower");
+    publisher.publish(stepped(0)).expect("v0");
+    both_arrived(&lagging, 1, 0);
+    assert_exact(&next_version(&mut lagging, None), &stepped(0));
+    assert_exact(&next_version(&mut blind, None), &stepped(0));
+
+    // Neither looks while 1..=6 go out (an anchor at 4, deltas between). Live versions are
+    // full frames, so the lagging one takes v6 live whatever it missed; the blind one
+    // rebuilds v6 from the store: from its v0 across the anchor at 4.
+    for version in 1..=6 {
+        publisher.publish(stepped(version)).expect("published");
+    }
+    both_arrived(&lagging, 7, 6);
+    assert_exact(&next_version(&mut lagging, Some(0)), &stepped(6));
+    assert_eq!((lagging.live_applied(), lagging.durable_fetches()), (2, 0), "{lagging:?}");
+    assert_exact(&next_version(&mut blind, Some(0)), &stepped(6));
+    assert_eq!((blind.live_applied(), blind.durable_fetches()), (0, 2), "{blind:?}");
+
+    // A follower joining now has no live frame at all: the store gives it v6.
+    let late_bus = bus(&server, "lagging");
+    let mut late = late_bus.weights_follower(LAYOUT, N_PARAMS).expect("follower");
+    assert_exact(&late.wait_first(GUARD).expect("first weights"), &stepped(6));
+    assert_eq!((late.durable_fetches(), late.live_applied()), (1, 0));
+
+    // From then on it is live too: v7 (a delta in the store) reaches it as a full frame.
+    publisher.publish(stepped(7)).expect("v7");
+    both_arrived(&lagging, 8, 7);
+    both_arrived(&late, 1, 7);
+    for follower in [&mut lagging, &mut late] {
+        assert_exact(&next_version(follower, Some(6)), &stepped(7));
+        assert_eq!(follower.durable_fetches(), u64::from(follower.live_applied() == 1), "v7 came live: {follower:?}");
+    }
+    assert_exact(&next_version(&mut blind, Some(6)), &stepped(7));
+}
+
+/// A run whose learner published v0 and whose follower holds it (taken live).
+fn holding_v0(server: &TestNats, run: &str) -> (NatsBus, Box<dyn WeightsPublisher>, NatsBus, NatsWeightsFollower) {
+    let learner = bus(server, run);
+    let mut publisher = learner.weights_publisher().expect("publisher");
+    let actor = bus(server, run);
+    let mut follower = actor.weights_follower(LAYOUT, N_PARAMS).expect("follower");
+    publisher.publish(stepped(0)).expect("v0");
+    both_arrived(&follower, 1, 0);
+    assert_exact(&next_version(&mut follower, None), &stepped(0));
+    (learner, Box::new(publisher), actor, follower)
+}
+
+/// Nothing newer than v0 after the follower had time to see what was sent.
+fn still_v0(follower: &mut NatsWeightsFollower) {
+    thread::sleep(SETTLE);
+    assert!(follower.latest(Some(PolicyVersion(0))).expect("no error").is_none());
+    assert_eq!(follower.verified_version(), Some(PolicyVersion(0)));
+    assert_eq!(follower.durable_fetches(), 0);
+}
+
+#[test]
+fn corrupted_and_forged_live_chunks_are_refused() {
+    let server = TestNats::start();
+    let forged_v1 = Weights::new(PolicyVersion(1), LAYOUT, vec![0.25; N_PARAMS]);
+
+    // A bit flipped in a chunk's header: refused on arrival; its version never completes.
+    let (learner, _publisher, _actor, mut follower) = holding_v0(&server, "corrupt");
+    let mut chunks = live_chunks(&frame::encode_full_frame(&forged_v1));
+    assert!(chunks.len() >= 2);
+    chunks[1][10] ^= 1;
+    publish_live(&learner, chunks);
+    still_v0(&mut follower);
+    assert_eq!(follower.live_chunks_refused(), 1);
+
+    // A bit flipped in a chunk's payload: the version completes, the frame's checksum refuses it.
+    let (learner, _publisher, _actor, mut follower) = holding_v0(&server, "corrupt-payload");
+    let mut chunks = live_chunks(&frame::encode_full_frame(&forged_v1));
+    chunks[1][live::CHUNK_HEADER_BYTES + 10] ^= 1;
+    publish_live(&learner, chunks);
+    still_v0(&mut follower);
+    assert_eq!((follower.live_chunks_refused(), follower.live_refused()), (0, 1));
+
+    // Sealed chunks whose header digest is not the digest of the frame they carry: the frame
+    // rebuilds, the digest check refuses it.
+    let (learner, _publisher, _actor, mut follower) = holding_v0(&server, "digest");
+    let full = frame::encode_full_frame(&forged_v1);
+    let (mut header, _) = frame::decode_frame_header(&full).expect("a frame");
+    header.digest ^= 1;
+    publish_live(&learner, live::encode_live_chunks(&full, &header, 100_000));
+    still_v0(&mut follower);
+    assert_eq!(follower.live_refused(), 1);
+
+    // A delta against a version the follower does not hold: a gap, not applied.
+    let (learner, _publisher, _actor, mut follower) = holding_v0(&server, "gap");
+    let v2 = Weights::new(PolicyVersion(2), LAYOUT, vec![0.5; N_PARAMS]);
+    publish_live(&learner, live_chunks(&frame::encode_delta_frame(&stepped(1), &v2)));
+    still_v0(&mut follower);
+
+    // A version far above the pointer's waits for a pointer that never comes: never applied,
+    // so it cannot make the follower ignore the learner's next versions, which it takes live.
+    let (learner, mut publisher, _actor, mut follower) = holding_v0(&server, "far");
+    let far = Weights::new(PolicyVersion(1 << 40), LAYOUT, vec![0.75; N_PARAMS]);
+    publish_live(&learner, live_chunks(&frame::encode_full_frame(&far)));
+    still_v0(&mut follower);
+    publisher.publish(stepped(1)).expect("v1");
+    both_arrived(&follower, 3, 1);
+    assert_exact(&next_version(&mut follower, Some(0)), &stepped(1));
+    assert_eq!((follower.live_applied(), follower.durable_fetches()), (2, 0));
+
+    // A well-formed forged anchor at the next version is taken provisionally (a checksum is
+    // no signature; the broker's permissions keep forgers off the subject), but the pointer
+    // is the source of truth: the learner's v1 pointer carries another digest, so the
+    // follower drops the forgery and rebuilds the learner's v1 from the store.
+    let (learner, mut publisher, _actor, mut follower) = holding_v0(&server, "overruled");
+    publish_live(&learner, live_chunks(&frame::encode_full_frame(&forged_v1)));
+    both_arrived(&follower, 2, 0);
+    assert_eq!(next_version(&mut follower, Some(0)).checksum, forged_v1.checksum);
+    publisher.publish(stepped(1)).expect("v1");
+    let started = Instant::now();
+    while follower.durable_fetches() == 0 {
+        assert!(started.elapsed() < GUARD, "the learner's v1 never replaced the forgery");
+        follower.latest(Some(PolicyVersion(1))).expect("no error");
+        thread::sleep(Duration::from_millis(5));
+    }
+    assert_exact(&follower.latest(None).expect("no error").expect("v1"), &stepped(1));
+    assert_eq!(follower.live_refused(), 1, "the pointer contradicted the live version");
+    // The follower's chain is the learner's again: v2 arrives live against v1.
+    publisher.publish(stepped(2)).expect("v2");
+    both_arrived(&follower, 3, 2);
+    assert_exact(&next_version(&mut follower, Some(1)), &stepped(2));
+    assert_eq!(follower.durable_fetches(), 1);
+}
+
+#[test]
+fn live_off_leaves_the_pointer_alone() {
+    let server = TestNats::start();
+    let mut config = NatsConfig::new(server.url(), RunId::new("off").unwrap());
+    config.weights_inline_max_bytes = 0;
+    config.weights_live = false;
+    let learner = NatsBus::connect(config.clone()).expect("connect");
+    learner.ensure_run(&common::spec("off")).expect("create the run");
+    let mut publisher = learner.weights_publisher().expect("publisher");
+    let actor = NatsBus::connect(config).expect("connect");
+    let mut follower = actor.weights_follower(LAYOUT, N_PARAMS).expect("follower");
+    assert!(!follower.is_live());
+    for version in 0..3 {
+        publisher.publish(stepped(version)).expect("published");
+        assert_exact(&next_version(&mut follower, version.checked_sub(1)), &stepped(version));
+    }
+    assert_eq!((follower.durable_fetches(), follower.live_applied()), (3, 0));
+}
