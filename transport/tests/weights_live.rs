@@ -31,20 +31,8 @@ const SETTLE: Duration = Duration::from_millis(300);
 const N_PARAMS: usize = 1 << 16;
 const LAYOUT: u64 = 0x6c697665;
 
-fn bus(server: &TestNats, run_name: &str) -> NatsBus {
-    let mut config = NatsConfig::new(server.url(), RunId::new(run_name).unwrap());
-    config.request_timeout = Duration::from_secs(2);
-    config.weights_inline_max_bytes = 0;
-    config.weights_anchor_every = 4;
-    let bus = NatsBus::connect(config).expect("connect to the test server");
-    bus.ensure_run(&common::spec(run_name)).expect("create the run");
-    bus
-}
-
-/// Parameters that move a little per version, as an optimiser's do.
 fn stepped(version: u64) -> Arc<Weights> {
-    let params = (0..N_PARAMS).map(|i| (i as f32 * 0.37).sin() * (1.0 + version as f32 * 1e-4)).collect();
-    Arc::new(Weights::new(PolicyVersion(version), LAYOUT, params))
+    common::stepped_weights(version, N_PARAMS, LAYOUT)
 }
 
 fn assert_exact(got: &Weights, want: &Weights) {
@@ -96,9 +84,9 @@ fn live_chunks(frame: &[u8]) -> Vec<Vec<u8>> {
 #[test]
 fn connected_followers_take_versions_live_without_the_object_store() {
     let server = TestNats::start();
-    let learner = bus(&server, "live");
+    let learner = common::delta_bus(&server, "live");
     let mut publisher = learner.weights_publisher().expect("publisher");
-    let actor = bus(&server, "live");
+    let actor = common::delta_bus(&server, "live");
     let mut follower = actor.weights_follower(LAYOUT, N_PARAMS).expect("follower");
     assert!(follower.is_live());
 
@@ -126,9 +114,9 @@ fn connected_followers_take_versions_live_without_the_object_store() {
 #[test]
 fn lagging_late_and_unsubscribed_followers_get_the_learners_exact_weights() {
     let server = TestNats::start();
-    let learner = bus(&server, "lagging");
+    let learner = common::delta_bus(&server, "lagging");
     let mut publisher = learner.weights_publisher().expect("publisher");
-    let actor = bus(&server, "lagging");
+    let actor = common::delta_bus(&server, "lagging");
     let mut lagging = actor.weights_follower(LAYOUT, N_PARAMS).expect("follower");
     // A follower that receives nothing live (as one whose live chunks were all lost).
     let mut config = actor.config().clone();
@@ -153,7 +141,7 @@ fn lagging_late_and_unsubscribed_followers_get_the_learners_exact_weights() {
     assert_eq!((blind.live_applied(), blind.durable_fetches()), (0, 2), "{blind:?}");
 
     // A follower joining now has no live frame at all: the store gives it v6.
-    let late_bus = bus(&server, "lagging");
+    let late_bus = common::delta_bus(&server, "lagging");
     let mut late = late_bus.weights_follower(LAYOUT, N_PARAMS).expect("follower");
     assert_exact(&late.wait_first(GUARD).expect("first weights"), &stepped(6));
     assert_eq!((late.durable_fetches(), late.live_applied()), (1, 0));

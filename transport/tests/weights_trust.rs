@@ -146,22 +146,8 @@ fn an_unfetchable_pointer_is_retried_with_backoff() {
     assert_eq!(follower.retry_pause(), Some(Duration::from_millis(500)));
 }
 
-/// Weights through the object store as anchors every 4 versions and deltas in between.
-fn delta_bus(server: &TestNats, run_name: &str) -> NatsBus {
-    let mut config = NatsConfig::new(server.url(), RunId::new(run_name).unwrap());
-    config.request_timeout = Duration::from_secs(2);
-    config.retry_deadline = Duration::from_secs(30);
-    config.weights_inline_max_bytes = 0;
-    config.weights_anchor_every = 4;
-    let bus = NatsBus::connect(config).expect("connect to the test server");
-    bus.ensure_run(&common::spec(run_name)).expect("create the run");
-    bus
-}
-
-/// Parameters that move a little per version, as an optimiser's do.
 fn stepped(version: u64) -> Arc<Weights> {
-    let params = (0..N_PARAMS).map(|i| (i as f32 * 0.37).sin() * (1.0 + version as f32 * 1e-4)).collect();
-    Arc::new(Weights::new(PolicyVersion(version), LAYOUT, params))
+    common::stepped_weights(version, N_PARAMS, LAYOUT)
 }
 
 fn put_object(bus: &NatsBus, name: &str, bytes: &[u8]) {
@@ -195,7 +181,7 @@ fn assert_exact(got: &Weights, want: &Weights) {
 #[test]
 fn late_and_lagging_followers_rebuild_the_learners_exact_weights_from_deltas() {
     let server = TestNats::start();
-    let bus = delta_bus(&server, "deltas");
+    let bus = common::delta_bus(&server, "deltas");
     let mut publisher = bus.weights_publisher().expect("publisher");
     publisher.publish(stepped(0)).expect("v0");
     let mut early = bus.weights_follower(LAYOUT, N_PARAMS).expect("follower");
@@ -243,7 +229,7 @@ fn late_and_lagging_followers_rebuild_the_learners_exact_weights_from_deltas() {
 #[test]
 fn forged_or_missing_deltas_and_a_digest_mismatch_are_refused() {
     let server = TestNats::start();
-    let bus = delta_bus(&server, "bad-deltas");
+    let bus = common::delta_bus(&server, "bad-deltas");
     let mut publisher = bus.weights_publisher().expect("publisher");
     for version in 0..=2 {
         publisher.publish(stepped(version)).expect("publish");

@@ -1,8 +1,14 @@
 //! Fixtures shared by the NATS integration tests, built with `volley_testkit::fixtures`.
 
+use std::sync::Arc;
+use std::time::Duration;
+
+use volley_core::ids::{PolicyVersion, RunId};
 use volley_core::spec::{HyperParams, RunSpec, StoreLimits};
-use volley_core::wire::TrajectorySegment;
+use volley_core::wire::{TrajectorySegment, Weights};
 use volley_testkit::fixtures::{SegmentBuilder, SpecBuilder};
+use volley_testkit::TestNats;
+use volley_transport::nats::{NatsBus, NatsConfig};
 
 /// A small CartPole run spec for `run`, with small store bounds: JetStream reserves every
 /// stream's `max_bytes` when it is created, and a test broker may use at most 75 % of the free
@@ -31,4 +37,23 @@ pub fn segment(run: &str, actor: &str, env_idx: u32, segment_idx: u64) -> Trajec
         .observations_from(|_| segment_idx as f32)
         .log_prob(-0.5)
         .build()
+}
+
+/// A bus for `run_name` whose weights always go through the object store (nothing inline), as
+/// anchors every 4 versions and deltas in between.
+pub fn delta_bus(server: &TestNats, run_name: &str) -> NatsBus {
+    let mut config = NatsConfig::new(server.url(), RunId::new(run_name).unwrap());
+    config.request_timeout = Duration::from_secs(2);
+    config.weights_inline_max_bytes = 0;
+    config.weights_anchor_every = 4;
+    let bus = NatsBus::connect(config).expect("connect to the test server");
+    bus.ensure_run(&spec(run_name)).expect("create the run");
+    bus
+}
+
+/// Version `version` of `n_params` parameters that move a little per version, as an
+/// optimiser's do.
+pub fn stepped_weights(version: u64, n_params: usize, layout_hash: u64) -> Arc<Weights> {
+    let params = (0..n_params).map(|i| (i as f32 * 0.37).sin() * (1.0 + version as f32 * 1e-4)).collect();
+    Arc::new(Weights::new(PolicyVersion(version), layout_hash, params))
 }
