@@ -8,6 +8,7 @@
 //! that async-nats needs but the config lacks fails here even where the transport tolerates
 //! the failure (e.g. the pacing read).
 
+#[allow(dead_code)] // this test uses only part of the shared fixtures
 mod common;
 
 use std::path::PathBuf;

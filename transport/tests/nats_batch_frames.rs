@@ -7,6 +7,7 @@
 //! No assertion depends on timing; waits are bounded only so that a broken build fails
 //! instead of hanging.
 
+#[allow(dead_code)] // this test uses only part of the shared fixtures
 mod common;
 
 use std::sync::atomic::AtomicBool;
