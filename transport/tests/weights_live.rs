@@ -159,9 +159,9 @@ fn lagging_late_and_unsubscribed_followers_get_the_learners_exact_weights() {
 
 /// A run whose learner published v0 and whose follower holds it (taken live).
 fn holding_v0(server: &TestNats, run: &str) -> (NatsBus, Box<dyn WeightsPublisher>, NatsBus, NatsWeightsFollower) {
-    let learner = bus(server, run);
+    let learner = common::delta_bus(server, run);
     let mut publisher = learner.weights_publisher().expect("publisher");
-    let actor = bus(server, run);
+    let actor = common::delta_bus(server, run);
     let mut follower = actor.weights_follower(LAYOUT, N_PARAMS).expect("follower");
     publisher.publish(stepped(0)).expect("v0");
     both_arrived(&follower, 1, 0);
