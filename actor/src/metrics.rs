@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use prometheus::core::{Collector, Desc};
 use prometheus::proto::MetricFamily;
-use prometheus::{Counter, Gauge, IntCounter, Opts, Registry};
+use prometheus::{Counter, Gauge, IntCounter, IntCounterVec, Opts, Registry};
 
 use crate::rollout::ActorCounters;
 
@@ -29,6 +29,8 @@ pub struct ActorMetrics {
     weight_fetch_seconds: Counter,
     weight_fetches: IntCounter,
     weights_refused: IntCounter,
+    weights_taken: IntCounterVec,
+    weights_live_refused: IntCounterVec,
     work_items_completed: IntCounter,
     snapshots_saved: IntCounter,
     episodes_resumed: IntCounter,
@@ -88,6 +90,20 @@ impl ActorMetrics {
                 "volley_actor_weights_refused_total",
                 "Weights pointers refused (layout, size, checksum, version) or not fetchable; the actor kept its verified version.",
             )?,
+            weights_taken: IntCounterVec::new(
+                Opts::new(
+                    "volley_actor_weights_taken_total",
+                    "Policy versions taken, by path: live (core-NATS fan-out to connected actors) or durable (object store, or inline in the pointer).",
+                ),
+                &["path"],
+            )?,
+            weights_live_refused: IntCounterVec::new(
+                Opts::new(
+                    "volley_actor_weights_live_refused_total",
+                    "Live weights refused: reassembled versions (frame, digest or pointer mismatch; each fell back to the durable path) and chunks on arrival (corrupt, another layout, too large, inconsistent).",
+                ),
+                &["what"],
+            )?,
             work_items_completed: int(
                 "volley_actor_work_items_completed_total",
                 "Work items finished (scheduled episodes, save-load).",
@@ -120,7 +136,7 @@ impl ActorMetrics {
         registry.register(Box::new(metrics))
     }
 
-    fn parts(&self) -> [&dyn Collector; 22] {
+    fn parts(&self) -> [&dyn Collector; 24] {
         [
             &self.env_steps,
             &self.episodes,
@@ -137,6 +153,8 @@ impl ActorMetrics {
             &self.weight_fetch_seconds,
             &self.weight_fetches,
             &self.weights_refused,
+            &self.weights_taken,
+            &self.weights_live_refused,
             &self.work_items_completed,
             &self.snapshots_saved,
             &self.episodes_resumed,
@@ -186,6 +204,16 @@ impl Collector for ActorMetrics {
         catch_up_secs(&self.weight_fetch_seconds, c.weight_fetch_nanos.load(Ordering::Relaxed));
         catch_up_int(&self.weight_fetches, c.weight_fetches.load(Ordering::Relaxed));
         catch_up_int(&self.weights_refused, c.weights_refused.load(Ordering::Relaxed));
+        catch_up_int(&self.weights_taken.with_label_values(&["live"]), c.weights_live.load(Ordering::Relaxed));
+        catch_up_int(&self.weights_taken.with_label_values(&["durable"]), c.weights_durable.load(Ordering::Relaxed));
+        catch_up_int(
+            &self.weights_live_refused.with_label_values(&["version"]),
+            c.weights_live_refused.load(Ordering::Relaxed),
+        );
+        catch_up_int(
+            &self.weights_live_refused.with_label_values(&["chunk"]),
+            c.weights_live_chunks_refused.load(Ordering::Relaxed),
+        );
         catch_up_int(&self.work_items_completed, c.work_items_completed.load(Ordering::Relaxed));
         catch_up_int(&self.snapshots_saved, c.snapshots_saved.load(Ordering::Relaxed));
         catch_up_int(&self.episodes_resumed, c.episodes_resumed.load(Ordering::Relaxed));
@@ -216,6 +244,9 @@ mod tests {
         counters.episodes_aborted.store(3, Ordering::Relaxed);
         counters.remote_env.sessions_lost.store(2, Ordering::Relaxed);
         counters.episode_return_mean_bits.store(21.5f64.to_bits(), Ordering::Relaxed);
+        counters.weights_live.store(9, Ordering::Relaxed);
+        counters.weights_durable.store(1, Ordering::Relaxed);
+        counters.weights_live_chunks_refused.store(4, Ordering::Relaxed);
         let mut text = Vec::new();
         TextEncoder::new().encode(&registry.gather(), &mut text).expect("encode");
         let text = String::from_utf8(text).expect("utf-8");
@@ -228,6 +259,10 @@ mod tests {
         assert!(text.contains("volley_actor_episodes_aborted_total 3"), "{text}");
         assert!(text.contains("volley_actor_env_sessions_lost_total 2"), "{text}");
         assert!(text.contains("volley_actor_episode_return_mean 21.5"), "{text}");
+        assert!(text.contains("volley_actor_weights_taken_total{path=\"live\"} 9"), "{text}");
+        assert!(text.contains("volley_actor_weights_taken_total{path=\"durable\"} 1"), "{text}");
+        assert!(text.contains("volley_actor_weights_live_refused_total{what=\"chunk\"} 4"), "{text}");
+        assert!(text.contains("volley_actor_weights_live_refused_total{what=\"version\"} 0"), "{text}");
         assert!(text.contains("# HELP volley_actor_env_steps_total Environment steps taken."));
     }
 }

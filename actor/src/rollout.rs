@@ -56,6 +56,16 @@ pub struct ActorCounters {
     /// Weights pointers refused (wrong layout, size, checksum or version) or not fetchable
     /// (missing object, timeout); the actor keeps its verified version (docs/SECURITY.md).
     pub weights_refused: AtomicU64,
+    /// Versions taken from the weights live path, and through the durable path (object store
+    /// or inline pointer); live versions and live chunks refused. Copied from the follower's
+    /// [`WeightsFollower::paths`] after each weights check.
+    pub weights_live: AtomicU64,
+    /// See `weights_live`.
+    pub weights_durable: AtomicU64,
+    /// See `weights_live`.
+    pub weights_live_refused: AtomicU64,
+    /// See `weights_live`.
+    pub weights_live_chunks_refused: AtomicU64,
     /// Work items finished (save-load / budget assignment).
     pub work_items_completed: AtomicU64,
     /// Episode snapshots saved.
@@ -561,6 +571,12 @@ impl RolloutWorker {
                     warn!(actor = %self.actor, %err, "weights check failed; keeping current version");
                 }
             }
+            let paths = follower.paths();
+            let c = &self.counters;
+            c.weights_live.store(paths.live, Ordering::Relaxed);
+            c.weights_durable.store(paths.durable, Ordering::Relaxed);
+            c.weights_live_refused.store(paths.live_refused, Ordering::Relaxed);
+            c.weights_live_chunks_refused.store(paths.live_chunks_refused, Ordering::Relaxed);
             let segments = self.collect_segments();
             let n = segments.len() as u64;
             self.counters.publishing.store(true, Ordering::Release);

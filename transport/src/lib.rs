@@ -199,6 +199,27 @@ pub trait WeightsFollower: Send {
     fn latest(&mut self, have: Option<PolicyVersion>) -> Result<Option<Arc<Weights>>, TransportError>;
     /// Wait up to `timeout` for the first version to appear.
     fn wait_first(&mut self, timeout: Duration) -> Result<Arc<Weights>, TransportError>;
+    /// How the versions so far arrived, for metrics. Default: all zero, for followers with a
+    /// single path.
+    fn paths(&self) -> WeightsPaths {
+        WeightsPaths::default()
+    }
+}
+
+/// Counts of how a follower's versions arrived (docs/ARCHITECTURE.md, "live path and durable
+/// path"), totals since it started.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct WeightsPaths {
+    /// Versions taken from the live path (core-NATS fan-out to connected followers).
+    pub live: u64,
+    /// Versions rebuilt through the durable path (object store, or inline in the pointer).
+    pub durable: u64,
+    /// Reassembled live versions refused (frame, digest or pointer mismatch); each fell back
+    /// to the durable path.
+    pub live_refused: u64,
+    /// Live chunks refused on arrival (corrupt, unreadable, another layout, too large,
+    /// inconsistent with their version).
+    pub live_chunks_refused: u64,
 }
 
 #[cfg(test)]

@@ -992,6 +992,15 @@ impl NatsWeightsFollower {
 }
 
 impl WeightsFollower for NatsWeightsFollower {
+    fn paths(&self) -> crate::WeightsPaths {
+        crate::WeightsPaths {
+            live: self.live_applied,
+            durable: self.durable_fetches,
+            live_refused: self.live_refused,
+            live_chunks_refused: self.live_chunks_refused(),
+        }
+    }
+
     fn latest(&mut self, have: Option<PolicyVersion>) -> Result<Option<Arc<Weights>>, TransportError> {
         let newer = |newest: &Option<Arc<Weights>>| {
             newest.clone().filter(|newest| have.is_none_or(|have| newest.version > have))
