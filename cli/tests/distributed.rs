@@ -100,7 +100,8 @@ fn learner_and_three_actor_processes_solve_cartpole() {
     let taken = |path: &str| {
         let series = format!("volley_actor_weights_taken_total{{path=\"{path}\"}} ");
         let line = actor_metrics.lines().find_map(|line| line.strip_prefix(series.as_str()));
-        line.and_then(|value| value.trim().parse::<f64>().ok()).unwrap_or_else(|| panic!("no {series}:\n{actor_metrics}"))
+        line.and_then(|value| value.trim().parse::<f64>().ok())
+            .unwrap_or_else(|| panic!("no {series}:\n{actor_metrics}"))
     };
     let (live, durable) = (taken("live"), taken("durable"));
     assert!(durable >= 1.0 && live >= 1.0, "live {live}, durable {durable}:\n{actor_metrics}");
