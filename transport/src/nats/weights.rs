@@ -136,8 +136,6 @@ struct LiveSlot {
     completed: AtomicU64,
     /// Chunks refused (unreadable, corrupt, another layout, too large, inconsistent).
     refused_chunks: AtomicU64,
-    /// Incomplete versions dropped (a lost chunk, or evicted by a newer version).
-    dropped: AtomicU64,
     changed: tokio::sync::Notify,
 }
 
@@ -185,7 +183,6 @@ async fn follow_live(
             }
             Offered::Pending | Offered::Stale => {}
         }
-        slot.dropped.store(assembler.dropped(), Ordering::Relaxed);
     }
 }
 
