@@ -22,7 +22,7 @@
 //! frames existed, so a learner reads both. A learner from before batch frames refuses a frame
 //! as `bad_magic` (run actors and learner from one build, docs/OPERATIONS.md).
 
-use super::{body_checksum, DecodeError, MAX_MESSAGE_BYTES};
+use super::{body_checksum, check_format, DecodeError, MAX_MESSAGE_BYTES};
 
 /// First bytes of a segment batch frame.
 pub const BATCH_MAGIC: [u8; 4] = *b"VLYB";
@@ -127,16 +127,7 @@ pub fn split_segment_batch(bytes: &[u8]) -> Result<BatchParts<'_>, DecodeError> 
     let Some(fixed) = bytes.first_chunk::<FIXED_BYTES>() else {
         return Err(DecodeError::Truncated(format!("{} bytes, a batch frame needs {FIXED_BYTES}", bytes.len())));
     };
-    let magic: [u8; 4] = fixed[..4].try_into().expect("4 bytes");
-    if magic != BATCH_MAGIC {
-        return Err(DecodeError::BadMagic(magic));
-    }
-    let version = u16::from_le_bytes([fixed[4], fixed[5]]);
-    if version != BATCH_FORMAT_VERSION {
-        return Err(DecodeError::Malformed(format!(
-            "segment batch format version {version}, this build reads {BATCH_FORMAT_VERSION}"
-        )));
-    }
+    check_format(fixed.first_chunk().expect("6 bytes"), BATCH_MAGIC, BATCH_FORMAT_VERSION, "segment batch")?;
     let n = u32::from_le_bytes(fixed[6..10].try_into().expect("4 bytes")) as usize;
     if n == 0 || n > MAX_SEGMENTS_PER_BATCH {
         return Err(DecodeError::Malformed(format!(

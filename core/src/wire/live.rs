@@ -35,7 +35,7 @@
 //! follower holds at most `MAX_ASSEMBLING` full frames of partial versions, whatever it is sent.
 
 use super::frame::FrameHeader;
-use super::{body_checksum, DecodeError, MAX_MESSAGE_BYTES};
+use super::{body_checksum, check_format, DecodeError, MAX_MESSAGE_BYTES};
 use crate::ids::PolicyVersion;
 
 /// First bytes of a live chunk.
@@ -132,16 +132,7 @@ pub fn decode_live_chunk(bytes: &[u8]) -> Result<(ChunkHeader, &[u8]), DecodeErr
     let Some((head, payload)) = bytes.split_first_chunk::<CHUNK_HEADER_BYTES>() else {
         return Err(DecodeError::Truncated(format!("{} bytes, a live chunk needs {CHUNK_HEADER_BYTES}", bytes.len())));
     };
-    let magic: [u8; 4] = head[..4].try_into().expect("4 bytes");
-    if magic != LIVE_MAGIC {
-        return Err(DecodeError::BadMagic(magic));
-    }
-    let format = u16::from_le_bytes([head[4], head[5]]);
-    if format != LIVE_FORMAT_VERSION {
-        return Err(DecodeError::Malformed(format!(
-            "live chunk format version {format}, this build reads {LIVE_FORMAT_VERSION}"
-        )));
-    }
+    check_format(head.first_chunk().expect("6 bytes"), LIVE_MAGIC, LIVE_FORMAT_VERSION, "live chunk")?;
     let u64_at = |at: usize| u64::from_le_bytes(head[at..at + 8].try_into().expect("8 bytes"));
     let u32_at = |at: usize| u32::from_le_bytes(head[at..at + 4].try_into().expect("4 bytes"));
     let sealed = CHUNK_HEADER_BYTES - 8;

@@ -69,6 +69,20 @@ pub fn id_hash(id: &[u8]) -> u64 {
     xxhash_rust::xxh3::xxh3_64_with_seed(id, 0x766f_6c6c_6579)
 }
 
+/// Check the first six bytes of a container format (batch frames, live weights chunks): its
+/// 4-byte magic, then its little-endian format version. `what` names the format in the error.
+pub(crate) fn check_format(head: &[u8; 6], magic: [u8; 4], version: u16, what: &str) -> Result<(), DecodeError> {
+    let got: [u8; 4] = head[..4].try_into().expect("4 bytes");
+    if got != magic {
+        return Err(DecodeError::BadMagic(got));
+    }
+    let format = u16::from_le_bytes([head[4], head[5]]);
+    if format != version {
+        return Err(DecodeError::Malformed(format!("{what} format version {format}, this build reads {version}")));
+    }
+    Ok(())
+}
+
 /// The integrity checksum of a message body: XXH3-64 with seed 0 over the bytes that follow
 /// the header. Not a defence against forgery (anyone who can publish can compute it), only
 /// against corruption in transit or at rest; authenticity comes from broker permissions.
