@@ -240,3 +240,37 @@ fn wait_for_room_blocks_while_the_backlog_is_full_and_returns_once_it_drains() {
     let stats = waiter.join().expect("waiter thread");
     assert!(stats.throttled > Duration::ZERO, "the wait counts as throttled time: {stats:?}");
 }
+
+#[test]
+fn wait_for_room_paces_at_the_packing_of_the_last_round() {
+    // Segments too large to share a message (here: a one-byte frame limit) travel one per
+    // message; waiting for room must count them as `publish` does, not as one frame of 8.
+    let server = TestNats::start();
+    let mut config = config(&server, "roomsplit");
+    config.max_frame_bytes = 1;
+    let bus = learner_bus(config);
+    let mut sink = bus.trajectory_sink(&actor("a"), Arc::new(AtomicBool::new(false))).expect("sink");
+    sink.set_max_backlog_segments(16);
+    sink.publish((0..8).map(|env| segment(env, 0)).collect()).expect("publish");
+    sink.flush().expect("acknowledged");
+    assert_eq!(stream_messages(&bus), 8, "one message per segment");
+    let (done_tx, done_rx) = mpsc::channel();
+    let waiter = thread::spawn(move || {
+        // 8 of 16 segments waiting: room for the next round.
+        sink.wait_for_room(8).expect("room");
+        done_tx.send(()).expect("main thread waits");
+        sink.publish((0..8).map(|env| segment(env, 1)).collect()).expect("publish");
+        sink.flush().expect("acknowledged");
+        // 16 of 16: now it waits.
+        sink.wait_for_room(8).expect("room");
+        done_tx.send(()).expect("main thread waits");
+    });
+    done_rx.recv_timeout(GUARD).expect("room for a second round with half the bound waiting");
+    thread::sleep(Duration::from_millis(300));
+    assert_eq!(done_rx.try_recv(), Err(mpsc::TryRecvError::Empty), "wait_for_room returned with the backlog full");
+    let mut source = bus.trajectory_source().expect("source");
+    let deliveries = recv_at_least(&mut source, 16, 16);
+    source.ack(&deliveries.iter().map(|d| d.token).collect::<Vec<_>>()).expect("ack");
+    done_rx.recv_timeout(GUARD).expect("wait_for_room returns once the learner drained the backlog");
+    waiter.join().expect("waiter thread");
+}

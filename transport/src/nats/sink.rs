@@ -27,6 +27,7 @@ impl NatsBus {
             in_flight: VecDeque::with_capacity(shared.config.publish_window.max(1)),
             max_backlog_segments: shared.config.max_backlog_segments,
             pacing: Pacing::default(),
+            round_segments_per_message: None,
             stats: SinkStats::default(),
             clock: Arc::default(),
             shared,
@@ -224,6 +225,9 @@ pub struct NatsTrajectorySink {
     in_flight: VecDeque<InFlight>,
     max_backlog_segments: u64,
     pacing: Pacing,
+    /// The most segments one message of the last `publish` call held: what its round was
+    /// packed into, so `wait_for_room` paces the next round as `publish` will.
+    round_segments_per_message: Option<u64>,
     stats: SinkStats,
     /// Live view of the time blocked by pacing, for other threads (metrics, liveness).
     clock: Arc<crate::PacingClock>,
@@ -363,6 +367,7 @@ impl NatsTrajectorySink {
             max_frame_bytes: self.shared.config.max_frame_bytes,
         };
         let messages = pack_segments(&segments, &self.incarnation, limits)?;
+        self.round_segments_per_message = messages.iter().map(|m| m.n_segments).max();
         drop(segments);
         let window = self.shared.config.publish_window.max(1);
         for Outgoing { msg_id, payload, n_segments } in messages {
@@ -524,9 +529,12 @@ impl TrajectorySink for NatsTrajectorySink {
     }
 
     fn wait_for_room(&mut self, n_segments: usize) -> Result<(), TransportError> {
-        // The round will be packed into messages of at most this many segments; the backlog
-        // is read in messages (see `pace`).
-        let per_message = n_segments.clamp(1, self.shared.config.max_segments_per_message.max(1)) as u64;
+        // The backlog is read in messages (see `pace`): pace at the packing of the last round
+        // (bytes and `max_payload` can split a round of large segments into several
+        // messages), or before the first one at the count limit alone.
+        let per_message = self
+            .round_segments_per_message
+            .unwrap_or_else(|| n_segments.clamp(1, self.shared.config.max_segments_per_message.max(1)) as u64);
         let shared = self.shared.clone();
         shared.block_on(self.pace(per_message))
     }
