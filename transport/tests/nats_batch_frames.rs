@@ -214,6 +214,17 @@ fn a_batching_sink_paces_by_segments() {
     assert_eq!((stats.published, received), (40, 40));
 }
 
+/// A sink's `wait_for_room` (which signals `done_rx` when it returns) stays blocked while the
+/// 16 segments it waits behind are there, and returns once a learner took and acked them.
+fn held_until_drained(bus: &NatsBus, done_rx: &mpsc::Receiver<()>) {
+    thread::sleep(Duration::from_millis(300));
+    assert_eq!(done_rx.try_recv(), Err(mpsc::TryRecvError::Empty), "wait_for_room returned with the backlog full");
+    let mut source = bus.trajectory_source().expect("source");
+    let deliveries = recv_at_least(&mut source, 16, 16);
+    source.ack(&deliveries.iter().map(|d| d.token).collect::<Vec<_>>()).expect("ack");
+    done_rx.recv_timeout(GUARD).expect("wait_for_room returns once the learner drained the backlog");
+}
+
 #[test]
 fn wait_for_room_blocks_while_the_backlog_is_full_and_returns_once_it_drains() {
     // The actor waits here before it takes the newest weights and collects its round (issue 11).
@@ -231,12 +242,7 @@ fn wait_for_room_blocks_while_the_backlog_is_full_and_returns_once_it_drains() {
         done_tx.send(()).expect("main thread waits");
         sink.stats()
     });
-    thread::sleep(Duration::from_millis(300));
-    assert_eq!(done_rx.try_recv(), Err(mpsc::TryRecvError::Empty), "wait_for_room returned with the backlog full");
-    let mut source = bus.trajectory_source().expect("source");
-    let deliveries = recv_at_least(&mut source, 16, 16);
-    source.ack(&deliveries.iter().map(|d| d.token).collect::<Vec<_>>()).expect("ack");
-    done_rx.recv_timeout(GUARD).expect("wait_for_room returns once the learner drained the backlog");
+    held_until_drained(&bus, &done_rx);
     let stats = waiter.join().expect("waiter thread");
     assert!(stats.throttled > Duration::ZERO, "the wait counts as throttled time: {stats:?}");
 }
@@ -266,11 +272,6 @@ fn wait_for_room_paces_at_the_packing_of_the_last_round() {
         done_tx.send(()).expect("main thread waits");
     });
     done_rx.recv_timeout(GUARD).expect("room for a second round with half the bound waiting");
-    thread::sleep(Duration::from_millis(300));
-    assert_eq!(done_rx.try_recv(), Err(mpsc::TryRecvError::Empty), "wait_for_room returned with the backlog full");
-    let mut source = bus.trajectory_source().expect("source");
-    let deliveries = recv_at_least(&mut source, 16, 16);
-    source.ack(&deliveries.iter().map(|d| d.token).collect::<Vec<_>>()).expect("ack");
-    done_rx.recv_timeout(GUARD).expect("wait_for_room returns once the learner drained the backlog");
+    held_until_drained(&bus, &done_rx);
     waiter.join().expect("waiter thread");
 }
