@@ -37,6 +37,9 @@ use volley_transport::work::{SnapshotStore, WorkSource, WorkToken};
 
 use crate::rollout::{ActorCounters, ActorError};
 
+/// Mixed into a restart's episode seed for its action-sampling stream.
+const RESTART_STREAM: u64 = 0x7e57_a2e5_0f0e_5eed;
+
 /// Return and length of the episode running in a slot, so far.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct RunningEpisode {
@@ -228,24 +231,29 @@ impl WorkStarts {
         let seed = active.episode_seed();
         // Where this episode starts: the interrupted run's newest state, the item's saved
         // state, or a fresh reset.
-        let (snapshot, origin) = if let Some(snapshot) = active.continue_from.take() {
+        // An interrupted episode continues exactly, with the sampling generator it was saved
+        // with. A restart from a saved state (Go-Explore's "return, then explore") draws a new
+        // stream from the item's seed: with the saved one, every restart of a state would
+        // replay the actions the original episode took after it, and explore nothing.
+        let (snapshot, origin, continues) = if let Some(snapshot) = active.continue_from.take() {
             let origin = snapshot.origin.clone();
-            (Some(snapshot), origin)
+            (Some(snapshot), origin, true)
         } else {
             match &active.item.start {
-                Start::Fresh { .. } => (None, None),
+                Start::Fresh { .. } => (None, None, false),
                 Start::Resume { snapshot: key } => match self.store.load(key) {
-                    Ok(Some(snapshot)) => (Some(snapshot), Some(key.clone())),
+                    Ok(Some(snapshot)) => (Some(snapshot), Some(key.clone()), false),
                     Ok(None) | Err(_) => {
                         warn!(actor = %self.actor, snapshot = %key, "saved state gone; fresh start instead");
                         self.counters.resume_failures.fetch_add(1, Ordering::Relaxed);
-                        (None, None)
+                        (None, None, false)
                     }
                 },
             }
         };
-        let restored =
-            snapshot.and_then(|snapshot| restore(&self.tasks, &self.actor, slot, &mut slot_view, snapshot, seed));
+        let restored = snapshot
+            .and_then(|snapshot| restore(&self.tasks, &self.actor, slot, &mut slot_view, snapshot, seed))
+            .map(|saved| if continues { saved } else { Pcg64Mcg::seed_from_u64(seed ^ RESTART_STREAM) });
         let rng = match restored {
             Some(rng) => {
                 self.counters.episodes_resumed.fetch_add(1, Ordering::Relaxed);

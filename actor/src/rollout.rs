@@ -1008,4 +1008,34 @@ mod tests {
             (uninterrupted[0].episode_return, uninterrupted[0].episode_len)
         );
     }
+
+    /// Restarts from a saved state (Go-Explore's "return, then explore") sample their actions
+    /// from a stream of their own: with the generator saved in the snapshot, every restart
+    /// would replay the original episode's continuation, so restarts explored nothing.
+    #[test]
+    fn restarts_from_one_saved_state_explore_with_their_own_sampling_streams() {
+        let spec = work_spec(4, 2);
+        let store = LocalSnapshotStore::new(100);
+        let item = WorkItem { id: 7, task_id: 0, start: Start::Fresh { seed: 11 }, episodes: 1 };
+        let (original, saved) = until_item_episodes(&mut work_worker(&spec, &[item], &store), 7, 1);
+        let key = saved.iter().find(|s| s.episode_len == 2).expect("saved after 2 steps").key.clone();
+        let restarts: Vec<WorkItem> = (20..26)
+            .map(|id| WorkItem { id, task_id: 0, start: Start::Resume { snapshot: key.clone() }, episodes: 1 })
+            .collect();
+        let mut worker = work_worker(&spec, &restarts, &store);
+        let mut lengths = Vec::new();
+        for id in 20..26 {
+            let (episodes, _) = until_item_episodes(&mut worker, id, 1);
+            assert_eq!(episodes[0].start.as_deref(), Some(key.as_str()));
+            lengths.push(episodes[0].episode_len);
+        }
+        assert_eq!(worker.counters.episodes_resumed.load(Ordering::Relaxed), 6);
+        lengths.sort_unstable();
+        lengths.dedup();
+        assert!(
+            lengths.len() > 1,
+            "six restarts of one state all ran {lengths:?} steps (the original ran {})",
+            original[0].episode_len
+        );
+    }
 }

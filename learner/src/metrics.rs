@@ -344,6 +344,7 @@ pub struct WorkMetrics {
     share: GaugeVec,
     success: GaugeVec,
     fresh_success: GaugeVec,
+    frontier: GaugeVec,
     items: IntCounterVec,
     snapshots: Gauge,
 }
@@ -370,6 +371,13 @@ impl WorkMetrics {
                 ),
                 &["task"],
             )?,
+            frontier: GaugeVec::new(
+                Opts::new(
+                    "volley_learner_task_restart_frontier",
+                    "Furthest progress (Env::progress) among each task's saved states; -1 with none saved.",
+                ),
+                &["task"],
+            )?,
             items: IntCounterVec::new(
                 Opts::new("volley_learner_work_items_total", "Work items issued, by start: fresh or resume."),
                 &["start"],
@@ -382,6 +390,7 @@ impl WorkMetrics {
         registry.register(Box::new(metrics.share.clone()))?;
         registry.register(Box::new(metrics.success.clone()))?;
         registry.register(Box::new(metrics.fresh_success.clone()))?;
+        registry.register(Box::new(metrics.frontier.clone()))?;
         for start in ["fresh", "resume"] {
             metrics.items.with_label_values(&[start]);
         }
@@ -397,6 +406,9 @@ impl WorkMetrics {
             self.share.with_label_values(&[&label]).set(share);
             self.success.with_label_values(&[&label]).set(stats.outcomes.success_rate());
             self.fresh_success.with_label_values(&[&label]).set(stats.fresh.success_rate());
+        }
+        for (task, (furthest, _)) in scheduler.frontier().into_iter().enumerate() {
+            self.frontier.with_label_values(&[&task.to_string()]).set(furthest.map_or(-1.0, f64::from));
         }
         let (fresh, resumed) = scheduler.items_issued();
         for (start, total) in [("fresh", fresh), ("resume", resumed)] {

@@ -165,6 +165,18 @@ impl Scheduler {
         self.snapshots.len()
     }
 
+    /// Per task, the furthest progress among the saved states known (`None` without any) and
+    /// how many are known: how far restarts can reach.
+    pub fn frontier(&self) -> Vec<(Option<f32>, usize)> {
+        let mut out = vec![(None::<f32>, 0usize); self.tasks.len()];
+        for known in self.snapshots.values() {
+            let (furthest, saved) = &mut out[known.task_id as usize];
+            *furthest = Some(furthest.map_or(known.progress, |f| f.max(known.progress)));
+            *saved += 1;
+        }
+        out
+    }
+
     /// Each task's share of the items issued so far.
     pub fn budget_shares(&self) -> Vec<f64> {
         let total: u64 = self.stats.iter().map(|s| s.items_issued).sum();
@@ -367,17 +379,21 @@ impl WorkPlanner {
         let Some(log) = self.log.as_mut() else { return };
         let scheduler = &self.scheduler;
         let shares = scheduler.budget_shares();
+        let frontier = scheduler.frontier();
         let tasks: Vec<serde_json::Value> = scheduler
             .stats
             .iter()
             .zip(shares)
-            .map(|(s, share)| {
+            .zip(frontier)
+            .map(|((s, share), (frontier, saved))| {
                 serde_json::json!({
                     "fresh_success": s.fresh.success_rate(),
                     "fresh_episodes": s.fresh.episodes,
                     "fresh_return": s.fresh.mean_return(),
                     "success": s.outcomes.success_rate(),
                     "share": share,
+                    "frontier": frontier,
+                    "saved": saved,
                 })
             })
             .collect();
