@@ -17,7 +17,7 @@
 //! Success rates use a window of the last `stats_window` episodes, with a Beta(1, 1) prior
 //! (`(s + 1) / (n + 2)`) so a task with no results counts as `p = ½`, the most learnable.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::io::Write;
 use std::time::{Duration, Instant};
 
@@ -109,6 +109,24 @@ impl KnownSnapshot {
     fn weight(&self) -> f64 {
         (1.0 + f64::from(self.progress.max(0.0))).powi(2) / (1.0 + self.visits as f64).sqrt()
     }
+
+    fn cell(&self) -> CellKey {
+        (self.task_id, self.progress.to_bits())
+    }
+}
+
+/// A cell: the saved states of one task at one progress.
+type CellKey = (u32, u32);
+
+/// The saved states of one cell, kept up to date as states are saved, visited and forgotten,
+/// so choosing a restart costs a walk over the cells (a handful), not over every state.
+#[derive(Debug, Default)]
+struct Cell {
+    progress: f32,
+    /// Restarts issued from the cell's states (those still known).
+    visits: u64,
+    /// The cell's states by (visits, key): the first is the least visited.
+    states: BTreeSet<(u64, String)>,
 }
 
 /// Issues work items by the run's budget policy; see the module docs.
@@ -121,6 +139,7 @@ pub struct Scheduler {
     seed_base: u64,
     stats: Vec<TaskStats>,
     snapshots: HashMap<String, KnownSnapshot>,
+    cells: BTreeMap<CellKey, Cell>,
     items_fresh: u64,
     items_resume: u64,
     last_forget: Option<Instant>,
@@ -139,6 +158,7 @@ impl Scheduler {
             next_id: first_item_id,
             seed_base: seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ first_item_id,
             snapshots: HashMap::new(),
+            cells: BTreeMap::new(),
             items_fresh: 0,
             items_resume: 0,
             last_forget: None,
@@ -202,15 +222,34 @@ impl Scheduler {
             if (info.task_id as usize) >= self.tasks.len() || !info.progress.is_finite() {
                 continue;
             }
-            self.snapshots.entry(info.key.clone()).or_insert_with(|| KnownSnapshot {
+            if self.snapshots.contains_key(&info.key) {
+                continue;
+            }
+            let known = KnownSnapshot {
                 task_id: info.task_id,
                 progress: info.progress,
                 visits: 0,
                 outcomes: OutcomeWindow::default(),
                 seen_at: Instant::now(),
-            });
+            };
+            let cell =
+                self.cells.entry(known.cell()).or_insert_with(|| Cell { progress: info.progress, ..Cell::default() });
+            cell.states.insert((0, info.key.clone()));
+            self.snapshots.insert(info.key.clone(), known);
         }
         self.forget_snapshots();
+    }
+
+    /// Forget one saved state (and its cell once empty).
+    fn forget(&mut self, key: &str) {
+        let Some(known) = self.snapshots.remove(key) else { return };
+        if let Some(cell) = self.cells.get_mut(&known.cell()) {
+            cell.states.remove(&(known.visits, key.to_string()));
+            cell.visits -= known.visits;
+            if cell.states.is_empty() {
+                self.cells.remove(&known.cell());
+            }
+        }
     }
 
     /// Drop saved states the store has expired (checked at most once a second: it walks the
@@ -224,13 +263,24 @@ impl Scheduler {
         self.last_forget = Some(Instant::now());
         // Keep a margin: a state chosen just before its expiry would fail to load.
         let ttl = Duration::from_secs_f64(self.config.snapshot_ttl_secs * 0.9);
-        self.snapshots.retain(|_, s| s.seen_at.elapsed() < ttl);
+        let now = Instant::now();
+        let expired: Vec<String> = self
+            .snapshots
+            .iter()
+            .filter(|(_, s)| now.duration_since(s.seen_at) >= ttl)
+            .map(|(k, _)| k.clone())
+            .collect();
+        for key in &expired {
+            self.forget(key);
+        }
         if self.snapshots.len() > MAX_KNOWN_SNAPSHOTS {
+            // Down to 7/8 of the bound, so the sort runs once per 512 new states, not per state.
             let mut by_weight: Vec<(f64, String)> =
                 self.snapshots.iter().map(|(k, s)| (s.weight(), k.clone())).collect();
-            by_weight.sort_by(|a, b| a.0.total_cmp(&b.0));
-            for (_, key) in by_weight.into_iter().take(self.snapshots.len() - MAX_KNOWN_SNAPSHOTS) {
-                self.snapshots.remove(&key);
+            by_weight.sort_by(|a, b| a.0.total_cmp(&b.0).then_with(|| a.1.cmp(&b.1)));
+            let excess = self.snapshots.len() - MAX_KNOWN_SNAPSHOTS * 7 / 8;
+            for (_, key) in by_weight.into_iter().take(excess) {
+                self.forget(&key);
             }
         }
     }
@@ -267,34 +317,26 @@ impl Scheduler {
     }
 
     /// A saved state to restart from, Go-Explore style: first a cell, the states of one task
-    /// at one progress, with weight `(1 + progress)² / √(1 + visits of the cell)`; then a
-    /// state of that cell, least visited first (`1 / √(1 + visits)`).
+    /// at one progress, with weight `(1 + progress)² / √(1 + visits of the cell)`; then the
+    /// cell's least visited state (ties: the smallest key). Counts the visit.
     ///
     /// Weighing states one by one (as before issue 18) let the many states of early progress
     /// outweigh the few at the frontier: on a 6-room chain with thousands of saved room-1
     /// entries, the furthest rooms were almost never chosen and restarts never reached the
     /// end. Call only with saved states known.
     fn choose_snapshot(&mut self) -> String {
-        let mut cells: HashMap<(u32, u32), (u64, f32, Vec<&String>)> = HashMap::new();
-        for (key, known) in &self.snapshots {
-            let cell =
-                cells.entry((known.task_id, known.progress.to_bits())).or_insert((0, known.progress, Vec::new()));
-            cell.0 += known.visits;
-            cell.2.push(key);
-        }
-        // Sorted, so a seed gives the same choices whatever the map's order.
-        let mut cells: Vec<_> = cells.into_iter().collect();
-        cells.sort_by_key(|cell| cell.0);
-        let weights: Vec<f64> = cells
-            .iter()
-            .map(|(_, (visits, progress, _))| {
-                (1.0 + f64::from(progress.max(0.0))).powi(2) / (1.0 + *visits as f64).sqrt()
-            })
+        let weights: Vec<f64> = self
+            .cells
+            .values()
+            .map(|cell| (1.0 + f64::from(cell.progress.max(0.0))).powi(2) / (1.0 + cell.visits as f64).sqrt())
             .collect();
-        let (_, (_, _, keys)) = &mut cells[sample_weighted(&mut self.rng, &weights)];
-        keys.sort();
-        let weights: Vec<f64> = keys.iter().map(|k| 1.0 / (1.0 + self.snapshots[*k].visits as f64).sqrt()).collect();
-        keys[sample_weighted(&mut self.rng, &weights)].clone()
+        let chosen = sample_weighted(&mut self.rng, &weights);
+        let cell = self.cells.values_mut().nth(chosen).expect("sampled among the cells");
+        let (visits, key) = cell.states.pop_first().expect("cells are never empty");
+        cell.states.insert((visits + 1, key.clone()));
+        cell.visits += 1;
+        self.snapshots.get_mut(&key).expect("a cell's states are known").visits += 1;
+        key
     }
 
     /// The next `n` work items.
@@ -308,9 +350,7 @@ impl Scheduler {
                 && self.rng.random::<f32>() < self.config.restart_share;
             let item = if restart {
                 let key = self.choose_snapshot();
-                let known = self.snapshots.get_mut(&key).expect("chosen from the map");
-                known.visits += 1;
-                let task_id = known.task_id;
+                let task_id = self.snapshots[&key].task_id;
                 self.items_resume += 1;
                 WorkItem {
                     id,
@@ -638,5 +678,36 @@ mod tests {
         scheduler.observe_segment(&segment(vec![outcome(42, true, None)], vec![bad, nan]));
         assert_eq!(scheduler.known_snapshots(), 0);
         assert!(scheduler.task_stats().iter().all(|s| s.outcomes.episodes == 0));
+    }
+
+    /// The scheduler's table of saved states is keyed by what actors report: bounded, with the
+    /// cells (kept incrementally for cheap restarts) always matching the states.
+    #[test]
+    fn saved_states_stay_bounded_and_cells_match_them() {
+        let work = WorkConfig { restart_share: 1.0, ..config(BudgetPolicy::Uniform) };
+        let mut scheduler = Scheduler::new(&work, &memory_tasks()[0], 9, 0);
+        for batch in 0..12u32 {
+            let saved = (0..1000u32)
+                .map(|i| SnapshotInfo {
+                    key: format!("b{batch}-{i}"),
+                    task_id: i % 3,
+                    progress: (i % 5) as f32,
+                    episode_return: 0.0,
+                    episode_len: 1,
+                })
+                .collect();
+            scheduler.observe_segment(&segment(vec![], saved));
+            scheduler.next_items(300);
+            assert!(scheduler.known_snapshots() <= MAX_KNOWN_SNAPSHOTS);
+            let in_cells: usize = scheduler.cells.values().map(|c| c.states.len()).sum();
+            assert_eq!(in_cells, scheduler.known_snapshots());
+            for cell in scheduler.cells.values() {
+                assert!(!cell.states.is_empty());
+                assert_eq!(cell.visits, cell.states.iter().map(|(v, _)| v).sum::<u64>());
+                assert!(cell.states.iter().all(|(v, k)| scheduler.snapshots[k].visits == *v));
+            }
+        }
+        // The frontier (progress 4) survives the bound: the least promising states go first.
+        assert!(scheduler.frontier().iter().all(|(furthest, _)| *furthest == Some(4.0)));
     }
 }
