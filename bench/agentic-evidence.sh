@@ -5,9 +5,10 @@
 #     10^5; restart share 0 (fresh only) vs 0.5 (Go-Explore-style restarts from saved room entries), 1M env steps.
 #   family-budget: a task family whose observations say the member (task features): a too-easy
 #     member (1 room of 4 cells), two learnable ones (3 and 4 rooms of 6 cells, 24 steps per
-#     room) and three too-hard ones (6 x 16, 8 x 12 and 10 x 10 with one step of slack per room:
-#     a random policy clears such a room with probability about 3^-room_len); uniform vs
-#     learnability, fresh starts only, 400K env steps.
+#     room) and six too-hard ones (5 x 20, 6 x 16, 7 x 14, 8 x 12, 10 x 10 and 12 x 8, one step of
+#     slack per room: a random policy clears such a room with probability about 3^-room_len),
+#     as in procedurally generated families where most levels are trivial or out of reach;
+#     uniform vs learnability, fresh starts only, 400K env steps.
 # Each run writes work.jsonl; bench/plot_work.py EVIDENCE_DIR docs/img makes the plots and tables.
 #   bench/agentic-evidence.sh [OUT_DIR] [SEEDS]   (default runs/agentic-evidence, "1 2 3 4 5")
 set -euo pipefail
@@ -31,7 +32,10 @@ family=(--task "milestones:n_rooms=1,room_len=4,max_steps=32,task_features=true"
         --task "milestones:n_rooms=4,room_len=6,room_steps=24,max_steps=96,task_features=true"
         --task "milestones:n_rooms=6,room_len=16,room_steps=17,max_steps=102,task_features=true"
         --task "milestones:n_rooms=8,room_len=12,room_steps=13,max_steps=104,task_features=true"
-        --task "milestones:n_rooms=10,room_len=10,room_steps=11,max_steps=110,task_features=true")
+        --task "milestones:n_rooms=10,room_len=10,room_steps=11,max_steps=110,task_features=true"
+        --task "milestones:n_rooms=5,room_len=20,room_steps=21,max_steps=105,task_features=true"
+        --task "milestones:n_rooms=7,room_len=14,room_steps=15,max_steps=105,task_features=true"
+        --task "milestones:n_rooms=12,room_len=8,room_steps=9,max_steps=108,task_features=true")
 for seed in $seeds; do
   for share in 0 0.5; do
     run chain-restarts "restart-share-$share" "$seed" 1000000 --rooms 5 --room-len 6 --room-steps 24 --room-max-steps 120 \
