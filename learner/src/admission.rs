@@ -13,7 +13,7 @@
 //!   ([`volley_env::EnvBounds`]), every truncation value within what that bound allows
 //!   over a horizon (`reward_bound`);
 //! - **episode summaries** (`episode_summary`): at most one per episode end in the segment;
-//!   lengths at least 1 and within the time limit; returns within the bound times the length;
+//!   lengths at least 1 and within the time limit of the episode's task; returns within the bound times the length;
 //!   and, when every episode end has its summary, each return equal to the segment's own
 //!   rewards over the steps the episode spent in the segment, up to the bound times the steps
 //!   it spent before (a fresh episode that started inside the segment must match exactly);
@@ -88,7 +88,10 @@ impl Rejection {
 /// The checks of one run (see the module docs).
 #[derive(Debug, Clone)]
 pub struct Admission {
+    /// The loosest bounds over the run's tasks.
     bounds: EnvBounds,
+    /// Each task's time limit (`task_id` order; the run's env alone without a task list).
+    task_max_len: Vec<Option<u64>>,
     max_abs_value: f32,
     n_tasks: u32,
 }
@@ -96,7 +99,15 @@ pub struct Admission {
 impl Admission {
     /// The checks for a validated run spec.
     pub fn new(spec: &RunSpec) -> Self {
-        let bounds = spec.env.bounds();
+        // A run's tasks may differ in time limit and reward bound (e.g. chains of several
+        // lengths): rewards and values are checked against the loosest task, episode lengths
+        // against their own task's limit.
+        let tasks = spec.hyper.work.task_list(&spec.env);
+        let task_max_len: Vec<Option<u64>> = tasks.iter().map(|task| task.bounds().max_episode_len).collect();
+        let bounds = tasks.iter().map(|task| task.bounds()).fold(spec.env.bounds(), |a, b| EnvBounds {
+            max_abs_reward: a.max_abs_reward.max(b.max_abs_reward),
+            max_episode_len: a.max_episode_len.zip(b.max_episode_len).map(|(a, b)| a.max(b)),
+        });
         // A value estimate predicts a (scaled) return: at most the reward bound per step over
         // the horizon, the time limit or the discount's effective horizon 1 / (1 − γ). Twice
         // that leaves room for an untrained value head's overshoot.
@@ -104,7 +115,12 @@ impl Admission {
         let horizon = bounds.max_episode_len.map_or(discount_horizon, |len| discount_horizon.min(len as f64));
         let scale = f64::from(spec.hyper.reward_scale.abs()).max(1.0);
         let max_abs_value = (2.0 * f64::from(bounds.max_abs_reward) * scale * horizon + 10.0).min(f64::from(f32::MAX));
-        Admission { bounds, max_abs_value: max_abs_value as f32, n_tasks: spec.hyper.work.tasks.len().max(1) as u32 }
+        Admission {
+            bounds,
+            task_max_len,
+            max_abs_value: max_abs_value as f32,
+            n_tasks: spec.hyper.work.tasks.len().max(1) as u32,
+        }
     }
 
     /// The environment bounds admission applies.
@@ -154,7 +170,9 @@ impl Admission {
             if len == 0 {
                 return Err(Rejection::EpisodeSummary(format!("episode {k} has length 0")));
             }
-            if let Some(max_len) = self.bounds.max_episode_len.filter(|&max| len > max) {
+            let time_limit =
+                self.task_max_len.get(episode.task_id as usize).copied().unwrap_or(self.bounds.max_episode_len);
+            if let Some(max_len) = time_limit.filter(|&max| len > max) {
                 return Err(Rejection::EpisodeSummary(format!(
                     "episode {k} claims {len} steps, the time limit is {max_len}"
                 )));
@@ -375,6 +393,30 @@ mod tests {
         let mut s = segment();
         s.finished_episodes[0].episode_len = 0;
         assert_eq!(check(&s), Err("episode_summary"));
+    }
+
+    /// Multi-task runs whose tasks have other time limits than the run's env (e.g. memory with
+    /// delays 2..32 on a run env of delay 6) had every segment ending a longer episode
+    /// rejected: only the run env's task ever reported a finished episode.
+    #[test]
+    fn episode_lengths_are_checked_against_their_own_task() {
+        let memory = |delay| EnvConfig::Memory(volley_env::MemoryConfig { delay, ..Default::default() });
+        let mut spec = SpecBuilder::cartpole(T).run("tasks").env(memory(6), 1, 2).build();
+        spec.hyper.work.enabled = true;
+        spec.hyper.work.tasks = vec![memory(2), memory(32)];
+        let admission = Admission::new(&spec);
+        let summary =
+            |task_id, len| EpisodeSummary { task_id, episode_len: len, episode_return: 0.0, ..Default::default() };
+        let mut s = SegmentBuilder::new(T, 1).terminal_at(2).build();
+        s.finished_episodes = vec![summary(1, 34)];
+        s.rewards.fill(0.0);
+        assert_eq!(admission.check(&s, PolicyVersion(0)), Ok(()), "delay 32: 34 steps");
+        s.finished_episodes = vec![summary(1, 35)];
+        assert!(matches!(admission.check(&s, PolicyVersion(0)), Err(Rejection::EpisodeSummary(_))));
+        s.finished_episodes = vec![summary(0, 18)];
+        assert!(matches!(admission.check(&s, PolicyVersion(0)), Err(Rejection::EpisodeSummary(_))), "delay 2: 4 steps");
+        s.finished_episodes = vec![summary(0, 4)];
+        assert_eq!(admission.check(&s, PolicyVersion(0)), Ok(()));
     }
 
     #[test]
