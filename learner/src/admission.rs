@@ -92,6 +92,9 @@ pub struct Admission {
     bounds: EnvBounds,
     /// Each task's time limit (`task_id` order; the run's env alone without a task list).
     task_max_len: Vec<Option<u64>>,
+    /// The run env's time limit: an actor's slots run the run's env until their first work
+    /// item, and report those unscheduled episodes as task 0.
+    env_max_len: Option<u64>,
     max_abs_value: f32,
     n_tasks: u32,
 }
@@ -118,6 +121,7 @@ impl Admission {
         Admission {
             bounds,
             task_max_len,
+            env_max_len: spec.env.bounds().max_episode_len,
             max_abs_value: max_abs_value as f32,
             n_tasks: spec.hyper.work.tasks.len().max(1) as u32,
         }
@@ -170,8 +174,11 @@ impl Admission {
             if len == 0 {
                 return Err(Rejection::EpisodeSummary(format!("episode {k} has length 0")));
             }
-            let time_limit =
+            let mut time_limit =
                 self.task_max_len.get(episode.task_id as usize).copied().unwrap_or(self.bounds.max_episode_len);
+            if episode.work_item.is_none() {
+                time_limit = time_limit.zip(self.env_max_len).map(|(a, b)| a.max(b));
+            }
             if let Some(max_len) = time_limit.filter(|&max| len > max) {
                 return Err(Rejection::EpisodeSummary(format!(
                     "episode {k} claims {len} steps, the time limit is {max_len}"
@@ -405,18 +412,28 @@ mod tests {
         spec.hyper.work.enabled = true;
         spec.hyper.work.tasks = vec![memory(2), memory(32)];
         let admission = Admission::new(&spec);
-        let summary =
-            |task_id, len| EpisodeSummary { task_id, episode_len: len, episode_return: 0.0, ..Default::default() };
+        let summary = |task_id, len| EpisodeSummary {
+            task_id,
+            episode_len: len,
+            episode_return: 0.0,
+            work_item: Some(1),
+            ..Default::default()
+        };
         let mut s = SegmentBuilder::new(T, 1).terminal_at(2).build();
         s.finished_episodes = vec![summary(1, 34)];
         s.rewards.fill(0.0);
         assert_eq!(admission.check(&s, PolicyVersion(0)), Ok(()), "delay 32: 34 steps");
         s.finished_episodes = vec![summary(1, 35)];
         assert!(matches!(admission.check(&s, PolicyVersion(0)), Err(Rejection::EpisodeSummary(_))));
-        s.finished_episodes = vec![summary(0, 18)];
+        s.finished_episodes = vec![summary(0, 5)];
         assert!(matches!(admission.check(&s, PolicyVersion(0)), Err(Rejection::EpisodeSummary(_))), "delay 2: 4 steps");
         s.finished_episodes = vec![summary(0, 4)];
         assert_eq!(admission.check(&s, PolicyVersion(0)), Ok(()));
+        // Unscheduled episodes (no work item) may be the run env's: delay 6, 8 steps.
+        s.finished_episodes = vec![EpisodeSummary { work_item: None, ..summary(0, 8) }];
+        assert_eq!(admission.check(&s, PolicyVersion(0)), Ok(()));
+        s.finished_episodes = vec![EpisodeSummary { work_item: None, ..summary(0, 9) }];
+        assert!(matches!(admission.check(&s, PolicyVersion(0)), Err(Rejection::EpisodeSummary(_))));
     }
 
     #[test]
