@@ -31,7 +31,7 @@ use rand_pcg::Pcg64Mcg;
 use tracing::{debug, info, warn};
 use volley_core::ids::{ActorId, PolicyVersion};
 use volley_core::spec::{RunSpec, SpecError};
-use volley_core::work::{EpisodeSnapshot, SnapshotInfo, Start, WorkItem};
+use volley_core::work::{group_stream_seed, EpisodeSnapshot, GroupMember, SnapshotInfo, Start, WorkItem};
 use volley_env::{EnvConfig, VectorEnv};
 use volley_transport::work::{SnapshotStore, WorkSource, WorkToken};
 
@@ -67,6 +67,8 @@ pub struct EpisodeTags {
     pub work_item: Option<u64>,
     /// The saved state the episode started from (`None`: a fresh start).
     pub start: Option<String>,
+    /// The group of continuations the episode belongs to (group rollouts).
+    pub group: Option<GroupMember>,
 }
 
 /// Where episodes start (see the module docs for when the rollout loop calls each method).
@@ -144,6 +146,8 @@ struct Slot {
     task_id: u32,
     /// The saved state the current episode started from (`None`: fresh).
     start: Option<String>,
+    /// The group the current scheduled episode is a member of.
+    group: Option<GroupMember>,
     /// The current scheduled episode's action-sampling generator (saved in its snapshots).
     rng: Option<Pcg64Mcg>,
     /// The current episode belongs to `item`.
@@ -210,6 +214,7 @@ impl WorkStarts {
         slot.scheduled = false;
         slot.rng = None;
         slot.start = None;
+        slot.group = None;
         if !self.ensure_item(env_idx, at_boundary) {
             self.slots[env_idx].needs_start = !at_boundary;
             self.counters.unscheduled_episodes.fetch_add(1, Ordering::Relaxed);
@@ -226,6 +231,10 @@ impl WorkStarts {
         let item_id = active.item.id;
         let item_task = active.item.task_id;
         let seed = active.episode_seed();
+        let group = active.item.group;
+        // A continued member keeps the generator saved in its snapshot (it is the member's
+        // stream, advanced); a member's first start uses its own stream.
+        let continuing = active.continue_from.is_some();
         // Where this episode starts: the interrupted run's newest state, the item's saved
         // state, or a fresh reset.
         let (snapshot, origin) = if let Some(snapshot) = active.continue_from.take() {
@@ -250,7 +259,12 @@ impl WorkStarts {
             Some(rng) => {
                 self.counters.episodes_resumed.fetch_add(1, Ordering::Relaxed);
                 slot.start = origin;
-                rng
+                match group {
+                    Some(member) if !continuing => {
+                        Pcg64Mcg::seed_from_u64(group_stream_seed(member.group, member.member))
+                    }
+                    _ => rng,
+                }
             }
             None => {
                 let task_id = item_task.min(self.tasks.len().saturating_sub(1) as u32);
@@ -268,9 +282,15 @@ impl WorkStarts {
                 slot_view.hidden.fill(0.0);
                 *slot_view.episode = RunningEpisode::default();
                 slot.start = None;
-                Pcg64Mcg::seed_from_u64(seed ^ 0x5a3e_ed01)
+                // Members of a fresh group share the reset seed, so they start from one
+                // state, and sample from their own streams.
+                match group {
+                    Some(member) => Pcg64Mcg::seed_from_u64(group_stream_seed(member.group, member.member)),
+                    None => Pcg64Mcg::seed_from_u64(seed ^ 0x5a3e_ed01),
+                }
             }
         };
+        slot.group = group;
         slot.rng = Some(rng);
         slot.scheduled = true;
         slot.episode_index = episode_index;
@@ -379,6 +399,7 @@ impl EpisodeStarts for WorkStarts {
             task_id: slot.task_id,
             work_item: slot.scheduled_item().map(|active| active.item.id),
             start: if slot.scheduled { slot.start.clone() } else { None },
+            group: if slot.scheduled { slot.group } else { None },
         }
     }
 

@@ -25,7 +25,7 @@ fn bus(server: &TestNats, ack_wait_secs: f64) -> NatsBus {
 }
 
 fn item(id: u64) -> WorkItem {
-    WorkItem { id, task_id: 0, start: Start::Fresh { seed: id }, episodes: 1 }
+    WorkItem { id, task_id: 0, start: Start::Fresh { seed: id }, episodes: 1, group: None }
 }
 
 /// Take an item, retrying within a generous safety net (redelivery happens after ack_wait).

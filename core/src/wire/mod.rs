@@ -21,8 +21,9 @@ pub mod live;
 /// Bumped on any incompatible change of a wire type (3: the envelope carries a body checksum;
 /// 4: the weights checksum is XXH3-64, weights travel as [`frame`]s; 5: segments carry
 /// continuous actions, [`TrajectorySegment::continuous_actions`], and byte-valued
-/// observations, such as images, travel as one byte each: [`observations`]).
-pub const FORMAT_VERSION: u16 = 5;
+/// observations, such as images, travel as one byte each: [`observations`]; 6: group
+/// rollouts, [`TrajectorySegment::episode_groups`] and [`EpisodeSummary::group`]).
+pub const FORMAT_VERSION: u16 = 6;
 
 /// Largest |value| of a recorded continuous action the learner accepts (an unsquashed
 /// Gaussian sample is recorded before the environment clips it; anything this far out is a
@@ -103,6 +104,8 @@ pub struct EpisodeSummary {
     pub work_item: Option<u64>,
     /// The saved state the episode started from (`None`: a fresh start).
     pub start: Option<String>,
+    /// The group of continuations the episode belongs to (group rollouts).
+    pub group: Option<crate::work::GroupMember>,
 }
 
 /// T steps of one environment stream of one actor, time-major.
@@ -164,6 +167,11 @@ pub struct TrajectorySegment {
     pub finished_episodes: Vec<EpisodeSummary>,
     /// Episode snapshots saved during this segment (save-load), for the learner's scheduler.
     pub saved_snapshots: Vec<crate::work::SnapshotInfo>,
+    /// Group rollouts: the group of each episode piece in the segment, in order (`None`: not
+    /// a group member). Piece 0 starts at step 0; piece `i + 1` starts after the `i`-th step
+    /// that ends an episode, among steps `0..T − 1` (an end at the last step starts the next
+    /// segment's piece 0). Empty when no piece belongs to a group.
+    pub episode_groups: Vec<Option<crate::work::GroupMember>>,
 }
 
 impl TrajectorySegment {
@@ -175,6 +183,26 @@ impl TrajectorySegment {
     /// Whether the segment has no steps.
     pub fn is_empty(&self) -> bool {
         self.rewards.is_empty()
+    }
+
+    /// Episode pieces in the segment: 1 plus the episode ends among steps `0..T − 1`
+    /// (see [`TrajectorySegment::episode_groups`]).
+    pub fn episode_pieces(&self) -> usize {
+        let t_len = self.len();
+        1 + (0..t_len.saturating_sub(1)).filter(|&t| self.terminated[t] != 0 || self.truncated[t] != 0).count()
+    }
+
+    /// The group of the episode piece each step belongs to, step by step (`None`: no group),
+    /// following [`TrajectorySegment::episode_groups`]; all `None` when that is empty.
+    pub fn step_groups(&self) -> impl Iterator<Item = Option<crate::work::GroupMember>> + '_ {
+        let mut piece = 0;
+        (0..self.len()).map(move |t| {
+            let group = self.episode_groups.get(piece).copied().flatten();
+            if self.terminated[t] != 0 || self.truncated[t] != 0 {
+                piece += 1;
+            }
+            group
+        })
     }
 
     /// Check the segment against the run spec: run, layout, shapes, action range, finiteness.
@@ -213,6 +241,26 @@ impl TrajectorySegment {
         for (field, expected, got) in shapes {
             if expected != got {
                 return Err(DecodeError::Shape { field, expected, got });
+            }
+        }
+        if !self.episode_groups.is_empty() && self.episode_groups.len() != self.episode_pieces() {
+            return Err(DecodeError::Shape {
+                field: "episode_groups",
+                expected: self.episode_pieces(),
+                got: self.episode_groups.len(),
+            });
+        }
+        // Group tags name the run's group size: a peer cannot make a group of another size.
+        let group_size = spec.hyper.work.group_size;
+        let tags =
+            self.episode_groups.iter().flatten().chain(self.finished_episodes.iter().filter_map(|e| e.group.as_ref()));
+        for tag in tags {
+            if !tag.is_valid() || tag.size != group_size {
+                return Err(DecodeError::Mismatch {
+                    what: "group tag",
+                    got: format!("member {} of {}", tag.member, tag.size),
+                    expected: format!("a member below the run's group size {group_size}"),
+                });
             }
         }
         if let Some((step, &action)) = self.actions.iter().enumerate().find(|(_, &a)| a as usize >= n_actions) {
@@ -341,6 +389,7 @@ pub(crate) fn test_segment(run: &str, t_len: usize, obs_dim: usize, segment_idx:
         initial_hidden: Vec::new(),
         finished_episodes: Vec::new(),
         saved_snapshots: Vec::new(),
+        episode_groups: Vec::new(),
     }
 }
 
