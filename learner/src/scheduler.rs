@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 use rand::{Rng, SeedableRng};
 use rand_pcg::Pcg64Mcg;
 use volley_core::wire::TrajectorySegment;
-use volley_core::work::{episode_success, BudgetPolicy, Start, WorkConfig, WorkItem};
+use volley_core::work::{episode_success, BudgetPolicy, GroupMember, Start, WorkConfig, WorkItem};
 use volley_env::EnvConfig;
 use volley_transport::work::WorkQueue;
 use volley_transport::TransportError;
@@ -123,6 +123,7 @@ pub struct Scheduler {
     snapshots: HashMap<String, KnownSnapshot>,
     items_fresh: u64,
     items_resume: u64,
+    groups_issued: u64,
     last_forget: Option<Instant>,
 }
 
@@ -141,6 +142,7 @@ impl Scheduler {
             snapshots: HashMap::new(),
             items_fresh: 0,
             items_resume: 0,
+            groups_issued: 0,
             last_forget: None,
         }
     }
@@ -155,7 +157,12 @@ impl Scheduler {
         &self.stats
     }
 
-    /// Items issued so far: `(fresh starts, resumes from saved states)`.
+    /// Groups of continuations issued so far (each counts once in [`Scheduler::items_issued`]).
+    pub fn groups_issued(&self) -> u64 {
+        self.groups_issued
+    }
+
+    /// Starts issued so far: `(fresh starts, resumes from saved states)`; a group is one start.
     pub fn items_issued(&self) -> (u64, u64) {
         (self.items_fresh, self.items_resume)
     }
@@ -285,35 +292,49 @@ impl Scheduler {
         keys[sample_weighted(&mut self.rng, &weights)].clone()
     }
 
-    /// The next `n` work items.
+    /// The next work items, at least `n` of them: single items, and with group rollouts
+    /// (`work.group_size` K > 1) groups of K items, drawn with probability `work.group_share`
+    /// per draw and issued whole (so up to `n + K − 1` items). A group's items have
+    /// consecutive ids, the same task and start (one fresh reset seed or one saved state), one
+    /// episode each, and member tags `0..K`; the group's id is its first item's id.
     pub fn next_items(&mut self, n: usize) -> Vec<WorkItem> {
         let mut items = Vec::with_capacity(n);
-        for _ in 0..n {
+        let group_size = self.config.group_size;
+        while items.len() < n {
             let id = self.next_id;
-            self.next_id += 1;
             let restart = self.config.restart_share > 0.0
                 && !self.snapshots.is_empty()
                 && self.rng.random::<f32>() < self.config.restart_share;
-            let item = if restart {
+            let (task_id, start) = if restart {
                 let key = self.choose_snapshot();
                 let known = self.snapshots.get_mut(&key).expect("chosen from the map");
                 known.visits += 1;
-                let task_id = known.task_id;
                 self.items_resume += 1;
-                WorkItem {
-                    id,
-                    task_id,
-                    start: Start::Resume { snapshot: key },
-                    episodes: self.config.episodes_per_item,
-                }
+                (known.task_id, Start::Resume { snapshot: key })
             } else {
                 let task_id = self.choose_task() as u32;
                 self.items_fresh += 1;
                 let seed = self.seed_base ^ id.wrapping_mul(0xd1b5_4a32_d192_ed03);
-                WorkItem { id, task_id, start: Start::Fresh { seed }, episodes: self.config.episodes_per_item }
+                (task_id, Start::Fresh { seed })
             };
-            self.stats[item.task_id as usize].items_issued += 1;
-            items.push(item);
+            self.stats[task_id as usize].items_issued += 1;
+            let grouped = group_size > 1 && self.rng.random::<f32>() < self.config.group_share;
+            if !grouped {
+                self.next_id += 1;
+                items.push(WorkItem { id, task_id, start, episodes: self.config.episodes_per_item, group: None });
+                continue;
+            }
+            self.groups_issued += 1;
+            for member in 0..group_size {
+                items.push(WorkItem {
+                    id: self.next_id,
+                    task_id,
+                    start: start.clone(),
+                    episodes: 1,
+                    group: Some(GroupMember { group: id, member, size: group_size }),
+                });
+                self.next_id += 1;
+            }
         }
         items
     }
@@ -387,6 +408,7 @@ impl WorkPlanner {
             "secs": report.elapsed.as_secs_f64(),
             "items_fresh": scheduler.items_fresh,
             "items_resume": scheduler.items_resume,
+            "groups": scheduler.groups_issued,
             "snapshots": scheduler.snapshots.len(),
             "tasks": tasks,
         });
@@ -494,6 +516,7 @@ mod tests {
             task_id,
             work_item: None,
             start: start.map(str::to_string),
+            group: None,
         }
     }
 
@@ -622,5 +645,36 @@ mod tests {
         scheduler.observe_segment(&segment(vec![outcome(42, true, None)], vec![bad, nan]));
         assert_eq!(scheduler.known_snapshots(), 0);
         assert!(scheduler.task_stats().iter().all(|s| s.outcomes.episodes == 0));
+    }
+
+    #[test]
+    fn groups_are_whole_share_a_start_and_have_consecutive_ids() {
+        let work = WorkConfig { group_size: 4, group_share: 0.5, restart_share: 0.5, ..config(BudgetPolicy::Uniform) };
+        let mut scheduler = Scheduler::new(&work, &memory_tasks()[0], 8, 1000);
+        let info = SnapshotInfo { key: "s".into(), task_id: 2, progress: 1.0, episode_return: 0.0, episode_len: 3 };
+        scheduler.observe_segment(&segment(vec![], vec![info]));
+        let items = scheduler.next_items(2000);
+        assert!(items.windows(2).all(|w| w[1].id == w[0].id + 1), "ids count up");
+        let (mut groups, mut singles, mut i) = (0, 0, 0);
+        while i < items.len() {
+            let Some(tag) = items[i].group else {
+                singles += 1;
+                i += 1;
+                continue;
+            };
+            assert_eq!((tag.group, tag.member, tag.size), (items[i].id, 0, 4), "a group starts at its first member");
+            let members = &items[i..i + 4];
+            for (k, member) in members.iter().enumerate() {
+                assert_eq!(member.group, Some(GroupMember { group: tag.group, member: k as u32, size: 4 }));
+                assert_eq!((member.task_id, &member.start, member.episodes), (items[i].task_id, &items[i].start, 1));
+            }
+            groups += 1;
+            i += 4;
+        }
+        assert_eq!(groups, scheduler.groups_issued());
+        let share = groups as f64 / (groups + singles) as f64;
+        assert!((share - 0.5).abs() < 0.06, "groups are {share} of the draws");
+        let (fresh, resume) = scheduler.items_issued();
+        assert_eq!(fresh + resume, groups + singles);
     }
 }
