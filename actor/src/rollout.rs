@@ -1125,4 +1125,29 @@ mod tests {
             assert!(distinct.len() > 1, "different streams take different actions ({start:?})");
         }
     }
+
+    /// A group member taken again after its actor stopped mid-episode continues from its
+    /// newest snapshot with its own stream, to the outcome of an uninterrupted run.
+    #[test]
+    fn an_interrupted_group_member_continues_to_its_uninterrupted_outcome() {
+        let mut spec = work_spec(4, 2);
+        spec.hyper.work.group_size = 4;
+        let item = member_item(2, &Start::Fresh { seed: 5 });
+        let (uninterrupted, _) = until_item_episodes(
+            &mut work_worker(&spec, std::slice::from_ref(&item), &LocalSnapshotStore::new(100)),
+            item.id,
+            1,
+        );
+        let store = LocalSnapshotStore::new(100);
+        let first = work_worker(&spec, std::slice::from_ref(&item), &store).collect_segments();
+        assert!(first[0].finished_episodes.is_empty(), "cut mid-episode");
+        let mut resumed = work_worker(&spec, &[item.clone()], &store);
+        let (continued, _) = until_item_episodes(&mut resumed, item.id, 1);
+        assert_eq!(resumed.counters.episodes_resumed.load(Ordering::Relaxed), 1);
+        assert_eq!(continued[0].group, item.group);
+        assert_eq!(
+            (continued[0].episode_return, continued[0].episode_len),
+            (uninterrupted[0].episode_return, uninterrupted[0].episode_len)
+        );
+    }
 }
