@@ -360,6 +360,8 @@ pub struct WorkPlanner {
     queue: Box<dyn WorkQueue>,
     target: u64,
     last_top_up: Option<Instant>,
+    /// Scheduled episodes reported finished since the last top-up: items the queue has lost.
+    finished_since_top_up: u64,
     log: Option<Box<dyn std::io::Write + Send>>,
     metrics: Option<crate::metrics::WorkMetrics>,
 }
@@ -373,7 +375,15 @@ impl std::fmt::Debug for WorkPlanner {
 impl WorkPlanner {
     /// Plan into `queue`, keeping `target` items queued (e.g. `queue_per_slot` × actor slots).
     pub fn new(scheduler: Scheduler, queue: Box<dyn WorkQueue>, target: u64) -> Self {
-        WorkPlanner { scheduler, queue, target: target.max(1), last_top_up: None, log: None, metrics: None }
+        WorkPlanner {
+            scheduler,
+            queue,
+            target: target.max(1),
+            last_top_up: None,
+            finished_since_top_up: 0,
+            log: None,
+            metrics: None,
+        }
     }
 
     /// Write one JSON line per update to `log`: env steps, seconds, and per task the
@@ -430,6 +440,7 @@ impl WorkPlanner {
             metrics.observe(&self.scheduler);
         }
         self.last_top_up = Some(Instant::now());
+        self.finished_since_top_up = 0;
         match self.scheduler.top_up(self.queue.as_mut(), self.target) {
             Ok(0) => {}
             Ok(n) => tracing::debug!(submitted = n, "work items queued"),
@@ -437,9 +448,16 @@ impl WorkPlanner {
         }
     }
 
-    fn top_up_soon(&mut self) {
-        // Reading the queue depth is a broker round trip on NATS: at most every 50 ms.
-        if self.last_top_up.is_none_or(|at| at.elapsed() >= Duration::from_millis(50)) {
+    /// Top up after `segment` if due: at most every 50 ms (reading the queue depth is a broker
+    /// round trip on NATS), or at once when scheduled episodes reported since the last top-up
+    /// could have emptied half the queue. Without the second rule, fast actors drained the
+    /// queue between top-ups whenever the learner did not update (the zero-variance filter
+    /// dropping everything), and ran unscheduled episodes instead of the scheduler's.
+    fn top_up_soon(&mut self, segment: &TrajectorySegment) {
+        let finished = segment.finished_episodes.iter().filter(|e| e.work_item.is_some()).count() as u64;
+        self.finished_since_top_up += finished;
+        let drained = 2 * self.finished_since_top_up >= self.target;
+        if drained || self.last_top_up.is_none_or(|at| at.elapsed() >= Duration::from_millis(50)) {
             self.top_up();
         }
     }
@@ -463,7 +481,7 @@ impl<C: crate::LearnerControl + ?Sized> crate::LearnerControl for Planned<'_, C>
 
     fn on_segment(&mut self, segment: &TrajectorySegment) {
         self.planner.scheduler.observe_segment(segment);
-        self.planner.top_up_soon();
+        self.planner.top_up_soon(segment);
         self.inner.on_segment(segment);
     }
 
@@ -676,5 +694,27 @@ mod tests {
         assert!((share - 0.5).abs() < 0.06, "groups are {share} of the draws");
         let (fresh, resume) = scheduler.items_issued();
         assert_eq!(fresh + resume, groups + singles);
+    }
+
+    /// Fast actors must not drain the queue between top-ups: scheduled episodes reported since
+    /// the last top-up trigger one at once when they could have emptied half the queue.
+    #[test]
+    fn the_planner_tops_up_at_once_when_reported_episodes_may_have_drained_the_queue() {
+        use volley_transport::work::WorkSource;
+        let (queue, mut source) = local_work_queue();
+        let scheduler = Scheduler::new(&config(BudgetPolicy::Uniform), &memory_tasks()[0], 9, 0);
+        let mut planner = WorkPlanner::new(scheduler, Box::new(queue), 8);
+        planner.top_up();
+        for _ in 0..8 {
+            let (_, token) = source.take(Duration::ZERO).expect("local").expect("queued");
+            source.complete(token).expect("local");
+        }
+        // A top-up "in the future": the 50 ms rule cannot fire, only the drain rule.
+        planner.last_top_up = Some(Instant::now() + Duration::from_secs(3600));
+        let done = |id| EpisodeSummary { work_item: Some(id), ..outcome(0, true, None) };
+        planner.top_up_soon(&segment(vec![done(0), done(1), done(2), outcome(0, true, None)], vec![]));
+        assert_eq!(planner.queue.queued().unwrap(), 0, "three items may have been taken: not yet");
+        planner.top_up_soon(&segment(vec![done(3)], vec![]));
+        assert_eq!(planner.queue.queued().unwrap(), 8, "four of eight: topped up at once");
     }
 }
