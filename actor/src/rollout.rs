@@ -1141,7 +1141,7 @@ mod tests {
         let store = LocalSnapshotStore::new(100);
         let first = work_worker(&spec, std::slice::from_ref(&item), &store).collect_segments();
         assert!(first[0].finished_episodes.is_empty(), "cut mid-episode");
-        let mut resumed = work_worker(&spec, &[item.clone()], &store);
+        let mut resumed = work_worker(&spec, std::slice::from_ref(&item), &store);
         let (continued, _) = until_item_episodes(&mut resumed, item.id, 1);
         assert_eq!(resumed.counters.episodes_resumed.load(Ordering::Relaxed), 1);
         assert_eq!(continued[0].group, item.group);

@@ -1363,8 +1363,8 @@ mod tests {
         let given: Vec<f32> = (0..n).map(|i| if i % 2 == 0 { i as f32 * 0.1 - 0.5 } else { f32::NAN }).collect();
         let with = run(Some(&given));
         assert_eq!(with.1, base.1, "value targets are V-trace's");
-        for i in 0..n {
-            let expected = if given[i].is_finite() { base.0[i].exp().min(0.8) * given[i] } else { base.2[i] };
+        for (i, &a_i) in given.iter().enumerate() {
+            let expected = if a_i.is_finite() { base.0[i].exp().min(0.8) * a_i } else { base.2[i] };
             assert_eq!(with.2[i], expected, "step {i}");
             assert_eq!(with.3[i * stride + a], base.3[i * stride + a], "value gradient of step {i}");
         }
