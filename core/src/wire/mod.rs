@@ -683,4 +683,38 @@ mod tests {
         assert_eq!(weights.verify(7, 16).unwrap_err().reason(), "checksum");
         assert_eq!(Weights::new(PolicyVersion(3), 7, vec![0.5; 16]).verify(8, 16).unwrap_err().reason(), "mismatch");
     }
+
+    /// Group rollouts: each step maps to the group of its episode piece (pieces start after
+    /// episode ends, an end at the last step starts the next segment's piece), the tags
+    /// round-trip, and decode refuses a wrong piece count or a tag of another group size.
+    #[test]
+    fn episode_groups_map_steps_to_pieces_and_are_validated() {
+        use crate::work::GroupMember;
+        let tag = |group, member| Some(GroupMember { group, member, size: 4 });
+        let mut spec = spec();
+        spec.hyper.work.group_size = 4;
+        let mut segment = TrajectorySegment { layout_hash: layout_hash(), ..test_segment("wire", T, 4, 0) };
+        segment.terminated[1] = 1;
+        segment.truncated[3] = 1;
+        assert_eq!(segment.episode_pieces(), 2, "the end at the last step starts no piece here");
+        segment.episode_groups = vec![tag(7, 1), None];
+        assert_eq!(segment.step_groups().collect::<Vec<_>>(), vec![tag(7, 1), tag(7, 1), None, None]);
+        segment.finished_episodes =
+            vec![EpisodeSummary { episode_return: 2.0, episode_len: 2, group: tag(7, 1), ..EpisodeSummary::default() }];
+        assert_eq!(segment.validate(&spec, layout_hash(), 0).map_err(|e| e.to_string()), Ok(()));
+        let decoded =
+            codec::decode_segment(&codec::encode_segment(&segment), &spec, layout_hash(), 0).expect("round trip");
+        assert_eq!(decoded.episode_groups, segment.episode_groups);
+        assert_eq!(decoded.finished_episodes[0].group, tag(7, 1));
+        let too_many = TrajectorySegment { episode_groups: vec![tag(7, 1), None, None], ..segment.clone() };
+        assert_eq!(too_many.validate(&spec, layout_hash(), 0).unwrap_err().reason(), "shape");
+        let other_size = TrajectorySegment {
+            episode_groups: vec![Some(GroupMember { group: 7, member: 1, size: 8 }), None],
+            ..segment.clone()
+        };
+        assert_eq!(other_size.validate(&spec, layout_hash(), 0).unwrap_err().reason(), "mismatch");
+        let mut bad_member = segment.clone();
+        bad_member.finished_episodes[0].group = Some(GroupMember { group: 7, member: 4, size: 4 });
+        assert_eq!(bad_member.validate(&spec, layout_hash(), 0).unwrap_err().reason(), "mismatch");
+    }
 }
