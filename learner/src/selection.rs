@@ -56,7 +56,8 @@ pub enum DropReason {
     NonFinite,
     /// A raw reward exceeds `max_abs_reward`.
     OutOfRange,
-    /// The segment's start group has recent returns with zero variance.
+    /// The segment's start group has recent returns with zero variance, or (group rollouts)
+    /// every step belongs to a complete group of continuations whose returns are all equal.
     ZeroVariance,
 }
 
