@@ -172,6 +172,8 @@ def main():
         ("milestones-tasks", "hardest", "milestones, 4-room task (tasks: 2, 3, 4 rooms)", 0.2),
         ("milestones-tasks", "mean", "milestones, mean over 2/3/4-room tasks", 0.2),
         ("memory-tasks", "mean", "memory (4 cues), mean over delays 4/16/64/256", 0.6),
+        ("group-baseline", "mean", "milestones 4x8: critic vs group baseline (K = 8), fresh-start success", 0.5),
+        ("group-filter", "mean", "milestones 4x8, group rollouts: without vs with the zero-variance filter", 0.5),
     ]:
         if not (evidence / name).exists():
             continue

@@ -31,7 +31,7 @@ use rand_pcg::Pcg64Mcg;
 use tracing::{debug, info, warn};
 use volley_core::ids::{ActorId, PolicyVersion};
 use volley_core::spec::{RunSpec, SpecError};
-use volley_core::work::{EpisodeSnapshot, SnapshotInfo, Start, WorkItem};
+use volley_core::work::{group_stream_seed, EpisodeSnapshot, GroupMember, SnapshotInfo, Start, WorkItem};
 use volley_env::{EnvConfig, VectorEnv};
 use volley_transport::work::{SnapshotStore, WorkSource, WorkToken};
 
@@ -70,6 +70,8 @@ pub struct EpisodeTags {
     pub work_item: Option<u64>,
     /// The saved state the episode started from (`None`: a fresh start).
     pub start: Option<String>,
+    /// The group of continuations the episode belongs to (group rollouts).
+    pub group: Option<GroupMember>,
 }
 
 /// Where episodes start (see the module docs for when the rollout loop calls each method).
@@ -147,6 +149,8 @@ struct Slot {
     task_id: u32,
     /// The saved state the current episode started from (`None`: fresh).
     start: Option<String>,
+    /// The group the current scheduled episode is a member of.
+    group: Option<GroupMember>,
     /// The current scheduled episode's action-sampling generator (saved in its snapshots).
     rng: Option<Pcg64Mcg>,
     /// The current episode belongs to `item`.
@@ -213,6 +217,7 @@ impl WorkStarts {
         slot.scheduled = false;
         slot.rng = None;
         slot.start = None;
+        slot.group = None;
         if !self.ensure_item(env_idx, at_boundary) {
             self.slots[env_idx].needs_start = !at_boundary;
             self.counters.unscheduled_episodes.fetch_add(1, Ordering::Relaxed);
@@ -229,12 +234,14 @@ impl WorkStarts {
         let item_id = active.item.id;
         let item_task = active.item.task_id;
         let seed = active.episode_seed();
+        let group = active.item.group;
         // Where this episode starts: the interrupted run's newest state, the item's saved
         // state, or a fresh reset.
-        // An interrupted episode continues exactly, with the sampling generator it was saved
-        // with. A restart from a saved state (Go-Explore's "return, then explore") draws a new
-        // stream from the item's seed: with the saved one, every restart of a state would
-        // replay the actions the original episode took after it, and explore nothing.
+        // An interrupted episode (a group member's too) continues exactly, with the sampling
+        // generator it was saved with. A restart from a saved state (Go-Explore's "return, then
+        // explore") draws a new stream: a group member its member stream, any other item one
+        // from its seed. With the saved generator every restart of a state would replay the
+        // actions the original episode took after it, and explore nothing.
         let (snapshot, origin, continues) = if let Some(snapshot) = active.continue_from.take() {
             let origin = snapshot.origin.clone();
             (Some(snapshot), origin, true)
@@ -253,7 +260,11 @@ impl WorkStarts {
         };
         let restored = snapshot
             .and_then(|snapshot| restore(&self.tasks, &self.actor, slot, &mut slot_view, snapshot, seed))
-            .map(|saved| if continues { saved } else { Pcg64Mcg::seed_from_u64(seed ^ RESTART_STREAM) });
+            .map(|saved| match group {
+                _ if continues => saved,
+                Some(member) => Pcg64Mcg::seed_from_u64(group_stream_seed(member.group, member.member)),
+                None => Pcg64Mcg::seed_from_u64(seed ^ RESTART_STREAM),
+            });
         let rng = match restored {
             Some(rng) => {
                 self.counters.episodes_resumed.fetch_add(1, Ordering::Relaxed);
@@ -276,9 +287,15 @@ impl WorkStarts {
                 slot_view.hidden.fill(0.0);
                 *slot_view.episode = RunningEpisode::default();
                 slot.start = None;
-                Pcg64Mcg::seed_from_u64(seed ^ 0x5a3e_ed01)
+                // Members of a fresh group share the reset seed, so they start from one
+                // state, and sample from their own streams.
+                match group {
+                    Some(member) => Pcg64Mcg::seed_from_u64(group_stream_seed(member.group, member.member)),
+                    None => Pcg64Mcg::seed_from_u64(seed ^ 0x5a3e_ed01),
+                }
             }
         };
+        slot.group = group;
         slot.rng = Some(rng);
         slot.scheduled = true;
         slot.episode_index = episode_index;
@@ -387,6 +404,7 @@ impl EpisodeStarts for WorkStarts {
             task_id: slot.task_id,
             work_item: slot.scheduled_item().map(|active| active.item.id),
             start: if slot.scheduled { slot.start.clone() } else { None },
+            group: if slot.scheduled { slot.group } else { None },
         }
     }
 

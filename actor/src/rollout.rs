@@ -146,6 +146,8 @@ struct SegmentBuilder {
     saved_snapshots: Vec<SnapshotInfo>,
     task_id_at_start: u32,
     start_at_start: Option<String>,
+    /// The group of each episode piece so far ([`TrajectorySegment::episode_groups`]).
+    episode_groups: Vec<Option<volley_core::work::GroupMember>>,
 }
 
 /// Steps `n_envs` environments with the latest policy and produces segments.
@@ -329,11 +331,12 @@ impl RolloutWorker {
             let tags = self.starts.tags(env_idx);
             builder.task_id_at_start = tags.task_id;
             builder.start_at_start = tags.start;
+            builder.episode_groups.push(tags.group);
         }
         let mut env_time = Duration::ZERO;
         let mut inference_time = Duration::ZERO;
         let continuous = self.spec.policy.head.is_continuous();
-        for _ in 0..self.spec.segment_len {
+        for step in 0..self.spec.segment_len {
             let started = Instant::now();
             let obs = self.envs.obs();
             for (env_idx, builder) in self.builders.iter_mut().enumerate() {
@@ -402,6 +405,7 @@ impl RolloutWorker {
                         task_id: tags.task_id,
                         work_item: tags.work_item,
                         start: tags.start,
+                        group: tags.group,
                     });
                     record_return(&mut self.recent_returns, &self.counters, builder.episode.episode_return);
                 }
@@ -411,6 +415,11 @@ impl RolloutWorker {
                 hidden.fill(0.0);
                 let slot = SlotView { env_idx, envs: self.envs.as_mut(), hidden, episode: &mut builder.episode };
                 self.starts.episode_ended(slot);
+                // The next piece of this segment (an end at the last step starts the next
+                // segment's first piece instead).
+                if step + 1 < self.spec.segment_len {
+                    builder.episode_groups.push(self.starts.tags(env_idx).group);
+                }
             }
             self.counters.episodes.fetch_add(self.step.finished_episodes.len() as u64, Ordering::Relaxed);
         }
@@ -684,6 +693,13 @@ impl SegmentBuilder {
             initial_hidden: std::mem::take(&mut self.initial_hidden),
             finished_episodes: std::mem::take(&mut self.finished_episodes),
             saved_snapshots: std::mem::take(&mut self.saved_snapshots),
+            // Segments with no group member carry none, as before groups existed.
+            episode_groups: if self.episode_groups.iter().any(Option::is_some) {
+                std::mem::take(&mut self.episode_groups)
+            } else {
+                self.episode_groups.clear();
+                Vec::new()
+            },
         };
         self.segment_idx += 1;
         self.reserve(spec.segment_len, obs_dim, h);
@@ -694,7 +710,7 @@ impl SegmentBuilder {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use volley_core::work::{Start, WorkConfig, WorkItem};
+    use volley_core::work::{GroupMember, Start, WorkConfig, WorkItem};
     use volley_env::{EnvConfig, MemoryConfig};
     use volley_policy::CoreKind;
     use volley_testkit::fixtures::SpecBuilder;
@@ -970,7 +986,7 @@ mod tests {
     fn scheduled_episodes_are_tagged_snapshotted_and_completed() {
         let spec = work_spec(8, 3);
         let store = LocalSnapshotStore::new(1000);
-        let item = WorkItem { id: 7, task_id: 0, start: Start::Fresh { seed: 11 }, episodes: 2 };
+        let item = WorkItem { id: 7, task_id: 0, start: Start::Fresh { seed: 11 }, episodes: 2, group: None };
         let mut worker = work_worker(&spec, &[item], &store);
         let (episodes, saved) = until_item_episodes(&mut worker, 7, 2);
         assert!(episodes.iter().all(|e| e.start.is_none() && e.task_id == 0));
@@ -989,7 +1005,7 @@ mod tests {
     #[test]
     fn an_interrupted_item_continues_to_the_uninterrupted_outcome() {
         let spec = work_spec(4, 2);
-        let item = WorkItem { id: 7, task_id: 0, start: Start::Fresh { seed: 11 }, episodes: 1 };
+        let item = WorkItem { id: 7, task_id: 0, start: Start::Fresh { seed: 11 }, episodes: 1, group: None };
         let (uninterrupted, _) = until_item_episodes(
             &mut work_worker(&spec, std::slice::from_ref(&item), &LocalSnapshotStore::new(100)),
             7,
@@ -1036,6 +1052,132 @@ mod tests {
             lengths.len() > 1,
             "six restarts of one state all ran {lengths:?} steps (the original ran {})",
             original[0].episode_len
+        );
+    }
+
+    /// Member `member` of group 100 (four continuations of one start).
+    fn member_item(member: u32, start: &Start) -> WorkItem {
+        WorkItem {
+            id: 100 + u64::from(member),
+            task_id: 0,
+            start: start.clone(),
+            episodes: 1,
+            group: Some(GroupMember { group: 100, member, size: 4 }),
+        }
+    }
+
+    /// Start the worker's one slot on its item and return the environment's snapshot bytes and
+    /// the recurrent state at the episode's first step.
+    fn state_at_start(worker: &mut RolloutWorker) -> (Vec<u8>, Vec<u32>) {
+        let h = worker.layout.recurrent_size();
+        let builder = &mut worker.builders[0];
+        worker.starts.at_segment_boundary(SlotView {
+            env_idx: 0,
+            envs: worker.envs.as_mut(),
+            hidden: &mut worker.hidden[..h],
+            episode: &mut builder.episode,
+        });
+        let env = worker.envs.snapshot_env(0).expect("CartPole snapshots");
+        (env, worker.hidden[..h].iter().map(|v| v.to_bits()).collect())
+    }
+
+    /// The actions and return of `item`'s episode, read from the segments' group tags.
+    fn member_episode(worker: &mut RolloutWorker, item: u64) -> (Vec<u32>, f32) {
+        let mut actions = Vec::new();
+        for _ in 0..1000 {
+            for segment in worker.collect_segments() {
+                let tags: Vec<_> = segment.step_groups().collect();
+                actions.extend(
+                    segment
+                        .actions
+                        .iter()
+                        .zip(&tags)
+                        .filter(|(_, g)| g.is_some_and(|g| 100 + u64::from(g.member) == item))
+                        .map(|(a, _)| *a),
+                );
+                if let Some(done) = segment.finished_episodes.iter().find(|e| e.work_item == Some(item)) {
+                    assert_eq!(done.group.map(|g| g.group), Some(100));
+                    // Every step of the episode is tagged with the member: the steps before
+                    // a resumed start are the saved state's.
+                    let before = if worker.counters.episodes_resumed.load(Ordering::Relaxed) > 0 { 10 } else { 0 };
+                    assert_eq!(done.episode_len as usize, before + actions.len());
+                    return (actions, done.episode_return);
+                }
+            }
+        }
+        panic!("member {item} did not finish");
+    }
+
+    /// Issue 18, item 2: the continuations of a group start from bit-identical environment and
+    /// recurrent states, whether the start is a fresh reset or a saved state, and differ only
+    /// through their sampling streams: the same member run twice takes the same actions, and
+    /// different members take different ones.
+    #[test]
+    fn group_members_start_bit_identical_and_diverge_only_through_their_streams() {
+        let mut spec = worker(EnvConfig::Cartpole, 4, 2, CoreKind::Gru { hidden: 8 }, 8).spec.clone();
+        spec.hyper.work = WorkConfig {
+            enabled: true,
+            snapshot_every_steps: 5,
+            snapshot_at_milestones: false,
+            group_size: 4,
+            ..WorkConfig::default()
+        };
+        let store = LocalSnapshotStore::new(1000);
+        // A saved state mid-episode, with a non-zero recurrent state.
+        let single = WorkItem { id: 7, task_id: 0, start: Start::Fresh { seed: 11 }, episodes: 1, group: None };
+        let (_, saved) = until_item_episodes(&mut work_worker(&spec, &[single], &store), 7, 1);
+        let key = saved.iter().find(|s| s.episode_len == 10).expect("saved at step 10").key.clone();
+        let snapshot = store.clone().load(&key).expect("readable").expect("kept");
+        assert!(snapshot.hidden.iter().any(|&h| h != 0.0));
+        for start in [Start::Fresh { seed: 42 }, Start::Resume { snapshot: key }] {
+            let mut states = Vec::new();
+            let mut episodes = Vec::new();
+            // Members 0..4, and member 0 again on another actor (a redelivery's fresh start).
+            for member in [0, 1, 2, 3, 0] {
+                // Each run on its own store holding only the saved state (a store shared with
+                // member 0's first run would make the second one continue that run).
+                let own = LocalSnapshotStore::new(1000);
+                own.clone().save(&snapshot).expect("in-process store");
+                let mut worker = work_worker(&spec, &[member_item(member, &start)], &own);
+                states.push(state_at_start(&mut worker));
+                episodes.push(member_episode(&mut worker, 100 + u64::from(member)));
+            }
+            for (i, state) in states.iter().enumerate() {
+                assert_eq!(*state, states[0], "run {i} starts from the first run's state ({start:?})");
+            }
+            if let Start::Resume { .. } = start {
+                assert_eq!(states[0].0, snapshot.env);
+                assert_eq!(states[0].1, snapshot.hidden.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
+            }
+            assert_eq!(episodes[4], episodes[0], "the same stream replays the same episode ({start:?})");
+            let distinct: std::collections::HashSet<&Vec<u32>> = episodes[..4].iter().map(|(a, _)| a).collect();
+            // Short CartPole tails can coincide by chance; different streams must not all do.
+            assert!(distinct.len() > 1, "different streams take different actions ({start:?})");
+        }
+    }
+
+    /// A group member taken again after its actor stopped mid-episode continues from its
+    /// newest snapshot with its own stream, to the outcome of an uninterrupted run.
+    #[test]
+    fn an_interrupted_group_member_continues_to_its_uninterrupted_outcome() {
+        let mut spec = work_spec(4, 2);
+        spec.hyper.work.group_size = 4;
+        let item = member_item(2, &Start::Fresh { seed: 5 });
+        let (uninterrupted, _) = until_item_episodes(
+            &mut work_worker(&spec, std::slice::from_ref(&item), &LocalSnapshotStore::new(100)),
+            item.id,
+            1,
+        );
+        let store = LocalSnapshotStore::new(100);
+        let first = work_worker(&spec, std::slice::from_ref(&item), &store).collect_segments();
+        assert!(first[0].finished_episodes.is_empty(), "cut mid-episode");
+        let mut resumed = work_worker(&spec, std::slice::from_ref(&item), &store);
+        let (continued, _) = until_item_episodes(&mut resumed, item.id, 1);
+        assert_eq!(resumed.counters.episodes_resumed.load(Ordering::Relaxed), 1);
+        assert_eq!(continued[0].group, item.group);
+        assert_eq!(
+            (continued[0].episode_return, continued[0].episode_len),
+            (uninterrupted[0].episode_return, uninterrupted[0].episode_len)
         );
     }
 }

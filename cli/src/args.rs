@@ -7,7 +7,7 @@ use anyhow::{bail, Context};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use volley_core::ids::RunId;
 use volley_core::spec::{
-    HyperParams, LossKind, PriorityConfig, RunSpec, SelectionConfig, TrustConfig, ZeroVarianceConfig,
+    Baseline, HyperParams, LossKind, PriorityConfig, RunSpec, SelectionConfig, TrustConfig, ZeroVarianceConfig,
 };
 use volley_core::work::{BudgetPolicy, WorkConfig};
 use volley_env::{
@@ -350,6 +350,34 @@ pub struct SpecArgs {
     /// Seconds a taken work item may go without progress before another actor gets it.
     #[arg(long, default_value_t = 30.0, env = "VOLLEY_WORK_ACK_WAIT_SECS")]
     pub work_ack_wait_secs: f64,
+    /// Group rollouts: continuations per group, K (1: no groups). A group is K work items of
+    /// one episode each from one start (a fresh reset seed or a saved state), each sampling
+    /// actions from its own stream; needs --work.
+    #[arg(long, default_value_t = 1, env = "VOLLEY_GROUP_SIZE", requires = "work")]
+    pub group_size: u32,
+    /// Group rollouts: share of the scheduler's draws that become a group rather than a
+    /// single item, in [0, 1].
+    #[arg(long, default_value_t = 1.0, env = "VOLLEY_GROUP_SHARE")]
+    pub group_share: f32,
+    /// The policy gradient's baseline: the critic, or the group's mean return (group rollouts;
+    /// group-std also divides by the group's standard deviation, as GRPO does).
+    #[arg(long, value_enum, default_value = "critic", env = "VOLLEY_BASELINE")]
+    pub baseline: BaselineName,
+    /// Group rollouts: segments the learner holds back until their groups complete; beyond
+    /// it the oldest are trained on with the critic's advantages.
+    #[arg(long, default_value_t = 256, env = "VOLLEY_GROUP_HOLD_SEGMENTS")]
+    pub group_hold_segments: u32,
+}
+
+/// The policy gradient's baseline (`--baseline`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum BaselineName {
+    /// The learned value function.
+    Critic,
+    /// The group's mean return: A = G_k − mean(G) (Dr. GRPO).
+    Group,
+    /// (G_k − mean(G)) / std(G) (GRPO).
+    GroupStd,
 }
 
 /// Budget policy between tasks (`--budget`).
@@ -619,7 +647,15 @@ impl SpecArgs {
                 episodes_per_item: self.episodes_per_item,
                 snapshot_every_steps: self.snapshot_every,
                 ack_wait_secs: self.work_ack_wait_secs,
+                group_size: self.group_size,
+                group_share: self.group_share,
+                group_hold_segments: self.group_hold_segments,
                 ..WorkConfig::default()
+            },
+            baseline: match self.baseline {
+                BaselineName::Critic => Baseline::Critic,
+                BaselineName::Group => Baseline::Group,
+                BaselineName::GroupStd => Baseline::GroupStd,
             },
             selection: self.selection(),
             trust: TrustConfig { max_actor_return_share: self.max_actor_return_share },
@@ -1039,6 +1075,19 @@ pub fn check_learner_progress(spec: &RunSpec, publish_every: u64) -> anyhow::Res
         );
     }
     let pool_segments = spec.hyper.selection.pool_segments(spec.hyper.batch_segments) as u64;
+    let work = &spec.hyper.work;
+    let holds = work.enabled
+        && work.group_size > 1
+        && (spec.hyper.baseline.uses_groups() || spec.hyper.selection.zero_variance.is_some());
+    if holds && pool_segments + u64::from(work.group_hold_segments) > CONSUMER_MAX_ACK_PENDING {
+        bail!(
+            "a selection pool of {pool_segments} segments plus --group-hold-segments {} exceeds the {CONSUMER_MAX_ACK_PENDING} \
+             unacknowledged segments the learner's NATS consumer delivers, so held groups could stop deliveries; \
+             lower --group-hold-segments to at most {}",
+            work.group_hold_segments,
+            CONSUMER_MAX_ACK_PENDING.saturating_sub(pool_segments)
+        );
+    }
     if pool_segments > CONSUMER_MAX_ACK_PENDING {
         bail!(
             "--batch-segments {} (x --select-pool-factor {}) = a selection pool of {pool_segments} segments, but the \
@@ -1510,5 +1559,25 @@ mod tests {
             let err = learner_config(&["--nats-replicas", out_of_range]).expect_err("refused");
             assert!(err.to_string().contains("--nats-replicas"), "{err}");
         }
+    }
+
+    #[test]
+    fn group_flags_reach_the_spec_and_bad_combinations_are_refused() {
+        let config =
+            learner_config(&["--work", "--group-size", "8", "--group-share", "0.5", "--baseline", "group-std"])
+                .expect("valid");
+        let hyper = &config.spec.hyper;
+        assert_eq!((hyper.work.group_size, hyper.work.group_share), (8, 0.5));
+        assert_eq!(hyper.baseline, Baseline::GroupStd);
+        let err = format!("{:#}", learner_config(&["--baseline", "group"]).expect_err("refused"));
+        assert!(err.contains("needs group rollouts"), "{err}");
+        let err = format!("{:#}", learner_config(&["--work", "--baseline", "group"]).expect_err("refused"));
+        assert!(err.contains("group_size 1"), "{err}");
+        let err =
+            learner_config(&["--work", "--group-size", "4", "--baseline", "group", "--group-hold-segments", "995"])
+                .expect_err("refused");
+        assert!(err.to_string().contains("--group-hold-segments 995"), "{err}");
+        let err = format!("{:#}", learner_config(&["--work", "--group-size", "65"]).expect_err("refused"));
+        assert!(err.contains("work.group_size 65"), "{err}");
     }
 }

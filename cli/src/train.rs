@@ -70,6 +70,9 @@ pub struct TrainSummary {
     pub segments_dropped: std::collections::BTreeMap<&'static str, u64>,
     /// Segments received but neither used nor dropped when training stopped (the selection pool).
     pub segments_unused: u64,
+    /// Group rollouts: segments out of the group hold by outcome (`grouped`, `critic_lag`,
+    /// `critic_capacity`, `critic_lost`), and groups completed; empty without group rollouts.
+    pub group_segments: std::collections::BTreeMap<&'static str, u64>,
     /// Environment failures that were reset.
     pub env_errors: u64,
     /// Largest lag seen (versions).
@@ -261,7 +264,21 @@ pub fn train(config: TrainConfig, interrupted: Arc<AtomicBool>) -> anyhow::Resul
         segments_stale: report.segments_stale,
         segments_rejected: report.segments_rejected.values().sum(),
         segments_dropped: report.segments_dropped().iter().map(|&(reason, n)| (reason.as_str(), n)).collect(),
-        segments_unused: report.pool_segments,
+        segments_unused: report.pool_segments + report.groups.held_segments,
+        group_segments: if spec.hyper.work.group_size > 1 {
+            let g = &report.groups;
+            [
+                ("grouped", g.segments_grouped),
+                ("critic_lag", g.segments_critic_lag),
+                ("critic_capacity", g.segments_critic_capacity),
+                ("critic_lost", g.segments_critic_lost),
+                ("groups_completed", g.groups.completed),
+            ]
+            .into_iter()
+            .collect()
+        } else {
+            Default::default()
+        },
         env_errors,
         lag_max: report.lag_histogram.iter().rposition(|&n| n > 0).unwrap_or(0) as u64,
         learner_wait_ratio: if loop_secs > 0.0 { report.wait_time.as_secs_f64() / loop_secs } else { 0.0 },

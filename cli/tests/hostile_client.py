@@ -21,7 +21,7 @@ import nats
 import xxhash
 
 MAGIC = b"VLLY"
-FORMAT_VERSION = 5
+FORMAT_VERSION = 6
 KIND_SEGMENT = 1
 
 
@@ -64,7 +64,9 @@ def segment_body(seg: dict) -> bytes:
     for ep in seg["finished_episodes"]:
         out += struct.pack("<f", ep["episode_return"]) + varint(ep["episode_len"]) + varint(0)
         out += option(None, varint) + option(None, string)
+        out += option(None, varint)  # format 6: the episode's group (none here)
     out += varint(0)  # saved_snapshots
+    out += varint(0)  # format 6: episode_groups (none here)
     return out
 
 

@@ -67,7 +67,7 @@ fn spec() -> RunSpec {
 }
 
 fn item(seed: u64) -> WorkItem {
-    WorkItem { id: ITEM, task_id: 0, start: Start::Fresh { seed }, episodes: 1 }
+    WorkItem { id: ITEM, task_id: 0, start: Start::Fresh { seed }, episodes: 1, group: None }
 }
 
 fn weights(spec: &RunSpec) -> Arc<Weights> {

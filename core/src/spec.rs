@@ -15,6 +15,43 @@ pub enum LossKind {
     Ppo,
 }
 
+/// What the policy gradient's advantage is measured against (`hyper.baseline`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Baseline {
+    /// The learned value function (V-trace or GAE advantages): the default.
+    #[default]
+    Critic,
+    /// Group-relative (Shao et al. 2024, GRPO, without the division by the group's standard
+    /// deviation, as Liu et al. 2025 "Dr. GRPO" recommend): every step of member `k`'s episode
+    /// in a complete group of continuations gets the advantage `c·(G_k − mean_j G_j)` (`c` the
+    /// reward scale). Steps outside complete groups keep the critic's advantage, and the critic
+    /// is trained on every step either way. Needs group rollouts (`work.group_size > 1`).
+    Group,
+    /// As [`Baseline::Group`], divided by the group's standard deviation plus 1e-6 (GRPO as
+    /// published).
+    GroupStd,
+}
+
+impl Baseline {
+    /// Whether advantages come from groups.
+    pub fn uses_groups(self) -> bool {
+        !matches!(self, Baseline::Critic)
+    }
+}
+
+impl std::str::FromStr for Baseline {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "critic" => Ok(Baseline::Critic),
+            "group" => Ok(Baseline::Group),
+            "group-std" => Ok(Baseline::GroupStd),
+            other => Err(format!("unknown baseline {other:?} (expected critic, group or group-std)")),
+        }
+    }
+}
+
 impl std::str::FromStr for LossKind {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, Self::Err> {
@@ -114,6 +151,10 @@ pub struct HyperParams {
     /// Save-load and budget assignment across tasks and saved states (off by default).
     #[serde(default)]
     pub work: crate::work::WorkConfig,
+    /// The policy gradient's baseline: the critic, or groups of continuations (group
+    /// rollouts, `work.group_size`). Absent in specs written before it existed: the critic.
+    #[serde(default)]
+    pub baseline: Baseline,
     /// Trajectory selection: which received segments feed gradient steps, and with what weight.
     /// Absent in specs written before it existed; the default keeps the old behaviour.
     #[serde(default)]
@@ -406,6 +447,7 @@ impl Default for HyperParams {
             max_policy_lag: 8,
             max_backlog_segments: 64,
             work: crate::work::WorkConfig::default(),
+            baseline: Baseline::Critic,
             selection: SelectionConfig::default(),
             trust: TrustConfig::default(),
             stores: StoreLimits::default(),
@@ -679,6 +721,15 @@ impl RunSpec {
             }
         }
         h.selection.validate(h.batch_segments)?;
+        if h.baseline.uses_groups() && !(h.work.enabled && h.work.group_size > 1) {
+            return Err(SpecError::Work(format!(
+                "baseline {:?} needs group rollouts: work items on (--work) and work.group_size above 1 \
+                 (got work {} and group_size {})",
+                h.baseline,
+                if h.work.enabled { "on" } else { "off" },
+                h.work.group_size
+            )));
+        }
         Ok(layout)
     }
 }

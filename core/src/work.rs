@@ -64,6 +64,19 @@ pub struct WorkConfig {
     pub stats_window: u32,
     /// UCB exploration constant.
     pub ucb_c: f32,
+    /// Group rollouts: continuations per group (`K`; 1 = no groups). A group is `K` work items
+    /// of one episode each that share a start (one fresh reset seed, or one saved state) and
+    /// differ only in their action-sampling streams ([`group_stream_seed`]).
+    pub group_size: u32,
+    /// Share of the scheduler's draws that become a group of `group_size` items instead of a
+    /// single item (used only when `group_size > 1`).
+    pub group_share: f32,
+    /// The learner holds the segments of incomplete groups back (group baselines, or the
+    /// zero-variance filter on groups) until their `group_size` episodes have ended: at most
+    /// this many segments; beyond it the oldest go to the critic.
+    pub group_hold_segments: u32,
+    /// The same bound in bytes of held segments (observations, actions and per-step floats).
+    pub group_hold_bytes: u64,
 }
 
 impl Default for WorkConfig {
@@ -81,6 +94,10 @@ impl Default for WorkConfig {
             snapshot_ttl_secs: 3600.0,
             stats_window: 50,
             ucb_c: 0.5,
+            group_size: 1,
+            group_share: 1.0,
+            group_hold_segments: 256,
+            group_hold_bytes: 64 << 20,
         }
     }
 }
@@ -114,6 +131,18 @@ impl WorkConfig {
         if !(self.ucb_c.is_finite() && self.ucb_c >= 0.0) {
             return Err(format!("work.ucb_c {} must be finite and non-negative", self.ucb_c));
         }
+        if !(1..=MAX_GROUP_SIZE).contains(&self.group_size) {
+            return Err(format!("work.group_size {} outside 1..={MAX_GROUP_SIZE}", self.group_size));
+        }
+        if !(0.0..=1.0).contains(&self.group_share) {
+            return Err(format!("work.group_share {} outside [0, 1]", self.group_share));
+        }
+        if !(1..=4096).contains(&self.group_hold_segments) || self.group_hold_bytes == 0 {
+            return Err(format!(
+                "work.group_hold_segments {} outside 1..=4096 or work.group_hold_bytes {} is 0",
+                self.group_hold_segments, self.group_hold_bytes
+            ));
+        }
         Ok(())
     }
 }
@@ -134,6 +163,40 @@ pub enum Start {
     },
 }
 
+/// The most continuations one group may have ([`WorkConfig::group_size`]).
+pub const MAX_GROUP_SIZE: u32 = 64;
+
+/// Membership of one work item (and of its episode) in a group of continuations forked from
+/// one start (GRPO-style groups, Shao et al. 2024): `size` items share the group id (the id of
+/// the group's first item) and the start, and member `member` samples its actions from its
+/// own stream, [`group_stream_seed`]`(group, member)`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct GroupMember {
+    /// The group's id: the id of its first work item.
+    pub group: u64,
+    /// This continuation's index, `0..size`.
+    pub member: u32,
+    /// Continuations in the group (`work.group_size` when issued).
+    pub size: u32,
+}
+
+impl GroupMember {
+    /// Whether the tag is well-formed: `member < size ≤ MAX_GROUP_SIZE`.
+    pub fn is_valid(&self) -> bool {
+        self.size >= 2 && self.size <= MAX_GROUP_SIZE && self.member < self.size
+    }
+}
+
+/// The seed of member `member`'s action-sampling generator in group `group`: a fixed
+/// function of the two (SplitMix64's finaliser over both), so a redelivered member samples
+/// exactly as it would have on the first actor, and every member samples differently.
+pub fn group_stream_seed(group: u64, member: u32) -> u64 {
+    let mut z = group ^ (u64::from(member) + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ 0x6a09_e667_f3bc_c909;
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
 /// One unit of rollout work, as the scheduler issues it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct WorkItem {
@@ -145,6 +208,10 @@ pub struct WorkItem {
     pub start: Start,
     /// Episodes to run from the start.
     pub episodes: u32,
+    /// The group this item is a continuation of (group rollouts); absent from the JSON of a
+    /// single item, so such items are byte-for-byte what they were before groups existed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub group: Option<GroupMember>,
 }
 
 impl WorkItem {
@@ -290,7 +357,13 @@ mod tests {
 
     #[test]
     fn work_items_are_json_and_old_specs_parse_without_work_settings() {
-        let item = WorkItem { id: 4, task_id: 1, start: Start::Resume { snapshot: "w1-e0-s8".into() }, episodes: 2 };
+        let item = WorkItem {
+            id: 4,
+            task_id: 1,
+            start: Start::Resume { snapshot: "w1-e0-s8".into() },
+            episodes: 2,
+            group: None,
+        };
         let json = item.to_json();
         assert_eq!(WorkItem::from_json(&json).unwrap(), item);
         assert!(String::from_utf8(json.clone()).unwrap().contains("\"kind\":\"resume\""));
@@ -306,5 +379,28 @@ mod tests {
         assert!(WorkConfig { restart_share: 1.5, ..WorkConfig::default() }.validate().is_err());
         assert!(WorkConfig { episodes_per_item: 0, ..WorkConfig::default() }.validate().is_err());
         assert!(WorkConfig::default().validate().is_ok());
+        assert!(WorkConfig { group_size: 0, ..WorkConfig::default() }.validate().is_err());
+        assert!(WorkConfig { group_size: MAX_GROUP_SIZE + 1, ..WorkConfig::default() }.validate().is_err());
+        assert!(WorkConfig { group_share: -0.1, ..WorkConfig::default() }.validate().is_err());
+    }
+
+    #[test]
+    fn group_items_round_trip_and_single_items_keep_their_json() {
+        let single = WorkItem { id: 9, task_id: 0, start: Start::Fresh { seed: 3 }, episodes: 1, group: None };
+        let json = String::from_utf8(single.to_json()).unwrap();
+        assert!(!json.contains("group"), "{json}");
+        let member = WorkItem { group: Some(GroupMember { group: 9, member: 2, size: 4 }), ..single };
+        assert_eq!(WorkItem::from_json(&member.to_json()).unwrap(), member);
+        assert!(GroupMember { group: 9, member: 2, size: 4 }.is_valid());
+        assert!(!GroupMember { group: 9, member: 4, size: 4 }.is_valid());
+        assert!(!GroupMember { group: 9, member: 0, size: MAX_GROUP_SIZE + 1 }.is_valid());
+    }
+
+    #[test]
+    fn group_streams_differ_by_member_and_group_and_are_fixed() {
+        let seeds: std::collections::HashSet<u64> =
+            (0..4u64).flat_map(|g| (0..8).map(move |m| group_stream_seed(100 + g, m))).collect();
+        assert_eq!(seeds.len(), 32);
+        assert_eq!(group_stream_seed(5, 1), group_stream_seed(5, 1));
     }
 }

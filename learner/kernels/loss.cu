@@ -23,10 +23,12 @@ extern "C" __global__ void behaviour_weights(const float* prox, const float* beh
 
 // V-trace targets and policy-gradient advantages (Espeholt et al. 2018, eq. (1), sec. 4.2):
 // one thread per batch column walks time backwards; every load is coalesced across columns.
-// `vs` doubles as the carry, as in policy/src/returns/vtrace.rs.
+// `vs` doubles as the carry, as in policy/src/returns/vtrace.rs. With `has_override`, a finite
+// `adv_override[i]` (group baselines) replaces `reward + discount * vs_next - v` in the
+// policy-gradient advantage, as learner/src/losses.rs `override_pg_advantages` does.
 extern "C" __global__ void vtrace_scan(int t_len, int b_len, const float* log_rhos, const float* discounts, const float* rewards,
                                        const float* values, const float* bootstrap, float rho_bar, float pg_rho_bar, float c_bar,
-                                       float lambda_, float* vs, float* pg_adv) {
+                                       float lambda_, int has_override, const float* adv_override, float* vs, float* pg_adv) {
     const int b = blockIdx.x * blockDim.x + threadIdx.x;
     if (b >= b_len) return;
     float v_next = bootstrap[b];
@@ -42,15 +44,20 @@ extern "C" __global__ void vtrace_scan(int t_len, int b_len, const float* log_rh
         const float delta = clipped_rho * (reward + discount * v_next - v);
         const float vs_t = v + delta + discount * c * (vs_next - v_next);
         vs[i] = vs_t;
-        pg_adv[i] = fminf(rho, pg_rho_bar) * (reward + discount * vs_next - v);
+        const float own = reward + discount * vs_next - v;
+        const float a = (has_override && isfinite(adv_override[i])) ? adv_override[i] : own;
+        pg_adv[i] = fminf(rho, pg_rho_bar) * a;
         vs_next = vs_t;
         v_next = v;
     }
 }
 
-// GAE(gamma, lambda) advantages and lambda-returns (Schulman et al. 2016, eq. (16)).
+// GAE(gamma, lambda) advantages and lambda-returns (Schulman et al. 2016, eq. (16)). With
+// `has_override`, a finite `adv_override[i]` (group baselines) is written as the advantage; the
+// recursion and the returns stay GAE's.
 extern "C" __global__ void gae_scan(int t_len, int b_len, const float* discounts, const float* rewards, const float* values,
-                                    const float* bootstrap, float lambda_, float* adv, float* ret) {
+                                    const float* bootstrap, float lambda_, int has_override, const float* adv_override,
+                                    float* adv, float* ret) {
     const int b = blockIdx.x * blockDim.x + threadIdx.x;
     if (b >= b_len) return;
     float v_next = bootstrap[b];
@@ -61,7 +68,7 @@ extern "C" __global__ void gae_scan(int t_len, int b_len, const float* discounts
         const float v = values[i];
         const float delta = rewards[i] + discount * v_next - v;
         const float a = delta + discount * lambda_ * adv_next;
-        adv[i] = a;
+        adv[i] = (has_override && isfinite(adv_override[i])) ? adv_override[i] : a;
         ret[i] = a + v;
         adv_next = a;
         v_next = v;

@@ -41,6 +41,9 @@ pub struct SegmentBatch {
     pub sample_weights: Vec<f32>,
     /// `[B]` behaviour version of each column.
     pub policy_versions: Vec<PolicyVersion>,
+    /// Group baselines: `[T][B]` advantages that replace the critic's where finite (NaN: the
+    /// critic's), or empty when no column has one ([`SegmentBatch::set_advantage_override`]).
+    pub advantage_override: Vec<f32>,
 }
 
 impl SegmentBatch {
@@ -72,6 +75,7 @@ impl SegmentBatch {
         resize(&mut self.discounts, steps);
         resize(&mut self.sample_weights, steps);
         self.policy_versions.clear();
+        self.advantage_override.clear();
         for (b, (segment, &weight)) in segments.iter().zip(column_weights).enumerate() {
             assert_eq!(segment.len(), t_len, "segments in a batch share T");
             assert_eq!(segment.obs_dim as usize, obs_dim, "segments in a batch share obs_dim");
@@ -107,6 +111,28 @@ impl SegmentBatch {
         }
     }
 
+    /// Set the group advantages of a filled batch, one optional `[T]` slice per column (NaN
+    /// steps and `None` columns keep the critic's advantage); all `None` leaves none.
+    ///
+    /// # Panics
+    /// If there is not one entry per column or a slice is not `T` long.
+    pub fn set_advantage_override(&mut self, columns: &[Option<&[f32]>]) {
+        assert_eq!(columns.len(), self.b_len, "one entry per column");
+        self.advantage_override.clear();
+        if columns.iter().all(Option::is_none) {
+            return;
+        }
+        let (t_len, b_len) = (self.t_len, self.b_len);
+        self.advantage_override.resize(t_len * b_len, f32::NAN);
+        for (b, column) in columns.iter().enumerate() {
+            let Some(column) = column else { continue };
+            assert_eq!(column.len(), t_len, "a group advantage per step");
+            for (t, &a) in column.iter().enumerate() {
+                self.advantage_override[t * b_len + b] = a;
+            }
+        }
+    }
+
     /// Copy the columns `cols` of this batch into `out` (a minibatch of whole sequences).
     pub fn gather_columns(&self, cols: &[usize], out: &mut SegmentBatch) {
         let (t_len, b_len) = (self.t_len, self.b_len);
@@ -130,6 +156,11 @@ impl SegmentBatch {
         gather(&self.sample_weights, t_len, b_len, 1, cols, &mut out.sample_weights);
         out.policy_versions.clear();
         out.policy_versions.extend(cols.iter().map(|&c| self.policy_versions[c]));
+        if self.advantage_override.is_empty() {
+            out.advantage_override.clear();
+        } else {
+            gather(&self.advantage_override, t_len, b_len, 1, cols, &mut out.advantage_override);
+        }
     }
 }
 

@@ -20,7 +20,7 @@ use volley_transport::{Delivery, DeliveryToken, TrajectorySource, TransportError
 use crate::admission::Admission;
 use crate::batch::SegmentBatch;
 use crate::learner::{Learner, UpdateStats};
-use crate::selection::{DropReason, Dropped, Selector};
+use crate::selection::{DropReason, Dropped, GroupStats, Selector};
 
 /// When the learner loop stops by itself.
 #[derive(Debug, Clone, Default)]
@@ -119,6 +119,8 @@ pub struct LearnerReport {
     /// Segments waiting in the selection pool at the last update (received, not yet used,
     /// not acknowledged).
     pub pool_segments: u64,
+    /// Group rollouts: the group hold and the group table (refreshed every pass of the loop).
+    pub groups: GroupStats,
     /// Segments skipped because the same (actor, incarnation, env, segment index) was already used.
     pub segments_duplicate: u64,
     /// Segments rejected as malformed, by reason.
@@ -449,6 +451,7 @@ pub fn run_learner(
             report.count_drop(drop.reason);
             settled.push(drop.token);
         }
+        report.groups = selector.group_stats();
         release_published(&*publisher, &mut unpublished, &mut settled);
         if !settled.is_empty() {
             let ack_started = Instant::now();
@@ -465,6 +468,7 @@ pub fn run_learner(
         }
         let draw = selector.draw();
         batch.fill(&draw.segments, spec.hyper.gamma, spec.hyper.reward_scale, draw.column_weights);
+        batch.set_advantage_override(&draw.advantages);
         let update_started = Instant::now();
         let stats = learner.update(&batch);
         report.update_time += update_started.elapsed();

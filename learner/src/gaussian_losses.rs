@@ -94,6 +94,7 @@ pub fn gaussian_vtrace_loss_heads(
     heads: &[f32],
     values: &[f32],
     config: &VTraceLossConfig,
+    advantage_override: Option<&[f32]>,
     log_rhos: &mut [f32],
     vs: &mut [f32],
     pg_advantages: &mut [f32],
@@ -144,6 +145,14 @@ pub fn gaussian_vtrace_loss_heads(
         vs,
         pg_advantages,
     );
+    if let Some(advantage_override) = advantage_override {
+        crate::losses::override_pg_advantages(
+            advantage_override,
+            log_rhos,
+            config.vtrace.clip_pg_rho_threshold,
+            pg_advantages,
+        );
+    }
     let weight_sum: f64 = batch.sample_weights.iter().map(|&w| f64::from(w)).sum();
     let mut sums = WeightedSums::default();
     if weight_sum <= 0.0 {
@@ -435,6 +444,7 @@ mod tests {
                 &fixture.heads,
                 &values,
                 &config,
+                None,
                 &mut log_rhos,
                 &mut vs,
                 &mut pg,

@@ -11,6 +11,7 @@ pub mod batch;
 pub mod checkpoint;
 pub mod consume;
 pub mod gaussian_losses;
+pub mod groups;
 pub mod learner;
 pub mod losses;
 pub mod metrics;

@@ -312,6 +312,7 @@ pub fn vtrace_loss_with_workspace(
         &heads,
         values,
         config,
+        None,
         &mut workspace.log_rhos,
         &mut workspace.vs,
         &mut workspace.pg_advantages,
@@ -356,6 +357,7 @@ pub(crate) fn vtrace_loss_heads(
     heads: &[f32],
     values: &[f32],
     config: &VTraceLossConfig,
+    advantage_override: Option<&[f32]>,
     log_rhos: &mut [f32],
     vs: &mut [f32],
     pg_advantages: &mut [f32],
@@ -408,6 +410,9 @@ pub(crate) fn vtrace_loss_heads(
         vs,
         pg_advantages,
     );
+    if let Some(advantage_override) = advantage_override {
+        override_pg_advantages(advantage_override, log_rhos, config.vtrace.clip_pg_rho_threshold, pg_advantages);
+    }
 
     let weight_sum: f64 = batch.sample_weights.iter().map(|&w| f64::from(w)).sum();
     let mut sums = WeightedSums::default();
@@ -445,6 +450,40 @@ pub(crate) fn vtrace_loss_heads(
         dvalue[0] = -config.value_coef * scale * (vs - value);
     }
     (sums, weight_sum)
+}
+
+/// Group baselines in V-trace: where `advantage_override[i]` is finite, the policy-gradient
+/// advantage becomes `min(ρ_i, ρ̄_pg) · advantage_override[i]` (the same clipped importance
+/// weight V-trace puts on its own `r + γ v_{t+1} − V`); elsewhere V-trace's stays.
+///
+/// # Panics
+/// If the lengths differ.
+pub fn override_pg_advantages(
+    advantage_override: &[f32],
+    log_rhos: &[f32],
+    pg_rho_bar: f32,
+    pg_advantages: &mut [f32],
+) {
+    assert!(advantage_override.len() == log_rhos.len() && log_rhos.len() == pg_advantages.len());
+    for ((pg, &a), &log_rho) in pg_advantages.iter_mut().zip(advantage_override).zip(log_rhos) {
+        if a.is_finite() {
+            *pg = log_rho.exp().min(pg_rho_bar) * a;
+        }
+    }
+}
+
+/// Group baselines in PPO: where `advantage_override[i]` is finite it replaces GAE's
+/// advantage; elsewhere GAE's stays.
+///
+/// # Panics
+/// If the lengths differ.
+pub fn override_advantages(advantage_override: &[f32], advantages: &mut [f32]) {
+    assert_eq!(advantage_override.len(), advantages.len());
+    for (adv, &a) in advantages.iter_mut().zip(advantage_override) {
+        if a.is_finite() {
+            *adv = a;
+        }
+    }
 }
 
 /// What [`ppo_loss`] needs beyond the [`SequenceBatch`], all computed before the update.
@@ -1279,5 +1318,91 @@ mod tests {
         fixture.sample_weights.fill(1.0);
         fixture.actions[1] = 3;
         fixture.run(&PpoLossConfig::default());
+    }
+
+    /// Group baselines (issue 18): a finite override replaces V-trace's policy-gradient
+    /// advantage, still times the clipped importance weight; NaN steps, the value targets and
+    /// the value gradient stay V-trace's.
+    #[test]
+    fn group_advantages_replace_vtrace_pg_advantages_only_where_given() {
+        let f = VTraceFixture::random(11, 6, 3, 4);
+        let (n, a) = (f.t_len * f.b_len, f.n_actions);
+        let (rows, stride) = (n + f.b_len, a + 1);
+        let mut heads = vec![0.0; rows * stride];
+        for r in 0..rows {
+            heads[r * stride..r * stride + a].copy_from_slice(&f.logits[r * a..(r + 1) * a]);
+            heads[r * stride + a] = f.values[r];
+        }
+        let config = VTraceLossConfig {
+            vtrace: VTraceConfig {
+                clip_rho_threshold: 1.0,
+                clip_pg_rho_threshold: 0.8,
+                clip_c_threshold: 1.0,
+                lambda_: 0.9,
+            },
+            value_coef: 0.5,
+            ent_coef: 0.01,
+        };
+        let run = |advantage_override: Option<&[f32]>| {
+            let (mut log_rhos, mut vs, mut pg, mut d_heads) =
+                (vec![0.0; n], vec![0.0; n], vec![0.0; n], vec![0.0; rows * stride]);
+            vtrace_loss_heads(
+                &f.batch(),
+                &heads,
+                &f.values,
+                &config,
+                advantage_override,
+                &mut log_rhos,
+                &mut vs,
+                &mut pg,
+                &mut d_heads,
+            );
+            (log_rhos, vs, pg, d_heads)
+        };
+        let base = run(None);
+        let given: Vec<f32> = (0..n).map(|i| if i % 2 == 0 { i as f32 * 0.1 - 0.5 } else { f32::NAN }).collect();
+        let with = run(Some(&given));
+        assert_eq!(with.1, base.1, "value targets are V-trace's");
+        for (i, &a_i) in given.iter().enumerate() {
+            let expected = if a_i.is_finite() { base.0[i].exp().min(0.8) * a_i } else { base.2[i] };
+            assert_eq!(with.2[i], expected, "step {i}");
+            assert_eq!(with.3[i * stride + a], base.3[i * stride + a], "value gradient of step {i}");
+        }
+        assert_ne!(with.3, base.3, "the policy gradient moved");
+    }
+
+    #[test]
+    fn group_advantages_replace_gae_advantages_but_not_returns() {
+        use crate::backend::{Backend, CpuBackend, View, ViewMut};
+        let (t_len, b_len) = (5, 2);
+        let n = t_len * b_len;
+        let discounts = vec![0.9; n];
+        let rewards: Vec<f32> = (0..n).map(|i| i as f32 * 0.1).collect();
+        let values: Vec<f32> = (0..n + b_len).map(|i| 0.5 - i as f32 * 0.05).collect();
+        let given: Vec<f32> = (0..n).map(|i| if i < b_len { 2.0 } else { f32::NAN }).collect();
+        let mut backend = CpuBackend::new();
+        let run = |backend: &mut CpuBackend, advantage_override: Option<&Vec<f32>>| {
+            let (mut adv, mut ret) = (vec![0.0; n], vec![0.0; n]);
+            backend
+                .gae_scan(
+                    t_len,
+                    b_len,
+                    View::of(&discounts),
+                    View::of(&rewards),
+                    View::range(&values, 0..n),
+                    View::range(&values, n..n + b_len),
+                    0.95,
+                    advantage_override.map(View::of),
+                    ViewMut::of(&mut adv),
+                    ViewMut::of(&mut ret),
+                )
+                .unwrap();
+            (adv, ret)
+        };
+        let base = run(&mut backend, None);
+        let with = run(&mut backend, Some(&given));
+        assert_eq!(with.1, base.1, "returns are GAE's");
+        assert_eq!(&with.0[..b_len], &[2.0, 2.0]);
+        assert_eq!(&with.0[b_len..], &base.0[b_len..]);
     }
 }

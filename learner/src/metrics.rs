@@ -39,6 +39,11 @@ pub struct LearnerMetrics {
     effective_samples: Gauge,
     explained_variance: Gauge,
     importance_ratio: Histogram,
+    group_segments: IntCounterVec,
+    groups: IntCounterVec,
+    group_duplicates: IntCounter,
+    group_held_segments: Gauge,
+    group_held_bytes: Gauge,
     /// The report as of the last [`LearnerMetrics::tick`]: counters move by the difference.
     previous: LearnerReport,
     /// Compute time at the last update, for the update's duration.
@@ -142,9 +147,46 @@ impl LearnerMetrics {
                 )
                 .buckets(vec![0.1, 0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.11, 1.25, 1.5, 2.0, 4.0, 10.0]),
             )?,
+            group_segments: IntCounterVec::new(
+                Opts::new(
+                    "volley_learner_group_segments_total",
+                    "Group rollouts: segments that left the group hold, by outcome (grouped: their groups complete; critic_lag, critic_capacity, critic_lost: released without group advantages at the lag bound, over the hold's bounds, or with a forgotten or broken group).",
+                ),
+                &["outcome"],
+            )?,
+            groups: IntCounterVec::new(
+                Opts::new(
+                    "volley_learner_groups_total",
+                    "Group rollouts: groups of continuations by outcome (completed, evicted before completing, broken: members reported different starts).",
+                ),
+                &["outcome"],
+            )?,
+            group_duplicates: int(
+                "volley_learner_group_members_duplicate_total",
+                "Group rollouts: member returns reported again (a redelivered member replaying its tail); the first counts.",
+            )?,
+            group_held_segments: gauge(
+                "volley_learner_group_held_segments",
+                "Group rollouts: segments waiting in the group hold for their groups to complete.",
+            )?,
+            group_held_bytes: gauge(
+                "volley_learner_group_held_bytes",
+                "Group rollouts: approximate bytes of the segments in the group hold.",
+            )?,
             previous: LearnerReport::default(),
             compute_at_update: Duration::ZERO,
         };
+        for outcome in GROUP_SEGMENT_OUTCOMES {
+            metrics.group_segments.with_label_values(&[outcome]);
+        }
+        for outcome in GROUP_OUTCOMES {
+            metrics.groups.with_label_values(&[outcome]);
+        }
+        registry.register(Box::new(metrics.group_segments.clone()))?;
+        registry.register(Box::new(metrics.groups.clone()))?;
+        registry.register(Box::new(metrics.group_duplicates.clone()))?;
+        registry.register(Box::new(metrics.group_held_segments.clone()))?;
+        registry.register(Box::new(metrics.group_held_bytes.clone()))?;
         // Every label value from the start, so rates and "no rejections" read 0, not "no data".
         for outcome in ["used", "duplicate"].into_iter().chain(crate::selection::DropReason::ALL.map(|r| r.as_str())) {
             metrics.segments.with_label_values(&[outcome]);
@@ -260,6 +302,27 @@ impl LearnerMetrics {
             self.backlog.set(backlog as f64);
         }
         self.pool.set(report.pool_segments as f64);
+        let (now, before) = (&report.groups, &prev.groups);
+        let segment_counts = [
+            (now.segments_grouped, before.segments_grouped),
+            (now.segments_critic_lag, before.segments_critic_lag),
+            (now.segments_critic_capacity, before.segments_critic_capacity),
+            (now.segments_critic_lost, before.segments_critic_lost),
+        ];
+        for (outcome, (count, was)) in GROUP_SEGMENT_OUTCOMES.iter().zip(segment_counts) {
+            self.group_segments.with_label_values(&[outcome]).inc_by(delta(count, was));
+        }
+        let group_counts = [
+            (now.groups.completed, before.groups.completed),
+            (now.groups.evicted_incomplete, before.groups.evicted_incomplete),
+            (now.groups.broken, before.groups.broken),
+        ];
+        for (outcome, (count, was)) in GROUP_OUTCOMES.iter().zip(group_counts) {
+            self.groups.with_label_values(&[outcome]).inc_by(delta(count, was));
+        }
+        self.group_duplicates.inc_by(delta(now.groups.duplicate_members, before.groups.duplicate_members));
+        self.group_held_segments.set(now.held_segments as f64);
+        self.group_held_bytes.set(now.held_bytes as f64);
         self.since_progress.set(report.elapsed.saturating_sub(report.progress_at).as_secs_f64());
         self.previous = report.clone();
     }
@@ -274,6 +337,11 @@ impl LearnerMetrics {
         self.checkpoint_age.set(age.as_secs_f64());
     }
 }
+
+/// The `outcome` labels of `volley_learner_group_segments_total`.
+const GROUP_SEGMENT_OUTCOMES: [&str; 4] = ["grouped", "critic_lag", "critic_capacity", "critic_lost"];
+/// The `outcome` labels of `volley_learner_groups_total`.
+const GROUP_OUTCOMES: [&str; 3] = ["completed", "evicted", "broken"];
 
 /// Most actors [`ActorLag`] keeps a label for; the least recently heard-from one is dropped
 /// first (the label set is keyed by what peers send, so it is bounded).
@@ -346,6 +414,7 @@ pub struct WorkMetrics {
     fresh_success: GaugeVec,
     frontier: GaugeVec,
     items: IntCounterVec,
+    groups: IntCounter,
     snapshots: Gauge,
 }
 
@@ -382,6 +451,10 @@ impl WorkMetrics {
                 Opts::new("volley_learner_work_items_total", "Work items issued, by start: fresh or resume."),
                 &["start"],
             )?,
+            groups: IntCounter::with_opts(Opts::new(
+                "volley_learner_work_groups_total",
+                "Groups of continuations issued (group rollouts); each is work.group_size items.",
+            ))?,
             snapshots: Gauge::with_opts(Opts::new(
                 "volley_learner_snapshots_known",
                 "Saved states the scheduler can restart from.",
@@ -396,6 +469,7 @@ impl WorkMetrics {
         }
         registry.register(Box::new(metrics.items.clone()))?;
         registry.register(Box::new(metrics.snapshots.clone()))?;
+        registry.register(Box::new(metrics.groups.clone()))?;
         Ok(metrics)
     }
 
@@ -418,6 +492,10 @@ impl WorkMetrics {
             }
         }
         self.snapshots.set(scheduler.known_snapshots() as f64);
+        let groups = scheduler.groups_issued();
+        if groups > self.groups.get() {
+            self.groups.inc_by(groups - self.groups.get());
+        }
     }
 }
 
@@ -449,6 +527,8 @@ mod actor_lag_tests {
         names.sort_unstable();
         assert_eq!(names, ["duplicate", "non_finite", "out_of_range", "stale", "used", "zero_variance"]);
         assert_eq!(values("volley_learner_work_items_total").len(), 2);
+        assert_eq!(values("volley_learner_group_segments_total").len(), 4);
+        assert_eq!(values("volley_learner_groups_total").len(), 3);
         for (label, value) in rejected.iter().chain(&outcomes) {
             assert_eq!(*value, 0.0, "{label}");
         }

@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 use rand::{Rng, SeedableRng};
 use rand_pcg::Pcg64Mcg;
 use volley_core::wire::TrajectorySegment;
-use volley_core::work::{episode_success, BudgetPolicy, Start, WorkConfig, WorkItem};
+use volley_core::work::{episode_success, BudgetPolicy, GroupMember, Start, WorkConfig, WorkItem};
 use volley_env::EnvConfig;
 use volley_transport::work::WorkQueue;
 use volley_transport::TransportError;
@@ -142,6 +142,7 @@ pub struct Scheduler {
     cells: BTreeMap<CellKey, Cell>,
     items_fresh: u64,
     items_resume: u64,
+    groups_issued: u64,
     last_forget: Option<Instant>,
 }
 
@@ -161,6 +162,7 @@ impl Scheduler {
             cells: BTreeMap::new(),
             items_fresh: 0,
             items_resume: 0,
+            groups_issued: 0,
             last_forget: None,
         }
     }
@@ -175,7 +177,12 @@ impl Scheduler {
         &self.stats
     }
 
-    /// Items issued so far: `(fresh starts, resumes from saved states)`.
+    /// Groups of continuations issued so far (each counts once in [`Scheduler::items_issued`]).
+    pub fn groups_issued(&self) -> u64 {
+        self.groups_issued
+    }
+
+    /// Starts issued so far: `(fresh starts, resumes from saved states)`; a group is one start.
     pub fn items_issued(&self) -> (u64, u64) {
         (self.items_fresh, self.items_resume)
     }
@@ -339,33 +346,48 @@ impl Scheduler {
         key
     }
 
-    /// The next `n` work items.
+    /// The next work items, at least `n` of them: single items, and with group rollouts
+    /// (`work.group_size` K > 1) groups of K items, drawn with probability `work.group_share`
+    /// per draw and issued whole (so up to `n + K − 1` items). A group's items have
+    /// consecutive ids, the same task and start (one fresh reset seed or one saved state), one
+    /// episode each, and member tags `0..K`; the group's id is its first item's id.
     pub fn next_items(&mut self, n: usize) -> Vec<WorkItem> {
         let mut items = Vec::with_capacity(n);
-        for _ in 0..n {
+        let group_size = self.config.group_size;
+        while items.len() < n {
             let id = self.next_id;
-            self.next_id += 1;
             let restart = self.config.restart_share > 0.0
                 && !self.snapshots.is_empty()
                 && self.rng.random::<f32>() < self.config.restart_share;
-            let item = if restart {
+            let (task_id, start) = if restart {
                 let key = self.choose_snapshot();
                 let task_id = self.snapshots[&key].task_id;
                 self.items_resume += 1;
-                WorkItem {
-                    id,
-                    task_id,
-                    start: Start::Resume { snapshot: key },
-                    episodes: self.config.episodes_per_item,
-                }
+                (task_id, Start::Resume { snapshot: key })
             } else {
                 let task_id = self.choose_task() as u32;
                 self.items_fresh += 1;
                 let seed = self.seed_base ^ id.wrapping_mul(0xd1b5_4a32_d192_ed03);
-                WorkItem { id, task_id, start: Start::Fresh { seed }, episodes: self.config.episodes_per_item }
+                (task_id, Start::Fresh { seed })
             };
-            self.stats[item.task_id as usize].items_issued += 1;
-            items.push(item);
+            self.stats[task_id as usize].items_issued += 1;
+            let grouped = group_size > 1 && self.rng.random::<f32>() < self.config.group_share;
+            if !grouped {
+                self.next_id += 1;
+                items.push(WorkItem { id, task_id, start, episodes: self.config.episodes_per_item, group: None });
+                continue;
+            }
+            self.groups_issued += 1;
+            for member in 0..group_size {
+                items.push(WorkItem {
+                    id: self.next_id,
+                    task_id,
+                    start: start.clone(),
+                    episodes: 1,
+                    group: Some(GroupMember { group: id, member, size: group_size }),
+                });
+                self.next_id += 1;
+            }
         }
         items
     }
@@ -391,6 +413,8 @@ pub struct WorkPlanner {
     queue: Box<dyn WorkQueue>,
     target: u64,
     last_top_up: Option<Instant>,
+    /// Scheduled episodes reported finished since the last top-up: items the queue has lost.
+    finished_since_top_up: u64,
     log: Option<Box<dyn std::io::Write + Send>>,
     metrics: Option<crate::metrics::WorkMetrics>,
 }
@@ -404,7 +428,15 @@ impl std::fmt::Debug for WorkPlanner {
 impl WorkPlanner {
     /// Plan into `queue`, keeping `target` items queued (e.g. `queue_per_slot` × actor slots).
     pub fn new(scheduler: Scheduler, queue: Box<dyn WorkQueue>, target: u64) -> Self {
-        WorkPlanner { scheduler, queue, target: target.max(1), last_top_up: None, log: None, metrics: None }
+        WorkPlanner {
+            scheduler,
+            queue,
+            target: target.max(1),
+            last_top_up: None,
+            finished_since_top_up: 0,
+            log: None,
+            metrics: None,
+        }
     }
 
     /// Write one JSON line per update to `log`: env steps, seconds, and per task the
@@ -443,6 +475,7 @@ impl WorkPlanner {
             "secs": report.elapsed.as_secs_f64(),
             "items_fresh": scheduler.items_fresh,
             "items_resume": scheduler.items_resume,
+            "groups": scheduler.groups_issued,
             "snapshots": scheduler.snapshots.len(),
             "tasks": tasks,
         });
@@ -464,6 +497,7 @@ impl WorkPlanner {
             metrics.observe(&self.scheduler);
         }
         self.last_top_up = Some(Instant::now());
+        self.finished_since_top_up = 0;
         match self.scheduler.top_up(self.queue.as_mut(), self.target) {
             Ok(0) => {}
             Ok(n) => tracing::debug!(submitted = n, "work items queued"),
@@ -471,9 +505,16 @@ impl WorkPlanner {
         }
     }
 
-    fn top_up_soon(&mut self) {
-        // Reading the queue depth is a broker round trip on NATS: at most every 50 ms.
-        if self.last_top_up.is_none_or(|at| at.elapsed() >= Duration::from_millis(50)) {
+    /// Top up after `segment` if due: at most every 50 ms (reading the queue depth is a broker
+    /// round trip on NATS), or at once when scheduled episodes reported since the last top-up
+    /// could have emptied half the queue. Without the second rule, fast actors drained the
+    /// queue between top-ups whenever the learner did not update (the zero-variance filter
+    /// dropping everything), and ran unscheduled episodes instead of the scheduler's.
+    fn top_up_soon(&mut self, segment: &TrajectorySegment) {
+        let finished = segment.finished_episodes.iter().filter(|e| e.work_item.is_some()).count() as u64;
+        self.finished_since_top_up += finished;
+        let drained = 2 * self.finished_since_top_up >= self.target;
+        if drained || self.last_top_up.is_none_or(|at| at.elapsed() >= Duration::from_millis(50)) {
             self.top_up();
         }
     }
@@ -497,7 +538,7 @@ impl<C: crate::LearnerControl + ?Sized> crate::LearnerControl for Planned<'_, C>
 
     fn on_segment(&mut self, segment: &TrajectorySegment) {
         self.planner.scheduler.observe_segment(segment);
-        self.planner.top_up_soon();
+        self.planner.top_up_soon(segment);
         self.inner.on_segment(segment);
     }
 
@@ -550,6 +591,7 @@ mod tests {
             task_id,
             work_item: None,
             start: start.map(str::to_string),
+            group: None,
         }
     }
 
@@ -709,5 +751,58 @@ mod tests {
         }
         // The frontier (progress 4) survives the bound: the least promising states go first.
         assert!(scheduler.frontier().iter().all(|(furthest, _)| *furthest == Some(4.0)));
+    }
+
+    #[test]
+    fn groups_are_whole_share_a_start_and_have_consecutive_ids() {
+        let work = WorkConfig { group_size: 4, group_share: 0.5, restart_share: 0.5, ..config(BudgetPolicy::Uniform) };
+        let mut scheduler = Scheduler::new(&work, &memory_tasks()[0], 8, 1000);
+        let info = SnapshotInfo { key: "s".into(), task_id: 2, progress: 1.0, episode_return: 0.0, episode_len: 3 };
+        scheduler.observe_segment(&segment(vec![], vec![info]));
+        let items = scheduler.next_items(2000);
+        assert!(items.windows(2).all(|w| w[1].id == w[0].id + 1), "ids count up");
+        let (mut groups, mut singles, mut i) = (0, 0, 0);
+        while i < items.len() {
+            let Some(tag) = items[i].group else {
+                singles += 1;
+                i += 1;
+                continue;
+            };
+            assert_eq!((tag.group, tag.member, tag.size), (items[i].id, 0, 4), "a group starts at its first member");
+            let members = &items[i..i + 4];
+            for (k, member) in members.iter().enumerate() {
+                assert_eq!(member.group, Some(GroupMember { group: tag.group, member: k as u32, size: 4 }));
+                assert_eq!((member.task_id, &member.start, member.episodes), (items[i].task_id, &items[i].start, 1));
+            }
+            groups += 1;
+            i += 4;
+        }
+        assert_eq!(groups, scheduler.groups_issued());
+        let share = groups as f64 / (groups + singles) as f64;
+        assert!((share - 0.5).abs() < 0.06, "groups are {share} of the draws");
+        let (fresh, resume) = scheduler.items_issued();
+        assert_eq!(fresh + resume, groups + singles);
+    }
+
+    /// Fast actors must not drain the queue between top-ups: scheduled episodes reported since
+    /// the last top-up trigger one at once when they could have emptied half the queue.
+    #[test]
+    fn the_planner_tops_up_at_once_when_reported_episodes_may_have_drained_the_queue() {
+        use volley_transport::work::WorkSource;
+        let (queue, mut source) = local_work_queue();
+        let scheduler = Scheduler::new(&config(BudgetPolicy::Uniform), &memory_tasks()[0], 9, 0);
+        let mut planner = WorkPlanner::new(scheduler, Box::new(queue), 8);
+        planner.top_up();
+        for _ in 0..8 {
+            let (_, token) = source.take(Duration::ZERO).expect("local").expect("queued");
+            source.complete(token).expect("local");
+        }
+        // A top-up "in the future": the 50 ms rule cannot fire, only the drain rule.
+        planner.last_top_up = Some(Instant::now() + Duration::from_secs(3600));
+        let done = |id| EpisodeSummary { work_item: Some(id), ..outcome(0, true, None) };
+        planner.top_up_soon(&segment(vec![done(0), done(1), done(2), outcome(0, true, None)], vec![]));
+        assert_eq!(planner.queue.queued().unwrap(), 0, "three items may have been taken: not yet");
+        planner.top_up_soon(&segment(vec![done(3)], vec![]));
+        assert_eq!(planner.queue.queued().unwrap(), 8, "four of eight: topped up at once");
     }
 }

@@ -17,6 +17,15 @@
 //! 4. **priority sampling**: draw `batch_segments` columns from the pool with probability
 //!    `p_i ∝ priority_i^α` and weight each by its normalised importance weight.
 //!
+//! **Group rollouts** (`work.group_size > 1`, with `hyper.baseline` a group baseline or the
+//! zero-variance filter on): a segment with steps of a group member waits in a **hold**,
+//! outside the pool, until every group it touches is complete ([`crate::groups`]); then it
+//! enters the pool with its group advantages, or is dropped as zero-variance when every step
+//! belongs to a group whose returns are all equal. The hold is bounded: a segment whose lag
+//! reaches `max_policy_lag`, whose group was forgotten, or that is the oldest when the hold
+//! exceeds `work.group_hold_segments` or `work.group_hold_bytes`, enters the pool without
+//! group advantages (the critic's), counted in [`GroupStats`].
+//!
 //! Acknowledgement invariant: every token offered leaves the selector exactly once, either in
 //! `dropped` (a final decision: ack it now) or from [`Selector::settle_drawn`] (ack it once
 //! the update it fed is published); until then it waits in the pool, unacknowledged, and a
@@ -28,8 +37,11 @@ use rand::{Rng, SeedableRng};
 use rand_pcg::Pcg64Mcg;
 use tracing::debug;
 use volley_core::ids::PolicyVersion;
-use volley_core::spec::{GuardConfig, PriorityConfig, RunSpec, ZeroVarianceConfig};
+use volley_core::spec::{Baseline, GuardConfig, PriorityConfig, RunSpec, ZeroVarianceConfig};
 use volley_core::wire::TrajectorySegment;
+use volley_core::work::GroupMember;
+
+use crate::groups::{GroupCounters, GroupState, GroupTable, MAX_TRACKED_GROUPS};
 use volley_transport::DeliveryToken;
 
 use crate::batch::SegmentBatch;
@@ -44,7 +56,8 @@ pub enum DropReason {
     NonFinite,
     /// A raw reward exceeds `max_abs_reward`.
     OutOfRange,
-    /// The segment's start group has recent returns with zero variance.
+    /// The segment's start group has recent returns with zero variance, or (group rollouts)
+    /// every step belongs to a complete group of continuations whose returns are all equal.
     ZeroVariance,
 }
 
@@ -107,6 +120,53 @@ pub struct Draw<'a> {
     pub segments: Vec<&'a TrajectorySegment>,
     /// One weight per column, in (0, 1].
     pub column_weights: &'a [f32],
+    /// Per column, the group advantages of its steps (`[T]`, NaN: the critic's), for
+    /// [`SegmentBatch::set_advantage_override`].
+    pub advantages: Vec<Option<&'a [f32]>>,
+}
+
+/// What the group hold did (exported as `volley_learner_group_segments_total{outcome}` and
+/// the group gauges; docs/OPERATIONS.md).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct GroupStats {
+    /// Segments that entered the pool once their groups were complete.
+    pub segments_grouped: u64,
+    /// Segments released to the critic because their lag reached `max_policy_lag`.
+    pub segments_critic_lag: u64,
+    /// Segments released to the critic because the hold exceeded its segment or byte bound.
+    pub segments_critic_capacity: u64,
+    /// Segments released to the critic because a group they touch was forgotten or broken.
+    pub segments_critic_lost: u64,
+    /// Segments waiting in the hold now.
+    pub held_segments: u64,
+    /// Approximate bytes of the segments waiting in the hold now.
+    pub held_bytes: u64,
+    /// The group table's counters.
+    pub groups: GroupCounters,
+}
+
+/// Why a held segment left the hold.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Release {
+    /// Every group it touches is complete (or broken).
+    Resolved,
+    /// Its lag reached the bound.
+    Lag,
+    /// The hold was over its bounds and it was the oldest.
+    Capacity,
+    /// A group it touches is no longer known.
+    Lost,
+}
+
+/// Approximate heap bytes of a segment (its arrays; the hold's byte bound).
+fn segment_bytes(segment: &TrajectorySegment) -> usize {
+    4 * (segment.observations.len()
+        + segment.actions.len()
+        + segment.continuous_actions.len()
+        + 3 * segment.rewards.len()
+        + segment.initial_hidden.len())
+        + 2 * segment.rewards.len()
+        + 64 * (segment.finished_episodes.len() + segment.saved_snapshots.len() + segment.episode_groups.len())
 }
 
 /// `(task_id, start_snapshot)`: segments that share a start.
@@ -236,6 +296,8 @@ struct Candidate {
     token: DeliveryToken,
     /// `mean_t |A_t| + ε`, computed by the priority forward (priority sampling only).
     priority: Option<f32>,
+    /// Group advantages per step (`[T]`, NaN: the critic's), when any step has one.
+    advantages: Option<Vec<f32>>,
 }
 
 /// The learner's trajectory selection: the pool of candidate segments and the filters and
@@ -251,6 +313,15 @@ pub struct Selector {
     zero_variance: Option<ZeroVarianceConfig>,
     priority: Option<PriorityConfig>,
     groups: GroupReturns,
+    /// Group rollouts: the returns of recent groups of continuations.
+    group_table: Option<GroupTable>,
+    baseline: Baseline,
+    /// Whether group segments wait in the hold (group baselines or the zero-variance filter).
+    hold_enabled: bool,
+    hold: VecDeque<(Candidate, usize)>,
+    hold_max_segments: usize,
+    hold_max_bytes: usize,
+    group_stats: GroupStats,
     pool: Vec<Candidate>,
     rng: Pcg64Mcg,
     // Scratch, reused across steps.
@@ -285,7 +356,16 @@ impl Selector {
         let h = &spec.hyper;
         let selection = &h.selection;
         let window = selection.zero_variance.as_ref().map_or(1, |z| z.min_group);
+        let work = &h.work;
+        let grouped = work.enabled && work.group_size > 1;
         Selector {
+            group_table: grouped.then(|| GroupTable::new(work.group_size, MAX_TRACKED_GROUPS)),
+            baseline: h.baseline,
+            hold_enabled: grouped && (h.baseline.uses_groups() || selection.zero_variance.is_some()),
+            hold: VecDeque::new(),
+            hold_max_segments: work.group_hold_segments as usize,
+            hold_max_bytes: usize::try_from(work.group_hold_bytes).unwrap_or(usize::MAX),
+            group_stats: GroupStats::default(),
             batch_segments: h.batch_segments,
             pool_target: selection.pool_segments(h.batch_segments),
             max_policy_lag: h.max_policy_lag,
@@ -328,6 +408,21 @@ impl Selector {
         self.pool.is_empty()
     }
 
+    /// Segments waiting in the group hold (not in the pool, not acknowledged).
+    pub fn held(&self) -> usize {
+        self.hold.len()
+    }
+
+    /// What the group hold and the group table did so far.
+    pub fn group_stats(&self) -> GroupStats {
+        GroupStats {
+            held_segments: self.hold.len() as u64,
+            held_bytes: self.hold.iter().map(|(_, bytes)| *bytes as u64).sum(),
+            groups: self.group_table.as_ref().map(GroupTable::counters).unwrap_or_default(),
+            ..self.group_stats
+        }
+    }
+
     /// Whether [`prepare`](Self::prepare) asks its [`ValueSource`] for values (priority sampling).
     pub fn needs_values(&self) -> bool {
         self.priority.is_some()
@@ -343,8 +438,15 @@ impl Selector {
         version: PolicyVersion,
         dropped: &mut Vec<Dropped>,
     ) {
+        if let Some(table) = &mut self.group_table {
+            for episode in &segment.finished_episodes {
+                table.record(episode);
+            }
+        }
         if self.zero_variance.is_some() {
-            for episode in segment.finished_episodes.iter().filter(|e| e.episode_return.is_finite()) {
+            // Episodes of a group of continuations count towards their group, not their start.
+            let ungrouped = |e: &&volley_core::wire::EpisodeSummary| e.group.is_none() || self.group_table.is_none();
+            for episode in segment.finished_episodes.iter().filter(|e| e.episode_return.is_finite()).filter(ungrouped) {
                 self.groups.record(segment.task_id, segment.start_snapshot.as_deref(), episode.episode_return);
             }
         }
@@ -361,8 +463,96 @@ impl Selector {
                 debug!(reason = reason.as_str(), lag, actor = %segment.actor, segment_idx = segment.segment_idx, "segment dropped by selection");
                 dropped.push(Dropped { token, reason });
             }
-            None => self.pool.push(Candidate { segment, token, priority: None }),
+            None if self.hold_enabled && segment.episode_groups.iter().any(Option::is_some) => {
+                let table = self.group_table.as_mut().expect("the hold needs the group table");
+                for tag in segment.episode_groups.iter().flatten() {
+                    table.touch(tag);
+                }
+                let bytes = segment_bytes(&segment);
+                self.hold.push_back((Candidate { segment, token, priority: None, advantages: None }, bytes));
+            }
+            None => self.pool.push(Candidate { segment, token, priority: None, advantages: None }),
         }
+    }
+
+    /// Move held segments whose groups are complete into the pool (with their group
+    /// advantages, or dropped as zero-variance), and release to the critic those at the lag
+    /// bound, those whose group is gone, and the oldest beyond the hold's bounds.
+    fn release_held(&mut self, version: PolicyVersion, dropped: &mut Vec<Dropped>) {
+        if self.hold.is_empty() {
+            return;
+        }
+        let table = self.group_table.as_ref().expect("the hold needs the group table");
+        let max_lag = self.max_policy_lag;
+        let mut kept = VecDeque::with_capacity(self.hold.len());
+        let mut released = Vec::new();
+        for (candidate, bytes) in self.hold.drain(..) {
+            let states = candidate.segment.episode_groups.iter().flatten().map(|tag| table.state(tag.group));
+            let (mut unknown, mut waiting) = (false, false);
+            for state in states {
+                match state {
+                    GroupState::Unknown | GroupState::Broken => unknown = true,
+                    GroupState::Incomplete => waiting = true,
+                    GroupState::Complete => {}
+                }
+            }
+            let lag = version.lag_of(candidate.segment.policy_version);
+            if unknown {
+                released.push((candidate, Release::Lost));
+            } else if !waiting {
+                released.push((candidate, Release::Resolved));
+            } else if lag >= max_lag {
+                released.push((candidate, Release::Lag));
+            } else {
+                kept.push_back((candidate, bytes));
+            }
+        }
+        let mut held_bytes: usize = kept.iter().map(|(_, bytes)| bytes).sum();
+        while kept.len() > self.hold_max_segments || held_bytes > self.hold_max_bytes {
+            let Some((candidate, bytes)) = kept.pop_front() else { break };
+            held_bytes -= bytes;
+            released.push((candidate, Release::Capacity));
+        }
+        self.hold = kept;
+        for (candidate, why) in released {
+            self.release(candidate, why, dropped);
+        }
+    }
+
+    /// One held segment leaves the hold: counted, its group advantages computed, and into the
+    /// pool, unless every step belongs to a zero-variance group and the filter is on.
+    fn release(&mut self, mut candidate: Candidate, why: Release, dropped: &mut Vec<Dropped>) {
+        let table = self.group_table.as_ref().expect("the hold needs the group table");
+        let stats = &mut self.group_stats;
+        match why {
+            Release::Resolved => stats.segments_grouped += 1,
+            Release::Lag => stats.segments_critic_lag += 1,
+            Release::Capacity => stats.segments_critic_capacity += 1,
+            Release::Lost => stats.segments_critic_lost += 1,
+        }
+        let segment = &candidate.segment;
+        if let Some(zero) = &self.zero_variance {
+            let all_flat = segment
+                .step_groups()
+                .all(|tag| tag.is_some_and(|tag| table.is_zero_variance(tag.group, zero.tolerance)));
+            if all_flat {
+                debug!(reason = "zero_variance", actor = %segment.actor, "group segment dropped by selection");
+                dropped.push(Dropped { token: candidate.token, reason: DropReason::ZeroVariance });
+                return;
+            }
+        }
+        if self.baseline.uses_groups() {
+            let divide_by_std = self.baseline == Baseline::GroupStd;
+            let scale = self.reward_scale;
+            let advantage = |tag: Option<GroupMember>| {
+                tag.and_then(|tag| table.advantage(&tag, scale, divide_by_std)).unwrap_or(f32::NAN)
+            };
+            let advantages: Vec<f32> = segment.step_groups().map(advantage).collect();
+            if advantages.iter().any(|a| a.is_finite()) {
+                candidate.advantages = Some(advantages);
+            }
+        }
+        self.pool.push(candidate);
     }
 
     /// Run the filters over the pool at learner `version`, appending what they drop to
@@ -374,6 +564,7 @@ impl Selector {
         values: &mut dyn ValueSource,
         dropped: &mut Vec<Dropped>,
     ) -> bool {
+        self.release_held(version, dropped);
         let max_lag = self.max_policy_lag;
         self.pool.retain(|candidate| {
             let lag = version.lag_of(candidate.segment.policy_version);
@@ -386,8 +577,13 @@ impl Selector {
         });
         if let Some(zero) = &self.zero_variance {
             let groups = &self.groups;
+            let by_fork = self.group_table.is_some();
             self.pool.retain(|candidate| {
                 let segment = &candidate.segment;
+                // Group segments were judged by their groups when they left the hold.
+                if by_fork && segment.episode_groups.iter().any(Option::is_some) {
+                    return true;
+                }
                 if !groups.is_zero_variance(segment.task_id, segment.start_snapshot.as_deref(), zero.tolerance) {
                     return true;
                 }
@@ -476,7 +672,11 @@ impl Selector {
                 importance_weights(&self.probs, &self.drawn, priority.beta, &mut self.weights);
             }
         }
-        Draw { segments: self.drawn.iter().map(|&i| &self.pool[i].segment).collect(), column_weights: &self.weights }
+        Draw {
+            segments: self.drawn.iter().map(|&i| &self.pool[i].segment).collect(),
+            column_weights: &self.weights,
+            advantages: self.drawn.iter().map(|&i| self.pool[i].advantages.as_deref()).collect(),
+        }
     }
 
     /// After the update fed by the last [`draw`](Self::draw) is published: remove the drawn
@@ -586,6 +786,41 @@ mod tests {
         segment.start_snapshot = start.map(str::to_owned);
         segment.finished_episodes =
             vec![EpisodeSummary { episode_return: ret, episode_len: 3, ..EpisodeSummary::default() }];
+        segment
+    }
+
+    /// A spec with group rollouts of `K = 4` and `baseline`.
+    fn group_spec(batch_segments: usize, baseline: Baseline, selection: SelectionConfig) -> RunSpec {
+        let mut spec = spec(batch_segments, selection);
+        spec.hyper.baseline = baseline;
+        spec.hyper.reward_scale = 0.5;
+        spec.hyper.work = volley_core::work::WorkConfig {
+            enabled: true,
+            group_size: 4,
+            group_hold_segments: 8,
+            ..volley_core::work::WorkConfig::default()
+        };
+        spec
+    }
+
+    fn tag(group: u64, member: u32) -> GroupMember {
+        GroupMember { group, member, size: 4 }
+    }
+
+    /// Segment `idx` of member `member` of `group`: the episode runs through the segment, and
+    /// with `ret` it ends at the last step with that return.
+    fn member_segment(idx: u64, version: u64, group: u64, member: u32, ret: Option<f32>) -> TrajectorySegment {
+        let mut segment = segment(idx, version, 0.0);
+        segment.episode_groups = vec![Some(tag(group, member))];
+        if let Some(ret) = ret {
+            segment.terminated[T - 1] = 1;
+            segment.finished_episodes = vec![EpisodeSummary {
+                episode_return: ret,
+                episode_len: 9,
+                group: Some(tag(group, member)),
+                ..EpisodeSummary::default()
+            }];
+        }
         segment
     }
 
@@ -897,5 +1132,107 @@ mod tests {
             seen.sort_unstable();
             prop_assert_eq!(seen, offered);
         }
+    }
+
+    /// Issue 18, item 2: on a hand-built group (returns 1, 0, 0, 3, so the mean is 1), every
+    /// step of member k gets `reward_scale · (G_k − mean G)`, and nothing is trained on before
+    /// the group is complete.
+    #[test]
+    fn group_advantages_are_each_members_return_minus_the_group_mean() {
+        let spec = group_spec(9, Baseline::Group, SelectionConfig::default());
+        let mut selector = selector(&spec);
+        let mut learner = learner_for(&spec);
+        let mut dropped = Vec::new();
+        let returns = [1.0, 0.0, 0.0, 3.0];
+        // Each member's episode spans two segments; the first ones arrive before any return.
+        for member in 0..4u32 {
+            let idx = u64::from(member) * 2;
+            selector.offer(
+                member_segment(idx, 0, 50, member, None),
+                DeliveryToken(idx),
+                PolicyVersion(0),
+                &mut dropped,
+            );
+        }
+        for member in 0..3u32 {
+            let idx = u64::from(member) * 2 + 1;
+            let last = member_segment(idx, 0, 50, member, Some(returns[member as usize]));
+            selector.offer(last, DeliveryToken(idx), PolicyVersion(0), &mut dropped);
+        }
+        // An ungrouped segment goes straight to the pool.
+        selector.offer(segment(99, 0, 1.0), DeliveryToken(99), PolicyVersion(0), &mut dropped);
+        assert!(!selector.prepare(PolicyVersion(0), &mut learner, &mut dropped));
+        assert_eq!((selector.held(), selector.len()), (7, 1), "the incomplete group waits outside the pool");
+        selector.offer(member_segment(7, 0, 50, 3, Some(3.0)), DeliveryToken(7), PolicyVersion(0), &mut dropped);
+        assert!(selector.prepare(PolicyVersion(0), &mut learner, &mut dropped));
+        assert!(dropped.is_empty());
+        assert_eq!(selector.held(), 0);
+        let draw = selector.draw();
+        for (segment, advantages) in draw.segments.iter().zip(&draw.advantages) {
+            match segment.episode_groups.first().copied().flatten() {
+                Some(tag) => {
+                    let expected = 0.5 * (returns[tag.member as usize] - 1.0);
+                    assert_eq!(advantages.expect("a grouped segment has advantages"), &[expected; T][..]);
+                }
+                None => assert!(advantages.is_none(), "the ungrouped segment keeps the critic's"),
+            }
+        }
+        let mut batch = SegmentBatch::default();
+        batch.fill(&draw.segments, 0.99, 0.5, draw.column_weights);
+        batch.set_advantage_override(&draw.advantages);
+        let column = draw.segments.iter().position(|s| s.segment_idx == 7).expect("member 3's last segment");
+        assert_eq!(batch.advantage_override[(T - 1) * 9 + column], 1.0);
+        let stats = selector.group_stats();
+        assert_eq!((stats.segments_grouped, stats.groups.completed), (8, 1));
+    }
+
+    /// The zero-variance filter on groups: a complete group whose returns are all equal is
+    /// dropped, whatever the baseline; a group with spread is kept.
+    #[test]
+    fn zero_variance_groups_of_continuations_are_dropped_when_complete() {
+        let zero = SelectionConfig {
+            zero_variance: Some(ZeroVarianceConfig { min_group: 2, tolerance: 0.0 }),
+            ..SelectionConfig::default()
+        };
+        let spec = group_spec(4, Baseline::Critic, zero);
+        let mut selector = selector(&spec);
+        let mut learner = learner_for(&spec);
+        let mut dropped = Vec::new();
+        for member in 0..4u32 {
+            let flat = member_segment(u64::from(member), 0, 1, member, Some(0.0));
+            selector.offer(flat, DeliveryToken(u64::from(member)), PolicyVersion(0), &mut dropped);
+            let spread = member_segment(10 + u64::from(member), 0, 2, member, Some(member as f32));
+            selector.offer(spread, DeliveryToken(10 + u64::from(member)), PolicyVersion(0), &mut dropped);
+        }
+        assert!(selector.prepare(PolicyVersion(0), &mut learner, &mut dropped));
+        assert_eq!(reasons(&dropped), (0..4).map(|t| (t, "zero_variance")).collect::<Vec<_>>());
+        let draw = selector.draw();
+        assert!(draw.segments.iter().all(|s| s.segment_idx >= 10));
+        assert!(draw.advantages.iter().all(Option::is_none), "the critic baseline adds no group advantages");
+    }
+
+    /// docs/SECURITY.md: segments naming groups that never complete (forged ids, or members
+    /// that never report) cannot pile up: the hold keeps at most `group_hold_segments`, the
+    /// oldest go to the critic (counted), and a segment at the lag bound goes too.
+    #[test]
+    fn a_flood_of_forged_group_ids_stays_bounded_and_falls_back_to_the_critic() {
+        let spec = group_spec(4, Baseline::Group, SelectionConfig::default());
+        let mut selector = selector(&spec);
+        let mut learner = learner_for(&spec);
+        let mut dropped = Vec::new();
+        for idx in 0..1000u64 {
+            let forged = member_segment(idx, 0, 1_000_000 + idx, (idx % 4) as u32, None);
+            selector.offer(forged, DeliveryToken(idx), PolicyVersion(0), &mut dropped);
+            selector.prepare(PolicyVersion(0), &mut learner, &mut dropped);
+            assert!(selector.held() <= 8, "the hold stays within its bound");
+        }
+        let stats = selector.group_stats();
+        assert_eq!(stats.segments_critic_capacity, 1000 - 8);
+        assert_eq!(selector.len(), 1000 - 8, "released segments are trained on with the critic");
+        assert!(dropped.is_empty(), "nothing is dropped silently");
+        // Two versions later (the test spec's lag bound) the rest go to the critic as well.
+        selector.prepare(PolicyVersion(2), &mut learner, &mut dropped);
+        assert_eq!(selector.held(), 0);
+        assert_eq!(selector.group_stats().segments_critic_lag, 8);
     }
 }

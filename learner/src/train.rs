@@ -66,12 +66,14 @@ struct StagedLayout {
     rewards: Range<usize>,
     discounts: Range<usize>,
     sample_weights: Range<usize>,
+    /// Group advantages (`[T][B]`), or empty when the batch has none.
+    advantage_override: Range<usize>,
     len: usize,
 }
 
 impl StagedLayout {
     /// `action_width` words per action: 1 for a discrete index, `A` for a continuous action.
-    fn new(t_len: usize, b_len: usize, obs_dim: usize, hidden: usize, action_width: usize) -> Self {
+    fn new(t_len: usize, b_len: usize, obs_dim: usize, hidden: usize, action_width: usize, advantages: bool) -> Self {
         let steps = t_len * b_len;
         let mut end = 0;
         let mut take = |n: usize| {
@@ -88,8 +90,16 @@ impl StagedLayout {
             rewards: take(steps),
             discounts: take(steps),
             sample_weights: take(steps),
+            advantage_override: take(if advantages { steps } else { 0 }),
             len: end,
         }
+    }
+}
+
+impl StagedLayout {
+    /// The staged group advantages, when the batch has them.
+    fn advantage_override_view<'a, B: Backend>(&self, staged: &'a B::Floats) -> Option<View<'a, B>> {
+        (!self.advantage_override.is_empty()).then(|| View::range(staged, self.advantage_override.clone()))
     }
 }
 
@@ -262,7 +272,8 @@ impl<B: Backend> Trainer<B> {
         let (obs_dim, hidden, n_actions) = (self.net.obs_dim(), self.net.hidden(), self.net.n_actions());
         let continuous = self.gaussian.is_some();
         let action_width = if continuous { n_actions } else { 1 };
-        let layout = StagedLayout::new(t_len, b_len, obs_dim, hidden, action_width);
+        let with_override = !batch.advantage_override.is_empty();
+        let layout = StagedLayout::new(t_len, b_len, obs_dim, hidden, action_width, with_override);
         let steps = t_len * b_len;
         let (discrete_len, continuous_len) = if continuous { (0, steps * n_actions) } else { (steps, 0) };
         let shapes = [
@@ -275,6 +286,7 @@ impl<B: Backend> Trainer<B> {
             ("rewards", batch.rewards.len(), steps),
             ("discounts", batch.discounts.len(), steps),
             ("sample_weights", batch.sample_weights.len(), steps),
+            ("advantage_override", batch.advantage_override.len(), if with_override { steps } else { 0 }),
         ];
         for (operand, got, expected) in shapes {
             crate::backend::check_len("stage", operand, expected, got)?;
@@ -326,6 +338,7 @@ impl<B: Backend> Trainer<B> {
             words[layout.rewards.clone()].copy_from_slice(&batch.rewards);
             words[layout.discounts.clone()].copy_from_slice(&batch.discounts);
             words[layout.sample_weights.clone()].copy_from_slice(&batch.sample_weights);
+            words[layout.advantage_override.clone()].copy_from_slice(&batch.advantage_override);
         };
         self.backend.upload_packed(layout.len, &mut pack, &mut self.staged)?;
         self.staged_layout = layout;
@@ -445,6 +458,7 @@ impl<B: Backend> Trainer<B> {
             rewards: staged(&s.rewards),
             discounts: staged(&s.discounts),
             sample_weights: staged(&s.sample_weights),
+            advantage_override: s.advantage_override_view(&self.staged),
         };
         let outputs = VTraceLossOutputs {
             log_rhos: ViewMut::range(&mut loss.log_rhos, 0..n),
@@ -514,6 +528,7 @@ impl<B: Backend> Trainer<B> {
             values.slice(0..n),
             values.slice(n..n + b_len),
             gae_lambda,
+            s.advantage_override_view(&self.staged),
             ViewMut::range(&mut loss.advantages, 0..n),
             ViewMut::range(&mut loss.returns, 0..n),
         )

@@ -159,6 +159,7 @@ impl SegmentBuilder {
                 initial_hidden: Vec::new(),
                 finished_episodes: Vec::new(),
                 saved_snapshots: Vec::new(),
+                episode_groups: Vec::new(),
             },
         }
     }
@@ -334,6 +335,12 @@ impl SegmentBuilder {
             episode_len,
             ..EpisodeSummary::default()
         });
+        self
+    }
+
+    /// The group of each episode piece ([`TrajectorySegment::episode_groups`]).
+    pub fn episode_groups(mut self, groups: Vec<Option<volley_core::work::GroupMember>>) -> Self {
+        self.segment.episode_groups = groups;
         self
     }
 

@@ -187,8 +187,9 @@ mod tests {
     #[test]
     fn local_queue_hands_out_items_in_order() {
         let (mut queue, mut source) = local_work_queue();
-        let items: Vec<WorkItem> =
-            (0..3).map(|id| WorkItem { id, task_id: 0, start: Start::Fresh { seed: id }, episodes: 1 }).collect();
+        let items: Vec<WorkItem> = (0..3)
+            .map(|id| WorkItem { id, task_id: 0, start: Start::Fresh { seed: id }, episodes: 1, group: None })
+            .collect();
         queue.submit(&items).unwrap();
         assert_eq!(queue.queued().unwrap(), 3);
         let (first, token) = source.take(Duration::ZERO).unwrap().unwrap();

@@ -196,7 +196,7 @@ fn work_queue_and_snapshots_work_with_role_credentials() {
         .ensure_run(&spec)
         .unwrap_or_else(|err| panic!("the learner creates the run: {err}\n{}", violations(&server)));
     let mut queue = learner.work_queue().expect("the learner opens the work queue");
-    let item = WorkItem { id: 9, task_id: 0, start: Start::Fresh { seed: 1 }, episodes: 1 };
+    let item = WorkItem { id: 9, task_id: 0, start: Start::Fresh { seed: 1 }, episodes: 1, group: None };
     queue.submit(std::slice::from_ref(&item)).unwrap_or_else(|err| panic!("plan: {err}\n{}", violations(&server)));
 
     let actor = actor_on(&server, RUN);

@@ -223,8 +223,14 @@ fn fuzz_weights_decoder() {
 #[test]
 fn fuzz_work_item_and_snapshot_decoders() {
     let items = [
-        WorkItem { id: 1, task_id: 0, start: Start::Fresh { seed: 9 }, episodes: 2 },
-        WorkItem { id: u64::MAX, task_id: 3, start: Start::Resume { snapshot: "w1-e0-s8".into() }, episodes: 1 },
+        WorkItem { id: 1, task_id: 0, start: Start::Fresh { seed: 9 }, episodes: 2, group: None },
+        WorkItem {
+            id: u64::MAX,
+            task_id: 3,
+            start: Start::Resume { snapshot: "w1-e0-s8".into() },
+            episodes: 1,
+            group: None,
+        },
     ];
     let reasons = Reasons::default();
     fuzz("work item", items.iter().map(WorkItem::to_json).collect(), |mutated, _| {

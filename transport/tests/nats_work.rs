@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use rand::SeedableRng;
 use volley_core::ids::RunId;
 use volley_core::subjects;
-use volley_core::work::{EpisodeSnapshot, Start, WorkConfig, WorkItem};
+use volley_core::work::{EpisodeSnapshot, GroupMember, Start, WorkConfig, WorkItem};
 use volley_testkit::TestNats;
 use volley_transport::nats::{NatsBus, NatsConfig};
 use volley_transport::work::{SnapshotStore, WorkQueue, WorkSource, WorkToken};
@@ -25,7 +25,7 @@ fn bus(server: &TestNats, ack_wait_secs: f64) -> NatsBus {
 }
 
 fn item(id: u64) -> WorkItem {
-    WorkItem { id, task_id: 0, start: Start::Fresh { seed: id }, episodes: 1 }
+    WorkItem { id, task_id: 0, start: Start::Fresh { seed: id }, episodes: 1, group: None }
 }
 
 /// Take an item, retrying within a generous safety net (redelivery happens after ack_wait).
@@ -62,6 +62,45 @@ fn items_go_to_one_actor_and_an_abandoned_one_is_redelivered() {
     assert_eq!(again.id, a.id);
     second.complete(token).expect("complete");
     // Completed items never come back.
+    assert!(second.take(Duration::from_millis(1500)).expect("take").is_none());
+}
+
+/// Group rollouts (issue 18, item 2): the members of a group are separate items, so they spread
+/// over actors and an abandoned member comes back on its own, with its group tag, while the
+/// other members complete.
+#[test]
+fn group_members_spread_over_actors_and_an_abandoned_member_is_redelivered_alone() {
+    let server = TestNats::start();
+    let bus = bus(&server, 1.0);
+    let members: Vec<WorkItem> = (0..4u32)
+        .map(|member| WorkItem {
+            id: 40 + u64::from(member),
+            group: Some(GroupMember { group: 40, member, size: 4 }),
+            ..item(40)
+        })
+        .collect();
+    bus.work_queue().expect("queue").submit(&members).expect("submit");
+    let mut first = bus.work_source().expect("actor a");
+    let mut second = bus.work_source().expect("actor b");
+    let (abandoned, token) = first.take(Duration::from_secs(5)).expect("take").expect("a member");
+    first.progress(token).expect("progress");
+    let mut completed = Vec::new();
+    while let Some((member, token)) = second.take(Duration::from_millis(300)).expect("take") {
+        assert_eq!(member.start, Start::Fresh { seed: 40 }, "members share the start");
+        completed.push(member.group.expect("tagged").member);
+        second.complete(token).expect("complete");
+        if completed.len() == 3 {
+            break;
+        }
+    }
+    assert_eq!(completed.len(), 3, "the other members went to the other actor");
+    drop(first);
+    let (again, token) = take_within(&mut second, Duration::from_secs(30)).expect("the abandoned member comes back");
+    assert_eq!(again, abandoned, "redelivered whole, group tag included");
+    second.complete(token).expect("complete");
+    let mut all: Vec<u32> = completed.into_iter().chain(again.group.map(|g| g.member)).collect();
+    all.sort_unstable();
+    assert_eq!(all, vec![0, 1, 2, 3]);
     assert!(second.take(Duration::from_millis(1500)).expect("take").is_none());
 }
 

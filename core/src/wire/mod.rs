@@ -21,8 +21,9 @@ pub mod live;
 /// Bumped on any incompatible change of a wire type (3: the envelope carries a body checksum;
 /// 4: the weights checksum is XXH3-64, weights travel as [`frame`]s; 5: segments carry
 /// continuous actions, [`TrajectorySegment::continuous_actions`], and byte-valued
-/// observations, such as images, travel as one byte each: [`observations`]).
-pub const FORMAT_VERSION: u16 = 5;
+/// observations, such as images, travel as one byte each: [`observations`]; 6: group
+/// rollouts, [`TrajectorySegment::episode_groups`] and [`EpisodeSummary::group`]).
+pub const FORMAT_VERSION: u16 = 6;
 
 /// Largest |value| of a recorded continuous action the learner accepts (an unsquashed
 /// Gaussian sample is recorded before the environment clips it; anything this far out is a
@@ -103,6 +104,8 @@ pub struct EpisodeSummary {
     pub work_item: Option<u64>,
     /// The saved state the episode started from (`None`: a fresh start).
     pub start: Option<String>,
+    /// The group of continuations the episode belongs to (group rollouts).
+    pub group: Option<crate::work::GroupMember>,
 }
 
 /// T steps of one environment stream of one actor, time-major.
@@ -164,6 +167,11 @@ pub struct TrajectorySegment {
     pub finished_episodes: Vec<EpisodeSummary>,
     /// Episode snapshots saved during this segment (save-load), for the learner's scheduler.
     pub saved_snapshots: Vec<crate::work::SnapshotInfo>,
+    /// Group rollouts: the group of each episode piece in the segment, in order (`None`: not
+    /// a group member). Piece 0 starts at step 0; piece `i + 1` starts after the `i`-th step
+    /// that ends an episode, among steps `0..T − 1` (an end at the last step starts the next
+    /// segment's piece 0). Empty when no piece belongs to a group.
+    pub episode_groups: Vec<Option<crate::work::GroupMember>>,
 }
 
 impl TrajectorySegment {
@@ -175,6 +183,26 @@ impl TrajectorySegment {
     /// Whether the segment has no steps.
     pub fn is_empty(&self) -> bool {
         self.rewards.is_empty()
+    }
+
+    /// Episode pieces in the segment: 1 plus the episode ends among steps `0..T − 1`
+    /// (see [`TrajectorySegment::episode_groups`]).
+    pub fn episode_pieces(&self) -> usize {
+        let t_len = self.len();
+        1 + (0..t_len.saturating_sub(1)).filter(|&t| self.terminated[t] != 0 || self.truncated[t] != 0).count()
+    }
+
+    /// The group of the episode piece each step belongs to, step by step (`None`: no group),
+    /// following [`TrajectorySegment::episode_groups`]; all `None` when that is empty.
+    pub fn step_groups(&self) -> impl Iterator<Item = Option<crate::work::GroupMember>> + '_ {
+        let mut piece = 0;
+        (0..self.len()).map(move |t| {
+            let group = self.episode_groups.get(piece).copied().flatten();
+            if self.terminated[t] != 0 || self.truncated[t] != 0 {
+                piece += 1;
+            }
+            group
+        })
     }
 
     /// Check the segment against the run spec: run, layout, shapes, action range, finiteness.
@@ -213,6 +241,26 @@ impl TrajectorySegment {
         for (field, expected, got) in shapes {
             if expected != got {
                 return Err(DecodeError::Shape { field, expected, got });
+            }
+        }
+        if !self.episode_groups.is_empty() && self.episode_groups.len() != self.episode_pieces() {
+            return Err(DecodeError::Shape {
+                field: "episode_groups",
+                expected: self.episode_pieces(),
+                got: self.episode_groups.len(),
+            });
+        }
+        // Group tags name the run's group size: a peer cannot make a group of another size.
+        let group_size = spec.hyper.work.group_size;
+        let tags =
+            self.episode_groups.iter().flatten().chain(self.finished_episodes.iter().filter_map(|e| e.group.as_ref()));
+        for tag in tags {
+            if !tag.is_valid() || tag.size != group_size {
+                return Err(DecodeError::Mismatch {
+                    what: "group tag",
+                    got: format!("member {} of {}", tag.member, tag.size),
+                    expected: format!("a member below the run's group size {group_size}"),
+                });
             }
         }
         if let Some((step, &action)) = self.actions.iter().enumerate().find(|(_, &a)| a as usize >= n_actions) {
@@ -341,6 +389,7 @@ pub(crate) fn test_segment(run: &str, t_len: usize, obs_dim: usize, segment_idx:
         initial_hidden: Vec::new(),
         finished_episodes: Vec::new(),
         saved_snapshots: Vec::new(),
+        episode_groups: Vec::new(),
     }
 }
 
@@ -633,5 +682,39 @@ mod tests {
         weights.params[3] = 0.25;
         assert_eq!(weights.verify(7, 16).unwrap_err().reason(), "checksum");
         assert_eq!(Weights::new(PolicyVersion(3), 7, vec![0.5; 16]).verify(8, 16).unwrap_err().reason(), "mismatch");
+    }
+
+    /// Group rollouts: each step maps to the group of its episode piece (pieces start after
+    /// episode ends, an end at the last step starts the next segment's piece), the tags
+    /// round-trip, and decode refuses a wrong piece count or a tag of another group size.
+    #[test]
+    fn episode_groups_map_steps_to_pieces_and_are_validated() {
+        use crate::work::GroupMember;
+        let tag = |group, member| Some(GroupMember { group, member, size: 4 });
+        let mut spec = spec();
+        spec.hyper.work.group_size = 4;
+        let mut segment = TrajectorySegment { layout_hash: layout_hash(), ..test_segment("wire", T, 4, 0) };
+        segment.terminated[1] = 1;
+        segment.truncated[3] = 1;
+        assert_eq!(segment.episode_pieces(), 2, "the end at the last step starts no piece here");
+        segment.episode_groups = vec![tag(7, 1), None];
+        assert_eq!(segment.step_groups().collect::<Vec<_>>(), vec![tag(7, 1), tag(7, 1), None, None]);
+        segment.finished_episodes =
+            vec![EpisodeSummary { episode_return: 2.0, episode_len: 2, group: tag(7, 1), ..EpisodeSummary::default() }];
+        assert_eq!(segment.validate(&spec, layout_hash(), 0).map_err(|e| e.to_string()), Ok(()));
+        let decoded =
+            codec::decode_segment(&codec::encode_segment(&segment), &spec, layout_hash(), 0).expect("round trip");
+        assert_eq!(decoded.episode_groups, segment.episode_groups);
+        assert_eq!(decoded.finished_episodes[0].group, tag(7, 1));
+        let too_many = TrajectorySegment { episode_groups: vec![tag(7, 1), None, None], ..segment.clone() };
+        assert_eq!(too_many.validate(&spec, layout_hash(), 0).unwrap_err().reason(), "shape");
+        let other_size = TrajectorySegment {
+            episode_groups: vec![Some(GroupMember { group: 7, member: 1, size: 8 }), None],
+            ..segment.clone()
+        };
+        assert_eq!(other_size.validate(&spec, layout_hash(), 0).unwrap_err().reason(), "mismatch");
+        let mut bad_member = segment.clone();
+        bad_member.finished_episodes[0].group = Some(GroupMember { group: 7, member: 4, size: 4 });
+        assert_eq!(bad_member.validate(&spec, layout_hash(), 0).unwrap_err().reason(), "mismatch");
     }
 }

@@ -398,10 +398,14 @@ impl Backend for CpuBackend {
         values: View<'_, Self>,
         bootstrap_value: View<'_, Self>,
         lambda_: f32,
+        advantage_override: Option<View<'_, Self>>,
         advantages: ViewMut<'_, Self>,
         returns: ViewMut<'_, Self>,
     ) -> Result<(), BackendError> {
         let n = t_len * b_len;
+        if let Some(advantage_override) = advantage_override {
+            check_len("gae_scan", "advantage_override", n, advantage_override.len())?;
+        }
         for (operand, len) in [
             ("discounts", discounts.len()),
             ("rewards", rewards.len()),
@@ -412,6 +416,7 @@ impl Backend for CpuBackend {
             check_len("gae_scan", operand, n, len)?;
         }
         check_len("gae_scan", "bootstrap_value", b_len, bootstrap_value.len())?;
+        let advantages = slice_mut(advantages);
         gae(
             t_len,
             b_len,
@@ -420,9 +425,12 @@ impl Backend for CpuBackend {
             slice(values),
             slice(bootstrap_value),
             lambda_,
-            slice_mut(advantages),
+            advantages,
             slice_mut(returns),
         );
+        if let Some(advantage_override) = advantage_override {
+            losses::override_advantages(slice(advantage_override), advantages);
+        }
         Ok(())
     }
 
@@ -449,6 +457,7 @@ impl Backend for CpuBackend {
             ("log_rhos", outputs.log_rhos.len()),
             ("vs", outputs.vs.len()),
             ("pg_advantages", outputs.pg_advantages.len()),
+            ("advantage_override", inputs.advantage_override.map_or(n, |v| v.len())),
         ] {
             check_len("vtrace_loss", operand, n, len)?;
         }
@@ -472,6 +481,7 @@ impl Backend for CpuBackend {
             slice(inputs.heads),
             slice(inputs.values),
             config,
+            inputs.advantage_override.map(slice),
             slice_mut(outputs.log_rhos),
             slice_mut(outputs.vs),
             slice_mut(outputs.pg_advantages),
@@ -581,6 +591,7 @@ impl Backend for CpuBackend {
             ("log_rhos", outputs.log_rhos.len()),
             ("vs", outputs.vs.len()),
             ("pg_advantages", outputs.pg_advantages.len()),
+            ("advantage_override", inputs.advantage_override.map_or(n, |v| v.len())),
         ] {
             check_len("gaussian_vtrace_loss", operand, n, len)?;
         }
@@ -608,6 +619,7 @@ impl Backend for CpuBackend {
             slice(inputs.heads),
             slice(inputs.values),
             config,
+            inputs.advantage_override.map(slice),
             slice_mut(outputs.log_rhos),
             slice_mut(outputs.vs),
             slice_mut(outputs.pg_advantages),

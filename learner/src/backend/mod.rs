@@ -325,6 +325,11 @@ pub struct VTraceLossInputs<'a, B: Backend + ?Sized> {
     pub discounts: View<'a, B>,
     /// Sample weights.
     pub sample_weights: View<'a, B>,
+    /// Group baselines (`hyper.baseline`): where finite, the advantage `A_t` that replaces
+    /// V-trace's `r_t + γ v_{t+1} − V(x_t)` in the policy gradient (the clipped importance
+    /// weight `min(ρ_t, ρ̄_pg)` still multiplies it); NaN where V-trace's own applies. The value
+    /// targets `v_t` are V-trace's either way. `None`: V-trace's everywhere.
+    pub advantage_override: Option<View<'a, B>>,
 }
 
 /// Where the fused V-trace loss writes: its `[T][B]` intermediates and the heads' gradient.
@@ -580,6 +585,9 @@ pub trait Backend {
     /// GAE(γ, λ) advantages and λ-returns over `[T][B]` (Schulman et al. 2016, eq. (16));
     /// `values: [T][B]`, `bootstrap_value: [B]`.
     #[allow(clippy::too_many_arguments)]
+    ///
+    /// Where `advantage_override` (`[T][B]`, group baselines) is finite, it is written to
+    /// `advantages` in place of GAE's; `returns` (the value targets) are GAE's either way.
     fn gae_scan(
         &mut self,
         t_len: usize,
@@ -589,6 +597,7 @@ pub trait Backend {
         values: View<'_, Self>,
         bootstrap_value: View<'_, Self>,
         lambda_: f32,
+        advantage_override: Option<View<'_, Self>>,
         advantages: ViewMut<'_, Self>,
         returns: ViewMut<'_, Self>,
     ) -> Result<(), BackendError>;

@@ -277,6 +277,9 @@ pub(crate) struct VTraceScanArgs<'a> {
     pub(crate) pg_rho_bar: f32,
     pub(crate) c_bar: f32,
     pub(crate) lambda_: f32,
+    /// Group baselines: where finite, the policy-gradient advantage before the clipped
+    /// importance weight (`[T][B]`).
+    pub(crate) advantage_override: Option<CudaView<'a, f32>>,
 }
 
 impl Kernels {
@@ -611,11 +614,15 @@ impl Kernels {
             ("values", args.values.len()),
             ("vs", vs.len()),
             ("pg_advantages", pg_advantages.len()),
+            ("advantage_override", args.advantage_override.as_ref().map_or(n, |v| v.len())),
         ] {
             check_len("vtrace_scan", operand, n, len)?;
         }
         check_len("vtrace_scan", "bootstrap", args.b_len, args.bootstrap.len())?;
         let (t_i, b_i) = (int("t_len", args.t_len)?, int("b_len", args.b_len)?);
+        // Without an override the kernel never reads the pointer; `rewards` stands in for it.
+        let has_override = i32::from(args.advantage_override.is_some());
+        let advantage_override = args.advantage_override.as_ref().unwrap_or(&args.rewards);
         let mut launch = stream.launch_builder(&self.vtrace_scan);
         launch
             .arg(&t_i)
@@ -629,10 +636,13 @@ impl Kernels {
             .arg(&args.pg_rho_bar)
             .arg(&args.c_bar)
             .arg(&args.lambda_)
+            .arg(&has_override)
+            .arg(advantage_override)
             .arg(vs)
             .arg(pg_advantages);
         // SAFETY: the argument list matches vtrace_scan's parameters; every [T][B] view holds
-        // t_len·b_len floats and bootstrap b_len (checked); each thread touches only its column.
+        // t_len·b_len floats (the override too, or it is not read) and bootstrap b_len
+        // (checked); each thread touches only its column.
         unsafe { launch.launch(grid(args.b_len)) }?;
         Ok(())
     }
@@ -649,6 +659,7 @@ impl Kernels {
         values: &CudaView<'_, f32>,
         bootstrap: &CudaView<'_, f32>,
         lambda_: f32,
+        advantage_override: Option<&CudaView<'_, f32>>,
         advantages: &mut CudaViewMut<'_, f32>,
         returns: &mut CudaViewMut<'_, f32>,
     ) -> Result<(), BackendError> {
@@ -659,9 +670,13 @@ impl Kernels {
             ("values", values.len()),
             ("advantages", advantages.len()),
             ("returns", returns.len()),
+            ("advantage_override", advantage_override.map_or(n, |v| v.len())),
         ] {
             check_len("gae_scan", operand, n, len)?;
         }
+        // Without an override the kernel never reads the pointer; `rewards` stands in for it.
+        let has_override = i32::from(advantage_override.is_some());
+        let advantage_override = advantage_override.unwrap_or(rewards);
         check_len("gae_scan", "bootstrap", b_len, bootstrap.len())?;
         let (t_i, b_i) = (int("t_len", t_len)?, int("b_len", b_len)?);
         let mut launch = stream.launch_builder(&self.gae_scan);
@@ -673,10 +688,13 @@ impl Kernels {
             .arg(values)
             .arg(bootstrap)
             .arg(&lambda_)
+            .arg(&has_override)
+            .arg(advantage_override)
             .arg(advantages)
             .arg(returns);
         // SAFETY: the argument list matches gae_scan's parameters; every [T][B] view holds
-        // t_len·b_len floats and bootstrap b_len (checked); each thread touches only its column.
+        // t_len·b_len floats (the override too, or it is not read) and bootstrap b_len
+        // (checked); each thread touches only its column.
         unsafe { launch.launch(grid(b_len)) }?;
         Ok(())
     }

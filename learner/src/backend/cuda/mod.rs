@@ -517,9 +517,11 @@ impl Backend for CudaBackend {
         values: View<'_, Self>,
         bootstrap_value: View<'_, Self>,
         lambda_: f32,
+        advantage_override: Option<View<'_, Self>>,
         advantages: ViewMut<'_, Self>,
         returns: ViewMut<'_, Self>,
     ) -> Result<(), BackendError> {
+        let advantage_override = advantage_override.map(view);
         self.gpu.kernels.gae_scan(
             &self.gpu.stream,
             t_len,
@@ -529,6 +531,7 @@ impl Backend for CudaBackend {
             &view(values),
             &view(bootstrap_value),
             lambda_,
+            advantage_override.as_ref(),
             &mut view_mut(advantages),
             &mut view_mut(returns),
         )
@@ -582,6 +585,7 @@ impl Backend for CudaBackend {
             pg_rho_bar: config.vtrace.clip_pg_rho_threshold,
             c_bar: config.vtrace.clip_c_threshold,
             lambda_: config.vtrace.lambda_,
+            advantage_override: inputs.advantage_override.map(view),
         };
         gpu.kernels.vtrace_scan(stream, &scan, &mut vs, &mut pg_advantages)?;
         let mut slot_sums = self.slot(slot)?;
@@ -703,6 +707,7 @@ impl Backend for CudaBackend {
             pg_rho_bar: config.vtrace.clip_pg_rho_threshold,
             c_bar: config.vtrace.clip_c_threshold,
             lambda_: config.vtrace.lambda_,
+            advantage_override: inputs.advantage_override.map(view),
         };
         gpu.kernels.vtrace_scan(stream, &scan, &mut vs, &mut pg_advantages)?;
         let mut slot_sums = self.slot(slot)?;

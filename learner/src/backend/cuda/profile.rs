@@ -130,6 +130,7 @@ impl CudaDevice {
                 pg_rho_bar: 1.0,
                 c_bar: 1.0,
                 lambda_: 0.95,
+                advantage_override: None,
             };
             gpu.kernels.vtrace_scan(&gpu.stream, &args, &mut vs.slice_mut(..n), &mut adv.slice_mut(..n))
         })?;

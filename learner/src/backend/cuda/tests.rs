@@ -214,6 +214,8 @@ struct LossCase {
     returns: Vec<f32>,
     prox: Vec<f32>,
     is_weights: Vec<f32>,
+    /// Group baselines: every third step a group advantage, NaN (the critic's) elsewhere.
+    advantage_override: Vec<f32>,
 }
 
 impl LossCase {
@@ -239,6 +241,9 @@ impl LossCase {
             returns: uniform(&mut r, n, -1.0, 1.0),
             is_weights: prox.iter().map(|p| (p + 0.5).exp().min(1.0)).collect(),
             prox,
+            advantage_override: (0..n)
+                .map(|i| if i % 3 == 1 { (i % 7) as f32 * 0.25 - 0.75 } else { f32::NAN })
+                .collect(),
         }
     }
 }
@@ -251,14 +256,27 @@ struct LossResult {
     evaluation: Evaluation,
 }
 
-fn run_vtrace_loss<B: Backend>(backend: &mut B, case: &LossCase, config: &VTraceLossConfig) -> LossResult {
+fn run_vtrace_loss<B: Backend>(
+    backend: &mut B,
+    case: &LossCase,
+    config: &VTraceLossConfig,
+    with_override: bool,
+) -> LossResult {
     let (n, rows) = (case.t_len * case.b_len, (case.t_len + 1) * case.b_len);
     let stride = case.n_actions + 1;
-    let bufs: Vec<B::Floats> =
-        [&case.heads, &case.values, &case.actions, &case.behaviour, &case.rewards, &case.discounts, &case.weights]
-            .iter()
-            .map(|host| put(backend, host))
-            .collect();
+    let bufs: Vec<B::Floats> = [
+        &case.heads,
+        &case.values,
+        &case.actions,
+        &case.behaviour,
+        &case.rewards,
+        &case.discounts,
+        &case.weights,
+        &case.advantage_override,
+    ]
+    .iter()
+    .map(|host| put(backend, host))
+    .collect();
     let (mut log_rhos, mut vs, mut pg) =
         (backend.alloc(n).unwrap(), backend.alloc(n).unwrap(), backend.alloc(n).unwrap());
     let mut d_heads = backend.alloc(rows * stride).unwrap();
@@ -274,6 +292,7 @@ fn run_vtrace_loss<B: Backend>(backend: &mut B, case: &LossCase, config: &VTrace
         rewards: View::range(&bufs[4], 0..n),
         discounts: View::range(&bufs[5], 0..n),
         sample_weights: View::range(&bufs[6], 0..n),
+        advantage_override: with_override.then(|| View::range(&bufs[7], 0..n)),
     };
     let outputs = VTraceLossOutputs {
         log_rhos: ViewMut::range(&mut log_rhos, 0..n),
@@ -353,15 +372,19 @@ fn check_losses<B: Backend>(backend: &mut B) {
                 value_coef: 0.5,
                 ent_coef: 0.01,
             };
-            let name = format!("vtrace T{t_len} B{b_len} A{n_actions} λ{lambda_}");
-            let (other, reference) =
-                (run_vtrace_loss(backend, &case, &config), run_vtrace_loss(&mut cpu, &case, &config));
-            assert_close(&format!("{name} d_heads"), &other.d_heads, &reference.d_heads, 1e-3, 1e-6);
-            for (k, (o, c)) in other.intermediates.iter().zip(&reference.intermediates).enumerate() {
-                assert_close(&format!("{name} intermediate {k}"), o, c, 1e-4, 1e-5);
+            for with_override in [false, true] {
+                let name = format!("vtrace T{t_len} B{b_len} A{n_actions} λ{lambda_} override {with_override}");
+                let (other, reference) = (
+                    run_vtrace_loss(backend, &case, &config, with_override),
+                    run_vtrace_loss(&mut cpu, &case, &config, with_override),
+                );
+                assert_close(&format!("{name} d_heads"), &other.d_heads, &reference.d_heads, 1e-3, 1e-6);
+                for (k, (o, c)) in other.intermediates.iter().zip(&reference.intermediates).enumerate() {
+                    assert_close(&format!("{name} intermediate {k}"), o, c, 1e-4, 1e-5);
+                }
+                let stats = |e: &Evaluation| e.sums.stats(e.weight_sum, config.value_coef, config.ent_coef);
+                assert_stats_close(&name, &stats(&other.evaluation), &stats(&reference.evaluation));
             }
-            let stats = |e: &Evaluation| e.sums.stats(e.weight_sum, config.value_coef, config.ent_coef);
-            assert_stats_close(&name, &stats(&other.evaluation), &stats(&reference.evaluation));
         }
         for normalize_advantages in [true, false] {
             let config = PpoLossConfig { clip_coef: 0.2, value_coef: 0.5, ent_coef: 0.01, normalize_advantages };
@@ -389,6 +412,7 @@ fn check_elementwise<B: Backend>(backend: &mut B) {
         let values = put(backend, &case.values);
         let rewards = put(backend, &case.rewards);
         let discounts = put(backend, &case.discounts);
+        let advantage_override = put(backend, &case.advantage_override);
         let mut out: Vec<B::Floats> = (0..5).map(|_| backend.alloc(n).unwrap()).collect();
         let [log_probs, log_rhos, weights, adv, ret] = &mut out[..] else { unreachable!() };
         let heads_view = View::range(&heads, 0..n * stride);
@@ -412,6 +436,7 @@ fn check_elementwise<B: Backend>(backend: &mut B) {
                 View::range(&values, 0..n),
                 View::range(&values, n..n + b_len),
                 0.95,
+                Some(View::of(&advantage_override)),
                 ViewMut::of(adv),
                 ViewMut::of(ret),
             )
@@ -567,6 +592,7 @@ fn the_vtrace_scan_kernel_matches_the_cpu_recursion() {
         pg_rho_bar: config.clip_pg_rho_threshold,
         c_bar: config.clip_c_threshold,
         lambda_: config.lambda_,
+        advantage_override: None,
     };
     gpu.kernels.vtrace_scan(&gpu.stream, &args, &mut vs_d.slice_mut(..), &mut pg_d.slice_mut(..)).unwrap();
     let (vs_g, pg_g) = (gpu.stream.clone_dtoh(&vs_d).unwrap(), gpu.stream.clone_dtoh(&pg_d).unwrap());
@@ -632,6 +658,10 @@ fn random_batch(r: &mut Pcg64Mcg, spec: &RunSpec, hidden: usize) -> SegmentBatch
         discounts: (0..steps).map(|i| if i % 23 == 7 { 0.0 } else { 0.99 }).collect(),
         sample_weights: (0..steps).map(|i| if i % 31 == 0 { 0.0 } else { 1.0 }).collect(),
         policy_versions: vec![PolicyVersion(0); b_len],
+        // Group advantages on some steps, so whole updates check that path on both losses.
+        advantage_override: (0..steps)
+            .map(|i| if i % 5 == 2 { (i % 4) as f32 * 0.5 - 0.75 } else { f32::NAN })
+            .collect(),
     }
 }
 

@@ -290,6 +290,7 @@ impl Backend for CudaBackend {
         _values: View<'_, Self>,
         _bootstrap_value: View<'_, Self>,
         _lambda_: f32,
+        _advantage_override: Option<View<'_, Self>>,
         _advantages: ViewMut<'_, Self>,
         _returns: ViewMut<'_, Self>,
     ) -> Result<(), BackendError> {
