@@ -1032,11 +1032,17 @@ mod tests {
     fn restarts_from_one_saved_state_explore_with_their_own_sampling_streams() {
         let spec = work_spec(4, 2);
         let store = LocalSnapshotStore::new(100);
-        let item = WorkItem { id: 7, task_id: 0, start: Start::Fresh { seed: 11 }, episodes: 1 };
+        let item = WorkItem { id: 7, task_id: 0, start: Start::Fresh { seed: 11 }, episodes: 1, group: None };
         let (original, saved) = until_item_episodes(&mut work_worker(&spec, &[item], &store), 7, 1);
         let key = saved.iter().find(|s| s.episode_len == 2).expect("saved after 2 steps").key.clone();
         let restarts: Vec<WorkItem> = (20..26)
-            .map(|id| WorkItem { id, task_id: 0, start: Start::Resume { snapshot: key.clone() }, episodes: 1 })
+            .map(|id| WorkItem {
+                id,
+                task_id: 0,
+                start: Start::Resume { snapshot: key.clone() },
+                episodes: 1,
+                group: None,
+            })
             .collect();
         let mut worker = work_worker(&spec, &restarts, &store);
         let mut lengths = Vec::new();
