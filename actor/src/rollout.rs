@@ -11,7 +11,7 @@ use rand_pcg::Pcg64Mcg;
 use tracing::{debug, info, warn};
 use volley_core::ids::{ActorId, PolicyVersion};
 use volley_core::spec::{RunSpec, SpecError};
-use volley_core::wire::{EpisodeSummary, TrajectorySegment, Weights};
+use volley_core::wire::{EpisodeSummary, RestoredState, TrajectorySegment, Weights};
 use volley_core::work::SnapshotInfo;
 use volley_env::{Actions, EnvError, VecEnv, VecStep, VectorEnv};
 use volley_policy::distributions::{log_softmax, sample_categorical};
@@ -142,6 +142,8 @@ struct SegmentBuilder {
     behaviour_log_probs: Vec<f32>,
     truncation_values: Vec<f32>,
     initial_hidden: Vec<f32>,
+    /// Episodes that started from a saved, non-zero recurrent state inside this segment.
+    restored_states: Vec<RestoredState>,
     finished_episodes: Vec<EpisodeSummary>,
     saved_snapshots: Vec<SnapshotInfo>,
     task_id_at_start: u32,
@@ -317,12 +319,17 @@ impl RolloutWorker {
         let n_actions = self.envs.n_actions();
         let h = self.layout.recurrent_size();
         for (env_idx, builder) in self.builders.iter_mut().enumerate() {
-            self.starts.at_segment_boundary(SlotView {
+            let replaced = self.starts.at_segment_boundary(SlotView {
                 env_idx,
                 envs: self.envs.as_mut(),
                 hidden: &mut self.hidden[env_idx * h..(env_idx + 1) * h],
                 episode: &mut builder.episode,
             });
+            // The running episode was replaced without ending: this segment does not continue
+            // the last one (the learner stitches only continuing segments into windows).
+            if replaced {
+                builder.episode_id += 1;
+            }
         }
         for (env_idx, builder) in self.builders.iter_mut().enumerate() {
             builder.begin(&self.hidden[env_idx * h..(env_idx + 1) * h]);
@@ -333,7 +340,8 @@ impl RolloutWorker {
         let mut env_time = Duration::ZERO;
         let mut inference_time = Duration::ZERO;
         let continuous = self.spec.policy.head.is_continuous();
-        for _ in 0..self.spec.segment_len {
+        let segment_len = self.spec.segment_len;
+        for step in 0..segment_len {
             let started = Instant::now();
             let obs = self.envs.obs();
             for (env_idx, builder) in self.builders.iter_mut().enumerate() {
@@ -411,6 +419,13 @@ impl RolloutWorker {
                 hidden.fill(0.0);
                 let slot = SlotView { env_idx, envs: self.envs.as_mut(), hidden, episode: &mut builder.episode };
                 self.starts.episode_ended(slot);
+                // A resumed episode starts mid-segment from its saved recurrent state: the
+                // learner starts that step from it (at step T it is the next segment's
+                // `initial_hidden`).
+                let hidden = &self.hidden[env_idx * h..(env_idx + 1) * h];
+                if step + 1 < segment_len && hidden.iter().any(|&x| x != 0.0) {
+                    builder.restored_states.push(RestoredState { step: (step + 1) as u32, hidden: hidden.to_vec() });
+                }
             }
             self.counters.episodes.fetch_add(self.step.finished_episodes.len() as u64, Ordering::Relaxed);
         }
@@ -682,6 +697,7 @@ impl SegmentBuilder {
             behaviour_log_probs: std::mem::take(&mut self.behaviour_log_probs),
             truncation_values: std::mem::take(&mut self.truncation_values),
             initial_hidden: std::mem::take(&mut self.initial_hidden),
+            restored_states: std::mem::take(&mut self.restored_states),
             finished_episodes: std::mem::take(&mut self.finished_episodes),
             saved_snapshots: std::mem::take(&mut self.saved_snapshots),
         };

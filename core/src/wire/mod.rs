@@ -21,8 +21,9 @@ pub mod live;
 /// Bumped on any incompatible change of a wire type (3: the envelope carries a body checksum;
 /// 4: the weights checksum is XXH3-64, weights travel as [`frame`]s; 5: segments carry
 /// continuous actions, [`TrajectorySegment::continuous_actions`], and byte-valued
-/// observations, such as images, travel as one byte each: [`observations`]).
-pub const FORMAT_VERSION: u16 = 5;
+/// observations, such as images, travel as one byte each: [`observations`]; 6: segments carry
+/// the recurrent states of episodes resumed mid-segment, [`TrajectorySegment::restored_states`]).
+pub const FORMAT_VERSION: u16 = 6;
 
 /// Largest |value| of a recorded continuous action the learner accepts (an unsquashed
 /// Gaussian sample is recorded before the environment clips it; anything this far out is a
@@ -105,6 +106,17 @@ pub struct EpisodeSummary {
     pub start: Option<String>,
 }
 
+/// An episode that started mid-segment from a saved recurrent state (save-load): the learner
+/// starts step `step` from `hidden` instead of the zero state of a fresh episode.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct RestoredState {
+    /// The step the resumed episode starts at (`1..T`; the step before it ended an episode).
+    /// A resume at step 0 is the segment's `initial_hidden`.
+    pub step: u32,
+    /// `[H]` the recurrent state entering that step.
+    pub hidden: Vec<f32>,
+}
+
 /// T steps of one environment stream of one actor, time-major.
 ///
 /// Step `t` goes from `observations[t]` with `actions[t]` to `observations[t + 1]`. When step
@@ -160,6 +172,9 @@ pub struct TrajectorySegment {
     pub truncation_values: Vec<f32>,
     /// `[H]` recurrent state before step 0 (empty for feed-forward policies).
     pub initial_hidden: Vec<f32>,
+    /// Episodes that started inside this segment from a saved, non-zero recurrent state, by
+    /// step (strictly increasing; empty for feed-forward policies and fresh episodes).
+    pub restored_states: Vec<RestoredState>,
     /// Episodes that ended inside this segment.
     pub finished_episodes: Vec<EpisodeSummary>,
     /// Episode snapshots saved during this segment (save-load), for the learner's scheduler.
@@ -231,6 +246,7 @@ impl TrajectorySegment {
                 return Err(DecodeError::NonFinite { field, index });
             }
         }
+        self.validate_restored_states(hidden_size)?;
         if let volley_policy::ActionHead::Gaussian { squash } = spec.policy.head {
             let bound = if squash { 1.0 } else { MAX_ABS_CONTINUOUS_ACTION };
             if let Some(index) = self.continuous_actions.iter().position(|a| a.abs() > bound) {
@@ -251,6 +267,38 @@ impl TrajectorySegment {
                 got: format!("{} at step {index}", self.behaviour_log_probs[index]),
                 expected: format!("<= {max_log_prob}"),
             });
+        }
+        Ok(())
+    }
+}
+
+impl TrajectorySegment {
+    /// Restored states: each at a step that starts an episode inside the segment (`1..T`, the
+    /// step before ended one), in strictly increasing order, `hidden_size` finite values each.
+    fn validate_restored_states(&self, hidden_size: usize) -> Result<(), DecodeError> {
+        let mut previous = 0;
+        for (index, restored) in self.restored_states.iter().enumerate() {
+            let step = restored.step as usize;
+            let episode_start =
+                step > 0 && step < self.len() && (self.terminated[step - 1] != 0 || self.truncated[step - 1] != 0);
+            if !episode_start || (index > 0 && step <= previous) {
+                return Err(DecodeError::Mismatch {
+                    what: "restored state step",
+                    got: format!("{step} (entry {index})"),
+                    expected: "a step after an episode end, increasing".into(),
+                });
+            }
+            previous = step;
+            if restored.hidden.len() != hidden_size {
+                return Err(DecodeError::Shape {
+                    field: "restored_states.hidden",
+                    expected: hidden_size,
+                    got: restored.hidden.len(),
+                });
+            }
+            if let Some(position) = restored.hidden.iter().position(|v| !v.is_finite()) {
+                return Err(DecodeError::NonFinite { field: "restored_states", index: index * hidden_size + position });
+            }
         }
         Ok(())
     }
@@ -339,6 +387,7 @@ pub(crate) fn test_segment(run: &str, t_len: usize, obs_dim: usize, segment_idx:
         behaviour_log_probs: vec![0.0; t_len],
         truncation_values: vec![0.0; t_len],
         initial_hidden: Vec::new(),
+        restored_states: Vec::new(),
         finished_episodes: Vec::new(),
         saved_snapshots: Vec::new(),
     }
