@@ -21,6 +21,7 @@ use crate::admission::Admission;
 use crate::batch::SegmentBatch;
 use crate::learner::{Learner, UpdateStats};
 use crate::selection::{DropReason, Dropped, Selector};
+use crate::windows::WindowOutcome;
 
 /// When the learner loop stops by itself.
 #[derive(Debug, Clone, Default)]
@@ -119,6 +120,13 @@ pub struct LearnerReport {
     /// Segments waiting in the selection pool at the last update (received, not yet used,
     /// not acknowledged).
     pub pool_segments: u64,
+    /// Segments held for incomplete stitched windows (`hyper.bptt`; received, not yet in the
+    /// pool, not acknowledged).
+    pub window_held_segments: u64,
+    /// Windows formed, by outcome (`full`, or shorter because the stream broke: `gap`,
+    /// `evicted`, `timeout`, `lag`); one `full` window per segment without stitching.
+    /// In [`WindowOutcome::ALL`] order.
+    pub windows: [u64; WindowOutcome::ALL.len()],
     /// Segments skipped because the same (actor, incarnation, env, segment index) was already used.
     pub segments_duplicate: u64,
     /// Segments rejected as malformed, by reason.
@@ -343,11 +351,16 @@ pub fn run_learner(
     let mut selector = Selector::new(&spec);
     let admission = Admission::new(&spec);
     info!(selection = ?spec.hyper.selection, pool_segments = selector.pool_target(), "trajectory selection");
-    if selector.pool_target() > NATS_DEFAULT_MAX_ACK_PENDING {
+    if spec.hyper.bptt.segments > 1 {
+        info!(bptt = ?spec.hyper.bptt, "stitched BPTT windows");
+    }
+    let max_held = if spec.hyper.bptt.segments > 1 { spec.hyper.bptt.max_held_segments } else { 0 };
+    if selector.pool_target() + max_held > NATS_DEFAULT_MAX_ACK_PENDING {
         warn!(
             pool_segments = selector.pool_target(),
+            max_held_segments = max_held,
             max_ack_pending = NATS_DEFAULT_MAX_ACK_PENDING,
-            "the selection pool is larger than a NATS consumer delivers unacknowledged; over NATS it never fills"
+            "the selection pool and held window segments exceed what a NATS consumer delivers unacknowledged; over NATS the pool may never fill"
         );
     }
     let publish_every = limits.publish_every.max(1);
@@ -459,12 +472,20 @@ pub fn run_learner(
             report.compute_time += compute_started.elapsed();
             report.elapsed = started.elapsed();
             report.pool_segments = selector.len() as u64;
+            report.window_held_segments = selector.held_segments() as u64;
+            report.windows = selector.window_outcomes().map(|(_, n)| n);
             report.backlog = source.backlog();
             control.on_tick(learner, &report);
             continue;
         }
         let draw = selector.draw();
-        batch.fill(&draw.segments, spec.hyper.gamma, spec.hyper.reward_scale, draw.column_weights);
+        batch.fill_windows(
+            &draw.windows,
+            draw.window_segments,
+            spec.hyper.gamma,
+            spec.hyper.reward_scale,
+            draw.column_weights,
+        );
         let update_started = Instant::now();
         let stats = learner.update(&batch);
         report.update_time += update_started.elapsed();
@@ -496,6 +517,8 @@ pub fn run_learner(
         report.samples_trained += stats.samples as u64;
         report.segments_used += used as u64;
         report.pool_segments = selector.len() as u64;
+        report.window_held_segments = selector.held_segments() as u64;
+        report.windows = selector.window_outcomes().map(|(_, n)| n);
         report.backlog = source.backlog();
         report.elapsed = started.elapsed();
         report.progress_at = report.elapsed;

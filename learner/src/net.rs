@@ -23,6 +23,7 @@ use std::ops::Range;
 use volley_policy::{Activation, ConvGeometry, CoreKind, ParamLayout};
 
 use crate::backend::{Backend, BackendError, View, ViewMut};
+pub use crate::batch::StateRestore;
 
 /// Where one dense layer's parameters sit in the flat buffer.
 #[derive(Debug, Clone)]
@@ -242,6 +243,47 @@ impl<B: Backend> Network<B> {
         t_len: usize,
         b_len: usize,
     ) -> Result<(), BackendError> {
+        self.forward_restoring(backend, params, obs, starts, h0, &[], h0.slice(0..0), t_len, b_len)
+    }
+
+    /// [`forward`](Self::forward), where the recurrent state entering step `restore.t` of
+    /// column `restore.b` is row `restore.state` of `restore_states` (`[n][H]`) instead of
+    /// zero, for every entry of `restores` (sorted by `t`): an episode resumed from a saved
+    /// state mid-sequence, or the start of a stitched window's data after padding
+    /// ([`crate::batch::SegmentBatch`]). The caller sets `starts` at every restored step, so
+    /// backward treats the restored state as a constant (no gradient flows across it).
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_restoring(
+        &mut self,
+        backend: &mut B,
+        params: &B::Floats,
+        obs: View<'_, B>,
+        starts: View<'_, B>,
+        h0: View<'_, B>,
+        restores: &[StateRestore],
+        restore_states: View<'_, B>,
+        t_len: usize,
+        b_len: usize,
+    ) -> Result<(), BackendError> {
+        let hidden = self.hidden();
+        if let Some(bad) =
+            restores.iter().find(|r| r.t >= t_len || r.b >= b_len || (r.state + 1) * hidden > restore_states.len())
+        {
+            return Err(BackendError::Shape {
+                op: "forward_restoring",
+                operand: "restore (step, column or state row out of range; `got` is its step)",
+                expected: t_len,
+                got: bad.t,
+            });
+        }
+        if !restores.is_sorted_by_key(|r| r.t) {
+            return Err(BackendError::Shape {
+                op: "forward_restoring",
+                operand: "restores (not sorted by step)",
+                expected: 0,
+                got: 1,
+            });
+        }
         let rows = t_len * b_len;
         let shape = &self.shape;
         self.t_len = t_len;
@@ -314,6 +356,7 @@ impl<B: Backend> Network<B> {
                 None,
                 ViewMut::range(&mut self.gru_input_proj, 0..rows * 3 * hidden),
             )?;
+            let mut pending = restores.iter().peekable();
             for t in 0..t_len {
                 let source = if t == 0 { h0 } else { View::range(&self.gru_h_out, (t - 1) * state..t * state) };
                 let step_state = t * state..(t + 1) * state;
@@ -324,6 +367,13 @@ impl<B: Backend> Network<B> {
                     hidden,
                     ViewMut::range(&mut self.gru_h_prev, step_state.clone()),
                 )?;
+                while let Some(restore) = pending.next_if(|r| r.t == t) {
+                    let row = step_state.start + restore.b * hidden;
+                    backend.copy(
+                        restore_states.slice(restore.state * hidden..(restore.state + 1) * hidden),
+                        ViewMut::range(&mut self.gru_h_prev, row..row + hidden),
+                    )?;
+                }
                 let h_prev = View::range(&self.gru_h_prev, step_state.clone());
                 backend.dense_forward(
                     h_prev,

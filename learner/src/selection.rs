@@ -1,6 +1,9 @@
 //! Trajectory selection: which received segments feed a gradient step, and with what weight.
 //!
-//! Validated, de-duplicated segments enter a pool through [`Selector::offer`]. Before each step
+//! Validated, de-duplicated segments enter through [`Selector::offer`]; with stitched BPTT
+//! windows (`hyper.bptt.segments` K > 1) they wait in a [`WindowAssembler`] until K consecutive
+//! segments of their stream are there, and the pool's unit is then a window (one batch column
+//! of K·T steps; a batch is `batch_segments / K` windows). Before each step
 //! [`Selector::prepare`] runs the filters over the pool, [`Selector::draw`] picks the batch's
 //! columns and their loss weights, and [`Selector::settle_drawn`] hands back the drawn
 //! segments' tokens once the update is published. The filters, in order (a segment is dropped
@@ -23,6 +26,7 @@
 //! networked transport redelivers it if the learner dies.
 
 use std::collections::{HashMap, VecDeque};
+use std::time::Instant;
 
 use rand::{Rng, SeedableRng};
 use rand_pcg::Pcg64Mcg;
@@ -33,6 +37,7 @@ use volley_core::wire::TrajectorySegment;
 use volley_transport::DeliveryToken;
 
 use crate::batch::SegmentBatch;
+use crate::windows::{Window, WindowAssembler, WindowOutcome};
 
 /// Why selection dropped a segment for good (the `outcome` label of
 /// `volley_learner_segments_total`).
@@ -99,14 +104,17 @@ impl ValueSource for crate::Learner {
     }
 }
 
-/// The columns of the next batch: segments (a segment drawn twice appears twice) and their
-/// loss weights (the `column_weights` of [`SegmentBatch::fill`]).
+/// The columns of the next batch: windows of consecutive segments (one segment each without
+/// stitching; a window drawn twice appears twice) and their loss weights (the
+/// `column_weights` of [`SegmentBatch::fill_windows`]).
 #[derive(Debug)]
 pub struct Draw<'a> {
-    /// One segment per column.
-    pub segments: Vec<&'a TrajectorySegment>,
+    /// One window per column.
+    pub windows: Vec<&'a [TrajectorySegment]>,
     /// One weight per column, in (0, 1].
     pub column_weights: &'a [f32],
+    /// Segments per full window (K): the batch's columns are K·T steps long.
+    pub window_segments: usize,
 }
 
 /// `(task_id, start_snapshot)`: segments that share a start.
@@ -229,20 +237,25 @@ pub fn importance_weights(probs: &[f64], drawn: &[usize], beta: f32, out: &mut V
     out.extend(drawn.iter().map(|&i| (p_min / probs[i]).powf(f64::from(beta)) as f32));
 }
 
-/// A segment waiting in the pool.
+/// A window (one segment without stitching) waiting in the pool.
 #[derive(Debug)]
 struct Candidate {
-    segment: TrajectorySegment,
-    token: DeliveryToken,
-    /// `mean_t |A_t| + ε`, computed by the priority forward (priority sampling only).
+    window: Window,
+    /// `mean_t |A_t| + ε` over the window's steps, computed by the priority forward
+    /// (priority sampling only).
     priority: Option<f32>,
 }
 
 /// The learner's trajectory selection: the pool of candidate segments and the filters and
 /// sampler over it (see the module docs for the order and the acknowledgement invariant).
 pub struct Selector {
-    batch_segments: usize,
+    /// Windows per batch (`batch_segments / K`).
+    batch_windows: usize,
+    /// Windows the pool holds before a batch is drawn.
     pool_target: usize,
+    window_segments: usize,
+    assembler: WindowAssembler,
+    assembled: Vec<Window>,
     max_policy_lag: u64,
     gamma: f32,
     reward_scale: f32,
@@ -271,6 +284,7 @@ impl std::fmt::Debug for Selector {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Selector")
             .field("pool", &self.pool.len())
+            .field("held_segments", &self.assembler.held_segments())
             .field("pool_target", &self.pool_target)
             .field("guard", &self.guard)
             .field("zero_variance", &self.zero_variance)
@@ -285,9 +299,13 @@ impl Selector {
         let h = &spec.hyper;
         let selection = &h.selection;
         let window = selection.zero_variance.as_ref().map_or(1, |z| z.min_group);
+        let window_segments = h.bptt.segments.max(1);
         Selector {
-            batch_segments: h.batch_segments,
-            pool_target: selection.pool_segments(h.batch_segments),
+            batch_windows: (h.batch_segments / window_segments).max(1),
+            pool_target: (selection.pool_segments(h.batch_segments) / window_segments).max(1),
+            window_segments,
+            assembler: WindowAssembler::new(&h.bptt, h.max_policy_lag),
+            assembled: Vec::new(),
             max_policy_lag: h.max_policy_lag,
             gamma: h.gamma,
             reward_scale: h.reward_scale,
@@ -313,14 +331,25 @@ impl Selector {
     }
 
     /// Segments the pool holds before a batch is drawn (`batch_segments`, or
-    /// `pool_factor × batch_segments` with priority sampling).
+    /// `pool_factor × batch_segments` with priority sampling), counted as full windows.
     pub fn pool_target(&self) -> usize {
-        self.pool_target
+        self.pool_target * self.window_segments
     }
 
-    /// Segments waiting in the pool.
+    /// Segments waiting in the pool (in windows ready to be drawn; not those held for
+    /// incomplete windows: [`Selector::held_segments`]).
     pub fn len(&self) -> usize {
-        self.pool.len()
+        self.pool.iter().map(|c| c.window.segments.len()).sum()
+    }
+
+    /// Segments held for incomplete stitched windows (unacknowledged, not yet in the pool).
+    pub fn held_segments(&self) -> usize {
+        self.assembler.held_segments()
+    }
+
+    /// Windows formed so far, by outcome (all `full` without stitching).
+    pub fn window_outcomes(&self) -> [(WindowOutcome, u64); WindowOutcome::ALL.len()] {
+        self.assembler.outcomes()
     }
 
     /// Whether the pool is empty.
@@ -336,11 +365,24 @@ impl Selector {
     /// Offer a validated, de-duplicated segment received while the learner is at `version`.
     /// Its finished episodes are recorded for the zero-variance filter whatever happens next;
     /// then the lag bound and the guard run, and a segment that fails is appended to `dropped`.
+    /// One that passes joins its stream's window (or the pool directly, without stitching).
     pub fn offer(
         &mut self,
         segment: TrajectorySegment,
         token: DeliveryToken,
         version: PolicyVersion,
+        dropped: &mut Vec<Dropped>,
+    ) {
+        self.offer_at(segment, token, version, Instant::now(), dropped);
+    }
+
+    /// [`offer`](Self::offer), arriving at `now` (stitched windows time out by it).
+    pub fn offer_at(
+        &mut self,
+        segment: TrajectorySegment,
+        token: DeliveryToken,
+        version: PolicyVersion,
+        now: Instant,
         dropped: &mut Vec<Dropped>,
     ) {
         if self.zero_variance.is_some() {
@@ -361,7 +403,10 @@ impl Selector {
                 debug!(reason = reason.as_str(), lag, actor = %segment.actor, segment_idx = segment.segment_idx, "segment dropped by selection");
                 dropped.push(Dropped { token, reason });
             }
-            None => self.pool.push(Candidate { segment, token, priority: None }),
+            None => {
+                self.assembler.offer(segment, token, now, &mut self.assembled);
+                self.pool.extend(self.assembled.drain(..).map(|window| Candidate { window, priority: None }));
+            }
         }
     }
 
@@ -374,25 +419,53 @@ impl Selector {
         values: &mut dyn ValueSource,
         dropped: &mut Vec<Dropped>,
     ) -> bool {
+        self.prepare_at(version, Instant::now(), values, dropped)
+    }
+
+    /// [`prepare`](Self::prepare) at `now`: first flush incomplete windows that timed out or
+    /// reached the lag bound into the pool, as shorter windows.
+    pub fn prepare_at(
+        &mut self,
+        version: PolicyVersion,
+        now: Instant,
+        values: &mut dyn ValueSource,
+        dropped: &mut Vec<Dropped>,
+    ) -> bool {
+        self.assembler.expire(now, version, &mut self.assembled);
+        self.pool.extend(self.assembled.drain(..).map(|window| Candidate { window, priority: None }));
         let max_lag = self.max_policy_lag;
         self.pool.retain(|candidate| {
-            let lag = version.lag_of(candidate.segment.policy_version);
+            let lag = version.lag_of(candidate.window.oldest_version());
             if lag <= max_lag {
                 return true;
             }
-            debug!(reason = "stale", lag, actor = %candidate.segment.actor, "segment aged out of the selection pool");
-            dropped.push(Dropped { token: candidate.token, reason: DropReason::Stale });
+            debug!(
+                reason = "stale",
+                lag,
+                segments = candidate.window.segments.len(),
+                "window aged out of the selection pool"
+            );
+            dropped.extend(candidate.window.tokens.iter().map(|&token| Dropped { token, reason: DropReason::Stale }));
             false
         });
         if let Some(zero) = &self.zero_variance {
             let groups = &self.groups;
             self.pool.retain(|candidate| {
-                let segment = &candidate.segment;
-                if !groups.is_zero_variance(segment.task_id, segment.start_snapshot.as_deref(), zero.tolerance) {
+                // A window goes only when none of its segments' groups has signal.
+                let all_zero = candidate.window.segments.iter().all(|segment| {
+                    groups.is_zero_variance(segment.task_id, segment.start_snapshot.as_deref(), zero.tolerance)
+                });
+                if !all_zero {
                     return true;
                 }
-                debug!(reason = "zero_variance", task_id = segment.task_id, actor = %segment.actor, "segment dropped by selection");
-                dropped.push(Dropped { token: candidate.token, reason: DropReason::ZeroVariance });
+                debug!(
+                    reason = "zero_variance",
+                    segments = candidate.window.segments.len(),
+                    "window dropped by selection"
+                );
+                dropped.extend(
+                    candidate.window.tokens.iter().map(|&token| Dropped { token, reason: DropReason::ZeroVariance }),
+                );
                 false
             });
         }
@@ -405,8 +478,14 @@ impl Selector {
                 if candidate.priority.is_some_and(f32::is_finite) {
                     return true;
                 }
-                debug!(reason = "non_finite", actor = %candidate.segment.actor, "segment dropped: non-finite value or advantage");
-                dropped.push(Dropped { token: candidate.token, reason: DropReason::NonFinite });
+                debug!(
+                    reason = "non_finite",
+                    segments = candidate.window.segments.len(),
+                    "window dropped: non-finite value or advantage"
+                );
+                dropped.extend(
+                    candidate.window.tokens.iter().map(|&token| Dropped { token, reason: DropReason::NonFinite }),
+                );
                 false
             });
             if self.pool.len() < self.pool_target {
@@ -429,38 +508,41 @@ impl Selector {
         if self.unscored.is_empty() {
             return;
         }
-        let segments: Vec<&TrajectorySegment> = self.unscored.iter().map(|&i| &self.pool[i].segment).collect();
+        let windows: Vec<&[TrajectorySegment]> =
+            self.unscored.iter().map(|&i| self.pool[i].window.segments.as_slice()).collect();
         self.ones.clear();
-        self.ones.resize(segments.len(), 1.0);
-        self.scratch.fill(&segments, self.gamma, self.reward_scale, &self.ones);
+        self.ones.resize(windows.len(), 1.0);
+        self.scratch.fill_windows(&windows, self.window_segments, self.gamma, self.reward_scale, &self.ones);
         let batch = &self.scratch;
         let (t_len, b_len) = (batch.t_len, batch.b_len);
         source.values_and_advantages(batch, self.gae_lambda, &mut self.values, &mut self.advantages);
         let values = &self.values;
         for (col, &pool_idx) in self.unscored.iter().enumerate() {
-            let values_finite = (0..=t_len).all(|t| values[t * b_len + col].is_finite());
-            let mean_abs =
-                (0..t_len).map(|t| self.advantages[t * b_len + col].abs()).sum::<f32>() / t_len.max(1) as f32;
+            // Over the window's data, not its padding.
+            let first = t_len - self.pool[pool_idx].window.segments.len() * (t_len / self.window_segments);
+            let values_finite = (first..=t_len).all(|t| values[t * b_len + col].is_finite());
+            let mean_abs = (first..t_len).map(|t| self.advantages[t * b_len + col].abs()).sum::<f32>()
+                / (t_len - first).max(1) as f32;
             let score = if values_finite && mean_abs.is_finite() { mean_abs + priority.epsilon } else { f32::NAN };
             self.pool[pool_idx].priority = Some(score);
         }
     }
 
     /// Choose the next batch's columns from a pool that [`prepare`](Self::prepare) declared
-    /// ready: without priority sampling, the first `batch_segments` in arrival order with
-    /// weight 1 (the behaviour from before selection existed); with it, `batch_segments`
+    /// ready: without priority sampling, the first `batch_segments / K` windows in arrival
+    /// order with weight 1 (the behaviour from before selection existed); with it, as many
     /// draws with replacement by priority, weighted by normalised importance weights.
     ///
     /// # Panics
-    /// If the pool holds fewer than `batch_segments` segments.
+    /// If the pool holds fewer than `batch_segments / K` windows.
     pub fn draw(&mut self) -> Draw<'_> {
-        assert!(self.pool.len() >= self.batch_segments, "draw needs a prepared pool");
+        assert!(self.pool.len() >= self.batch_windows, "draw needs a prepared pool");
         self.drawn.clear();
         self.weights.clear();
         match &self.priority {
             None => {
-                self.drawn.extend(0..self.batch_segments);
-                self.weights.resize(self.batch_segments, 1.0);
+                self.drawn.extend(0..self.batch_windows);
+                self.weights.resize(self.batch_windows, 1.0);
             }
             Some(priority) => {
                 self.priorities.clear();
@@ -468,7 +550,7 @@ impl Selector {
                 sampling_probabilities(&self.priorities, priority.alpha, &mut self.probs);
                 sample_with_replacement(
                     &self.probs,
-                    self.batch_segments,
+                    self.batch_windows,
                     &mut self.rng,
                     &mut self.cumulative,
                     &mut self.drawn,
@@ -476,12 +558,16 @@ impl Selector {
                 importance_weights(&self.probs, &self.drawn, priority.beta, &mut self.weights);
             }
         }
-        Draw { segments: self.drawn.iter().map(|&i| &self.pool[i].segment).collect(), column_weights: &self.weights }
+        Draw {
+            windows: self.drawn.iter().map(|&i| self.pool[i].window.segments.as_slice()).collect(),
+            column_weights: &self.weights,
+            window_segments: self.window_segments,
+        }
     }
 
     /// After the update fed by the last [`draw`](Self::draw) is published: remove the drawn
-    /// segments from the pool (each once, however often it was drawn) and append their tokens
-    /// to `settled`. Returns how many distinct segments that was.
+    /// windows from the pool (each once, however often it was drawn) and append their
+    /// segments' tokens to `settled`. Returns how many distinct segments that was.
     pub fn settle_drawn(&mut self, settled: &mut Vec<DeliveryToken>) -> usize {
         self.taken.clear();
         self.taken.resize(self.pool.len(), false);
@@ -496,7 +582,7 @@ impl Selector {
             let keep = !taken[idx];
             idx += 1;
             if !keep {
-                settled.push(candidate.token);
+                settled.extend_from_slice(&candidate.window.tokens);
             }
             keep
         });
@@ -605,7 +691,7 @@ mod tests {
         }
         assert!(selector.prepare(PolicyVersion(0), &mut learner_for(&spec), &mut dropped));
         let draw = selector.draw();
-        assert_eq!(draw.segments.iter().map(|s| s.segment_idx).collect::<Vec<_>>(), vec![0, 1, 2]);
+        assert_eq!(draw.windows.iter().map(|w| w[0].segment_idx).collect::<Vec<_>>(), vec![0, 1, 2]);
         assert_eq!(draw.column_weights, &[1.0; 3]);
         let mut settled = Vec::new();
         assert_eq!(selector.settle_drawn(&mut settled), 3);
@@ -731,7 +817,7 @@ mod tests {
             reasons(&dropped),
             vec![(0, "zero_variance"), (2, "zero_variance"), (5, "zero_variance"), (6, "zero_variance")]
         );
-        let kept: Vec<u64> = selector.draw().segments.iter().map(|s| s.segment_idx).collect();
+        let kept: Vec<u64> = selector.draw().windows.iter().map(|w| w[0].segment_idx).collect();
         assert_eq!(kept, vec![1, 3]);
     }
 
@@ -759,7 +845,7 @@ mod tests {
         let priorities: Vec<f32> = selector.pool.iter().map(|c| c.priority.expect("scored")).collect();
         assert!(priorities.windows(2).all(|w| w[0] < w[1]), "priority grows with |advantage|: {priorities:?}");
         let draw = selector.draw();
-        assert_eq!(draw.segments.len(), 3);
+        assert_eq!(draw.windows.len(), 3);
         assert!(draw.column_weights.iter().all(|&w| w > 0.0 && w <= 1.0));
         let mut settled = Vec::new();
         let distinct = selector.settle_drawn(&mut settled);
@@ -884,7 +970,7 @@ mod tests {
                 }
                 if selector.prepare(PolicyVersion(version), &mut learner, &mut dropped) {
                     let draw = selector.draw();
-                    prop_assert_eq!(draw.segments.len(), 2);
+                    prop_assert_eq!(draw.windows.len(), 2);
                     let n = selector.settle_drawn(&mut settled);
                     prop_assert!((1..=2).contains(&n));
                     if step {
@@ -893,7 +979,7 @@ mod tests {
                 }
             }
             let mut seen: Vec<u64> = dropped.iter().map(|d| d.token.0).chain(settled.iter().map(|t| t.0)).collect();
-            seen.extend(selector.pool.iter().map(|c| c.token.0));
+            seen.extend(selector.pool.iter().flat_map(|c| c.window.tokens.iter().map(|t| t.0)));
             seen.sort_unstable();
             prop_assert_eq!(seen, offered);
         }
