@@ -793,6 +793,39 @@ mod tests {
         }
     }
 
+    /// Issue 18: stitched BPTT windows need a recurrent core and whole windows per batch and
+    /// per PPO minibatch; a spec written before `bptt` existed trains on single segments.
+    #[test]
+    fn bptt_windows_are_checked_and_default_to_single_segments() {
+        let mut spec = spec(EnvConfig::Cartpole, 4);
+        let mut json = serde_json::to_value(&spec).expect("serialisable");
+        json["hyper"].as_object_mut().expect("an object").remove("bptt");
+        let old: RunSpec = serde_json::from_value(json).expect("an older spec parses");
+        assert_eq!(old.hyper.bptt, BpttConfig::default());
+        assert_eq!(old.hyper.bptt.segments, 1);
+        spec.hyper.batch_segments = 8;
+        spec.hyper.loss = LossKind::Vtrace;
+        spec.hyper.bptt.segments = 4;
+        let err = spec.validate().unwrap_err().to_string();
+        assert!(err.contains("needs a recurrent core") && err.contains("--bptt-segments"), "{err}");
+        spec.policy.core = CoreKind::Gru { hidden: 8 };
+        spec.validate().expect("a GRU with 8 segments per batch in windows of 4");
+        spec.hyper.bptt.segments = 3;
+        let err = spec.validate().unwrap_err().to_string();
+        assert!(err.contains("batch_segments = 8") && err.contains("not a multiple"), "{err}");
+        spec.hyper.bptt.segments = 4;
+        spec.hyper.loss = LossKind::Ppo;
+        spec.hyper.ppo_minibatches = 4;
+        let err = spec.validate().unwrap_err().to_string();
+        assert!(err.contains("ppo_minibatches = 4") && err.contains("2 windows"), "{err}");
+        spec.hyper.ppo_minibatches = 2;
+        spec.validate().expect("two windows, two minibatches");
+        spec.hyper.bptt.max_held_segments = 3;
+        assert!(spec.validate().unwrap_err().to_string().contains("bptt.max_held_segments"));
+        spec.hyper.bptt = BpttConfig { segments: 65, ..BpttConfig::default() };
+        assert!(spec.validate().unwrap_err().to_string().contains("bptt.segments"));
+    }
+
     /// Issue 11: every store has explicit limits; specs written before they existed parse with
     /// the defaults, and limits that cannot hold the run's weights are refused by name.
     #[test]

@@ -293,6 +293,7 @@ pub fn gather<T: Copy>(src: &[T], rows: usize, b_len: usize, width: usize, cols:
 #[cfg(test)]
 mod tests {
     use super::*;
+    use volley_core::wire::RestoredState;
     use volley_testkit::fixtures::SegmentBuilder;
 
     fn segment(t_len: usize, obs_dim: usize, base: f32) -> TrajectorySegment {
@@ -324,6 +325,71 @@ mod tests {
         assert_eq!(batch.episode_start[2], 0.0);
         assert_eq!(batch.sample_weights[1], 0.5);
         assert_eq!(batch.policy_versions, vec![PolicyVersion(0), PolicyVersion(100)]);
+    }
+
+    /// Stream segment `idx` (T = 2, one observation `10·idx + t`, hidden size 2).
+    fn stream_segment(idx: u64, version: u64, initial_hidden: Vec<f32>) -> TrajectorySegment {
+        let mut segment = SegmentBuilder::new(2, 1)
+            .version(version)
+            .observations_from(|t| 10.0 * idx as f32 + t as f32)
+            .actions(vec![1, 0])
+            .log_prob(-0.25)
+            .initial_hidden(initial_hidden)
+            .build();
+        segment.segment_idx = idx;
+        segment
+    }
+
+    /// Issue 18: a window of K segments is one column of K·T steps that carries the state
+    /// across its boundaries; where an episode starts inside it from a saved state (at a
+    /// boundary or mid-segment) the batch restores that state; a short window is padded in
+    /// front with weight-0 steps and starts from its own initial state.
+    #[test]
+    fn windows_stitch_consecutive_segments_into_one_column_and_pad_short_ones() {
+        let s0 = stream_segment(0, 5, vec![0.1, 0.2]);
+        let mut s1 = stream_segment(1, 3, vec![0.3, 0.4]);
+        let mut s2 = stream_segment(2, 4, vec![0.7, 0.8]);
+        // s1's last step ends an episode; s2's episode was resumed at the boundary from a saved
+        // state, and another one mid-way through s2.
+        s1.terminated[1] = 1;
+        s2.terminated[0] = 1;
+        s2.restored_states = vec![RestoredState { step: 1, hidden: vec![-1.0, 1.0] }];
+        let short = stream_segment(7, 9, vec![0.5, 0.5]);
+        let window = [s0.clone(), s1, s2];
+        let mut batch = SegmentBatch::default();
+        batch.fill_windows(&[&window[..], std::slice::from_ref(&short)], 3, 0.9, 1.0, &[1.0, 0.5]);
+        assert_eq!((batch.t_len, batch.b_len, batch.padded_steps, batch.data_samples()), (6, 2, 4, 8));
+        // Column 0: observations 0, 1 | 10, 11 | 20, 21, then the bootstrap row 22.
+        let column = |field: &[f32], b: usize| field.iter().skip(b).step_by(2).copied().collect::<Vec<_>>();
+        assert_eq!(column(&batch.observations, 0), vec![0.0, 1.0, 10.0, 11.0, 20.0, 21.0, 22.0]);
+        // Column 1: four padding steps, then the short window's data.
+        assert_eq!(column(&batch.observations, 1), vec![0.0, 0.0, 0.0, 0.0, 70.0, 71.0, 72.0]);
+        assert_eq!(column(&batch.sample_weights, 1), vec![0.0, 0.0, 0.0, 0.0, 0.5, 0.5]);
+        assert_eq!(column(&batch.discounts, 1), vec![0.0, 0.0, 0.0, 0.0, 0.9, 0.9]);
+        assert_eq!(column(&batch.behaviour_log_probs, 0), vec![-0.25; 6]);
+        // The state carries across the first boundary (no start), resets at the episode ends.
+        assert_eq!(column(&batch.episode_start, 0), vec![0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0]);
+        assert_eq!(column(&batch.episode_start, 1), vec![0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0]);
+        assert_eq!(&batch.initial_hidden, &[0.1, 0.2, 0.0, 0.0], "the first segment's state; padding starts at zero");
+        let restores: Vec<(usize, usize)> = batch.restores.iter().map(|r| (r.t, r.b)).collect();
+        assert_eq!(restores, vec![(4, 0), (4, 1), (5, 0)], "sorted by step");
+        let state = |t: usize, b: usize| {
+            let r = batch.restores.iter().find(|r| (r.t, r.b) == (t, b)).expect("restored");
+            batch.restore_states[r.state * 2..r.state * 2 + 2].to_vec()
+        };
+        assert_eq!(state(4, 0), vec![0.7, 0.8], "the next segment's saved initial state at the boundary");
+        assert_eq!(state(5, 0), vec![-1.0, 1.0], "the state an episode resumed from mid-segment");
+        assert_eq!(state(4, 1), vec![0.5, 0.5], "a short window's data starts from its own state");
+        assert_eq!(batch.policy_versions, vec![PolicyVersion(3), PolicyVersion(9)], "each column's oldest version");
+        // One window of one segment is exactly `fill`.
+        let mut single = SegmentBatch::default();
+        single.fill_windows(&[std::slice::from_ref(&s0)], 1, 0.9, 1.0, &[1.0]);
+        let mut direct = SegmentBatch::default();
+        direct.fill(&[&s0], 0.9, 1.0, &[1.0]);
+        assert_eq!(
+            (single.observations, single.episode_start, single.restores),
+            (direct.observations, direct.episode_start, direct.restores)
+        );
     }
 
     #[test]

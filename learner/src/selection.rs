@@ -619,7 +619,7 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
     use volley_core::ids::RunId;
-    use volley_core::spec::{HyperParams, SelectionConfig};
+    use volley_core::spec::{BpttConfig, HyperParams, SelectionConfig};
     use volley_core::wire::EpisodeSummary;
     use volley_env::EnvConfig;
     use volley_policy::{Activation, PolicySpec};
@@ -980,6 +980,70 @@ mod tests {
             }
             let mut seen: Vec<u64> = dropped.iter().map(|d| d.token.0).chain(settled.iter().map(|t| t.0)).collect();
             seen.extend(selector.pool.iter().flat_map(|c| c.window.tokens.iter().map(|t| t.0)));
+            seen.sort_unstable();
+            prop_assert_eq!(seen, offered);
+        }
+
+        /// Issue 18, stitched windows of 2 segments from 3 streams with gaps, stale segments
+        /// and priority sampling or not: every draw is `batch_segments / K` windows of
+        /// consecutive segments, and every token leaves exactly once (dropped, settled, or still
+        /// in the pool or held for a window).
+        #[test]
+        fn stitched_windows_never_lose_or_double_ack_a_segment(
+            ops in prop::collection::vec((0usize..6, 0u64..4, prop::bool::ANY, prop::bool::ANY), 1..60),
+            priority_on in prop::bool::ANY,
+        ) {
+            let selection = SelectionConfig {
+                priority: priority_on.then(|| PriorityConfig { pool_factor: 2, ..PriorityConfig::default() }),
+                ..SelectionConfig::default()
+            };
+            let mut spec = spec(4, selection);
+            spec.policy = PolicySpec::gru(4, 2, &[8], Activation::Tanh, 3);
+            spec.hyper.bptt = BpttConfig { segments: 2, ..BpttConfig::default() };
+            let layout = spec.validate().expect("valid");
+            let mut learner = learner_with(&spec, layout.init_params(1));
+            let mut selector = Selector::new(&spec);
+            let (mut version, mut next_token) = (0u64, 0u64);
+            let mut next_idx = [0u64; 3];
+            let (mut offered, mut dropped, mut settled) = (Vec::new(), Vec::new(), Vec::new());
+            for (n_offers, behind, gap, step) in ops {
+                for _ in 0..n_offers {
+                    let env = (next_token % 3) as usize;
+                    next_idx[env] += u64::from(gap && next_token % 5 == 0);
+                    let idx = next_idx[env];
+                    next_idx[env] += 1;
+                    let mut s = SegmentBuilder::cartpole(T)
+                        .env_idx(env as u32)
+                        .segment_idx(idx)
+                        .version(version.saturating_sub(behind))
+                        .observations_from(|i| ((idx as usize * T + i / 4) as f32 * 0.1).sin())
+                        .log_prob(-0.7)
+                        .initial_hidden(vec![0.1; 3])
+                        .build();
+                    s.env_idx = env as u32;
+                    selector.offer(s, DeliveryToken(next_token), PolicyVersion(version), &mut dropped);
+                    offered.push(next_token);
+                    next_token += 1;
+                }
+                if selector.prepare(PolicyVersion(version), &mut learner, &mut dropped) {
+                    let draw = selector.draw();
+                    prop_assert_eq!((draw.windows.len(), draw.window_segments), (2, 2));
+                    for window in &draw.windows {
+                        for pair in window.windows(2) {
+                            prop_assert!(crate::windows::continues(&pair[0], &pair[1]));
+                        }
+                    }
+                    selector.settle_drawn(&mut settled);
+                    if step {
+                        version += 1;
+                    }
+                }
+            }
+            let mut held = Vec::new();
+            selector.assembler.flush_all(&mut held);
+            let mut seen: Vec<u64> = dropped.iter().map(|d| d.token.0).chain(settled.iter().map(|t| t.0)).collect();
+            seen.extend(selector.pool.iter().flat_map(|c| c.window.tokens.iter().map(|t| t.0)));
+            seen.extend(held.iter().flat_map(|w| w.tokens.iter().map(|t| t.0)));
             seen.sort_unstable();
             prop_assert_eq!(seen, offered);
         }

@@ -487,6 +487,84 @@ mod tests {
         }
     }
 
+    const HIDDEN: usize = 3;
+
+    /// A GRU run: segments carry `HIDDEN` recurrent values.
+    fn recurrent_spec() -> RunSpec {
+        let policy = PolicySpec { core: CoreKind::Gru { hidden: HIDDEN }, ..spec().policy };
+        RunSpec { policy, ..spec() }
+    }
+
+    fn recurrent_hash() -> u64 {
+        ParamLayout::new(&recurrent_spec().policy).expect("valid").hash()
+    }
+
+    /// Segments whose episodes end at random steps, some followed by an episode resumed from a
+    /// saved state at the next step.
+    fn recurrent_segment_strategy() -> impl Strategy<Value = TrajectorySegment> {
+        (
+            proptest::collection::vec(0u8..2, T),
+            proptest::collection::vec(prop::bool::ANY, T),
+            proptest::collection::vec(-3.0f32..3.0, T * HIDDEN),
+            proptest::collection::vec(-1.0f32..1.0, HIDDEN),
+            any::<u64>(),
+        )
+            .prop_map(|(terminated, resumes, states, initial_hidden, idx)| {
+                let restored_states = (1..T)
+                    .filter(|&t| terminated[t - 1] != 0 && resumes[t])
+                    .map(|t| RestoredState { step: t as u32, hidden: states[t * HIDDEN..(t + 1) * HIDDEN].to_vec() })
+                    .collect();
+                TrajectorySegment {
+                    layout_hash: recurrent_hash(),
+                    terminated,
+                    initial_hidden,
+                    restored_states,
+                    ..test_segment("wire", T, 4, idx)
+                }
+            })
+    }
+
+    proptest! {
+        /// Issue 18: restored recurrent states (format 6) round-trip bit for bit and validate.
+        #[test]
+        fn restored_states_roundtrip(segment in recurrent_segment_strategy()) {
+            let bytes = encode_segment(&segment);
+            let decoded = decode_segment(&bytes, &recurrent_spec(), recurrent_hash(), HIDDEN)
+                .expect("a valid recurrent segment decodes");
+            prop_assert_eq!(decoded, segment);
+        }
+    }
+
+    /// Issue 18: a restored state must follow an episode end, in increasing order, with the
+    /// run's state width and finite values.
+    #[test]
+    fn restored_states_are_validated() {
+        let spec = recurrent_spec();
+        let mut segment = TrajectorySegment {
+            layout_hash: recurrent_hash(),
+            initial_hidden: vec![0.0; HIDDEN],
+            ..test_segment("wire", T, 4, 0)
+        };
+        segment.terminated[0] = 1;
+        segment.terminated[1] = 1;
+        let state = |step: u32| RestoredState { step, hidden: vec![0.5; HIDDEN] };
+        let check = |restored: Vec<RestoredState>| {
+            TrajectorySegment { restored_states: restored, ..segment.clone() }.validate(&spec, recurrent_hash(), HIDDEN)
+        };
+        assert_eq!(check(vec![state(1), state(2)]), Ok(()));
+        for (bad, reason) in [
+            (vec![state(0)], "mismatch"),           // step 0 is the segment's initial_hidden
+            (vec![state(3)], "mismatch"),           // no episode ended at step 2
+            (vec![state(T as u32)], "mismatch"),    // beyond the segment
+            (vec![state(2), state(1)], "mismatch"), // not increasing
+            (vec![state(1), state(1)], "mismatch"), // twice
+            (vec![RestoredState { step: 1, hidden: vec![0.5; HIDDEN + 1] }], "shape"),
+            (vec![RestoredState { step: 1, hidden: vec![f32::NAN; HIDDEN] }], "non_finite"),
+        ] {
+            assert_eq!(check(bad.clone()).map_err(|e| e.reason()), Err(reason), "{bad:?}");
+        }
+    }
+
     const ACTION_DIM: usize = 2;
 
     /// A run on a continuous environment: a Gaussian head with `ACTION_DIM` values.
