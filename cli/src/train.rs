@@ -68,8 +68,12 @@ pub struct TrainSummary {
     pub segments_rejected: u64,
     /// Segments dropped by trajectory selection, by reason (`stale` repeats `segments_stale`).
     pub segments_dropped: std::collections::BTreeMap<&'static str, u64>,
-    /// Segments received but neither used nor dropped when training stopped (the selection pool).
+    /// Segments received but neither used nor dropped when training stopped (the selection
+    /// pool and segments held for incomplete stitched windows).
     pub segments_unused: u64,
+    /// Stitched BPTT windows by outcome (`full`, or shorter: `gap`, `evicted`, `timeout`,
+    /// `lag`); every segment is one `full` window without `--bptt-segments`.
+    pub windows: std::collections::BTreeMap<&'static str, u64>,
     /// Environment failures that were reset.
     pub env_errors: u64,
     /// Largest lag seen (versions).
@@ -261,7 +265,12 @@ pub fn train(config: TrainConfig, interrupted: Arc<AtomicBool>) -> anyhow::Resul
         segments_stale: report.segments_stale,
         segments_rejected: report.segments_rejected.values().sum(),
         segments_dropped: report.segments_dropped().iter().map(|&(reason, n)| (reason.as_str(), n)).collect(),
-        segments_unused: report.pool_segments,
+        segments_unused: report.pool_segments + report.window_held_segments,
+        windows: volley_learner::windows::WindowOutcome::ALL
+            .iter()
+            .zip(report.windows)
+            .map(|(outcome, n)| (outcome.as_str(), n))
+            .collect(),
         env_errors,
         lag_max: report.lag_histogram.iter().rposition(|&n| n > 0).unwrap_or(0) as u64,
         learner_wait_ratio: if loop_secs > 0.0 { report.wait_time.as_secs_f64() / loop_secs } else { 0.0 },
