@@ -164,7 +164,8 @@ pub struct LearnerReport {
     pub segments_received: u64,
     /// Loop time of the last progress: an update applied, or a pass that found no new data
     /// while none had arrived since the last update (waiting for actors, or for the broker, is
-    /// not the learner's fault). Once valid data has arrived, only an update is progress: data
+    /// not the learner's fault; segments held for an incomplete stitched window are not data
+    /// yet). Once valid data has arrived, only an update is progress: data
     /// arriving without an update following (everything stale, say) is a stall, and this stops
     /// moving while [`LearnerReport::elapsed`] goes on, empty passes in between or not.
     pub progress_at: Duration,
@@ -445,13 +446,18 @@ pub fn run_learner(
                 continue;
             }
             report.segments_received += 1;
-            received_since_update = true;
             report.env_steps += segment.len() as u64;
             report.record_episodes(&segment, limits.target_return);
             control.on_segment(&segment);
             let lag = learner.version().lag_of(segment.policy_version);
             report.lag_histogram[(lag as usize).min(LAG_BUCKETS - 1)] += 1;
+            let (pool_before, dropped_before) = (selector.len(), dropped.len());
             selector.offer(segment, token, learner.version(), &mut dropped);
+            // Data the learner could decide on (pooled or dropped) and no update following is a
+            // stall; a segment that only waits for its stitched window's next ones is not.
+            if selector.len() != pool_before || dropped.len() != dropped_before {
+                received_since_update = true;
+            }
         }
         let compute_started = Instant::now();
         let version = learner.version();
