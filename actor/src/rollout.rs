@@ -1000,6 +1000,44 @@ mod tests {
         assert!(worker.counters.unscheduled_episodes.load(Ordering::Relaxed) >= 1);
     }
 
+    /// Issue 18: an episode resumed from a saved recurrent state starts right where the previous
+    /// episode ended, mid-segment (it used to wait for the next segment boundary), and the
+    /// segment records the restored state at that step for the learner.
+    #[test]
+    fn a_resumed_recurrent_episode_starts_mid_segment_and_records_its_state() {
+        let memory = MemoryConfig { n_cues: 2, delay: 6 };
+        let mut spec = worker(EnvConfig::Memory(memory), 3, 2, CoreKind::Gru { hidden: 4 }, 16).spec.clone();
+        spec.hyper.work = WorkConfig {
+            enabled: true,
+            snapshot_every_steps: 3,
+            snapshot_at_milestones: false,
+            ..WorkConfig::default()
+        };
+        let store = LocalSnapshotStore::new(100);
+        let fresh = WorkItem { id: 1, task_id: 0, start: Start::Fresh { seed: 11 }, episodes: 1 };
+        let saved = work_worker(&spec, &[fresh], &store).collect_segments().remove(0).saved_snapshots;
+        let key = saved[0].key.clone();
+        let snapshot = store.clone().load(&key).expect("readable").expect("kept");
+        assert!(snapshot.hidden.iter().any(|&h| h != 0.0), "a GRU's state after 3 steps");
+        let items = [
+            WorkItem { id: 2, task_id: 0, start: Start::Fresh { seed: 12 }, episodes: 1 },
+            WorkItem { id: 3, task_id: 0, start: Start::Resume { snapshot: key.clone() }, episodes: 1 },
+        ];
+        let mut worker = work_worker(&spec, &items, &store);
+        let segment = worker.collect_segments().remove(0);
+        // The fresh episode lasts delay + 2 = 8 steps; the resumed one starts at step 8 with the
+        // saved state and the 3 steps it had done, so it ends after 5 more, at step 13.
+        let ends: Vec<usize> = (0..16).filter(|&t| segment.terminated[t] != 0).collect();
+        assert_eq!(ends, vec![7, 12]);
+        assert_eq!(segment.restored_states.len(), 1);
+        assert_eq!(segment.restored_states[0].step, 8);
+        assert_eq!(segment.restored_states[0].hidden, snapshot.hidden);
+        let resumed = segment.finished_episodes.iter().find(|e| e.work_item == Some(3)).expect("finished");
+        assert_eq!((resumed.episode_len, resumed.start.as_deref()), (8, Some(key.as_str())));
+        assert_eq!(worker.counters.episodes_resumed.load(Ordering::Relaxed), 1);
+        segment.validate(&spec, spec.validate().expect("valid").hash(), 4).expect("the segment validates");
+    }
+
     /// The in-process version of `cli/tests/save_load.rs`: an item taken again after its actor
     /// stopped mid-episode continues from the newest snapshot to the same return and length.
     #[test]
