@@ -46,7 +46,7 @@ def resample(rows, key, which, grid):
     return out
 
 
-def svg_plot(path, title, xlabel, series, xmax):
+def svg_plot(path, title, xlabel, series, xmax, ylabel="fresh-start success rate"):
     w, h, left, right, top, bottom = 640, 380, 60, 170, 40, 50
     pw, ph = w - left - right, h - top - bottom
     sx = lambda x: left + pw * x / xmax
@@ -59,7 +59,7 @@ def svg_plot(path, title, xlabel, series, xmax):
         f'<line x1="{left}" y1="{top}" x2="{left}" y2="{top + ph}" stroke="black"/>',
         f'<text x="{left + pw / 2}" y="{h - 12}" text-anchor="middle">{xlabel}</text>',
         f'<text x="16" y="{top + ph / 2}" transform="rotate(-90 16 {top + ph / 2})" text-anchor="middle">'
-        "fresh-start success rate</text>",
+        f"{ylabel}</text>",
     ]
     for k in range(6):
         y = k / 5

@@ -76,8 +76,9 @@ pub struct EpisodeTags {
 
 /// Where episodes start (see the module docs for when the rollout loop calls each method).
 pub trait EpisodeStarts: Send {
-    /// A segment begins: start the slot's episode if its start waited for a boundary.
-    fn at_segment_boundary(&mut self, slot: SlotView<'_>);
+    /// A segment begins: start the slot's episode if its start waited for a boundary. Returns
+    /// whether the running episode was replaced (without ending) by another.
+    fn at_segment_boundary(&mut self, slot: SlotView<'_>) -> bool;
     /// Tags of the episode running in `env_idx`.
     fn tags(&self, env_idx: usize) -> EpisodeTags;
     /// The running episode's own action-sampling generator; `None`: use the worker's.
@@ -97,7 +98,9 @@ pub trait EpisodeStarts: Send {
 pub struct FreshStarts;
 
 impl EpisodeStarts for FreshStarts {
-    fn at_segment_boundary(&mut self, _slot: SlotView<'_>) {}
+    fn at_segment_boundary(&mut self, _slot: SlotView<'_>) -> bool {
+        false
+    }
 
     fn tags(&self, _env_idx: usize) -> EpisodeTags {
         EpisodeTags::default()
@@ -127,11 +130,6 @@ struct ActiveItem {
 }
 
 impl ActiveItem {
-    /// Whether the next episode restores a saved state (and with it recurrent state).
-    fn restores_state(&self) -> bool {
-        self.continue_from.is_some() || matches!(self.item.start, Start::Resume { .. })
-    }
-
     /// Reset seed of the item's next episode.
     fn episode_seed(&self) -> u64 {
         let episode_index = u64::from(self.episodes_done);
@@ -208,10 +206,12 @@ impl WorkStarts {
     }
 
     /// Give the slot its next scheduled episode: the next episode of its item, or a new item.
-    /// Mid-segment (`at_boundary` false) a start that must restore recurrent state waits for
-    /// the next segment (the learner resets that state to zero at episode starts); the slot
-    /// runs an unscheduled episode meanwhile.
-    fn start_next(&mut self, mut slot_view: SlotView<'_>, at_boundary: bool) {
+    /// A start mid-segment (`at_boundary` false) that restores a recurrent state happens at
+    /// once: the segment records the restored state at that step (`restored_states`) and the
+    /// learner starts the step from it. Only when no item is available does the slot run an
+    /// unscheduled episode until the next segment boundary. Returns whether the slot's
+    /// episode was replaced (reset or restored).
+    fn start_next(&mut self, mut slot_view: SlotView<'_>, at_boundary: bool) -> bool {
         let env_idx = slot_view.env_idx;
         let slot = &mut self.slots[env_idx];
         slot.scheduled = false;
@@ -221,14 +221,10 @@ impl WorkStarts {
         if !self.ensure_item(env_idx, at_boundary) {
             self.slots[env_idx].needs_start = !at_boundary;
             self.counters.unscheduled_episodes.fetch_add(1, Ordering::Relaxed);
-            return;
+            return false;
         }
         let slot = &mut self.slots[env_idx];
         let active = slot.item.as_mut().expect("ensure_item leaves an active item");
-        if !at_boundary && !slot_view.hidden.is_empty() && active.restores_state() {
-            slot.needs_start = true;
-            return;
-        }
         slot.needs_start = false;
         let episode_index = active.episodes_done;
         let item_id = active.item.id;
@@ -281,7 +277,7 @@ impl WorkStarts {
                 };
                 if let Err(err) = reset {
                     warn!(actor = %self.actor, %err, "scheduled reset failed; running an unscheduled episode");
-                    return;
+                    return false;
                 }
                 slot.task_id = task_id;
                 slot_view.hidden.fill(0.0);
@@ -301,6 +297,7 @@ impl WorkStarts {
         slot.episode_index = episode_index;
         slot.steps_since_save = 0;
         debug!(actor = %self.actor, item = item_id, env_idx, "scheduled episode started");
+        true
     }
 
     /// Make sure slot `env_idx` has an item with episodes left: complete a finished one, take
@@ -392,10 +389,11 @@ fn restore(
 }
 
 impl EpisodeStarts for WorkStarts {
-    fn at_segment_boundary(&mut self, slot: SlotView<'_>) {
-        if self.slots[slot.env_idx].needs_start {
-            self.start_next(slot, true);
+    fn at_segment_boundary(&mut self, slot: SlotView<'_>) -> bool {
+        if !self.slots[slot.env_idx].needs_start {
+            return false;
         }
+        self.start_next(slot, true)
     }
 
     fn tags(&self, env_idx: usize) -> EpisodeTags {

@@ -11,7 +11,7 @@ use rand_pcg::Pcg64Mcg;
 use tracing::{debug, info, warn};
 use volley_core::ids::{ActorId, PolicyVersion};
 use volley_core::spec::{RunSpec, SpecError};
-use volley_core::wire::{EpisodeSummary, TrajectorySegment, Weights};
+use volley_core::wire::{EpisodeSummary, RestoredState, TrajectorySegment, Weights};
 use volley_core::work::SnapshotInfo;
 use volley_env::{Actions, EnvError, VecEnv, VecStep, VectorEnv};
 use volley_policy::distributions::{log_softmax, sample_categorical};
@@ -142,6 +142,8 @@ struct SegmentBuilder {
     behaviour_log_probs: Vec<f32>,
     truncation_values: Vec<f32>,
     initial_hidden: Vec<f32>,
+    /// Episodes that started from a saved, non-zero recurrent state inside this segment.
+    restored_states: Vec<RestoredState>,
     finished_episodes: Vec<EpisodeSummary>,
     saved_snapshots: Vec<SnapshotInfo>,
     task_id_at_start: u32,
@@ -319,12 +321,17 @@ impl RolloutWorker {
         let n_actions = self.envs.n_actions();
         let h = self.layout.recurrent_size();
         for (env_idx, builder) in self.builders.iter_mut().enumerate() {
-            self.starts.at_segment_boundary(SlotView {
+            let replaced = self.starts.at_segment_boundary(SlotView {
                 env_idx,
                 envs: self.envs.as_mut(),
                 hidden: &mut self.hidden[env_idx * h..(env_idx + 1) * h],
                 episode: &mut builder.episode,
             });
+            // The running episode was replaced without ending: this segment does not continue
+            // the last one (the learner stitches only continuing segments into windows).
+            if replaced {
+                builder.episode_id += 1;
+            }
         }
         for (env_idx, builder) in self.builders.iter_mut().enumerate() {
             builder.begin(&self.hidden[env_idx * h..(env_idx + 1) * h]);
@@ -336,7 +343,8 @@ impl RolloutWorker {
         let mut env_time = Duration::ZERO;
         let mut inference_time = Duration::ZERO;
         let continuous = self.spec.policy.head.is_continuous();
-        for step in 0..self.spec.segment_len {
+        let segment_len = self.spec.segment_len;
+        for step in 0..segment_len {
             let started = Instant::now();
             let obs = self.envs.obs();
             for (env_idx, builder) in self.builders.iter_mut().enumerate() {
@@ -416,9 +424,17 @@ impl RolloutWorker {
                 let slot = SlotView { env_idx, envs: self.envs.as_mut(), hidden, episode: &mut builder.episode };
                 self.starts.episode_ended(slot);
                 // The next piece of this segment (an end at the last step starts the next
-                // segment's first piece instead).
-                if step + 1 < self.spec.segment_len {
+                // segment's first piece instead), and a resumed episode that starts mid-segment
+                // from its saved recurrent state: the learner starts that step from it (at step
+                // T it is the next segment's `initial_hidden`).
+                if step + 1 < segment_len {
                     builder.episode_groups.push(self.starts.tags(env_idx).group);
+                    let hidden = &self.hidden[env_idx * h..(env_idx + 1) * h];
+                    if hidden.iter().any(|&x| x != 0.0) {
+                        builder
+                            .restored_states
+                            .push(RestoredState { step: (step + 1) as u32, hidden: hidden.to_vec() });
+                    }
                 }
             }
             self.counters.episodes.fetch_add(self.step.finished_episodes.len() as u64, Ordering::Relaxed);
@@ -691,6 +707,7 @@ impl SegmentBuilder {
             behaviour_log_probs: std::mem::take(&mut self.behaviour_log_probs),
             truncation_values: std::mem::take(&mut self.truncation_values),
             initial_hidden: std::mem::take(&mut self.initial_hidden),
+            restored_states: std::mem::take(&mut self.restored_states),
             finished_episodes: std::mem::take(&mut self.finished_episodes),
             saved_snapshots: std::mem::take(&mut self.saved_snapshots),
             // Segments with no group member carry none, as before groups existed.
@@ -998,6 +1015,44 @@ mod tests {
         // The second episode's end completed the item; the queue was empty after it.
         assert_eq!(worker.counters.work_items_completed.load(Ordering::Relaxed), 1);
         assert!(worker.counters.unscheduled_episodes.load(Ordering::Relaxed) >= 1);
+    }
+
+    /// Issue 18: an episode resumed from a saved recurrent state starts right where the previous
+    /// episode ended, mid-segment (it used to wait for the next segment boundary), and the
+    /// segment records the restored state at that step for the learner.
+    #[test]
+    fn a_resumed_recurrent_episode_starts_mid_segment_and_records_its_state() {
+        let memory = MemoryConfig { n_cues: 2, delay: 6 };
+        let mut spec = worker(EnvConfig::Memory(memory), 3, 2, CoreKind::Gru { hidden: 4 }, 16).spec.clone();
+        spec.hyper.work = WorkConfig {
+            enabled: true,
+            snapshot_every_steps: 3,
+            snapshot_at_milestones: false,
+            ..WorkConfig::default()
+        };
+        let store = LocalSnapshotStore::new(100);
+        let fresh = WorkItem { id: 1, task_id: 0, start: Start::Fresh { seed: 11 }, episodes: 1, group: None };
+        let saved = work_worker(&spec, &[fresh], &store).collect_segments().remove(0).saved_snapshots;
+        let key = saved[0].key.clone();
+        let snapshot = store.clone().load(&key).expect("readable").expect("kept");
+        assert!(snapshot.hidden.iter().any(|&h| h != 0.0), "a GRU's state after 3 steps");
+        let items = [
+            WorkItem { id: 2, task_id: 0, start: Start::Fresh { seed: 12 }, episodes: 1, group: None },
+            WorkItem { id: 3, task_id: 0, start: Start::Resume { snapshot: key.clone() }, episodes: 1, group: None },
+        ];
+        let mut worker = work_worker(&spec, &items, &store);
+        let segment = worker.collect_segments().remove(0);
+        // The fresh episode lasts delay + 2 = 8 steps; the resumed one starts at step 8 with the
+        // saved state and the 3 steps it had done, so it ends after 5 more, at step 13.
+        let ends: Vec<usize> = (0..16).filter(|&t| segment.terminated[t] != 0).collect();
+        assert_eq!(ends, vec![7, 12]);
+        assert_eq!(segment.restored_states.len(), 1);
+        assert_eq!(segment.restored_states[0].step, 8);
+        assert_eq!(segment.restored_states[0].hidden, snapshot.hidden);
+        let resumed = segment.finished_episodes.iter().find(|e| e.work_item == Some(3)).expect("finished");
+        assert_eq!((resumed.episode_len, resumed.start.as_deref()), (8, Some(key.as_str())));
+        assert_eq!(worker.counters.episodes_resumed.load(Ordering::Relaxed), 1);
+        segment.validate(&spec, spec.validate().expect("valid").hash(), 4).expect("the segment validates");
     }
 
     /// The in-process version of `cli/tests/save_load.rs`: an item taken again after its actor

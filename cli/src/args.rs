@@ -7,7 +7,8 @@ use anyhow::{bail, Context};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use volley_core::ids::RunId;
 use volley_core::spec::{
-    Baseline, HyperParams, LossKind, PriorityConfig, RunSpec, SelectionConfig, TrustConfig, ZeroVarianceConfig,
+    Baseline, BpttConfig, HyperParams, LossKind, PriorityConfig, RunSpec, SelectionConfig, TrustConfig,
+    ZeroVarianceConfig,
 };
 use volley_core::work::{BudgetPolicy, WorkConfig};
 use volley_env::{
@@ -202,6 +203,16 @@ pub struct SpecArgs {
     /// Segments per learner batch (B) [default: 8; pendulum: 32].
     #[arg(long, env = "VOLLEY_BATCH_SEGMENTS")]
     pub batch_segments: Option<usize>,
+    /// Credit across segments: train on windows of K consecutive segments of one environment
+    /// stream, backpropagating through K·T steps with the recurrent state carried across the
+    /// boundaries (needs --core gru; K divides --batch-segments, and a batch is
+    /// batch-segments / K windows, so samples per update stay the same). 1: single segments.
+    #[arg(long, default_value_t = 1, env = "VOLLEY_BPTT_SEGMENTS")]
+    pub bptt_segments: usize,
+    /// Seconds an incomplete BPTT window waits for its stream's next segment before the
+    /// learner trains on it as a shorter window (with --bptt-segments above 1).
+    #[arg(long, default_value_t = 10.0, env = "VOLLEY_BPTT_STREAM_TIMEOUT_SECS")]
+    pub bptt_stream_timeout_secs: f64,
     /// Stop after this many environment steps.
     #[arg(long, default_value_t = 300_000, env = "VOLLEY_MAX_ENV_STEPS")]
     pub max_env_steps: u64,
@@ -659,6 +670,11 @@ impl SpecArgs {
             },
             selection: self.selection(),
             trust: TrustConfig { max_actor_return_share: self.max_actor_return_share },
+            bptt: BpttConfig {
+                segments: self.bptt_segments,
+                stream_timeout_secs: self.bptt_stream_timeout_secs,
+                ..BpttConfig::default()
+            },
             ..HyperParams::default()
         };
         let spec = RunSpec { run, env, policy, segment_len, hyper, seed: self.seed };
@@ -1095,6 +1111,17 @@ pub fn check_learner_progress(spec: &RunSpec, publish_every: u64) -> anyhow::Res
              pool would never fill and no update would happen",
             spec.hyper.batch_segments,
             spec.hyper.selection.priority.as_ref().map_or(1, |p| p.pool_factor),
+        );
+    }
+    let bptt = &spec.hyper.bptt;
+    if bptt.segments > 1 && pool_segments + bptt.max_held_segments as u64 > CONSUMER_MAX_ACK_PENDING {
+        bail!(
+            "--bptt-segments {}: a selection pool of {pool_segments} segments plus up to {} segments held for \
+             incomplete windows (bptt.max_held_segments) exceeds the {CONSUMER_MAX_ACK_PENDING} unacknowledged \
+             segments the learner's NATS consumer delivers, so incomplete windows could wait for their timeout \
+             instead of filling; lower bptt.max_held_segments or --batch-segments",
+            bptt.segments,
+            bptt.max_held_segments,
         );
     }
     Ok(())

@@ -50,6 +50,9 @@ pub struct LearnerSummary {
     pub segments_duplicate: u64,
     /// Rejected segments by reason.
     pub segments_rejected: std::collections::BTreeMap<String, u64>,
+    /// Stitched BPTT windows by outcome (`--bptt-segments`; every segment is one `full` window
+    /// without it).
+    pub windows: std::collections::BTreeMap<&'static str, u64>,
     /// Fraction of loop time spent waiting for data.
     pub learner_wait_ratio: f64,
     /// Loop seconds spent receiving segments (waiting for data included).
@@ -223,6 +226,11 @@ pub fn learner(config: LearnerConfig, interrupted: Arc<AtomicBool>) -> anyhow::R
         segments_stale: report.segments_stale,
         segments_duplicate: report.segments_duplicate,
         segments_rejected: report.segments_rejected.iter().map(|(k, v)| (k.to_string(), *v)).collect(),
+        windows: volley_learner::windows::WindowOutcome::ALL
+            .iter()
+            .zip(report.windows)
+            .map(|(outcome, n)| (outcome.as_str(), n))
+            .collect(),
         learner_wait_ratio: if loop_secs > 0.0 { report.wait_time.as_secs_f64() / loop_secs } else { 0.0 },
         learner_recv_secs: report.wait_time.as_secs_f64(),
         learner_update_secs: report.update_time.as_secs_f64(),

@@ -68,11 +68,15 @@ pub struct TrainSummary {
     pub segments_rejected: u64,
     /// Segments dropped by trajectory selection, by reason (`stale` repeats `segments_stale`).
     pub segments_dropped: std::collections::BTreeMap<&'static str, u64>,
-    /// Segments received but neither used nor dropped when training stopped (the selection pool).
+    /// Segments received but neither used nor dropped when training stopped (the selection
+    /// pool and segments held for incomplete stitched windows).
     pub segments_unused: u64,
     /// Group rollouts: segments out of the group hold by outcome (`grouped`, `critic_lag`,
     /// `critic_capacity`, `critic_lost`), and groups completed; empty without group rollouts.
     pub group_segments: std::collections::BTreeMap<&'static str, u64>,
+    /// Stitched BPTT windows by outcome (`full`, or shorter: `gap`, `evicted`, `timeout`,
+    /// `lag`); every segment is one `full` window without `--bptt-segments`.
+    pub windows: std::collections::BTreeMap<&'static str, u64>,
     /// Environment failures that were reset.
     pub env_errors: u64,
     /// Largest lag seen (versions).
@@ -264,7 +268,7 @@ pub fn train(config: TrainConfig, interrupted: Arc<AtomicBool>) -> anyhow::Resul
         segments_stale: report.segments_stale,
         segments_rejected: report.segments_rejected.values().sum(),
         segments_dropped: report.segments_dropped().iter().map(|&(reason, n)| (reason.as_str(), n)).collect(),
-        segments_unused: report.pool_segments + report.groups.held_segments,
+        segments_unused: report.pool_segments + report.groups.held_segments + report.window_held_segments,
         group_segments: if spec.hyper.work.group_size > 1 {
             let g = &report.groups;
             [
@@ -279,6 +283,11 @@ pub fn train(config: TrainConfig, interrupted: Arc<AtomicBool>) -> anyhow::Resul
         } else {
             Default::default()
         },
+        windows: volley_learner::windows::WindowOutcome::ALL
+            .iter()
+            .zip(report.windows)
+            .map(|(outcome, n)| (outcome.as_str(), n))
+            .collect(),
         env_errors,
         lag_max: report.lag_histogram.iter().rposition(|&n| n > 0).unwrap_or(0) as u64,
         learner_wait_ratio: if loop_secs > 0.0 { report.wait_time.as_secs_f64() / loop_secs } else { 0.0 },

@@ -548,3 +548,41 @@ fn a_learner_and_an_actor_process_train_pendulum() {
         actor.terminate();
     }
 }
+
+/// Issue 18: over NATS (batch frames, two actor processes whose streams interleave) each
+/// stream's segments arrive in order and stitch into full BPTT windows.
+#[test]
+fn stitched_bptt_windows_form_over_nats() {
+    let _serial = serial();
+    let nats = TestNats::start();
+    let dir = tempfile::tempdir().expect("temp dir");
+    let extra = [
+        "--env",
+        "memory",
+        "--core",
+        "gru",
+        "--gru-hidden",
+        "16",
+        "--torso",
+        "16",
+        "--segment-len",
+        "8",
+        "--batch-segments",
+        "8",
+        "--bptt-segments",
+        "4",
+        "--max-env-steps",
+        "16384",
+    ];
+    let mut learner = Proc::volley(dir.path(), "learner", &learner_args(&nats, "bptt", dir.path(), &extra), PATIENCE);
+    let mut actors = spawn_actors(&nats, "bptt", dir.path(), 2);
+    let summary = learner.summary_with_exit_code(0);
+    assert_eq!(summary["stop_reason"], "env_step_budget", "{summary}");
+    let windows = &summary["windows"];
+    assert!(windows["full"].as_u64().expect("full windows") >= 16, "{summary}");
+    assert_eq!(windows["gap"], 0, "segments of a stream arrive in order: {summary}");
+    assert_eq!(windows["evicted"], 0, "{summary}");
+    for actor in &mut actors {
+        actor.terminate();
+    }
+}

@@ -60,6 +60,7 @@ def segment_body(seg: dict) -> bytes:
     out += varint(len(seg["terminated"])) + bytes(seg["terminated"])
     out += varint(len(seg["truncated"])) + bytes(seg["truncated"])
     out += f32s(seg["behaviour_log_probs"]) + f32s(seg["truncation_values"]) + f32s(seg["initial_hidden"])
+    out += varint(0)  # restored_states
     out += varint(len(seg["finished_episodes"]))
     for ep in seg["finished_episodes"]:
         out += struct.pack("<f", ep["episode_return"]) + varint(ep["episode_len"]) + varint(0)

@@ -73,6 +73,46 @@ fn gru_and_vtrace_flags_run_on_the_memory_task() {
     assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
 }
 
+/// Issue 18: stitched BPTT windows train end to end on the embedded bus, with V-trace and
+/// PPO; every segment lands in a full window (one actor, no breaks), and the samples per update
+/// stay `batch_segments · T`.
+#[test]
+fn stitched_bptt_windows_train_on_the_memory_task() {
+    for loss in ["vtrace", "ppo"] {
+        let summary = train_summary(&[
+            "--env",
+            "memory",
+            "--core",
+            "gru",
+            "--gru-hidden",
+            "16",
+            "--torso",
+            "16",
+            "--loss",
+            loss,
+            "--ppo-minibatches",
+            "1",
+            "--segment-len",
+            "8",
+            "--batch-segments",
+            "8",
+            "--bptt-segments",
+            "4",
+            "--max-env-steps",
+            "4096",
+            "--target-return",
+            "1e9",
+        ]);
+        assert_eq!(summary["stop_reason"], "env_step_budget", "{summary}");
+        assert!(summary["updates"].as_u64().expect("updates") >= 4, "{summary}");
+        let windows = &summary["windows"];
+        assert!(windows["full"].as_u64().expect("full windows") >= 8, "{summary}");
+        for short in ["gap", "evicted", "lag"] {
+            assert_eq!(windows[short], 0, "{loss}: {summary}");
+        }
+    }
+}
+
 fn assert_rejected(args: &[&str], expected: &str) {
     let output = volley().args(args).output().expect("run volley");
     assert!(!output.status.success(), "{args:?} should fail");
@@ -93,6 +133,8 @@ fn invalid_flags_get_clear_errors() {
     assert_rejected(&["train", "--select-priority-alpha=-1"], "selection.priority.alpha");
     assert_rejected(&["train", "--select-zero-variance-min-group", "1"], "selection.zero_variance.min_group");
     assert_rejected(&["train", "--select-priority-beta", "0.5"], "--select-priority-alpha");
+    assert_rejected(&["train", "--bptt-segments", "4"], "needs a recurrent core (--core gru)");
+    assert_rejected(&["train", "--core", "gru", "--bptt-segments", "3"], "not a multiple of bptt.segments");
 }
 
 fn train_summary(args: &[&str]) -> serde_json::Value {

@@ -167,7 +167,42 @@ pub struct HyperParams {
     /// writes grows without bound). Absent in specs written before it existed.
     #[serde(default)]
     pub stores: StoreLimits,
+    /// Backpropagation through time across segments: stitched windows of consecutive
+    /// segments. Absent in specs written before it existed; the default trains on single
+    /// segments, as before.
+    #[serde(default)]
+    pub bptt: BpttConfig,
 }
+
+/// Credit across segments (issue 18): the learner stitches K consecutive segments of one
+/// environment stream into a window and backpropagates through its K·T steps, carrying the
+/// recurrent state across the segment boundaries inside it (docs/ARCHITECTURE.md, "Stitched
+/// BPTT windows"). A batch then has `batch_segments / K` columns of K·T steps, so the samples
+/// per update stay the same.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(default)]
+pub struct BpttConfig {
+    /// Segments per window (K, 1..=64; 1 = every segment is a column of its own, truncated
+    /// BPTT over T steps). Needs a recurrent core when above 1, and divides `batch_segments`.
+    pub segments: usize,
+    /// The most segments the learner holds in incomplete windows, over all streams (at least
+    /// `segments`); beyond it, the stream that has waited longest is flushed as a shorter
+    /// window. Held segments are unacknowledged deliveries, so over NATS this plus the
+    /// selection pool must fit the consumer's 1000 unacknowledged deliveries.
+    pub max_held_segments: usize,
+    /// Seconds an incomplete window waits for its stream's next segment before it is flushed
+    /// as a shorter window (an actor that stopped).
+    pub stream_timeout_secs: f64,
+}
+
+impl Default for BpttConfig {
+    fn default() -> Self {
+        BpttConfig { segments: 1, max_held_segments: 512, stream_timeout_secs: 10.0 }
+    }
+}
+
+/// The largest `bptt.segments` a spec accepts.
+pub const MAX_BPTT_SEGMENTS: usize = 64;
 
 /// Limits on how far one actor can move what the learner reports (docs/SECURITY.md).
 ///
@@ -451,6 +486,7 @@ impl Default for HyperParams {
             selection: SelectionConfig::default(),
             trust: TrustConfig::default(),
             stores: StoreLimits::default(),
+            bptt: BpttConfig::default(),
         }
     }
 }
@@ -492,6 +528,61 @@ pub enum SpecError {
         /// What it must satisfy.
         rule: &'static str,
     },
+}
+
+impl RunSpec {
+    /// Stitched windows: K in range, a recurrent core to carry state across segments, whole
+    /// windows per batch and per PPO minibatch, bounds that can hold a window.
+    fn validate_bptt(&self) -> Result<(), SpecError> {
+        let h = &self.hyper;
+        let bptt = &h.bptt;
+        let k = bptt.segments;
+        let hyper = |name: &'static str, value: String, rule: &'static str| Err(SpecError::Hyper { name, value, rule });
+        if !(1..=MAX_BPTT_SEGMENTS).contains(&k) {
+            return hyper("bptt.segments", k.to_string(), "1..=64");
+        }
+        if k == 1 {
+            return Ok(());
+        }
+        if matches!(self.policy.core, volley_policy::CoreKind::Mlp) {
+            return Err(SpecError::Unsupported(format!(
+                "bptt.segments = {k} (--bptt-segments) needs a recurrent core (--core gru): a feed-forward policy \
+                 carries no state across steps, so stitching segments would change nothing"
+            )));
+        }
+        if !h.batch_segments.is_multiple_of(k) {
+            return Err(SpecError::Unsupported(format!(
+                "batch_segments = {} (--batch-segments) is not a multiple of bptt.segments = {k} (--bptt-segments): \
+                 a batch is batch_segments / K windows of K segments",
+                h.batch_segments
+            )));
+        }
+        if h.loss == LossKind::Ppo && h.ppo_minibatches as usize > h.batch_segments / k {
+            return Err(SpecError::Unsupported(format!(
+                "ppo_minibatches = {} (--ppo-minibatches) exceeds the {} windows of a batch \
+                 (batch_segments {} / bptt.segments {k}); minibatches split whole windows",
+                h.ppo_minibatches,
+                h.batch_segments / k,
+                h.batch_segments
+            )));
+        }
+        // Group rollouts hold segments until their groups complete and give them per-segment
+        // advantages; windows of several segments would need both holds to agree. Not built.
+        if k > 1 && h.work.enabled && h.work.group_size > 1 {
+            return Err(SpecError::Unsupported(format!(
+                "bptt.segments = {k} (--bptt-segments) with group rollouts (work.group_size = {}, --group-size): \
+                 stitched windows and groups cannot be combined yet; use one of them",
+                h.work.group_size
+            )));
+        }
+        if !(k..=100_000).contains(&bptt.max_held_segments) {
+            return hyper("bptt.max_held_segments", bptt.max_held_segments.to_string(), "bptt.segments..=100000");
+        }
+        if !(bptt.stream_timeout_secs.is_finite() && bptt.stream_timeout_secs > 0.0) {
+            return hyper("bptt.stream_timeout_secs", bptt.stream_timeout_secs.to_string(), "> 0");
+        }
+        Ok(())
+    }
 }
 
 /// Version of the stored run spec's envelope ([`RunSpec::encode_stored`]).
@@ -684,6 +775,7 @@ impl RunSpec {
             return Err(SpecError::Hyper { name: "ppo_epochs", value: "0".into(), rule: ">= 1" });
         }
         h.work.validate().map_err(SpecError::Work)?;
+        self.validate_bptt()?;
         h.stores.validate(layout.n_params() as u64 * 4)?;
         // Every task must fit the one policy: same spaces as the run's env. Save-load needs
         // environments that snapshot: built-in ones, or remote ones whose servers declared it.
@@ -759,6 +851,39 @@ mod tests {
             hyper: HyperParams::default(),
             seed: 3,
         }
+    }
+
+    /// Issue 18: stitched BPTT windows need a recurrent core and whole windows per batch and
+    /// per PPO minibatch; a spec written before `bptt` existed trains on single segments.
+    #[test]
+    fn bptt_windows_are_checked_and_default_to_single_segments() {
+        let mut spec = spec(EnvConfig::Cartpole, 4);
+        let mut json = serde_json::to_value(&spec).expect("serialisable");
+        json["hyper"].as_object_mut().expect("an object").remove("bptt");
+        let old: RunSpec = serde_json::from_value(json).expect("an older spec parses");
+        assert_eq!(old.hyper.bptt, BpttConfig::default());
+        assert_eq!(old.hyper.bptt.segments, 1);
+        spec.hyper.batch_segments = 8;
+        spec.hyper.loss = LossKind::Vtrace;
+        spec.hyper.bptt.segments = 4;
+        let err = spec.validate().unwrap_err().to_string();
+        assert!(err.contains("needs a recurrent core") && err.contains("--bptt-segments"), "{err}");
+        spec.policy.core = CoreKind::Gru { hidden: 8 };
+        spec.validate().expect("a GRU with 8 segments per batch in windows of 4");
+        spec.hyper.bptt.segments = 3;
+        let err = spec.validate().unwrap_err().to_string();
+        assert!(err.contains("batch_segments = 8") && err.contains("not a multiple"), "{err}");
+        spec.hyper.bptt.segments = 4;
+        spec.hyper.loss = LossKind::Ppo;
+        spec.hyper.ppo_minibatches = 4;
+        let err = spec.validate().unwrap_err().to_string();
+        assert!(err.contains("ppo_minibatches = 4") && err.contains("2 windows"), "{err}");
+        spec.hyper.ppo_minibatches = 2;
+        spec.validate().expect("two windows, two minibatches");
+        spec.hyper.bptt.max_held_segments = 3;
+        assert!(spec.validate().unwrap_err().to_string().contains("bptt.max_held_segments"));
+        spec.hyper.bptt = BpttConfig { segments: 65, ..BpttConfig::default() };
+        assert!(spec.validate().unwrap_err().to_string().contains("bptt.segments"));
     }
 
     /// Issue 11: every store has explicit limits; specs written before they existed parse with

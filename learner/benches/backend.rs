@@ -78,7 +78,7 @@ fn batch(rng: &mut Pcg64Mcg, t_len: usize, b_len: usize) -> SegmentBatch {
         discounts: vec![0.99; steps],
         sample_weights: vec![1.0; steps],
         policy_versions: vec![PolicyVersion(0); b_len],
-        advantage_override: Vec::new(),
+        ..SegmentBatch::default()
     }
 }
 

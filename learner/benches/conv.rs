@@ -71,7 +71,7 @@ fn batch(rng: &mut Pcg64Mcg, obs_dim: usize, n_actions: usize, t_len: usize, b_l
         discounts: vec![0.99; steps],
         sample_weights: vec![1.0; steps],
         policy_versions: vec![PolicyVersion(0); b_len],
-        advantage_override: Vec::new(),
+        ..SegmentBatch::default()
     }
 }
 

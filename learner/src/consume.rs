@@ -21,6 +21,7 @@ use crate::admission::Admission;
 use crate::batch::SegmentBatch;
 use crate::learner::{Learner, UpdateStats};
 use crate::selection::{DropReason, Dropped, GroupStats, Selector};
+use crate::windows::WindowOutcome;
 
 /// When the learner loop stops by itself.
 #[derive(Debug, Clone, Default)]
@@ -121,6 +122,13 @@ pub struct LearnerReport {
     pub pool_segments: u64,
     /// Group rollouts: the group hold and the group table (refreshed every pass of the loop).
     pub groups: GroupStats,
+    /// Segments held for incomplete stitched windows (`hyper.bptt`; received, not yet in the
+    /// pool, not acknowledged).
+    pub window_held_segments: u64,
+    /// Windows formed, by outcome (`full`, or shorter because the stream broke: `gap`,
+    /// `evicted`, `timeout`, `lag`); one `full` window per segment without stitching.
+    /// In [`WindowOutcome::ALL`] order.
+    pub windows: [u64; WindowOutcome::ALL.len()],
     /// Segments skipped because the same (actor, incarnation, env, segment index) was already used.
     pub segments_duplicate: u64,
     /// Segments rejected as malformed, by reason.
@@ -158,7 +166,8 @@ pub struct LearnerReport {
     pub segments_received: u64,
     /// Loop time of the last progress: an update applied, or a pass that found no new data
     /// while none had arrived since the last update (waiting for actors, or for the broker, is
-    /// not the learner's fault). Once valid data has arrived, only an update is progress: data
+    /// not the learner's fault; segments held for an incomplete stitched window are not data
+    /// yet). Once valid data has arrived, only an update is progress: data
     /// arriving without an update following (everything stale, say) is a stall, and this stops
     /// moving while [`LearnerReport::elapsed`] goes on, empty passes in between or not.
     pub progress_at: Duration,
@@ -345,11 +354,16 @@ pub fn run_learner(
     let mut selector = Selector::new(&spec);
     let admission = Admission::new(&spec);
     info!(selection = ?spec.hyper.selection, pool_segments = selector.pool_target(), "trajectory selection");
-    if selector.pool_target() > NATS_DEFAULT_MAX_ACK_PENDING {
+    if spec.hyper.bptt.segments > 1 {
+        info!(bptt = ?spec.hyper.bptt, "stitched BPTT windows");
+    }
+    let max_held = if spec.hyper.bptt.segments > 1 { spec.hyper.bptt.max_held_segments } else { 0 };
+    if selector.pool_target() + max_held > NATS_DEFAULT_MAX_ACK_PENDING {
         warn!(
             pool_segments = selector.pool_target(),
+            max_held_segments = max_held,
             max_ack_pending = NATS_DEFAULT_MAX_ACK_PENDING,
-            "the selection pool is larger than a NATS consumer delivers unacknowledged; over NATS it never fills"
+            "the selection pool and held window segments exceed what a NATS consumer delivers unacknowledged; over NATS the pool may never fill"
         );
     }
     let publish_every = limits.publish_every.max(1);
@@ -434,13 +448,18 @@ pub fn run_learner(
                 continue;
             }
             report.segments_received += 1;
-            received_since_update = true;
             report.env_steps += segment.len() as u64;
             report.record_episodes(&segment, limits.target_return);
             control.on_segment(&segment);
             let lag = learner.version().lag_of(segment.policy_version);
             report.lag_histogram[(lag as usize).min(LAG_BUCKETS - 1)] += 1;
+            let (pool_before, dropped_before) = (selector.len(), dropped.len());
             selector.offer(segment, token, learner.version(), &mut dropped);
+            // Data the learner could decide on (pooled or dropped) and no update following is a
+            // stall; a segment that only waits for its stitched window's next ones is not.
+            if selector.len() != pool_before || dropped.len() != dropped_before {
+                received_since_update = true;
+            }
         }
         let compute_started = Instant::now();
         let version = learner.version();
@@ -462,12 +481,20 @@ pub fn run_learner(
             report.compute_time += compute_started.elapsed();
             report.elapsed = started.elapsed();
             report.pool_segments = selector.len() as u64;
+            report.window_held_segments = selector.held_segments() as u64;
+            report.windows = selector.window_outcomes().map(|(_, n)| n);
             report.backlog = source.backlog();
             control.on_tick(learner, &report);
             continue;
         }
         let draw = selector.draw();
-        batch.fill(&draw.segments, spec.hyper.gamma, spec.hyper.reward_scale, draw.column_weights);
+        batch.fill_windows(
+            &draw.windows,
+            draw.window_segments,
+            spec.hyper.gamma,
+            spec.hyper.reward_scale,
+            draw.column_weights,
+        );
         batch.set_advantage_override(&draw.advantages);
         let update_started = Instant::now();
         let stats = learner.update(&batch);
@@ -500,6 +527,8 @@ pub fn run_learner(
         report.samples_trained += stats.samples as u64;
         report.segments_used += used as u64;
         report.pool_segments = selector.len() as u64;
+        report.window_held_segments = selector.held_segments() as u64;
+        report.windows = selector.window_outcomes().map(|(_, n)| n);
         report.backlog = source.backlog();
         report.elapsed = started.elapsed();
         report.progress_at = report.elapsed;

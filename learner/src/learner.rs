@@ -329,7 +329,7 @@ impl Learner {
             grad_norm: outcome.grad_norm,
             skipped_steps: outcome.skipped_steps,
             learning_rate,
-            samples: batch.t_len * batch.b_len,
+            samples: batch.data_samples(),
             lag_max,
             lag_mean: if n_columns == 0 { 0.0 } else { lag_sum as f32 / n_columns as f32 },
             off_policy: outcome.off_policy,

@@ -21,6 +21,7 @@ pub mod scheduler;
 pub mod selection;
 pub mod telemetry;
 pub mod train;
+pub mod windows;
 
 pub use checkpoint::{Checkpoint, CheckpointError};
 pub use consume::{run_learner, LearnerControl, LearnerReport, RunLimits, StopReason};

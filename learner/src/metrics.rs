@@ -13,6 +13,8 @@ use crate::learner::{Learner, UpdateStats};
 pub struct LearnerMetrics {
     segments: IntCounterVec,
     rejected: IntCounterVec,
+    windows: IntCounterVec,
+    window_held: Gauge,
     samples: IntCounter,
     env_steps: IntCounter,
     episodes: IntCounter,
@@ -62,6 +64,17 @@ impl LearnerMetrics {
                     "Valid segments received, by outcome (used, duplicate, or dropped by selection: stale, non_finite, out_of_range, zero_variance).",
                 ),
                 &["outcome"],
+            )?,
+            windows: IntCounterVec::new(
+                Opts::new(
+                    "volley_learner_windows_total",
+                    "Stitched BPTT windows formed (hyper.bptt), by outcome: full (K consecutive segments; every segment without stitching), or shorter because the stream broke: gap, evicted, timeout, lag.",
+                ),
+                &["outcome"],
+            )?,
+            window_held: gauge(
+                "volley_learner_window_held_segments",
+                "Segments held (unacknowledged) for incomplete stitched BPTT windows.",
             )?,
             rejected: IntCounterVec::new(
                 Opts::new(
@@ -197,7 +210,11 @@ impl LearnerMetrics {
         for term in ["total", "policy", "value"] {
             metrics.loss.with_label_values(&[term]);
         }
+        for outcome in crate::windows::WindowOutcome::ALL {
+            metrics.windows.with_label_values(&[outcome.as_str()]);
+        }
         registry.register(Box::new(metrics.segments.clone()))?;
+        registry.register(Box::new(metrics.windows.clone()))?;
         registry.register(Box::new(metrics.rejected.clone()))?;
         for counter in
             [&metrics.samples, &metrics.env_steps, &metrics.episodes, &metrics.updates, &metrics.weights_published]
@@ -218,6 +235,7 @@ impl LearnerMetrics {
             &metrics.mean_return,
             &metrics.backlog,
             &metrics.pool,
+            &metrics.window_held,
             &metrics.checkpoint_age,
             &metrics.since_progress,
             &metrics.max_policy_lag,
@@ -323,6 +341,12 @@ impl LearnerMetrics {
         self.group_duplicates.inc_by(delta(now.groups.duplicate_members, before.groups.duplicate_members));
         self.group_held_segments.set(now.held_segments as f64);
         self.group_held_bytes.set(now.held_bytes as f64);
+        self.window_held.set(report.window_held_segments as f64);
+        for ((outcome, &count), &before) in
+            crate::windows::WindowOutcome::ALL.iter().zip(&report.windows).zip(&prev.windows)
+        {
+            self.windows.with_label_values(&[outcome.as_str()]).inc_by(delta(count, before));
+        }
         self.since_progress.set(report.elapsed.saturating_sub(report.progress_at).as_secs_f64());
         self.previous = report.clone();
     }
@@ -529,6 +553,10 @@ mod actor_lag_tests {
         assert_eq!(values("volley_learner_work_items_total").len(), 2);
         assert_eq!(values("volley_learner_group_segments_total").len(), 4);
         assert_eq!(values("volley_learner_groups_total").len(), 3);
+        let windows = values("volley_learner_windows_total");
+        let mut outcomes_of_windows: Vec<_> = windows.iter().map(|(label, _)| label.as_str()).collect();
+        outcomes_of_windows.sort_unstable();
+        assert_eq!(outcomes_of_windows, ["evicted", "full", "gap", "lag", "timeout"]);
         for (label, value) in rejected.iter().chain(&outcomes) {
             assert_eq!(*value, 0.0, "{label}");
         }

@@ -23,6 +23,7 @@ use std::ops::Range;
 use volley_policy::{Activation, ConvGeometry, CoreKind, ParamLayout};
 
 use crate::backend::{Backend, BackendError, View, ViewMut};
+pub use crate::batch::StateRestore;
 
 /// Where one dense layer's parameters sit in the flat buffer.
 #[derive(Debug, Clone)]
@@ -242,6 +243,47 @@ impl<B: Backend> Network<B> {
         t_len: usize,
         b_len: usize,
     ) -> Result<(), BackendError> {
+        self.forward_restoring(backend, params, obs, starts, h0, &[], h0.slice(0..0), t_len, b_len)
+    }
+
+    /// [`forward`](Self::forward), where the recurrent state entering step `restore.t` of
+    /// column `restore.b` is row `restore.state` of `restore_states` (`[n][H]`) instead of
+    /// zero, for every entry of `restores` (sorted by `t`): an episode resumed from a saved
+    /// state mid-sequence, or the start of a stitched window's data after padding
+    /// ([`crate::batch::SegmentBatch`]). The caller sets `starts` at every restored step, so
+    /// backward treats the restored state as a constant (no gradient flows across it).
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_restoring(
+        &mut self,
+        backend: &mut B,
+        params: &B::Floats,
+        obs: View<'_, B>,
+        starts: View<'_, B>,
+        h0: View<'_, B>,
+        restores: &[StateRestore],
+        restore_states: View<'_, B>,
+        t_len: usize,
+        b_len: usize,
+    ) -> Result<(), BackendError> {
+        let hidden = self.hidden();
+        if let Some(bad) =
+            restores.iter().find(|r| r.t >= t_len || r.b >= b_len || (r.state + 1) * hidden > restore_states.len())
+        {
+            return Err(BackendError::Shape {
+                op: "forward_restoring",
+                operand: "restore (step, column or state row out of range; `got` is its step)",
+                expected: t_len,
+                got: bad.t,
+            });
+        }
+        if !restores.is_sorted_by_key(|r| r.t) {
+            return Err(BackendError::Shape {
+                op: "forward_restoring",
+                operand: "restores (not sorted by step)",
+                expected: 0,
+                got: 1,
+            });
+        }
         let rows = t_len * b_len;
         let shape = &self.shape;
         self.t_len = t_len;
@@ -314,6 +356,7 @@ impl<B: Backend> Network<B> {
                 None,
                 ViewMut::range(&mut self.gru_input_proj, 0..rows * 3 * hidden),
             )?;
+            let mut pending = restores.iter().peekable();
             for t in 0..t_len {
                 let source = if t == 0 { h0 } else { View::range(&self.gru_h_out, (t - 1) * state..t * state) };
                 let step_state = t * state..(t + 1) * state;
@@ -324,6 +367,13 @@ impl<B: Backend> Network<B> {
                     hidden,
                     ViewMut::range(&mut self.gru_h_prev, step_state.clone()),
                 )?;
+                while let Some(restore) = pending.next_if(|r| r.t == t) {
+                    let row = step_state.start + restore.b * hidden;
+                    backend.copy(
+                        restore_states.slice(restore.state * hidden..(restore.state + 1) * hidden),
+                        ViewMut::range(&mut self.gru_h_prev, row..row + hidden),
+                    )?;
+                }
                 let h_prev = View::range(&self.gru_h_prev, step_state.clone());
                 backend.dense_forward(
                     h_prev,
@@ -644,6 +694,158 @@ mod tests {
                 assert!((g - e).abs() <= 1e-4 * (1.0 + e.abs()), "{spec:?} grad {k}: {g} vs {e}");
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod window_tests {
+    use rand::{Rng, SeedableRng};
+    use rand_pcg::Pcg64;
+    use volley_core::wire::{RestoredState, TrajectorySegment};
+    use volley_policy::PolicySpec;
+    use volley_testkit::fixtures::SegmentBuilder;
+
+    use super::*;
+    use crate::backend::CpuBackend;
+    use crate::batch::SegmentBatch;
+
+    const T: usize = 3;
+    const K: usize = 3;
+    const OBS: usize = 3;
+    const HIDDEN: usize = 4;
+
+    fn segment(rng: &mut Pcg64, idx: u64) -> TrajectorySegment {
+        let mut segment = SegmentBuilder::new(T, OBS)
+            .observations_from(|_| 0.0)
+            .initial_hidden((0..HIDDEN).map(|_| rng.random_range(-0.5..0.5)).collect())
+            .build();
+        segment.observations.iter_mut().for_each(|o| *o = rng.random_range(-1.0..1.0));
+        segment.segment_idx = idx;
+        segment
+    }
+
+    /// A stitched window of K segments (an episode end and a resume from a saved state inside
+    /// it, the state carried across the other boundary) and a short, padded window.
+    fn stitched_batch(rng: &mut Pcg64) -> SegmentBatch {
+        let mut window: Vec<TrajectorySegment> = (0..K as u64).map(|idx| segment(rng, idx)).collect();
+        window[1].terminated[0] = 1;
+        window[1].restored_states =
+            vec![RestoredState { step: 1, hidden: (0..HIDDEN).map(|_| rng.random_range(-0.5..0.5)).collect() }];
+        let short = [segment(rng, 9)];
+        let mut batch = SegmentBatch::default();
+        batch.fill_windows(&[&window[..], &short[..]], K, 0.99, 1.0, &[1.0, 1.0]);
+        assert_eq!(batch.restores.len(), 2, "one mid-segment resume, one padded start");
+        batch
+    }
+
+    /// `Σ d_heads ⊙ heads` over the first `rows` rows of `batch` (and the network's forward).
+    fn loss(layout: &ParamLayout, params: &[f32], batch: &SegmentBatch, starts: &[f32], d_heads: &[f32]) -> f64 {
+        let (rows, b_len) = (batch.t_len, batch.b_len);
+        let mut cpu = CpuBackend::new();
+        let mut net = Network::new(&mut cpu, layout).expect("network");
+        let obs = batch.observations[..rows * b_len * OBS].to_vec();
+        net.forward_restoring(
+            &mut cpu,
+            &params.to_vec(),
+            View::of(&obs),
+            View::of(&starts.to_vec()),
+            View::of(&batch.initial_hidden),
+            &batch.restores,
+            View::of(&batch.restore_states),
+            rows,
+            b_len,
+        )
+        .expect("forward");
+        let (heads, range) = net.heads().parts();
+        heads[range].iter().zip(d_heads).map(|(&h, &d)| f64::from(h) * f64::from(d)).sum()
+    }
+
+    fn gradient(
+        layout: &ParamLayout,
+        params: &[f32],
+        batch: &SegmentBatch,
+        starts: &[f32],
+        d_heads: &[f32],
+    ) -> Vec<f32> {
+        let (rows, b_len) = (batch.t_len, batch.b_len);
+        let mut cpu = CpuBackend::new();
+        let mut net = Network::new(&mut cpu, layout).expect("network");
+        let obs = batch.observations[..rows * b_len * OBS].to_vec();
+        let (params, starts) = (params.to_vec(), starts.to_vec());
+        net.forward_restoring(
+            &mut cpu,
+            &params,
+            View::of(&obs),
+            View::of(&starts),
+            View::of(&batch.initial_hidden),
+            &batch.restores,
+            View::of(&batch.restore_states),
+            rows,
+            b_len,
+        )
+        .expect("forward");
+        let mut grads = vec![0.0; params.len()];
+        net.backward(&mut cpu, &params, View::of(&d_heads.to_vec()), View::of(&obs), View::of(&starts), &mut grads)
+            .expect("backward");
+        grads
+    }
+
+    /// Issue 18: backpropagation through a stitched window of K·T steps, with the state
+    /// carried across a segment boundary, an episode resumed from a saved state mid-window and a
+    /// padded short window, matches central finite differences for every parameter.
+    #[test]
+    fn bptt_through_a_stitched_window_matches_finite_differences() {
+        let mut rng = Pcg64::seed_from_u64(18);
+        let spec = PolicySpec::gru(OBS, 2, &[5], Activation::Tanh, HIDDEN);
+        let layout = ParamLayout::new(&spec).expect("valid spec");
+        let params: Vec<f32> = (0..layout.n_params()).map(|_| rng.random_range(-0.6..0.6)).collect();
+        let batch = stitched_batch(&mut rng);
+        let rows = batch.t_len * batch.b_len;
+        let starts = batch.episode_start[..rows].to_vec();
+        // Padding carries no loss, as its weight-0 rows give none.
+        let d_heads: Vec<f32> = (0..rows * 3)
+            .map(|i| if batch.sample_weights[i / 3] == 0.0 { 0.0 } else { rng.random_range(-1.0..1.0) })
+            .collect();
+        let analytic = gradient(&layout, &params, &batch, &starts, &d_heads);
+        let eps = 1e-2f32;
+        for (k, &g) in analytic.iter().enumerate() {
+            let (mut plus, mut minus) = (params.clone(), params.clone());
+            plus[k] += eps;
+            minus[k] -= eps;
+            let numeric = (loss(&layout, &plus, &batch, &starts, &d_heads)
+                - loss(&layout, &minus, &batch, &starts, &d_heads))
+                / (2.0 * f64::from(eps));
+            let error = (f64::from(g) - numeric).abs();
+            assert!(error <= 2e-3 + 2e-2 * numeric.abs(), "param {k}: backward {g}, finite differences {numeric}");
+        }
+    }
+
+    /// Credit crosses the boundaries inside a window: a loss on the window's last step alone
+    /// has a gradient from the earlier segments' steps, which truncation at the boundaries
+    /// (single-segment training) cuts off.
+    #[test]
+    fn a_loss_at_the_end_of_a_window_reaches_its_first_segment() {
+        let mut rng = Pcg64::seed_from_u64(19);
+        let spec = PolicySpec::gru(OBS, 2, &[], Activation::Tanh, HIDDEN);
+        let layout = ParamLayout::new(&spec).expect("valid spec");
+        let params: Vec<f32> = (0..layout.n_params()).map(|_| rng.random_range(-0.6..0.6)).collect();
+        // One full window with no episode end: the state flows from step 0 to step K·T − 1.
+        let window: Vec<TrajectorySegment> = (0..K as u64).map(|idx| segment(&mut rng, idx)).collect();
+        let mut batch = SegmentBatch::default();
+        batch.fill_windows(&[&window[..]], K, 0.99, 1.0, &[1.0]);
+        let rows = batch.t_len;
+        let mut d_heads = vec![0.0; rows * 3];
+        d_heads[(rows - 1) * 3] = 1.0;
+        let stitched = batch.episode_start[..rows].to_vec();
+        let mut truncated = stitched.clone();
+        for boundary in (T..rows).step_by(T) {
+            truncated[boundary] = 1.0;
+        }
+        let weight_ih = layout.entry("gru.weight_ih").expect("a GRU").range();
+        let through = gradient(&layout, &params, &batch, &stitched, &d_heads);
+        let cut = gradient(&layout, &params, &batch, &truncated, &d_heads);
+        let difference: f32 = through[weight_ih.clone()].iter().zip(&cut[weight_ih]).map(|(a, b)| (a - b).abs()).sum();
+        assert!(difference > 1e-3, "the first segments' steps contribute to the gradient: {difference}");
     }
 }
 

@@ -1,6 +1,9 @@
 //! Trajectory selection: which received segments feed a gradient step, and with what weight.
 //!
-//! Validated, de-duplicated segments enter a pool through [`Selector::offer`]. Before each step
+//! Validated, de-duplicated segments enter through [`Selector::offer`]; with stitched BPTT
+//! windows (`hyper.bptt.segments` K > 1) they wait in a [`WindowAssembler`] until K consecutive
+//! segments of their stream are there, and the pool's unit is then a window (one batch column
+//! of K·T steps; a batch is `batch_segments / K` windows). Before each step
 //! [`Selector::prepare`] runs the filters over the pool, [`Selector::draw`] picks the batch's
 //! columns and their loss weights, and [`Selector::settle_drawn`] hands back the drawn
 //! segments' tokens once the update is published. The filters, in order (a segment is dropped
@@ -32,6 +35,7 @@
 //! networked transport redelivers it if the learner dies.
 
 use std::collections::{HashMap, VecDeque};
+use std::time::Instant;
 
 use rand::{Rng, SeedableRng};
 use rand_pcg::Pcg64Mcg;
@@ -45,6 +49,7 @@ use crate::groups::{GroupCounters, GroupState, GroupTable, MAX_TRACKED_GROUPS};
 use volley_transport::DeliveryToken;
 
 use crate::batch::SegmentBatch;
+use crate::windows::{Window, WindowAssembler, WindowOutcome};
 
 /// Why selection dropped a segment for good (the `outcome` label of
 /// `volley_learner_segments_total`).
@@ -112,14 +117,17 @@ impl ValueSource for crate::Learner {
     }
 }
 
-/// The columns of the next batch: segments (a segment drawn twice appears twice) and their
-/// loss weights (the `column_weights` of [`SegmentBatch::fill`]).
+/// The columns of the next batch: windows of consecutive segments (one segment each without
+/// stitching; a window drawn twice appears twice) and their loss weights (the
+/// `column_weights` of [`SegmentBatch::fill_windows`]).
 #[derive(Debug)]
 pub struct Draw<'a> {
-    /// One segment per column.
-    pub segments: Vec<&'a TrajectorySegment>,
+    /// One window per column.
+    pub windows: Vec<&'a [TrajectorySegment]>,
     /// One weight per column, in (0, 1].
     pub column_weights: &'a [f32],
+    /// Segments per full window (K): the batch's columns are K·T steps long.
+    pub window_segments: usize,
     /// Per column, the group advantages of its steps (`[T]`, NaN: the critic's), for
     /// [`SegmentBatch::set_advantage_override`].
     pub advantages: Vec<Option<&'a [f32]>>,
@@ -289,12 +297,12 @@ pub fn importance_weights(probs: &[f64], drawn: &[usize], beta: f32, out: &mut V
     out.extend(drawn.iter().map(|&i| (p_min / probs[i]).powf(f64::from(beta)) as f32));
 }
 
-/// A segment waiting in the pool.
+/// A window (one segment without stitching) waiting in the pool.
 #[derive(Debug)]
 struct Candidate {
-    segment: TrajectorySegment,
-    token: DeliveryToken,
-    /// `mean_t |A_t| + ε`, computed by the priority forward (priority sampling only).
+    window: Window,
+    /// `mean_t |A_t| + ε` over the window's steps, computed by the priority forward
+    /// (priority sampling only).
     priority: Option<f32>,
     /// Group advantages per step (`[T]`, NaN: the critic's), when any step has one.
     advantages: Option<Vec<f32>>,
@@ -303,8 +311,13 @@ struct Candidate {
 /// The learner's trajectory selection: the pool of candidate segments and the filters and
 /// sampler over it (see the module docs for the order and the acknowledgement invariant).
 pub struct Selector {
-    batch_segments: usize,
+    /// Windows per batch (`batch_segments / K`).
+    batch_windows: usize,
+    /// Windows the pool holds before a batch is drawn.
     pool_target: usize,
+    window_segments: usize,
+    assembler: WindowAssembler,
+    assembled: Vec<Window>,
     max_policy_lag: u64,
     gamma: f32,
     reward_scale: f32,
@@ -342,6 +355,7 @@ impl std::fmt::Debug for Selector {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Selector")
             .field("pool", &self.pool.len())
+            .field("held_segments", &self.assembler.held_segments())
             .field("pool_target", &self.pool_target)
             .field("guard", &self.guard)
             .field("zero_variance", &self.zero_variance)
@@ -358,6 +372,7 @@ impl Selector {
         let window = selection.zero_variance.as_ref().map_or(1, |z| z.min_group);
         let work = &h.work;
         let grouped = work.enabled && work.group_size > 1;
+        let window_segments = h.bptt.segments.max(1);
         Selector {
             group_table: grouped.then(|| GroupTable::new(work.group_size, MAX_TRACKED_GROUPS)),
             baseline: h.baseline,
@@ -366,8 +381,11 @@ impl Selector {
             hold_max_segments: work.group_hold_segments as usize,
             hold_max_bytes: usize::try_from(work.group_hold_bytes).unwrap_or(usize::MAX),
             group_stats: GroupStats::default(),
-            batch_segments: h.batch_segments,
-            pool_target: selection.pool_segments(h.batch_segments),
+            batch_windows: (h.batch_segments / window_segments).max(1),
+            pool_target: (selection.pool_segments(h.batch_segments) / window_segments).max(1),
+            window_segments,
+            assembler: WindowAssembler::new(&h.bptt, h.max_policy_lag),
+            assembled: Vec::new(),
             max_policy_lag: h.max_policy_lag,
             gamma: h.gamma,
             reward_scale: h.reward_scale,
@@ -393,14 +411,25 @@ impl Selector {
     }
 
     /// Segments the pool holds before a batch is drawn (`batch_segments`, or
-    /// `pool_factor × batch_segments` with priority sampling).
+    /// `pool_factor × batch_segments` with priority sampling), counted as full windows.
     pub fn pool_target(&self) -> usize {
-        self.pool_target
+        self.pool_target * self.window_segments
     }
 
-    /// Segments waiting in the pool.
+    /// Segments waiting in the pool (in windows ready to be drawn; not those held for
+    /// incomplete windows: [`Selector::held_segments`]).
     pub fn len(&self) -> usize {
-        self.pool.len()
+        self.pool.iter().map(|c| c.window.segments.len()).sum()
+    }
+
+    /// Segments held for incomplete stitched windows (unacknowledged, not yet in the pool).
+    pub fn held_segments(&self) -> usize {
+        self.assembler.held_segments()
+    }
+
+    /// Windows formed so far, by outcome (all `full` without stitching).
+    pub fn window_outcomes(&self) -> [(WindowOutcome, u64); WindowOutcome::ALL.len()] {
+        self.assembler.outcomes()
     }
 
     /// Whether the pool is empty.
@@ -431,11 +460,24 @@ impl Selector {
     /// Offer a validated, de-duplicated segment received while the learner is at `version`.
     /// Its finished episodes are recorded for the zero-variance filter whatever happens next;
     /// then the lag bound and the guard run, and a segment that fails is appended to `dropped`.
+    /// One that passes joins its stream's window (or the pool directly, without stitching).
     pub fn offer(
         &mut self,
         segment: TrajectorySegment,
         token: DeliveryToken,
         version: PolicyVersion,
+        dropped: &mut Vec<Dropped>,
+    ) {
+        self.offer_at(segment, token, version, Instant::now(), dropped);
+    }
+
+    /// [`offer`](Self::offer), arriving at `now` (stitched windows time out by it).
+    pub fn offer_at(
+        &mut self,
+        segment: TrajectorySegment,
+        token: DeliveryToken,
+        version: PolicyVersion,
+        now: Instant,
         dropped: &mut Vec<Dropped>,
     ) {
         if let Some(table) = &mut self.group_table {
@@ -469,9 +511,17 @@ impl Selector {
                     table.touch(tag);
                 }
                 let bytes = segment_bytes(&segment);
-                self.hold.push_back((Candidate { segment, token, priority: None, advantages: None }, bytes));
+                let window = Window::single(segment, token);
+                self.hold.push_back((Candidate { window, priority: None, advantages: None }, bytes));
             }
-            None => self.pool.push(Candidate { segment, token, priority: None, advantages: None }),
+            None => {
+                self.assembler.offer(segment, token, now, &mut self.assembled);
+                self.pool.extend(self.assembled.drain(..).map(|window| Candidate {
+                    window,
+                    priority: None,
+                    advantages: None,
+                }));
+            }
         }
     }
 
@@ -487,7 +537,13 @@ impl Selector {
         let mut kept = VecDeque::with_capacity(self.hold.len());
         let mut released = Vec::new();
         for (candidate, bytes) in self.hold.drain(..) {
-            let states = candidate.segment.episode_groups.iter().flatten().map(|tag| table.state(tag.group));
+            // Held windows are single segments: the spec refuses groups with stitched windows.
+            let states = candidate
+                .window
+                .segments
+                .iter()
+                .flat_map(|s| s.episode_groups.iter().flatten())
+                .map(|tag| table.state(tag.group));
             let (mut unknown, mut waiting) = (false, false);
             for state in states {
                 match state {
@@ -496,7 +552,7 @@ impl Selector {
                     GroupState::Complete => {}
                 }
             }
-            let lag = version.lag_of(candidate.segment.policy_version);
+            let lag = version.lag_of(candidate.window.oldest_version());
             if unknown {
                 released.push((candidate, Release::Lost));
             } else if !waiting {
@@ -530,14 +586,17 @@ impl Selector {
             Release::Capacity => stats.segments_critic_capacity += 1,
             Release::Lost => stats.segments_critic_lost += 1,
         }
-        let segment = &candidate.segment;
+        let segments = &candidate.window.segments;
         if let Some(zero) = &self.zero_variance {
-            let all_flat = segment
-                .step_groups()
+            let all_flat = segments
+                .iter()
+                .flat_map(|s| s.step_groups())
                 .all(|tag| tag.is_some_and(|tag| table.is_zero_variance(tag.group, zero.tolerance)));
             if all_flat {
-                debug!(reason = "zero_variance", actor = %segment.actor, "group segment dropped by selection");
-                dropped.push(Dropped { token: candidate.token, reason: DropReason::ZeroVariance });
+                debug!(reason = "zero_variance", actor = %segments[0].actor, "group segment dropped by selection");
+                for token in candidate.window.tokens {
+                    dropped.push(Dropped { token, reason: DropReason::ZeroVariance });
+                }
                 return;
             }
         }
@@ -547,7 +606,7 @@ impl Selector {
             let advantage = |tag: Option<GroupMember>| {
                 tag.and_then(|tag| table.advantage(&tag, scale, divide_by_std)).unwrap_or(f32::NAN)
             };
-            let advantages: Vec<f32> = segment.step_groups().map(advantage).collect();
+            let advantages: Vec<f32> = segments.iter().flat_map(|s| s.step_groups()).map(advantage).collect();
             if advantages.iter().any(|a| a.is_finite()) {
                 candidate.advantages = Some(advantages);
             }
@@ -564,31 +623,60 @@ impl Selector {
         values: &mut dyn ValueSource,
         dropped: &mut Vec<Dropped>,
     ) -> bool {
+        self.prepare_at(version, Instant::now(), values, dropped)
+    }
+
+    /// [`prepare`](Self::prepare) at `now`: first flush incomplete windows that timed out or
+    /// reached the lag bound into the pool, as shorter windows.
+    pub fn prepare_at(
+        &mut self,
+        version: PolicyVersion,
+        now: Instant,
+        values: &mut dyn ValueSource,
+        dropped: &mut Vec<Dropped>,
+    ) -> bool {
+        self.assembler.expire(now, version, &mut self.assembled);
+        self.pool.extend(self.assembled.drain(..).map(|window| Candidate { window, priority: None, advantages: None }));
         self.release_held(version, dropped);
         let max_lag = self.max_policy_lag;
         self.pool.retain(|candidate| {
-            let lag = version.lag_of(candidate.segment.policy_version);
+            let lag = version.lag_of(candidate.window.oldest_version());
             if lag <= max_lag {
                 return true;
             }
-            debug!(reason = "stale", lag, actor = %candidate.segment.actor, "segment aged out of the selection pool");
-            dropped.push(Dropped { token: candidate.token, reason: DropReason::Stale });
+            debug!(
+                reason = "stale",
+                lag,
+                segments = candidate.window.segments.len(),
+                "window aged out of the selection pool"
+            );
+            dropped.extend(candidate.window.tokens.iter().map(|&token| Dropped { token, reason: DropReason::Stale }));
             false
         });
         if let Some(zero) = &self.zero_variance {
             let groups = &self.groups;
             let by_fork = self.group_table.is_some();
             self.pool.retain(|candidate| {
-                let segment = &candidate.segment;
                 // Group segments were judged by their groups when they left the hold.
-                if by_fork && segment.episode_groups.iter().any(Option::is_some) {
+                let segments = &candidate.window.segments;
+                if by_fork && segments.iter().any(|s| s.episode_groups.iter().any(Option::is_some)) {
                     return true;
                 }
-                if !groups.is_zero_variance(segment.task_id, segment.start_snapshot.as_deref(), zero.tolerance) {
+                // A window goes only when none of its segments' groups has signal.
+                let all_zero = segments.iter().all(|segment| {
+                    groups.is_zero_variance(segment.task_id, segment.start_snapshot.as_deref(), zero.tolerance)
+                });
+                if !all_zero {
                     return true;
                 }
-                debug!(reason = "zero_variance", task_id = segment.task_id, actor = %segment.actor, "segment dropped by selection");
-                dropped.push(Dropped { token: candidate.token, reason: DropReason::ZeroVariance });
+                debug!(
+                    reason = "zero_variance",
+                    segments = candidate.window.segments.len(),
+                    "window dropped by selection"
+                );
+                dropped.extend(
+                    candidate.window.tokens.iter().map(|&token| Dropped { token, reason: DropReason::ZeroVariance }),
+                );
                 false
             });
         }
@@ -601,8 +689,14 @@ impl Selector {
                 if candidate.priority.is_some_and(f32::is_finite) {
                     return true;
                 }
-                debug!(reason = "non_finite", actor = %candidate.segment.actor, "segment dropped: non-finite value or advantage");
-                dropped.push(Dropped { token: candidate.token, reason: DropReason::NonFinite });
+                debug!(
+                    reason = "non_finite",
+                    segments = candidate.window.segments.len(),
+                    "window dropped: non-finite value or advantage"
+                );
+                dropped.extend(
+                    candidate.window.tokens.iter().map(|&token| Dropped { token, reason: DropReason::NonFinite }),
+                );
                 false
             });
             if self.pool.len() < self.pool_target {
@@ -625,38 +719,41 @@ impl Selector {
         if self.unscored.is_empty() {
             return;
         }
-        let segments: Vec<&TrajectorySegment> = self.unscored.iter().map(|&i| &self.pool[i].segment).collect();
+        let windows: Vec<&[TrajectorySegment]> =
+            self.unscored.iter().map(|&i| self.pool[i].window.segments.as_slice()).collect();
         self.ones.clear();
-        self.ones.resize(segments.len(), 1.0);
-        self.scratch.fill(&segments, self.gamma, self.reward_scale, &self.ones);
+        self.ones.resize(windows.len(), 1.0);
+        self.scratch.fill_windows(&windows, self.window_segments, self.gamma, self.reward_scale, &self.ones);
         let batch = &self.scratch;
         let (t_len, b_len) = (batch.t_len, batch.b_len);
         source.values_and_advantages(batch, self.gae_lambda, &mut self.values, &mut self.advantages);
         let values = &self.values;
         for (col, &pool_idx) in self.unscored.iter().enumerate() {
-            let values_finite = (0..=t_len).all(|t| values[t * b_len + col].is_finite());
-            let mean_abs =
-                (0..t_len).map(|t| self.advantages[t * b_len + col].abs()).sum::<f32>() / t_len.max(1) as f32;
+            // Over the window's data, not its padding.
+            let first = t_len - self.pool[pool_idx].window.segments.len() * (t_len / self.window_segments);
+            let values_finite = (first..=t_len).all(|t| values[t * b_len + col].is_finite());
+            let mean_abs = (first..t_len).map(|t| self.advantages[t * b_len + col].abs()).sum::<f32>()
+                / (t_len - first).max(1) as f32;
             let score = if values_finite && mean_abs.is_finite() { mean_abs + priority.epsilon } else { f32::NAN };
             self.pool[pool_idx].priority = Some(score);
         }
     }
 
     /// Choose the next batch's columns from a pool that [`prepare`](Self::prepare) declared
-    /// ready: without priority sampling, the first `batch_segments` in arrival order with
-    /// weight 1 (the behaviour from before selection existed); with it, `batch_segments`
+    /// ready: without priority sampling, the first `batch_segments / K` windows in arrival
+    /// order with weight 1 (the behaviour from before selection existed); with it, as many
     /// draws with replacement by priority, weighted by normalised importance weights.
     ///
     /// # Panics
-    /// If the pool holds fewer than `batch_segments` segments.
+    /// If the pool holds fewer than `batch_segments / K` windows.
     pub fn draw(&mut self) -> Draw<'_> {
-        assert!(self.pool.len() >= self.batch_segments, "draw needs a prepared pool");
+        assert!(self.pool.len() >= self.batch_windows, "draw needs a prepared pool");
         self.drawn.clear();
         self.weights.clear();
         match &self.priority {
             None => {
-                self.drawn.extend(0..self.batch_segments);
-                self.weights.resize(self.batch_segments, 1.0);
+                self.drawn.extend(0..self.batch_windows);
+                self.weights.resize(self.batch_windows, 1.0);
             }
             Some(priority) => {
                 self.priorities.clear();
@@ -664,7 +761,7 @@ impl Selector {
                 sampling_probabilities(&self.priorities, priority.alpha, &mut self.probs);
                 sample_with_replacement(
                     &self.probs,
-                    self.batch_segments,
+                    self.batch_windows,
                     &mut self.rng,
                     &mut self.cumulative,
                     &mut self.drawn,
@@ -673,15 +770,16 @@ impl Selector {
             }
         }
         Draw {
-            segments: self.drawn.iter().map(|&i| &self.pool[i].segment).collect(),
+            windows: self.drawn.iter().map(|&i| self.pool[i].window.segments.as_slice()).collect(),
             column_weights: &self.weights,
+            window_segments: self.window_segments,
             advantages: self.drawn.iter().map(|&i| self.pool[i].advantages.as_deref()).collect(),
         }
     }
 
     /// After the update fed by the last [`draw`](Self::draw) is published: remove the drawn
-    /// segments from the pool (each once, however often it was drawn) and append their tokens
-    /// to `settled`. Returns how many distinct segments that was.
+    /// windows from the pool (each once, however often it was drawn) and append their
+    /// segments' tokens to `settled`. Returns how many distinct segments that was.
     pub fn settle_drawn(&mut self, settled: &mut Vec<DeliveryToken>) -> usize {
         self.taken.clear();
         self.taken.resize(self.pool.len(), false);
@@ -696,7 +794,7 @@ impl Selector {
             let keep = !taken[idx];
             idx += 1;
             if !keep {
-                settled.push(candidate.token);
+                settled.extend_from_slice(&candidate.window.tokens);
             }
             keep
         });
@@ -733,7 +831,7 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
     use volley_core::ids::RunId;
-    use volley_core::spec::{HyperParams, SelectionConfig};
+    use volley_core::spec::{BpttConfig, HyperParams, SelectionConfig};
     use volley_core::wire::EpisodeSummary;
     use volley_env::EnvConfig;
     use volley_policy::{Activation, PolicySpec};
@@ -840,7 +938,7 @@ mod tests {
         }
         assert!(selector.prepare(PolicyVersion(0), &mut learner_for(&spec), &mut dropped));
         let draw = selector.draw();
-        assert_eq!(draw.segments.iter().map(|s| s.segment_idx).collect::<Vec<_>>(), vec![0, 1, 2]);
+        assert_eq!(draw.windows.iter().map(|w| w[0].segment_idx).collect::<Vec<_>>(), vec![0, 1, 2]);
         assert_eq!(draw.column_weights, &[1.0; 3]);
         let mut settled = Vec::new();
         assert_eq!(selector.settle_drawn(&mut settled), 3);
@@ -966,7 +1064,7 @@ mod tests {
             reasons(&dropped),
             vec![(0, "zero_variance"), (2, "zero_variance"), (5, "zero_variance"), (6, "zero_variance")]
         );
-        let kept: Vec<u64> = selector.draw().segments.iter().map(|s| s.segment_idx).collect();
+        let kept: Vec<u64> = selector.draw().windows.iter().map(|w| w[0].segment_idx).collect();
         assert_eq!(kept, vec![1, 3]);
     }
 
@@ -994,7 +1092,7 @@ mod tests {
         let priorities: Vec<f32> = selector.pool.iter().map(|c| c.priority.expect("scored")).collect();
         assert!(priorities.windows(2).all(|w| w[0] < w[1]), "priority grows with |advantage|: {priorities:?}");
         let draw = selector.draw();
-        assert_eq!(draw.segments.len(), 3);
+        assert_eq!(draw.windows.len(), 3);
         assert!(draw.column_weights.iter().all(|&w| w > 0.0 && w <= 1.0));
         let mut settled = Vec::new();
         let distinct = selector.settle_drawn(&mut settled);
@@ -1119,7 +1217,7 @@ mod tests {
                 }
                 if selector.prepare(PolicyVersion(version), &mut learner, &mut dropped) {
                     let draw = selector.draw();
-                    prop_assert_eq!(draw.segments.len(), 2);
+                    prop_assert_eq!(draw.windows.len(), 2);
                     let n = selector.settle_drawn(&mut settled);
                     prop_assert!((1..=2).contains(&n));
                     if step {
@@ -1128,7 +1226,71 @@ mod tests {
                 }
             }
             let mut seen: Vec<u64> = dropped.iter().map(|d| d.token.0).chain(settled.iter().map(|t| t.0)).collect();
-            seen.extend(selector.pool.iter().map(|c| c.token.0));
+            seen.extend(selector.pool.iter().flat_map(|c| c.window.tokens.iter().map(|t| t.0)));
+            seen.sort_unstable();
+            prop_assert_eq!(seen, offered);
+        }
+
+        /// Issue 18, stitched windows of 2 segments from 3 streams with gaps, stale segments
+        /// and priority sampling or not: every draw is `batch_segments / K` windows of
+        /// consecutive segments, and every token leaves exactly once (dropped, settled, or still
+        /// in the pool or held for a window).
+        #[test]
+        fn stitched_windows_never_lose_or_double_ack_a_segment(
+            ops in prop::collection::vec((0usize..6, 0u64..4, prop::bool::ANY, prop::bool::ANY), 1..60),
+            priority_on in prop::bool::ANY,
+        ) {
+            let selection = SelectionConfig {
+                priority: priority_on.then(|| PriorityConfig { pool_factor: 2, ..PriorityConfig::default() }),
+                ..SelectionConfig::default()
+            };
+            let mut spec = spec(4, selection);
+            spec.policy = PolicySpec::gru(4, 2, &[8], Activation::Tanh, 3);
+            spec.hyper.bptt = BpttConfig { segments: 2, ..BpttConfig::default() };
+            let layout = spec.validate().expect("valid");
+            let mut learner = learner_with(&spec, layout.init_params(1));
+            let mut selector = Selector::new(&spec);
+            let (mut version, mut next_token) = (0u64, 0u64);
+            let mut next_idx = [0u64; 3];
+            let (mut offered, mut dropped, mut settled) = (Vec::new(), Vec::new(), Vec::new());
+            for (n_offers, behind, gap, step) in ops {
+                for _ in 0..n_offers {
+                    let env = (next_token % 3) as usize;
+                    next_idx[env] += u64::from(gap && next_token % 5 == 0);
+                    let idx = next_idx[env];
+                    next_idx[env] += 1;
+                    let mut s = SegmentBuilder::cartpole(T)
+                        .env_idx(env as u32)
+                        .segment_idx(idx)
+                        .version(version.saturating_sub(behind))
+                        .observations_from(|i| ((idx as usize * T + i / 4) as f32 * 0.1).sin())
+                        .log_prob(-0.7)
+                        .initial_hidden(vec![0.1; 3])
+                        .build();
+                    s.env_idx = env as u32;
+                    selector.offer(s, DeliveryToken(next_token), PolicyVersion(version), &mut dropped);
+                    offered.push(next_token);
+                    next_token += 1;
+                }
+                if selector.prepare(PolicyVersion(version), &mut learner, &mut dropped) {
+                    let draw = selector.draw();
+                    prop_assert_eq!((draw.windows.len(), draw.window_segments), (2, 2));
+                    for window in &draw.windows {
+                        for pair in window.windows(2) {
+                            prop_assert!(crate::windows::continues(&pair[0], &pair[1]));
+                        }
+                    }
+                    selector.settle_drawn(&mut settled);
+                    if step {
+                        version += 1;
+                    }
+                }
+            }
+            let mut held = Vec::new();
+            selector.assembler.flush_all(&mut held);
+            let mut seen: Vec<u64> = dropped.iter().map(|d| d.token.0).chain(settled.iter().map(|t| t.0)).collect();
+            seen.extend(selector.pool.iter().flat_map(|c| c.window.tokens.iter().map(|t| t.0)));
+            seen.extend(held.iter().flat_map(|w| w.tokens.iter().map(|t| t.0)));
             seen.sort_unstable();
             prop_assert_eq!(seen, offered);
         }
@@ -1168,7 +1330,8 @@ mod tests {
         assert!(dropped.is_empty());
         assert_eq!(selector.held(), 0);
         let draw = selector.draw();
-        for (segment, advantages) in draw.segments.iter().zip(&draw.advantages) {
+        let segments: Vec<&TrajectorySegment> = draw.windows.iter().map(|w| &w[0]).collect();
+        for (segment, advantages) in segments.iter().zip(&draw.advantages) {
             match segment.episode_groups.first().copied().flatten() {
                 Some(tag) => {
                     let expected = 0.5 * (returns[tag.member as usize] - 1.0);
@@ -1178,9 +1341,9 @@ mod tests {
             }
         }
         let mut batch = SegmentBatch::default();
-        batch.fill(&draw.segments, 0.99, 0.5, draw.column_weights);
+        batch.fill(&segments, 0.99, 0.5, draw.column_weights);
         batch.set_advantage_override(&draw.advantages);
-        let column = draw.segments.iter().position(|s| s.segment_idx == 7).expect("member 3's last segment");
+        let column = segments.iter().position(|s| s.segment_idx == 7).expect("member 3's last segment");
         assert_eq!(batch.advantage_override[(T - 1) * 9 + column], 1.0);
         let stats = selector.group_stats();
         assert_eq!((stats.segments_grouped, stats.groups.completed), (8, 1));
@@ -1207,7 +1370,7 @@ mod tests {
         assert!(selector.prepare(PolicyVersion(0), &mut learner, &mut dropped));
         assert_eq!(reasons(&dropped), (0..4).map(|t| (t, "zero_variance")).collect::<Vec<_>>());
         let draw = selector.draw();
-        assert!(draw.segments.iter().all(|s| s.segment_idx >= 10));
+        assert!(draw.windows.iter().all(|w| w[0].segment_idx >= 10));
         assert!(draw.advantages.iter().all(Option::is_none), "the critic baseline adds no group advantages");
     }
 

@@ -27,7 +27,7 @@ use crate::backend::{
     Backend, BackendError, CpuBackend, CudaBackend, Evaluation, GaussianHead, PpoLossInputs, VTraceLossInputs,
     VTraceLossOutputs, View, ViewMut,
 };
-use crate::batch::SegmentBatch;
+use crate::batch::{SegmentBatch, StateRestore};
 use crate::losses::{LossStats, PpoLossConfig, VTraceLossConfig};
 use crate::net::{ensure, Network};
 use crate::optim::{AdamConfig, AdamState};
@@ -61,6 +61,7 @@ struct StagedLayout {
     observations: Range<usize>,
     episode_start: Range<usize>,
     initial_hidden: Range<usize>,
+    restore_states: Range<usize>,
     actions: Range<usize>,
     behaviour_log_probs: Range<usize>,
     rewards: Range<usize>,
@@ -72,8 +73,18 @@ struct StagedLayout {
 }
 
 impl StagedLayout {
-    /// `action_width` words per action: 1 for a discrete index, `A` for a continuous action.
-    fn new(t_len: usize, b_len: usize, obs_dim: usize, hidden: usize, action_width: usize, advantages: bool) -> Self {
+    /// `action_width` words per action: 1 for a discrete index, `A` for a continuous action;
+    /// `advantages`: room for the group advantages; `n_restores` restored recurrent states.
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        t_len: usize,
+        b_len: usize,
+        obs_dim: usize,
+        hidden: usize,
+        action_width: usize,
+        advantages: bool,
+        n_restores: usize,
+    ) -> Self {
         let steps = t_len * b_len;
         let mut end = 0;
         let mut take = |n: usize| {
@@ -85,6 +96,7 @@ impl StagedLayout {
             observations: take((t_len + 1) * b_len * obs_dim),
             episode_start: take((t_len + 1) * b_len),
             initial_hidden: take(b_len * hidden),
+            restore_states: take(n_restores * hidden),
             actions: take(steps * action_width),
             behaviour_log_probs: take(steps),
             rewards: take(steps),
@@ -143,6 +155,10 @@ pub struct Trainer<B: Backend> {
     adam_config: AdamConfig,
     staged: B::Floats,
     staged_layout: StagedLayout,
+    /// The staged batch's restored recurrent states (rows of `staged_layout.restore_states`).
+    restores: Vec<StateRestore>,
+    /// The restores of the current PPO minibatch, in its column numbering.
+    minibatch_restores: Vec<StateRestore>,
     loss: LossBuffers<B>,
     minibatch: Minibatch<B>,
     /// PPO's column permutations, one per epoch, on the device (after the first PPO update).
@@ -224,6 +240,8 @@ impl<B: Backend> Trainer<B> {
             adam_config,
             staged,
             staged_layout: StagedLayout::default(),
+            restores: Vec::new(),
+            minibatch_restores: Vec::new(),
             loss,
             minibatch,
             permutations: None,
@@ -273,13 +291,15 @@ impl<B: Backend> Trainer<B> {
         let continuous = self.gaussian.is_some();
         let action_width = if continuous { n_actions } else { 1 };
         let with_override = !batch.advantage_override.is_empty();
-        let layout = StagedLayout::new(t_len, b_len, obs_dim, hidden, action_width, with_override);
+        let n_restores = batch.restores.len();
+        let layout = StagedLayout::new(t_len, b_len, obs_dim, hidden, action_width, with_override, n_restores);
         let steps = t_len * b_len;
         let (discrete_len, continuous_len) = if continuous { (0, steps * n_actions) } else { (steps, 0) };
         let shapes = [
             ("observations", batch.observations.len(), (t_len + 1) * b_len * obs_dim),
             ("episode_start", batch.episode_start.len(), (t_len + 1) * b_len),
             ("initial_hidden", batch.initial_hidden.len(), b_len * hidden),
+            ("restore_states", batch.restore_states.len(), n_restores * hidden),
             ("actions", batch.actions.len(), discrete_len),
             ("continuous_actions", batch.continuous_actions.len(), continuous_len),
             ("behaviour_log_probs", batch.behaviour_log_probs.len(), steps),
@@ -327,6 +347,7 @@ impl<B: Backend> Trainer<B> {
             }
             words[layout.episode_start.clone()].copy_from_slice(&batch.episode_start);
             words[layout.initial_hidden.clone()].copy_from_slice(&batch.initial_hidden);
+            words[layout.restore_states.clone()].copy_from_slice(&batch.restore_states);
             if continuous {
                 words[layout.actions.clone()].copy_from_slice(&batch.continuous_actions);
             } else {
@@ -342,6 +363,8 @@ impl<B: Backend> Trainer<B> {
         };
         self.backend.upload_packed(layout.len, &mut pack, &mut self.staged)?;
         self.staged_layout = layout;
+        self.restores.clear();
+        self.restores.extend_from_slice(&batch.restores);
         Ok(())
     }
 
@@ -403,12 +426,14 @@ impl<B: Backend> Trainer<B> {
     /// The forward over the staged batch's `T + 1` rows.
     fn forward_batch(&mut self, t_len: usize, b_len: usize) -> Result<(), BackendError> {
         let s = &self.staged_layout;
-        self.net.forward(
+        self.net.forward_restoring(
             &mut self.backend,
             &self.params,
             View::range(&self.staged, s.observations.clone()),
             View::range(&self.staged, s.episode_start.clone()),
             View::range(&self.staged, s.initial_hidden.clone()),
+            &self.restores,
+            View::range(&self.staged, s.restore_states.clone()),
             t_len + 1,
             b_len,
         )
@@ -628,12 +653,14 @@ impl<B: Backend> Trainer<B> {
                 let mb = &self.minibatch;
                 let obs = View::range(&mb.observations, 0..m * obs_dim);
                 let starts = View::range(&mb.episode_start, 0..m);
-                self.net.forward(
+                self.net.forward_restoring(
                     &mut self.backend,
                     &self.params,
                     obs,
                     starts,
                     View::range(&mb.initial_hidden, 0..mb_len * hidden),
+                    &self.minibatch_restores,
+                    View::range(&self.staged, self.staged_layout.restore_states.clone()),
                     t_len,
                     mb_len,
                 )?;
@@ -705,6 +732,15 @@ impl<B: Backend> Trainer<B> {
         let action_width = if self.gaussian.is_some() { self.net.n_actions() } else { 1 };
         let n = t_len * b_len;
         let m = t_len * mb_len;
+        // The minibatch's restores, renumbered to its columns; their states stay where the
+        // batch staged them.
+        self.minibatch_restores.clear();
+        let columns = &self.host_permutations[offset..offset + mb_len];
+        for restore in &self.restores {
+            if let Some(j) = columns.iter().position(|&c| c as usize == restore.b) {
+                self.minibatch_restores.push(StateRestore { b: j, ..*restore });
+            }
+        }
         let s = &self.staged_layout;
         let staged = &self.staged;
         let mb = &mut self.minibatch;

@@ -157,6 +157,7 @@ impl SegmentBuilder {
                 behaviour_log_probs: vec![-std::f32::consts::LN_2; t_len],
                 truncation_values: vec![0.0; t_len],
                 initial_hidden: Vec::new(),
+                restored_states: Vec::new(),
                 finished_episodes: Vec::new(),
                 saved_snapshots: Vec::new(),
                 episode_groups: Vec::new(),

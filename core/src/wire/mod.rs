@@ -22,7 +22,8 @@ pub mod live;
 /// 4: the weights checksum is XXH3-64, weights travel as [`frame`]s; 5: segments carry
 /// continuous actions, [`TrajectorySegment::continuous_actions`], and byte-valued
 /// observations, such as images, travel as one byte each: [`observations`]; 6: group
-/// rollouts, [`TrajectorySegment::episode_groups`] and [`EpisodeSummary::group`]).
+/// rollouts, [`TrajectorySegment::episode_groups`] and [`EpisodeSummary::group`], and the
+/// recurrent states of episodes resumed mid-segment, [`TrajectorySegment::restored_states`]).
 pub const FORMAT_VERSION: u16 = 6;
 
 /// Largest |value| of a recorded continuous action the learner accepts (an unsquashed
@@ -108,6 +109,17 @@ pub struct EpisodeSummary {
     pub group: Option<crate::work::GroupMember>,
 }
 
+/// An episode that started mid-segment from a saved recurrent state (save-load): the learner
+/// starts step `step` from `hidden` instead of the zero state of a fresh episode.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct RestoredState {
+    /// The step the resumed episode starts at (`1..T`; the step before it ended an episode).
+    /// A resume at step 0 is the segment's `initial_hidden`.
+    pub step: u32,
+    /// `[H]` the recurrent state entering that step.
+    pub hidden: Vec<f32>,
+}
+
 /// T steps of one environment stream of one actor, time-major.
 ///
 /// Step `t` goes from `observations[t]` with `actions[t]` to `observations[t + 1]`. When step
@@ -163,6 +175,9 @@ pub struct TrajectorySegment {
     pub truncation_values: Vec<f32>,
     /// `[H]` recurrent state before step 0 (empty for feed-forward policies).
     pub initial_hidden: Vec<f32>,
+    /// Episodes that started inside this segment from a saved, non-zero recurrent state, by
+    /// step (strictly increasing; empty for feed-forward policies and fresh episodes).
+    pub restored_states: Vec<RestoredState>,
     /// Episodes that ended inside this segment.
     pub finished_episodes: Vec<EpisodeSummary>,
     /// Episode snapshots saved during this segment (save-load), for the learner's scheduler.
@@ -279,6 +294,7 @@ impl TrajectorySegment {
                 return Err(DecodeError::NonFinite { field, index });
             }
         }
+        self.validate_restored_states(hidden_size)?;
         if let volley_policy::ActionHead::Gaussian { squash } = spec.policy.head {
             let bound = if squash { 1.0 } else { MAX_ABS_CONTINUOUS_ACTION };
             if let Some(index) = self.continuous_actions.iter().position(|a| a.abs() > bound) {
@@ -299,6 +315,38 @@ impl TrajectorySegment {
                 got: format!("{} at step {index}", self.behaviour_log_probs[index]),
                 expected: format!("<= {max_log_prob}"),
             });
+        }
+        Ok(())
+    }
+}
+
+impl TrajectorySegment {
+    /// Restored states: each at a step that starts an episode inside the segment (`1..T`, the
+    /// step before ended one), in strictly increasing order, `hidden_size` finite values each.
+    fn validate_restored_states(&self, hidden_size: usize) -> Result<(), DecodeError> {
+        let mut previous = 0;
+        for (index, restored) in self.restored_states.iter().enumerate() {
+            let step = restored.step as usize;
+            let episode_start =
+                step > 0 && step < self.len() && (self.terminated[step - 1] != 0 || self.truncated[step - 1] != 0);
+            if !episode_start || (index > 0 && step <= previous) {
+                return Err(DecodeError::Mismatch {
+                    what: "restored state step",
+                    got: format!("{step} (entry {index})"),
+                    expected: "a step after an episode end, increasing".into(),
+                });
+            }
+            previous = step;
+            if restored.hidden.len() != hidden_size {
+                return Err(DecodeError::Shape {
+                    field: "restored_states.hidden",
+                    expected: hidden_size,
+                    got: restored.hidden.len(),
+                });
+            }
+            if let Some(position) = restored.hidden.iter().position(|v| !v.is_finite()) {
+                return Err(DecodeError::NonFinite { field: "restored_states", index: index * hidden_size + position });
+            }
         }
         Ok(())
     }
@@ -387,6 +435,7 @@ pub(crate) fn test_segment(run: &str, t_len: usize, obs_dim: usize, segment_idx:
         behaviour_log_probs: vec![0.0; t_len],
         truncation_values: vec![0.0; t_len],
         initial_hidden: Vec::new(),
+        restored_states: Vec::new(),
         finished_episodes: Vec::new(),
         saved_snapshots: Vec::new(),
         episode_groups: Vec::new(),
@@ -484,6 +533,84 @@ mod tests {
             let weights = Weights::new(PolicyVersion(version), 42, params.clone());
             let decoded = decode_weights(&encode_weights(&weights), 42, params.len()).expect("valid weights");
             prop_assert_eq!(decoded, weights);
+        }
+    }
+
+    const HIDDEN: usize = 3;
+
+    /// A GRU run: segments carry `HIDDEN` recurrent values.
+    fn recurrent_spec() -> RunSpec {
+        let policy = PolicySpec { core: CoreKind::Gru { hidden: HIDDEN }, ..spec().policy };
+        RunSpec { policy, ..spec() }
+    }
+
+    fn recurrent_hash() -> u64 {
+        ParamLayout::new(&recurrent_spec().policy).expect("valid").hash()
+    }
+
+    /// Segments whose episodes end at random steps, some followed by an episode resumed from a
+    /// saved state at the next step.
+    fn recurrent_segment_strategy() -> impl Strategy<Value = TrajectorySegment> {
+        (
+            proptest::collection::vec(0u8..2, T),
+            proptest::collection::vec(prop::bool::ANY, T),
+            proptest::collection::vec(-3.0f32..3.0, T * HIDDEN),
+            proptest::collection::vec(-1.0f32..1.0, HIDDEN),
+            any::<u64>(),
+        )
+            .prop_map(|(terminated, resumes, states, initial_hidden, idx)| {
+                let restored_states = (1..T)
+                    .filter(|&t| terminated[t - 1] != 0 && resumes[t])
+                    .map(|t| RestoredState { step: t as u32, hidden: states[t * HIDDEN..(t + 1) * HIDDEN].to_vec() })
+                    .collect();
+                TrajectorySegment {
+                    layout_hash: recurrent_hash(),
+                    terminated,
+                    initial_hidden,
+                    restored_states,
+                    ..test_segment("wire", T, 4, idx)
+                }
+            })
+    }
+
+    proptest! {
+        /// Issue 18: restored recurrent states (format 6) round-trip bit for bit and validate.
+        #[test]
+        fn restored_states_roundtrip(segment in recurrent_segment_strategy()) {
+            let bytes = encode_segment(&segment);
+            let decoded = decode_segment(&bytes, &recurrent_spec(), recurrent_hash(), HIDDEN)
+                .expect("a valid recurrent segment decodes");
+            prop_assert_eq!(decoded, segment);
+        }
+    }
+
+    /// Issue 18: a restored state must follow an episode end, in increasing order, with the
+    /// run's state width and finite values.
+    #[test]
+    fn restored_states_are_validated() {
+        let spec = recurrent_spec();
+        let mut segment = TrajectorySegment {
+            layout_hash: recurrent_hash(),
+            initial_hidden: vec![0.0; HIDDEN],
+            ..test_segment("wire", T, 4, 0)
+        };
+        segment.terminated[0] = 1;
+        segment.terminated[1] = 1;
+        let state = |step: u32| RestoredState { step, hidden: vec![0.5; HIDDEN] };
+        let check = |restored: Vec<RestoredState>| {
+            TrajectorySegment { restored_states: restored, ..segment.clone() }.validate(&spec, recurrent_hash(), HIDDEN)
+        };
+        assert_eq!(check(vec![state(1), state(2)]), Ok(()));
+        for (bad, reason) in [
+            (vec![state(0)], "mismatch"),           // step 0 is the segment's initial_hidden
+            (vec![state(3)], "mismatch"),           // no episode ended at step 2
+            (vec![state(T as u32)], "mismatch"),    // beyond the segment
+            (vec![state(2), state(1)], "mismatch"), // not increasing
+            (vec![state(1), state(1)], "mismatch"), // twice
+            (vec![RestoredState { step: 1, hidden: vec![0.5; HIDDEN + 1] }], "shape"),
+            (vec![RestoredState { step: 1, hidden: vec![f32::NAN; HIDDEN] }], "non_finite"),
+        ] {
+            assert_eq!(check(bad.clone()).map_err(|e| e.reason()), Err(reason), "{bad:?}");
         }
     }
 

@@ -125,6 +125,12 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    fn copy(&mut self, src: View<'_, Self>, dst: ViewMut<'_, Self>) -> Result<(), BackendError> {
+        check_len("copy", "dst", src.len(), dst.len())?;
+        slice_mut(dst).copy_from_slice(slice(src));
+        Ok(())
+    }
+
     fn dense_forward(
         &mut self,
         x: View<'_, Self>,

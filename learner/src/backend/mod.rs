@@ -433,6 +433,10 @@ pub trait Backend {
     /// `x[i] = value`.
     fn fill(&mut self, x: ViewMut<'_, Self>, value: f32) -> Result<(), BackendError>;
 
+    /// `dst[i] = src[i]` (equal lengths, on the device): a restored recurrent state copied
+    /// into the row of the step it enters ([`crate::net::Network::forward`]).
+    fn copy(&mut self, src: View<'_, Self>, dst: ViewMut<'_, Self>) -> Result<(), BackendError>;
+
     /// One dense layer over `rows` rows: `y = act(x Wᵀ + b)` (no activation when `act` is
     /// `None`); `x: [rows][n_in]`, `weight: [n_out][n_in]`, `bias: [n_out]`, `y: [rows][n_out]`.
     #[allow(clippy::too_many_arguments)]

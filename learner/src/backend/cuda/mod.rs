@@ -306,6 +306,13 @@ impl Backend for CudaBackend {
         self.gpu.kernels.fill(&self.gpu.stream, &mut view_mut(x), value)
     }
 
+    fn copy(&mut self, src: View<'_, Self>, dst: ViewMut<'_, Self>) -> Result<(), BackendError> {
+        // cudarc asserts `dst.len() >= src.len()`; refuse a mismatch as an error first.
+        super::check_len("copy", "dst", src.len(), dst.len())?;
+        self.gpu.stream.memcpy_dtod(&view(src), &mut view_mut(dst))?;
+        Ok(())
+    }
+
     fn dense_forward(
         &mut self,
         x: View<'_, Self>,

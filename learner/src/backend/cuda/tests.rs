@@ -21,7 +21,7 @@ use super::*;
 use crate::backend::{
     Backend, CpuBackend, Evaluation, PpoLossInputs, VTraceLossInputs, VTraceLossOutputs, View, ViewMut,
 };
-use crate::batch::SegmentBatch;
+use crate::batch::{SegmentBatch, StateRestore};
 use crate::learner::Learner;
 use crate::losses::{LossStats, PpoLossConfig, VTraceLossConfig};
 use crate::net::Network;
@@ -159,17 +159,26 @@ fn check_network<B: Backend>(backend: &mut B) {
         let h0 = uniform(&mut r, b_len * hidden, -0.5, 0.5);
         let d_heads = uniform(&mut r, rows * stride, -1.0, 1.0);
         let name = format!("case {case} ({spec:?})");
+        // Episodes resumed mid-sequence from saved states: every start gets a restored state.
+        let restores: Vec<StateRestore> = (0..rows)
+            .filter(|&i| starts[i] != 0.0)
+            .enumerate()
+            .map(|(state, i)| StateRestore { t: i / b_len, b: i % b_len, state })
+            .collect();
+        let restore_states = uniform(&mut r, restores.len() * hidden, -0.8, 0.8);
 
         let on = |backend: &mut B| {
-            let (p, o, s, h, d) = (
+            let (p, o, s, h, d, rs) = (
                 put(backend, &params),
                 put(backend, &obs),
                 put(backend, &starts),
                 put(backend, &h0),
                 put(backend, &d_heads),
+                put(backend, &restore_states),
             );
             let mut net = Network::new(backend, &layout).unwrap();
-            net.forward(backend, &p, View::of(&o), View::of(&s), View::range(&h, 0..h0.len()), t_len, b_len).unwrap();
+            let (h, rs) = (View::range(&h, 0..h0.len()), View::range(&rs, 0..restore_states.len()));
+            net.forward_restoring(backend, &p, View::of(&o), View::of(&s), h, &restores, rs, t_len, b_len).unwrap();
             let heads = net.heads().parts();
             let values = net.values().parts();
             let (heads_buf, heads_range) = heads;
@@ -182,7 +191,8 @@ fn check_network<B: Backend>(backend: &mut B) {
         let (heads, values, grads) = on(backend);
         let on_cpu = |cpu: &mut CpuBackend| {
             let mut net = Network::new(cpu, &layout).unwrap();
-            net.forward(cpu, &params, View::of(&obs), View::of(&starts), View::of(&h0), t_len, b_len).unwrap();
+            let (o, s, h, states) = (View::of(&obs), View::of(&starts), View::of(&h0), View::of(&restore_states));
+            net.forward_restoring(cpu, &params, o, s, h, &restores, states, t_len, b_len).unwrap();
             let heads = net.heads().parts();
             let values = net.values().parts();
             let (heads, values) = (heads.0[heads.1].to_vec(), values.0[values.1].to_vec());
@@ -641,13 +651,27 @@ fn random_batch(r: &mut Pcg64Mcg, spec: &RunSpec, hidden: usize) -> SegmentBatch
     let (d, a) = (spec.policy.obs_dim, spec.policy.n_actions);
     let steps = t_len * b_len;
     let continuous = spec.policy.head.is_continuous();
+    let episode_start: Vec<f32> = (0..(t_len + 1) * b_len).map(|i| f32::from(i % 9 == 4)).collect();
+    // Every other episode start inside the sequence resumes a saved, non-zero state.
+    let restores: Vec<StateRestore> = if hidden == 0 {
+        Vec::new()
+    } else {
+        (b_len..t_len * b_len)
+            .filter(|&i| episode_start[i] != 0.0 && i % 2 == 0)
+            .enumerate()
+            .map(|(state, i)| StateRestore { t: i / b_len, b: i % b_len, state })
+            .collect()
+    };
     SegmentBatch {
+        restore_states: uniform(r, restores.len() * hidden, -0.8, 0.8),
+        restores,
+        padded_steps: 0,
         t_len,
         b_len,
         obs_dim: d,
         hidden_size: hidden,
         observations: uniform(r, (t_len + 1) * b_len * d, -1.0, 1.0),
-        episode_start: (0..(t_len + 1) * b_len).map(|i| f32::from(i % 9 == 4)).collect(),
+        episode_start,
         initial_hidden: uniform(r, b_len * hidden, -0.5, 0.5),
         actions: if continuous { Vec::new() } else { (0..steps).map(|_| r.random_range(0..a as u32)).collect() },
         action_dim: if continuous { a } else { 0 },

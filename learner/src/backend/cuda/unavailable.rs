@@ -132,6 +132,10 @@ impl Backend for CudaBackend {
         match *self {}
     }
 
+    fn copy(&mut self, _src: View<'_, Self>, _dst: ViewMut<'_, Self>) -> Result<(), BackendError> {
+        match *self {}
+    }
+
     fn dense_forward(
         &mut self,
         _x: View<'_, Self>,
