@@ -82,6 +82,12 @@ impl DropReason {
     }
 }
 
+/// Drop a whole window: one [`Dropped`] per segment delivery, all for `reason`.
+fn drop_window(window: &Window, reason: DropReason, dropped: &mut Vec<Dropped>) {
+    debug!(reason = reason.as_str(), segments = window.segments.len(), "window dropped by selection");
+    dropped.extend(window.tokens.iter().map(|&token| Dropped { token, reason }));
+}
+
 /// A segment selection dropped; its token is to be acknowledged at once.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Dropped {
@@ -593,10 +599,7 @@ impl Selector {
                 .flat_map(|s| s.step_groups())
                 .all(|tag| tag.is_some_and(|tag| table.is_zero_variance(tag.group, zero.tolerance)));
             if all_flat {
-                debug!(reason = "zero_variance", actor = %segments[0].actor, "group segment dropped by selection");
-                for token in candidate.window.tokens {
-                    dropped.push(Dropped { token, reason: DropReason::ZeroVariance });
-                }
+                drop_window(&candidate.window, DropReason::ZeroVariance, dropped);
                 return;
             }
         }
@@ -644,13 +647,8 @@ impl Selector {
             if lag <= max_lag {
                 return true;
             }
-            debug!(
-                reason = "stale",
-                lag,
-                segments = candidate.window.segments.len(),
-                "window aged out of the selection pool"
-            );
-            dropped.extend(candidate.window.tokens.iter().map(|&token| Dropped { token, reason: DropReason::Stale }));
+            debug!(lag, "window aged out of the selection pool");
+            drop_window(&candidate.window, DropReason::Stale, dropped);
             false
         });
         if let Some(zero) = &self.zero_variance {
@@ -669,14 +667,7 @@ impl Selector {
                 if !all_zero {
                     return true;
                 }
-                debug!(
-                    reason = "zero_variance",
-                    segments = candidate.window.segments.len(),
-                    "window dropped by selection"
-                );
-                dropped.extend(
-                    candidate.window.tokens.iter().map(|&token| Dropped { token, reason: DropReason::ZeroVariance }),
-                );
+                drop_window(&candidate.window, DropReason::ZeroVariance, dropped);
                 false
             });
         }
@@ -689,14 +680,7 @@ impl Selector {
                 if candidate.priority.is_some_and(f32::is_finite) {
                     return true;
                 }
-                debug!(
-                    reason = "non_finite",
-                    segments = candidate.window.segments.len(),
-                    "window dropped: non-finite value or advantage"
-                );
-                dropped.extend(
-                    candidate.window.tokens.iter().map(|&token| Dropped { token, reason: DropReason::NonFinite }),
-                );
+                drop_window(&candidate.window, DropReason::NonFinite, dropped);
                 false
             });
             if self.pool.len() < self.pool_target {
