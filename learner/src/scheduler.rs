@@ -10,8 +10,9 @@
 //!   zero where it always or never does), plus a floor so no task starves; or UCB1 on that
 //!   learnability (Auer et al. 2002), which also tries tasks that were rarely tried.
 //! - **save-load as exploration** (Go-Explore, Ecoffet et al. 2021): with probability
-//!   `restart_share`, an item resumes from a saved state instead, chosen with weight
-//!   `(1 + progress)² / √(1 + visits)`: the furthest states, least visited first. Episodes
+//!   `restart_share`, an item resumes from a saved state instead: first a cell (the states of
+//!   one task at one progress) with weight `(1 + progress)² / √(1 + visits of the cell)`,
+//!   then the cell's least visited state, so the furthest cells are tried most. Episodes
 //!   report the state they started from, so each saved state's visits and successes are kept.
 //!
 //! Success rates use a window of the last `stats_window` episodes, with a Beta(1, 1) prior
