@@ -93,8 +93,8 @@ type StreamKey = (u64, u64, u32);
 /// The held segments of one stream's incomplete window.
 #[derive(Debug)]
 struct Stream {
-    segments: Vec<TrajectorySegment>,
-    tokens: Vec<DeliveryToken>,
+    /// The incomplete window.
+    window: Window,
     first_arrival: Instant,
     last_arrival: Instant,
 }
@@ -150,12 +150,12 @@ impl WindowAssembler {
     /// breaks are appended to `out`.
     pub fn offer(&mut self, segment: TrajectorySegment, token: DeliveryToken, now: Instant, out: &mut Vec<Window>) {
         if self.window_segments == 1 {
-            self.emit(WindowOutcome::Full, vec![segment], vec![token], out);
+            self.emit(WindowOutcome::Full, Window::single(segment, token), out);
             return;
         }
         let key = (id_hash(segment.actor.as_str().as_bytes()), segment.incarnation, segment.env_idx);
         if let Some(stream) = self.streams.get(&key) {
-            let last = stream.segments.last().expect("a held stream holds a segment");
+            let last = stream.window.segments.last().expect("a held stream holds a segment");
             if !continues(last, &segment) {
                 self.flush(key, WindowOutcome::Gap, out);
             }
@@ -170,16 +170,18 @@ impl WindowAssembler {
             }
         }
         let stream = self.streams.entry(key).or_insert_with(|| Stream {
-            segments: Vec::with_capacity(self.window_segments),
-            tokens: Vec::with_capacity(self.window_segments),
+            window: Window {
+                segments: Vec::with_capacity(self.window_segments),
+                tokens: Vec::with_capacity(self.window_segments),
+            },
             first_arrival: now,
             last_arrival: now,
         });
-        stream.segments.push(segment);
-        stream.tokens.push(token);
+        stream.window.segments.push(segment);
+        stream.window.tokens.push(token);
         stream.last_arrival = now;
         self.held += 1;
-        if stream.segments.len() == self.window_segments {
+        if stream.window.segments.len() == self.window_segments {
             self.flush(key, WindowOutcome::Full, out);
         }
     }
@@ -192,8 +194,7 @@ impl WindowAssembler {
         }
         let mut expired: Vec<(StreamKey, WindowOutcome)> = Vec::new();
         for (key, stream) in &self.streams {
-            let oldest = stream.segments.iter().map(|s| s.policy_version).min().unwrap_or_default();
-            if version.lag_of(oldest) >= self.max_policy_lag {
+            if version.lag_of(stream.window.oldest_version()) >= self.max_policy_lag {
                 expired.push((*key, WindowOutcome::Lag));
             } else if now.saturating_duration_since(stream.last_arrival) >= self.stream_timeout {
                 expired.push((*key, WindowOutcome::Timeout));
@@ -217,20 +218,14 @@ impl WindowAssembler {
 
     fn flush(&mut self, key: StreamKey, outcome: WindowOutcome, out: &mut Vec<Window>) {
         if let Some(stream) = self.streams.remove(&key) {
-            self.held -= stream.segments.len();
-            self.emit(outcome, stream.segments, stream.tokens, out);
+            self.held -= stream.window.segments.len();
+            self.emit(outcome, stream.window, out);
         }
     }
 
-    fn emit(
-        &mut self,
-        outcome: WindowOutcome,
-        segments: Vec<TrajectorySegment>,
-        tokens: Vec<DeliveryToken>,
-        out: &mut Vec<Window>,
-    ) {
+    fn emit(&mut self, outcome: WindowOutcome, window: Window, out: &mut Vec<Window>) {
         self.outcomes[outcome.index()] += 1;
-        out.push(Window { segments, tokens });
+        out.push(window);
     }
 }
 
