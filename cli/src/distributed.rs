@@ -339,6 +339,10 @@ fn seed_from(id: &ActorId) -> u64 {
 }
 
 /// Run an actor: wait for the run spec, then act until a signal.
+/// First and longest pause between an actor's reads of a run spec that is not there yet.
+const SPEC_POLL_FIRST: Duration = Duration::from_millis(10);
+const SPEC_POLL_MAX: Duration = Duration::from_millis(500);
+
 pub fn actor(args: ActorArgs, interrupted: Arc<AtomicBool>) -> anyhow::Result<()> {
     let run = RunId::new(args.run.clone()).context("--run")?;
     let actor_id = actor_identity(args.actor_id.clone())?;
@@ -370,6 +374,11 @@ pub fn actor(args: ActorArgs, interrupted: Arc<AtomicBool>) -> anyhow::Result<()
         heartbeat.probe(args.metrics.liveness_timeout(), "actor loop"),
     )?;
     let mut last_wait_log: Option<Instant> = None;
+    // Read again soon, then less often: an actor started beside its learner joins within
+    // milliseconds of the spec being written (a fixed 500 ms poll cost a distributed CartPole
+    // run up to half a second of an idle learner, issue 16), and one started long before it
+    // reads twice a second.
+    let mut spec_poll = SPEC_POLL_FIRST;
     let spec = loop {
         heartbeat.beat();
         if interrupted.load(Ordering::Acquire) {
@@ -394,7 +403,8 @@ pub fn actor(args: ActorArgs, interrupted: Arc<AtomicBool>) -> anyhow::Result<()
             }
             Err(err) => warn!(run = %run, %err, "reading the run spec failed; retrying"),
         }
-        thread::sleep(Duration::from_millis(500));
+        thread::sleep(spec_poll);
+        spec_poll = (spec_poll * 2).min(SPEC_POLL_MAX);
     };
     let seed = args.seed.unwrap_or_else(|| seed_from(&actor_id));
     // The environment: the spec's, or the one --env names (its spaces must fit the policy).
