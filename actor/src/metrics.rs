@@ -31,6 +31,7 @@ pub struct ActorMetrics {
     weights_refused: IntCounter,
     weights_taken: IntCounterVec,
     weights_live_refused: IntCounterVec,
+    pace_notices: IntCounterVec,
     work_items_completed: IntCounter,
     snapshots_saved: IntCounter,
     episodes_resumed: IntCounter,
@@ -104,6 +105,13 @@ impl ActorMetrics {
                 ),
                 &["what"],
             )?,
+            pace_notices: IntCounterVec::new(
+                Opts::new(
+                    "volley_actor_pace_notices_total",
+                    "The learner's pace notices (pushed pacing), by outcome: used as the learner's position, refused on arrival (corrupt, malformed), distrusted (a consumer reading contradicted them; they were ignored for a second).",
+                ),
+                &["outcome"],
+            )?,
             work_items_completed: int(
                 "volley_actor_work_items_completed_total",
                 "Work items finished (scheduled episodes, save-load).",
@@ -136,7 +144,7 @@ impl ActorMetrics {
         registry.register(Box::new(metrics))
     }
 
-    fn parts(&self) -> [&dyn Collector; 24] {
+    fn parts(&self) -> [&dyn Collector; 25] {
         [
             &self.env_steps,
             &self.episodes,
@@ -155,6 +163,7 @@ impl ActorMetrics {
             &self.weights_refused,
             &self.weights_taken,
             &self.weights_live_refused,
+            &self.pace_notices,
             &self.work_items_completed,
             &self.snapshots_saved,
             &self.episodes_resumed,
@@ -214,6 +223,13 @@ impl Collector for ActorMetrics {
             &self.weights_live_refused.with_label_values(&["chunk"]),
             c.weights_live_chunks_refused.load(Ordering::Relaxed),
         );
+        for (outcome, counter) in [
+            ("used", &c.pace_notices_used),
+            ("refused", &c.pace_notices_refused),
+            ("distrusted", &c.pace_notices_distrusted),
+        ] {
+            catch_up_int(&self.pace_notices.with_label_values(&[outcome]), counter.load(Ordering::Relaxed));
+        }
         catch_up_int(&self.work_items_completed, c.work_items_completed.load(Ordering::Relaxed));
         catch_up_int(&self.snapshots_saved, c.snapshots_saved.load(Ordering::Relaxed));
         catch_up_int(&self.episodes_resumed, c.episodes_resumed.load(Ordering::Relaxed));
@@ -247,6 +263,7 @@ mod tests {
         counters.weights_live.store(9, Ordering::Relaxed);
         counters.weights_durable.store(1, Ordering::Relaxed);
         counters.weights_live_chunks_refused.store(4, Ordering::Relaxed);
+        counters.pace_notices_distrusted.store(1, Ordering::Relaxed);
         let mut text = Vec::new();
         TextEncoder::new().encode(&registry.gather(), &mut text).expect("encode");
         let text = String::from_utf8(text).expect("utf-8");
@@ -263,6 +280,7 @@ mod tests {
         assert!(text.contains("volley_actor_weights_taken_total{path=\"durable\"} 1"), "{text}");
         assert!(text.contains("volley_actor_weights_live_refused_total{what=\"chunk\"} 4"), "{text}");
         assert!(text.contains("volley_actor_weights_live_refused_total{what=\"version\"} 0"), "{text}");
+        assert!(text.contains("volley_actor_pace_notices_total{outcome=\"distrusted\"} 1"), "{text}");
         assert!(text.contains("# HELP volley_actor_env_steps_total Environment steps taken."));
     }
 }

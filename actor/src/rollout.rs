@@ -66,6 +66,14 @@ pub struct ActorCounters {
     pub weights_live_refused: AtomicU64,
     /// See `weights_live`.
     pub weights_live_chunks_refused: AtomicU64,
+    /// The learner's pace notices: taken, refused on arrival, and times a consumer reading
+    /// contradicted them. Copied from the sink's [`TrajectorySink::pace_notices`] after each
+    /// round.
+    pub pace_notices_used: AtomicU64,
+    /// See `pace_notices_used`.
+    pub pace_notices_refused: AtomicU64,
+    /// See `pace_notices_used`.
+    pub pace_notices_distrusted: AtomicU64,
     /// Work items finished (save-load / budget assignment).
     pub work_items_completed: AtomicU64,
     /// Episode snapshots saved.
@@ -617,6 +625,10 @@ impl RolloutWorker {
                     return Err(err.into());
                 }
             }
+            let notices = sink.pace_notices();
+            self.counters.pace_notices_used.store(notices.used, Ordering::Relaxed);
+            self.counters.pace_notices_refused.store(notices.refused, Ordering::Relaxed);
+            self.counters.pace_notices_distrusted.store(notices.distrusted, Ordering::Relaxed);
             let retries = sink.publish_retries();
             self.counters.publish_errors.fetch_add(retries.saturating_sub(retries_before), Ordering::Relaxed);
             retries_before = retries;

@@ -96,6 +96,13 @@ pub fn weights_live(run: &RunId) -> String {
     format!("volley.{run}.weights.live")
 }
 
+/// The core-NATS subject the learner announces what it has taken from the trajectory stream
+/// on ([`crate::wire::pace`]), so that actors pace on pushed notices instead of polling the
+/// consumer: `volley.<run>.pace`. Outside the trajectory stream's filter, so nothing stores it.
+pub fn pace(run: &RunId) -> String {
+    format!("volley.{run}.pace")
+}
+
 /// The `Nats-Msg-Id` of one segment: `<actor>-<incarnation>-<env_idx>-<segment_idx>`.
 ///
 /// The server drops a second message with the same id inside the stream's duplicate window,

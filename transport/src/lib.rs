@@ -96,6 +96,22 @@ pub trait TrajectorySink: Send {
     fn pacing_clock(&self) -> Option<Arc<PacingClock>> {
         None
     }
+    /// Pushed-pacing notices from the consumer so far (a NATS sink: the learner's pace
+    /// notices). Default: none.
+    fn pace_notices(&self) -> PaceNoticeCounts {
+        PaceNoticeCounts::default()
+    }
+}
+
+/// What a sink did with the consumer's pace notices ([`TrajectorySink::pace_notices`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PaceNoticeCounts {
+    /// Notices taken as the consumer's position.
+    pub used: u64,
+    /// Notices that did not decode (corrupt, malformed).
+    pub refused: u64,
+    /// Times a reading of the consumer contradicted the notices, which were then ignored for a while.
+    pub distrusted: u64,
 }
 
 /// Time a sink has spent blocked by backpressure, including a wait still in progress; shared

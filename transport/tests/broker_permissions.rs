@@ -288,6 +288,21 @@ fn actor_user_is_denied_weights_writes_and_other_runs() {
     });
     assert_violation(&server, "volley.local.weights.live");
 
+    // Pace notices: the actor may receive them, never send one (a forged notice could let
+    // actors overfill the learner's backlog until a consumer reading contradicts it).
+    let pace = subjects::pace(&actor.config().run);
+    let client = actor.client().clone();
+    actor.handle().block_on(async move {
+        let notice = volley_core::wire::pace::encode_pace_notice(&volley_core::wire::pace::PaceNotice {
+            taken: 1 << 40,
+            stored: 1 << 40,
+            prefetch: 2,
+        });
+        client.publish(pace, Bytes::copy_from_slice(&notice)).await.expect("handed to the client");
+        client.flush().await.expect("flushed");
+    });
+    assert_violation(&server, "volley.local.pace");
+
     let log = server.log();
     for subject in ["$KV.volley-local.weights", "$JS.API.STREAM.DELETE.volley-local-traj", "volley.other.traj.a1"] {
         assert!(

@@ -275,3 +275,127 @@ fn wait_for_room_paces_at_the_packing_of_the_last_round() {
     held_until_drained(&bus, &done_rx);
     waiter.join().expect("waiter thread");
 }
+
+#[test]
+fn a_throttled_sink_resumes_on_the_learners_pace_notice() {
+    // Pushed pacing (issue 16): the learner announces what it took on `volley.<run>.pace`, and
+    // a sink waiting for room takes that as the backlog instead of polling the consumer.
+    let server = TestNats::start();
+    let bus = learner_bus(config(&server, "pacenotice"));
+    let mut sink = bus.trajectory_sink(&actor("a"), Arc::new(AtomicBool::new(false))).expect("sink");
+    sink.set_max_backlog_segments(16);
+    for call in 0..2u64 {
+        sink.publish((0..8).map(|env| segment(env, call)).collect()).expect("publish");
+    }
+    sink.flush().expect("acknowledged");
+    let (done_tx, done_rx) = mpsc::channel();
+    let waiter = thread::spawn(move || {
+        sink.wait_for_room(8).expect("room");
+        done_tx.send(()).expect("main thread waits");
+        sink.stats()
+    });
+    held_until_drained(&bus, &done_rx);
+    let stats = waiter.join().expect("waiter thread");
+    assert!(stats.pace_notices_used >= 1, "the learner's notice ended the wait: {stats:?}");
+    assert_eq!((stats.pace_notices_refused, stats.pace_notices_distrusted), (0, 0), "{stats:?}");
+}
+
+#[test]
+fn forged_pace_notices_cannot_overfill_the_learners_backlog() {
+    // A forger (it needs the learner's credentials, docs/SECURITY.md) claims the learner took
+    // everything, over and over, while the learner takes nothing. The sink's consumer readings
+    // contradict the notices, so it stops trusting them: the backlog stays bounded.
+    let server = TestNats::start();
+    let bus = learner_bus(config(&server, "paceforged"));
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut sink = bus.trajectory_sink(&actor("a"), stop.clone()).expect("sink");
+    let bound = 8u64;
+    sink.set_max_backlog_segments(bound);
+    let forging = Arc::new(AtomicBool::new(true));
+    let forger =
+        forge_pace_notices(&bus, wire::pace::PaceNotice { taken: 1 << 40, stored: 1 << 40, prefetch: 2 }, &forging);
+    let publisher = thread::spawn(move || {
+        for idx in 0..2_000u64 {
+            match sink.publish(vec![segment(0, idx)]) {
+                Ok(()) => {}
+                Err(volley_transport::TransportError::Closed) => break,
+                Err(err) => panic!("publish: {err}"),
+            }
+        }
+        sink.stats()
+    });
+    // Long enough for the sink to publish far past any bound if it trusted the forger (a
+    // publish takes well under a millisecond here), and for one distrust period to run out.
+    thread::sleep(Duration::from_millis(1_500));
+    let stored = stream_messages(&bus);
+    stop.store(true, std::sync::atomic::Ordering::Release);
+    let stats = publisher.join().expect("publisher thread");
+    forging.store(false, std::sync::atomic::Ordering::Release);
+    forger.join().expect("forger thread");
+    // At most twice the contradiction bound (4 * 8 + 16 = 48 messages) before a reading
+    // shows it, then consumer readings hold the sink at the bound.
+    assert!(stored <= 2 * (4 * bound + 16), "the backlog grew to {stored} messages: {stats:?}");
+    assert!(stored >= bound, "the sink published {stored} messages, fewer than the bound");
+    assert!(stats.pace_notices_distrusted >= 1, "no reading contradicted the forged notices: {stats:?}");
+}
+
+/// Publish `notice` on the run's pace subject every 200 µs until `forging` is cleared.
+fn forge_pace_notices(
+    bus: &NatsBus,
+    notice: wire::pace::PaceNotice,
+    forging: &Arc<AtomicBool>,
+) -> thread::JoinHandle<()> {
+    let client = bus.client().clone();
+    let handle = bus.handle().clone();
+    let subject = subjects::pace(&bus.config().run);
+    let forging = forging.clone();
+    thread::spawn(move || {
+        let notice = Bytes::copy_from_slice(&wire::pace::encode_pace_notice(&notice));
+        while forging.load(std::sync::atomic::Ordering::Acquire) {
+            handle.block_on(client.publish(subject.clone(), notice.clone())).expect("published");
+            thread::sleep(Duration::from_micros(200));
+        }
+    })
+}
+
+#[test]
+fn forged_pace_notices_cannot_freeze_a_sink_while_the_learner_drains() {
+    // The other lie: notices claiming a huge backlog, while the learner takes everything. The
+    // sink, held back by notices alone, checks the consumer, finds room, and stops trusting them.
+    let server = TestNats::start();
+    let bus = learner_bus(config(&server, "pacefreeze"));
+    let mut sink = bus.trajectory_sink(&actor("a"), Arc::new(AtomicBool::new(false))).expect("sink");
+    sink.set_max_backlog_segments(8);
+    let forging = Arc::new(AtomicBool::new(true));
+    let forger = forge_pace_notices(&bus, wire::pace::PaceNotice { taken: 0, stored: 1 << 40, prefetch: 2 }, &forging);
+    let draining = Arc::new(AtomicBool::new(true));
+    let learner = {
+        let mut source = bus.trajectory_source().expect("source");
+        let draining = draining.clone();
+        thread::spawn(move || {
+            let mut taken = 0;
+            while draining.load(std::sync::atomic::Ordering::Acquire) {
+                let mut out = Vec::new();
+                source.recv(16, Duration::from_millis(50), &mut out).expect("recv");
+                taken += out.len();
+                source.ack(&out.iter().map(|d| d.token).collect::<Vec<_>>()).expect("ack");
+            }
+            taken
+        })
+    };
+    let (done_tx, done_rx) = mpsc::channel();
+    let publisher = thread::spawn(move || {
+        for idx in 0..64u64 {
+            sink.publish(vec![segment(0, idx)]).expect("publish");
+        }
+        done_tx.send(()).expect("main thread waits");
+        sink.stats()
+    });
+    done_rx.recv_timeout(GUARD).expect("the sink published all 64 segments despite the forged notices");
+    let stats = publisher.join().expect("publisher thread");
+    forging.store(false, std::sync::atomic::Ordering::Release);
+    forger.join().expect("forger thread");
+    draining.store(false, std::sync::atomic::Ordering::Release);
+    learner.join().expect("learner thread");
+    assert!(stats.pace_notices_distrusted >= 1, "the notices were never contradicted: {stats:?}");
+}

@@ -17,6 +17,7 @@ use crate::spec::RunSpec;
 pub mod batch;
 pub mod frame;
 pub mod live;
+pub mod pace;
 
 /// Bumped on any incompatible change of a wire type (3: the envelope carries a body checksum;
 /// 4: the weights checksum is XXH3-64, weights travel as [`frame`]s; 5: segments carry

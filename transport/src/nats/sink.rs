@@ -18,7 +18,18 @@ impl NatsBus {
             timeout,
             shared.js.get_stream_no_info(subjects::trajectory_stream(&shared.config.run)),
         ))?;
+        let notices = Arc::new(PaceBoard::default());
+        let listener = follow_pace_notices(&shared, notices.clone());
         Ok(NatsTrajectorySink {
+            notices,
+            listener,
+            last_stored: 0,
+            verified_at: None,
+            distrusted_until: None,
+            notice_reading: false,
+            published_since_verified: 0,
+            notice_prefetch: 0,
+            blocked_on_notices_since: None,
             subject: Subject::from(subjects::trajectories(&shared.config.run, actor)),
             incarnation: incarnation(),
             actor: actor.clone(),
@@ -46,6 +57,65 @@ pub struct SinkStats {
     /// Time spent waiting for the learner's backlog to fall (pacing), a wait in progress
     /// included (read from the sink's [`crate::PacingClock`]).
     pub throttled: Duration,
+    /// Pace notices ([`wire::pace`]) taken as the learner's position.
+    pub pace_notices_used: u64,
+    /// Pace notices that did not decode (corrupt, malformed).
+    pub pace_notices_refused: u64,
+    /// Times a reading of the consumer contradicted the notices, which were then ignored for
+    /// [`PACE_DISTRUST`].
+    pub pace_notices_distrusted: u64,
+}
+
+/// The newest pace notice the learner sent, and when it arrived; shared between the sink and
+/// the task that receives notices.
+#[derive(Debug, Default)]
+struct PaceBoard {
+    latest: Mutex<Option<(wire::pace::PaceNotice, Instant)>>,
+    /// Wakes a throttled sink when a notice arrives (a permit is kept if it is not waiting).
+    arrived: tokio::sync::Notify,
+    refused: AtomicU64,
+}
+
+/// How long a sink ignores pace notices after a consumer reading contradicted them.
+const PACE_DISTRUST: Duration = Duration::from_secs(1);
+
+/// The backlog (in messages) at which a consumer reading contradicts the pace notices: more
+/// undelivered messages than notice-paced actors ever leave (the bound, plus what several
+/// actors publishing into one freed slot together overshoot), so only a notice that lied, or
+/// a learner whose notices stopped while actors trusted old ones, gets there.
+fn pace_contradiction(limit: u64) -> u64 {
+    limit.saturating_mul(4).saturating_add(16)
+}
+
+/// Receive the learner's pace notices on `volley.<run>.pace` into `board` (on the bus's
+/// runtime, until the subscription ends). `None` when subscribing failed: the sink then paces
+/// on consumer readings alone, as before notices existed.
+fn follow_pace_notices(shared: &Arc<Shared>, board: Arc<PaceBoard>) -> Option<tokio::task::JoinHandle<()>> {
+    let subject = subjects::pace(&shared.config.run);
+    let client = shared.client.clone();
+    let subscribed = shared.block_on(async { client.subscribe(subject.clone()).await });
+    let mut subscription = match subscribed {
+        Ok(subscription) => subscription,
+        Err(err) => {
+            warn!(operation = "subscribe to pace notices", %subject, error = %err, "pacing on consumer readings alone");
+            return None;
+        }
+    };
+    Some(shared.handle.spawn(async move {
+        while let Some(message) = subscription.next().await {
+            match wire::pace::decode_pace_notice(&message.payload) {
+                Ok(notice) => {
+                    *board.latest.lock().expect("pace board lock is never poisoned") = Some((notice, Instant::now()));
+                    board.arrived.notify_one();
+                }
+                Err(err) => {
+                    if board.refused.fetch_add(1, Ordering::Relaxed) == 0 {
+                        warn!(operation = "pace notice", reason = err.reason(), %err, "pace notice refused");
+                    }
+                }
+            }
+        }
+    }))
 }
 
 type AckFuture =
@@ -73,7 +143,8 @@ struct Outgoing {
 struct Reading {
     /// `num_pending`: stored, not yet delivered.
     pending: u64,
-    /// Deliveries so far (the consumer sequence).
+    /// Position of the learner in the stream: the stream sequence of its newest delivery
+    /// (a consumer reading) or of the newest message it took (a pace notice).
     delivered: u64,
     /// Messages stored so far: the stream sequence of the last delivery plus `pending`.
     stored: u64,
@@ -231,6 +302,23 @@ pub struct NatsTrajectorySink {
     stats: SinkStats,
     /// Live view of the time blocked by pacing, for other threads (metrics, liveness).
     clock: Arc<crate::PacingClock>,
+    /// The learner's pace notices, received in the background.
+    notices: Arc<PaceBoard>,
+    listener: Option<tokio::task::JoinHandle<()>>,
+    /// Stream sequence of this sink's newest acknowledged message.
+    last_stored: u64,
+    /// When a consumer reading last checked the notices.
+    verified_at: Option<Instant>,
+    /// Notices are ignored until then (a reading contradicted them).
+    distrusted_until: Option<Instant>,
+    /// Whether the last reading in `pacing` came from a notice (else from the consumer).
+    notice_reading: bool,
+    /// Messages published since a consumer reading last checked the notices.
+    published_since_verified: u64,
+    /// The learner's prefetch from the newest notice taken (at most the largest it uses).
+    notice_prefetch: u64,
+    /// Since when notices alone (no room by them) have held the sink back.
+    blocked_on_notices_since: Option<Instant>,
 }
 
 impl fmt::Debug for NatsTrajectorySink {
@@ -329,7 +417,11 @@ fn pack_segments(
 impl NatsTrajectorySink {
     /// Counters so far.
     pub fn stats(&self) -> SinkStats {
-        SinkStats { throttled: self.clock.total(), ..self.stats }
+        SinkStats {
+            throttled: self.clock.total(),
+            pace_notices_refused: self.notices.refused.load(Ordering::Relaxed),
+            ..self.stats
+        }
     }
 
     /// The subject this sink publishes to.
@@ -377,6 +469,7 @@ impl NatsTrajectorySink {
             self.pace(n_segments).await?;
             let ack = self.send(&msg_id, payload.clone()).await?;
             self.pacing.published_since += 1;
+            self.published_since_verified += 1;
             self.in_flight.push_back(InFlight { msg_id, payload, n_segments, ack });
             while self.in_flight.len() >= window {
                 self.settle_oldest().await?;
@@ -442,6 +535,7 @@ impl NatsTrajectorySink {
                     if publish_ack.duplicate {
                         debug!(actor = %self.actor, msg_id, "stream already had this segment");
                     }
+                    self.last_stored = self.last_stored.max(publish_ack.sequence);
                     self.stats.published += n_segments;
                     return Ok(());
                 }
@@ -477,12 +571,33 @@ impl NatsTrajectorySink {
             if self.stopped() {
                 break Err(TransportError::Closed);
             }
+            if let Err(err) = self.absorb_notice(limit).await {
+                break Err(err);
+            }
             let Some(age) = self.pacing.checked_at.map(|at| at.elapsed()) else {
                 self.read_backlog().await;
                 continue;
             };
+            // A notice counts what the learner's client prefetched and has not taken yet, which
+            // a consumer reading (undelivered messages only) does not: allow for it, so both
+            // keep the same bound.
+            let base_limit = limit;
+            let limit = if self.notice_reading { limit + self.notice_prefetch } else { limit };
             let estimate = self.pacing.estimate(age, limit);
             let room = estimate.is_none_or(|estimate| estimate < limit);
+            if room || !self.notice_reading {
+                self.blocked_on_notices_since = None;
+            } else if let Some(since) = self.blocked_on_notices_since {
+                // Held back by notices alone for a while: a consumer reading that shows room
+                // means the notices lie (a forger freezing actors); fall back to readings.
+                if since.elapsed() >= PACING_CACHE {
+                    self.blocked_on_notices_since = None;
+                    self.check_notices_hold(base_limit).await;
+                    continue;
+                }
+            } else {
+                self.blocked_on_notices_since = Some(Instant::now());
+            }
             let trusted_for = if room { PACING_CACHE } else { PACING_POLL };
             if age >= trusted_for {
                 self.read_backlog().await;
@@ -493,10 +608,122 @@ impl NatsTrajectorySink {
             }
             self.clock.block();
             let wait = self.pacing.time_to_room(estimate.unwrap_or(limit), limit, trusted_for - age);
-            tokio::time::sleep(wait).await;
+            if self.notices_trusted() {
+                // A notice (the learner took messages) wakes the sink at once.
+                tokio::select! {
+                    _ = self.notices.arrived.notified() => {}
+                    _ = tokio::time::sleep(wait) => {}
+                }
+            } else {
+                tokio::time::sleep(wait).await;
+            }
         };
         self.clock.unblock();
         result
+    }
+
+    /// A consumer reading after notices held the sink back for [`PACING_CACHE`]: if it shows
+    /// room under `limit`, the notices are distrusted for [`PACE_DISTRUST`]; either way the
+    /// reading becomes the current one.
+    async fn check_notices_hold(&mut self, limit: u64) {
+        self.read_backlog().await;
+        if self.pacing.backlog.is_some_and(|pending| pending < limit) {
+            self.distrust_notices(limit, "the consumer has room while the notices hold actors back");
+        }
+    }
+
+    fn distrust_notices(&mut self, limit: u64, why: &str) {
+        self.stats.pace_notices_distrusted += 1;
+        self.distrusted_until = Some(Instant::now() + PACE_DISTRUST);
+        let latest = *self.notices.latest.lock().expect("pace board lock is never poisoned");
+        warn!(
+            actor = %self.actor,
+            pending = ?self.pacing.backlog,
+            limit,
+            notice = ?latest.map(|(notice, _)| notice),
+            "pace notices contradicted: {why}; ignoring them for {PACE_DISTRUST:?}"
+        );
+    }
+
+    fn notices_trusted(&self) -> bool {
+        self.listener.is_some() && self.distrusted_until.is_none_or(|until| Instant::now() >= until)
+    }
+
+    /// Take the newest pace notice, if it is newer than the last reading, as a reading of the
+    /// learner's backlog: the stream's newest sequence (the notice's, or this sink's own newest
+    /// acknowledged message if later) less what the learner has taken, plus this sink's
+    /// messages not acknowledged yet (which may not be in either). The backlog so counted
+    /// includes what the learner's client holds and has not taken yet.
+    ///
+    /// A consumer reading checks the notices every [`PACING_CACHE`] and after every
+    /// [`pace_contradiction`] messages this sink published: more undelivered messages than
+    /// notice-paced actors leave means a notice lied, and notices are ignored for
+    /// [`PACE_DISTRUST`] (pacing falls back to readings alone). So a forger, who needs the
+    /// learner's credentials to publish notices at all, can make one sink overshoot the
+    /// bound by at most twice [`pace_contradiction`] messages per [`PACE_DISTRUST`].
+    async fn absorb_notice(&mut self, limit: u64) -> Result<(), TransportError> {
+        if !self.notices_trusted() {
+            return Ok(());
+        }
+        let latest = *self.notices.latest.lock().expect("pace board lock is never poisoned");
+        let Some((notice, arrived)) = latest else { return Ok(()) };
+        if self.pacing.checked_at.is_some_and(|checked| checked >= arrived) {
+            return Ok(());
+        }
+        let bound = pace_contradiction(limit);
+        if self.verified_at.is_none_or(|at| at.elapsed() >= PACING_CACHE) || self.published_since_verified >= bound {
+            self.verified_at = Some(Instant::now());
+            self.published_since_verified = 0;
+            if let Some(pending) = self.consumer_pending().await {
+                if pending >= bound {
+                    self.distrust_notices(limit, &format!("{pending} messages undelivered, over {bound}"));
+                    return Ok(());
+                }
+            }
+        }
+        self.settle_ready().await?;
+        let stored = notice.stored.max(self.last_stored);
+        let unacknowledged = self.in_flight.len() as u64;
+        let reading = Reading {
+            pending: stored - notice.taken + unacknowledged,
+            delivered: notice.taken,
+            stored: stored + unacknowledged,
+        };
+        if !self.notice_reading {
+            // Rates only between readings of one kind: a notice counts the learner's position
+            // as taken, a consumer reading as delivered.
+            self.pacing.last = None;
+        }
+        self.pacing.record(Some(reading), arrived);
+        self.notice_reading = true;
+        self.notice_prefetch = u64::from(notice.prefetch).min(source::PREFETCH_MAX as u64);
+        self.stats.pace_notices_used += 1;
+        Ok(())
+    }
+
+    /// Settle the in-flight messages whose acks have arrived (oldest first, without waiting).
+    async fn settle_ready(&mut self) -> Result<(), TransportError> {
+        while let Some(front) = self.in_flight.front_mut() {
+            match futures::FutureExt::now_or_never(&mut front.ack) {
+                None => break,
+                Some(outcome) => {
+                    // Settle it through the usual path (retries included), with its outcome.
+                    front.ack = Box::pin(std::future::ready(outcome));
+                    self.settle_oldest().await?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The learner consumer's undelivered messages, or `None` when unknown.
+    async fn consumer_pending(&mut self) -> Option<u64> {
+        let reading =
+            tokio::time::timeout(BACKLOG_DEADLINE, self.stream.consumer_info(subjects::LEARNER_CONSUMER)).await;
+        match reading {
+            Ok(Ok(info)) => Some(info.num_pending),
+            _ => None,
+        }
     }
 
     async fn read_backlog(&mut self) {
@@ -505,7 +732,8 @@ impl NatsTrajectorySink {
         let reading = match reading {
             Ok(Ok(info)) => Some(Reading {
                 pending: info.num_pending,
-                delivered: info.delivered.consumer_sequence,
+                // Stream sequences, as pace notices count (redeliveries do not drain).
+                delivered: info.delivered.stream_sequence,
                 stored: info.delivered.stream_sequence.saturating_add(info.num_pending),
             }),
             Ok(Err(err)) if matches!(err.kind(), jetstream::context::ConsumerInfoErrorKind::NotFound) => None,
@@ -518,7 +746,11 @@ impl NatsTrajectorySink {
                 None
             }
         };
+        if self.notice_reading {
+            self.pacing.last = None;
+        }
         self.pacing.record(reading, Instant::now());
+        self.notice_reading = false;
     }
 }
 
@@ -550,10 +782,22 @@ impl TrajectorySink for NatsTrajectorySink {
     fn pacing_clock(&self) -> Option<Arc<crate::PacingClock>> {
         Some(self.clock.clone())
     }
+
+    fn pace_notices(&self) -> crate::PaceNoticeCounts {
+        let stats = self.stats();
+        crate::PaceNoticeCounts {
+            used: stats.pace_notices_used,
+            refused: stats.pace_notices_refused,
+            distrusted: stats.pace_notices_distrusted,
+        }
+    }
 }
 
 impl Drop for NatsTrajectorySink {
     fn drop(&mut self) {
+        if let Some(listener) = self.listener.take() {
+            listener.abort();
+        }
         if self.in_flight.is_empty() || Handle::try_current().is_ok() {
             return;
         }

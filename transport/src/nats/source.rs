@@ -131,6 +131,39 @@ pub struct NatsTrajectorySource {
     /// The durable consumer's continuous pull: it asks for the next deliveries while the
     /// learner computes, so a `recv` after an update usually finds them already here.
     prefetch: Option<consumer::pull::Stream>,
+    /// Pace notices ([`wire::pace`]) for the actors: the stream sequence of the newest message
+    /// taken, and the stream's newest sequence as deliveries reported it. Durable mode only.
+    pace: Option<PaceAnnouncer>,
+    /// Messages the continuous pull was opened with (its request size).
+    prefetch_batch: u32,
+}
+
+/// What the learner announces on `volley.<run>.pace` each time it takes messages.
+#[derive(Debug)]
+struct PaceAnnouncer {
+    subject: async_nats::Subject,
+    taken: u64,
+    stored: u64,
+    /// Messages the continuous pull asks for at a time (0 before it opens).
+    prefetch: u32,
+}
+
+impl PaceAnnouncer {
+    /// Take the stream positions of `messages` into account; the notice to send, if any
+    /// message carried them.
+    fn take(&mut self, messages: &[jetstream::Message]) -> Option<wire::pace::PaceNotice> {
+        let mut seen = false;
+        for info in messages.iter().filter_map(|message| message.info().ok()) {
+            seen = true;
+            self.taken = self.taken.max(info.stream_sequence);
+            self.stored = self.stored.max(info.stream_sequence.saturating_add(info.pending));
+        }
+        seen.then(|| wire::pace::PaceNotice {
+            taken: self.taken,
+            stored: self.stored.max(self.taken),
+            prefetch: self.prefetch,
+        })
+    }
 }
 
 impl fmt::Debug for NatsTrajectorySource {
@@ -141,6 +174,12 @@ impl fmt::Debug for NatsTrajectorySource {
 
 impl NatsTrajectorySource {
     fn new(shared: Arc<Shared>, consumer: consumer::PullConsumer, mode: SourceMode) -> Self {
+        let pace = matches!(mode, SourceMode::Durable).then(|| PaceAnnouncer {
+            subject: subjects::pace(&shared.config.run).into(),
+            taken: 0,
+            stored: 0,
+            prefetch: 0,
+        });
         NatsTrajectorySource {
             shared,
             consumer,
@@ -156,6 +195,8 @@ impl NatsTrajectorySource {
             abandoned_acks: 0,
             background_acks: VecDeque::new(),
             prefetch: None,
+            pace,
+            prefetch_batch: 0,
         }
     }
 
@@ -418,12 +459,14 @@ async fn pull_into(
     request_timeout: Duration,
     max_payload: usize,
     out: &mut Vec<jetstream::Message>,
+    opened_batch: &mut u32,
 ) -> Result<(), TransportError> {
     const OPERATION: &str = "fetch segments";
     let stream = match prefetch {
         Some(stream) => stream,
         None => {
             let batch = max.clamp(PREFETCH_MIN, PREFETCH_MAX);
+            *opened_batch = batch as u32;
             let max_bytes = PREFETCH_MAX_BYTES.max(2 * max_payload);
             let pull = consumer.stream().max_messages_per_batch(batch).max_bytes_per_batch(max_bytes);
             let opened = call(OPERATION, request_timeout, pull.messages());
@@ -507,7 +550,7 @@ fn unpack_message(
 /// pacing, and each batch of them adds a version of lag (issue 11); with batch frames one
 /// message holds an actor's whole round, so the floor is two messages.
 const PREFETCH_MIN: usize = 2;
-const PREFETCH_MAX: usize = 256;
+pub(super) const PREFETCH_MAX: usize = 256;
 /// Bytes asked for per pull request (at least two messages of `max_payload`). Without a byte
 /// bound, 256 messages of ~1 MiB (84×84 frames) were more than the server lets wait for one
 /// client (`max_pending`, 64 MiB by default): it dropped deliveries, which came again only
@@ -559,6 +602,7 @@ impl TrajectorySource for NatsTrajectorySource {
                     request_timeout,
                     max_payload,
                     &mut messages,
+                    &mut self.prefetch_batch,
                 )
                 .await?;
                 // The continuous pull waits through an outage quietly; say so, as a fetch would.
@@ -574,6 +618,19 @@ impl TrajectorySource for NatsTrajectorySource {
                 fetch_into(&self.consumer, want_messages, wait, request_timeout, &mut messages).await
             }
         });
+        // Tell the actors what was taken (issue 16: pushed pacing). Fire and forget: a lost
+        // notice costs an actor one consumer reading.
+        let prefetch = self.prefetch_batch;
+        if let Some(notice) = self.pace.as_mut().and_then(|pace| {
+            pace.prefetch = prefetch;
+            pace.take(&messages)
+        }) {
+            let subject = self.pace.as_ref().expect("just used").subject.clone();
+            let bytes = Bytes::copy_from_slice(&wire::pace::encode_pace_notice(&notice));
+            if let Err(err) = shared.block_on(shared.client.publish(subject, bytes)) {
+                debug!(operation = "pace notice", error = %err, "not sent");
+            }
+        }
         if let Err(err) = fetched {
             // Deliveries already handed out this call stay handed out; the error comes next time.
             return if n > 0 { Ok(n) } else { Err(err) };
