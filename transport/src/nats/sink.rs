@@ -285,6 +285,10 @@ impl Pacing {
 ///   the time is counted in [`TrajectorySink::throttled`]. With no learner consumer yet it does
 ///   not wait (the stream keeps the segments). With many actors the bound is approximate:
 ///   each may overshoot by what the others published since its last reading.
+/// - Pushed pacing (issue 16): the learner's pace notices ([`wire::pace`], on
+///   `volley.<run>.pace`) are readings too, newer than any poll, and a throttled sink wakes on
+///   one; consumer readings remain the fallback (no notice for 2 ms while waiting) and check
+///   the notices (see `absorb_notice`).
 pub struct NatsTrajectorySink {
     shared: Arc<Shared>,
     actor: ActorId,
