@@ -62,7 +62,7 @@ pub struct SinkStats {
     /// Pace notices that did not decode (corrupt, malformed).
     pub pace_notices_refused: u64,
     /// Times a reading of the consumer contradicted the notices, which were then ignored for
-    /// [`PACE_DISTRUST`].
+    /// a second.
     pub pace_notices_distrusted: u64,
 }
 
