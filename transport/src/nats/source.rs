@@ -451,6 +451,7 @@ async fn settle_detached(
 /// room for one call's worth, and at most [`PREFETCH_MAX_BYTES`] or two messages of
 /// `max_payload` per pull request), waiting at most `wait` for the first. An error closes the pull;
 /// the next call opens a new one (deliveries it had buffered are redelivered after `ack_wait`).
+/// Returns the messages per pull request when this call opened the pull.
 async fn pull_into(
     prefetch: &mut Option<consumer::pull::Stream>,
     consumer: &consumer::PullConsumer,
@@ -459,14 +460,14 @@ async fn pull_into(
     request_timeout: Duration,
     max_payload: usize,
     out: &mut Vec<jetstream::Message>,
-    opened_batch: &mut u32,
-) -> Result<(), TransportError> {
+) -> Result<Option<u32>, TransportError> {
     const OPERATION: &str = "fetch segments";
+    let mut opened_batch = None;
     let stream = match prefetch {
         Some(stream) => stream,
         None => {
             let batch = max.clamp(PREFETCH_MIN, PREFETCH_MAX);
-            *opened_batch = batch as u32;
+            opened_batch = Some(batch as u32);
             let max_bytes = PREFETCH_MAX_BYTES.max(2 * max_payload);
             let pull = consumer.stream().max_messages_per_batch(batch).max_bytes_per_batch(max_bytes);
             let opened = call(OPERATION, request_timeout, pull.messages());
@@ -474,7 +475,7 @@ async fn pull_into(
         }
     };
     let first = match tokio::time::timeout(wait, stream.next()).await {
-        Err(_) => return Ok(()),
+        Err(_) => return Ok(opened_batch),
         Ok(first) => first,
     };
     match first {
@@ -503,7 +504,7 @@ async fn pull_into(
             None => break,
         }
     }
-    Ok(())
+    Ok(opened_batch)
 }
 
 /// Turn one delivered message into deliveries, calling `deliver` with each segment (decoded,
@@ -594,7 +595,7 @@ impl TrajectorySource for NatsTrajectorySource {
             } else if durable {
                 self.keep_held_alive().await;
                 let max_payload = shared.client.max_payload();
-                pull_into(
+                let opened = pull_into(
                     &mut self.prefetch,
                     &self.consumer,
                     want_messages,
@@ -602,9 +603,11 @@ impl TrajectorySource for NatsTrajectorySource {
                     request_timeout,
                     max_payload,
                     &mut messages,
-                    &mut self.prefetch_batch,
                 )
                 .await?;
+                if let Some(batch) = opened {
+                    self.prefetch_batch = batch;
+                }
                 // The continuous pull waits through an outage quietly; say so, as a fetch would.
                 let state = shared.client.connection_state();
                 if messages.is_empty() && state != async_nats::connection::State::Connected {
