@@ -1288,7 +1288,9 @@ pub struct BenchWeightsArgs {
     /// Pause after every follower holds a version, before the next publish.
     #[arg(long, default_value_t = 200, env = "VOLLEY_BENCH_PAUSE_MS")]
     pub pause_ms: u64,
-    /// How often a follower asks for a newer version (an actor asks between segments).
+    /// How often a follower asks for a newer version (an actor asks between segments); 0: it
+    /// waits for each version (woken by the pointer watch or a completed live frame), as the
+    /// raw patterns' followers wait on their subscription.
     #[arg(long, default_value_t = 1.0, env = "VOLLEY_BENCH_POLL_MS")]
     pub poll_ms: f64,
     /// Layout hash (hex) driver and followers agree on; the buffer is not a real policy.
@@ -1353,7 +1355,8 @@ impl TryFrom<BenchWeightsArgs> for BenchWeightsConfig {
         }
         let layout_hash = u64::from_str_radix(args.layout_hash.trim_start_matches("0x"), 16)
             .with_context(|| format!("--layout-hash: {:?} is not a 64-bit hex number", args.layout_hash))?;
-        let poll = check_secs("--poll-ms", args.poll_ms * 1e-3)?;
+        // 0: each follower waits for the next version instead of polling.
+        let poll = if args.poll_ms == 0.0 { Duration::ZERO } else { check_secs("--poll-ms", args.poll_ms * 1e-3)? };
         let timeout = check_secs("--timeout-secs", args.timeout_secs)?;
         if args.anchor_every == 0 {
             bail!("--anchor-every must be at least 1");

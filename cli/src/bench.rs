@@ -113,7 +113,13 @@ pub fn follow(config: &BenchWeightsConfig, interrupted: &AtomicBool) -> anyhow::
     let mut have: Option<PolicyVersion> = None;
     let mut last_new = Instant::now();
     while !interrupted.load(Ordering::Acquire) {
-        match follower.latest(have) {
+        // `--poll-ms 0`: wait for each version as the raw patterns' followers do.
+        let newer = if config.poll.is_zero() {
+            follower.wait_newer(have, Duration::from_millis(200))
+        } else {
+            follower.latest(have)
+        };
+        match newer {
             Ok(Some(weights)) => {
                 let usable_at = unix_nanos();
                 // A closed pipe means the driver is gone: stop.
@@ -137,7 +143,9 @@ pub fn follow(config: &BenchWeightsConfig, interrupted: &AtomicBool) -> anyhow::
         if last_new.elapsed() >= config.timeout {
             bail!("no new weights version for {:?} (have {have:?})", config.timeout);
         }
-        thread::sleep(config.poll);
+        if !config.poll.is_zero() {
+            thread::sleep(config.poll);
+        }
     }
     Ok(())
 }

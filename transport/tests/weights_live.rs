@@ -272,3 +272,36 @@ fn live_off_leaves_the_pointer_alone() {
     }
     assert_eq!((follower.durable_fetches(), follower.live_applied()), (3, 0));
 }
+
+#[test]
+fn a_waiting_follower_wakes_for_each_new_version_and_times_out_without_one() {
+    // `wait_newer` (what `volley bench-weights --poll-ms 0` followers use): woken by the live
+    // frame or the pointer, not by polling; `None` when no newer version comes in time.
+    let server = TestNats::start();
+    let learner = common::delta_bus(&server, "livewait");
+    let mut publisher = learner.weights_publisher().expect("publisher");
+    let actor = common::delta_bus(&server, "livewait");
+    let mut follower = actor.weights_follower(LAYOUT, N_PARAMS).expect("follower");
+    publisher.publish(stepped(0)).expect("published");
+    let first = follower.wait_newer(None, GUARD).expect("no error").expect("version 0 within the guard");
+    assert_exact(&first, &stepped(0));
+    let started = Instant::now();
+    let none = follower.wait_newer(Some(PolicyVersion(0)), Duration::from_millis(200)).expect("no error");
+    assert!(none.is_none(), "no version above 0 was published");
+    assert!(started.elapsed() >= Duration::from_millis(200), "returned before its timeout");
+    let later = thread::spawn(move || {
+        thread::sleep(Duration::from_millis(100));
+        for version in 1..=3 {
+            publisher.publish(stepped(version)).expect("published");
+        }
+        publisher
+    });
+    let mut have = 0;
+    while have < 3 {
+        let next = follower.wait_newer(Some(PolicyVersion(have)), GUARD).expect("no error").expect("a newer version");
+        assert!(next.version.0 > have);
+        assert_exact(&next, &stepped(next.version.0));
+        have = next.version.0;
+    }
+    later.join().expect("publisher thread");
+}

@@ -1061,15 +1061,28 @@ impl WeightsFollower for NatsWeightsFollower {
     }
 
     fn wait_first(&mut self, timeout: Duration) -> Result<Arc<Weights>, TransportError> {
+        self.wait_newer(None, timeout)?.ok_or(TransportError::Timeout { operation: "first weights", after: timeout })
+    }
+}
+
+impl NatsWeightsFollower {
+    /// Block until a version newer than `have` is verified (`Some`, as
+    /// [`WeightsFollower::latest`] returns it) or `timeout` passes (`None`), waking on each new
+    /// pointer write or live frame instead of polling.
+    pub fn wait_newer(
+        &mut self,
+        have: Option<PolicyVersion>,
+        timeout: Duration,
+    ) -> Result<Option<Arc<Weights>>, TransportError> {
         let slot = self.slot.clone();
         let started = Instant::now();
         loop {
-            if let Some(weights) = self.latest(None)? {
-                return Ok(weights);
+            if let Some(weights) = self.latest(have)? {
+                return Ok(Some(weights));
             }
             let left = timeout.saturating_sub(started.elapsed());
             if left.is_zero() {
-                return Err(TransportError::Timeout { operation: "first weights", after: timeout });
+                return Ok(None);
             }
             // Wait for a new pointer write or live frame, or until a failed fetch may be retried.
             let (settled, settled_live) = (self.settled_write, self.settled_live);
