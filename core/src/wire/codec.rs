@@ -171,6 +171,21 @@ fn encode<T: serde::Serialize>(kind: MessageKind, value: &T) -> Vec<u8> {
 
 /// Read and check the envelope and the body's checksum, returning the body.
 pub fn decode_envelope(bytes: &[u8], expected: MessageKind) -> Result<(Envelope, &[u8]), DecodeError> {
+    let (envelope, body) = decode_envelope_unverified(bytes, expected)?;
+    let got = body_checksum(body);
+    if got != envelope.checksum {
+        return Err(DecodeError::Corrupt { expected: envelope.checksum, got });
+    }
+    Ok((envelope, body))
+}
+
+/// [`decode_envelope`] without hashing the body: `Envelope::checksum` is what the envelope
+/// claims, for a caller that hashes the body in a pass of its own (a full weights frame, whose
+/// payload is hashed, parsed and hashed again for its digest in one pass) and must compare it.
+pub(crate) fn decode_envelope_unverified(
+    bytes: &[u8],
+    expected: MessageKind,
+) -> Result<(Envelope, &[u8]), DecodeError> {
     if bytes.len() > MAX_MESSAGE_BYTES {
         return Err(DecodeError::TooLarge { got_bytes: bytes.len(), limit_bytes: MAX_MESSAGE_BYTES });
     }
@@ -193,12 +208,7 @@ pub fn decode_envelope(bytes: &[u8], expected: MessageKind) -> Result<(Envelope,
         return Err(DecodeError::Truncated(format!("{} bytes, header needs {HEADER_BYTES}", bytes.len())));
     }
     let checksum = u64::from_le_bytes(bytes[7..HEADER_BYTES].try_into().expect("length checked above"));
-    let body = &bytes[HEADER_BYTES..];
-    let got = body_checksum(body);
-    if got != checksum {
-        return Err(DecodeError::Corrupt { expected: checksum, got });
-    }
-    Ok((Envelope { format_version, kind: expected, checksum }, body))
+    Ok((Envelope { format_version, kind: expected, checksum }, &bytes[HEADER_BYTES..]))
 }
 
 /// Decode a bincode body that must fill `body` exactly, allocating at most `LIMIT` bytes.
