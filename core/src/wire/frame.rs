@@ -353,7 +353,8 @@ mod tests {
         let bytes = encode_full_frame(&w);
         let n = w.params.len();
         assert_eq!(decode_frame(&bytes, None, 7, n).expect("decodes"), w);
-        let positions = (0..(HEADER_BYTES + FRAME_HEADER_BYTES) * 8).chain((0..64).map(|k| bytes.len() * 8 - 1 - k * 997));
+        let positions =
+            (0..(HEADER_BYTES + FRAME_HEADER_BYTES) * 8).chain((0..64).map(|k| bytes.len() * 8 - 1 - k * 997));
         for bit in positions {
             let mut flipped = bytes.clone();
             flipped[bit / 8] ^= 1 << (bit % 8);

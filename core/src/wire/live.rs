@@ -32,7 +32,8 @@
 //! [`LiveAssembler`] follows the hostile-input rule: everything it holds is bounded by what
 //! the follower knows, never by what a chunk claims. At most [`MAX_ASSEMBLING`] versions are
 //! assembled at once, each at most the size of a full frame of the follower's layout, so a
-//! follower holds at most `MAX_ASSEMBLING` full frames of partial versions, whatever it is sent.
+//! follower holds at most `MAX_ASSEMBLING` full frames of partial versions, whatever it is sent
+//! (and one spare buffer of at most that size, a finished frame's given back for reuse).
 
 use super::frame::FrameHeader;
 use super::{body_checksum, check_format, DecodeError, MAX_MESSAGE_BYTES};
@@ -235,6 +236,9 @@ pub struct LiveAssembler {
     taken: u64,
     /// Incomplete versions dropped (evicted by newer ones or refused midway).
     dropped: u64,
+    /// A finished frame's buffer given back ([`LiveAssembler::recycle`]), reused for the next
+    /// version so a large frame does not fault in fresh pages every version.
+    spare: Vec<u8>,
 }
 
 impl LiveAssembler {
@@ -248,6 +252,17 @@ impl LiveAssembler {
             completed: None,
             taken: 0,
             dropped: 0,
+            spare: Vec::new(),
+        }
+    }
+
+    /// Give back the bytes of a frame this assembler completed, once decoded: the next
+    /// version is assembled in them (one buffer is kept; it is never larger than the frame
+    /// limit, so the bound on held bytes grows by one frame at most).
+    pub fn recycle(&mut self, mut bytes: Vec<u8>) {
+        if bytes.capacity() <= self.max_frame_bytes && bytes.capacity() > self.spare.capacity() {
+            bytes.clear();
+            self.spare = bytes;
         }
     }
 
@@ -304,9 +319,16 @@ impl LiveAssembler {
                     self.dropped += 1;
                 }
                 // Bounded above: frame_len ≤ max_frame_bytes, count ≤ frame_len (or 1).
+                let mut bytes = if self.spare.capacity() >= header.frame_len as usize {
+                    std::mem::take(&mut self.spare)
+                } else {
+                    Vec::new()
+                };
+                bytes.clear();
+                bytes.resize(header.frame_len as usize, 0);
                 self.assembling.push(Assembly {
                     header,
-                    bytes: vec![0; header.frame_len as usize],
+                    bytes,
                     received: vec![false; header.count as usize],
                     missing: header.count as usize,
                     touched: 0,
@@ -403,6 +425,33 @@ mod tests {
         assert_eq!(decode_frame(&done.bytes, None, LAYOUT, 1000).expect("decodes"), w);
         assert_eq!(assembler.offer(&last), Offered::Stale, "a completed version is stale");
         assert_eq!(assembler.held_bytes(), 0);
+    }
+
+    #[test]
+    fn a_recycled_frame_buffer_is_assembled_into_again_and_oversize_ones_are_not_kept() {
+        let mut assembler = LiveAssembler::new(LAYOUT, limit(1000));
+        let mut reuse = None;
+        for version in 1..=3 {
+            let w = weights(version, 1000);
+            let frame = encode_full_frame(&w);
+            let mut done = None;
+            for chunk in chunks_of(&frame, 700) {
+                if let Offered::Complete(frame) = assembler.offer(&chunk) {
+                    done = Some(frame);
+                }
+            }
+            let done = done.expect("complete");
+            assert_eq!(decode_frame(&done.bytes, None, LAYOUT, 1000).expect("decodes"), w);
+            if let Some(ptr) = reuse {
+                assert_eq!(done.bytes.as_ptr(), ptr, "version {version} was not assembled in the recycled buffer");
+            }
+            reuse = Some(done.bytes.as_ptr());
+            assembler.recycle(done.bytes);
+        }
+        // A buffer larger than any frame this assembler takes is not kept.
+        let mut small = LiveAssembler::new(LAYOUT, 100);
+        small.recycle(Vec::with_capacity(1 << 20));
+        assert_eq!(small.spare.capacity(), 0);
     }
 
     #[test]

@@ -137,6 +137,8 @@ struct LiveSlot {
     /// Chunks refused (unreadable, corrupt, another layout, too large, inconsistent).
     refused_chunks: AtomicU64,
     changed: tokio::sync::Notify,
+    /// A decoded frame's bytes, handed back to the reassembly task for the next version.
+    spare: Mutex<Option<Vec<u8>>>,
 }
 
 /// Completed live frames kept for the follower: the newest two, so a follower that polls
@@ -166,6 +168,9 @@ async fn follow_live(
 ) {
     use wire::live::Offered;
     while let Some(message) = subscriber.next().await {
+        if let Some(bytes) = slot.spare.lock().expect("live lock is never poisoned").take() {
+            assembler.recycle(bytes);
+        }
         match assembler.offer(&message.payload) {
             Offered::Complete(frame) => {
                 let mut frames = slot.frames.lock().expect("live lock is never poisoned");
@@ -848,6 +853,8 @@ impl NatsWeightsFollower {
                     self.live_refused += 1;
                 }
             }
+            // Its bytes are assembled into again for a later version.
+            *slot.spare.lock().expect("live lock is never poisoned") = Some(frame.bytes);
         }
         if !waiting.is_empty() {
             // Frames that completed meanwhile are newer: they go behind, and the bound holds.
