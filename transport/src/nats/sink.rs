@@ -592,8 +592,8 @@ impl NatsTrajectorySink {
             if room || !self.notice_reading {
                 self.blocked_on_notices_since = None;
             } else if let Some(since) = self.blocked_on_notices_since {
-                // Held back by notices alone for a while: a consumer reading that shows room
-                // means the notices lie (a forger freezing actors); fall back to readings.
+                // Held back by notices alone for a while: a consumer reading that shows the
+                // stream drained means the notices lie (a forger freezing actors).
                 if since.elapsed() >= PACING_CACHE {
                     self.blocked_on_notices_since = None;
                     self.check_notices_hold(base_limit).await;
@@ -626,13 +626,16 @@ impl NatsTrajectorySink {
         result
     }
 
-    /// A consumer reading after notices held the sink back for [`PACING_CACHE`]: if it shows
-    /// room under `limit`, the notices are distrusted for [`PACE_DISTRUST`]; either way the
-    /// reading becomes the current one.
+    /// A consumer reading after notices held the sink back for [`PACING_CACHE`]: if nothing is
+    /// undelivered at all, the notices (which claim at least `limit` plus the learner's prefetch
+    /// not taken) lie, and they are distrusted for [`PACE_DISTRUST`]; either way the reading
+    /// becomes the current one. Nothing undelivered, not merely fewer than the bound: the
+    /// learner's client may hold a little more than its prefetch while it computes, so an
+    /// honest notice can show more than the consumer does.
     async fn check_notices_hold(&mut self, limit: u64) {
         self.read_backlog().await;
-        if self.pacing.backlog.is_some_and(|pending| pending < limit) {
-            self.distrust_notices(limit, "the consumer has room while the notices hold actors back");
+        if self.pacing.backlog == Some(0) {
+            self.distrust_notices(limit, "nothing is undelivered while the notices hold actors back");
         }
     }
 
