@@ -667,7 +667,8 @@ impl NatsTrajectorySink {
     /// notice-paced actors leave means a notice lied, and notices are ignored for
     /// [`PACE_DISTRUST`] (pacing falls back to readings alone). So a forger, who needs the
     /// learner's credentials to publish notices at all, can make one sink overshoot the
-    /// bound by at most twice [`pace_contradiction`] messages per [`PACE_DISTRUST`].
+    /// bound by at most twice [`pace_contradiction`] messages (plus its publish window in
+    /// flight) before it falls back to readings.
     async fn absorb_notice(&mut self, limit: u64) -> Result<(), TransportError> {
         if !self.notices_trusted() {
             return Ok(());
