@@ -682,7 +682,7 @@ impl NatsTrajectorySink {
         if self.verified_at.is_none_or(|at| at.elapsed() >= PACING_CACHE) || self.published_since_verified >= bound {
             self.verified_at = Some(Instant::now());
             self.published_since_verified = 0;
-            if let Some(pending) = self.consumer_pending().await {
+            if let Some(Reading { pending, .. }) = self.read_consumer().await {
                 if pending >= bound {
                     self.distrust_notices(limit, &format!("{pending} messages undelivered, over {bound}"));
                     return Ok(());
@@ -724,20 +724,21 @@ impl NatsTrajectorySink {
         Ok(())
     }
 
-    /// The learner consumer's undelivered messages, or `None` when unknown.
-    async fn consumer_pending(&mut self) -> Option<u64> {
+    async fn read_backlog(&mut self) {
+        let reading = self.read_consumer().await;
+        if self.notice_reading {
+            self.pacing.last = None;
+        }
+        self.pacing.record(reading, Instant::now());
+        self.notice_reading = false;
+    }
+
+    /// One reading of the learner consumer, or `None` when unknown (no consumer yet, an
+    /// error, no answer within [`BACKLOG_DEADLINE`]).
+    async fn read_consumer(&mut self) -> Option<Reading> {
         let reading =
             tokio::time::timeout(BACKLOG_DEADLINE, self.stream.consumer_info(subjects::LEARNER_CONSUMER)).await;
         match reading {
-            Ok(Ok(info)) => Some(info.num_pending),
-            _ => None,
-        }
-    }
-
-    async fn read_backlog(&mut self) {
-        let reading =
-            tokio::time::timeout(BACKLOG_DEADLINE, self.stream.consumer_info(subjects::LEARNER_CONSUMER)).await;
-        let reading = match reading {
             Ok(Ok(info)) => Some(Reading {
                 pending: info.num_pending,
                 // Stream sequences, as pace notices count (redeliveries do not drain).
@@ -753,12 +754,7 @@ impl NatsTrajectorySink {
                 debug!(operation = "read learner backlog", "backlog reading timed out; not pacing");
                 None
             }
-        };
-        if self.notice_reading {
-            self.pacing.last = None;
         }
-        self.pacing.record(reading, Instant::now());
-        self.notice_reading = false;
     }
 }
 
