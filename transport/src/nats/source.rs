@@ -134,8 +134,6 @@ pub struct NatsTrajectorySource {
     /// Pace notices ([`wire::pace`]) for the actors: the stream sequence of the newest message
     /// taken, and the stream's newest sequence as deliveries reported it. Durable mode only.
     pace: Option<PaceAnnouncer>,
-    /// Messages the continuous pull was opened with (its request size).
-    prefetch_batch: u32,
 }
 
 /// What the learner announces on `volley.<run>.pace` each time it takes messages.
@@ -149,19 +147,22 @@ struct PaceAnnouncer {
 }
 
 impl PaceAnnouncer {
-    /// Take the stream positions of `messages` into account; the notice to send, if any
-    /// message carried them.
-    fn take(&mut self, messages: &[jetstream::Message]) -> Option<wire::pace::PaceNotice> {
+    /// Take the stream positions of `messages` into account; the notice to send (subject and
+    /// bytes), if any message carried them.
+    fn announce(&mut self, messages: &[jetstream::Message]) -> Option<(async_nats::Subject, Bytes)> {
         let mut seen = false;
         for info in messages.iter().filter_map(|message| message.info().ok()) {
             seen = true;
             self.taken = self.taken.max(info.stream_sequence);
             self.stored = self.stored.max(info.stream_sequence.saturating_add(info.pending));
         }
-        seen.then(|| wire::pace::PaceNotice {
-            taken: self.taken,
-            stored: self.stored.max(self.taken),
-            prefetch: self.prefetch,
+        seen.then(|| {
+            let notice = wire::pace::PaceNotice {
+                taken: self.taken,
+                stored: self.stored.max(self.taken),
+                prefetch: self.prefetch,
+            };
+            (self.subject.clone(), Bytes::copy_from_slice(&wire::pace::encode_pace_notice(&notice)))
         })
     }
 }
@@ -196,7 +197,6 @@ impl NatsTrajectorySource {
             background_acks: VecDeque::new(),
             prefetch: None,
             pace,
-            prefetch_batch: 0,
         }
     }
 
@@ -586,54 +586,52 @@ impl TrajectorySource for NatsTrajectorySource {
         let durable = matches!(self.mode, SourceMode::Durable);
         let request_timeout = shared.config.request_timeout;
         let fetched = shared.block_on(async {
-            if durable && self.prefetch.is_none() && !self.measured_message_size {
-                // The continuous pull's request size is fixed when it opens, so learn the
-                // segments per message from one fetched message first: opened on the guess of
-                // one segment per message, it asked for 8 messages of 8-segment frames, and the
-                // 64 segments waiting in the client added 8 versions of lag (issue 11).
-                fetch_into(&self.consumer, 1, wait, request_timeout, &mut messages).await
-            } else if durable {
-                self.keep_held_alive().await;
-                let max_payload = shared.client.max_payload();
-                let opened = pull_into(
-                    &mut self.prefetch,
-                    &self.consumer,
-                    want_messages,
-                    wait,
-                    request_timeout,
-                    max_payload,
-                    &mut messages,
-                )
-                .await?;
-                if let Some(batch) = opened {
-                    self.prefetch_batch = batch;
+            let fetched = async {
+                if durable && self.prefetch.is_none() && !self.measured_message_size {
+                    // The continuous pull's request size is fixed when it opens, so learn the
+                    // segments per message from one fetched message first: opened on the guess of
+                    // one segment per message, it asked for 8 messages of 8-segment frames, and the
+                    // 64 segments waiting in the client added 8 versions of lag (issue 11).
+                    fetch_into(&self.consumer, 1, wait, request_timeout, &mut messages).await
+                } else if durable {
+                    self.keep_held_alive().await;
+                    let max_payload = shared.client.max_payload();
+                    let opened = pull_into(
+                        &mut self.prefetch,
+                        &self.consumer,
+                        want_messages,
+                        wait,
+                        request_timeout,
+                        max_payload,
+                        &mut messages,
+                    )
+                    .await?;
+                    if let (Some(batch), Some(pace)) = (opened, self.pace.as_mut()) {
+                        pace.prefetch = batch;
+                    }
+                    // The continuous pull waits through an outage quietly; say so, as a fetch would.
+                    let state = shared.client.connection_state();
+                    if messages.is_empty() && state != async_nats::connection::State::Connected {
+                        return Err(failed("fetch segments", format!("not connected to the server ({state})")));
+                    }
+                    Ok(())
+                } else if wait.is_zero() {
+                    // Replay: a fetch always waits for the server, so none while deliveries are in hand.
+                    Ok(())
+                } else {
+                    fetch_into(&self.consumer, want_messages, wait, request_timeout, &mut messages).await
                 }
-                // The continuous pull waits through an outage quietly; say so, as a fetch would.
-                let state = shared.client.connection_state();
-                if messages.is_empty() && state != async_nats::connection::State::Connected {
-                    return Err(failed("fetch segments", format!("not connected to the server ({state})")));
-                }
-                Ok(())
-            } else if wait.is_zero() {
-                // Replay: a fetch always waits for the server, so none while deliveries are in hand.
-                Ok(())
-            } else {
-                fetch_into(&self.consumer, want_messages, wait, request_timeout, &mut messages).await
             }
+            .await;
+            // Tell the actors what was taken (issue 16: pushed pacing), in the same trip into
+            // the runtime. Fire and forget: a lost notice costs an actor one consumer reading.
+            if let Some((subject, bytes)) = self.pace.as_mut().and_then(|pace| pace.announce(&messages)) {
+                if let Err(err) = shared.client.publish(subject, bytes).await {
+                    debug!(operation = "pace notice", error = %err, "not sent");
+                }
+            }
+            fetched
         });
-        // Tell the actors what was taken (issue 16: pushed pacing). Fire and forget: a lost
-        // notice costs an actor one consumer reading.
-        let prefetch = self.prefetch_batch;
-        if let Some(notice) = self.pace.as_mut().and_then(|pace| {
-            pace.prefetch = prefetch;
-            pace.take(&messages)
-        }) {
-            let subject = self.pace.as_ref().expect("just used").subject.clone();
-            let bytes = Bytes::copy_from_slice(&wire::pace::encode_pace_notice(&notice));
-            if let Err(err) = shared.block_on(shared.client.publish(subject, bytes)) {
-                debug!(operation = "pace notice", error = %err, "not sent");
-            }
-        }
         if let Err(err) = fetched {
             // Deliveries already handed out this call stay handed out; the error comes next time.
             return if n > 0 { Ok(n) } else { Err(err) };
