@@ -488,13 +488,15 @@ mod tests {
             proptest::collection::vec(-5.0f32..0.0, T),
             any::<u64>(),
             any::<u64>(),
+            any::<bool>(),
         )
-            .prop_map(|(observations, actions, rewards, terminated, logp, version, idx)| TrajectorySegment {
+            .prop_map(|(observations, actions, rewards, terminated, logp, version, idx, pixels)| TrajectorySegment {
                 env_idx: 1,
                 episode_id: idx / 3,
                 policy_version: PolicyVersion(version),
                 layout_hash: layout_hash(),
-                observations,
+                // Whole numbers 0..=10 travel as bytes (wire::observations).
+                observations: if pixels { observations.iter().map(|v| v.abs().floor()).collect() } else { observations },
                 actions,
                 rewards,
                 terminated,
@@ -512,6 +514,10 @@ mod tests {
         #[test]
         fn segment_roundtrips(segment in segment_strategy()) {
             let bytes = encode_segment(&segment);
+            // The sized encoding writes exactly bincode's bytes, and the counting pass agrees.
+            prop_assert_eq!(encoded_segment_len(&segment), bytes.len());
+            let plain = bincode::serde::encode_to_vec(&segment, bincode::config::standard()).expect("encodes");
+            prop_assert_eq!(&bytes[HEADER_BYTES..], &plain[..]);
             let decoded = decode_segment(&bytes, &spec(), layout_hash(), 0).expect("valid segment decodes");
             prop_assert_eq!(decoded, segment);
         }
