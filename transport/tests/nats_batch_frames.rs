@@ -277,6 +277,38 @@ fn wait_for_room_paces_at_the_packing_of_the_last_round() {
 }
 
 #[test]
+fn the_learner_asks_for_the_next_messages_before_its_next_recv() {
+    // Issue 16: async-nats sends a pull request only from inside a poll of the pull, so a
+    // learner taking one message per update found the next ones stored but not asked for, and
+    // waited a round trip for them after each update. The source polls once more after a
+    // `recv` has what it wanted: the messages behind the one taken reach the learner's client
+    // while it computes.
+    let server = TestNats::start();
+    let bus = learner_bus(config(&server, "prime"));
+    let mut sink = bus.trajectory_sink(&actor("a"), Arc::new(AtomicBool::new(false))).expect("sink");
+    for idx in 0..4 {
+        sink.publish(vec![segment(0, idx)]).expect("publish");
+    }
+    sink.flush().expect("acknowledged");
+    assert_eq!(stream_messages(&bus), 4);
+    let mut source = bus.trajectory_source().expect("source");
+    // The first recv fetches one message (to learn the segments per message); the second opens
+    // the continuous pull, two messages per request, and takes one of them.
+    let mut taken = recv_at_least(&mut source, 1, 1);
+    taken.extend(recv_at_least(&mut source, 1, 1));
+    // No recv now: the pull has already asked for the rest, so nothing stays undelivered.
+    let started = Instant::now();
+    while consumer_pending(&bus).0 != 0 {
+        assert!(started.elapsed() < GUARD, "the fourth message was never asked for: {:?}", consumer_pending(&bus));
+        thread::sleep(Duration::from_millis(10));
+    }
+    taken.extend(recv_at_least(&mut source, 2, 1));
+    assert_eq!(taken.iter().map(outcome).collect::<Vec<_>>(), [Ok(0), Ok(1), Ok(2), Ok(3)], "in stream order");
+    source.ack(&taken.iter().map(|d| d.token).collect::<Vec<_>>()).expect("ack");
+    assert_eq!(consumer_pending(&bus), (0, 0));
+}
+
+#[test]
 fn the_learner_announces_what_it_took_and_a_sink_paces_on_it() {
     // Pushed pacing (issue 16): the learner announces what it took on `volley.<run>.pace`, and
     // a sink takes the newest notice as the backlog instead of polling the consumer.

@@ -131,6 +131,11 @@ pub struct NatsTrajectorySource {
     /// The durable consumer's continuous pull: it asks for the next deliveries while the
     /// learner computes, so a `recv` after an update usually finds them already here.
     prefetch: Option<consumer::pull::Stream>,
+    /// Messages the continuous pull yielded after a `recv` had what it wanted ([`prime_pull`]):
+    /// delivered to this client, not yet handed to the learner.
+    early: VecDeque<jetstream::Message>,
+    /// The connection `early` arrived on.
+    early_connection: u64,
     /// Pace notices ([`wire::pace`]) for the actors: the stream sequence of the newest message
     /// taken, and the stream's newest sequence as deliveries reported it. Durable mode only.
     pace: Option<PaceAnnouncer>,
@@ -196,6 +201,8 @@ impl NatsTrajectorySource {
             abandoned_acks: 0,
             background_acks: VecDeque::new(),
             prefetch: None,
+            early: VecDeque::new(),
+            early_connection: 0,
             pace,
         }
     }
@@ -507,6 +514,32 @@ async fn pull_into(
     Ok(opened_batch)
 }
 
+/// Poll the continuous pull once more without waiting, so that it sends its next pull request
+/// now, while the learner computes, instead of at the next `recv`: async-nats asks the server for
+/// more only from inside a poll, once its outstanding requests run low. Before this, a learner
+/// that took its one message per update found the next ones stored but not yet asked for, and
+/// waited a round trip for them with the actor held back meanwhile (issue 16: 1.5 ms waits with
+/// four messages stored). What the poll yields waits in `early`, which holds no more than the
+/// pull's buffer would have: the outstanding requests bound both.
+fn prime_pull(prefetch: &mut Option<consumer::pull::Stream>, early: &mut VecDeque<jetstream::Message>) {
+    let Some(stream) = prefetch.as_mut() else { return };
+    for _ in 0..PREFETCH_MAX {
+        match stream.next().now_or_never() {
+            Some(Some(Ok(message))) => early.push_back(message),
+            Some(Some(Err(err))) => {
+                debug!(operation = "fetch segments", error = %err, "pull interrupted; reopening it next time");
+                *prefetch = None;
+                return;
+            }
+            Some(None) => {
+                *prefetch = None;
+                return;
+            }
+            None => return,
+        }
+    }
+}
+
 /// Turn one delivered message into deliveries, calling `deliver` with each segment (decoded,
 /// or why not) and a fresh token: one for a plain segment message, one per part of a batch
 /// frame, one error for a frame whose header does not check out.
@@ -595,20 +628,41 @@ impl TrajectorySource for NatsTrajectorySource {
                     fetch_into(&self.consumer, 1, wait, request_timeout, &mut messages).await
                 } else if durable {
                     self.keep_held_alive().await;
-                    let max_payload = shared.client.max_payload();
-                    let opened = pull_into(
-                        &mut self.prefetch,
-                        &self.consumer,
-                        want_messages,
-                        wait,
-                        request_timeout,
-                        max_payload,
-                        &mut messages,
-                    )
-                    .await?;
-                    if let (Some(batch), Some(pace)) = (opened, self.pace.as_mut()) {
-                        pace.prefetch = batch;
+                    // What the last call's early poll took comes first (a reconnect since then
+                    // dropped it: the server redelivers it after `ack_wait`).
+                    if self.early_connection != connection {
+                        self.early.clear();
                     }
+                    while messages.len() < want_messages {
+                        let Some(message) = self.early.pop_front() else { break };
+                        messages.push(message);
+                    }
+                    if messages.len() < want_messages {
+                        let max_payload = shared.client.max_payload();
+                        let wait = if messages.is_empty() { wait } else { Duration::ZERO };
+                        let pulled = pull_into(
+                            &mut self.prefetch,
+                            &self.consumer,
+                            want_messages,
+                            wait,
+                            request_timeout,
+                            max_payload,
+                            &mut messages,
+                        )
+                        .await;
+                        match pulled {
+                            Ok(opened) => {
+                                if let (Some(batch), Some(pace)) = (opened, self.pace.as_mut()) {
+                                    pace.prefetch = batch;
+                                }
+                            }
+                            // The messages in hand go out; the error comes again next call.
+                            Err(err) if !messages.is_empty() => debug!(%err, "pull failed after early deliveries"),
+                            Err(err) => return Err(err),
+                        }
+                    }
+                    prime_pull(&mut self.prefetch, &mut self.early);
+                    self.early_connection = connection;
                     // The continuous pull waits through an outage quietly; say so, as a fetch would.
                     let state = shared.client.connection_state();
                     if messages.is_empty() && state != async_nats::connection::State::Connected {
