@@ -490,23 +490,29 @@ mod tests {
             any::<u64>(),
             any::<bool>(),
         )
-            .prop_map(|(observations, actions, rewards, terminated, logp, version, idx, pixels)| TrajectorySegment {
-                env_idx: 1,
-                episode_id: idx / 3,
-                policy_version: PolicyVersion(version),
-                layout_hash: layout_hash(),
-                // Whole numbers 0..=10 travel as bytes (wire::observations).
-                observations: if pixels { observations.iter().map(|v| v.abs().floor()).collect() } else { observations },
-                actions,
-                rewards,
-                terminated,
-                behaviour_log_probs: logp,
-                finished_episodes: vec![EpisodeSummary {
-                    episode_return: 3.0,
-                    episode_len: 3,
-                    ..EpisodeSummary::default()
-                }],
-                ..test_segment("wire", T, 4, idx)
+            .prop_map(|(observations, actions, rewards, terminated, logp, version, idx, pixels)| {
+                TrajectorySegment {
+                    env_idx: 1,
+                    episode_id: idx / 3,
+                    policy_version: PolicyVersion(version),
+                    layout_hash: layout_hash(),
+                    // Whole numbers 0..=10 travel as bytes (wire::observations).
+                    observations: if pixels {
+                        observations.iter().map(|v| v.abs().floor()).collect()
+                    } else {
+                        observations
+                    },
+                    actions,
+                    rewards,
+                    terminated,
+                    behaviour_log_probs: logp,
+                    finished_episodes: vec![EpisodeSummary {
+                        episode_return: 3.0,
+                        episode_len: 3,
+                        ..EpisodeSummary::default()
+                    }],
+                    ..test_segment("wire", T, 4, idx)
+                }
             })
     }
 
