@@ -249,8 +249,8 @@ pub fn encode_segment(segment: &TrajectorySegment) -> Vec<u8> {
     encode(MessageKind::Segment, segment)
 }
 
-/// `encode_segment(segment).len()` without encoding: a counting pass over the segment, which a
-/// sink uses to check and pack a whole call before it encodes (and sends) the first message.
+/// `encode_segment(segment).len()` without encoding: the counting pass [`encode_segment`]
+/// sizes its buffer with (no bytes written, no allocation for `f32` observations).
 pub fn encoded_segment_len(segment: &TrajectorySegment) -> usize {
     HEADER_BYTES + body_len(segment)
 }
