@@ -12,16 +12,20 @@
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 /// The serialized form (variant order is the wire format).
+///
+/// The bytes go as one byte string (`serde_bytes`), which bincode lays out exactly as the
+/// sequence of `u8` that format 5 wrote (the length, then the bytes), but copies in one piece
+/// instead of one call per byte: an 84×84×4 segment encodes in about a tenth of the time.
 #[derive(Serialize)]
 enum WireObservationsRef<'a> {
     F32(&'a [f32]),
-    U8(Vec<u8>),
+    U8(#[serde(with = "serde_bytes")] Vec<u8>),
 }
 
 #[derive(Deserialize)]
 enum WireObservations {
     F32(Vec<f32>),
-    U8(Vec<u8>),
+    U8(#[serde(with = "serde_bytes")] Vec<u8>),
 }
 
 /// Whether `value` survives a round trip through a byte bit for bit.
@@ -91,6 +95,29 @@ mod tests {
         let (decoded, len) = round_trip(vector.clone());
         assert_eq!(decoded, vector);
         assert_eq!(len, 1 + 3 + 4 * 400);
+    }
+
+    #[test]
+    fn byte_observations_keep_the_layout_of_a_byte_sequence() {
+        // The byte string is the bytes a `Vec<u8>` sequence encodes to (the form before it),
+        // both ways, with a length that needs a multi-byte varint.
+        #[derive(Serialize, Deserialize)]
+        enum SequenceForm {
+            F32(Vec<f32>),
+            U8(Vec<u8>),
+        }
+        let config = bincode::config::standard();
+        let pixels: Vec<u8> = (0..=255).chain(0..100).collect();
+        let values: Vec<f32> = pixels.iter().map(|&p| f32::from(p)).collect();
+        let new = bincode::serde::encode_to_vec(Holder(values.clone()), config).expect("encodes");
+        let sequence = bincode::serde::encode_to_vec(SequenceForm::U8(pixels), config).expect("encodes");
+        assert_eq!(new, sequence);
+        let (Holder(decoded), used) =
+            bincode::serde::decode_from_slice::<Holder, _>(&sequence, config).expect("decodes");
+        assert_eq!((decoded, used), (values, sequence.len()));
+        let floats = vec![0.5f32, -1.0];
+        let new = bincode::serde::encode_to_vec(Holder(floats.clone()), config).expect("encodes");
+        assert_eq!(new, bincode::serde::encode_to_vec(SequenceForm::F32(floats), config).expect("encodes"));
     }
 
     #[test]
