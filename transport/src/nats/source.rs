@@ -496,36 +496,17 @@ async fn pull_into(
             return Err(failed(OPERATION, "the consumer's pull ended"));
         }
     }
-    while out.len() < max {
-        match stream.next().now_or_never() {
-            Some(Some(Ok(message))) => out.push(message),
-            Some(Some(Err(err))) => {
-                debug!(operation = OPERATION, error = %err, "pull interrupted; reopening it next time");
-                *prefetch = None;
-                break;
-            }
-            Some(None) => {
-                *prefetch = None;
-                break;
-            }
-            None => break,
-        }
-    }
+    take_ready(prefetch, max.saturating_sub(out.len()), |message| out.push(message));
     Ok(opened_batch)
 }
 
-/// Poll the continuous pull once more without waiting, so that it sends its next pull request
-/// now, while the learner computes, instead of at the next `recv`: async-nats asks the server for
-/// more only from inside a poll, once its outstanding requests run low. Before this, a learner
-/// that took its one message per update found the next ones stored but not yet asked for, and
-/// waited a round trip for them with the actor held back meanwhile (issue 16: 1.5 ms waits with
-/// four messages stored). What the poll yields waits in `early`, which holds no more than the
-/// pull's buffer would have: the outstanding requests bound both.
-fn prime_pull(prefetch: &mut Option<consumer::pull::Stream>, early: &mut VecDeque<jetstream::Message>) {
+/// Take up to `max` deliveries the continuous pull has ready, without waiting; an error or the
+/// end of the pull closes it (the next call opens a new one).
+fn take_ready(prefetch: &mut Option<consumer::pull::Stream>, max: usize, mut take: impl FnMut(jetstream::Message)) {
     let Some(stream) = prefetch.as_mut() else { return };
-    for _ in 0..PREFETCH_MAX {
+    for _ in 0..max {
         match stream.next().now_or_never() {
-            Some(Some(Ok(message))) => early.push_back(message),
+            Some(Some(Ok(message))) => take(message),
             Some(Some(Err(err))) => {
                 debug!(operation = "fetch segments", error = %err, "pull interrupted; reopening it next time");
                 *prefetch = None;
@@ -538,6 +519,17 @@ fn prime_pull(prefetch: &mut Option<consumer::pull::Stream>, early: &mut VecDequ
             None => return,
         }
     }
+}
+
+/// Poll the continuous pull once more without waiting, so that it sends its next pull request
+/// now, while the learner computes, instead of at the next `recv`: async-nats asks the server for
+/// more only from inside a poll, once its outstanding requests run low. Before this, a learner
+/// that took its one message per update found the next ones stored but not yet asked for, and
+/// waited a round trip for them with the actor held back meanwhile (issue 16: 1.5 ms waits with
+/// four messages stored). What the poll yields waits in `early`, which holds no more than the
+/// pull's buffer would have: the outstanding requests bound both.
+fn prime_pull(prefetch: &mut Option<consumer::pull::Stream>, early: &mut VecDeque<jetstream::Message>) {
+    take_ready(prefetch, PREFETCH_MAX, |message| early.push_back(message));
 }
 
 /// Turn one delivered message into deliveries, calling `deliver` with each segment (decoded,
