@@ -100,7 +100,12 @@ def main():
     failures = []
     try:
         nats_port = free_port()
-        spawn("nats", [nats_server, "-js", "-a", "127.0.0.1", "-p", str(nats_port), "-sd", str(work / "js")])
+        # A fixed JetStream storage limit: unset, the server takes 75 % of the free disk, and the
+        # run's default store limits reserve over 2 GiB at creation, so a nearly full CI disk
+        # would fail the check for a reason it does not check.
+        (work / "nats.conf").write_text("jetstream {\n  max_file_store: 1TB\n}\n")
+        spawn("nats", [nats_server, "-js", "-a", "127.0.0.1", "-p", str(nats_port), "-sd", str(work / "js"),
+                       "-c", str(work / "nats.conf")])
         url = f"nats://127.0.0.1:{nats_port}"
         time.sleep(1)
         learner_port = free_port()

@@ -31,7 +31,7 @@ use async_nats::jetstream::context::GetStreamErrorKind;
 use async_nats::jetstream::ErrorCode;
 use tracing::{info, warn};
 use volley_core::ids::PolicyVersion;
-use volley_core::spec::{HyperParams, RunSpec};
+use volley_core::spec::{HyperParams, RunSpec, StoreLimits};
 use volley_core::subjects;
 use volley_core::wire::{frame, Weights};
 use volley_env::EnvConfig;
@@ -234,10 +234,12 @@ fn spawn_followers(config: &BenchWeightsConfig, reports: &mpsc::Sender<Report>) 
     Ok(children)
 }
 
-/// Delete the run's KV bucket and object store if they exist, so versions start from 0.
+/// Delete the run's streams (KV bucket, weights object store, trajectory stream) if they exist,
+/// so versions start from 0 and the broker's storage reservation for them is released.
 fn reset_run(bus: &NatsBus) -> anyhow::Result<()> {
     let run = &bus.config().run;
     for stream in [
+        subjects::trajectory_stream(run),
         subjects::kv_backing_stream(&subjects::run_bucket(run)),
         subjects::object_backing_stream(&subjects::weights_bucket(run)),
     ] {
@@ -316,26 +318,59 @@ pub fn drive(config: &BenchWeightsConfig, interrupted: &AtomicBool) -> anyhow::R
         env: EnvConfig::Cartpole,
         policy: PolicySpec::mlp(4, 2, &[64, 64], Activation::Tanh),
         segment_len: 32,
-        hyper: HyperParams::default(),
+        hyper: HyperParams { stores: bench_stores(config), ..HyperParams::default() },
         seed: 0,
     };
     bus.ensure_run(&spec).context("creating the benchmark run")?;
+    let summary = measure(config, &bus, interrupted);
+    // Release the run's storage reservation whether or not the measurement succeeded.
+    if let Err(err) = reset_run(&bus) {
+        warn!(error = %format!("{err:#}"), "could not delete the benchmark run's streams");
+    }
+    summary
+}
+
+/// Store limits sized to the benchmark: JetStream reserves a stream's `max_bytes` against the
+/// server's storage limit when the stream is created, so the default run limits (1 GiB of
+/// trajectories, 1 GiB of weights) made a benchmark fail on a broker with a few GiB of disk
+/// free, or after another run took its share. The benchmark sends no trajectories. Its weights
+/// store holds the kept chains plus the one being written, each an anchor and at most
+/// `anchor_every - 1` deltas, every frame at most a full frame, plus metadata.
+fn bench_stores(config: &BenchWeightsConfig) -> StoreLimits {
+    let full_frame = (config.n_params as u64).saturating_mul(4).saturating_add(64 << 10);
+    let chains = config.nats.keep_weight_versions as u64 + 1;
+    let frames = chains.saturating_mul(config.nats.weights_anchor_every.max(1));
+    StoreLimits {
+        trajectory_max_bytes: 1 << 20,
+        weights_keep_versions: config.nats.keep_weight_versions,
+        weights_max_bytes: frames.saturating_mul(full_frame).saturating_add(16 << 20),
+        kv_max_bytes: 16 << 20,
+        ..StoreLimits::default()
+    }
+}
+
+/// The driver's measurement on a created run: followers, warm-up, the timed versions.
+fn measure(
+    config: &BenchWeightsConfig,
+    bus: &NatsBus,
+    interrupted: &AtomicBool,
+) -> anyhow::Result<BenchWeightsSummary> {
     let mut publisher = match config.pattern {
         BenchPattern::Volley => {
             Publisher::Volley(Box::new(bus.weights_publisher().context("opening the weights store")?))
         }
-        pattern => Publisher::Raw(Box::new(raw::RawPublisher::open(&bus, pattern)?)),
+        pattern => Publisher::Raw(Box::new(raw::RawPublisher::open(bus, pattern)?)),
     };
 
     let (reports_tx, reports) = mpsc::channel();
     let ready = match &publisher {
-        Publisher::Raw(raw) => Some(raw.ready_subscription(&bus)?),
+        Publisher::Raw(raw) => Some(raw.ready_subscription(bus)?),
         Publisher::Volley(_) => None,
     };
     let followers = spawn_followers(config, &reports_tx)?;
     drop(reports_tx);
     if let Some(ready) = ready {
-        raw::wait_ready(&bus, ready, config.followers, config.timeout)?;
+        raw::wait_ready(bus, ready, config.followers, config.timeout)?;
     }
     let warm_up = Arc::new(Weights::new(PolicyVersion(0), config.layout_hash, params_for(0, config.n_params)));
     let size_bytes = frame::encode_full_frame(&warm_up).len();
@@ -346,7 +381,7 @@ pub fn drive(config: &BenchWeightsConfig, interrupted: &AtomicBool) -> anyhow::R
         pattern = config.pattern.name(),
         "warm-up: waiting for every follower to hold version 0"
     );
-    publisher.publish(&bus, publisher.prepare(warm_up)).context("publishing the warm-up version")?;
+    publisher.publish(bus, publisher.prepare(warm_up)).context("publishing the warm-up version")?;
     if collect(config, &reports, 0, interrupted)?.is_none() {
         bail!("interrupted during warm-up");
     }
@@ -362,7 +397,7 @@ pub fn drive(config: &BenchWeightsConfig, interrupted: &AtomicBool) -> anyhow::R
         // The raw patterns move the bytes of Volley's full frame, encoded before the clock starts.
         let weights = publisher.prepare(weights);
         let started = unix_nanos();
-        publisher.publish(&bus, weights).with_context(|| format!("publishing version {version}"))?;
+        publisher.publish(bus, weights).with_context(|| format!("publishing version {version}"))?;
         let published = unix_nanos();
         frame_bytes.push(publisher.last_frame_bytes());
         let Some(usable_at) = collect(config, &reports, version, interrupted)? else {

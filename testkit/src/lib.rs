@@ -32,7 +32,18 @@ const READY_POLL: Duration = Duration::from_millis(20);
 pub struct TestNatsOptions {
     /// The server's `max_payload` in bytes (`None`: the server default, 1 MiB).
     pub max_payload_bytes: Option<usize>,
+    /// JetStream's file storage limit in bytes (`jetstream { max_file_store }`). `None`:
+    /// [`DEFAULT_MAX_FILE_STORE`] for [`TestNats::start`] and [`TestNats::start_with`], and
+    /// whatever the config says for [`TestNats::start_with_config`]. Streams reserve their
+    /// `max_bytes` against this limit when they are created.
+    pub max_file_store_bytes: Option<u64>,
 }
+
+/// The file storage limit of a test server started without a config: fixed, so whether a
+/// test's streams fit does not depend on the free disk of the machine it runs on (unset, the
+/// server takes 75 % of the store directory's free space, and a run's default limits reserve
+/// over 2 GiB). Reservations are accounting; the tests write little.
+pub const DEFAULT_MAX_FILE_STORE: u64 = 1 << 40;
 
 /// A running `nats-server -js` on `127.0.0.1:<free port>` with a temporary store directory;
 /// killed (SIGKILL) on drop.
@@ -61,7 +72,8 @@ impl TestNats {
     }
 
     /// Start a server with `options`; see [`TestNats::start`].
-    pub fn start_with(options: TestNatsOptions) -> Self {
+    pub fn start_with(mut options: TestNatsOptions) -> Self {
+        options.max_file_store_bytes.get_or_insert(DEFAULT_MAX_FILE_STORE);
         let binary = find_nats_server();
         let dir = tempfile::Builder::new().prefix("volley-nats-").tempdir().expect("create a temporary directory");
         let mut server =
@@ -145,6 +157,9 @@ impl TestNats {
         let mut config_text = String::new();
         if let Some(max_payload) = self.options.max_payload_bytes {
             config_text.push_str(&format!("max_payload: {max_payload}\n"));
+        }
+        if let Some(max_file_store) = self.options.max_file_store_bytes {
+            config_text.push_str(&format!("jetstream {{\n  max_file_store: {max_file_store}\n}}\n"));
         }
         if let Some(extra) = &self.extra_config {
             config_text.push_str(extra);
@@ -455,8 +470,23 @@ mod tests {
 
     #[test]
     fn max_payload_option_reaches_the_server() {
-        let server = TestNats::start_with(TestNatsOptions { max_payload_bytes: Some(64 * 1024) });
+        let server = TestNats::start_with(TestNatsOptions { max_payload_bytes: Some(64 * 1024), ..Default::default() });
         let info = probe_info(&SocketAddr::from((Ipv4Addr::LOCALHOST, server.port()))).expect("server answers");
         assert!(info.contains("\"max_payload\":65536"), "{info}");
+    }
+
+    /// The storage limit is fixed (not 75 % of this machine's free disk, the server's default)
+    /// and can be set per server; the server states its limit in its startup log.
+    #[test]
+    fn file_store_limit_is_fixed_and_settable() {
+        let limit = |server: &TestNats| {
+            let log = server.log();
+            log.lines().find(|line| line.contains("Max Storage:")).map(|line| line.to_string()).unwrap_or(log)
+        };
+        let default = TestNats::start();
+        assert!(limit(&default).ends_with(" 1.00 TB"), "{}", limit(&default));
+        let small =
+            TestNats::start_with(TestNatsOptions { max_file_store_bytes: Some(256 << 20), ..Default::default() });
+        assert!(limit(&small).ends_with(" 256.00 MB"), "{}", limit(&small));
     }
 }

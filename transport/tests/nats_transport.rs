@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use futures::StreamExt;
 use volley_core::ids::{ActorId, PolicyVersion, RunId};
-use volley_core::spec::RunSpec;
+use volley_core::spec::{RunSpec, StoreLimits};
 use volley_core::subjects;
 use volley_core::wire::{self, TrajectorySegment, Weights};
 use volley_testkit::{TestNats, TestNatsOptions};
@@ -320,7 +320,7 @@ fn stop_releases_a_throttled_sink() {
 
 #[test]
 fn segment_over_max_payload_is_refused_with_both_sizes() {
-    let server = TestNats::start_with(TestNatsOptions { max_payload_bytes: Some(64 * 1024) });
+    let server = TestNats::start_with(TestNatsOptions { max_payload_bytes: Some(64 * 1024), ..Default::default() });
     let bus = learner_bus(config(&server, "oversize"));
     assert_eq!(bus.max_payload(), 64 * 1024);
     let mut sink = bus.trajectory_sink(&actor("a"), Arc::new(AtomicBool::new(false))).expect("sink");
@@ -335,6 +335,25 @@ fn segment_over_max_payload_is_refused_with_both_sizes() {
     sink.publish(vec![segment("a", 0, 0)]).expect("a normal segment still goes through");
     sink.flush().expect("acknowledged");
     assert_eq!(stream_messages(&bus), 1);
+}
+
+/// A run whose store limits do not fit the broker's storage is refused with an error that names
+/// the limits to lower, and the same run with smaller limits is then created on that broker.
+#[test]
+fn run_larger_than_the_brokers_storage_is_refused_with_the_limits_to_change() {
+    let server = TestNats::start_with(TestNatsOptions { max_file_store_bytes: Some(256 << 20), ..Default::default() });
+    let bus = NatsBus::connect(config(&server, "too-big")).expect("connect");
+    let mut spec = spec("too-big");
+    spec.hyper.stores = StoreLimits::default();
+    assert!(spec.hyper.stores.trajectory_max_bytes > 256 << 20, "the default limits exceed this broker");
+    let err = bus.ensure_run(&spec).expect_err("over the broker's storage");
+    let TransportError::Failed { message, .. } = &err else { panic!("expected Failed, got {err:?}") };
+    for part in ["10047", "stores.trajectory_max_bytes 1073741824", "max_file_store"] {
+        assert!(message.contains(part), "{part} not in {message}");
+    }
+    spec.hyper.stores.trajectory_max_bytes = 64 << 20;
+    spec.hyper.stores.weights_max_bytes = 64 << 20;
+    bus.ensure_run(&spec).expect("smaller limits fit");
 }
 
 fn weights(version: u64, n_params: usize) -> Arc<Weights> {
