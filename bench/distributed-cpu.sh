@@ -3,7 +3,7 @@
 # and binary (interleaved), start a fresh nats-server (JetStream, file store, loopback), one
 # `volley learner --seed S` and one `volley actor --envs 8`, and print the learner's loop
 # seconds and env steps with the CPU seconds (user + system, from /proc) of the learner, the
-# actor and the server, then the median per binary.
+# actor and the server, then the medians per binary, of whole runs and per env step.
 #
 # usage: bench/distributed-cpu.sh "BIN..." [seeds...]   (default seeds 1 2 3)
 # env:   PASSES (default 2), LEARNER_FLAGS (extra `volley learner` flags)
@@ -56,8 +56,13 @@ rows = collections.defaultdict(list)
 for line in open(sys.argv[1]):
     f = line.split()
     rows[f[0]].append((float(f[2]), int(f[3]), float(f[5]) + float(f[6]) + float(f[7])))
-print("%-40s %-6s %-14s %-12s %s" % ("binary", "runs", "median_loop_s", "median_steps", "median_cpu_s"))
+# Per env step as well: the steps a seed needs to solve vary by 1.5x between runs (policy lag),
+# so a change to the cost of a step shows in the per-step medians long before the loop's.
+print("%-40s %-6s %-14s %-12s %-13s %-15s %s" % ("binary", "runs", "median_loop_s", "median_steps", "median_cpu_s",
+                                                 "loop_us/step", "cpu_us/step"))
 for b, r in rows.items():
-    print("%-40s %-6d %-14.3f %-12d %.2f" % (b, len(r), statistics.median(x[0] for x in r),
-          statistics.median(x[1] for x in r), statistics.median(x[2] for x in r)))
+    med = statistics.median
+    print("%-40s %-6d %-14.3f %-12d %-13.2f %-15.2f %.2f" % (
+        b, len(r), med(x[0] for x in r), med(x[1] for x in r), med(x[2] for x in r),
+        med(x[0] / x[1] * 1e6 for x in r), med(x[2] / x[1] * 1e6 for x in r)))
 PY
