@@ -462,72 +462,69 @@ impl NatsBus {
         // The server refuses a duplicate window longer than the stream's age limit.
         let duplicate_window =
             if max_age.is_zero() { config.duplicate_window } else { config.duplicate_window.min(max_age) };
-        shared
-            .block_on(async {
-                let stream_name = subjects::trajectory_stream(&config.run);
-                let stream_config = stream::Config {
-                    name: stream_name.clone(),
-                    description: Some(format!("volley run {} trajectory segments", config.run)),
-                    subjects: vec![subjects::trajectories_all(&config.run)],
-                    retention: stream::RetentionPolicy::Limits,
-                    storage: stream::StorageType::File,
-                    discard: stream::DiscardPolicy::Old,
-                    max_bytes: stores.trajectory_max_bytes as i64,
-                    max_age,
-                    duplicate_window,
-                    num_replicas: config.replicas,
-                    ..Default::default()
-                };
-                call("create trajectory stream", timeout, shared.js.create_or_update_stream(stream_config)).await?;
-                let stream =
-                    call("open trajectory stream", timeout, shared.js.get_stream_no_info(&stream_name)).await?;
-                call("create learner consumer", timeout, stream.create_consumer(learner_consumer_config(config)))
-                    .await?;
+        let created = shared.block_on(async {
+            let stream_name = subjects::trajectory_stream(&config.run);
+            let stream_config = stream::Config {
+                name: stream_name.clone(),
+                description: Some(format!("volley run {} trajectory segments", config.run)),
+                subjects: vec![subjects::trajectories_all(&config.run)],
+                retention: stream::RetentionPolicy::Limits,
+                storage: stream::StorageType::File,
+                discard: stream::DiscardPolicy::Old,
+                max_bytes: stores.trajectory_max_bytes as i64,
+                max_age,
+                duplicate_window,
+                num_replicas: config.replicas,
+                ..Default::default()
+            };
+            call("create trajectory stream", timeout, shared.js.create_or_update_stream(stream_config)).await?;
+            let stream = call("open trajectory stream", timeout, shared.js.get_stream_no_info(&stream_name)).await?;
+            call("create learner consumer", timeout, stream.create_consumer(learner_consumer_config(config))).await?;
 
-                let bucket = subjects::run_bucket(&config.run);
-                let kv = match open_kv(&shared.js, &bucket, timeout).await? {
-                    Some(kv) => kv,
-                    None => {
-                        let kv_config = kv::Config {
-                            bucket: bucket.clone(),
-                            description: format!("volley run {}: spec and weights pointer", config.run),
-                            history: stores.kv_history as i64,
-                            max_bytes: stores.kv_max_bytes as i64,
-                            storage: stream::StorageType::File,
-                            num_replicas: config.replicas,
-                            ..Default::default()
-                        };
-                        match call("create run bucket", timeout, shared.js.create_key_value(kv_config)).await {
-                            Ok(kv) => kv,
-                            // Another learner may have created it in between.
-                            Err(err) => open_kv(&shared.js, &bucket, timeout).await?.ok_or(err)?,
-                        }
-                    }
-                };
-                let weights_bucket = subjects::weights_bucket(&config.run);
-                if open_objects(&shared.js, &weights_bucket, timeout).await?.is_none() {
-                    let objects_config = object_store::Config {
-                        bucket: weights_bucket.clone(),
-                        description: Some(format!("volley run {}: weights buffers", config.run)),
-                        max_bytes: stores.weights_max_bytes as i64,
+            let bucket = subjects::run_bucket(&config.run);
+            let kv = match open_kv(&shared.js, &bucket, timeout).await? {
+                Some(kv) => kv,
+                None => {
+                    let kv_config = kv::Config {
+                        bucket: bucket.clone(),
+                        description: format!("volley run {}: spec and weights pointer", config.run),
+                        history: stores.kv_history as i64,
+                        max_bytes: stores.kv_max_bytes as i64,
                         storage: stream::StorageType::File,
                         num_replicas: config.replicas,
                         ..Default::default()
                     };
-                    if let Err(err) =
-                        call("create weights store", timeout, shared.js.create_object_store(objects_config)).await
-                    {
-                        open_objects(&shared.js, &weights_bucket, timeout).await?.ok_or(err)?;
+                    match call("create run bucket", timeout, shared.js.create_key_value(kv_config)).await {
+                        Ok(kv) => kv,
+                        // Another learner may have created it in between.
+                        Err(err) => open_kv(&shared.js, &bucket, timeout).await?.ok_or(err)?,
                     }
                 }
-                if spec.hyper.work.enabled {
-                    ensure_work_objects(shared, &spec.hyper.work, stores).await?;
+            };
+            let weights_bucket = subjects::weights_bucket(&config.run);
+            if open_objects(&shared.js, &weights_bucket, timeout).await?.is_none() {
+                let objects_config = object_store::Config {
+                    bucket: weights_bucket.clone(),
+                    description: Some(format!("volley run {}: weights buffers", config.run)),
+                    max_bytes: stores.weights_max_bytes as i64,
+                    storage: stream::StorageType::File,
+                    num_replicas: config.replicas,
+                    ..Default::default()
+                };
+                if let Err(err) =
+                    call("create weights store", timeout, shared.js.create_object_store(objects_config)).await
+                {
+                    open_objects(&shared.js, &weights_bucket, timeout).await?.ok_or(err)?;
                 }
-                call("put run spec", timeout, kv.put(subjects::SPEC_KEY, Bytes::from(stored_spec))).await?;
-                info!(run = %config.run, stream = %stream_name, "run ready on nats");
-                Ok(())
-            })
-            .map_err(|err| with_storage_hint(err, stores))
+            }
+            if spec.hyper.work.enabled {
+                ensure_work_objects(shared, &spec.hyper.work, stores).await?;
+            }
+            call("put run spec", timeout, kv.put(subjects::SPEC_KEY, Bytes::from(stored_spec))).await?;
+            info!(run = %config.run, stream = %stream_name, "run ready on nats");
+            Ok(())
+        });
+        created.map_err(|err| with_storage_hint(err, stores))
     }
 
     /// Actor side: the run spec, or `Ok(None)` when the run's bucket or its `spec` key does not
@@ -591,8 +588,6 @@ fn incarnation() -> String {
     format!("{:x}", (nanos as u64) ^ ((std::process::id() as u64) << 48))
 }
 
-/// Log and wrap a failure.
-#[cold]
 /// JetStream's "insufficient storage resources" (error code 10047): a stream's `max_bytes` is
 /// reserved against the server's storage limit when the stream is created, so a run whose
 /// store limits exceed what is left cannot be created even on an empty broker. Say which
@@ -603,10 +598,10 @@ fn with_storage_hint(err: TransportError, stores: &StoreLimits) -> TransportErro
             operation,
             message: format!(
                 "{message}; the broker reserves each stream's byte limit when it is created, and this run's \
-                 (stores.trajectory_max_bytes {}, stores.weights_max_bytes {}, stores.kv_max_bytes {}; with work items on, also \
-                 stores.work_max_bytes and stores.snapshot_max_bytes) do not fit \
-                 what is left of its JetStream storage: lower them in the run spec, or raise the broker's \
-                 jetstream max_file_store (unset, 75 % of the store directory's free disk)",
+                 (stores.trajectory_max_bytes {}, stores.weights_max_bytes {}, stores.kv_max_bytes {}; with \
+                 work items on, also stores.work_max_bytes and stores.snapshot_max_bytes) do not fit what is \
+                 left of its JetStream storage: lower them in the run spec, or raise the broker's jetstream \
+                 max_file_store (unset, 75 % of the store directory's free disk)",
                 stores.trajectory_max_bytes, stores.weights_max_bytes, stores.kv_max_bytes
             ),
         },
@@ -614,6 +609,8 @@ fn with_storage_hint(err: TransportError, stores: &StoreLimits) -> TransportErro
     }
 }
 
+/// Log and wrap a failure.
+#[cold]
 fn failed(operation: &'static str, err: impl fmt::Display) -> TransportError {
     let message = err.to_string();
     warn!(operation, error = %message, "nats operation failed");
