@@ -64,12 +64,42 @@ struct Shape {
     n_segments: usize,
     /// The sink's `max_segments_per_message` (1: one message per segment, as before frames).
     max_segments_per_message: usize,
+    /// Observations are whole numbers in `0..=255` (pixels), so they travel as one byte each
+    /// (`core::wire::observations`); otherwise they are arbitrary `f32`.
+    pixels: bool,
 }
 
-const SHAPES: [Shape; 3] = [
-    Shape { label: "cartpole_obs4_t32_framed", obs_dim: 4, n_segments: 64 * 1024, max_segments_per_message: 64 },
-    Shape { label: "cartpole_obs4_t32_single", obs_dim: 4, n_segments: 16 * 1024, max_segments_per_message: 1 },
-    Shape { label: "frame84x84_f32_t32", obs_dim: 84 * 84, n_segments: 640, max_segments_per_message: 64 },
+const SHAPES: [Shape; 4] = [
+    Shape {
+        label: "cartpole_obs4_t32_framed",
+        obs_dim: 4,
+        n_segments: 64 * 1024,
+        max_segments_per_message: 64,
+        pixels: false,
+    },
+    Shape {
+        label: "cartpole_obs4_t32_single",
+        obs_dim: 4,
+        n_segments: 16 * 1024,
+        max_segments_per_message: 1,
+        pixels: false,
+    },
+    Shape {
+        label: "frame84x84_f32_t32",
+        obs_dim: 84 * 84,
+        n_segments: 640,
+        max_segments_per_message: 64,
+        pixels: false,
+    },
+    // What a pixel task sends: four stacked 84×84 8-bit frames per step (`--frame-stack 4`),
+    // the same 0.93 MB per segment as one frame of `f32`.
+    Shape {
+        label: "frame84x84x4_u8_t32",
+        obs_dim: 84 * 84 * 4,
+        n_segments: 640,
+        max_segments_per_message: 64,
+        pixels: true,
+    },
 ];
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -132,16 +162,21 @@ fn spec(run: &str, obs_dim: usize) -> RunSpec {
     }
 }
 
-/// One environment's segment: random observations, alternating actions, reward 1, no episode
-/// end; valid for `spec` and admitted at policy version 0.
-fn template(spec: &RunSpec, env_idx: usize) -> TrajectorySegment {
+/// One environment's segment: random observations (whole numbers in `0..=255` for `pixels`),
+/// alternating actions, reward 1, no episode end; valid for `spec` and admitted at policy
+/// version 0.
+fn template(spec: &RunSpec, env_idx: usize, pixels: bool) -> TrajectorySegment {
     let mut z = (env_idx as u32).wrapping_mul(0x9E37_79B9) | 1;
     SegmentBuilder::for_spec(spec)
         .actor("actor-0")
         .env_idx(env_idx as u32)
         .observations_from(|_| {
             z = z.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
-            (z >> 8) as f32 / (1u32 << 24) as f32 - 0.5
+            if pixels {
+                (z >> 24) as f32
+            } else {
+                (z >> 8) as f32 / (1u32 << 24) as f32 - 0.5
+            }
         })
         .actions((0..SEGMENT_LEN).map(|t| (t % 2) as u32).collect())
         .log_prob(-0.69)
@@ -151,7 +186,7 @@ fn template(spec: &RunSpec, env_idx: usize) -> TrajectorySegment {
 /// Publish `shape.n_segments` segments through the sink, 8 per call; returns the messages
 /// the stream holds.
 fn fill(bus: &NatsBus, spec: &RunSpec, shape: &Shape) -> u64 {
-    let templates: Vec<TrajectorySegment> = (0..ENVS).map(|env| template(spec, env)).collect();
+    let templates: Vec<TrajectorySegment> = (0..ENVS).map(|env| template(spec, env, shape.pixels)).collect();
     eprintln!("{}: {} bytes per encoded segment", shape.label, wire::encode_segment(&templates[0]).len());
     let mut sink = bus
         .trajectory_sink(&ActorId::new("actor-0").expect("valid actor id"), Default::default())
@@ -271,7 +306,7 @@ fn read_source(bus: &NatsBus, spec: &RunSpec, n_segments: usize, update: bool) -
 /// `shape` (frames of 8, or single segments) split, decoded, validated, admitted and laid out
 /// in batches, on this thread. The duplicate filter is left out (the same bytes repeat).
 fn decode_only(spec: &RunSpec, shape: &Shape) -> Reading {
-    let templates: Vec<TrajectorySegment> = (0..ENVS).map(|env| template(spec, env)).collect();
+    let templates: Vec<TrajectorySegment> = (0..ENVS).map(|env| template(spec, env, shape.pixels)).collect();
     let encoded: Vec<Vec<u8>> = templates.iter().map(wire::encode_segment).collect();
     let frame_fits = wire::batch::batch_header_bytes(ENVS) + encoded.iter().map(Vec::len).sum::<usize>() <= 64 << 10;
     let messages: Vec<Vec<u8>> = if shape.max_segments_per_message > 1 && frame_fits {
