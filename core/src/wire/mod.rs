@@ -445,10 +445,10 @@ pub(crate) fn test_segment(run: &str, t_len: usize, obs_dim: usize, segment_idx:
 
 /// The index of the first value of `values` that is NaN or infinite.
 ///
-/// Checked a block at a time with no early exit inside a block, which the compiler turns into
-/// vector compares of the exponent bits (issue 16: an element-by-element search was the largest
-/// part of validating a stacked-frame segment, 931 K observations); only a block that holds a
-/// bad value is searched again for its position.
+/// Checked a block at a time with no early exit inside a block, a loop over the exponent bits
+/// the compiler can vectorise (issue 16: an element-by-element search was the largest part of
+/// validating a stacked-frame segment, 931 K observations); only a block that holds a bad value
+/// is searched again for its position.
 pub(crate) fn first_non_finite(values: &[f32]) -> Option<usize> {
     const BLOCK: usize = 1024;
     const EXPONENT: u32 = 0x7f80_0000;
