@@ -404,7 +404,7 @@ pub fn decode_episode_snapshot(bytes: &[u8]) -> Result<EpisodeSnapshot, DecodeEr
     if !snapshot.episode_return.is_finite() {
         return Err(DecodeError::NonFinite { field: "episode_return", index: 0 });
     }
-    if let Some(index) = snapshot.hidden.iter().position(|h| !h.is_finite()) {
+    if let Some(index) = super::first_non_finite(&snapshot.hidden) {
         return Err(DecodeError::NonFinite { field: "hidden", index });
     }
     Ok(snapshot)
