@@ -21,7 +21,7 @@ import nats
 import xxhash
 
 MAGIC = b"VLLY"
-FORMAT_VERSION = 6
+FORMAT_VERSION = 7
 KIND_SEGMENT = 1
 
 
@@ -45,7 +45,8 @@ def option(value, encode) -> bytes:
 
 
 def f32s(values) -> bytes:
-    return varint(len(values)) + b"".join(struct.pack("<f", v) for v in values)
+    """An `f32` column (format 7): its length in bytes, then the values little-endian."""
+    return varint(4 * len(values)) + b"".join(struct.pack("<f", v) for v in values)
 
 
 def segment_body(seg: dict) -> bytes:

@@ -156,41 +156,30 @@ impl DecodeError {
     }
 }
 
-/// Bytes of `value`'s bincode body: a counting pass, no bytes written.
-fn body_len<T: serde::Serialize>(value: &T) -> usize {
-    let mut counter = bincode::enc::write::SizeWriter::default();
-    bincode::serde::encode_into_writer(value, &mut counter, bincode::config::standard())
-        .expect("counting bytes cannot fail");
-    counter.bytes_written
+/// bincode's writer for [`encode`]: appends to a `Vec` whose capacity is reserved up front.
+struct AppendWriter<'a>(&'a mut Vec<u8>);
+
+impl bincode::enc::write::Writer for AppendWriter<'_> {
+    #[inline]
+    fn write(&mut self, bytes: &[u8]) -> Result<(), bincode::error::EncodeError> {
+        self.0.extend_from_slice(bytes);
+        Ok(())
+    }
 }
 
-/// A zeroed buffer of `HEADER_BYTES + body` bytes with the envelope's magic, version and kind.
-fn envelope_buffer(kind: MessageKind, body: usize) -> Vec<u8> {
-    let mut out = vec![0; HEADER_BYTES + body];
-    out[..4].copy_from_slice(&MAGIC);
-    out[4..6].copy_from_slice(&FORMAT_VERSION.to_le_bytes());
-    out[6] = kind as u8;
-    out
-}
-
-/// Envelope and body. The body is written by bincode into a slice of `size_hint` bytes, then
-/// trimmed; a hint that falls short costs a counting pass and a second, exact attempt. A slice
-/// is what makes this fast: through `io::Write` into a `Vec` growing from 1 KB a 64 KB segment
-/// took 4× as long, and appending to a `Vec` (a capacity check per 4-byte value) 3× as long.
-/// A hint far above the body costs little: the untouched pages of a large zeroed buffer are
-/// never faulted in.
+/// Envelope and body. bincode appends the body to a buffer with room for `size_hint` bytes
+/// reserved (a hint that falls short only costs the `Vec` growing). Nothing is zeroed first:
+/// the bulk of a segment is its `f32` and byte columns, each one write of its bytes
+/// ([`f32_bytes`](super::f32_bytes), format 7), so the few small writes per step cost less
+/// than zeroing a buffer for a slice writer did (docs/BENCHMARKS.md, "`f32` columns as bytes").
 fn encode<T: serde::Serialize>(kind: MessageKind, value: &T, size_hint: usize) -> Vec<u8> {
-    let config = bincode::config::standard();
-    let mut out = envelope_buffer(kind, size_hint);
-    let written = match bincode::serde::encode_into_slice(value, &mut out[HEADER_BYTES..], config) {
-        Ok(written) => written,
-        Err(_) => {
-            out = envelope_buffer(kind, body_len(value));
-            bincode::serde::encode_into_slice(value, &mut out[HEADER_BYTES..], config)
-                .expect("the body fits the bytes counted for it")
-        }
-    };
-    out.truncate(HEADER_BYTES + written);
+    let mut out = Vec::with_capacity(HEADER_BYTES + size_hint);
+    out.extend_from_slice(&MAGIC);
+    out.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
+    out.push(kind as u8);
+    out.resize(HEADER_BYTES, 0);
+    bincode::serde::encode_into_writer(value, AppendWriter(&mut out), bincode::config::standard())
+        .expect("plain data always encodes");
     let checksum = body_checksum(&out[HEADER_BYTES..]);
     out[7..HEADER_BYTES].copy_from_slice(&checksum.to_le_bytes());
     out
@@ -262,7 +251,7 @@ fn decode_body<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, DecodeE
 /// Encode a segment with its envelope.
 pub fn encode_segment(segment: &TrajectorySegment) -> Vec<u8> {
     // Observations as `f32` plus room for the per-step columns and the ids; an unusual segment
-    // (long ids, many finished episodes) that does not fit is counted and encoded again.
+    // (long ids, many finished episodes) that does not fit grows the buffer.
     let steps = segment.rewards.len();
     let hint = 4 * (segment.observations.len() + segment.continuous_actions.len()) + 64 * steps + 1024;
     encode(MessageKind::Segment, segment, hint)

@@ -7,6 +7,7 @@
 //! message becomes a [`DecodeError`] with a bounded [`DecodeError::reason`] label, never a panic.
 
 mod codec;
+mod f32_bytes;
 pub mod observations;
 
 pub use codec::*;
@@ -24,8 +25,9 @@ pub mod pace;
 /// continuous actions, [`TrajectorySegment::continuous_actions`], and byte-valued
 /// observations, such as images, travel as one byte each: [`observations`]; 6: group
 /// rollouts, [`TrajectorySegment::episode_groups`] and [`EpisodeSummary::group`], and the
-/// recurrent states of episodes resumed mid-segment, [`TrajectorySegment::restored_states`]).
-pub const FORMAT_VERSION: u16 = 6;
+/// recurrent states of episodes resumed mid-segment, [`TrajectorySegment::restored_states`];
+/// 7: a segment's `f32` columns travel as one byte string each, `f32_bytes`).
+pub const FORMAT_VERSION: u16 = 7;
 
 /// Largest |value| of a recorded continuous action the learner accepts (an unsquashed
 /// Gaussian sample is recorded before the environment clips it; anything this far out is a
@@ -118,6 +120,7 @@ pub struct RestoredState {
     /// A resume at step 0 is the segment's `initial_hidden`.
     pub step: u32,
     /// `[H]` the recurrent state entering that step.
+    #[serde(with = "f32_bytes")]
     pub hidden: Vec<f32>,
 }
 
@@ -163,18 +166,25 @@ pub struct TrajectorySegment {
     /// `[T][action_dim]` continuous actions as the policy drew them (a Gaussian sample before
     /// the environment clipped it, or the `tanh`-squashed value in `(−1, 1)` before it was
     /// scaled to the action box: `volley_policy::gaussian`); empty for discrete actions.
+    #[serde(with = "f32_bytes")]
     pub continuous_actions: Vec<f32>,
     /// `[T]`.
+    #[serde(with = "f32_bytes")]
     pub rewards: Vec<f32>,
     /// `[T]`, 1 where the step reached a terminal state.
+    #[serde(with = "serde_bytes")]
     pub terminated: Vec<u8>,
     /// `[T]`, 1 where the step hit a time limit.
+    #[serde(with = "serde_bytes")]
     pub truncated: Vec<u8>,
     /// `[T]` log μ(a_t | x_t) of the behaviour policy.
+    #[serde(with = "f32_bytes")]
     pub behaviour_log_probs: Vec<f32>,
     /// `[T]` behaviour value of the final observation where `truncated[t]`, else 0.
+    #[serde(with = "f32_bytes")]
     pub truncation_values: Vec<f32>,
     /// `[H]` recurrent state before step 0 (empty for feed-forward policies).
+    #[serde(with = "f32_bytes")]
     pub initial_hidden: Vec<f32>,
     /// Episodes that started inside this segment from a saved, non-zero recurrent state, by
     /// step (strictly increasing; empty for feed-forward policies and fresh episodes).

@@ -4,8 +4,9 @@
 //! The choice is made per segment when it is encoded and is lossless either way: a value
 //! travels as a byte only if that byte converts back to the identical `f32` bits (so `-0.0`,
 //! `0.5` or `256.0` keep the segment in `f32`). On the wire this is a two-variant enum,
-//! `F32(Vec<f32>)` (index 0) or `U8(Vec<u8>)` (index 1), in place of the plain `Vec<f32>` of
-//! format 4. Pixel observations are a quarter of the bytes this way: an 84×84×4 stacked frame
+//! `F32(Vec<f32>)` (index 0, since format 7 the values' little-endian bytes as one byte string,
+//! like every `f32` column: `f32_bytes`) or `U8(Vec<u8>)` (index 1), in place of the plain
+//! `Vec<f32>` of format 4. Pixel observations are a quarter of the bytes this way: an 84×84×4 stacked frame
 //! is 28 224 bytes, so a 32-step segment (33 observations) is 0.93 MB (docs/ARCHITECTURE.md,
 //! "Image observations").
 
@@ -18,13 +19,13 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 /// instead of one call per byte: an 84×84×4 segment encodes in about a tenth of the time.
 #[derive(Serialize)]
 enum WireObservationsRef<'a> {
-    F32(&'a [f32]),
+    F32(#[serde(serialize_with = "super::f32_bytes::serialize")] &'a [f32]),
     U8(#[serde(with = "serde_bytes")] Vec<u8>),
 }
 
 #[derive(Deserialize)]
 enum WireObservations {
-    F32(Vec<f32>),
+    F32(#[serde(deserialize_with = "super::f32_bytes::deserialize")] Vec<f32>),
     U8(#[serde(with = "serde_bytes")] Vec<u8>),
 }
 
@@ -100,10 +101,11 @@ mod tests {
     #[test]
     fn byte_observations_keep_the_layout_of_a_byte_sequence() {
         // The byte string is the bytes a `Vec<u8>` sequence encodes to (the form before it),
-        // both ways, with a length that needs a multi-byte varint.
+        // both ways, with a length that needs a multi-byte varint; `f32` values are their
+        // little-endian bytes as one byte string (format 7).
         #[derive(Serialize, Deserialize)]
         enum SequenceForm {
-            F32(Vec<f32>),
+            F32(#[serde(with = "serde_bytes")] Vec<u8>),
             U8(Vec<u8>),
         }
         let config = bincode::config::standard();
@@ -117,7 +119,8 @@ mod tests {
         assert_eq!((decoded, used), (values, sequence.len()));
         let floats = vec![0.5f32, -1.0];
         let new = bincode::serde::encode_to_vec(Holder(floats.clone()), config).expect("encodes");
-        assert_eq!(new, bincode::serde::encode_to_vec(SequenceForm::F32(floats), config).expect("encodes"));
+        let le_bytes: Vec<u8> = floats.iter().flat_map(|v| v.to_le_bytes()).collect();
+        assert_eq!(new, bincode::serde::encode_to_vec(SequenceForm::F32(le_bytes), config).expect("encodes"));
     }
 
     #[test]
