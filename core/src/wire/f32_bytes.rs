@@ -32,21 +32,11 @@ pub(crate) fn deserialize<'de, D: Deserializer<'de>>(deserializer: D) -> Result<
 }
 
 /// The values of `bytes`, little-endian, or `None` if they are not a whole number of values.
-pub(crate) fn from_le_bytes(bytes: &[u8]) -> Option<Vec<f32>> {
+fn from_le_bytes(bytes: &[u8]) -> Option<Vec<f32>> {
     if !bytes.len().is_multiple_of(4) {
         return None;
     }
-    #[cfg(target_endian = "little")]
-    {
-        use zerocopy::IntoBytes;
-        let mut values = vec![0.0f32; bytes.len() / 4];
-        values.as_mut_bytes().copy_from_slice(bytes);
-        Some(values)
-    }
-    #[cfg(not(target_endian = "little"))]
-    {
-        Some(bytes.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes"))).collect())
-    }
+    Some(bytes.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes"))).collect())
 }
 
 struct F32Bytes;

@@ -23,10 +23,29 @@ enum WireObservationsRef<'a> {
     U8(#[serde(with = "serde_bytes")] Vec<u8>),
 }
 
+/// Both variants decode straight into the `f32` values the learner uses: bytes are widened
+/// from the message as they are read, with no intermediate `Vec<u8>`.
 #[derive(Deserialize)]
 enum WireObservations {
     F32(#[serde(deserialize_with = "super::f32_bytes::deserialize")] Vec<f32>),
-    U8(#[serde(with = "serde_bytes")] Vec<u8>),
+    U8(#[serde(deserialize_with = "widen_bytes")] Vec<f32>),
+}
+
+/// A byte string, each byte widened to its `f32` value.
+fn widen_bytes<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Vec<f32>, D::Error> {
+    struct Widen;
+    impl serde::de::Visitor<'_> for Widen {
+        type Value = Vec<f32>;
+
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("a byte string of observations")
+        }
+
+        fn visit_bytes<E: serde::de::Error>(self, bytes: &[u8]) -> Result<Vec<f32>, E> {
+            Ok(bytes.iter().map(|&byte| f32::from(byte)).collect())
+        }
+    }
+    deserializer.deserialize_bytes(Widen)
 }
 
 /// Whether `value` survives a round trip through a byte bit for bit.
@@ -48,8 +67,7 @@ pub(crate) fn serialize<S: Serializer>(observations: &[f32], serializer: S) -> R
 /// `#[serde(deserialize_with)]` for `TrajectorySegment::observations`.
 pub(crate) fn deserialize<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Vec<f32>, D::Error> {
     Ok(match WireObservations::deserialize(deserializer)? {
-        WireObservations::F32(values) => values,
-        WireObservations::U8(bytes) => bytes.into_iter().map(f32::from).collect(),
+        WireObservations::F32(values) | WireObservations::U8(values) => values,
     })
 }
 
