@@ -28,7 +28,8 @@
 //! includes its start-up (consumer creation is untimed).
 //!
 //! Run with `cargo bench -p volley-learner --bench ingest` (a name as the only argument runs
-//! the shapes whose label contains it); numbers go in docs/BENCHMARKS.md.
+//! the shapes whose label contains it; `VOLLEY_INGEST_VARIANTS=source_noop,raw` runs only the
+//! variants named, for a profile of one); numbers go in docs/BENCHMARKS.md.
 
 use std::time::{Duration, Instant};
 
@@ -134,6 +135,12 @@ impl Reading {
     fn samples_per_sec(&self) -> f64 {
         (self.segments * SEGMENT_LEN) as f64 / self.elapsed.as_secs_f64()
     }
+}
+
+/// Whether `variant` runs: all of them unless `VOLLEY_INGEST_VARIANTS` names some.
+fn selected(variant: Variant) -> bool {
+    std::env::var("VOLLEY_INGEST_VARIANTS")
+        .map_or(true, |names| names.split(',').any(|name| name.trim() == variant.name()))
 }
 
 fn repeats() -> usize {
@@ -374,7 +381,7 @@ fn main() {
         let n_messages = fill(&bus, &spec, shape);
         let mut rates: Vec<Vec<f64>> = vec![Vec::new(); Variant::ALL.len()];
         for repeat in 0..repeats {
-            for (variant_idx, variant) in Variant::ALL.into_iter().enumerate() {
+            for (variant_idx, variant) in Variant::ALL.into_iter().enumerate().filter(|(_, v)| selected(*v)) {
                 let reading = match variant {
                     Variant::Raw => read_raw(&bus, n_messages, shape.n_segments),
                     Variant::SourceNoop => read_source(&bus, &spec, shape.n_segments, false),
@@ -392,18 +399,18 @@ fn main() {
                 rates[variant_idx].push(reading.samples_per_sec());
             }
         }
-        let raw = median_and_range(&mut rates[0].clone()).0;
-        for (variant, values) in Variant::ALL.into_iter().zip(&mut rates) {
+        let raw = (!rates[0].is_empty()).then(|| median_and_range(&mut rates[0].clone()).0);
+        for (variant, values) in Variant::ALL.into_iter().zip(&mut rates).filter(|(_, values)| !values.is_empty()) {
             let (median, low, high) = median_and_range(values);
             println!(
-                "| {} | {} | {:.3} M | {:.3}–{:.3} M | {:.0} | {:.2} |",
+                "| {} | {} | {:.3} M | {:.3}–{:.3} M | {:.0} | {} |",
                 shape.label,
                 variant.name(),
                 median / 1e6,
                 low / 1e6,
                 high / 1e6,
                 median / SEGMENT_LEN as f64,
-                median / raw
+                raw.map_or_else(|| "–".to_string(), |raw| format!("{:.2}", median / raw))
             );
         }
         bus.handle().block_on(async {
