@@ -3,9 +3,9 @@
 //!
 //! Format 6 wrote a `Vec<f32>` as serde's sequence: the element count, then each value by
 //! its own call into bincode's writer (and read it back the same way). As one byte string a
-//! column is copied in one piece each way: 8 segments of 64 KB encoded in a tenth of the
-//! time, and a 84×84 `f32` frame segment decodes without 233 K calls (docs/BENCHMARKS.md,
-//! "`f32` columns as bytes"). A byte length that is not a whole number of values is refused
+//! column is copied in one piece each way: 8 segments of 64 KB encode in half the time, and
+//! an 84×84 `f32` frame segment decodes without 233 K calls, about twice as fast
+//! (docs/BENCHMARKS.md, "`f32` columns as bytes"). A byte length that is not a whole number of values is refused
 //! as malformed.
 
 use serde::de::{Error, Visitor};

@@ -4,11 +4,11 @@
 //! The choice is made per segment when it is encoded and is lossless either way: a value
 //! travels as a byte only if that byte converts back to the identical `f32` bits (so `-0.0`,
 //! `0.5` or `256.0` keep the segment in `f32`). On the wire this is a two-variant enum,
-//! `F32(Vec<f32>)` (index 0, since format 7 the values' little-endian bytes as one byte string,
-//! like every `f32` column: `f32_bytes`) or `U8(Vec<u8>)` (index 1), in place of the plain
-//! `Vec<f32>` of format 4. Pixel observations are a quarter of the bytes this way: an 84×84×4 stacked frame
-//! is 28 224 bytes, so a 32-step segment (33 observations) is 0.93 MB (docs/ARCHITECTURE.md,
-//! "Image observations").
+//! `F32(Vec<f32>)` (index 0; since format 7 the values' little-endian bytes as one byte
+//! string, like every `f32` column: `f32_bytes`) or `U8(Vec<u8>)` (index 1), in place of the
+//! plain `Vec<f32>` of format 4. Pixel observations are a quarter of the bytes this way: an
+//! 84×84×4 stacked frame is 28 224 bytes, so a 32-step segment (33 observations) is 0.93 MB
+//! (docs/ARCHITECTURE.md, "Image observations").
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
