@@ -84,6 +84,124 @@ pub fn encode_segment_batch<P: AsRef<[u8]>>(parts: &[P]) -> Vec<u8> {
     out
 }
 
+/// Builds one message in place: a batch frame, or a single segment message when it holds one
+/// part. Parts are appended behind room kept for the largest header the frame may need, and
+/// [`FrameBuilder::finish`] writes the header just in front of the parts, so no part is copied
+/// into a frame after it was encoded (issue 16, item 4). The message is
+/// `buffer[start..]`; the bytes before `start` are unused room.
+///
+/// ```
+/// # use volley_core::wire::batch::{encode_segment_batch, FrameBuilder};
+/// let mut frame = FrameBuilder::new(4, 64);
+/// frame.push_with(|out| out.extend_from_slice(b"first"));
+/// frame.push_with(|out| out.extend_from_slice(b"second"));
+/// let (buffer, start) = frame.finish();
+/// assert_eq!(&buffer[start..], encode_segment_batch(&[b"first".as_slice(), b"second"]));
+/// ```
+#[derive(Debug)]
+pub struct FrameBuilder {
+    buffer: Vec<u8>,
+    /// Bytes kept at the front for the header: [`batch_header_bytes`] of `max_parts`.
+    room: usize,
+    max_parts: usize,
+    /// Where each part ends in `buffer`.
+    ends: Vec<usize>,
+}
+
+impl FrameBuilder {
+    /// A builder for up to `max_parts` parts (1 to [`MAX_SEGMENTS_PER_BATCH`]) with room for
+    /// `capacity` bytes of parts reserved (more only costs the buffer growing).
+    ///
+    /// # Panics
+    /// If `max_parts` is out of that range.
+    pub fn new(max_parts: usize, capacity: usize) -> Self {
+        assert!(
+            (1..=MAX_SEGMENTS_PER_BATCH).contains(&max_parts),
+            "a batch frame holds 1 to {MAX_SEGMENTS_PER_BATCH} parts, not {max_parts}"
+        );
+        let room = batch_header_bytes(max_parts);
+        let mut buffer = Vec::with_capacity(room + capacity);
+        buffer.resize(room, 0);
+        FrameBuilder { buffer, room, max_parts, ends: Vec::with_capacity(max_parts) }
+    }
+
+    /// Parts so far.
+    pub fn parts(&self) -> usize {
+        self.ends.len()
+    }
+
+    /// Whether another part may be pushed (the builder holds fewer than its `max_parts`).
+    pub fn has_room(&self) -> bool {
+        self.ends.len() < self.max_parts
+    }
+
+    /// Bytes of the message [`FrameBuilder::finish`] would return now: the parts plus the
+    /// header of a frame of that many parts (none for a single part).
+    pub fn message_len(&self) -> usize {
+        let parts = self.buffer.len() - self.room;
+        match self.ends.len() {
+            0 | 1 => parts,
+            n => batch_header_bytes(n) + parts,
+        }
+    }
+
+    /// Append a part: `write` appends its bytes to the buffer it is given (and must not touch
+    /// what is already there). Returns the part's length.
+    ///
+    /// # Panics
+    /// If the builder is full ([`FrameBuilder::has_room`]), `write` shortened the buffer, or
+    /// the part is 4 GiB or longer.
+    pub fn push_with(&mut self, write: impl FnOnce(&mut Vec<u8>)) -> usize {
+        assert!(self.has_room(), "a frame builder for {} parts is full", self.max_parts);
+        let start = self.buffer.len();
+        write(&mut self.buffer);
+        assert!(self.buffer.len() >= start, "a part's writer only appends");
+        let len = self.buffer.len() - start;
+        u32::try_from(len).expect("a segment part is shorter than 4 GiB");
+        self.ends.push(self.buffer.len());
+        len
+    }
+
+    /// Take the last part back out (copied), for a frame that it made too large.
+    ///
+    /// # Panics
+    /// If there are no parts.
+    pub fn pop(&mut self) -> Vec<u8> {
+        self.ends.pop().expect("a part to take back");
+        let start = self.ends.last().copied().unwrap_or(self.room);
+        let part = self.buffer[start..].to_vec();
+        self.buffer.truncate(start);
+        part
+    }
+
+    /// The message and where it starts in the returned buffer: one part alone as it is, two
+    /// or more behind the frame's header ([`encode_segment_batch`]'s bytes exactly).
+    ///
+    /// # Panics
+    /// If there are no parts.
+    pub fn finish(mut self) -> (Vec<u8>, usize) {
+        let n = self.ends.len();
+        assert!(n > 0, "a message holds at least one part");
+        if n == 1 {
+            return (self.buffer, self.room);
+        }
+        let start = self.room - batch_header_bytes(n);
+        let mut header = Vec::with_capacity(batch_header_bytes(n));
+        header.extend_from_slice(&BATCH_MAGIC);
+        header.extend_from_slice(&BATCH_FORMAT_VERSION.to_le_bytes());
+        header.extend_from_slice(&(n as u32).to_le_bytes());
+        let mut part_start = self.room;
+        for &end in &self.ends {
+            header.extend_from_slice(&((end - part_start) as u32).to_le_bytes());
+            part_start = end;
+        }
+        let checksum = body_checksum(&header);
+        header.extend_from_slice(&checksum.to_le_bytes());
+        self.buffer[start..self.room].copy_from_slice(&header);
+        (self.buffer, start)
+    }
+}
+
 /// The parts of a batch frame, in order, as slices of the frame ([`split_segment_batch`]).
 #[derive(Debug, Clone)]
 pub struct BatchParts<'a> {
@@ -197,6 +315,40 @@ mod tests {
             let cut = cut % frame.len();
             prop_assert!(split_segment_batch(&frame[..cut]).is_err());
         }
+    }
+
+    proptest! {
+        #[test]
+        fn a_frame_built_in_place_is_the_same_bytes(
+            parts in proptest::collection::vec(proptest::collection::vec(any::<u8>(), 0..64), 1..20),
+            spare in 0usize..4,
+            popped in proptest::collection::vec(any::<u8>(), 0..64),
+        ) {
+            let mut builder = FrameBuilder::new(parts.len() + spare, 16);
+            for part in &parts[..parts.len() - 1] {
+                builder.push_with(|out| out.extend_from_slice(part));
+            }
+            // A part taken back out leaves the frame as if it had never been pushed.
+            builder.push_with(|out| out.extend_from_slice(&popped));
+            prop_assert_eq!(builder.pop(), popped);
+            let last = &parts[parts.len() - 1];
+            prop_assert_eq!(builder.push_with(|out| out.extend_from_slice(last)), last.len());
+            let expected = if parts.len() == 1 { parts[0].clone() } else { encode_segment_batch(&parts) };
+            prop_assert_eq!(builder.message_len(), expected.len());
+            let (buffer, start) = builder.finish();
+            prop_assert_eq!(&buffer[start..], &expected[..]);
+        }
+    }
+
+    #[test]
+    fn a_full_builder_says_so() {
+        let mut builder = FrameBuilder::new(2, 0);
+        assert!(builder.has_room());
+        builder.push_with(|out| out.push(1));
+        builder.push_with(|out| out.push(2));
+        assert!(!builder.has_room());
+        assert_eq!(builder.parts(), 2);
+        assert!(std::panic::catch_unwind(move || builder.push_with(|out| out.push(3))).is_err());
     }
 
     #[test]

@@ -174,15 +174,21 @@ impl bincode::enc::write::Writer for AppendWriter<'_> {
 /// than zeroing a buffer for a slice writer did (docs/BENCHMARKS.md, "`f32` columns as bytes").
 fn encode<T: serde::Serialize>(kind: MessageKind, value: &T, size_hint: usize) -> Vec<u8> {
     let mut out = Vec::with_capacity(HEADER_BYTES + size_hint);
+    encode_into(kind, value, &mut out);
+    out
+}
+
+/// [`encode`] appending to `out` (what is already there is left as it is).
+fn encode_into<T: serde::Serialize>(kind: MessageKind, value: &T, out: &mut Vec<u8>) {
+    let start = out.len();
     out.extend_from_slice(&MAGIC);
     out.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
     out.push(kind as u8);
-    out.resize(HEADER_BYTES, 0);
-    bincode::serde::encode_into_writer(value, AppendWriter(&mut out), bincode::config::standard())
+    out.resize(start + HEADER_BYTES, 0);
+    bincode::serde::encode_into_writer(value, AppendWriter(out), bincode::config::standard())
         .expect("plain data always encodes");
-    let checksum = body_checksum(&out[HEADER_BYTES..]);
-    out[7..HEADER_BYTES].copy_from_slice(&checksum.to_le_bytes());
-    out
+    let checksum = body_checksum(&out[start + HEADER_BYTES..]);
+    out[start + 7..start + HEADER_BYTES].copy_from_slice(&checksum.to_le_bytes());
 }
 
 /// Read and check the envelope and the body's checksum, returning the body.
@@ -250,11 +256,22 @@ fn decode_body<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, DecodeE
 
 /// Encode a segment with its envelope.
 pub fn encode_segment(segment: &TrajectorySegment) -> Vec<u8> {
-    // Observations as `f32` plus room for the per-step columns and the ids; an unusual segment
-    // (long ids, many finished episodes) that does not fit grows the buffer.
+    encode(MessageKind::Segment, segment, segment_size_hint(segment))
+}
+
+/// [`encode_segment`] appending to `out`, e.g. a batch frame being built in place
+/// ([`super::batch::FrameBuilder`]); the bytes appended are `encode_segment`'s exactly.
+pub fn encode_segment_into(segment: &TrajectorySegment, out: &mut Vec<u8>) {
+    out.reserve(HEADER_BYTES + segment_size_hint(segment));
+    encode_into(MessageKind::Segment, segment, out);
+}
+
+/// Bytes to reserve for a segment's body: observations as `f32` plus room for the per-step
+/// columns and the ids; an unusual segment (long ids, many finished episodes) that does not
+/// fit grows the buffer.
+pub fn segment_size_hint(segment: &TrajectorySegment) -> usize {
     let steps = segment.rewards.len();
-    let hint = 4 * (segment.observations.len() + segment.continuous_actions.len()) + 64 * steps + 1024;
-    encode(MessageKind::Segment, segment, hint)
+    4 * (segment.observations.len() + segment.continuous_actions.len()) + 64 * steps + 1024
 }
 
 /// Decode a segment and validate it against the run spec.
@@ -413,5 +430,14 @@ mod encode_tests {
             assert_eq!(encode(MessageKind::Segment, &segment, hint), sized, "hint {hint}");
         }
         assert_eq!(decode_segment_body(&sized).expect("decodes"), segment);
+    }
+
+    #[test]
+    fn encoding_into_a_buffer_appends_the_same_bytes() {
+        let segment = test_segment("into", 8, 4, 1);
+        let mut out = b"before".to_vec();
+        encode_segment_into(&segment, &mut out);
+        assert_eq!(&out[..6], b"before");
+        assert_eq!(out[6..], encode_segment(&segment));
     }
 }

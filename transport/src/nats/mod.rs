@@ -211,8 +211,10 @@ pub struct NatsConfig {
     /// every segment as a message of its own, as before batch frames.
     pub max_segments_per_message: usize,
     /// A batch frame grows only while it stays within this many bytes (and `max_payload`); a
-    /// segment this large or larger travels alone. Large frames publish slower than the same
-    /// bytes in 64 KiB messages (`cargo bench -p volley-transport --bench nats`, issue 16).
+    /// segment this large or larger travels alone. 1 MiB by default (the server's default
+    /// `max_payload`): 64 KB segments then travel 8 to a frame, and publish faster than one to
+    /// a message (`cargo bench -p volley-transport --bench nats`, issue 16 item 4); it bounds
+    /// what one retry resends and what one delivery holds until its last segment is settled.
     pub max_frame_bytes: usize,
     /// Pacing: a sink waits while the learner consumer's backlog (undelivered plus
     /// delivered-but-unacknowledged segments) is at or above this.
@@ -247,7 +249,7 @@ pub struct NatsConfig {
 
 impl NatsConfig {
     /// Defaults sized for one learner and tens of actors on a LAN: 5 s requests, 30 s retry
-    /// budget and ack wait, 32 publish acks in flight, up to 64 segments (64 KiB) per message,
+    /// budget and ack wait, 32 publish acks in flight, up to 64 segments (1 MiB) per message,
     /// a backlog bound of 256 segments, 10 deliveries, 3 weights versions kept, one replica.
     pub fn new(url: impl Into<String>, run: RunId) -> Self {
         NatsConfig {
@@ -259,7 +261,7 @@ impl NatsConfig {
             duplicate_window: Duration::from_secs(120),
             publish_window: 32,
             max_segments_per_message: 64,
-            max_frame_bytes: 64 << 10,
+            max_frame_bytes: 1 << 20,
             max_backlog_segments: 256,
             ack_wait: Duration::from_secs(30),
             max_deliver: 10,

@@ -356,6 +356,10 @@ struct FrameLimits {
 /// consecutive segments, each run as long as its frame and id header fit in `max_frame_bytes`
 /// and `max_payload`; a run of one is a plain segment message. Fails, publishing nothing, if
 /// a segment does not fit in `max_payload` on its own.
+///
+/// Each segment is encoded straight into the message it travels in
+/// ([`wire::batch::FrameBuilder`]), so packing copies no segment bytes, except a segment that
+/// turned out not to fit in the frame before it, which moves (once) to the next.
 fn pack_segments(
     segments: &[TrajectorySegment],
     incarnation: &str,
@@ -364,56 +368,62 @@ fn pack_segments(
     let FrameLimits { max_payload, max_segments, max_frame_bytes } = limits;
     let max_per_message = max_segments.clamp(1, wire::batch::MAX_SEGMENTS_PER_BATCH);
     let frame_limit = max_frame_bytes.min(max_payload);
-    let mut encoded = Vec::with_capacity(segments.len());
-    for segment in segments {
-        let payload = wire::encode_segment(segment);
-        let msg_id = subjects::trajectory_msg_id(&segment.actor, incarnation, segment.env_idx, segment.segment_idx);
-        let wire_bytes = payload.len() + msg_id_header_bytes(&msg_id);
+    // Room reserved per message: the segments it may hold, up to the frame's bound (a hint:
+    // a segment over it only makes the buffer grow).
+    let builder = |from: usize| {
+        let parts = (segments.len() - from).min(max_per_message);
+        let hint: usize = segments[from..from + parts].iter().map(|s| wire::segment_size_hint(s) + 64).sum();
+        wire::batch::FrameBuilder::new(parts, hint.min(frame_limit.saturating_add(1 << 10)))
+    };
+    let close = |frame: wire::batch::FrameBuilder, run: &[TrajectorySegment]| {
+        let first = &run[0];
+        let msg_id = if run.len() == 1 {
+            subjects::trajectory_msg_id(&first.actor, incarnation, first.env_idx, first.segment_idx)
+        } else {
+            subjects::trajectory_batch_msg_id(&first.actor, incarnation, first.env_idx, first.segment_idx, run.len())
+        };
+        let (buffer, start) = frame.finish();
+        Outgoing { msg_id, payload: Bytes::from(buffer).slice(start..), n_segments: run.len() as u64 }
+    };
+    let mut messages = Vec::new();
+    if segments.is_empty() {
+        return Ok(messages);
+    }
+    let mut start = 0;
+    let mut frame = builder(0);
+    // Bytes of the id header a frame starting at `start` may need: the longest single id plus
+    // `+` and the count, bounded here by 24 bytes.
+    let mut id_bytes = 0;
+    for (idx, segment) in segments.iter().enumerate() {
+        if !frame.has_room() {
+            messages.push(close(std::mem::replace(&mut frame, builder(idx)), &segments[start..idx]));
+            start = idx;
+        }
+        let len = frame.push_with(|out| wire::encode_segment_into(segment, out));
+        let single_id = subjects::trajectory_msg_id(&segment.actor, incarnation, segment.env_idx, segment.segment_idx);
+        let wire_bytes = len + msg_id_header_bytes(&single_id);
         if wire_bytes > max_payload {
             return Err(failed(
                 "publish segment",
                 format!(
-                    "segment {msg_id} encodes to {wire_bytes} bytes (with headers), over the server's max_payload of \
+                    "segment {single_id} encodes to {wire_bytes} bytes (with headers), over the server's max_payload of \
                      {max_payload} bytes; shorten segment_len or raise max_payload"
                 ),
             ));
         }
-        encoded.push(payload);
-    }
-    let mut messages = Vec::new();
-    let mut start = 0;
-    while start < segments.len() {
-        // Grow the run while the next segment still fits; the id of a frame is at most the
-        // longest single id plus `+` and the count, bounded here by 24 bytes.
-        let mut end = start + 1;
-        let mut body_bytes = encoded[start].len();
-        let first = &segments[start];
-        let single_id = subjects::trajectory_msg_id(&first.actor, incarnation, first.env_idx, first.segment_idx);
-        let id_bytes = msg_id_header_bytes(&single_id) + 24;
-        while end < segments.len()
-            && end - start < max_per_message
-            && wire::batch::batch_header_bytes(end + 1 - start) + body_bytes + encoded[end].len() + id_bytes
-                <= frame_limit
-        {
-            body_bytes += encoded[end].len();
-            end += 1;
+        if idx == start {
+            id_bytes = msg_id_header_bytes(&single_id) + 24;
+        } else if frame.message_len() + id_bytes > frame_limit {
+            // It made the frame too large: it starts the next one.
+            let part = frame.pop();
+            messages.push(close(std::mem::replace(&mut frame, builder(idx)), &segments[start..idx]));
+            start = idx;
+            id_bytes = msg_id_header_bytes(&single_id) + 24;
+            frame.push_with(|out| out.extend_from_slice(&part));
         }
-        let n_segments = end - start;
-        let outgoing = if n_segments == 1 {
-            Outgoing { msg_id: single_id, payload: Bytes::from(std::mem::take(&mut encoded[start])), n_segments: 1 }
-        } else {
-            let msg_id = subjects::trajectory_batch_msg_id(
-                &first.actor,
-                incarnation,
-                first.env_idx,
-                first.segment_idx,
-                n_segments,
-            );
-            let payload = Bytes::from(wire::batch::encode_segment_batch(&encoded[start..end]));
-            Outgoing { msg_id, payload, n_segments: n_segments as u64 }
-        };
-        messages.push(outgoing);
-        start = end;
+    }
+    if start < segments.len() {
+        messages.push(close(frame, &segments[start..]));
     }
     Ok(messages)
 }
@@ -981,6 +991,20 @@ mod tests {
         assert_eq!(packed.iter().map(|m| m.n_segments).sum::<u64>(), 5);
         assert!(packed.iter().all(|m| m.n_segments <= 3));
         assert_eq!(packed.iter().flat_map(parts_of).collect::<Vec<_>>(), input[..5]);
+        // Built in place, the messages are the bytes of segments encoded alone and framed.
+        let mut from = 0;
+        for message in &packed {
+            let run = &input[from..from + message.n_segments as usize];
+            let parts: Vec<Vec<u8>> = run.iter().map(wire::encode_segment).collect();
+            let expected = if parts.len() == 1 { parts[0].clone() } else { wire::batch::encode_segment_batch(&parts) };
+            assert_eq!(message.payload[..], expected[..]);
+            from += run.len();
+        }
+    }
+
+    #[test]
+    fn an_empty_call_packs_nothing() {
+        assert!(pack_segments(&[], "0f", limits(1 << 20, 64)).expect("nothing to pack").is_empty());
     }
 
     #[test]
