@@ -828,6 +828,12 @@ pub struct NatsArgs {
     /// do not subscribe), e.g. for a broker whose permissions lack the live subject.
     #[arg(long, env = "VOLLEY_NATS_WEIGHTS_LIVE", default_value_t = true, action = clap::ArgAction::Set)]
     pub nats_weights_live: bool,
+    /// Learner: `recv` calls' worth of messages its pull asks for at a time. 1 keeps the
+    /// policy lag lowest; 2–4 let a learner whose update is faster than a broker round trip
+    /// (a GPU learner at large batches) take segments faster, at about a batch of lag each.
+    #[arg(long, env = "VOLLEY_NATS_PREFETCH_CALLS", default_value_t = 1,
+          value_parser = clap::value_parser!(u16).range(1..=64))]
+    pub nats_prefetch_calls: u16,
 }
 
 impl std::fmt::Debug for NatsArgs {
@@ -838,6 +844,7 @@ impl std::fmt::Debug for NatsArgs {
             .field("nats_user", &self.nats_user)
             .field("nats_password", &self.nats_password.as_ref().map(|_| "<redacted>"))
             .field("nats_weights_live", &self.nats_weights_live)
+            .field("nats_prefetch_calls", &self.nats_prefetch_calls)
             .finish()
     }
 }
@@ -849,6 +856,7 @@ impl NatsArgs {
         config.request_timeout = self.timeout()?;
         config.auth = self.auth()?;
         config.weights_live = self.nats_weights_live;
+        config.prefetch_calls = usize::from(self.nats_prefetch_calls);
         Ok(config)
     }
 

@@ -17,6 +17,9 @@
 //! - `source_cpu`: the same with `Learner::update` (V-trace, MLP 64×64, the CPU backend) on
 //!   every batch.
 //!
+//! - `source_noop_prefetch4`: `source_noop` with `NatsConfig::prefetch_calls = 4` (the
+//!   learner's pull asks for four calls' worth at a time instead of one), the setting for a
+//!   learner whose update is faster than a round trip to the broker;
 //! - `decode_only`: the learner's per-segment CPU work of `source_noop` without NATS (frame
 //!   split, checksum, decode, validation, admission, batch layout) on the same bytes in memory,
 //!   one thread: the ceiling of `source_noop` on this machine.
@@ -109,10 +112,12 @@ enum Variant {
     SourceNoop,
     SourceCpu,
     DecodeOnly,
+    SourceNoopPrefetch4,
 }
 
 impl Variant {
-    const ALL: [Variant; 4] = [Variant::Raw, Variant::SourceNoop, Variant::SourceCpu, Variant::DecodeOnly];
+    const ALL: [Variant; 5] =
+        [Variant::Raw, Variant::SourceNoop, Variant::SourceCpu, Variant::DecodeOnly, Variant::SourceNoopPrefetch4];
 
     fn name(self) -> &'static str {
         match self {
@@ -120,6 +125,7 @@ impl Variant {
             Variant::SourceNoop => "source_noop",
             Variant::SourceCpu => "source_cpu",
             Variant::DecodeOnly => "decode_only",
+            Variant::SourceNoopPrefetch4 => "source_noop_prefetch4",
         }
     }
 }
@@ -376,8 +382,11 @@ fn main() {
         let spec = spec(&run, shape.obs_dim);
         let mut config = NatsConfig::new(server.url(), spec.run.clone());
         config.max_segments_per_message = shape.max_segments_per_message;
+        let mut deep_config = config.clone();
+        deep_config.prefetch_calls = 4;
         let bus = NatsBus::connect(config).expect("connect to the bench server");
         bus.ensure_run(&spec).expect("create the run");
+        let deep_bus = NatsBus::connect(deep_config).expect("connect to the bench server");
         let n_messages = fill(&bus, &spec, shape);
         let mut rates: Vec<Vec<f64>> = vec![Vec::new(); Variant::ALL.len()];
         for repeat in 0..repeats {
@@ -387,6 +396,7 @@ fn main() {
                     Variant::SourceNoop => read_source(&bus, &spec, shape.n_segments, false),
                     Variant::SourceCpu => read_source(&bus, &spec, shape.n_segments, true),
                     Variant::DecodeOnly => decode_only(&spec, shape),
+                    Variant::SourceNoopPrefetch4 => read_source(&deep_bus, &spec, shape.n_segments, false),
                 };
                 eprintln!(
                     "{} {} #{repeat}: {} segments in {:.2?}, {:.0} samples/s",

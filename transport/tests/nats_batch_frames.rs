@@ -309,6 +309,49 @@ fn the_learner_asks_for_the_next_messages_before_its_next_recv() {
 }
 
 #[test]
+fn the_learner_prefetches_as_many_calls_worth_as_configured() {
+    // `NatsConfig::prefetch_calls` (issue 16 item 5): the continuous pull asks for that many
+    // calls' worth of messages per request, and the pace notices tell the actors so (their
+    // pacing allows for the learner's prefetch on top of the bound).
+    for (calls, expected) in [(1, 2), (8, 8)] {
+        let server = TestNats::start();
+        let mut config = config(&server, "prefetchcalls");
+        config.prefetch_calls = calls;
+        let bus = learner_bus(config);
+        let mut sink = bus.trajectory_sink(&actor("a"), Arc::new(AtomicBool::new(false))).expect("sink");
+        for idx in 0..12 {
+            sink.publish(vec![segment(0, idx)]).expect("publish");
+        }
+        sink.flush().expect("acknowledged");
+        let mut notices = bus
+            .handle()
+            .block_on(bus.client().subscribe(subjects::pace(&bus.config().run)))
+            .expect("subscribed to the pace subject");
+        let mut source = bus.trajectory_source().expect("source");
+        // The first recv fetches one message to learn the segments per message; the second
+        // opens the continuous pull for one message per call.
+        let mut taken = recv_at_least(&mut source, 1, 1);
+        taken.extend(recv_at_least(&mut source, 1, 1));
+        let notice = loop {
+            let message = bus
+                .handle()
+                .block_on(async { tokio::time::timeout(GUARD, futures::StreamExt::next(&mut notices)).await })
+                .expect("a notice within the guard")
+                .expect("subscription open");
+            let notice = wire::pace::decode_pace_notice(&message.payload).expect("a well-formed notice");
+            if notice.prefetch > 0 {
+                break notice;
+            }
+        };
+        assert_eq!(notice.prefetch, expected, "prefetch_calls {calls}: {notice:?}");
+        // Deliveries reach the learner in stream order either way.
+        taken.extend(recv_at_least(&mut source, 10, 10));
+        assert_eq!(taken.iter().map(outcome).collect::<Vec<_>>(), (0..12).map(Ok).collect::<Vec<_>>());
+        source.ack(&taken.iter().map(|d| d.token).collect::<Vec<_>>()).expect("ack");
+    }
+}
+
+#[test]
 fn the_learner_announces_what_it_took_and_a_sink_paces_on_it() {
     // Pushed pacing (issue 16): the learner announces what it took on `volley.<run>.pace`, and
     // a sink takes the newest notice as the backlog instead of polling the consumer.

@@ -216,6 +216,14 @@ pub struct NatsConfig {
     /// a message (`cargo bench -p volley-transport --bench nats`, issue 16 item 4); it bounds
     /// what one retry resends and what one delivery holds until its last segment is settled.
     pub max_frame_bytes: usize,
+    /// The learner's continuous pull asks for this many `recv` calls' worth of messages per
+    /// pull request (at least two messages, at most 256 and 16 MiB). 1 by default: deliveries
+    /// waiting in the learner's client add to what the actors' pacing allows, so each call's
+    /// worth more adds about a batch of policy lag. A learner whose update is much faster than
+    /// a round trip to the broker (a GPU learner at large batches) takes more per second with
+    /// 2–4: the next messages are on their way while it computes (issue 16 item 5,
+    /// docs/BENCHMARKS.md).
+    pub prefetch_calls: usize,
     /// Pacing: a sink waits while the learner consumer's backlog (undelivered plus
     /// delivered-but-unacknowledged segments) is at or above this.
     pub max_backlog_segments: u64,
@@ -269,6 +277,7 @@ impl NatsConfig {
             weights_anchor_every: 16,
             weights_inline_max_bytes: 256 << 10,
             weights_live: true,
+            prefetch_calls: 1,
             replicas: 1,
             auth: None,
         }

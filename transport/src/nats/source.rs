@@ -455,14 +455,16 @@ async fn settle_detached(
 }
 
 /// Take up to `max` deliveries from the consumer's continuous pull (opened on first use with
-/// room for one call's worth, and at most [`PREFETCH_MAX_BYTES`] or two messages of
-/// `max_payload` per pull request), waiting at most `wait` for the first. An error closes the pull;
+/// room for `calls` calls' worth ([`NatsConfig::prefetch_calls`](super::NatsConfig::prefetch_calls)),
+/// and at most [`PREFETCH_MAX_BYTES`] or two messages of `max_payload` per pull request),
+/// waiting at most `wait` for the first. An error closes the pull;
 /// the next call opens a new one (deliveries it had buffered are redelivered after `ack_wait`).
 /// Returns the messages per pull request when this call opened the pull.
 async fn pull_into(
     prefetch: &mut Option<consumer::pull::Stream>,
     consumer: &consumer::PullConsumer,
     max: usize,
+    calls: usize,
     wait: Duration,
     request_timeout: Duration,
     max_payload: usize,
@@ -473,7 +475,7 @@ async fn pull_into(
     let stream = match prefetch {
         Some(stream) => stream,
         None => {
-            let batch = max.clamp(PREFETCH_MIN, PREFETCH_MAX);
+            let batch = max.saturating_mul(calls.max(1)).clamp(PREFETCH_MIN, PREFETCH_MAX);
             opened_batch = Some(batch as u32);
             let max_bytes = PREFETCH_MAX_BYTES.max(2 * max_payload);
             let pull = consumer.stream().max_messages_per_batch(batch).max_bytes_per_batch(max_bytes);
@@ -636,6 +638,7 @@ impl TrajectorySource for NatsTrajectorySource {
                             &mut self.prefetch,
                             &self.consumer,
                             want_messages,
+                            shared.config.prefetch_calls,
                             wait,
                             request_timeout,
                             max_payload,
