@@ -455,7 +455,7 @@ async fn settle_detached(
 }
 
 /// Take up to `max` deliveries from the consumer's continuous pull (opened on first use with
-/// room for `calls` calls' worth ([`NatsConfig::prefetch_calls`](super::NatsConfig::prefetch_calls)),
+/// room for [`NatsConfig::prefetch_calls`](super::NatsConfig::prefetch_calls) calls' worth,
 /// and at most [`PREFETCH_MAX_BYTES`] or two messages of `max_payload` per pull request),
 /// waiting at most `wait` for the first. An error closes the pull;
 /// the next call opens a new one (deliveries it had buffered are redelivered after `ack_wait`).
@@ -464,13 +464,13 @@ async fn pull_into(
     prefetch: &mut Option<consumer::pull::Stream>,
     consumer: &consumer::PullConsumer,
     max: usize,
-    calls: usize,
     wait: Duration,
-    request_timeout: Duration,
+    config: &super::NatsConfig,
     max_payload: usize,
     out: &mut Vec<jetstream::Message>,
 ) -> Result<Option<u32>, TransportError> {
     const OPERATION: &str = "fetch segments";
+    let (calls, request_timeout) = (config.prefetch_calls, config.request_timeout);
     let mut opened_batch = None;
     let stream = match prefetch {
         Some(stream) => stream,
@@ -638,9 +638,8 @@ impl TrajectorySource for NatsTrajectorySource {
                             &mut self.prefetch,
                             &self.consumer,
                             want_messages,
-                            shared.config.prefetch_calls,
                             wait,
-                            request_timeout,
+                            &shared.config,
                             max_payload,
                             &mut messages,
                         )
