@@ -59,6 +59,23 @@ fn recv_at_least(source: &mut NatsTrajectorySource, n: usize, max: usize) -> Vec
     out
 }
 
+/// A subscription to the run's pace notices.
+fn subscribe_notices(bus: &NatsBus) -> async_nats::Subscriber {
+    bus.handle()
+        .block_on(bus.client().subscribe(subjects::pace(&bus.config().run)))
+        .expect("subscribed to the pace subject")
+}
+
+/// The next pace notice on `notices`, within the guard.
+fn next_notice(bus: &NatsBus, notices: &mut async_nats::Subscriber) -> wire::pace::PaceNotice {
+    let message = bus
+        .handle()
+        .block_on(async { tokio::time::timeout(GUARD, futures::StreamExt::next(notices)).await })
+        .expect("a notice within the guard")
+        .expect("subscription open");
+    wire::pace::decode_pace_notice(&message.payload).expect("a well-formed notice")
+}
+
 fn outcome(delivery: &Delivery) -> Result<u64, &'static str> {
     delivery.segment.as_ref().map(|s| s.segment_idx).map_err(|err| err.reason())
 }
@@ -323,22 +340,14 @@ fn the_learner_prefetches_as_many_calls_worth_as_configured() {
             sink.publish(vec![segment(0, idx)]).expect("publish");
         }
         sink.flush().expect("acknowledged");
-        let mut notices = bus
-            .handle()
-            .block_on(bus.client().subscribe(subjects::pace(&bus.config().run)))
-            .expect("subscribed to the pace subject");
+        let mut notices = subscribe_notices(&bus);
         let mut source = bus.trajectory_source().expect("source");
         // The first recv fetches one message to learn the segments per message; the second
         // opens the continuous pull for one message per call.
         let mut taken = recv_at_least(&mut source, 1, 1);
         taken.extend(recv_at_least(&mut source, 1, 1));
         let notice = loop {
-            let message = bus
-                .handle()
-                .block_on(async { tokio::time::timeout(GUARD, futures::StreamExt::next(&mut notices)).await })
-                .expect("a notice within the guard")
-                .expect("subscription open");
-            let notice = wire::pace::decode_pace_notice(&message.payload).expect("a well-formed notice");
+            let notice = next_notice(&bus, &mut notices);
             if notice.prefetch > 0 {
                 break notice;
             }
@@ -363,10 +372,7 @@ fn the_learner_announces_what_it_took_and_a_sink_paces_on_it() {
         sink.publish((0..8).map(|env| segment(env, call)).collect()).expect("publish");
     }
     sink.flush().expect("acknowledged");
-    let mut notices = bus
-        .handle()
-        .block_on(bus.client().subscribe(subjects::pace(&bus.config().run)))
-        .expect("subscribed to the pace subject");
+    let mut notices = subscribe_notices(&bus);
     let mut source = bus.trajectory_source().expect("source");
     let deliveries = recv_at_least(&mut source, 16, 16);
     source.ack(&deliveries.iter().map(|d| d.token).collect::<Vec<_>>()).expect("ack");
@@ -374,12 +380,7 @@ fn the_learner_announces_what_it_took_and_a_sink_paces_on_it() {
     let started = Instant::now();
     let last = loop {
         assert!(started.elapsed() < GUARD, "no notice that both frames were taken");
-        let message = bus
-            .handle()
-            .block_on(async { tokio::time::timeout(GUARD, futures::StreamExt::next(&mut notices)).await })
-            .expect("a notice within the guard")
-            .expect("subscription open");
-        let notice = wire::pace::decode_pace_notice(&message.payload).expect("a well-formed notice");
+        let notice = next_notice(&bus, &mut notices);
         assert!(notice.taken <= notice.stored && notice.stored <= 2, "{notice:?}");
         if notice.taken == 2 {
             break notice;
