@@ -1003,6 +1003,28 @@ mod tests {
     }
 
     #[test]
+    fn by_default_a_round_of_64_kb_segments_is_one_message() {
+        // Issue 16 item 4: with the default frame bound (1 MiB) and the server's default
+        // `max_payload` (1 MiB), 8 segments of 64 KB travel as one frame, not one per message.
+        let defaults = super::super::NatsConfig::new(
+            "nats://127.0.0.1:4222",
+            volley_core::ids::RunId::new("r").expect("valid run id"),
+        );
+        // The fixture's observations are small whole numbers, sent as one byte each.
+        let input = segments(8, 7_600);
+        let one = wire::encode_segment(&input[0]).len();
+        assert!((60_000..70_000).contains(&one), "a segment of about 64 KB, not {one} bytes");
+        let limits = FrameLimits {
+            max_payload: 1 << 20,
+            max_segments: defaults.max_segments_per_message,
+            max_frame_bytes: defaults.max_frame_bytes,
+        };
+        let packed = pack_segments(&input, "0f", limits).expect("fits");
+        assert_eq!(packed.iter().map(|m| m.n_segments).collect::<Vec<_>>(), [8]);
+        assert_eq!(packed.iter().flat_map(parts_of).collect::<Vec<_>>(), input);
+    }
+
+    #[test]
     fn an_empty_call_packs_nothing() {
         assert!(pack_segments(&[], "0f", limits(1 << 20, 64)).expect("nothing to pack").is_empty());
     }
