@@ -17,9 +17,10 @@
 //! - `raw_frame`: raw publishing of the batch's pre-encoded frame, one message per batch with
 //!   no header: the sink's message shape without the sink;
 //! - `raw_encode`: `raw_msg_id` with the encoding of each segment (and its message id) inside
-//!   the timed region, one message per segment: the work no sink can skip, without the sink's
-//!   own machinery (for 64 KB segments the sink's message shape; CartPole-sized ones it frames;
-//!   the batch is freed after the timed region, as in the other `raw` variants);
+//!   the timed region, one message per segment: the encoding no sink can skip, without the
+//!   sink's own machinery or its frames (the sink frames both sizes: 8 segments of 64 KB fit
+//!   its 1 MiB frame bound); the batch is freed after the timed region, as in the other `raw`
+//!   variants;
 //! - `encode`: `wire::encode_segment` alone, for the share of the sink's time spent encoding.
 //!
 //! The run is created with `ensure_run`, so the learner's durable consumer exists (nobody

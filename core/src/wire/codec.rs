@@ -260,9 +260,10 @@ pub fn encode_segment(segment: &TrajectorySegment) -> Vec<u8> {
 }
 
 /// [`encode_segment`] appending to `out`, e.g. a batch frame being built in place
-/// ([`super::batch::FrameBuilder`]); the bytes appended are `encode_segment`'s exactly.
+/// ([`super::batch::FrameBuilder`]); the bytes appended are `encode_segment`'s exactly. It
+/// reserves nothing itself: the caller sizes `out` (from [`segment_size_hint`] of the segments
+/// it will hold), and a buffer that falls short grows as a `Vec` does.
 pub fn encode_segment_into(segment: &TrajectorySegment, out: &mut Vec<u8>) {
-    out.reserve(HEADER_BYTES + segment_size_hint(segment));
     encode_into(MessageKind::Segment, segment, out);
 }
 

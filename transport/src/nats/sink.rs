@@ -368,12 +368,15 @@ fn pack_segments(
     let FrameLimits { max_payload, max_segments, max_frame_bytes } = limits;
     let max_per_message = max_segments.clamp(1, wire::batch::MAX_SEGMENTS_PER_BATCH);
     let frame_limit = max_frame_bytes.min(max_payload);
-    // Room reserved per message: the segments it may hold, up to the frame's bound (a hint:
-    // a segment over it only makes the buffer grow).
+    // Room reserved per message (a hint: a buffer that falls short grows): the segments it may
+    // hold, up to the frame's bound, but always the whole of its first segment, which a
+    // segment over the bound fills alone.
     let builder = |from: usize| {
         let parts = (segments.len() - from).min(max_per_message);
-        let hint: usize = segments[from..from + parts].iter().map(|s| wire::segment_size_hint(s) + 64).sum();
-        wire::batch::FrameBuilder::new(parts, hint.min(frame_limit.saturating_add(1 << 10)))
+        let hints = segments[from..from + parts].iter().map(|s| wire::segment_size_hint(s) + 64);
+        let first = wire::segment_size_hint(&segments[from]) + 64;
+        let room = hints.sum::<usize>().min(frame_limit.saturating_add(1 << 10).max(first));
+        wire::batch::FrameBuilder::new(parts, room)
     };
     let close = |frame: wire::batch::FrameBuilder, run: &[TrajectorySegment]| {
         let first = &run[0];
