@@ -67,22 +67,28 @@ pub fn encode_delta_frame(parent: &Weights, weights: &Weights) -> Vec<u8> {
     assert_eq!(parent.params.len(), n, "a delta needs two buffers of one layout");
     // Each plane takes at most `n + 1` bytes: sparse only where that is smaller than dense.
     let mut out = frame_start(MessageKind::WeightsDelta, weights, Some(parent.version), 4 * (n + 1));
-    // A plane at a time, each split and counted in passes the compiler vectorises, then
-    // packed a group of eight parameters at a time (issue 16: packing byte by byte, into a
-    // buffer sized for a quarter of the frame, took 3 ms for 1 MiB of weights, on the cores
-    // the followers decode on).
-    let mut plane = vec![0u8; n];
-    for shift in [0u32, 8, 16, 24] {
-        for ((byte, new), old) in plane.iter_mut().zip(&weights.params).zip(&parent.params) {
-            *byte = ((new.to_bits() ^ old.to_bits()) >> shift) as u8;
-        }
-        let nonzero = count_nonzero(&plane);
+    // The four planes split in one pass over both buffers (a pass per plane read the 8n bytes
+    // of parameters four times: 20 ms for 16 MiB of weights, on the cores the followers decode
+    // on), each then counted and packed a group of eight parameters at a time (issue 16:
+    // packing byte by byte, into a buffer sized for a quarter of the frame, took 3 ms for
+    // 1 MiB of weights).
+    let mut planes = vec![0u8; 4 * n];
+    let (p0, rest) = planes.split_at_mut(n);
+    let (p1, rest) = rest.split_at_mut(n);
+    let (p2, p3) = rest.split_at_mut(n);
+    let split = p0.iter_mut().zip(p1.iter_mut()).zip(p2.iter_mut()).zip(p3.iter_mut());
+    for ((((b0, b1), b2), b3), (new, old)) in split.zip(weights.params.iter().zip(&parent.params)) {
+        [*b0, *b1, *b2, *b3] = (new.to_bits() ^ old.to_bits()).to_le_bytes();
+    }
+    for k in 0..4 {
+        let plane = &planes[k * n..(k + 1) * n];
+        let nonzero = count_nonzero(plane);
         if n.div_ceil(8) + nonzero < n {
             out.push(PLANE_SPARSE);
-            push_sparse_plane(&mut out, &plane, nonzero);
+            push_sparse_plane(&mut out, plane, nonzero);
         } else {
             out.push(PLANE_DENSE);
-            out.extend_from_slice(&plane);
+            out.extend_from_slice(plane);
         }
     }
     seal(out)
@@ -128,6 +134,15 @@ fn push_sparse_plane(out: &mut Vec<u8>, plane: &[u8], nonzero: usize) {
     out.truncate(start + bitmap_bytes + nonzero);
 }
 
+/// The first bytes of `weights`' full frame (envelope and frame header), its checksum still
+/// zero: the parameters' `4n` bytes follow, and the checksum covers all after the envelope.
+pub(super) fn full_frame_head(weights: &Weights) -> Vec<u8> {
+    frame_start(MessageKind::WeightsFull, weights, None, 0)
+}
+
+/// Where a frame's envelope checksum sits.
+pub(super) const CHECKSUM_AT: std::ops::Range<usize> = 7..HEADER_BYTES;
+
 fn frame_start(kind: MessageKind, weights: &Weights, parent: Option<PolicyVersion>, payload: usize) -> Vec<u8> {
     let mut out = Vec::with_capacity(HEADER_BYTES + FRAME_HEADER_BYTES + payload);
     out.extend_from_slice(&MAGIC);
@@ -148,7 +163,7 @@ fn frame_start(kind: MessageKind, weights: &Weights, parent: Option<PolicyVersio
 
 fn seal(mut out: Vec<u8>) -> Vec<u8> {
     let checksum = body_checksum(&out[HEADER_BYTES..]);
-    out[7..HEADER_BYTES].copy_from_slice(&checksum.to_le_bytes());
+    out[CHECKSUM_AT].copy_from_slice(&checksum.to_le_bytes());
     out
 }
 

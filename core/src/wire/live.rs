@@ -36,7 +36,7 @@
 //! (and one spare buffer of at most that size, a finished frame's given back for reuse).
 
 use super::frame::FrameHeader;
-use super::{body_checksum, check_format, DecodeError, MAX_MESSAGE_BYTES};
+use super::{body_checksum, check_format, DecodeError, Weights, MAX_MESSAGE_BYTES};
 use crate::ids::PolicyVersion;
 
 /// First bytes of a live chunk.
@@ -92,9 +92,7 @@ impl ChunkHeader {
 /// If `chunk_bytes` is 0 or the frame needs more than [`MAX_CHUNKS`] chunks of it: the
 /// publisher sizes chunks from the server's `max_payload`.
 pub fn encode_live_chunks(frame: &[u8], header: &FrameHeader, chunk_bytes: usize) -> Vec<Vec<u8>> {
-    assert!(chunk_bytes > 0 && chunk_bytes <= u32::MAX as usize, "chunk length {chunk_bytes} out of range");
-    let count = frame.len().div_ceil(chunk_bytes).max(1);
-    assert!(count <= MAX_CHUNKS as usize, "a frame of {} bytes in {chunk_bytes}-byte chunks", frame.len());
+    let count = chunk_count(frame.len(), chunk_bytes);
     let mut parts: Vec<&[u8]> = frame.chunks(chunk_bytes).collect();
     if parts.is_empty() {
         parts.push(&[]);
@@ -103,27 +101,98 @@ pub fn encode_live_chunks(frame: &[u8], header: &FrameHeader, chunk_bytes: usize
         .into_iter()
         .enumerate()
         .map(|(index, payload)| {
-            let mut out = Vec::with_capacity(CHUNK_HEADER_BYTES + payload.len());
-            out.extend_from_slice(&LIVE_MAGIC);
-            out.extend_from_slice(&LIVE_FORMAT_VERSION.to_le_bytes());
-            for field in [
-                header.version.0,
-                header.parent.map_or(NO_PARENT, |p| p.0),
-                header.layout_hash,
-                header.digest,
-                frame.len() as u64,
-            ] {
-                out.extend_from_slice(&field.to_le_bytes());
-            }
-            for field in [chunk_bytes as u32, index as u32, count as u32] {
-                out.extend_from_slice(&field.to_le_bytes());
-            }
-            let checksum = body_checksum(&out);
-            out.extend_from_slice(&checksum.to_le_bytes());
+            let mut out = chunk_start(header, frame.len(), chunk_bytes, index, count);
             out.extend_from_slice(payload);
             out
         })
         .collect()
+}
+
+/// The live chunks of `weights`' full frame, as [`encode_live_chunks`] cuts the frame
+/// [`super::frame::encode_full_frame`] encodes, written straight into the chunks: one pass over
+/// the parameters that copies them once and computes the frame's envelope checksum and their
+/// digest as it goes (issue 16: encoding the frame, hashing its payload again to check the
+/// digest, then copying it into chunks took three passes over 16 MiB before the first chunk
+/// went out). Returns the chunks and the digest of the parameters as encoded, for the caller to
+/// compare with `weights.checksum` (a mismatch means the parameters changed after it was taken).
+///
+/// # Panics
+/// As [`encode_live_chunks`].
+pub fn encode_full_frame_chunks(weights: &Weights, chunk_bytes: usize) -> (Vec<Vec<u8>>, u64) {
+    use xxhash_rust::xxh3::Xxh3Default;
+    let head = super::frame::full_frame_head(weights);
+    let frame_len = head.len() + 4 * weights.params.len();
+    let count = chunk_count(frame_len, chunk_bytes);
+    let header = FrameHeader {
+        version: weights.version,
+        parent: None,
+        layout_hash: weights.layout_hash,
+        digest: weights.checksum,
+        n_params: weights.params.len(),
+    };
+    let mut chunks: Vec<Vec<u8>> =
+        (0..count).map(|index| chunk_start(&header, frame_len, chunk_bytes, index, count)).collect();
+    // Appends frame bytes in order, each chunk taking `chunk_bytes` of them.
+    let mut at = 0;
+    let mut write = |mut bytes: &[u8]| {
+        while !bytes.is_empty() {
+            let room = chunk_bytes - at % chunk_bytes;
+            let (now, rest) = bytes.split_at(room.min(bytes.len()));
+            chunks[at / chunk_bytes].extend_from_slice(now);
+            at += now.len();
+            bytes = rest;
+        }
+    };
+    let mut envelope = Xxh3Default::new();
+    let mut digest = Xxh3Default::new();
+    write(&head);
+    envelope.update(&head[super::HEADER_BYTES..]);
+    // Through a small buffer, as `checksum` hashes, so big-endian hosts write the same bytes.
+    let mut buffer = [0u8; 4 * 1024];
+    for block in weights.params.chunks(1024) {
+        let bytes = &mut buffer[..4 * block.len()];
+        for (out, p) in bytes.chunks_exact_mut(4).zip(block) {
+            out.copy_from_slice(&p.to_bits().to_le_bytes());
+        }
+        envelope.update(bytes);
+        digest.update(bytes);
+        write(bytes);
+    }
+    for (at, byte) in super::frame::CHECKSUM_AT.zip(envelope.digest().to_le_bytes()) {
+        chunks[at / chunk_bytes][CHUNK_HEADER_BYTES + at % chunk_bytes] = byte;
+    }
+    (chunks, digest.digest())
+}
+
+/// Chunks of `chunk_bytes` for a frame of `frame_len` bytes (at least one).
+fn chunk_count(frame_len: usize, chunk_bytes: usize) -> usize {
+    assert!(chunk_bytes > 0 && chunk_bytes <= u32::MAX as usize, "chunk length {chunk_bytes} out of range");
+    let count = frame_len.div_ceil(chunk_bytes).max(1);
+    assert!(count <= MAX_CHUNKS as usize, "a frame of {frame_len} bytes in {chunk_bytes}-byte chunks");
+    count
+}
+
+/// A chunk's header, checksum included: the payload follows.
+fn chunk_start(header: &FrameHeader, frame_len: usize, chunk_bytes: usize, index: usize, count: usize) -> Vec<u8> {
+    let mut out =
+        Vec::with_capacity(CHUNK_HEADER_BYTES + frame_len.saturating_sub(index * chunk_bytes).min(chunk_bytes));
+    out.extend_from_slice(&LIVE_MAGIC);
+    out.extend_from_slice(&LIVE_FORMAT_VERSION.to_le_bytes());
+    for field in [
+        header.version.0,
+        header.parent.map_or(NO_PARENT, |p| p.0),
+        header.layout_hash,
+        header.digest,
+        frame_len as u64,
+    ] {
+        out.extend_from_slice(&field.to_le_bytes());
+    }
+    for field in [chunk_bytes as u32, index as u32, count as u32] {
+        out.extend_from_slice(&field.to_le_bytes());
+    }
+    let checksum = body_checksum(&out);
+    out.extend_from_slice(&checksum.to_le_bytes());
+    out
 }
 
 /// Check a chunk (magic, version, checksum, and that index, count, lengths add up) and return
@@ -259,9 +328,11 @@ impl LiveAssembler {
     /// Give back the bytes of a frame this assembler completed, once decoded: the next
     /// version is assembled in them (one buffer is kept; it is never larger than the frame
     /// limit, so the bound on held bytes grows by one frame at most).
-    pub fn recycle(&mut self, mut bytes: Vec<u8>) {
+    /// Its bytes are kept as they are: every byte of a frame assembled into it is overwritten
+    /// by a chunk before the frame completes (the chunks' lengths tile the frame exactly), so
+    /// only a longer frame's tail needs zeroing.
+    pub fn recycle(&mut self, bytes: Vec<u8>) {
         if bytes.capacity() <= self.max_frame_bytes && bytes.capacity() > self.spare.capacity() {
-            bytes.clear();
             self.spare = bytes;
         }
     }
@@ -319,13 +390,17 @@ impl LiveAssembler {
                     self.dropped += 1;
                 }
                 // Bounded above: frame_len ≤ max_frame_bytes, count ≤ frame_len (or 1).
-                let mut bytes = if self.spare.capacity() >= header.frame_len as usize {
-                    std::mem::take(&mut self.spare)
+                // A recycled buffer is not zeroed first (16 MiB of `memset` per version in each
+                // follower, issue 16): its old bytes are all overwritten before completion.
+                let frame_len = header.frame_len as usize;
+                let bytes = if self.spare.capacity() >= frame_len {
+                    let mut bytes = std::mem::take(&mut self.spare);
+                    bytes.truncate(frame_len);
+                    bytes.resize(frame_len, 0);
+                    bytes
                 } else {
-                    Vec::new()
+                    vec![0; frame_len]
                 };
-                bytes.clear();
-                bytes.resize(header.frame_len as usize, 0);
                 self.assembling.push(Assembly {
                     header,
                     bytes,
@@ -448,6 +523,20 @@ mod tests {
             reuse = Some(done.bytes.as_ptr());
             assembler.recycle(done.bytes);
         }
+        // A recycled buffer is not zeroed: frames shorter and longer than the one before
+        // still come out byte for byte (the chunks overwrite all of a frame).
+        for (version, n) in [(4, 300), (5, 1000), (6, 999), (7, 0)] {
+            let frame = encode_full_frame(&weights(version, n));
+            let mut done = None;
+            for chunk in chunks_of(&frame, 700) {
+                if let Offered::Complete(frame) = assembler.offer(&chunk) {
+                    done = Some(frame);
+                }
+            }
+            let done = done.expect("complete");
+            assert_eq!(done.bytes, frame, "version {version}");
+            assembler.recycle(done.bytes);
+        }
         // A buffer larger than any frame this assembler takes is not kept.
         let mut small = LiveAssembler::new(LAYOUT, 100);
         small.recycle(Vec::with_capacity(1 << 20));
@@ -527,6 +616,19 @@ mod tests {
     }
 
     #[test]
+    fn chunks_of_parameters_changed_after_their_checksum_say_so() {
+        let mut w = weights(1, 100);
+        w.params[40] += 1.0;
+        let (chunks, digest) = encode_full_frame_chunks(&w, 64);
+        assert_ne!(digest, w.checksum, "the digest is of the parameters as encoded");
+        // The frame they make up decodes to parameters that fail the claimed digest.
+        let mut assembler = LiveAssembler::new(LAYOUT, limit(100));
+        let done = chunks.iter().map(|chunk| assembler.offer(chunk)).last();
+        let Some(Offered::Complete(done)) = done else { panic!("complete: {done:?}") };
+        assert!(decode_frame(&done.bytes, None, LAYOUT, 100).is_err());
+    }
+
+    #[test]
     fn a_flipped_payload_bit_is_caught_by_the_frame() {
         let w = weights(1, 100);
         let frame = encode_full_frame(&w);
@@ -555,6 +657,17 @@ mod tests {
     }
 
     proptest! {
+        #[test]
+        fn chunks_written_from_the_weights_are_those_cut_from_the_frame(
+            n in 0usize..2000, chunk in 1usize..3000, version in 0u64..1000,
+        ) {
+            let w = weights(version, n);
+            let header = decode_frame_header(&encode_full_frame(&w)).expect("a frame").0;
+            let (chunks, digest) = encode_full_frame_chunks(&w, chunk);
+            prop_assert_eq!(chunks, encode_live_chunks(&encode_full_frame(&w), &header, chunk));
+            prop_assert_eq!(digest, w.checksum);
+        }
+
         #[test]
         fn roundtrip_through_the_assembler(n in 0usize..2000, chunk in 1usize..3000, version in 0u64..1000) {
             let w = weights(version, n);

@@ -405,17 +405,20 @@ impl NatsWeightsPublisher {
         }))
     }
 
-    /// Fan `frame` (the version's full frame) out on the run's live subject in chunks
-    /// ([`wire::live`]), each message at most half the server's `max_payload` (and 1 MiB).
-    /// Best effort and not waited for: a follower that misses a chunk takes the version from
-    /// the object store, which this publish writes next (the chunks leave first, on the same
-    /// connection).
-    fn publish_live(&self, frame: &[u8], header: &wire::frame::FrameHeader) {
+    /// Payload bytes of each live chunk: each message at most half the server's
+    /// `max_payload` (and 1 MiB).
+    fn live_chunk_bytes(&self) -> usize {
+        let message_bytes = (self.shared.client.max_payload() / 2).min(1 << 20);
+        message_bytes.saturating_sub(wire::live::CHUNK_HEADER_BYTES).max(1024)
+    }
+
+    /// Fan `chunks` (the live chunks of `version`'s full frame, [`wire::live`]) out on the
+    /// run's live subject. Best effort and not waited for: a follower that misses a chunk
+    /// takes the version from the object store, which this publish writes next (the chunks
+    /// leave first, on the same connection).
+    fn publish_live(&self, chunks: Vec<Vec<u8>>, version: u64) {
         let shared = &self.shared;
-        let message_bytes = (shared.client.max_payload() / 2).min(1 << 20);
-        let chunk_bytes = message_bytes.saturating_sub(wire::live::CHUNK_HEADER_BYTES).max(1024);
         let subject = Subject::from(subjects::weights_live(&shared.config.run));
-        let chunks = wire::live::encode_live_chunks(frame, header, chunk_bytes);
         let client = &shared.client;
         let sent = shared.block_on(call("publish live weights", shared.config.request_timeout, async {
             for chunk in chunks {
@@ -424,7 +427,7 @@ impl NatsWeightsPublisher {
             Ok::<_, async_nats::PublishError>(())
         }));
         if let Err(err) = sent {
-            debug!(version = header.version.0, %err, "live weights not sent; followers fetch them from the store");
+            debug!(version, %err, "live weights not sent; followers fetch them from the store");
         }
     }
 
@@ -477,25 +480,37 @@ impl WeightsPublisher for NatsWeightsPublisher {
         // The live path first, and always a full frame: cheap to encode (a copy), cheap to
         // decode, and applicable by any follower whatever it holds, so neither the delta's
         // encoding nor a missed version stands between a connected follower and this version.
-        let mut full =
-            (config.weights_live || delta_parent.is_none()).then(|| wire::frame::encode_full_frame(&weights));
-        // Whether the parameters match their checksum (a full frame's payload hashes to it).
-        let sound = match &full {
-            Some(frame) => {
-                wire::body_checksum(&frame[wire::HEADER_BYTES + wire::frame::FRAME_HEADER_BYTES..]) == weights.checksum
+        // Its chunks are written straight from the parameters unless the durable path needs
+        // the full frame too (an anchor, or inline weights).
+        let chunk_bytes = self.live_chunk_bytes();
+        let (full, live) = match (config.weights_live, delta_parent.is_some()) {
+            (true, true) => (None, Some(wire::live::encode_full_frame_chunks(&weights, chunk_bytes))),
+            (false, true) => (None, None),
+            (live, false) => {
+                let frame = wire::frame::encode_full_frame(&weights);
+                let header = wire::frame::FrameHeader {
+                    version: weights.version,
+                    parent: None,
+                    layout_hash: weights.layout_hash,
+                    digest: weights.checksum,
+                    n_params: weights.params.len(),
+                };
+                let payload = &frame[wire::HEADER_BYTES + wire::frame::FRAME_HEADER_BYTES..];
+                let digest = wire::body_checksum(payload);
+                let chunks = live.then(|| (wire::live::encode_live_chunks(&frame, &header, chunk_bytes), digest));
+                (Some((frame, digest)), chunks)
             }
-            None => wire::checksum(&weights.params) == weights.checksum,
         };
-        if let (true, true, Some(frame)) = (config.weights_live, sound, &full) {
-            let header = wire::frame::FrameHeader {
-                version: weights.version,
-                parent: None,
-                layout_hash: weights.layout_hash,
-                digest: weights.checksum,
-                n_params: weights.params.len(),
-            };
-            self.publish_live(frame, &header);
+        // Whether the parameters match their checksum (their encoded bytes hash to it).
+        let digest = match (&live, &full) {
+            (Some((_, digest)), _) | (None, Some((_, digest))) => *digest,
+            (None, None) => wire::checksum(&weights.params),
+        };
+        let sound = digest == weights.checksum;
+        if let (true, Some((chunks, _))) = (sound, live) {
+            self.publish_live(chunks, version);
         }
+        let mut full = full.map(|(frame, _)| frame);
         // Then the durable path: the chain's delta, or the full frame (encoded once).
         let (frame, parent) = match delta_parent {
             Some(parent) => (wire::frame::encode_delta_frame(parent, &weights), Some(parent.version.0)),
