@@ -46,6 +46,19 @@ pub struct FrameHeader {
     pub n_params: usize,
 }
 
+impl FrameHeader {
+    /// The header of `weights`' full frame, as [`encode_full_frame`] writes it.
+    pub fn of_full(weights: &Weights) -> Self {
+        FrameHeader {
+            version: weights.version,
+            parent: None,
+            layout_hash: weights.layout_hash,
+            digest: weights.checksum,
+            n_params: weights.params.len(),
+        }
+    }
+}
+
 /// Encode `weights` as a full frame (an anchor).
 pub fn encode_full_frame(weights: &Weights) -> Vec<u8> {
     let n = weights.params.len();

@@ -123,13 +123,7 @@ pub fn encode_full_frame_chunks(weights: &Weights, chunk_bytes: usize) -> (Vec<V
     let head = super::frame::full_frame_head(weights);
     let frame_len = head.len() + 4 * weights.params.len();
     let count = chunk_count(frame_len, chunk_bytes);
-    let header = FrameHeader {
-        version: weights.version,
-        parent: None,
-        layout_hash: weights.layout_hash,
-        digest: weights.checksum,
-        n_params: weights.params.len(),
-    };
+    let header = FrameHeader::of_full(weights);
     let mut chunks: Vec<Vec<u8>> =
         (0..count).map(|index| chunk_start(&header, frame_len, chunk_bytes, index, count)).collect();
     // Appends frame bytes in order, each chunk taking `chunk_bytes` of them.
@@ -147,17 +141,11 @@ pub fn encode_full_frame_chunks(weights: &Weights, chunk_bytes: usize) -> (Vec<V
     let mut digest = Xxh3Default::new();
     write(&head);
     envelope.update(&head[super::HEADER_BYTES..]);
-    // Through a small buffer, as `checksum` hashes, so big-endian hosts write the same bytes.
-    let mut buffer = [0u8; 4 * 1024];
-    for block in weights.params.chunks(1024) {
-        let bytes = &mut buffer[..4 * block.len()];
-        for (out, p) in bytes.chunks_exact_mut(4).zip(block) {
-            out.copy_from_slice(&p.to_bits().to_le_bytes());
-        }
+    super::for_le_blocks(&weights.params, |bytes| {
         envelope.update(bytes);
         digest.update(bytes);
         write(bytes);
-    }
+    });
     for (at, byte) in super::frame::CHECKSUM_AT.zip(envelope.digest().to_le_bytes()) {
         chunks[at / chunk_bytes][CHUNK_HEADER_BYTES + at % chunk_bytes] = byte;
     }

@@ -407,17 +407,22 @@ impl Weights {
 /// and about ten times faster than the byte-wise FNV-1a it replaced (issue 16), so verifying a
 /// 16 MiB buffer costs about a millisecond.
 pub fn checksum(params: &[f32]) -> u64 {
-    // Hash through a small stack buffer so big-endian hosts hash the same bytes.
-    const CHUNK: usize = 1024;
     let mut hasher = xxhash_rust::xxh3::Xxh3Default::new();
+    for_le_blocks(params, |bytes| hasher.update(bytes));
+    hasher.digest()
+}
+
+/// Hand `params`' little-endian bytes to `f` in order, a few KiB at a time, through a small
+/// stack buffer (so big-endian hosts see the same bytes).
+pub(crate) fn for_le_blocks(params: &[f32], mut f: impl FnMut(&[u8])) {
+    const CHUNK: usize = 1024;
     let mut buffer = [0u8; 4 * CHUNK];
     for chunk in params.chunks(CHUNK) {
         for (bytes, p) in buffer.chunks_exact_mut(4).zip(chunk) {
             bytes.copy_from_slice(&p.to_bits().to_le_bytes());
         }
-        hasher.update(&buffer[..4 * chunk.len()]);
+        f(&buffer[..4 * chunk.len()]);
     }
-    hasher.digest()
 }
 
 /// The crate's one segment fixture for its own unit tests: `volley_testkit::fixtures` builds

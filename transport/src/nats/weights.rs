@@ -483,38 +483,30 @@ impl WeightsPublisher for NatsWeightsPublisher {
         // Its chunks are written straight from the parameters unless the durable path needs
         // the full frame too (an anchor, or inline weights).
         let chunk_bytes = self.live_chunk_bytes();
-        let (full, live) = match (config.weights_live, delta_parent.is_some()) {
-            (true, true) => (None, Some(wire::live::encode_full_frame_chunks(&weights, chunk_bytes))),
-            (false, true) => (None, None),
+        // With each, the digest of the parameters as encoded.
+        let (full, live, digest) = match (config.weights_live, delta_parent.is_some()) {
+            (true, true) => {
+                let (chunks, digest) = wire::live::encode_full_frame_chunks(&weights, chunk_bytes);
+                (None, Some(chunks), digest)
+            }
+            (false, true) => (None, None, wire::checksum(&weights.params)),
             (live, false) => {
                 let frame = wire::frame::encode_full_frame(&weights);
-                let header = wire::frame::FrameHeader {
-                    version: weights.version,
-                    parent: None,
-                    layout_hash: weights.layout_hash,
-                    digest: weights.checksum,
-                    n_params: weights.params.len(),
-                };
-                let payload = &frame[wire::HEADER_BYTES + wire::frame::FRAME_HEADER_BYTES..];
-                let digest = wire::body_checksum(payload);
-                let chunks = live.then(|| (wire::live::encode_live_chunks(&frame, &header, chunk_bytes), digest));
-                (Some((frame, digest)), chunks)
+                let digest = wire::body_checksum(&frame[wire::HEADER_BYTES + wire::frame::FRAME_HEADER_BYTES..]);
+                let header = wire::frame::FrameHeader::of_full(&weights);
+                let chunks = live.then(|| wire::live::encode_live_chunks(&frame, &header, chunk_bytes));
+                (Some(frame), chunks, digest)
             }
         };
-        // Whether the parameters match their checksum (their encoded bytes hash to it).
-        let digest = match (&live, &full) {
-            (Some((_, digest)), _) | (None, Some((_, digest))) => *digest,
-            (None, None) => wire::checksum(&weights.params),
-        };
+        // Whether the parameters match their checksum.
         let sound = digest == weights.checksum;
-        if let (true, Some((chunks, _))) = (sound, live) {
+        if let (true, Some(chunks)) = (sound, live) {
             self.publish_live(chunks, version);
         }
-        let mut full = full.map(|(frame, _)| frame);
         // Then the durable path: the chain's delta, or the full frame (encoded once).
         let (frame, parent) = match delta_parent {
             Some(parent) => (wire::frame::encode_delta_frame(parent, &weights), Some(parent.version.0)),
-            None => (full.take().unwrap_or_else(|| wire::frame::encode_full_frame(&weights)), None),
+            None => (full.unwrap_or_else(|| wire::frame::encode_full_frame(&weights)), None),
         };
         if inline {
             self.kept.push_back(Vec::new());
