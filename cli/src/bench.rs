@@ -243,7 +243,7 @@ fn reset_run(bus: &NatsBus) -> anyhow::Result<()> {
         subjects::kv_backing_stream(&subjects::run_bucket(run)),
         subjects::object_backing_stream(&subjects::weights_bucket(run)),
     ] {
-        let deleted = bus.handle().block_on(bus.jetstream().delete_stream(&stream));
+        let deleted = bus.block_on(bus.jetstream().delete_stream(&stream));
         match deleted {
             Ok(_) => info!(%stream, "deleted the previous benchmark's stream"),
             Err(err) => match err.kind() {
@@ -513,9 +513,9 @@ mod raw {
                 BenchPattern::RawObject => {
                     let js = bus.jetstream();
                     let name = bucket(bus);
-                    let _ = bus.handle().block_on(js.delete_object_store(&name));
+                    let _ = bus.block_on(js.delete_object_store(&name));
                     let config = object_store::Config { bucket: name.clone(), ..Default::default() };
-                    Some(bus.handle().block_on(js.create_object_store(config)).context("creating the raw bucket")?)
+                    Some(bus.block_on(js.create_object_store(config)).context("creating the raw bucket")?)
                 }
                 _ => None,
             };
@@ -528,7 +528,7 @@ mod raw {
         pub(super) fn ready_subscription(&self, bus: &NatsBus) -> anyhow::Result<async_nats::Subscriber> {
             let client = bus.client().clone();
             let subject = subject(bus, "ready");
-            bus.handle().block_on(async move {
+            bus.block_on(async move {
                 let subscriber = client.subscribe(subject).await?;
                 client.flush().await?;
                 Ok::<_, anyhow::Error>(subscriber)
@@ -544,7 +544,7 @@ mod raw {
             let chunk = self.chunk;
             self.last_bytes = bytes.len();
             match (self.pattern, &self.store) {
-                (BenchPattern::RawObject, Some(store)) => bus.handle().block_on(async {
+                (BenchPattern::RawObject, Some(store)) => bus.block_on(async {
                     store.put(format!("v{version}").as_str(), &mut &bytes[..]).await.context("object put")?;
                     if version >= 2 {
                         let _ = store.delete(format!("v{}", version - 2).as_str()).await;
@@ -553,7 +553,7 @@ mod raw {
                     client.flush().await?;
                     Ok(())
                 }),
-                (BenchPattern::RawCore, _) => bus.handle().block_on(async {
+                (BenchPattern::RawCore, _) => bus.block_on(async {
                     let n = bytes.len().div_ceil(chunk).max(1);
                     for (i, part) in bytes.chunks(chunk).enumerate() {
                         let mut headers = async_nats::HeaderMap::new();
@@ -577,7 +577,7 @@ mod raw {
         n: usize,
         timeout: Duration,
     ) -> anyhow::Result<()> {
-        bus.handle().block_on(async {
+        bus.block_on(async {
             for seen in 0..n {
                 match tokio::time::timeout(timeout, ready.next()).await {
                     Ok(Some(_)) => {}
@@ -593,13 +593,12 @@ mod raw {
         let bus =
             NatsBus::connect(config.nats.clone()).with_context(|| format!("connecting to {}", config.nats.url))?;
         let client = bus.client().clone();
-        let handle = bus.handle().clone();
         let mut out = std::io::stdout().lock();
         let mut report = |version: u64| -> anyhow::Result<bool> {
             writeln!(out, "{version},{}", unix_nanos()).and_then(|()| out.flush()).context("stdout")?;
             Ok(version >= config.versions)
         };
-        handle.block_on(async {
+        bus.block_on(async {
             let (mut messages, store) = match config.pattern {
                 BenchPattern::RawObject => {
                     let store =

@@ -423,9 +423,17 @@ pub fn actor(args: ActorArgs, interrupted: Arc<AtomicBool>) -> anyhow::Result<()
     };
     let worker = match &env {
         EnvConfig::Remote(remote) => {
-            let client =
-                EnvServiceClient::with_client(bus.client().clone(), bus.handle().clone(), args.remote_env.timeout()?)
-                    .with_counters(counters.remote_env.clone());
+            let timeout = args.remote_env.timeout()?;
+            // A bus run by its callers reads the socket only while this thread waits on it;
+            // the env client waits on its runtime by itself, so it gets a connection and
+            // worker threads of its own.
+            let client = if bus.caller_driven() {
+                EnvServiceClient::connect(&config.url, config.auth.as_ref(), config.connect_timeout, timeout)
+                    .with_context(|| format!("connecting the environment client to NATS at {}", config.url))?
+            } else {
+                EnvServiceClient::with_client(bus.client().clone(), bus.handle().clone(), timeout)
+            }
+            .with_counters(counters.remote_env.clone());
             let mut config = RemoteVecEnvConfig::new(remote.service.clone(), args.envs, seed);
             config.envs_per_session = args.remote_env.envs_per_session;
             config.max_in_flight = args.remote_env.env_max_in_flight;

@@ -270,7 +270,7 @@ fn stream_state(nats: &TestNats, run: &str) -> StreamState {
     let stream_name = volley_core::subjects::trajectory_stream(&run);
     let dead_subject =
         volley_core::subjects::trajectories(&run, &volley_core::ids::ActorId::new("actor-1").expect("id"));
-    bus.handle().block_on(async move {
+    bus.block_on(async move {
         let mut stream = js.get_stream(stream_name).await.expect("stream");
         let info = stream.info().await.expect("stream info");
         let mut segments = 0;
@@ -373,7 +373,7 @@ impl StreamProbe {
     fn last_sequence(&self) -> u64 {
         let js = self.bus.jetstream().clone();
         let name = self.stream.clone();
-        self.bus.handle().block_on(async move {
+        self.bus.block_on(async move {
             let mut stream = js.get_stream(name).await.expect("stream");
             stream.info().await.expect("stream info").state.last_sequence
         })
@@ -494,7 +494,7 @@ fn malformed_messages_are_counted_and_dropped() {
     wrong_version.extend_from_slice(&99u16.to_le_bytes());
     wrong_version.extend_from_slice(&[1, 0, 0, 0]);
     let bad: Vec<Vec<u8>> = vec![b"garbage that is not a segment".to_vec(), b"VLLY\x01".to_vec(), wrong_version];
-    bus.handle().block_on(async move {
+    bus.block_on(async move {
         for round in 0..3 {
             for (i, payload) in bad.iter().enumerate() {
                 let subject = format!("volley.garbage.traj.mallory-{round}-{i}");

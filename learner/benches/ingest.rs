@@ -32,7 +32,8 @@
 //!
 //! Run with `cargo bench -p volley-learner --bench ingest` (a name as the only argument runs
 //! the shapes whose label contains it; `VOLLEY_INGEST_VARIANTS=source_noop,raw` runs only the
-//! variants named, for a profile of one); numbers go in docs/BENCHMARKS.md.
+//! variants named, for a profile of one; `VOLLEY_INGEST_RUNTIME_WORKERS=2` gives the NATS
+//! client two worker threads instead of none); numbers go in docs/BENCHMARKS.md.
 
 use std::time::{Duration, Instant};
 
@@ -143,6 +144,12 @@ impl Reading {
     }
 }
 
+/// Worker threads of the bench buses' runtimes (`VOLLEY_INGEST_RUNTIME_WORKERS`, default 0 as
+/// for a learner: the thread that reads runs the connection).
+fn runtime_workers() -> usize {
+    std::env::var("VOLLEY_INGEST_RUNTIME_WORKERS").ok().and_then(|v| v.parse().ok()).unwrap_or(0)
+}
+
 /// Whether `variant` runs: all of them unless `VOLLEY_INGEST_VARIANTS` names some.
 fn selected(variant: Variant) -> bool {
     std::env::var("VOLLEY_INGEST_VARIANTS")
@@ -211,7 +218,7 @@ fn fill(bus: &NatsBus, spec: &RunSpec, shape: &Shape) -> u64 {
         sink.publish(segments).expect("publish");
     }
     sink.flush().expect("flush");
-    let messages = bus.handle().block_on(async {
+    let messages = bus.block_on(async {
         let mut stream = bus
             .jetstream()
             .get_stream(subjects::trajectory_stream(&bus.config().run))
@@ -230,7 +237,7 @@ fn fill(bus: &NatsBus, spec: &RunSpec, shape: &Shape) -> u64 {
 
 /// Delete the learner consumer, so the next one starts at the stream's first message.
 fn reset_consumer(bus: &NatsBus) {
-    bus.handle().block_on(async {
+    bus.block_on(async {
         let stream = bus
             .jetstream()
             .get_stream_no_info(subjects::trajectory_stream(&bus.config().run))
@@ -244,7 +251,7 @@ fn reset_consumer(bus: &NatsBus) {
 fn read_raw(bus: &NatsBus, n_messages: u64, n_segments: usize) -> Reading {
     reset_consumer(bus);
     drop(bus.trajectory_source().expect("create the learner consumer"));
-    bus.handle().block_on(async {
+    bus.block_on(async {
         let stream = bus
             .jetstream()
             .get_stream_no_info(subjects::trajectory_stream(&bus.config().run))
@@ -382,6 +389,7 @@ fn main() {
         let spec = spec(&run, shape.obs_dim);
         let mut config = NatsConfig::new(server.url(), spec.run.clone());
         config.max_segments_per_message = shape.max_segments_per_message;
+        config.runtime_workers = runtime_workers();
         let mut deep_config = config.clone();
         deep_config.prefetch_calls = 4;
         let bus = NatsBus::connect(config).expect("connect to the bench server");
@@ -423,7 +431,7 @@ fn main() {
                 raw.map_or_else(|| "–".to_string(), |raw| format!("{:.2}", median / raw))
             );
         }
-        bus.handle().block_on(async {
+        bus.block_on(async {
             let _ = bus.jetstream().delete_stream(subjects::trajectory_stream(&spec.run)).await;
         });
     }

@@ -113,7 +113,7 @@ fn spec() -> RunSpec {
 /// Drop every message of the run's trajectory stream (untimed, between samples).
 fn purge(bus: &NatsBus) {
     let name = subjects::trajectory_stream(&bus.config().run);
-    bus.handle().block_on(async {
+    bus.block_on(async {
         let stream = bus.jetstream().get_stream_no_info(name).await.expect("the stream exists");
         stream.purge().await.expect("purge the trajectory stream");
     });
@@ -201,7 +201,7 @@ fn bench_segments(c: &mut Criterion) {
                                 &fresh[..]
                             }
                         };
-                        bus.handle().block_on(async {
+                        bus.block_on(async {
                             for (i, payload) in payloads.iter().enumerate() {
                                 let mut message =
                                     async_nats::jetstream::message::PublishMessage::build().payload(payload.clone());
@@ -219,7 +219,7 @@ fn bench_segments(c: &mut Criterion) {
                         drop((batch, ids));
                     }
                     let started = Instant::now();
-                    bus.handle().block_on(async {
+                    bus.block_on(async {
                         for ack in in_flight.drain(..) {
                             ack.await.expect("stored");
                         }

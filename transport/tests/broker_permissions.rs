@@ -247,7 +247,7 @@ fn actor_user_is_denied_weights_writes_and_other_runs() {
     });
     assert!(opened.is_err(), "the actor opened the weights publisher");
     assert!(has_violation(&server, "$JS.API.CONSUMER.CREATE.OBJ_volley-local-wts"), "{}", server.log());
-    let denied_object = actor.handle().block_on(async {
+    let denied_object = actor.block_on(async {
         let store = actor
             .jetstream()
             .get_object_store(subjects::weights_bucket(&actor.config().run))
@@ -258,13 +258,12 @@ fn actor_user_is_denied_weights_writes_and_other_runs() {
     assert!(denied_object.is_err(), "the actor wrote a weights object");
 
     // The weights pointer straight in KV, and deleting the stream.
-    let denied_put = actor.handle().block_on(async {
+    let denied_put = actor.block_on(async {
         let kv = actor.jetstream().get_key_value(subjects::run_bucket(&actor.config().run)).await.expect("kv opens");
         kv.put(subjects::WEIGHTS_KEY, Bytes::from_static(b"{}")).await
     });
     assert!(denied_put.is_err(), "the actor wrote the weights pointer");
     let denied_delete = actor
-        .handle()
         .block_on(async { actor.jetstream().delete_stream(subjects::trajectory_stream(&actor.config().run)).await });
     assert!(denied_delete.is_err(), "the actor deleted the trajectory stream");
 
@@ -282,7 +281,7 @@ fn actor_user_is_denied_weights_writes_and_other_runs() {
     // The live weights subject: the actor may receive, never send.
     let live = subjects::weights_live(&actor.config().run);
     let client = actor.client().clone();
-    actor.handle().block_on(async move {
+    actor.block_on(async move {
         client.publish(live, Bytes::from_static(b"forged")).await.expect("handed to the client");
         client.flush().await.expect("flushed");
     });
@@ -292,7 +291,7 @@ fn actor_user_is_denied_weights_writes_and_other_runs() {
     // actors overfill the learner's backlog until a consumer reading contradicts it).
     let pace = subjects::pace(&actor.config().run);
     let client = actor.client().clone();
-    actor.handle().block_on(async move {
+    actor.block_on(async move {
         let notice = volley_core::wire::pace::encode_pace_notice(&volley_core::wire::pace::PaceNotice {
             taken: 1 << 40,
             stored: 1 << 40,
@@ -358,7 +357,7 @@ fn assert_violation(server: &TestNats, subject: &str) {
 fn js_request(bus: &NatsBus, subject: &str, body: serde_json::Value) -> Option<serde_json::Value> {
     let client = bus.client().clone();
     let subject = subject.to_string();
-    bus.handle().block_on(async move {
+    bus.block_on(async move {
         let reply = tokio::time::timeout(
             Duration::from_secs(2),
             client.request(subject, Bytes::from(serde_json::to_vec(&body).expect("json"))),
@@ -519,7 +518,7 @@ fn env_server_user_serves_its_service_and_nothing_else() {
 
     // Actors may call the service but not serve it.
     let actor = actor_on(&server, RUN);
-    actor.handle().block_on(async {
+    actor.block_on(async {
         let _serve = actor.client().subscribe(format!("volley.env.{ENV_SERVICE}.>")).await.expect("sent");
         actor.client().flush().await.expect("flushed");
     });

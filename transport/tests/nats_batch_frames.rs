@@ -61,15 +61,12 @@ fn recv_at_least(source: &mut NatsTrajectorySource, n: usize, max: usize) -> Vec
 
 /// A subscription to the run's pace notices.
 fn subscribe_notices(bus: &NatsBus) -> async_nats::Subscriber {
-    bus.handle()
-        .block_on(bus.client().subscribe(subjects::pace(&bus.config().run)))
-        .expect("subscribed to the pace subject")
+    bus.block_on(bus.client().subscribe(subjects::pace(&bus.config().run))).expect("subscribed to the pace subject")
 }
 
 /// The next pace notice on `notices`, within the guard.
 fn next_notice(bus: &NatsBus, notices: &mut async_nats::Subscriber) -> wire::pace::PaceNotice {
     let message = bus
-        .handle()
         .block_on(async { tokio::time::timeout(GUARD, futures::StreamExt::next(notices)).await })
         .expect("a notice within the guard")
         .expect("subscription open");
@@ -82,7 +79,7 @@ fn outcome(delivery: &Delivery) -> Result<u64, &'static str> {
 
 fn stream_messages(bus: &NatsBus) -> u64 {
     let name = subjects::trajectory_stream(&bus.config().run);
-    bus.handle().block_on(async {
+    bus.block_on(async {
         let mut stream = bus.jetstream().get_stream(name).await.expect("the stream exists");
         stream.info().await.expect("stream info").state.messages
     })
@@ -91,7 +88,7 @@ fn stream_messages(bus: &NatsBus) -> u64 {
 /// (messages not yet delivered, messages delivered and not yet acknowledged).
 fn consumer_pending(bus: &NatsBus) -> (u64, usize) {
     let name = subjects::trajectory_stream(&bus.config().run);
-    bus.handle().block_on(async {
+    bus.block_on(async {
         let stream = bus.jetstream().get_stream(name).await.expect("the stream exists");
         let info = stream.consumer_info(subjects::LEARNER_CONSUMER).await.expect("consumer info");
         (info.num_pending, info.num_ack_pending)
@@ -100,7 +97,7 @@ fn consumer_pending(bus: &NatsBus) -> (u64, usize) {
 
 fn publish_raw(bus: &NatsBus, payload: Vec<u8>) {
     let subject = subjects::trajectories(&bus.config().run, &actor("raw"));
-    bus.handle().block_on(async {
+    bus.block_on(async {
         let ack = bus.jetstream().publish(subject, Bytes::from(payload)).await.expect("publish raw");
         ack.await.expect("stored");
     });
@@ -453,14 +450,14 @@ fn forge_pace_notices(
     notice: wire::pace::PaceNotice,
     forging: &Arc<AtomicBool>,
 ) -> thread::JoinHandle<()> {
-    let client = bus.client().clone();
-    let handle = bus.handle().clone();
+    // A peer of its own: a connection of its own, driven by this thread.
+    let forger = NatsBus::connect(bus.config().clone()).expect("the forger connects");
     let subject = subjects::pace(&bus.config().run);
     let forging = forging.clone();
     thread::spawn(move || {
         let notice = Bytes::copy_from_slice(&wire::pace::encode_pace_notice(&notice));
         while forging.load(std::sync::atomic::Ordering::Acquire) {
-            handle.block_on(client.publish(subject.clone(), notice.clone())).expect("published");
+            forger.block_on(forger.client().publish(subject.clone(), notice.clone())).expect("published");
             thread::sleep(Duration::from_micros(200));
         }
     })

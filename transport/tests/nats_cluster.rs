@@ -77,7 +77,7 @@ fn run_objects_are_replicated_on_every_server_of_a_cluster() {
         format!("OBJ_{}", subjects::snapshot_bucket(run)),
         format!("KV_{}", subjects::snapshot_index_bucket(run)),
     ];
-    bus.handle().block_on(async {
+    bus.block_on(async {
         for name in streams {
             let mut stream = bus.jetstream().get_stream(&name).await.expect("the stream exists");
             let info = stream.info().await.expect("stream info");

@@ -85,7 +85,7 @@ fn segment_idx(delivery: &Delivery) -> u64 {
 
 fn stream_messages(bus: &NatsBus) -> u64 {
     let name = subjects::trajectory_stream(&bus.config().run);
-    bus.handle().block_on(async {
+    bus.block_on(async {
         let mut stream = bus.jetstream().get_stream(name).await.expect("the stream exists");
         stream.info().await.expect("stream info").state.messages
     })
@@ -93,7 +93,7 @@ fn stream_messages(bus: &NatsBus) -> u64 {
 
 fn consumer_pending(bus: &NatsBus) -> (u64, usize) {
     let name = subjects::trajectory_stream(&bus.config().run);
-    bus.handle().block_on(async {
+    bus.block_on(async {
         let stream = bus.jetstream().get_stream(name).await.expect("the stream exists");
         let info = stream.consumer_info(subjects::LEARNER_CONSUMER).await.expect("consumer info");
         (info.num_pending, info.num_ack_pending)
@@ -101,7 +101,7 @@ fn consumer_pending(bus: &NatsBus) -> (u64, usize) {
 }
 
 fn publish_raw(bus: &NatsBus, subject: &str, payload: Vec<u8>) {
-    bus.handle().block_on(async {
+    bus.block_on(async {
         let ack = bus.jetstream().publish(subject.to_string(), Bytes::from(payload)).await.expect("publish raw");
         ack.await.expect("stored");
     });
@@ -363,7 +363,7 @@ fn weights(version: u64, n_params: usize) -> Arc<Weights> {
 
 fn weight_objects(bus: &NatsBus) -> Vec<String> {
     let bucket = subjects::weights_bucket(&bus.config().run);
-    bus.handle().block_on(async {
+    bus.block_on(async {
         let store = bus.jetstream().get_object_store(bucket).await.expect("weights store");
         let mut list = store.list().await.expect("list");
         let mut names = Vec::new();
@@ -388,7 +388,7 @@ fn the_weights_store_holds_only_the_kept_versions_and_no_delete_markers() {
     let mut publisher = bus.weights_publisher().expect("publisher");
     let backing = subjects::object_backing_stream(&subjects::weights_bucket(&bus.config().run));
     let store_messages = || {
-        bus.handle().block_on(async {
+        bus.block_on(async {
             let mut stream = bus.jetstream().get_stream(backing.as_str()).await.expect("the weights stream");
             stream.info().await.expect("stream info").state.messages
         })
@@ -482,7 +482,7 @@ fn corrupted_or_mismatched_weights_are_refused() {
     // Garbage bytes under the object the pointer names.
     publisher.publish(weights(2, 16)).expect("publish v2");
     let bucket = subjects::weights_bucket(&bus.config().run);
-    bus.handle().block_on(async {
+    bus.block_on(async {
         let store = bus.jetstream().get_object_store(bucket).await.expect("weights store");
         store.put(subjects::weights_object(2).as_str(), &mut &b"garbage"[..]).await.expect("overwrite");
     });
@@ -511,7 +511,7 @@ fn a_corrupted_run_spec_is_refused_and_a_plain_one_still_reads() {
     let learner = learner_bus(config(&server, "spec"));
     let actor_bus = NatsBus::connect(config(&server, "spec")).expect("connect");
     let put = |value: Vec<u8>| {
-        learner.handle().block_on(async {
+        learner.block_on(async {
             let kv = learner.jetstream().get_key_value(subjects::run_bucket(&learner.config().run)).await.expect("kv");
             kv.put(subjects::SPEC_KEY, value.into()).await.expect("put");
         })

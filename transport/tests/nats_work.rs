@@ -109,7 +109,7 @@ fn garbage_on_the_work_subject_is_dropped_and_valid_items_still_flow() {
     let server = TestNats::start();
     let bus = bus(&server, 30.0);
     let subject = subjects::work(&RunId::new("work").unwrap());
-    bus.handle().block_on(async {
+    bus.block_on(async {
         let ack = bus.jetstream().publish(subject, "not json".into()).await.expect("publish");
         ack.await.expect("stored");
     });

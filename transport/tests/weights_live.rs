@@ -68,7 +68,7 @@ fn both_arrived(follower: &NatsWeightsFollower, frames: u64, version: u64) {
 fn publish_live(bus: &NatsBus, chunks: Vec<Vec<u8>>) {
     let subject = subjects::weights_live(&bus.config().run);
     let client = bus.client().clone();
-    bus.handle().block_on(async move {
+    bus.block_on(async move {
         for chunk in chunks {
             client.publish(subject.clone(), Bytes::from(chunk)).await.expect("published");
         }
@@ -175,8 +175,8 @@ fn holding_v0(server: &TestNats, run: &str) -> (NatsBus, Box<dyn WeightsPublishe
 
 /// Nothing newer than v0 after the follower had time to see what was sent.
 fn still_v0(follower: &mut NatsWeightsFollower) {
-    thread::sleep(SETTLE);
-    assert!(follower.latest(Some(PolicyVersion(0))).expect("no error").is_none());
+    // Waiting on the follower, not sleeping: its bus reads the socket while a thread waits on it.
+    assert!(follower.wait_newer(Some(PolicyVersion(0)), SETTLE).expect("no error").is_none());
     assert_eq!(follower.verified_version(), Some(PolicyVersion(0)));
     assert_eq!(follower.durable_fetches(), 0);
 }

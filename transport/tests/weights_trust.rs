@@ -55,7 +55,7 @@ fn forge_pointer(bus: &NatsBus, version: u64, inline: Option<&Weights>, digest: 
 /// Write `json` under the weights key.
 fn forge_json(bus: &NatsBus, json: String) {
     let bucket = subjects::run_bucket(&bus.config().run);
-    bus.handle().block_on(async {
+    bus.block_on(async {
         let kv = bus.jetstream().get_key_value(bucket).await.expect("run bucket");
         kv.put(subjects::WEIGHTS_KEY, Bytes::from(json)).await.expect("forged pointer written");
     });
@@ -152,7 +152,7 @@ fn stepped(version: u64) -> Arc<Weights> {
 
 fn put_object(bus: &NatsBus, name: &str, bytes: &[u8]) {
     let bucket = subjects::weights_bucket(&bus.config().run);
-    bus.handle().block_on(async {
+    bus.block_on(async {
         let store = bus.jetstream().get_object_store(bucket).await.expect("weights store");
         store.put(name, &mut &bytes[..]).await.expect("object written");
     });
@@ -210,7 +210,7 @@ fn late_and_lagging_followers_rebuild_the_learners_exact_weights_from_deltas() {
 
     // The pointer says how to rebuild v7: the chain since its anchor and the digest.
     let bucket = subjects::run_bucket(&bus.config().run);
-    let pointer: serde_json::Value = bus.handle().block_on(async {
+    let pointer: serde_json::Value = bus.block_on(async {
         let kv = bus.jetstream().get_key_value(bucket).await.expect("run bucket");
         let bytes = kv.get(subjects::WEIGHTS_KEY).await.expect("read").expect("pointer");
         serde_json::from_slice(&bytes).expect("json")

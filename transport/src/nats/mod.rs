@@ -253,6 +253,16 @@ pub struct NatsConfig {
     pub replicas: usize,
     /// How to authenticate (`None`: anonymous, for a server without auth).
     pub auth: Option<NatsAuth>,
+    /// Worker threads of the runtime [`NatsBus::connect`] makes. 0 (the default): none; the
+    /// threads that call the bus run the connection and its background tasks while they
+    /// block on it, so a message is handed from the socket to the caller without waking
+    /// another thread (issue 16: distributed CartPole 13 % faster per env step and 7 % less
+    /// CPU than with 2 workers, docs/BENCHMARKS.md). Between calls nothing is read, which
+    /// suits actors and learners (they call the bus every round or update); a process that
+    /// must keep answering while it computes for minutes (the server drops a client that
+    /// misses two pings, 2 min apart by default) takes workers. Ignored by
+    /// [`NatsBus::connect_with_handle`].
+    pub runtime_workers: usize,
 }
 
 impl NatsConfig {
@@ -280,6 +290,7 @@ impl NatsConfig {
             prefetch_calls: 1,
             replicas: 1,
             auth: None,
+            runtime_workers: 0,
         }
     }
 
@@ -288,9 +299,41 @@ impl NatsConfig {
     }
 }
 
+/// Rounds of [`Shared::drive`]: socket polls, each followed by the tasks it woke.
+const DRIVE_ROUNDS: usize = 4;
+
 /// Shuts an owned runtime down without waiting for its tasks, so dropping the bus never
 /// blocks (and works even from inside another runtime).
 struct OwnedRuntime(Option<tokio::runtime::Runtime>);
+
+impl OwnedRuntime {
+    /// A current-thread runtime of our own, run by whichever thread blocks on it.
+    fn caller_driven(&self) -> bool {
+        self.0.as_ref().is_some_and(|runtime| {
+            matches!(runtime.handle().runtime_flavor(), tokio::runtime::RuntimeFlavor::CurrentThread)
+        })
+    }
+
+    /// `Runtime::block_on` for a runtime driven by its callers: the calling thread runs the
+    /// connection, the timers and the spawned tasks while it waits (another thread that blocks
+    /// meanwhile waits for its turn or for its own future). `Handle::block_on` for worker
+    /// threads, which drive everything themselves.
+    ///
+    /// A future that completes without ever waiting (a publish only queues its message for the
+    /// connection's writer) would leave what it queued unsent until the next call that waits,
+    /// so the caller-driven call yields once after it: the tasks it woke, the writer among
+    /// them, run before it returns.
+    fn block_on<F: Future>(&self, handle: &Handle, future: F) -> F::Output {
+        match &self.0 {
+            Some(runtime) if self.caller_driven() => runtime.block_on(async {
+                let output = future.await;
+                tokio::task::yield_now().await;
+                output
+            }),
+            _ => handle.block_on(future),
+        }
+    }
+}
 
 impl Drop for OwnedRuntime {
     fn drop(&mut self) {
@@ -317,7 +360,24 @@ struct Shared {
 
 impl Shared {
     fn block_on<F: Future>(&self, future: F) -> F::Output {
-        self.handle.block_on(DENIALS.scope(self.denials.clone(), future))
+        self._runtime.block_on(&self.handle, DENIALS.scope(self.denials.clone(), future))
+    }
+
+    /// Lets the connection and the background tasks take what has arrived, without waiting.
+    /// With a runtime driven by its callers ([`NatsConfig::runtime_workers`] 0) they run only
+    /// while some thread blocks on the bus; a non-blocking read such as the weights
+    /// follower's `latest` calls this first, so it sees what the socket holds.
+    fn drive(&self) {
+        if self._runtime.caller_driven() {
+            // Each yield polls the socket once and then runs the tasks that woke (the
+            // connection's reader, then the subscriptions' consumers): a few rounds carry a
+            // message from the socket to the component that waits for it.
+            self.block_on(async {
+                for _ in 0..DRIVE_ROUNDS {
+                    tokio::task::yield_now().await;
+                }
+            });
+        }
     }
 }
 
@@ -334,15 +394,19 @@ impl fmt::Debug for NatsBus {
 }
 
 impl NatsBus {
-    /// Connect with a runtime of its own (two worker threads), retrying for
-    /// [`NatsConfig::connect_timeout`]; the error names the URL and the last failure.
+    /// Connect with a runtime of its own ([`NatsConfig::runtime_workers`]: by default run by
+    /// the threads that call the bus), retrying for [`NatsConfig::connect_timeout`]; the
+    /// error names the URL and the last failure.
     pub fn connect(config: NatsConfig) -> Result<Self, TransportError> {
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .thread_name("volley-nats")
-            .enable_all()
-            .build()
-            .map_err(|err| failed("start nats runtime", err))?;
+        let mut builder = match config.runtime_workers {
+            0 => tokio::runtime::Builder::new_current_thread(),
+            workers => {
+                let mut builder = tokio::runtime::Builder::new_multi_thread();
+                builder.worker_threads(workers).thread_name("volley-nats");
+                builder
+            }
+        };
+        let runtime = builder.enable_all().build().map_err(|err| failed("start nats runtime", err))?;
         let handle = runtime.handle().clone();
         Self::connect_inner(config, handle, OwnedRuntime(Some(runtime)))
     }
@@ -360,7 +424,7 @@ impl NatsBus {
         let denials = Arc::new(Denials::default());
         // Our own retry loop instead of `retry_on_initial_connect`: that option returns at once
         // and leaves a task retrying forever, while a bounded loop gives a clear error.
-        let client = handle.block_on(async {
+        let client = runtime.block_on(&handle, async {
             let started = Instant::now();
             let mut backoff = Backoff::new();
             let mut attempts = 0u32;
@@ -443,6 +507,19 @@ impl NatsBus {
     /// The runtime the bus runs its async work on.
     pub fn handle(&self) -> &Handle {
         &self.shared.handle
+    }
+
+    /// Run `future` to completion on the bus's runtime from a plain (non-tokio) thread. Use this,
+    /// not `handle().block_on`: a runtime driven by its callers ([`NatsConfig::runtime_workers`]
+    /// 0) runs its connection only inside this call.
+    pub fn block_on<F: Future>(&self, future: F) -> F::Output {
+        self.shared.block_on(future)
+    }
+
+    /// Whether the bus's runtime runs only while a thread blocks on it (no worker threads).
+    /// A component that waits on `handle()` by itself then needs a connection of its own.
+    pub fn caller_driven(&self) -> bool {
+        self.shared._runtime.caller_driven()
     }
 
     /// Learner side: idempotently create the run's broker objects and publish the run spec.

@@ -753,8 +753,10 @@ impl Drop for NatsWeightsFollower {
 }
 
 impl NatsWeightsFollower {
-    /// The version the pointer written last claims (fetched or not, verified or not).
+    /// The version the pointer written last claims (fetched or not, verified or not). Like the
+    /// other counts of what arrived, it first lets the connection take what the socket holds.
     pub fn announced_version(&self) -> Option<PolicyVersion> {
+        self.shared.drive();
         self.slot.newest().map(|(pointer, _)| PolicyVersion(pointer.version))
     }
 
@@ -788,12 +790,14 @@ impl NatsWeightsFollower {
 
     /// Live versions reassembled so far (applied or not).
     pub fn live_received(&self) -> u64 {
+        self.shared.drive();
         self.live.as_ref().map_or(0, |live| live.slot.completed.load(Ordering::Acquire))
     }
 
     /// Live chunks refused on arrival (corrupt, unreadable, another layout, larger than a
     /// full frame, inconsistent with the rest of their version).
     pub fn live_chunks_refused(&self) -> u64 {
+        self.shared.drive();
         self.live.as_ref().map_or(0, |live| live.slot.refused_chunks.load(Ordering::Relaxed))
     }
 
@@ -1013,6 +1017,7 @@ impl WeightsFollower for NatsWeightsFollower {
     }
 
     fn latest(&mut self, have: Option<PolicyVersion>) -> Result<Option<Arc<Weights>>, TransportError> {
+        self.shared.drive();
         let newer = |newest: &Option<Arc<Weights>>| {
             newest.clone().filter(|newest| have.is_none_or(|have| newest.version > have))
         };
