@@ -836,7 +836,7 @@ pub struct NatsArgs {
     pub nats_prefetch_calls: u16,
     /// Worker threads of this process's NATS client runtime. 0: none, the threads that use
     /// NATS run it while they wait on it (fewer thread hand-offs per message; distributed
-    /// CartPole 13 % faster per env step). Give 1–2 to a process that computes for minutes
+    /// CartPole 7 % less CPU per env step). Give 1–2 to a process that computes for minutes
     /// between NATS calls, so its connection keeps answering the server's pings.
     #[arg(long, env = "VOLLEY_NATS_RUNTIME_WORKERS", default_value_t = 0,
           value_parser = clap::value_parser!(u16).range(0..=64))]

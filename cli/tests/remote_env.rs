@@ -160,7 +160,13 @@ fn a_killed_env_server_aborts_its_episodes_and_the_actor_continues() {
     actor.wait_for_log("actor started");
     // Both servers host one session of four environments (one session per server found).
     assert_eq!(actor.log().matches("environment session opened").count(), 2, "{}", actor.log());
-    learner.wait_for_log("learner progress");
+    // Kill a server once the learner is being fed, early in the 60K-step budget (not on a
+    // progress line: those come every 2 s, and a quick machine can finish the budget first).
+    let feeding = Instant::now();
+    while metric(&metrics_addr, "volley_actor_segments_published_total") < 4.0 {
+        assert!(feeding.elapsed() < PATIENCE, "the actor published no segments:\n{}", actor.log());
+        thread::sleep(Duration::from_millis(10));
+    }
     servers[0].kill9();
     let started = Instant::now();
     // The client counts the lost session first; the rollout counts the aborted episodes when
@@ -175,6 +181,7 @@ fn a_killed_env_server_aborts_its_episodes_and_the_actor_continues() {
     let summary = learner.summary();
     assert_eq!(summary["stop_reason"], "env_step_budget", "{summary}");
     assert!(summary["env_steps"].as_u64().expect("steps") >= 60_000, "{summary}");
+    assert!(summary["updates"].as_u64().expect("updates") > 0, "{summary}");
     let log = actor.log();
     assert!(log.contains("environment session lost"), "{log}");
     assert_eq!(log.matches("environment session opened").count(), 3, "re-opened on the survivor: {log}");

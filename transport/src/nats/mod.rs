@@ -256,8 +256,8 @@ pub struct NatsConfig {
     /// Worker threads of the runtime [`NatsBus::connect`] makes. 0 (the default): none; the
     /// threads that call the bus run the connection and its background tasks while they
     /// block on it, so a message is handed from the socket to the caller without waking
-    /// another thread (issue 16: distributed CartPole 13 % faster per env step and 7 % less
-    /// CPU than with 2 workers, docs/BENCHMARKS.md). Between calls nothing is read, which
+    /// another thread (issue 16: distributed CartPole took 7 % less CPU and loop time per env
+    /// step than with 2 workers, docs/BENCHMARKS.md). Between calls nothing is read, which
     /// suits actors and learners (they call the bus every round or update); a process that
     /// must keep answering while it computes for minutes (the server drops a client that
     /// misses two pings, 2 min apart by default) takes workers. Ignored by
@@ -355,12 +355,12 @@ struct Shared {
     /// Permission violations the server reported on this connection.
     denials: Arc<Denials>,
     /// Declared last: dropped after the client.
-    _runtime: OwnedRuntime,
+    runtime: OwnedRuntime,
 }
 
 impl Shared {
     fn block_on<F: Future>(&self, future: F) -> F::Output {
-        self._runtime.block_on(&self.handle, DENIALS.scope(self.denials.clone(), future))
+        self.runtime.block_on(&self.handle, DENIALS.scope(self.denials.clone(), future))
     }
 
     /// Lets the connection and the background tasks take what has arrived, without waiting.
@@ -368,7 +368,7 @@ impl Shared {
     /// while some thread blocks on the bus; a non-blocking read such as the weights
     /// follower's `latest` calls this first, so it sees what the socket holds.
     fn drive(&self) {
-        if self._runtime.caller_driven() {
+        if self.runtime.caller_driven() {
             // Each yield polls the socket once and then runs the tasks that woke (the
             // connection's reader, then the subscriptions' consumers): a few rounds carry a
             // message from the socket to the component that waits for it.
@@ -480,7 +480,7 @@ impl NatsBus {
             jetstream::ContextBuilder::new().timeout(config.request_timeout).build(client.clone())
         };
         info!(url = %config.url, run = %config.run, max_payload = client.max_payload(), "connected to nats");
-        Ok(NatsBus { shared: Arc::new(Shared { config, client, js, handle, connections, denials, _runtime: runtime }) })
+        Ok(NatsBus { shared: Arc::new(Shared { config, client, js, handle, connections, denials, runtime }) })
     }
 
     /// The bus configuration.
@@ -519,7 +519,7 @@ impl NatsBus {
     /// Whether the bus's runtime runs only while a thread blocks on it (no worker threads).
     /// A component that waits on `handle()` by itself then needs a connection of its own.
     pub fn caller_driven(&self) -> bool {
-        self.shared._runtime.caller_driven()
+        self.shared.runtime.caller_driven()
     }
 
     /// Learner side: idempotently create the run's broker objects and publish the run spec.
