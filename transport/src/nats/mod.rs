@@ -14,8 +14,10 @@
 //!
 //! The traits are blocking, because actors and the learner are CPU threads. [`NatsBus`] owns a
 //! small tokio runtime (or borrows one through [`NatsBus::connect_with_handle`]) and every
-//! blocking method runs its async work with `Handle::block_on`. Never call them from inside
-//! a tokio worker thread (tokio panics); call them from plain threads or `spawn_blocking`.
+//! blocking method runs its async work through [`NatsBus::block_on`]: on its own runtime, by
+//! default one without worker threads, the calling thread runs the connection while it waits
+//! ([`NatsConfig::runtime_workers`]). Never call them from inside a tokio worker thread (tokio
+//! panics); call them from plain threads or `spawn_blocking`.
 //!
 //! Every network call has a deadline, so a stalled broker surfaces as
 //! [`TransportError::Timeout`] within seconds, and every failure is logged with its operation.
@@ -504,7 +506,9 @@ impl NatsBus {
         &self.shared.js
     }
 
-    /// The runtime the bus runs its async work on.
+    /// The runtime the bus runs its async work on, for spawning on it. To wait for a future use
+    /// [`NatsBus::block_on`]: `Handle::block_on` does not run a caller-driven runtime's
+    /// connection, and would wait forever for anything that needs it.
     pub fn handle(&self) -> &Handle {
         &self.shared.handle
     }
