@@ -24,8 +24,22 @@ struct State {
     failure: Option<TransportError>,
     /// Versions handed over but replaced by a newer one before the thread took them.
     skipped: u64,
-    /// Set when the handle is dropped: the thread publishes what is pending and ends.
+    /// Set when the handle is dropped: the thread publishes what is pending, flushes and ends.
     closing: bool,
+    /// A flush was asked for: the thread flushes the inner publisher once nothing is pending.
+    flush_wanted: bool,
+    /// The thread is flushing the inner publisher right now.
+    flushing: bool,
+}
+
+/// What the publishing thread does next.
+enum Work {
+    Publish(Arc<Weights>),
+    /// Flush the inner publisher: asked for, or a deferred write is due. The thread ends after
+    /// it when `closing`.
+    Flush {
+        closing: bool,
+    },
 }
 
 struct Shared {
@@ -69,17 +83,49 @@ impl BackgroundPublisher {
             .spawn(move || {
                 let shared = thread_shared;
                 loop {
-                    let weights = {
+                    // A write the inner publisher deferred is made when it falls due, unless a
+                    // newer version comes first.
+                    let due = inner.deferred_until();
+                    let work = {
                         let mut state = shared.state.lock().expect("publisher lock is never poisoned");
                         loop {
                             if let Some(weights) = state.pending.take() {
                                 state.in_progress = Some(weights.version);
-                                break weights;
+                                break Work::Publish(weights);
                             }
-                            if state.closing {
+                            let now = Instant::now();
+                            if state.closing || state.flush_wanted || due.is_some_and(|due| due <= now) {
+                                state.flush_wanted = false;
+                                state.flushing = true;
+                                break Work::Flush { closing: state.closing };
+                            }
+                            state = match due {
+                                Some(due) => {
+                                    shared
+                                        .changed
+                                        .wait_timeout(state, due - now)
+                                        .expect("publisher lock is never poisoned")
+                                        .0
+                                }
+                                None => shared.changed.wait(state).expect("publisher lock is never poisoned"),
+                            };
+                        }
+                    };
+                    let weights = match work {
+                        Work::Publish(weights) => weights,
+                        Work::Flush { closing } => {
+                            let outcome = inner.flush();
+                            let mut state = shared.state.lock().expect("publisher lock is never poisoned");
+                            state.flushing = false;
+                            if let Err(err) = outcome {
+                                warn!(%err, "weights flush failed");
+                                state.failure.get_or_insert(err);
+                            }
+                            shared.changed.notify_all();
+                            if closing {
                                 return;
                             }
-                            state = shared.changed.wait(state).expect("publisher lock is never poisoned");
+                            continue;
                         }
                     };
                     let version = weights.version;
@@ -105,15 +151,18 @@ impl BackgroundPublisher {
         self.shared.state.lock().expect("publisher lock is never poisoned").skipped
     }
 
-    /// Wait until every version handed over is published or has failed, at most `timeout`.
+    /// Wait until every version handed over is published and the inner publisher is flushed
+    /// (its deferred writes made), or something failed, at most `timeout`.
     pub fn flush_within(&mut self, timeout: Duration) -> Result<(), TransportError> {
         let started = Instant::now();
         let mut state = self.shared.state.lock().expect("publisher lock is never poisoned");
+        state.flush_wanted = true;
+        self.shared.changed.notify_all();
         loop {
             if let Some(err) = state.failure.take() {
                 return Err(err);
             }
-            if state.pending.is_none() && state.in_progress.is_none() {
+            if state.pending.is_none() && state.in_progress.is_none() && !state.flush_wanted && !state.flushing {
                 return Ok(());
             }
             let left = timeout.saturating_sub(started.elapsed());
@@ -240,5 +289,60 @@ mod tests {
         publisher.flush().expect("v2 out");
         assert_eq!(rx.try_iter().collect::<Vec<_>>(), vec![0, 2]);
         assert!(!publisher.is_published(PolicyVersion(3)));
+    }
+
+    /// Defers a write of each version (as the NATS publisher defers a pointer), due `after`
+    /// the publish; `flush` makes it. Reports both.
+    struct Deferring {
+        events: mpsc::Sender<String>,
+        after: Duration,
+        due: Option<(u64, Instant)>,
+    }
+
+    impl WeightsPublisher for Deferring {
+        fn publish(&mut self, weights: Arc<Weights>) -> Result<(), TransportError> {
+            self.due = Some((weights.version.0, Instant::now() + self.after));
+            self.events.send(format!("publish {}", weights.version.0)).unwrap();
+            Ok(())
+        }
+
+        fn flush(&mut self) -> Result<(), TransportError> {
+            if let Some((version, _)) = self.due.take() {
+                self.events.send(format!("write {version}")).unwrap();
+            }
+            Ok(())
+        }
+
+        fn deferred_until(&self) -> Option<Instant> {
+            self.due.map(|(_, at)| at)
+        }
+    }
+
+    #[test]
+    fn a_deferred_write_is_made_when_due_on_flush_and_on_drop() {
+        const GUARD: Duration = Duration::from_secs(30);
+        let (tx, rx) = mpsc::channel();
+        let after = Duration::from_millis(50);
+        let mut publisher =
+            BackgroundPublisher::new(Deferring { events: tx.clone(), after, due: None }).expect("thread");
+        // Due: written by the thread with nothing else happening, not before its time.
+        let handed = Instant::now();
+        publisher.publish(weights(0)).expect("handed over");
+        assert_eq!(rx.recv_timeout(GUARD).unwrap(), "publish 0");
+        assert_eq!(rx.recv_timeout(GUARD).unwrap(), "write 0");
+        assert!(handed.elapsed() >= after, "written {:?} after the publish", handed.elapsed());
+        // A flush makes it at once; a flush with nothing deferred writes nothing.
+        let mut publisher_slow =
+            BackgroundPublisher::new(Deferring { events: tx.clone(), after: GUARD, due: None }).expect("thread");
+        publisher_slow.publish(weights(1)).expect("handed over");
+        publisher_slow.flush_within(GUARD).expect("flushed");
+        assert_eq!(rx.try_iter().collect::<Vec<_>>(), vec!["publish 1", "write 1"]);
+        publisher_slow.flush_within(GUARD).expect("flushed");
+        assert_eq!(rx.try_iter().count(), 0);
+        // Dropping the publisher makes what is deferred.
+        publisher_slow.publish(weights(2)).expect("handed over");
+        drop(publisher_slow);
+        assert_eq!(rx.try_iter().collect::<Vec<_>>(), vec!["publish 2", "write 2"]);
+        drop(publisher);
     }
 }

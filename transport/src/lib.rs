@@ -202,9 +202,17 @@ pub trait WeightsPublisher: Send {
         true
     }
 
-    /// Wait until every version handed to `publish` is out (or return why not).
+    /// Wait until every version handed to `publish` is out, including any write the
+    /// publisher deferred (or return why not).
     fn flush(&mut self) -> Result<(), TransportError> {
         Ok(())
+    }
+
+    /// When a write this publisher deferred is due (the NATS publisher's pointer of a version
+    /// that went out live, [`nats::NatsConfig::weights_pointer_every`]): if nothing is published
+    /// before then, the caller calls [`flush`](Self::flush). `None`: nothing deferred.
+    fn deferred_until(&self) -> Option<std::time::Instant> {
+        None
     }
 }
 

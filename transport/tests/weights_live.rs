@@ -19,7 +19,7 @@ use volley_core::subjects;
 use volley_core::wire::{frame, live, Weights};
 use volley_testkit::TestNats;
 use volley_transport::nats::{NatsBus, NatsConfig, NatsWeightsFollower};
-use volley_transport::{WeightsFollower, WeightsPublisher};
+use volley_transport::{BackgroundPublisher, WeightsFollower, WeightsPublisher};
 
 /// Bound on any wait: only there so a regression fails instead of hanging.
 const GUARD: Duration = Duration::from_secs(60);
@@ -304,4 +304,89 @@ fn a_waiting_follower_wakes_for_each_new_version_and_times_out_without_one() {
         have = next.version.0;
     }
     later.join().expect("publisher thread");
+}
+
+/// Parameters small enough to travel inside the pointer (a CartPole MLP has about 4,700).
+const SMALL_PARAMS: usize = 4096;
+
+fn small(version: u64) -> Arc<Weights> {
+    common::stepped_weights(version, SMALL_PARAMS, LAYOUT)
+}
+
+/// A bus for inline weights whose pointer is written for every `every`-th version, or after
+/// `within` without a newer one.
+fn inline_bus(server: &TestNats, run: &str, every: u64, within: Duration) -> NatsBus {
+    let mut config = NatsConfig::new(server.url(), RunId::new(run).unwrap());
+    config.request_timeout = Duration::from_secs(2);
+    config.weights_pointer_every = every;
+    config.weights_pointer_within = within;
+    let bus = NatsBus::connect(config).expect("connect to the test server");
+    bus.ensure_run(&common::spec(run)).expect("create the run");
+    bus
+}
+
+/// A follower of `bus`'s run that receives nothing live.
+fn blind_follower(bus: &NatsBus) -> (NatsBus, NatsWeightsFollower) {
+    let mut config = bus.config().clone();
+    config.weights_live = false;
+    let blind_bus = NatsBus::connect(config).expect("connect");
+    let blind = blind_bus.weights_follower(LAYOUT, SMALL_PARAMS).expect("follower");
+    (blind_bus, blind)
+}
+
+#[test]
+fn inline_pointers_trail_the_live_path_by_fewer_than_every_versions_and_a_flush_writes_the_last() {
+    let server = TestNats::start();
+    let learner = inline_bus(&server, "trail", 4, Duration::from_secs(600));
+    let mut publisher = learner.weights_publisher().expect("publisher");
+    let actor = inline_bus(&server, "trail", 4, Duration::from_secs(600));
+    let mut live = actor.weights_follower(LAYOUT, SMALL_PARAMS).expect("follower");
+    let (_blind_bus, mut blind) = blind_follower(&actor);
+
+    publisher.publish(small(0)).expect("v0");
+    both_arrived(&live, 1, 0);
+    assert_exact(&next_version(&mut live, None), &small(0));
+    // Pointers for 0, 4 and 8 only; the connected follower takes every version live, 5–7 up
+    // to three versions above the pointer written last.
+    for version in 1..10 {
+        publisher.publish(small(version)).expect("published");
+        assert_exact(&next_version(&mut live, Some(version - 1)), &small(version));
+    }
+    assert_eq!((live.live_applied(), live.durable_fetches(), live.refusals()), (10, 0, 0), "{live:?}");
+    // The follower without the live path sees the pointers: v8 is the newest it can have.
+    both_arrived(&blind, 0, 8);
+    assert_exact(&next_version(&mut blind, None), &small(8));
+    assert!(blind.wait_newer(Some(PolicyVersion(8)), SETTLE).expect("no error").is_none(), "v9's pointer waits");
+    // A flush writes the deferred pointer, and the late follower takes v9 from it.
+    publisher.flush().expect("flushed");
+    assert_exact(&next_version(&mut blind, Some(8)), &small(9));
+    let late_bus = inline_bus(&server, "trail", 4, Duration::from_secs(600));
+    let mut late = late_bus.weights_follower(LAYOUT, SMALL_PARAMS).expect("follower");
+    assert_exact(&late.wait_first(GUARD).expect("first weights"), &small(9));
+    // Nothing left to write: a second flush changes nothing, and the next version's pointer
+    // is due by count again (10 is fewer than 4 versions after 9).
+    publisher.flush().expect("flushed");
+    publisher.publish(small(10)).expect("v10");
+    assert_exact(&next_version(&mut live, Some(9)), &small(10));
+    assert!(blind.wait_newer(Some(PolicyVersion(9)), SETTLE).expect("no error").is_none(), "v10's pointer waits");
+}
+
+#[test]
+fn a_deferred_pointer_is_written_when_no_newer_version_comes() {
+    // The learner's publisher runs in the background: a version whose pointer was deferred
+    // gets it `weights_pointer_within` after the last pointer, without a flush.
+    let server = TestNats::start();
+    let within = Duration::from_millis(200);
+    let learner = inline_bus(&server, "idle", 4, within);
+    let mut publisher = BackgroundPublisher::new(learner.weights_publisher().expect("publisher")).expect("thread");
+    let actor = inline_bus(&server, "idle", 4, within);
+    let (_blind_bus, mut blind) = blind_follower(&actor);
+    publisher.publish(small(0)).expect("v0");
+    assert_exact(&blind.wait_first(GUARD).expect("first weights"), &small(0));
+    let handed = Instant::now();
+    publisher.publish(small(1)).expect("v1");
+    let got = blind.wait_newer(Some(PolicyVersion(0)), GUARD).expect("no error").expect("v1 within the guard");
+    assert_exact(&got, &small(1));
+    assert!(handed.elapsed() >= within / 2, "v1's pointer was deferred, not written at once ({:?})", handed.elapsed());
+    publisher.flush().expect("nothing left to write");
 }

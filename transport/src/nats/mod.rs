@@ -248,6 +248,20 @@ pub struct NatsConfig {
     /// pointer stay the durable path for late joiners and for followers that missed a chunk.
     /// On by default; off, followers see a version only through the pointer.
     pub weights_live: bool,
+    /// With the live path on, the pointer of inline weights is written for at least every
+    /// this many versions (and the first); the versions in between reach connected followers
+    /// by the live path alone, and their pointer is written only if nothing newer comes within
+    /// [`weights_pointer_within`](Self::weights_pointer_within). Each pointer is a stored KV
+    /// write of the whole frame, base64, and a delivery to every follower: writing it for
+    /// every eighth version took 15 % off the CPU of distributed CartPole (issue 16,
+    /// docs/BENCHMARKS.md). A follower without the live path trails by up to this many
+    /// versions less one. 1 writes every pointer; at most [`weights::MAX_POINTER_EVERY`].
+    /// Object-stored weights write every pointer.
+    pub weights_pointer_every: u64,
+    /// The pointer written last is never older than this while versions go out (a slow
+    /// learner writes every pointer), and a deferred pointer is written this long after the
+    /// last one when no newer version comes.
+    pub weights_pointer_within: Duration,
     /// Copies JetStream keeps of the run's streams and buckets (trajectories, run KV, weights,
     /// and with work items the work queue and snapshot stores): 1 on a single server, 3 on a
     /// 3-node cluster so that losing one server loses nothing. Applied when they are created;
@@ -289,6 +303,8 @@ impl NatsConfig {
             weights_anchor_every: 16,
             weights_inline_max_bytes: 256 << 10,
             weights_live: true,
+            weights_pointer_every: 8,
+            weights_pointer_within: Duration::from_millis(100),
             prefetch_calls: 1,
             replicas: 1,
             auth: None,

@@ -54,6 +54,8 @@ impl NatsBus {
             // An earlier learner's objects: one old chain, deleted once enough new ones exist.
             kept: if kept.is_empty() { VecDeque::new() } else { VecDeque::from([kept]) },
             last_frame_bytes: 0,
+            pointer_written: None,
+            deferred: None,
             shared,
         })
     }
@@ -116,7 +118,7 @@ fn open_live(shared: &Arc<Shared>, layout_hash: u64, n_params: usize) -> Option<
     let subscriber = match subscribed {
         Ok(subscriber) => subscriber,
         Err(err) => {
-            warn!(%err, "live weights unavailable; following the pointer only");
+            warn!(%err, "live weights unavailable; following the pointer only, which may trail small weights by up to the learner's pointer interval");
             return None;
         }
     };
@@ -144,13 +146,6 @@ struct LiveSlot {
 /// Completed live frames kept for the follower: the newest two, so a follower that polls
 /// less often than versions arrive can still apply a version and then its child delta.
 const LIVE_FRAMES_KEPT: usize = 2;
-
-/// How far a live version may run ahead of the pointer written last: the learner writes the
-/// pointer of a version before it sends the next one live, so 1 is the rule and 2 leaves
-/// room for a watch that lags. A live version further ahead waits (at most
-/// [`LIVE_FRAMES_KEPT`] of them) until the pointer catches up, so a forged live version cannot
-/// claim a version far above the learner's and make the follower ignore the real ones.
-const MAX_LIVE_LEAD: u64 = 2;
 
 /// The background half of the live path: its slot and reassembly task.
 #[derive(Debug)]
@@ -217,6 +212,35 @@ struct WeightsPointer {
     /// The full frame of `version`, base64 (small weights only).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     inline: Option<String>,
+    /// The publisher writes the pointer at least every this many versions; the versions in
+    /// between travel by the live path only ([`NatsConfig::weights_pointer_every`]). Followers
+    /// take a live version at most this many plus one versions above the pointer
+    /// ([`live_lead`]). Absent (1) from publishers that write every version.
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    pointer_every: u64,
+}
+
+fn one() -> u64 {
+    1
+}
+
+fn is_one(n: &u64) -> bool {
+    *n == 1
+}
+
+/// Largest pointer interval a follower honours ([`NatsConfig::weights_pointer_every`] is
+/// checked against it; a pointer claiming more is taken as claiming this).
+pub const MAX_POINTER_EVERY: u64 = 64;
+
+/// How far a live version may run ahead of the pointer written last, for a pointer written at
+/// least every `pointer_every` versions: up to `pointer_every - 1` versions travel live
+/// between two pointers, the next version's pointer is written after that version is sent
+/// live, and one more leaves room for a watch that lags. A live version further ahead waits
+/// (at most [`LIVE_FRAMES_KEPT`] of them) until the pointer catches up, so a forged live
+/// version cannot claim a version far above the learner's and make the follower ignore the
+/// real ones.
+fn live_lead(pointer_every: u64) -> u64 {
+    pointer_every.clamp(1, MAX_POINTER_EVERY) + 1
 }
 
 /// Deadline of one attempt to put the weights pointer (see `NatsWeightsPublisher::publish`).
@@ -365,6 +389,11 @@ pub struct NatsWeightsPublisher {
     kept: VecDeque<Vec<String>>,
     /// Bytes of the last frame published.
     last_frame_bytes: usize,
+    /// The version of the pointer written last, and when.
+    pointer_written: Option<(u64, Instant)>,
+    /// A version sent live whose pointer is not written yet, with its full frame: written
+    /// with the next pointer due, or by [`WeightsPublisher::flush`].
+    deferred: Option<(WeightsPointer, Vec<u8>)>,
 }
 
 impl fmt::Debug for NatsWeightsPublisher {
@@ -374,6 +403,7 @@ impl fmt::Debug for NatsWeightsPublisher {
             .field("anchor", &self.anchor)
             .field("deltas", &self.deltas.len())
             .field("kept_chains", &self.kept.len())
+            .field("deferred", &self.deferred.as_ref().map(|(pointer, _)| pointer.version))
             .finish()
     }
 }
@@ -416,7 +446,7 @@ impl NatsWeightsPublisher {
     /// run's live subject. Best effort and not waited for: a follower that misses a chunk
     /// takes the version from the object store, which this publish writes next (the chunks
     /// leave first, on the same connection).
-    fn publish_live(&self, chunks: Vec<Vec<u8>>, version: u64) {
+    fn publish_live(&self, chunks: Vec<Vec<u8>>, version: u64) -> bool {
         let shared = &self.shared;
         let subject = Subject::from(subjects::weights_live(&shared.config.run));
         let client = &shared.client;
@@ -426,9 +456,45 @@ impl NatsWeightsPublisher {
             }
             Ok::<_, async_nats::PublishError>(())
         }));
-        if let Err(err) = sent {
+        if let Err(err) = &sent {
             debug!(version, %err, "live weights not sent; followers fetch them from the store");
         }
+        sent.is_ok()
+    }
+
+    /// Put `pointer` (with `frame` inline when the pointer carries it) under the run's
+    /// `weights` key, retrying through a broker outage.
+    fn write_pointer(&mut self, mut pointer: WeightsPointer, inline: Option<&[u8]>) -> Result<(), TransportError> {
+        let shared = self.shared.clone();
+        let config = &shared.config;
+        pointer.inline = inline.map(|frame| base64::engine::general_purpose::STANDARD.encode(frame));
+        let pointer_json =
+            Bytes::from(serde_json::to_vec(&pointer).map_err(|err| failed("encode weights pointer", err))?);
+        let kv = &self.kv;
+        // A put in flight across a broker restart is retried at once (issue 11), and each attempt
+        // has a short deadline: a put whose ack was lost is sent again after half a second
+        // instead of the whole request timeout, during which actors would act with ever staler
+        // weights. Putting the same pointer twice is harmless.
+        let connections = &shared.connections;
+        let attempt = config.request_timeout.min(POINTER_PUT_DEADLINE);
+        shared.block_on(retry_for("put weights pointer", config.retry_deadline, || {
+            let put = call("put weights pointer", attempt, kv.put(subjects::WEIGHTS_KEY, pointer_json.clone()));
+            unless_reconnected(connections, "put weights pointer", put)
+        }))?;
+        self.pointer_written = Some((pointer.version, Instant::now()));
+        Ok(())
+    }
+
+    /// Whether the pointer of `version` may wait: its weights went out live, and the pointer
+    /// written last is fewer than [`NatsConfig::weights_pointer_every`] versions and less than
+    /// [`NatsConfig::weights_pointer_within`] old.
+    fn may_defer(&self, version: u64, sent_live: bool) -> bool {
+        let config = &self.shared.config;
+        let every = config.weights_pointer_every.clamp(1, MAX_POINTER_EVERY);
+        sent_live
+            && self.pointer_written.is_some_and(|(written, at)| {
+                version.saturating_sub(written) < every && at.elapsed() < config.weights_pointer_within
+            })
     }
 
     /// Delete the objects of chains beyond the newest `keep_weight_versions` (best effort: a
@@ -500,9 +566,10 @@ impl WeightsPublisher for NatsWeightsPublisher {
         };
         // Whether the parameters match their checksum.
         let sound = digest == weights.checksum;
-        if let (true, Some(chunks)) = (sound, live) {
-            self.publish_live(chunks, version);
-        }
+        let sent_live = match (sound, live) {
+            (true, Some(chunks)) => self.publish_live(chunks, version),
+            _ => false,
+        };
         // Then the durable path: the chain's delta, or the full frame (encoded once).
         let (frame, parent) = match delta_parent {
             Some(parent) => (wire::frame::encode_delta_frame(parent, &weights), Some(parent.version.0)),
@@ -529,33 +596,60 @@ impl WeightsPublisher for NatsWeightsPublisher {
             version,
             parent,
             anchor,
-            deltas,
+            deltas: deltas.clone(),
             digest: format!("{:016x}", weights.checksum),
             layout_hash: format!("{:016x}", weights.layout_hash),
             size_bytes: frame.len() as u64,
-            inline: inline.then(|| base64::engine::general_purpose::STANDARD.encode(&frame)),
+            inline: None,
+            pointer_every: config.weights_pointer_every.clamp(1, MAX_POINTER_EVERY),
         };
-        let pointer_json =
-            Bytes::from(serde_json::to_vec(&pointer).map_err(|err| failed("encode weights pointer", err))?);
-        let kv = &self.kv;
-        // A put in flight across a broker restart is retried at once (issue 11), and each attempt
-        // has a short deadline: a put whose ack was lost is sent again after half a second
-        // instead of the whole request timeout, during which actors would act with ever staler
-        // weights. Putting the same pointer twice is harmless.
-        let connections = &shared.connections;
-        let attempt = config.request_timeout.min(POINTER_PUT_DEADLINE);
-        shared.block_on(retry_for("put weights pointer", config.retry_deadline, || {
-            let put = call("put weights pointer", attempt, kv.put(subjects::WEIGHTS_KEY, pointer_json.clone()));
-            unless_reconnected(connections, "put weights pointer", put)
-        }))?;
-        debug!(version, parent, size_bytes = frame.len(), inline, "weights published");
+        let frame_bytes = frame.len();
+        // Inline weights that went out live: their pointer (a stored KV write of the whole
+        // frame, and a delivery to every follower) may wait for the next one due, since
+        // connected followers have the version already (issue 16). Only inline weights: the
+        // pointer of an object-stored version is small, and its chain needs every version.
+        if inline && self.may_defer(version, sent_live) {
+            self.deferred = Some((pointer, frame));
+        } else {
+            self.deferred = None;
+            self.write_pointer(pointer, inline.then_some(&frame[..]))?;
+        }
+        debug!(
+            version,
+            parent,
+            size_bytes = frame_bytes,
+            inline,
+            deferred = self.deferred.is_some(),
+            "weights published"
+        );
         self.last_version = Some(version);
-        self.last_frame_bytes = frame.len();
-        self.anchor = pointer.anchor;
-        self.deltas = pointer.deltas;
+        self.last_frame_bytes = frame_bytes;
+        self.anchor = anchor;
+        self.deltas = deltas;
         self.parent = sound.then_some(weights);
         self.purge_old_chains();
         Ok(())
+    }
+
+    /// Write the pointer of the last version if it was deferred.
+    fn flush(&mut self) -> Result<(), TransportError> {
+        let Some((pointer, frame)) = self.deferred.take() else { return Ok(()) };
+        match self.write_pointer(pointer.clone(), Some(&frame)) {
+            Ok(()) => {
+                debug!(version = pointer.version, "deferred weights pointer written");
+                Ok(())
+            }
+            Err(err) => {
+                // Kept: the next flush tries again, unless a newer version replaces it.
+                self.deferred = Some((pointer, frame));
+                Err(err)
+            }
+        }
+    }
+
+    fn deferred_until(&self) -> Option<Instant> {
+        let (_, written_at) = self.pointer_written?;
+        self.deferred.as_ref().map(|_| written_at + self.shared.config.weights_pointer_within)
     }
 }
 
@@ -808,7 +902,7 @@ impl NatsWeightsFollower {
 
     /// Take the completed live frames that extend what this follower holds: a frame is
     /// applied when its version is above the newest verified one and at most
-    /// [`MAX_LIVE_LEAD`] above the pointer written last, it is a full frame or a delta whose
+    /// [`live_lead`] above the pointer written last, it is a full frame or a delta whose
     /// parent is exactly the newest verified version, it decodes (envelope checksum, layout,
     /// parameter count, parent), and the rebuilt parameters' digest equals the digest its
     /// chunks carried, which is the digest the pointer will carry. Anything else is left to
@@ -816,10 +910,10 @@ impl NatsWeightsFollower {
     /// pointer that announces that version with another digest replaces it (see `latest`).
     fn apply_live(&mut self) {
         let Some(slot) = self.live.as_ref().map(|live| live.slot.clone()) else { return };
-        let announced = self.slot.newest().map(|(pointer, _)| pointer.version);
+        let announced = self.slot.newest().map(|(pointer, _)| (pointer.version, live_lead(pointer.pointer_every)));
         let mut frames = std::mem::take(&mut *slot.frames.lock().expect("live lock is never poisoned"));
         let ahead = |header: &wire::live::ChunkHeader| {
-            announced.is_none_or(|announced| header.version.0 > announced.saturating_add(MAX_LIVE_LEAD))
+            announced.is_none_or(|(announced, lead)| header.version.0 > announced.saturating_add(lead))
         };
         // Frames before the newest full frame that may be applied are not needed.
         if let Some(last_full) = frames.iter().rposition(|f| f.header.parent.is_none() && !ahead(&f.header)) {
@@ -1154,7 +1248,23 @@ mod tests {
             layout_hash: "0".into(),
             size_bytes: 0,
             inline: None,
+            pointer_every: 1,
         }
+    }
+
+    #[test]
+    fn a_pointer_without_an_interval_means_every_version_and_the_lead_is_bounded() {
+        let json = serde_json::to_string(&pointer(7)).expect("serializable");
+        assert!(!json.contains("pointer_every"), "an older follower reads it unchanged: {json}");
+        let every8 = WeightsPointer { pointer_every: 8, ..pointer(7) };
+        let json8 = serde_json::to_string(&every8).expect("serializable");
+        assert!(json8.contains("\"pointer_every\":8"), "{json8}");
+        assert_eq!(serde_json::from_str::<WeightsPointer>(&json8).expect("roundtrip"), every8);
+        // A live version may lead the pointer by its interval plus one, never by more than the cap.
+        assert_eq!(live_lead(1), 2);
+        assert_eq!(live_lead(0), 2);
+        assert_eq!(live_lead(8), 9);
+        assert_eq!(live_lead(u64::MAX), MAX_POINTER_EVERY + 1);
     }
 
     #[test]
