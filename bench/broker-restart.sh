@@ -4,7 +4,8 @@
 # on the same store and port DOWN_SECS later. Prints, from the learner's log, when it reconnected
 # and when its first update after the restart happened (the first "learner progress" line after
 # the reconnect: the line is written at the first update once 2 s have passed since the last one,
-# and no update happened during the outage), and whether any ack gave up.
+# and no update happened during the outage), whether any ack gave up, and the env steps per second
+# in the 10 s before the kill and the 10 s after the reconnect.
 #
 # usage: bench/broker-restart.sh [OUT_DIR]
 # env:   VOLLEY_BIN (default target/release/volley), WARM_SECS (15), DOWN_SECS (5), AFTER_SECS (40)
@@ -65,4 +66,18 @@ print("first update after reconnect  ", first_after.time() if first_after else "
 if first_after:
     print("seconds from reconnect to first update: %.1f" % (first_after - t_reconnect).total_seconds())
 print("acks that gave up after the reconnect:", gave_up, "; abandon events:", abandoned)
+# Throughput, not only the first update: env steps per second in the 10 s before the kill and in
+# the 10 s after the reconnect (progress lines, every 2 s). Actors that waited out lost publish
+# acks one deadline after another once stalled for 5-20 s after an otherwise quick reconnect.
+progress = [(ts(l), int(re.search(r"env_steps=(\d+)", l).group(1))) for l in lines if "learner progress" in l]
+def steps_at(t):
+    before = [s for (u, s) in progress if u <= t]
+    return before[-1] if before else 0
+killed = datetime.combine(t_reconnect.date(), datetime.strptime(sys.argv[2][:15], "%H:%M:%S.%f").time())
+from datetime import timedelta
+window = timedelta(seconds=10)
+rate_before = (steps_at(killed) - steps_at(killed - window)) / 10
+rate_after = (steps_at(t_reconnect + window) - steps_at(t_reconnect)) / 10
+print("env steps/s, 10 s before the kill: %.0f; 10 s after the reconnect: %.0f (%.0f %%)" % (
+    rate_before, rate_after, 100 * rate_after / rate_before if rate_before else 0))
 PY

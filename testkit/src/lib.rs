@@ -125,6 +125,16 @@ impl TestNats {
         }
     }
 
+    /// Stop the server process with SIGSTOP: its connections stay open but nothing is read or
+    /// answered (a hung broker, or one about to crash with messages unread). [`TestNats::kill`]
+    /// and [`TestNats::restart`] end it as usual. Does nothing when it is not running.
+    pub fn pause(&mut self) {
+        if let Some(child) = self.child.as_ref() {
+            let stopped = Command::new("kill").args(["-STOP", &child.id().to_string()]).status();
+            assert!(stopped.is_ok_and(|status| status.success()), "could not stop nats-server");
+        }
+    }
+
     /// Kill the server with SIGKILL (no clean shutdown, like a crashed pod) and reap it.
     /// Does nothing when it is not running.
     pub fn kill(&mut self) {

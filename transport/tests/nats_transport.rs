@@ -571,6 +571,55 @@ fn replay_yields_every_segment_in_order_then_closed() {
 }
 
 #[test]
+fn publishes_whose_acks_a_restart_lost_are_sent_again_at_once() {
+    // Messages the server never read before it died are never acknowledged. The sink resends
+    // them as soon as the client has reconnected, not one ack deadline after another: with a
+    // 120 s deadline and three such messages, waiting them out would take six minutes.
+    let mut server = TestNats::start();
+    let mut actor_config = config(&server, "lost-acks");
+    actor_config.request_timeout = Duration::from_secs(120);
+    let bus = learner_bus(config(&server, "lost-acks"));
+    let actor_bus = NatsBus::connect(actor_config).expect("actor connects");
+    let mut sink = actor_bus.trajectory_sink(&actor("a"), Arc::new(AtomicBool::new(false))).expect("sink");
+    let mut source = bus.trajectory_source().expect("source");
+    sink.publish(vec![segment("a", 0, 0)]).expect("before the pause");
+    sink.flush().expect("acknowledged");
+
+    // The server stops reading: three messages go out (one per call) and stay unread.
+    server.pause();
+    let (done, finished) = std::sync::mpsc::channel();
+    let actor_thread = thread::spawn(move || {
+        for i in 1..4 {
+            sink.publish(vec![segment("a", 0, i)]).expect("handed to the client");
+        }
+        done.send(sink.flush()).expect("the test waits");
+        sink
+    });
+    thread::sleep(Duration::from_millis(300));
+    server.restart();
+    let flushed = finished.recv_timeout(GUARD).expect("the sink waited for acks that a restart had lost");
+    flushed.expect("acknowledged after the restart");
+    let sink = actor_thread.join().expect("actor thread");
+    assert!(sink.stats().published >= 4);
+    assert!(sink.publish_retries() >= 1, "the unread messages were sent again");
+
+    // Each segment is in the stream once (resent under its id; the server had none of them).
+    let mut seen = Vec::new();
+    let started = Instant::now();
+    while seen.len() < 4 {
+        assert!(started.elapsed() < GUARD, "segments missing: {seen:?}");
+        let mut out = Vec::new();
+        let _ = source.recv(4, Duration::from_millis(200), &mut out);
+        seen.extend(out.iter().map(segment_idx));
+    }
+    let mut out = Vec::new();
+    let _ = source.recv(4, Duration::from_millis(300), &mut out);
+    seen.extend(out.iter().map(segment_idx));
+    seen.sort_unstable();
+    assert_eq!(seen, vec![0, 1, 2, 3]);
+}
+
+#[test]
 fn sink_source_publisher_and_follower_survive_a_server_restart() {
     let mut server = TestNats::start();
     let bus = learner_bus(config(&server, "restart"));

@@ -118,8 +118,38 @@ fn follow_pace_notices(shared: &Arc<Shared>, board: Arc<PaceBoard>) -> Option<to
     }))
 }
 
-type AckFuture =
-    Pin<Box<dyn Future<Output = Result<jetstream::publish::PublishAck, jetstream::context::PublishError>> + Send>>;
+/// A publish ack on its way, or why it will not come: the client's deadline (counted from the
+/// first poll), or a reconnect since the message was sent.
+type AckFuture = Pin<Box<dyn Future<Output = Result<jetstream::publish::PublishAck, String>> + Send>>;
+
+/// `ack`, or an error as soon as the connection is not the one `sent_on` counted: the ack of a
+/// message sent before a reconnect never comes when the server that should send it died, and
+/// the client's deadline only starts when the ack is first awaited, so the sink, which awaits
+/// its in-flight acks one after another, waited a whole deadline for each (after a broker
+/// restart, an actor with four messages in flight stalled about 20 s at the 5 s default).
+/// Resending at once is safe: the message keeps its id, and the stream stores it once.
+fn unless_sent_before_a_reconnect(
+    ack: jetstream::context::PublishAckFuture,
+    mut connections: tokio::sync::watch::Receiver<u64>,
+    sent_on: u64,
+) -> AckFuture {
+    Box::pin(async move {
+        let reconnected = async {
+            while *connections.borrow_and_update() == sent_on {
+                if connections.changed().await.is_err() {
+                    // The bus is going away; only the ack (or its deadline) can end the wait.
+                    std::future::pending::<()>().await;
+                }
+            }
+        };
+        tokio::select! {
+            // An ack already here is taken, whatever happened to the connection since.
+            biased;
+            ack = ack.into_future() => ack.map_err(|err| err.to_string()),
+            () = reconnected => Err("sent before a reconnect; its ack will not come".to_string()),
+        }
+    })
+}
 
 /// A published message whose ack has not arrived yet; kept so it can be sent again.
 struct InFlight {
@@ -506,6 +536,10 @@ impl NatsTrajectorySink {
                 return Err(TransportError::Closed);
             }
             attempts += 1;
+            // The connection the message goes out on (a message the client buffers while
+            // disconnected counts as sent before the reconnect: resent, then deduplicated).
+            let connections = self.shared.connections.clone();
+            let sent_on = *connections.borrow();
             let message = jetstream::message::PublishMessage::build().payload(payload.clone()).message_id(msg_id);
             let problem =
                 match tokio::time::timeout(timeout, self.shared.js.send_publish(self.subject.clone(), message)).await {
@@ -513,7 +547,7 @@ impl NatsTrajectorySink {
                         if attempts > 1 {
                             info!(actor = %self.actor, msg_id, attempts, "segment publish recovered");
                         }
-                        return Ok(ack.into_future());
+                        return Ok(unless_sent_before_a_reconnect(ack, connections, sent_on));
                     }
                     Ok(Err(err)) if err.kind() == jetstream::context::PublishErrorKind::MaxPayloadExceeded => {
                         return Err(failed("publish segment", format!("segment {msg_id} refused: {err}")));
@@ -556,7 +590,7 @@ impl NatsTrajectorySink {
                     self.stats.published += n_segments;
                     return Ok(());
                 }
-                Err(err) => err.to_string(),
+                Err(problem) => problem,
             };
             // A denied publish is never acknowledged; retrying it cannot help.
             let window = Instant::now().checked_sub(self.shared.config.request_timeout * 2);
