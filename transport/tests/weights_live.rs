@@ -372,6 +372,31 @@ fn inline_pointers_trail_the_live_path_by_fewer_than_every_versions_and_a_flush_
 }
 
 #[test]
+fn a_learner_killed_between_pointers_restarts_above_what_may_have_gone_out_live() {
+    let server = TestNats::start();
+    let learner = inline_bus(&server, "killed", 4, Duration::from_secs(600));
+    let mut publisher = learner.weights_publisher().expect("publisher");
+    assert_eq!(publisher.published_before(), None);
+    // Pointers for 0 and 4; 5 and 6 go out live only, and the learner dies without a flush.
+    for version in 0..7 {
+        publisher.publish(small(version)).expect("published");
+    }
+    drop(publisher);
+    // Up to 4 + 3 may have reached actors: the next learner continues above 7, not above 4,
+    // or actors holding 5 or 6 would ignore its first versions and their segments would come
+    // from its future.
+    let restarted = inline_bus(&server, "killed", 4, Duration::from_secs(600));
+    assert_eq!(restarted.weights_publisher().expect("publisher").published_before(), Some(PolicyVersion(7)));
+    // With every pointer written, the pointer's version is the newest.
+    let every = inline_bus(&server, "every", 1, Duration::from_secs(600));
+    let mut publisher = every.weights_publisher().expect("publisher");
+    for version in 0..3 {
+        publisher.publish(small(version)).expect("published");
+    }
+    assert_eq!(every.weights_publisher().expect("publisher").published_before(), Some(PolicyVersion(2)));
+}
+
+#[test]
 fn a_deferred_pointer_is_written_when_no_newer_version_comes() {
     // The learner's publisher runs in the background: a version whose pointer was deferred
     // gets it `weights_pointer_within` after the last pointer, without a flush.

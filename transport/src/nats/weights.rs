@@ -46,7 +46,7 @@ impl NatsBus {
             kv,
             objects,
             backing,
-            published_before: pointer.map(|p| PolicyVersion(p.version)),
+            published_before: pointer.map(|pointer| PolicyVersion(pointer.newest_possible())),
             last_version: None,
             parent: None,
             anchor: 0,
@@ -251,6 +251,12 @@ const POINTER_PUT_DEADLINE: Duration = Duration::from_millis(500);
 const MAX_CHAIN: usize = 1024;
 
 impl WeightsPointer {
+    /// The newest version that may have been published when this pointer was the last one
+    /// written: versions after it travel live only until the next pointer is due.
+    fn newest_possible(&self) -> u64 {
+        self.version.saturating_add(self.pointer_every.clamp(1, MAX_POINTER_EVERY) - 1)
+    }
+
     /// Check the chain arithmetic: `deltas` strictly ascending above `anchor`, ending at
     /// `version`, `parent` the entry before the last; an anchor has neither. Comparisons only,
     /// no arithmetic, so a forged `u64::MAX` cannot overflow anything.
@@ -409,8 +415,11 @@ impl fmt::Debug for NatsWeightsPublisher {
 }
 
 impl NatsWeightsPublisher {
-    /// The newest version this run had published when the publisher opened (read from the KV
-    /// pointer, no waiting): a restarted learner continues above it.
+    /// The newest version this run may have published when the publisher opened (read from the
+    /// KV pointer, no waiting): the pointer's version, or up to `pointer_every − 1` versions
+    /// above it that went out live while their pointer waited (a learner killed without a
+    /// flush). A restarted learner continues above it, so actors holding such a version take
+    /// the new learner's versions at once and their segments are not from its future.
     pub fn published_before(&self) -> Option<PolicyVersion> {
         self.published_before
     }
