@@ -394,6 +394,18 @@ fn a_learner_killed_between_pointers_restarts_above_what_may_have_gone_out_live(
         publisher.publish(small(version)).expect("published");
     }
     assert_eq!(every.weights_publisher().expect("publisher").published_before(), Some(PolicyVersion(2)));
+    // Weights in the object store write every pointer whatever the setting, and say so.
+    let mut config = every.config().clone();
+    config.run = RunId::new("objects").unwrap();
+    config.weights_pointer_every = 4;
+    config.weights_inline_max_bytes = 0;
+    let objects = NatsBus::connect(config).expect("connect");
+    objects.ensure_run(&common::spec("objects")).expect("create the run");
+    let mut publisher = objects.weights_publisher().expect("publisher");
+    for version in 0..3 {
+        publisher.publish(small(version)).expect("published");
+    }
+    assert_eq!(objects.weights_publisher().expect("publisher").published_before(), Some(PolicyVersion(2)));
 }
 
 #[test]

@@ -610,7 +610,11 @@ impl WeightsPublisher for NatsWeightsPublisher {
             layout_hash: format!("{:016x}", weights.layout_hash),
             size_bytes: frame.len() as u64,
             inline: None,
-            pointer_every: config.weights_pointer_every.clamp(1, MAX_POINTER_EVERY),
+            // Only inline weights sent live skip pointers; any other pointer promises the next.
+            pointer_every: match inline && config.weights_live {
+                true => config.weights_pointer_every.clamp(1, MAX_POINTER_EVERY),
+                false => 1,
+            },
         };
         let frame_bytes = frame.len();
         // Inline weights that went out live: their pointer (a stored KV write of the whole
