@@ -65,6 +65,34 @@ fn items_go_to_one_actor_and_an_abandoned_one_is_redelivered() {
     assert!(second.take(Duration::from_millis(1500)).expect("take").is_none());
 }
 
+#[test]
+fn an_item_whose_ack_a_restart_lost_is_published_again_at_once() {
+    // The server stops reading while an item goes out, then dies and comes back: the item's
+    // ack never comes, and `submit` publishes it again on the reconnect instead of waiting out
+    // its 120 s request timeout.
+    let mut server = TestNats::start();
+    let mut spec = common::spec("work");
+    spec.hyper.work = WorkConfig { enabled: true, ..WorkConfig::default() };
+    let mut config = NatsConfig::new(server.url(), RunId::new("work").unwrap());
+    config.request_timeout = Duration::from_secs(120);
+    let bus = NatsBus::connect(config).expect("connect");
+    bus.ensure_run(&spec).expect("run with work objects");
+    let mut queue = bus.work_queue().expect("queue");
+    queue.submit(&[item(1)]).expect("before the pause");
+    server.pause();
+    let (done, submitted) = std::sync::mpsc::channel();
+    let submitter = std::thread::spawn(move || {
+        done.send(queue.submit(&[item(2)])).expect("the test waits");
+        queue
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    server.restart();
+    let outcome = submitted.recv_timeout(Duration::from_secs(60)).expect("submit waited for an ack the restart lost");
+    outcome.expect("submitted after the restart");
+    let mut queue = submitter.join().expect("submitter");
+    assert_eq!(queue.queued().expect("depth"), 2, "each item stored once");
+}
+
 /// Group rollouts (issue 18, item 2): the members of a group are separate items, so they spread
 /// over actors and an abandoned member comes back on its own, with its group tag, while the
 /// other members complete.

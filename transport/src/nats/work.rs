@@ -158,12 +158,15 @@ impl crate::work::WorkQueue for NatsWorkQueue {
                         .await?;
                         // A denied publish is never acked; the server's violation can arrive
                         // before the confirmation is awaited, so look for it since the publish.
-                        call("confirm work item", timeout, ack.into_future()).await.map(|_| ()).map_err(|err| {
-                            match denial_since(published_at) {
+                        // An ack the server lost in a restart never comes: retried at once on
+                        // the reconnect, not after the request timeout.
+                        let confirm = call("confirm work item", timeout, ack.into_future());
+                        unless_reconnected(&shared.connections, "confirm work item", confirm).await.map(|_| ()).map_err(
+                            |err| match denial_since(published_at) {
                                 Some(violation) if !is_denied(&err) => denied("confirm work item", &violation),
                                 _ => err,
-                            }
-                        })
+                            },
+                        )
                     }
                 })
                 .await?;
