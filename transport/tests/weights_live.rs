@@ -119,10 +119,7 @@ fn lagging_late_and_unsubscribed_followers_get_the_learners_exact_weights() {
     let actor = common::delta_bus(&server, "lagging");
     let mut lagging = actor.weights_follower(LAYOUT, N_PARAMS).expect("follower");
     // A follower that receives nothing live (as one whose live chunks were all lost).
-    let mut config = actor.config().clone();
-    config.weights_live = false;
-    let blind_bus = NatsBus::connect(config).expect("connect");
-    let mut blind = blind_bus.weights_follower(LAYOUT, N_PARAMS).expect("follower");
+    let (_blind_bus, mut blind) = blind_follower(&actor, N_PARAMS);
     publisher.publish(stepped(0)).expect("v0");
     both_arrived(&lagging, 1, 0);
     assert_exact(&next_version(&mut lagging, None), &stepped(0));
@@ -325,12 +322,12 @@ fn inline_bus(server: &TestNats, run: &str, every: u64, within: Duration) -> Nat
     bus
 }
 
-/// A follower of `bus`'s run that receives nothing live.
-fn blind_follower(bus: &NatsBus) -> (NatsBus, NatsWeightsFollower) {
+/// A follower of `bus`'s run, for `n_params` parameters, that receives nothing live.
+fn blind_follower(bus: &NatsBus, n_params: usize) -> (NatsBus, NatsWeightsFollower) {
     let mut config = bus.config().clone();
     config.weights_live = false;
     let blind_bus = NatsBus::connect(config).expect("connect");
-    let blind = blind_bus.weights_follower(LAYOUT, SMALL_PARAMS).expect("follower");
+    let blind = blind_bus.weights_follower(LAYOUT, n_params).expect("follower");
     (blind_bus, blind)
 }
 
@@ -341,7 +338,7 @@ fn inline_pointers_trail_the_live_path_by_fewer_than_every_versions_and_a_flush_
     let mut publisher = learner.weights_publisher().expect("publisher");
     let actor = inline_bus(&server, "trail", 4, Duration::from_secs(600));
     let mut live = actor.weights_follower(LAYOUT, SMALL_PARAMS).expect("follower");
-    let (_blind_bus, mut blind) = blind_follower(&actor);
+    let (_blind_bus, mut blind) = blind_follower(&actor, SMALL_PARAMS);
 
     publisher.publish(small(0)).expect("v0");
     both_arrived(&live, 1, 0);
@@ -417,7 +414,7 @@ fn a_deferred_pointer_is_written_when_no_newer_version_comes() {
     let learner = inline_bus(&server, "idle", 4, within);
     let mut publisher = BackgroundPublisher::new(learner.weights_publisher().expect("publisher")).expect("thread");
     let actor = inline_bus(&server, "idle", 4, within);
-    let (_blind_bus, mut blind) = blind_follower(&actor);
+    let (_blind_bus, mut blind) = blind_follower(&actor, SMALL_PARAMS);
     publisher.publish(small(0)).expect("v0");
     assert_exact(&blind.wait_first(GUARD).expect("first weights"), &small(0));
     let handed = Instant::now();

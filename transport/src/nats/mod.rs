@@ -764,19 +764,24 @@ async fn unless_reconnected<T>(
     operation: &'static str,
     request: impl Future<Output = Result<T, TransportError>>,
 ) -> Result<T, TransportError> {
-    let mut connections = connections.clone();
-    connections.borrow_and_update();
-    let reconnected = async {
-        if connections.changed().await.is_err() {
-            // The bus is going away; only the request can end the wait.
-            std::future::pending::<()>().await;
-        }
-    };
+    let since = *connections.borrow();
     tokio::select! {
         result = request => result,
-        () = reconnected => {
+        () = reconnected_since(connections, since) => {
             info!(operation, "reconnected while waiting for an answer; retrying at once");
             Err(TransportError::Failed { operation, message: "interrupted by a reconnect".to_string() })
+        }
+    }
+}
+
+/// Completes once the connection is no longer the one `connections` counted as `since` (at
+/// once if it already is not); never while the bus is going away.
+async fn reconnected_since(connections: &tokio::sync::watch::Receiver<u64>, since: u64) {
+    let mut connections = connections.clone();
+    while *connections.borrow_and_update() == since {
+        if connections.changed().await.is_err() {
+            // The bus is going away; only what waits beside this can end the wait.
+            std::future::pending::<()>().await;
         }
     }
 }

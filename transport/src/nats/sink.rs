@@ -130,23 +130,17 @@ type AckFuture = Pin<Box<dyn Future<Output = Result<jetstream::publish::PublishA
 /// Resending at once is safe: the message keeps its id, and the stream stores it once.
 fn unless_sent_before_a_reconnect(
     ack: jetstream::context::PublishAckFuture,
-    mut connections: tokio::sync::watch::Receiver<u64>,
+    connections: tokio::sync::watch::Receiver<u64>,
     sent_on: u64,
 ) -> AckFuture {
     Box::pin(async move {
-        let reconnected = async {
-            while *connections.borrow_and_update() == sent_on {
-                if connections.changed().await.is_err() {
-                    // The bus is going away; only the ack (or its deadline) can end the wait.
-                    std::future::pending::<()>().await;
-                }
-            }
-        };
         tokio::select! {
             // An ack already here is taken, whatever happened to the connection since.
             biased;
             ack = ack.into_future() => ack.map_err(|err| err.to_string()),
-            () = reconnected => Err("sent before a reconnect; its ack will not come".to_string()),
+            () = reconnected_since(&connections, sent_on) => {
+                Err("sent before a reconnect; its ack will not come".to_string())
+            }
         }
     })
 }

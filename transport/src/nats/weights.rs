@@ -240,7 +240,13 @@ pub const MAX_POINTER_EVERY: u64 = 64;
 /// version cannot claim a version far above the learner's and make the follower ignore the
 /// real ones.
 fn live_lead(pointer_every: u64) -> u64 {
-    pointer_every.clamp(1, MAX_POINTER_EVERY) + 1
+    pointer_interval(pointer_every) + 1
+}
+
+/// A pointer interval as honoured: at least 1, at most [`MAX_POINTER_EVERY`] (a configured
+/// one, or what a pointer claims).
+fn pointer_interval(pointer_every: u64) -> u64 {
+    pointer_every.clamp(1, MAX_POINTER_EVERY)
 }
 
 /// Deadline of one attempt to put the weights pointer (see `NatsWeightsPublisher::publish`).
@@ -254,7 +260,7 @@ impl WeightsPointer {
     /// The newest version that may have been published when this pointer was the last one
     /// written: versions after it travel live only until the next pointer is due.
     fn newest_possible(&self) -> u64 {
-        self.version.saturating_add(self.pointer_every.clamp(1, MAX_POINTER_EVERY) - 1)
+        self.version.saturating_add(pointer_interval(self.pointer_every) - 1)
     }
 
     /// Check the chain arithmetic: `deltas` strictly ascending above `anchor`, ending at
@@ -494,15 +500,14 @@ impl NatsWeightsPublisher {
         Ok(())
     }
 
-    /// Whether the pointer of `version` may wait: its weights went out live, and the pointer
-    /// written last is fewer than [`NatsConfig::weights_pointer_every`] versions and less than
-    /// [`NatsConfig::weights_pointer_within`] old.
-    fn may_defer(&self, version: u64, sent_live: bool) -> bool {
-        let config = &self.shared.config;
-        let every = config.weights_pointer_every.clamp(1, MAX_POINTER_EVERY);
+    /// Whether `pointer` may wait: its weights went out live, and the pointer written last is
+    /// fewer than the interval it announces (1 for any pointer that must not wait) versions
+    /// and less than [`NatsConfig::weights_pointer_within`] old.
+    fn may_defer(&self, pointer: &WeightsPointer, sent_live: bool) -> bool {
         sent_live
             && self.pointer_written.is_some_and(|(written, at)| {
-                version.saturating_sub(written) < every && at.elapsed() < config.weights_pointer_within
+                pointer.version.saturating_sub(written) < pointer.pointer_every
+                    && at.elapsed() < self.shared.config.weights_pointer_within
             })
     }
 
@@ -612,16 +617,17 @@ impl WeightsPublisher for NatsWeightsPublisher {
             inline: None,
             // Only inline weights sent live skip pointers; any other pointer promises the next.
             pointer_every: match inline && config.weights_live {
-                true => config.weights_pointer_every.clamp(1, MAX_POINTER_EVERY),
+                true => pointer_interval(config.weights_pointer_every),
                 false => 1,
             },
         };
         let frame_bytes = frame.len();
         // Inline weights that went out live: their pointer (a stored KV write of the whole
         // frame, and a delivery to every follower) may wait for the next one due, since
-        // connected followers have the version already (issue 16). Only inline weights: the
-        // pointer of an object-stored version is small, and its chain needs every version.
-        if inline && self.may_defer(version, sent_live) {
+        // connected followers have the version already (issue 16). Only inline weights (the
+        // only pointers announcing an interval above 1): the pointer of an object-stored
+        // version is small, and its chain needs every version.
+        if self.may_defer(&pointer, sent_live) {
             self.deferred = Some((pointer, frame));
         } else {
             self.deferred = None;
