@@ -30,7 +30,7 @@ fn bench_inference(c: &mut Criterion) {
     let layout = ParamLayout::new(&spec).expect("valid spec");
     let params = layout.init_params(0);
     let mut group = c.benchmark_group("policy_inference_mlp64x64_tanh");
-    for n in [1usize, 16, 64, 256] {
+    for n in [1usize, 8, 16, 64, 256] {
         let mut inference = PolicyInference::new(&layout, n);
         let obs = inputs(n * OBS_DIM, 1);
         let mut logits = vec![0.0; n * N_ACTIONS];

@@ -63,7 +63,8 @@ pub mod ops {
     pub use super::conv::{col2im, im2col, im2col_u8};
     pub use super::gru::{cell_backward as gru_cell_backward, cell_forward as gru_cell_forward};
     pub use super::linalg::{
-        act_backward_in_place, bias_act_rows, bias_rows, column_sums, dense_forward, fast_sigmoid, fast_tanh, gemm, Mat,
+        act_backward_in_place, bias_act_rows, bias_rows, column_sums, dense_forward, fast_sigmoid, fast_tanh, gemm,
+        small_dense_forward, Mat, SMALL_BATCH_MAX_IN, SMALL_BATCH_ROWS,
     };
 }
 
