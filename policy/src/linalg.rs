@@ -169,21 +169,22 @@ pub fn small_dense_forward(
             scratch.resize(2 * SMALL_BATCH_MAX_IN, [0.0; SMALL_LANES]);
         }
         let scratch = &mut scratch[..2 * n_in];
+        let layer = SmallLayer { x, n_rows, weight, bias, act };
         #[cfg(target_arch = "x86_64")]
         {
             if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
                 // SAFETY: the CPU has AVX2 and FMA (checked just above); the function is
                 // otherwise safe Rust.
-                unsafe { small_dense_avx2_fma(x, n_rows, weight, bias, act, y, scratch) };
+                unsafe { small_dense_avx2_fma(&layer, y, scratch) };
             } else {
-                small_dense::<false>(x, n_rows, weight, bias, act, y, scratch);
+                small_dense::<false>(&layer, y, scratch);
             }
         }
         // `matrixmultiply`'s NEON kernel fuses its multiply-adds.
         #[cfg(target_arch = "aarch64")]
-        small_dense::<true>(x, n_rows, weight, bias, act, y, scratch);
+        small_dense::<true>(&layer, y, scratch);
         #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
-        small_dense::<false>(x, n_rows, weight, bias, act, y, scratch);
+        small_dense::<false>(&layer, y, scratch);
     });
 }
 
@@ -193,34 +194,28 @@ thread_local! {
     static SMALL_DENSE_SCRATCH: std::cell::RefCell<Vec<[f32; SMALL_LANES]>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
+/// The operands of one layer over a small batch (see [`small_dense_forward`]).
+struct SmallLayer<'a> {
+    x: &'a [f32],
+    n_rows: usize,
+    weight: &'a [f32],
+    bias: &'a [f32],
+    act: Option<Activation>,
+}
+
 /// [`small_dense`] compiled for AVX2 and FMA: 8-lane vectors and fused multiply-adds.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-fn small_dense_avx2_fma(
-    x: &[f32],
-    n_rows: usize,
-    weight: &[f32],
-    bias: &[f32],
-    act: Option<Activation>,
-    y: &mut [f32],
-    scratch: &mut [[f32; SMALL_LANES]],
-) {
-    small_dense::<true>(x, n_rows, weight, bias, act, y, scratch);
+fn small_dense_avx2_fma(layer: &SmallLayer<'_>, y: &mut [f32], scratch: &mut [[f32; SMALL_LANES]]) {
+    small_dense::<true>(layer, y, scratch);
 }
 
 /// The body of [`small_dense_forward`], with `scratch` (`2 n_in` long); `FUSED` picks
 /// fused or separately rounded multiply-adds (fused only where the target has them in
 /// hardware). Everything it calls is inlined, so it runs with its caller's target features.
 #[inline(always)]
-fn small_dense<const FUSED: bool>(
-    x: &[f32],
-    n_rows: usize,
-    weight: &[f32],
-    bias: &[f32],
-    act: Option<Activation>,
-    y: &mut [f32],
-    scratch: &mut [[f32; SMALL_LANES]],
-) {
+fn small_dense<const FUSED: bool>(layer: &SmallLayer<'_>, y: &mut [f32], scratch: &mut [[f32; SMALL_LANES]]) {
+    let &SmallLayer { x, n_rows, weight, bias, act } = layer;
     let n_out = bias.len();
     // The transposed inputs, then room for one block of weights (`SMALL_OUTPUTS × n_in`).
     let (lanes, tail) = scratch.split_at_mut(scratch.len() / 2);
