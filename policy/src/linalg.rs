@@ -4,6 +4,8 @@
 //! Everything here works on contiguous row-major `f32` slices; the only `unsafe` is the call
 //! into `matrixmultiply::sgemm`, behind bounds checks.
 
+use std::cell::RefCell;
+
 use super::Activation;
 
 /// A read-only strided matrix view over a slice.
@@ -135,12 +137,13 @@ const SMALL_OUTPUTS: usize = 8;
 ///
 /// `matrixmultiply` copies ("packs") both operands before every product; for an actor's batch
 /// of 8 rows through a 64×64 layer that copy of the weights costs about as much as the product
-/// (CartPole's forward pass for 8 environments: 4.0 µs with GEMM, 2.7 µs with this). Here the inputs are transposed into 8-row lanes (the weights
-/// are read in place), and each output element is one chain of multiply-adds over the inputs
-/// in order, starting from zero: exactly what `matrixmultiply`'s kernels compute, fused where
-/// they fuse (FMA on x86-64 with AVX2 and FMA, and on aarch64), separate where they do not, so
-/// the two paths agree bit for bit and an actor's behaviour log-probabilities equal the
-/// learner's at the same weights (tested against [`gemm`]).
+/// (CartPole's forward pass for 8 environments: 4.0 µs with GEMM, 2.7 µs with this). Here the
+/// inputs are transposed into 8-row lanes (the weights are read in place), and each output
+/// element is one chain of multiply-adds over the inputs in order, starting from zero: exactly
+/// what `matrixmultiply`'s kernels compute, fused where they fuse (FMA on x86-64 with AVX2 and
+/// FMA, and on aarch64), separate where they do not, so the two paths agree bit for bit and an
+/// actor's behaviour log-probabilities equal the learner's at the same weights (tested against
+/// [`gemm`]).
 ///
 /// `x: [n_rows][n_in]` with `n_rows ≤` [`SMALL_BATCH_ROWS`] and `n_in ≤` [`SMALL_BATCH_MAX_IN`],
 /// `weight: [n_out][n_in]`, `bias: [n_out]`, `y: [n_rows][n_out]`.
@@ -191,7 +194,7 @@ pub fn small_dense_forward(
 thread_local! {
     /// [`small_dense`]'s scratch (transposed inputs, a padded block of weights): on the heap
     /// once per thread, not zeroed per call.
-    static SMALL_DENSE_SCRATCH: std::cell::RefCell<Vec<[f32; SMALL_LANES]>> = const { std::cell::RefCell::new(Vec::new()) };
+    static SMALL_DENSE_SCRATCH: RefCell<Vec<[f32; SMALL_LANES]>> = const { RefCell::new(Vec::new()) };
 }
 
 /// The operands of one layer over a small batch (see [`small_dense_forward`]).
