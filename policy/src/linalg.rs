@@ -1,8 +1,11 @@
-//! Dense kernels shared by inference and training: a checked `sgemm` wrapper, fused
-//! bias + activation loops, their backward counterparts and column sums.
+//! Dense kernels shared by inference and training: a checked `sgemm` wrapper, a small-batch
+//! layer kernel that agrees with it bit for bit, fused bias + activation loops, their backward
+//! counterparts and column sums.
 //!
-//! Everything here works on contiguous row-major `f32` slices; the only `unsafe` is the call
-//! into `matrixmultiply::sgemm`, behind bounds checks.
+//! Everything here works on contiguous row-major `f32` slices. The `unsafe` is: the call into
+//! `matrixmultiply::sgemm`, behind bounds checks; the calls into functions compiled for AVX2
+//! (and FMA), each after checking the CPU has them; and one unchecked read in the small-batch
+//! kernel's inner loop, whose bound is asserted before the loop.
 
 use std::cell::RefCell;
 
