@@ -101,20 +101,28 @@ pub fn gemm(alpha: f32, a: Mat<'_>, b: Mat<'_>, beta: f32, c: &mut [f32]) {
 /// One linear layer over a batch: `y = act(x Wᵀ + b)` (or `x Wᵀ + b` when `act` is `None`).
 ///
 /// `x: [n_rows][n_in]`, `weight: [n_out][n_in]` (row-major), `bias: [n_out]`, `y: [n_rows][n_out]`
-/// (only the first `n_rows * n_out` elements are written). One GEMM for the whole batch, then
-/// one fused pass for bias and activation.
+/// (only the first `n_rows * n_out` elements are written).
 ///
 /// Batches of at most [`SMALL_BATCH_ROWS`] rows and at most [`SMALL_BATCH_MAX_IN`] inputs (an
 /// actor's step over its environments) take a kernel without packing ([`small_dense_forward`]),
-/// whose results are bit-identical to the GEMM path's.
+/// whose results are bit-identical to the GEMM path's; larger ones take one GEMM for the whole
+/// batch, then one fused pass for bias and activation.
 pub fn dense_forward(x: &[f32], n_rows: usize, weight: &[f32], bias: &[f32], act: Option<Activation>, y: &mut [f32]) {
     let n_out = bias.len();
     let n_in = weight.len() / n_out;
     let y = &mut y[..n_rows * n_out];
     if n_rows <= SMALL_BATCH_ROWS && n_in <= SMALL_BATCH_MAX_IN {
         small_dense_forward(x, n_rows, weight, bias, act, y);
-        return;
+    } else {
+        gemm_dense_forward(x, n_rows, weight, bias, act, y);
     }
+}
+
+/// The GEMM path of [`dense_forward`], whatever the batch size: one GEMM for the whole batch,
+/// then one fused pass for bias and activation; `y` is exactly `n_rows × n_out` long.
+fn gemm_dense_forward(x: &[f32], n_rows: usize, weight: &[f32], bias: &[f32], act: Option<Activation>, y: &mut [f32]) {
+    let n_out = bias.len();
+    let n_in = weight.len() / n_out;
     gemm(1.0, Mat::row_major(x, n_rows, n_in), Mat::row_major(weight, n_out, n_in).t(), 0.0, y);
     match act {
         Some(act) => bias_act_rows(y, bias, act),
@@ -471,19 +479,6 @@ mod tests {
         }
     }
 
-    /// The GEMM path of [`dense_forward`], whatever the batch size.
-    fn gemm_dense_forward(x: &[f32], n_rows: usize, weight: &[f32], bias: &[f32], act: Option<Activation>) -> Vec<f32> {
-        let n_out = bias.len();
-        let n_in = weight.len() / n_out;
-        let mut y = vec![f32::NAN; n_rows * n_out];
-        gemm(1.0, Mat::row_major(x, n_rows, n_in), Mat::row_major(weight, n_out, n_in).t(), 0.0, &mut y);
-        match act {
-            Some(act) => bias_act_rows(&mut y, bias, act),
-            None => bias_rows(&mut y, bias),
-        }
-        y
-    }
-
     proptest::proptest! {
         #![proptest_config(proptest::test_runner::Config::with_cases(200))]
 
@@ -505,7 +500,8 @@ mod tests {
             let weight: Vec<f32> = (0..n_out * n_in).map(|i| value(i, 2) * 0.2).collect();
             let bias: Vec<f32> = (0..n_out).map(|i| value(i, 3)).collect();
             let act = [None, Some(Activation::Tanh), Some(Activation::Relu)][act];
-            let expected = gemm_dense_forward(&x, n_rows, &weight, &bias, act);
+            let mut expected = vec![f32::NAN; n_rows * n_out];
+            gemm_dense_forward(&x, n_rows, &weight, &bias, act, &mut expected);
             let mut y = vec![f32::NAN; n_rows * n_out + 3];
             small_dense_forward(&x, n_rows, &weight, &bias, act, &mut y);
             for (i, (got, want)) in y.iter().zip(&expected).enumerate() {
