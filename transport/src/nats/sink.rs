@@ -195,6 +195,11 @@ struct Pacing {
     backlog: Option<u64>,
     /// Messages this sink published since the reading (a batch frame counts once).
     published_since: u64,
+    /// This sink's messages published before a consumer reading and not acknowledged when it
+    /// was taken: the reading may have reached the broker before the stream stored them (a
+    /// reading undercounted by them let a sink run a message past the bound), so they count
+    /// on top of it until the next reading. An overcount at worst, by the acks on their way.
+    unconfirmed: u64,
     /// The previous reading and when it was taken.
     last: Option<(Reading, Instant)>,
     /// Deliveries per second, smoothed over readings (0 when unknown).
@@ -211,8 +216,9 @@ struct Pacing {
 const PACING_RATE_WINDOW: Duration = Duration::from_millis(20);
 
 impl Pacing {
-    /// Take a reading (`None`: unknown, which does not block) at `now`.
-    fn record(&mut self, reading: Option<Reading>, now: Instant) {
+    /// Take a reading (`None`: unknown, which does not block) at `now`, with `unconfirmed` of
+    /// this sink's messages that it may not include (see [`Pacing::unconfirmed`]).
+    fn record(&mut self, reading: Option<Reading>, unconfirmed: u64, now: Instant) {
         match reading {
             Some(reading) => {
                 if let Some((before, at)) = self.last {
@@ -241,6 +247,7 @@ impl Pacing {
         }
         self.checked_at = Some(now);
         self.published_since = 0;
+        self.unconfirmed = unconfirmed;
     }
 
     /// This sink's share of the publishing, from the smoothed rates (1 when alone or unknown),
@@ -254,7 +261,8 @@ impl Pacing {
         }
     }
 
-    /// The backlog now, predicted: the reading plus this sink's publishes since and the other
+    /// The backlog now, predicted: the reading plus this sink's publishes since (and those it
+    /// may not include, [`Pacing::unconfirmed`]) and the other
     /// publishers', less what the learner drained since at its measured rate. The others'
     /// publishes are predicted at their measured rate and, when the reading was over half the
     /// bound, at least in proportion to this sink's own: actors held back by a full backlog
@@ -268,7 +276,10 @@ impl Pacing {
                 // Contended: the others were likely held back too and now publish with us.
                 others = others.max(own * (1.0 / self.share() - 1.0));
             }
-            let total = backlog.saturating_add(self.published_since).saturating_add(others.min(u32::MAX as f64) as u64);
+            let total = backlog
+                .saturating_add(self.published_since)
+                .saturating_add(self.unconfirmed)
+                .saturating_add(others.min(u32::MAX as f64) as u64);
             let drained = (self.drain_per_sec * age.as_secs_f64()).min(total as f64).min(limit as f64) as u64;
             total - drained
         })
@@ -303,7 +314,8 @@ impl Pacing {
 ///   The sink never drops a segment on its own. A retried segment may land after later ones.
 /// - Pacing: before each message it waits while the learner's backlog (undelivered segments,
 ///   read from the consumer at most every 2 ms while waiting and every 20 ms otherwise,
-///   counting this sink's own publishes, predicted in between from the learner's measured
+///   counting this sink's own publishes since the reading and those not acknowledged when it
+///   was taken, which it may not include yet, predicted in between from the learner's measured
 ///   drain rate, never draining more than one bound per reading) is at or above
 ///   [`NatsConfig::max_backlog_segments`] (see [`NatsTrajectorySink::set_max_backlog_segments`]);
 ///   the time is counted in [`TrajectorySink::throttled`]. With no learner consumer yet it does
@@ -620,7 +632,9 @@ impl NatsTrajectorySink {
                 break Err(err);
             }
             let Some(age) = self.pacing.checked_at.map(|at| at.elapsed()) else {
-                self.read_backlog().await;
+                if let Err(err) = self.read_backlog().await {
+                    break Err(err);
+                }
                 continue;
             };
             // A notice counts what the learner's client prefetched and has not taken yet, which
@@ -637,7 +651,9 @@ impl NatsTrajectorySink {
                 // stream drained means the notices lie (a forger freezing actors).
                 if since.elapsed() >= PACING_CACHE {
                     self.blocked_on_notices_since = None;
-                    self.check_notices_hold(base_limit).await;
+                    if let Err(err) = self.check_notices_hold(base_limit).await {
+                        break Err(err);
+                    }
                     continue;
                 }
             } else {
@@ -645,7 +661,9 @@ impl NatsTrajectorySink {
             }
             let trusted_for = if room { PACING_CACHE } else { PACING_POLL };
             if age >= trusted_for {
-                self.read_backlog().await;
+                if let Err(err) = self.read_backlog().await {
+                    break Err(err);
+                }
                 continue;
             }
             if room {
@@ -673,11 +691,12 @@ impl NatsTrajectorySink {
     /// becomes the current one. Nothing undelivered, not merely fewer than the bound: the
     /// learner's client may hold a little more than its prefetch while it computes, so an
     /// honest notice can show more than the consumer does.
-    async fn check_notices_hold(&mut self, limit: u64) {
-        self.read_backlog().await;
+    async fn check_notices_hold(&mut self, limit: u64) -> Result<(), TransportError> {
+        self.read_backlog().await?;
         if self.pacing.backlog == Some(0) {
             self.distrust_notices(limit, "nothing is undelivered while the notices hold actors back");
         }
+        Ok(())
     }
 
     fn distrust_notices(&mut self, limit: u64, why: &str) {
@@ -743,7 +762,8 @@ impl NatsTrajectorySink {
             // as taken, a consumer reading as delivered.
             self.pacing.last = None;
         }
-        self.pacing.record(Some(reading), arrived);
+        // `pending` above already counts the messages not acknowledged yet.
+        self.pacing.record(Some(reading), 0, arrived);
         self.notice_reading = true;
         self.notice_prefetch = u64::from(notice.prefetch).min(source::PREFETCH_MAX as u64);
         self.stats.pace_notices_used += 1;
@@ -765,13 +785,19 @@ impl NatsTrajectorySink {
         Ok(())
     }
 
-    async fn read_backlog(&mut self) {
+    /// A consumer reading as the current one. The acks that have arrived are settled first, so
+    /// the messages still unacknowledged, which the reading may not include, are counted on
+    /// top of it ([`Pacing::unconfirmed`]).
+    async fn read_backlog(&mut self) -> Result<(), TransportError> {
+        self.settle_ready().await?;
+        let unconfirmed = self.in_flight.len() as u64;
         let reading = self.read_consumer().await;
         if self.notice_reading {
             self.pacing.last = None;
         }
-        self.pacing.record(reading, Instant::now());
+        self.pacing.record(reading, unconfirmed, Instant::now());
         self.notice_reading = false;
+        Ok(())
     }
 
     /// One reading of the learner consumer, or `None` when unknown (no consumer yet, an
@@ -889,6 +915,21 @@ mod pacing_tests {
         assert_eq!(Pacing::default().estimate(Duration::from_secs(1), 64), None);
     }
 
+    #[test]
+    fn own_messages_a_reading_may_not_include_count_until_the_next_reading() {
+        let mut pacing = Pacing::default();
+        let at = Instant::now();
+        // One frame of this sink's stored; its second was sent but not acknowledged when the
+        // consumer was read, so the reading may have missed it: the bound of 2 is reached.
+        pacing.record(Some(Reading { pending: 1, delivered: 0, stored: 1 }), 1, at);
+        assert_eq!(pacing.estimate(Duration::ZERO, 2), Some(2));
+        // The next reading includes it, and it no longer counts twice.
+        pacing.record(Some(Reading { pending: 2, delivered: 0, stored: 2 }), 0, at + PACING_POLL);
+        assert_eq!(pacing.estimate(Duration::ZERO, 2), Some(2));
+        pacing.record(Some(Reading { pending: 1, delivered: 1, stored: 2 }), 0, at + PACING_POLL * 2);
+        assert_eq!(pacing.estimate(Duration::ZERO, 2), Some(1));
+    }
+
     /// A learner that drains `BATCH` segments per update and `actors` actors that each publish
     /// rounds of `ROUND` segments, paced as [`NatsTrajectorySink::pace`] paces (a reading every
     /// `PACING_POLL` while blocked, every `PACING_CACHE` while there is room; readings are
@@ -926,14 +967,14 @@ mod pacing_tests {
                 let reading = Reading { pending, delivered, stored };
                 loop {
                     let Some(at) = pacing.checked_at else {
-                        pacing.record(Some(reading), now);
+                        pacing.record(Some(reading), 0, now);
                         continue;
                     };
                     let age = now - at;
                     let estimate = pacing.estimate(age, LIMIT);
                     let room = estimate.is_none_or(|estimate| estimate < LIMIT);
                     if age >= if room { PACING_CACHE } else { PACING_POLL } {
-                        pacing.record(Some(reading), now);
+                        pacing.record(Some(reading), 0, now);
                         if !predict_others {
                             pacing.others_per_sec = 0.0;
                             pacing.own_per_sec = 0.0;
