@@ -749,9 +749,8 @@ impl NatsTrajectorySink {
                 }
             }
         }
-        self.settle_ready().await?;
+        let unacknowledged = self.settle_ready().await?;
         let stored = notice.stored.max(self.last_stored);
-        let unacknowledged = self.in_flight.len() as u64;
         let reading = Reading {
             pending: stored - notice.taken + unacknowledged,
             delivered: notice.taken,
@@ -770,8 +769,9 @@ impl NatsTrajectorySink {
         Ok(())
     }
 
-    /// Settle the in-flight messages whose acks have arrived (oldest first, without waiting).
-    async fn settle_ready(&mut self) -> Result<(), TransportError> {
+    /// Settle the in-flight messages whose acks have arrived (oldest first, without waiting);
+    /// the messages still unacknowledged after that, which a reading may not include.
+    async fn settle_ready(&mut self) -> Result<u64, TransportError> {
         while let Some(front) = self.in_flight.front_mut() {
             match futures::FutureExt::now_or_never(&mut front.ack) {
                 None => break,
@@ -782,15 +782,14 @@ impl NatsTrajectorySink {
                 }
             }
         }
-        Ok(())
+        Ok(self.in_flight.len() as u64)
     }
 
     /// A consumer reading as the current one. The acks that have arrived are settled first, so
     /// the messages still unacknowledged, which the reading may not include, are counted on
     /// top of it ([`Pacing::unconfirmed`]).
     async fn read_backlog(&mut self) -> Result<(), TransportError> {
-        self.settle_ready().await?;
-        let unconfirmed = self.in_flight.len() as u64;
+        let unconfirmed = self.settle_ready().await?;
         let reading = self.read_consumer().await;
         if self.notice_reading {
             self.pacing.last = None;
