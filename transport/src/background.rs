@@ -9,13 +9,15 @@ use tracing::{debug, warn};
 use volley_core::ids::PolicyVersion;
 use volley_core::wire::Weights;
 
-use crate::{TransportError, WeightsPublisher};
+use crate::{LiveWeightsSender, TransportError, WeightsPublisher};
 
 /// What the learner and the publishing thread share.
 #[derive(Default)]
 struct State {
-    /// The newest version handed over and not yet taken by the thread.
-    pending: Option<Arc<Weights>>,
+    /// The newest version handed over and not yet taken by the thread, with whether the
+    /// caller sent it live (`None`: the caller did not run the live path; the inner publisher
+    /// runs all of it).
+    pending: Option<(Arc<Weights>, Option<bool>)>,
     /// The newest version the inner publisher has published.
     confirmed: Option<PolicyVersion>,
     /// A version the thread is publishing right now.
@@ -34,7 +36,7 @@ struct State {
 
 /// What the publishing thread does next.
 enum Work {
-    Publish(Arc<Weights>),
+    Publish(Arc<Weights>, Option<bool>),
     /// Flush the inner publisher: asked for, or a deferred write is due. The thread ends after
     /// it when `closing`.
     Flush {
@@ -49,7 +51,11 @@ struct Shared {
 
 /// Publishes weights from a dedicated thread, newest first.
 ///
-/// [`publish`](WeightsPublisher::publish) returns at once: the version replaces any version
+/// [`publish`](WeightsPublisher::publish) sends the version on the inner publisher's live
+/// path from the caller's thread, when it has one ([`WeightsPublisher::live_sender`]): that
+/// only queues it on the connection, so it leaves with the caller's next call on the bus (the
+/// learner's next `recv`), with no hand-off to this thread in between. Then it returns: the
+/// version replaces any version
 /// still waiting (the thread publishes only the newest, so a slow store costs versions, never
 /// learner time), and the thread hands it to the inner publisher. A failure of the inner
 /// publisher (after its own retries) is returned by the next `publish` or
@@ -58,6 +64,8 @@ struct Shared {
 /// after the update's version was published (learner/src/consume.rs).
 pub struct BackgroundPublisher {
     shared: Arc<Shared>,
+    /// The inner publisher's live path, run on the caller's thread.
+    live: Option<Box<dyn LiveWeightsSender>>,
     last_handed: Option<PolicyVersion>,
     thread: Option<thread::JoinHandle<()>>,
 }
@@ -76,6 +84,7 @@ impl std::fmt::Debug for BackgroundPublisher {
 impl BackgroundPublisher {
     /// Start the publishing thread around `inner`.
     pub fn new(mut inner: impl WeightsPublisher + 'static) -> Result<Self, TransportError> {
+        let live = inner.live_sender();
         let shared = Arc::new(Shared { state: Mutex::new(State::default()), changed: Condvar::new() });
         let thread_shared = shared.clone();
         let thread = thread::Builder::new()
@@ -89,9 +98,9 @@ impl BackgroundPublisher {
                     let work = {
                         let mut state = shared.state.lock().expect("publisher lock is never poisoned");
                         loop {
-                            if let Some(weights) = state.pending.take() {
+                            if let Some((weights, sent_live)) = state.pending.take() {
                                 state.in_progress = Some(weights.version);
-                                break Work::Publish(weights);
+                                break Work::Publish(weights, sent_live);
                             }
                             let now = Instant::now();
                             if state.closing || state.flush_wanted || due.is_some_and(|due| due <= now) {
@@ -111,8 +120,8 @@ impl BackgroundPublisher {
                             };
                         }
                     };
-                    let weights = match work {
-                        Work::Publish(weights) => weights,
+                    let (weights, sent_live) = match work {
+                        Work::Publish(weights, sent_live) => (weights, sent_live),
                         Work::Flush { closing } => {
                             let outcome = inner.flush();
                             let mut state = shared.state.lock().expect("publisher lock is never poisoned");
@@ -129,7 +138,10 @@ impl BackgroundPublisher {
                         }
                     };
                     let version = weights.version;
-                    let outcome = inner.publish(weights);
+                    let outcome = match sent_live {
+                        Some(sent_live) => inner.publish_after_live(weights, sent_live),
+                        None => inner.publish(weights),
+                    };
                     let mut state = shared.state.lock().expect("publisher lock is never poisoned");
                     state.in_progress = None;
                     match outcome {
@@ -143,7 +155,7 @@ impl BackgroundPublisher {
                 }
             })
             .map_err(|err| TransportError::Failed { operation: "start weights publisher", message: err.to_string() })?;
-        Ok(BackgroundPublisher { shared, last_handed: None, thread: Some(thread) })
+        Ok(BackgroundPublisher { shared, live, last_handed: None, thread: Some(thread) })
     }
 
     /// Versions replaced by a newer one before they were published.
@@ -182,11 +194,12 @@ impl WeightsPublisher for BackgroundPublisher {
                 message: format!("version {} is not newer than {last}", weights.version),
             });
         }
+        let sent_live = self.live.as_mut().and_then(|live| live.send_live(&weights));
         let mut state = self.shared.state.lock().expect("publisher lock is never poisoned");
         if let Some(err) = state.failure.take() {
             return Err(err);
         }
-        if let Some(replaced) = state.pending.replace(weights.clone()) {
+        if let Some((replaced, _)) = state.pending.replace((weights.clone(), sent_live)) {
             debug!(version = replaced.version.0, "weights version replaced before it was published");
             state.skipped += 1;
         }
@@ -289,6 +302,61 @@ mod tests {
         publisher.flush().expect("v2 out");
         assert_eq!(rx.try_iter().collect::<Vec<_>>(), vec![0, 2]);
         assert!(!publisher.is_published(PolicyVersion(3)));
+    }
+
+    /// Has a live path that takes even versions only, and reports on which thread each part
+    /// of a publish ran.
+    struct WithLive {
+        events: mpsc::Sender<(String, thread::ThreadId)>,
+    }
+
+    struct EvenLive {
+        events: mpsc::Sender<(String, thread::ThreadId)>,
+    }
+
+    impl LiveWeightsSender for EvenLive {
+        fn send_live(&mut self, weights: &Weights) -> Option<bool> {
+            let version = weights.version.0;
+            self.events.send((format!("live {version}"), thread::current().id())).unwrap();
+            version.is_multiple_of(2).then_some(version != 4)
+        }
+    }
+
+    impl WeightsPublisher for WithLive {
+        fn publish(&mut self, weights: Arc<Weights>) -> Result<(), TransportError> {
+            self.events.send((format!("publish {}", weights.version.0), thread::current().id())).unwrap();
+            Ok(())
+        }
+
+        fn live_sender(&self) -> Option<Box<dyn LiveWeightsSender>> {
+            Some(Box::new(EvenLive { events: self.events.clone() }))
+        }
+
+        fn publish_after_live(&mut self, weights: Arc<Weights>, sent_live: bool) -> Result<(), TransportError> {
+            let event = format!("after live {} {sent_live}", weights.version.0);
+            self.events.send((event, thread::current().id())).unwrap();
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn the_live_path_runs_on_the_callers_thread_and_the_rest_on_the_publishers() {
+        let (tx, rx) = mpsc::channel();
+        let mut publisher = BackgroundPublisher::new(WithLive { events: tx }).expect("thread");
+        let caller = thread::current().id();
+        for version in [2, 3, 4] {
+            publisher.publish(weights(version)).expect("handed over");
+            publisher.flush_within(Duration::from_secs(30)).expect("flushed");
+        }
+        let events: Vec<_> = rx.try_iter().collect();
+        let names: Vec<_> = events.iter().map(|(name, _)| name.as_str()).collect();
+        // v3: the sender leaves it to the inner publisher, which runs all of it; v4: the
+        // sender failed to queue it, and the inner publisher hears so.
+        assert_eq!(names, ["live 2", "after live 2 true", "live 3", "publish 3", "live 4", "after live 4 false"]);
+        for (name, on) in &events {
+            assert_eq!(*on == caller, name.starts_with("live"), "{name} ran on the wrong thread");
+        }
+        assert!(publisher.is_published(PolicyVersion(4)));
     }
 
     /// Defers a write of each version (as the NATS publisher defers a pointer), due `after`

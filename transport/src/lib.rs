@@ -214,6 +214,33 @@ pub trait WeightsPublisher: Send {
     fn deferred_until(&self) -> Option<std::time::Instant> {
         None
     }
+
+    /// The publisher's live path as a sender of its own, for the thread that hands versions
+    /// over to run itself: [`BackgroundPublisher`] sends each version live on the learner's
+    /// thread, where it leaves with the learner's next call on the bus, and then calls
+    /// [`publish_after_live`](Self::publish_after_live) on its own thread for the rest.
+    /// `None` (the default): no live path, `publish` does everything.
+    fn live_sender(&self) -> Option<Box<dyn LiveWeightsSender>> {
+        None
+    }
+
+    /// [`publish`](Self::publish) for a version the caller already sent through
+    /// [`live_sender`](Self::live_sender) (`sent_live`: whether it went out): everything but
+    /// the live path.
+    fn publish_after_live(&mut self, weights: Arc<Weights>, sent_live: bool) -> Result<(), TransportError> {
+        let _ = sent_live;
+        self.publish(weights)
+    }
+}
+
+/// A publisher's live path, run by the thread that hands versions over
+/// ([`WeightsPublisher::live_sender`]).
+pub trait LiveWeightsSender: Send {
+    /// Queue `weights` for the followers without waiting for anything: whether it was queued
+    /// (not when its parameters do not match their checksum, or the connection is closed), or
+    /// `None` when this sender leaves the version to the publisher's own thread (weights too
+    /// large to encode on the caller's thread without holding it up).
+    fn send_live(&mut self, weights: &Weights) -> Option<bool>;
 }
 
 /// How actors follow the latest policy version.

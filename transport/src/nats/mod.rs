@@ -47,7 +47,8 @@ use tokio::runtime::Handle;
 use tracing::{debug, info, warn};
 
 use super::{
-    Delivery, DeliveryToken, TrajectorySink, TrajectorySource, TransportError, WeightsFollower, WeightsPublisher,
+    Delivery, DeliveryToken, LiveWeightsSender, TrajectorySink, TrajectorySource, TransportError, WeightsFollower,
+    WeightsPublisher,
 };
 use volley_core::ids::{ActorId, PolicyVersion, RunId};
 use volley_core::spec::{RunSpec, StoreLimits, StoredSpecError};
@@ -379,6 +380,18 @@ struct Shared {
 impl Shared {
     fn block_on<F: Future>(&self, future: F) -> F::Output {
         self.runtime.block_on(&self.handle, DENIALS.scope(self.denials.clone(), future))
+    }
+
+    /// Run a future that only queues messages for the connection's writer (a publish), without
+    /// running the writer when the runtime is driven by its callers: what it queued leaves with
+    /// the next call on this bus that drives the connection, in the same write as what that
+    /// call sends. A queue that is full waits, running the writer meanwhile.
+    fn queue<F: Future>(&self, future: F) -> F::Output {
+        let future = DENIALS.scope(self.denials.clone(), future);
+        match &self.runtime.0 {
+            Some(runtime) if self.runtime.caller_driven() => runtime.block_on(future),
+            _ => self.handle.block_on(future),
+        }
     }
 
     /// Lets the connection and the background tasks take what has arrived, without waiting.

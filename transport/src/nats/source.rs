@@ -421,7 +421,9 @@ async fn settle_detached(
             return Settled { result: Ok(()), abandoned, unsettled: Vec::new() };
         }
         let outcomes = futures::future::join_all(
-            settling.iter().map(|(_, held)| tokio::time::timeout(timeout, held.message.double_ack_with(kind))),
+            settling
+                .iter()
+                .map(|(_, held)| tokio::time::timeout(timeout, double_ack(&shared.client, &held.message, kind))),
         )
         .await;
         let mut problem = None;
@@ -451,6 +453,22 @@ async fn settle_detached(
         }
         debug!(operation, unsettled = settling.len(), error = %problem, "retrying");
         tokio::time::sleep(backoff.next()).await;
+    }
+}
+
+/// Settle `message` with `kind` and wait for the server's confirmation: a request on the
+/// client's shared reply subscription. `jetstream::Message::double_ack_with` subscribes to a
+/// fresh inbox for each confirmation and unsubscribes after it, two more protocol operations
+/// (and subscription-table changes in the server) per acknowledged frame (issue 16). As with
+/// it, any reply counts as the confirmation, a "no responders" status too.
+async fn double_ack(client: &async_nats::Client, message: &jetstream::Message, kind: AckKind) -> Result<(), String> {
+    let Some(reply) = message.reply.clone() else {
+        return Err("no reply subject, not a JetStream message".into());
+    };
+    match client.request(reply, Bytes::from(kind)).await {
+        Ok(_) => Ok(()),
+        Err(err) if matches!(err.kind(), async_nats::RequestErrorKind::NoResponders) => Ok(()),
+        Err(err) => Err(err.to_string()),
     }
 }
 
@@ -796,7 +814,22 @@ impl TrajectorySource for NatsTrajectorySource {
         let settling = self.take_held("ack", tokens, AckKind::Ack);
         if !settling.is_empty() {
             let task = settle_detached(self.shared.clone(), "ack", settling, AckKind::Ack);
-            self.background_acks.push_back(self.shared.handle.spawn(task));
+            // Its first step runs here: that queues the acks on the connection, so they leave
+            // in the same write as what this thread queued before them (the update's live
+            // weights) instead of in one of their own; the task then waits for the
+            // confirmations (issue 16).
+            let first = self.shared.queue(async move {
+                let mut task = Box::pin(task);
+                match futures::poll!(task.as_mut()) {
+                    std::task::Poll::Ready(settled) => futures::future::Either::Left(settled),
+                    std::task::Poll::Pending => futures::future::Either::Right(task),
+                }
+            });
+            let task = match first {
+                futures::future::Either::Left(settled) => self.shared.handle.spawn(async move { settled }),
+                futures::future::Either::Right(task) => self.shared.handle.spawn(task),
+            };
+            self.background_acks.push_back(task);
         }
         Ok(())
     }

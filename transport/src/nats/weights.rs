@@ -450,11 +450,9 @@ impl NatsWeightsPublisher {
         }))
     }
 
-    /// Payload bytes of each live chunk: each message at most half the server's
-    /// `max_payload` (and 1 MiB).
+    /// Payload bytes of each live chunk.
     fn live_chunk_bytes(&self) -> usize {
-        let message_bytes = (self.shared.client.max_payload() / 2).min(1 << 20);
-        message_bytes.saturating_sub(wire::live::CHUNK_HEADER_BYTES).max(1024)
+        live_chunk_bytes(&self.shared)
     }
 
     /// Fan `chunks` (the live chunks of `version`'s full frame, [`wire::live`]) out on the
@@ -519,6 +517,11 @@ impl NatsWeightsPublisher {
         let bucket = subjects::weights_bucket(&config.run);
         while self.kept.len() > keep {
             let Some(chain) = self.kept.pop_front() else { break };
+            if chain.is_empty() {
+                // Inline weights: nothing stored (and no trip into the runtime, which would
+                // write what the learner's thread queued for its own next call).
+                continue;
+            }
             self.shared.block_on(async {
                 for old in &chain {
                     let delete = call("delete old weights", config.request_timeout, self.objects.delete(old));
@@ -533,6 +536,97 @@ impl NatsWeightsPublisher {
 
 impl WeightsPublisher for NatsWeightsPublisher {
     fn publish(&mut self, weights: Arc<Weights>) -> Result<(), TransportError> {
+        self.publish_with(weights, None)
+    }
+
+    fn live_sender(&self) -> Option<Box<dyn LiveWeightsSender>> {
+        self.shared
+            .config
+            .weights_live
+            .then(|| Box::new(NatsLiveSender { shared: self.shared.clone() }) as Box<dyn LiveWeightsSender>)
+    }
+
+    fn publish_after_live(&mut self, weights: Arc<Weights>, sent_live: bool) -> Result<(), TransportError> {
+        self.publish_with(weights, Some(sent_live))
+    }
+
+    /// Write the pointer of the last version if it was deferred.
+    fn flush(&mut self) -> Result<(), TransportError> {
+        let Some((pointer, frame)) = self.deferred.take() else { return Ok(()) };
+        match self.write_pointer(pointer.clone(), Some(&frame)) {
+            Ok(()) => {
+                debug!(version = pointer.version, "deferred weights pointer written");
+                Ok(())
+            }
+            Err(err) => {
+                // Kept: the next flush tries again, unless a newer version replaces it.
+                self.deferred = Some((pointer, frame));
+                Err(err)
+            }
+        }
+    }
+
+    fn deferred_until(&self) -> Option<Instant> {
+        let (_, written_at) = self.pointer_written?;
+        self.deferred.as_ref().map(|_| written_at + self.shared.config.weights_pointer_within)
+    }
+}
+
+/// Payload bytes of each live chunk: each message at most half the server's `max_payload`
+/// (and 1 MiB).
+fn live_chunk_bytes(shared: &Shared) -> usize {
+    let message_bytes = (shared.client.max_payload() / 2).min(1 << 20);
+    message_bytes.saturating_sub(wire::live::CHUNK_HEADER_BYTES).max(1024)
+}
+
+/// [`NatsWeightsPublisher`]'s live path on the thread that hands versions over
+/// ([`WeightsPublisher::live_sender`]), for weights small enough to go inline
+/// ([`NatsConfig::weights_inline_max_bytes`]; larger ones stay on the publisher's thread).
+///
+/// It encodes the version's live chunks from the parameters and queues them on the
+/// connection without running its writer: they leave with that thread's next call on the bus
+/// (the learner's next `recv`) or with any other thread's, before the durable path's writes,
+/// which the publisher queues after them. No hand-off to the publisher's thread and no trip of
+/// that thread into the runtime stand between an update and its live message (docs/BENCHMARKS.md,
+/// issue 16, item 1).
+struct NatsLiveSender {
+    shared: Arc<Shared>,
+}
+
+impl LiveWeightsSender for NatsLiveSender {
+    fn send_live(&mut self, weights: &Weights) -> Option<bool> {
+        let shared = &self.shared;
+        let full_bytes = wire::HEADER_BYTES + wire::frame::FRAME_HEADER_BYTES + 4 * weights.params.len();
+        if full_bytes > shared.config.weights_inline_max_bytes {
+            // Larger weights are encoded on the publisher's thread: megabytes of copying
+            // and hashing would hold up the learner's next update.
+            return None;
+        }
+        let (chunks, digest) = wire::live::encode_full_frame_chunks(weights, live_chunk_bytes(shared));
+        if digest != weights.checksum {
+            // Corrupted parameters never go out live; the durable path publishes them as an
+            // anchor that no delta builds on.
+            return Some(false);
+        }
+        let subject = Subject::from(subjects::weights_live(&shared.config.run));
+        let client = &shared.client;
+        let queued = shared.queue(call("publish live weights", shared.config.request_timeout, async {
+            for chunk in chunks {
+                client.publish(subject.clone(), Bytes::from(chunk)).await?;
+            }
+            Ok::<_, async_nats::PublishError>(())
+        }));
+        if let Err(err) = &queued {
+            debug!(version = weights.version.0, %err, "live weights not sent; followers fetch them from the store");
+        }
+        Some(queued.is_ok())
+    }
+}
+
+impl NatsWeightsPublisher {
+    /// [`WeightsPublisher::publish`]; `caller_live`: the caller sent the version live itself
+    /// ([`NatsLiveSender`]), and whether it went out.
+    fn publish_with(&mut self, weights: Arc<Weights>, caller_live: Option<bool>) -> Result<(), TransportError> {
         let version = weights.version.0;
         if let Some(last) = self.last_version {
             if version <= last {
@@ -561,10 +655,12 @@ impl WeightsPublisher for NatsWeightsPublisher {
         // decode, and applicable by any follower whatever it holds, so neither the delta's
         // encoding nor a missed version stands between a connected follower and this version.
         // Its chunks are written straight from the parameters unless the durable path needs
-        // the full frame too (an anchor, or inline weights).
+        // the full frame too (an anchor, or inline weights). Not here when the caller ran
+        // the live path itself (`caller_live`).
         let chunk_bytes = self.live_chunk_bytes();
+        let live_here = config.weights_live && caller_live.is_none();
         // With each, the digest of the parameters as encoded.
-        let (full, live, digest) = match (config.weights_live, delta_parent.is_some()) {
+        let (full, live, digest) = match (live_here, delta_parent.is_some()) {
             (true, true) => {
                 let (chunks, digest) = wire::live::encode_full_frame_chunks(&weights, chunk_bytes);
                 (None, Some(chunks), digest)
@@ -580,8 +676,9 @@ impl WeightsPublisher for NatsWeightsPublisher {
         };
         // Whether the parameters match their checksum.
         let sound = digest == weights.checksum;
-        let sent_live = match (sound, live) {
-            (true, Some(chunks)) => self.publish_live(chunks, version),
+        let sent_live = match (sound, live, caller_live) {
+            (true, Some(chunks), _) => self.publish_live(chunks, version),
+            (true, None, Some(sent)) => sent,
             _ => false,
         };
         // Then the durable path: the chain's delta, or the full frame (encoded once).
@@ -648,27 +745,6 @@ impl WeightsPublisher for NatsWeightsPublisher {
         self.parent = sound.then_some(weights);
         self.purge_old_chains();
         Ok(())
-    }
-
-    /// Write the pointer of the last version if it was deferred.
-    fn flush(&mut self) -> Result<(), TransportError> {
-        let Some((pointer, frame)) = self.deferred.take() else { return Ok(()) };
-        match self.write_pointer(pointer.clone(), Some(&frame)) {
-            Ok(()) => {
-                debug!(version = pointer.version, "deferred weights pointer written");
-                Ok(())
-            }
-            Err(err) => {
-                // Kept: the next flush tries again, unless a newer version replaces it.
-                self.deferred = Some((pointer, frame));
-                Err(err)
-            }
-        }
-    }
-
-    fn deferred_until(&self) -> Option<Instant> {
-        let (_, written_at) = self.pointer_written?;
-        self.deferred.as_ref().map(|_| written_at + self.shared.config.weights_pointer_within)
     }
 }
 
