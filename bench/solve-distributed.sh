@@ -9,6 +9,9 @@
 #
 # usage: bench/solve-distributed.sh ["ACTOR COUNTS"] [seeds...]   (default "1 2 3", seeds 1 2 3)
 # env:   VOLLEY_BIN (default: target/release/volley, built here when VOLLEY_BIN is unset),
+#        VOLLEY_BINS (several binaries, space-separated: each (actor count, seed) runs with each
+#        in turn, so an A/B comparison alternates run by run instead of block by block; the
+#        rows and the summary name the binary),
 #        LEARNER_FLAGS (extra `volley learner` flags, e.g. "--loss ppo"),
 #        KEEP_DIR (keep every run's logs and learner JSON there instead of a removed temp dir),
 #        NATS_GOMAXPROCS (the broker's Go scheduler threads; default 1, as k8s/base/nats runs it:
@@ -24,6 +27,7 @@ if [ -z "${VOLLEY_BIN:-}" ]; then
   cargo build --release -p volley >/dev/null 2>&1
 fi
 volley=${VOLLEY_BIN:-target/release/volley}
+bins=${VOLLEY_BINS:-$volley}
 command -v nats-server >/dev/null || { echo "nats-server not found on PATH" >&2; exit 1; }
 
 out=${KEEP_DIR:-$(mktemp -d -t volley-solve-dist-XXXXXX)}
@@ -39,73 +43,75 @@ trap 'exit 130' INT TERM
 
 free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 
-printf '%-7s %-5s %-7s %-9s %-9s %-11s %-10s %-9s %-6s %-11s %-7s %-7s %-8s %-7s\n' \
-  actors seed solved return100 env_steps learner_s process_s wait_ratio stale stale_share recv_s update_s publish_s ack_s
+printf '%-7s %-5s %-7s %-9s %-9s %-11s %-10s %-9s %-6s %-11s %-7s %-7s %-8s %-7s %s\n' \
+  actors seed solved return100 env_steps learner_s process_s wait_ratio stale stale_share recv_s update_s publish_s ack_s binary
 for n in $counts; do
   for seed in $seeds; do
-    dir="$out/n$n-s$seed"
-    mkdir -p "$dir/jetstream" "$dir/checkpoints"
-    port=$(free_port)
-    url="nats://127.0.0.1:$port"
-    if [ -n "${NATS_GOMAXPROCS-1}" ]; then
-      GOMAXPROCS=${NATS_GOMAXPROCS-1} nats-server -js -a 127.0.0.1 -p "$port" -sd "$dir/jetstream" > "$dir/nats.log" 2>&1 &
-    else
-      nats-server -js -a 127.0.0.1 -p "$port" -sd "$dir/jetstream" > "$dir/nats.log" 2>&1 &
-    fi
-    nats_pid=$!
-    pids+=("$nats_pid")
-    for _ in $(seq 100); do
-      (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null && break
-      sleep 0.05
-    done
-    start=$(date +%s.%N)
-    # shellcheck disable=SC2086
-    "$volley" learner --nats "$url" --run solve --seed "$seed" --checkpoint-dir "$dir/checkpoints" \
-      --max-secs 300 ${LEARNER_FLAGS:-} > "$dir/learner.json" 2> "$dir/learner.log" &
-    learner_pid=$!
-    actor_pids=()
-    for i in $(seq 0 $((n - 1))); do
-      "$volley" actor --nats "$url" --run solve --actor-id "actor-$i" --envs 8 --seed $((seed * 1000 + i)) \
-        > /dev/null 2> "$dir/actor-$i.log" &
-      actor_pids+=($!)
-    done
-    pids+=("${actor_pids[@]}")
-    wait "$learner_pid" || echo "learner n=$n seed=$seed failed; see $dir/learner.log" >&2
-    end=$(date +%s.%N)
-    # Actors first (they flush), then the server.
-    for pid in "${actor_pids[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
-    for pid in "${actor_pids[@]}"; do wait "$pid" 2>/dev/null || true; done
-    kill -TERM "$nats_pid" 2>/dev/null || true
-    wait "$nats_pid" 2>/dev/null || true
-    pids=()
-    python3 - "$dir/learner.json" "$n" "$seed" "$(echo "$end - $start" | bc)" "$out/rows" <<'PY'
+    for volley in $bins; do
+      dir="$out/n$n-s$seed-$(basename "$volley")"
+      mkdir -p "$dir/jetstream" "$dir/checkpoints"
+      port=$(free_port)
+      url="nats://127.0.0.1:$port"
+      if [ -n "${NATS_GOMAXPROCS-1}" ]; then
+        GOMAXPROCS=${NATS_GOMAXPROCS-1} nats-server -js -a 127.0.0.1 -p "$port" -sd "$dir/jetstream" > "$dir/nats.log" 2>&1 &
+      else
+        nats-server -js -a 127.0.0.1 -p "$port" -sd "$dir/jetstream" > "$dir/nats.log" 2>&1 &
+      fi
+      nats_pid=$!
+      pids+=("$nats_pid")
+      for _ in $(seq 100); do
+        (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null && break
+        sleep 0.05
+      done
+      start=$(date +%s.%N)
+      # shellcheck disable=SC2086
+      "$volley" learner --nats "$url" --run solve --seed "$seed" --checkpoint-dir "$dir/checkpoints" \
+        --max-secs 300 ${LEARNER_FLAGS:-} > "$dir/learner.json" 2> "$dir/learner.log" &
+      learner_pid=$!
+      actor_pids=()
+      for i in $(seq 0 $((n - 1))); do
+        "$volley" actor --nats "$url" --run solve --actor-id "actor-$i" --envs 8 --seed $((seed * 1000 + i)) \
+          > /dev/null 2> "$dir/actor-$i.log" &
+        actor_pids+=($!)
+      done
+      pids+=("${actor_pids[@]}")
+      wait "$learner_pid" || echo "learner n=$n seed=$seed failed; see $dir/learner.log" >&2
+      end=$(date +%s.%N)
+      # Actors first (they flush), then the server.
+      for pid in "${actor_pids[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
+      for pid in "${actor_pids[@]}"; do wait "$pid" 2>/dev/null || true; done
+      kill -TERM "$nats_pid" 2>/dev/null || true
+      wait "$nats_pid" 2>/dev/null || true
+      pids=()
+      python3 - "$dir/learner.json" "$n" "$seed" "$(echo "$end - $start" | bc)" "$out/rows" "$(basename "$volley")" <<'PY'
 import json, sys
-path, n, seed, process_s, rows = sys.argv[1:6]
+path, n, seed, process_s, rows, binary = sys.argv[1:7]
 try:
     s = json.load(open(path))
 except (OSError, ValueError):
-    print("%-7s %-5s failed" % (n, seed))
+    print("%-7s %-5s failed %s" % (n, seed, binary))
     sys.exit(0)
 share = s["segments_stale"] / max(1, s["segments_stale"] + s["segments_used"])
-print("%-7s %-5s %-7s %-9.2f %-9d %-11.3f %-10.2f %-9.2f %-6d %-11.3f %-7.3f %-7.3f %-8.3f %-7.3f" % (
+print("%-7s %-5s %-7s %-9.2f %-9d %-11.3f %-10.2f %-9.2f %-6d %-11.3f %-7.3f %-7.3f %-8.3f %-7.3f %s" % (
     n, seed, s["solved"], s["final_mean_return"], s["env_steps"], s["wall_secs"], float(process_s),
     s["learner_wait_ratio"], s["segments_stale"], share, s.get("learner_recv_secs", 0), s.get("learner_update_secs", 0),
-    s.get("learner_publish_secs", 0), s.get("learner_ack_secs", 0)))
+    s.get("learner_publish_secs", 0), s.get("learner_ack_secs", 0), binary))
 with open(rows, "a") as f:
-    f.write(json.dumps({"n": int(n), "solved": s["solved"], "env_steps": s["env_steps"],
+    f.write(json.dumps({"n": int(n), "solved": s["solved"], "env_steps": s["env_steps"], "binary": binary,
                         "learner_s": s["wall_secs"], "process_s": float(process_s), "stale_share": share}) + "\n")
 PY
+    done
   done
 done
 python3 - "$out/rows" <<'PY'
 import json, statistics, sys
 rows = [json.loads(line) for line in open(sys.argv[1])] if __import__("os").path.exists(sys.argv[1]) else []
 print()
-print("%-7s %-7s %-16s %-16s %-16s %-18s" % ("actors", "solved", "median_steps", "median_learner_s", "median_process_s", "median_stale_share"))
-for n in sorted({r["n"] for r in rows}):
-    rs = [r for r in rows if r["n"] == n]
-    print("%-7d %-7s %-16d %-16.3f %-16.2f %-18.3f" % (
+print("%-7s %-7s %-16s %-16s %-16s %-18s %s" % ("actors", "solved", "median_steps", "median_learner_s", "median_process_s", "median_stale_share", "binary"))
+for n, binary in sorted({(r["n"], r["binary"]) for r in rows}):
+    rs = [r for r in rows if r["n"] == n and r["binary"] == binary]
+    print("%-7d %-7s %-16d %-16.3f %-16.2f %-18.3f %s" % (
         n, "%d/%d" % (sum(r["solved"] for r in rs), len(rs)), statistics.median(r["env_steps"] for r in rs),
         statistics.median(r["learner_s"] for r in rs), statistics.median(r["process_s"] for r in rs),
-        statistics.median(r["stale_share"] for r in rs)))
+        statistics.median(r["stale_share"] for r in rs), binary))
 PY
