@@ -55,9 +55,9 @@ struct Shared {
 /// path from the caller's thread, when it has one ([`WeightsPublisher::live_sender`]): that
 /// only queues it on the connection, so it leaves with the caller's next call on the bus (the
 /// learner's next `recv`), with no hand-off to this thread in between. Then it returns: the
-/// version replaces any version
-/// still waiting (the thread publishes only the newest, so a slow store costs versions, never
-/// learner time), and the thread hands it to the inner publisher. A failure of the inner
+/// version replaces any version still waiting (the thread publishes only the newest, so a slow
+/// store costs versions, never learner time), and the thread hands it to the inner publisher
+/// ([`WeightsPublisher::publish_after_live`] when the caller sent it live). A failure of the inner
 /// publisher (after its own retries) is returned by the next `publish` or
 /// [`flush`](WeightsPublisher::flush). [`is_published`](WeightsPublisher::is_published) tells
 /// the learner which versions are out, so it acknowledges the segments behind an update only

@@ -460,7 +460,10 @@ async fn settle_detached(
 /// client's shared reply subscription. `jetstream::Message::double_ack_with` subscribes to a
 /// fresh inbox for each confirmation and unsubscribes after it, two more protocol operations
 /// (and subscription-table changes in the server) per acknowledged frame (issue 16). As with
-/// it, any reply counts as the confirmation, a "no responders" status too.
+/// it, any reply counts as the confirmation, a "no responders" status too. A request the
+/// server never answers keeps its entry in the client's table of awaited replies (async-nats
+/// removes an entry when its reply comes); deliveries from an earlier connection get plain
+/// acks (`settle_detached`), so that is at most the acks in flight when a broker restarts.
 async fn double_ack(client: &async_nats::Client, message: &jetstream::Message, kind: AckKind) -> Result<(), String> {
     let Some(reply) = message.reply.clone() else {
         return Err("no reply subject, not a JetStream message".into());

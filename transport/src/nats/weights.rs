@@ -123,7 +123,7 @@ fn open_live(shared: &Arc<Shared>, layout_hash: u64, n_params: usize) -> Option<
         }
     };
     let slot = Arc::new(LiveSlot::default());
-    let max_frame = wire::HEADER_BYTES + wire::frame::FRAME_HEADER_BYTES + 4 * n_params;
+    let max_frame = full_frame_bytes(n_params);
     let assembler = wire::live::LiveAssembler::new(layout_hash, max_frame);
     let task = shared.handle.spawn(follow_live(subscriber, assembler, slot.clone()));
     Some(LiveFeed { slot, task })
@@ -572,6 +572,12 @@ impl WeightsPublisher for NatsWeightsPublisher {
     }
 }
 
+/// Bytes of the full frame of `n_params` parameters (whether weights go inline, the largest
+/// frame a follower accepts).
+fn full_frame_bytes(n_params: usize) -> usize {
+    wire::HEADER_BYTES + wire::frame::FRAME_HEADER_BYTES + 4 * n_params
+}
+
 /// Payload bytes of each live chunk: each message at most half the server's `max_payload`
 /// (and 1 MiB).
 fn live_chunk_bytes(shared: &Shared) -> usize {
@@ -596,8 +602,7 @@ struct NatsLiveSender {
 impl LiveWeightsSender for NatsLiveSender {
     fn send_live(&mut self, weights: &Weights) -> Option<bool> {
         let shared = &self.shared;
-        let full_bytes = wire::HEADER_BYTES + wire::frame::FRAME_HEADER_BYTES + 4 * weights.params.len();
-        if full_bytes > shared.config.weights_inline_max_bytes {
+        if full_frame_bytes(weights.params.len()) > shared.config.weights_inline_max_bytes {
             // Larger weights are encoded on the publisher's thread: megabytes of copying
             // and hashing would hold up the learner's next update.
             return None;
@@ -644,8 +649,7 @@ impl NatsWeightsPublisher {
         }
         let shared = self.shared.clone();
         let config = &shared.config;
-        let full_bytes = wire::HEADER_BYTES + wire::frame::FRAME_HEADER_BYTES + 4 * weights.params.len();
-        let inline = full_bytes <= config.weights_inline_max_bytes;
+        let inline = full_frame_bytes(weights.params.len()) <= config.weights_inline_max_bytes;
         let delta_parent = self
             .parent
             .as_ref()
@@ -1165,7 +1169,7 @@ impl NatsWeightsFollower {
         let shared = self.shared.clone();
         let config = &shared.config;
         let bucket = subjects::weights_bucket(&config.run);
-        let frame_limit = wire::HEADER_BYTES + wire::frame::FRAME_HEADER_BYTES + 4 * self.n_params;
+        let frame_limit = full_frame_bytes(self.n_params);
         let deadline = config.transfer_deadline(frame_limit.saturating_mul(names.len()));
         let objects = &mut self.objects;
         let downloaded = shared.block_on(async {
