@@ -460,19 +460,7 @@ impl NatsWeightsPublisher {
     /// takes the version from the object store, which this publish writes next (the chunks
     /// leave first, on the same connection).
     fn publish_live(&self, chunks: Vec<Vec<u8>>, version: u64) -> bool {
-        let shared = &self.shared;
-        let subject = Subject::from(subjects::weights_live(&shared.config.run));
-        let client = &shared.client;
-        let sent = shared.block_on(call("publish live weights", shared.config.request_timeout, async {
-            for chunk in chunks {
-                client.publish(subject.clone(), Bytes::from(chunk)).await?;
-            }
-            Ok::<_, async_nats::PublishError>(())
-        }));
-        if let Err(err) = &sent {
-            debug!(version, %err, "live weights not sent; followers fetch them from the store");
-        }
-        sent.is_ok()
+        send_live_chunks(&self.shared, chunks, version, true)
     }
 
     /// Put `pointer` (with `frame` inline when the pointer carries it) under the run's
@@ -613,19 +601,27 @@ impl LiveWeightsSender for NatsLiveSender {
             // anchor that no delta builds on.
             return Some(false);
         }
-        let subject = Subject::from(subjects::weights_live(&shared.config.run));
-        let client = &shared.client;
-        let queued = shared.queue(call("publish live weights", shared.config.request_timeout, async {
-            for chunk in chunks {
-                client.publish(subject.clone(), Bytes::from(chunk)).await?;
-            }
-            Ok::<_, async_nats::PublishError>(())
-        }));
-        if let Err(err) = &queued {
-            debug!(version = weights.version.0, %err, "live weights not sent; followers fetch them from the store");
-        }
-        Some(queued.is_ok())
+        Some(send_live_chunks(shared, chunks, weights.version.0, false))
     }
+}
+
+/// Publish `chunks` (live chunks of `version`) on the run's live subject: whether they went
+/// out. `write`: run the connection's writer before returning (the publisher's thread);
+/// otherwise only queue them for the caller's next call on the bus ([`Shared::queue`]).
+fn send_live_chunks(shared: &Shared, chunks: Vec<Vec<u8>>, version: u64, write: bool) -> bool {
+    let subject = Subject::from(subjects::weights_live(&shared.config.run));
+    let client = &shared.client;
+    let send = call("publish live weights", shared.config.request_timeout, async {
+        for chunk in chunks {
+            client.publish(subject.clone(), Bytes::from(chunk)).await?;
+        }
+        Ok::<_, async_nats::PublishError>(())
+    });
+    let sent = if write { shared.block_on(send) } else { shared.queue(send) };
+    if let Err(err) = &sent {
+        debug!(version, %err, "live weights not sent; followers fetch them from the store");
+    }
+    sent.is_ok()
 }
 
 impl NatsWeightsPublisher {
