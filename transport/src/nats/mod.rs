@@ -343,12 +343,21 @@ impl OwnedRuntime {
     /// so the caller-driven call yields once after it: the tasks it woke, the writer among
     /// them, run before it returns.
     fn block_on<F: Future>(&self, handle: &Handle, future: F) -> F::Output {
+        if !self.caller_driven() {
+            return self.run(handle, future);
+        }
+        self.run(handle, async {
+            let output = future.await;
+            tokio::task::yield_now().await;
+            output
+        })
+    }
+
+    /// [`block_on`](Self::block_on) without the yield after the future: what the future
+    /// queued for the writer stays queued until the next call that runs it.
+    fn run<F: Future>(&self, handle: &Handle, future: F) -> F::Output {
         match &self.0 {
-            Some(runtime) if self.caller_driven() => runtime.block_on(async {
-                let output = future.await;
-                tokio::task::yield_now().await;
-                output
-            }),
+            Some(runtime) if self.caller_driven() => runtime.block_on(future),
             _ => handle.block_on(future),
         }
     }
@@ -387,11 +396,7 @@ impl Shared {
     /// the next call on this bus that drives the connection, in the same write as what that
     /// call sends. A queue that is full waits, running the writer meanwhile.
     fn queue<F: Future>(&self, future: F) -> F::Output {
-        let future = DENIALS.scope(self.denials.clone(), future);
-        match &self.runtime.0 {
-            Some(runtime) if self.runtime.caller_driven() => runtime.block_on(future),
-            _ => self.handle.block_on(future),
-        }
+        self.runtime.run(&self.handle, DENIALS.scope(self.denials.clone(), future))
     }
 
     /// Lets the connection and the background tasks take what has arrived, without waiting.

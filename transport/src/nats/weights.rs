@@ -450,19 +450,6 @@ impl NatsWeightsPublisher {
         }))
     }
 
-    /// Payload bytes of each live chunk.
-    fn live_chunk_bytes(&self) -> usize {
-        live_chunk_bytes(&self.shared)
-    }
-
-    /// Fan `chunks` (the live chunks of `version`'s full frame, [`wire::live`]) out on the
-    /// run's live subject. Best effort and not waited for: a follower that misses a chunk
-    /// takes the version from the object store, which this publish writes next (the chunks
-    /// leave first, on the same connection).
-    fn publish_live(&self, chunks: Vec<Vec<u8>>, version: u64) -> bool {
-        send_live_chunks(&self.shared, chunks, version, true)
-    }
-
     /// Put `pointer` (with `frame` inline when the pointer carries it) under the run's
     /// `weights` key, retrying through a broker outage.
     fn write_pointer(&mut self, mut pointer: WeightsPointer, inline: Option<&[u8]>) -> Result<(), TransportError> {
@@ -605,9 +592,12 @@ impl LiveWeightsSender for NatsLiveSender {
     }
 }
 
-/// Publish `chunks` (live chunks of `version`) on the run's live subject: whether they went
-/// out. `write`: run the connection's writer before returning (the publisher's thread);
-/// otherwise only queue them for the caller's next call on the bus ([`Shared::queue`]).
+/// Fan `chunks` (the live chunks of `version`'s full frame, [`wire::live`]) out on the run's
+/// live subject: whether they went out. Best effort and not waited for: a follower that misses
+/// a chunk takes the version from the store, which the publisher writes after them (the chunks
+/// leave first, on the same connection). `write`: run the connection's writer before
+/// returning (the publisher's thread); otherwise only queue them for the caller's next call on
+/// the bus ([`Shared::queue`]).
 fn send_live_chunks(shared: &Shared, chunks: Vec<Vec<u8>>, version: u64, write: bool) -> bool {
     let subject = Subject::from(subjects::weights_live(&shared.config.run));
     let client = &shared.client;
@@ -657,7 +647,7 @@ impl NatsWeightsPublisher {
         // Its chunks are written straight from the parameters unless the durable path needs
         // the full frame too (an anchor, or inline weights). Not here when the caller ran
         // the live path itself (`caller_live`).
-        let chunk_bytes = self.live_chunk_bytes();
+        let chunk_bytes = live_chunk_bytes(&shared);
         let live_here = config.weights_live && caller_live.is_none();
         // With each, the digest of the parameters as encoded.
         let (full, live, digest) = match (live_here, delta_parent.is_some()) {
@@ -677,7 +667,7 @@ impl NatsWeightsPublisher {
         // Whether the parameters match their checksum.
         let sound = digest == weights.checksum;
         let sent_live = match (sound, live, caller_live) {
-            (true, Some(chunks), _) => self.publish_live(chunks, version),
+            (true, Some(chunks), _) => send_live_chunks(&shared, chunks, version, true),
             (true, None, Some(sent)) => sent,
             _ => false,
         };
