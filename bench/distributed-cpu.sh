@@ -17,6 +17,8 @@ seeds=${*:-1 2 3}
 command -v nats-server >/dev/null || { echo "nats-server not found on PATH" >&2; exit 1; }
 out=$(mktemp -d -t volley-dist-cpu-XXXXXX)
 trap 'rm -rf "$out"' EXIT
+# The broker's Go scheduler threads: 1 unless NATS_GOMAXPROCS says otherwise; empty: Go's default.
+gomaxprocs=${NATS_GOMAXPROCS-1}
 free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 cpu() { awk '{printf "%.2f", ($14 + $15) / 100}' "/proc/$1/stat"; }
 for pass in $(seq "${PASSES:-2}"); do
@@ -25,11 +27,7 @@ for pass in $(seq "${PASSES:-2}"); do
       dir="$out/$pass-$seed-$(basename "$bin")"
       mkdir -p "$dir"
       port=$(free_port)
-      if [ -n "${NATS_GOMAXPROCS-1}" ]; then
-        GOMAXPROCS=${NATS_GOMAXPROCS-1} nats-server -js -a 127.0.0.1 -p "$port" -sd "$dir/js" > "$dir/nats.log" 2>&1 &
-      else
-        nats-server -js -a 127.0.0.1 -p "$port" -sd "$dir/js" > "$dir/nats.log" 2>&1 &
-      fi
+      env ${gomaxprocs:+"GOMAXPROCS=$gomaxprocs"} nats-server -js -a 127.0.0.1 -p "$port" -sd "$dir/js" > "$dir/nats.log" 2>&1 &
       ns=$!
       for _ in $(seq 100); do (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null && break; sleep 0.05; done
       ns0=$(cpu "$ns")

@@ -41,6 +41,8 @@ cleanup() {
 trap 'cleanup; [ -n "${KEEP_DIR:-}" ] || rm -rf "$out"' EXIT
 trap 'exit 130' INT TERM
 
+# The broker's Go scheduler threads: 1 unless NATS_GOMAXPROCS says otherwise; empty: Go's default.
+gomaxprocs=${NATS_GOMAXPROCS-1}
 free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 
 printf '%-7s %-5s %-7s %-9s %-9s %-11s %-10s %-9s %-6s %-11s %-7s %-7s %-8s %-7s %s\n' \
@@ -52,11 +54,7 @@ for n in $counts; do
       mkdir -p "$dir/jetstream" "$dir/checkpoints"
       port=$(free_port)
       url="nats://127.0.0.1:$port"
-      if [ -n "${NATS_GOMAXPROCS-1}" ]; then
-        GOMAXPROCS=${NATS_GOMAXPROCS-1} nats-server -js -a 127.0.0.1 -p "$port" -sd "$dir/jetstream" > "$dir/nats.log" 2>&1 &
-      else
-        nats-server -js -a 127.0.0.1 -p "$port" -sd "$dir/jetstream" > "$dir/nats.log" 2>&1 &
-      fi
+      env ${gomaxprocs:+"GOMAXPROCS=$gomaxprocs"} nats-server -js -a 127.0.0.1 -p "$port" -sd "$dir/jetstream" > "$dir/nats.log" 2>&1 &
       nats_pid=$!
       pids+=("$nats_pid")
       for _ in $(seq 100); do
