@@ -57,13 +57,21 @@ struct Shared {
 /// learner's next `recv`), with no hand-off to this thread in between. Then it returns: the
 /// version replaces any version still waiting (the thread publishes only the newest, so a slow
 /// store costs versions, never learner time), and the thread hands it to the inner publisher
-/// ([`WeightsPublisher::publish_after_live`] when the caller sent it live). A failure of the inner
+/// ([`WeightsPublisher::publish_after_live`] when the caller sent it live). When the thread is
+/// idle and the inner publisher can take the version without writing anything
+/// ([`WeightsPublisher::take_without_writing`]: inline weights whose pointer may wait), the
+/// caller's thread does that itself and the version is published at once: no hand-off, and the
+/// thread is woken only when the deferred write's deadline changes. A failure of the inner
 /// publisher (after its own retries) is returned by the next `publish` or
 /// [`flush`](WeightsPublisher::flush). [`is_published`](WeightsPublisher::is_published) tells
 /// the learner which versions are out, so it acknowledges the segments behind an update only
 /// after the update's version was published (learner/src/consume.rs).
 pub struct BackgroundPublisher {
     shared: Arc<Shared>,
+    /// The inner publisher: run by the thread, and asked on the caller's thread to take a
+    /// version without writing ([`WeightsPublisher::take_without_writing`]) when the thread is
+    /// idle. Lock order: `shared.state`, then this (the caller only tries it).
+    inner: Arc<Mutex<Box<dyn WeightsPublisher>>>,
     /// The inner publisher's live path, run on the caller's thread.
     live: Option<Box<dyn LiveWeightsSender>>,
     last_handed: Option<PolicyVersion>,
@@ -83,21 +91,24 @@ impl std::fmt::Debug for BackgroundPublisher {
 
 impl BackgroundPublisher {
     /// Start the publishing thread around `inner`.
-    pub fn new(mut inner: impl WeightsPublisher + 'static) -> Result<Self, TransportError> {
+    pub fn new(inner: impl WeightsPublisher + 'static) -> Result<Self, TransportError> {
         let live = inner.live_sender();
+        let inner: Arc<Mutex<Box<dyn WeightsPublisher>>> = Arc::new(Mutex::new(Box::new(inner)));
         let shared = Arc::new(Shared { state: Mutex::new(State::default()), changed: Condvar::new() });
-        let thread_shared = shared.clone();
+        let (thread_shared, thread_inner) = (shared.clone(), inner.clone());
         let thread = thread::Builder::new()
             .name("weights-publisher".into())
             .spawn(move || {
-                let shared = thread_shared;
+                let (shared, inner) = (thread_shared, thread_inner);
+                let lock_inner = || inner.lock().expect("publisher lock is never poisoned");
                 loop {
-                    // A write the inner publisher deferred is made when it falls due, unless a
-                    // newer version comes first.
-                    let due = inner.deferred_until();
                     let work = {
                         let mut state = shared.state.lock().expect("publisher lock is never poisoned");
                         loop {
+                            // A write the inner publisher deferred is made when it falls due,
+                            // unless a newer version comes first. Read under the state lock: a
+                            // version the caller took without writing changes it, and notifies.
+                            let due = lock_inner().deferred_until();
                             if let Some((weights, sent_live)) = state.pending.take() {
                                 state.in_progress = Some(weights.version);
                                 break Work::Publish(weights, sent_live);
@@ -123,7 +134,7 @@ impl BackgroundPublisher {
                     let (weights, sent_live) = match work {
                         Work::Publish(weights, sent_live) => (weights, sent_live),
                         Work::Flush { closing } => {
-                            let outcome = inner.flush();
+                            let outcome = lock_inner().flush();
                             let mut state = shared.state.lock().expect("publisher lock is never poisoned");
                             state.flushing = false;
                             if let Err(err) = outcome {
@@ -139,8 +150,8 @@ impl BackgroundPublisher {
                     };
                     let version = weights.version;
                     let outcome = match sent_live {
-                        Some(sent_live) => inner.publish_after_live(weights, sent_live),
-                        None => inner.publish(weights),
+                        Some(sent_live) => lock_inner().publish_after_live(weights, sent_live),
+                        None => lock_inner().publish(weights),
                     };
                     let mut state = shared.state.lock().expect("publisher lock is never poisoned");
                     state.in_progress = None;
@@ -155,7 +166,7 @@ impl BackgroundPublisher {
                 }
             })
             .map_err(|err| TransportError::Failed { operation: "start weights publisher", message: err.to_string() })?;
-        Ok(BackgroundPublisher { shared, live, last_handed: None, thread: Some(thread) })
+        Ok(BackgroundPublisher { shared, inner, live, last_handed: None, thread: Some(thread) })
     }
 
     /// Versions replaced by a newer one before they were published.
@@ -198,6 +209,23 @@ impl WeightsPublisher for BackgroundPublisher {
         let mut state = self.shared.state.lock().expect("publisher lock is never poisoned");
         if let Some(err) = state.failure.take() {
             return Err(err);
+        }
+        // With the thread idle, a version whose durable write may wait is taken here: no
+        // hand-off, and no wake-up of the thread, unless the deferred write's deadline changed
+        // (issue 16: a futex wake-up and a context switch per version on two busy cores).
+        let idle = state.pending.is_none() && state.in_progress.is_none() && !state.flushing && !state.flush_wanted;
+        if let (true, Some(sent_live)) = (idle, sent_live) {
+            if let Ok(mut inner) = self.inner.try_lock() {
+                let due = inner.deferred_until();
+                if inner.take_without_writing(&weights, sent_live) {
+                    state.confirmed = Some(weights.version);
+                    self.last_handed = Some(weights.version);
+                    if inner.deferred_until() != due {
+                        self.shared.changed.notify_all();
+                    }
+                    return Ok(());
+                }
+            }
         }
         if let Some((replaced, _)) = state.pending.replace((weights.clone(), sent_live)) {
             debug!(version = replaced.version.0, "weights version replaced before it was published");
@@ -412,5 +440,93 @@ mod tests {
         drop(publisher_slow);
         assert_eq!(rx.try_iter().collect::<Vec<_>>(), vec!["publish 2", "write 2"]);
         drop(publisher);
+    }
+
+    /// Sends every version live; takes odd versions without writing (as the NATS publisher
+    /// takes a version whose pointer may wait), with a write due `after` the first one taken.
+    /// Reports on which thread each part ran.
+    struct TakesOdd {
+        events: mpsc::Sender<(String, thread::ThreadId)>,
+        after: Duration,
+        due: Option<Instant>,
+    }
+
+    struct AllLive;
+
+    impl LiveWeightsSender for AllLive {
+        fn send_live(&mut self, _: &Weights) -> Option<bool> {
+            Some(true)
+        }
+    }
+
+    impl WeightsPublisher for TakesOdd {
+        fn publish(&mut self, _: Arc<Weights>) -> Result<(), TransportError> {
+            unreachable!("every version went out live")
+        }
+
+        fn live_sender(&self) -> Option<Box<dyn LiveWeightsSender>> {
+            Some(Box::new(AllLive))
+        }
+
+        fn publish_after_live(&mut self, weights: Arc<Weights>, _: bool) -> Result<(), TransportError> {
+            self.due = None;
+            self.events.send((format!("after live {}", weights.version.0), thread::current().id())).unwrap();
+            Ok(())
+        }
+
+        fn take_without_writing(&mut self, weights: &Arc<Weights>, _: bool) -> bool {
+            let version = weights.version.0;
+            if version.is_multiple_of(2) {
+                return false;
+            }
+            self.due.get_or_insert(Instant::now() + self.after);
+            self.events.send((format!("taken {version}"), thread::current().id())).unwrap();
+            true
+        }
+
+        fn flush(&mut self) -> Result<(), TransportError> {
+            if self.due.take().is_some() {
+                self.events.send(("write".into(), thread::current().id())).unwrap();
+            }
+            Ok(())
+        }
+
+        fn deferred_until(&self) -> Option<Instant> {
+            self.due
+        }
+    }
+
+    #[test]
+    fn a_version_that_needs_no_write_is_taken_on_the_callers_thread_and_its_write_made_when_due() {
+        const GUARD: Duration = Duration::from_secs(30);
+        let (tx, rx) = mpsc::channel();
+        let after = Duration::from_millis(50);
+        let mut publisher = BackgroundPublisher::new(TakesOdd { events: tx, after, due: None }).expect("thread");
+        let caller = thread::current().id();
+        publisher.publish(weights(0)).expect("handed over");
+        publisher.flush_within(GUARD).expect("v0 out");
+        // v1 and v3: taken by the caller and published at once; the thread, idle until then,
+        // wakes for the write they made due and makes it in its time.
+        let handed = Instant::now();
+        publisher.publish(weights(1)).expect("taken");
+        assert!(publisher.is_published(PolicyVersion(1)), "a version taken is published");
+        publisher.publish(weights(3)).expect("taken");
+        assert!(publisher.is_published(PolicyVersion(3)));
+        let (name, on) = rx.recv_timeout(GUARD).unwrap();
+        assert_eq!((name.as_str(), on), ("after live 0", on));
+        assert_ne!(on, caller, "v0 went to the publisher's thread");
+        for want in ["taken 1", "taken 3"] {
+            assert_eq!(rx.recv_timeout(GUARD).unwrap(), (want.to_string(), caller));
+        }
+        let (name, on) = rx.recv_timeout(GUARD).unwrap();
+        assert_eq!(name, "write");
+        assert_ne!(on, caller, "the due write is the thread's");
+        assert!(handed.elapsed() >= after, "written {:?} after v1", handed.elapsed());
+        // An even version goes to the thread as before; versions must still increase.
+        publisher.publish(weights(4)).expect("handed over");
+        assert!(publisher.publish(weights(3)).is_err(), "versions must increase");
+        publisher.flush_within(GUARD).expect("flushed");
+        assert_eq!(rx.try_iter().map(|(name, _)| name).collect::<Vec<_>>(), vec!["after live 4"]);
+        assert!(publisher.is_published(PolicyVersion(4)));
     }
 }

@@ -231,6 +231,17 @@ pub trait WeightsPublisher: Send {
         let _ = sent_live;
         self.publish(weights)
     }
+
+    /// Take a version the caller already sent live whose durable write may wait (the NATS
+    /// publisher's pointer of inline weights between two that are due), without any I/O:
+    /// true when it is taken, and then it counts as published, as after
+    /// [`publish_after_live`](Self::publish_after_live); false (the default): nothing was done,
+    /// and the version goes to `publish_after_live`. [`BackgroundPublisher`] asks this on the
+    /// caller's thread, so such a version costs no hand-off to its own thread.
+    fn take_without_writing(&mut self, weights: &Arc<Weights>, sent_live: bool) -> bool {
+        let _ = (weights, sent_live);
+        false
+    }
 }
 
 /// A publisher's live path, run by the thread that hands versions over

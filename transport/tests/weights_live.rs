@@ -424,3 +424,39 @@ fn a_deferred_pointer_is_written_when_no_newer_version_comes() {
     assert!(handed.elapsed() >= within / 2, "v1's pointer was deferred, not written at once ({:?})", handed.elapsed());
     publisher.flush().expect("nothing left to write");
 }
+
+#[test]
+fn versions_taken_on_the_learners_thread_reach_live_blind_and_late_followers_exactly() {
+    // Through the background publisher, a version whose pointer may wait is taken on the
+    // caller's thread when the publisher's thread is idle (no hand-off): followers must not
+    // tell the difference.
+    let server = TestNats::start();
+    let learner = inline_bus(&server, "taken", 4, Duration::from_secs(600));
+    let mut publisher = BackgroundPublisher::new(learner.weights_publisher().expect("publisher")).expect("thread");
+    let actor = inline_bus(&server, "taken", 4, Duration::from_secs(600));
+    let mut live = actor.weights_follower(LAYOUT, SMALL_PARAMS).expect("follower");
+    let (_blind_bus, mut blind) = blind_follower(&actor, SMALL_PARAMS);
+    for version in 0..10 {
+        publisher.publish(small(version)).expect("published");
+        // Taken at once, unless its pointer is due (0, 4, 8: the thread writes it).
+        assert!(version % 4 == 0 || publisher.is_published(PolicyVersion(version)), "v{version} not taken at once");
+        // The learner's next call on the bus (its `recv`) writes what the publish queued.
+        learner.block_on(async {});
+        assert_exact(&next_version(&mut live, version.checked_sub(1)), &small(version));
+        let started = Instant::now();
+        while !publisher.is_published(PolicyVersion(version)) {
+            assert!(started.elapsed() < GUARD, "v{version} not published");
+            thread::sleep(Duration::from_millis(1));
+        }
+    }
+    assert_eq!((live.live_applied(), live.durable_fetches(), live.refusals()), (10, 0, 0), "{live:?}");
+    // The follower without the live path sees the pointers the thread wrote: v8 is the newest.
+    both_arrived(&blind, 0, 8);
+    assert_exact(&next_version(&mut blind, None), &small(8));
+    // A flush writes v9's pointer, deferred on the caller's thread, with its frame inline.
+    publisher.flush().expect("flushed");
+    assert_exact(&next_version(&mut blind, Some(8)), &small(9));
+    let late_bus = inline_bus(&server, "taken", 4, Duration::from_secs(600));
+    let mut late = late_bus.weights_follower(LAYOUT, SMALL_PARAMS).expect("follower");
+    assert_exact(&late.wait_first(GUARD).expect("first weights"), &small(9));
+}

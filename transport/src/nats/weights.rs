@@ -403,9 +403,10 @@ pub struct NatsWeightsPublisher {
     last_frame_bytes: usize,
     /// The version of the pointer written last, and when.
     pointer_written: Option<(u64, Instant)>,
-    /// A version sent live whose pointer is not written yet, with its full frame: written
-    /// with the next pointer due, or by [`WeightsPublisher::flush`].
-    deferred: Option<(WeightsPointer, Vec<u8>)>,
+    /// A version sent live whose pointer is not written yet, with its weights (the pointer
+    /// carries their full frame inline): written with the next pointer due, or by
+    /// [`WeightsPublisher::flush`].
+    deferred: Option<(WeightsPointer, Arc<Weights>)>,
 }
 
 impl fmt::Debug for NatsWeightsPublisher {
@@ -527,7 +528,8 @@ impl WeightsPublisher for NatsWeightsPublisher {
 
     /// Write the pointer of the last version if it was deferred.
     fn flush(&mut self) -> Result<(), TransportError> {
-        let Some((pointer, frame)) = self.deferred.take() else { return Ok(()) };
+        let Some((pointer, weights)) = self.deferred.take() else { return Ok(()) };
+        let frame = wire::frame::encode_full_frame(&weights);
         match self.write_pointer(pointer.clone(), Some(&frame)) {
             Ok(()) => {
                 debug!(version = pointer.version, "deferred weights pointer written");
@@ -535,10 +537,54 @@ impl WeightsPublisher for NatsWeightsPublisher {
             }
             Err(err) => {
                 // Kept: the next flush tries again, unless a newer version replaces it.
-                self.deferred = Some((pointer, frame));
+                self.deferred = Some((pointer, weights));
                 Err(err)
             }
         }
+    }
+
+    fn take_without_writing(&mut self, weights: &Arc<Weights>, sent_live: bool) -> bool {
+        let config = &self.shared.config;
+        let version = weights.version.0;
+        let n_params = weights.params.len();
+        // Only inline weights that went out live, after a first version, and only when
+        // dropping the oldest chain would not touch the store (inline weights store nothing).
+        let keep = config.keep_weight_versions.max(1);
+        let purged = (self.kept.len() + 1).saturating_sub(keep);
+        if !sent_live
+            || !config.weights_live
+            || full_frame_bytes(n_params) > config.weights_inline_max_bytes
+            || self.last_version.is_none_or(|last| version <= last)
+            || self.kept.iter().take(purged).any(|chain| !chain.is_empty())
+        {
+            return false;
+        }
+        // The pointer `publish_after_live` would write for it: an anchor of its own (inline
+        // weights never chain deltas). A version that went out live matched its checksum.
+        let pointer = WeightsPointer {
+            version,
+            parent: None,
+            anchor: version,
+            deltas: Vec::new(),
+            digest: format!("{:016x}", weights.checksum),
+            layout_hash: format!("{:016x}", weights.layout_hash),
+            size_bytes: full_frame_bytes(n_params) as u64,
+            inline: None,
+            pointer_every: pointer_interval(config.weights_pointer_every),
+        };
+        if !self.may_defer(&pointer, true) {
+            return false;
+        }
+        debug!(version, "weights published live; pointer deferred");
+        self.deferred = Some((pointer, weights.clone()));
+        self.kept.push_back(Vec::new());
+        self.purge_old_chains();
+        self.last_version = Some(version);
+        self.last_frame_bytes = full_frame_bytes(n_params);
+        self.anchor = version;
+        self.deltas = Vec::new();
+        self.parent = Some(weights.clone());
+        true
     }
 
     fn deferred_until(&self) -> Option<Instant> {
@@ -715,7 +761,7 @@ impl NatsWeightsPublisher {
         // only pointers announcing an interval above 1): the pointer of an object-stored
         // version is small, and its chain needs every version.
         if self.may_defer(&pointer, sent_live) {
-            self.deferred = Some((pointer, frame));
+            self.deferred = Some((pointer, weights.clone()));
         } else {
             self.deferred = None;
             self.write_pointer(pointer, inline.then_some(&frame[..]))?;
