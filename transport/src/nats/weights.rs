@@ -561,29 +561,15 @@ impl WeightsPublisher for NatsWeightsPublisher {
         }
         // The pointer `publish_after_live` would write for it: an anchor of its own (inline
         // weights never chain deltas). A version that went out live matched its checksum.
-        let pointer = WeightsPointer {
-            version,
-            parent: None,
-            anchor: version,
-            deltas: Vec::new(),
-            digest: format!("{:016x}", weights.checksum),
-            layout_hash: format!("{:016x}", weights.layout_hash),
-            size_bytes: full_frame_bytes(n_params) as u64,
-            inline: None,
-            pointer_every: pointer_interval(config.weights_pointer_every),
-        };
+        let frame_bytes = full_frame_bytes(n_params);
+        let pointer = self.pointer_of(weights, None, version, Vec::new(), frame_bytes, true);
         if !self.may_defer(&pointer, true) {
             return false;
         }
         debug!(version, "weights published live; pointer deferred");
         self.deferred = Some((pointer, weights.clone()));
         self.kept.push_back(Vec::new());
-        self.purge_old_chains();
-        self.last_version = Some(version);
-        self.last_frame_bytes = full_frame_bytes(n_params);
-        self.anchor = version;
-        self.deltas = Vec::new();
-        self.parent = Some(weights.clone());
+        self.published(version, frame_bytes, version, Vec::new(), Some(weights.clone()));
         true
     }
 
@@ -739,22 +725,8 @@ impl NatsWeightsPublisher {
             Some(_) => (self.anchor, self.deltas.iter().copied().chain([version]).collect()),
             None => (version, Vec::new()),
         };
-        let pointer = WeightsPointer {
-            version,
-            parent,
-            anchor,
-            deltas: deltas.clone(),
-            digest: format!("{:016x}", weights.checksum),
-            layout_hash: format!("{:016x}", weights.layout_hash),
-            size_bytes: frame.len() as u64,
-            inline: None,
-            // Only inline weights sent live skip pointers; any other pointer promises the next.
-            pointer_every: match inline && config.weights_live {
-                true => pointer_interval(config.weights_pointer_every),
-                false => 1,
-            },
-        };
         let frame_bytes = frame.len();
+        let pointer = self.pointer_of(&weights, parent, anchor, deltas.clone(), frame_bytes, inline);
         // Inline weights that went out live: their pointer (a stored KV write of the whole
         // frame, and a delivery to every follower) may wait for the next one due, since
         // connected followers have the version already (issue 16). Only inline weights (the
@@ -774,13 +746,56 @@ impl NatsWeightsPublisher {
             deferred = self.deferred.is_some(),
             "weights published"
         );
+        self.published(version, frame_bytes, anchor, deltas, sound.then_some(weights));
+        Ok(())
+    }
+
+    /// The pointer to `weights` (its frame `size_bytes` long, `parent` its delta's parent, in
+    /// the chain of `anchor` and `deltas`), without the frame inline.
+    fn pointer_of(
+        &self,
+        weights: &Weights,
+        parent: Option<u64>,
+        anchor: u64,
+        deltas: Vec<u64>,
+        size_bytes: usize,
+        inline: bool,
+    ) -> WeightsPointer {
+        let config = &self.shared.config;
+        WeightsPointer {
+            version: weights.version.0,
+            parent,
+            anchor,
+            deltas,
+            digest: format!("{:016x}", weights.checksum),
+            layout_hash: format!("{:016x}", weights.layout_hash),
+            size_bytes: size_bytes as u64,
+            inline: None,
+            // Only inline weights sent live skip pointers; any other pointer promises the next.
+            pointer_every: match inline && config.weights_live {
+                true => pointer_interval(config.weights_pointer_every),
+                false => 1,
+            },
+        }
+    }
+
+    /// Record `version` as published (its frame `frame_bytes` long, in the chain of `anchor`
+    /// and `deltas`; `parent`: the weights a next delta may build on), after its chain entry
+    /// was pushed onto `kept`, and drop the chains beyond the newest kept.
+    fn published(
+        &mut self,
+        version: u64,
+        frame_bytes: usize,
+        anchor: u64,
+        deltas: Vec<u64>,
+        parent: Option<Arc<Weights>>,
+    ) {
         self.last_version = Some(version);
         self.last_frame_bytes = frame_bytes;
         self.anchor = anchor;
         self.deltas = deltas;
-        self.parent = sound.then_some(weights);
+        self.parent = parent;
         self.purge_old_chains();
-        Ok(())
     }
 }
 
