@@ -198,7 +198,18 @@ pub struct RolloutWorker {
     counters: Arc<ActorCounters>,
     /// Where episodes start: fresh, or scheduled through work items.
     starts: Box<dyn EpisodeStarts>,
+    /// Rounds handed to the sink in one `publish` call, at most (see
+    /// [`RolloutWorker::with_rounds_per_publish`]); 1: every round on its own.
+    rounds_per_publish: usize,
+    /// A round is held for the next one only while the round before it took less than this.
+    hold_within: Duration,
 }
+
+/// How fast a round must be for [`RolloutWorker::with_rounds_per_publish`] to hold it for the
+/// next one: rounds this quick put one message through the broker per update, and at that rate
+/// the broker's per-message cost, not the bytes, sets the pace (issue 16); holding a slower
+/// round would add its whole collection time to the policy lag of its data for little gain.
+pub const HOLD_ROUND_WITHIN: Duration = Duration::from_millis(5);
 
 impl RolloutWorker {
     /// Build the environments and policy for `spec`; refuses a spec this build cannot serve.
@@ -281,6 +292,8 @@ impl RolloutWorker {
             weights: None,
             counters,
             starts: Box::new(FreshStarts),
+            rounds_per_publish: 1,
+            hold_within: Duration::ZERO,
         })
     }
 
@@ -292,6 +305,22 @@ impl RolloutWorker {
         let starts =
             WorkStarts::new(&self.spec, self.envs.n_envs(), source, store, self.actor.clone(), self.counters.clone())?;
         Ok(self.with_episode_starts(Box::new(starts)))
+    }
+
+    /// Hand up to `rounds` rounds to the sink in one `publish` call (a NATS sink packs them into
+    /// one message): a round is held for the next one while the round before it took less than
+    /// `within` (so a slow environment still publishes every round), and backpressure is
+    /// waited for only before the round that completes a publish. Each message costs the
+    /// broker about the same whatever its size (store, publish ack, delivery, ack and its
+    /// confirmation), so for rounds of a few hundred CartPole steps two to a message took 19 to
+    /// 21 % off distributed CartPole's time to solve with the same env steps (issue 16,
+    /// docs/BENCHMARKS.md). The cost: the first round of each message reaches the learner one
+    /// round later (at most `within`), and a stop drops a held round as it drops the round in
+    /// progress. `rounds` below 1 counts as 1.
+    pub fn with_rounds_per_publish(mut self, rounds: usize, within: Duration) -> Self {
+        self.rounds_per_publish = rounds.max(1);
+        self.hold_within = within;
+        self
     }
 
     /// Take episode starts from `starts` instead of running fresh episodes back to back.
@@ -573,16 +602,26 @@ impl RolloutWorker {
         info!(actor = %self.actor, version = ?self.policy_version(), n_envs = self.envs.n_envs(), "actor started");
         let mut throttled_before = sink.throttled();
         let mut retries_before = sink.publish_retries();
+        // Rounds collected and not yet handed to the sink (`with_rounds_per_publish`).
+        let mut held: Vec<TrajectorySegment> = Vec::new();
+        let mut held_rounds = 0;
+        let mut last_round: Option<Duration> = None;
         while !stop.load(Ordering::Acquire) {
+            let fast = last_round.is_some_and(|took| took < self.hold_within);
+            let publish = !fast || held_rounds + 1 >= self.rounds_per_publish;
             // Wait for room first, then take the newest weights and collect: a round collected
             // before the wait would age by every version the learner makes while this actor
-            // waits (issue 11: mean lag 9.6 versions with 4 actors on CartPole).
-            match sink.wait_for_room(self.envs.n_envs()) {
-                Ok(()) => {}
-                Err(TransportError::Closed) => break,
-                Err(err) => {
-                    self.counters.publish_errors.fetch_add(1, Ordering::Relaxed);
-                    return Err(err.into());
+            // waits (issue 11: mean lag 9.6 versions with 4 actors on CartPole). A round that
+            // will be held goes without: the wait before the round that completes the publish
+            // covers both.
+            if publish {
+                match sink.wait_for_room((held_rounds + 1) * self.envs.n_envs()) {
+                    Ok(()) => {}
+                    Err(TransportError::Closed) => break,
+                    Err(err) => {
+                        self.counters.publish_errors.fetch_add(1, Ordering::Relaxed);
+                        return Err(err.into());
+                    }
                 }
             }
             let fetch_started = Instant::now();
@@ -610,7 +649,21 @@ impl RolloutWorker {
             c.weights_durable.store(paths.durable, Ordering::Relaxed);
             c.weights_live_refused.store(paths.live_refused, Ordering::Relaxed);
             c.weights_live_chunks_refused.store(paths.live_chunks_refused, Ordering::Relaxed);
-            let segments = self.collect_segments();
+            let started = Instant::now();
+            let round = self.collect_segments();
+            last_round = Some(started.elapsed());
+            held_rounds += 1;
+            let segments = if held.is_empty() {
+                round
+            } else {
+                held.extend(round);
+                std::mem::take(&mut held)
+            };
+            if !publish {
+                held = segments;
+                continue;
+            }
+            held_rounds = 0;
             let n = segments.len() as u64;
             self.counters.publishing.store(true, Ordering::Release);
             let published = sink.publish(segments);
@@ -637,6 +690,9 @@ impl RolloutWorker {
                 .throttled_nanos
                 .fetch_add((throttled - throttled_before).as_nanos() as u64, Ordering::Relaxed);
             throttled_before = throttled;
+        }
+        if !held.is_empty() {
+            debug!(actor = %self.actor, segments = held.len(), "stopped with a held round; dropped like the round in progress");
         }
         info!(actor = %self.actor, "actor stopped");
         Ok(())
@@ -838,6 +894,87 @@ mod tests {
         let mut sink = FullSink { newest: newest.clone(), next: Some(v5), published: Vec::new(), stop: stop.clone() };
         worker.run(&mut sink, &mut SharedFollower(newest), &stop).expect("runs");
         assert_eq!(sink.published, vec![PolicyVersion(5); 3], "every segment of the round acts with version 5");
+    }
+
+    /// A sink that records what the worker asks of it and stops the worker after `publishes`
+    /// publish calls.
+    struct RecordingSink {
+        calls: Vec<(&'static str, usize)>,
+        rounds: Vec<Vec<(u64, u32)>>,
+        publishes: usize,
+        stop: Arc<AtomicBool>,
+    }
+
+    impl TrajectorySink for RecordingSink {
+        fn publish(&mut self, segments: Vec<TrajectorySegment>) -> Result<(), TransportError> {
+            self.calls.push(("publish", segments.len()));
+            self.rounds.push(segments.iter().map(|s| (s.segment_idx, s.env_idx)).collect());
+            if self.rounds.len() == self.publishes {
+                self.stop.store(true, Ordering::Release);
+            }
+            Ok(())
+        }
+
+        fn wait_for_room(&mut self, n_segments: usize) -> Result<(), TransportError> {
+            self.calls.push(("wait", n_segments));
+            Ok(())
+        }
+
+        fn throttled(&self) -> Duration {
+            Duration::ZERO
+        }
+    }
+
+    fn run_recorded(rounds_per_publish: usize, within: Duration, publishes: usize) -> RecordingSink {
+        let worker =
+            worker(EnvConfig::Cartpole, 4, 2, CoreKind::Mlp, 8).with_rounds_per_publish(rounds_per_publish, within);
+        let weights = worker.weights.clone().expect("weights set");
+        let stop = Arc::new(AtomicBool::new(false));
+        let mut sink = RecordingSink { calls: Vec::new(), rounds: Vec::new(), publishes, stop: stop.clone() };
+        let follower = Arc::new(std::sync::Mutex::new(weights));
+        worker.run(&mut sink, &mut SharedFollower(follower), &stop).expect("runs");
+        sink
+    }
+
+    #[test]
+    fn fast_rounds_are_published_two_to_a_call_with_one_wait_for_room_before_the_second() {
+        // Issue 16: a message per round put the broker's per-message cost on every update.
+        let sink = run_recorded(2, Duration::from_secs(60), 4);
+        // The first round has no measured predecessor, so it goes alone; then pairs.
+        let expected: Vec<(&str, usize)> = vec![
+            ("wait", 3),
+            ("publish", 3),
+            ("wait", 6),
+            ("publish", 6),
+            ("wait", 6),
+            ("publish", 6),
+            ("wait", 6),
+            ("publish", 6),
+        ];
+        assert_eq!(sink.calls, expected);
+        // Each environment's segments follow each other, in order, across and within calls.
+        let mut next = [0u64; 3];
+        for call in &sink.rounds {
+            for &(segment_idx, env_idx) in call {
+                assert_eq!(segment_idx, next[env_idx as usize], "env {env_idx}: {:?}", sink.rounds);
+                next[env_idx as usize] += 1;
+            }
+        }
+        assert_eq!(next, [7, 7, 7]);
+    }
+
+    #[test]
+    fn slow_rounds_and_one_round_per_publish_are_never_held() {
+        let every_round: Vec<(&str, usize)> = [("wait", 3), ("publish", 3)].repeat(3);
+        // No round is quicker than zero: each is published as it comes.
+        assert_eq!(run_recorded(2, Duration::ZERO, 3).calls, every_round);
+        assert_eq!(run_recorded(1, Duration::from_secs(60), 3).calls, every_round);
+        // Never more than asked: three rounds to a call.
+        let sink = run_recorded(3, Duration::from_secs(60), 3);
+        assert_eq!(
+            sink.calls,
+            vec![("wait", 3), ("publish", 3), ("wait", 9), ("publish", 9), ("wait", 9), ("publish", 9)]
+        );
     }
 
     #[test]

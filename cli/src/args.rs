@@ -1171,6 +1171,14 @@ pub struct ActorArgs {
     /// Environments stepped by this actor.
     #[arg(long, env = "VOLLEY_ENVS_PER_ACTOR", default_value_t = 8)]
     pub envs: usize,
+    /// Rounds put in one message at most. A round quicker than 5 ms is held for the next one,
+    /// so a fast environment (a CartPole round of 8 × 32 steps takes under 1 ms) costs the
+    /// broker one message per this many rounds, for one round more of lag on the first; slower
+    /// rounds are published as they come. 1 publishes every round. Scheduled episodes (work
+    /// items) publish every round.
+    #[arg(long, env = "VOLLEY_ROUNDS_PER_PUBLISH", default_value_t = 2,
+          value_parser = clap::value_parser!(u16).range(1..=16))]
+    pub rounds_per_publish: u16,
     /// Seed of this actor's environments and sampling (default: derived from the actor id).
     #[arg(long, env = "VOLLEY_ACTOR_SEED")]
     pub seed: Option<u64>,

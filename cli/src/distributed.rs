@@ -462,7 +462,8 @@ pub fn actor(args: ActorArgs, interrupted: Arc<AtomicBool>) -> anyhow::Result<()
         let store = bus.snapshot_store().context("opening the snapshot store")?;
         worker.with_work(Box::new(source), Box::new(store)).context("scheduled episodes")?
     } else {
-        worker
+        // Work items wait on the queue inside a round: a held round could wait with them.
+        worker.with_rounds_per_publish(usize::from(args.rounds_per_publish), volley_actor::rollout::HOLD_ROUND_WITHIN)
     };
     let layout = spec.validate().context("run spec")?;
     let mut sink = bus.trajectory_sink(&actor_id, interrupted.clone()).context("opening the trajectory sink")?;
