@@ -309,11 +309,12 @@ impl RolloutWorker {
 
     /// Hand up to `rounds` rounds to the sink in one `publish` call (a NATS sink packs them into
     /// one message): a round is held for the next one while the round before it took less than
-    /// `within` (so a slow environment still publishes every round), and backpressure is
-    /// waited for only before the round that completes a publish. Each message costs the
-    /// broker about the same whatever its size (store, publish ack, delivery, ack and its
-    /// confirmation), so for rounds of a few hundred CartPole steps two to a message took 19 to
-    /// 21 % off distributed CartPole's time to solve with the same env steps (issue 16,
+    /// `within` (so a slow environment still publishes every round). Backpressure is waited for
+    /// once per publish, before its first round, and its other rounds follow at once, so all of
+    /// them act with the weights the wait brought. Each message costs the broker about the same
+    /// whatever its size (store, publish ack, delivery, ack and its confirmation, pace notice),
+    /// so for CartPole's rounds of 256 steps two to a message took about a fifth off the
+    /// broker's CPU and a tenth off the time per env step of distributed CartPole (issue 16,
     /// docs/BENCHMARKS.md). The cost: the first round of each message reaches the learner one
     /// round later (at most `within`), and a stop drops a held round as it drops the round in
     /// progress. `rounds` below 1 counts as 1.
@@ -611,11 +612,13 @@ impl RolloutWorker {
             let publish = !fast || held_rounds + 1 >= self.rounds_per_publish;
             // Wait for room first, then take the newest weights and collect: a round collected
             // before the wait would age by every version the learner makes while this actor
-            // waits (issue 11: mean lag 9.6 versions with 4 actors on CartPole). A round that
-            // will be held goes without: the wait before the round that completes the publish
-            // covers both.
-            if publish {
-                match sink.wait_for_room((held_rounds + 1) * self.envs.n_envs()) {
+            // waits (issue 11: mean lag 9.6 versions with 4 actors on CartPole). So the wait
+            // comes before the first round of a publish, for all its rounds, and the rounds
+            // after it follow at once: waiting before the last one instead let the held round
+            // age through the wait, and 4 actors needed a third more env steps.
+            if held_rounds == 0 {
+                let rounds = if fast { self.rounds_per_publish } else { 1 };
+                match sink.wait_for_room(rounds * self.envs.n_envs()) {
                     Ok(()) => {}
                     Err(TransportError::Closed) => break,
                     Err(err) => {
@@ -896,11 +899,14 @@ mod tests {
         assert_eq!(sink.published, vec![PolicyVersion(5); 3], "every segment of the round acts with version 5");
     }
 
-    /// A sink that records what the worker asks of it and stops the worker after `publishes`
-    /// publish calls.
+    /// A sink that records what the worker asks of it, makes a new weights version in every
+    /// wait for room (as a learner would while an actor waits), and stops the worker after
+    /// `publishes` publish calls.
     struct RecordingSink {
         calls: Vec<(&'static str, usize)>,
-        rounds: Vec<Vec<(u64, u32)>>,
+        /// Per publish call: each segment's (segment_idx, env_idx, policy version).
+        rounds: Vec<Vec<(u64, u32, u64)>>,
+        newest: Arc<std::sync::Mutex<Arc<Weights>>>,
         publishes: usize,
         stop: Arc<AtomicBool>,
     }
@@ -908,7 +914,7 @@ mod tests {
     impl TrajectorySink for RecordingSink {
         fn publish(&mut self, segments: Vec<TrajectorySegment>) -> Result<(), TransportError> {
             self.calls.push(("publish", segments.len()));
-            self.rounds.push(segments.iter().map(|s| (s.segment_idx, s.env_idx)).collect());
+            self.rounds.push(segments.iter().map(|s| (s.segment_idx, s.env_idx, s.policy_version.0)).collect());
             if self.rounds.len() == self.publishes {
                 self.stop.store(true, Ordering::Release);
             }
@@ -917,6 +923,9 @@ mod tests {
 
         fn wait_for_room(&mut self, n_segments: usize) -> Result<(), TransportError> {
             self.calls.push(("wait", n_segments));
+            let mut newest = self.newest.lock().expect("unpoisoned");
+            let next = PolicyVersion(newest.version.0 + 1);
+            *newest = Arc::new(Weights::new(next, newest.layout_hash, newest.params.clone()));
             Ok(())
         }
 
@@ -928,16 +937,27 @@ mod tests {
     fn run_recorded(rounds_per_publish: usize, within: Duration, publishes: usize) -> RecordingSink {
         let worker =
             worker(EnvConfig::Cartpole, 4, 2, CoreKind::Mlp, 8).with_rounds_per_publish(rounds_per_publish, within);
-        let weights = worker.weights.clone().expect("weights set");
+        let newest = Arc::new(std::sync::Mutex::new(worker.weights.clone().expect("weights set")));
         let stop = Arc::new(AtomicBool::new(false));
-        let mut sink = RecordingSink { calls: Vec::new(), rounds: Vec::new(), publishes, stop: stop.clone() };
-        let follower = Arc::new(std::sync::Mutex::new(weights));
-        worker.run(&mut sink, &mut SharedFollower(follower), &stop).expect("runs");
+        let mut sink = RecordingSink {
+            calls: Vec::new(),
+            rounds: Vec::new(),
+            newest: newest.clone(),
+            publishes,
+            stop: stop.clone(),
+        };
+        worker.run(&mut sink, &mut SharedFollower(newest), &stop).expect("runs");
+        // Every round of a publish acts with the version its wait for room brought (issue 11:
+        // a round held through a wait would act with one the learner has moved on from).
+        let first = sink.rounds[0][0].2;
+        for (i, call) in sink.rounds.iter().enumerate() {
+            assert!(call.iter().all(|s| s.2 == first + i as u64), "publish {i}: {call:?}");
+        }
         sink
     }
 
     #[test]
-    fn fast_rounds_are_published_two_to_a_call_with_one_wait_for_room_before_the_second() {
+    fn fast_rounds_are_published_two_to_a_call_with_one_wait_for_room_before_the_first() {
         // Issue 16: a message per round put the broker's per-message cost on every update.
         let sink = run_recorded(2, Duration::from_secs(60), 4);
         // The first round has no measured predecessor, so it goes alone; then pairs.
@@ -955,7 +975,7 @@ mod tests {
         // Each environment's segments follow each other, in order, across and within calls.
         let mut next = [0u64; 3];
         for call in &sink.rounds {
-            for &(segment_idx, env_idx) in call {
+            for &(segment_idx, env_idx, _) in call {
                 assert_eq!(segment_idx, next[env_idx as usize], "env {env_idx}: {:?}", sink.rounds);
                 next[env_idx as usize] += 1;
             }

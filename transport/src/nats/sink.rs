@@ -304,8 +304,10 @@ impl Pacing {
 /// - The segments of one `publish` call travel together: up to
 ///   [`NatsConfig::max_segments_per_message`] of them in one message (a batch frame,
 ///   [`wire::batch`], each segment still encoded and checksummed on its own), as many as fit
-///   in [`NatsConfig::max_frame_bytes`] and `max_payload`. A call's segments are never held back for a later call's, so batching
-///   adds no latency. A lone segment is sent as a plain segment message.
+///   in [`NatsConfig::max_frame_bytes`] and `max_payload`. A call's segments are never held
+///   back for a later call's, so batching adds no latency here (an actor may hand over two
+///   fast rounds in one call: `RolloutWorker::with_rounds_per_publish`). A lone segment is
+///   sent as a plain segment message.
 /// - Up to [`NatsConfig::publish_window`] publish acks are in flight; `publish` returns once
 ///   every segment was sent and all but that many were acknowledged. [`NatsTrajectorySink::flush`]
 ///   (and drop, best effort) waits for the rest.
