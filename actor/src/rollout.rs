@@ -656,17 +656,16 @@ impl RolloutWorker {
             let round = self.collect_segments();
             last_round = Some(started.elapsed());
             held_rounds += 1;
-            let segments = if held.is_empty() {
-                round
+            if held.is_empty() {
+                held = round;
             } else {
                 held.extend(round);
-                std::mem::take(&mut held)
-            };
+            }
             if !publish {
-                held = segments;
                 continue;
             }
             held_rounds = 0;
+            let segments = std::mem::take(&mut held);
             let n = segments.len() as u64;
             self.counters.publishing.store(true, Ordering::Release);
             let published = sink.publish(segments);
