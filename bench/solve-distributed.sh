@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Time-to-solve over NATS for docs/BENCHMARKS.md: for each actor count N and seed, start a fresh
 # nats-server (JetStream, file store, loopback), one `volley learner` and N `volley actor`
-# processes (8 environments each) on this machine, and record the learner's JSON summary (its
+# processes (8 environments each, or ENVS_PER_ACTOR) on this machine, and record the learner's JSON summary (its
 # loop seconds, env steps, whether it reached the solved threshold) and the process wall time
 # from starting the learner to its exit. The learner stops by itself when solved (or at its step
 # budget); then the actors and the server are stopped. Compare with `bench/solve.sh "" SEEDS`
@@ -13,6 +13,8 @@
 #        in turn, so an A/B comparison alternates run by run instead of block by block; the
 #        rows and the summary name the binary),
 #        LEARNER_FLAGS (extra `volley learner` flags, e.g. "--loss ppo"),
+#        ENVS_PER_ACTOR (environments per actor process, default 8: "2 actors of 4" holds the
+#        environment count of "1 actor of 8", whose data the learner sees from 8 environments),
 #        KEEP_DIR (keep every run's logs and learner JSON there instead of a removed temp dir),
 #        NATS_GOMAXPROCS (the broker's Go scheduler threads; default 1, as k8s/base/nats runs it:
 #        a CPU limit of 1, which GOMAXPROCS follows. "" leaves it to the Go runtime, which takes
@@ -27,6 +29,7 @@ if [ -z "${VOLLEY_BIN:-}" ]; then
   cargo build --release -p volley >/dev/null 2>&1
 fi
 volley=${VOLLEY_BIN:-target/release/volley}
+envs=${ENVS_PER_ACTOR:-8}
 bins=${VOLLEY_BINS:-$volley}
 command -v nats-server >/dev/null || { echo "nats-server not found on PATH" >&2; exit 1; }
 
@@ -68,7 +71,7 @@ for n in $counts; do
       learner_pid=$!
       actor_pids=()
       for i in $(seq 0 $((n - 1))); do
-        "$volley" actor --nats "$url" --run solve --actor-id "actor-$i" --envs 8 --seed $((seed * 1000 + i)) \
+        "$volley" actor --nats "$url" --run solve --actor-id "actor-$i" --envs "$envs" --seed $((seed * 1000 + i)) \
           > /dev/null 2> "$dir/actor-$i.log" &
         actor_pids+=($!)
       done

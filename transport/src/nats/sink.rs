@@ -285,6 +285,23 @@ impl Pacing {
         })
     }
 
+    /// Slots of the bound (`limit` messages) to leave to actors that have waited longer for
+    /// room, given the messages stored after this sink's newest (`None`: it has published
+    /// none). Actors held back by a full backlog all see the room one drain makes at the same
+    /// notice; each publishing into it overshot the bound by up to the number of actors, and 2
+    /// actors learned from data a third older than 1 actor did (mean lag 9.2 updates against
+    /// 5.7 on CartPole). With `n` publishers (from this sink's share of the publishing), the
+    /// one that published the newest message leaves `n - 1` slots, the one before it `n - 2`,
+    /// and so on, so the actor whose newest message is oldest takes the next slot.
+    ///
+    /// At most `limit - 1`: every actor may publish into an empty backlog, so none waits on an
+    /// actor that stopped (whose share fades from the rates over a few [`PACING_RATE_WINDOW`]s).
+    fn slots_left_to_others(&self, limit: u64, after_own: Option<u64>) -> u64 {
+        let Some(after_own) = after_own else { return 0 };
+        let publishers = (1.0 / self.share()).round() as u64;
+        publishers.saturating_sub(1).saturating_sub(after_own).min(limit.saturating_sub(1))
+    }
+
     /// How long until the prediction shows room under `limit` (at most `cap`).
     fn time_to_room(&self, estimate: u64, limit: u64, cap: Duration) -> Duration {
         let net_drain = self.drain_per_sec - self.others_per_sec;
@@ -322,7 +339,9 @@ impl Pacing {
 ///   [`NatsConfig::max_backlog_segments`] (see [`NatsTrajectorySink::set_max_backlog_segments`]);
 ///   the time is counted in [`TrajectorySink::throttled`]. With no learner consumer yet it does
 ///   not wait (the stream keeps the segments). With many actors the bound is approximate:
-///   each may overshoot by what the others published since its last reading.
+///   each may overshoot by what the others published since its last reading. A sink that
+///   published the newest message leaves the next slots to actors that have waited longer
+///   (`Pacing::slots_left_to_others`), so one drain does not wake them all into one slot.
 /// - Pushed pacing (issue 16): the learner's pace notices ([`wire::pace`], on
 ///   `volley.<run>.pace`) are readings too, newer than any poll, and a throttled sink wakes on
 ///   one; consumer readings remain the fallback (no notice for 2 ms while waiting) and check
@@ -644,6 +663,7 @@ impl NatsTrajectorySink {
             // keep the same bound.
             let base_limit = limit;
             let limit = if self.notice_reading { limit + self.notice_prefetch } else { limit };
+            let limit = limit - self.pacing.slots_left_to_others(limit, self.messages_after_own());
             let estimate = self.pacing.estimate(age, limit);
             let room = estimate.is_none_or(|estimate| estimate < limit);
             if room || !self.notice_reading {
@@ -685,6 +705,21 @@ impl NatsTrajectorySink {
         };
         self.clock.unblock();
         result
+    }
+
+    /// Messages stored after this sink's newest as of the current reading: 0 while one of its
+    /// own may not be in the reading yet, `None` before it has published any.
+    fn messages_after_own(&self) -> Option<u64> {
+        let (reading, _) = self.pacing.last?;
+        let own_unconfirmed =
+            !self.in_flight.is_empty() || self.pacing.published_since > 0 || self.pacing.unconfirmed > 0;
+        if own_unconfirmed {
+            Some(0)
+        } else if self.last_stored == 0 {
+            None
+        } else {
+            Some(reading.stored.saturating_sub(self.last_stored))
+        }
     }
 
     /// A consumer reading after notices held the sink back for [`PACING_CACHE`]: if nothing is
@@ -1021,6 +1056,98 @@ mod pacing_tests {
         }
         // The mechanism behind issue 11's stale data at 4 and 6 actors.
         assert!(simulate(6, false).0 > 16 + 2 * 6, "predicting only the drain no longer overshoots");
+    }
+
+    /// Actors that each wait for room, then collect a round for `collect` and publish it as
+    /// one message, against a learner that takes a message every `update`; every actor reads
+    /// the backlog at every tick, as the pace notice each take brings. Returns the largest
+    /// backlog after warm-up, the messages the learner took, and their mean lag: the takes
+    /// between the wake of the actor that collected a message and its own take (the policy
+    /// versions it is behind, at one update per message).
+    fn simulate_rounds(actors: usize, leave_slots: bool) -> (u64, u64, f64) {
+        const LIMIT: u64 = 3;
+        let tick = Duration::from_micros(50);
+        let update = Duration::from_micros(600);
+        let collect = Duration::from_micros(1_000);
+        let start = Instant::now();
+        let (mut taken, mut stored, mut lag_sum) = (0u64, 0u64, 0u64);
+        let mut learner_free = start;
+        // The takes at the wake of each stored message's actor, oldest first.
+        let mut stream = VecDeque::new();
+        // Per actor: its pacing, the sequence of its newest message, and its round in progress
+        // (when collection ends, and the takes at its wake).
+        type Round = Option<(Instant, u64)>;
+        let mut state: Vec<(Pacing, u64, Round)> = (0..actors).map(|_| (Pacing::default(), 0, None)).collect();
+        let mut worst = 0;
+        for step in 0..40_000u32 {
+            let now = start + tick * step;
+            if now >= learner_free {
+                if let Some(woke) = stream.pop_front() {
+                    lag_sum += taken - woke;
+                    taken += 1;
+                    learner_free = now + update;
+                }
+            }
+            for (pacing, newest, round) in &mut state {
+                if let Some((until, woke)) = *round {
+                    if now < until {
+                        continue;
+                    }
+                    stored += 1;
+                    stream.push_back(woke);
+                    *newest = stored;
+                    pacing.published_since += 1;
+                    *round = None;
+                }
+                pacing.record(Some(Reading { pending: stored - taken, delivered: taken, stored }), 0, now);
+                let after_own = (*newest > 0).then(|| stored - *newest);
+                let leave = if leave_slots { pacing.slots_left_to_others(LIMIT, after_own) } else { 0 };
+                if pacing.estimate(Duration::ZERO, LIMIT - leave).is_none_or(|estimate| estimate < LIMIT - leave) {
+                    *round = Some((now + collect, taken));
+                }
+            }
+            if step > 4_000 {
+                worst = worst.max(stored - taken);
+            }
+        }
+        (worst, taken, lag_sum as f64 / taken.max(1) as f64)
+    }
+
+    #[test]
+    fn actors_woken_by_one_drain_leave_its_room_to_the_one_that_waited_longest() {
+        for actors in [1, 2, 3, 4] {
+            let (worst, taken, lag) = simulate_rounds(actors, true);
+            let (worst_all, taken_all, lag_all) = simulate_rounds(actors, false);
+            println!(
+                "{actors} actors: worst backlog {worst} leaving slots, {worst_all} not; \
+                 the learner took {taken} and {taken_all} messages at mean lag {lag:.2} and {lag_all:.2}"
+            );
+            assert!(worst <= 3, "{actors} actors: backlog reached {worst}");
+            assert!(
+                taken as f64 >= 0.98 * taken_all as f64,
+                "{actors} actors: the learner took {taken} of {taken_all}"
+            );
+            if actors == 1 {
+                assert_eq!((worst, taken), (worst_all, taken_all), "one actor has nobody to leave room to");
+            } else {
+                // Two actors wake into the same room and land within the bound (the learner
+                // takes one message while they collect); from three on they overshoot it.
+                assert!(
+                    actors < 3 || worst_all > 3,
+                    "{actors} actors: publishing into every room no longer overshoots"
+                );
+                assert!(lag < lag_all, "{actors} actors: lag {lag:.2} leaving slots, {lag_all:.2} not");
+            }
+        }
+        // With the room full, every slot is left to the others (none below 1, so an actor
+        // always publishes into an empty backlog).
+        let pacing = Pacing { own_per_sec: 1_000.0, others_per_sec: 2_000.0, ..Pacing::default() };
+        assert_eq!(
+            [None, Some(0), Some(1), Some(2), Some(9)].map(|after_own| pacing.slots_left_to_others(3, after_own)),
+            [0, 2, 1, 0, 0]
+        );
+        assert_eq!(pacing.slots_left_to_others(1, Some(0)), 0);
+        assert_eq!(Pacing::default().slots_left_to_others(3, Some(0)), 0, "alone");
     }
 }
 
