@@ -289,7 +289,7 @@ impl Pacing {
     /// room, given the messages stored after this sink's newest (`None`: it has published
     /// none). Actors held back by a full backlog all see the room one drain makes at the same
     /// notice; each publishing into it overshot the bound by up to the number of actors, and 2
-    /// actors learned from data a third older than 1 actor did (mean lag 9.2 updates against
+    /// actors learned from data a third older than 1 actor did (mean lag 9.1 updates against
     /// 5.7 on CartPole). With `n` publishers (from this sink's share of the publishing), the
     /// one that published the newest message leaves `n - 1` slots, the one before it `n - 2`,
     /// and so on, so the actor whose newest message is oldest takes the next slot.
@@ -1139,8 +1139,9 @@ mod pacing_tests {
                 assert!(lag < lag_all, "{actors} actors: lag {lag:.2} leaving slots, {lag_all:.2} not");
             }
         }
-        // With the room full, every slot is left to the others (none below 1, so an actor
-        // always publishes into an empty backlog).
+        // Three publishers: the one that published the newest message leaves two slots, the
+        // one before it one, the one whose newest is oldest none; never the whole bound, so
+        // an actor always publishes into an empty backlog.
         let pacing = Pacing { own_per_sec: 1_000.0, others_per_sec: 2_000.0, ..Pacing::default() };
         assert_eq!(
             [None, Some(0), Some(1), Some(2), Some(9)].map(|after_own| pacing.slots_left_to_others(3, after_own)),
