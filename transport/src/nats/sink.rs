@@ -662,11 +662,15 @@ impl NatsTrajectorySink {
             // a consumer reading (undelivered messages only) does not: allow for it, so both
             // keep the same bound.
             let base_limit = limit;
-            let limit = if self.notice_reading { limit + self.notice_prefetch } else { limit };
-            let limit = limit - self.pacing.slots_left_to_others(limit, self.messages_after_own());
+            let bound = if self.notice_reading { limit + self.notice_prefetch } else { limit };
+            let limit = bound - self.pacing.slots_left_to_others(bound, self.messages_after_own());
             let estimate = self.pacing.estimate(age, limit);
             let room = estimate.is_none_or(|estimate| estimate < limit);
-            if room || !self.notice_reading {
+            // Only the bound itself says the notices hold the sink back: slots left to other
+            // actors may be held by the learner's prefetch alone, with nothing undelivered, which
+            // the check below would take for a lie.
+            let full = estimate.is_some_and(|estimate| estimate >= bound);
+            if room || !full || !self.notice_reading {
                 self.blocked_on_notices_since = None;
             } else if let Some(since) = self.blocked_on_notices_since {
                 // Held back by notices alone for a while: a consumer reading that shows the
