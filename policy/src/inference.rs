@@ -2,8 +2,12 @@
 
 use super::conv::im2col;
 use super::layout::ParamLayout;
-use super::linalg::dense_forward;
+use super::linalg::{dense_forward, small_chain_fits, small_dense_chain_forward, SmallLayer};
 use super::{gru, Activation, PolicyError};
+
+/// Dense layers (torso and heads) that one forward pass chains through the small-batch kernel
+/// at most; a deeper network goes layer by layer.
+const SMALL_CHAIN_MAX: usize = 8;
 
 /// Batched one-step policy evaluation for actors: observations (and recurrent state) in,
 /// logits and values out.
@@ -209,9 +213,39 @@ impl PolicyInference {
             _ => &self.conv_b[..n * layout.torso_input_dim()],
         };
         let torso = layout.torso();
+        let heads = layout.heads();
+        let n_actions = layout.n_actions();
+        // A small batch through the dense layers (an actor's step over its environments): one
+        // chain whose activations stay in the kernel's lanes from layer to layer, through the
+        // heads too when no recurrent core stands between; bit-identical to layer by layer.
+        let fused_heads = layout.gru().is_none();
+        let chain_len = torso.len() + usize::from(fused_heads);
+        let mut torso_done = false;
+        if !torso.is_empty() && chain_len <= SMALL_CHAIN_MAX {
+            let mut chain = [SmallLayer { weight: &[], bias: &[], act: None }; SMALL_CHAIN_MAX];
+            for (link, layer) in chain.iter_mut().zip(torso) {
+                *link = SmallLayer { weight: layer.weight(params), bias: layer.bias(params), act: Some(activation) };
+            }
+            if fused_heads {
+                chain[torso.len()] = SmallLayer { weight: heads.weight(params), bias: heads.bias(params), act: None };
+            }
+            let chain = &chain[..chain_len];
+            if small_chain_fits(n, chain) {
+                if fused_heads {
+                    let heads_out = &mut self.heads_out[..n * heads.n_out];
+                    small_dense_chain_forward(conv_features, n, chain, heads_out);
+                    split_heads(heads_out, n_actions, logits, values);
+                    return;
+                }
+                // Where the layer-by-layer loop below leaves the torso's features.
+                let out = if torso.len() % 2 == 1 { &mut self.act_a } else { &mut self.act_b };
+                small_dense_chain_forward(conv_features, n, chain, out);
+                torso_done = true;
+            }
+        }
         // Layer i reads the buffer layer i−1 wrote (the conv features for i = 0) and writes the
         // other one.
-        for (layer_idx, layer) in torso.iter().enumerate() {
+        for (layer_idx, layer) in torso.iter().enumerate().filter(|_| !torso_done) {
             let (input, output) =
                 if layer_idx % 2 == 0 { (&self.act_b, &mut self.act_a) } else { (&self.act_a, &mut self.act_b) };
             let x = if layer_idx == 0 { conv_features } else { &input[..] };
@@ -234,8 +268,6 @@ impl PolicyInference {
                 hidden
             }
         };
-        let heads = layout.heads();
-        let n_actions = layout.n_actions();
         let heads_out = &mut self.heads_out[..n * heads.n_out];
         dense_forward(features, n, heads.weight(params), heads.bias(params), None, heads_out);
         split_heads(heads_out, n_actions, logits, values);

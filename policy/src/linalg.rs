@@ -169,131 +169,232 @@ pub fn small_dense_forward(
     act: Option<Activation>,
     y: &mut [f32],
 ) {
-    let n_out = bias.len();
-    if n_rows == 0 || n_out == 0 {
+    small_dense_chain_forward(x, n_rows, &[SmallLayer { weight, bias, act }], y);
+}
+
+/// One layer of [`small_dense_chain_forward`]: `weight: [n_out][n_in]`, `bias: [n_out]`, and
+/// the activation after the bias (`None`: none).
+#[derive(Debug, Clone, Copy)]
+pub struct SmallLayer<'a> {
+    /// `[n_out][n_in]`, row-major.
+    pub weight: &'a [f32],
+    /// `[n_out]`.
+    pub bias: &'a [f32],
+    /// Applied after the bias; `None`: none.
+    pub act: Option<Activation>,
+}
+
+impl SmallLayer<'_> {
+    fn n_in(&self) -> usize {
+        self.weight.len() / self.bias.len().max(1)
+    }
+}
+
+/// Whether [`small_dense_chain_forward`] takes `layers` over `n_rows` rows: at most
+/// [`SMALL_BATCH_ROWS`] rows, at least one layer, and every layer at most
+/// [`SMALL_BATCH_MAX_IN`] inputs with at least one output.
+pub fn small_chain_fits(n_rows: usize, layers: &[SmallLayer<'_>]) -> bool {
+    n_rows <= SMALL_BATCH_ROWS
+        && !layers.is_empty()
+        && layers.iter().all(|layer| !layer.bias.is_empty() && layer.n_in() <= SMALL_BATCH_MAX_IN)
+}
+
+/// Layers one after another over a small batch (each layer's output the next one's input),
+/// each computed as [`small_dense_forward`] computes it, so the results are bit-identical to
+/// calling it (or the GEMM path) layer by layer; between layers the activations stay in the
+/// kernel's 8-row lanes instead of being written out row by row and transposed back in
+/// (issue 16: for CartPole's 4→64→64→3 network over 8 environments that round trip was about
+/// a third of the forward pass).
+///
+/// `x: [n_rows][n_in of the first layer]`, `y: [n_rows][n_out of the last layer]`; each layer's
+/// `n_in` must equal the previous layer's `n_out`.
+///
+/// # Panics
+/// If [`small_chain_fits`] does not hold, the layers do not chain, or a slice is too short.
+pub fn small_dense_chain_forward(x: &[f32], n_rows: usize, layers: &[SmallLayer<'_>], y: &mut [f32]) {
+    if n_rows == 0 || layers.is_empty() {
         return;
     }
-    let n_in = weight.len() / n_out;
     assert!(n_rows <= SMALL_BATCH_ROWS, "small_dense_forward takes at most {SMALL_BATCH_ROWS} rows, got {n_rows}");
-    assert!(n_in <= SMALL_BATCH_MAX_IN, "small_dense_forward takes at most {SMALL_BATCH_MAX_IN} inputs, got {n_in}");
+    let mut widest = 0;
+    for (i, layer) in layers.iter().enumerate() {
+        let (n_in, n_out) = (layer.n_in(), layer.bias.len());
+        assert!(n_out > 0, "layer {i} has no outputs");
+        assert!(
+            n_in <= SMALL_BATCH_MAX_IN,
+            "small_dense_forward takes at most {SMALL_BATCH_MAX_IN} inputs, got {n_in}"
+        );
+        assert_eq!(layer.weight.len(), n_in * n_out, "layer {i}: weight is not n_out × n_in");
+        if i > 0 {
+            assert_eq!(
+                n_in,
+                layers[i - 1].bias.len(),
+                "layer {i} takes {n_in} inputs, the layer before gives {}",
+                layers[i - 1].bias.len()
+            );
+        }
+        widest = widest.max(n_in).max(n_out);
+    }
+    let (n_in, n_out) = (layers[0].n_in(), layers[layers.len() - 1].bias.len());
     assert!(x.len() >= n_rows * n_in, "input needs {} floats, has {}", n_rows * n_in, x.len());
     assert!(y.len() >= n_rows * n_out, "output needs {} floats, has {}", n_rows * n_out, y.len());
     SMALL_DENSE_SCRATCH.with_borrow_mut(|scratch| {
-        if scratch.len() < 2 * SMALL_BATCH_MAX_IN {
-            scratch.resize(2 * SMALL_BATCH_MAX_IN, [0.0; SMALL_LANES]);
+        // Two ping-pong lane buffers, then room for one padded block of weights.
+        let lanes = 2 * widest + SMALL_OUTPUTS * SMALL_BATCH_MAX_IN.div_ceil(SMALL_LANES);
+        if scratch.len() < lanes {
+            scratch.resize(lanes, [0.0; SMALL_LANES]);
         }
-        let scratch = &mut scratch[..2 * n_in];
-        let layer = SmallLayer { x, n_rows, weight, bias, act };
+        let (a, rest) = scratch.split_at_mut(widest);
+        let (b, tail) = rest.split_at_mut(widest);
+        let mut scratch = ChainScratch { a, b, tail: tail.as_flattened_mut() };
         #[cfg(target_arch = "x86_64")]
         {
             if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
                 // SAFETY: the CPU has AVX2 and FMA (checked just above); the function is
                 // otherwise safe Rust.
-                unsafe { small_dense_avx2_fma(&layer, y, scratch) };
+                unsafe { small_chain_avx2_fma(x, n_rows, layers, y, &mut scratch) };
             } else {
-                small_dense::<false>(&layer, y, scratch);
+                small_chain::<false>(x, n_rows, layers, y, &mut scratch);
             }
         }
         // `matrixmultiply`'s NEON kernel fuses its multiply-adds.
         #[cfg(target_arch = "aarch64")]
-        small_dense::<true>(&layer, y, scratch);
+        small_chain::<true>(x, n_rows, layers, y, &mut scratch);
         #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
-        small_dense::<false>(&layer, y, scratch);
+        small_chain::<false>(x, n_rows, layers, y, &mut scratch);
     });
 }
 
 thread_local! {
-    /// [`small_dense`]'s scratch (transposed inputs, a padded block of weights): on the heap
-    /// once per thread, not zeroed per call.
+    /// [`small_dense_chain_forward`]'s scratch (two buffers of lanes, a padded block of
+    /// weights): on the heap once per thread, not zeroed per call.
     static SMALL_DENSE_SCRATCH: RefCell<Vec<[f32; SMALL_LANES]>> = const { RefCell::new(Vec::new()) };
 }
 
-/// The operands of one layer over a small batch (see [`small_dense_forward`]).
-struct SmallLayer<'a> {
-    x: &'a [f32],
-    n_rows: usize,
-    weight: &'a [f32],
-    bias: &'a [f32],
-    act: Option<Activation>,
+/// The buffers of [`small_chain`]: activations in lanes (`a`, `b`: one `[f32; 8]` per
+/// feature, lane `r` for the group's row `r`) and room for a padded block of weights.
+struct ChainScratch<'a> {
+    a: &'a mut [[f32; SMALL_LANES]],
+    b: &'a mut [[f32; SMALL_LANES]],
+    tail: &'a mut [f32],
 }
 
-/// [`small_dense`] compiled for AVX2 and FMA: 8-lane vectors and fused multiply-adds.
+/// [`small_chain`] compiled for AVX2 and FMA: 8-lane vectors and fused multiply-adds.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-fn small_dense_avx2_fma(layer: &SmallLayer<'_>, y: &mut [f32], scratch: &mut [[f32; SMALL_LANES]]) {
-    small_dense::<true>(layer, y, scratch);
+fn small_chain_avx2_fma(
+    x: &[f32],
+    n_rows: usize,
+    layers: &[SmallLayer<'_>],
+    y: &mut [f32],
+    scratch: &mut ChainScratch<'_>,
+) {
+    small_chain::<true>(x, n_rows, layers, y, scratch);
 }
 
-/// The body of [`small_dense_forward`], with `scratch` (`2 n_in` long); `FUSED` picks
-/// fused or separately rounded multiply-adds (fused only where the target has them in
-/// hardware). Everything it calls is inlined, so it runs with its caller's target features.
+/// The body of [`small_dense_chain_forward`]; `FUSED` picks fused or separately rounded
+/// multiply-adds (fused only where the target has them in hardware). Everything it calls is
+/// inlined, so it runs with its caller's target features.
 #[inline(always)]
-fn small_dense<const FUSED: bool>(layer: &SmallLayer<'_>, y: &mut [f32], scratch: &mut [[f32; SMALL_LANES]]) {
-    let &SmallLayer { x, n_rows, weight, bias, act } = layer;
-    let n_out = bias.len();
-    // The transposed inputs, then room for one block of weights (`SMALL_OUTPUTS × n_in`).
-    let (lanes, tail) = scratch.split_at_mut(scratch.len() / 2);
-    let (lanes, tail) = (&mut *lanes, tail.as_flattened_mut());
-    let n_in = lanes.len();
+fn small_chain<const FUSED: bool>(
+    x: &[f32],
+    n_rows: usize,
+    layers: &[SmallLayer<'_>],
+    y: &mut [f32],
+    scratch: &mut ChainScratch<'_>,
+) {
+    let n_in = layers[0].n_in();
+    let n_out = layers[layers.len() - 1].bias.len();
     for first_row in (0..n_rows).step_by(SMALL_LANES) {
         let rows = (n_rows - first_row).min(SMALL_LANES);
         // Transpose this group's rows into lanes; lanes past the last row are zero (their
-        // results are not stored).
+        // results are never stored).
+        let input = &mut scratch.a[..n_in];
         for r in 0..SMALL_LANES {
             if r < rows {
                 let row = &x[(first_row + r) * n_in..][..n_in];
-                for (lane, &value) in lanes.iter_mut().zip(row) {
+                for (lane, &value) in input.iter_mut().zip(row) {
                     lane[r] = value;
                 }
             } else {
-                lanes.iter_mut().for_each(|lane| lane[r] = 0.0);
+                input.iter_mut().for_each(|lane| lane[r] = 0.0);
             }
         }
-        let mut first_out = 0;
-        while first_out < n_out {
-            let outputs = (n_out - first_out).min(SMALL_OUTPUTS);
-            // Eight accumulator vectors stay in registers through the whole sum. A last block
-            // of fewer outputs is copied out with zero rows after it (computed, not stored).
-            let block = &weight[first_out * n_in..(first_out + outputs) * n_in];
-            let block = if outputs == SMALL_OUTPUTS {
-                block
-            } else {
-                let padded = &mut tail[..SMALL_OUTPUTS * n_in];
-                padded[..block.len()].copy_from_slice(block);
-                padded[block.len()..].fill(0.0);
-                &padded[..]
-            };
-            assert_eq!(block.len(), SMALL_OUTPUTS * n_in);
-            let mut regs = [[0.0f32; SMALL_LANES]; SMALL_OUTPUTS];
-            for (k, lane) in lanes.iter().enumerate() {
-                for (j, acc) in regs.iter_mut().enumerate() {
-                    // SAFETY: `j < SMALL_OUTPUTS` and `k < n_in` (`lanes` is `n_in` long), so the
-                    // index is below `block.len()`, asserted above. Unchecked: the eight checks
-                    // per input spilled the kernel's registers (1.3× slower).
-                    let w = unsafe { *block.get_unchecked(j * n_in + k) };
-                    for (a, &v) in acc.iter_mut().zip(lane) {
-                        *a = multiply_add::<FUSED>(v, w, *a);
-                    }
-                }
+        for (i, layer) in layers.iter().enumerate() {
+            let (input, output) =
+                if i % 2 == 0 { (&*scratch.a, &mut *scratch.b) } else { (&*scratch.b, &mut *scratch.a) };
+            small_layer::<FUSED>(layer, &input[..layer.n_in()], &mut output[..layer.bias.len()], scratch.tail);
+        }
+        let last = if layers.len() % 2 == 1 { &scratch.b[..n_out] } else { &scratch.a[..n_out] };
+        for r in 0..rows {
+            let y = &mut y[(first_row + r) * n_out..][..n_out];
+            for (y, lane) in y.iter_mut().zip(last) {
+                *y = lane[r];
             }
-            let acc = &mut regs[..outputs];
-            for (j, acc) in acc.iter_mut().enumerate() {
-                let b = bias[first_out + j];
-                match act {
-                    Some(Activation::Tanh) => acc.iter_mut().for_each(|v| *v = fast_tanh(*v + b)),
-                    Some(Activation::Relu) => acc.iter_mut().for_each(|v| *v = (*v + b).max(0.0)),
-                    None => acc.iter_mut().for_each(|v| *v += b),
-                }
-            }
-            for r in 0..rows {
-                let y = &mut y[(first_row + r) * n_out + first_out..][..outputs];
-                for (y, acc) in y.iter_mut().zip(acc.iter()) {
-                    *y = acc[r];
-                }
-            }
-            first_out += outputs;
         }
     }
+}
+
+/// One layer over one group of lanes: `output[j] = act(Σₖ input[k] · W[j][k] + b[j])`, each
+/// sum one chain of multiply-adds over `k` in order, starting from zero. `tail` holds a padded
+/// block of weights when the outputs are not a multiple of eight.
+#[inline(always)]
+fn small_layer<const FUSED: bool>(
+    layer: &SmallLayer<'_>,
+    input: &[[f32; SMALL_LANES]],
+    output: &mut [[f32; SMALL_LANES]],
+    tail: &mut [f32],
+) {
+    let &SmallLayer { weight, bias, act } = layer;
+    let (n_in, n_out) = (input.len(), output.len());
+    let mut first_out = 0;
+    while first_out < n_out {
+        let outputs = (n_out - first_out).min(SMALL_OUTPUTS);
+        // Eight accumulator vectors stay in registers through the whole sum. A last block of
+        // fewer outputs is copied out with zero rows after it (computed, not stored).
+        let block = &weight[first_out * n_in..(first_out + outputs) * n_in];
+        let block = if outputs == SMALL_OUTPUTS {
+            block
+        } else {
+            let padded = &mut tail[..SMALL_OUTPUTS * n_in];
+            padded[..block.len()].copy_from_slice(block);
+            padded[block.len()..].fill(0.0);
+            &padded[..]
+        };
+        let mut regs = block_sums::<FUSED>(input, block);
+        for (j, (acc, out)) in regs.iter_mut().zip(&mut output[first_out..first_out + outputs]).enumerate() {
+            let b = bias[first_out + j];
+            match act {
+                Some(Activation::Tanh) => acc.iter_mut().for_each(|v| *v = fast_tanh(*v + b)),
+                Some(Activation::Relu) => acc.iter_mut().for_each(|v| *v = (*v + b).max(0.0)),
+                None => acc.iter_mut().for_each(|v| *v += b),
+            }
+            *out = *acc;
+        }
+        first_out += outputs;
+    }
+}
+
+/// The sums of one block: `regs[j][r] = Σₖ input[k][r] · block[j][k]`, one chain of
+/// multiply-adds over `k` in order from zero; `block` is `SMALL_OUTPUTS × n_in`.
+#[inline(always)]
+fn block_sums<const FUSED: bool>(input: &[[f32; SMALL_LANES]], block: &[f32]) -> [[f32; SMALL_LANES]; SMALL_OUTPUTS] {
+    let n_in = input.len();
+    assert_eq!(block.len(), SMALL_OUTPUTS * n_in);
+    let mut regs = [[0.0f32; SMALL_LANES]; SMALL_OUTPUTS];
+    for (k, lane) in input.iter().enumerate() {
+        let lane = *lane;
+        for (j, acc) in regs.iter_mut().enumerate() {
+            // SAFETY: `j < SMALL_OUTPUTS` and `k < n_in` (`input` is `n_in` long), so the
+            // index is below `block.len()`, asserted above. Unchecked: the eight checks per
+            // input spilled the kernel's registers (1.3× slower).
+            let w = unsafe { *block.get_unchecked(j * n_in + k) };
+            for (a, &v) in acc.iter_mut().zip(&lane) {
+                *a = multiply_add::<FUSED>(v, w, *a);
+            }
+        }
+    }
+    regs
 }
 
 /// `a · b + c`, rounded once (`FUSED`) or twice.
@@ -510,6 +611,64 @@ mod tests {
             // Nothing past the output is written.
             proptest::prop_assert!(y[n_rows * n_out..].iter().all(|v| v.is_nan()));
         }
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::test_runner::Config::with_cases(100))]
+
+        /// Layers chained in lanes give, bit for bit, what the GEMM path gives layer by layer.
+        #[test]
+        fn small_chain_is_bit_identical_to_gemm_layer_by_layer(
+            n_rows in 1usize..=SMALL_BATCH_ROWS,
+            widths in proptest::collection::vec(1usize..=80, 2..=5),
+            acts in proptest::collection::vec(0usize..3, 4),
+            seed in proptest::prelude::any::<u32>(),
+        ) {
+            let value = |i: usize, salt: u32| {
+                let h = (i as u32 ^ salt).wrapping_mul(2_654_435_761).wrapping_add(seed).wrapping_mul(2_246_822_519);
+                ((h >> 8) as f32 / (1u32 << 23) as f32 - 1.0) * 3.0
+            };
+            let n_layers = widths.len() - 1;
+            let params: Vec<(Vec<f32>, Vec<f32>, Option<Activation>)> = (0..n_layers)
+                .map(|l| {
+                    let (n_in, n_out) = (widths[l], widths[l + 1]);
+                    let weight = (0..n_out * n_in).map(|i| value(i, 10 + l as u32) * 0.2).collect();
+                    let bias = (0..n_out).map(|i| value(i, 20 + l as u32)).collect();
+                    (weight, bias, [None, Some(Activation::Tanh), Some(Activation::Relu)][acts[l]])
+                })
+                .collect();
+            let x: Vec<f32> = (0..n_rows * widths[0]).map(|i| value(i, 1)).collect();
+            let mut expected = x.clone();
+            for (weight, bias, act) in &params {
+                let mut next = vec![f32::NAN; n_rows * bias.len()];
+                gemm_dense_forward(&expected, n_rows, weight, bias, *act, &mut next);
+                expected = next;
+            }
+            let chain: Vec<SmallLayer<'_>> =
+                params.iter().map(|(weight, bias, act)| SmallLayer { weight, bias, act: *act }).collect();
+            proptest::prop_assert!(small_chain_fits(n_rows, &chain));
+            let mut y = vec![f32::NAN; expected.len() + 3];
+            small_dense_chain_forward(&x, n_rows, &chain, &mut y);
+            for (i, (got, want)) in y.iter().zip(&expected).enumerate() {
+                proptest::prop_assert_eq!(got.to_bits(), want.to_bits(), "element {} ({} vs {})", i, got, want);
+            }
+            proptest::prop_assert!(y[expected.len()..].iter().all(|v| v.is_nan()));
+        }
+    }
+
+    #[test]
+    fn small_chain_refuses_what_it_cannot_take() {
+        let (w, b) = ([0.0f32; 4 * 300], [0.0f32; 4]);
+        assert!(!small_chain_fits(17, &[SmallLayer { weight: &w[..8], bias: &b[..2], act: None }]));
+        assert!(!small_chain_fits(8, &[SmallLayer { weight: &w, bias: &b, act: None }]), "300 inputs");
+        assert!(!small_chain_fits(8, &[]));
+        assert!(small_chain_fits(16, &[SmallLayer { weight: &w[..8], bias: &b[..2], act: None }]));
+        let layers = [
+            SmallLayer { weight: &w[..8], bias: &b[..2], act: None },
+            SmallLayer { weight: &w[..9], bias: &b[..3], act: None },
+        ];
+        let result = std::panic::catch_unwind(|| small_dense_chain_forward(&[0.0; 4], 1, &layers, &mut [0.0; 3]));
+        assert!(result.is_err(), "3 inputs after a layer of 2 outputs");
     }
 
     #[test]
