@@ -16,6 +16,11 @@
 #        ENVS_PER_ACTOR (environments per actor process, default 8: "2 actors of 4" holds the
 #        environment count of "1 actor of 8", whose data the learner sees from 8 environments),
 #        KEEP_DIR (keep every run's logs and learner JSON there instead of a removed temp dir),
+#        PERF=1 (each run under `perf record -a`, every CPU at 4 kHz; after its row, a `cores:` line
+#        with who held the two cores inside the learner's loop (its last `wall_secs` before it
+#        exits), in µs per env step: the learner process (weights publisher included), the actor
+#        processes, nats-server, neither core busy (`idle`), anything else; a sample is 250 µs of
+#        one core. Needs perf allowed to sample every CPU: root, or perf_event_paranoid <= 0),
 #        NATS_GOMAXPROCS (the broker's Go scheduler threads; default 1, as k8s/base/nats runs it:
 #        a CPU limit of 1, which GOMAXPROCS follows. "" leaves it to the Go runtime, which takes
 #        every core of this machine)
@@ -32,6 +37,7 @@ volley=${VOLLEY_BIN:-target/release/volley}
 envs=${ENVS_PER_ACTOR:-8}
 bins=${VOLLEY_BINS:-$volley}
 command -v nats-server >/dev/null || { echo "nats-server not found on PATH" >&2; exit 1; }
+if [ -n "${PERF:-}" ]; then command -v perf >/dev/null || { echo "PERF=1 needs perf on PATH" >&2; exit 1; }; fi
 
 out=${KEEP_DIR:-$(mktemp -d -t volley-solve-dist-XXXXXX)}
 mkdir -p "$out"
@@ -64,6 +70,11 @@ for n in $counts; do
         (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null && break
         sleep 0.05
       done
+      if [ -n "${PERF:-}" ]; then
+        perf record -a -F 4000 -o "$dir/perf.data" > "$dir/perf.log" 2>&1 &
+        perf_pid=$!
+        sleep 0.3
+      fi
       start=$(date +%s.%N)
       # shellcheck disable=SC2086
       "$volley" learner --nats "$url" --run solve --seed "$seed" --checkpoint-dir "$dir/checkpoints" \
@@ -78,6 +89,10 @@ for n in $counts; do
       pids+=("${actor_pids[@]}")
       wait "$learner_pid" || echo "learner n=$n seed=$seed failed; see $dir/learner.log" >&2
       end=$(date +%s.%N)
+      if [ -n "${PERF:-}" ]; then
+        kill -INT "$perf_pid"
+        wait "$perf_pid" || true
+      fi
       # Actors first (they flush), then the server.
       for pid in "${actor_pids[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
       for pid in "${actor_pids[@]}"; do wait "$pid" 2>/dev/null || true; done
@@ -101,6 +116,29 @@ with open(rows, "a") as f:
     f.write(json.dumps({"n": int(n), "solved": s["solved"], "env_steps": s["env_steps"], "binary": binary,
                         "learner_s": s["wall_secs"], "process_s": float(process_s), "stale_share": share}) + "\n")
 PY
+      if [ -n "${PERF:-}" ]; then
+        python3 - "$dir" "$learner_pid" "${actor_pids[@]}" <<'PY'
+import collections, json, subprocess, sys
+d, learner, actors = sys.argv[1], sys.argv[2], set(sys.argv[3:])
+try:
+    summary = json.load(open(f"{d}/learner.json"))
+    lines = subprocess.run(["perf", "script", "-i", f"{d}/perf.data", "-F", "comm,pid,time"],
+                           capture_output=True, text=True, check=True).stdout.splitlines()
+except (OSError, ValueError, subprocess.CalledProcessError) as err:
+    print(f"        cores: unknown ({err}); see {d}/perf.log")
+    sys.exit(0)
+samples = [(f[0], f[1], float(f[2].rstrip(":"))) for f in (line.split() for line in lines) if len(f) >= 3]
+end = max((t for _, pid, t in samples if pid == learner), default=0.0)
+start = end - summary["wall_secs"]
+who = collections.Counter(
+    "idle" if comm == "swapper" else "learner" if pid == learner else "actors" if pid in actors
+    else "nats" if comm == "nats-server" else "other"
+    for comm, pid, t in samples if start <= t <= end)
+per_step = {k: who[k] * 250.0 / max(1, summary["env_steps"]) for k in ("learner", "actors", "nats", "idle", "other")}
+busy = sum(v for k, v in per_step.items() if k != "idle")
+print("        cores (µs per env step): " + " ".join(f"{k} {v:.2f}" for k, v in per_step.items()) + f" busy {busy:.2f}")
+PY
+      fi
     done
   done
 done
