@@ -14,8 +14,12 @@ const SMALL_CHAIN_MAX: usize = 8;
 ///
 /// It owns a workspace sized for `max_batch` agents at construction, so [`forward`](Self::forward)
 /// allocates nothing of its own (the `matrixmultiply` GEMMs still take one short-lived packing
-/// buffer per product internally). Every layer is one GEMM over the whole batch followed by a
-/// fused bias + activation pass; the policy and value heads share one GEMM.
+/// buffer per product internally). Over a large batch every layer is one GEMM over the whole
+/// batch followed by a fused bias + activation pass; over a small one (at most
+/// [`SMALL_BATCH_ROWS`](super::linalg::SMALL_BATCH_ROWS) agents, layers of at most
+/// [`SMALL_BATCH_MAX_IN`](super::linalg::SMALL_BATCH_MAX_IN) inputs) the dense layers run as one chain
+/// through a kernel without packing, bit-identical to the GEMM path. The policy and value heads
+/// are one layer.
 ///
 /// Recurrent state is the caller's: `hidden` is `[n][H]`, read and advanced in place. An actor
 /// starts an agent's state at zeros and zeroes it again when that agent's episode ends, which is
@@ -245,11 +249,13 @@ impl PolicyInference {
         }
         // Layer i reads the buffer layer i−1 wrote (the conv features for i = 0) and writes the
         // other one.
-        for (layer_idx, layer) in torso.iter().enumerate().filter(|_| !torso_done) {
-            let (input, output) =
-                if layer_idx % 2 == 0 { (&self.act_b, &mut self.act_a) } else { (&self.act_a, &mut self.act_b) };
-            let x = if layer_idx == 0 { conv_features } else { &input[..] };
-            dense_forward(x, n, layer.weight(params), layer.bias(params), Some(activation), output);
+        if !torso_done {
+            for (layer_idx, layer) in torso.iter().enumerate() {
+                let (input, output) =
+                    if layer_idx % 2 == 0 { (&self.act_b, &mut self.act_a) } else { (&self.act_a, &mut self.act_b) };
+                let x = if layer_idx == 0 { conv_features } else { &input[..] };
+                dense_forward(x, n, layer.weight(params), layer.bias(params), Some(activation), output);
+            }
         }
         let torso_features: &[f32] = match torso.len() {
             0 => conv_features,
