@@ -72,7 +72,7 @@ runs = [r for p in passes for r in embedded[p]]
 print()
 print(f"embedded: {len(runs)} runs, secs100 median {st.median(r[0] for r in runs):.3f} s, "
       f"{st.median(r[0] / r[1] * 1e6 for r in runs):.2f} µs per env step")
-print("%-16s %-7s %-6s %-22s %-16s %-12s %-10s" % (
+print("%-20s %-7s %-6s %-22s %-16s %-12s %-10s" % (
     "binary", "actors", "runs", "/ embedded (range)", "loop s (median)", "µs/env step", "env steps"))
 keys = sorted({(n, b) for _, n, b in distributed}, key=lambda k: (k[1], int(k[0])))
 ratios = {}
@@ -81,7 +81,7 @@ for n, binary in keys:
     ratio = {p: st.median(r[0] for r in rs) / st.median(r[0] for r in embedded[p]) for p, rs in per_pass.items()}
     ratios[(n, binary)] = ratio
     rs = [r for v in per_pass.values() for r in v]
-    print("%-16s %-7s %-6d %-22s %-16.3f %-12.2f %-10d" % (
+    print("%-20s %-7s %-6d %-22s %-16.3f %-12.2f %-10d" % (
         binary, n, len(rs), "%.2f× (%.2f–%.2f)" % (st.median(ratio.values()), min(ratio.values()), max(ratio.values())),
         st.median(r[0] for r in rs), st.median(r[0] / r[1] * 1e6 for r in rs), st.median(r[1] for r in rs)))
 for binary in sorted({b for _, b in keys}):

