@@ -45,7 +45,7 @@ use volley_core::wire::{self, TrajectorySegment};
 use volley_env::{EnvConfig, EnvServiceName, RemoteEnvConfig};
 use volley_learner::admission::Admission;
 use volley_learner::batch::SegmentBatch;
-use volley_learner::consume::SeenSegments;
+use volley_learner::seen::{SeenSegments, SEEN_STREAMS};
 use volley_learner::Learner;
 use volley_policy::{Activation, PolicySpec};
 use volley_testkit::fixtures::SegmentBuilder;
@@ -284,7 +284,7 @@ fn read_source(bus: &NatsBus, spec: &RunSpec, n_segments: usize, update: bool) -
     let layout_hash = learner.layout().hash();
     let hidden_size = learner.layout().recurrent_size();
     let admission = Admission::new(spec);
-    let mut seen = SeenSegments::new(100_000);
+    let mut seen = SeenSegments::new(SEEN_STREAMS);
     let mut incoming: Vec<Delivery> = Vec::with_capacity(BATCH_SEGMENTS);
     let mut segments: Vec<TrajectorySegment> = Vec::with_capacity(BATCH_SEGMENTS);
     let mut tokens = Vec::with_capacity(BATCH_SEGMENTS);

@@ -8,7 +8,7 @@
 //! that point leaves the segment unacknowledged, so a networked transport redelivers it. Which
 //! segments feed an update, and with what weight, is [`crate::selection`]'s decision.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
@@ -20,6 +20,8 @@ use volley_transport::{Delivery, DeliveryToken, TrajectorySource, TransportError
 use crate::admission::Admission;
 use crate::batch::SegmentBatch;
 use crate::learner::{Learner, UpdateStats};
+pub use crate::seen::SeenSegments;
+use crate::seen::SEEN_STREAMS;
 use crate::selection::{DropReason, Dropped, GroupStats, Selector};
 use crate::windows::WindowOutcome;
 
@@ -272,72 +274,6 @@ fn max_unpublished_versions(max_policy_lag: u64) -> usize {
 /// Episodes in the return window behind `mean_return(100)` and the solved stop.
 pub const RETURN_WINDOW: usize = 100;
 
-/// How many recent segment keys the duplicate filter remembers.
-const SEEN_CAPACITY: usize = 100_000;
-
-/// (hash of the actor id, incarnation, env_idx, segment_idx): identifies a segment in a
-/// fixed 32 bytes whatever the actor id's length.
-type SegmentKey = (u64, u64, u32, u64);
-
-/// The keys of recently used segments, so a redelivered segment is not learned from twice.
-/// Bounded in entries (the oldest keys are forgotten first) and so in bytes: every key has
-/// the same fixed size, whatever the segment claims (issue 12: ~1 MB actor ids were kept
-/// twice per key).
-pub struct SeenSegments {
-    keys: HashSet<SegmentKey>,
-    order: VecDeque<SegmentKey>,
-    capacity: usize,
-}
-
-impl SeenSegments {
-    /// Remember at most `capacity` keys.
-    pub fn new(capacity: usize) -> Self {
-        SeenSegments { keys: HashSet::with_capacity(capacity), order: VecDeque::with_capacity(capacity), capacity }
-    }
-
-    /// Record a segment; false if it was seen before.
-    pub fn insert(&mut self, segment: &TrajectorySegment) -> bool {
-        let actor = volley_core::wire::id_hash(segment.actor.as_str().as_bytes());
-        let key = (actor, segment.incarnation, segment.env_idx, segment.segment_idx);
-        if self.keys.contains(&key) {
-            return false;
-        }
-        if self.order.len() == self.capacity {
-            if let Some(oldest) = self.order.pop_front() {
-                self.keys.remove(&oldest);
-            }
-        }
-        self.keys.insert(key);
-        self.order.push_back(key);
-        true
-    }
-
-    /// Keys remembered.
-    pub fn len(&self) -> usize {
-        self.order.len()
-    }
-
-    /// Whether no key is remembered.
-    pub fn is_empty(&self) -> bool {
-        self.order.is_empty()
-    }
-
-    /// Heap bytes the filter holds: its tables' allocated capacity (a hash set entry costs
-    /// one control byte besides the key). Constant once allocated: at most
-    /// [`SeenSegments::max_bytes`].
-    pub fn allocated_bytes(&self) -> usize {
-        let key = std::mem::size_of::<SegmentKey>();
-        self.keys.capacity() * (key + 1) + self.order.capacity() * key
-    }
-
-    /// The most bytes a filter of `capacity` keys can hold (a hash set allocates at most
-    /// twice its capacity's buckets).
-    pub fn max_bytes(capacity: usize) -> usize {
-        let key = std::mem::size_of::<SegmentKey>();
-        2 * capacity.next_power_of_two() * (key + 1) + 2 * capacity * key
-    }
-}
-
 /// Run the learner until a limit, `stop`, or the source closing.
 pub fn run_learner(
     learner: &mut Learner,
@@ -381,7 +317,7 @@ pub fn run_learner(
     let mut dropped: Vec<Dropped> = Vec::new();
     let mut settled: Vec<DeliveryToken> = Vec::new();
     let mut batch = SegmentBatch::default();
-    let mut seen = SeenSegments::new(SEEN_CAPACITY);
+    let mut seen = SeenSegments::new(SEEN_STREAMS);
     // Segments behind updates whose version is not published yet, by version, oldest first.
     let mut unpublished: VecDeque<(PolicyVersion, Vec<DeliveryToken>)> = VecDeque::new();
     let max_unpublished = max_unpublished_versions(spec.hyper.max_policy_lag);

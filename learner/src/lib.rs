@@ -18,6 +18,7 @@ pub mod metrics;
 pub mod net;
 pub mod optim;
 pub mod scheduler;
+pub mod seen;
 pub mod selection;
 pub mod telemetry;
 pub mod train;

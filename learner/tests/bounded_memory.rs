@@ -9,7 +9,7 @@ use std::thread;
 use volley_core::spec::{HyperParams, LossKind, RunSpec};
 use volley_core::wire::TrajectorySegment;
 use volley_core::work::SnapshotInfo;
-use volley_learner::consume::SeenSegments;
+use volley_learner::seen::{SeenSegments, SEEN_STREAMS};
 use volley_learner::{run_learner, Learner, LearnerReport, RunLimits, StopReason, UpdateStats};
 use volley_testkit::fixtures::{SegmentBuilder, SpecBuilder};
 use volley_transport::local::{trajectory_channel, weights_channel};
@@ -50,24 +50,25 @@ fn rss_bytes() -> Option<u64> {
 #[test]
 fn hostile_ids_and_keys_do_not_grow_the_learner() {
     // The duplicate filter, the one table keyed by actor-chosen ids of every segment: its
-    // accounted bytes stay within its stated bound whatever the ids, and whatever their number.
+    // accounted bytes stay within its stated bound whatever the ids, and whatever their number
+    // (each segment here claims a stream of its own: a new incarnation).
     // (The longest actor id that decodes: `ActorId` bounds it; longer ones are `bad_id`.)
-    let mut seen = SeenSegments::new(100_000);
+    let mut seen = SeenSegments::new(SEEN_STREAMS);
     let long_id = "x".repeat(64);
     let run_spec = spec();
     for idx in 0..250_000u64 {
         let mut s = segment(&run_spec, &long_id, idx);
         s.observations = Vec::new();
         assert!(seen.insert(&s));
+        assert!(seen.len() <= SEEN_STREAMS);
     }
-    assert_eq!(seen.len(), 100_000);
     assert!(
-        seen.allocated_bytes() <= SeenSegments::max_bytes(100_000),
+        seen.allocated_bytes() <= SeenSegments::max_bytes(SEEN_STREAMS),
         "{} bytes > {}",
         seen.allocated_bytes(),
-        SeenSegments::max_bytes(100_000)
+        SeenSegments::max_bytes(SEEN_STREAMS)
     );
-    assert!(SeenSegments::max_bytes(100_000) < 16 << 20, "the bound itself is small");
+    assert!(SeenSegments::max_bytes(SEEN_STREAMS) < 16 << 20, "the bound itself is small");
     drop(seen);
 
     // The learner loop, fed hostile segments one at a time (so the input never piles up):

@@ -26,8 +26,11 @@ fn spec(loss: LossKind, max_policy_lag: u64) -> RunSpec {
     SpecBuilder::cartpole(T).run("loop").torso(vec![16]).hyper(hyper).seed(3).build()
 }
 
+/// Segment `idx` of environment `idx / 1000`: as an actor's environments count them, each
+/// from 0 (the duplicate filter remembers a window of indices per environment).
 fn valid_segment(learner: &Learner, rng: &mut Pcg64Mcg, version: u64, idx: u64) -> TrajectorySegment {
     SegmentBuilder::for_spec(learner.spec())
+        .env_idx((idx / 1000) as u32)
         .episode_id(idx)
         .segment_idx(idx)
         .version(version)
