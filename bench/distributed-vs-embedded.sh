@@ -7,6 +7,9 @@
 # last-100 mean of 475). Prints every run, then per binary and actor count: the median ratio over
 # passes and its range, µs of learner loop per env step, env steps, and in how many passes
 # 2 actors were slower than 1. The target: 1 actor ≤ 2× embedded, 2 actors no slower than 1.
+# With several binaries (VOLLEY_BINS) or niceness arms (NICE_ARMS), it also prints each against
+# the first run by run (same pass, actor count and seed): paired ratios of loop seconds, of loop
+# seconds per env step and of env steps.
 #
 # usage: bench/distributed-vs-embedded.sh [passes] ["ACTOR COUNTS"] [seeds...]   (default 5, "1 2", 1 2 3)
 # env:   VOLLEY_BIN / VOLLEY_BINS, LEARNER_FLAGS, ENVS_PER_ACTOR, NATS_GOMAXPROCS: passed on to
@@ -44,11 +47,13 @@ for pass in $(seq "$passes"); do
 done
 
 python3 - "$work" "$keep" "$passes" <<'PY'
-import collections, json, os, statistics as st, sys
+import collections, json, math, os, statistics as st, sys
 
 work, keep, n_passes = sys.argv[1], sys.argv[2], int(sys.argv[3])
 embedded = collections.defaultdict(list)      # pass -> [(secs100, steps100)]
 distributed = collections.defaultdict(list)   # (pass, actors, binary) -> [(loop s, env steps)]
+by_seed = {}                                  # (pass, actors, seed, binary) -> (loop s, env steps)
+order = []                                    # binaries (and niceness arms) as first run: the first is the base
 for p in range(1, n_passes + 1):
     with open(f"{work}/embedded-p{p}") as table:
         cols = {name: i for i, name in enumerate(next(table).split())}
@@ -65,6 +70,10 @@ for p in range(1, n_passes + 1):
             print(f"pass {p}: unsolved distributed run, left out: {r}")
             continue
         distributed[(p, str(r["n"]), r["binary"])].append((r["learner_s"], r["env_steps"]))
+        if r["binary"] not in order:
+            order.append(r["binary"])
+        if "seed" in r:
+            by_seed[(p, str(r["n"]), r["seed"], r["binary"])] = (r["learner_s"], r["env_steps"])
 
 passes = sorted(embedded)
 if not passes:
@@ -92,4 +101,21 @@ for binary in sorted({b for _, b in keys}):
         both = [p for p in passes if p in one and p in two]
         slower = sum(two[p] > one[p] for p in both)
         print(f"{binary}: 2 actors slower than 1 in {slower} of {len(both)} passes")
+# With several binaries (or niceness arms), each against the first, run by run: the same pass,
+# actor count and seed, so the seed's env steps and the pass's machine state cancel out.
+geo = lambda xs: math.exp(st.mean(math.log(x) for x in xs))
+base = order[0] if order else None
+for other in order[1:]:
+    for n in sorted({n for n, _ in keys}, key=int):
+        loop, step, steps = [], [], []
+        for (p, nn, seed, b), (secs, env) in by_seed.items():
+            a = by_seed.get((p, nn, seed, base))
+            if nn == n and b == other and a:
+                loop.append(secs / a[0])
+                step.append((secs / env) / (a[0] / a[1]))
+                steps.append(env / a[1])
+        if loop:
+            print(f"{other} / {base}, {n} actor(s), {len(loop)} pairs: loop {st.median(loop):.3f} (median; "
+                  f"geometric mean {geo(loop):.3f}), per env step {st.median(step):.3f} ({geo(step):.3f}), "
+                  f"env steps {geo(steps):.3f} (geometric mean); faster per env step in {sum(x < 1 for x in step)} of {len(step)}")
 PY

@@ -126,7 +126,7 @@ print("%-7s %-5s %-7s %-9.2f %-9d %-11.3f %-10.2f %-9.2f %-6d %-11.3f %-7.3f %-7
     s["learner_wait_ratio"], s["segments_stale"], share, s.get("learner_recv_secs", 0), s.get("learner_update_secs", 0),
     s.get("learner_publish_secs", 0), s.get("learner_ack_secs", 0), binary))
 with open(rows, "a") as f:
-    f.write(json.dumps({"n": int(n), "solved": s["solved"], "env_steps": s["env_steps"], "binary": binary,
+    f.write(json.dumps({"n": int(n), "seed": int(seed), "solved": s["solved"], "env_steps": s["env_steps"], "binary": binary,
                         "learner_s": s["wall_secs"], "process_s": float(process_s), "stale_share": share}) + "\n")
 PY
       if [ -n "${PERF:-}" ]; then
