@@ -115,6 +115,11 @@ fn a_hostile_actor_cannot_stop_freeze_or_bloat_a_run() {
     for (reason, sent) in report["sent"].as_object().expect("sent by reason") {
         assert_eq!(rejected[reason], *sent, "reason {reason}: {summary}\nsent: {report}");
     }
+    // The replayed segment went out once per round, the same bytes each time: every copy after
+    // the first is skipped by the duplicate filter (`seen::SeenSegments`), not trained on again.
+    let rounds = report["sent"]["bad_magic"].as_u64().expect("rounds sent");
+    let duplicates = summary["segments_duplicate"].as_u64().expect("segments_duplicate in the summary");
+    assert!(duplicates + 1 >= rounds, "{duplicates} duplicates skipped of {rounds} copies: {summary}");
     let growth = report["rss_after"].as_i64().expect("rss") - report["rss_before"].as_i64().expect("rss");
     eprintln!("learner resident set: {report}");
     assert!(growth <= MAX_RSS_GROWTH_BYTES, "the learner grew by {growth} bytes under attack");
