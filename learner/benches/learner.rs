@@ -99,5 +99,34 @@ fn learner_update(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, learner_update);
+/// What the learner's metrics cost per update (issue 16: the distributed learner's non-update
+/// work per update): one `LearnerMetrics::observe` with a batch of 8 × 32 samples' importance
+/// ratios and 8 new segments' lags, the counters of the report advancing as in a run.
+fn metrics_observe(c: &mut Criterion) {
+    use volley_learner::telemetry::OffPolicyStats;
+    use volley_learner::{LearnerMetrics, LearnerReport, UpdateStats};
+    let learner = Learner::new(spec(LossKind::Vtrace, CoreKind::Mlp, 32, 8)).expect("valid spec");
+    let registry = prometheus::Registry::new();
+    let mut metrics = LearnerMetrics::register(&registry).expect("metrics register");
+    let mut rng = Pcg64Mcg::seed_from_u64(3);
+    let ratios: Vec<f32> = (0..256).map(|_| rng.random_range(0.5..1.5)).collect();
+    let stats = UpdateStats {
+        samples: 256,
+        off_policy: Some(OffPolicyStats { ratios, ..OffPolicyStats::default() }),
+        ..UpdateStats::default()
+    };
+    let mut report = LearnerReport { lag_histogram: vec![0; 65], ..LearnerReport::default() };
+    c.bench_function("metrics_observe/ratios256_lags8", |b| {
+        b.iter(|| {
+            report.updates += 1;
+            report.env_steps += 256;
+            for lag in 0..8 {
+                report.lag_histogram[lag] += 1;
+            }
+            metrics.observe(&learner, &report, &stats, true);
+        })
+    });
+}
+
+criterion_group!(benches, learner_update, metrics_observe);
 criterion_main!(benches);

@@ -273,9 +273,13 @@ impl LearnerMetrics {
             if off.explained_variance.is_finite() {
                 self.explained_variance.set(off.explained_variance as f64);
             }
+            // Every weighted sample's ratio, a few hundred per update: counted locally and added
+            // to the shared histogram once, not with three atomic updates per observation.
+            let ratios = self.importance_ratio.local();
             for &ratio in &off.ratios {
-                self.importance_ratio.observe(ratio as f64);
+                ratios.observe(ratio as f64);
             }
+            ratios.flush();
         }
         self.policy_version.set(learner.version().0 as f64);
         self.tick(report);
@@ -304,12 +308,14 @@ impl LearnerMetrics {
         self.env_steps.inc_by(delta(report.env_steps, prev.env_steps));
         self.episodes.inc_by(delta(report.episodes, prev.episodes));
         self.updates.inc_by(delta(report.updates, prev.updates));
+        let lags = self.policy_lag.local();
         for (lag, &count) in report.lag_histogram.iter().enumerate() {
             let before = prev.lag_histogram.get(lag).copied().unwrap_or(0);
             for _ in 0..delta(count, before) {
-                self.policy_lag.observe(lag as f64);
+                lags.observe(lag as f64);
             }
         }
+        lags.flush();
         self.compute_seconds.inc_by(report.compute_time.saturating_sub(prev.compute_time).as_secs_f64());
         self.wait_seconds.inc_by(report.wait_time.saturating_sub(prev.wait_time).as_secs_f64());
         let mean = report.mean_return(100);
