@@ -62,6 +62,8 @@ fn hostile_ids_and_keys_do_not_grow_the_learner() {
         assert!(seen.insert(&s));
         assert!(seen.len() <= SEEN_STREAMS);
     }
+    // Full to its bound: a whole generation of the newest streams and part of the next.
+    assert!(seen.len() > SEEN_STREAMS / 2, "{} streams remembered", seen.len());
     assert!(
         seen.allocated_bytes() <= SeenSegments::max_bytes(SEEN_STREAMS),
         "{} bytes > {}",
