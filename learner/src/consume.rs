@@ -20,8 +20,7 @@ use volley_transport::{Delivery, DeliveryToken, TrajectorySource, TransportError
 use crate::admission::Admission;
 use crate::batch::SegmentBatch;
 use crate::learner::{Learner, UpdateStats};
-pub use crate::seen::SeenSegments;
-use crate::seen::SEEN_STREAMS;
+use crate::seen::{SeenSegments, SEEN_STREAMS};
 use crate::selection::{DropReason, Dropped, GroupStats, Selector};
 use crate::windows::WindowOutcome;
 

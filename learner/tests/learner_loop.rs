@@ -26,8 +26,9 @@ fn spec(loss: LossKind, max_policy_lag: u64) -> RunSpec {
     SpecBuilder::cartpole(T).run("loop").torso(vec![16]).hyper(hyper).seed(3).build()
 }
 
-/// Segment `idx` of environment `idx / 1000`: as an actor's environments count them, each
-/// from 0 (the duplicate filter remembers a window of indices per environment).
+/// Segment `idx` of environment `idx / 1000`: each environment's segments carry a run of
+/// consecutive indices, as an actor counts them per environment (the duplicate filter keeps a
+/// window of indices per environment).
 fn valid_segment(learner: &Learner, rng: &mut Pcg64Mcg, version: u64, idx: u64) -> TrajectorySegment {
     SegmentBuilder::for_spec(learner.spec())
         .env_idx((idx / 1000) as u32)
