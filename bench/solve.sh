@@ -20,7 +20,7 @@ for seed in $seeds; do
   # shellcheck disable=SC2086
   "$volley" train --seed "$seed" --progress quiet --run-dir "$out/$seed" $flags > "$out/$seed.json" 2>/dev/null
   end=$(date +%s.%N)
-  python3 - "$out/$seed.json" "$seed" "$(echo "$end - $start" | bc)" <<'PY'
+  python3 - "$out/$seed.json" "$seed" "$(awk -v a="$start" -v b="$end" 'BEGIN { print b - a }')" <<'PY'
 import json, sys
 s = json.load(open(sys.argv[1]))
 f = lambda v, fmt: (fmt % v) if v is not None else "-"
