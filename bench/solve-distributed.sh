@@ -59,6 +59,7 @@ command -v nats-server >/dev/null || { echo "nats-server not found on PATH" >&2;
 learner_cores=${LEARNER_CORES:-2}
 if [ -n "${PIN_CORES:-}" ]; then
   command -v taskset >/dev/null || { echo "PIN_CORES=1 needs taskset (util-linux)" >&2; exit 1; }
+  [ "$learner_cores" -ge 1 ] 2>/dev/null || { echo "LEARNER_CORES must be a whole number of cores, 1 or more" >&2; exit 1; }
   most=0
   for n in $counts; do [ "$n" -gt "$most" ] && most=$n; done
   need=$((learner_cores + 1 + most))
