@@ -449,6 +449,10 @@ pub struct TrainArgs {
     /// batches are too small to occupy a GPU.
     #[arg(long, value_enum, default_value = "auto", env = "VOLLEY_BACKEND")]
     pub backend: BackendName,
+    /// Threads of the CPU learner's update (default: the cores this process may use less one
+    /// per actor thread, at least 1, so actors and learner do not share a core).
+    #[arg(long, env = "VOLLEY_LEARNER_THREADS")]
+    pub learner_threads: Option<usize>,
     /// NATS, for `--env remote:<service>` only (the embedded run itself needs no broker).
     #[command(flatten)]
     pub nats: NatsArgs,
@@ -491,6 +495,8 @@ pub struct TrainConfig {
     pub progress: ProgressMode,
     /// Learner backend.
     pub backend: BackendKind,
+    /// Threads of the CPU learner's update.
+    pub learner_threads: usize,
     /// How actor threads reach a remote environment's servers (`--env remote:<service>`).
     pub remote: Option<TrainRemote>,
 }
@@ -800,9 +806,25 @@ impl TryFrom<TrainArgs> for TrainConfig {
             run_dir,
             progress: args.progress,
             backend: args.backend.into(),
+            learner_threads: learner_threads(args.learner_threads, args.actors)?,
             remote,
             spec,
         })
+    }
+}
+
+/// The learner's thread count: `flag` when given (checked against the CPU backend's range),
+/// else the cores this process may use (`std::thread::available_parallelism`, which honours
+/// the CPU affinity mask and cgroup quota) less `other_threads` busy ones, at least 1.
+pub fn learner_threads(flag: Option<usize>, other_threads: usize) -> anyhow::Result<usize> {
+    let max = volley_learner::backend::cpu::MAX_THREADS;
+    match flag {
+        Some(threads) if (1..=max).contains(&threads) => Ok(threads),
+        Some(threads) => bail!("--learner-threads: {threads} out of range 1..={max}"),
+        None => {
+            let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+            Ok(cores.saturating_sub(other_threads).max(1))
+        }
     }
 }
 
@@ -991,6 +1013,9 @@ pub struct LearnerArgs {
     /// the CPU with a warning; `cuda` fails without a GPU.
     #[arg(long, value_enum, default_value = "auto", env = "VOLLEY_BACKEND")]
     pub backend: BackendName,
+    /// Threads of the CPU learner's update (default: the cores this process may use).
+    #[arg(long, env = "VOLLEY_LEARNER_THREADS")]
+    pub learner_threads: Option<usize>,
     /// With `--env remote:<service>`: how long to wait for a server of the service to tell the
     /// environment's spaces.
     #[arg(long, env = "VOLLEY_ENV_WAIT_SECS", default_value_t = 120.0)]
@@ -1026,6 +1051,8 @@ pub struct LearnerConfig {
     pub liveness_timeout: Duration,
     /// Learner backend.
     pub backend: BackendKind,
+    /// Threads of the CPU learner's update.
+    pub learner_threads: usize,
 }
 
 impl TryFrom<LearnerArgs> for LearnerConfig {
@@ -1079,6 +1106,7 @@ impl TryFrom<LearnerArgs> for LearnerConfig {
             liveness_timeout: args.metrics.liveness_timeout(),
             metrics_addr: args.metrics.metrics_addr,
             backend: args.backend.into(),
+            learner_threads: learner_threads(args.learner_threads, 0)?,
             nats,
             spec,
         })

@@ -96,6 +96,7 @@ pub fn learner(config: LearnerConfig, interrupted: Arc<AtomicBool>) -> anyhow::R
         }
         None => (Learner::new(spec.clone()).context("building the learner")?, 0, None),
     };
+    learner.set_cpu_threads(config.learner_threads).context("--learner-threads")?;
     learner.use_backend(config.backend).context("--backend")?;
     let layout = learner.layout().clone();
     info!(run = %spec.run, env = %spec.env.describe(), loss = ?spec.hyper.loss, policy = ?spec.policy,

@@ -139,6 +139,7 @@ pub fn train(config: TrainConfig, interrupted: Arc<AtomicBool>) -> anyhow::Resul
         "training"
     );
     let mut learner = Learner::new(spec.clone()).context("building the learner")?;
+    learner.set_cpu_threads(config.learner_threads).context("--learner-threads")?;
     learner.use_backend(config.backend).context("--backend")?;
     // Room for one batch in flight besides the one being trained on: actors run at most about
     // one version ahead, which bounds the lag (pacing by backpressure).

@@ -4,8 +4,11 @@
 //! Nature-DQN network (4×84×84 frames, three convs, 512 units), on the CPU backend and, where a
 //! device works, on CUDA.
 //!
-//! `cargo bench -p volley-learner --bench conv` (add `-- --quick` for the MinAtar rows only).
-//! Prints a Markdown table. The CPU backend is single-threaded.
+//! `cargo bench -p volley-learner --bench conv` (add `-- --quick` for the MinAtar rows only,
+//! `-- --threads 1,2` for the CPU backend's thread counts, default 1 and every core the process
+//! may use). Prints a Markdown table with the arithmetic rate of each update (2 FLOP per
+//! multiply-add of the forward and the backward products) beside the f32 peak of the threads it
+//! ran on, measured first by an FMA loop (see [`fma_peak_gflops`]).
 
 use std::time::Instant;
 
@@ -75,18 +78,97 @@ fn batch(rng: &mut Pcg64Mcg, obs_dim: usize, n_actions: usize, t_len: usize, b_l
     }
 }
 
+/// Multiply-adds of one update per row of the batch (`(T + 1)·B` rows): the forward products,
+/// the weight-gradient products (as many) and the input-gradient products of every layer but
+/// the first conv layer, whose input gradient is never formed.
+fn macs_per_row(spec: &RunSpec) -> f64 {
+    let layout = spec.validate().expect("valid spec");
+    let conv = layout.conv_geometries();
+    let conv_macs: Vec<f64> =
+        conv.iter().map(|g| (g.out_positions() * g.patch_len() * g.out_channels) as f64).collect();
+    let mut n_in = conv.last().map_or(spec.policy.obs_dim, |g| g.output_len());
+    let mut dense = 0.0;
+    for &n_out in spec.policy.torso.iter().chain([spec.policy.n_actions + 1].iter()) {
+        dense += (n_in * n_out) as f64;
+        n_in = n_out;
+    }
+    let forward = conv_macs.iter().sum::<f64>() + dense;
+    3.0 * forward - conv_macs.first().copied().unwrap_or(0.0)
+}
+
+/// This machine's f32 peak on one core, in GFLOP/s: the best of five short runs of twelve
+/// independent chains of 16-lane (AVX-512F) or 8-lane (AVX2) fused multiply-adds, enough to
+/// cover the FMA latency on both FMA ports. The best run is the one the scheduler left alone.
+fn fma_peak_gflops() -> Option<f64> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::*;
+        const CHAINS: usize = 12;
+        const ITERS: usize = 20_000_000;
+        #[target_feature(enable = "avx512f")]
+        fn avx512() -> f32 {
+            let (a, b) = (_mm512_set1_ps(0.999_999), _mm512_set1_ps(1e-7));
+            let mut acc = [_mm512_set1_ps(1.0); CHAINS];
+            for _ in 0..ITERS {
+                for chain in acc.iter_mut() {
+                    *chain = _mm512_fmadd_ps(*chain, a, b);
+                }
+            }
+            acc.iter().map(|&v| _mm512_reduce_add_ps(v)).sum()
+        }
+        #[target_feature(enable = "avx2,fma")]
+        fn avx2() -> f32 {
+            let (a, b) = (_mm256_set1_ps(0.999_999), _mm256_set1_ps(1e-7));
+            let mut acc = [_mm256_set1_ps(1.0); CHAINS];
+            for _ in 0..ITERS {
+                for chain in acc.iter_mut() {
+                    *chain = _mm256_fmadd_ps(*chain, a, b);
+                }
+            }
+            let mut lanes = [0.0f32; 8];
+            acc.iter()
+                .map(|&v| {
+                    // SAFETY: `lanes` holds 8 floats, what one unaligned 256-bit store writes.
+                    unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), v) };
+                    lanes.iter().sum::<f32>()
+                })
+                .sum()
+        }
+        let (lanes, run): (usize, fn() -> f32) = if is_x86_feature_detected!("avx512f") {
+            // SAFETY: the CPU has AVX-512F (checked just above).
+            (16, || unsafe { avx512() })
+        } else if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+            // SAFETY: the CPU has AVX2 and FMA (checked just above).
+            (8, || unsafe { avx2() })
+        } else {
+            return None;
+        };
+        let best = (0..5)
+            .map(|_| {
+                let t0 = Instant::now();
+                std::hint::black_box(run());
+                t0.elapsed().as_secs_f64()
+            })
+            .fold(f64::INFINITY, f64::min);
+        Some((ITERS * CHAINS * lanes * 2) as f64 / best / 1e9)
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    None
+}
+
 fn median(mut xs: Vec<f64>) -> f64 {
     xs.sort_by(f64::total_cmp);
     xs[xs.len() / 2]
 }
 
 /// Median seconds per update over at least 3 updates and about a second.
-fn seconds_per_update(device: Option<&CudaDevice>, preset: &str, t_len: usize, b_len: usize) -> f64 {
-    let spec = spec(preset, t_len, b_len);
-    let (obs_dim, n_actions) = (spec.policy.obs_dim, spec.policy.n_actions);
+fn seconds_per_update(device: Option<&CudaDevice>, threads: usize, spec: RunSpec) -> f64 {
+    let (obs_dim, n_actions, t_len, b_len) =
+        (spec.policy.obs_dim, spec.policy.n_actions, spec.segment_len, spec.hyper.batch_segments);
     let mut learner = Learner::new(spec).expect("valid spec");
-    if let Some(device) = device {
-        learner.use_cuda_device(device).expect("the device opened once already");
+    match device {
+        Some(device) => learner.use_cuda_device(device).expect("the device opened once already"),
+        None => learner.set_cpu_threads(threads).expect("a thread pool"),
     }
     let batch = batch(&mut Pcg64Mcg::seed_from_u64(1), obs_dim, n_actions, t_len, b_len);
     learner.update(&batch); // warm-up: allocation, cuBLAS heuristics
@@ -101,7 +183,19 @@ fn seconds_per_update(device: Option<&CudaDevice>, preset: &str, t_len: usize, b
 }
 
 fn main() {
-    let quick = std::env::args().any(|a| a == "--quick");
+    let args: Vec<String> = std::env::args().collect();
+    let quick = args.iter().any(|a| a == "--quick");
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let thread_counts: Vec<usize> = match args.iter().position(|a| a == "--threads") {
+        Some(i) => args
+            .get(i + 1)
+            .expect("--threads takes a list such as 1,2")
+            .split(',')
+            .map(|n| n.parse().expect("--threads: whole numbers"))
+            .collect(),
+        None if cores > 1 => vec![1, cores],
+        None => vec![1],
+    };
     let device = match open_cuda(0) {
         Ok(device) => Some(device),
         Err(err) => {
@@ -109,20 +203,32 @@ fn main() {
             None
         }
     };
-    println!("| backend | network | T | B | samples/s | update ms |");
-    println!("|---|---|---|---|---|---|");
+    let peak = fma_peak_gflops();
+    match peak {
+        Some(peak) => println!("f32 peak of one core (FMA loop): {peak:.1} GFLOP/s"),
+        None => println!("f32 peak: not measured (no AVX2/AVX-512 FMA)"),
+    }
+    println!("| backend | threads | network | T | B | samples/s | update ms | GFLOP/s | % of f32 peak |");
+    println!("|---|---|---|---|---|---|---|---|---|");
     let mut configs = vec![("minatar", 32, 8), ("minatar", 32, 32)];
     if !quick {
-        configs.push(("nature", 20, 8));
+        configs.extend([("nature", 20, 8), ("nature", 20, 32)]);
     }
-    let mut backends: Vec<Option<&CudaDevice>> = vec![None];
-    backends.extend(device.as_ref().map(Some));
-    for backend in backends {
-        for &(preset, t_len, b_len) in &configs {
-            let secs = seconds_per_update(backend, preset, t_len, b_len);
-            let name = if backend.is_some() { "cuda" } else { "cpu" };
+    let mut backends: Vec<(Option<&CudaDevice>, usize)> = thread_counts.iter().map(|&n| (None, n)).collect();
+    backends.extend(device.as_ref().map(|d| (Some(d), 1)));
+    for &(preset, t_len, b_len) in &configs {
+        for &(backend, threads) in &backends {
+            let spec = spec(preset, t_len, b_len);
+            let flop = 2.0 * macs_per_row(&spec) * ((t_len + 1) * b_len) as f64;
+            let secs = seconds_per_update(backend, threads, spec);
+            let gflops = flop / secs / 1e9;
+            let (name, of_peak) = match (backend, peak) {
+                (None, Some(peak)) => ("cpu", format!("{:.0} %", 100.0 * gflops / (peak * threads as f64))),
+                (None, None) => ("cpu", "-".into()),
+                (Some(_), _) => ("cuda", "-".into()),
+            };
             println!(
-                "| {name} | {preset} | {t_len} | {b_len} | {:.0} | {:.1} |",
+                "| {name} | {threads} | {preset} | {t_len} | {b_len} | {:.0} | {:.1} | {gflops:.1} | {of_peak} |",
                 (t_len * b_len) as f64 / secs,
                 secs * 1e3
             );

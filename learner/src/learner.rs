@@ -88,6 +88,8 @@ pub struct Learner {
     /// Host copy of the parameters, refreshed from the backend when `host_params_stale`.
     host_params: Vec<f32>,
     host_params_stale: bool,
+    /// Threads of the CPU backend ([`Learner::set_cpu_threads`]; 1 until set).
+    cpu_threads: usize,
 }
 
 fn adam_config(spec: &RunSpec) -> AdamConfig {
@@ -137,6 +139,7 @@ impl Learner {
         Ok(Learner {
             host_params: state.params,
             host_params_stale: false,
+            cpu_threads: 1,
             trainer,
             rng,
             schedule,
@@ -163,9 +166,9 @@ impl Learner {
     pub fn use_backend(&mut self, kind: BackendKind) -> Result<(), LearnerError> {
         match kind {
             BackendKind::Cpu => {
+                let backend = CpuBackend::with_threads(self.cpu_threads)?;
                 let state = self.host_state();
-                self.trainer =
-                    AnyTrainer::Cpu(Trainer::new(CpuBackend::new(), &self.layout, &state, adam_config(&self.spec))?);
+                self.trainer = AnyTrainer::Cpu(Trainer::new(backend, &self.layout, &state, adam_config(&self.spec))?);
             }
             BackendKind::Cuda => {
                 let device = open_cuda(0)?;
@@ -180,6 +183,25 @@ impl Learner {
         }
         tracing::info!(backend = %self.backend(), "learner backend");
         Ok(())
+    }
+
+    /// Run CPU updates on `threads` threads (`--learner-threads`; see
+    /// [`CpuBackend::with_threads`]). On the CPU backend the current parameters and optimiser
+    /// state move to the new thread count at once; on CUDA it applies when the learner next
+    /// moves to the CPU.
+    pub fn set_cpu_threads(&mut self, threads: usize) -> Result<(), LearnerError> {
+        let backend = CpuBackend::with_threads(threads)?;
+        self.cpu_threads = threads;
+        if self.trainer.is_cpu() {
+            let state = self.host_state();
+            self.trainer = AnyTrainer::Cpu(Trainer::new(backend, &self.layout, &state, adam_config(&self.spec))?);
+        }
+        Ok(())
+    }
+
+    /// The threads CPU updates run on.
+    pub fn cpu_threads(&self) -> usize {
+        self.cpu_threads
     }
 
     /// Run updates on an already opened CUDA device.

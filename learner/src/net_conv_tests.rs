@@ -110,12 +110,60 @@ fn mismatch(analytic: f32, numeric: f64) -> bool {
 /// gradient (so it cannot pass vacuously).
 #[test]
 fn conv_network_gradients_match_finite_differences() {
+    check_gradients(CpuBackend::new);
+}
+
+/// The same check on the threaded path (issue 44): three threads, and every product, `im2col`
+/// and `col2im` sent to the large path (the `gemm` crate over the pool, weight gradients split
+/// over the rows, images split over the threads), which the small specs here would otherwise
+/// never reach.
+#[test]
+fn threaded_conv_network_gradients_match_finite_differences() {
+    check_gradients(|| CpuBackend::with_threads(3).expect("a pool").with_large_threshold(0));
+}
+
+/// The learner's forward and backward on the threaded large path equal the single-threaded
+/// ones to rounding, on a batch wide enough that every thread gets rows and images.
+#[test]
+fn threaded_backend_matches_one_thread() {
+    let spec = PolicySpec::mlp(0, 4, &[32], Activation::Relu).with_conv(ConvSpec::nature(2, 36, 36));
+    let layout = ParamLayout::new(&spec).expect("valid spec");
+    let mut rng = Pcg64::seed_from_u64(44);
+    let params = random_params(&layout, &mut rng);
+    let (t_len, b_len) = (5, 3);
+    let rows = t_len * b_len;
+    let obs = random(&mut rng, rows * spec.obs_dim, 1.0);
+    let starts = vec![0.0; rows];
+    let d_heads = random(&mut rng, rows * (spec.n_actions + 1), 1.0);
+    let run = |mut cpu: CpuBackend| {
+        let mut net = Network::new(&mut cpu, &layout).expect("network");
+        let (obs, starts) = (View::of(&obs), View::of(&starts));
+        net.forward(&mut cpu, &params, obs, starts, View::of(&Vec::new()), t_len, b_len).expect("forward");
+        let (heads, range) = net.heads().parts();
+        let heads = heads[range].to_vec();
+        let mut grads = vec![f32::NAN; params.len()];
+        net.backward(&mut cpu, &params, View::of(&d_heads), obs, starts, &mut grads).expect("backward");
+        (heads, grads)
+    };
+    let (heads_1, grads_1) = run(CpuBackend::new());
+    for threads in [2, 3] {
+        let (heads_n, grads_n) = run(CpuBackend::with_threads(threads).expect("a pool").with_large_threshold(0));
+        for (i, (a, b)) in heads_1.iter().zip(&heads_n).enumerate() {
+            assert!((a - b).abs() <= 1e-4 * (1.0 + a.abs()), "{threads} threads, head {i}: {a} vs {b}");
+        }
+        for (i, (a, b)) in grads_1.iter().zip(&grads_n).enumerate() {
+            assert!((a - b).abs() <= 1e-3 * (1.0 + a.abs()), "{threads} threads, gradient {i}: {a} vs {b}");
+        }
+    }
+}
+
+fn check_gradients(backend: impl Fn() -> CpuBackend) {
     for spec in conv_specs() {
         let mut rng = Pcg64::seed_from_u64(11);
         let case = Case::new(&spec, &mut rng);
         let layout = &case.layout;
         let params = random_params(layout, &mut rng);
-        let mut cpu = CpuBackend::new();
+        let mut cpu = backend();
         let mut net = Network::new(&mut cpu, layout).expect("network");
         case.forward(&mut net, &mut cpu, &params);
         let base_pattern = relu_pattern(&net);

@@ -1,11 +1,26 @@
-//! The CPU backend: buffers are `Vec<f32>`, products go through `matrixmultiply` with strides
-//! (`volley_policy::ops`, the same kernels the actors' inference runs), the losses are
+//! The CPU backend: buffers are `Vec<f32>`, small products go through `matrixmultiply` with
+//! strides (`volley_policy::ops`, the same kernels the actors' inference runs), the losses are
 //! [`crate::losses`] on the fused heads block and the optimiser is [`crate::optim`].
-//! Single-threaded; every operation works on contiguous slices and allocates nothing.
+//!
+//! Threads (issue 44): a backend built [`with_threads`](CpuBackend::with_threads) runs the work
+//! of conv-sized layers on its own pool of that many threads, and nothing else.
+//! - Large forward and input-gradient products (at least [`LARGE_GEMM_MACS`] multiply-adds) go
+//!   to the `gemm` crate, whose AVX-512/AVX2 kernels split the output rows over the pool.
+//! - Large weight-gradient products (`dW = dYᵀ X`, whose inner dimension is every output
+//!   position of the batch) split that inner dimension: each thread sums its share of the rows
+//!   into its own partial `dW`, and the partials are added in thread order, so the result is
+//!   deterministic for a given thread count.
+//! - `im2col` and `col2im` split the batch's images.
+//!
+//! Products below the threshold (an MLP's layers) stay on `matrixmultiply` on the calling
+//! thread, exactly as with one thread. Every operation works on contiguous slices and, after
+//! the first update, allocates nothing.
 
+use rayon::prelude::*;
 use volley_policy::distributions::log_softmax;
 use volley_policy::ops::{
-    act_backward_in_place, col2im, column_sums, dense_forward, gemm, gru_cell_backward, gru_cell_forward, im2col, Mat,
+    act_backward_in_place, bias_act_rows, bias_rows, col2im, column_sums, dense_forward, gemm, gru_cell_backward,
+    gru_cell_forward, im2col, Mat,
 };
 use volley_policy::returns::gae;
 use volley_policy::{Activation, ConvGeometry};
@@ -18,16 +33,144 @@ use crate::gaussian_losses::{self, GaussianBatch, GaussianPpoTargets};
 use crate::losses::{self, PpoLossConfig, PpoTargets, SequenceBatch, VTraceLossConfig};
 use crate::optim::{adam_step, clip_grad_global_norm, AdamConfig};
 
+/// Products of at least this many multiply-adds (`m·k·n`) take the threaded path (see the
+/// module documentation); below it the pool's hand-off costs more than it saves. A
+/// Nature-DQN conv layer over one batch is 10⁸–10⁹, a 64×64 MLP layer over 256 rows 10⁶.
+pub const LARGE_GEMM_MACS: usize = 1 << 22;
+
+/// Largest thread count a CPU backend accepts (a guard against a unit mistake in a flag).
+pub const MAX_THREADS: usize = 1024;
+
 /// The CPU backend (see the module documentation).
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct CpuBackend {
     evaluations: Vec<Evaluation>,
+    /// The pool large products and per-image loops run on; `None` with one thread.
+    pool: Option<rayon::ThreadPool>,
+    threads: usize,
+    /// The other threads' partial weight gradients, `[threads − 1][n_out·n_in]`.
+    partial_grads: Vec<f32>,
+    /// Products of at least this many multiply-adds take the large path ([`LARGE_GEMM_MACS`];
+    /// tests lower it so that small networks exercise that path).
+    large_macs: usize,
+}
+
+impl Default for CpuBackend {
+    fn default() -> Self {
+        Self::new()
+    }
 }
 
 impl CpuBackend {
-    /// A CPU backend.
+    /// A single-threaded CPU backend.
     pub fn new() -> Self {
-        Self::default()
+        CpuBackend {
+            evaluations: Vec::new(),
+            pool: None,
+            threads: 1,
+            partial_grads: Vec::new(),
+            large_macs: LARGE_GEMM_MACS,
+        }
+    }
+
+    /// This backend with every product of at least `macs` multiply-adds on the large path
+    /// (tests: 0 sends a small network's every product there).
+    #[cfg(test)]
+    pub(crate) fn with_large_threshold(mut self, macs: usize) -> Self {
+        self.large_macs = macs;
+        self
+    }
+
+    /// A CPU backend that runs large products and per-image loops on `threads` threads
+    /// (`1..=`[`MAX_THREADS`]; one is [`new`](Self::new)).
+    pub fn with_threads(threads: usize) -> Result<Self, BackendError> {
+        if !(1..=MAX_THREADS).contains(&threads) {
+            return Err(BackendError::Threads(format!("{threads} threads: expected 1..={MAX_THREADS}")));
+        }
+        if threads == 1 {
+            return Ok(Self::new());
+        }
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .thread_name(|i| format!("volley-learner-cpu-{i}"))
+            .build()
+            .map_err(|err| BackendError::Threads(err.to_string()))?;
+        Ok(CpuBackend { pool: Some(pool), threads, ..Self::new() })
+    }
+
+    /// The threads this backend computes on.
+    pub fn threads(&self) -> usize {
+        self.threads
+    }
+}
+
+/// One operand of [`large_gemm`]: element `(i, j)` at `data[i·row_stride + j·col_stride]`.
+#[derive(Clone, Copy)]
+struct Strided<'a> {
+    data: &'a [f32],
+    row_stride: usize,
+    col_stride: usize,
+}
+
+impl Strided<'_> {
+    /// Panics unless the `rows × cols` view lies inside `data` (the `unsafe` call relies on it).
+    fn check(&self, rows: usize, cols: usize) {
+        if rows > 0 && cols > 0 {
+            let last = (rows - 1) * self.row_stride + (cols - 1) * self.col_stride;
+            assert!(last < self.data.len(), "matrix view out of bounds");
+        }
+    }
+}
+
+/// `C = A B` (or `C += A B` with `accumulate`) for `A: m × k`, `B: k × n` and row-major
+/// contiguous `C: m × n`, through the `gemm` crate's kernels, split over the current rayon
+/// pool's threads when `threads > 1`.
+#[allow(clippy::too_many_arguments)]
+fn large_gemm(
+    threads: usize,
+    m: usize,
+    k: usize,
+    n: usize,
+    a: Strided<'_>,
+    b: Strided<'_>,
+    accumulate: bool,
+    c: &mut [f32],
+) {
+    a.check(m, k);
+    b.check(k, n);
+    assert!(c.len() >= m * n, "gemm output needs {} floats, has {}", m * n, c.len());
+    if m == 0 || n == 0 {
+        return;
+    }
+    let parallelism = if threads > 1 { gemm::Parallelism::Rayon(threads) } else { gemm::Parallelism::None };
+    // SAFETY: `a` spans `m × k` elements and `b` `k × n` with the given strides, and their
+    // furthest elements are in bounds (checked above). `c` is an exclusive borrow of at least
+    // `m × n` floats written row-major (row stride `n`, column stride 1), so no two outputs
+    // alias and `c` cannot overlap the shared borrows `a` and `b`. Strides are at most slice
+    // lengths, which fit in `isize`. The crate computes `dst = alpha·dst + beta·lhs·rhs` and
+    // reads `dst` only when `read_dst` is true.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            c.as_mut_ptr(),
+            1,
+            n as isize,
+            accumulate,
+            a.data.as_ptr(),
+            a.col_stride as isize,
+            a.row_stride as isize,
+            b.data.as_ptr(),
+            b.col_stride as isize,
+            b.row_stride as isize,
+            1.0,
+            1.0,
+            false,
+            false,
+            false,
+            parallelism,
+        );
     }
 }
 
@@ -54,6 +197,64 @@ fn bytemuck_u32(floats: &[f32]) -> &[u32] {
 }
 
 impl CpuBackend {
+    /// [`large_gemm`] on this backend's threads.
+    #[allow(clippy::too_many_arguments)]
+    fn large_product(
+        &self,
+        m: usize,
+        k: usize,
+        n: usize,
+        a: Strided<'_>,
+        b: Strided<'_>,
+        accumulate: bool,
+        c: &mut [f32],
+    ) {
+        match &self.pool {
+            Some(pool) => pool.install(|| large_gemm(self.threads, m, k, n, a, b, accumulate, c)),
+            None => large_gemm(1, m, k, n, a, b, accumulate, c),
+        }
+    }
+
+    /// `dw = dyᵀ x` with the rows split over the pool (see the module documentation).
+    fn split_weight_gradient(&mut self, dy: &[f32], x: &[f32], rows: usize, n_out: usize, n_in: usize, dw: &mut [f32]) {
+        let pool = self.pool.as_ref().expect("only called with a pool");
+        let share = rows.div_ceil(self.threads);
+        let len = n_out * n_in;
+        let shares = rows.div_ceil(share);
+        if self.partial_grads.len() < (shares - 1) * len {
+            self.partial_grads.resize((shares - 1) * len, 0.0);
+        }
+        let product = |first_row: usize, out: &mut [f32]| {
+            let n_rows = share.min(rows - first_row);
+            let dy = &dy[first_row * n_out..(first_row + n_rows) * n_out];
+            let x = &x[first_row * n_in..(first_row + n_rows) * n_in];
+            gemm(1.0, Mat::row_major(dy, n_rows, n_out).t(), Mat::row_major(x, n_rows, n_in), 0.0, out);
+        };
+        let partials = &mut self.partial_grads[..(shares - 1) * len];
+        pool.install(|| {
+            rayon::join(
+                || product(0, dw),
+                || partials.par_chunks_exact_mut(len).enumerate().for_each(|(i, out)| product((i + 1) * share, out)),
+            );
+            // Sums in share order, split over the weight elements.
+            let chunk = len.div_ceil(self.threads).max(1);
+            dw.par_chunks_mut(chunk).enumerate().for_each(|(c, dw)| {
+                for partial in partials.chunks_exact(len) {
+                    for (d, &p) in dw.iter_mut().zip(&partial[c * chunk..]) {
+                        *d += p;
+                    }
+                }
+            });
+        });
+    }
+
+    /// The pool and the images per thread, when this backend has threads and the `n` images
+    /// of `elements_per_image` each are worth splitting.
+    fn image_split(&self, n: usize, elements_per_image: usize) -> Option<(&rayon::ThreadPool, usize)> {
+        let pool = self.pool.as_ref()?;
+        (n > 1 && n * elements_per_image >= self.large_macs / 16).then(|| (pool, n.div_ceil(self.threads)))
+    }
+
     fn slot(&mut self, slot: usize) -> Result<&mut Evaluation, BackendError> {
         let n = self.evaluations.len();
         self.evaluations.get_mut(slot).ok_or(BackendError::Shape {
@@ -150,7 +351,28 @@ impl Backend for CpuBackend {
         if rows == 0 {
             return Ok(());
         }
-        dense_forward(slice(x), rows, slice(weight), slice(bias), act, slice_mut(y));
+        if rows * n_in * n_out < self.large_macs {
+            dense_forward(slice(x), rows, slice(weight), slice(bias), act, slice_mut(y));
+            return Ok(());
+        }
+        // y = x Wᵀ: W is [n_out][n_in], so Wᵀ has row stride 1 and column stride n_in.
+        let (x, weight) = (slice(x), slice(weight));
+        let y = slice_mut(y);
+        let a = Strided { data: x, row_stride: n_in, col_stride: 1 };
+        let b = Strided { data: weight, row_stride: 1, col_stride: n_in };
+        self.large_product(rows, n_in, n_out, a, b, false, y);
+        let bias = slice(bias);
+        let finish = |y: &mut [f32]| match act {
+            Some(act) => bias_act_rows(y, bias, act),
+            None => bias_rows(y, bias),
+        };
+        match &self.pool {
+            Some(pool) => {
+                let share = rows.div_ceil(self.threads) * n_out;
+                pool.install(|| y.par_chunks_mut(share).for_each(finish));
+            }
+            None => finish(y),
+        }
         Ok(())
     }
 
@@ -173,7 +395,12 @@ impl Backend for CpuBackend {
         check_len(op, "dy", rows * n_out, dy.len())?;
         check_len(op, "x", rows * n_in, x.len())?;
         check_len(op, "dw", n_out * n_in, dw.len())?;
-        gemm(1.0, Mat::row_major(slice(dy), rows, n_out).t(), Mat::row_major(slice(x), rows, n_in), 0.0, slice_mut(dw));
+        let (dy, x, dw) = (slice(dy), slice(x), slice_mut(dw));
+        if self.pool.is_some() && rows >= 2 * self.threads && rows * n_out * n_in >= self.large_macs {
+            self.split_weight_gradient(dy, x, rows, n_out, n_in, dw);
+        } else {
+            gemm(1.0, Mat::row_major(dy, rows, n_out).t(), Mat::row_major(x, rows, n_in), 0.0, dw);
+        }
         Ok(())
     }
 
@@ -191,6 +418,12 @@ impl Backend for CpuBackend {
         check_len(op, "dy", rows * n_out, dy.len())?;
         check_len(op, "weight", n_out * n_in, weight.len())?;
         check_len(op, "dx", rows * n_in, dx.len())?;
+        if rows * n_out * n_in >= self.large_macs {
+            let a = Strided { data: slice(dy), row_stride: n_out, col_stride: 1 };
+            let b = Strided { data: slice(weight), row_stride: n_in, col_stride: 1 };
+            self.large_product(rows, n_out, n_in, a, b, accumulate, slice_mut(dx));
+            return Ok(());
+        }
         let beta = if accumulate { 1.0 } else { 0.0 };
         gemm(
             1.0,
@@ -217,7 +450,17 @@ impl Backend for CpuBackend {
     ) -> Result<(), BackendError> {
         check_len("im2col", "x", n * geometry.input_len(), x.len())?;
         check_len("im2col", "cols", n * geometry.cols_len(), cols.len())?;
-        im2col(geometry, slice(x), n, slice_mut(cols)).expect("lengths checked above");
+        let (x, cols) = (slice(x), slice_mut(cols));
+        match self.image_split(n, geometry.cols_len()) {
+            Some((pool, per_thread)) => pool.install(|| {
+                let inputs = x.par_chunks(per_thread * geometry.input_len());
+                inputs.zip(cols.par_chunks_mut(per_thread * geometry.cols_len())).for_each(|(x, cols)| {
+                    let images = x.len() / geometry.input_len();
+                    im2col(geometry, x, images, cols).expect("whole images on both sides");
+                });
+            }),
+            None => im2col(geometry, x, n, cols).expect("lengths checked above"),
+        }
         Ok(())
     }
 
@@ -230,7 +473,17 @@ impl Backend for CpuBackend {
     ) -> Result<(), BackendError> {
         check_len("col2im", "d_cols", n * geometry.cols_len(), d_cols.len())?;
         check_len("col2im", "dx", n * geometry.input_len(), dx.len())?;
-        col2im(geometry, slice(d_cols), n, slice_mut(dx)).expect("lengths checked above");
+        let (d_cols, dx) = (slice(d_cols), slice_mut(dx));
+        match self.image_split(n, geometry.cols_len()) {
+            Some((pool, per_thread)) => pool.install(|| {
+                let grads = d_cols.par_chunks(per_thread * geometry.cols_len());
+                grads.zip(dx.par_chunks_mut(per_thread * geometry.input_len())).for_each(|(d_cols, dx)| {
+                    let images = dx.len() / geometry.input_len();
+                    col2im(geometry, d_cols, images, dx).expect("whole images on both sides");
+                });
+            }),
+            None => col2im(geometry, d_cols, n, dx).expect("lengths checked above"),
+        }
         Ok(())
     }
 

@@ -134,6 +134,9 @@ pub enum BackendError {
     /// A CUDA library panicked while starting (caught).
     #[error("CUDA start-up panicked: {0}")]
     Panicked(String),
+    /// The CPU backend's thread pool could not be built (or the thread count is out of range).
+    #[error("CPU backend threads: {0}")]
+    Threads(String),
     /// An operation was handed a view of the wrong length (a bug in the generic code).
     #[error("{op}: {operand} expected {expected} elements, got {got}")]
     Shape {
