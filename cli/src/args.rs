@@ -269,7 +269,7 @@ pub struct SpecArgs {
     /// PPO runs ten epochs on each batch; with actors several versions behind, those steps
     /// pushed a policy that was still improving to a deterministic wrong one (CartPole stuck at
     /// a return of ~9) in 2 of 32 runs with 4 and 6 actor processes, and in 1 of 64 with 0.01
-    /// (docs/BENCHMARKS.md, issue 11).
+    /// (docs/benchmarks/long-runs.md, issue 11).
     #[arg(long, env = "VOLLEY_ENT_COEF")]
     pub ent_coef: Option<f32>,
     /// PPO epochs per batch.
@@ -510,9 +510,9 @@ struct EnvDefaults {
 impl EnvDefaults {
     fn for_env(env: &EnvConfig) -> Self {
         match env {
-            // Issue 14 (docs/BENCHMARKS.md, "Pendulum"): PPO with γ 0.9 over 2048-step batches
-            // of 8 minibatches reaches a last-100 mean of −250 in ~75 K steps on 5/5 seeds; the
-            // CartPole defaults (V-trace, γ 0.99) did not learn in 500 K steps.
+            // Issue 14 (docs/benchmarks/solve.md, "Pendulum-v1"): PPO with γ 0.9 over 2048-step
+            // batches of 8 minibatches reaches a last-100 mean of −250 in ~75 K steps on 5/5
+            // seeds; the CartPole defaults (V-trace, γ 0.99) did not learn in 500 K steps.
             EnvConfig::Pendulum => EnvDefaults {
                 loss: LossName::Ppo,
                 gamma: 0.9,
@@ -973,7 +973,7 @@ pub struct LearnerArgs {
     /// is always full: with two batches, PPO on CartPole with 6 actor processes trained on data
     /// 13 versions old and took up to 3.8x the embedded run's env steps; with one batch (and actors
     /// that wait for room before they collect), 5 versions and at most 1.45x
-    /// (docs/BENCHMARKS.md, issue 11).
+    /// (docs/benchmarks/long-runs.md, issue 11).
     #[arg(long, env = "VOLLEY_MAX_BACKLOG_SEGMENTS")]
     pub max_backlog_segments: Option<u64>,
     /// Upper bound on the bytes the run's trajectory stream keeps on the broker (segments stay
