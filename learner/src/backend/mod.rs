@@ -29,7 +29,7 @@
 //!    for a Gaussian head: the log-density, entropy and their gradient rows). Each takes views,
 //!    writes into caller-owned outputs and allocates nothing.
 //! 2. Implement them in `cpu.rs` (plain loops over slices, or calls into
-//!    `volley_policy::ops`) and in `cuda/ops.rs` (cuBLAS or a kernel in a `.cu` file under
+//!    `volley_policy::ops`) and in `cuda/mod.rs` (cuBLAS or a kernel in a `.cu` file under
 //!    `learner/kernels/`, declared in `cuda/kernels.rs` with one safe launcher carrying its own
 //!    `SAFETY` line).
 //! 3. Compose it in [`crate::net::Network`] (forward records what backward needs; backward runs
@@ -380,10 +380,11 @@ pub struct GaussianHead<'a, B: Backend + ?Sized> {
     pub squash: bool,
 }
 
-/// The learner's device operations, at the level of the math (STYLE.md R4): matrix products,
-/// bias + activation, the GRU cell, log-probabilities, the return scans, the fused losses,
-/// clipping + Adam, and buffers. Generic code ([`crate::net`], [`crate::train`]) composes them;
-/// an implementation runs each one on its device and allocates nothing per call.
+/// The learner's device operations, at the level of the math (one trait for every device, one
+/// enum at the edge, generic code in between): matrix products, bias + activation, the GRU
+/// cell, log-probabilities, the return scans, the fused losses, clipping + Adam, and buffers.
+/// Generic code ([`crate::net`], [`crate::train`]) composes them; an implementation runs each
+/// one on its device and allocates nothing per call.
 ///
 /// Conventions: matrices are row-major, batches time-major (`t * B + b`), a weight is
 /// `[n_out][n_in]` (so a layer computes `Y = X Wᵀ + b`), and the two heads form one
