@@ -162,7 +162,7 @@ pub enum LossName {
 /// Where the learner's update runs (`--backend`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum BackendName {
-    /// CUDA when a GPU works, otherwise the CPU with a warning.
+    /// CUDA when a GPU works, otherwise the CPU (a warning only if a GPU is there but fails).
     Auto,
     /// The CPU backend (one thread).
     Cpu,
@@ -1020,8 +1020,8 @@ pub struct LearnerArgs {
     /// policies when it was recorded, not of the policy being trained.
     #[arg(long, env = "VOLLEY_REPLAY")]
     pub replay: bool,
-    /// Where the update runs: `auto` uses the GPU when one works and otherwise falls back to
-    /// the CPU with a warning; `cuda` fails without a GPU.
+    /// Where the update runs: `auto` uses the GPU when one works and otherwise the CPU (a
+    /// warning only when a GPU is there but fails); `cuda` fails without a GPU.
     #[arg(long, value_enum, default_value = "auto", env = "VOLLEY_BACKEND")]
     pub backend: BackendName,
     /// With `--env remote:<service>`: how long to wait for a server of the service to tell the
