@@ -3,7 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import queue
 import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
 
 import gymnasium as gym
 import msgpack
@@ -14,6 +21,8 @@ import pytest
 from volley_envs.client import Gone, RemoteSession, call, discover
 from volley_envs.protocol import ProtocolError, from_f32_bin
 from volley_envs.server import EnvServer, make_factory
+
+from conftest import find_nats_server, free_port
 
 
 def run(coro):
@@ -268,3 +277,100 @@ def test_non_finite_outputs_fail_the_environment(serve):
             assert [e["env"] for e in third["errors"]] == [0] and list(third["rewards"]) == [0.0]
 
     run(scenario())
+
+
+def start_nats(port, store):
+    """A nats-server on `port`, up when this returns."""
+    process = subprocess.Popen(
+        [find_nats_server(), "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", store],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return process
+        except OSError:
+            assert process.poll() is None, "nats-server did not start"
+            time.sleep(0.02)
+
+
+class Lines:
+    """A subprocess's stderr, read line by line on a thread so a wait can give up."""
+
+    def __init__(self, stream):
+        self.lines = []
+        self.queue = queue.Queue()
+        threading.Thread(target=self._read, args=(stream,), daemon=True).start()
+
+    def _read(self, stream):
+        for line in stream:
+            self.queue.put(line)
+        self.queue.put(None)
+
+    def until(self, text, limit_secs=60):
+        """The next line containing `text`; fails when the stream ends or nothing matches
+        within `limit_secs` (a bound on a hang, not a timing assertion)."""
+        deadline = time.monotonic() + limit_secs
+        while True:
+            try:
+                line = self.queue.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise AssertionError(f"no line with {text!r}: {''.join(self.lines)}") from None
+            assert line is not None, f"the server exited before logging {text!r}: {''.join(self.lines)}"
+            self.lines.append(line)
+            assert "Traceback" not in line, f"a traceback on stderr: {''.join(self.lines)}"
+            if text in line:
+                return line
+
+    def rest(self):
+        """Every line until the stream ends (the process has exited)."""
+        while (line := self.queue.get(timeout=30)) is not None:
+            self.lines.append(line)
+        return self.lines
+
+
+def test_a_broker_outage_logs_one_line_per_reconnect_attempt(tmp_path):
+    """Issue 48: during a broker outage volley-envs printed a full Python traceback for every
+    failed reconnect attempt. Each attempt is one line now, the server reconnects when the
+    broker is back, and serves again."""
+    port = free_port()
+    url = f"nats://127.0.0.1:{port}"
+    broker = start_nats(port, str(tmp_path / "js"))
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "volley_envs", "serve", "gymnasium:CartPole-v1", "--nats", url],
+        stderr=subprocess.PIPE, text=True, env=env,
+    )
+    stderr = Lines(process.stderr)
+    try:
+        stderr.until("environment server ready")
+        broker.kill()
+        broker.wait()
+        stderr.until("disconnected from NATS")
+        # Two failed attempts while the broker is down (the server retries every 2 s).
+        for _ in range(2):
+            stderr.until(f"NATS at {url}:")
+        broker = start_nats(port, str(tmp_path / "js"))
+        stderr.until("reconnected to NATS")
+
+        async def serves_again():
+            nc = await nats.connect(url)
+            (instance,) = await discover(nc, "cartpole-v1")
+            opened = await call(nc, instance, "open", {"n_envs": 1, "seeds": [1]})
+            assert len(from_f32_bin(opened["obs"])) == 4
+            await nc.close()
+
+        run(serves_again())
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0
+        lines = stderr.rest()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        broker.kill()
+        broker.wait()
+    log = "".join(lines)
+    assert "Traceback" not in log, log
+    # Every line on stderr is a log line of its own (a timestamp first): no traceback's lines.
+    assert all(line[:4].isdigit() and line[4] == "-" for line in lines), log
