@@ -509,7 +509,10 @@ pub struct TrainConfig {
 
 /// The defaults of the flags whose best value depends on the environment (a flag given on the
 /// command line always wins).
+#[derive(Debug, Clone, PartialEq)]
 struct EnvDefaults {
+    /// Which family of environments these defaults were chosen for (logged).
+    family: &'static str,
     loss: LossName,
     gamma: f32,
     reward_scale: f32,
@@ -517,32 +520,62 @@ struct EnvDefaults {
     ppo_minibatches: u32,
     segment_len: usize,
     batch_segments: usize,
+    /// The entropy bonus; `None`: 0.01 for a categorical head under PPO, else 0.
+    ent_coef: Option<f32>,
 }
 
 impl EnvDefaults {
+    /// Issue 14 (docs/benchmarks/solve.md, "Pendulum-v1"): PPO with γ 0.9 over 2048-step
+    /// batches of 8 minibatches reaches a last-100 mean of −250 in ~75 K steps on 5/5 seeds; the
+    /// CartPole defaults (V-trace, γ 0.99) did not learn in 500 K steps.
+    const CONTINUOUS: EnvDefaults = EnvDefaults {
+        family: "continuous (box actions, Pendulum-like)",
+        loss: LossName::Ppo,
+        gamma: 0.9,
+        reward_scale: 0.1,
+        learning_rate: 1e-3,
+        ppo_minibatches: 8,
+        segment_len: 64,
+        batch_segments: 32,
+        ent_coef: None,
+    };
+
+    /// What `bench/atari.sh` trains Pong with (issue 15): V-trace on unscaled clipped rewards
+    /// with an entropy bonus.
+    const IMAGES: EnvDefaults = EnvDefaults {
+        family: "image observations (Atari-like)",
+        loss: LossName::Vtrace,
+        gamma: 0.99,
+        reward_scale: 1.0,
+        learning_rate: 6e-4,
+        ppo_minibatches: 1,
+        segment_len: 32,
+        batch_segments: 8,
+        ent_coef: Some(0.01),
+    };
+
+    /// CartPole's, for discrete actions on vector observations.
+    const DISCRETE: EnvDefaults = EnvDefaults {
+        family: "discrete actions, vector observations (CartPole-like)",
+        loss: LossName::Vtrace,
+        gamma: 0.99,
+        reward_scale: 0.05,
+        learning_rate: 2e-3,
+        ppo_minibatches: 1,
+        segment_len: 32,
+        batch_segments: 8,
+        ent_coef: None,
+    };
+
+    /// The defaults for `env`. A served environment (`--env remote:<service>`) gets them from the
+    /// spaces its servers declared, as a built-in one of the same family would (issue 48:
+    /// served Pendulum trained with CartPole's defaults and did not learn).
     fn for_env(env: &EnvConfig) -> Self {
         match env {
-            // Issue 14 (docs/benchmarks/solve.md, "Pendulum-v1"): PPO with γ 0.9 over 2048-step
-            // batches of 8 minibatches reaches a last-100 mean of −250 in ~75 K steps on 5/5
-            // seeds; the CartPole defaults (V-trace, γ 0.99) did not learn in 500 K steps.
-            EnvConfig::Pendulum => EnvDefaults {
-                loss: LossName::Ppo,
-                gamma: 0.9,
-                reward_scale: 0.1,
-                learning_rate: 1e-3,
-                ppo_minibatches: 8,
-                segment_len: 64,
-                batch_segments: 32,
-            },
-            _ => EnvDefaults {
-                loss: LossName::Vtrace,
-                gamma: 0.99,
-                reward_scale: 0.05,
-                learning_rate: 2e-3,
-                ppo_minibatches: 1,
-                segment_len: 32,
-                batch_segments: 8,
-            },
+            EnvConfig::Pendulum => Self::CONTINUOUS,
+            EnvConfig::Remote(remote) if remote.action_box.is_some() => Self::CONTINUOUS,
+            EnvConfig::Remote(remote) if remote.image.is_some() => Self::IMAGES,
+            _ => Self::DISCRETE,
         }
     }
 }
@@ -634,6 +667,12 @@ impl SpecArgs {
             normalize_obs: self.normalize_obs,
         };
         let preset = EnvDefaults::for_env(&env);
+        if let EnvConfig::Remote(remote) = &env {
+            tracing::info!(service = %remote.service, family = preset.family, loss = ?preset.loss, gamma = preset.gamma,
+                           reward_scale = preset.reward_scale, learning_rate = preset.learning_rate,
+                           segment_len = preset.segment_len, batch_segments = preset.batch_segments,
+                           "defaults for a served environment chosen from its declared spaces (flags override)");
+        }
         let segment_len = self.segment_len.unwrap_or(preset.segment_len);
         let batch_segments = self.batch_segments.unwrap_or(preset.batch_segments);
         let steps_per_update = (segment_len * batch_segments) as u64;
@@ -647,10 +686,12 @@ impl SpecArgs {
             learning_rate: self.learning_rate.unwrap_or(preset.learning_rate),
             final_learning_rate: self.final_learning_rate,
             lr_decay_updates: (self.max_env_steps / steps_per_update.max(1)).max(1),
-            ent_coef: self.ent_coef.unwrap_or(match (&policy.head, self.loss.unwrap_or(preset.loss)) {
-                (ActionHead::Categorical, LossName::Ppo) => 0.01,
-                _ => 0.0,
-            }),
+            ent_coef: self.ent_coef.or(preset.ent_coef).unwrap_or(
+                match (&policy.head, self.loss.unwrap_or(preset.loss)) {
+                    (ActionHead::Categorical, LossName::Ppo) => 0.01,
+                    _ => 0.0,
+                },
+            ),
             adam_eps: self.adam_eps.unwrap_or_else(|| volley_core::spec::default_adam_eps(&env)),
             ppo_epochs: self.ppo_epochs,
             ppo_minibatches: self.ppo_minibatches.unwrap_or(preset.ppo_minibatches),
@@ -1818,6 +1859,49 @@ mod tests {
         let cartpole = spec(&[]);
         assert_eq!((cartpole.hyper.loss, cartpole.hyper.gamma, cartpole.segment_len), (LossKind::Vtrace, 0.99, 32));
         assert_eq!(cartpole.policy.head, ActionHead::Categorical);
+    }
+
+    /// Issue 48, item 3: a served environment gets the defaults of its family from the spaces
+    /// its servers declare: `volley env-serve --env pendulum` (box actions) trains with exactly
+    /// the built-in `--env pendulum`'s run settings, a served image environment with the
+    /// Atari-like ones, and a served discrete vector environment keeps CartPole's.
+    #[test]
+    fn a_served_environment_gets_the_defaults_of_its_declared_family() {
+        let spec = |flags: &[&str], served: Option<RemoteEnvConfig>| {
+            let cli = Cli::try_parse_from(["volley", "train"].iter().chain(flags)).expect("valid flags");
+            let Command::Train(args) = cli.command else { panic!("parsed {:?}", cli.command) };
+            args.spec
+                .to_spec_with(&|_| served.clone().ok_or_else(|| anyhow::anyhow!("not served")))
+                .expect("a valid spec")
+        };
+        let builtin = spec(&["--env", "pendulum"], None);
+        // What env-serve's servers declare for the built-in pendulum.
+        let pendulum = EnvConfig::Pendulum.build().expect("builds");
+        let volley_env::ActionSpace::Box { low, high, .. } = pendulum.action_space() else {
+            panic!("pendulum has box actions")
+        };
+        let service = EnvServiceName::new("pendulum").expect("valid");
+        let served = RemoteEnvConfig {
+            action_box: Some(volley_env::RemoteActionBox { low, high }),
+            ..RemoteEnvConfig::new(service.clone(), pendulum.observation_space().dim(), 1)
+        };
+        let remote = spec(&["--env", "remote:pendulum"], Some(served));
+        assert_eq!(remote.hyper, builtin.hyper);
+        assert_eq!((remote.segment_len, &remote.policy), (builtin.segment_len, &builtin.policy));
+        let image = RemoteEnvConfig { image: Some([1, 84, 84]), ..RemoteEnvConfig::new(service.clone(), 84 * 84, 6) };
+        let pong = spec(&["--env", "remote:pong", "--frame-stack", "4", "--conv", "nature"], Some(image));
+        assert_eq!((pong.hyper.loss, pong.hyper.reward_scale, pong.hyper.ent_coef), (LossKind::Vtrace, 1.0, 0.01));
+        let discrete = spec(&["--env", "remote:cartpole"], Some(RemoteEnvConfig::new(service, 4, 2)));
+        let cartpole = spec(&[], None);
+        assert_eq!(discrete.hyper.loss, cartpole.hyper.loss);
+        assert_eq!(
+            (discrete.hyper.gamma, discrete.hyper.reward_scale),
+            (cartpole.hyper.gamma, cartpole.hyper.reward_scale)
+        );
+        assert_eq!(
+            (discrete.segment_len, discrete.hyper.batch_segments),
+            (cartpole.segment_len, cartpole.hyper.batch_segments)
+        );
     }
 
     /// Issue 11: PPO on discrete actions gets an entropy bonus of 0.01 by default (without it,
