@@ -1645,6 +1645,21 @@ mod tests {
         }
     }
 
+    /// Issue 44: the learner's threads are the flag when given (in range), else the cores this
+    /// process may use less the actor threads, never fewer than one.
+    #[test]
+    fn learner_threads_default_to_the_cores_the_actors_leave() {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        assert_eq!(learner_threads(Some(3), 1).unwrap(), 3);
+        assert_eq!(learner_threads(None, 0).unwrap(), cores);
+        assert_eq!(learner_threads(None, 1).unwrap(), cores.saturating_sub(1).max(1));
+        assert_eq!(learner_threads(None, cores + 8).unwrap(), 1);
+        assert!(learner_threads(Some(0), 1).is_err());
+        let err = learner_config(&["--learner-threads", "0"]).unwrap_err();
+        assert!(err.to_string().contains("--learner-threads: 0"), "{err}");
+        assert_eq!(learner_config(&["--learner-threads", "2"]).unwrap().learner_threads, 2);
+    }
+
     #[test]
     fn minatar_env_names_parse_to_their_games() {
         for game in MinatarGame::ALL {

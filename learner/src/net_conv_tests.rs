@@ -113,6 +113,13 @@ fn conv_network_gradients_match_finite_differences() {
     check_gradients(CpuBackend::new);
 }
 
+/// The same check with every product on the `gemm` crate's kernels on one thread (issue 44:
+/// the path a one-thread learner takes for conv-sized layers, weight gradients included).
+#[test]
+fn large_path_conv_network_gradients_match_finite_differences() {
+    check_gradients(|| CpuBackend::new().with_large_threshold(0));
+}
+
 /// The same check on the threaded path (issue 44): three threads, and every product, `im2col`
 /// and `col2im` sent to the large path (the `gemm` crate over the pool, weight gradients split
 /// over the rows, images split over the threads), which the small specs here would otherwise

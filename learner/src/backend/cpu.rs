@@ -7,8 +7,9 @@
 //! - Large forward and input-gradient products (at least [`LARGE_GEMM_MACS`] multiply-adds) go
 //!   to the `gemm` crate, whose AVX-512/AVX2 kernels split the output rows over the pool.
 //! - Large weight-gradient products (`dW = dYᵀ X`, whose inner dimension is every output
-//!   position of the batch) split that inner dimension: each thread sums its share of the rows
-//!   into its own partial `dW`, and the partials are added in thread order, so the result is
+//!   position of the batch) also go to the `gemm` crate, one product per thread: with threads,
+//!   they split that inner dimension, each thread summing its share of the rows into its own
+//!   partial `dW`, and the partials are added in thread order, so the result is
 //!   deterministic for a given thread count.
 //! - `im2col` and `col2im` split the batch's images.
 //!
@@ -122,6 +123,16 @@ impl Strided<'_> {
     }
 }
 
+/// The row-major contiguous matrix `data` with rows of `cols` elements.
+fn rows_of(data: &[f32], cols: usize) -> Strided<'_> {
+    Strided { data, row_stride: cols, col_stride: 1 }
+}
+
+/// The transpose of the row-major contiguous matrix `data` with rows of `cols` elements.
+fn transposed_rows(data: &[f32], cols: usize) -> Strided<'_> {
+    Strided { data, row_stride: 1, col_stride: cols }
+}
+
 /// `C = A B` (or `C += A B` with `accumulate`) for `A: m × k`, `B: k × n` and row-major
 /// contiguous `C: m × n`, through the `gemm` crate's kernels, split over the current rayon
 /// pool's threads when `threads > 1`.
@@ -228,7 +239,7 @@ impl CpuBackend {
             let n_rows = share.min(rows - first_row);
             let dy = &dy[first_row * n_out..(first_row + n_rows) * n_out];
             let x = &x[first_row * n_in..(first_row + n_rows) * n_in];
-            gemm(1.0, Mat::row_major(dy, n_rows, n_out).t(), Mat::row_major(x, n_rows, n_in), 0.0, out);
+            large_gemm(1, n_out, n_rows, n_in, transposed_rows(dy, n_out), rows_of(x, n_in), false, out);
         };
         let partials = &mut self.partial_grads[..(shares - 1) * len];
         pool.install(|| {
@@ -396,8 +407,11 @@ impl Backend for CpuBackend {
         check_len(op, "x", rows * n_in, x.len())?;
         check_len(op, "dw", n_out * n_in, dw.len())?;
         let (dy, x, dw) = (slice(dy), slice(x), slice_mut(dw));
-        if self.pool.is_some() && rows >= 2 * self.threads && rows * n_out * n_in >= self.large_macs {
+        let large = rows * n_out * n_in >= self.large_macs;
+        if large && self.pool.is_some() && rows >= 2 * self.threads {
             self.split_weight_gradient(dy, x, rows, n_out, n_in, dw);
+        } else if large {
+            large_gemm(1, n_out, rows, n_in, transposed_rows(dy, n_out), rows_of(x, n_in), false, dw);
         } else {
             gemm(1.0, Mat::row_major(dy, rows, n_out).t(), Mat::row_major(x, rows, n_in), 0.0, dw);
         }

@@ -1,0 +1,73 @@
+"""Volley's conv learner against the PyTorch CPU peer in one sitting, rounds alternating.
+
+Each round runs `cargo bench -p volley-learner --bench conv -- --threads 1,2` (the built bench
+binary, `--bench-bin`) and then `bench/peers/torch_conv.py --runs 1` (with `--torch-python`), and
+records `uptime`'s one-minute load before each. Prints, per network, batch and thread count, the
+median samples/s of each side over the rounds, the median ratio of the rounds' pairs (each round's
+Volley figure over the same round's PyTorch figure, so a load change between rounds cancels) and
+the median GFLOP/s and % of the f32 peak of Volley's rows.
+
+    cargo bench -p volley-learner --bench conv --no-run   # prints the binary's path
+    python3 bench/conv_vs_torch.py --bench-bin target/release/deps/conv-HASH \\
+        --torch-python target/venv-torch/bin/python --rounds 5
+"""
+
+import argparse
+import os
+import statistics
+import subprocess
+
+
+def table_rows(text):
+    """The Markdown rows of a bench's output as lists of cells (header and rule excluded)."""
+    rows = []
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("|") and cells[0] in ("cpu", "torch"):
+            rows.append(cells)
+    return rows
+
+
+def load_1min():
+    return os.getloadavg()[0]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--bench-bin", required=True)
+    parser.add_argument("--torch-python", required=True)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--threads", default="1,2")
+    args = parser.parse_args()
+    here = os.path.dirname(os.path.abspath(__file__))
+    volley, torch, extra, loads = {}, {}, {}, []
+    for round_idx in range(args.rounds):
+        loads.append(load_1min())
+        out = subprocess.run([args.bench_bin, "--threads", args.threads], capture_output=True, text=True, check=True)
+        for backend, threads, net, t_len, b_len, rate, _ms, gflops, of_peak in table_rows(out.stdout):
+            key = (net, int(t_len), int(b_len), int(threads))
+            volley.setdefault(key, []).append(float(rate))
+            extra.setdefault(key, []).append((float(gflops), float(of_peak.rstrip(" %"))))
+        loads.append(load_1min())
+        peer = [args.torch_python, os.path.join(here, "peers", "torch_conv.py"), "--threads", args.threads, "--runs", "1"]
+        out = subprocess.run(peer, capture_output=True, text=True, check=True)
+        for _peer, threads, net, t_len, b_len, rate in table_rows(out.stdout):
+            torch.setdefault((net, int(t_len), int(b_len), int(threads)), []).append(float(rate))
+        print(f"round {round_idx + 1}/{args.rounds} done, load {loads[-1]:.1f}", flush=True)
+    print(f"rounds: {args.rounds}; one-minute load before each half-round: {min(loads):.1f}-{max(loads):.1f}")
+    print("| network | T | B | threads | Volley samples/s | PyTorch f32 samples/s | Volley / PyTorch (median of pairs) | Volley GFLOP/s | % of f32 peak |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for key in sorted(volley, key=lambda k: (k[0] != "minatar", k[2], k[3])):
+        net, t_len, b_len, threads = key
+        ours, theirs = volley[key], torch.get(key, [])
+        ratio = statistics.median(a / b for a, b in zip(ours, theirs)) if theirs else float("nan")
+        gflops = statistics.median(g for g, _ in extra[key])
+        of_peak = statistics.median(p for _, p in extra[key])
+        print(
+            f"| {net} | {t_len} | {b_len} | {threads} | {statistics.median(ours):,.0f} | "
+            f"{statistics.median(theirs) if theirs else float('nan'):,.0f} | {ratio:.2f} | {gflops:.1f} | {of_peak:.0f} % |"
+        )
+
+
+if __name__ == "__main__":
+    main()
