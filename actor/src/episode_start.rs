@@ -20,7 +20,7 @@
 //! [`FreshStarts`] runs fresh episodes back to back (the environment's own auto-reset).
 //! [`WorkStarts`] takes work items from a queue, restores saved states, saves snapshots at
 //! milestones and every `work.snapshot_every_steps` steps, and continues an interrupted item
-//! from its newest snapshot (docs/SAVE_LOAD.md).
+//! from its newest snapshot (docs/ARCHITECTURE.md, "Save-load and budget assignment").
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;

@@ -315,9 +315,9 @@ impl RolloutWorker {
     /// whatever its size (store, publish ack, delivery, ack and its confirmation, pace notice),
     /// so for CartPole's rounds of 256 steps two to a message took about a fifth off the
     /// broker's CPU and a tenth off the time per env step of distributed CartPole (issue 16,
-    /// docs/BENCHMARKS.md). The cost: the first round of each message reaches the learner one
-    /// round later (at most `within`), and a stop drops a held round as it drops the round in
-    /// progress. `rounds` below 1 counts as 1.
+    /// docs/benchmarks/distributed.md). The cost: the first round of each message reaches the
+    /// learner one round later (at most `within`), and a stop drops a held round as it drops the
+    /// round in progress. `rounds` below 1 counts as 1.
     pub fn with_rounds_per_publish(mut self, rounds: usize, within: Duration) -> Self {
         self.rounds_per_publish = rounds.max(1);
         self.hold_within = within;
