@@ -475,8 +475,8 @@ mod tests {
             let child = weights(2, params);
             let full = decode_frame(&encode_full_frame(&child), None, 7, 8).expect_err("a full frame is refused");
             assert_eq!(full.reason(), reason, "{bad}: {full}");
-            let delta =
-                decode_frame(&encode_delta_frame(&parent, &child), Some(&parent), 7, 8).expect_err("a delta is refused");
+            let delta = decode_frame(&encode_delta_frame(&parent, &child), Some(&parent), 7, 8)
+                .expect_err("a delta is refused");
             assert_eq!(delta.reason(), reason, "{bad}: {delta}");
         }
         let mut edge = vec![0.5; 8];

@@ -326,9 +326,10 @@ impl TrajectorySegment {
                 return Err(DecodeError::NonFinite { field, index });
             }
         }
-        for (field, values, bound) in
-            [("observations", &self.observations, MAX_ABS_OBSERVATION), ("initial_hidden", &self.initial_hidden, MAX_ABS_HIDDEN)]
-        {
+        for (field, values, bound) in [
+            ("observations", &self.observations, MAX_ABS_OBSERVATION),
+            ("initial_hidden", &self.initial_hidden, MAX_ABS_HIDDEN),
+        ] {
             if let Some(index) = first_beyond(values, bound) {
                 return Err(DecodeError::OutOfBounds { field, index, value: values[index], bound });
             }
