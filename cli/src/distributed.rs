@@ -6,14 +6,14 @@ use std::thread;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{bail, Context};
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 use volley_actor::{ActorCounters, ActorMetrics, RolloutWorker};
 use volley_core::ids::{ActorId, PolicyVersion, RunId};
 use volley_env::{EnvConfig, RemoteEnvConfig};
 use volley_learner::metrics::{ActorLag, WorkMetrics};
 use volley_learner::scheduler::{Planned, Scheduler, WorkPlanner};
 use volley_learner::{
-    run_learner, Checkpoint, Learner, LearnerControl, LearnerMetrics, LearnerReport, RunLimits, UpdateStats,
+    run_learner, Checkpoint, Learner, LearnerControl, LearnerMetrics, LearnerReport, RunLimits, StopReason, UpdateStats,
 };
 use volley_transport::envsvc::{EnvServiceClient, RemoteVecEnv, RemoteVecEnvConfig};
 use volley_transport::local::weights_channel;
@@ -225,6 +225,16 @@ pub fn learner(config: LearnerConfig, interrupted: Arc<AtomicBool>) -> anyhow::R
             .with_context(|| format!("writing the final checkpoint {}", config.checkpoint_path.display()))?;
         info!(version = learner.version().0, path = %config.checkpoint_path.display(), "final checkpoint written");
     }
+    // The run is over (solved, a budget spent): tell the actors, which stop instead of waiting
+    // for weights that will not come (issue 48 item 6). A signal is no end: the learner
+    // resumes when started again.
+    let over = report.stop_reason.filter(|r| !matches!(r, StopReason::Interrupted | StopReason::SourceClosed));
+    if let (Some(reason), false) = (over, config.replay) {
+        match bus.mark_run_ended(&reason.to_string()) {
+            Ok(()) => info!(run = %spec.run, %reason, "run over; told the actors to stop"),
+            Err(err) => warn!(run = %spec.run, %reason, %err, "run over, but telling the actors failed"),
+        }
+    }
     if let Some(err) = control.checkpoint_error {
         warn!(%err, "the last periodic checkpoint had failed");
     }
@@ -423,6 +433,15 @@ pub fn actor(args: ActorArgs, interrupted: Arc<AtomicBool>) -> anyhow::Result<()
         thread::sleep(spec_poll);
         spec_poll = (spec_poll * 2).min(SPEC_POLL_MAX);
     };
+    // Stops the actor on a signal, or once the learner says the run is over.
+    let stop = Arc::new(AtomicBool::new(false));
+    let watcher = {
+        let (config, interrupted, stop) = (config.clone(), interrupted.clone(), stop.clone());
+        thread::Builder::new()
+            .name("volley-run-end".to_string())
+            .spawn(move || watch_run_end(config, &interrupted, &stop))
+            .context("spawning the run-end watcher")?
+    };
     let seed = args.seed.unwrap_or_else(|| seed_from(&actor_id));
     // The environment: the spec's, or the one --env names (its spaces must fit the policy).
     let env = match &args.env {
@@ -456,11 +475,11 @@ pub fn actor(args: ActorArgs, interrupted: Arc<AtomicBool>) -> anyhow::Result<()
             config.max_in_flight = args.remote_env.env_max_in_flight;
             config.expected_spaces = Some((remote.obs_dim, spec.policy.n_actions));
             config.expected_continuous = Some(spec.policy.head.is_continuous());
-            config.stop = interrupted.clone();
+            config.stop = stop.clone();
             let envs = match RemoteVecEnv::new(client, config) {
                 Ok(envs) => envs,
-                // Interrupted while waiting for an environment server.
-                Err(_) if interrupted.load(Ordering::Acquire) => return Ok(()),
+                // Interrupted (or the run ended) while waiting for an environment server.
+                Err(_) if stop.load(Ordering::Acquire) => return Ok(()),
                 Err(err) => return Err(err).with_context(|| format!("remote environment {}", remote.service)),
             };
             let envs = crate::env_serve::actor_envs(envs, remote)
@@ -483,7 +502,7 @@ pub fn actor(args: ActorArgs, interrupted: Arc<AtomicBool>) -> anyhow::Result<()
         worker.with_rounds_per_publish(usize::from(args.rounds_per_publish), volley_actor::rollout::HOLD_ROUND_WITHIN)
     };
     let layout = spec.validate().context("run spec")?;
-    let mut sink = bus.trajectory_sink(&actor_id, interrupted.clone()).context("opening the trajectory sink")?;
+    let mut sink = bus.trajectory_sink(&actor_id, stop.clone()).context("opening the trajectory sink")?;
     sink.set_max_backlog_segments(spec.hyper.max_backlog_segments);
     if let Some(clock) = sink.pacing_clock() {
         let _ = counters.pacing.set(clock);
@@ -498,12 +517,17 @@ pub fn actor(args: ActorArgs, interrupted: Arc<AtomicBool>) -> anyhow::Result<()
         let heartbeat = heartbeat.clone();
         thread::spawn(move || report_progress(&actor_id, &counters, &heartbeat, &stop))
     };
-    let result = worker.run(&mut sink, &mut follower, &interrupted);
+    let result = worker.run(&mut sink, &mut follower, &stop);
     if let Err(err) = sink.flush() {
         warn!(%err, "some segments may not have reached the stream");
     }
     reporter_stop.store(true, Ordering::Release);
     let _ = reporter.join();
+    // Ends the watcher when the worker stopped for another reason. A watcher that ended the
+    // run has returned long before the worker noticed; one waiting on a broker that is gone
+    // is left behind rather than waited for.
+    stop.store(true, Ordering::Release);
+    let run_ended = if watcher.is_finished() { watcher.join().ok().flatten() } else { None };
     result.with_context(|| format!("actor {actor_id}"))?;
     let secs = |nanos: &std::sync::atomic::AtomicU64| nanos.load(Ordering::Relaxed) as f64 * 1e-9;
     info!(
@@ -512,9 +536,53 @@ pub fn actor(args: ActorArgs, interrupted: Arc<AtomicBool>) -> anyhow::Result<()
         weight_fetches = counters.weight_fetches.load(Ordering::Relaxed),
         weight_fetch_secs = secs(&counters.weight_fetch_nanos),
         throttled_secs = secs(&counters.throttled_nanos),
+        run_ended = run_ended.as_deref(),
         "actor stopped"
     );
     Ok(())
+}
+
+/// How often an actor asks whether its run is over.
+const RUN_END_POLL: Duration = Duration::from_secs(1);
+
+/// Set `stop` on a signal (`interrupted`) or once the learner says the run is over
+/// ([`NatsBus::mark_run_ended`]), and return the learner's reason in that case (issue 48
+/// item 6: actors of a finished run stayed up forever, throttled, without a word). Returns
+/// when `stop` is set by anyone. Reads over a connection of its own, so the actor's hot path
+/// keeps its connection to itself.
+fn watch_run_end(
+    config: volley_transport::nats::NatsConfig,
+    interrupted: &AtomicBool,
+    stop: &AtomicBool,
+) -> Option<String> {
+    let run = config.run.clone();
+    let mut bus = None;
+    let mut last_poll: Option<Instant> = None;
+    while !stop.load(Ordering::Acquire) {
+        if interrupted.load(Ordering::Acquire) {
+            stop.store(true, Ordering::Release);
+            return None;
+        }
+        if last_poll.is_none_or(|t| t.elapsed() >= RUN_END_POLL) {
+            last_poll = Some(Instant::now());
+            if bus.is_none() {
+                bus = NatsBus::connect(config.clone())
+                    .inspect_err(|err| debug!(%err, "run-end watcher: connecting failed; trying again"))
+                    .ok();
+            }
+            match bus.as_ref().map(NatsBus::read_run_ended) {
+                Some(Ok(Some(reason))) => {
+                    info!(run = %run, %reason, "run finished: the learner says run {run} is over ({reason}); stopping");
+                    stop.store(true, Ordering::Release);
+                    return Some(reason);
+                }
+                Some(Err(err)) => debug!(%err, "run-end watcher: reading failed; trying again"),
+                _ => {}
+            }
+        }
+        thread::sleep(Duration::from_millis(100));
+    }
+    None
 }
 
 /// Progress lines every 10 s, and the liveness heartbeat: the actor is live while its env

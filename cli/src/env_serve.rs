@@ -13,6 +13,7 @@ use volley_transport::envsvc::{
 };
 
 use crate::args::{EnvServeArgs, NatsArgs};
+use crate::Interrupted;
 
 /// How long connecting to NATS may take.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
@@ -71,6 +72,9 @@ pub fn remote_env_config(nats: &NatsArgs, service: &EnvServiceName, wait: Durati
     let started = Instant::now();
     let mut last_log: Option<Instant> = None;
     loop {
+        if crate::interrupted() {
+            return Err(Interrupted(format!("waiting for a server of environment service {service}")).into());
+        }
         let instances = client.block_on(client.discover(service))?;
         for instance in &instances {
             match client.block_on(client.spaces(instance)) {

@@ -10,7 +10,7 @@ mod train;
 
 use std::io::IsTerminal;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, LazyLock};
 
 use clap::Parser;
 use tracing::warn;
@@ -23,6 +23,29 @@ use crate::args::{BenchWeightsConfig, Cli, Command, LearnerConfig, ProgressMode,
 /// the replay done), so a Kubernetes Job completes on 0 and restarts the learner, which resumes,
 /// on this (docs/OPERATIONS.md, "When a run ends").
 const EXIT_LEARNER_INTERRUPTED: i32 = 75;
+
+/// Set by the first SIGINT or SIGTERM. Every wait of the process checks it, those inside
+/// config validation too (a learner asking an environment server for its spaces), so one
+/// signal is enough (issue 48 item 4).
+static INTERRUPTED: LazyLock<Arc<AtomicBool>> = LazyLock::new(|| Arc::new(AtomicBool::new(false)));
+
+/// Whether a signal asked the process to stop.
+pub(crate) fn interrupted() -> bool {
+    INTERRUPTED.load(Ordering::Acquire)
+}
+
+/// A wait given up because a signal asked the process to stop: not a failure. `main` ends the
+/// process with one line saying what was interrupted and the status of an interrupted run.
+#[derive(Debug)]
+pub(crate) struct Interrupted(pub String);
+
+impl std::fmt::Display for Interrupted {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "interrupted while {}", self.0)
+    }
+}
+
+impl std::error::Error for Interrupted {}
 
 /// Log to stderr at `default_level` unless `RUST_LOG` says otherwise (an explicit `RUST_LOG`
 /// always wins, also over `--progress quiet`).
@@ -45,7 +68,7 @@ fn main() -> anyhow::Result<()> {
     // fails (issue 48: it printed every INFO and WARN line).
     let quiet = matches!(&cli.command, Command::Train(args) if args.progress == ProgressMode::Quiet);
     init_tracing(if quiet { "error" } else { "info" });
-    let interrupted = Arc::new(AtomicBool::new(false));
+    let interrupted = INTERRUPTED.clone();
     {
         let interrupted = interrupted.clone();
         ctrlc::set_handler(move || {
@@ -53,10 +76,28 @@ fn main() -> anyhow::Result<()> {
                 // Second Ctrl-C: the user wants out now.
                 std::process::exit(130);
             }
-            warn!("interrupted; finishing the current step (signal again to abort)");
+            warn!("interrupted; stopping (signal again to abort at once)");
         })?;
     }
-    match cli.command {
+    let learner = matches!(cli.command, Command::Learner(_));
+    match run(cli.command, interrupted) {
+        Err(err) if err.chain().any(|cause| cause.is::<Interrupted>()) => {
+            let what = err.chain().find_map(|cause| cause.downcast_ref::<Interrupted>()).map(|i| i.0.clone());
+            warn!("interrupted while {}; stopped", what.unwrap_or_default());
+            // A learner stopped before its run ended exits as one stopped mid-run does, so a
+            // Kubernetes Job starts it again; the other commands end as on a signal mid-run.
+            if learner {
+                std::process::exit(EXIT_LEARNER_INTERRUPTED);
+            }
+            Ok(())
+        }
+        other => other,
+    }
+}
+
+/// Run one subcommand until it is done or interrupted.
+fn run(command: Command, interrupted: Arc<AtomicBool>) -> anyhow::Result<()> {
+    match command {
         Command::Train(args) => {
             let config = TrainConfig::try_from(args)?;
             let summary = train::train(config, interrupted)?;

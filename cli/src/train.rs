@@ -491,5 +491,12 @@ fn remote_envs(
     config.expected_spaces = Some((remote.obs_dim, remote.n_actions));
     config.expected_continuous = Some(remote.action_box.is_some());
     config.stop = interrupted.clone();
-    Ok(RemoteVecEnv::new(client, config)?)
+    match RemoteVecEnv::new(client, config) {
+        Ok(envs) => Ok(envs),
+        // Stopped waiting for a server: one signal is enough (issue 48 item 4).
+        Err(_) if interrupted.load(Ordering::Acquire) => {
+            Err(crate::Interrupted(format!("waiting for a server of environment service {}", remote.service)).into())
+        }
+        Err(err) => Err(err.into()),
+    }
 }

@@ -115,7 +115,7 @@ fn learner_and_three_actor_processes_solve_cartpole() {
     let mut replay = Proc::volley(
         dir.path(),
         "replay",
-        &learner_args(&nats, "solve", dir.path(), &["--replay", "--max-env-steps", "20000", "--target-return", "1e9"]),
+        &learner_args(&nats, "solve", dir.path(), &["--replay", "--max-env-steps", "20000"]),
         PATIENCE,
     );
     let replayed = replay.summary();
@@ -335,6 +335,175 @@ fn a_restarted_learner_resumes_from_its_checkpoint() {
     assert!(used > 100, "actors kept feeding the resumed learner: {summary}");
     assert!(stale < used, "actors followed the new versions (little stale data): {summary}");
     assert!(summary["policy_version"].as_u64().expect("version") > resumed);
+}
+
+/// Regression test for issue 48 item 6: once the learner's run is over (its step budget
+/// spent), its actors say "run finished" and exit 0 by themselves instead of waiting forever;
+/// an actor joining the finished run stops at once; a learner starting the run again clears
+/// the end, and its actors train.
+#[test]
+fn actors_stop_with_a_run_finished_line_when_the_run_is_over() {
+    let _serial = serial();
+    let nats = TestNats::start();
+    let dir = tempfile::tempdir().expect("temp dir");
+    let budget =
+        |steps: &str| learner_args(&nats, "ends", dir.path(), &["--max-env-steps", steps, "--target-return", "1e9"]);
+    let mut learner = Proc::volley(dir.path(), "learner", &budget("20000"), PATIENCE);
+    let mut actors = spawn_actors(&nats, "ends", dir.path(), 2);
+    assert_eq!(learner.summary()["stop_reason"], "env_step_budget");
+    assert!(learner.log().contains("run over; told the actors to stop"), "{}", learner.log());
+    let finished = |actor: &mut Proc| {
+        let status = actor.wait_exit();
+        assert!(status.success(), "{status}:\n{}", actor.log());
+        assert!(
+            actor.log().contains("run finished: the learner says run ends is over (env_step_budget)"),
+            "{}",
+            actor.log()
+        );
+    };
+    actors.iter_mut().for_each(finished);
+    let mut late = Proc::volley(dir.path(), "late", &actor_args(&nats, "ends", "late"), PATIENCE);
+    finished(&mut late);
+
+    let mut again = Proc::volley(dir.path(), "learner-again", &budget("40000"), PATIENCE);
+    again.wait_for_log("run ready on nats");
+    let mut actor = Proc::volley(dir.path(), "actor-again", &actor_args(&nats, "ends", "actor-again"), PATIENCE);
+    let summary = again.summary();
+    assert!(summary["env_steps"].as_u64().expect("env_steps") >= 40000, "{summary}");
+    assert!(summary["segments_used"].as_u64().expect("used") > 0, "{summary}");
+    finished(&mut actor);
+}
+
+/// How long a process may take to stop on its signal in the shutdown-order tests (issue 48,
+/// deliver 3). The learner waits at most a few seconds on a broker that is gone before its
+/// final checkpoint; before, it waited out its 30 s retry deadline, or failed without one.
+const STOP_BOUND: Duration = Duration::from_secs(15);
+
+/// Wait for `process` to exit, at most [`STOP_BOUND`]; its exit status.
+fn stops_within_bound(process: &mut Proc, what: &str) -> std::process::ExitStatus {
+    let started = Instant::now();
+    loop {
+        if let Some(status) = process.child.try_wait().expect("wait") {
+            return status;
+        }
+        assert!(started.elapsed() < STOP_BOUND, "{what} did not stop within {STOP_BOUND:?}:\n{}", process.log());
+        thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// The version of the learner's "final checkpoint written" line.
+fn final_checkpoint_version(learner: &Proc) -> u64 {
+    let log = learner.log();
+    let line = log
+        .lines()
+        .find(|l| l.contains("final checkpoint written"))
+        .unwrap_or_else(|| panic!("no final checkpoint:\n{log}"));
+    let version = line.split("version=").nth(1).and_then(|rest| rest.split_whitespace().next());
+    version.and_then(|v| v.parse().ok()).unwrap_or_else(|| panic!("no version in {line:?}"))
+}
+
+/// Shutdown in every order is quick and loses nothing (issue 48, deliver 3); actors and learner
+/// before the broker is `local_run.rs`'s order. Broker first (a Ctrl-C that reached it too):
+/// the learner, signalled with the broker gone, says what it does, waits on the broker for a
+/// few seconds at most, writes its final checkpoint at its last version and exits 75; the
+/// actors stop on their signal too.
+#[test]
+fn stopping_the_broker_first_still_writes_the_final_checkpoint_quickly() {
+    let _serial = serial();
+    let mut nats = TestNats::start();
+    let dir = tempfile::tempdir().expect("temp dir");
+    let args =
+        learner_args(&nats, "brokerfirst", dir.path(), &["--max-env-steps", "100000000", "--target-return", "1e9"]);
+    let mut learner = Proc::volley(dir.path(), "learner", &args, PATIENCE);
+    let mut actors = spawn_actors(&nats, "brokerfirst", dir.path(), 1);
+    while learner_updates(&learner) < 5 {
+        assert!(learner.child.try_wait().expect("wait").is_none(), "learner died:\n{}", learner.log());
+        thread::sleep(Duration::from_millis(50));
+    }
+    nats.kill();
+    learner.terminate();
+    let status = stops_within_bound(&mut learner, "the learner");
+    assert_eq!(status.code(), Some(75), "{}", learner.log());
+    assert!(learner.log().contains("learner stopping: publishing the last weights"), "{}", learner.log());
+    let summary_version = {
+        let mut stdout = String::new();
+        learner.child.stdout.take().expect("piped").read_to_string(&mut stdout).expect("stdout");
+        let summary: serde_json::Value = serde_json::from_str(stdout.trim()).expect("summary");
+        summary["policy_version"].as_u64().expect("policy_version")
+    };
+    assert_eq!(final_checkpoint_version(&learner), summary_version, "the checkpoint holds the last version");
+    assert!(dir.path().join("checkpoints/learner-brokerfirst.ckpt").is_file());
+    actors[0].terminate();
+    stops_within_bound(&mut actors[0], "the actor");
+}
+
+/// Learner first: it stops at once with its final checkpoint (75); its actors go on without
+/// it (a signal is no end of the run), and a learner started again resumes from that
+/// checkpoint and trains on what they publish; then the actors stop on their signal (0).
+#[test]
+fn stopping_the_learner_first_keeps_its_actors_for_the_next_learner() {
+    let _serial = serial();
+    let nats = TestNats::start();
+    let dir = tempfile::tempdir().expect("temp dir");
+    let args =
+        learner_args(&nats, "learnerfirst", dir.path(), &["--max-env-steps", "100000000", "--target-return", "1e9"]);
+    let mut first = Proc::volley(dir.path(), "learner-1", &args, PATIENCE);
+    let mut actors = spawn_actors(&nats, "learnerfirst", dir.path(), 2);
+    while learner_updates(&first) < 5 {
+        assert!(first.child.try_wait().expect("wait").is_none(), "learner died:\n{}", first.log());
+        thread::sleep(Duration::from_millis(50));
+    }
+    first.terminate();
+    assert_eq!(stops_within_bound(&mut first, "the learner").code(), Some(75), "{}", first.log());
+    let stopped_at = final_checkpoint_version(&first);
+    let mut second = Proc::volley(dir.path(), "learner-2", &args, PATIENCE);
+    second.wait_for_log("resuming from checkpoint");
+    let resumed = learner_updates(&second);
+    while learner_updates(&second) < resumed + 5 {
+        assert!(second.child.try_wait().expect("wait").is_none(), "learner died:\n{}", second.log());
+        thread::sleep(Duration::from_millis(50));
+    }
+    for actor in &mut actors {
+        assert!(actor.child.try_wait().expect("wait").is_none(), "the actors waited for the next learner");
+        actor.terminate();
+        assert!(stops_within_bound(actor, "an actor").success(), "{}", actor.log());
+    }
+    second.terminate();
+    let summary = second.summary_with_exit_code(75);
+    assert!(summary["resumed_from_version"].as_u64().expect("resumed") >= stopped_at, "{summary}");
+}
+
+/// Actors first: each stops at once (0) after the stream acknowledged what it published; the
+/// learner then drains the stream and stops with its final checkpoint (75).
+#[test]
+fn stopping_the_actors_first_leaves_everything_to_the_learner() {
+    let _serial = serial();
+    let nats = TestNats::start();
+    let dir = tempfile::tempdir().expect("temp dir");
+    let args =
+        learner_args(&nats, "actorsfirst", dir.path(), &["--max-env-steps", "100000000", "--target-return", "1e9"]);
+    let mut learner = Proc::volley(dir.path(), "learner", &args, PATIENCE);
+    let mut actors = spawn_actors(&nats, "actorsfirst", dir.path(), 2);
+    while learner_updates(&learner) < 5 {
+        assert!(learner.child.try_wait().expect("wait").is_none(), "learner died:\n{}", learner.log());
+        thread::sleep(Duration::from_millis(50));
+    }
+    for actor in &mut actors {
+        actor.terminate();
+        assert!(stops_within_bound(actor, "an actor").success(), "{}", actor.log());
+    }
+    let started = Instant::now();
+    loop {
+        let state = stream_state(&nats, "actorsfirst");
+        if state.pending == 0 && state.ack_pending < 8 {
+            break;
+        }
+        assert!(started.elapsed() < PATIENCE, "learner never drained the stream: {state:?}");
+        thread::sleep(Duration::from_millis(100));
+    }
+    learner.terminate();
+    assert_eq!(stops_within_bound(&mut learner, "the learner").code(), Some(75), "{}", learner.log());
+    assert!(learner.log().contains("final checkpoint written"), "{}", learner.log());
 }
 
 /// The learner's update count, read from its metrics endpoint.

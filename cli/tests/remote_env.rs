@@ -54,6 +54,42 @@ fn actor(nats: &TestNats, dir: &Path, run: &str, id: &str, extra: &[&str]) -> Pr
     Proc::volley(dir, id, &args, PATIENCE)
 }
 
+/// Regression test for issue 48 item 4: one SIGINT stops a learner, or `volley train`, that
+/// waits for a server of its environment service to tell the spaces (the first one was
+/// ignored, "signal again to abort"). The learner exits as one stopped before its run ended
+/// (75), train as one interrupted mid-run (0); both say what they were waiting for.
+#[test]
+fn one_signal_stops_a_process_waiting_for_an_environment_server() {
+    let _serial = serial();
+    let nats = TestNats::start();
+    let dir = tempfile::tempdir().expect("temp dir");
+    let run_dir = dir.path().join("run").display().to_string();
+    let commands = [
+        ("learner", learner(&nats, dir.path(), "waiting", &["--env", "remote:nobody"]), 75),
+        (
+            "train",
+            Proc::volley(
+                dir.path(),
+                "train",
+                &strings(&["train", "--nats", &nats.url(), "--env", "remote:nobody", "--run-dir", &run_dir]),
+                PATIENCE,
+            ),
+            0,
+        ),
+    ];
+    for (name, mut process, expected) in commands {
+        process.wait_for_log("waiting for a server of environment service nobody");
+        process.interrupt();
+        let status = process.wait_exit();
+        assert_eq!(status.code(), Some(expected), "{name}: {status}\n{}", process.log());
+        assert!(
+            process.log().contains("interrupted while waiting for a server of environment service nobody"),
+            "{name}:\n{}",
+            process.log()
+        );
+    }
+}
+
 /// A minimal HTTP/1.0 GET of the actor's metrics.
 fn metric(addr: &str, name: &str) -> f64 {
     use std::io::Write;

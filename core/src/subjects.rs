@@ -9,7 +9,7 @@
 //! | all trajectory subjects of a run (stream filter) | `volley.<run>.traj.>` |
 //! | trajectory stream | `volley-<run>-traj` |
 //! | durable pull consumer of the learner | `learner` |
-//! | run KV bucket (keys `spec`, `weights`) | `volley-<run>` |
+//! | run KV bucket (keys `spec`, `weights`, `ended`) | `volley-<run>` |
 //! | weights object store | `volley-<run>-wts` |
 //! | weights object of version `v` | `v<v, 20 digits>` |
 //! | live weights chunks (core NATS, learner publishes, actors subscribe) | `volley.<run>.weights.live` |
@@ -46,6 +46,11 @@ pub const SPEC_KEY: &str = "spec";
 /// KV key (in [`run_bucket`]) holding the pointer to the newest weights object as JSON.
 pub const WEIGHTS_KEY: &str = "weights";
 
+/// KV key (in [`run_bucket`]) the learner writes when the run is over (solved or a budget
+/// spent), with the reason as text; actors that read it stop. A learner starting the run
+/// again deletes it.
+pub const ENDED_KEY: &str = "ended";
+
 /// The subject an actor publishes its segments to: `volley.<run>.traj.<actor>`.
 ///
 /// The actor token is lowercased to keep subjects lowercase; `_` and `-` stay (both are valid
@@ -67,7 +72,7 @@ pub fn trajectory_stream(run: &RunId) -> String {
     format!("volley-{run}-traj")
 }
 
-/// The run's KV bucket, `volley-<run>`, holding [`SPEC_KEY`] and [`WEIGHTS_KEY`].
+/// The run's KV bucket, `volley-<run>`, holding [`SPEC_KEY`], [`WEIGHTS_KEY`] and [`ENDED_KEY`].
 pub fn run_bucket(run: &RunId) -> String {
     format!("volley-{run}")
 }
@@ -328,9 +333,14 @@ mod tests {
 
     #[test]
     fn kv_keys_and_object_names_are_plain_tokens() {
-        for key in
-            [SPEC_KEY, WEIGHTS_KEY, &weights_object(0), &weights_object(u64::MAX), &weights_delta_object(u64::MAX)]
-        {
+        for key in [
+            SPEC_KEY,
+            WEIGHTS_KEY,
+            ENDED_KEY,
+            &weights_object(0),
+            &weights_object(u64::MAX),
+            &weights_delta_object(u64::MAX),
+        ] {
             assert!(key.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_'), "{key:?}");
         }
     }

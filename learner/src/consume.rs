@@ -271,6 +271,10 @@ fn max_unpublished_versions(max_policy_lag: u64) -> usize {
     usize::try_from(max_policy_lag / 2).unwrap_or(usize::MAX).max(2)
 }
 
+/// How long a stopping learner waits on its transport (the last weights publish, the last
+/// acks) before it returns, so the caller's final checkpoint follows within seconds.
+pub const STOP_WAIT: Duration = Duration::from_secs(3);
+
 /// Episodes in the return window behind `mean_return(100)` and the solved stop.
 pub const RETURN_WINDOW: usize = 100;
 
@@ -490,14 +494,25 @@ pub fn run_learner(
     report.stop_reason = Some(stop_reason);
     report.elapsed = started.elapsed();
     report.pool_segments = selector.len() as u64;
-    if !learner.updates().is_multiple_of(publish_every) {
-        publisher.publish(learner.weights())?;
-    }
-    publisher.flush()?;
-    settled.extend(unpublished.into_iter().flat_map(|(_, tokens)| tokens));
-    // `ack` also settles what `ack_later` queued.
-    if let Err(err) = source.ack(&settled) {
-        warn!(%err, n = settled.len(), "acknowledging segments failed; they may be redelivered");
+    // Stopping waits on the transport for a few seconds at most: with the broker gone the
+    // retries would hold the caller's final checkpoint back for their whole deadline (issue 48,
+    // deliver 3). What is not confirmed is redelivered to the next learner, never lost.
+    info!(reason = %stop_reason, at_most_secs = STOP_WAIT.as_secs(),
+          "learner stopping: publishing the last weights and acknowledging the segments used");
+    let last =
+        if learner.updates().is_multiple_of(publish_every) { Ok(()) } else { publisher.publish(learner.weights()) };
+    match last.and_then(|()| publisher.flush_within(STOP_WAIT)) {
+        Ok(()) => {
+            settled.extend(unpublished.into_iter().flat_map(|(_, tokens)| tokens));
+            // `ack` also settles what `ack_later` queued.
+            if let Err(err) = source.ack_within(&settled, STOP_WAIT) {
+                warn!(%err, n = settled.len(), "acknowledging segments failed; they may be redelivered");
+            }
+        }
+        // The segments behind unpublished versions stay unacknowledged: the next learner
+        // trains on them again rather than never.
+        Err(err) => warn!(%err, "the last weights did not go out; stopping without them (segments since the last \
+                           published version will be redelivered)"),
     }
     info!(
         reason = %stop_reason,

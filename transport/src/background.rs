@@ -176,7 +176,7 @@ impl BackgroundPublisher {
 
     /// Wait until every version handed over is published and the inner publisher is flushed
     /// (its deferred writes made), or something failed, at most `timeout`.
-    pub fn flush_within(&mut self, timeout: Duration) -> Result<(), TransportError> {
+    fn wait_flushed(&mut self, timeout: Duration) -> Result<(), TransportError> {
         let started = Instant::now();
         let mut state = self.shared.state.lock().expect("publisher lock is never poisoned");
         state.flush_wanted = true;
@@ -243,16 +243,35 @@ impl WeightsPublisher for BackgroundPublisher {
 
     fn flush(&mut self) -> Result<(), TransportError> {
         // Far above any healthy publish; the inner publisher has its own deadlines.
-        self.flush_within(Duration::from_secs(600))
+        self.wait_flushed(Duration::from_secs(600))
+    }
+
+    fn flush_within(&mut self, timeout: Duration) -> Result<(), TransportError> {
+        self.wait_flushed(timeout)
     }
 }
+
+/// How long dropping a [`BackgroundPublisher`] waits for its thread to publish what is pending
+/// and end. A thread still retrying then (a broker that is gone: the inner publisher retries
+/// for its own deadline, 30 s over NATS) is left behind, so a stopping learner exits in seconds
+/// (issue 48); a caller that must know what got out calls
+/// [`flush_within`](WeightsPublisher::flush_within) first.
+const DROP_WAIT: Duration = Duration::from_secs(1);
 
 impl Drop for BackgroundPublisher {
     fn drop(&mut self) {
         self.shared.state.lock().expect("publisher lock is never poisoned").closing = true;
         self.shared.changed.notify_all();
         if let Some(thread) = self.thread.take() {
-            let _ = thread.join();
+            let started = Instant::now();
+            while !thread.is_finished() && started.elapsed() < DROP_WAIT {
+                thread::sleep(Duration::from_millis(10));
+            }
+            if thread.is_finished() {
+                let _ = thread.join();
+            } else {
+                warn!(waited_secs = DROP_WAIT.as_secs(), "the weights publisher is still retrying; leaving it behind");
+            }
         }
     }
 }

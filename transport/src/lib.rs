@@ -177,6 +177,13 @@ pub trait TrajectorySource: Send {
     /// Acknowledge deliveries whose contribution is safe; they will not be delivered again.
     /// Acknowledgements queued by [`ack_later`](Self::ack_later) are settled first.
     fn ack(&mut self, tokens: &[DeliveryToken]) -> Result<(), TransportError>;
+    /// [`ack`](Self::ack), waiting at most `timeout` on the transport: a stopping learner
+    /// writes its checkpoint without waiting out the retries on a broker that is gone (issue
+    /// 48). What is not confirmed may be delivered again. By default: `ack`.
+    fn ack_within(&mut self, tokens: &[DeliveryToken], timeout: Duration) -> Result<(), TransportError> {
+        let _ = timeout;
+        self.ack(tokens)
+    }
     /// Acknowledge deliveries without waiting for the confirmation (a networked transport
     /// confirms in the background; the next [`recv`](Self::recv) or [`ack`](Self::ack)
     /// collects the outcome, and an unconfirmed delivery is held again). Until confirmed, a
@@ -207,6 +214,14 @@ pub trait WeightsPublisher: Send {
     /// publisher deferred (or return why not).
     fn flush(&mut self) -> Result<(), TransportError> {
         Ok(())
+    }
+
+    /// [`flush`](Self::flush), waiting at most `timeout` (or return
+    /// [`TransportError::Timeout`]): a stopping learner does not wait out the retries on a
+    /// broker that is gone. By default: `flush`.
+    fn flush_within(&mut self, timeout: Duration) -> Result<(), TransportError> {
+        let _ = timeout;
+        self.flush()
     }
 
     /// When a write this publisher deferred is due (the NATS publisher's pointer of a version

@@ -81,6 +81,11 @@ impl Proc {
         let _ = Command::new("kill").args(["-TERM", &self.child.id().to_string()]).status();
     }
 
+    /// Send SIGINT, as a Ctrl-C would (returns at once; see [`Proc::wait_exit`]).
+    pub fn interrupt(&mut self) {
+        let _ = Command::new("kill").args(["-INT", &self.child.id().to_string()]).status();
+    }
+
     /// SIGTERM, then wait for the exit.
     pub fn terminate_and_wait(&mut self) -> ExitStatus {
         self.terminate();

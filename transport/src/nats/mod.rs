@@ -673,6 +673,10 @@ impl NatsBus {
                 ensure_work_objects(shared, &spec.hyper.work, stores).await?;
             }
             call("put run spec", timeout, kv.put(subjects::SPEC_KEY, Bytes::from(stored_spec))).await?;
+            // The run goes on (again): actors must not take an earlier end for this one.
+            if call("read run end", timeout, kv.get(subjects::ENDED_KEY)).await?.is_some() {
+                call("clear run end", timeout, kv.delete(subjects::ENDED_KEY)).await?;
+            }
             info!(run = %config.run, stream = %stream_name, "run ready on nats");
             Ok(())
         });
@@ -694,6 +698,35 @@ impl NatsBus {
                 return Ok(None);
             };
             Ok(Some(RunSpec::decode_stored(&bytes)))
+        })
+    }
+
+    /// Learner side: say that the run is over (`reason`: why, e.g. `solved`), so that actors
+    /// stop instead of waiting for weights that will not come ([`NatsBus::read_run_ended`]).
+    /// [`NatsBus::ensure_run`] clears it when a learner starts the run again.
+    pub fn mark_run_ended(&self, reason: &str) -> Result<(), TransportError> {
+        let shared = &self.shared;
+        let timeout = shared.config.request_timeout;
+        shared.block_on(async {
+            let bucket = subjects::run_bucket(&shared.config.run);
+            let kv = open_kv(&shared.js, &bucket, timeout)
+                .await?
+                .ok_or_else(|| failed("mark run ended", format!("bucket {bucket} does not exist")))?;
+            call("mark run ended", timeout, kv.put(subjects::ENDED_KEY, Bytes::from(reason.to_string()))).await?;
+            Ok(())
+        })
+    }
+
+    /// Actor side: why the run is over, or `None` while it goes on (or does not exist yet).
+    pub fn read_run_ended(&self) -> Result<Option<String>, TransportError> {
+        let shared = &self.shared;
+        let timeout = shared.config.request_timeout;
+        shared.block_on(async {
+            let Some(kv) = open_kv(&shared.js, &subjects::run_bucket(&shared.config.run), timeout).await? else {
+                return Ok(None);
+            };
+            let ended = call("read run end", timeout, kv.get(subjects::ENDED_KEY)).await?;
+            Ok(ended.map(|reason| String::from_utf8_lossy(&reason).into_owned()))
         })
     }
 }

@@ -516,15 +516,22 @@ impl NatsTrajectorySink {
     }
 
     /// Wait until every published segment is acknowledged by the stream (retrying as
-    /// `publish` does).
+    /// `publish` does). On failure the segments not acknowledged are given up on (counted in
+    /// the warning), so that dropping the sink does not wait on them again: a stopping actor
+    /// whose broker is gone exits after one request timeout, not two (issue 48).
     pub fn flush(&mut self) -> Result<(), TransportError> {
         let shared = self.shared.clone();
-        shared.block_on(async {
+        let outcome = shared.block_on(async {
             while !self.in_flight.is_empty() {
                 self.settle_oldest().await?;
             }
             Ok(())
-        })
+        });
+        if outcome.is_err() {
+            warn!(actor = %self.actor, unacknowledged = self.in_flight.len(), "giving up on segments not acknowledged");
+            self.in_flight.clear();
+        }
+        outcome
     }
 
     fn stopped(&self) -> bool {

@@ -243,6 +243,22 @@ impl NatsTrajectorySource {
         }
     }
 
+    /// Confirm (or give up on) the acks sent earlier in the background, then ack `tokens`.
+    async fn ack_all(&mut self, tokens: &[DeliveryToken]) -> Result<(), TransportError> {
+        let background = std::mem::take(&mut self.background_acks);
+        for outcome in futures::future::join_all(background).await {
+            match outcome {
+                Ok(outcome) => {
+                    if let Err(err) = self.absorb(outcome) {
+                        warn!(%err, "acknowledging segments failed; they may be redelivered");
+                    }
+                }
+                Err(err) => warn!(%err, "an acknowledgement task failed; its segments may be redelivered"),
+            }
+        }
+        self.settle("ack", tokens, AckKind::Ack).await
+    }
+
     async fn settle(
         &mut self,
         operation: &'static str,
@@ -791,20 +807,21 @@ impl TrajectorySource for NatsTrajectorySource {
             return Ok(());
         }
         let shared = self.shared.clone();
-        // Acks sent earlier in the background are confirmed (or given up on) first.
-        let background = std::mem::take(&mut self.background_acks);
-        let earlier = shared.block_on(futures::future::join_all(background));
-        for outcome in earlier {
-            match outcome {
-                Ok(outcome) => {
-                    if let Err(err) = self.absorb(outcome) {
-                        warn!(%err, "acknowledging segments failed; they may be redelivered");
-                    }
-                }
-                Err(err) => warn!(%err, "an acknowledgement task failed; its segments may be redelivered"),
-            }
+        shared.block_on(self.ack_all(tokens))
+    }
+
+    /// [`ack`](TrajectorySource::ack), giving up after `timeout` (the retries through a broker
+    /// outage included): what is not confirmed by then may be redelivered.
+    fn ack_within(&mut self, tokens: &[DeliveryToken], timeout: Duration) -> Result<(), TransportError> {
+        if let SourceMode::Replay { .. } = self.mode {
+            return Ok(());
         }
-        shared.block_on(self.settle("ack", tokens, AckKind::Ack))
+        let shared = self.shared.clone();
+        shared.block_on(async {
+            tokio::time::timeout(timeout, self.ack_all(tokens))
+                .await
+                .unwrap_or(Err(TransportError::Timeout { operation: "ack", after: timeout }))
+        })
     }
 
     /// Sends the double acks at once and confirms them on a task of their own (with the same
