@@ -36,7 +36,21 @@ fn segment(learner: &Learner, actor: &str, idx: u64, episode_return: f32, episod
         .build()
 }
 
+/// Serialises the learner loops of this file: one test captures the log through a scoped
+/// subscriber, and a loop on another thread registering the same log call sites meanwhile can
+/// leave them cached as disabled for it.
+static LOOPS: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn one_loop_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    LOOPS.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 fn run(learner: &mut Learner, segments: Vec<TrajectorySegment>, limits: RunLimits) -> (LearnerReport, Vec<f32>) {
+    let _one = one_loop_at_a_time();
+    run_alone(learner, segments, limits)
+}
+
+fn run_alone(learner: &mut Learner, segments: Vec<TrajectorySegment>, limits: RunLimits) -> (LearnerReport, Vec<f32>) {
     let (mut sink, mut source) = trajectory_channel(segments.len());
     sink.publish(segments).expect("room for every segment");
     drop(sink);
@@ -232,8 +246,9 @@ fn a_flood_of_rejected_segments_logs_a_bounded_number_of_lines() {
     let captured = Captured::default();
     let writer = captured.clone();
     let subscriber = tracing_subscriber::fmt().with_writer(move || writer.clone()).with_ansi(false).finish();
+    let _one = one_loop_at_a_time();
     let report = tracing::subscriber::with_default(subscriber, || {
-        run(&mut learner, segments, RunLimits { publish_every: 1, ..RunLimits::default() }).0
+        run_alone(&mut learner, segments, RunLimits { publish_every: 1, ..RunLimits::default() }).0
     });
     assert_eq!(report.segments_rejected.get("non_finite"), Some(&1_500));
     assert_eq!(report.segments_rejected.get("future_version"), Some(&1_500));
@@ -302,6 +317,7 @@ proptest::proptest! {
                     vec![EpisodeSummary { episode_return: values[0], episode_len: 4, ..EpisodeSummary::default() }];
             }
         }
+        let _one = one_loop_at_a_time();
         let (mut sink, mut source) = trajectory_channel(segments.len());
         sink.publish(segments).expect("room for every segment");
         drop(sink);
