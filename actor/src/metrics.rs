@@ -29,6 +29,7 @@ pub struct ActorMetrics {
     weight_fetch_seconds: Counter,
     weight_fetches: IntCounter,
     weights_refused: IntCounter,
+    policy_fallbacks: IntCounter,
     weights_taken: IntCounterVec,
     weights_live_refused: IntCounterVec,
     pace_notices: IntCounterVec,
@@ -91,6 +92,10 @@ impl ActorMetrics {
                 "volley_actor_weights_refused_total",
                 "Weights pointers refused (layout, size, checksum, version) or not fetchable; the actor kept its verified version.",
             )?,
+            policy_fallbacks: int(
+                "volley_actor_policy_fallback_actions_total",
+                "Actions drawn from a fallback policy (uniform, or the standard normal) because the policy's output for that step was not finite; each records the fallback's log-probability.",
+            )?,
             weights_taken: IntCounterVec::new(
                 Opts::new(
                     "volley_actor_weights_taken_total",
@@ -144,7 +149,7 @@ impl ActorMetrics {
         registry.register(Box::new(metrics))
     }
 
-    fn parts(&self) -> [&dyn Collector; 25] {
+    fn parts(&self) -> [&dyn Collector; 26] {
         [
             &self.env_steps,
             &self.episodes,
@@ -161,6 +166,7 @@ impl ActorMetrics {
             &self.weight_fetch_seconds,
             &self.weight_fetches,
             &self.weights_refused,
+            &self.policy_fallbacks,
             &self.weights_taken,
             &self.weights_live_refused,
             &self.pace_notices,
@@ -213,6 +219,7 @@ impl Collector for ActorMetrics {
         catch_up_secs(&self.weight_fetch_seconds, c.weight_fetch_nanos.load(Ordering::Relaxed));
         catch_up_int(&self.weight_fetches, c.weight_fetches.load(Ordering::Relaxed));
         catch_up_int(&self.weights_refused, c.weights_refused.load(Ordering::Relaxed));
+        catch_up_int(&self.policy_fallbacks, c.policy_fallbacks.load(Ordering::Relaxed));
         catch_up_int(&self.weights_taken.with_label_values(&["live"]), c.weights_live.load(Ordering::Relaxed));
         catch_up_int(&self.weights_taken.with_label_values(&["durable"]), c.weights_durable.load(Ordering::Relaxed));
         catch_up_int(

@@ -17,6 +17,7 @@ use volley_env::{Actions, EnvError, VecEnv, VecStep, VectorEnv};
 use volley_policy::distributions::{log_softmax, sample_categorical};
 use volley_policy::{gaussian, ActionHead, ParamLayout, PolicyInference};
 use volley_transport::envsvc::RemoteEnvCounters;
+use volley_transport::rejection_log::RejectionLog;
 use volley_transport::work::{SnapshotStore, WorkSource};
 use volley_transport::{TrajectorySink, TransportError, WeightsFollower};
 
@@ -56,6 +57,9 @@ pub struct ActorCounters {
     /// Weights pointers refused (wrong layout, size, checksum or version) or not fetchable
     /// (missing object, timeout); the actor keeps its verified version (docs/SECURITY.md).
     pub weights_refused: AtomicU64,
+    /// Actions drawn from a fallback policy because the policy's output for that step had no
+    /// distribution (non-finite logits or means); the step records the fallback's log-probability.
+    pub policy_fallbacks: AtomicU64,
     /// Versions taken from the weights live path, and through the durable path (object store
     /// or inline pointer); live versions and live chunks refused. Copied from the follower's
     /// [`WeightsFollower::paths`] after each weights check.
@@ -196,6 +200,9 @@ pub struct RolloutWorker {
     /// Returns of the last [`RETURN_WINDOW`] finished episodes, oldest first.
     recent_returns: VecDeque<f32>,
     counters: Arc<ActorCounters>,
+    /// Logs this worker's rejections (refused weights, policy fallbacks, environment
+    /// failures) at a bounded rate; each is counted in `counters` as well.
+    rejections: RejectionLog,
     /// Where episodes start: fresh, or scheduled through work items.
     starts: Box<dyn EpisodeStarts>,
     /// Rounds handed to the sink in one `publish` call, at most (see
@@ -291,6 +298,7 @@ impl RolloutWorker {
             incarnation: new_incarnation(),
             weights: None,
             counters,
+            rejections: RejectionLog::new("actor"),
             starts: Box::new(FreshStarts),
             rounds_per_publish: 1,
             hold_within: Duration::ZERO,
@@ -393,18 +401,35 @@ impl RolloutWorker {
             let categorical_envs = if continuous { 0 } else { n_envs };
             for env_idx in 0..categorical_envs {
                 let row = &self.logits[env_idx * n_actions..(env_idx + 1) * n_actions];
-                log_softmax(row, &mut self.log_probs);
                 // A scheduled episode samples from its own generator, so a resumed episode
                 // replays exactly; otherwise all slots share the worker's.
                 let u = match self.starts.action_rng(env_idx) {
                     Some(rng) => rng.random::<f32>(),
                     None => self.rng.random::<f32>(),
                 };
-                let action = sample_categorical(row, u);
+                let (action, log_prob) = match sample_categorical(row, u) {
+                    Some(action) => {
+                        log_softmax(row, &mut self.log_probs);
+                        (action, self.log_probs[action])
+                    }
+                    // No distribution in this row (weights are checked before they are applied,
+                    // but finite weights can still overflow a forward): act uniformly and record
+                    // that policy's log-probability, which is the behaviour's, so the step is
+                    // honest off-policy data (issue 46: this was a panic).
+                    None => {
+                        self.counters.policy_fallbacks.fetch_add(1, Ordering::Relaxed);
+                        if self.rejections.record("non_finite_logits") {
+                            warn!(actor = %self.actor, env_idx, version = weights.version.0,
+                                  "policy output has no distribution; acting uniformly for this step");
+                        }
+                        let action = ((u * n_actions as f32) as usize).min(n_actions - 1);
+                        (action, -(n_actions as f32).ln())
+                    }
+                };
                 self.actions[env_idx] = action;
                 let builder = &mut self.builders[env_idx];
                 builder.actions.push(action as u32);
-                builder.behaviour_log_probs.push(self.log_probs[action]);
+                builder.behaviour_log_probs.push(log_prob);
             }
             if let ActionHead::Gaussian { squash } = self.spec.policy.head {
                 self.sample_gaussian(params, squash);
@@ -499,9 +524,22 @@ impl RolloutWorker {
     fn sample_gaussian(&mut self, params: &[f32], squash: bool) {
         let n_actions = self.envs.n_actions();
         let log_std = &params[self.layout.log_std_range().expect("a Gaussian head has a log-std entry")];
+        let standard = [0.0f32; 64];
         for env_idx in 0..self.envs.n_envs() {
             let row = env_idx * n_actions..(env_idx + 1) * n_actions;
-            let mean = &self.logits[row.clone()];
+            let mut mean = &self.logits[row.clone()];
+            let mut log_std = log_std;
+            // A head whose output is not finite (finite weights can still overflow a forward)
+            // acts from the standard normal instead, and records that density, so the step is
+            // honest off-policy data (issue 46).
+            if !(mean.iter().chain(log_std).all(|x| x.is_finite())) && n_actions <= standard.len() {
+                self.counters.policy_fallbacks.fetch_add(1, Ordering::Relaxed);
+                if self.rejections.record("non_finite_means") {
+                    warn!(actor = %self.actor, env_idx, "policy output is not finite; acting from the standard normal for this step");
+                }
+                mean = &standard[..n_actions];
+                log_std = &standard[..n_actions];
+            }
             let action = &mut self.continuous_actions[row.clone()];
             let log_prob = match self.starts.action_rng(env_idx) {
                 Some(rng) => gaussian::sample(mean, log_std, squash, rng, action),
@@ -526,7 +564,9 @@ impl RolloutWorker {
         for (env_idx, error) in &self.step.env_errors {
             let env_idx = *env_idx;
             self.counters.env_errors.fetch_add(1, Ordering::Relaxed);
-            warn!(actor = %self.actor, env_idx, %error, reason = error.reason(), "environment failed; reset");
+            if self.rejections.record(error.reason()) {
+                warn!(actor = %self.actor, env_idx, %error, reason = error.reason(), "environment failed; reset");
+            }
             // A failure right after an episode ended (a failed reset) aborts nothing.
             let finished = self.step.finished_episodes.iter().any(|e| e.env_idx == env_idx);
             if !finished && !self.aborted[env_idx] {
@@ -596,7 +636,9 @@ impl RolloutWorker {
                 // reports each bad pointer once (retries with backoff) and waits for the next.
                 Err(err) => {
                     self.counters.weights_refused.fetch_add(1, Ordering::Relaxed);
-                    warn!(actor = %self.actor, %err, "first weights refused; waiting for valid ones");
+                    if self.rejections.record("weights_refused") {
+                        warn!(actor = %self.actor, %err, "first weights refused; waiting for valid ones");
+                    }
                 }
             }
         }
@@ -636,14 +678,19 @@ impl RolloutWorker {
                     self.counters.weight_fetches.fetch_add(1, Ordering::Relaxed);
                     if let Err(err) = self.set_weights(weights) {
                         // Keep acting with the old version; the learner decides what is too stale.
-                        warn!(actor = %self.actor, %err, "ignoring unusable weights");
+                        self.counters.weights_refused.fetch_add(1, Ordering::Relaxed);
+                        if self.rejections.record("weights_unusable") {
+                            warn!(actor = %self.actor, %err, "ignoring unusable weights");
+                        }
                     }
                 }
                 Ok(None) => {}
                 Err(TransportError::Closed) => break,
                 Err(err) => {
                     self.counters.weights_refused.fetch_add(1, Ordering::Relaxed);
-                    warn!(actor = %self.actor, %err, "weights check failed; keeping current version");
+                    if self.rejections.record("weights_refused") {
+                        warn!(actor = %self.actor, %err, "weights check failed; keeping current version");
+                    }
                 }
             }
             let paths = follower.paths();
@@ -804,8 +851,13 @@ mod tests {
     use volley_transport::work::{local_work_queue, LocalSnapshotStore, WorkQueue};
 
     fn worker(env: EnvConfig, obs_dim: usize, n_actions: usize, core: CoreKind, t_len: usize) -> RolloutWorker {
-        let spec =
-            SpecBuilder::cartpole(t_len).run("actor-test").env(env, obs_dim, n_actions).core(core).seed(1).build();
+        let gaussian = matches!(env, EnvConfig::Pendulum);
+        let mut builder =
+            SpecBuilder::cartpole(t_len).run("actor-test").env(env, obs_dim, n_actions).core(core).seed(1);
+        if gaussian {
+            builder = builder.head(volley_policy::ActionHead::Gaussian { squash: false });
+        }
+        let spec = builder.build();
         let layout = spec.validate().expect("valid spec");
         let weights = Arc::new(Weights::new(PolicyVersion(4), layout.hash(), layout.init_params(2)));
         let mut worker =
@@ -1119,6 +1171,82 @@ mod tests {
         corrupt.params[0] = 1.0;
         assert!(worker.set_weights(Arc::new(corrupt)).is_err());
         assert_eq!(worker.policy_version(), Some(PolicyVersion(4)), "the old version stays in use");
+    }
+
+    /// Issue 46: a NaN anchor with a valid digest was applied, and the actor then panicked in
+    /// its sampler. Weights holding a non-finite value or one beyond `MAX_ABS_PARAM` are refused
+    /// whatever their digest, and the actor keeps acting with the version it had.
+    #[test]
+    fn weights_with_unusable_values_and_a_valid_digest_are_refused() {
+        for core in [CoreKind::Mlp, CoreKind::Gru { hidden: 8 }] {
+            let mut worker = worker(EnvConfig::Cartpole, 4, 2, core, 8);
+            let n = worker.layout.n_params();
+            for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, 3e38, -2e19] {
+                let mut params = vec![0.01; n];
+                params[n / 2] = bad;
+                let forged = Arc::new(Weights::new(PolicyVersion(9), worker.layout.hash(), params));
+                assert!(worker.set_weights(forged).is_err(), "{core:?}: {bad} was applied");
+                assert_eq!(worker.policy_version(), Some(PolicyVersion(4)), "the old version stays in use");
+            }
+            let segments = worker.collect_segments();
+            assert!(segments.iter().all(|s| s.behaviour_log_probs.iter().all(|p| p.is_finite())));
+        }
+    }
+
+    /// Issue 46: weights at the bound (every parameter ±`MAX_ABS_PARAM`) are applied, and
+    /// the actor acts with them without panicking: what it records is finite, and any step
+    /// whose policy output had no distribution is counted as a fallback.
+    #[test]
+    fn weights_at_the_bound_are_acted_on_without_a_panic() {
+        use volley_core::wire::MAX_ABS_PARAM;
+        for (env, obs_dim, n_actions) in [(EnvConfig::Cartpole, 4, 2), (EnvConfig::Pendulum, 3, 1)] {
+            for core in [CoreKind::Mlp, CoreKind::Gru { hidden: 4 }] {
+                let mut worker = worker(env.clone(), obs_dim, n_actions, core, 8);
+                let n = worker.layout.n_params();
+                let params = (0..n).map(|i| if i % 3 == 0 { -MAX_ABS_PARAM } else { MAX_ABS_PARAM }).collect();
+                let huge = Arc::new(Weights::new(PolicyVersion(5), worker.layout.hash(), params));
+                worker.set_weights(huge).expect("finite and within the bound");
+                for segment in worker.collect_segments() {
+                    assert!(segment.behaviour_log_probs.iter().all(|p| p.is_finite()), "{env:?} {core:?}");
+                    assert!(segment.continuous_actions.iter().all(|a| a.is_finite()), "{env:?} {core:?}");
+                }
+            }
+        }
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig { cases: 64, ..Default::default() })]
+        /// Issue 46: whatever values weights carry (finite, huge, NaN, infinite), an actor
+        /// (MLP and GRU, discrete and continuous) applies them or refuses them, and then
+        /// collects segments without panicking; what it records is finite.
+        #[test]
+        fn no_weights_values_panic_an_actor(
+            recurrent in proptest::bool::ANY,
+            continuous in proptest::bool::ANY,
+            values in proptest::collection::vec(
+                proptest::prop_oneof![
+                    proptest::num::f32::ANY,
+                    proptest::sample::select(vec![f32::NAN, f32::INFINITY, 3e38, 1e19, 1e18, -1e10, 0.0]),
+                ],
+                1..8,
+            ),
+            at in proptest::collection::vec(proptest::num::usize::ANY, 8),
+        ) {
+            let core = if recurrent { CoreKind::Gru { hidden: 4 } } else { CoreKind::Mlp };
+            let (env, obs_dim, n_actions) =
+                if continuous { (EnvConfig::Pendulum, 3, 1) } else { (EnvConfig::Cartpole, 4, 2) };
+            let mut worker = worker(env, obs_dim, n_actions, core, 4);
+            let n = worker.layout.n_params();
+            let mut params = worker.layout.init_params(3);
+            for (value, at) in values.iter().zip(&at) {
+                params[at % n] = *value;
+            }
+            let _ = worker.set_weights(Arc::new(Weights::new(PolicyVersion(7), worker.layout.hash(), params)));
+            for segment in worker.collect_segments() {
+                proptest::prop_assert!(segment.behaviour_log_probs.iter().all(|p| p.is_finite()));
+                proptest::prop_assert!(segment.continuous_actions.iter().all(|a| a.is_finite()));
+            }
+        }
     }
 
     #[test]

@@ -17,7 +17,7 @@ use volley_learner::{
 };
 use volley_transport::envsvc::{EnvServiceClient, RemoteVecEnv, RemoteVecEnvConfig};
 use volley_transport::local::weights_channel;
-use volley_transport::nats::NatsBus;
+use volley_transport::nats::{weights, NatsBus};
 use volley_transport::{BackgroundPublisher, TrajectorySink, TrajectorySource, WeightsPublisher};
 
 use crate::args::{ActorArgs, EnvChoice, LearnerConfig};
@@ -112,7 +112,22 @@ pub fn learner(config: LearnerConfig, interrupted: Arc<AtomicBool>) -> anyhow::R
         bus.ensure_run(&spec).context("creating the run's streams and buckets")?;
         // Versions never go backwards: continue above whatever this run already published.
         let publisher = bus.weights_publisher().context("opening the weights store")?;
+        // A checkpoint bounds how far the run's pointer can honestly be ahead of it: what a
+        // learner can publish in the checkpoint's age (issue 46: a forged pointer far ahead
+        // was followed, and then nothing the learner published after a restart was newer).
+        // Followers go back to this learner's versions after a few pointers
+        // (`REWIND_AFTER_WRITES`), so keeping the checkpoint's version recovers the run.
+        let checkpoint_age = resumed_from.and_then(|_| {
+            std::fs::metadata(&config.checkpoint_path).and_then(|meta| meta.modified()).ok()?.elapsed().ok()
+        });
         match publisher.published_before() {
+            Some(published) if !weights::continue_above_published(published, learner.version(), checkpoint_age) => {
+                warn!(
+                    published = published.0,
+                    next = learner.version().0,
+                    "refusing to continue above a published version no learner can have published since the checkpoint"
+                )
+            }
             Some(published) => match learner.advance_version_past(published) {
                 Ok(()) => {
                     info!(published = published.0, next = learner.version().0, "continuing above the published version")

@@ -202,7 +202,8 @@ fn selection_drops_are_counted_by_reason_while_training_continues() {
             let mut absurd = valid_segment(&learner, &mut rng, 200, 1000 + idx);
             absurd.rewards[3] = 1e4;
             absurd.finished_episodes[0].episode_len = 1000;
-            // Admission rejects a non-finite return before selection sees it.
+            // Validation rejects a non-finite return (as every non-finite float in a segment,
+            // issue 46) before selection sees it.
             let mut infinite = valid_segment(&learner, &mut rng, 200, 2000 + idx);
             infinite.finished_episodes[0].episode_return = f32::INFINITY;
             // Two rollouts with the same return 4: one that began 4 steps before the segment
@@ -254,7 +255,7 @@ fn selection_drops_are_counted_by_reason_while_training_continues() {
     assert_eq!(report.segments_zero_variance, 3);
     assert_eq!(report.segments_stale, 3);
     assert_eq!(report.segments_duplicate, 2);
-    assert_eq!(report.segments_rejected, HashMap::from([("episode_summary", 3)]));
+    assert_eq!(report.segments_rejected, HashMap::from([("non_finite", 3)]));
     // Training continued on the valid segments: each update used at least one new segment, and
     // what is left is less than a pool (the loop stops when the closed source cannot refill it).
     assert!(report.pool_segments < 8, "pool left: {}", report.pool_segments);

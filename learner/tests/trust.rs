@@ -36,7 +36,21 @@ fn segment(learner: &Learner, actor: &str, idx: u64, episode_return: f32, episod
         .build()
 }
 
+/// Serialises the learner loops of this file: one test captures the log through a scoped
+/// subscriber, and a loop on another thread registering the same log call sites meanwhile can
+/// leave them cached as disabled for it.
+static LOOPS: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn one_loop_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    LOOPS.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 fn run(learner: &mut Learner, segments: Vec<TrajectorySegment>, limits: RunLimits) -> (LearnerReport, Vec<f32>) {
+    let _one = one_loop_at_a_time();
+    run_alone(learner, segments, limits)
+}
+
+fn run_alone(learner: &mut Learner, segments: Vec<TrajectorySegment>, limits: RunLimits) -> (LearnerReport, Vec<f32>) {
     let (mut sink, mut source) = trajectory_channel(segments.len());
     sink.publish(segments).expect("room for every segment");
     drop(sink);
@@ -125,4 +139,193 @@ fn one_actor_moves_the_return_window_by_at_most_its_share() {
     assert_eq!(report.recent_returns.len(), 80, "50 from the attacker, 30 honest");
     let attacker_share = report.recent_returns.iter().filter(|&&r| r == 500.0).count();
     assert_eq!(attacker_share, 50);
+}
+
+// Issue 46: no message crashes the learner, and rejections are logged at a bounded rate.
+
+const H: usize = 8;
+
+fn gru_spec() -> RunSpec {
+    let hyper =
+        HyperParams { loss: LossKind::Vtrace, batch_segments: B, max_policy_lag: 100, ..HyperParams::default() };
+    SpecBuilder::cartpole(T)
+        .run("trust")
+        .torso(vec![16])
+        .core(volley_policy::CoreKind::Gru { hidden: H })
+        .hyper(hyper)
+        .seed(5)
+        .build()
+}
+
+/// A GRU segment with an episode ending at step 3 and another at the last step, so a state
+/// may be restored at step 4.
+fn gru_segment(learner: &Learner, actor: &str, idx: u64) -> TrajectorySegment {
+    let mut segment = segment(learner, actor, idx, 8.0, 8);
+    segment.terminated[3] = 1;
+    segment.finished_episodes.clear();
+    segment
+}
+
+/// Issue 46: a GRU learner panicked in the sampler's assert ("logits must hold at least one
+/// finite value") on one segment whose `initial_hidden` or `restored_states` was 3e38 (finite).
+/// Both are refused as `out_of_bounds` and counted; training carries on with honest segments.
+#[test]
+fn a_gru_learner_refuses_recurrent_states_of_3e38_and_trains_on() {
+    let mut learner = Learner::new(gru_spec()).expect("valid spec");
+    let mut segments: Vec<_> = (0..40).map(|idx| gru_segment(&learner, "honest", idx)).collect();
+    let mut initial = gru_segment(&learner, "attacker", 1);
+    initial.initial_hidden = vec![3e38; H];
+    let mut restored = gru_segment(&learner, "attacker", 2);
+    restored.restored_states = vec![volley_core::wire::RestoredState { step: 4, hidden: vec![3e38; H] }];
+    segments.insert(3, initial);
+    segments.insert(9, restored);
+    let (report, grad_norms) = run(&mut learner, segments, RunLimits { publish_every: 1, ..RunLimits::default() });
+    assert_eq!(report.segments_rejected.get("out_of_bounds"), Some(&2), "{:?}", report.segments_rejected);
+    assert_eq!(report.segments_received, 40);
+    assert!(report.updates >= 9, "{} updates", report.updates);
+    assert!(grad_norms.iter().all(|g| g.is_finite()), "{grad_norms:?}");
+}
+
+/// Defence in depth behind decode (issue 46): an update on states that were never validated
+/// (3e38) does not panic; a step whose gradient is not finite is skipped, and the parameters
+/// stay finite. Before, `log_softmax` asserted and the learner process died.
+#[test]
+fn an_update_on_unvalidated_states_of_3e38_skips_the_step_instead_of_panicking() {
+    for core in [volley_policy::CoreKind::Gru { hidden: H }, volley_policy::CoreKind::Mlp] {
+        let mut spec = gru_spec();
+        spec.policy.core = core;
+        let mut learner = Learner::new(spec).expect("valid spec");
+        let hidden = learner.layout().recurrent_size();
+        let mut segments: Vec<_> = (0..B as u64).map(|idx| gru_segment(&learner, "a", idx)).collect();
+        for segment in &mut segments {
+            segment.initial_hidden = vec![0.0; hidden];
+        }
+        segments[0].initial_hidden = vec![3e38; hidden];
+        segments[1].observations.fill(3e38);
+        segments[2].rewards[1] = 3e38;
+        let refs: Vec<&TrajectorySegment> = segments.iter().collect();
+        let mut batch = volley_learner::batch::SegmentBatch::default();
+        batch.fill(&refs, 0.99, 1.0, &[1.0; B]);
+        let _stats = learner.update(&batch);
+        assert!(learner.params().iter().all(|p| p.is_finite()), "{core:?}: parameters stayed finite");
+    }
+}
+
+/// Issue 46, bounded logs: rejected parts were logged one by one (9.6 times the bytes of the
+/// hostile traffic). 3,000 rejected segments of two reasons log the first few of each, and
+/// every one is still counted.
+#[test]
+fn a_flood_of_rejected_segments_logs_a_bounded_number_of_lines() {
+    use std::io::Write;
+    use std::sync::{Arc, Mutex};
+    #[derive(Clone, Default)]
+    struct Captured(Arc<Mutex<Vec<u8>>>);
+    impl Write for Captured {
+        fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().expect("not poisoned").extend_from_slice(bytes);
+            Ok(bytes.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let mut learner = Learner::new(spec()).expect("valid spec");
+    let mut segments = Vec::new();
+    for idx in 0..3_000 {
+        let mut bad = segment(&learner, "attacker", idx, 8.0, 8);
+        if idx % 2 == 0 {
+            bad.rewards[1] = f32::NAN;
+        } else {
+            bad.policy_version = PolicyVersion(1 << 40);
+        }
+        segments.push(bad);
+    }
+    for idx in 0..8 {
+        segments.push(segment(&learner, "honest", idx, 8.0, 8));
+    }
+    let captured = Captured::default();
+    let writer = captured.clone();
+    let subscriber = tracing_subscriber::fmt().with_writer(move || writer.clone()).with_ansi(false).finish();
+    let _one = one_loop_at_a_time();
+    let report = tracing::subscriber::with_default(subscriber, || {
+        run_alone(&mut learner, segments, RunLimits { publish_every: 1, ..RunLimits::default() }).0
+    });
+    assert_eq!(report.segments_rejected.get("non_finite"), Some(&1_500));
+    assert_eq!(report.segments_rejected.get("future_version"), Some(&1_500));
+    let text = String::from_utf8_lossy(&captured.0.lock().expect("not poisoned")).into_owned();
+    let rejected_lines = text.lines().filter(|line| line.contains("segment rejected")).count();
+    let first = volley_transport::rejection_log::DEFAULT_FIRST_PER_WINDOW as usize;
+    // A window is 30 s: a slow machine may start a second one during the run.
+    assert!(rejected_lines >= 2 * first && rejected_lines <= 2 * 2 * first, "{rejected_lines} lines:\n{text}");
+    assert!(text.lines().count() < 100, "{} lines in all", text.lines().count());
+}
+
+/// Float values as they may come off the bus: any bit pattern, and the awkward ones.
+fn any_float() -> impl proptest::strategy::Strategy<Value = f32> {
+    use proptest::prelude::*;
+    prop_oneof![
+        proptest::num::f32::ANY,
+        proptest::sample::select(vec![f32::NAN, f32::INFINITY, f32::NEG_INFINITY, 3e38, -3e38, 1e19, 1e10, -0.0]),
+    ]
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig { cases: 48, ..Default::default() })]
+    /// Issue 46: random finite and non-finite values in any float field of a segment
+    /// (observations, rewards, behaviour log-probabilities, truncation values, the initial and
+    /// restored recurrent states, episode returns) never panic a learner, MLP or GRU: the
+    /// segment is refused and counted, or trained on, and the parameters stay finite.
+    #[test]
+    fn no_float_in_a_segment_panics_a_learner(
+        recurrent in proptest::bool::ANY,
+        field in 0..7usize,
+        values in proptest::collection::vec(any_float(), 1..6),
+        at in proptest::collection::vec(proptest::num::usize::ANY, 6),
+    ) {
+        let mut spec = gru_spec();
+        if !recurrent {
+            spec.policy.core = volley_policy::CoreKind::Mlp;
+        }
+        let mut learner = Learner::new(spec).expect("valid spec");
+        let hidden = learner.layout().recurrent_size();
+        let mut segments: Vec<_> = (0..2 * B as u64).map(|idx| gru_segment(&learner, "a", idx)).collect();
+        let forged = &mut segments[1];
+        let put = |target: &mut Vec<f32>| {
+            for (value, at) in values.iter().zip(&at) {
+                if !target.is_empty() {
+                    let len = target.len();
+                    target[at % len] = *value;
+                }
+            }
+        };
+        match field {
+            0 => put(&mut forged.observations),
+            1 => put(&mut forged.rewards),
+            2 => put(&mut forged.behaviour_log_probs),
+            3 => {
+                forged.truncation_values = vec![0.0; T];
+                put(&mut forged.truncation_values);
+            }
+            4 => put(&mut forged.initial_hidden),
+            5 => {
+                let mut state = vec![0.0; hidden];
+                put(&mut state);
+                forged.restored_states = vec![volley_core::wire::RestoredState { step: 4, hidden: state }];
+            }
+            _ => {
+                forged.finished_episodes =
+                    vec![EpisodeSummary { episode_return: values[0], episode_len: 4, ..EpisodeSummary::default() }];
+            }
+        }
+        let _one = one_loop_at_a_time();
+        let (mut sink, mut source) = trajectory_channel(segments.len());
+        sink.publish(segments).expect("room for every segment");
+        drop(sink);
+        let (mut publisher, _follower) = weights_channel();
+        let limits = RunLimits { publish_every: 1, ..RunLimits::default() };
+        let report = run_learner(&mut learner, &mut source, &mut publisher, &limits, &AtomicBool::new(false), &mut |_: &mut Learner, _: &LearnerReport, _: &UpdateStats| {})
+            .expect("learner loop");
+        proptest::prop_assert!(report.updates >= 1, "the honest segments are trained on");
+        proptest::prop_assert!(learner.params().iter().all(|p| p.is_finite()));
+    }
 }

@@ -3,25 +3,30 @@
 //! A row is the `n_actions` logits the policy head produced for one observation. Every function
 //! subtracts the row maximum before exponentiating (the log-sum-exp trick), so logits of any
 //! finite magnitude neither overflow nor lose the distribution. A logit of `−∞` is allowed and
-//! means the action has probability zero; at least one logit must be finite.
+//! means the action has probability zero. A row with no finite maximum (all `−∞`, or a `+∞`
+//! or NaN in it) has no distribution: the samplers return `None` and [`log_softmax`] writes NaN,
+//! never a panic, because such a row comes from weights or inputs off the network (issue 46: a
+//! NaN live anchor crashed every actor here, a recurrent state of 3e38 the learner).
 
 use rand::Rng;
 
-/// Returns `(max, Σ_j exp(logits_j − max))`, the stable pieces of `log Σ_j exp(logits_j)`.
-///
-/// # Panics
-///
-/// If `logits` is empty or has no finite maximum (all `−∞`, or a `+∞`/NaN maximum).
+/// Returns `(max, Σ_j exp(logits_j − max))`, the stable pieces of `log Σ_j exp(logits_j)`, or
+/// `None` when `logits` is empty or has no finite maximum (all `−∞`, a `+∞`, or a NaN).
 #[inline]
-fn shifted_exp_sum(logits: &[f32]) -> (f32, f32) {
+fn shifted_exp_sum(logits: &[f32]) -> Option<(f32, f32)> {
+    // `f32::max` ignores NaN, so NaN is looked for on its own.
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    assert!(
-        max.is_finite(),
-        "logits must hold at least one finite value and no +inf, got maximum {max} over {} logits",
-        logits.len()
-    );
+    if !max.is_finite() || logits.iter().any(|z| z.is_nan()) {
+        return None;
+    }
     let sum = logits.iter().map(|&z| (z - max).exp()).sum();
-    (max, sum)
+    Some((max, sum))
+}
+
+/// Whether `logits` define a distribution: not empty, no NaN or `+∞`, at least one finite
+/// value. Rows that do not are what [`sample_categorical`] refuses.
+pub fn is_distribution(logits: &[f32]) -> bool {
+    shifted_exp_sum(logits).is_some()
 }
 
 /// Writes `log softmax(logits)` into `out`: `out_j = (z_j − max) − log Σ_k exp(z_k − max)`.
@@ -29,9 +34,12 @@ fn shifted_exp_sum(logits: &[f32]) -> (f32, f32) {
 /// Subtracting the maximum keeps every exponent `≤ 0`, so the sum lies in `[1, n]` and neither
 /// overflows nor underflows, whatever the logits' magnitude.
 ///
+/// A row with no distribution ([`is_distribution`]) gives NaN everywhere: the learner's
+/// non-finite gradient check then skips the step, as for any other non-finite loss.
+///
 /// # Panics
 ///
-/// If `out.len() != logits.len()`, or if `logits` has no finite maximum.
+/// If `out.len() != logits.len()`.
 ///
 /// # Example
 ///
@@ -44,7 +52,10 @@ fn shifted_exp_sum(logits: &[f32]) -> (f32, f32) {
 /// ```
 pub fn log_softmax(logits: &[f32], out: &mut [f32]) {
     assert!(out.len() == logits.len(), "out: expected {} elements, got {}", logits.len(), out.len());
-    let (max, sum) = shifted_exp_sum(logits);
+    let Some((max, sum)) = shifted_exp_sum(logits) else {
+        out.fill(f32::NAN);
+        return;
+    };
     // Subtract the maximum before the log-sum so that a small `log sum` is not absorbed by a
     // huge maximum (1e30 + ln 2 == 1e30 in f32).
     let log_sum = sum.ln();
@@ -100,9 +111,12 @@ fn inverse_cdf(logits: &[f32], max: f32, sum: f32, u: f32) -> usize {
 /// accumulated on `exp(z − max)`, which is stable for large logits, and an action of probability
 /// zero is never returned.
 ///
+/// `None` when the row has no distribution ([`is_distribution`]): the caller counts it and
+/// acts without this row's policy.
+///
 /// # Panics
 ///
-/// If `logits` has no finite maximum. In debug builds, also if `u` is outside `[0, 1)`.
+/// In debug builds, if `u` is outside `[0, 1)`.
 ///
 /// # Example
 ///
@@ -110,21 +124,20 @@ fn inverse_cdf(logits: &[f32], max: f32, sum: f32, u: f32) -> usize {
 /// use volley_policy::distributions::sample_categorical;
 ///
 /// // Probabilities [0.5, 0.5]: u below one half picks action 0.
-/// assert_eq!(sample_categorical(&[3.0, 3.0], 0.25), 0);
-/// assert_eq!(sample_categorical(&[3.0, 3.0], 0.75), 1);
+/// assert_eq!(sample_categorical(&[3.0, 3.0], 0.25), Some(0));
+/// assert_eq!(sample_categorical(&[3.0, 3.0], 0.75), Some(1));
+/// assert_eq!(sample_categorical(&[f32::NAN, 3.0], 0.75), None);
 /// ```
-pub fn sample_categorical(logits: &[f32], u: f32) -> usize {
+pub fn sample_categorical(logits: &[f32], u: f32) -> Option<usize> {
     debug_assert!((0.0..1.0).contains(&u), "u must lie in [0, 1), got {u}");
-    let (max, sum) = shifted_exp_sum(logits);
-    inverse_cdf(logits, max, sum, u)
+    let (max, sum) = shifted_exp_sum(logits)?;
+    Some(inverse_cdf(logits, max, sum, u))
 }
 
 /// Samples an action from `softmax(logits)` with a uniform draw from `rng` and returns it with
 /// its log-probability `log π(a)`, which the actor records as the behaviour log-probability.
 ///
-/// # Panics
-///
-/// If `logits` has no finite maximum.
+/// `None` when the row has no distribution ([`is_distribution`]).
 ///
 /// # Example
 ///
@@ -133,14 +146,14 @@ pub fn sample_categorical(logits: &[f32], u: f32) -> usize {
 /// use volley_policy::distributions::sample_categorical_with_rng;
 ///
 /// let mut rng = SmallRng::seed_from_u64(7);
-/// let (action, log_prob) = sample_categorical_with_rng(&[0.0, f32::NEG_INFINITY], &mut rng);
-/// assert_eq!((action, log_prob), (0, 0.0));
+/// let sampled = sample_categorical_with_rng(&[0.0, f32::NEG_INFINITY], &mut rng);
+/// assert_eq!(sampled, Some((0, 0.0)));
 /// ```
-pub fn sample_categorical_with_rng(logits: &[f32], rng: &mut impl Rng) -> (usize, f32) {
+pub fn sample_categorical_with_rng(logits: &[f32], rng: &mut impl Rng) -> Option<(usize, f32)> {
     let u: f32 = rng.random();
-    let (max, sum) = shifted_exp_sum(logits);
+    let (max, sum) = shifted_exp_sum(logits)?;
     let action = inverse_cdf(logits, max, sum, u);
-    (action, (logits[action] - max) - sum.ln())
+    Some((action, (logits[action] - max) - sum.ln()))
 }
 
 #[cfg(test)]
@@ -173,12 +186,12 @@ mod tests {
         assert!((lp[1] + 2f32.ln()).abs() < 1e-6, "{lp:?}");
         assert!(lp[2] < -1e29 && lp[3] < -1e29, "{lp:?}");
         assert!((entropy_from_log_probs(&lp) - 2f32.ln()).abs() < 1e-6);
-        assert_eq!(sample_categorical(&logits, 0.0), 0);
-        assert_eq!(sample_categorical(&logits, 0.99), 1);
+        assert_eq!(sample_categorical(&logits, 0.0), Some(0));
+        assert_eq!(sample_categorical(&logits, 0.99), Some(1));
         let mut rng = SmallRng::seed_from_u64(1);
-        let (_, log_prob) = sample_categorical_with_rng(&logits, &mut rng);
+        let (_, log_prob) = sample_categorical_with_rng(&logits, &mut rng).expect("a distribution");
         assert!((log_prob + 2f32.ln()).abs() < 1e-6);
-        assert_eq!(sample_categorical(&[1e38, -1e38, 3e38], 0.5), 2);
+        assert_eq!(sample_categorical(&[1e38, -1e38, 3e38], 0.5), Some(2));
     }
 
     #[test]
@@ -188,7 +201,7 @@ mod tests {
         assert_eq!(lp, [f32::NEG_INFINITY, 0.0, f32::NEG_INFINITY]);
         assert_eq!(entropy_from_log_probs(&lp), 0.0);
         for u in [0.0, 0.5, 0.999_999_94] {
-            assert_eq!(sample_categorical(&logits, u), 1);
+            assert_eq!(sample_categorical(&logits, u), Some(1));
         }
     }
 
@@ -202,12 +215,12 @@ mod tests {
     fn inverse_cdf_picks_the_bucket_containing_u() {
         // Probabilities [0.2, 0.3, 0.5]: buckets [0, 0.2), [0.2, 0.5), [0.5, 1).
         let logits = [0.2f32.ln(), 0.3f32.ln(), 0.5f32.ln()];
-        assert_eq!(sample_categorical(&logits, 0.0), 0);
-        assert_eq!(sample_categorical(&logits, 0.19), 0);
-        assert_eq!(sample_categorical(&logits, 0.21), 1);
-        assert_eq!(sample_categorical(&logits, 0.49), 1);
-        assert_eq!(sample_categorical(&logits, 0.51), 2);
-        assert_eq!(sample_categorical(&logits, 1.0 - f32::EPSILON / 2.0), 2);
+        assert_eq!(sample_categorical(&logits, 0.0), Some(0));
+        assert_eq!(sample_categorical(&logits, 0.19), Some(0));
+        assert_eq!(sample_categorical(&logits, 0.21), Some(1));
+        assert_eq!(sample_categorical(&logits, 0.49), Some(1));
+        assert_eq!(sample_categorical(&logits, 0.51), Some(2));
+        assert_eq!(sample_categorical(&logits, 1.0 - f32::EPSILON / 2.0), Some(2));
     }
 
     #[test]
@@ -218,7 +231,7 @@ mod tests {
         let n_draws = 200_000;
         let mut counts = [0usize; 5];
         for _ in 0..n_draws {
-            let (action, log_prob) = sample_categorical_with_rng(&logits, &mut rng);
+            let (action, log_prob) = sample_categorical_with_rng(&logits, &mut rng).expect("a distribution");
             assert!((log_prob - lp[action]).abs() < 1e-6);
             counts[action] += 1;
         }
@@ -235,10 +248,26 @@ mod tests {
         assert!(chi_square < 25.0, "χ² = {chi_square}, counts {counts:?}");
     }
 
+    /// Issue 46: rows with no distribution were an assert (a NaN anchor crashed every actor,
+    /// a recurrent state of 3e38 the GRU learner). Now the samplers say `None` and
+    /// `log_softmax` writes NaN, which the learner's non-finite gradient check skips.
     #[test]
-    #[should_panic(expected = "at least one finite value")]
-    fn all_masked_logits_panic() {
-        sample_categorical(&[f32::NEG_INFINITY; 3], 0.5);
+    fn rows_without_a_distribution_are_refused_without_a_panic() {
+        let mut rng = SmallRng::seed_from_u64(3);
+        for row in [
+            vec![f32::NEG_INFINITY; 3],
+            vec![f32::NAN, 0.0, 1.0],
+            vec![0.0, f32::INFINITY],
+            vec![f32::NAN; 2],
+            vec![f32::INFINITY, f32::NEG_INFINITY],
+            Vec::new(),
+        ] {
+            assert!(!is_distribution(&row), "{row:?}");
+            assert_eq!(sample_categorical(&row, 0.5), None, "{row:?}");
+            assert_eq!(sample_categorical_with_rng(&row, &mut rng), None, "{row:?}");
+            assert!(log_softmax_vec(&row).iter().all(|lp| lp.is_nan()), "{row:?}");
+        }
+        assert!(is_distribution(&[f32::NEG_INFINITY, -3e38]));
     }
 
     proptest! {
@@ -265,7 +294,8 @@ mod tests {
         ) {
             prop_assume!(logits.iter().any(|z| z.is_finite()));
             let (lo, hi) = if u1 <= u2 { (u1, u2) } else { (u2, u1) };
-            let (a_lo, a_hi) = (sample_categorical(&logits, lo), sample_categorical(&logits, hi));
+            let sample = |u| sample_categorical(&logits, u).expect("one logit is finite");
+            let (a_lo, a_hi) = (sample(lo), sample(hi));
             prop_assert!(a_lo <= a_hi);
             prop_assert!(logits[a_lo].is_finite() && logits[a_hi].is_finite());
         }

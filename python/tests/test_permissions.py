@@ -70,7 +70,13 @@ def test_the_env_server_user_serves_its_service_and_nothing_else(broker):
 
     async def scenario():
         server_nc = await nats.connect(url, user="env-cartpole", password=PASSWORDS["VOLLEY_ENV_SERVER_PASSWORD"])
-        actor_nc = await nats.connect(url, user="actor-local", password=PASSWORDS["VOLLEY_ACTOR_PASSWORD"])
+        actor_nc = await nats.connect(
+            url,
+            user="actor-local",
+            password=PASSWORDS["VOLLEY_ACTOR_PASSWORD"],
+            # The actor user's private inbox prefix, as the Rust transport sets it.
+            inbox_prefix="_INBOX_actor-local",
+        )
         server = EnvServer(make_factory("gymnasium:CartPole-v1"), "cartpole", label="gymnasium:CartPole-v1")
         await server.start(server_nc)
         (instance,) = await discover(actor_nc, "cartpole")

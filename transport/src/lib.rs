@@ -21,6 +21,7 @@ mod background;
 pub mod envsvc;
 pub mod local;
 pub mod nats;
+pub mod rejection_log;
 pub mod work;
 
 use std::sync::Arc;

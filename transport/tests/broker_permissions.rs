@@ -411,7 +411,6 @@ fn actor_consumer_grants_are_exactly_the_filtered_reads() {
     let cases = [
         ("KV_volley-local", "$KV.volley-local.weights", "$KV.volley-local.spec", "$KV.volley-local.>"),
         ("OBJ_volley-local-wts", "$O.volley-local-wts.C.abc", "$O.volley-local-wts.M.abc", "$O.volley-local-wts.>"),
-        ("OBJ_volley-local-snap", "$O.volley-local-snap.C.abc", "$O.volley-local-snap.M.abc", "$O.volley-local-snap.>"),
     ];
     for (stream, granted, other, wide) in cases {
         // Granted: a named consumer with the filter in its create subject.
@@ -436,6 +435,15 @@ fn actor_consumer_grants_are_exactly_the_filtered_reads() {
         let answer = js_request(&actor, &sneaky, push_consumer(stream, "no2", wide, &inbox)).expect("answered");
         assert!(answer.get("error").is_some(), "{sneaky} with filter {wide} was accepted: {answer}");
     }
+    // Issue 46: no consumer at all on the snapshot store, which actors write (snapshots are
+    // read by message gets): its deliveries could be relayed onto the learner's subjects.
+    let snap = "$JS.API.CONSUMER.CREATE.OBJ_volley-local-snap.x.$O.volley-local-snap.C.abc";
+    let relay = push_consumer("OBJ_volley-local-snap", "x", "$O.volley-local-snap.C.abc", "volley.local.weights.live");
+    assert!(js_request(&actor, snap, relay).is_none(), "{snap}");
+    assert_violation(&server, snap);
+    let snap_delete = "$JS.API.CONSUMER.DELETE.OBJ_volley-local-snap.x";
+    assert!(js_request(&actor, snap_delete, serde_json::json!({})).is_none(), "{snap_delete}");
+    assert_violation(&server, snap_delete);
     // The trajectory stream, the learner's consumer and the work queue's are out of reach.
     let traj = "$JS.API.CONSUMER.CREATE.volley-local-traj.x.volley.local.traj.a1";
     assert!(js_request(&actor, traj, push_consumer("volley-local-traj", "x", "volley.local.traj.a1", &inbox)).is_none());
@@ -523,4 +531,114 @@ fn env_server_user_serves_its_service_and_nothing_else() {
         actor.client().flush().await.expect("flushed");
     });
     assert_violation(&server, &format!("volley.env.{ENV_SERVICE}.>"));
+}
+
+/// Issue 46: each role reads its own inboxes only. The transport connects a user with the
+/// private inbox prefix `_INBOX_<user>` (`NatsAuth::inbox_prefix`), and the config grants each
+/// user that prefix alone: before, learner and actors shared `_INBOX.>` and an actor read the
+/// learner's replies (17,406 messages in 3 s). Their jobs run with no violation on the private
+/// prefixes (`learner_and_actor_users_can_do_their_jobs`); here, the grants next to the denials.
+#[test]
+fn each_role_subscribes_to_its_own_private_inboxes_only() {
+    let server = broker();
+    let learner = learner(&server);
+    let actor = actor_on(&server, RUN);
+    assert!(actor.client().new_inbox().starts_with("_INBOX_actor-local."), "{}", actor.client().new_inbox());
+    assert!(learner.client().new_inbox().starts_with("_INBOX_learner-local."));
+    let cases = [
+        (
+            &actor,
+            "actor-local",
+            "_INBOX_actor-local.>",
+            ["_INBOX.>", "_INBOX_learner-local.>", "_INBOX_learner-local.abc"],
+        ),
+        (
+            &learner,
+            "learner-local",
+            "_INBOX_learner-local.>",
+            ["_INBOX.>", "_INBOX_actor-local.>", "_INBOX_actor-local.abc"],
+        ),
+    ];
+    for (bus, user, granted, denied) in cases {
+        let client = bus.client().clone();
+        bus.block_on(async move {
+            let _granted = client.subscribe(granted).await.expect("sent");
+            for subject in denied {
+                let _denied = client.subscribe(subject).await.expect("sent");
+            }
+            client.flush().await.expect("flushed");
+        });
+        for subject in denied {
+            assert_violation(&server, subject);
+        }
+        let own = violations(&server)
+            .lines()
+            .any(|line| line.contains(&format!("user:{user}\"")) && line.contains(&format!("\"{granted}\"")));
+        assert!(!own, "{granted} was denied to {user}:\n{}", violations(&server));
+    }
+}
+
+/// Issue 46, relays: NATS checks no permission on a push consumer's deliver subject, so an
+/// actor that may create a consumer on a stream it writes (it could, on the snapshot store)
+/// can make the server deliver its own bytes on the learner's live weights or pace subject; 4
+/// of 4 such relays reached every actor. Now the actor user may create no consumer on the
+/// stores it writes (`actor_consumer_grants_are_exactly_the_filtered_reads`), and the
+/// consumers it may create (on the learner's weights store and run bucket) can relay only
+/// what the learner wrote. Those deliveries carry the consumer's `$JS.ACK` reply subject, and
+/// followers and sinks refuse and count them: here a well-formed live frame for the next
+/// version and a well-formed pace notice (written into the weights store with learner
+/// credentials, as a leaked one could), which a follower would otherwise take.
+#[test]
+fn consumer_deliveries_relayed_onto_the_learners_subjects_are_refused_on_receipt() {
+    use volley_core::wire::{frame, live, pace};
+    let server = broker();
+    let learner = learner(&server);
+    learner.ensure_run(&spec()).expect("the learner creates the run");
+    let mut publisher = learner.weights_publisher().expect("publisher");
+    publisher.publish(weights(0)).expect("v0");
+    let actor = actor_on(&server, RUN);
+    let mut follower = actor.weights_follower(42, 300_000).expect("follower");
+    assert_eq!(follower.wait_first(GUARD).expect("v0").version, PolicyVersion(0));
+    assert!(follower.is_live());
+    let sink =
+        actor.trajectory_sink(&ActorId::new("a1").expect("valid"), Arc::new(AtomicBool::new(false))).expect("sink");
+
+    let stream = "OBJ_volley-local-wts";
+    let forged = Weights::new(PolicyVersion(1), 42, vec![0.5; 300_000]);
+    let full = frame::encode_full_frame(&forged);
+    let (header, _) = frame::decode_frame_header(&full).expect("a frame");
+    let chunks = live::encode_live_chunks(&full, &header, 100_000);
+    let notice = pace::encode_pace_notice(&pace::PaceNotice { taken: 0, stored: 0, prefetch: 1 });
+    let run = RunId::new(RUN).expect("valid");
+    let relays = [
+        ("relay1", subjects::weights_live(&run), chunks.clone()),
+        ("relay2", subjects::pace(&run), vec![notice.to_vec(); 3]),
+    ];
+    // The attacker: actor credentials, its own connection, and bytes in the store.
+    let attacker = actor_on(&server, RUN);
+    for (name, deliver, payloads) in relays {
+        let filter = format!("$O.volley-local-wts.C.{name}");
+        let client = learner.client().clone();
+        let subject = filter.clone();
+        learner.block_on(async move {
+            let js = async_nats::jetstream::new(client);
+            for payload in payloads {
+                js.publish(subject.clone(), Bytes::from(payload)).await.expect("sent").await.expect("stored");
+            }
+        });
+        let create = format!("$JS.API.CONSUMER.CREATE.{stream}.{name}.{filter}");
+        let answer = js_request(&attacker, &create, push_consumer(stream, name, &filter, &deliver))
+            .unwrap_or_else(|| panic!("{create} was not answered:\n{}", violations(&server)));
+        assert!(answer.get("error").is_none(), "the relay consumer is created (NATS allows it): {answer}");
+    }
+    let n_chunks = chunks.len() as u64;
+    let outcome = within_guard("the relayed messages arriving", move || loop {
+        let pace_refused = sink.pace_notices().refused;
+        if follower.live_chunks_refused() >= n_chunks && pace_refused >= 3 {
+            let latest = follower.latest(Some(PolicyVersion(0))).expect("no error").map(|w| w.version);
+            return (follower.live_received(), latest, follower.verified_version(), sink.pace_notices().used);
+        }
+        thread::sleep(Duration::from_millis(10));
+    });
+    assert_eq!(outcome, (0, None, Some(PolicyVersion(0)), 0), "(frames reassembled, taken, held, notices used)");
 }

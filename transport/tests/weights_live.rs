@@ -460,3 +460,102 @@ fn versions_taken_on_the_learners_thread_reach_live_blind_and_late_followers_exa
     let mut late = late_bus.weights_follower(LAYOUT, SMALL_PARAMS).expect("follower");
     assert_exact(&late.wait_first(GUARD).expect("first weights"), &small(9));
 }
+
+/// Issue 46: a well-formed live anchor whose parameters are NaN (or infinite, or 3e38), its
+/// digest valid, was applied, and every actor then panicked in its action sampler. Such a
+/// frame is refused and counted; the learner's next version is still taken.
+#[test]
+fn a_live_anchor_of_unusable_parameters_with_a_valid_digest_is_refused() {
+    let server = TestNats::start();
+    for (k, bad) in [f32::NAN, f32::INFINITY, 3e38].into_iter().enumerate() {
+        let (learner, mut publisher, _actor, mut follower) = holding_v0(&server, &format!("nan-anchor-{k}"));
+        let mut params = vec![0.25; N_PARAMS];
+        params[17] = bad;
+        let forged = Weights::new(PolicyVersion(1), LAYOUT, params);
+        publish_live(&learner, live_chunks(&frame::encode_full_frame(&forged)));
+        let started = Instant::now();
+        while follower.live_received() < 2 {
+            assert!(started.elapsed() < GUARD, "the forged frame never completed: {follower:?}");
+            thread::sleep(Duration::from_millis(2));
+        }
+        still_v0(&mut follower);
+        assert_eq!(follower.live_refused(), 1, "{bad}");
+        // The learner's own v1: its live frame has the refused frame's version, so it comes
+        // by the pointer and the store.
+        publisher.publish(stepped(1)).expect("v1");
+        both_arrived(&follower, 2, 1);
+        assert_exact(&next_version(&mut follower, Some(0)), &stepped(1));
+    }
+}
+
+/// Overwrite the run's weights pointer with the pointer written last, its version set to
+/// `version` and its inline frame relabelled to match (the digest stays right: the parameters
+/// are the learner's), as a holder of KV write access could.
+fn forge_pointer(bus: &NatsBus, version: u64) {
+    use base64::Engine as _;
+    let bucket = subjects::run_bucket(&bus.config().run);
+    let client = bus.client().clone();
+    bus.block_on(async move {
+        let js = async_nats::jetstream::new(client);
+        let kv = js.get_key_value(bucket).await.expect("the run's bucket");
+        let current = kv.get(subjects::WEIGHTS_KEY).await.expect("read").expect("a pointer");
+        let mut pointer: serde_json::Value = serde_json::from_slice(&current).expect("json");
+        let engine = base64::engine::general_purpose::STANDARD;
+        let inline = engine.decode(pointer["inline"].as_str().expect("inline weights")).expect("base64");
+        let mut weights = frame::decode_frame(&inline, None, LAYOUT, SMALL_PARAMS).expect("the learner's frame");
+        weights.version = PolicyVersion(version);
+        pointer["version"] = version.into();
+        pointer["anchor"] = version.into();
+        pointer["inline"] = engine.encode(frame::encode_full_frame(&weights)).into();
+        kv.put(subjects::WEIGHTS_KEY, serde_json::to_vec(&pointer).expect("json").into()).await.expect("put");
+    });
+}
+
+/// Issue 46, the forged pointer stall: a well-formed pointer to a real frame relabelled
+/// +10⁶, or to version 2⁶⁴ − 1, was adopted; every honest version after it was older, so
+/// actors kept it until they restarted, and the learner refused their segments as future
+/// versions. Now a following actor refuses the jump and counts it, and takes the learner's
+/// next version; one that joined right after the forgery (it has nothing to measure a jump
+/// from) goes back to the learner's versions after `REWIND_AFTER_WRITES` pointers.
+#[test]
+fn a_forged_pointer_far_ahead_is_refused_and_cannot_stall_the_followers() {
+    use volley_transport::nats::weights::{MAX_VERSION_JUMP, REWIND_AFTER_WRITES};
+    let server = TestNats::start();
+    let learner = inline_bus(&server, "forged-ptr", 1, Duration::from_secs(600));
+    let mut publisher = learner.weights_publisher().expect("publisher");
+    let actor = inline_bus(&server, "forged-ptr", 1, Duration::from_secs(600));
+    let (_blind_bus, mut follower) = blind_follower(&actor, SMALL_PARAMS);
+    publisher.publish(small(0)).expect("v0");
+    assert_exact(&next_version(&mut follower, None), &small(0));
+    let mut version = 0;
+    for (k, forged) in [1_000_000, u64::MAX].into_iter().enumerate() {
+        assert!(forged > MAX_VERSION_JUMP);
+        forge_pointer(&learner, forged);
+        both_arrived(&follower, 0, forged);
+        let err = follower.latest(Some(PolicyVersion(version))).expect_err("the jump is refused");
+        assert!(err.to_string().contains("versions above") || err.to_string().contains("beyond"), "{err}");
+        assert_eq!(follower.jumps_refused(), k as u64 + 1);
+        assert_eq!(follower.verified_version(), Some(PolicyVersion(version)));
+        version += 1;
+        publisher.publish(small(version)).expect("the learner's next version");
+        assert_exact(&next_version(&mut follower, Some(version - 1)), &small(version));
+    }
+
+    // An actor that starts right after a forgery takes it (nothing to measure it against),
+    // and goes back to the learner's versions once the learner kept writing lower ones.
+    forge_pointer(&learner, 1_000_000);
+    let (_late_bus, mut late) = blind_follower(&actor, SMALL_PARAMS);
+    assert_eq!(late.wait_first(GUARD).expect("first weights").version, PolicyVersion(1_000_000));
+    let mut got = None;
+    for _ in 0..REWIND_AFTER_WRITES {
+        version += 1;
+        publisher.publish(small(version)).expect("published");
+        both_arrived(&late, 0, version);
+        got = late.latest(Some(PolicyVersion(1_000_000))).expect("no error");
+    }
+    assert_exact(&got.expect("the learner's version after the rewind"), &small(version));
+    assert_eq!(late.rewinds(), 1);
+    version += 1;
+    publisher.publish(small(version)).expect("published");
+    assert_exact(&next_version(&mut late, Some(version - 1)), &small(version));
+}

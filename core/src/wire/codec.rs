@@ -116,6 +116,19 @@ pub enum DecodeError {
     /// An id (run or actor) of the wrong length or charset ([`crate::ids::IdError`]).
     #[error("{0}")]
     BadId(String),
+    /// A finite value beyond the magnitude its field can honestly hold (issue 46: a recurrent
+    /// state of 3e38 overflowed the learner's forward; weights of 3e38 the actor's).
+    #[error("{field}: value {value} at index {index} exceeds the bound {bound}")]
+    OutOfBounds {
+        /// Which field.
+        field: &'static str,
+        /// First bad index.
+        index: usize,
+        /// The value.
+        value: f32,
+        /// The largest magnitude the field allows.
+        bound: f32,
+    },
 }
 
 impl DecodeError {
@@ -134,6 +147,7 @@ impl DecodeError {
         "too_large",
         "corrupt",
         "bad_id",
+        "out_of_bounds",
     ];
 
     /// Bounded label for the `reason` of `…_rejected_total`; one of [`DecodeError::REASONS`].
@@ -152,6 +166,7 @@ impl DecodeError {
             DecodeError::TooLarge { .. } => "too_large",
             DecodeError::Corrupt { .. } => "corrupt",
             DecodeError::BadId(_) => "bad_id",
+            DecodeError::OutOfBounds { .. } => "out_of_bounds",
         }
     }
 }

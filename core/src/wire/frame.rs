@@ -218,7 +218,8 @@ fn frame_header(bytes: &[u8], verify: bool) -> Result<(FrameHeader, &[u8], u64),
 }
 
 /// Decode a frame into the weights it produces, checking the layout, the parameter count and,
-/// after reconstruction, the digest.
+/// after reconstruction, the digest and the parameters' values ([`super::check_params`]:
+/// finite and within [`super::MAX_ABS_PARAM`]).
 ///
 /// A full frame needs no `base`; a delta needs `base` to be its parent version (a delta
 /// against anything else is refused, [`DecodeError::Mismatch`]). The result's `checksum` is
@@ -276,6 +277,8 @@ pub fn decode_frame(
     if got != header.digest {
         return Err(DecodeError::Checksum { expected: header.digest, got });
     }
+    // The digest proves the parameters are the sender's, not that they can be run (issue 46).
+    super::check_params(&params)?;
     Ok(Weights { version: header.version, layout_hash, checksum: got, params })
 }
 
@@ -459,6 +462,28 @@ mod tests {
         }
     }
 
+    /// Issue 46: a frame whose digest is right but whose parameters cannot be run (NaN, ±inf,
+    /// or beyond `MAX_ABS_PARAM`) is refused, full or delta, so no follower applies it.
+    #[test]
+    fn frames_of_unusable_parameters_are_refused_despite_a_valid_digest() {
+        let parent = weights(1, vec![0.5; 8]);
+        for (bad, reason) in
+            [(f32::NAN, "non_finite"), (f32::INFINITY, "non_finite"), (3e38, "out_of_bounds"), (-2e19, "out_of_bounds")]
+        {
+            let mut params = vec![0.5; 8];
+            params[5] = bad;
+            let child = weights(2, params);
+            let full = decode_frame(&encode_full_frame(&child), None, 7, 8).expect_err("a full frame is refused");
+            assert_eq!(full.reason(), reason, "{bad}: {full}");
+            let delta = decode_frame(&encode_delta_frame(&parent, &child), Some(&parent), 7, 8)
+                .expect_err("a delta is refused");
+            assert_eq!(delta.reason(), reason, "{bad}: {delta}");
+        }
+        let mut edge = vec![0.5; 8];
+        edge[0] = -super::super::MAX_ABS_PARAM;
+        assert!(decode_frame(&encode_full_frame(&weights(3, edge)), None, 7, 8).is_ok(), "the bound itself is allowed");
+    }
+
     #[test]
     fn frames_of_another_layout_or_size_are_refused() {
         let w = weights(1, vec![1.0, 2.0]);
@@ -474,8 +499,10 @@ mod tests {
             flips in proptest::collection::vec(any::<u32>(), 0..300),
         ) {
             let n = base.len().min(flips.len());
-            let parent = weights(4, base[..n].iter().map(|&b| f32::from_bits(b)).collect());
-            let child = weights(9, base[..n].iter().zip(&flips).map(|(&b, &f)| f32::from_bits(b ^ (f & 0x00ff_f0ff))).collect());
+            // The top exponent bit cleared: finite values below 2, which `check_params` passes
+            // (the flips leave that bit alone).
+            let parent = weights(4, base[..n].iter().map(|&b| f32::from_bits(b & 0xbfff_ffff)).collect());
+            let child = weights(9, base[..n].iter().zip(&flips).map(|(&b, &f)| f32::from_bits((b & 0xbfff_ffff) ^ (f & 0x00ff_f0ff))).collect());
             let delta = encode_delta_frame(&parent, &child);
             let got = decode_frame(&delta, Some(&parent), 7, n).expect("applies");
             prop_assert_eq!(got.params.iter().map(|p| p.to_bits()).collect::<Vec<_>>(),

@@ -34,6 +34,27 @@ pub const FORMAT_VERSION: u16 = 7;
 /// broken actor, and would overflow the log-density in `f32`).
 pub const MAX_ABS_CONTINUOUS_ACTION: f32 = 1e6;
 
+/// Largest |value| of an observation the learner accepts (issue 46): far above any
+/// environment's observations (pixels are at most 255), and small enough that the learner's
+/// observation statistics (`volley_policy::obs_norm`, whose variance is the square) and a
+/// forward through weights of ordinary size stay finite in `f32`. A segment of 3e38
+/// observations would have made the published statistics infinite, and every actor refuse
+/// every later version.
+pub const MAX_ABS_OBSERVATION: f32 = 1e9;
+
+/// Largest |value| of a recurrent state (`initial_hidden`, `restored_states`) the learner
+/// accepts (issue 46: a GRU learner crashed on one segment whose state was 3e38). A GRU state
+/// is a convex combination of `tanh` outputs and the state before it, so an honest actor's
+/// states lie within ±1 (`volley_policy::gru`); the margin covers rounding.
+pub const MAX_ABS_HIDDEN: f32 = 1.0 + 1e-3;
+
+/// Largest |value| of a weights parameter a follower applies ([`check_params`], issue 46: a
+/// live anchor of NaN parameters with a valid digest crashed every actor's sampler). Trained
+/// weights are many orders of magnitude smaller; the bound leaves room for the observation
+/// statistics that travel inside the parameters (a sample count, and variances of
+/// observations up to [`MAX_ABS_OBSERVATION`]).
+pub const MAX_ABS_PARAM: f32 = 1e19;
+
 /// First bytes of every message: "VLLY".
 pub const MAGIC: [u8; 4] = *b"VLLY";
 
@@ -305,6 +326,17 @@ impl TrajectorySegment {
                 return Err(DecodeError::NonFinite { field, index });
             }
         }
+        for (field, values, bound) in [
+            ("observations", &self.observations, MAX_ABS_OBSERVATION),
+            ("initial_hidden", &self.initial_hidden, MAX_ABS_HIDDEN),
+        ] {
+            if let Some(index) = first_beyond(values, bound) {
+                return Err(DecodeError::OutOfBounds { field, index, value: values[index], bound });
+            }
+        }
+        if let Some(index) = self.finished_episodes.iter().position(|e| !e.episode_return.is_finite()) {
+            return Err(DecodeError::NonFinite { field: "finished_episodes.episode_return", index });
+        }
         self.validate_restored_states(hidden_size)?;
         if let volley_policy::ActionHead::Gaussian { squash } = spec.policy.head {
             let bound = if squash { 1.0 } else { MAX_ABS_CONTINUOUS_ACTION };
@@ -358,6 +390,14 @@ impl TrajectorySegment {
             if let Some(position) = first_non_finite(&restored.hidden) {
                 return Err(DecodeError::NonFinite { field: "restored_states", index: index * hidden_size + position });
             }
+            if let Some(position) = first_beyond(&restored.hidden, MAX_ABS_HIDDEN) {
+                return Err(DecodeError::OutOfBounds {
+                    field: "restored_states",
+                    index: index * hidden_size + position,
+                    value: restored.hidden[position],
+                    bound: MAX_ABS_HIDDEN,
+                });
+            }
         }
         Ok(())
     }
@@ -383,7 +423,7 @@ impl Weights {
         Weights { version, layout_hash, checksum, params }
     }
 
-    /// Verify the checksum and the layout.
+    /// Verify the checksum, the layout and the parameters' values ([`check_params`]).
     pub fn verify(&self, layout_hash: u64, n_params: usize) -> Result<(), DecodeError> {
         if self.layout_hash != layout_hash {
             return Err(DecodeError::Mismatch {
@@ -399,8 +439,23 @@ impl Weights {
         if got != self.checksum {
             return Err(DecodeError::Checksum { expected: self.checksum, got });
         }
-        Ok(())
+        check_params(&self.params)
     }
+}
+
+/// Check weights parameters before anything runs them: every value finite and within
+/// [`MAX_ABS_PARAM`]. A digest proves only that the parameters are the ones their sender
+/// hashed, not that they are usable (issue 46: a NaN anchor with a valid digest was applied,
+/// and every actor's sampler panicked), so every path that produces weights for a follower
+/// (full and delta frames, live or stored, and [`Weights::verify`]) ends here.
+pub fn check_params(params: &[f32]) -> Result<(), DecodeError> {
+    if let Some(index) = first_non_finite(params) {
+        return Err(DecodeError::NonFinite { field: "params", index });
+    }
+    if let Some(index) = first_beyond(params, MAX_ABS_PARAM) {
+        return Err(DecodeError::OutOfBounds { field: "params", index, value: params[index], bound: MAX_ABS_PARAM });
+    }
+    Ok(())
 }
 
 /// XXH3-64 over the little-endian bytes of the parameters: stable across platforms and builds,
@@ -470,6 +525,17 @@ pub(crate) fn first_non_finite(values: &[f32]) -> Option<usize> {
     values.chunks(BLOCK).enumerate().find_map(|(block, chunk)| {
         let bad = chunk.iter().fold(false, |bad, value| bad | (value.to_bits() & EXPONENT == EXPONENT));
         bad.then(|| block * BLOCK + chunk.iter().position(|value| !value.is_finite()).unwrap_or(0))
+    })
+}
+
+/// The index of the first value of `values` whose magnitude exceeds `bound` (values are
+/// finite here: [`first_non_finite`] ran first). Checked a block at a time like
+/// [`first_non_finite`], so the loop vectorises.
+pub(crate) fn first_beyond(values: &[f32], bound: f32) -> Option<usize> {
+    const BLOCK: usize = 1024;
+    values.chunks(BLOCK).enumerate().find_map(|(block, chunk)| {
+        let bad = chunk.iter().fold(false, |bad, value| bad | (value.abs() > bound));
+        bad.then(|| block * BLOCK + chunk.iter().position(|value| value.abs() > bound).unwrap_or(0))
     })
 }
 
@@ -612,7 +678,7 @@ mod tests {
         (
             proptest::collection::vec(0u8..2, T),
             proptest::collection::vec(prop::bool::ANY, T),
-            proptest::collection::vec(-3.0f32..3.0, T * HIDDEN),
+            proptest::collection::vec(-1.0f32..1.0, T * HIDDEN),
             proptest::collection::vec(-1.0f32..1.0, HIDDEN),
             any::<u64>(),
         )
@@ -835,6 +901,7 @@ mod tests {
             DecodeError::TooLarge { got_bytes: 0, limit_bytes: 0 },
             DecodeError::Corrupt { expected: 0, got: 1 },
             DecodeError::BadId(String::new()),
+            DecodeError::OutOfBounds { field: "x", index: 0, value: 2.0, bound: 1.0 },
         ];
         let reasons: Vec<_> = errors.iter().map(DecodeError::reason).collect();
         assert_eq!(reasons, DecodeError::REASONS);

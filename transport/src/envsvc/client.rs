@@ -416,8 +416,11 @@ async fn connect_with_inbox(
             Some(NatsAuth::Token(token)) => options.token(token.clone()),
             None => options,
         };
-        if let Some(prefix) = inbox_prefix {
-            options = options.custom_inbox_prefix(prefix);
+        // A server's own prefix, else its user's private one (`NatsAuth::inbox_prefix`).
+        match (inbox_prefix, auth) {
+            (Some(prefix), _) => options = options.custom_inbox_prefix(prefix),
+            (None, Some(auth)) => options = options.custom_inbox_prefix(auth.inbox_prefix()),
+            (None, None) => {}
         }
         let problem = match tokio::time::timeout(remaining, options.connect(url)).await {
             Ok(Ok(client)) => return Ok(client),

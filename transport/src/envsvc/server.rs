@@ -100,6 +100,9 @@ struct ServerState {
     sessions: Mutex<HashMap<u64, Arc<Mutex<Session>>>>,
     next_session: AtomicU64,
     counters: Arc<ServerCounters>,
+    /// Logs rejected requests at a bounded rate (each is counted in `counters` as well;
+    /// issue 46: one line per hostile request multiplied its bytes).
+    rejections: Mutex<crate::rejection_log::RejectionLog>,
 }
 
 type Failure = (ErrorCode, String);
@@ -190,6 +193,7 @@ impl EnvServer {
             // at a different place per server, so a restarted server does not reuse them.
             next_session: AtomicU64::new((nanos ^ ((std::process::id() as u64) << 20)) & ((1 << 52) - 1)),
             counters: Arc::new(ServerCounters::default()),
+            rejections: Mutex::new(crate::rejection_log::RejectionLog::new("environment request")),
             config,
         });
         let mut tasks = Vec::with_capacity(Op::ALL.len() + 1);
@@ -276,7 +280,10 @@ async fn serve_endpoint(state: Arc<ServerState>, op: Op, mut endpoint: service::
                 Err((code, message)) => {
                     if code == ErrorCode::BadRequest {
                         state.counters.rejected.fetch_add(1, Ordering::Relaxed);
-                        warn!(op = op.name(), %message, reason = "bad_request", "malformed environment request rejected");
+                        let log = state.rejections.lock().map(|mut log| log.record("bad_request")).unwrap_or(false);
+                        if log {
+                            warn!(op = op.name(), %message, reason = "bad_request", "malformed environment request rejected");
+                        }
                     }
                     // Header values cannot hold line breaks.
                     let status = message.replace(['\r', '\n'], " ");

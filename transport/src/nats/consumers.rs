@@ -8,7 +8,8 @@
 //! re-created on a gap), but *named*, so their create request is
 //! `$JS.API.CONSUMER.CREATE.<stream>.<name>.<filter>`, and the server refuses a body whose
 //! filter differs from the subject's. The actor's grants name the filter: the `weights` key of
-//! its run bucket, and object chunks (`$O.<bucket>.C.*`) of the weights and snapshot stores.
+//! its run bucket, and object chunks (`$O.<bucket>.C.*`) of the weights store. Snapshots, which
+//! actors write, are read with no consumer at all ([`read_object_by_gets`], issue 46).
 
 use super::*;
 
@@ -97,6 +98,47 @@ pub(super) async fn read_object(
     name: &str,
     limit: usize,
 ) -> Result<Option<Vec<u8>>, BoxError> {
+    read_object_by(js, client, store, bucket, name, limit, ChunkReads::Consumer).await
+}
+
+/// [`read_object`] without a consumer: one message get per chunk
+/// (`$JS.API.STREAM.MSG.GET.<stream>`, the next message on the object's chunk subject after
+/// the one before), for stores whose readers may create no consumer at all.
+///
+/// Issue 46: NATS checks no permission on a push consumer's deliver subject, and actors write
+/// the snapshot store, so a consumer an actor may create there relays its own bytes onto any
+/// subject, the learner's live weights and pace subjects included. Snapshots are small (one
+/// chunk, usually), so a get per chunk costs little, and the actor user is granted no consumer
+/// on that store (broker-config/accounts.conf).
+pub(super) async fn read_object_by_gets(
+    js: &jetstream::Context,
+    client: &async_nats::Client,
+    store: &object_store::ObjectStore,
+    bucket: &str,
+    name: &str,
+    limit: usize,
+) -> Result<Option<Vec<u8>>, BoxError> {
+    let stream = js.get_stream_no_info(subjects::object_backing_stream(bucket)).await?;
+    read_object_by(js, client, store, bucket, name, limit, ChunkReads::Gets(&stream)).await
+}
+
+/// How [`read_object_by`] reads an object's chunks.
+enum ChunkReads<'a> {
+    /// Through one named ordered consumer filtered on the chunks.
+    Consumer,
+    /// One message get per chunk on this stream.
+    Gets(&'a jetstream::stream::Stream<()>),
+}
+
+async fn read_object_by(
+    js: &jetstream::Context,
+    client: &async_nats::Client,
+    store: &object_store::ObjectStore,
+    bucket: &str,
+    name: &str,
+    limit: usize,
+    reads: ChunkReads<'_>,
+) -> Result<Option<Vec<u8>>, BoxError> {
     let info = match store.info(name).await {
         Ok(info) => info,
         Err(err) if matches!(err.kind(), object_store::InfoErrorKind::NotFound) => return Ok(None),
@@ -112,11 +154,32 @@ pub(super) async fn read_object(
     if info.chunks == 0 {
         return if info.size == 0 { Ok(Some(bytes)) } else { Err(format!("object {name}: no chunks").into()) };
     }
+    let chunk_subject = subjects::object_chunk_subject(bucket, &info.nuid);
+    if let ChunkReads::Gets(stream) = reads {
+        let mut next_sequence = 0;
+        for _ in 0..info.chunks {
+            let mut get = stream.raw_message_builder().next_by_subject(chunk_subject.clone());
+            if next_sequence > 0 {
+                get = get.sequence(next_sequence);
+            }
+            let message = get.send().await.map_err(|err| format!("object {name}: chunk: {err}"))?;
+            next_sequence = message.sequence.saturating_add(1);
+            let room = (limit + 1).saturating_sub(bytes.len());
+            bytes.extend_from_slice(&message.payload[..message.payload.len().min(room)]);
+            if bytes.len() > limit {
+                return Ok(Some(bytes));
+            }
+        }
+        if bytes.len() != info.size {
+            return Err(format!("object {name}: read {} bytes, its metadata says {}", bytes.len(), info.size).into());
+        }
+        return Ok(Some(bytes));
+    }
     let config = OrderedConfig {
         name: Some(unique_name(client, "get")),
         deliver_subject: client.new_inbox(),
         description: Some(format!("volley get of {name}")),
-        filter_subject: subjects::object_chunk_subject(bucket, &info.nuid),
+        filter_subject: chunk_subject,
         replay_policy: ReplayPolicy::Instant,
         deliver_policy: DeliverPolicy::All,
         ..Default::default()

@@ -135,6 +135,29 @@ impl NatsAuth {
             NatsAuth::Token(_) => "a token".to_string(),
         }
     }
+
+    /// The inbox prefix of this identity's connections: `_INBOX_<user>` for a user whose name
+    /// is one subject token, else NATS's shared `_INBOX`.
+    ///
+    /// Replies, API answers and consumer deliveries travel on inbox subjects. With one prefix
+    /// for everyone, a user allowed to subscribe to `_INBOX.>` read the other roles' replies
+    /// (issue 46: an actor sniffed 17,406 of them in 3 s, weights included); with a prefix per
+    /// user, `broker-config/accounts.conf` grants each user its own inboxes only (the NATS
+    /// "private inbox" pattern).
+    pub fn inbox_prefix(&self) -> String {
+        match self {
+            NatsAuth::UserPassword { user, .. } if is_subject_token(user) => format!("{PRIVATE_INBOX_PREFIX}{user}"),
+            _ => "_INBOX".to_string(),
+        }
+    }
+}
+
+/// Start of a user's private inbox prefix ([`NatsAuth::inbox_prefix`]).
+pub const PRIVATE_INBOX_PREFIX: &str = "_INBOX_";
+
+/// Whether `name` can be one token of a subject (no dots, wildcards or whitespace).
+fn is_subject_token(name: &str) -> bool {
+    !name.is_empty() && !name.chars().any(|c| c == '.' || c == '*' || c == '>' || c.is_whitespace())
 }
 
 /// Permission violations the server reported on one connection, newest last.
@@ -484,6 +507,9 @@ impl NatsBus {
                     Some(NatsAuth::Token(token)) => options.token(token.clone()),
                     None => options,
                 };
+                if let Some(auth) = &config.auth {
+                    options = options.custom_inbox_prefix(auth.inbox_prefix());
+                }
                 let problem = match tokio::time::timeout(remaining, options.connect(config.url.as_str())).await {
                     Ok(Ok(client)) => break Ok(client),
                     // Wrong credentials do not get better with retries.

@@ -103,7 +103,13 @@ fn follow_pace_notices(shared: &Arc<Shared>, board: Arc<PaceBoard>) -> Option<to
     };
     Some(shared.handle.spawn(async move {
         while let Some(message) = subscription.next().await {
-            match wire::pace::decode_pace_notice(&message.payload) {
+            // A consumer's delivery relayed onto the pace subject (see `weights::relayed`).
+            let decoded = if super::weights::relayed(&message) {
+                Err(wire::DecodeError::Malformed("delivered by a consumer, not published by the learner".to_string()))
+            } else {
+                wire::pace::decode_pace_notice(&message.payload)
+            };
+            match decoded {
                 Ok(notice) => {
                     *board.latest.lock().expect("pace board lock is never poisoned") = Some((notice, Instant::now()));
                     board.arrived.notify_one();

@@ -6,6 +6,7 @@
 use base64::Engine as _;
 
 use super::*;
+use crate::rejection_log::RejectionLog;
 
 impl NatsBus {
     /// Learner side: publishes weights to the object store and the `weights` pointer to KV.
@@ -92,6 +93,11 @@ impl NatsBus {
             live_applied: 0,
             live_refused: 0,
             contradicted: false,
+            highest: None,
+            below: None,
+            jumps_refused: 0,
+            rewinds: 0,
+            rejections: RejectionLog::new("weights"),
             live,
             task,
         })
@@ -166,6 +172,11 @@ async fn follow_live(
         if let Some(bytes) = slot.spare.lock().expect("live lock is never poisoned").take() {
             assembler.recycle(bytes);
         }
+        if relayed(&message) {
+            slot.refused_chunks.fetch_add(1, Ordering::Relaxed);
+            debug!(reply = ?message.reply, "live weights message relayed by a consumer refused");
+            continue;
+        }
         match assembler.offer(&message.payload) {
             Offered::Complete(frame) => {
                 let mut frames = slot.frames.lock().expect("live lock is never poisoned");
@@ -184,6 +195,19 @@ async fn follow_live(
             Offered::Pending | Offered::Stale => {}
         }
     }
+}
+
+/// Whether `message`, received on a subject only the learner may publish to (live weights,
+/// pace notices), was not published there by a client but delivered by a JetStream consumer.
+///
+/// NATS checks no permission on a push consumer's deliver subject, so a user who may create
+/// consumers on a stream it can write (an actor on the snapshot store) can make the server
+/// deliver its own bytes on the learner's subjects (issue 46: 4 of 4 such relays reached every
+/// actor). Every such delivery carries the consumer's `$JS.ACK…` reply subject, and heartbeats
+/// and flow control carry a status; the learner publishes these subjects with neither, and with
+/// no headers, so a message with any of them is refused.
+pub(crate) fn relayed(message: &async_nats::Message) -> bool {
+    message.reply.is_some() || message.headers.is_some() || message.status.is_some()
 }
 
 /// The KV value under `weights`: what the newest version is and how to rebuild it.
@@ -247,6 +271,50 @@ fn live_lead(pointer_every: u64) -> u64 {
 /// one, or what a pointer claims).
 fn pointer_interval(pointer_every: u64) -> u64 {
     pointer_every.clamp(1, MAX_POINTER_EVERY)
+}
+
+/// Versions a pointer may take a follower past the highest version it verified, plus
+/// [`MAX_VERSIONS_PER_SEC`] for every second since it last verified one ([`max_version_jump`]).
+/// Issue 46: a well-formed pointer to a real frame relabelled +10⁶, or to version 2⁶⁴ − 1, was
+/// adopted, every later (lower) honest version was ignored, and every segment the actors sent
+/// was refused as a future version until they restarted. An honest learner moves the pointer
+/// by one version per update (by its pointer interval, at most [`MAX_POINTER_EVERY`]), so a
+/// follower that keeps up sees small steps; one that was cut off for a while may jump by what
+/// the learner can have published meanwhile.
+pub const MAX_VERSION_JUMP: u64 = 4096;
+
+/// Versions per second a learner is assumed able to publish at most, for the jump a follower
+/// allows after a pause ([`MAX_VERSION_JUMP`]); far above any measured update rate.
+pub const MAX_VERSIONS_PER_SEC: u64 = 10_000;
+
+/// Consecutive pointer writes below the version a follower holds, each above the one before,
+/// after which it takes the newest of them (see [`NatsWeightsFollower`]): an honest learner
+/// never writes a lower version than it wrote before, so a run of them means the version held
+/// was not the learner's, or the learner restarted below it (issue 46: restarting the learner
+/// did not recover actors stuck on a forged version).
+pub const REWIND_AFTER_WRITES: u32 = 3;
+
+/// Whether a learner that resumes at `resumed` (from a checkpoint `checkpoint_age` old, or from
+/// nothing) continues above the run's `published` version, as it does to keep versions going
+/// forward across restarts. Not above one a learner cannot have published: beyond
+/// [`PolicyVersion::MAX_PLAUSIBLE`], or further above the checkpoint than [`max_version_jump`] of
+/// its age. Issue 46: after a forged pointer far ahead, a restarted learner continued above
+/// it, or could not (2⁶⁴ − 1) and was then ignored as older by every actor; keeping its own
+/// version, its pointers take followers back ([`REWIND_AFTER_WRITES`]).
+pub fn continue_above_published(
+    published: PolicyVersion,
+    resumed: PolicyVersion,
+    checkpoint_age: Option<Duration>,
+) -> bool {
+    published <= PolicyVersion::MAX_PLAUSIBLE
+        && checkpoint_age.is_none_or(|age| published.0.saturating_sub(resumed.0) <= max_version_jump(age))
+}
+
+/// The largest forward jump in versions a follower (or a restarting learner, against its
+/// checkpoint) takes after `since_verified` without a verified version: [`MAX_VERSION_JUMP`]
+/// plus [`MAX_VERSIONS_PER_SEC`] per second.
+pub fn max_version_jump(since_verified: Duration) -> u64 {
+    MAX_VERSION_JUMP.saturating_add(MAX_VERSIONS_PER_SEC.saturating_mul(since_verified.as_secs()))
 }
 
 /// Deadline of one attempt to put the weights pointer (see `NatsWeightsPublisher::publish`).
@@ -849,6 +917,7 @@ async fn follow_pointer(
     mut connections: tokio::sync::watch::Receiver<u64>,
 ) {
     let mut backoff = Backoff::new();
+    let mut rejections = RejectionLog::new("weights pointer");
     loop {
         connections.borrow_and_update();
         let watch = async {
@@ -884,7 +953,9 @@ async fn follow_pointer(
                     Some(Ok(change)) if !change.deleted => {
                         match serde_json::from_slice::<WeightsPointer>(&change.value) {
                             Ok(pointer) => slot.offer(pointer),
-                            Err(err) => warn!(operation = "decode weights pointer", error = %err, "ignoring bad weights pointer"),
+                            Err(err) => if rejections.record("undecodable") {
+                                warn!(operation = "decode weights pointer", error = %err, "ignoring bad weights pointer");
+                            },
                         }
                     }
                     Some(Ok(_)) => {}
@@ -961,6 +1032,18 @@ pub struct NatsWeightsFollower {
     /// The pointer contradicted the live version the caller may run: fetch the pointer's
     /// version even if the caller claims to have it (until fetched or refused).
     contradicted: bool,
+    /// The highest version this follower verified, and when it last verified one: what a
+    /// pointer's jump is measured from ([`max_version_jump`]).
+    highest: Option<(PolicyVersion, Instant)>,
+    /// Pointer writes in a row below the version held, each above the one before: how many,
+    /// and the last one's version ([`REWIND_AFTER_WRITES`]).
+    below: Option<(u32, u64)>,
+    /// Pointers refused for jumping too far.
+    jumps_refused: u64,
+    /// Times the follower went back to a lower version the learner kept writing.
+    rewinds: u64,
+    /// Logs refusals at a bounded rate (each is counted in the fields above as well).
+    rejections: RejectionLog,
     live: Option<LiveFeed>,
     task: tokio::task::JoinHandle<()>,
 }
@@ -1008,6 +1091,24 @@ impl NatsWeightsFollower {
     /// Pointers refused for their content or not fetchable, in total (each failure once).
     pub fn refusals(&self) -> u64 {
         self.refusals
+    }
+
+    /// Pointers refused because they claimed a version too far above the highest verified
+    /// ([`MAX_VERSION_JUMP`]); counted in [`refusals`](Self::refusals) too.
+    pub fn jumps_refused(&self) -> u64 {
+        self.jumps_refused
+    }
+
+    /// Times this follower went back to a lower version the learner kept writing
+    /// ([`REWIND_AFTER_WRITES`]).
+    pub fn rewinds(&self) -> u64 {
+        self.rewinds
+    }
+
+    /// Note `version` as verified now (the jump bound is measured from the highest).
+    fn verified(&mut self, version: PolicyVersion) {
+        let highest = self.highest.map_or(version, |(highest, _)| highest.max(version));
+        self.highest = Some((highest, Instant::now()));
     }
 
     /// Versions this follower rebuilt through the durable path: objects from the store, or
@@ -1058,8 +1159,13 @@ impl NatsWeightsFollower {
         let Some(slot) = self.live.as_ref().map(|live| live.slot.clone()) else { return };
         let announced = self.slot.newest().map(|(pointer, _)| (pointer.version, live_lead(pointer.pointer_every)));
         let mut frames = std::mem::take(&mut *slot.frames.lock().expect("live lock is never poisoned"));
+        // Nor beyond the jump a pointer may make (a forged pointer is refused, but it is still
+        // the write announced last).
+        let jump_limit = self.highest.map(|(highest, at)| highest.0.saturating_add(max_version_jump(at.elapsed())));
         let ahead = |header: &wire::live::ChunkHeader| {
             announced.is_none_or(|(announced, lead)| header.version.0 > announced.saturating_add(lead))
+                || jump_limit.is_some_and(|limit| header.version.0 > limit)
+                || header.version > PolicyVersion::MAX_PLAUSIBLE
         };
         // Frames before the newest full frame that may be applied are not needed.
         if let Some(last_full) = frames.iter().rposition(|f| f.header.parent.is_none() && !ahead(&f.header)) {
@@ -1096,11 +1202,14 @@ impl NatsWeightsFollower {
             match decoded {
                 Ok(weights) => {
                     debug!(version = header.version.0, "weights taken from the live path");
+                    self.verified(weights.version);
                     self.newest = Some(Arc::new(weights));
                     self.live_applied += 1;
                 }
                 Err(reason) => {
-                    warn!(version = header.version.0, %reason, "live weights refused; using the weights store");
+                    if self.rejections.record("live_refused") {
+                        warn!(version = header.version.0, %reason, "live weights refused; using the weights store");
+                    }
                     self.live_refused += 1;
                 }
             }
@@ -1139,12 +1248,14 @@ impl NatsWeightsFollower {
             self.confirmed = Some(newest);
             return false;
         }
-        warn!(
-            version = pointer.version,
-            live_digest = format_args!("{:016x}", newest.checksum),
-            pointer_digest = %pointer.digest,
-            "the pointer contradicts the live version; using the weights store"
-        );
+        if self.rejections.record("live_contradicted") {
+            warn!(
+                version = pointer.version,
+                live_digest = format_args!("{:016x}", newest.checksum),
+                pointer_digest = %pointer.digest,
+                "the pointer contradicts the live version; using the weights store"
+            );
+        }
         self.live_refused += 1;
         self.newest = self.confirmed.clone();
         true
@@ -1153,7 +1264,9 @@ impl NatsWeightsFollower {
     /// Refuse `pointer` for its content (see the type's docs).
     #[cold]
     fn refuse(&mut self, pointer: &WeightsPointer, reason: String) -> TransportError {
-        warn!(version = pointer.version, %reason, "weights pointer refused");
+        if self.rejections.record("pointer_refused") {
+            warn!(version = pointer.version, %reason, "weights pointer refused");
+        }
         failed("weights fetch", reason)
     }
 
@@ -1206,6 +1319,7 @@ impl NatsWeightsFollower {
         self.newest = Some(weights.clone());
         self.confirmed = Some(weights.clone());
         self.durable_fetches += 1;
+        self.verified(weights.version);
         Ok(weights)
     }
 
@@ -1240,8 +1354,11 @@ impl NatsWeightsFollower {
             })
             .await
         });
+        let rejections = &mut self.rejections;
         downloaded.inspect_err(|err| {
-            warn!(version = pointer.version, %err, "weights objects not fetchable; retrying with backoff");
+            if rejections.record("not_fetchable") {
+                warn!(version = pointer.version, %err, "weights objects not fetchable; retrying with backoff");
+            }
         })
     }
 }
@@ -1285,10 +1402,49 @@ impl WeightsFollower for NatsWeightsFollower {
         // a contradiction the caller runs the refused live version: what it has no longer counts.
         let held = self.newest.as_ref().map(|w| w.version);
         let current = if contradicted { held } else { held.max(have) };
+        let mut rewind = false;
         if current.is_some_and(|current| PolicyVersion(pointer.version) <= current) {
+            // Versions below the one held, written again and again in increasing order, are the
+            // learner's: go back to them (see `REWIND_AFTER_WRITES`). Any other claim of an
+            // older or equal version is settled at once.
+            let below = current.is_some_and(|current| PolicyVersion(pointer.version) < current);
+            let run = match (below, self.below) {
+                (false, _) => None,
+                (true, Some((n, last))) if pointer.version > last => Some((n.saturating_add(1), pointer.version)),
+                (true, _) => Some((1, pointer.version)),
+            };
+            self.below = run;
+            rewind = run.is_some_and(|(n, _)| n >= REWIND_AFTER_WRITES);
+            if !rewind {
+                self.settled_write = write;
+                self.retry = None;
+                return Ok(newer(&self.newest));
+            }
+        } else {
+            self.below = None;
+        }
+        // A pointer may move the follower forward by a bounded jump only (`MAX_VERSION_JUMP`).
+        // And never beyond `PolicyVersion::MAX_PLAUSIBLE`, even as the first version.
+        let jump = self.highest.map(|(highest, at)| (highest.0, max_version_jump(at.elapsed())));
+        let (from, allowed) = jump.unwrap_or((0, PolicyVersion::MAX_PLAUSIBLE.0));
+        if pointer.version > PolicyVersion::MAX_PLAUSIBLE.0 || pointer.version.saturating_sub(from) > allowed {
             self.settled_write = write;
             self.retry = None;
-            return Ok(newer(&self.newest));
+            self.refusals += 1;
+            self.jumps_refused += 1;
+            let reason = if pointer.version > PolicyVersion::MAX_PLAUSIBLE.0 {
+                format!(
+                    "weights v{} refused: beyond v{}, no learner's version",
+                    pointer.version,
+                    PolicyVersion::MAX_PLAUSIBLE.0
+                )
+            } else {
+                format!(
+                    "weights v{} refused: more than {allowed} versions above v{from}, the highest verified",
+                    pointer.version
+                )
+            };
+            return Err(self.refuse(&pointer, reason));
         }
         if let Some((retry_write, at, _)) = self.retry {
             if retry_write == write && Instant::now() < at {
@@ -1300,6 +1456,13 @@ impl WeightsFollower for NatsWeightsFollower {
                 self.settled_write = write;
                 self.retry = None;
                 self.contradicted = false;
+                if rewind {
+                    self.rewinds += 1;
+                    self.below = None;
+                    // Jumps are measured from the learner's versions again, not the one left.
+                    self.highest = Some((weights.version, Instant::now()));
+                    warn!(version = pointer.version, held = ?held, "the learner keeps writing a lower version; going back to it");
+                }
                 Ok(Some(weights))
             }
             Err(FetchError::Refused(err)) => {
@@ -1384,6 +1547,25 @@ enum FetchError {
 
 #[cfg(test)]
 mod tests {
+    /// Issue 46: a restarting learner continues above what the run published, but not above a
+    /// version no learner can have published since its checkpoint, nor beyond the plausible.
+    #[test]
+    fn a_restarting_learner_continues_above_plausible_published_versions_only() {
+        use super::{continue_above_published, max_version_jump};
+        use volley_core::ids::PolicyVersion as V;
+        let minute = Some(Duration::from_secs(60));
+        assert!(continue_above_published(V(5_000), V(4_000), minute));
+        assert!(continue_above_published(V(4_000 + max_version_jump(Duration::from_secs(60))), V(4_000), minute));
+        assert!(!continue_above_published(V(4_001 + max_version_jump(Duration::from_secs(60))), V(4_000), minute));
+        assert!(!continue_above_published(V(1_000_000_000), V(4_000), minute));
+        // Without a checkpoint there is nothing to measure against but the plausible bound.
+        assert!(continue_above_published(V(1_000_000), V(0), None));
+        assert!(continue_above_published(V::MAX_PLAUSIBLE, V(0), None));
+        assert!(!continue_above_published(V(V::MAX_PLAUSIBLE.0 + 1), V(0), None));
+        assert!(!continue_above_published(V(u64::MAX), V(0), None));
+        assert!(!continue_above_published(V(u64::MAX), V(u64::MAX - 5), Some(Duration::from_secs(1 << 40))));
+    }
+
     use super::*;
 
     fn pointer(version: u64) -> WeightsPointer {

@@ -306,9 +306,10 @@ impl crate::work::SnapshotStore for NatsSnapshotStore {
         let shared = &self.shared;
         let deadline = shared.config.transfer_deadline(volley_core::work::MAX_EPISODE_SNAPSHOT_BYTES);
         let bucket = subjects::snapshot_bucket(&shared.config.run);
-        // Through a named consumer filtered on the object's chunks, which the actor's
-        // permissions grant (`consumers`); an oversized snapshot is refused by its decoder.
-        let read = consumers::read_object(
+        // A message get per chunk, no consumer: the actor user may create none on the store
+        // it writes (`consumers::read_object_by_gets`); an oversized snapshot is refused by
+        // its decoder.
+        let read = consumers::read_object_by_gets(
             &shared.js,
             &shared.client,
             &self.objects,
