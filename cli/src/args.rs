@@ -442,6 +442,10 @@ pub struct TrainArgs {
     /// Directory for metrics, curve and summary (default: runs/RUN-ENV-SEED).
     #[arg(long, env = "VOLLEY_RUN_DIR")]
     pub run_dir: Option<PathBuf>,
+    /// Also write TensorBoard scalars (return, episode length, losses, entropy, KL, learning
+    /// rate, env steps/s, lag; one event per update) to an event file in this directory.
+    #[arg(long, env = "VOLLEY_TENSORBOARD", value_name = "DIR")]
+    pub tensorboard: Option<PathBuf>,
     /// Progress output.
     #[arg(long, value_enum, default_value = "auto", env = "VOLLEY_PROGRESS")]
     pub progress: ProgressMode,
@@ -493,6 +497,8 @@ pub struct TrainConfig {
     pub backend: BackendKind,
     /// How actor threads reach a remote environment's servers (`--env remote:<service>`).
     pub remote: Option<TrainRemote>,
+    /// Where TensorBoard event files go (`--tensorboard`).
+    pub tensorboard: Option<PathBuf>,
 }
 
 /// The defaults of the flags whose best value depends on the environment (a flag given on the
@@ -801,6 +807,7 @@ impl TryFrom<TrainArgs> for TrainConfig {
             progress: args.progress,
             backend: args.backend.into(),
             remote,
+            tensorboard: args.tensorboard,
             spec,
         })
     }
@@ -987,6 +994,10 @@ pub struct LearnerArgs {
     /// published and no checkpoint is written).
     #[arg(long, env = "VOLLEY_REPLAY")]
     pub replay: bool,
+    /// Also write TensorBoard scalars (return, episode length, losses, entropy, KL, learning
+    /// rate, env steps/s, lag; one event per update) to an event file in this directory.
+    #[arg(long, env = "VOLLEY_TENSORBOARD", value_name = "DIR")]
+    pub tensorboard: Option<PathBuf>,
     /// Where the update runs: `auto` uses the GPU when one works and otherwise falls back to
     /// the CPU with a warning; `cuda` fails without a GPU.
     #[arg(long, value_enum, default_value = "auto", env = "VOLLEY_BACKEND")]
@@ -1026,6 +1037,8 @@ pub struct LearnerConfig {
     pub liveness_timeout: Duration,
     /// Learner backend.
     pub backend: BackendKind,
+    /// Where TensorBoard event files go (`--tensorboard`).
+    pub tensorboard: Option<PathBuf>,
 }
 
 impl TryFrom<LearnerArgs> for LearnerConfig {
@@ -1079,6 +1092,7 @@ impl TryFrom<LearnerArgs> for LearnerConfig {
             liveness_timeout: args.metrics.liveness_timeout(),
             metrics_addr: args.metrics.metrics_addr,
             backend: args.backend.into(),
+            tensorboard: args.tensorboard,
             nats,
             spec,
         })

@@ -16,7 +16,8 @@ use volley_actor::{ActorCounters, RolloutWorker};
 use volley_core::ids::{ActorId, PolicyVersion};
 use volley_env::EnvConfig;
 use volley_learner::scheduler::{Planned, Scheduler, WorkPlanner};
-use volley_learner::{run_learner, Learner, LearnerReport, RunLimits, UpdateStats};
+use volley_learner::tensorboard::TensorBoardLog;
+use volley_learner::{run_learner, Learner, LearnerControl, LearnerReport, RunLimits, UpdateStats};
 use volley_transport::envsvc::{EnvServiceClient, RemoteVecEnv, RemoteVecEnvConfig};
 use volley_transport::local::{trajectory_channel, weights_channel};
 use volley_transport::work::{local_work_queue, LocalSnapshotStore};
@@ -205,9 +206,9 @@ pub fn train(config: TrainConfig, interrupted: Arc<AtomicBool>) -> anyhow::Resul
         resume_env_steps: 0,
     };
     let metrics_file = File::create(config.run_dir.join("metrics.jsonl")).context("creating metrics.jsonl")?;
-    let mut progress = Progress::new(config.progress, config.max_env_steps, metrics_file);
-    let mut on_update =
-        |_: &mut Learner, report: &LearnerReport, stats: &UpdateStats| progress.on_update(report, stats);
+    let tensorboard =
+        config.tensorboard.as_deref().map(|dir| TensorBoardLog::create(dir).context("--tensorboard")).transpose()?;
+    let mut progress = Progress::new(config.progress, config.max_env_steps, metrics_file, tensorboard);
     let report = match planner.as_mut() {
         Some(planner) => run_learner(
             &mut learner,
@@ -215,9 +216,9 @@ pub fn train(config: TrainConfig, interrupted: Arc<AtomicBool>) -> anyhow::Resul
             &mut publisher,
             &limits,
             &interrupted,
-            &mut Planned { inner: &mut on_update, planner },
+            &mut Planned { inner: &mut progress, planner },
         ),
-        None => run_learner(&mut learner, &mut source, &mut publisher, &limits, &interrupted, &mut on_update),
+        None => run_learner(&mut learner, &mut source, &mut publisher, &limits, &interrupted, &mut progress),
     };
     if let Some(planner) = &planner {
         let scheduler = &planner.scheduler;
@@ -299,18 +300,32 @@ pub fn train(config: TrainConfig, interrupted: Arc<AtomicBool>) -> anyhow::Resul
     Ok(summary)
 }
 
-/// Progress on stderr (bar or lines) plus the metrics file.
+/// Progress on stderr (bar or lines) plus the metrics file and, with `--tensorboard`, the
+/// TensorBoard log.
 struct Progress {
     bar: Option<ProgressBar>,
     lines: bool,
     last_line: Instant,
     metrics: BufWriter<File>,
+    tensorboard: Option<TensorBoardLog>,
     points: Vec<curve::Point>,
     write_error: Option<std::io::Error>,
 }
 
+impl LearnerControl for Progress {
+    fn on_update(&mut self, _: &mut Learner, report: &LearnerReport, stats: &UpdateStats) {
+        Progress::on_update(self, report, stats);
+    }
+
+    fn on_segment(&mut self, segment: &volley_core::wire::TrajectorySegment) {
+        if let Some(tensorboard) = &mut self.tensorboard {
+            tensorboard.on_segment(segment);
+        }
+    }
+}
+
 impl Progress {
-    fn new(mode: ProgressMode, max_env_steps: u64, metrics: File) -> Self {
+    fn new(mode: ProgressMode, max_env_steps: u64, metrics: File, tensorboard: Option<TensorBoardLog>) -> Self {
         let terminal = std::io::stderr().is_terminal();
         let bar = (mode == ProgressMode::Auto && terminal).then(|| {
             let bar = ProgressBar::with_draw_target(Some(max_env_steps), ProgressDrawTarget::stderr_with_hz(10));
@@ -325,6 +340,7 @@ impl Progress {
             bar,
             last_line: Instant::now() - Duration::from_secs(10),
             metrics: BufWriter::new(metrics),
+            tensorboard,
             points: Vec::new(),
             write_error: None,
         }
@@ -360,6 +376,9 @@ impl Progress {
         {
             self.write_error.get_or_insert(err);
         }
+        if let Some(tensorboard) = &mut self.tensorboard {
+            tensorboard.on_update(report, stats);
+        }
         if let Some(mean) = row.mean_return_20 {
             self.points.push(curve::Point { env_steps: report.env_steps, mean_return: mean });
         }
@@ -383,6 +402,10 @@ impl Progress {
     fn finish(&mut self) -> anyhow::Result<()> {
         if let Some(bar) = self.bar.take() {
             bar.finish_and_clear();
+        }
+        if let Some(tensorboard) = self.tensorboard.take() {
+            let path = tensorboard.finish().context("--tensorboard")?;
+            info!(path = %path.display(), "TensorBoard log written");
         }
         if let Some(err) = self.write_error.take() {
             return Err(err).context("writing metrics.jsonl");
