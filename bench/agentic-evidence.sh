@@ -13,13 +13,11 @@
 #   bench/agentic-evidence.sh [OUT_DIR] [SEEDS]   (default runs/agentic-evidence, "1 2 3 4 5")
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. bench/lib.sh
 out="${1:-runs/agentic-evidence}"
 seeds="${2:-1 2 3 4 5}"
 mkdir -p "$out"
-if [ -z "${VOLLEY_BIN:-}" ]; then
-  cargo build --release -p volley >/dev/null 2>&1
-fi
-volley=${VOLLEY_BIN:-target/release/volley}
+volley=$(volley_bin)
 run() { # study config seed env-steps flags...
   local study=$1 name=$2 seed=$3 steps=$4; shift 4
   "$volley" train --seed "$seed" --target-return 1e9 --max-secs 900 --progress lines \

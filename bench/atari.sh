@@ -5,25 +5,25 @@
 # stacked on the actor, the Nature-DQN network (pixels scaled by 1/255 inside the network),
 # V-trace with an entropy bonus. One run per seed, bounded by agent steps (1 agent step = 4 frames).
 #
-#   PATH=<dir with nats-server>:$PATH PYTHON=<python with volley_envs, ale_py, cv2> \
+#   [VOLLEY_NATS_SERVER=<nats-server>] PYTHON=<python with volley_envs, ale_py, cv2> \
 #     bench/atari.sh OUT_DIR GAME STEPS SEED...
 #   e.g. bench/atari.sh /tmp/pong Pong 500000 1
 #
 # Extra `volley train` flags go in TRAIN_FLAGS. Curves: OUT_DIR/<game>-s<seed>/metrics.jsonl and
 # curve.svg (written by volley train).
 set -euo pipefail
+# shellcheck source=bench/lib.sh
+. "$(dirname "$0")/lib.sh"
 out=${1:?out dir}; game=${2:?game, e.g. Pong}; steps=${3:?agent steps}; shift 3
 python=${PYTHON:-python3}
 volley=${VOLLEY:-target/release/volley}
 port=${PORT:-14888}
 mkdir -p "$out"
 service=$(echo "$game" | tr '[:upper:]' '[:lower:]')
-store=$(mktemp -d)
-nats-server -a 127.0.0.1 -p "$port" -js -sd "$store" > "$out/nats.log" 2>&1 &
-nats_pid=$!
+cleanup_on_exit
+start_nats "$port" "" "$out/nats.log"
 "$python" -m volley_envs serve "atari:$game" --nats "nats://127.0.0.1:$port" > "$out/server.log" 2>&1 &
-server_pid=$!
-trap 'kill $server_pid $nats_pid 2>/dev/null; wait 2>/dev/null; rm -rf "$store"' EXIT
+started_pids+=($!)
 for _ in $(seq 100); do grep -q "environment server ready" "$out/server.log" && break; sleep 0.2; done
 for seed in "$@"; do
   run="$out/$service-s$seed"

@@ -11,37 +11,27 @@
 # env:   VOLLEY_BIN (default target/release/volley), WARM_SECS (15), DOWN_SECS (5), AFTER_SECS (40)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. bench/lib.sh
 out=${1:-$(mktemp -d -t volley-restart-XXXXXX)}
 mkdir -p "$out/jetstream" "$out/checkpoints"
 volley=${VOLLEY_BIN:-target/release/volley}
-port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+port=$(free_port)
 url="nats://127.0.0.1:$port"
-pids=()
-cleanup() {
-  for pid in "${pids[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
-  for pid in "${pids[@]}"; do wait "$pid" 2>/dev/null || true; done
-}
-trap cleanup EXIT
-start_nats() {
-  nats-server -js -a 127.0.0.1 -p "$port" -sd "$out/jetstream" >> "$out/nats.log" 2>&1 &
-  nats_pid=$!
-  pids+=("$nats_pid")
-  for _ in $(seq 100); do (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null && break; sleep 0.05; done
-}
-start_nats
+cleanup_on_exit
+start_nats "$port" "$out/jetstream" "$out/nats.log"
 RUST_LOG=info "$volley" learner --nats "$url" --run restart --checkpoint-dir "$out/checkpoints" --target-return 1e9 \
   --max-env-steps 1000000000 > "$out/learner.json" 2> "$out/learner.log" &
-pids+=($!)
+started_pids+=($!)
 for i in 0 1; do
   RUST_LOG=info "$volley" actor --nats "$url" --run restart --actor-id "actor-$i" --envs 8 > /dev/null 2> "$out/actor-$i.log" &
-  pids+=($!)
+  started_pids+=($!)
 done
 sleep "${WARM_SECS:-15}"
-kill -KILL "$nats_pid"
-wait "$nats_pid" 2>/dev/null || true
+kill -KILL "$NATS_PID"
+wait "$NATS_PID" 2>/dev/null || true
 killed_at=$(date -u +%H:%M:%S.%N)
 sleep "${DOWN_SECS:-5}"
-start_nats
+start_nats "$port" "$out/jetstream" "$out/nats.log"
 sleep "${AFTER_SECS:-40}"
 python3 - "$out/learner.log" "$killed_at" <<'PY'
 import re, sys

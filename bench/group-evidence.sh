@@ -15,14 +15,12 @@
 # Heavy runs on a shared machine: wrap in `flock /work/bench.lock` (the script runs one at a time).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. bench/lib.sh
 out="${1:-runs/group-evidence}"
 seeds="${2:-1 2 3 4 5}"
 steps="${STEPS:-1000000}"
 mkdir -p "$out/group-baseline" "$out/group-filter"
-if [ -z "${VOLLEY_BIN:-}" ]; then
-  cargo build --release -p volley >/dev/null 2>&1
-fi
-volley=${VOLLEY_BIN:-target/release/volley}
+volley=$(volley_bin)
 run() { # study config seed flags...
   local study=$1 name=$2 seed=$3; shift 3
   local dir="$out/$study/$name/seed$seed"

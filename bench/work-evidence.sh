@@ -8,12 +8,14 @@
 #   bench/work-evidence.sh [OUT_DIR]   (default runs/work-evidence)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. bench/lib.sh
 out="${1:-runs/work-evidence}"
 mkdir -p "$out"
-cargo build --release -p volley >/dev/null 2>&1
-volley=target/release/volley
+volley=$(volley_bin)
+# shellcheck disable=SC2054  # the commas are inside each task spec
 ms_tasks=(--task milestones:n_rooms=2,room_len=6,max_steps=48 --task milestones:n_rooms=3,room_len=6,max_steps=72
           --task milestones:n_rooms=4,room_len=6,max_steps=96)
+# shellcheck disable=SC2054
 mem_tasks=(--task memory:n_cues=4,delay=4 --task memory:n_cues=4,delay=16 --task memory:n_cues=4,delay=64
            --task memory:n_cues=4,delay=256)
 run() { # study config seed flags...

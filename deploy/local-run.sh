@@ -10,10 +10,10 @@
 # env: VOLLEY_LOCAL_NICE (default 10): the niceness of nats-server and the actors. The learner
 # keeps its priority: on a machine whose cores they share, it is the process whose time sets
 # the run's pace, so it takes a core as soon as it can run (about 5 % less learner time to
-# solve CartPole on 2 vCPUs, docs/BENCHMARKS.md, issue 16). 0: every process alike. "idle":
-# nats-server and the actors under SCHED_IDLE (`chrt -i 0`), run only when no other task wants
-# a core: another 5-8 % on a machine given to the run, but anything else busy on the machine
-# (a build, say) then starves the broker and the actors, and the run with them.
+# solve CartPole on 2 vCPUs, docs/benchmarks/distributed.md, issue 16). 0: every process
+# alike. "idle": nats-server and the actors under SCHED_IDLE (`chrt -i 0`), run only when no
+# other task wants a core: another 5-8 % on a machine given to the run, but anything else busy
+# on the machine (a build, say) then starves the broker and the actors, and the run with them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

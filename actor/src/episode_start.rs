@@ -20,7 +20,7 @@
 //! [`FreshStarts`] runs fresh episodes back to back (the environment's own auto-reset).
 //! [`WorkStarts`] takes work items from a queue, restores saved states, saves snapshots at
 //! milestones and every `work.snapshot_every_steps` steps, and continues an interrupted item
-//! from its newest snapshot (docs/SAVE_LOAD.md).
+//! from its newest snapshot (docs/ARCHITECTURE.md, "Save-load and budget assignment").
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -144,7 +144,10 @@ impl ActiveItem {
 #[derive(Default)]
 struct Slot {
     item: Option<ActiveItem>,
-    task_id: u32,
+    /// The task the slot's environment runs: `None` while it still runs the run spec's own
+    /// environment, which need not be any task of the list (issue 48: the first scheduled
+    /// episode of each slot ran the run's default environment labelled with its item's task).
+    env_task: Option<u32>,
     /// The saved state the current episode started from (`None`: fresh).
     start: Option<String>,
     /// The group the current scheduled episode is a member of.
@@ -163,6 +166,13 @@ impl Slot {
     /// The item of the running episode, when the episode is scheduled.
     fn scheduled_item(&self) -> Option<&ActiveItem> {
         self.item.as_ref().filter(|_| self.scheduled)
+    }
+
+    /// The task label of the running episode: unscheduled episodes of the run's own
+    /// environment are reported as task 0, which admission knows to check against the run
+    /// environment's limits too.
+    fn task_label(&self) -> u32 {
+        self.env_task.unwrap_or(0)
     }
 }
 
@@ -192,14 +202,18 @@ impl WorkStarts {
         if !work.enabled {
             return Err(ActorError::Spec(SpecError::Work("the run spec does not enable work items".into())));
         }
+        let tasks = work.task_list(&spec.env);
+        // The slots' environments were built from the run's environment; they run a task of
+        // the list without switching only when the list holds that very configuration.
+        let env_task = tasks.iter().position(|task| *task == spec.env).map(|idx| idx as u32);
         Ok(WorkStarts {
             source,
             store,
-            tasks: work.task_list(&spec.env),
+            tasks,
             snapshot_at_milestones: work.snapshot_at_milestones,
             snapshot_every_steps: work.snapshot_every_steps,
             // Every slot takes its first item at the first segment boundary.
-            slots: (0..n_envs).map(|_| Slot { needs_start: true, ..Slot::default() }).collect(),
+            slots: (0..n_envs).map(|_| Slot { needs_start: true, env_task, ..Slot::default() }).collect(),
             actor,
             counters,
         })
@@ -270,7 +284,7 @@ impl WorkStarts {
             None => {
                 let task_id = item_task.min(self.tasks.len().saturating_sub(1) as u32);
                 let envs = &mut *slot_view.envs;
-                let reset = if task_id != slot.task_id {
+                let reset = if Some(task_id) != slot.env_task {
                     envs.switch_task(env_idx, &self.tasks[task_id as usize], seed)
                 } else {
                     envs.reset_env(env_idx, seed)
@@ -279,7 +293,7 @@ impl WorkStarts {
                     warn!(actor = %self.actor, %err, "scheduled reset failed; running an unscheduled episode");
                     return false;
                 }
-                slot.task_id = task_id;
+                slot.env_task = Some(task_id);
                 slot_view.hidden.fill(0.0);
                 *slot_view.episode = RunningEpisode::default();
                 slot.start = None;
@@ -372,12 +386,12 @@ fn restore(
     if snapshot.hidden.len() != hidden.len() {
         return None;
     }
-    if snapshot.task_id != slot.task_id {
+    if Some(snapshot.task_id) != slot.env_task {
         if let Err(err) = envs.switch_task(env_idx, task, seed) {
             warn!(%actor, %err, "cannot switch task for a saved state");
             return None;
         }
-        slot.task_id = snapshot.task_id;
+        slot.env_task = Some(snapshot.task_id);
     }
     if let Err(err) = envs.restore_env(env_idx, &snapshot.env) {
         warn!(%actor, %err, "saved state does not restore; fresh start instead");
@@ -399,7 +413,7 @@ impl EpisodeStarts for WorkStarts {
     fn tags(&self, env_idx: usize) -> EpisodeTags {
         let slot = &self.slots[env_idx];
         EpisodeTags {
-            task_id: slot.task_id,
+            task_id: slot.task_label(),
             work_item: slot.scheduled_item().map(|active| active.item.id),
             start: if slot.scheduled { slot.start.clone() } else { None },
             group: if slot.scheduled { slot.group } else { None },
@@ -431,7 +445,7 @@ impl EpisodeStarts for WorkStarts {
         let snapshot = EpisodeSnapshot {
             work_item: item_id,
             episode_index: slot.episode_index,
-            task_id: slot.task_id,
+            task_id: slot.task_label(),
             origin: slot.start.clone(),
             env,
             hidden: hidden.to_vec(),

@@ -315,9 +315,9 @@ impl RolloutWorker {
     /// whatever its size (store, publish ack, delivery, ack and its confirmation, pace notice),
     /// so for CartPole's rounds of 256 steps two to a message took about a fifth off the
     /// broker's CPU and a tenth off the time per env step of distributed CartPole (issue 16,
-    /// docs/BENCHMARKS.md). The cost: the first round of each message reaches the learner one
-    /// round later (at most `within`), and a stop drops a held round as it drops the round in
-    /// progress. `rounds` below 1 counts as 1.
+    /// docs/benchmarks/distributed.md). The cost: the first round of each message reaches the
+    /// learner one round later (at most `within`), and a stop drops a held round as it drops the
+    /// round in progress. `rounds` below 1 counts as 1.
     pub fn with_rounds_per_publish(mut self, rounds: usize, within: Duration) -> Self {
         self.rounds_per_publish = rounds.max(1);
         self.hold_within = within;
@@ -1183,6 +1183,80 @@ mod tests {
         // The second episode's end completed the item; the queue was empty after it.
         assert_eq!(worker.counters.work_items_completed.load(Ordering::Relaxed), 1);
         assert!(worker.counters.unscheduled_episodes.load(Ordering::Relaxed) >= 1);
+    }
+
+    /// Issue 48, item 2: every scheduled episode runs the task of its label, the first one of
+    /// each slot included. The slots' environments are built from the run's own environment
+    /// (here a delay the task list does not hold); the first item of task 0 used to run that
+    /// environment while labelled task 0, so its summary claimed 8 steps of a 4-step task.
+    #[test]
+    fn scheduled_episodes_run_exactly_the_task_of_their_label() {
+        let memory = |delay| EnvConfig::Memory(MemoryConfig { n_cues: 2, delay });
+        let tasks = [memory(2), memory(9)];
+        let task_len = [4u32, 11];
+        let mut spec = worker(memory(6), 3, 2, CoreKind::Mlp, 8).spec.clone();
+        spec.hyper.work = WorkConfig {
+            enabled: true,
+            tasks: tasks.to_vec(),
+            snapshot_every_steps: 0,
+            snapshot_at_milestones: false,
+            ..WorkConfig::default()
+        };
+        let layout = spec.validate().expect("valid");
+        // Task 0 first, so each of the two slots starts on a different task.
+        let items: Vec<WorkItem> = (0..8)
+            .map(|id| WorkItem {
+                id,
+                task_id: (id % 2) as u32,
+                start: Start::Fresh { seed: 40 + id },
+                episodes: 2,
+                group: None,
+            })
+            .collect();
+        let (mut queue, source) = local_work_queue();
+        queue.submit(&items).expect("in-process queue");
+        let n_envs = 2;
+        let mut worker =
+            RolloutWorker::new(spec.clone(), ActorId::new("w-0").expect("valid"), n_envs, 3, Arc::default())
+                .expect("buildable")
+                .with_work(Box::new(source), Box::new(LocalSnapshotStore::new(100)))
+                .expect("work enabled");
+        worker.set_weights(Arc::new(Weights::new(PolicyVersion(1), layout.hash(), layout.init_params(2)))).unwrap();
+        // Per stream: steps and reward since the last episode end.
+        let mut running = vec![(0u32, 0.0f32); n_envs];
+        let mut scheduled = Vec::new();
+        for _ in 0..100 {
+            for segment in worker.collect_segments() {
+                segment.validate(&spec, layout.hash(), layout.recurrent_size()).expect("the segment validates");
+                let (steps, reward) = &mut running[segment.env_idx as usize];
+                let mut summaries = segment.finished_episodes.iter();
+                for t in 0..segment.len() {
+                    *steps += 1;
+                    *reward += segment.rewards[t];
+                    if segment.terminated[t] == 0 && segment.truncated[t] == 0 {
+                        continue;
+                    }
+                    let summary = summaries.next().expect("every episode end has its summary");
+                    assert_eq!((summary.episode_len, summary.episode_return), (*steps, *reward), "{summary:?}");
+                    (*steps, *reward) = (0, 0.0);
+                    if let Some(item) = summary.work_item {
+                        scheduled.push(summary.clone());
+                        let task = items[item as usize].task_id;
+                        assert_eq!(summary.task_id, task, "item {item}'s episode is labelled with its task");
+                        assert_eq!(
+                            summary.episode_len, task_len[task as usize],
+                            "item {item} runs task {task}: {summary:?}"
+                        );
+                    }
+                }
+                assert!(summaries.next().is_none(), "no summary without an episode end");
+            }
+            if scheduled.len() == 2 * items.len() {
+                break;
+            }
+        }
+        assert_eq!(scheduled.len(), 2 * items.len(), "every item ran both its episodes");
+        assert_eq!(worker.counters.work_items_completed.load(Ordering::Relaxed), items.len() as u64);
     }
 
     /// Issue 18: an episode resumed from a saved recurrent state starts right where the previous

@@ -22,11 +22,19 @@ use volley_transport::nats::{NatsAuth, NatsConfig};
 
 /// Volley: a distributed actor-learner system for reinforcement learning.
 #[derive(Debug, Parser)]
-#[command(name = "volley", version, about)]
+#[command(name = "volley", version, about, mut_subcommands = negative_numbers_are_values)]
 pub struct Cli {
     /// What to do.
     #[command(subcommand)]
     pub command: Command,
+}
+
+/// Every flag of `command` that takes a value also takes a negative number as its value:
+/// `--target-return -250` reads as the flag and its value, not as an unknown flag `-2`
+/// (issue 48). The value's own parser then accepts it or names the flag in its error; no flag
+/// of `volley` is a short option, so a leading `-` and a digit can mean nothing else.
+fn negative_numbers_are_values(command: clap::Command) -> clap::Command {
+    command.mut_args(|arg| if arg.get_action().takes_values() { arg.allow_negative_numbers(true) } else { arg })
 }
 
 /// Subcommands.
@@ -154,7 +162,7 @@ pub enum LossName {
 /// Where the learner's update runs (`--backend`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum BackendName {
-    /// CUDA when a GPU works, otherwise the CPU with a warning.
+    /// CUDA when a GPU works, otherwise the CPU (a warning only if a GPU is there but fails).
     Auto,
     /// The CPU backend (one thread).
     Cpu,
@@ -186,9 +194,9 @@ pub enum ProgressMode {
 /// Flags that define the run spec (shared by `volley train` and `volley learner`).
 #[derive(Debug, Clone, Args)]
 pub struct SpecArgs {
-    /// Environment: cartpole, memory, milestones, minatar-GAME (asterix, breakout, freeway, seaquest,
-    /// space-invaders), or remote:SERVICE for one served over NATS
-    /// (docs/ENV_PROTOCOL.md; `volley learner` asks its servers for the spaces).
+    /// Environment: cartpole, memory, milestones, pendulum (continuous actions), minatar-GAME
+    /// (asterix, breakout, freeway, seaquest, space-invaders), or remote:SERVICE for one served
+    /// over NATS (docs/ENV_PROTOCOL.md; `volley learner` asks its servers for the spaces).
     #[arg(long, default_value = "cartpole", env = "VOLLEY_ENV", value_parser = parse_env_choice)]
     pub env: EnvChoice,
     /// Run name ([a-z0-9-]{1,16}).
@@ -269,7 +277,7 @@ pub struct SpecArgs {
     /// PPO runs ten epochs on each batch; with actors several versions behind, those steps
     /// pushed a policy that was still improving to a deterministic wrong one (CartPole stuck at
     /// a return of ~9) in 2 of 32 runs with 4 and 6 actor processes, and in 1 of 64 with 0.01
-    /// (docs/BENCHMARKS.md, issue 11).
+    /// (docs/benchmarks/long-runs.md, issue 11).
     #[arg(long, env = "VOLLEY_ENT_COEF")]
     pub ent_coef: Option<f32>,
     /// PPO epochs per batch.
@@ -432,14 +440,18 @@ pub struct TrainArgs {
     /// Environments per actor.
     #[arg(long, default_value_t = 8, env = "VOLLEY_ENVS_PER_ACTOR")]
     pub envs_per_actor: usize,
-    /// Stop after this many seconds of wall time.
-    #[arg(long, default_value_t = 300.0, env = "VOLLEY_MAX_SECS")]
-    pub max_secs: f64,
+    /// Stop after this many seconds of wall time (default: no time limit; the run stops at
+    /// --max-env-steps, the target return or Ctrl-C, so a slower machine takes longer rather
+    /// than training less).
+    #[arg(long, env = "VOLLEY_MAX_SECS")]
+    pub max_secs: Option<f64>,
     /// Stop when the mean return of the last 100 episodes reaches this (default: the
     /// environment's solved threshold; pass a huge value to train to the budget).
     #[arg(long, env = "VOLLEY_TARGET_RETURN")]
     pub target_return: Option<f32>,
-    /// Directory for metrics, curve and summary (default: runs/RUN-ENV-SEED).
+    /// Directory for metrics, curve and summary (default: runs/RUN-ENV-SEED, with ENV the
+    /// service for remote:SERVICE; when it exists, the first free runs/RUN-ENV-SEED-N, said in
+    /// the log). A directory given here that already holds a run is refused, never overwritten.
     #[arg(long, env = "VOLLEY_RUN_DIR")]
     pub run_dir: Option<PathBuf>,
     /// Also write TensorBoard scalars (return, episode length, losses, entropy, KL, learning
@@ -485,12 +497,12 @@ pub struct TrainConfig {
     pub envs_per_actor: usize,
     /// Environment-step budget.
     pub max_env_steps: u64,
-    /// Wall-time budget.
-    pub max_duration: Duration,
+    /// Wall-time budget (none by default).
+    pub max_duration: Option<Duration>,
     /// Stop at this mean return (last 100 episodes).
     pub target_return: Option<f32>,
-    /// Where outputs go.
-    pub run_dir: PathBuf,
+    /// Where outputs go: the directory given, or the default to claim (see [`RunDir`]).
+    pub run_dir: RunDir,
     /// Progress output.
     pub progress: ProgressMode,
     /// Learner backend.
@@ -503,7 +515,10 @@ pub struct TrainConfig {
 
 /// The defaults of the flags whose best value depends on the environment (a flag given on the
 /// command line always wins).
+#[derive(Debug, Clone, PartialEq)]
 struct EnvDefaults {
+    /// Which family of environments these defaults were chosen for (logged).
+    family: &'static str,
     loss: LossName,
     gamma: f32,
     reward_scale: f32,
@@ -511,32 +526,62 @@ struct EnvDefaults {
     ppo_minibatches: u32,
     segment_len: usize,
     batch_segments: usize,
+    /// The entropy bonus; `None`: 0.01 for a categorical head under PPO, else 0.
+    ent_coef: Option<f32>,
 }
 
 impl EnvDefaults {
+    /// Issue 14 (docs/benchmarks/solve.md, "Pendulum-v1"): PPO with γ 0.9 over 2048-step
+    /// batches of 8 minibatches reaches a last-100 mean of −250 in ~75 K steps on 5/5 seeds; the
+    /// CartPole defaults (V-trace, γ 0.99) did not learn in 500 K steps.
+    const CONTINUOUS: EnvDefaults = EnvDefaults {
+        family: "continuous (box actions, Pendulum-like)",
+        loss: LossName::Ppo,
+        gamma: 0.9,
+        reward_scale: 0.1,
+        learning_rate: 1e-3,
+        ppo_minibatches: 8,
+        segment_len: 64,
+        batch_segments: 32,
+        ent_coef: None,
+    };
+
+    /// What `bench/atari.sh` trains Pong with (issue 15): V-trace on unscaled clipped rewards
+    /// with an entropy bonus.
+    const IMAGES: EnvDefaults = EnvDefaults {
+        family: "image observations (Atari-like)",
+        loss: LossName::Vtrace,
+        gamma: 0.99,
+        reward_scale: 1.0,
+        learning_rate: 6e-4,
+        ppo_minibatches: 1,
+        segment_len: 32,
+        batch_segments: 8,
+        ent_coef: Some(0.01),
+    };
+
+    /// CartPole's, for discrete actions on vector observations.
+    const DISCRETE: EnvDefaults = EnvDefaults {
+        family: "discrete actions, vector observations (CartPole-like)",
+        loss: LossName::Vtrace,
+        gamma: 0.99,
+        reward_scale: 0.05,
+        learning_rate: 2e-3,
+        ppo_minibatches: 1,
+        segment_len: 32,
+        batch_segments: 8,
+        ent_coef: None,
+    };
+
+    /// The defaults for `env`. A served environment (`--env remote:<service>`) gets them from the
+    /// spaces its servers declared, as a built-in one of the same family would (issue 48:
+    /// served Pendulum trained with CartPole's defaults and did not learn).
     fn for_env(env: &EnvConfig) -> Self {
         match env {
-            // Issue 14 (docs/BENCHMARKS.md, "Pendulum"): PPO with γ 0.9 over 2048-step batches
-            // of 8 minibatches reaches a last-100 mean of −250 in ~75 K steps on 5/5 seeds; the
-            // CartPole defaults (V-trace, γ 0.99) did not learn in 500 K steps.
-            EnvConfig::Pendulum => EnvDefaults {
-                loss: LossName::Ppo,
-                gamma: 0.9,
-                reward_scale: 0.1,
-                learning_rate: 1e-3,
-                ppo_minibatches: 8,
-                segment_len: 64,
-                batch_segments: 32,
-            },
-            _ => EnvDefaults {
-                loss: LossName::Vtrace,
-                gamma: 0.99,
-                reward_scale: 0.05,
-                learning_rate: 2e-3,
-                ppo_minibatches: 1,
-                segment_len: 32,
-                batch_segments: 8,
-            },
+            EnvConfig::Pendulum => Self::CONTINUOUS,
+            EnvConfig::Remote(remote) if remote.action_box.is_some() => Self::CONTINUOUS,
+            EnvConfig::Remote(remote) if remote.image.is_some() => Self::IMAGES,
+            _ => Self::DISCRETE,
         }
     }
 }
@@ -628,6 +673,12 @@ impl SpecArgs {
             normalize_obs: self.normalize_obs,
         };
         let preset = EnvDefaults::for_env(&env);
+        if let EnvConfig::Remote(remote) = &env {
+            tracing::info!(service = %remote.service, family = preset.family, loss = ?preset.loss, gamma = preset.gamma,
+                           reward_scale = preset.reward_scale, learning_rate = preset.learning_rate,
+                           segment_len = preset.segment_len, batch_segments = preset.batch_segments,
+                           "defaults for a served environment chosen from its declared spaces (flags override)");
+        }
         let segment_len = self.segment_len.unwrap_or(preset.segment_len);
         let batch_segments = self.batch_segments.unwrap_or(preset.batch_segments);
         let steps_per_update = (segment_len * batch_segments) as u64;
@@ -641,10 +692,12 @@ impl SpecArgs {
             learning_rate: self.learning_rate.unwrap_or(preset.learning_rate),
             final_learning_rate: self.final_learning_rate,
             lr_decay_updates: (self.max_env_steps / steps_per_update.max(1)).max(1),
-            ent_coef: self.ent_coef.unwrap_or(match (&policy.head, self.loss.unwrap_or(preset.loss)) {
-                (ActionHead::Categorical, LossName::Ppo) => 0.01,
-                _ => 0.0,
-            }),
+            ent_coef: self.ent_coef.or(preset.ent_coef).unwrap_or(
+                match (&policy.head, self.loss.unwrap_or(preset.loss)) {
+                    (ActionHead::Categorical, LossName::Ppo) => 0.01,
+                    _ => 0.0,
+                },
+            ),
             adam_eps: self.adam_eps.unwrap_or_else(|| volley_core::spec::default_adam_eps(&env)),
             ppo_epochs: self.ppo_epochs,
             ppo_minibatches: self.ppo_minibatches.unwrap_or(preset.ppo_minibatches),
@@ -779,7 +832,7 @@ impl TryFrom<TrainArgs> for TrainConfig {
         if args.envs_per_actor == 0 || args.envs_per_actor > 4096 {
             bail!("--envs-per-actor: {} out of range 1..=4096", args.envs_per_actor);
         }
-        let max_duration = check_secs("--max-secs", args.max_secs)?;
+        let max_duration = args.max_secs.map(|secs| check_secs("--max-secs", secs)).transpose()?;
         check_target(args.target_return)?;
         let env_wait = check_secs("--env-wait-secs", args.env_wait_secs)?;
         let spec = args.spec.to_spec_with(&|service| {
@@ -794,9 +847,10 @@ impl TryFrom<TrainArgs> for TrainConfig {
             _ => None,
         };
         let target_return = args.target_return.or_else(|| solved_return(&spec.env));
-        let run_dir = args
-            .run_dir
-            .unwrap_or_else(|| PathBuf::from(format!("runs/{}-{}-{}", spec.run, spec.env.name(), spec.seed)));
+        let run_dir = match args.run_dir {
+            Some(dir) => RunDir::Given(dir),
+            None => RunDir::Default(default_run_dir(&spec)),
+        };
         Ok(TrainConfig {
             actors: args.actors,
             envs_per_actor: args.envs_per_actor,
@@ -811,6 +865,27 @@ impl TryFrom<TrainArgs> for TrainConfig {
             spec,
         })
     }
+}
+
+/// Where `volley train` writes its run directory.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RunDir {
+    /// `--run-dir`: used as given; refused if it already holds a run.
+    Given(PathBuf),
+    /// The default `runs/RUN-ENV-SEED`: a rerun takes the first free `runs/RUN-ENV-SEED-N`.
+    Default(PathBuf),
+}
+
+/// The default run directory, `runs/RUN-ENV-SEED`, where ENV names what was trained: a built-in
+/// environment's name, or the service of a remote one (`runs/local-pong-1`, not
+/// `runs/local-remote-1` for every service).
+pub fn default_run_dir(spec: &RunSpec) -> PathBuf {
+    let env = match &spec.env {
+        // Service names are [a-z0-9_-]{1,48}: safe as part of a file name.
+        EnvConfig::Remote(remote) => remote.service.as_str(),
+        other => other.name(),
+    };
+    PathBuf::from(format!("runs/{}-{}-{}", spec.run, env, spec.seed))
 }
 
 /// How to reach NATS (shared by `volley learner` and `volley actor`).
@@ -892,13 +967,7 @@ impl NatsArgs {
 
     /// The credentials, if any.
     pub fn auth(&self) -> anyhow::Result<Option<NatsAuth>> {
-        Ok(match (&self.nats_user, &self.nats_password) {
-            (Some(user), Some(password)) => {
-                Some(NatsAuth::UserPassword { user: user.clone(), password: password.clone() })
-            }
-            (None, None) => None,
-            _ => bail!("--nats-user and --nats-password go together"),
-        })
+        nats_auth(&self.nats_user, &self.nats_password)
     }
 }
 
@@ -954,11 +1023,14 @@ pub struct LearnerArgs {
     #[arg(long, env = "VOLLEY_MAX_SECS")]
     pub max_secs: Option<f64>,
     /// Stop when the mean return of the last 100 episodes reaches this (default: the
-    /// environment's solved threshold).
+    /// environment's solved threshold; not with --replay, whose returns are the recorded
+    /// actors').
     #[arg(long, env = "VOLLEY_TARGET_RETURN")]
     pub target_return: Option<f32>,
-    /// Directory for checkpoints; a checkpoint found there is resumed.
-    #[arg(long, env = "VOLLEY_CHECKPOINT_DIR", default_value = "checkpoints")]
+    /// Directory for checkpoints (the file is learner-RUN.ckpt); a checkpoint found there is
+    /// resumed. The default is under runs/, which git ignores, beside `volley train`'s run
+    /// directories.
+    #[arg(long, env = "VOLLEY_CHECKPOINT_DIR", default_value = DEFAULT_CHECKPOINT_DIR)]
     pub checkpoint_dir: PathBuf,
     /// Checkpoint every this many updates.
     #[arg(long, env = "VOLLEY_CHECKPOINT_EVERY_UPDATES", default_value_t = 200)]
@@ -980,7 +1052,7 @@ pub struct LearnerArgs {
     /// is always full: with two batches, PPO on CartPole with 6 actor processes trained on data
     /// 13 versions old and took up to 3.8x the embedded run's env steps; with one batch (and actors
     /// that wait for room before they collect), 5 versions and at most 1.45x
-    /// (docs/BENCHMARKS.md, issue 11).
+    /// (docs/benchmarks/long-runs.md, issue 11).
     #[arg(long, env = "VOLLEY_MAX_BACKLOG_SEGMENTS")]
     pub max_backlog_segments: Option<u64>,
     /// Upper bound on the bytes the run's trajectory stream keeps on the broker (segments stay
@@ -991,15 +1063,17 @@ pub struct LearnerArgs {
     #[arg(long, env = "VOLLEY_TRAJECTORY_MAX_AGE_SECS", default_value_t = 24.0 * 3600.0)]
     pub trajectory_max_age_secs: f64,
     /// Train from the run's recorded trajectory stream instead of live actors (no weights are
-    /// published and no checkpoint is written).
+    /// published and no checkpoint is written). A replay stops at the end of the record or at
+    /// --max-env-steps, never "solved": the returns in the record are those of the actors'
+    /// policies when it was recorded, not of the policy being trained.
     #[arg(long, env = "VOLLEY_REPLAY")]
     pub replay: bool,
     /// Also write TensorBoard scalars (return, episode length, losses, entropy, KL, learning
     /// rate, env steps/s, lag; one event per update) to an event file in this directory.
     #[arg(long, env = "VOLLEY_TENSORBOARD", value_name = "DIR")]
     pub tensorboard: Option<PathBuf>,
-    /// Where the update runs: `auto` uses the GPU when one works and otherwise falls back to
-    /// the CPU with a warning; `cuda` fails without a GPU.
+    /// Where the update runs: `auto` uses the GPU when one works and otherwise the CPU (a
+    /// warning only when a GPU is there but fails); `cuda` fails without a GPU.
     #[arg(long, value_enum, default_value = "auto", env = "VOLLEY_BACKEND")]
     pub backend: BackendName,
     /// With `--env remote:<service>`: how long to wait for a server of the service to tell the
@@ -1007,6 +1081,13 @@ pub struct LearnerArgs {
     #[arg(long, env = "VOLLEY_ENV_WAIT_SECS", default_value_t = 120.0)]
     pub env_wait_secs: f64,
 }
+
+/// `volley learner`'s checkpoint directory when `--checkpoint-dir` is not given: inside `runs/`
+/// (ignored by git), not in the working tree (issue 48).
+pub const DEFAULT_CHECKPOINT_DIR: &str = "runs/checkpoints";
+
+/// Where `volley learner` wrote checkpoints by default before issue 48.
+const OLD_DEFAULT_CHECKPOINT_DIR: &str = "checkpoints";
 
 /// A validated `volley learner` configuration.
 #[derive(Debug, Clone)]
@@ -1064,6 +1145,13 @@ impl TryFrom<LearnerArgs> for LearnerConfig {
         spec.hyper.stores.trajectory_max_age_secs = args.trajectory_max_age_secs;
         spec.validate().context("--trajectory-max-bytes / --trajectory-max-age-secs")?;
         check_target(args.target_return)?;
+        if args.replay && args.target_return.is_some() {
+            bail!(
+                "--target-return with --replay: the returns in the record are those of the actors' policies when it \
+                 was recorded, not of the policy this replay trains, so they cannot say it solved the task; a replay \
+                 runs to the end of the record or --max-env-steps"
+            );
+        }
         if args.checkpoint_every_updates == 0 || args.publish_every == 0 {
             bail!("--checkpoint-every-updates and --publish-every must be at least 1");
         }
@@ -1080,9 +1168,24 @@ impl TryFrom<LearnerArgs> for LearnerConfig {
             bail!("--nats-replicas: {} out of range 1..=5 (JetStream keeps at most 5 copies)", args.nats_replicas);
         }
         nats.replicas = args.nats_replicas;
+        let checkpoint_path = Checkpoint::path_in(&args.checkpoint_dir, spec.run.as_str());
+        let old_default = Checkpoint::path_in(std::path::Path::new(OLD_DEFAULT_CHECKPOINT_DIR), spec.run.as_str());
+        if args.checkpoint_dir.as_os_str() == DEFAULT_CHECKPOINT_DIR
+            && !checkpoint_path.exists()
+            && old_default.exists()
+        {
+            tracing::warn!(
+                found = %old_default.display(),
+                "a checkpoint of run {} is at the old default location; this learner starts afresh in {} \
+                 unless started with --checkpoint-dir {OLD_DEFAULT_CHECKPOINT_DIR}",
+                spec.run,
+                checkpoint_path.display()
+            );
+        }
         Ok(LearnerConfig {
-            checkpoint_path: Checkpoint::path_in(&args.checkpoint_dir, spec.run.as_str()),
-            target_return: args.target_return.or_else(|| solved_return(&spec.env)),
+            checkpoint_path,
+            // A replay's returns are the recorded actors', not the trained policy's.
+            target_return: if args.replay { None } else { args.target_return.or_else(|| solved_return(&spec.env)) },
             max_env_steps: args.spec.max_env_steps,
             max_duration,
             checkpoint_every_updates: args.checkpoint_every_updates,
@@ -1205,13 +1308,65 @@ pub struct ActorArgs {
     pub remote_env: RemoteEnvArgs,
 }
 
+/// How an environment server reaches NATS: the connection only. The weights and prefetch
+/// settings of [`NatsArgs`] are the learner's and actors' and mean nothing to a server.
+/// `Debug` shows no password.
+#[derive(Clone, Args)]
+pub struct NatsConnectArgs {
+    /// NATS server to connect to.
+    #[arg(long = "nats", env = "VOLLEY_NATS_URL", default_value = "nats://127.0.0.1:4222")]
+    pub nats_url: String,
+    /// Deadline for connecting and for every NATS request.
+    #[arg(long, env = "VOLLEY_NATS_TIMEOUT_SECS", default_value_t = 5.0)]
+    pub nats_timeout_secs: f64,
+    /// NATS user name (see broker-config/: `env-<service>`, e.g. `env-cartpole`); needs a password.
+    #[arg(long, env = "VOLLEY_NATS_USER", requires = "nats_password")]
+    pub nats_user: Option<String>,
+    /// Password of `--nats-user`; prefer the environment variable over the flag (flags show up
+    /// in process listings). Never logged.
+    #[arg(long, env = "VOLLEY_NATS_PASSWORD", hide_env_values = true, requires = "nats_user")]
+    pub nats_password: Option<String>,
+}
+
+impl std::fmt::Debug for NatsConnectArgs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NatsConnectArgs")
+            .field("nats_url", &self.nats_url)
+            .field("nats_timeout_secs", &self.nats_timeout_secs)
+            .field("nats_user", &self.nats_user)
+            .field("nats_password", &self.nats_password.as_ref().map(|_| "<redacted>"))
+            .finish()
+    }
+}
+
+impl NatsConnectArgs {
+    /// The deadline of every NATS request.
+    pub fn timeout(&self) -> anyhow::Result<Duration> {
+        check_secs("--nats-timeout-secs", self.nats_timeout_secs)
+    }
+
+    /// The credentials, if any.
+    pub fn auth(&self) -> anyhow::Result<Option<NatsAuth>> {
+        nats_auth(&self.nats_user, &self.nats_password)
+    }
+}
+
+/// `--nats-user` and `--nats-password` as credentials.
+fn nats_auth(user: &Option<String>, password: &Option<String>) -> anyhow::Result<Option<NatsAuth>> {
+    Ok(match (user, password) {
+        (Some(user), Some(password)) => Some(NatsAuth::UserPassword { user: user.clone(), password: password.clone() }),
+        (None, None) => None,
+        _ => bail!("--nats-user and --nats-password go together"),
+    })
+}
+
 /// `volley env-serve`: one environment server (one instance of the service); start several
 /// for more capacity, on any machine that reaches NATS.
 #[derive(Debug, Args)]
 pub struct EnvServeArgs {
     /// NATS connection.
     #[command(flatten)]
-    pub nats: NatsArgs,
+    pub nats: NatsConnectArgs,
     /// The built-in environment to serve (default configuration).
     #[arg(long, value_enum, default_value = "cartpole", env = "VOLLEY_ENV")]
     pub env: EnvName,
@@ -1539,6 +1694,146 @@ mod tests {
         assert!(problems.is_empty(), "{}", problems.join("\n"));
     }
 
+    /// Issue 48: `--target-return -250` failed with "unexpected argument '-2' found"; only
+    /// `--target-return=-250` worked. Every flag of every subcommand that takes a value now
+    /// takes a negative number as its value: its own parser accepts it or names the flag.
+    #[test]
+    fn every_value_flag_takes_a_negative_number_as_its_value() {
+        use clap::CommandFactory;
+        for subcommand in ["train", "learner"] {
+            let cli = Cli::try_parse_from(["volley", subcommand, "--env", "pendulum", "--target-return", "-250"])
+                .unwrap_or_else(|err| panic!("{subcommand}: {err}"));
+            let target = match cli.command {
+                Command::Train(args) => args.target_return,
+                Command::Learner(args) => args.target_return,
+                other => panic!("parsed {other:?}"),
+            };
+            assert_eq!(target, Some(-250.0), "{subcommand}");
+        }
+        let cli = Cli::command();
+        let mut n_checked = 0;
+        for command in cli.get_subcommands() {
+            for arg in command.get_arguments().filter(|a| a.get_action().takes_values()) {
+                let long = arg.get_long().expect("every flag is long");
+                let flag = format!("--{long}");
+                let parsed = Cli::try_parse_from(["volley", command.get_name(), flag.as_str(), "-1"]);
+                if let Err(err) = parsed {
+                    assert_ne!(
+                        err.kind(),
+                        clap::error::ErrorKind::UnknownArgument,
+                        "{} {flag} -1: {err}",
+                        command.get_name()
+                    );
+                }
+                n_checked += 1;
+            }
+        }
+        assert!(n_checked > 80, "checked only {n_checked} flags");
+    }
+
+    /// Issue 48: `volley --help` said "train, learner, actor, bench" and left env-serve out.
+    #[test]
+    fn top_level_help_names_every_subcommand() {
+        use clap::CommandFactory;
+        let mut cli = Cli::command();
+        let about = cli.get_about().map(|a| a.to_string()).unwrap_or_default();
+        let help = cli.render_help().to_string();
+        for command in Cli::command().get_subcommands() {
+            let name = command.get_name();
+            assert!(about.contains(name), "the about line {about:?} leaves out {name}");
+            assert!(help.contains(name), "volley --help leaves out {name}");
+        }
+    }
+
+    /// Issue 48: `--env` help left out pendulum. Every built-in environment is named in the
+    /// help of `--env` and in the error for an unknown one.
+    #[test]
+    fn env_help_and_errors_name_every_builtin_environment() {
+        use clap::CommandFactory;
+        let cli = Cli::command();
+        let train = cli.find_subcommand("train").expect("train");
+        let env = train.get_arguments().find(|a| a.get_long() == Some("env")).expect("--env");
+        let help = env.get_help().map(|h| h.to_string()).unwrap_or_default();
+        let error = parse_env_choice("nonesuch").expect_err("unknown");
+        for name in EnvName::value_variants() {
+            let name = name.as_str();
+            // MinAtar games are listed as minatar-GAME with the games' names.
+            let listed = name.strip_prefix("minatar-").unwrap_or(name);
+            assert!(help.contains(listed), "--env help leaves out {name}: {help}");
+            assert!(error.contains(name), "the unknown-env error leaves out {name}: {error}");
+        }
+    }
+
+    /// Issue 48: `env-serve --help` listed the weights and prefetch flags of learners and
+    /// actors, which mean nothing to a server; it has the connection flags only.
+    #[test]
+    fn env_serve_has_only_the_nats_connection_flags() {
+        use clap::CommandFactory;
+        let cli = Cli::command();
+        let longs = |name: &str| -> Vec<String> {
+            let command = cli.find_subcommand(name).expect("subcommand");
+            command.get_arguments().filter_map(|a| a.get_long().map(str::to_string)).collect()
+        };
+        let serve = longs("env-serve");
+        let nats: Vec<&String> = serve.iter().filter(|l| l.starts_with("nats")).collect();
+        assert_eq!(nats, ["nats", "nats-timeout-secs", "nats-user", "nats-password"], "{serve:?}");
+        let actor = longs("actor");
+        assert!(actor.iter().any(|l| l == "nats-weights-live"), "actors keep the weights flags: {actor:?}");
+        let cli = Cli::try_parse_from(["volley", "env-serve", "--env", "pendulum", "--nats-timeout-secs", "2"])
+            .expect("valid flags");
+        let Command::EnvServe(args) = cli.command else { panic!("parsed {:?}", cli.command) };
+        assert_eq!(args.nats.timeout().expect("valid"), Duration::from_secs(2));
+        assert!(Cli::try_parse_from(["volley", "env-serve", "--nats-prefetch-calls", "2"]).is_err());
+    }
+
+    /// Issue 48: every remote environment's default run directory was `runs/local-remote-1`.
+    #[test]
+    fn default_run_dir_is_named_after_the_environment_or_the_service() {
+        let cli = Cli::try_parse_from(["volley", "train", "--env", "pendulum", "--seed", "3"]).expect("valid flags");
+        let Command::Train(args) = cli.command else { panic!("parsed {:?}", cli.command) };
+        let mut spec = args.spec.to_spec().expect("a valid spec");
+        assert_eq!(default_run_dir(&spec), PathBuf::from("runs/local-pendulum-3"));
+        let service = EnvServiceName::new("pong").expect("valid name");
+        spec.env = EnvConfig::Remote(RemoteEnvConfig::new(service, 84 * 84, 6));
+        assert_eq!(default_run_dir(&spec), PathBuf::from("runs/local-pong-3"));
+    }
+
+    /// Issue 48: `train` stopped at a default `--max-secs 300`, which cut step-budgeted runs
+    /// on slower machines; the wall-time cap is there only when asked for.
+    #[test]
+    fn train_has_no_wall_time_cap_unless_asked() {
+        let config = |flags: &[&str]| {
+            let cli = Cli::try_parse_from(["volley", "train"].iter().chain(flags)).expect("valid flags");
+            let Command::Train(args) = cli.command else { panic!("parsed {:?}", cli.command) };
+            TrainConfig::try_from(args).expect("a valid config")
+        };
+        assert_eq!(config(&["--max-env-steps", "5000000"]).max_duration, None);
+        assert_eq!(config(&["--max-secs", "30"]).max_duration, Some(Duration::from_secs(30)));
+    }
+
+    /// Issue 48: `volley learner` without `--checkpoint-dir` wrote `./checkpoints/` into the
+    /// working tree; the default is under `runs/`, which the repository's .gitignore ignores.
+    #[test]
+    fn the_default_checkpoint_is_under_git_ignored_runs() {
+        let config = learner_config(&["--run", "demo"]).expect("defaults are valid");
+        assert_eq!(config.checkpoint_path, PathBuf::from("runs/checkpoints/learner-demo.ckpt"));
+        let gitignore = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../.gitignore"))
+            .expect("the repository's .gitignore");
+        assert!(gitignore.lines().any(|line| line.trim() == "/runs"), "runs/ is not ignored:\n{gitignore}");
+        assert!(gitignore.lines().any(|line| line.trim() == "/checkpoints"), "the old default is not ignored");
+    }
+
+    /// Issue 48: a replay stopped "solved" on the recorded actors' returns after 157K of 12M
+    /// recorded steps. A replay has no target: `--target-return` is refused with the reason.
+    #[test]
+    fn a_replay_never_stops_solved() {
+        let config = learner_config(&["--replay"]).expect("valid");
+        assert_eq!(config.target_return, None);
+        assert_eq!(learner_config(&[]).expect("valid").target_return, Some(475.0));
+        let err = learner_config(&["--replay", "--target-return", "400"]).expect_err("refused").to_string();
+        assert!(err.contains("--target-return with --replay"), "{err}");
+    }
+
     #[test]
     fn several_tasks_fit_in_one_value_separated_by_semicolons() {
         let cli = Cli::try_parse_from([
@@ -1578,6 +1873,49 @@ mod tests {
         let cartpole = spec(&[]);
         assert_eq!((cartpole.hyper.loss, cartpole.hyper.gamma, cartpole.segment_len), (LossKind::Vtrace, 0.99, 32));
         assert_eq!(cartpole.policy.head, ActionHead::Categorical);
+    }
+
+    /// Issue 48, item 3: a served environment gets the defaults of its family from the spaces
+    /// its servers declare: `volley env-serve --env pendulum` (box actions) trains with exactly
+    /// the built-in `--env pendulum`'s run settings, a served image environment with the
+    /// Atari-like ones, and a served discrete vector environment keeps CartPole's.
+    #[test]
+    fn a_served_environment_gets_the_defaults_of_its_declared_family() {
+        let spec = |flags: &[&str], served: Option<RemoteEnvConfig>| {
+            let cli = Cli::try_parse_from(["volley", "train"].iter().chain(flags)).expect("valid flags");
+            let Command::Train(args) = cli.command else { panic!("parsed {:?}", cli.command) };
+            args.spec
+                .to_spec_with(&|_| served.clone().ok_or_else(|| anyhow::anyhow!("not served")))
+                .expect("a valid spec")
+        };
+        let builtin = spec(&["--env", "pendulum"], None);
+        // What env-serve's servers declare for the built-in pendulum.
+        let pendulum = EnvConfig::Pendulum.build().expect("builds");
+        let volley_env::ActionSpace::Box { low, high, .. } = pendulum.action_space() else {
+            panic!("pendulum has box actions")
+        };
+        let service = EnvServiceName::new("pendulum").expect("valid");
+        let served = RemoteEnvConfig {
+            action_box: Some(volley_env::RemoteActionBox { low, high }),
+            ..RemoteEnvConfig::new(service.clone(), pendulum.observation_space().dim(), 1)
+        };
+        let remote = spec(&["--env", "remote:pendulum"], Some(served));
+        assert_eq!(remote.hyper, builtin.hyper);
+        assert_eq!((remote.segment_len, &remote.policy), (builtin.segment_len, &builtin.policy));
+        let image = RemoteEnvConfig { image: Some([1, 84, 84]), ..RemoteEnvConfig::new(service.clone(), 84 * 84, 6) };
+        let pong = spec(&["--env", "remote:pong", "--frame-stack", "4", "--conv", "nature"], Some(image));
+        assert_eq!((pong.hyper.loss, pong.hyper.reward_scale, pong.hyper.ent_coef), (LossKind::Vtrace, 1.0, 0.01));
+        let discrete = spec(&["--env", "remote:cartpole"], Some(RemoteEnvConfig::new(service, 4, 2)));
+        let cartpole = spec(&[], None);
+        assert_eq!(discrete.hyper.loss, cartpole.hyper.loss);
+        assert_eq!(
+            (discrete.hyper.gamma, discrete.hyper.reward_scale),
+            (cartpole.hyper.gamma, cartpole.hyper.reward_scale)
+        );
+        assert_eq!(
+            (discrete.segment_len, discrete.hyper.batch_segments),
+            (cartpole.segment_len, cartpole.hyper.batch_segments)
+        );
     }
 
     /// Issue 11: PPO on discrete actions gets an entropy bonus of 0.01 by default (without it,

@@ -64,7 +64,9 @@ pub struct LearnerSummary {
     pub learner_publish_secs: f64,
     /// Loop seconds spent acknowledging segments.
     pub learner_ack_secs: f64,
-    /// Segments by lag in versions: `lag_histogram[k]` counts lag k, the last bucket lag ≥ 15.
+    /// Segments by their lag on arrival, in versions: `lag_histogram[k]` counts lag k, the last
+    /// bucket lag ≥ 64. The progress lines' `lag_max` is the lag the last update trained on (a
+    /// batch column's oldest segment), which stitched BPTT windows make larger.
     pub lag_histogram: Vec<u64>,
     /// Why the learner stopped.
     pub stop_reason: String,

@@ -16,7 +16,7 @@ use clap::Parser;
 use tracing::warn;
 use tracing_subscriber::EnvFilter;
 
-use crate::args::{BenchWeightsConfig, Cli, Command, LearnerConfig, TrainConfig};
+use crate::args::{BenchWeightsConfig, Cli, Command, LearnerConfig, ProgressMode, TrainConfig};
 
 /// Exit status of a learner stopped by a signal before its run ended, after its final
 /// checkpoint: EX_TEMPFAIL ("try again"). Exit 0 means the run is over (solved, a budget spent,
@@ -24,8 +24,10 @@ use crate::args::{BenchWeightsConfig, Cli, Command, LearnerConfig, TrainConfig};
 /// on this (docs/OPERATIONS.md, "When a run ends").
 const EXIT_LEARNER_INTERRUPTED: i32 = 75;
 
-fn init_tracing() {
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+/// Log to stderr at `default_level` unless `RUST_LOG` says otherwise (an explicit `RUST_LOG`
+/// always wins, also over `--progress quiet`).
+fn init_tracing(default_level: &str) {
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_level));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_ansi(std::io::stderr().is_terminal())
@@ -39,7 +41,10 @@ fn init_tracing() {
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
-    init_tracing();
+    // `volley train --progress quiet` prints the summary and nothing else unless something
+    // fails (issue 48: it printed every INFO and WARN line).
+    let quiet = matches!(&cli.command, Command::Train(args) if args.progress == ProgressMode::Quiet);
+    init_tracing(if quiet { "error" } else { "info" });
     let interrupted = Arc::new(AtomicBool::new(false));
     {
         let interrupted = interrupted.clone();

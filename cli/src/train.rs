@@ -4,6 +4,7 @@
 
 use std::fs::{self, File};
 use std::io::{BufWriter, IsTerminal, Write};
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread;
@@ -22,11 +23,17 @@ use volley_transport::envsvc::{EnvServiceClient, RemoteVecEnv, RemoteVecEnvConfi
 use volley_transport::local::{trajectory_channel, weights_channel};
 use volley_transport::work::{local_work_queue, LocalSnapshotStore};
 
-use crate::args::{ProgressMode, TrainConfig, TrainRemote};
+use crate::args::{ProgressMode, RunDir, TrainConfig, TrainRemote};
 use crate::curve;
 
 /// Snapshots the embedded run keeps (its retention bound).
 const LOCAL_SNAPSHOT_CAPACITY: usize = 4096;
+
+/// The files a run directory holds; a directory with any of them holds a run.
+const RUN_FILES: [&str; 5] = ["spec.json", "metrics.jsonl", "curve.svg", "summary.json", "work.jsonl"];
+
+/// Suffixes a rerun tries after the default run directory (`-2`, `-3`, ...) before giving up.
+const MAX_RUN_DIR_SUFFIX: u32 = 10_000;
 
 /// The summary printed as one JSON line at the end.
 #[derive(Debug, serde::Serialize)]
@@ -80,8 +87,14 @@ pub struct TrainSummary {
     pub windows: std::collections::BTreeMap<&'static str, u64>,
     /// Environment failures that were reset.
     pub env_errors: u64,
-    /// Largest lag seen (versions).
+    /// Largest policy lag the learner trained on (versions): its version at an update minus
+    /// the behaviour policy's version of a batch column's oldest segment, the `lag` of the
+    /// progress line and of `metrics.jsonl`. With `--bptt-segments K` a window's first segment
+    /// waits for the other K − 1, so this exceeds `lag_max_on_arrival`.
     pub lag_max: u64,
+    /// Largest lag of a segment when it reached the learner (versions), before it waited in
+    /// the selection pool or for its window.
+    pub lag_max_on_arrival: u64,
     /// Fraction of loop time the learner waited for data.
     pub learner_wait_ratio: f64,
     /// Why training stopped.
@@ -124,9 +137,8 @@ fn finite(x: f32) -> Option<f32> {
 /// Run `volley train`.
 pub fn train(config: TrainConfig, interrupted: Arc<AtomicBool>) -> anyhow::Result<TrainSummary> {
     let spec = config.spec.clone();
-    fs::create_dir_all(&config.run_dir)
-        .with_context(|| format!("creating run directory {}", config.run_dir.display()))?;
-    fs::write(config.run_dir.join("spec.json"), serde_json::to_string_pretty(&spec)?).context("writing spec.json")?;
+    let run_dir = claim_run_dir(&config.run_dir)?;
+    fs::write(run_dir.join("spec.json"), serde_json::to_string_pretty(&spec)?).context("writing spec.json")?;
     info!(
         env = spec.env.name(),
         seed = spec.seed,
@@ -136,7 +148,7 @@ pub fn train(config: TrainConfig, interrupted: Arc<AtomicBool>) -> anyhow::Resul
         batch_segments = spec.hyper.batch_segments,
         loss = ?spec.hyper.loss,
         policy = ?spec.policy,
-        run_dir = %config.run_dir.display(),
+        run_dir = %run_dir.display(),
         "training"
     );
     let mut learner = Learner::new(spec.clone()).context("building the learner")?;
@@ -157,7 +169,7 @@ pub fn train(config: TrainConfig, interrupted: Arc<AtomicBool>) -> anyhow::Resul
         let scheduler = Scheduler::new(work, &spec.env, spec.seed, 0);
         let target = u64::from(work.queue_per_slot) * (config.actors * config.envs_per_actor) as u64;
         let mut planner = WorkPlanner::new(scheduler, Box::new(work_queue), target);
-        if let Ok(file) = File::create(config.run_dir.join("work.jsonl")) {
+        if let Ok(file) = File::create(run_dir.join("work.jsonl")) {
             planner = planner.with_log(Box::new(BufWriter::new(file)));
         }
         planner.top_up();
@@ -199,13 +211,13 @@ pub fn train(config: TrainConfig, interrupted: Arc<AtomicBool>) -> anyhow::Resul
 
     let limits = RunLimits {
         max_env_steps: Some(config.max_env_steps),
-        max_duration: Some(config.max_duration),
+        max_duration: config.max_duration,
         target_return: config.target_return,
         max_updates: None,
         publish_every: 1,
         resume_env_steps: 0,
     };
-    let metrics_file = File::create(config.run_dir.join("metrics.jsonl")).context("creating metrics.jsonl")?;
+    let metrics_file = File::create(run_dir.join("metrics.jsonl")).context("creating metrics.jsonl")?;
     let tensorboard =
         config.tensorboard.as_deref().map(|dir| TensorBoardLog::create(dir).context("--tensorboard")).transpose()?;
     let mut progress = Progress::new(config.progress, config.max_env_steps, metrics_file, tensorboard);
@@ -242,8 +254,8 @@ pub fn train(config: TrainConfig, interrupted: Arc<AtomicBool>) -> anyhow::Resul
     }
     let report = report.context("learner loop")?;
     progress.finish()?;
-    let points = progress.points;
-    curve::write_svg(&config.run_dir.join("curve.svg"), &points, config.target_return, spec.env.name())
+    let points = std::mem::take(&mut progress.points);
+    curve::write_svg(&run_dir.join("curve.svg"), &points, config.target_return, spec.env.name())
         .context("writing curve.svg")?;
 
     let env_errors = counters.iter().map(|c| c.env_errors.load(Ordering::Relaxed)).sum();
@@ -290,14 +302,73 @@ pub fn train(config: TrainConfig, interrupted: Arc<AtomicBool>) -> anyhow::Resul
             .map(|(outcome, n)| (outcome.as_str(), n))
             .collect(),
         env_errors,
-        lag_max: report.lag_histogram.iter().rposition(|&n| n > 0).unwrap_or(0) as u64,
+        lag_max: progress.lag_max,
+        lag_max_on_arrival: report.lag_histogram.iter().rposition(|&n| n > 0).unwrap_or(0) as u64,
         learner_wait_ratio: if loop_secs > 0.0 { report.wait_time.as_secs_f64() / loop_secs } else { 0.0 },
         stop_reason: report.stop_reason.map(|r| r.to_string()).unwrap_or_default(),
-        run_dir: config.run_dir.display().to_string(),
+        run_dir: run_dir.display().to_string(),
     };
-    fs::write(config.run_dir.join("summary.json"), serde_json::to_string_pretty(&summary)?)
-        .context("writing summary.json")?;
+    fs::write(run_dir.join("summary.json"), serde_json::to_string_pretty(&summary)?).context("writing summary.json")?;
     Ok(summary)
+}
+
+/// Create the run directory and return it: a given `--run-dir` unless it already holds a run
+/// (refused with the reason), the default one, or for a rerun the first free `DEFAULT-N`, said
+/// in the log (issue 48: reruns overwrote `runs/<run>-<env>-<seed>` without a word).
+fn claim_run_dir(run_dir: &RunDir) -> anyhow::Result<PathBuf> {
+    match run_dir {
+        RunDir::Given(dir) => {
+            if let Some(file) = RUN_FILES.iter().map(|f| dir.join(f)).find(|f| f.exists()) {
+                anyhow::bail!(
+                    "--run-dir {}: it already holds a run ({} exists); a run never overwrites another, so remove it \
+                     or choose another directory",
+                    dir.display(),
+                    file.display()
+                );
+            }
+            fs::create_dir_all(dir).with_context(|| format!("creating run directory {}", dir.display()))?;
+            Ok(dir.clone())
+        }
+        RunDir::Default(dir) => {
+            if let Some(parent) = dir.parent().filter(|p| !p.as_os_str().is_empty()) {
+                fs::create_dir_all(parent).with_context(|| format!("creating {}", parent.display()))?;
+            }
+            // `create_dir` fails on an existing directory, so two runs started at once never
+            // share one.
+            for n in 1..=MAX_RUN_DIR_SUFFIX {
+                let candidate = if n == 1 { dir.clone() } else { suffixed(dir, n) };
+                match fs::create_dir(&candidate) {
+                    Ok(()) => {
+                        if n > 1 {
+                            info!(
+                                taken = %dir.display(),
+                                run_dir = %candidate.display(),
+                                "the default run directory exists; this run writes to {} (pass --run-dir to choose)",
+                                candidate.display()
+                            );
+                        }
+                        return Ok(candidate);
+                    }
+                    Err(err) if err.kind() == std::io::ErrorKind::AlreadyExists => continue,
+                    Err(err) => {
+                        return Err(err).with_context(|| format!("creating run directory {}", candidate.display()))
+                    }
+                }
+            }
+            anyhow::bail!(
+                "{} and {} suffixed versions of it exist; pass --run-dir or clear runs/",
+                dir.display(),
+                MAX_RUN_DIR_SUFFIX - 1
+            )
+        }
+    }
+}
+
+/// `dir` with `-n` appended to its last component.
+fn suffixed(dir: &Path, n: u32) -> PathBuf {
+    let mut name = dir.file_name().unwrap_or_default().to_os_string();
+    name.push(format!("-{n}"));
+    dir.with_file_name(name)
 }
 
 /// Progress on stderr (bar or lines) plus the metrics file and, with `--tensorboard`, the
@@ -309,6 +380,8 @@ struct Progress {
     metrics: BufWriter<File>,
     tensorboard: Option<TensorBoardLog>,
     points: Vec<curve::Point>,
+    /// Largest `lag_max` of an update so far (the summary's `lag_max`).
+    lag_max: u64,
     write_error: Option<std::io::Error>,
 }
 
@@ -342,6 +415,7 @@ impl Progress {
             metrics: BufWriter::new(metrics),
             tensorboard,
             points: Vec::new(),
+            lag_max: 0,
             write_error: None,
         }
     }
@@ -379,6 +453,7 @@ impl Progress {
         if let Some(tensorboard) = &mut self.tensorboard {
             tensorboard.on_update(report, stats);
         }
+        self.lag_max = self.lag_max.max(stats.lag_max);
         if let Some(mean) = row.mean_return_20 {
             self.points.push(curve::Point { env_steps: report.env_steps, mean_return: mean });
         }

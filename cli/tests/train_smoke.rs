@@ -200,3 +200,97 @@ fn pendulum_trains_with_a_gaussian_head() {
         }
     }
 }
+
+/// Issue 48: `--progress quiet` still printed INFO and WARN lines (the training line, the
+/// backend, the CUDA fallback on a CPU-only machine). Quiet prints the summary and nothing else;
+/// an explicit `RUST_LOG` still wins.
+#[test]
+fn quiet_means_quiet_unless_rust_log_asks() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let run = |name: &str, rust_log: Option<&str>| {
+        let mut command = volley();
+        command
+            .args(["train", "--max-env-steps", "512", "--progress", "quiet", "--run-dir"])
+            .arg(dir.path().join(name));
+        command.env_remove("RUST_LOG");
+        if let Some(filter) = rust_log {
+            command.env("RUST_LOG", filter);
+        }
+        let output = command.output().expect("run volley");
+        assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+        let summary: serde_json::Value = serde_json::from_slice(&output.stdout).expect("one JSON summary");
+        assert_eq!(summary["stop_reason"], "env_step_budget", "{summary}");
+        String::from_utf8(output.stderr).expect("utf-8 stderr")
+    };
+    let quiet = run("quiet", None);
+    assert!(quiet.is_empty(), "--progress quiet printed:\n{quiet}");
+    let asked = run("asked", Some("info"));
+    assert!(asked.contains("learner backend"), "RUST_LOG=info is an explicit override:\n{asked}");
+}
+
+/// Issue 48: reruns overwrote `runs/<run>-<env>-<seed>` without a word. A rerun into the
+/// default directory takes the next free `-N` suffix and says so; a `--run-dir` that already
+/// holds a run is refused with the reason, and the run in it is left as it was.
+#[test]
+fn reruns_never_overwrite_a_run_directory() {
+    let cwd = tempfile::tempdir().expect("temp dir");
+    let train = |extra: &[&str]| {
+        volley()
+            .current_dir(cwd.path())
+            .env_remove("RUST_LOG")
+            .args(["train", "--max-env-steps", "256", "--progress", "lines"])
+            .args(extra)
+            .output()
+            .expect("run volley")
+    };
+    let mut dirs = Vec::new();
+    for _ in 0..3 {
+        let output = train(&[]);
+        assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+        let summary: serde_json::Value = serde_json::from_slice(&output.stdout).expect("one JSON summary");
+        dirs.push(summary["run_dir"].as_str().expect("run_dir").to_string());
+        if dirs.len() > 1 {
+            let stderr = String::from_utf8_lossy(&output.stderr);
+            assert!(stderr.contains("the default run directory exists"), "the suffix is not said:\n{stderr}");
+        }
+    }
+    assert_eq!(dirs, ["runs/local-cartpole-1", "runs/local-cartpole-1-2", "runs/local-cartpole-1-3"]);
+    let first_summary = cwd.path().join("runs/local-cartpole-1/summary.json");
+    let before = std::fs::read(&first_summary).expect("the first run's summary");
+    let output = train(&["--run-dir", "runs/local-cartpole-1"]);
+    assert!(!output.status.success(), "an explicit --run-dir holding a run must be refused");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("already holds a run"), "{stderr}");
+    assert_eq!(std::fs::read(&first_summary).expect("still there"), before, "the refused run touched the old one");
+}
+
+/// Issue 48: with `--bptt-segments 8` the progress line showed lag 15 while the summary said
+/// `lag_max` 8: the line reported the lag the learner trained on, the summary the lag of
+/// segments on arrival. The summary's `lag_max` is now the largest trained-on lag, the same
+/// number as `metrics.jsonl`'s (and the progress line's), and the arrival lag has its own name.
+#[test]
+fn summary_lag_max_is_the_trained_on_lag_of_the_progress_line() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let run_dir = dir.path().join("run");
+    let output = volley()
+        .args(["train", "--env", "memory", "--core", "gru", "--gru-hidden", "16", "--torso", "16"])
+        .args(["--segment-len", "8", "--batch-segments", "8", "--bptt-segments", "4", "--max-env-steps", "4096"])
+        .args(["--target-return", "1e9", "--progress", "quiet", "--run-dir"])
+        .arg(&run_dir)
+        .output()
+        .expect("run volley");
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    let summary: serde_json::Value = serde_json::from_slice(&output.stdout).expect("one JSON summary");
+    let metrics = std::fs::read_to_string(run_dir.join("metrics.jsonl")).expect("metrics");
+    let rows_max = metrics
+        .lines()
+        .map(|line| {
+            serde_json::from_str::<serde_json::Value>(line).expect("json row")["lag_max"].as_u64().expect("lag")
+        })
+        .max()
+        .expect("rows");
+    assert_eq!(summary["lag_max"].as_u64(), Some(rows_max), "{summary}");
+    let on_arrival = summary["lag_max_on_arrival"].as_u64().expect("lag_max_on_arrival");
+    // A window's oldest segment waits for the three after it.
+    assert!(rows_max > on_arrival, "windows should wait: {summary}");
+}

@@ -1,6 +1,6 @@
 //! Every NATS name Volley uses: subjects, stream, consumer, buckets, keys, object and message ids.
 //!
-//! No other module spells a NATS name as a literal (STYLE R3), so this file is the map of the
+//! No other module spells a NATS name as a literal, so this file is the map of the
 //! broker layout for one run `<run>`:
 //!
 //! | what | name |

@@ -158,7 +158,8 @@ impl Learner {
     }
 
     /// Run updates on `kind`: [`BackendKind::Auto`] picks CUDA when a device works and otherwise
-    /// stays on the CPU with one warning; [`BackendKind::Cuda`] fails when no device works.
+    /// stays on the CPU, with one info line when the machine has no GPU and a warning when one
+    /// is there but failed; [`BackendKind::Cuda`] fails when no device works.
     /// The current parameters and optimiser state move to the chosen backend.
     pub fn use_backend(&mut self, kind: BackendKind) -> Result<(), LearnerError> {
         match kind {
@@ -173,8 +174,12 @@ impl Learner {
             }
             BackendKind::Auto => match open_cuda(0) {
                 Ok(device) => self.use_cuda_device(&device)?,
+                // No GPU here: the CPU backend is what `auto` means on this machine.
+                Err(err) if err.means_no_gpu() => {
+                    tracing::info!(reason = %err, "no GPU here; the learner runs on the CPU backend");
+                }
                 Err(err) => {
-                    tracing::warn!(%err, "CUDA backend unavailable; the learner runs on the CPU backend");
+                    tracing::warn!(%err, "a GPU is here but the CUDA backend failed; the learner runs on the CPU backend");
                 }
             },
         }

@@ -1,15 +1,21 @@
-"""Fixtures: a real nats-server per test module on a free loopback port."""
+"""Fixtures: a real nats-server per test module on a free loopback port, and environments served on it."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 
+import nats
 import pytest
+
+from volley_envs.client import discover
 
 
 def find_nats_server() -> str:
@@ -50,3 +56,90 @@ def nats_url():
         process.wait()
         log.close()
         shutil.rmtree(store, ignore_errors=True)
+
+
+@dataclass
+class Served:
+    """Environment servers started on one connection, with their discovered instances."""
+
+    nc: object
+    servers: tuple
+    instances: list
+    stopped: set = field(default_factory=set)
+
+    @property
+    def instance(self):
+        """The first server's instance (most tests serve one environment)."""
+        return self.instances[0]
+
+    async def stop(self, *servers) -> None:
+        """Stop these servers now (all when none are named); the fixture then leaves them alone."""
+        for server in servers or self.servers:
+            if id(server) not in self.stopped:
+                self.stopped.add(id(server))
+                await server.stop()
+
+
+@pytest.fixture
+def serve(nats_url):
+    """Serve `EnvServer`s on the module's nats-server for one test.
+
+    `async with serve(server, ...) as served:` connects to the broker, starts each server on that
+    connection and discovers its instance (`served.instance` is the first server's,
+    `served.instances` one per server in order, `served.nc` the connection). Leaving the block,
+    also when the test fails, stops every server not stopped by `served.stop` and closes the
+    connection.
+    """
+
+    @contextlib.asynccontextmanager
+    async def serving(*servers):
+        nc = await nats.connect(nats_url)
+        served = Served(nc, servers, [])
+        try:
+            for server in servers:
+                await server.start(nc)
+            by_name = {}
+            for server in servers:
+                if server.name not in by_name:
+                    by_name[server.name] = {i.id: i for i in await discover(nc, server.name)}
+                instance = by_name[server.name].get(server.id)
+                assert instance is not None, f"{server.name} ({server.id}) was not discovered"
+                served.instances.append(instance)
+            yield served
+        finally:
+            try:
+                await served.stop()
+            finally:
+                await nc.close()
+
+    return serving
+
+
+@pytest.fixture
+def serve_command(nats_url):
+    """Serve an environment by the command line, `python -m volley_envs serve SPEC --nats <url> ARGS...`.
+
+    `with serve_command(SPEC, *args) as (process, ready):` yields the process once it has logged
+    "environment server ready" (`ready` is that log line); the test may stop it (SIGTERM) and
+    check how it exits. Leaving the block kills a process still running.
+    """
+
+    @contextlib.contextmanager
+    def serving(spec: str, *args: str):
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        process = subprocess.Popen(
+            [sys.executable, "-m", "volley_envs", "serve", spec, "--nats", nats_url, *args],
+            stderr=subprocess.PIPE, text=True, env=env,
+        )
+        try:
+            line = ""
+            while "environment server ready" not in line:
+                line = process.stderr.readline()
+                assert line, "the server exited before it was ready"
+            yield process, line
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+
+    return serving

@@ -4,10 +4,7 @@ Atari Pong (``atari:Pong``, ale-py), each against a real nats-server."""
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
-import subprocess
-import sys
 
 import gymnasium as gym
 import nats
@@ -25,11 +22,6 @@ H, W = 5, 7
 def run(coro):
     return asyncio.run(coro)
 
-
-async def started(nats_url, server):
-    nc = await nats.connect(nats_url)
-    await server.start(nc)
-    return nc
 
 
 class Pixels(gym.Env):
@@ -75,93 +67,89 @@ def test_which_boxes_are_images():
     assert image_shape(spaces.Box(0.0, 255.0, (H, W), np.float32)) is None
 
 
-def test_an_image_env_sends_chw_bytes_and_refuses_version_2(nats_url):
+def test_an_image_env_sends_chw_bytes_and_refuses_version_2(serve):
     async def scenario():
         server = EnvServer(Pixels, "pixels")
-        nc = await started(nats_url, server)
-        (instance,) = await discover(nc, "pixels")
-        assert instance.protocol == 3
-        reply = await call(nc, instance, "spaces", {})
-        assert reply["obs_space"] == {"kind": "image", "shape": [3, H, W], "dtype": "u8"}
-        dim = 3 * H * W
-        assert reply["obs_dim"] == dim and reply["n_actions"] == 4
-        assert from_f32_bin(reply["obs_low"]).tolist() == [0.0] * dim
-        assert from_f32_bin(reply["obs_high"]).tolist() == [255.0] * dim
-        assert is_image(reply)
+        async with serve(server) as served:
+            nc, instance = served.nc, served.instance
+            assert instance.protocol == 3
+            reply = await call(nc, instance, "spaces", {})
+            assert reply["obs_space"] == {"kind": "image", "shape": [3, H, W], "dtype": "u8"}
+            dim = 3 * H * W
+            assert reply["obs_dim"] == dim and reply["n_actions"] == 4
+            assert from_f32_bin(reply["obs_low"]).tolist() == [0.0] * dim
+            assert from_f32_bin(reply["obs_high"]).tolist() == [255.0] * dim
+            assert is_image(reply)
 
-        # Version 2 cannot carry image observations: 505, naming version 3.
-        for v in (1, 2):
-            old = type(instance)(id=instance.id, subjects=instance.subjects, protocol=v)
-            for op, request in (("spaces", {}), ("open", {"n_envs": 1, "seeds": [0]})):
-                with pytest.raises(ProtocolError) as err:
-                    await call(nc, old, op, request)
-                assert err.value.code == 505
-                assert "image observations need protocol version 3" in err.value.message
+            # Version 2 cannot carry image observations: 505, naming version 3.
+            for v in (1, 2):
+                old = type(instance)(id=instance.id, subjects=instance.subjects, protocol=v)
+                for op, request in (("spaces", {}), ("open", {"n_envs": 1, "seeds": [0]})):
+                    with pytest.raises(ProtocolError) as err:
+                        await call(nc, old, op, request)
+                    assert err.value.code == 505
+                    assert "image observations need protocol version 3" in err.value.message
 
-        # The wire: one byte per value, each row the frame transposed to C, H, W.
-        seeds = [3, 4]
-        opened = await call(nc, instance, "open", {"n_envs": 2, "seeds": seeds})
-        assert isinstance(opened["obs"], bytes) and len(opened["obs"]) == 2 * dim
-        local = [Pixels() for _ in seeds]
-        expected = [env.reset(seed=seed)[0] for env, seed in zip(local, seeds)]
-        assert opened["obs"] == b"".join(chw(frame).tobytes() for frame in expected)
-        stepped = await call(nc, instance, "step", {"session": opened["session"], "actions": [1, 2]})
-        assert len(stepped["obs"]) == 2 * dim and stepped["final_obs"] == b""
-        await call(nc, instance, "close", {"session": opened["session"]})
+            # The wire: one byte per value, each row the frame transposed to C, H, W.
+            seeds = [3, 4]
+            opened = await call(nc, instance, "open", {"n_envs": 2, "seeds": seeds})
+            assert isinstance(opened["obs"], bytes) and len(opened["obs"]) == 2 * dim
+            local = [Pixels() for _ in seeds]
+            expected = [env.reset(seed=seed)[0] for env, seed in zip(local, seeds)]
+            assert opened["obs"] == b"".join(chw(frame).tobytes() for frame in expected)
+            stepped = await call(nc, instance, "step", {"session": opened["session"], "actions": [1, 2]})
+            assert len(stepped["obs"]) == 2 * dim and stepped["final_obs"] == b""
+            await call(nc, instance, "close", {"session": opened["session"]})
 
-        # Through the client, with auto-reset: final rows are the frames that ended the episodes.
-        session = RemoteSession.for_spaces(nc, instance, reply)
-        obs = await session.open(seeds)
-        assert obs.dtype == np.uint8 and obs.shape == (2, dim)
-        local = [Pixels() for _ in seeds]
-        expected = np.stack([chw(env.reset(seed=seed)[0]) for env, seed in zip(local, seeds)])
-        assert np.array_equal(obs, expected)
-        n_final = 0
-        for step_idx in range(9):
-            actions = [(step_idx + i) % 3 for i in range(2)]
-            reply_step = await session.step(actions)
-            finals = []
-            for i, (env, action) in enumerate(zip(local, actions)):
-                frame, reward, term, trunc, _ = env.step(action)
-                assert reply_step["terminated"][i] == term and reply_step["rewards"][i] == reward
-                if term or trunc:
-                    finals.append(chw(frame))
-                    frame, _ = env.reset()
-                expected[i] = chw(frame)
-            assert np.array_equal(reply_step["obs"], expected), step_idx
-            assert reply_step["final_obs"].dtype == np.uint8
-            assert np.array_equal(reply_step["final_obs"], np.array(finals, np.uint8).reshape(-1, dim))
-            n_final += len(finals)
-        assert n_final == 4
+            # Through the client, with auto-reset: final rows are the frames that ended the episodes.
+            session = RemoteSession.for_spaces(nc, instance, reply)
+            obs = await session.open(seeds)
+            assert obs.dtype == np.uint8 and obs.shape == (2, dim)
+            local = [Pixels() for _ in seeds]
+            expected = np.stack([chw(env.reset(seed=seed)[0]) for env, seed in zip(local, seeds)])
+            assert np.array_equal(obs, expected)
+            n_final = 0
+            for step_idx in range(9):
+                actions = [(step_idx + i) % 3 for i in range(2)]
+                reply_step = await session.step(actions)
+                finals = []
+                for i, (env, action) in enumerate(zip(local, actions)):
+                    frame, reward, term, trunc, _ = env.step(action)
+                    assert reply_step["terminated"][i] == term and reply_step["rewards"][i] == reward
+                    if term or trunc:
+                        finals.append(chw(frame))
+                        frame, _ = env.reset()
+                    expected[i] = chw(frame)
+                assert np.array_equal(reply_step["obs"], expected), step_idx
+                assert reply_step["final_obs"].dtype == np.uint8
+                assert np.array_equal(reply_step["final_obs"], np.array(finals, np.uint8).reshape(-1, dim))
+                n_final += len(finals)
+            assert n_final == 4
 
-        # A failing environment: its last valid frame is its final row, as bytes.
-        before = (await session.step([0, 0]))["obs"]
-        failed = await session.step([3, 0])
-        assert [e["env"] for e in failed["errors"]] == [0] and failed["truncated"][0]
-        assert np.array_equal(failed["final_obs"], before[:1])
-        reset = await session.reset([7, None])
-        assert np.array_equal(reset[0], chw(Pixels().reset(seed=7)[0]))
-        await session.close()
-        await server.stop()
-        await nc.close()
+            # A failing environment: its last valid frame is its final row, as bytes.
+            before = (await session.step([0, 0]))["obs"]
+            failed = await session.step([3, 0])
+            assert [e["env"] for e in failed["errors"]] == [0] and failed["truncated"][0]
+            assert np.array_equal(failed["final_obs"], before[:1])
+            reset = await session.reset([7, None])
+            assert np.array_equal(reset[0], chw(Pixels().reset(seed=7)[0]))
+            await session.close()
 
     run(scenario())
 
 
-def test_a_vector_env_still_sends_floats_to_every_version(nats_url):
+def test_a_vector_env_still_sends_floats_to_every_version(serve):
     async def scenario():
         server = EnvServer(make_factory("gymnasium:CartPole-v1"), "cp-box")
-        nc = await started(nats_url, server)
-        (instance,) = await discover(nc, "cp-box")
-        for v in (1, 2, 3):
-            versioned = type(instance)(id=instance.id, subjects=instance.subjects, protocol=v)
-            reply = await call(nc, versioned, "spaces", {})
-            assert reply["obs_space"] == {"kind": "box"} and not is_image(reply)
-            opened = await call(nc, versioned, "open", {"n_envs": 2, "seeds": [1, 2]})
-            assert len(opened["obs"]) == 2 * 4 * 4
-            await call(nc, versioned, "close", {"session": opened["session"]})
-        await server.stop()
-        await nc.close()
+        async with serve(server) as served:
+            nc, instance = served.nc, served.instance
+            for v in (1, 2, 3):
+                versioned = type(instance)(id=instance.id, subjects=instance.subjects, protocol=v)
+                reply = await call(nc, versioned, "spaces", {})
+                assert reply["obs_space"] == {"kind": "box"} and not is_image(reply)
+                opened = await call(nc, versioned, "open", {"n_envs": 2, "seeds": [1, 2]})
+                assert len(opened["obs"]) == 2 * 4 * 4
+                await call(nc, versioned, "close", {"session": opened["session"]})
 
     run(scenario())
 
@@ -170,40 +158,38 @@ def atari_pong(**kwargs):
     return make_factory("atari:Pong", kwargs)()
 
 
-def test_atari_pong_serves_84x84_grayscale_frames(nats_url):
+def test_atari_pong_serves_84x84_grayscale_frames(serve):
     async def scenario():
         server = EnvServer(make_factory("atari:Pong"), "pong", label="atari:Pong")
-        nc = await started(nats_url, server)
-        (instance,) = await discover(nc, "pong")
-        spaces_reply = await call(nc, instance, "spaces", {})
-        assert spaces_reply["obs_space"] == {"kind": "image", "shape": [1, 84, 84], "dtype": "u8"}
-        assert spaces_reply["obs_dim"] == 7056
-        assert spaces_reply["n_actions"] == 6
-        assert spaces_reply["action_space"] == {"kind": "discrete", "n": 6}
-        assert spaces_reply["max_episode_steps"] == 27000
-        assert spaces_reply["max_abs_reward"] is None and spaces_reply["snapshot"] is True
-        session = RemoteSession.for_spaces(nc, instance, spaces_reply)
-        seeds = [0, 1]
-        obs = await session.open(seeds)
-        assert obs.shape == (2, 7056) and obs.dtype == np.uint8
-        # The same frames as the wrapped environment stepped here (sticky actions included).
-        local = atari_pong()
-        frame, _ = local.reset(seed=seeds[0])
-        assert np.array_equal(obs[0], frame.reshape(-1))
-        rng = np.random.default_rng(0)
-        for _ in range(50):
-            actions = rng.integers(0, 6, size=2).tolist()
-            raw = await call(nc, instance, "step", {"session": session.session, "actions": actions})
-            assert isinstance(raw["obs"], bytes) and len(raw["obs"]) == 2 * 7056
-            rewards = from_f32_bin(raw["rewards"])
-            assert rewards.shape == (2,) and np.all(np.isfinite(rewards))
-            assert raw["errors"] == []
-            frame, reward, term, trunc, _ = local.step(actions[0])
-            assert raw["obs"][:7056] == frame.tobytes() and rewards[0] == reward
-        await session.close()
-        local.close()
-        await server.stop()
-        await nc.close()
+        async with serve(server) as served:
+            nc, instance = served.nc, served.instance
+            spaces_reply = await call(nc, instance, "spaces", {})
+            assert spaces_reply["obs_space"] == {"kind": "image", "shape": [1, 84, 84], "dtype": "u8"}
+            assert spaces_reply["obs_dim"] == 7056
+            assert spaces_reply["n_actions"] == 6
+            assert spaces_reply["action_space"] == {"kind": "discrete", "n": 6}
+            assert spaces_reply["max_episode_steps"] == 27000
+            assert spaces_reply["max_abs_reward"] is None and spaces_reply["snapshot"] is True
+            session = RemoteSession.for_spaces(nc, instance, spaces_reply)
+            seeds = [0, 1]
+            obs = await session.open(seeds)
+            assert obs.shape == (2, 7056) and obs.dtype == np.uint8
+            # The same frames as the wrapped environment stepped here (sticky actions included).
+            local = atari_pong()
+            frame, _ = local.reset(seed=seeds[0])
+            assert np.array_equal(obs[0], frame.reshape(-1))
+            rng = np.random.default_rng(0)
+            for _ in range(50):
+                actions = rng.integers(0, 6, size=2).tolist()
+                raw = await call(nc, instance, "step", {"session": session.session, "actions": actions})
+                assert isinstance(raw["obs"], bytes) and len(raw["obs"]) == 2 * 7056
+                rewards = from_f32_bin(raw["rewards"])
+                assert rewards.shape == (2,) and np.all(np.isfinite(rewards))
+                assert raw["errors"] == []
+                frame, reward, term, trunc, _ = local.step(actions[0])
+                assert raw["obs"][:7056] == frame.tobytes() and rewards[0] == reward
+            await session.close()
+            local.close()
 
     run(scenario())
 
@@ -223,18 +209,8 @@ def test_atari_env_kwargs_go_to_make_or_to_the_wrapper():
         make_factory("atari:ALE/Pong-v5")
 
 
-def test_the_command_line_serves_atari_as_pong(nats_url):
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "volley_envs", "serve", "atari:Pong", "--nats", nats_url,
-         "--env-kwargs", '{"terminal_on_life_loss": true}'],
-        stderr=subprocess.PIPE, text=True, env=env,
-    )
-    try:
-        line = ""
-        while "environment server ready" not in line:
-            line = process.stderr.readline()
-            assert line, "the server exited before it was ready"
+def test_the_command_line_serves_atari_as_pong(nats_url, serve_command):
+    with serve_command("atari:Pong", "--env-kwargs", '{"terminal_on_life_loss": true}') as (process, line):
         assert "service=volley-env-pong " in line and "image[1, 84, 84]:u8" in line
 
         async def scenario():
@@ -248,7 +224,3 @@ def test_the_command_line_serves_atari_as_pong(nats_url):
         run(scenario())
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=30) == 0
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()

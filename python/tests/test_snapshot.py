@@ -8,11 +8,10 @@ import asyncio
 
 import gymnasium as gym
 import msgpack
-import nats
 import numpy as np
 import pytest
 
-from volley_envs.client import RemoteSession, call, discover
+from volley_envs.client import RemoteSession, call
 from volley_envs.protocol import ProtocolError, f32_bin
 from volley_envs.server import EnvServer, make_factory
 from volley_envs.snapshot import MAX_STATE_BYTES, SNAPSHOT_VERSION
@@ -71,49 +70,46 @@ async def replay(session: RemoteSession, env_idx: int, recorded_actions) -> list
 
 
 @pytest.mark.parametrize("spec,kind", ENVS, ids=[spec for spec, _ in ENVS])
-def test_a_restored_state_continues_bit_for_bit(nats_url, spec, kind):
+def test_a_restored_state_continues_bit_for_bit(serve, spec, kind):
     async def scenario():
         server = EnvServer(make_factory(spec), "snap", label=spec)
-        nc = await nats.connect(nats_url)
-        await server.start(nc)
-        (instance,) = await discover(nc, "snap")
-        spaces = await call(nc, instance, "spaces", {})
-        assert spaces["snapshot"] is True
-        session = RemoteSession.for_spaces(nc, instance, spaces)
-        await session.open([11, 12])
-        rng = np.random.default_rng(5)
-        for actions in actions_for(spaces, rng, 2, 25):
-            reply = await session.step(actions)
-            assert reply["errors"] == []
-        at_snapshot = reply["obs"][0].copy()
-        state = (await call(nc, instance, "snapshot", {"session": session.session, "env": 0}))["state"]
-        decoded = msgpack.unpackb(state, raw=False)
-        assert decoded["volley_snapshot"] == SNAPSHOT_VERSION and decoded["kind"] == kind
-        recorded = actions_for(spaces, np.random.default_rng(9), 1, REPLAY_STEPS)
-        reference = await replay(session, 0, recorded)
-        assert len(reference) == REPLAY_STEPS
+        async with serve(server) as served:
+            nc, instance = served.nc, served.instance
+            spaces = await call(nc, instance, "spaces", {})
+            assert spaces["snapshot"] is True
+            session = RemoteSession.for_spaces(nc, instance, spaces)
+            await session.open([11, 12])
+            rng = np.random.default_rng(5)
+            for actions in actions_for(spaces, rng, 2, 25):
+                reply = await session.step(actions)
+                assert reply["errors"] == []
+            at_snapshot = reply["obs"][0].copy()
+            state = (await call(nc, instance, "snapshot", {"session": session.session, "env": 0}))["state"]
+            decoded = msgpack.unpackb(state, raw=False)
+            assert decoded["volley_snapshot"] == SNAPSHOT_VERSION and decoded["kind"] == kind
+            recorded = actions_for(spaces, np.random.default_rng(9), 1, REPLAY_STEPS)
+            reference = await replay(session, 0, recorded)
+            assert len(reference) == REPLAY_STEPS
 
-        # Into env 1 of the same session: the observation at the snapshot, then the same steps.
-        restored = await call(nc, instance, "restore", {"session": session.session, "env": 1, "state": state})
-        assert session._obs(restored["obs"], 1)[0].tobytes() == at_snapshot.tobytes()
-        assert await replay(session, 1, recorded) == reference
+            # Into env 1 of the same session: the observation at the snapshot, then the same steps.
+            restored = await call(nc, instance, "restore", {"session": session.session, "env": 1, "state": state})
+            assert session._obs(restored["obs"], 1)[0].tobytes() == at_snapshot.tobytes()
+            assert await replay(session, 1, recorded) == reference
 
-        # Into a new session, over an environment that has run its own episode.
-        fresh = RemoteSession.for_spaces(nc, instance, spaces)
-        await fresh.open([99])
-        for actions in actions_for(spaces, rng, 1, 3):
-            await fresh.step(actions)
-        restored = await call(nc, instance, "restore", {"session": fresh.session, "env": 0, "state": state})
-        assert fresh._obs(restored["obs"], 1)[0].tobytes() == at_snapshot.tobytes()
-        assert await replay(fresh, 0, recorded) == reference
-        # Twice from the same state: the same again.
-        await call(nc, instance, "restore", {"session": fresh.session, "env": 0, "state": state})
-        assert await replay(fresh, 0, recorded) == reference
+            # Into a new session, over an environment that has run its own episode.
+            fresh = RemoteSession.for_spaces(nc, instance, spaces)
+            await fresh.open([99])
+            for actions in actions_for(spaces, rng, 1, 3):
+                await fresh.step(actions)
+            restored = await call(nc, instance, "restore", {"session": fresh.session, "env": 0, "state": state})
+            assert fresh._obs(restored["obs"], 1)[0].tobytes() == at_snapshot.tobytes()
+            assert await replay(fresh, 0, recorded) == reference
+            # Twice from the same state: the same again.
+            await call(nc, instance, "restore", {"session": fresh.session, "env": 0, "state": state})
+            assert await replay(fresh, 0, recorded) == reference
 
-        await session.close()
-        await fresh.close()
-        await server.stop()
-        await nc.close()
+            await session.close()
+            await fresh.close()
 
     run(scenario())
 
@@ -196,72 +192,62 @@ def hostile_states(good: bytes) -> list:
 
 
 @pytest.mark.parametrize("spec", ["gymnasium:CartPole-v1", "gymnasium:Hopper-v5", "atari:Pong"])
-def test_garbage_truncated_and_foreign_states_are_400(nats_url, spec):
+def test_garbage_truncated_and_foreign_states_are_400(serve, spec):
     async def scenario():
         server = EnvServer(make_factory(spec), "hostile", label=spec)
         other = EnvServer(make_factory("gymnasium:Pendulum-v1"), "other")
-        nc = await nats.connect(nats_url)
-        await server.start(nc)
-        await other.start(nc)
-        (instance,) = await discover(nc, "hostile")
-        (other_instance,) = await discover(nc, "other")
-        opened = await call(nc, instance, "open", {"n_envs": 2, "seeds": [1, 2]})
-        session = opened["session"]
-        good = (await call(nc, instance, "snapshot", {"session": session, "env": 0}))["state"]
-        other_session = (await call(nc, other_instance, "open", {"n_envs": 1, "seeds": [0]}))["session"]
-        foreign = (await call(nc, other_instance, "snapshot", {"session": other_session, "env": 0}))["state"]
-        states = hostile_states(good) + [foreign, 5, None, "state", [good]]
-        for index, state in enumerate(states):
-            with pytest.raises(ProtocolError) as err:
-                await call(nc, instance, "restore", {"session": session, "env": 1, "state": state})
-            assert err.value.code == 400, (index, err.value)
-        # Over the size limit (more than NATS carries by default, so straight to the handler).
-        oversized = msgpack.packb({"v": 3, "session": session, "env": 1, "state": b"\x00" * (MAX_STATE_BYTES + 1)})
-        with pytest.raises(ProtocolError) as err:
-            server.handle("restore", oversized)
-        assert err.value.code == 400 and "exceeds" in err.value.message
-        # Out-of-range and malformed environment indices.
-        for env in (2, -1, "0", None):
-            for op, extra in (("snapshot", {}), ("restore", {"state": good})):
+        async with serve(server, other) as served:
+            nc, (instance, other_instance) = served.nc, served.instances
+            opened = await call(nc, instance, "open", {"n_envs": 2, "seeds": [1, 2]})
+            session = opened["session"]
+            good = (await call(nc, instance, "snapshot", {"session": session, "env": 0}))["state"]
+            other_session = (await call(nc, other_instance, "open", {"n_envs": 1, "seeds": [0]}))["session"]
+            foreign = (await call(nc, other_instance, "snapshot", {"session": other_session, "env": 0}))["state"]
+            states = hostile_states(good) + [foreign, 5, None, "state", [good]]
+            for index, state in enumerate(states):
                 with pytest.raises(ProtocolError) as err:
-                    await call(nc, instance, op, {"session": session, "env": env, **extra})
-                assert err.value.code == 400
-        with pytest.raises(ProtocolError) as err:
-            await call(nc, instance, "restore", {"session": session + 1000, "env": 0, "state": good})
-        assert err.value.code == 404
-        # The environments still work, and the good state still restores.
-        await call(nc, instance, "restore", {"session": session, "env": 1, "state": good})
-        actions = [0, 0] if spec != "gymnasium:Hopper-v5" else f32_bin(np.zeros((2, 3)))
-        assert (await call(nc, instance, "step", {"session": session, "actions": actions}))["errors"] == []
-        await server.stop()
-        await other.stop()
-        await nc.close()
+                    await call(nc, instance, "restore", {"session": session, "env": 1, "state": state})
+                assert err.value.code == 400, (index, err.value)
+            # Over the size limit (more than NATS carries by default, so straight to the handler).
+            oversized = msgpack.packb({"v": 3, "session": session, "env": 1, "state": b"\x00" * (MAX_STATE_BYTES + 1)})
+            with pytest.raises(ProtocolError) as err:
+                server.handle("restore", oversized)
+            assert err.value.code == 400 and "exceeds" in err.value.message
+            # Out-of-range and malformed environment indices.
+            for env in (2, -1, "0", None):
+                for op, extra in (("snapshot", {}), ("restore", {"state": good})):
+                    with pytest.raises(ProtocolError) as err:
+                        await call(nc, instance, op, {"session": session, "env": env, **extra})
+                    assert err.value.code == 400
+            with pytest.raises(ProtocolError) as err:
+                await call(nc, instance, "restore", {"session": session + 1000, "env": 0, "state": good})
+            assert err.value.code == 404
+            # The environments still work, and the good state still restores.
+            await call(nc, instance, "restore", {"session": session, "env": 1, "state": good})
+            actions = [0, 0] if spec != "gymnasium:Hopper-v5" else f32_bin(np.zeros((2, 3)))
+            assert (await call(nc, instance, "step", {"session": session, "actions": actions}))["errors"] == []
 
     run(scenario())
 
 
-def test_an_ale_state_restores_only_where_the_key_is_shared(nats_url):
+def test_an_ale_state_restores_only_where_the_key_is_shared(serve):
     async def scenario():
         key = b"k" * 32
         a = EnvServer(make_factory("atari:Pong"), "pong-a", snapshot_key=key)
         b = EnvServer(make_factory("atari:Pong"), "pong-b", snapshot_key=key)
         c = EnvServer(make_factory("atari:Pong"), "pong-c")
-        nc = await nats.connect(nats_url)
-        for server in (a, b, c):
-            await server.start(nc)
-        instances = {name: (await discover(nc, name))[0] for name in ("pong-a", "pong-b", "pong-c")}
-        sessions = {
-            name: (await call(nc, instance, "open", {"n_envs": 1, "seeds": [4]}))["session"]
-            for name, instance in instances.items()
-        }
-        state = (await call(nc, instances["pong-a"], "snapshot", {"session": sessions["pong-a"], "env": 0}))["state"]
-        await call(nc, instances["pong-b"], "restore", {"session": sessions["pong-b"], "env": 0, "state": state})
-        with pytest.raises(ProtocolError) as err:
-            await call(nc, instances["pong-c"], "restore", {"session": sessions["pong-c"], "env": 0, "state": state})
-        assert err.value.code == 400 and "snapshot key" in err.value.message
-        for server in (a, b, c):
-            await server.stop()
-        await nc.close()
+        async with serve(a, b, c) as served:
+            nc = served.nc
+            instances = {server.name: instance for server, instance in zip((a, b, c), served.instances)}
+            sessions = {
+                name: (await call(nc, instance, "open", {"n_envs": 1, "seeds": [4]}))["session"]
+                for name, instance in instances.items()
+            }
+            state = (await call(nc, instances["pong-a"], "snapshot", {"session": sessions["pong-a"], "env": 0}))["state"]
+            await call(nc, instances["pong-b"], "restore", {"session": sessions["pong-b"], "env": 0, "state": state})
+            with pytest.raises(ProtocolError) as err:
+                await call(nc, instances["pong-c"], "restore", {"session": sessions["pong-c"], "env": 0, "state": state})
+            assert err.value.code == 400 and "snapshot key" in err.value.message
 
     run(scenario())
 
@@ -280,24 +266,21 @@ class Opaque(gym.Env):
         return np.zeros(2, np.float32), 0.0, False, False, {}
 
 
-def test_an_env_without_an_adapter_declares_no_snapshot_and_answers_501(nats_url):
+def test_an_env_without_an_adapter_declares_no_snapshot_and_answers_501(serve):
     async def scenario():
         wrapped = EnvServer(
             lambda: gym.wrappers.RecordEpisodeStatistics(gym.make("CartPole-v1")), "unknown-wrapper"
         )
         opaque = EnvServer(Opaque, "opaque")
-        nc = await nats.connect(nats_url)
         for server in (wrapped, opaque):
-            await server.start(nc)
-            (instance,) = await discover(nc, server.name)
-            assert (await call(nc, instance, "spaces", {}))["snapshot"] is False
-            session = (await call(nc, instance, "open", {"n_envs": 1, "seeds": [0]}))["session"]
-            for op, request in (("snapshot", {}), ("restore", {"state": b"x"})):
-                with pytest.raises(ProtocolError) as err:
-                    await call(nc, instance, op, {"session": session, "env": 0, **request})
-                assert err.value.code == 501
-            await server.stop()
-        await nc.close()
+            async with serve(server) as served:
+                nc, instance = served.nc, served.instance
+                assert (await call(nc, instance, "spaces", {}))["snapshot"] is False
+                session = (await call(nc, instance, "open", {"n_envs": 1, "seeds": [0]}))["session"]
+                for op, request in (("snapshot", {}), ("restore", {"state": b"x"})):
+                    with pytest.raises(ProtocolError) as err:
+                        await call(nc, instance, op, {"session": session, "env": 0, **request})
+                    assert err.value.code == 501
 
     run(scenario())
 

@@ -16,6 +16,40 @@ from .protocol import check_name, default_name
 from .server import EnvServer, make_factory
 
 
+log = logging.getLogger("volley_envs")
+
+# Pause between reconnect attempts during a broker outage (nats-py's default).
+RECONNECT_WAIT_SECS = 2.0
+
+
+def describe(err: BaseException) -> str:
+    """One line for a connection error: its type and message, never a traceback."""
+    message = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    return f"{type(err).__name__}: {message}" if message else type(err).__name__
+
+
+def connection_options(url: str) -> dict:
+    """nats-py callbacks that log one line per event. Without them nats-py logs every failed
+    reconnect attempt during a broker outage with a full traceback (issue 48). The server
+    reconnects for as long as the outage lasts; its service comes back with the connection."""
+    async def error_cb(err: Exception) -> None:
+        log.warning("NATS at %s: %s", url, describe(err))
+
+    async def disconnected_cb() -> None:
+        log.warning("disconnected from NATS at %s; reconnecting every %.0f s", url, RECONNECT_WAIT_SECS)
+
+    async def reconnected_cb() -> None:
+        log.info("reconnected to NATS at %s", url)
+
+    return {
+        "error_cb": error_cb,
+        "disconnected_cb": disconnected_cb,
+        "reconnected_cb": reconnected_cb,
+        "max_reconnect_attempts": -1,
+        "reconnect_time_wait": RECONNECT_WAIT_SECS,
+    }
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="volley-envs", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -68,18 +102,20 @@ async def serve(args: argparse.Namespace) -> None:
     server = EnvServer(factory, name, label=args.env, max_sessions=args.max_sessions,
                        max_envs_per_session=args.max_envs_per_session, idle_timeout=args.idle_timeout_secs,
                        max_abs_reward=args.max_abs_reward, snapshot_key=snapshot_key)
-    options = {"servers": [args.nats], "name": "volley-envs"}
+    options = {"servers": [args.nats], "name": "volley-envs", **connection_options(args.nats)}
     if args.user:
         options.update(user=args.user, password=args.password)
-    nc = await nats.connect(**options)
+    try:
+        nc = await nats.connect(**options)
+    except Exception as err:  # noqa: BLE001 - any failure to connect ends the command with one line
+        raise SystemExit(f"volley-envs: cannot connect to NATS at {args.nats}: {describe(err)}") from None
     await server.start(nc)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    logging.getLogger("volley_envs").info("stopping instance=%s sessions=%d requests=%d",
-                                          server.id, len(server.sessions), server.requests)
+    log.info("stopping instance=%s sessions=%d requests=%d", server.id, len(server.sessions), server.requests)
     await server.stop()
     await nc.drain()
 

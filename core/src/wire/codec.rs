@@ -171,7 +171,8 @@ impl bincode::enc::write::Writer for AppendWriter<'_> {
 /// reserved (a hint that falls short only costs the `Vec` growing). Nothing is zeroed first:
 /// the bulk of a segment is its `f32` and byte columns, each one write of its bytes
 /// ([`f32_bytes`](super::f32_bytes), format 7), so the few small writes per step cost less
-/// than zeroing a buffer for a slice writer did (docs/BENCHMARKS.md, "`f32` columns as bytes").
+/// than zeroing a buffer for a slice writer did (docs/benchmarks/distributed.md, "`f32` columns
+/// as bytes").
 fn encode<T: serde::Serialize>(kind: MessageKind, value: &T, size_hint: usize) -> Vec<u8> {
     let mut out = Vec::with_capacity(HEADER_BYTES + size_hint);
     encode_into(kind, value, &mut out);

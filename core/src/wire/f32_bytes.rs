@@ -5,8 +5,8 @@
 //! its own call into bincode's writer (and read it back the same way). As one byte string a
 //! column is copied in one piece each way: 8 segments of 64 KB encode in half the time, and
 //! an 84×84 `f32` frame segment decodes without 233 K calls, about twice as fast
-//! (docs/BENCHMARKS.md, "`f32` columns as bytes"). A byte length that is not a whole number
-//! of values is refused as malformed.
+//! (docs/benchmarks/distributed.md, "`f32` columns as bytes"). A byte length that is not a
+//! whole number of values is refused as malformed.
 
 use serde::de::{Error, Visitor};
 use serde::{Deserializer, Serializer};

@@ -29,7 +29,7 @@
 //!    for a Gaussian head: the log-density, entropy and their gradient rows). Each takes views,
 //!    writes into caller-owned outputs and allocates nothing.
 //! 2. Implement them in `cpu.rs` (plain loops over slices, or calls into
-//!    `volley_policy::ops`) and in `cuda/ops.rs` (cuBLAS or a kernel in a `.cu` file under
+//!    `volley_policy::ops`) and in `cuda/mod.rs` (cuBLAS or a kernel in a `.cu` file under
 //!    `learner/kernels/`, declared in `cuda/kernels.rs` with one safe launcher carrying its own
 //!    `SAFETY` line).
 //! 3. Compose it in [`crate::net::Network`] (forward records what backward needs; backward runs
@@ -42,8 +42,9 @@
 //! `cuda/unavailable.rs` stands in under the same names and [`cuda::open_cuda`] returns
 //! [`BackendError::CudaNotCompiled`], so call sites need no `#[cfg]`. [`cuda::open_cuda`] first asks, without panicking,
 //! whether the driver, NVRTC and cuBLAS libraries can be loaded, then whether a device works;
-//! [`BackendKind::Auto`] falls back to the CPU with one warning when any of that fails, and
-//! [`BackendKind::Cuda`] turns it into an error.
+//! [`BackendKind::Auto`] falls back to the CPU when any of that fails: with one info line when
+//! the machine has no GPU ([`BackendError::means_no_gpu`]), with one warning when a GPU is there
+//! but failed; [`BackendKind::Cuda`] turns either into an error.
 
 pub mod cpu;
 #[cfg(feature = "cuda")]
@@ -67,7 +68,7 @@ pub use cuda::{open_cuda, CudaBackend, CudaDevice};
 /// Which backend the user asked for (`--backend`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum BackendKind {
-    /// CUDA when a device works, else the CPU with a warning.
+    /// CUDA when a device works, else the CPU (a warning only when a GPU is there but failed).
     #[default]
     Auto,
     /// The CPU backend.
@@ -154,6 +155,22 @@ pub enum BackendError {
         /// Its value.
         value: usize,
     },
+}
+
+impl BackendError {
+    /// Whether the error says this machine has no GPU to use (no NVIDIA driver, no visible
+    /// device, or a build without CUDA), rather than that a GPU is there and failed.
+    /// [`BackendKind::Auto`] tells the first with one info line and warns only of the second
+    /// (issue 48: every CPU-only run printed a CUDA warning).
+    pub fn means_no_gpu(&self) -> bool {
+        match self {
+            BackendError::LibraryMissing { what, .. } => *what == "driver",
+            BackendError::NoDevice { .. } | BackendError::CudaNotCompiled => true,
+            // The driver is installed but finds no device (a container without one passed in).
+            BackendError::Driver(message) => message.contains("CUDA_ERROR_NO_DEVICE"),
+            _ => false,
+        }
+    }
 }
 
 /// Check that `operand` of `op` has `expected` elements.
@@ -380,10 +397,11 @@ pub struct GaussianHead<'a, B: Backend + ?Sized> {
     pub squash: bool,
 }
 
-/// The learner's device operations, at the level of the math (STYLE.md R4): matrix products,
-/// bias + activation, the GRU cell, log-probabilities, the return scans, the fused losses,
-/// clipping + Adam, and buffers. Generic code ([`crate::net`], [`crate::train`]) composes them;
-/// an implementation runs each one on its device and allocates nothing per call.
+/// The learner's device operations, at the level of the math (one trait for every device, one
+/// enum at the edge, generic code in between): matrix products, bias + activation, the GRU
+/// cell, log-probabilities, the return scans, the fused losses, clipping + Adam, and buffers.
+/// Generic code ([`crate::net`], [`crate::train`]) composes them; an implementation runs each
+/// one on its device and allocates nothing per call.
 ///
 /// Conventions: matrices are row-major, batches time-major (`t * B + b`), a weight is
 /// `[n_out][n_in]` (so a layer computes `Y = X Wᵀ + b`), and the two heads form one
@@ -719,6 +737,31 @@ pub trait Backend {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Issue 48: a machine without a GPU is told once at info level, not warned on every run;
+    /// a GPU that is there but fails is still a warning.
+    #[test]
+    fn only_a_missing_gpu_counts_as_no_gpu() {
+        let no_gpu = [
+            BackendError::LibraryMissing { what: "driver", file: "libcuda.so", hint: "" },
+            BackendError::NoDevice { visible: None },
+            BackendError::CudaNotCompiled,
+            BackendError::Driver("DriverError(CUDA_ERROR_NO_DEVICE, \"no CUDA-capable device is detected\")".into()),
+        ];
+        for err in &no_gpu {
+            assert!(err.means_no_gpu(), "{err}");
+        }
+        let gpu_failed = [
+            BackendError::LibraryMissing { what: "NVRTC", file: "libnvrtc.so", hint: "" },
+            BackendError::LibraryMissing { what: "cuBLAS", file: "libcublas.so", hint: "" },
+            BackendError::Driver("DriverError(CUDA_ERROR_OUT_OF_MEMORY, \"out of memory\")".into()),
+            BackendError::Cublas("CUBLAS_STATUS_NOT_INITIALIZED".into()),
+            BackendError::Panicked("boom".into()),
+        ];
+        for err in &gpu_failed {
+            assert!(!err.means_no_gpu(), "{err}");
+        }
+    }
 
     #[test]
     fn backend_kinds_parse_and_print() {

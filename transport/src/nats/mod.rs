@@ -225,7 +225,7 @@ pub struct NatsConfig {
     /// worth more adds about a batch of policy lag. A learner whose update is much faster than
     /// a round trip to the broker (a GPU learner at large batches) takes more per second with
     /// 2–4: the next messages are on their way while it computes (issue 16 item 5,
-    /// docs/BENCHMARKS.md).
+    /// docs/benchmarks/distributed.md).
     pub prefetch_calls: usize,
     /// Pacing: a sink waits while the learner consumer's backlog (undelivered plus
     /// delivered-but-unacknowledged segments) is at or above this.
@@ -255,7 +255,7 @@ pub struct NatsConfig {
     /// [`weights_pointer_within`](Self::weights_pointer_within). Each pointer is a stored KV
     /// write of the whole frame, base64, and a delivery to every follower: writing it for
     /// every eighth version took 15 % off the CPU of distributed CartPole (issue 16,
-    /// docs/BENCHMARKS.md). A follower without the live path trails by up to this many
+    /// docs/benchmarks/distributed.md). A follower without the live path trails by up to this many
     /// versions less one. 1 writes every pointer; at most [`weights::MAX_POINTER_EVERY`].
     /// Object-stored weights write every pointer.
     pub weights_pointer_every: u64,
@@ -274,8 +274,8 @@ pub struct NatsConfig {
     /// threads that call the bus run the connection and its background tasks while they
     /// block on it, so a message is handed from the socket to the caller without waking
     /// another thread (issue 16: distributed CartPole took 7 % less CPU and loop time per env
-    /// step than with 2 workers, docs/BENCHMARKS.md). Between calls nothing is read, which
-    /// suits actors and learners (they call the bus every round or update); a process that
+    /// step than with 2 workers, docs/benchmarks/distributed.md). Between calls nothing is read,
+    /// which suits actors and learners (they call the bus every round or update); a process that
     /// must keep answering while it computes for minutes (the server drops a client that
     /// misses two pings, 2 min apart by default) takes workers. Ignored by
     /// [`NatsBus::connect_with_handle`].

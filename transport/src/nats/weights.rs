@@ -600,8 +600,8 @@ fn live_chunk_bytes(shared: &Shared) -> usize {
 /// connection without running its writer: they leave with that thread's next call on the bus
 /// (the learner's next `recv`) or with any other thread's, before the durable path's writes,
 /// which the publisher queues after them. No hand-off to the publisher's thread and no trip of
-/// that thread into the runtime stand between an update and its live message (docs/BENCHMARKS.md,
-/// issue 16, item 1).
+/// that thread into the runtime stand between an update and its live message
+/// (docs/benchmarks/distributed.md, issue 16, item 1).
 struct NatsLiveSender {
     shared: Arc<Shared>,
 }

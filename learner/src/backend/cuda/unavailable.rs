@@ -1,7 +1,7 @@
-//! The stand-in for the CUDA backend in builds without the `cuda` feature (STYLE.md R5): the
-//! same names, so call sites need no `#[cfg]`, and [`open_cuda`] reports
-//! [`BackendError::CudaNotCompiled`]. The types are uninhabited: no value of them can exist, so
-//! every method is unreachable by construction.
+//! The stand-in for the CUDA backend in builds without the `cuda` feature (CUDA is a feature
+//! that builds anywhere and falls back loudly): the same names, so call sites need no `#[cfg]`,
+//! and [`open_cuda`] reports [`BackendError::CudaNotCompiled`]. The types are uninhabited: no
+//! value of them can exist, so every method is unreachable by construction.
 
 use std::convert::Infallible;
 
