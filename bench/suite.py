@@ -23,7 +23,8 @@ Stability checks (issue 45, item 2), per seed: the final last-100 mean return is
 0.01 nats while the last-100 return is under the reference. `--check` makes the exit status
 non-zero when a check fails.
 
-Needs numpy, scipy, matplotlib and rliable (`pip install rliable matplotlib numpy`); mujoco needs
+Needs numpy, scipy, matplotlib and rliable: `pip install rliable==1.2.0 matplotlib "pandas<3"` in a venv
+(rliable's `arch` dependency fails to import under pandas 3). mujoco needs
 nats-server on PATH and a Python with volley_envs, gymnasium[mujoco] and mujoco (`--python`).
 """
 
@@ -437,6 +438,9 @@ def plot(args, family: Family, runs: dict[str, dict[int, dict]]) -> None:
                 pts = [(r[x_key], r["mean_return_100"]) for r in run["rows"] if r.get("mean_return_100") is not None]
                 if not pts:
                     continue
+                # At most ~500 points a curve: a 5M-frame run has ~20K updates, and the SVG
+                # would be megabytes for no visible difference.
+                pts = pts[:: max(1, len(pts) // 500)] + pts[-1:]
                 x, y = np.array(pts).T
                 ax.plot(x, y, lw=0.7, alpha=0.5, label=f"seed {seed}")
                 curves.append((x, y))
@@ -465,7 +469,7 @@ def main() -> int:
     parser.add_argument("family", choices=sorted(FAMILIES))
     parser.add_argument("--seeds", type=parse_seeds, default=parse_seeds("1..5"))
     parser.add_argument("--frames", type=int, required=True, help="env steps per run (= frames on MinAtar)")
-    parser.add_argument("--out", type=Path, help="output directory (default bench-runs/suite-<family>-<frames>)")
+    parser.add_argument("--out", type=Path, help="output directory (default runs/suite-<family>-<frames>)")
     parser.add_argument("--envs", help="a comma-separated subset of the family's environments")
     parser.add_argument("--volley", type=Path, default=REPO / "target" / "release" / "volley")
     parser.add_argument("--python", default="python3", help="mujoco: a Python with volley_envs and mujoco")
@@ -481,7 +485,7 @@ def main() -> int:
         family.envs = [e for e in family.envs if e in args.envs.split(",")]
     if args.frames <= 0:
         parser.error("--frames must be positive")
-    args.out = args.out or REPO / "bench-runs" / f"suite-{args.family}-{args.frames}"
+    args.out = args.out or REPO / "runs" / f"suite-{args.family}-{args.frames}"
     args.out.mkdir(parents=True, exist_ok=True)
     if not args.report_only:
         if not args.volley.is_file():
