@@ -9,7 +9,8 @@ usage: bench/suite.py minatar|mujoco|classic --seeds 1..5 --frames N [--out DIR]
 Each run goes to OUT/runs/<env>-s<seed>/ (volley's run directory: spec.json, metrics.jsonl with
 one row per update, summary.json at the end). A run whose summary.json exists for the same
 budget is skipped, so a killed suite resumes where it stopped when started again; a run that was
-killed half way (no summary.json) is started again from scratch. The report (OUT/report.md,
+killed or interrupted half way is started again from scratch (its suite.json, written after the
+run ends at its budget, is missing; a killed suite stops its running volley first). The report (OUT/report.md,
 OUT/results.json, OUT/curves.svg and .png) is rebuilt from every finished run each time.
 
 The only flags each run gets besides `--env` are the budget and the bookkeeping: `--seed`,
@@ -249,10 +250,25 @@ def run_one(args, family: Family, env: str, seed: int) -> None:
     print(f"run {env} seed {seed}: {' '.join(command)}", flush=True)
     try:
         with open(directory / "train.log", "w") as log, open(directory / "stdout.json", "w") as stdout:
-            status = subprocess.run(command, stdout=stdout, stderr=log).returncode
+            child = subprocess.Popen(command, stdout=stdout, stderr=log)
+            try:
+                status = child.wait()
+            finally:
+                # A killed suite (Ctrl-C, SIGTERM) stops its run too, so a restart never finds
+                # a volley still writing into the directory it starts again.
+                if child.poll() is None:
+                    child.terminate()
+                    child.wait()
     finally:
         if service is not None:
             service.close()
+    stop_reason = None
+    if (directory / "summary.json").is_file():
+        stop_reason = json.loads((directory / "summary.json").read_text()).get("stop_reason")
+    if status == 0 and stop_reason == "interrupted":
+        # volley exits 0 on SIGINT/SIGTERM with a summary: not a finished run.
+        print(f"  {env} seed {seed} was interrupted; it will be run again", flush=True)
+        return
     if status != 0:
         print(f"  {env} seed {seed} failed with status {status}; see {directory / 'train.log'}", flush=True)
         (directory / "summary.json").unlink(missing_ok=True)
@@ -468,6 +484,8 @@ def plot(args, family: Family, runs: dict[str, dict[int, dict]]) -> None:
 
 
 def main() -> int:
+    # SIGTERM unwinds like Ctrl-C, so the `finally` blocks stop the running volley and servers.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("family", choices=sorted(FAMILIES))
     parser.add_argument("--seeds", type=parse_seeds, default=parse_seeds("1..5"))
