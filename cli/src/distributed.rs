@@ -12,6 +12,7 @@ use volley_core::ids::{ActorId, PolicyVersion, RunId};
 use volley_env::{EnvConfig, RemoteEnvConfig};
 use volley_learner::metrics::{ActorLag, WorkMetrics};
 use volley_learner::scheduler::{Planned, Scheduler, WorkPlanner};
+use volley_learner::tensorboard::TensorBoardLog;
 use volley_learner::{
     run_learner, Checkpoint, Learner, LearnerControl, LearnerMetrics, LearnerReport, RunLimits, StopReason, UpdateStats,
 };
@@ -190,8 +191,11 @@ pub fn learner(config: LearnerConfig, interrupted: Arc<AtomicBool>) -> anyhow::R
     } else {
         None
     };
+    let tensorboard =
+        config.tensorboard.as_deref().map(|dir| TensorBoardLog::create(dir).context("--tensorboard")).transpose()?;
     let mut control = LearnerOps {
         metrics,
+        tensorboard,
         actor_lag: ActorLag::register(&registry).context("registering learner metrics")?,
         version: learner.version().0,
         heartbeat,
@@ -236,6 +240,13 @@ pub fn learner(config: LearnerConfig, interrupted: Arc<AtomicBool>) -> anyhow::R
             Err(err) => warn!(run = %spec.run, %reason, %err, "run over, but telling the actors failed"),
         }
     }
+    if let Some(tensorboard) = control.tensorboard.take() {
+        // The run's result stands without its TensorBoard copy: a failed log is a warning.
+        match tensorboard.finish() {
+            Ok(path) => info!(path = %path.display(), "TensorBoard log written"),
+            Err(err) => warn!(%err, "the TensorBoard log is incomplete"),
+        }
+    }
     if let Some(err) = control.checkpoint_error {
         warn!(%err, "the last periodic checkpoint had failed");
     }
@@ -274,6 +285,8 @@ pub fn learner(config: LearnerConfig, interrupted: Arc<AtomicBool>) -> anyhow::R
 /// so they move while the learner starves or stalls.
 struct LearnerOps {
     metrics: LearnerMetrics,
+    /// `--tensorboard`: scalars per update.
+    tensorboard: Option<TensorBoardLog>,
     actor_lag: ActorLag,
     /// The learner's version at the last tick (it changes only at updates, each followed by one).
     version: u64,
@@ -298,6 +311,9 @@ impl LearnerControl for LearnerOps {
     fn on_update(&mut self, learner: &mut Learner, report: &LearnerReport, stats: &UpdateStats) {
         self.metrics.observe(learner, report, stats, learner.updates().is_multiple_of(self.publish_every));
         self.last_lag_max = Some(stats.lag_max);
+        if let Some(tensorboard) = &mut self.tensorboard {
+            tensorboard.on_update(report, stats);
+        }
         let due = learner.updates().is_multiple_of(self.checkpoint_every_updates)
             || self.last_checkpoint.elapsed() >= self.checkpoint_every;
         if due && !self.replay {
@@ -313,6 +329,9 @@ impl LearnerControl for LearnerOps {
 
     fn on_segment(&mut self, segment: &volley_core::wire::TrajectorySegment) {
         self.actor_lag.observe(segment.actor.as_str(), self.version.saturating_sub(segment.policy_version.0));
+        if let Some(tensorboard) = &mut self.tensorboard {
+            tensorboard.on_segment(segment);
+        }
     }
 
     fn on_tick(&mut self, learner: &Learner, report: &LearnerReport) {

@@ -17,7 +17,8 @@ use volley_actor::{ActorCounters, RolloutWorker};
 use volley_core::ids::{ActorId, PolicyVersion};
 use volley_env::EnvConfig;
 use volley_learner::scheduler::{Planned, Scheduler, WorkPlanner};
-use volley_learner::{run_learner, Learner, LearnerReport, RunLimits, UpdateStats};
+use volley_learner::tensorboard::TensorBoardLog;
+use volley_learner::{run_learner, Learner, LearnerControl, LearnerReport, RunLimits, UpdateStats};
 use volley_transport::envsvc::{EnvServiceClient, RemoteVecEnv, RemoteVecEnvConfig};
 use volley_transport::local::{trajectory_channel, weights_channel};
 use volley_transport::work::{local_work_queue, LocalSnapshotStore};
@@ -218,9 +219,9 @@ pub fn train(config: TrainConfig, interrupted: Arc<AtomicBool>) -> anyhow::Resul
         resume_env_steps: 0,
     };
     let metrics_file = File::create(run_dir.join("metrics.jsonl")).context("creating metrics.jsonl")?;
-    let mut progress = Progress::new(config.progress, config.max_env_steps, metrics_file);
-    let mut on_update =
-        |_: &mut Learner, report: &LearnerReport, stats: &UpdateStats| progress.on_update(report, stats);
+    let tensorboard =
+        config.tensorboard.as_deref().map(|dir| TensorBoardLog::create(dir).context("--tensorboard")).transpose()?;
+    let mut progress = Progress::new(config.progress, config.max_env_steps, metrics_file, tensorboard);
     let report = match planner.as_mut() {
         Some(planner) => run_learner(
             &mut learner,
@@ -228,9 +229,9 @@ pub fn train(config: TrainConfig, interrupted: Arc<AtomicBool>) -> anyhow::Resul
             &mut publisher,
             &limits,
             &interrupted,
-            &mut Planned { inner: &mut on_update, planner },
+            &mut Planned { inner: &mut progress, planner },
         ),
-        None => run_learner(&mut learner, &mut source, &mut publisher, &limits, &interrupted, &mut on_update),
+        None => run_learner(&mut learner, &mut source, &mut publisher, &limits, &interrupted, &mut progress),
     };
     if let Some(planner) = &planner {
         let scheduler = &planner.scheduler;
@@ -371,20 +372,34 @@ fn suffixed(dir: &Path, n: u32) -> PathBuf {
     dir.with_file_name(name)
 }
 
-/// Progress on stderr (bar or lines) plus the metrics file.
+/// Progress on stderr (bar or lines) plus the metrics file and, with `--tensorboard`, the
+/// TensorBoard log.
 struct Progress {
     bar: Option<ProgressBar>,
     lines: bool,
     last_line: Instant,
     metrics: BufWriter<File>,
+    tensorboard: Option<TensorBoardLog>,
     points: Vec<curve::Point>,
     /// Largest `lag_max` of an update so far (the summary's `lag_max`).
     lag_max: u64,
     write_error: Option<std::io::Error>,
 }
 
+impl LearnerControl for Progress {
+    fn on_update(&mut self, _: &mut Learner, report: &LearnerReport, stats: &UpdateStats) {
+        Progress::on_update(self, report, stats);
+    }
+
+    fn on_segment(&mut self, segment: &volley_core::wire::TrajectorySegment) {
+        if let Some(tensorboard) = &mut self.tensorboard {
+            tensorboard.on_segment(segment);
+        }
+    }
+}
+
 impl Progress {
-    fn new(mode: ProgressMode, max_env_steps: u64, metrics: File) -> Self {
+    fn new(mode: ProgressMode, max_env_steps: u64, metrics: File, tensorboard: Option<TensorBoardLog>) -> Self {
         let terminal = std::io::stderr().is_terminal();
         let bar = (mode == ProgressMode::Auto && terminal).then(|| {
             let bar = ProgressBar::with_draw_target(Some(max_env_steps), ProgressDrawTarget::stderr_with_hz(10));
@@ -399,6 +414,7 @@ impl Progress {
             bar,
             last_line: Instant::now() - Duration::from_secs(10),
             metrics: BufWriter::new(metrics),
+            tensorboard,
             points: Vec::new(),
             lag_max: 0,
             write_error: None,
@@ -435,6 +451,9 @@ impl Progress {
         {
             self.write_error.get_or_insert(err);
         }
+        if let Some(tensorboard) = &mut self.tensorboard {
+            tensorboard.on_update(report, stats);
+        }
         self.lag_max = self.lag_max.max(stats.lag_max);
         if let Some(mean) = row.mean_return_20 {
             self.points.push(curve::Point { env_steps: report.env_steps, mean_return: mean });
@@ -459,6 +478,10 @@ impl Progress {
     fn finish(&mut self) -> anyhow::Result<()> {
         if let Some(bar) = self.bar.take() {
             bar.finish_and_clear();
+        }
+        if let Some(tensorboard) = self.tensorboard.take() {
+            let path = tensorboard.finish().context("--tensorboard")?;
+            info!(path = %path.display(), "TensorBoard log written");
         }
         if let Some(err) = self.write_error.take() {
             return Err(err).context("writing metrics.jsonl");

@@ -21,6 +21,7 @@ pub mod scheduler;
 pub mod seen;
 pub mod selection;
 pub mod telemetry;
+pub mod tensorboard;
 pub mod train;
 pub mod windows;
 
