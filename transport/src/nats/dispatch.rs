@@ -78,7 +78,7 @@ impl Leases {
     }
 
     fn insert(&mut self, lease: Lease) -> u64 {
-        self.next_id += 1;
+        self.next_id = self.next_id.wrapping_add(1);
         let id = self.next_id;
         *self.per_actor.entry(lease.actor.clone()).or_default() += 1;
         self.by_item.insert(lease.item, id);
@@ -147,7 +147,11 @@ pub(super) fn start(
         .name("volley-work-dispatch".into())
         .spawn(move || {
             let shared = bus.shared.clone();
-            let dispatcher = Dispatcher { shared: shared.clone(), consumer, limits, leases: Leases::default() };
+            // Lease ids start at the clock (ns), so an actor still holding a lease of a
+            // previous learner's dispatcher cannot name one of this dispatcher's.
+            let first_id = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
+            let leases = Leases { next_id: first_id, ..Leases::default() };
+            let dispatcher = Dispatcher { shared: shared.clone(), consumer, limits, leases };
             shared.block_on(dispatcher.run(subscriptions, receiver));
         })
         .map_err(|err| failed("start work dispatcher", err))?;
