@@ -369,6 +369,14 @@ pub struct SpecArgs {
     /// Seconds a taken work item may go without progress before another actor gets it.
     #[arg(long, default_value_t = 30.0, env = "VOLLEY_WORK_ACK_WAIT_SECS")]
     pub work_ack_wait_secs: f64,
+    /// Work items one actor identity may hold at once (taken and not yet confirmed by the
+    /// learner); give each actor at least twice its environments.
+    #[arg(long, default_value_t = 64, env = "VOLLEY_WORK_MAX_ITEMS_PER_ACTOR")]
+    pub work_max_items_per_actor: u32,
+    /// Seconds the learner waits, after an actor reports an item done, for its episodes to
+    /// arrive before another actor gets the item.
+    #[arg(long, default_value_t = 120.0, env = "VOLLEY_WORK_CONFIRM_WAIT_SECS")]
+    pub work_confirm_wait_secs: f64,
     /// Group rollouts: continuations per group, K (1: no groups). A group is K work items of
     /// one episode each from one start (a fresh reset seed or a saved state), each sampling
     /// actions from its own stream; needs --work.
@@ -741,6 +749,8 @@ impl SpecArgs {
                 episodes_per_item: self.episodes_per_item,
                 snapshot_every_steps: self.snapshot_every,
                 ack_wait_secs: self.work_ack_wait_secs,
+                max_items_per_actor: self.work_max_items_per_actor,
+                confirm_wait_secs: self.work_confirm_wait_secs,
                 group_size: self.group_size,
                 group_share: self.group_share,
                 group_hold_segments: self.group_hold_segments,

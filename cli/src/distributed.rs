@@ -182,7 +182,7 @@ pub fn learner(config: LearnerConfig, interrupted: Arc<AtomicBool>) -> anyhow::R
     let mut planner = if spec.hyper.work.enabled && !replay {
         let first_item_id = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_micros() as u64);
         let scheduler = Scheduler::new(&spec.hyper.work, &spec.env, spec.seed, first_item_id);
-        let queue = bus.work_queue().context("opening the work queue")?;
+        let queue = bus.work_queue(&spec.hyper.work).context("opening the work queue")?;
         let target = u64::from(spec.hyper.work.queue_per_slot) * spec.hyper.batch_segments.max(8) as u64;
         let work_metrics = WorkMetrics::register(&registry).context("registering work metrics")?;
         let mut planner = WorkPlanner::new(scheduler, Box::new(queue), target).with_metrics(work_metrics);
@@ -514,7 +514,7 @@ pub fn actor(args: ActorArgs, interrupted: Arc<AtomicBool>) -> anyhow::Result<()
     }
     .with_context(|| format!("this build cannot serve run {run}"))?;
     let worker = if spec.hyper.work.enabled {
-        let source = bus.work_source().context("opening the work queue")?;
+        let source = bus.work_source(&actor_id).context("opening the work queue")?;
         let store = bus.snapshot_store().context("opening the snapshot store")?;
         worker.with_work(Box::new(source), Box::new(store)).context("scheduled episodes")?
     } else {

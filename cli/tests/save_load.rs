@@ -120,7 +120,9 @@ fn an_episode_interrupted_by_a_killed_actor_finishes_on_another_with_the_same_re
     let bus = NatsBus::connect(NatsConfig::new(nats.url(), spec.run.clone())).expect("connect");
     bus.ensure_run(&spec).expect("run created");
     bus.weights_publisher().expect("publisher").publish(weights(&spec)).expect("weights published");
-    bus.work_queue().expect("work queue").submit(&[item(seed)]).expect("item queued");
+    // The queue runs the work dispatcher the actors lease items from: kept until the end.
+    let mut queue = bus.work_queue(&spec.hyper.work).expect("work queue");
+    queue.submit(&[item(seed)]).expect("item queued");
     let mut store = bus.snapshot_store().expect("snapshot store");
 
     // Actor A runs the item until pacing stops it, saving a snapshot every segment.
@@ -175,4 +177,5 @@ fn an_episode_interrupted_by_a_killed_actor_finishes_on_another_with_the_same_re
     assert_eq!(finished.task_id, 0);
     assert_eq!(finished.start, None, "a fresh-start item keeps reporting a fresh start after a resume");
     drop(b);
+    drop(queue);
 }

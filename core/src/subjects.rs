@@ -151,8 +151,27 @@ pub fn work_stream(run: &RunId) -> String {
     format!("volley-{}-work", run.as_str())
 }
 
-/// Durable pull consumer on the work stream shared by every actor of the run.
+/// Durable pull consumer on the work stream. The learner's work dispatcher alone pulls from
+/// it and leases items to actors, at most `work.max_items_per_actor` per actor identity
+/// (issue 46); actors have no access to the stream.
 pub const WORK_CONSUMER: &str = "actors";
+
+/// The verbs of the work-lease protocol between actors and the learner's dispatcher: take
+/// (a request), progress and done (plain publishes carrying the lease id).
+pub const WORK_LEASE_VERBS: [&str; 3] = ["take", "progress", "done"];
+
+/// Where an actor sends one verb of the work-lease protocol:
+/// `volley.<run>.work.<verb>.<actor>`, the actor id lowercased like [`trajectories`], so
+/// broker permissions can bind the last token to the actor's credentials.
+pub fn work_lease(run: &RunId, verb: &str, actor: &ActorId) -> String {
+    format!("volley.{run}.work.{verb}.{}", actor.as_str().to_ascii_lowercase())
+}
+
+/// Every actor's subject of one work-lease verb, `volley.<run>.work.<verb>.*`: the
+/// dispatcher's subscription. Subscription only; never publish to it.
+pub fn work_lease_all(run: &RunId, verb: &str) -> String {
+    format!("volley.{run}.work.{verb}.*")
+}
 
 /// The object store of episode snapshots: `volley-<run>-snap`.
 pub fn snapshot_bucket(run: &RunId) -> String {
@@ -313,6 +332,16 @@ mod tests {
             let live = weights_live(&run);
             assert_publish_subject(&live);
             assert!(!live.starts_with(all_prefix(&run).as_str()), "{live} would be stored with the segments");
+            for verb in WORK_LEASE_VERBS {
+                for actor in awkward_actors() {
+                    let subject = work_lease(&run, verb, &actor);
+                    assert_publish_subject(&subject);
+                    assert_eq!(subject.split('.').count(), 5, "{subject} is not volley.<run>.work.<verb>.<actor>");
+                    assert_ne!(subject, work(&run), "{subject} would be stored with the work items");
+                }
+                let all = work_lease_all(&run, verb);
+                assert!(all.ends_with(".*") && all.matches('*').count() == 1, "{all}");
+            }
             let all = trajectories_all(&run);
             assert!(all.ends_with(".>") && all.matches('>').count() == 1, "{all}");
             assert_publish_subject(all.trim_end_matches(".>"));

@@ -56,8 +56,19 @@ pub struct WorkConfig {
     pub snapshot_at_milestones: bool,
     /// Work items kept queued per actor environment slot.
     pub queue_per_slot: u32,
-    /// Seconds a taken item may go without progress before the broker redelivers it.
+    /// Seconds a taken item may go without progress before the learner's dispatcher takes
+    /// it back and hands it to another actor (and the bound on the broker's redelivery when
+    /// the learner itself is gone).
     pub ack_wait_secs: f64,
+    /// Work items one actor identity may hold at once (issue 46): taken and not yet confirmed
+    /// by the learner. An actor holds one item per environment slot while it runs, plus items
+    /// it has finished whose episodes the learner has not yet seen; give it at least twice
+    /// its environments. Takes beyond the bound are refused.
+    pub max_items_per_actor: u32,
+    /// Seconds the dispatcher waits, after an actor reports an item done, for the item's
+    /// episode summaries to reach the learner before it hands the item out again: an item
+    /// acknowledged but never run is not lost (issue 46).
+    pub confirm_wait_secs: f64,
     /// Seconds a snapshot is kept (the snapshot store's retention bound).
     pub snapshot_ttl_secs: f64,
     /// Success-rate window (episodes) per task and per start in the scheduler.
@@ -91,6 +102,8 @@ impl Default for WorkConfig {
             snapshot_at_milestones: true,
             queue_per_slot: 2,
             ack_wait_secs: 30.0,
+            max_items_per_actor: 64,
+            confirm_wait_secs: 120.0,
             snapshot_ttl_secs: 3600.0,
             stats_window: 50,
             ucb_c: 0.5,
@@ -120,7 +133,14 @@ impl WorkConfig {
         if self.episodes_per_item == 0 || self.queue_per_slot == 0 || self.stats_window == 0 {
             return Err("work.episodes_per_item, work.queue_per_slot and work.stats_window must be at least 1".into());
         }
-        for (name, secs) in [("ack_wait_secs", self.ack_wait_secs), ("snapshot_ttl_secs", self.snapshot_ttl_secs)] {
+        if !(1..=65_536).contains(&self.max_items_per_actor) {
+            return Err(format!("work.max_items_per_actor {} outside 1..=65536", self.max_items_per_actor));
+        }
+        for (name, secs) in [
+            ("ack_wait_secs", self.ack_wait_secs),
+            ("confirm_wait_secs", self.confirm_wait_secs),
+            ("snapshot_ttl_secs", self.snapshot_ttl_secs),
+        ] {
             if !(secs.is_finite() && secs > 0.0 && secs <= 7.0 * 24.0 * 3600.0) {
                 return Err(format!("work.{name} {secs} outside (0, 604800]"));
             }

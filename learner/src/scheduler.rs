@@ -506,6 +506,17 @@ impl WorkPlanner {
         }
     }
 
+    /// Tell the queue which items `segment`'s actor has run: its finished scheduled episodes.
+    /// On NATS only a confirmed item is done; one an actor reported done without its episodes
+    /// arriving goes to another actor (issue 46).
+    fn confirm(&mut self, segment: &TrajectorySegment) {
+        for episode in &segment.finished_episodes {
+            if let Some(item) = episode.work_item {
+                self.queue.confirm(item, &segment.actor);
+            }
+        }
+    }
+
     /// Top up after `segment` if due: at most every 50 ms (reading the queue depth is a broker
     /// round trip on NATS), or at once when scheduled episodes reported since the last top-up
     /// could have emptied half the queue. Without the second rule, fast actors drained the
@@ -538,6 +549,7 @@ impl<C: crate::LearnerControl + ?Sized> crate::LearnerControl for Planned<'_, C>
     }
 
     fn on_segment(&mut self, segment: &TrajectorySegment) {
+        self.planner.confirm(segment);
         self.planner.scheduler.observe_segment(segment);
         self.planner.top_up_soon(segment);
         self.inner.on_segment(segment);

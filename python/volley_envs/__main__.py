@@ -13,7 +13,7 @@ import sys
 import nats
 
 from .protocol import check_name, default_name
-from .server import EnvServer, make_factory
+from .server import DEFAULT_MAX_ENVS, DEFAULT_MAX_ENVS_PER_SESSION, DEFAULT_MAX_SESSIONS, EnvServer, make_factory
 
 
 log = logging.getLogger("volley_envs")
@@ -50,6 +50,22 @@ def connection_options(url: str) -> dict:
     }
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: an integer of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
+def limit_default(variable: str, default: int) -> str:
+    """The default of a limit flag: its environment variable if set (checked by the flag's type)."""
+    return os.environ.get(variable) or str(default)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="volley-envs", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -65,15 +81,27 @@ def parse_args(argv=None) -> argparse.Namespace:
     serve.add_argument("--env-kwargs", default="{}",
                        help="JSON object of keyword arguments for the factory (atari: for gymnasium.make or "
                             "AtariPreprocessing, e.g. {\"terminal_on_life_loss\": true})")
-    serve.add_argument("--max-sessions", type=int, default=1024, help="sessions held at once")
+    serve.add_argument("--max-sessions", type=positive_int,
+                       default=limit_default("VOLLEY_ENV_MAX_SESSIONS", DEFAULT_MAX_SESSIONS),
+                       help="sessions held at once; an open beyond them is refused with 503 (env "
+                            f"VOLLEY_ENV_MAX_SESSIONS, default {DEFAULT_MAX_SESSIONS})")
+    serve.add_argument("--max-envs", type=positive_int,
+                       default=limit_default("VOLLEY_ENV_MAX_ENVS", DEFAULT_MAX_ENVS),
+                       help="environments held at once over all sessions, the bound on the server's memory "
+                            "(environments x memory per environment); an open beyond it is refused with 503 "
+                            f"(env VOLLEY_ENV_MAX_ENVS, default {DEFAULT_MAX_ENVS})")
     serve.add_argument("--max-abs-reward", type=float,
                        default=float(os.environ["VOLLEY_ENV_MAX_ABS_REWARD"])
                        if os.environ.get("VOLLEY_ENV_MAX_ABS_REWARD") else None,
                        help="declare the largest |reward| of one step; the learner rejects segments beyond it "
                             "(env VOLLEY_ENV_MAX_ABS_REWARD; default: undeclared)")
-    serve.add_argument("--max-envs-per-session", type=int, default=1024, help="largest session")
-    serve.add_argument("--idle-timeout-secs", type=float, default=300.0,
-                       help="drop a session without requests for this long")
+    serve.add_argument("--max-envs-per-session", type=positive_int,
+                       default=limit_default("VOLLEY_ENV_MAX_ENVS_PER_SESSION", DEFAULT_MAX_ENVS_PER_SESSION),
+                       help="largest session, at most --max-envs (env VOLLEY_ENV_MAX_ENVS_PER_SESSION, default "
+                            f"{DEFAULT_MAX_ENVS_PER_SESSION})")
+    serve.add_argument("--idle-timeout-secs", type=float,
+                       default=float(os.environ.get("VOLLEY_ENV_IDLE_TIMEOUT_SECS") or 300.0),
+                       help="drop a session without requests for this long (env VOLLEY_ENV_IDLE_TIMEOUT_SECS)")
     serve.add_argument("--snapshot-key-file", default=os.environ.get("VOLLEY_ENVS_SNAPSHOT_KEY_FILE"),
                        help="file of at least 16 bytes that authenticates snapshot states whose decoder trusts "
                             "its input (ALE's); instances that share it restore each other's states (env "
@@ -100,7 +128,8 @@ async def serve(args: argparse.Namespace) -> None:
         if len(snapshot_key) < 16:
             raise SystemExit("--snapshot-key-file must hold at least 16 bytes")
     server = EnvServer(factory, name, label=args.env, max_sessions=args.max_sessions,
-                       max_envs_per_session=args.max_envs_per_session, idle_timeout=args.idle_timeout_secs,
+                       max_envs_per_session=args.max_envs_per_session, max_envs=args.max_envs,
+                       idle_timeout=args.idle_timeout_secs,
                        max_abs_reward=args.max_abs_reward, snapshot_key=snapshot_key)
     options = {"servers": [args.nats], "name": "volley-envs", **connection_options(args.nats)}
     if args.user:

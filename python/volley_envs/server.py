@@ -254,20 +254,40 @@ class Session:
     last_actions: list = field(default_factory=list)
 
 
+# Default limits, sized to a pod of about 1 GiB serving light environments (docs/OPERATIONS.md,
+# "Sizing an environment server"): the memory a server holds is about its open environments
+# times the memory of one, so `max_envs` bounds it; `max_sessions` bounds the per-session
+# overhead and `max_envs_per_session` one actor's share. The old defaults (1,024 sessions of up
+# to 1,024 environments) let one server grow to several GB (issue 46).
+DEFAULT_MAX_SESSIONS = 64
+DEFAULT_MAX_ENVS_PER_SESSION = 64
+DEFAULT_MAX_ENVS = 256
+
+
 class EnvServer:
-    """Serves environments built by ``factory`` as environment service ``name``."""
+    """Serves environments built by ``factory`` as environment service ``name``.
+
+    At most ``max_sessions`` sessions and ``max_envs`` environments over all sessions are open
+    at once, and one session has at most ``max_envs_per_session`` (clamped to ``max_envs``);
+    an ``open`` beyond them is refused with 503 (``CAPACITY``) and a message naming the limit.
+    """
 
     def __init__(
         self,
         factory: EnvFactory,
         name: str,
         label: str = "",
-        max_sessions: int = 1024,
-        max_envs_per_session: int = 1024,
+        max_sessions: int = DEFAULT_MAX_SESSIONS,
+        max_envs_per_session: int = DEFAULT_MAX_ENVS_PER_SESSION,
         idle_timeout: float = 300.0,
         max_abs_reward: Optional[float] = None,
         snapshot_key: Optional[bytes] = None,
+        max_envs: int = DEFAULT_MAX_ENVS,
     ):
+        for limit, value in (("max_sessions", max_sessions), ("max_envs_per_session", max_envs_per_session),
+                             ("max_envs", max_envs)):
+            if not (isinstance(value, int) and value >= 1):
+                raise ValueError(f"{limit} {value!r} must be an integer of at least 1")
         self.factory = factory
         # Declared in `spaces`: the largest |reward| of one step; the learner rejects segments
         # beyond it (docs/SECURITY.md). None: undeclared (the learner's default applies).
@@ -277,7 +297,8 @@ class EnvServer:
         self.name = check_name(name)
         self.label = label or name
         self.max_sessions = max_sessions
-        self.max_envs_per_session = max_envs_per_session
+        self.max_envs = max_envs
+        self.max_envs_per_session = min(max_envs_per_session, max_envs)
         self.idle_timeout = idle_timeout
         probe = factory()
         try:
@@ -306,6 +327,11 @@ class EnvServer:
         self._nc = None
 
     @property
+    def open_envs(self) -> int:
+        """Environments open over all sessions."""
+        return sum(len(session.envs) for session in self.sessions.values())
+
+    @property
     def id(self) -> str:
         """The instance id (after :meth:`start`)."""
         return self._service.id
@@ -331,6 +357,10 @@ class EnvServer:
             service_name(self.name), self.id, self.label, self.spaces.obs_dim,
             f"image{list(self.spaces.image_shape)}:u8" if self.spaces.image else "box:f32",
             f"box{self.spaces.action_shape}" if self.spaces.continuous else f"discrete({self.spaces.n_actions})",
+        )
+        log.info(
+            "environment server limits max_sessions=%d max_envs=%d max_envs_per_session=%d idle_timeout_secs=%g",
+            self.max_sessions, self.max_envs, self.max_envs_per_session, self.idle_timeout,
         )
 
     async def stop(self) -> None:
@@ -533,7 +563,18 @@ class EnvServer:
         if not isinstance(seeds, list) or len(seeds) != n_envs or not all(_is_u64(s) for s in seeds):
             raise ProtocolError(BAD_REQUEST, f"open needs {n_envs} u64 seeds")
         if len(self.sessions) >= self.max_sessions:
-            raise ProtocolError(CAPACITY, f"{self.max_sessions} sessions already open")
+            raise ProtocolError(
+                CAPACITY,
+                f"{self.max_sessions} sessions already open: the server's max_sessions "
+                "(--max-sessions, VOLLEY_ENV_MAX_SESSIONS)",
+            )
+        open_envs = self.open_envs
+        if open_envs + n_envs > self.max_envs:
+            raise ProtocolError(
+                CAPACITY,
+                f"{open_envs} environments open and {n_envs} more would exceed the server's max_envs "
+                f"{self.max_envs} (--max-envs, VOLLEY_ENV_MAX_ENVS)",
+            )
         session = Session(
             envs=[], obs=np.zeros((n_envs, self.spaces.obs_dim), dtype=self._obs_dtype), last_actions=[0] * n_envs
         )

@@ -12,6 +12,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use super::TransportError;
+use volley_core::ids::ActorId;
 use volley_core::work::{EpisodeSnapshot, WorkItem};
 
 /// Opaque handle of a taken work item.
@@ -24,6 +25,10 @@ pub trait WorkQueue: Send {
     fn submit(&mut self, items: &[WorkItem]) -> Result<(), TransportError>;
     /// Items queued and not yet taken, when known.
     fn queued(&mut self) -> Result<u64, TransportError>;
+    /// The item's episode summaries reached the learner from `actor`: the item is done. A
+    /// networked queue hands an item an actor reported done but never confirmed to another
+    /// actor after `work.confirm_wait_secs`; in process there is nothing to confirm.
+    fn confirm(&mut self, _item: u64, _actor: &ActorId) {}
 }
 
 /// Where actors take work.

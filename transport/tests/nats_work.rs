@@ -1,7 +1,8 @@
 //! The work queue and snapshot store over a real nats-server: items go to one actor at a time,
-//! an item its actor neither completes nor keeps alive is delivered again, a completed one is
-//! not, garbage on the work subject is dropped, and snapshots round-trip through the store and
-//! its per-item index.
+//! an item its actor neither completes nor keeps alive is delivered again, a completed and
+//! confirmed one is not, one reported done but never confirmed is, an actor holds at most its
+//! limit of items, garbage on the work subject is dropped, and snapshots round-trip through
+//! the store and its per-item index.
 
 #[allow(dead_code)] // this test uses only part of the shared fixtures
 mod common;
@@ -9,19 +10,31 @@ mod common;
 use std::time::{Duration, Instant};
 
 use rand::SeedableRng;
-use volley_core::ids::RunId;
+use volley_core::ids::{ActorId, RunId};
 use volley_core::subjects;
 use volley_core::work::{EpisodeSnapshot, GroupMember, Start, WorkConfig, WorkItem};
 use volley_testkit::TestNats;
 use volley_transport::nats::{NatsBus, NatsConfig};
 use volley_transport::work::{SnapshotStore, WorkQueue, WorkSource, WorkToken};
 
-fn bus(server: &TestNats, ack_wait_secs: f64) -> NatsBus {
+fn work_config(ack_wait_secs: f64) -> WorkConfig {
+    WorkConfig { enabled: true, ack_wait_secs, ..WorkConfig::default() }
+}
+
+fn bus_with(server: &TestNats, work: &WorkConfig) -> NatsBus {
     let mut spec = common::spec("work");
-    spec.hyper.work = WorkConfig { enabled: true, ack_wait_secs, ..WorkConfig::default() };
+    spec.hyper.work = work.clone();
     let bus = NatsBus::connect(NatsConfig::new(server.url(), RunId::new("work").unwrap())).expect("connect");
     bus.ensure_run(&spec).expect("run with work objects");
     bus
+}
+
+fn bus(server: &TestNats, ack_wait_secs: f64) -> NatsBus {
+    bus_with(server, &work_config(ack_wait_secs))
+}
+
+fn actor(name: &str) -> ActorId {
+    ActorId::new(name).expect("a valid actor id")
 }
 
 fn item(id: u64) -> WorkItem {
@@ -35,6 +48,7 @@ fn take_within(source: &mut impl WorkSource, patience: Duration) -> Option<(Work
         if let Some(taken) = source.take(Duration::from_millis(200)).expect("take") {
             return Some(taken);
         }
+        std::thread::sleep(Duration::from_millis(50));
     }
     None
 }
@@ -43,26 +57,29 @@ fn take_within(source: &mut impl WorkSource, patience: Duration) -> Option<(Work
 fn items_go_to_one_actor_and_an_abandoned_one_is_redelivered() {
     let server = TestNats::start();
     let bus = bus(&server, 1.0);
-    let mut queue = bus.work_queue().expect("queue");
+    let mut queue = bus.work_queue(&work_config(1.0)).expect("queue");
     queue.submit(&[item(1), item(2)]).expect("submit");
     // A retried publish of the same item is stored once (Nats-Msg-Id).
     queue.submit(&[item(2)]).expect("resubmit");
     assert_eq!(queue.queued().expect("depth"), 2);
 
-    let mut first = bus.work_source().expect("actor a");
-    let mut second = bus.work_source().expect("actor b");
+    let mut first = bus.work_source(&actor("a")).expect("actor a");
+    let mut second = bus.work_source(&actor("b")).expect("actor b");
     let (a, token_a) = first.take(Duration::from_secs(5)).expect("take").expect("an item");
     let (b, token_b) = second.take(Duration::from_secs(5)).expect("take").expect("another item");
     assert_ne!(a.id, b.id, "each item goes to one actor");
     second.complete(token_b).expect("complete");
+    queue.confirm(b.id, &actor("b"));
     first.progress(token_a).expect("progress");
     // Actor a dies holding its item: nobody completes it; it comes back after ack_wait.
     drop(first);
     let (again, token) = take_within(&mut second, Duration::from_secs(30)).expect("the abandoned item is redelivered");
     assert_eq!(again.id, a.id);
     second.complete(token).expect("complete");
-    // Completed items never come back.
-    assert!(second.take(Duration::from_millis(1500)).expect("take").is_none());
+    queue.confirm(a.id, &actor("b"));
+    // Completed and confirmed items never come back.
+    std::thread::sleep(Duration::from_millis(1500));
+    assert!(second.take(Duration::from_millis(200)).expect("take").is_none());
 }
 
 #[test]
@@ -77,7 +94,7 @@ fn an_item_whose_ack_a_restart_lost_is_published_again_at_once() {
     config.request_timeout = Duration::from_secs(120);
     let bus = NatsBus::connect(config).expect("connect");
     bus.ensure_run(&spec).expect("run with work objects");
-    let mut queue = bus.work_queue().expect("queue");
+    let mut queue = bus.work_queue(&spec.hyper.work).expect("queue");
     queue.submit(&[item(1)]).expect("before the pause");
     server.pause();
     let (done, submitted) = std::sync::mpsc::channel();
@@ -94,7 +111,7 @@ fn an_item_whose_ack_a_restart_lost_is_published_again_at_once() {
     // the submitter's reconnected connection once went unanswered for its whole 120 s timeout in
     // CI (after the item had been confirmed); this test is about the item, not that request.
     let observer = NatsBus::connect(NatsConfig::new(server.url(), RunId::new("work").unwrap())).expect("connect");
-    let mut queue = observer.work_queue().expect("queue");
+    let mut queue = observer.work_queue(&spec.hyper.work).expect("queue");
     let started = Instant::now();
     let depth = loop {
         match queue.queued() {
@@ -123,9 +140,10 @@ fn group_members_spread_over_actors_and_an_abandoned_member_is_redelivered_alone
             ..item(40)
         })
         .collect();
-    bus.work_queue().expect("queue").submit(&members).expect("submit");
-    let mut first = bus.work_source().expect("actor a");
-    let mut second = bus.work_source().expect("actor b");
+    let mut queue = bus.work_queue(&work_config(1.0)).expect("queue");
+    queue.submit(&members).expect("submit");
+    let mut first = bus.work_source(&actor("a")).expect("actor a");
+    let mut second = bus.work_source(&actor("b")).expect("actor b");
     let (abandoned, token) = first.take(Duration::from_secs(5)).expect("take").expect("a member");
     first.progress(token).expect("progress");
     let mut completed = Vec::new();
@@ -133,6 +151,7 @@ fn group_members_spread_over_actors_and_an_abandoned_member_is_redelivered_alone
         assert_eq!(member.start, Start::Fresh { seed: 40 }, "members share the start");
         completed.push(member.group.expect("tagged").member);
         second.complete(token).expect("complete");
+        queue.confirm(member.id, &actor("b"));
         if completed.len() == 3 {
             break;
         }
@@ -142,10 +161,42 @@ fn group_members_spread_over_actors_and_an_abandoned_member_is_redelivered_alone
     let (again, token) = take_within(&mut second, Duration::from_secs(30)).expect("the abandoned member comes back");
     assert_eq!(again, abandoned, "redelivered whole, group tag included");
     second.complete(token).expect("complete");
+    queue.confirm(again.id, &actor("b"));
     let mut all: Vec<u32> = completed.into_iter().chain(again.group.map(|g| g.member)).collect();
     all.sort_unstable();
     assert_eq!(all, vec![0, 1, 2, 3]);
-    assert!(second.take(Duration::from_millis(1500)).expect("take").is_none());
+    std::thread::sleep(Duration::from_millis(1500));
+    assert!(second.take(Duration::from_millis(200)).expect("take").is_none());
+}
+
+/// Issue 46: an actor holds at most `max_items_per_actor` items; takes beyond it are refused
+/// while another actor still gets items, and an item reported done whose episodes never reach
+/// the learner goes to another actor after `confirm_wait_secs`.
+#[test]
+fn an_actor_holds_at_most_its_limit_and_an_unconfirmed_item_is_handed_out_again() {
+    let server = TestNats::start();
+    let work = WorkConfig { max_items_per_actor: 2, confirm_wait_secs: 1.0, ..work_config(30.0) };
+    let bus = bus_with(&server, &work);
+    let mut queue = bus.work_queue(&work).expect("queue");
+    queue.submit(&(1..=4).map(item).collect::<Vec<_>>()).expect("submit");
+    let mut greedy = bus.work_source(&actor("greedy")).expect("greedy actor");
+    let (first, first_token) = greedy.take(Duration::ZERO).expect("take").expect("an item");
+    let (second, _) = greedy.take(Duration::ZERO).expect("take").expect("a second item");
+    assert!(greedy.take(Duration::ZERO).expect("take").is_none(), "a third item is refused");
+    assert_eq!(greedy.refused(), 1);
+    let mut honest = bus.work_source(&actor("honest")).expect("honest actor");
+    for _ in 0..2 {
+        let (other, token) = honest.take(Duration::ZERO).expect("take").expect("the other actor still gets items");
+        assert!(![first.id, second.id].contains(&other.id));
+        honest.complete(token).expect("done");
+        queue.confirm(other.id, &actor("honest"));
+    }
+    // Reported done without its episodes: handed out again after confirm_wait.
+    greedy.complete(first_token).expect("done");
+    let (again, token) = take_within(&mut honest, Duration::from_secs(30)).expect("the unconfirmed item comes back");
+    assert_eq!(again.id, first.id);
+    honest.complete(token).expect("done");
+    queue.confirm(again.id, &actor("honest"));
 }
 
 #[test]
@@ -157,11 +208,12 @@ fn garbage_on_the_work_subject_is_dropped_and_valid_items_still_flow() {
         let ack = bus.jetstream().publish(subject, "not json".into()).await.expect("publish");
         ack.await.expect("stored");
     });
-    bus.work_queue().expect("queue").submit(&[item(7)]).expect("submit");
-    let mut source = bus.work_source().expect("source");
+    let mut queue = bus.work_queue(&work_config(30.0)).expect("queue");
+    queue.submit(&[item(7)]).expect("submit");
+    let mut source = bus.work_source(&actor("a")).expect("source");
     let (got, _) = take_within(&mut source, Duration::from_secs(10)).expect("the valid item arrives");
-    assert_eq!(got.id, 7);
-    assert_eq!(source.undecodable(), 1);
+    assert_eq!(got.id, 7, "the dispatcher dropped the garbage");
+    assert_eq!(source.undecodable(), 0);
 }
 
 #[test]

@@ -56,6 +56,7 @@ use volley_core::subjects;
 use volley_core::wire::{self, TrajectorySegment, Weights};
 
 mod consumers;
+mod dispatch;
 pub mod sink;
 pub mod source;
 pub mod weights;

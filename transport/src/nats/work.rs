@@ -74,8 +74,10 @@ pub(super) async fn ensure_work_objects(
 
 impl NatsBus {
     /// Learner side: where the scheduler queues work items (the run must exist with
-    /// `work.enabled`; see [`NatsBus::ensure_run`]).
-    pub fn work_queue(&self) -> Result<NatsWorkQueue, TransportError> {
+    /// `work.enabled`; see [`NatsBus::ensure_run`]), with the work dispatcher that leases them
+    /// to actors under `work`'s limits (`transport/src/nats/dispatch.rs`); the dispatcher runs on a thread
+    /// and a connection of its own until the queue is dropped.
+    pub fn work_queue(&self, work: &volley_core::work::WorkConfig) -> Result<NatsWorkQueue, TransportError> {
         let shared = self.shared.clone();
         let timeout = shared.config.request_timeout;
         let stream = shared.block_on(call(
@@ -83,24 +85,13 @@ impl NatsBus {
             timeout,
             shared.js.get_stream_no_info(subjects::work_stream(&shared.config.run)),
         ))?;
-        Ok(NatsWorkQueue { shared, stream })
+        let dispatcher = super::dispatch::start(&shared.config, work)?;
+        Ok(NatsWorkQueue { shared, stream, dispatcher, confirmations_dropped: 0 })
     }
 
-    /// Actor side: take work items from the run's shared work consumer.
-    pub fn work_source(&self) -> Result<NatsWorkSource, TransportError> {
-        let shared = self.shared.clone();
-        let timeout = shared.config.request_timeout;
-        let consumer = shared.block_on(async {
-            let stream = call(
-                "open work stream",
-                timeout,
-                shared.js.get_stream_no_info(subjects::work_stream(&shared.config.run)),
-            )
-            .await?;
-            call("open work consumer", timeout, stream.get_consumer::<consumer::pull::Config>(subjects::WORK_CONSUMER))
-                .await
-        })?;
-        Ok(NatsWorkSource { shared, consumer, held: HashMap::new(), next_token: 0, undecodable: 0 })
+    /// Actor side: lease work items from the learner's work dispatcher as `actor`.
+    pub fn work_source(&self, actor: &ActorId) -> Result<NatsWorkSource, TransportError> {
+        Ok(NatsWorkSource { shared: self.shared.clone(), actor: actor.clone(), refused: 0, undecodable: 0 })
     }
 
     /// Actor side: the run's snapshot store (object store plus per-item index).
@@ -127,6 +118,16 @@ impl NatsBus {
 pub struct NatsWorkQueue {
     shared: Arc<Shared>,
     stream: stream::Stream<()>,
+    /// The dispatcher stops when this is dropped.
+    dispatcher: tokio::sync::mpsc::Sender<super::dispatch::Confirmation>,
+    confirmations_dropped: u64,
+}
+
+impl NatsWorkQueue {
+    /// Confirmations dropped because the dispatcher fell behind (their items run again).
+    pub fn confirmations_dropped(&self) -> u64 {
+        self.confirmations_dropped
+    }
 }
 
 impl fmt::Debug for NatsWorkQueue {
@@ -175,6 +176,13 @@ impl crate::work::WorkQueue for NatsWorkQueue {
         })
     }
 
+    fn confirm(&mut self, item: u64, actor: &ActorId) {
+        let confirmation = super::dispatch::Confirmation { item, actor: actor.as_str().to_ascii_lowercase() };
+        if self.dispatcher.try_send(confirmation).is_err() {
+            self.confirmations_dropped += 1;
+        }
+    }
+
     fn queued(&mut self) -> Result<u64, TransportError> {
         let shared = self.shared.clone();
         let timeout = shared.config.request_timeout;
@@ -185,27 +193,42 @@ impl crate::work::WorkQueue for NatsWorkQueue {
     }
 }
 
-/// An actor's end of the work queue: one item at a time per environment slot, kept alive with
-/// progress signals while it runs, double-acked when done. An item whose actor dies is
-/// redelivered by the server after the consumer's `ack_wait`.
+/// An actor's end of the work queue: leases items from the learner's work dispatcher
+/// (`transport/src/nats/dispatch.rs`) with a request on `volley.<run>.work.take.<actor>`, keeps them alive
+/// with progress signals while it runs them, and reports them done. An item whose actor goes
+/// quiet is handed to another actor after `work.ack_wait_secs`.
 pub struct NatsWorkSource {
     shared: Arc<Shared>,
-    consumer: consumer::PullConsumer,
-    held: HashMap<u64, jetstream::Message>,
-    next_token: u64,
+    actor: ActorId,
+    refused: u64,
     undecodable: u64,
 }
 
 impl fmt::Debug for NatsWorkSource {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("NatsWorkSource").field("held", &self.held.len()).finish()
+        f.debug_struct("NatsWorkSource").field("actor", &self.actor).finish()
     }
 }
 
 impl NatsWorkSource {
-    /// Work messages that did not decode (terminated so they are not redelivered).
+    /// Work items that did not decode (the lease lapses and the dispatcher drops nothing: the
+    /// item goes to another actor).
     pub fn undecodable(&self) -> u64 {
         self.undecodable
+    }
+
+    /// Takes the dispatcher refused because this actor held its limit of items.
+    pub fn refused(&self) -> u64 {
+        self.refused
+    }
+
+    fn signal(&mut self, verb: &'static str, token: crate::work::WorkToken) -> Result<(), TransportError> {
+        let shared = &self.shared;
+        let subject = subjects::work_lease(&shared.config.run, verb, &self.actor);
+        let payload = Bytes::from(token.0.to_string());
+        shared
+            .block_on(shared.client.publish(subject, payload))
+            .map_err(|err| failed(if verb == "done" { "complete work item" } else { "work progress" }, err))
     }
 }
 
@@ -215,41 +238,45 @@ impl crate::work::WorkSource for NatsWorkSource {
         timeout: Duration,
     ) -> Result<Option<(volley_core::work::WorkItem, crate::work::WorkToken)>, TransportError> {
         let shared = self.shared.clone();
-        let request_timeout = shared.config.request_timeout;
-        loop {
-            let mut messages = Vec::with_capacity(1);
-            shared.block_on(fetch_into(&self.consumer, 1, timeout, request_timeout, &mut messages))?;
-            let Some(message) = messages.pop() else { return Ok(None) };
-            match volley_core::work::WorkItem::from_json(&message.payload) {
-                Ok(item) => {
-                    let token = self.next_token;
-                    self.next_token += 1;
-                    self.held.insert(token, message);
-                    return Ok(Some((item, crate::work::WorkToken(token))));
-                }
-                Err(err) => {
-                    self.undecodable += 1;
-                    warn!(error = %err, "work item dropped");
-                    if let Err(err) = shared.block_on(message.ack_with(AckKind::Term)) {
-                        debug!(error = %err, "could not terminate an undecodable work item");
-                    }
-                }
+        let subject = subjects::work_lease(&shared.config.run, "take", &self.actor);
+        // The dispatcher answers at once (an item, nothing, or a refusal); `timeout` is how long
+        // an empty queue may be waited on, which a lease request does not do.
+        let bound = shared.config.request_timeout.max(timeout);
+        let request = shared.client.request(subject, Bytes::new());
+        let reply = match shared.block_on(async { tokio::time::timeout(bound, request).await }) {
+            Ok(Ok(reply)) => reply,
+            // No dispatcher (the learner is not running): nothing to take.
+            Ok(Err(err)) if err.kind() == async_nats::RequestErrorKind::NoResponders => return Ok(None),
+            Ok(Err(err)) => return Err(failed("take work item", err)),
+            Err(_) => return Err(failed("take work item", format!("no answer within {bound:?}"))),
+        };
+        let header = |name: &str| {
+            reply.headers.as_ref().and_then(|headers| headers.get(name)).map(|value| value.as_str().to_string())
+        };
+        if let Some(reason) = header(super::dispatch::REFUSED_HEADER) {
+            self.refused += 1;
+            debug!(actor = %self.actor, %reason, "work take refused");
+            return Ok(None);
+        }
+        let Some(lease) = header(super::dispatch::LEASE_HEADER).and_then(|lease| lease.parse::<u64>().ok()) else {
+            return Ok(None);
+        };
+        match volley_core::work::WorkItem::from_json(&reply.payload) {
+            Ok(item) => Ok(Some((item, crate::work::WorkToken(lease)))),
+            Err(err) => {
+                self.undecodable += 1;
+                warn!(actor = %self.actor, error = %err, "work item dropped");
+                Ok(None)
             }
         }
     }
 
     fn progress(&mut self, token: crate::work::WorkToken) -> Result<(), TransportError> {
-        let Some(message) = self.held.get(&token.0) else { return Ok(()) };
-        self.shared.block_on(message.ack_with(AckKind::Progress)).map_err(|err| failed("work progress", err))
+        self.signal("progress", token)
     }
 
     fn complete(&mut self, token: crate::work::WorkToken) -> Result<(), TransportError> {
-        let Some(message) = self.held.remove(&token.0) else { return Ok(()) };
-        let shared = self.shared.clone();
-        let timeout = shared.config.request_timeout;
-        shared.block_on(retry_for("complete work item", shared.config.retry_deadline, || {
-            call("complete work item", timeout, message.double_ack())
-        }))
+        self.signal("done", token)
     }
 }
 
