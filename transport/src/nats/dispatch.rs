@@ -13,9 +13,10 @@
 //!   nothing for `ack_wait_secs`, so an actor that hoards items cannot take the same ones back
 //!   before an honest actor does;
 //! - an actor's `work.done.<actor>` does not acknowledge the item: the learner does, when the
-//!   item's episode summaries arrive from that same actor ([`NatsWorkQueue::confirm`]). A done
-//!   item whose episodes do not arrive within `work.confirm_wait_secs` is handed out again,
-//!   so an item acknowledged but never run is delayed, not lost.
+//!   item's episode summaries arrive from that same actor
+//!   ([`WorkQueue::confirm`](crate::work::WorkQueue::confirm)). A done item whose episodes
+//!   do not arrive within `work.confirm_wait_secs` is handed out again, so an item
+//!   acknowledged but never run is delayed, not lost.
 //!
 //! The dispatcher keeps the leased stream messages alive with progress acknowledgements, so
 //! if the learner dies its leased items come back from the stream after `ack_wait`.
