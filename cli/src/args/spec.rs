@@ -1,0 +1,694 @@
+//! The run-spec flags shared by `volley train` and `volley learner`, and the per-family defaults.
+
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use clap::Args;
+use volley_core::ids::RunId;
+use volley_core::spec::{
+    Baseline, BpttConfig, HyperParams, LossKind, PriorityConfig, RunSpec, SelectionConfig, TrustConfig,
+    ZeroVarianceConfig,
+};
+use volley_core::work::{BudgetPolicy, WorkConfig};
+use volley_env::{EnvConfig, MemoryConfig, MilestonesConfig, MinatarConfig, MinatarGame, RemoteEnvConfig};
+use volley_policy::{ActionHead, Activation, ConvInput, ConvSpec, CoreKind, PolicySpec};
+use volley_transport::envsvc::EnvServiceName;
+
+use super::{
+    parse_env_choice, parse_task, ActivationName, BaselineName, BudgetName, ConvName, CoreName, EnvChoice, EnvName,
+    LossName,
+};
+
+/// Flags that define the run spec (shared by `volley train` and `volley learner`).
+#[derive(Debug, Clone, Args)]
+pub struct SpecArgs {
+    /// Environment: cartpole, memory, milestones, pendulum (continuous actions), minatar-GAME
+    /// (asterix, breakout, freeway, seaquest, space-invaders), or remote:SERVICE for one served
+    /// over NATS (docs/ENV_PROTOCOL.md; `volley learner` asks its servers for the spaces).
+    #[arg(long, default_value = "cartpole", env = "VOLLEY_ENV", value_parser = parse_env_choice)]
+    pub env: EnvChoice,
+    /// Run name ([a-z0-9-]{1,16}).
+    #[arg(long, default_value = "local", env = "VOLLEY_RUN")]
+    pub run: String,
+    /// Base seed of the run.
+    #[arg(long, default_value_t = 1, env = "VOLLEY_SEED")]
+    pub seed: u64,
+    /// Steps per segment (T) [default: 32; pendulum: 64].
+    #[arg(long, env = "VOLLEY_SEGMENT_LEN")]
+    pub segment_len: Option<usize>,
+    /// Segments per learner batch (B) [default: 8; pendulum: 32].
+    #[arg(long, env = "VOLLEY_BATCH_SEGMENTS")]
+    pub batch_segments: Option<usize>,
+    /// Credit across segments: train on windows of K consecutive segments of one environment
+    /// stream, backpropagating through K·T steps with the recurrent state carried across the
+    /// boundaries (needs --core gru; K divides --batch-segments, and a batch is
+    /// batch-segments / K windows, so samples per update stay the same). 1: single segments.
+    #[arg(long, default_value_t = 1, env = "VOLLEY_BPTT_SEGMENTS")]
+    pub bptt_segments: usize,
+    /// Seconds an incomplete BPTT window waits for its stream's next segment before the
+    /// learner trains on it as a shorter window (with --bptt-segments above 1).
+    #[arg(long, default_value_t = 10.0, env = "VOLLEY_BPTT_STREAM_TIMEOUT_SECS")]
+    pub bptt_stream_timeout_secs: f64,
+    /// Stop after this many environment steps.
+    #[arg(long, default_value_t = 300_000, env = "VOLLEY_MAX_ENV_STEPS")]
+    pub max_env_steps: u64,
+    /// Loss [default: vtrace; pendulum: ppo].
+    #[arg(long, value_enum, env = "VOLLEY_LOSS")]
+    pub loss: Option<LossName>,
+    /// Torso widths, comma-separated (empty for none).
+    #[arg(long, default_value = "64,64", env = "VOLLEY_TORSO")]
+    pub torso: String,
+    /// Torso activation.
+    #[arg(long, value_enum, default_value = "tanh", env = "VOLLEY_ACTIVATION")]
+    pub activation: ActivationName,
+    /// Recurrent core.
+    #[arg(long, value_enum, default_value = "mlp", env = "VOLLEY_CORE")]
+    pub core: CoreName,
+    /// Continuous actions: squash the Gaussian head's samples through tanh into the action
+    /// box (default: unsquashed samples, clipped by the environment).
+    #[arg(long, env = "VOLLEY_SQUASH_ACTIONS")]
+    pub squash_actions: bool,
+    /// Normalise observations by running statistics that travel with the weights.
+    #[arg(long, env = "VOLLEY_NORMALIZE_OBS")]
+    pub normalize_obs: bool,
+    /// GRU width (with --core gru).
+    #[arg(long, default_value_t = 64, env = "VOLLEY_GRU_HIDDEN")]
+    pub gru_hidden: usize,
+    /// Convolutional torso preset in front of --torso (image observations, e.g. MinAtar).
+    #[arg(long, value_enum, default_value = "none", env = "VOLLEY_CONV")]
+    pub conv: ConvName,
+    /// Frames the actors stack along the channel axis for a remote environment (e.g. 4 for
+    /// Atari through `volley-envs serve atari:Pong`); servers send single frames.
+    #[arg(long, default_value_t = 1, env = "VOLLEY_FRAME_STACK")]
+    pub frame_stack: usize,
+    /// Adam learning rate at the start (decays linearly to --final-learning-rate over
+    /// --max-env-steps) [default: 2e-3; pendulum: 1e-3].
+    #[arg(long, env = "VOLLEY_LEARNING_RATE")]
+    pub learning_rate: Option<f32>,
+    /// Learning rate reached at the end of the step budget (linear decay).
+    #[arg(long, default_value_t = 0.0, env = "VOLLEY_FINAL_LEARNING_RATE")]
+    pub final_learning_rate: f32,
+    /// Adam ε, added to the root of the second-moment estimate (default: 1e-3 for cartpole,
+    /// 1e-8 otherwise). Large for CartPole on purpose: once a run is solved its gradients
+    /// shrink by 100x, and with a tiny ε Adam still takes full learning-rate steps on what is
+    /// then noise, which drove the policy to a saturated, unrecoverable collapse
+    /// (docs/STABILITY.md).
+    #[arg(long, env = "VOLLEY_ADAM_EPS")]
+    pub adam_eps: Option<f32>,
+    /// Discount γ [default: 0.99; pendulum: 0.9].
+    #[arg(long, env = "VOLLEY_GAMMA")]
+    pub gamma: Option<f32>,
+    /// Multiply rewards by this before computing returns [default: 0.05; pendulum: 0.1].
+    #[arg(long, env = "VOLLEY_REWARD_SCALE")]
+    pub reward_scale: Option<f32>,
+    /// Entropy bonus coefficient [default: 0.01 with PPO on discrete actions; 0 otherwise].
+    /// PPO runs ten epochs on each batch; with actors several versions behind, those steps
+    /// pushed a policy that was still improving to a deterministic wrong one (CartPole stuck at
+    /// a return of ~9) in 2 of 32 runs with 4 and 6 actor processes, and in 1 of 64 with 0.01
+    /// (docs/benchmarks/long-runs.md, issue 11).
+    #[arg(long, env = "VOLLEY_ENT_COEF")]
+    pub ent_coef: Option<f32>,
+    /// PPO epochs per batch.
+    #[arg(long, default_value_t = 10, env = "VOLLEY_PPO_EPOCHS")]
+    pub ppo_epochs: u32,
+    /// PPO minibatches per epoch [default: 1; pendulum: 8].
+    #[arg(long, env = "VOLLEY_PPO_MINIBATCHES")]
+    pub ppo_minibatches: Option<u32>,
+    /// GAE λ.
+    #[arg(long, default_value_t = 0.95, env = "VOLLEY_GAE_LAMBDA")]
+    pub gae_lambda: f32,
+    /// PPO: truncation of the behaviour importance weight π_prox/μ of each sample.
+    #[arg(long, default_value_t = HyperParams::default().behaviour_is_clip, env = "VOLLEY_BEHAVIOUR_IS_CLIP")]
+    pub behaviour_is_clip: f32,
+    /// Drop segments whose lag exceeds this many versions. 32 is inside what V-trace's
+    /// truncated importance weights (and PPO's behaviour weights) correct, and above the lag
+    /// that several actor processes produce on a busy machine (each actor's round of one batch
+    /// spans about N versions with N actors, and a descheduled actor falls further behind), so
+    /// scale-out does not throw actor work away (issue 11: with 4, 4-6 actors lost 34-46 % of
+    /// their segments as stale; with 16, 6 actors on a loaded 2-core machine still lost 7-16 %).
+    #[arg(long, default_value_t = 32, env = "VOLLEY_MAX_POLICY_LAG")]
+    pub max_policy_lag: u64,
+    /// Largest share (0, 1] of the 100-episode return window (and so of the solved stop) one
+    /// actor id may hold; 1/k requires k actors to agree (docs/SECURITY.md).
+    #[arg(long, default_value_t = 1.0, env = "VOLLEY_MAX_ACTOR_RETURN_SHARE")]
+    pub max_actor_return_share: f32,
+    /// Trajectory selection: drop segments with a raw reward of larger magnitude (default: no bound).
+    #[arg(long, env = "VOLLEY_SELECT_MAX_ABS_REWARD")]
+    pub select_max_abs_reward: Option<f32>,
+    /// Trajectory selection: drop segments whose start group's last N returns are all equal
+    /// (zero variance: no signal for group-relative methods); N >= 2 (default: off).
+    #[arg(long, env = "VOLLEY_SELECT_ZERO_VARIANCE_MIN_GROUP")]
+    pub select_zero_variance_min_group: Option<usize>,
+    /// Trajectory selection: sample each batch from a pool by |advantage|^ALPHA with
+    /// importance weights (prioritised selection; default: off, every segment used in order).
+    #[arg(long, env = "VOLLEY_SELECT_PRIORITY_ALPHA")]
+    pub select_priority_alpha: Option<f32>,
+    /// Prioritised selection: importance-correction exponent β in [0, 1] (default 0.4).
+    #[arg(long, env = "VOLLEY_SELECT_PRIORITY_BETA", requires = "select_priority_alpha")]
+    pub select_priority_beta: Option<f32>,
+    /// Prioritised selection: pool size in batches (default 2).
+    #[arg(long, env = "VOLLEY_SELECT_POOL_FACTOR", requires = "select_priority_alpha")]
+    pub select_pool_factor: Option<usize>,
+    /// Memory task: number of cues.
+    #[arg(long, default_value_t = 2, env = "VOLLEY_MEMORY_CUES")]
+    pub memory_cues: usize,
+    /// Memory task: steps between cue and query.
+    #[arg(long, default_value_t = 6, env = "VOLLEY_MEMORY_DELAY")]
+    pub memory_delay: usize,
+    /// Milestones task: rooms.
+    #[arg(long, default_value_t = 4, env = "VOLLEY_ROOMS")]
+    pub rooms: usize,
+    /// Milestones task: cells per room.
+    #[arg(long, default_value_t = 8, env = "VOLLEY_ROOM_LEN")]
+    pub room_len: usize,
+    /// Milestones task: steps before truncation (at least rooms × (room length + 1)).
+    #[arg(long, default_value_t = 128, env = "VOLLEY_ROOM_MAX_STEPS")]
+    pub room_max_steps: usize,
+    /// Milestones task: steps allowed in each room (0: no limit); a room that takes longer
+    /// ends the episode (the long sparse chain where restarts from saved states pay;
+    /// docs/AGENTIC.md).
+    #[arg(long, default_value_t = 0, env = "VOLLEY_ROOM_STEPS")]
+    pub room_steps: usize,
+    /// Milestones task: the observation also says the chain's size (for task families; the
+    /// `--task` entries must set `task_features=true` too).
+    #[arg(long, env = "VOLLEY_MILESTONES_TASK_FEATURES")]
+    pub milestones_task_features: bool,
+    /// Schedule every episode through work items: budget assignment across `--task`s and
+    /// saved states, snapshots at milestones (save-load).
+    #[arg(long, env = "VOLLEY_WORK")]
+    pub work: bool,
+    /// A task for `--work` runs, repeatable: `NAME[:key=value,...]` with the environment's
+    /// config keys, e.g. `--task memory:delay=2 --task memory:delay=8` (default: `--env` alone).
+    /// Several tasks in one value (and in `VOLLEY_TASK`) are separated by `;`.
+    #[arg(long = "task", requires = "work", env = "VOLLEY_TASK", value_delimiter = ';')]
+    pub tasks: Vec<String>,
+    /// How `--work` splits episodes between tasks.
+    #[arg(long, value_enum, default_value = "uniform", env = "VOLLEY_BUDGET")]
+    pub budget: BudgetName,
+    /// Share of work items that restart from a saved state (Go-Explore-style), in [0, 1].
+    #[arg(long, default_value_t = 0.0, env = "VOLLEY_RESTART_SHARE")]
+    pub restart_share: f32,
+    /// Episodes per work item.
+    #[arg(long, default_value_t = 1, env = "VOLLEY_EPISODES_PER_ITEM")]
+    pub episodes_per_item: u32,
+    /// Save a snapshot every this many steps of a scheduled episode (0: at milestones only).
+    #[arg(long, default_value_t = 0, env = "VOLLEY_SNAPSHOT_EVERY")]
+    pub snapshot_every: u32,
+    /// Seconds a taken work item may go without progress before another actor gets it.
+    #[arg(long, default_value_t = 30.0, env = "VOLLEY_WORK_ACK_WAIT_SECS")]
+    pub work_ack_wait_secs: f64,
+    /// Work items one actor identity may hold at once (taken and not yet confirmed by the
+    /// learner); give each actor at least twice its environments.
+    #[arg(long, default_value_t = 64, env = "VOLLEY_WORK_MAX_ITEMS_PER_ACTOR")]
+    pub work_max_items_per_actor: u32,
+    /// Seconds the learner waits, after an actor reports an item done, for its episodes to
+    /// arrive before another actor gets the item.
+    #[arg(long, default_value_t = 120.0, env = "VOLLEY_WORK_CONFIRM_WAIT_SECS")]
+    pub work_confirm_wait_secs: f64,
+    /// Group rollouts: continuations per group, K (1: no groups). A group is K work items of
+    /// one episode each from one start (a fresh reset seed or a saved state), each sampling
+    /// actions from its own stream; needs --work.
+    #[arg(long, default_value_t = 1, env = "VOLLEY_GROUP_SIZE", requires = "work")]
+    pub group_size: u32,
+    /// Group rollouts: share of the scheduler's draws that become a group rather than a
+    /// single item, in [0, 1].
+    #[arg(long, default_value_t = 1.0, env = "VOLLEY_GROUP_SHARE")]
+    pub group_share: f32,
+    /// The policy gradient's baseline: the critic, or the group's mean return (group rollouts;
+    /// group-std also divides by the group's standard deviation, as GRPO does).
+    #[arg(long, value_enum, default_value = "critic", env = "VOLLEY_BASELINE")]
+    pub baseline: BaselineName,
+    /// Group rollouts: segments the learner holds back until their groups complete; beyond
+    /// it the oldest are trained on with the critic's advantages.
+    #[arg(long, default_value_t = 256, env = "VOLLEY_GROUP_HOLD_SEGMENTS")]
+    pub group_hold_segments: u32,
+}
+
+/// The defaults of the flags whose best value depends on the environment (a flag given on the
+/// command line always wins).
+#[derive(Debug, Clone, PartialEq)]
+struct EnvDefaults {
+    /// Which family of environments these defaults were chosen for (logged).
+    family: &'static str,
+    loss: LossName,
+    gamma: f32,
+    reward_scale: f32,
+    learning_rate: f32,
+    ppo_minibatches: u32,
+    segment_len: usize,
+    batch_segments: usize,
+    /// The entropy bonus; `None`: 0.01 for a categorical head under PPO, else 0.
+    ent_coef: Option<f32>,
+}
+
+impl EnvDefaults {
+    /// Issue 14 (docs/benchmarks/solve.md, "Pendulum-v1"): PPO with γ 0.9 over 2048-step
+    /// batches of 8 minibatches reaches a last-100 mean of −250 in ~75 K steps on 5/5 seeds; the
+    /// CartPole defaults (V-trace, γ 0.99) did not learn in 500 K steps.
+    const CONTINUOUS: EnvDefaults = EnvDefaults {
+        family: "continuous (box actions, Pendulum-like)",
+        loss: LossName::Ppo,
+        gamma: 0.9,
+        reward_scale: 0.1,
+        learning_rate: 1e-3,
+        ppo_minibatches: 8,
+        segment_len: 64,
+        batch_segments: 32,
+        ent_coef: None,
+    };
+
+    /// What `bench/atari.sh` trains Pong with (issue 15): V-trace on unscaled clipped rewards
+    /// with an entropy bonus.
+    const IMAGES: EnvDefaults = EnvDefaults {
+        family: "image observations (Atari-like)",
+        loss: LossName::Vtrace,
+        gamma: 0.99,
+        reward_scale: 1.0,
+        learning_rate: 6e-4,
+        ppo_minibatches: 1,
+        segment_len: 32,
+        batch_segments: 8,
+        ent_coef: Some(0.01),
+    };
+
+    /// CartPole's, for discrete actions on vector observations.
+    const DISCRETE: EnvDefaults = EnvDefaults {
+        family: "discrete actions, vector observations (CartPole-like)",
+        loss: LossName::Vtrace,
+        gamma: 0.99,
+        reward_scale: 0.05,
+        learning_rate: 2e-3,
+        ppo_minibatches: 1,
+        segment_len: 32,
+        batch_segments: 8,
+        ent_coef: None,
+    };
+
+    /// MinAtar (issue 45, item 2; docs/benchmarks/minatar.md, "The Breakout seed-11 collapse"):
+    /// V-trace on unscaled rewards with an entropy bonus of 0.01, as for Atari. With CartPole's
+    /// defaults (reward scale 0.05, no entropy bonus) Breakout seed 11 went deterministic
+    /// (entropy 1.10 → 0.0009 by 0.8M frames) and its return fell to 0 for good; with these its
+    /// entropy stays above 0.08 and it ends at 6.7 after 5M frames, 97 % of its best.
+    const MINATAR: EnvDefaults = EnvDefaults {
+        family: "MinAtar",
+        loss: LossName::Vtrace,
+        gamma: 0.99,
+        reward_scale: 1.0,
+        learning_rate: 2e-3,
+        ppo_minibatches: 1,
+        segment_len: 32,
+        batch_segments: 8,
+        ent_coef: Some(0.01),
+    };
+
+    /// The defaults for `env`. A served environment (`--env remote:<service>`) gets them from the
+    /// spaces its servers declared, as a built-in one of the same family would (issue 48:
+    /// served Pendulum trained with CartPole's defaults and did not learn).
+    fn for_env(env: &EnvConfig) -> Self {
+        match env {
+            EnvConfig::Pendulum => Self::CONTINUOUS,
+            EnvConfig::Minatar(_) => Self::MINATAR,
+            EnvConfig::Remote(remote) if remote.action_box.is_some() => Self::CONTINUOUS,
+            EnvConfig::Remote(remote) if remote.image.is_some() => Self::IMAGES,
+            _ => Self::DISCRETE,
+        }
+    }
+}
+
+fn parse_widths(text: &str) -> anyhow::Result<Vec<usize>> {
+    let text = text.trim();
+    if text.is_empty() {
+        return Ok(Vec::new());
+    }
+    text.split(',')
+        .map(|w| {
+            let width: usize = w.trim().parse().with_context(|| format!("--torso: {w:?} is not a width"))?;
+            if width == 0 || width > 4096 {
+                bail!("--torso: width {width} out of range 1..=4096");
+            }
+            Ok(width)
+        })
+        .collect()
+}
+
+impl SpecArgs {
+    /// Build and validate the run spec these flags describe; refuses a remote environment
+    /// (whose spaces only its servers know: see [`SpecArgs::to_spec_with`]). For tests: the
+    /// commands resolve remote environments over NATS.
+    #[cfg(test)]
+    pub fn to_spec(&self) -> anyhow::Result<RunSpec> {
+        self.to_spec_with(&|service| bail!("--env remote:{service}: remote environments need NATS"))
+    }
+
+    /// Build and validate the run spec these flags describe, asking `resolve_remote` for the
+    /// spaces of a remote environment.
+    pub fn to_spec_with(
+        &self,
+        resolve_remote: &dyn Fn(&EnvServiceName) -> anyhow::Result<RemoteEnvConfig>,
+    ) -> anyhow::Result<RunSpec> {
+        let run = RunId::new(self.run.clone()).context("--run")?;
+        if self.max_env_steps == 0 {
+            bail!("--max-env-steps must be at least 1");
+        }
+        if self.gru_hidden == 0 || self.gru_hidden > 4096 {
+            bail!("--gru-hidden: {} out of range 1..=4096", self.gru_hidden);
+        }
+        if self.frame_stack == 0 || self.frame_stack > volley_env::MAX_FRAME_STACK {
+            bail!("--frame-stack: {} out of range 1..={}", self.frame_stack, volley_env::MAX_FRAME_STACK);
+        }
+        let env = match &self.env {
+            EnvChoice::Builtin(_) if self.frame_stack > 1 => {
+                bail!("--frame-stack is for remote environments (built-in ones send what their policy reads)")
+            }
+            EnvChoice::Builtin(name) => self.builtin_env(*name),
+            EnvChoice::Remote(service) => {
+                let mut remote = resolve_remote(service)?;
+                remote.frame_stack = self.frame_stack;
+                EnvConfig::Remote(remote)
+            }
+        };
+        let (obs_dim, n_actions) = env.spaces().context("environment config")?;
+        let policy = PolicySpec {
+            obs_dim,
+            n_actions,
+            torso: parse_widths(&self.torso)?,
+            activation: match self.activation {
+                ActivationName::Tanh => Activation::Tanh,
+                ActivationName::Relu => Activation::Relu,
+            },
+            core: match self.core {
+                CoreName::Mlp => CoreKind::Mlp,
+                CoreName::Gru => CoreKind::Gru { hidden: self.gru_hidden },
+            },
+            head: match volley_core::spec::default_action_head(&env).context("environment config")? {
+                ActionHead::Gaussian { .. } => ActionHead::Gaussian { squash: self.squash_actions },
+                categorical => categorical,
+            },
+            conv: self.conv_spec(&env)?,
+            normalize_obs: self.normalize_obs,
+        };
+        let preset = EnvDefaults::for_env(&env);
+        if let EnvConfig::Remote(remote) = &env {
+            tracing::info!(service = %remote.service, family = preset.family, loss = ?preset.loss, gamma = preset.gamma,
+                           reward_scale = preset.reward_scale, learning_rate = preset.learning_rate,
+                           segment_len = preset.segment_len, batch_segments = preset.batch_segments,
+                           "defaults for a served environment chosen from its declared spaces (flags override)");
+        }
+        let segment_len = self.segment_len.unwrap_or(preset.segment_len);
+        let batch_segments = self.batch_segments.unwrap_or(preset.batch_segments);
+        let steps_per_update = (segment_len * batch_segments) as u64;
+        let hyper = HyperParams {
+            loss: match self.loss.unwrap_or(preset.loss) {
+                LossName::Vtrace => LossKind::Vtrace,
+                LossName::Ppo => LossKind::Ppo,
+            },
+            gamma: self.gamma.unwrap_or(preset.gamma),
+            reward_scale: self.reward_scale.unwrap_or(preset.reward_scale),
+            learning_rate: self.learning_rate.unwrap_or(preset.learning_rate),
+            final_learning_rate: self.final_learning_rate,
+            lr_decay_updates: (self.max_env_steps / steps_per_update.max(1)).max(1),
+            ent_coef: self.ent_coef.or(preset.ent_coef).unwrap_or(
+                match (&policy.head, self.loss.unwrap_or(preset.loss)) {
+                    (ActionHead::Categorical, LossName::Ppo) => 0.01,
+                    _ => 0.0,
+                },
+            ),
+            adam_eps: self.adam_eps.unwrap_or_else(|| volley_core::spec::default_adam_eps(&env)),
+            ppo_epochs: self.ppo_epochs,
+            ppo_minibatches: self.ppo_minibatches.unwrap_or(preset.ppo_minibatches),
+            gae_lambda: self.gae_lambda,
+            behaviour_is_clip: self.behaviour_is_clip,
+            batch_segments,
+            max_policy_lag: self.max_policy_lag,
+            work: WorkConfig {
+                enabled: self.work,
+                tasks: self.tasks.iter().map(|t| parse_task(t)).collect::<anyhow::Result<_>>()?,
+                policy: match self.budget {
+                    BudgetName::Uniform => BudgetPolicy::Uniform,
+                    BudgetName::Learnability => BudgetPolicy::Learnability,
+                    BudgetName::Ucb => BudgetPolicy::Ucb,
+                },
+                restart_share: self.restart_share,
+                episodes_per_item: self.episodes_per_item,
+                snapshot_every_steps: self.snapshot_every,
+                ack_wait_secs: self.work_ack_wait_secs,
+                max_items_per_actor: self.work_max_items_per_actor,
+                confirm_wait_secs: self.work_confirm_wait_secs,
+                group_size: self.group_size,
+                group_share: self.group_share,
+                group_hold_segments: self.group_hold_segments,
+                ..WorkConfig::default()
+            },
+            baseline: match self.baseline {
+                BaselineName::Critic => Baseline::Critic,
+                BaselineName::Group => Baseline::Group,
+                BaselineName::GroupStd => Baseline::GroupStd,
+            },
+            selection: self.selection(),
+            trust: TrustConfig { max_actor_return_share: self.max_actor_return_share },
+            bptt: BpttConfig {
+                segments: self.bptt_segments,
+                stream_timeout_secs: self.bptt_stream_timeout_secs,
+                ..BpttConfig::default()
+            },
+            ..HyperParams::default()
+        };
+        let spec = RunSpec { run, env, policy, segment_len, hyper, seed: self.seed };
+        spec.validate().context("invalid training configuration")?;
+        Ok(spec)
+    }
+}
+
+impl SpecArgs {
+    /// The conv torso `--conv` asks for, shaped by the environment's image observations.
+    fn conv_spec(&self, env: &EnvConfig) -> anyhow::Result<Option<ConvSpec>> {
+        if self.conv == ConvName::None {
+            return Ok(None);
+        }
+        let Some([channels, height, width]) = env.image_shape() else {
+            bail!("--conv {:?} needs image observations; {} has vector observations", self.conv, env.describe());
+        };
+        let mut spec = match self.conv {
+            ConvName::None => unreachable!("handled above"),
+            ConvName::Minatar => ConvSpec::minatar(channels, height, width),
+            ConvName::Nature => ConvSpec::nature(channels, height, width),
+        };
+        // Served images are 8-bit frames (protocol version 3), read as pixels; MinAtar's
+        // planes are 0/1 and read as they are.
+        if matches!(env, EnvConfig::Remote(_)) {
+            spec.input = ConvInput::Pixels;
+        }
+        Ok(Some(spec))
+    }
+
+    /// The built-in environment `name` with the task flags.
+    pub fn builtin_env(&self, name: EnvName) -> EnvConfig {
+        match name {
+            EnvName::Cartpole => EnvConfig::Cartpole,
+            EnvName::Memory => EnvConfig::Memory(MemoryConfig { n_cues: self.memory_cues, delay: self.memory_delay }),
+            EnvName::Milestones => EnvConfig::Milestones(MilestonesConfig {
+                n_rooms: self.rooms,
+                room_len: self.room_len,
+                max_steps: self.room_max_steps,
+                room_steps: self.room_steps,
+                task_features: self.milestones_task_features,
+            }),
+            EnvName::Pendulum => EnvConfig::Pendulum,
+            EnvName::MinatarAsterix
+            | EnvName::MinatarBreakout
+            | EnvName::MinatarFreeway
+            | EnvName::MinatarSeaquest
+            | EnvName::MinatarSpaceInvaders => {
+                let game = MinatarGame::from_env_name(name.as_str()).expect("every minatar EnvName is a game");
+                EnvConfig::Minatar(MinatarConfig::new(game))
+            }
+        }
+    }
+
+    /// The trajectory-selection config these flags describe (validated with the run spec).
+    fn selection(&self) -> SelectionConfig {
+        let mut selection = SelectionConfig::default();
+        selection.guard.max_abs_reward = self.select_max_abs_reward;
+        selection.zero_variance = self
+            .select_zero_variance_min_group
+            .map(|min_group| ZeroVarianceConfig { min_group, ..ZeroVarianceConfig::default() });
+        selection.priority = self.select_priority_alpha.map(|alpha| {
+            let defaults = PriorityConfig::default();
+            PriorityConfig {
+                alpha,
+                beta: self.select_priority_beta.unwrap_or(defaults.beta),
+                pool_factor: self.select_pool_factor.unwrap_or(defaults.pool_factor),
+                ..defaults
+            }
+        });
+        selection
+    }
+}
+
+pub(super) fn check_target(target_return: Option<f32>) -> anyhow::Result<()> {
+    if target_return.is_some_and(|t| t.is_nan()) {
+        bail!("--target-return must be a number");
+    }
+    Ok(())
+}
+
+pub(super) fn check_secs(flag: &str, secs: f64) -> anyhow::Result<Duration> {
+    if !(secs.is_finite() && secs > 0.0) {
+        bail!("{flag}: {secs} must be a positive number of seconds");
+    }
+    Ok(Duration::from_secs_f64(secs))
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+    use crate::args::tests::learner_config;
+    use crate::args::{Cli, Command};
+
+    #[test]
+    fn several_tasks_fit_in_one_value_separated_by_semicolons() {
+        let cli = Cli::try_parse_from([
+            "volley",
+            "train",
+            "--env",
+            "memory",
+            "--work",
+            "--task",
+            "memory:delay=2,n_cues=2;memory:delay=8",
+            "--task",
+            "memory:delay=16",
+        ])
+        .expect("valid flags");
+        let Command::Train(args) = cli.command else { panic!("parsed {:?}", cli.command) };
+        assert_eq!(args.spec.tasks, ["memory:delay=2,n_cues=2", "memory:delay=8", "memory:delay=16"]);
+    }
+
+    /// Issue 14: `volley train --env pendulum` gets the defaults that learn pendulum (PPO,
+    /// γ 0.9, ...), a flag given on the command line still wins, and other environments keep
+    /// theirs; the policy head is Gaussian.
+    #[test]
+    fn pendulum_gets_its_own_defaults_and_flags_still_win() {
+        let spec = |flags: &[&str]| {
+            let cli = Cli::try_parse_from(["volley", "train"].iter().chain(flags)).expect("valid flags");
+            let Command::Train(args) = cli.command else { panic!("parsed {:?}", cli.command) };
+            args.spec.to_spec().expect("a valid spec")
+        };
+        let pendulum = spec(&["--env", "pendulum"]);
+        assert_eq!(pendulum.hyper.loss, LossKind::Ppo);
+        assert_eq!((pendulum.hyper.gamma, pendulum.hyper.reward_scale), (0.9, 0.1));
+        assert_eq!((pendulum.segment_len, pendulum.hyper.batch_segments, pendulum.hyper.ppo_minibatches), (64, 32, 8));
+        assert_eq!(pendulum.policy.head, ActionHead::Gaussian { squash: false });
+        let tuned = spec(&["--env", "pendulum", "--gamma", "0.95", "--loss", "vtrace", "--squash-actions"]);
+        assert_eq!((tuned.hyper.gamma, tuned.hyper.loss), (0.95, LossKind::Vtrace));
+        assert_eq!(tuned.policy.head, ActionHead::Gaussian { squash: true });
+        let cartpole = spec(&[]);
+        assert_eq!((cartpole.hyper.loss, cartpole.hyper.gamma, cartpole.segment_len), (LossKind::Vtrace, 0.99, 32));
+        assert_eq!(cartpole.policy.head, ActionHead::Categorical);
+    }
+
+    /// Issue 48, item 3: a served environment gets the defaults of its family from the spaces
+    /// its servers declare: `volley env-serve --env pendulum` (box actions) trains with exactly
+    /// the built-in `--env pendulum`'s run settings, a served image environment with the
+    /// Atari-like ones, and a served discrete vector environment keeps CartPole's.
+    #[test]
+    fn a_served_environment_gets_the_defaults_of_its_declared_family() {
+        let spec = |flags: &[&str], served: Option<RemoteEnvConfig>| {
+            let cli = Cli::try_parse_from(["volley", "train"].iter().chain(flags)).expect("valid flags");
+            let Command::Train(args) = cli.command else { panic!("parsed {:?}", cli.command) };
+            args.spec
+                .to_spec_with(&|_| served.clone().ok_or_else(|| anyhow::anyhow!("not served")))
+                .expect("a valid spec")
+        };
+        let builtin = spec(&["--env", "pendulum"], None);
+        // What env-serve's servers declare for the built-in pendulum.
+        let pendulum = EnvConfig::Pendulum.build().expect("builds");
+        let volley_env::ActionSpace::Box { low, high, .. } = pendulum.action_space() else {
+            panic!("pendulum has box actions")
+        };
+        let service = EnvServiceName::new("pendulum").expect("valid");
+        let served = RemoteEnvConfig {
+            action_box: Some(volley_env::RemoteActionBox { low, high }),
+            ..RemoteEnvConfig::new(service.clone(), pendulum.observation_space().dim(), 1)
+        };
+        let remote = spec(&["--env", "remote:pendulum"], Some(served));
+        assert_eq!(remote.hyper, builtin.hyper);
+        assert_eq!((remote.segment_len, &remote.policy), (builtin.segment_len, &builtin.policy));
+        let image = RemoteEnvConfig { image: Some([1, 84, 84]), ..RemoteEnvConfig::new(service.clone(), 84 * 84, 6) };
+        let pong = spec(&["--env", "remote:pong", "--frame-stack", "4", "--conv", "nature"], Some(image));
+        assert_eq!((pong.hyper.loss, pong.hyper.reward_scale, pong.hyper.ent_coef), (LossKind::Vtrace, 1.0, 0.01));
+        let discrete = spec(&["--env", "remote:cartpole"], Some(RemoteEnvConfig::new(service, 4, 2)));
+        let cartpole = spec(&[], None);
+        assert_eq!(discrete.hyper.loss, cartpole.hyper.loss);
+        assert_eq!(
+            (discrete.hyper.gamma, discrete.hyper.reward_scale),
+            (cartpole.hyper.gamma, cartpole.hyper.reward_scale)
+        );
+        assert_eq!(
+            (discrete.segment_len, discrete.hyper.batch_segments),
+            (cartpole.segment_len, cartpole.hyper.batch_segments)
+        );
+    }
+
+    /// Issue 45, item 2: MinAtar games train on unscaled rewards with an entropy bonus (without
+    /// it Breakout seed 11 collapsed to a deterministic policy that scored 0), and flags still win.
+    #[test]
+    fn minatar_gets_an_entropy_bonus_on_unscaled_rewards() {
+        let spec = |flags: &[&str]| {
+            let cli = Cli::try_parse_from(["volley", "train"].iter().chain(flags)).expect("valid flags");
+            let Command::Train(args) = cli.command else { panic!("parsed {:?}", cli.command) };
+            args.spec.to_spec().expect("a valid spec")
+        };
+        for game in
+            ["minatar-breakout", "minatar-asterix", "minatar-freeway", "minatar-seaquest", "minatar-space-invaders"]
+        {
+            let minatar = spec(&["--env", game]);
+            assert_eq!(
+                (minatar.hyper.loss, minatar.hyper.reward_scale, minatar.hyper.ent_coef),
+                (LossKind::Vtrace, 1.0, 0.01)
+            );
+        }
+        let tuned = spec(&["--env", "minatar-breakout", "--ent-coef", "0", "--reward-scale", "0.05"]);
+        assert_eq!((tuned.hyper.ent_coef, tuned.hyper.reward_scale), (0.0, 0.05));
+        let cartpole = spec(&[]);
+        assert_eq!((cartpole.hyper.ent_coef, cartpole.hyper.reward_scale), (0.0, 0.05));
+    }
+
+    /// Issue 11: PPO on discrete actions gets an entropy bonus of 0.01 by default (without it,
+    /// distributed CartPole runs collapsed to a deterministic policy); V-trace and the Gaussian
+    /// head keep 0, and the flag still wins.
+    #[test]
+    fn ppo_on_discrete_actions_defaults_to_an_entropy_bonus() {
+        let ent_coef = |flags: &[&str]| {
+            let cli = Cli::try_parse_from(["volley", "train"].iter().chain(flags)).expect("valid flags");
+            let Command::Train(args) = cli.command else { panic!("parsed {:?}", cli.command) };
+            args.spec.to_spec().expect("a valid spec").hyper.ent_coef
+        };
+        assert_eq!(ent_coef(&["--loss", "ppo"]), 0.01);
+        assert_eq!(ent_coef(&[]), 0.0);
+        assert_eq!(ent_coef(&["--env", "pendulum"]), 0.0);
+        assert_eq!(ent_coef(&["--loss", "ppo", "--ent-coef", "0"]), 0.0);
+        assert_eq!(ent_coef(&["--ent-coef", "0.02"]), 0.02);
+    }
+
+    #[test]
+    fn group_flags_reach_the_spec_and_bad_combinations_are_refused() {
+        let config =
+            learner_config(&["--work", "--group-size", "8", "--group-share", "0.5", "--baseline", "group-std"])
+                .expect("valid");
+        let hyper = &config.spec.hyper;
+        assert_eq!((hyper.work.group_size, hyper.work.group_share), (8, 0.5));
+        assert_eq!(hyper.baseline, Baseline::GroupStd);
+        let err = format!("{:#}", learner_config(&["--baseline", "group"]).expect_err("refused"));
+        assert!(err.contains("needs group rollouts"), "{err}");
+        let err = format!("{:#}", learner_config(&["--work", "--baseline", "group"]).expect_err("refused"));
+        assert!(err.contains("group_size 1"), "{err}");
+        let err =
+            learner_config(&["--work", "--group-size", "4", "--baseline", "group", "--group-hold-segments", "995"])
+                .expect_err("refused");
+        assert!(err.to_string().contains("--group-hold-segments 995"), "{err}");
+        let err = format!("{:#}", learner_config(&["--work", "--group-size", "65"]).expect_err("refused"));
+        assert!(err.contains("work.group_size 65"), "{err}");
+    }
+}
