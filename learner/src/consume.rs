@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 use tracing::{debug, info, warn};
 use volley_core::ids::PolicyVersion;
 use volley_core::wire::TrajectorySegment;
+use volley_transport::nats::CONSUMER_MAX_ACK_PENDING;
 use volley_transport::rejection_log::RejectionLog;
 use volley_transport::{Delivery, DeliveryToken, TrajectorySource, TransportError, WeightsPublisher};
 
@@ -261,9 +262,8 @@ impl LearnerReport {
 
 const LAG_BUCKETS: usize = 65;
 
-/// The most deliveries a JetStream consumer hands out unacknowledged unless configured
-/// otherwise (nats-server's default `max_ack_pending`; the learner's consumer keeps it).
-const NATS_DEFAULT_MAX_ACK_PENDING: usize = 1000;
+/// The most deliveries the learner's NATS consumer hands out unacknowledged, as a `usize`.
+const NATS_MAX_ACK_PENDING: usize = CONSUMER_MAX_ACK_PENDING as usize;
 
 /// Versions the learner may be ahead of what its publisher has put out before it waits: half
 /// the lag bound (at least 2), so a publisher that fell behind costs lag, never stale data.
@@ -298,11 +298,11 @@ pub fn run_learner(
         info!(bptt = ?spec.hyper.bptt, "stitched BPTT windows");
     }
     let max_held = if spec.hyper.bptt.segments > 1 { spec.hyper.bptt.max_held_segments } else { 0 };
-    if selector.pool_target() + max_held > NATS_DEFAULT_MAX_ACK_PENDING {
+    if selector.pool_target() + max_held > NATS_MAX_ACK_PENDING {
         warn!(
             pool_segments = selector.pool_target(),
             max_held_segments = max_held,
-            max_ack_pending = NATS_DEFAULT_MAX_ACK_PENDING,
+            max_ack_pending = NATS_MAX_ACK_PENDING,
             "the selection pool and held window segments exceed what a NATS consumer delivers unacknowledged; over NATS the pool may never fill"
         );
     }

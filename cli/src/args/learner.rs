@@ -8,7 +8,7 @@ use clap::Args;
 use volley_core::spec::{LossKind, RunSpec};
 use volley_learner::backend::BackendKind;
 use volley_learner::Checkpoint;
-use volley_transport::nats::NatsConfig;
+use volley_transport::nats::{NatsConfig, CONSUMER_MAX_ACK_PENDING};
 
 use super::{check_secs, check_target, learner_threads, solved_return, BackendName, MetricsArgs, NatsArgs, SpecArgs};
 
@@ -212,10 +212,6 @@ impl TryFrom<LearnerArgs> for LearnerConfig {
         })
     }
 }
-
-/// Deliveries the learner's NATS consumer hands out unacknowledged (the server's default
-/// `max_ack_pending`; the consumer does not set its own).
-const CONSUMER_MAX_ACK_PENDING: u64 = 1000;
 
 /// Refuse learner settings under which no update could ever happen (issue 11): every
 /// combination either trains or is refused here, naming the values that conflict.

@@ -732,6 +732,11 @@ impl NatsBus {
     }
 }
 
+/// Deliveries the learner's NATS consumer hands out unacknowledged: nats-server's default
+/// `max_ack_pending`, which `learner_consumer_config` keeps (it does not set its own). A
+/// learner holding more segments than this unacknowledged stops receiving new ones.
+pub const CONSUMER_MAX_ACK_PENDING: u64 = 1000;
+
 fn learner_consumer_config(config: &NatsConfig) -> consumer::pull::Config {
     consumer::pull::Config {
         durable_name: Some(subjects::LEARNER_CONSUMER.to_string()),
