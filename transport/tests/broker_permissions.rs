@@ -10,8 +10,8 @@
 
 #[allow(dead_code)] // this test uses only part of the shared fixtures
 mod common;
+use common::{repo_broker, repo_file, ACTOR_PASSWORD, ENV_PASSWORD, LEARNER_PASSWORD};
 
-use std::path::PathBuf;
 use std::sync::atomic::AtomicBool;
 use std::sync::{mpsc, Arc};
 use std::thread;
@@ -28,9 +28,6 @@ use volley_transport::{TrajectorySink, TrajectorySource, TransportError, Weights
 
 /// The run `broker-config/accounts.conf` has users for.
 const RUN: &str = "local";
-const LEARNER_PASSWORD: &str = "learner-test-password";
-const ACTOR_PASSWORD: &str = "actor-test-password";
-const ENV_PASSWORD: &str = "env-test-password";
 /// The environment service `broker-config/accounts.conf` has a server user for.
 const ENV_SERVICE: &str = "cartpole";
 /// Bound on any wait: only there so that a regression (e.g. a denial retried forever) fails
@@ -38,25 +35,6 @@ const ENV_SERVICE: &str = "cartpole";
 const GUARD: Duration = Duration::from_secs(60);
 /// What a denial turns into (see `volley_transport::nats`).
 const DENIED: &str = "permission denied by the nats server";
-
-fn repo_file(relative: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..").join(relative)
-}
-
-/// A server running the repo's accounts and permissions.
-fn broker() -> TestNats {
-    // Verbatim: nats-server resolves `include` relative to the including file, even for
-    // absolute paths, so the text is copied rather than included.
-    let accounts = std::fs::read_to_string(repo_file("broker-config/accounts.conf")).expect("read accounts.conf");
-    TestNats::start_with_config(
-        &accounts,
-        &[
-            ("VOLLEY_LEARNER_PASSWORD", LEARNER_PASSWORD),
-            ("VOLLEY_ACTOR_PASSWORD", ACTOR_PASSWORD),
-            ("VOLLEY_ENV_SERVER_PASSWORD", ENV_PASSWORD),
-        ],
-    )
-}
 
 fn config(server: &TestNats, run: &str, user: &str, password: &str) -> NatsConfig {
     let mut config = NatsConfig::new(server.url(), RunId::new(run).expect("a valid run id"));
@@ -138,7 +116,7 @@ fn repo_broker_config_passes_the_servers_config_check() {
 
 #[test]
 fn learner_and_actor_users_can_do_their_jobs() {
-    let server = broker();
+    let server = repo_broker();
     let learner = learner(&server);
     learner.ensure_run(&spec()).expect("the learner creates the run");
     let mut publisher = learner.weights_publisher().expect("the learner opens the weights publisher");
@@ -188,7 +166,7 @@ fn learner_and_actor_users_can_do_their_jobs() {
 fn work_queue_and_snapshots_work_with_role_credentials() {
     use volley_core::work::{EpisodeSnapshot, Start, WorkConfig, WorkItem};
     use volley_transport::work::{SnapshotStore, WorkQueue, WorkSource};
-    let server = broker();
+    let server = repo_broker();
     let learner = learner(&server);
     let mut spec = spec();
     spec.hyper.work = WorkConfig { enabled: true, ..WorkConfig::default() };
@@ -238,7 +216,7 @@ fn work_queue_and_snapshots_work_with_role_credentials() {
 
 #[test]
 fn actor_user_is_denied_weights_writes_and_other_runs() {
-    let server = broker();
+    let server = repo_broker();
     let learner = learner(&server);
     learner.ensure_run(&spec()).expect("the learner creates the run");
     let actor = actor_on(&server, RUN);
@@ -318,7 +296,7 @@ fn actor_user_is_denied_weights_writes_and_other_runs() {
 
 #[test]
 fn learner_user_cannot_publish_trajectories() {
-    let server = broker();
+    let server = repo_broker();
     let learner = learner(&server);
     learner.ensure_run(&spec()).expect("the learner creates the run");
     let mut sink = learner
@@ -333,7 +311,7 @@ fn learner_user_cannot_publish_trajectories() {
 
 #[test]
 fn wrong_password_fails_fast_with_a_clear_error() {
-    let server = broker();
+    let server = repo_broker();
     let mut config = config(&server, RUN, "actor-local", "not-the-password");
     config.connect_timeout = GUARD;
     let err = within_guard("connect", move || NatsBus::connect(config).expect_err("a wrong password"));
@@ -405,7 +383,7 @@ fn push_consumer(stream: &str, name: &str, filter: &str, deliver: &str) -> serde
 #[test]
 fn actor_consumer_grants_are_exactly_the_filtered_reads() {
     use volley_core::work::WorkConfig;
-    let server = broker();
+    let server = repo_broker();
     let learner = learner(&server);
     let mut spec = spec();
     spec.hyper.work = WorkConfig { enabled: true, ..WorkConfig::default() };
@@ -469,7 +447,7 @@ fn env_server_user_serves_its_service_and_nothing_else() {
     use volley_transport::envsvc::{
         connect_env_server, EnvFactory, EnvServer, EnvServerConfig, EnvServiceClient, EnvServiceName,
     };
-    let server = broker();
+    let server = repo_broker();
     let auth = |user: &str, password: &str| NatsAuth::UserPassword { user: user.into(), password: password.into() };
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
     let env_user = auth(&format!("env-{ENV_SERVICE}"), ENV_PASSWORD);
@@ -544,7 +522,7 @@ fn env_server_user_serves_its_service_and_nothing_else() {
 /// prefixes (`learner_and_actor_users_can_do_their_jobs`); here, the grants next to the denials.
 #[test]
 fn each_role_subscribes_to_its_own_private_inboxes_only() {
-    let server = broker();
+    let server = repo_broker();
     let learner = learner(&server);
     let actor = actor_on(&server, RUN);
     assert!(actor.client().new_inbox().starts_with("_INBOX_actor-local."), "{}", actor.client().new_inbox());
@@ -595,7 +573,7 @@ fn each_role_subscribes_to_its_own_private_inboxes_only() {
 #[test]
 fn consumer_deliveries_relayed_onto_the_learners_subjects_are_refused_on_receipt() {
     use volley_core::wire::{frame, live, pace};
-    let server = broker();
+    let server = repo_broker();
     let learner = learner(&server);
     learner.ensure_run(&spec()).expect("the learner creates the run");
     let mut publisher = learner.weights_publisher().expect("publisher");

@@ -11,9 +11,9 @@
 
 #[allow(dead_code)] // this test uses only part of the shared fixtures
 mod common;
+use common::{repo_broker, ACTOR_PASSWORD, LEARNER_PASSWORD};
 
 use std::collections::{HashMap, HashSet};
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc};
 use std::thread;
@@ -30,8 +30,6 @@ use volley_transport::work::{WorkQueue, WorkSource};
 
 /// The run `broker-config/accounts.conf` has users for.
 const RUN: &str = "local";
-const LEARNER_PASSWORD: &str = "learner-test-password";
-const ACTOR_PASSWORD: &str = "actor-test-password";
 /// Groups of [`GROUP_SIZE`] members each, all queued at the start.
 const GROUPS: u64 = 48;
 const GROUP_SIZE: u32 = 4;
@@ -49,22 +47,6 @@ enum Hostility {
     Hoard,
     /// Take items and acknowledge them at once, without running them.
     AckUnrun,
-}
-
-fn repo_file(relative: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..").join(relative)
-}
-
-fn broker() -> TestNats {
-    let accounts = std::fs::read_to_string(repo_file("broker-config/accounts.conf")).expect("read accounts.conf");
-    TestNats::start_with_config(
-        &accounts,
-        &[
-            ("VOLLEY_LEARNER_PASSWORD", LEARNER_PASSWORD),
-            ("VOLLEY_ACTOR_PASSWORD", ACTOR_PASSWORD),
-            ("VOLLEY_ENV_SERVER_PASSWORD", "env-test-password"),
-        ],
-    )
 }
 
 fn connect(server: &TestNats, user: &str, password: &str) -> NatsBus {
@@ -191,7 +173,7 @@ fn honest(bus: NatsBus, name: String, report: mpsc::Sender<(u64, ActorId)>, fini
 }
 
 fn honest_actors_complete_groups_despite(hostility: Hostility) {
-    let server = broker();
+    let server = repo_broker();
     let learner = connect(&server, "learner-local", LEARNER_PASSWORD);
     let mut spec = common::spec(RUN);
     spec.hyper.work = work_config();

@@ -1,5 +1,6 @@
 //! Fixtures shared by the NATS integration tests, built with `volley_testkit::fixtures`.
 
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -56,4 +57,30 @@ pub fn delta_bus(server: &TestNats, run_name: &str) -> NatsBus {
 pub fn stepped_weights(version: u64, n_params: usize, layout_hash: u64) -> Arc<Weights> {
     let params = (0..n_params).map(|i| (i as f32 * 0.37).sin() * (1.0 + version as f32 * 1e-4)).collect();
     Arc::new(Weights::new(PolicyVersion(version), layout_hash, params))
+}
+
+/// The passwords the repo's broker config reads from its environment, in `repo_broker`.
+pub const LEARNER_PASSWORD: &str = "learner-test-password";
+pub const ACTOR_PASSWORD: &str = "actor-test-password";
+pub const ENV_PASSWORD: &str = "env-test-password";
+
+/// A file of the repository, from the transport crate's tests.
+pub fn repo_file(relative: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..").join(relative)
+}
+
+/// A server running the repo's accounts and permissions (broker-config/accounts.conf) with
+/// the passwords above.
+pub fn repo_broker() -> TestNats {
+    // Verbatim: nats-server resolves `include` relative to the including file, even for
+    // absolute paths, so the text is copied rather than included.
+    let accounts = std::fs::read_to_string(repo_file("broker-config/accounts.conf")).expect("read accounts.conf");
+    TestNats::start_with_config(
+        &accounts,
+        &[
+            ("VOLLEY_LEARNER_PASSWORD", LEARNER_PASSWORD),
+            ("VOLLEY_ACTOR_PASSWORD", ACTOR_PASSWORD),
+            ("VOLLEY_ENV_SERVER_PASSWORD", ENV_PASSWORD),
+        ],
+    )
 }
