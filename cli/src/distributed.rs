@@ -18,7 +18,7 @@ use volley_learner::{
 };
 use volley_transport::envsvc::{EnvServiceClient, RemoteVecEnv, RemoteVecEnvConfig};
 use volley_transport::local::weights_channel;
-use volley_transport::nats::{weights, NatsBus};
+use volley_transport::nats::{weights, NatsAuth, NatsBus};
 use volley_transport::{BackgroundPublisher, TrajectorySink, TrajectorySource, WeightsPublisher};
 
 use crate::args::{ActorArgs, EnvChoice, LearnerConfig};
@@ -363,10 +363,23 @@ impl LearnerControl for LearnerOps {
     }
 }
 
-/// This actor's identity: the flag, else the pod name, else a generated one.
-fn actor_identity(flag: Option<String>) -> anyhow::Result<ActorId> {
+/// This actor's id: the flag, else the name of its NKey identity (which may publish under that
+/// id only, so a flag naming another is refused here rather than denied by the broker), else
+/// the pod name, else a generated one.
+fn actor_identity(flag: Option<String>, auth: Option<&NatsAuth>) -> anyhow::Result<ActorId> {
+    let identity = match auth {
+        Some(NatsAuth::Nkey { name, .. }) => Some(name.as_str()),
+        _ => None,
+    };
     if let Some(id) = flag {
-        return ActorId::new(id).context("--actor-id");
+        let id = ActorId::new(id).context("--actor-id")?;
+        if let Some(identity) = identity.filter(|name| !id.as_str().eq_ignore_ascii_case(name)) {
+            bail!("--actor-id {id}: the NKey identity {identity} may publish only as actor {identity}");
+        }
+        return Ok(id);
+    }
+    if let Some(name) = identity {
+        return ActorId::new(name).context("the NKey identity's name");
     }
     for var in ["POD_NAME", "HOSTNAME"] {
         if let Ok(name) = std::env::var(var) {
@@ -392,7 +405,7 @@ const SPEC_POLL_MAX: Duration = Duration::from_millis(500);
 
 pub fn actor(args: ActorArgs, interrupted: Arc<AtomicBool>) -> anyhow::Result<()> {
     let run = RunId::new(args.run.clone()).context("--run")?;
-    let actor_id = actor_identity(args.actor_id.clone())?;
+    let actor_id = actor_identity(args.actor_id.clone(), args.nats.auth()?.as_ref())?;
     if args.envs == 0 || args.envs > 4096 {
         bail!("--envs: {} out of range 1..=4096", args.envs);
     }

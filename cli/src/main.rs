@@ -2,6 +2,7 @@
 
 mod args;
 mod bench;
+mod creds;
 mod curve;
 mod distributed;
 mod env_serve;
@@ -113,6 +114,9 @@ fn run(command: Command, interrupted: Arc<AtomicBool>) -> anyhow::Result<()> {
         }
         Command::Actor(args) => distributed::actor(args, interrupted)?,
         Command::EnvServe(args) => env_serve::env_serve(args, interrupted)?,
+        Command::Creds(args) => match args.command {
+            args::CredsCommand::Actors(args) => println!("{}", serde_json::to_string(&creds::creds_actors(&args)?)?),
+        },
         Command::BenchWeights(args) => {
             let config = BenchWeightsConfig::try_from(args)?;
             if let Some(summary) = bench::bench_weights(&config, &interrupted)? {

@@ -36,6 +36,14 @@ pub const MAX_KEY_BYTES: usize = 128;
 /// Why admission refused a segment.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum Rejection {
+    /// The segment's body names another actor than the subject it was published on.
+    #[error("the segment names actor {body:?} but was published on the subject of actor {subject:?}")]
+    ActorMismatch {
+        /// The actor token of the subject (cut to 64 characters).
+        subject: String,
+        /// The actor id in the body.
+        body: String,
+    },
     /// The behaviour version is above the learner's version.
     #[error("behaviour version {segment} is above the learner's version {learner}")]
     FutureVersion {
@@ -71,7 +79,8 @@ pub enum Rejection {
 
 impl Rejection {
     /// Every value [`Rejection::reason`] can return (metrics export each at 0 from the start).
-    pub const REASONS: &'static [&'static str] = &["future_version", "reward_bound", "episode_summary", "bad_id"];
+    pub const REASONS: &'static [&'static str] =
+        &["future_version", "reward_bound", "episode_summary", "bad_id", "actor_mismatch"];
 
     /// Bounded label for the `reason` of `volley_learner_segments_rejected_total`; one of
     /// [`Rejection::REASONS`].
@@ -81,6 +90,7 @@ impl Rejection {
             Rejection::RewardBound { .. } => "reward_bound",
             Rejection::EpisodeSummary(_) => "episode_summary",
             Rejection::BadId { .. } => "bad_id",
+            Rejection::ActorMismatch { .. } => "actor_mismatch",
         }
     }
 }
@@ -224,6 +234,29 @@ impl Admission {
     }
 }
 
+/// Identity (issue 46 item 3): a segment published on the subject of actor `subject_actor`
+/// (`volley.<run>.traj.<actor>`, lowercase) must name that actor in its body. Broker
+/// permissions bind the subject to the publisher's credentials (one NKey identity per actor,
+/// `volley_transport::nats::identity`) while the body is whatever the publisher wrote, so the
+/// subject is the identity the learner trusts, and a body that names another actor is
+/// refused as `actor_mismatch` before the segment can count under that actor (its return
+/// share, its work items, its streams). `None` (the in-process bus) checks nothing.
+pub fn check_identity(segment: &TrajectorySegment, subject_actor: Option<&str>) -> Result<(), Rejection> {
+    let Some(subject) = subject_actor else { return Ok(()) };
+    if segment.actor.as_str().eq_ignore_ascii_case(subject) && subject.bytes().all(|b| !b.is_ascii_uppercase()) {
+        return Ok(());
+    }
+    Err(Rejection::ActorMismatch { subject: cut(subject).to_string(), body: segment.actor.as_str().to_string() })
+}
+
+/// The identity a segment counts under once [`check_identity`] passed: the actor id
+/// lowercased, as its subject carries it, hashed like the other per-actor keys
+/// ([`volley_core::wire::id_hash`]). Ids that differ only in case publish on one subject, so
+/// they are one identity.
+pub fn identity_key(segment: &TrajectorySegment) -> u64 {
+    volley_core::wire::id_hash(segment.actor.as_str().to_ascii_lowercase().as_bytes())
+}
+
 /// The ids and keys a segment carries, and its task ids.
 fn check_ids(segment: &TrajectorySegment, n_tasks: u32) -> Result<(), Rejection> {
     let keys = segment
@@ -298,6 +331,7 @@ mod tests {
             Rejection::RewardBound { field: "rewards", step: 0, value: 1.0, bound: 0.5 },
             Rejection::EpisodeSummary(String::new()),
             Rejection::BadId { field: "actor", problem: String::new() },
+            Rejection::ActorMismatch { subject: String::new(), body: String::new() },
         ];
         let reasons: Vec<_> = rejections.iter().map(Rejection::reason).collect();
         assert_eq!(reasons, Rejection::REASONS);
@@ -469,6 +503,22 @@ mod tests {
         assert_eq!(check(&s), Err("bad_id"));
         s.saved_snapshots = vec![SnapshotInfo { progress: f32::NAN, ..info }];
         assert_eq!(check(&s), Err("bad_id"));
+    }
+
+    /// Issue 46 item 3: the subject's actor is the identity; a body naming another is refused.
+    #[test]
+    fn a_segment_must_name_the_actor_of_its_subject() {
+        let s = segment();
+        assert_eq!(check_identity(&s, None), Ok(()), "the in-process bus has no subjects");
+        assert_eq!(check_identity(&s, Some("actor-0")), Ok(()));
+        let mut upper = segment();
+        upper.actor = volley_core::ids::ActorId::new("Actor-0").expect("valid id");
+        assert_eq!(check_identity(&upper, Some("actor-0")), Ok(()), "subjects carry ids lowercased");
+        assert_eq!(identity_key(&upper), identity_key(&s), "one subject, one identity");
+        for subject in ["actor-1", "Actor-0", "actor-0.x", ""] {
+            let refused = check_identity(&s, Some(subject)).map_err(|r| r.reason());
+            assert_eq!(refused, Err("actor_mismatch"), "subject {subject:?}");
+        }
     }
 
     #[test]

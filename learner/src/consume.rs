@@ -19,7 +19,7 @@ use volley_transport::nats::CONSUMER_MAX_ACK_PENDING;
 use volley_transport::rejection_log::RejectionLog;
 use volley_transport::{Delivery, DeliveryToken, TrajectorySource, TransportError, WeightsPublisher};
 
-use crate::admission::Admission;
+use crate::admission::{check_identity, identity_key, Admission};
 use crate::batch::SegmentBatch;
 use crate::learner::{Learner, UpdateStats};
 use crate::seen::{SeenSegments, SEEN_STREAMS};
@@ -33,7 +33,12 @@ pub struct RunLimits {
     pub max_env_steps: Option<u64>,
     /// Stop after this much wall time.
     pub max_duration: Option<Duration>,
-    /// Stop once the mean return of the last 100 episodes reaches this.
+    /// Stop once the mean return of the last 100 episodes reaches this ("solved"). The window
+    /// holds only admitted, fresh episodes, at most `hyper.trust.max_actor_return_share` of it
+    /// from any one actor identity (the actor id of the subject a segment came on, which broker
+    /// permissions bind to its credentials), so a full window needs at least ⌈1/share⌉
+    /// identities and one identity moves its mean by at most its share of the return range
+    /// (docs/SECURITY.md, "Actor identities").
     pub target_return: Option<f32>,
     /// Stop after this many updates.
     pub max_updates: Option<u64>,
@@ -139,11 +144,12 @@ pub struct LearnerReport {
     /// Episodes finished (reported inside segments).
     pub episodes: u64,
     /// Returns of the most recent episodes (at most [`RETURN_WINDOW`]), of admitted
-    /// segments only, at most `max_returns_per_actor` of them from any one actor id.
+    /// segments only, at most `max_returns_per_actor` of them from any one actor identity.
     pub recent_returns: VecDeque<f32>,
-    /// `recent_returns[i]` came from the actor whose id hashes to `recent_actors[i]`.
+    /// `recent_returns[i]` came from the actor identity whose key
+    /// ([`crate::admission::identity_key`]) is `recent_actors[i]`.
     pub recent_actors: VecDeque<u64>,
-    /// How many entries of the window one actor id may hold (`hyper.trust`; 0 = the window).
+    /// How many entries of the window one actor identity may hold (`hyper.trust`; 0 = the window).
     pub max_returns_per_actor: usize,
     /// Wall time since the loop started.
     pub elapsed: Duration,
@@ -239,7 +245,9 @@ impl LearnerReport {
     /// from a saved state (save-load exploration) did not face the task from its start.
     /// The segment has passed admission, so every return is finite and bounded.
     fn record_episodes(&mut self, segment: &TrajectorySegment, target: Option<f32>) {
-        let actor = volley_core::wire::id_hash(segment.actor.as_str().as_bytes());
+        // The identity, not the id as written: ids that differ in case share a subject and so
+        // a credential (issue 46 item 3).
+        let actor = identity_key(segment);
         for episode in segment.finished_episodes.iter().filter(|e| e.start.is_none()) {
             self.episodes += 1;
             // Admission rejects non-finite returns; this keeps the means safe regardless.
@@ -363,13 +371,14 @@ pub fn run_learner(
             report.progress_at = report.elapsed;
         }
         for delivery in incoming.drain(..) {
-            let Delivery { segment, token, .. } = delivery;
+            let Delivery { segment, token, subject_actor, .. } = delivery;
             let checked =
                 segment.and_then(|segment| segment.validate(&spec, layout_hash, hidden_size).map(|()| segment));
-            // Admission: what an actor could claim falsely within the format (docs/SECURITY.md).
+            // Admission: what an actor could claim falsely within the format, and the identity
+            // of its subject, which its credentials bind (docs/SECURITY.md).
             let admitted = match checked {
-                Ok(segment) => admission
-                    .check(&segment, learner.version())
+                Ok(segment) => check_identity(&segment, subject_actor.as_deref())
+                    .and_then(|()| admission.check(&segment, learner.version()))
                     .map(|()| segment)
                     .map_err(|rejection| (rejection.reason(), rejection.to_string())),
                 Err(err) => Err((err.reason(), err.to_string())),

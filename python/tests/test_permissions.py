@@ -1,6 +1,8 @@
 """The Python server under the repo's broker permissions (broker-config/accounts.conf, issue 12):
 logged in as the environment server user ``env-cartpole`` it serves the service ``cartpole`` to an
-actor with no permission violation, and the server log shows a violation for what it may not do.
+client (the learner user; actors, NKey identities since issue 46, call it with the same grants, as
+``transport/tests/broker_permissions.rs`` tests) with no permission violation, and the server log
+shows a violation for what it may not do.
 """
 
 from __future__ import annotations
@@ -26,9 +28,14 @@ from conftest import find_nats_server, free_port
 ACCOUNTS = pathlib.Path(__file__).resolve().parents[2] / "broker-config" / "accounts.conf"
 PASSWORDS = {
     "VOLLEY_LEARNER_PASSWORD": "learner-test-password",
-    "VOLLEY_ACTOR_PASSWORD": "actor-test-password",
     "VOLLEY_ENV_SERVER_PASSWORD": "env-test-password",
 }
+# The actor identities' public keys the config reads (the development identities' will do).
+ACTOR_KEYS = dict(
+    line.split("=", 1)
+    for line in (ACCOUNTS.parents[1] / "deploy" / "dev-identities" / "actors-local.env").read_text().splitlines()
+    if line and not line.startswith("#")
+)
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +49,7 @@ def broker():
         f.write(ACCOUNTS.read_text())
     log_path = os.path.join(store, "nats.log")
     log = open(log_path, "w")
-    process = subprocess.Popen([find_nats_server(), "-c", config], stdout=log, stderr=log, env={**os.environ, **PASSWORDS})
+    process = subprocess.Popen([find_nats_server(), "-c", config], stdout=log, stderr=log, env={**os.environ, **PASSWORDS, **ACTOR_KEYS})
     try:
         deadline = time.monotonic() + 30
         while True:
@@ -72,10 +79,10 @@ def test_the_env_server_user_serves_its_service_and_nothing_else(broker):
         server_nc = await nats.connect(url, user="env-cartpole", password=PASSWORDS["VOLLEY_ENV_SERVER_PASSWORD"])
         actor_nc = await nats.connect(
             url,
-            user="actor-local",
-            password=PASSWORDS["VOLLEY_ACTOR_PASSWORD"],
-            # The actor user's private inbox prefix, as the Rust transport sets it.
-            inbox_prefix="_INBOX_actor-local",
+            user="learner-local",
+            password=PASSWORDS["VOLLEY_LEARNER_PASSWORD"],
+            # The learner user's private inbox prefix, as the Rust transport sets it.
+            inbox_prefix="_INBOX_learner-local",
         )
         server = EnvServer(make_factory("gymnasium:CartPole-v1"), "cartpole", label="gymnasium:CartPole-v1")
         await server.start(server_nc)

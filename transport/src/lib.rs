@@ -70,6 +70,12 @@ pub struct Delivery {
     pub token: DeliveryToken,
     /// How many times this segment was delivered (1 on first delivery).
     pub delivery_count: u64,
+    /// The actor id the segment's subject carries (`volley.<run>.traj.<actor>`, lowercase),
+    /// for transports that route by subject; `None` for the in-process bus. Broker
+    /// permissions bind it to the publisher's credentials (a per-actor identity, issue 46
+    /// item 3), so the learner trusts it over the id in the segment's body, which it must
+    /// equal.
+    pub subject_actor: Option<String>,
 }
 
 /// Where actors send segments.

@@ -90,7 +90,7 @@ impl LocalTrajectorySource {
 
     fn wrap(&mut self, segment: TrajectorySegment) -> Delivery {
         self.next_token += 1;
-        Delivery { segment: Ok(segment), token: DeliveryToken(self.next_token), delivery_count: 1 }
+        Delivery { segment: Ok(segment), token: DeliveryToken(self.next_token), delivery_count: 1, subject_actor: None }
     }
 }
 

@@ -1,16 +1,17 @@
 //! The repo's broker config (`broker-config/`) against a real `nats-server` and the real
-//! transport: the per-run users `learner-local` and `actor-local` can do their jobs and
-//! nothing else, and a denied operation comes back as a clear [`TransportError`], not a hang.
+//! transport: the learner user `learner-local` and the actor identities `actor-<i>` (one NKey
+//! user per actor, issue 46 item 3) can do their jobs and nothing else, and a denied operation comes back as a clear [`TransportError`], not a hang.
 //!
 //! The server runs `broker-config/accounts.conf` verbatim (its text in the test's config) on a
-//! loopback port, with the passwords it reads from the environment set to test values.
+//! loopback port, with the passwords and actor public keys it reads from the environment set to
+//! test values.
 //! Every allowed flow also checks that the server logged no permission violation, so a grant
 //! that async-nats needs but the config lacks fails here even where the transport tolerates
 //! the failure (e.g. the pacing read).
 
 #[allow(dead_code)] // this test uses only part of the shared fixtures
 mod common;
-use common::{repo_broker, repo_file, ACTOR_PASSWORD, ENV_PASSWORD, LEARNER_PASSWORD};
+use common::{actor_identity, repo_broker, repo_broker_environment, repo_file, ENV_PASSWORD, LEARNER_PASSWORD};
 
 use std::sync::atomic::AtomicBool;
 use std::sync::{mpsc, Arc};
@@ -37,11 +38,15 @@ const GUARD: Duration = Duration::from_secs(60);
 const DENIED: &str = "permission denied by the nats server";
 
 fn config(server: &TestNats, run: &str, user: &str, password: &str) -> NatsConfig {
+    config_as(server, run, NatsAuth::UserPassword { user: user.to_string(), password: password.to_string() })
+}
+
+fn config_as(server: &TestNats, run: &str, auth: NatsAuth) -> NatsConfig {
     let mut config = NatsConfig::new(server.url(), RunId::new(run).expect("a valid run id"));
     config.connect_timeout = Duration::from_secs(10);
     config.request_timeout = Duration::from_secs(2);
     config.retry_deadline = Duration::from_secs(4);
-    config.auth = Some(NatsAuth::UserPassword { user: user.to_string(), password: password.to_string() });
+    config.auth = Some(auth);
     config
 }
 
@@ -49,9 +54,18 @@ fn learner(server: &TestNats) -> NatsBus {
     NatsBus::connect(config(server, RUN, "learner-local", LEARNER_PASSWORD)).expect("learner connects")
 }
 
+/// Actor identity `actor-0` on `run`.
 fn actor_on(server: &TestNats, run: &str) -> NatsBus {
-    NatsBus::connect(config(server, run, "actor-local", ACTOR_PASSWORD)).expect("actor connects")
+    actor_as(server, run, 0)
 }
+
+/// Actor identity `actor-<index>` on `run`.
+fn actor_as(server: &TestNats, run: &str, index: usize) -> NatsBus {
+    NatsBus::connect(config_as(server, run, actor_identity(index).auth())).expect("actor connects")
+}
+
+/// The id of actor identity `actor-0`, the one [`actor_on`] connects as.
+const ACTOR: &str = "actor-0";
 
 fn spec() -> RunSpec {
     common::spec(RUN)
@@ -101,9 +115,7 @@ fn repo_broker_config_passes_the_servers_config_check() {
         .arg("-c")
         .arg(repo_file("broker-config/nats.conf"))
         .env("VOLLEY_NATS_STORE_DIR", &store)
-        .env("VOLLEY_LEARNER_PASSWORD", "x")
-        .env("VOLLEY_ACTOR_PASSWORD", "y")
-        .env("VOLLEY_ENV_SERVER_PASSWORD", "z")
+        .envs(repo_broker_environment())
         .output()
         .expect("run nats-server -t");
     assert!(
@@ -112,6 +124,62 @@ fn repo_broker_config_passes_the_servers_config_check() {
         String::from_utf8_lossy(&output.stdout),
         String::from_utf8_lossy(&output.stderr)
     );
+}
+
+/// The actor identity slots of `broker-config/accounts.conf` are exactly what
+/// `volley creds actors` writes (`identity::actor_user_block`), with the public keys read from
+/// the environment, so the tool and the committed config grant the same.
+#[test]
+fn the_repo_configs_actor_identities_are_the_generators_blocks() {
+    use volley_transport::nats::identity::{actor_nkey_variable, actor_user_block};
+    let accounts = std::fs::read_to_string(repo_file("broker-config/accounts.conf")).expect("read accounts.conf");
+    let run = RunId::new(RUN).expect("valid");
+    let services = [volley_env::EnvServiceName::new(ENV_SERVICE).expect("valid")];
+    for index in 0..common::ACTOR_IDENTITIES {
+        let actor = ActorId::new(format!("actor-{index}")).expect("valid");
+        let block = actor_user_block(&run, &actor, &format!("${}", actor_nkey_variable(index)), &services);
+        assert!(accounts.contains(&block), "accounts.conf lacks the block of {actor}:\n{block}");
+    }
+    assert!(!accounts.contains("user: actor-"), "no shared actor user is left");
+}
+
+/// The development identities of `deploy/dev-identities/` are whole (each seed file's public
+/// key is the one its `actors-local.env` names), and `deploy/compose.yaml` gives the broker
+/// those keys by default, so the compose stack's actors can connect out of the box.
+#[test]
+fn the_development_identities_match_their_public_keys_and_compose() {
+    use volley_transport::nats::identity::{actor_nkey_variable, ActorIdentity};
+    let env = std::fs::read_to_string(repo_file("deploy/dev-identities/actors-local.env")).expect("actors-local.env");
+    let compose = std::fs::read_to_string(repo_file("deploy/compose.yaml")).expect("compose.yaml");
+    for index in 0..common::ACTOR_IDENTITIES {
+        let path = repo_file(&format!("deploy/dev-identities/actor-{index}.nk"));
+        let identity = ActorIdentity::read(&path).unwrap_or_else(|err| panic!("{err}"));
+        let variable = actor_nkey_variable(index);
+        assert!(env.contains(&format!("{variable}={}\n", identity.public_key())), "{variable} in actors-local.env");
+        assert!(
+            compose.contains(&format!("{variable}: ${{{variable}:-{}}}", identity.public_key())),
+            "{variable} in compose"
+        );
+    }
+}
+
+/// The example credentials of `k8s/components/example-credentials` are the development
+/// identities: each seed under its identity's file name, each public key under `actor-<i>-nkey`.
+#[test]
+fn the_example_kubernetes_credentials_are_the_development_identities() {
+    use volley_transport::nats::identity::ActorIdentity;
+    let secret = ["secret.yaml", "actor-identities.yaml"]
+        .map(|file| std::fs::read_to_string(repo_file(&format!("k8s/components/example-credentials/{file}"))))
+        .map(|text| text.expect("an example Secret"))
+        .concat();
+    for index in 0..common::ACTOR_IDENTITIES {
+        let path = repo_file(&format!("deploy/dev-identities/actor-{index}.nk"));
+        let identity = ActorIdentity::read(&path).unwrap_or_else(|err| panic!("{err}"));
+        let seed = std::fs::read_to_string(&path).expect("seed file");
+        let seed = seed.lines().find(|line| line.starts_with("SU")).expect("a seed line");
+        assert!(secret.contains(&format!("  actor-{index}.nk: {seed}\n")), "seed of actor-{index}");
+        assert!(secret.contains(&format!("  actor-{index}-nkey: {}\n", identity.public_key())), "key of actor-{index}");
+    }
 }
 
 #[test]
@@ -130,9 +198,9 @@ fn learner_and_actor_users_can_do_their_jobs() {
     let first = first.unwrap_or_else(|err| panic!("the actor fetches weights: {err}\n{}", violations(&server)));
     assert_eq!(first.version, PolicyVersion(0));
     let mut sink = actor
-        .trajectory_sink(&ActorId::new("a1").expect("valid"), Arc::new(AtomicBool::new(false)))
+        .trajectory_sink(&ActorId::new(ACTOR).expect("valid"), Arc::new(AtomicBool::new(false)))
         .expect("the actor opens its sink");
-    sink.publish((0..3).map(|i| segment("a1", i)).collect()).expect("the actor publishes segments");
+    sink.publish((0..3).map(|i| segment(ACTOR, i)).collect()).expect("the actor publishes segments");
     sink.flush().expect("the segments are stored");
 
     let mut source = learner.trajectory_source().expect("the learner opens its consumer");
@@ -141,6 +209,8 @@ fn learner_and_actor_users_can_do_their_jobs() {
         let received = source.recv(3, Duration::from_millis(500), &mut deliveries);
         received.unwrap_or_else(|err| panic!("the learner consumes: {err}\n{}", violations(&server)));
     }
+    // Each delivery names the identity of the subject it came on, which the learner trusts.
+    assert!(deliveries.iter().all(|d| d.subject_actor.as_deref() == Some(ACTOR)), "{deliveries:?}");
     let tokens: Vec<_> = deliveries.iter().map(|d| d.token).collect();
     source.ack(&tokens).expect("the learner acks");
     publisher.publish(weights(1)).expect("the learner publishes the next version");
@@ -179,7 +249,7 @@ fn work_queue_and_snapshots_work_with_role_credentials() {
 
     let actor = actor_on(&server, RUN);
     let mut source = actor
-        .work_source(&ActorId::new("a-0").expect("valid"))
+        .work_source(&ActorId::new(ACTOR).expect("valid"))
         .unwrap_or_else(|err| panic!("work source: {err}\n{}", violations(&server)));
     let (taken, token) = source
         .take(Duration::from_secs(5))
@@ -252,10 +322,10 @@ fn actor_user_is_denied_weights_writes_and_other_runs() {
     // Another run's trajectory subject: the sink gives up with a denial instead of retrying.
     let other = actor_on(&server, "other");
     let mut sink = other
-        .trajectory_sink(&ActorId::new("a1").expect("valid"), Arc::new(AtomicBool::new(false)))
+        .trajectory_sink(&ActorId::new(ACTOR).expect("valid"), Arc::new(AtomicBool::new(false)))
         .expect("opening the sink sends nothing");
     let result = within_guard("publish to another run", move || {
-        sink.publish(vec![segment("a1", 0)])?;
+        sink.publish(vec![segment(ACTOR, 0)])?;
         sink.flush()
     });
     assert_denied("actor publishing to another run", result);
@@ -285,7 +355,8 @@ fn actor_user_is_denied_weights_writes_and_other_runs() {
     assert_violation(&server, "volley.local.pace");
 
     let log = server.log();
-    for subject in ["$KV.volley-local.weights", "$JS.API.STREAM.DELETE.volley-local-traj", "volley.other.traj.a1"] {
+    for subject in ["$KV.volley-local.weights", "$JS.API.STREAM.DELETE.volley-local-traj", "volley.other.traj.actor-0"]
+    {
         assert!(
             log.contains(&format!("Publish Violation - Subject \"{subject}\"")),
             "no violation for {subject}:\n{log}"
@@ -312,12 +383,81 @@ fn learner_user_cannot_publish_trajectories() {
 #[test]
 fn wrong_password_fails_fast_with_a_clear_error() {
     let server = repo_broker();
-    let mut config = config(&server, RUN, "actor-local", "not-the-password");
+    let mut config = config(&server, RUN, "learner-local", "not-the-password");
     config.connect_timeout = GUARD;
     let err = within_guard("connect", move || NatsBus::connect(config).expect_err("a wrong password"));
     let message = err.to_string();
-    assert!(message.contains("refused user actor-local"), "{message}");
+    assert!(message.contains("refused user learner-local"), "{message}");
     assert!(!message.contains("not-the-password"), "the password leaked into {message}");
+}
+
+/// Issue 46 item 3: the shared actor user is gone, and an NKey the config does not name (an
+/// identity made for another broker, or by an attacker) is refused at once.
+#[test]
+fn an_unknown_actor_identity_or_the_old_shared_actor_user_is_refused() {
+    use volley_transport::nats::identity::ActorIdentity;
+    let server = repo_broker();
+    let stranger = ActorIdentity::generate(ActorId::new(ACTOR).expect("valid")).expect("an identity");
+    let mut unknown = config_as(&server, RUN, stranger.auth());
+    unknown.connect_timeout = GUARD;
+    let err = within_guard("connect", move || NatsBus::connect(unknown).expect_err("an unknown nkey"));
+    assert!(err.to_string().contains("refused nkey identity actor-0"), "{err}");
+    let mut shared = config(&server, RUN, "actor-local", "actor-test-password");
+    shared.connect_timeout = GUARD;
+    let err = within_guard("connect", move || NatsBus::connect(shared).expect_err("no shared actor user"));
+    assert!(err.to_string().contains("refused user actor-local"), "{err}");
+}
+
+/// Issue 46 item 3: an actor identity publishes and leases under its own id only. Before,
+/// every actor connected as `actor-<run>`, which could publish on `volley.<run>.traj.>`, so
+/// one client published under any number of ids; here `actor-0` is denied every subject of
+/// `actor-1` (segments, the three work-lease verbs, its inboxes) next to its own, granted.
+#[test]
+fn actor_a_cannot_publish_or_lease_under_actor_bs_subjects() {
+    let server = repo_broker();
+    let learner = learner(&server);
+    learner.ensure_run(&spec()).expect("the learner creates the run");
+    let actor = actor_on(&server, RUN);
+    let run = actor.config().run.clone();
+    let (me, other) = (ActorId::new(ACTOR).expect("valid"), ActorId::new("actor-1").expect("valid"));
+
+    // Its own trajectory subject: granted. Another's, through the real sink: a denial.
+    let mut own = actor.trajectory_sink(&me, Arc::new(AtomicBool::new(false))).expect("sink");
+    within_guard("publish as itself", move || {
+        own.publish(vec![segment(ACTOR, 0)])?;
+        own.flush()
+    })
+    .unwrap_or_else(|err| panic!("actor-0 publishes as itself: {err}\n{}", violations(&server)));
+    assert_no_violations(&server);
+    let mut forged = actor.trajectory_sink(&other, Arc::new(AtomicBool::new(false))).expect("sink");
+    let result = within_guard("publish as another actor", move || {
+        forged.publish(vec![segment("actor-1", 0)])?;
+        forged.flush()
+    });
+    assert_denied("actor-0 publishing as actor-1", result);
+
+    // Work-lease signals and inboxes of the other actor: denied; its own: granted.
+    let client = actor.client().clone();
+    let (own_take, other_subjects) = (
+        subjects::work_lease(&run, "take", &me),
+        subjects::WORK_LEASE_VERBS.map(|verb| subjects::work_lease(&run, verb, &other)),
+    );
+    let signals = other_subjects.clone();
+    actor.block_on(async move {
+        client.publish(own_take, Bytes::new()).await.expect("sent");
+        for subject in signals {
+            client.publish(subject, Bytes::from_static(b"1")).await.expect("sent");
+        }
+        let _other_inbox = client.subscribe("_INBOX_actor-1.>").await.expect("sent");
+        let _own_inbox = client.subscribe("_INBOX_actor-0.x").await.expect("sent");
+        client.flush().await.expect("flushed");
+    });
+    for subject in other_subjects.iter().map(String::as_str).chain(["_INBOX_actor-1.>"]) {
+        assert_violation(&server, subject);
+    }
+    for granted in ["volley.local.work.take.actor-0", "_INBOX_actor-0.x"] {
+        assert!(!has_violation(&server, granted), "{granted} was denied:\n{}", violations(&server));
+    }
 }
 
 /// Whether the server logged a violation for `subject` (publish or subscription).
@@ -462,8 +602,10 @@ fn env_server_user_serves_its_service_and_nothing_else() {
         .expect("the env server starts");
 
     // Actors step it, the learner asks it for the spaces.
-    for (user, password) in [("actor-local", ACTOR_PASSWORD), ("learner-local", LEARNER_PASSWORD)] {
-        let client = EnvServiceClient::connect(&server.url(), Some(&auth(user, password)), timeout, timeout)
+    for (user, credentials) in
+        [(ACTOR, actor_identity(0).auth()), ("learner-local", auth("learner-local", LEARNER_PASSWORD))]
+    {
+        let client = EnvServiceClient::connect(&server.url(), Some(&credentials), timeout, timeout)
             .unwrap_or_else(|err| panic!("{user} connects: {err}"));
         let instances = client.block_on(client.discover(&name)).expect("discovery");
         assert_eq!(instances.len(), 1, "{user} finds the server:\n{}", violations(&server));
@@ -525,21 +667,13 @@ fn each_role_subscribes_to_its_own_private_inboxes_only() {
     let server = repo_broker();
     let learner = learner(&server);
     let actor = actor_on(&server, RUN);
-    assert!(actor.client().new_inbox().starts_with("_INBOX_actor-local."), "{}", actor.client().new_inbox());
+    assert!(actor.client().new_inbox().starts_with("_INBOX_actor-0."), "{}", actor.client().new_inbox());
     assert!(learner.client().new_inbox().starts_with("_INBOX_learner-local."));
+    // The server names an NKey user by its public key in violations.
+    let actor_key = actor_identity(0).public_key().to_string();
     let cases = [
-        (
-            &actor,
-            "actor-local",
-            "_INBOX_actor-local.>",
-            ["_INBOX.>", "_INBOX_learner-local.>", "_INBOX_learner-local.abc"],
-        ),
-        (
-            &learner,
-            "learner-local",
-            "_INBOX_learner-local.>",
-            ["_INBOX.>", "_INBOX_actor-local.>", "_INBOX_actor-local.abc"],
-        ),
+        (&actor, actor_key.as_str(), "_INBOX_actor-0.>", ["_INBOX.>", "_INBOX_learner-local.>", "_INBOX_actor-1.abc"]),
+        (&learner, "learner-local", "_INBOX_learner-local.>", ["_INBOX.>", "_INBOX_actor-0.>", "_INBOX_actor-0.abc"]),
     ];
     for (bus, user, granted, denied) in cases {
         let client = bus.client().clone();
@@ -583,7 +717,7 @@ fn consumer_deliveries_relayed_onto_the_learners_subjects_are_refused_on_receipt
     assert_eq!(follower.wait_first(GUARD).expect("v0").version, PolicyVersion(0));
     assert!(follower.is_live());
     let sink =
-        actor.trajectory_sink(&ActorId::new("a1").expect("valid"), Arc::new(AtomicBool::new(false))).expect("sink");
+        actor.trajectory_sink(&ActorId::new(ACTOR).expect("valid"), Arc::new(AtomicBool::new(false))).expect("sink");
 
     let stream = "OBJ_volley-local-wts";
     let forged = Weights::new(PolicyVersion(1), 42, vec![0.5; 300_000]);

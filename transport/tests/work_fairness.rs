@@ -11,7 +11,7 @@
 
 #[allow(dead_code)] // this test uses only part of the shared fixtures
 mod common;
-use common::{repo_broker, ACTOR_PASSWORD, LEARNER_PASSWORD};
+use common::{actor_identity, repo_broker, LEARNER_PASSWORD};
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -49,13 +49,16 @@ enum Hostility {
     AckUnrun,
 }
 
-fn connect(server: &TestNats, user: &str, password: &str) -> NatsBus {
+fn connect(server: &TestNats, auth: NatsAuth) -> NatsBus {
     let mut config = NatsConfig::new(server.url(), RunId::new(RUN).expect("a valid run id"));
     config.connect_timeout = Duration::from_secs(10);
     config.request_timeout = Duration::from_secs(2);
-    config.auth = Some(NatsAuth::UserPassword { user: user.to_string(), password: password.to_string() });
+    config.auth = Some(auth);
     NatsBus::connect(config).expect("connect")
 }
+
+/// The identity slot of the hostile client: the honest actors hold the slots before it.
+const HOSTILE_IDENTITY: usize = HONEST_ACTORS;
 
 fn work_config() -> WorkConfig {
     WorkConfig {
@@ -95,13 +98,17 @@ struct Taken {
 fn hostile(server_url: String, hostility: Hostility, stop: Arc<AtomicBool>) -> Taken {
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
     runtime.block_on(async move {
-        let client = async_nats::ConnectOptions::with_user_and_password("actor-local".into(), ACTOR_PASSWORD.into())
+        // An actor identity of its own (issue 46 item 3), with that identity's inbox prefix.
+        let identity = actor_identity(HOSTILE_IDENTITY);
+        let NatsAuth::Nkey { seed, .. } = identity.auth() else { unreachable!("an identity's auth is an nkey") };
+        let client = async_nats::ConnectOptions::with_nkey(seed)
+            .custom_inbox_prefix(identity.auth().inbox_prefix())
             .request_timeout(Some(Duration::from_millis(500)))
             .connect(server_url)
             .await
             .expect("the hostile client connects");
         let run = RunId::new(RUN).expect("valid");
-        let me = ActorId::new("hostile").expect("valid");
+        let me = identity.name().clone();
         let take = subjects::work_lease(&run, "take", &me);
         let done = subjects::work_lease(&run, "done", &me);
         let next = format!("$JS.API.CONSUMER.MSG.NEXT.{}.{}", subjects::work_stream(&run), subjects::WORK_CONSUMER);
@@ -174,7 +181,8 @@ fn honest(bus: NatsBus, name: String, report: mpsc::Sender<(u64, ActorId)>, fini
 
 fn honest_actors_complete_groups_despite(hostility: Hostility) {
     let server = repo_broker();
-    let learner = connect(&server, "learner-local", LEARNER_PASSWORD);
+    let learner =
+        connect(&server, NatsAuth::UserPassword { user: "learner-local".into(), password: LEARNER_PASSWORD.into() });
     let mut spec = common::spec(RUN);
     spec.hyper.work = work_config();
     learner.ensure_run(&spec).expect("the learner creates the run");
@@ -192,8 +200,9 @@ fn honest_actors_complete_groups_despite(hostility: Hostility) {
     let (report, reports) = mpsc::channel();
     let honest_threads: Vec<_> = (0..HONEST_ACTORS)
         .map(|idx| {
-            let (bus, report, stop) = (connect(&server, "actor-local", ACTOR_PASSWORD), report.clone(), stop.clone());
-            thread::spawn(move || honest(bus, format!("honest-{idx}"), report, stop))
+            let identity = actor_identity(idx);
+            let (bus, report, stop) = (connect(&server, identity.auth()), report.clone(), stop.clone());
+            thread::spawn(move || honest(bus, identity.name().to_string(), report, stop))
         })
         .collect();
     drop(report);

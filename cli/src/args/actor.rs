@@ -16,7 +16,8 @@ pub struct ActorArgs {
     /// The run to join.
     #[arg(long, env = "VOLLEY_RUN", default_value = "local")]
     pub run: String,
-    /// This actor's identity (default: the pod name from $POD_NAME or $HOSTNAME, else generated).
+    /// This actor's id (default: the name of its `--nats-nkey-file` identity, else the pod name
+    /// from $POD_NAME or $HOSTNAME, else generated).
     #[arg(long, env = "VOLLEY_ACTOR_ID")]
     pub actor_id: Option<String>,
     /// Environments stepped by this actor.

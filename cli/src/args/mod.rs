@@ -4,6 +4,7 @@ use clap::{Parser, Subcommand};
 
 mod actor;
 mod bench;
+mod creds;
 mod env;
 mod env_serve;
 mod learner;
@@ -13,6 +14,7 @@ mod train;
 
 pub use self::actor::ActorArgs;
 pub use self::bench::{BenchPattern, BenchRole, BenchWeightsArgs, BenchWeightsConfig};
+pub use self::creds::{CredsActorsArgs, CredsArgs, CredsCommand};
 pub use self::env::{
     parse_env_choice, parse_task, solved_return, ActivationName, BackendName, BaselineName, BudgetName, ConvName,
     CoreName, EnvChoice, EnvName, LossName,
@@ -55,6 +57,9 @@ pub enum Command {
     /// Serve a built-in environment over NATS (docs/ENV_PROTOCOL.md), for actors started with
     /// `--env remote:<name>`.
     EnvServe(EnvServeArgs),
+    /// Make credentials for a run's broker config: `volley creds actors` makes one NKey
+    /// identity per actor (docs/SECURITY.md).
+    Creds(CredsArgs),
 }
 
 #[cfg(test)]
@@ -100,6 +105,10 @@ mod tests {
         let flag = long.to_uppercase().replace('-', "_");
         if subcommand == "bench-weights" && !long.starts_with("nats") {
             format!("VOLLEY_BENCH_{flag}")
+        } else if subcommand.starts_with("creds") {
+            // A tool run by an operator, not a process of a run: its own prefix, so it never
+            // picks up a run's `VOLLEY_RUN`.
+            format!("VOLLEY_CREDS_{flag}")
         } else {
             format!("VOLLEY_{flag}")
         }
@@ -117,7 +126,7 @@ mod tests {
         let mut n_flags = 0;
         let mut stack: Vec<(String, &clap::Command)> =
             cli.get_subcommands().map(|c| (c.get_name().to_string(), c)).collect();
-        assert_eq!(stack.len(), 5, "train, learner, actor, bench-weights, env-serve");
+        assert_eq!(stack.len(), 6, "train, learner, actor, bench-weights, env-serve, creds");
         while let Some((name, command)) = stack.pop() {
             stack.extend(command.get_subcommands().map(|c| (format!("{name} {}", c.get_name()), c)));
             let mut envs = std::collections::HashMap::new();

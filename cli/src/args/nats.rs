@@ -2,9 +2,10 @@
 
 use std::time::Duration;
 
-use anyhow::bail;
+use anyhow::{bail, Context};
 use clap::Args;
 use volley_core::ids::RunId;
+use volley_transport::nats::identity::ActorIdentity;
 use volley_transport::nats::{NatsAuth, NatsConfig};
 
 use super::check_secs;
@@ -26,6 +27,11 @@ pub struct NatsArgs {
     /// in process listings). Never logged.
     #[arg(long, env = "VOLLEY_NATS_PASSWORD", hide_env_values = true, requires = "nats_user")]
     pub nats_password: Option<String>,
+    /// An actor's own NKey identity file (`<id>.nk`, made by `volley creds actors`; issue 46):
+    /// connect as that identity instead of `--nats-user`, which then may publish under its
+    /// own id only; the actor id defaults to the identity's name (the file's stem).
+    #[arg(long, env = "VOLLEY_NATS_NKEY_FILE", conflicts_with_all = ["nats_user", "nats_password"])]
+    pub nats_nkey_file: Option<std::path::PathBuf>,
     /// Weights also travel by core-NATS fan-out to connected actors (the live path), besides
     /// the object store and pointer; `false` turns it off (the learner does not send, actors
     /// do not subscribe), e.g. for a broker whose permissions lack the live subject.
@@ -60,6 +66,7 @@ impl std::fmt::Debug for NatsArgs {
             .field("nats_timeout_secs", &self.nats_timeout_secs)
             .field("nats_user", &self.nats_user)
             .field("nats_password", &self.nats_password.as_ref().map(|_| "<redacted>"))
+            .field("nats_nkey_file", &self.nats_nkey_file)
             .field("nats_weights_live", &self.nats_weights_live)
             .field("nats_weights_pointer_every", &self.nats_weights_pointer_every)
             .field("nats_prefetch_calls", &self.nats_prefetch_calls)
@@ -86,8 +93,12 @@ impl NatsArgs {
         check_secs("--nats-timeout-secs", self.nats_timeout_secs)
     }
 
-    /// The credentials, if any.
+    /// The credentials, if any: the NKey identity of `--nats-nkey-file`, else the user.
     pub fn auth(&self) -> anyhow::Result<Option<NatsAuth>> {
+        if let Some(path) = &self.nats_nkey_file {
+            let identity = ActorIdentity::read(path).context("--nats-nkey-file")?;
+            return Ok(Some(identity.auth()));
+        }
         nats_auth(&self.nats_user, &self.nats_password)
     }
 }

@@ -414,6 +414,7 @@ async fn connect_with_inbox(
                 options.user_and_password(user.clone(), password.clone())
             }
             Some(NatsAuth::Token(token)) => options.token(token.clone()),
+            Some(NatsAuth::Nkey { seed, .. }) => options.nkey(seed.clone()),
             None => options,
         };
         // A server's own prefix, else its user's private one (`NatsAuth::inbox_prefix`).

@@ -57,6 +57,7 @@ use volley_core::wire::{self, TrajectorySegment, Weights};
 
 mod consumers;
 mod dispatch;
+pub mod identity;
 pub mod sink;
 pub mod source;
 pub mod weights;
@@ -115,6 +116,15 @@ pub enum NatsAuth {
     },
     /// A token (`authorization { token }` in the server config).
     Token(String),
+    /// An NKey identity (issue 46 item 3): one actor's own user, whose public key the server
+    /// config names ([`identity`]). The name is the identity's (the actor id), used for the
+    /// inbox prefix and in logs; the server knows the user by its key alone.
+    Nkey {
+        /// The identity's name.
+        name: String,
+        /// The NKey user seed (`SU…`).
+        seed: String,
+    },
 }
 
 impl fmt::Debug for NatsAuth {
@@ -124,6 +134,9 @@ impl fmt::Debug for NatsAuth {
                 f.debug_struct("UserPassword").field("user", user).field("password", &"<redacted>").finish()
             }
             NatsAuth::Token(_) => f.write_str("Token(<redacted>)"),
+            NatsAuth::Nkey { name, .. } => {
+                f.debug_struct("Nkey").field("name", name).field("seed", &"<redacted>").finish()
+            }
         }
     }
 }
@@ -134,6 +147,7 @@ impl NatsAuth {
         match self {
             NatsAuth::UserPassword { user, .. } => format!("user {user}"),
             NatsAuth::Token(_) => "a token".to_string(),
+            NatsAuth::Nkey { name, .. } => format!("nkey identity {name}"),
         }
     }
 
@@ -148,6 +162,7 @@ impl NatsAuth {
     pub fn inbox_prefix(&self) -> String {
         match self {
             NatsAuth::UserPassword { user, .. } if is_subject_token(user) => format!("{PRIVATE_INBOX_PREFIX}{user}"),
+            NatsAuth::Nkey { name, .. } if is_subject_token(name) => format!("{PRIVATE_INBOX_PREFIX}{name}"),
             _ => "_INBOX".to_string(),
         }
     }
@@ -506,6 +521,7 @@ impl NatsBus {
                         options.user_and_password(user.clone(), password.clone())
                     }
                     Some(NatsAuth::Token(token)) => options.token(token.clone()),
+                    Some(NatsAuth::Nkey { seed, .. }) => options.nkey(seed.clone()),
                     None => options,
                 };
                 if let Some(auth) = &config.auth {
@@ -518,7 +534,7 @@ impl NatsBus {
                         let who = config.auth.as_ref().map_or_else(|| "anonymous".to_string(), NatsAuth::describe);
                         break Err(failed(
                             "connect",
-                            format!("nats server {} refused {who}: {err} (wrong user or password?)", config.url),
+                            format!("nats server {} refused {who}: {err} (wrong user, password or nkey?)", config.url),
                         ));
                     }
                     Ok(Err(err)) => err.to_string(),

@@ -571,6 +571,16 @@ fn prime_pull(prefetch: &mut Option<consumer::pull::Stream>, early: &mut VecDequ
     take_ready(prefetch, PREFETCH_MAX, |message| early.push_back(message));
 }
 
+/// The actor token of a trajectory subject `volley.<run>.traj.<actor>`: everything after the
+/// run's trajectory prefix (a subject of more tokens yields a token with dots, which no actor
+/// id equals, so the learner refuses its segments). `None` for a subject outside the run's
+/// trajectories, which the stream does not hold.
+fn subject_actor(run: &volley_core::ids::RunId, subject: &str) -> Option<String> {
+    let all = subjects::trajectories_all(run);
+    let prefix = all.strip_suffix('>')?;
+    subject.strip_prefix(prefix).map(str::to_string)
+}
+
 /// Turn one delivered message into deliveries, calling `deliver` with each segment (decoded,
 /// or why not) and a fresh token: one for a plain segment message, one per part of a batch
 /// frame, one error for a frame whose header does not check out.
@@ -741,8 +751,10 @@ impl TrajectorySource for NatsTrajectorySource {
                 }
             }
             let before = self.ready.len();
+            let subject_actor = subject_actor(&shared.config.run, &message.subject);
             unpack_message(&message.payload, stream_sequence, &mut self.next_token, |segment, token| {
-                self.ready.push_back(Delivery { segment, token, delivery_count: delivered });
+                let subject_actor = subject_actor.clone();
+                self.ready.push_back(Delivery { segment, token, delivery_count: delivered, subject_actor });
             });
             let n_parts = self.ready.len() - before;
             unpacked += n_parts;

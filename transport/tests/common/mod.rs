@@ -4,11 +4,12 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use volley_core::ids::{PolicyVersion, RunId};
+use volley_core::ids::{ActorId, PolicyVersion, RunId};
 use volley_core::spec::{HyperParams, RunSpec, StoreLimits};
 use volley_core::wire::{TrajectorySegment, Weights};
 use volley_testkit::fixtures::{SegmentBuilder, SpecBuilder};
 use volley_testkit::TestNats;
+use volley_transport::nats::identity::{actor_nkey_variable, ActorIdentity};
 use volley_transport::nats::{NatsBus, NatsConfig};
 
 /// A small CartPole run spec for `run`, with small store bounds: JetStream reserves every
@@ -61,8 +62,20 @@ pub fn stepped_weights(version: u64, n_params: usize, layout_hash: u64) -> Arc<W
 
 /// The passwords the repo's broker config reads from its environment, in `repo_broker`.
 pub const LEARNER_PASSWORD: &str = "learner-test-password";
-pub const ACTOR_PASSWORD: &str = "actor-test-password";
 pub const ENV_PASSWORD: &str = "env-test-password";
+
+/// Actor identity slots in the repo's broker config (`actor-0` to `actor-3`, whose public keys
+/// it reads from `VOLLEY_ACTOR_<i>_NKEY`; issue 46 item 3).
+pub const ACTOR_IDENTITIES: usize = 4;
+
+/// Test identity `actor-<index>` of the repo's broker config: a fixed NKey pair per slot, so
+/// every broker `repo_broker` starts knows it.
+pub fn actor_identity(index: usize) -> ActorIdentity {
+    let raw = [index as u8 + 1; 32];
+    let pair = nkeys::KeyPair::new_from_raw(nkeys::KeyPairType::User, raw).expect("a user key from 32 bytes");
+    let name = ActorId::new(format!("actor-{index}")).expect("a valid actor id");
+    ActorIdentity::from_seed(name, &pair.seed().expect("a seed"), "test").expect("a user seed")
+}
 
 /// A file of the repository, from the transport crate's tests.
 pub fn repo_file(relative: &str) -> PathBuf {
@@ -77,10 +90,19 @@ pub fn repo_broker() -> TestNats {
     let accounts = std::fs::read_to_string(repo_file("broker-config/accounts.conf")).expect("read accounts.conf");
     TestNats::start_with_config(
         &accounts,
-        &[
-            ("VOLLEY_LEARNER_PASSWORD", LEARNER_PASSWORD),
-            ("VOLLEY_ACTOR_PASSWORD", ACTOR_PASSWORD),
-            ("VOLLEY_ENV_SERVER_PASSWORD", ENV_PASSWORD),
-        ],
+        &repo_broker_environment().iter().map(|(k, v)| (k.as_str(), v.as_str())).collect::<Vec<_>>(),
     )
+}
+
+/// What the repo's broker config reads from its environment: passwords and the actor
+/// identities' public keys.
+pub fn repo_broker_environment() -> Vec<(String, String)> {
+    let mut variables = vec![
+        ("VOLLEY_LEARNER_PASSWORD".to_string(), LEARNER_PASSWORD.to_string()),
+        ("VOLLEY_ENV_SERVER_PASSWORD".to_string(), ENV_PASSWORD.to_string()),
+    ];
+    for index in 0..ACTOR_IDENTITIES {
+        variables.push((actor_nkey_variable(index), actor_identity(index).public_key().to_string()));
+    }
+    variables
 }
