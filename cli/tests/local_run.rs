@@ -151,3 +151,50 @@ fn local_run_refuses_a_taken_port() {
     assert!(said.contains("already in use"), "{said}");
     assert!(!data.path().join("learner.json").exists(), "no learner was started:\n{said}");
 }
+
+/// Issue 46 item 3: `local-run.sh -a` runs the repo's broker config, the learner logging in as
+/// `learner-local` and each actor as an NKey identity of its own, made by `volley creds actors`
+/// in the data directory: the run takes its step budget with no permission violation and no
+/// segment refused, and each actor's id is its identity's name.
+#[test]
+fn local_run_with_auth_runs_each_actor_as_its_own_identity() {
+    let data = tempfile::tempdir().expect("temp dir");
+    let stderr = data.path().join("local-run.stderr");
+    let port = free_port();
+    let mut script = Command::new("bash")
+        .arg(script())
+        .args(["-a", "-n", "2", "-p", &port.to_string(), "-d"])
+        .arg(data.path())
+        .args(["--", "--max-env-steps", "2000"])
+        .env("VOLLEY_BIN", env!("CARGO_BIN_EXE_volley"))
+        .env("PATH", path_with_nats_server())
+        .env("VOLLEY_LOCAL_NICE", "0")
+        .env("RUST_LOG", "info")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(fs::File::create(&stderr).expect("stderr file"))
+        .process_group(0)
+        .spawn()
+        .expect("start deploy/local-run.sh -a");
+    let status = wait_within(&mut script, PATIENCE);
+    if status.is_none() {
+        kill_group(&script, "-KILL");
+        let _ = script.wait();
+    }
+    let said = fs::read_to_string(&stderr).unwrap_or_default();
+    let logs = data.path().join("logs");
+    let status = status.unwrap_or_else(|| panic!("local-run.sh -a did not finish within {PATIENCE:?}:\n{said}"));
+    assert!(status.success(), "local-run.sh -a exited {status}:\n{said}");
+    let summary: serde_json::Value =
+        serde_json::from_str(&fs::read_to_string(data.path().join("learner.json")).expect("learner.json"))
+            .expect("the learner's summary");
+    assert_eq!(summary["stop_reason"], "env_step_budget", "{summary}");
+    assert_eq!(summary["segments_rejected"], serde_json::json!({}), "{summary}");
+    let nats_log = fs::read_to_string(logs.join("nats.log")).expect("nats.log");
+    assert!(!nats_log.contains("Violation"), "permission violations:\n{nats_log}");
+    for index in 0..2 {
+        let actor_log = fs::read_to_string(logs.join(format!("actor-{index}.log"))).expect("actor log");
+        assert!(actor_log.contains(&format!("actor=actor-{index}")), "actor {index}:\n{actor_log}");
+    }
+    assert!(data.path().join("identities/actor-3.nk").is_file(), "the identities live in the data directory");
+}
