@@ -679,13 +679,26 @@ fn check_segment_fits(spec: &volley_core::spec::RunSpec, max_payload: usize) -> 
 
 #[cfg(test)]
 mod tests {
-    use super::check_segment_fits;
+    use super::{actor_identity, check_segment_fits, NatsAuth};
     use volley_env::{EnvConfig, EnvServiceName, RemoteEnvConfig};
     use volley_testkit::fixtures::SpecBuilder;
 
     /// Pong with 4 stacked 84×84 frames: 32-step segments fit the 1 MiB default `max_payload`,
     /// 64-step ones are refused at start with the longest that fits; vector envs are not
     /// checked.
+    /// Issue 46 item 3: an actor with an NKey identity is that identity's actor: its id
+    /// defaults to the identity's name, and an `--actor-id` naming another actor (whose
+    /// subjects the broker would deny it) is refused at start.
+    #[test]
+    fn an_nkey_identity_names_the_actor_and_refuses_another_id() {
+        let auth = NatsAuth::Nkey { name: "actor-2".into(), seed: "unused".into() };
+        assert_eq!(actor_identity(None, Some(&auth)).expect("its name").as_str(), "actor-2");
+        assert_eq!(actor_identity(Some("actor-2".into()), Some(&auth)).expect("the same").as_str(), "actor-2");
+        let err = actor_identity(Some("actor-1".into()), Some(&auth)).expect_err("another actor's id");
+        assert!(err.to_string().contains("may publish only as actor actor-2"), "{err}");
+        assert_eq!(actor_identity(Some("any".into()), None).expect("no identity").as_str(), "any");
+    }
+
     #[test]
     fn image_segments_over_max_payload_are_refused_at_start() {
         let pong = RemoteEnvConfig {
