@@ -28,8 +28,9 @@
 //!
 //! This module holds the connection ([`NatsBus`], its config, auth, retries and the helpers
 //! every component uses); each component lives in its own file with the `NatsBus` method
-//! that makes it: [`sink`] (actors' segments), [`source`] (the learner's consumer and replay),
-//! [`weights`] (publisher and follower) and [`work`] (work queue and snapshot store).
+//! that makes it: [`sink`] (actors' segments, paced by the learner's backlog in `pacing`),
+//! [`source`] (the learner's consumer and replay), [`weights`] (publisher and follower) and
+//! [`work`] (work queue and snapshot store).
 
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
@@ -57,6 +58,7 @@ use volley_core::wire::{self, TrajectorySegment, Weights};
 
 mod consumers;
 mod dispatch;
+mod pacing;
 pub mod sink;
 pub mod source;
 pub mod weights;
@@ -70,16 +72,6 @@ pub use work::{NatsSnapshotStore, NatsWorkQueue, NatsWorkSource};
 use source::fetch_into;
 use work::ensure_work_objects;
 
-/// How often a throttled sink re-reads the learner's backlog. Short, because a fast learner
-/// drains a batch in well under a millisecond; one consumer-info request costs the server
-/// about as much as one small publish.
-const PACING_POLL: Duration = Duration::from_millis(2);
-/// How long a backlog reading that showed room is trusted (counting the sink's own publishes
-/// since), so a burst of segments does not cost one consumer-info request each. Short: other
-/// actors publish meanwhile too, and every segment of overshoot adds policy lag.
-const PACING_CACHE: Duration = Duration::from_millis(20);
-/// Shortest sleep of a throttled sink between predictions of the backlog.
-const PACING_MIN_SLEEP: Duration = Duration::from_micros(100);
 /// Deadline of the consumer-info request behind pacing and `backlog()`: short, because a slow
 /// answer must not stall the caller (an unknown backlog does not block).
 const BACKLOG_DEADLINE: Duration = Duration::from_millis(500);
