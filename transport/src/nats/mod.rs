@@ -32,29 +32,25 @@
 //! [`source`] (the learner's consumer and replay), [`weights`] (publisher and follower) and
 //! [`work`] (work queue and snapshot store).
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::fmt;
 use std::future::{Future, IntoFuture};
-use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use async_nats::jetstream::{self, consumer, kv, object_store, stream, AckKind, ErrorCode};
+use async_nats::jetstream::{self, consumer, kv, object_store, stream, ErrorCode};
 use async_nats::{ConnectErrorKind, ConnectOptions, Event, ServerError, Subject};
 use bytes::Bytes;
 use futures::StreamExt;
 use tokio::runtime::Handle;
 use tracing::{debug, info, warn};
 
-use super::{
-    Delivery, DeliveryToken, LiveWeightsSender, TrajectorySink, TrajectorySource, TransportError, WeightsFollower,
-    WeightsPublisher,
-};
-use volley_core::ids::{ActorId, PolicyVersion, RunId};
+use super::{LiveWeightsSender, TransportError, WeightsFollower, WeightsPublisher};
+use volley_core::ids::{PolicyVersion, RunId};
 use volley_core::spec::{RunSpec, StoreLimits, StoredSpecError};
 use volley_core::subjects;
-use volley_core::wire::{self, TrajectorySegment, Weights};
+use volley_core::wire::{self, Weights};
 
 mod consumers;
 mod dispatch;
@@ -69,7 +65,6 @@ pub use source::NatsTrajectorySource;
 pub use weights::{NatsWeightsFollower, NatsWeightsPublisher};
 pub use work::{NatsSnapshotStore, NatsWorkQueue, NatsWorkSource};
 
-use source::fetch_into;
 use work::ensure_work_objects;
 
 /// Deadline of the consumer-info request behind pacing and `backlog()`: short, because a slow

@@ -1,10 +1,28 @@
 //! The trajectory sink: actors publish segments with pacing by the learner's backlog and
 //! bounded in-flight acknowledgements.
 
+use std::collections::VecDeque;
+use std::fmt;
+use std::future::{Future, IntoFuture};
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use async_nats::jetstream;
+use async_nats::Subject;
+use bytes::Bytes;
+use tokio::runtime::Handle;
+use tracing::{debug, info, warn};
+use volley_core::ids::ActorId;
+use volley_core::subjects;
+use volley_core::wire::{self, TrajectorySegment};
+
 use super::pacing::{
     follow_pace_notices, pace_contradiction, PaceBoard, Pacing, Reading, PACE_DISTRUST, PACING_CACHE, PACING_POLL,
 };
-use super::*;
+use super::{call, denied, failed, incarnation, reconnected_since, source, Backoff, NatsBus, Shared, BACKLOG_DEADLINE};
+use crate::{TrajectorySink, TransportError};
 
 impl NatsBus {
     /// Actor side: a sink publishing as `actor`. `stop` ends its retries and waits with
@@ -118,13 +136,13 @@ struct Outgoing {
 /// - A segment whose encoded size plus headers exceeds the server's `max_payload` is refused
 ///   with [`TransportError::Failed`] naming both sizes; nothing from that call is published.
 /// - The segments of one `publish` call travel together: up to
-///   [`NatsConfig::max_segments_per_message`] of them in one message (a batch frame,
+///   [`NatsConfig::max_segments_per_message`](super::NatsConfig::max_segments_per_message) of them in one message (a batch frame,
 ///   [`wire::batch`], each segment still encoded and checksummed on its own), as many as fit
-///   in [`NatsConfig::max_frame_bytes`] and `max_payload`. A call's segments are never held
+///   in [`NatsConfig::max_frame_bytes`](super::NatsConfig::max_frame_bytes) and `max_payload`. A call's segments are never held
 ///   back for a later call's, so batching adds no latency here (an actor may hand over two
 ///   fast rounds in one call: `RolloutWorker::with_rounds_per_publish`). A lone segment is
 ///   sent as a plain segment message.
-/// - Up to [`NatsConfig::publish_window`] publish acks are in flight; `publish` returns once
+/// - Up to [`NatsConfig::publish_window`](super::NatsConfig::publish_window) publish acks are in flight; `publish` returns once
 ///   every segment was sent and all but that many were acknowledged. [`NatsTrajectorySink::flush`]
 ///   (and drop, best effort) waits for the rest.
 /// - A failed publish or a missing ack is retried with backoff, under the same message id so
@@ -135,7 +153,7 @@ struct Outgoing {
 ///   counting this sink's own publishes since the reading and those not acknowledged when it
 ///   was taken, which it may not include yet, predicted in between from the learner's measured
 ///   drain rate, never draining more than one bound per reading) is at or above
-///   [`NatsConfig::max_backlog_segments`] (see [`NatsTrajectorySink::set_max_backlog_segments`]);
+///   [`NatsConfig::max_backlog_segments`](super::NatsConfig::max_backlog_segments) (see [`NatsTrajectorySink::set_max_backlog_segments`]);
 ///   the time is counted in [`TrajectorySink::throttled`]. With no learner consumer yet it does
 ///   not wait (the stream keeps the segments). With many actors the bound is approximate:
 ///   each may overshoot by what the others published since its last reading. A sink that
@@ -202,9 +220,9 @@ fn msg_id_header_bytes(msg_id: &str) -> usize {
 struct FrameLimits {
     /// The server's limit on a message, headers included.
     max_payload: usize,
-    /// [`NatsConfig::max_segments_per_message`].
+    /// [`NatsConfig::max_segments_per_message`](super::NatsConfig::max_segments_per_message).
     max_segments: usize,
-    /// [`NatsConfig::max_frame_bytes`].
+    /// [`NatsConfig::max_frame_bytes`](super::NatsConfig::max_frame_bytes).
     max_frame_bytes: usize,
 }
 
@@ -302,7 +320,7 @@ impl NatsTrajectorySink {
         &self.subject
     }
 
-    /// Override the pacing bound of this sink ([`NatsConfig::max_backlog_segments`] by
+    /// Override the pacing bound of this sink ([`NatsConfig::max_backlog_segments`](super::NatsConfig::max_backlog_segments) by
     /// default), e.g. with the value from the run spec read after connecting.
     pub fn set_max_backlog_segments(&mut self, max_backlog_segments: u64) {
         self.max_backlog_segments = max_backlog_segments;
