@@ -11,7 +11,7 @@ use volley_actor::{ActorCounters, ActorMetrics, RolloutWorker};
 use volley_core::ids::{ActorId, PolicyVersion, RunId};
 use volley_env::{EnvConfig, RemoteEnvConfig};
 use volley_learner::metrics::{ActorLag, WorkMetrics};
-use volley_learner::scheduler::{Planned, Scheduler, WorkPlanner};
+use volley_learner::select::scheduler::{Planned, Scheduler, WorkPlanner};
 use volley_learner::tensorboard::TensorBoardLog;
 use volley_learner::{
     run_learner, Checkpoint, Learner, LearnerControl, LearnerMetrics, LearnerReport, RunLimits, StopReason, UpdateStats,
@@ -265,7 +265,7 @@ pub fn learner(config: LearnerConfig, interrupted: Arc<AtomicBool>) -> anyhow::R
         segments_stale: report.segments_stale,
         segments_duplicate: report.segments_duplicate,
         segments_rejected: report.segments_rejected.iter().map(|(k, v)| (k.to_string(), *v)).collect(),
-        windows: volley_learner::windows::WindowOutcome::ALL
+        windows: volley_learner::select::windows::WindowOutcome::ALL
             .iter()
             .zip(report.windows)
             .map(|(outcome, n)| (outcome.as_str(), n))

@@ -6,7 +6,7 @@
 //! then, while the learner goes on with the next updates) (or after it was dropped by
 //! trajectory selection or rejected as malformed, which are final decisions). A crash before
 //! that point leaves the segment unacknowledged, so a networked transport redelivers it. Which
-//! segments feed an update, and with what weight, is [`crate::selection`]'s decision.
+//! segments feed an update, and with what weight, is [`crate::select::selection`]'s decision.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -19,12 +19,12 @@ use volley_transport::nats::CONSUMER_MAX_ACK_PENDING;
 use volley_transport::rejection_log::RejectionLog;
 use volley_transport::{Delivery, DeliveryToken, TrajectorySource, TransportError, WeightsPublisher};
 
-use crate::admission::Admission;
 use crate::batch::SegmentBatch;
+use crate::ingest::admission::Admission;
+use crate::ingest::seen::{SeenSegments, SEEN_STREAMS};
 use crate::learner::{Learner, UpdateStats};
-use crate::seen::{SeenSegments, SEEN_STREAMS};
-use crate::selection::{DropReason, Dropped, GroupStats, Selector};
-use crate::windows::WindowOutcome;
+use crate::select::selection::{DropReason, Dropped, GroupStats, Selector};
+use crate::select::windows::WindowOutcome;
 
 /// When the learner loop stops by itself.
 #[derive(Debug, Clone, Default)]

@@ -4,29 +4,31 @@
 //! Invariant: the learner's policy version increases by exactly one per published update and
 //! never goes backwards; every sample's lag is measured against it.
 //! Start reading at [`learner::Learner`] (one update) and [`consume::run_learner`] (the loop).
+//!
+//! Folders follow a segment's path: [`ingest`] (admission, the duplicate filter) → [`select`]
+//! (the pool, its filters and the draw; the rollout scheduler) → the update ([`learner`],
+//! [`train`], [`losses`], [`net`], [`optim`] on a [`backend`]) → [`publish`] (weights versions,
+//! checkpoints); [`consume`] runs the loop, and [`metrics`] and [`tensorboard`] export what it
+//! reports.
 
-pub mod admission;
 pub mod backend;
 pub mod batch;
-pub mod checkpoint;
 pub mod consume;
 pub mod gaussian_losses;
-pub mod groups;
+pub mod ingest;
 pub mod learner;
 pub mod losses;
 pub mod metrics;
 pub mod net;
 pub mod optim;
-pub mod scheduler;
-pub mod seen;
-pub mod selection;
+pub mod publish;
+pub mod select;
 pub mod telemetry;
 pub mod tensorboard;
 pub mod train;
-pub mod windows;
 
-pub use checkpoint::{Checkpoint, CheckpointError};
 pub use consume::{run_learner, LearnerControl, LearnerReport, RunLimits, StopReason};
 pub use learner::{AbsurdVersion, Learner, LearnerError, UpdateStats};
 pub use metrics::LearnerMetrics;
-pub use selection::{DropReason, Selector, ValueSource};
+pub use publish::checkpoint::{Checkpoint, CheckpointError};
+pub use select::selection::{DropReason, Selector, ValueSource};
