@@ -22,13 +22,15 @@ pub mod metrics;
 pub mod net;
 pub mod optim;
 pub mod publish;
+pub mod report;
 pub mod select;
 pub mod telemetry;
 pub mod tensorboard;
 pub mod train;
 
-pub use consume::{run_learner, LearnerControl, LearnerReport, RunLimits, StopReason};
+pub use consume::{run_learner, LearnerControl, RunLimits};
 pub use learner::{AbsurdVersion, Learner, LearnerError, UpdateStats};
 pub use metrics::LearnerMetrics;
 pub use publish::checkpoint::{Checkpoint, CheckpointError};
+pub use report::{LearnerReport, StopReason};
 pub use select::selection::{DropReason, Selector, ValueSource};

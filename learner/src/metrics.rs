@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use prometheus::{Counter, Gauge, GaugeVec, Histogram, HistogramOpts, IntCounter, IntCounterVec, Opts, Registry};
 
-use crate::consume::LearnerReport;
 use crate::learner::{Learner, UpdateStats};
+use crate::report::LearnerReport;
 
 /// Handles to every learner metric.
 pub struct LearnerMetrics {
