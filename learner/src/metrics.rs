@@ -8,6 +8,7 @@ use prometheus::{Counter, Gauge, GaugeVec, Histogram, HistogramOpts, IntCounter,
 
 use crate::learner::{Learner, UpdateStats};
 use crate::report::LearnerReport;
+use crate::select::scheduler::{Scheduler, SchedulerObserver};
 
 /// Handles to every learner metric.
 pub struct LearnerMetrics {
@@ -439,6 +440,12 @@ impl ActorLag {
     }
 }
 
+impl SchedulerObserver for WorkMetrics {
+    fn observe(&self, scheduler: &Scheduler) {
+        WorkMetrics::observe(self, scheduler);
+    }
+}
+
 /// The budget scheduler's metrics (learners of runs with `work.enabled`): each task's share of
 /// the work items and its recent success rate (label `task` = task index, bounded by the
 /// run's task list), work items issued by kind of start, and saved states known.
@@ -508,7 +515,7 @@ impl WorkMetrics {
     }
 
     /// Copy the scheduler's state.
-    pub fn observe(&self, scheduler: &crate::select::scheduler::Scheduler) {
+    pub fn observe(&self, scheduler: &Scheduler) {
         for (task, (stats, share)) in scheduler.task_stats().iter().zip(scheduler.budget_shares()).enumerate() {
             let label = task.to_string();
             self.share.with_label_values(&[&label]).set(share);
