@@ -9,7 +9,7 @@ use prometheus::core::{Collector, Desc};
 use prometheus::proto::MetricFamily;
 use prometheus::{Counter, Gauge, IntCounter, IntCounterVec, Opts, Registry};
 
-use crate::rollout::ActorCounters;
+use crate::counters::ActorCounters;
 
 /// Exports an actor's counters.
 pub struct ActorMetrics {
