@@ -502,7 +502,7 @@ pub fn actor(args: ActorArgs, interrupted: Arc<AtomicBool>) -> anyhow::Result<()
                 Err(_) if stop.load(Ordering::Acquire) => return Ok(()),
                 Err(err) => return Err(err).with_context(|| format!("remote environment {}", remote.service)),
             };
-            let envs = crate::env_serve::actor_envs(envs, remote)
+            let envs = crate::remote_env::actor_envs(envs, remote)
                 .with_context(|| format!("remote environment {}", remote.service))?;
             RolloutWorker::with_envs(spec.clone(), actor_id.clone(), envs, seed, counters.clone())
         }

@@ -5,6 +5,7 @@ mod bench;
 mod curve;
 mod distributed;
 mod env_serve;
+mod remote_env;
 mod serve;
 mod train;
 

@@ -183,7 +183,7 @@ pub fn train(config: TrainConfig, interrupted: Arc<AtomicBool>) -> anyhow::Resul
             // A remote environment: each actor thread steps its own sessions on the servers.
             (EnvConfig::Remote(remote), Some(nats)) => {
                 let envs = remote_envs(remote, nats, config.envs_per_actor, seed, actor_counters, &interrupted)
-                    .and_then(|envs| crate::env_serve::actor_envs(envs, remote))
+                    .and_then(|envs| crate::remote_env::actor_envs(envs, remote))
                     .with_context(|| format!("remote environment {} for actor {actor_id}", remote.service))?;
                 RolloutWorker::with_envs(spec.clone(), actor_id.clone(), envs, seed, actor_counters.clone())
             }
