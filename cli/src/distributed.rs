@@ -11,7 +11,7 @@ use volley_actor::{ActorCounters, ActorMetrics, RolloutWorker};
 use volley_core::ids::{ActorId, PolicyVersion, RunId};
 use volley_env::{EnvConfig, RemoteEnvConfig};
 use volley_learner::metrics::{ActorLag, WorkMetrics};
-use volley_learner::select::scheduler::{Planned, Scheduler, WorkPlanner};
+use volley_learner::scheduler::{Planned, Scheduler, WorkPlanner};
 use volley_learner::tensorboard::TensorBoardLog;
 use volley_learner::{
     run_learner, Checkpoint, Learner, LearnerControl, LearnerMetrics, LearnerReport, RunLimits, StopReason, UpdateStats,

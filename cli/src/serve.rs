@@ -167,7 +167,7 @@ mod tests {
         let mut actor_lag = volley_learner::metrics::ActorLag::register(&learner_registry).expect("actor lag");
         actor_lag.observe("actor-0", 1);
         let work = volley_learner::metrics::WorkMetrics::register(&learner_registry).expect("work metrics");
-        let scheduler = volley_learner::select::scheduler::Scheduler::new(
+        let scheduler = volley_learner::scheduler::Scheduler::new(
             &volley_core::work::WorkConfig::default(),
             &EnvConfig::Cartpole,
             0,

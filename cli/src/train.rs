@@ -16,7 +16,7 @@ use tracing::{info, warn};
 use volley_actor::{ActorCounters, RolloutWorker};
 use volley_core::ids::{ActorId, PolicyVersion};
 use volley_env::EnvConfig;
-use volley_learner::select::scheduler::{Planned, Scheduler, WorkPlanner};
+use volley_learner::scheduler::{Planned, Scheduler, WorkPlanner};
 use volley_learner::tensorboard::TensorBoardLog;
 use volley_learner::{run_learner, Learner, LearnerControl, LearnerReport, RunLimits, UpdateStats};
 use volley_transport::envsvc::{EnvServiceClient, RemoteVecEnv, RemoteVecEnvConfig};

@@ -6,10 +6,11 @@
 //! Start reading at [`learner::Learner`] (one update) and [`consume::run_learner`] (the loop).
 //!
 //! Folders follow a segment's path: [`ingest`] (admission, the duplicate filter) → [`select`]
-//! (the pool, its filters and the draw; the rollout scheduler) → the update ([`learner`],
+//! (the pool, its filters and the draw) → the update ([`learner`],
 //! [`train`], [`losses`], [`net`], [`optim`] on a [`backend`]) → [`publish`] (weights versions,
-//! checkpoints); [`consume`] runs the loop, and [`metrics`] and [`tensorboard`] export what it
-//! reports.
+//! checkpoints); [`consume`] runs the loop and [`report`] keeps its report, [`scheduler`]
+//! plans the actors' next episodes from the same segments, and [`metrics`] and
+//! [`tensorboard`] export what they report.
 
 pub mod backend;
 pub mod batch;
@@ -23,6 +24,7 @@ pub mod net;
 pub mod optim;
 pub mod publish;
 pub mod report;
+pub mod scheduler;
 pub mod select;
 pub mod telemetry;
 pub mod tensorboard;

@@ -8,7 +8,7 @@ use prometheus::{Counter, Gauge, GaugeVec, Histogram, HistogramOpts, IntCounter,
 
 use crate::learner::{Learner, UpdateStats};
 use crate::report::LearnerReport;
-use crate::select::scheduler::{Scheduler, SchedulerObserver};
+use crate::scheduler::{Scheduler, SchedulerObserver};
 
 /// Handles to every learner metric.
 pub struct LearnerMetrics {
