@@ -36,7 +36,7 @@ pub fn env_serve(args: EnvServeArgs, interrupted: Arc<AtomicBool>) -> anyhow::Re
         .context("starting the runtime")?;
     let url = args.nats.nats_url.clone();
     let client = runtime
-        .block_on(connect_env_server(&url, auth.as_ref(), CONNECT_TIMEOUT, timeout))
+        .block_on(connect_env_server(&url, auth.as_ref(), &args.nats.tls.tls(), CONNECT_TIMEOUT, timeout))
         .with_context(|| format!("connecting to NATS at {url}"))?;
     info!(url = %url, name = %config.name, env = %config.env_label, max_sessions = config.max_sessions,
           max_envs_per_session = config.max_envs_per_session, idle_timeout_secs = config.idle_timeout.as_secs_f64(),
@@ -67,8 +67,14 @@ pub fn env_serve(args: EnvServeArgs, interrupted: Arc<AtomicBool>) -> anyhow::Re
 
 /// Ask the servers of `service` for its spaces, waiting up to `wait` for one to appear.
 pub fn remote_env_config(nats: &NatsArgs, service: &EnvServiceName, wait: Duration) -> anyhow::Result<RemoteEnvConfig> {
-    let client = EnvServiceClient::connect(&nats.nats_url, nats.auth()?.as_ref(), CONNECT_TIMEOUT, nats.timeout()?)
-        .with_context(|| format!("connecting to NATS at {}", nats.nats_url))?;
+    let client = EnvServiceClient::connect(
+        &nats.nats_url,
+        nats.auth()?.as_ref(),
+        &nats.tls.tls(),
+        CONNECT_TIMEOUT,
+        nats.timeout()?,
+    )
+    .with_context(|| format!("connecting to NATS at {}", nats.nats_url))?;
     let started = Instant::now();
     let mut last_log: Option<Instant> = None;
     loop {

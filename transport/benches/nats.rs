@@ -46,7 +46,7 @@ use volley_env::EnvConfig;
 use volley_policy::{Activation, PolicySpec};
 use volley_testkit::fixtures::SegmentBuilder;
 use volley_testkit::TestNats;
-use volley_transport::nats::{NatsBus, NatsConfig};
+use volley_transport::nats::{NatsBus, NatsConfig, NatsTls};
 use volley_transport::TrajectorySink;
 
 /// Segments per `publish` call: one actor with 8 environments.
@@ -121,14 +121,18 @@ fn purge(bus: &NatsBus) {
 
 fn bench_segments(c: &mut Criterion) {
     let server = TestNats::start();
-    let bus = NatsBus::connect(NatsConfig::new(server.url(), RunId::new(RUN).expect("valid run id")))
-        .expect("connect to the bench server");
+    let bus = NatsBus::connect(
+        NatsConfig::new(server.url(), RunId::new(RUN).expect("valid run id"))
+            .with_tls(NatsTls::with_ca(server.ca_file())),
+    )
+    .expect("connect to the bench server");
     bus.ensure_run(&spec()).expect("create the run");
     let actor = ActorId::new(ACTOR).expect("valid actor id");
     let mut sink = bus.trajectory_sink(&actor, Arc::new(AtomicBool::new(false))).expect("open the sink");
     sink.set_max_backlog_segments(u64::MAX);
     let subject = sink.subject().to_string();
-    let mut single_config = NatsConfig::new(server.url(), RunId::new(RUN).expect("valid run id"));
+    let mut single_config = NatsConfig::new(server.url(), RunId::new(RUN).expect("valid run id"))
+        .with_tls(NatsTls::with_ca(server.ca_file()));
     single_config.max_segments_per_message = 1;
     let single_bus = NatsBus::connect(single_config).expect("connect to the bench server");
     let mut single_sink =

@@ -23,7 +23,7 @@ use volley_core::spec::RunSpec;
 use volley_core::subjects;
 use volley_core::wire::{TrajectorySegment, Weights};
 use volley_testkit::TestNats;
-use volley_transport::nats::{NatsAuth, NatsBus, NatsConfig};
+use volley_transport::nats::{NatsAuth, NatsBus, NatsConfig, NatsTls};
 use volley_transport::{TrajectorySink, TrajectorySource, TransportError, WeightsFollower, WeightsPublisher};
 
 /// The run `broker-config/accounts.conf` has users for.
@@ -37,7 +37,8 @@ const GUARD: Duration = Duration::from_secs(60);
 const DENIED: &str = "permission denied by the nats server";
 
 fn config(server: &TestNats, run: &str, user: &str, password: &str) -> NatsConfig {
-    let mut config = NatsConfig::new(server.url(), RunId::new(run).expect("a valid run id"));
+    let mut config = NatsConfig::new(server.url(), RunId::new(run).expect("a valid run id"))
+        .with_tls(NatsTls::with_ca(server.ca_file()));
     config.connect_timeout = Duration::from_secs(10);
     config.request_timeout = Duration::from_secs(2);
     config.retry_deadline = Duration::from_secs(4);
@@ -453,7 +454,13 @@ fn env_server_user_serves_its_service_and_nothing_else() {
     let env_user = auth(&format!("env-{ENV_SERVICE}"), ENV_PASSWORD);
     let timeout = Duration::from_secs(5);
     let env_client = runtime
-        .block_on(connect_env_server(&server.url(), Some(&env_user), timeout, timeout))
+        .block_on(connect_env_server(
+            &server.url(),
+            Some(&env_user),
+            &NatsTls::with_ca(server.ca_file()),
+            timeout,
+            timeout,
+        ))
         .expect("the env server connects");
     let factory: EnvFactory = Arc::new(|| volley_env::EnvConfig::Cartpole.build());
     let name = EnvServiceName::new(ENV_SERVICE).expect("valid");
@@ -463,8 +470,14 @@ fn env_server_user_serves_its_service_and_nothing_else() {
 
     // Actors step it, the learner asks it for the spaces.
     for (user, password) in [("actor-local", ACTOR_PASSWORD), ("learner-local", LEARNER_PASSWORD)] {
-        let client = EnvServiceClient::connect(&server.url(), Some(&auth(user, password)), timeout, timeout)
-            .unwrap_or_else(|err| panic!("{user} connects: {err}"));
+        let client = EnvServiceClient::connect(
+            &server.url(),
+            Some(&auth(user, password)),
+            &NatsTls::with_ca(server.ca_file()),
+            timeout,
+            timeout,
+        )
+        .unwrap_or_else(|err| panic!("{user} connects: {err}"));
         let instances = client.block_on(client.discover(&name)).expect("discovery");
         assert_eq!(instances.len(), 1, "{user} finds the server:\n{}", violations(&server));
         let spaces = client.block_on(client.spaces(&instances[0])).expect("spaces");
