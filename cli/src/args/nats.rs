@@ -261,4 +261,21 @@ mod tests {
             assert!(err.to_string().contains("--nats-replicas"), "{err}");
         }
     }
+
+    /// Issue 46: the TLS flags reach the transport; a certificate needs its key.
+    #[test]
+    fn nats_tls_flags_reach_the_transport_config() {
+        let default = learner_config(&[]).expect("defaults are valid").nats.tls;
+        assert_eq!(default, volley_transport::nats::NatsTls::default(), "no tls setting by default");
+        let config =
+            learner_config(&["--nats-tls-ca", "ca.pem", "--nats-tls-cert", "c.pem", "--nats-tls-key", "k.pem"])
+                .expect("valid");
+        let expected = volley_transport::nats::NatsTls::with_ca("ca.pem").with_client_cert("c.pem", "k.pem");
+        assert_eq!(config.nats.tls, expected);
+        assert!(config.nats.tls.is_required());
+        let err = learner_config(&["--nats-tls-cert", "c.pem"]).expect_err("a certificate without its key");
+        assert!(err.to_string().contains("--nats-tls-key"), "{err}");
+        let required = learner_config(&["--nats-tls-required", "true"]).expect("valid").nats.tls;
+        assert!(required.required && required.ca_file.is_none());
+    }
 }
