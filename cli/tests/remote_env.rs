@@ -178,8 +178,6 @@ fn gymnasium_cartpole_served_by_python_is_solved_over_nats() {
                 "gymnasium:CartPole-v1",
                 "--nats",
                 &nats.url(),
-                "--nats-tls-ca",
-                &nats.ca_file().display().to_string(),
                 "--tls-ca",
                 &nats.ca_file().display().to_string(),
             ]);
@@ -278,8 +276,6 @@ fn python_server(dir: &Path, python: &str, nats: &TestNats, env: &str) -> Proc {
         env,
         "--nats",
         &nats.url(),
-        "--nats-tls-ca",
-        &nats.ca_file().display().to_string(),
         "--tls-ca",
         &nats.ca_file().display().to_string(),
     ]);
