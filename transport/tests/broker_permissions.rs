@@ -95,8 +95,11 @@ fn assert_no_violations(server: &TestNats) {
 
 #[test]
 fn repo_broker_config_passes_the_servers_config_check() {
-    // `-t` parses only; the store directory is not created.
+    // `-t` parses only; the store directory is not created. It does load the TLS certificate
+    // and key the config names (issue 46): a throwaway pair.
     let store = std::env::temp_dir().join("volley-broker-config-check");
+    let tls = tempfile::tempdir().expect("temp dir");
+    let pki = volley_testkit::tls::TestPki::generate(tls.path());
     let output = std::process::Command::new(volley_testkit::find_nats_server())
         .arg("-t")
         .arg("-c")
@@ -105,6 +108,8 @@ fn repo_broker_config_passes_the_servers_config_check() {
         .env("VOLLEY_LEARNER_PASSWORD", "x")
         .env("VOLLEY_ACTOR_PASSWORD", "y")
         .env("VOLLEY_ENV_SERVER_PASSWORD", "z")
+        .env("VOLLEY_NATS_TLS_CERT", pki.server_cert_file())
+        .env("VOLLEY_NATS_TLS_KEY", pki.server_key_file())
         .output()
         .expect("run nats-server -t");
     assert!(
