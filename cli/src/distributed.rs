@@ -484,8 +484,14 @@ pub fn actor(args: ActorArgs, interrupted: Arc<AtomicBool>) -> anyhow::Result<()
             // the env client waits on its runtime by itself, so it gets a connection and
             // worker threads of its own.
             let client = if bus.caller_driven() {
-                EnvServiceClient::connect(&config.url, config.auth.as_ref(), config.connect_timeout, timeout)
-                    .with_context(|| format!("connecting the environment client to NATS at {}", config.url))?
+                EnvServiceClient::connect(
+                    &config.url,
+                    config.auth.as_ref(),
+                    &config.tls,
+                    config.connect_timeout,
+                    timeout,
+                )
+                .with_context(|| format!("connecting the environment client to NATS at {}", config.url))?
             } else {
                 EnvServiceClient::with_client(bus.client().clone(), bus.handle().clone(), timeout)
             }

@@ -30,7 +30,7 @@ pub fn env_serve(args: EnvServeArgs, interrupted: Arc<AtomicBool>) -> anyhow::Re
         .context("starting the runtime")?;
     let url = args.nats.nats_url.clone();
     let client = runtime
-        .block_on(connect_env_server(&url, auth.as_ref(), CONNECT_TIMEOUT, timeout))
+        .block_on(connect_env_server(&url, auth.as_ref(), &args.nats.tls.tls(), CONNECT_TIMEOUT, timeout))
         .with_context(|| format!("connecting to NATS at {url}"))?;
     info!(url = %url, name = %config.name, env = %config.env_label, max_sessions = config.max_sessions,
           max_envs_per_session = config.max_envs_per_session, idle_timeout_secs = config.idle_timeout.as_secs_f64(),

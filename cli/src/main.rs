@@ -7,6 +7,7 @@ mod distributed;
 mod env_serve;
 mod remote_env;
 mod serve;
+mod tls_certs;
 mod train;
 
 use std::io::IsTerminal;
@@ -114,6 +115,7 @@ fn run(command: Command, interrupted: Arc<AtomicBool>) -> anyhow::Result<()> {
         }
         Command::Actor(args) => distributed::actor(args, interrupted)?,
         Command::EnvServe(args) => env_serve::env_serve(args, interrupted)?,
+        Command::TlsCerts(args) => tls_certs::tls_certs(args)?,
         Command::BenchWeights(args) => {
             let config = BenchWeightsConfig::try_from(args)?;
             if let Some(summary) = bench::bench_weights(&config, &interrupted)? {

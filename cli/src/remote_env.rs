@@ -7,23 +7,25 @@ use anyhow::{bail, Context};
 use tracing::{info, warn};
 use volley_env::{ActionSpace, FrameStack, RemoteActionBox, RemoteEnvConfig, VectorEnv};
 use volley_transport::envsvc::{EnvServiceClient, EnvServiceName, RemoteVecEnv};
-use volley_transport::nats::NatsAuth;
+use volley_transport::nats::{NatsAuth, NatsTls};
 
 use crate::Interrupted;
 
 /// How long connecting to NATS may take.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// Ask the servers of `service` for its spaces (over NATS at `nats_url`, as `auth`, each
-/// request within `timeout`), waiting up to `wait` for one to appear.
+/// Ask the servers of `service` for its spaces (over NATS at `nats_url`, as `auth`, with the
+/// client TLS settings `tls`, each request within `timeout`), waiting up to `wait` for one to
+/// appear.
 pub fn remote_env_config(
     nats_url: &str,
     auth: Option<&NatsAuth>,
+    tls: &NatsTls,
     timeout: Duration,
     service: &EnvServiceName,
     wait: Duration,
 ) -> anyhow::Result<RemoteEnvConfig> {
-    let client = EnvServiceClient::connect(nats_url, auth, CONNECT_TIMEOUT, timeout)
+    let client = EnvServiceClient::connect(nats_url, auth, tls, CONNECT_TIMEOUT, timeout)
         .with_context(|| format!("connecting to NATS at {nats_url}"))?;
     let started = Instant::now();
     let mut last_log: Option<Instant> = None;

@@ -504,6 +504,7 @@ fn remote_envs(
     let client = EnvServiceClient::connect(
         &nats.nats_url,
         nats.auth()?.as_ref(),
+        &nats.tls.tls(),
         Duration::from_secs(10),
         train_remote.remote_env.timeout()?,
     )

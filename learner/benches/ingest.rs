@@ -50,7 +50,7 @@ use volley_learner::Learner;
 use volley_policy::{Activation, PolicySpec};
 use volley_testkit::fixtures::SegmentBuilder;
 use volley_testkit::TestNats;
-use volley_transport::nats::{NatsBus, NatsConfig};
+use volley_transport::nats::{NatsBus, NatsConfig, NatsTls};
 use volley_transport::{Delivery, TrajectorySink, TrajectorySource};
 
 /// Segments per learner batch: 64 × T=32 = 2048 samples.
@@ -387,7 +387,7 @@ fn main() {
         }
         let run = format!("ingest-{shape_idx}");
         let spec = spec(&run, shape.obs_dim);
-        let mut config = NatsConfig::new(server.url(), spec.run.clone());
+        let mut config = NatsConfig::new(server.url(), spec.run.clone()).with_tls(NatsTls::with_ca(server.ca_file()));
         config.max_segments_per_message = shape.max_segments_per_message;
         config.runtime_workers = runtime_workers();
         let mut deep_config = config.clone();

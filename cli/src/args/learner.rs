@@ -144,6 +144,7 @@ impl TryFrom<LearnerArgs> for LearnerConfig {
                     crate::remote_env::remote_env_config(
                         &nats.nats_url,
                         auth.as_ref(),
+                        &nats.tls.tls(),
                         nats.timeout()?,
                         service,
                         env_wait,

@@ -9,6 +9,7 @@ mod env_serve;
 mod learner;
 mod nats;
 mod spec;
+mod tls_certs;
 mod train;
 
 pub use self::actor::ActorArgs;
@@ -22,6 +23,7 @@ pub use self::learner::{LearnerArgs, LearnerConfig};
 pub use self::nats::{MetricsArgs, NatsArgs, NatsConnectArgs, RemoteEnvArgs};
 pub use self::spec::SpecArgs;
 use self::spec::{check_secs, check_target};
+pub use self::tls_certs::TlsCertsArgs;
 pub use self::train::{learner_threads, ProgressMode, RunDir, TrainArgs, TrainConfig, TrainRemote};
 
 /// Volley: a distributed actor-learner system for reinforcement learning.
@@ -55,6 +57,9 @@ pub enum Command {
     /// Serve a built-in environment over NATS (docs/ENV_PROTOCOL.md), for actors started with
     /// `--env remote:<name>`.
     EnvServe(EnvServeArgs),
+    /// Write a development CA, a NATS server certificate and client certificates (PEM) for
+    /// TLS where no cert-manager issues them (deploy/local-run.sh, deploy/compose.yaml).
+    TlsCerts(TlsCertsArgs),
 }
 
 #[cfg(test)]
@@ -117,7 +122,7 @@ mod tests {
         let mut n_flags = 0;
         let mut stack: Vec<(String, &clap::Command)> =
             cli.get_subcommands().map(|c| (c.get_name().to_string(), c)).collect();
-        assert_eq!(stack.len(), 5, "train, learner, actor, bench-weights, env-serve");
+        assert_eq!(stack.len(), 6, "train, learner, actor, bench-weights, env-serve, tls-certs");
         while let Some((name, command)) = stack.pop() {
             stack.extend(command.get_subcommands().map(|c| (format!("{name} {}", c.get_name()), c)));
             let mut envs = std::collections::HashMap::new();

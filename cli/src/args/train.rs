@@ -133,6 +133,7 @@ impl TryFrom<TrainArgs> for TrainConfig {
                     crate::remote_env::remote_env_config(
                         &nats.nats_url,
                         auth.as_ref(),
+                        &nats.tls.tls(),
                         nats.timeout()?,
                         service,
                         env_wait,

@@ -57,11 +57,13 @@ mod dispatch;
 mod pacing;
 pub mod sink;
 pub mod source;
+pub mod tls;
 pub mod weights;
 pub mod work;
 
 pub use sink::{NatsTrajectorySink, SinkStats};
 pub use source::NatsTrajectorySource;
+pub use tls::{NatsTls, TlsFileError};
 pub use weights::{NatsWeightsFollower, NatsWeightsPublisher};
 pub use work::{NatsSnapshotStore, NatsWorkQueue, NatsWorkSource};
 
@@ -281,6 +283,9 @@ pub struct NatsConfig {
     pub replicas: usize,
     /// How to authenticate (`None`: anonymous, for a server without auth).
     pub auth: Option<NatsAuth>,
+    /// TLS: the CA to trust, a client certificate (default: TLS when the server asks for it,
+    /// trusting the system's CAs).
+    pub tls: NatsTls,
     /// Worker threads of the runtime [`NatsBus::connect`] makes. 0 (the default): none; the
     /// threads that call the bus run the connection and its background tasks while they
     /// block on it, so a message is handed from the socket to the caller without waking
@@ -320,8 +325,15 @@ impl NatsConfig {
             prefetch_calls: 1,
             replicas: 1,
             auth: None,
+            tls: NatsTls::default(),
             runtime_workers: 0,
         }
+    }
+
+    /// This config with TLS settings `tls`.
+    pub fn with_tls(mut self, tls: NatsTls) -> Self {
+        self.tls = tls;
+        self
     }
 
     fn transfer_deadline(&self, size_bytes: usize) -> Duration {
@@ -469,6 +481,7 @@ impl NatsBus {
         let (connections_tx, connections) = tokio::sync::watch::channel(0u64);
         let connections_tx = Arc::new(connections_tx);
         let denials = Arc::new(Denials::default());
+        config.tls.check().map_err(|err| failed("connect", err))?;
         // Our own retry loop instead of `retry_on_initial_connect`: that option returns at once
         // and leaves a task retrying forever, while a bounded loop gives a clear error.
         let client = runtime.block_on(&handle, async {
@@ -498,8 +511,10 @@ impl NatsBus {
                 if let Some(auth) = &config.auth {
                     options = options.custom_inbox_prefix(auth.inbox_prefix());
                 }
+                options = config.tls.apply(options).map_err(|err| failed("connect", err))?;
                 let problem = match tokio::time::timeout(remaining, options.connect(config.url.as_str())).await {
                     Ok(Ok(client)) => break Ok(client),
+
                     // Wrong credentials do not get better with retries.
                     Ok(Err(err)) if err.kind() == ConnectErrorKind::AuthorizationViolation => {
                         let who = config.auth.as_ref().map_or_else(|| "anonymous".to_string(), NatsAuth::describe);
@@ -508,7 +523,14 @@ impl NatsBus {
                             format!("nats server {} refused {who}: {err} (wrong user or password?)", config.url),
                         ));
                     }
-                    Ok(Err(err)) => err.to_string(),
+                    Ok(Err(err)) => {
+                        // Nor does a failed TLS handshake (a certificate the other side refuses,
+                        // a server without TLS).
+                        if let Some(explained) = config.tls.explain_failure(err.kind(), &err.to_string()) {
+                            break Err(failed("connect", format!("nats server {}: {explained}", config.url)));
+                        }
+                        err.to_string()
+                    }
                     Err(_) => "timed out".to_string(),
                 };
                 if started.elapsed() >= config.connect_timeout {
