@@ -46,14 +46,11 @@ use futures::StreamExt;
 use tokio::runtime::Handle;
 use tracing::{debug, info, warn};
 
-use super::{
-    Delivery, DeliveryToken, LiveWeightsSender, TrajectorySink, TrajectorySource, TransportError, WeightsFollower,
-    WeightsPublisher,
-};
-use volley_core::ids::{ActorId, PolicyVersion, RunId};
+use super::{Delivery, DeliveryToken, TrajectorySink, TrajectorySource, TransportError};
+use volley_core::ids::{ActorId, RunId};
 use volley_core::spec::{RunSpec, StoreLimits, StoredSpecError};
 use volley_core::subjects;
-use volley_core::wire::{self, TrajectorySegment, Weights};
+use volley_core::wire::{self, TrajectorySegment};
 
 mod consumers;
 mod dispatch;
