@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use async_nats::jetstream::object_store;
 use base64::Engine as _;
-use tracing::{debug, warn};
+use tracing::{debug, info, warn};
 use volley_core::ids::PolicyVersion;
 use volley_core::subjects;
 use volley_core::wire::{self, Weights};
@@ -20,6 +20,7 @@ use super::pointer::{
 };
 use crate::nats::{call, consumers, failed, open_objects, NatsBus, Shared};
 use crate::rejection_log::RejectionLog;
+use crate::signing::{SignatureError, SignedVersion, WeightsPublicKeys, SIGNATURE_BYTES};
 use crate::{TransportError, WeightsFollower};
 
 impl NatsBus {
@@ -60,6 +61,9 @@ impl NatsBus {
             jumps_refused: 0,
             rewinds: 0,
             rejections: RejectionLog::new("weights"),
+            trusted: None,
+            unsigned: 0,
+            bad_signature: 0,
             live,
             task,
         })
@@ -129,6 +133,13 @@ pub struct NatsWeightsFollower {
     rewinds: u64,
     /// Logs refusals at a bounded rate (each is counted in the fields above as well).
     rejections: RejectionLog,
+    /// The public keys versions must be signed with ([`Self::require_signatures`]); `None`
+    /// takes unsigned versions.
+    trusted: Option<WeightsPublicKeys>,
+    /// Versions refused for carrying no signature (pointer or live frame).
+    unsigned: u64,
+    /// Versions refused for a signature no trusted key made over them.
+    bad_signature: u64,
     live: Option<LiveFeed>,
     task: tokio::task::JoinHandle<()>,
 }
@@ -176,6 +187,43 @@ impl NatsWeightsFollower {
     /// Pointers refused for their content or not fetchable, in total (each failure once).
     pub fn refusals(&self) -> u64 {
         self.refusals
+    }
+
+    /// Take only versions signed by one of `keys` from now on: a version without a signature,
+    /// or with one no key made over this run, version and parameters, is refused and counted
+    /// ([`unsigned`](Self::unsigned), [`bad_signature`](Self::bad_signature)), live or durable
+    /// alike, and the next version is judged afresh (docs/SECURITY.md, "signed weights").
+    pub fn require_signatures(&mut self, keys: WeightsPublicKeys) {
+        info!(public_key_ids = ?keys.ids(), "weights must be signed");
+        self.trusted = Some(keys);
+    }
+
+    /// Versions refused for carrying no signature (pointers and live frames).
+    pub fn unsigned(&self) -> u64 {
+        self.unsigned
+    }
+
+    /// Versions refused for a signature no trusted key made over them (pointers and live frames).
+    pub fn bad_signature(&self) -> u64 {
+        self.bad_signature
+    }
+
+    /// Check `signature` of `weights` against the trusted keys (any signature, or none, when
+    /// there are none), counting a refusal.
+    fn check_signature(
+        &mut self,
+        weights: &Weights,
+        signature: Option<&[u8; SIGNATURE_BYTES]>,
+    ) -> Result<(), SignatureError> {
+        let Some(trusted) = &self.trusted else { return Ok(()) };
+        let signed = SignedVersion::of(self.shared.config.run.as_str(), weights);
+        let checked = trusted.verify(&signed, signature);
+        match checked {
+            Err(SignatureError::Unsigned) => self.unsigned += 1,
+            Err(SignatureError::Invalid) => self.bad_signature += 1,
+            Ok(()) => {}
+        }
+        checked
     }
 
     /// Pointers refused because they claimed a version too far above the highest verified
@@ -284,6 +332,10 @@ impl NatsWeightsFollower {
                         weights.version, weights.checksum, header.version, header.digest
                     )),
                 });
+            let decoded = decoded.and_then(|weights| match self.check_signature(&weights, header.signature.as_ref()) {
+                Ok(()) => Ok(weights),
+                Err(err) => Err(format!("{err} ({})", err.reason())),
+            });
             match decoded {
                 Ok(weights) => {
                     debug!(version = header.version.0, "weights taken from the live path");
@@ -401,6 +453,21 @@ impl NatsWeightsFollower {
                 ),
             ));
         }
+        let signature = match pointer.signature.as_deref().map(decode_signature) {
+            None => None,
+            Some(Ok(signature)) => Some(signature),
+            // Unreadable: no trusted key made it.
+            Some(Err(())) => Some([0; SIGNATURE_BYTES]),
+        };
+        if let Err(err) = self.check_signature(&weights, signature.as_ref()) {
+            if self.rejections.record(err.reason()) {
+                warn!(version = pointer.version, reason = err.reason(), %err, "weights pointer refused: signature");
+            }
+            return Err(FetchError::Refused(failed(
+                "weights fetch",
+                format!("weights v{} refused: {err}", pointer.version),
+            )));
+        }
         self.newest = Some(weights.clone());
         self.confirmed = Some(weights.clone());
         self.durable_fetches += 1;
@@ -457,6 +524,8 @@ impl WeightsFollower for NatsWeightsFollower {
             // Without driving the connection first (as `live_chunks_refused` does): an actor
             // reads these for its metrics right after `latest`, which just drove it.
             live_chunks_refused: self.live.as_ref().map_or(0, |live| live.slot.refused_chunks.load(Ordering::Relaxed)),
+            unsigned: self.unsigned,
+            bad_signature: self.bad_signature,
         }
     }
 
@@ -628,4 +697,10 @@ impl NatsWeightsFollower {
 enum FetchError {
     Refused(TransportError),
     Unavailable(TransportError),
+}
+
+/// A pointer's base64 signature as bytes (`Err` when it is not 64 bytes of base64).
+fn decode_signature(text: &str) -> Result<[u8; SIGNATURE_BYTES], ()> {
+    let bytes = base64::engine::general_purpose::STANDARD.decode(text).map_err(|_| ())?;
+    bytes.try_into().map_err(|_| ())
 }

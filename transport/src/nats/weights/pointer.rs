@@ -48,6 +48,10 @@ pub(super) struct WeightsPointer {
     /// ([`live_lead`]). Absent (1) from publishers that write every version.
     #[serde(default = "one", skip_serializing_if = "is_one")]
     pub(super) pointer_every: u64,
+    /// The learner's Ed25519 signature of `version` ([`crate::signing`]), base64; absent from
+    /// a learner without a signing key.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(super) signature: Option<String>,
 }
 
 fn one() -> u64 {
@@ -356,6 +360,7 @@ mod tests {
             size_bytes: 0,
             inline: None,
             pointer_every: 1,
+            signature: None,
         }
     }
 

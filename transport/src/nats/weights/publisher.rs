@@ -18,6 +18,7 @@ use volley_core::wire::{self, Weights};
 
 use super::pointer::{full_frame_bytes, is_weights_object, pointer_interval, read_pointer, WeightsPointer};
 use crate::nats::{call, failed, open_kv, open_objects, retry_for, timed, unless_reconnected, NatsBus, Shared};
+use crate::signing::{SignedVersion, WeightsSigningKey, SIGNATURE_BYTES};
 use crate::{LiveWeightsSender, TransportError, WeightsPublisher};
 
 impl NatsBus {
@@ -69,6 +70,7 @@ impl NatsBus {
             last_frame_bytes: 0,
             pointer_written: None,
             deferred: None,
+            signer: None,
             shared,
         })
     }
@@ -153,6 +155,8 @@ pub struct NatsWeightsPublisher {
     /// carries their full frame inline): written with the next pointer due, or by
     /// [`WeightsPublisher::flush`].
     deferred: Option<(WeightsPointer, Arc<Weights>)>,
+    /// The key every version is signed with ([`NatsWeightsPublisher::sign_with`]).
+    signer: Option<Arc<WeightsSigningKey>>,
 }
 
 impl fmt::Debug for NatsWeightsPublisher {
@@ -262,10 +266,10 @@ impl WeightsPublisher for NatsWeightsPublisher {
     }
 
     fn live_sender(&self) -> Option<Box<dyn LiveWeightsSender>> {
-        self.shared
-            .config
-            .weights_live
-            .then(|| Box::new(NatsLiveSender { shared: self.shared.clone() }) as Box<dyn LiveWeightsSender>)
+        self.shared.config.weights_live.then(|| {
+            Box::new(NatsLiveSender { shared: self.shared.clone(), signer: self.signer.clone() })
+                as Box<dyn LiveWeightsSender>
+        })
     }
 
     fn publish_after_live(&mut self, weights: Arc<Weights>, sent_live: bool) -> Result<(), TransportError> {
@@ -308,7 +312,8 @@ impl WeightsPublisher for NatsWeightsPublisher {
         // The pointer `publish_after_live` would write for it: an anchor of its own (inline
         // weights never chain deltas). A version that went out live matched its checksum.
         let frame_bytes = full_frame_bytes(n_params);
-        let pointer = self.pointer_of(weights, None, version, Vec::new(), frame_bytes, true);
+        let signature = self.signature_of(weights);
+        let pointer = self.pointer_of(weights, None, version, Vec::new(), frame_bytes, true, signature.as_ref());
         if !self.may_defer(&pointer, true) {
             return false;
         }
@@ -323,6 +328,12 @@ impl WeightsPublisher for NatsWeightsPublisher {
         let (_, written_at) = self.pointer_written?;
         self.deferred.as_ref().map(|_| written_at + self.shared.config.weights_pointer_within)
     }
+}
+
+/// The signature of `weights` in this run with `signer`, if there is one: one SHA-256 pass over
+/// the parameters and one Ed25519 signature.
+fn sign(signer: Option<&WeightsSigningKey>, shared: &Shared, weights: &Weights) -> Option<[u8; SIGNATURE_BYTES]> {
+    signer.map(|key| key.sign(&SignedVersion::of(shared.config.run.as_str(), weights)))
 }
 
 /// Payload bytes of each live chunk: each message at most half the server's `max_payload`
@@ -344,6 +355,7 @@ fn live_chunk_bytes(shared: &Shared) -> usize {
 /// (docs/benchmarks/distributed.md, issue 16, item 1).
 struct NatsLiveSender {
     shared: Arc<Shared>,
+    signer: Option<Arc<WeightsSigningKey>>,
 }
 
 impl LiveWeightsSender for NatsLiveSender {
@@ -354,7 +366,9 @@ impl LiveWeightsSender for NatsLiveSender {
             // and hashing would hold up the learner's next update.
             return None;
         }
-        let (chunks, digest) = wire::live::encode_full_frame_chunks(weights, live_chunk_bytes(shared));
+        let signature = sign(self.signer.as_deref(), shared, weights);
+        let (chunks, digest) =
+            wire::live::encode_signed_full_frame_chunks(weights, signature.as_ref(), live_chunk_bytes(shared));
         if digest != weights.checksum {
             // Corrupted parameters never go out live; the durable path publishes them as an
             // anchor that no delta builds on.
@@ -421,10 +435,12 @@ impl NatsWeightsPublisher {
         // the live path itself (`caller_live`).
         let chunk_bytes = live_chunk_bytes(&shared);
         let live_here = config.weights_live && caller_live.is_none();
+        let signature = self.signature_of(&weights);
         // With each, the digest of the parameters as encoded.
         let (full, live, digest) = match (live_here, delta_parent.is_some()) {
             (true, true) => {
-                let (chunks, digest) = wire::live::encode_full_frame_chunks(&weights, chunk_bytes);
+                let (chunks, digest) =
+                    wire::live::encode_signed_full_frame_chunks(&weights, signature.as_ref(), chunk_bytes);
                 (None, Some(chunks), digest)
             }
             (false, true) => (None, None, wire::checksum(&weights.params)),
@@ -432,7 +448,8 @@ impl NatsWeightsPublisher {
                 let frame = wire::frame::encode_full_frame(&weights);
                 let digest = wire::body_checksum(&frame[wire::HEADER_BYTES + wire::frame::FRAME_HEADER_BYTES..]);
                 let header = wire::frame::FrameHeader::of_full(&weights);
-                let chunks = live.then(|| wire::live::encode_live_chunks(&frame, &header, chunk_bytes));
+                let chunks = live
+                    .then(|| wire::live::encode_signed_live_chunks(&frame, &header, signature.as_ref(), chunk_bytes));
                 (Some(frame), chunks, digest)
             }
         };
@@ -466,7 +483,8 @@ impl NatsWeightsPublisher {
             None => (version, Vec::new()),
         };
         let frame_bytes = frame.len();
-        let pointer = self.pointer_of(&weights, parent, anchor, deltas.clone(), frame_bytes, inline);
+        let pointer =
+            self.pointer_of(&weights, parent, anchor, deltas.clone(), frame_bytes, inline, signature.as_ref());
         // Inline weights that went out live: their pointer (a stored KV write of the whole
         // frame, and a delivery to every follower) may wait for the next one due, since
         // connected followers have the version already (issue 16). Only inline weights (the
@@ -491,7 +509,8 @@ impl NatsWeightsPublisher {
     }
 
     /// The pointer to `weights` (its frame `size_bytes` long, `parent` its delta's parent, in
-    /// the chain of `anchor` and `deltas`), without the frame inline.
+    /// the chain of `anchor` and `deltas`, signed with `signature`), without the frame inline.
+    #[allow(clippy::too_many_arguments)]
     fn pointer_of(
         &self,
         weights: &Weights,
@@ -500,6 +519,7 @@ impl NatsWeightsPublisher {
         deltas: Vec<u64>,
         size_bytes: usize,
         inline: bool,
+        signature: Option<&[u8; SIGNATURE_BYTES]>,
     ) -> WeightsPointer {
         let config = &self.shared.config;
         WeightsPointer {
@@ -516,7 +536,20 @@ impl NatsWeightsPublisher {
                 true => pointer_interval(config.weights_pointer_every),
                 false => 1,
             },
+            signature: signature.map(|signature| base64::engine::general_purpose::STANDARD.encode(signature)),
         }
+    }
+
+    /// Sign every version from now on with `key` (pointer and live chunks alike), so that
+    /// followers holding its public key take them (docs/SECURITY.md, "signed weights").
+    pub fn sign_with(&mut self, key: Arc<WeightsSigningKey>) {
+        info!(public_key_id = %key.public_key_id(), "signing weights");
+        self.signer = Some(key);
+    }
+
+    /// The signature of `weights` with this publisher's key, if it has one.
+    fn signature_of(&self, weights: &Weights) -> Option<[u8; SIGNATURE_BYTES]> {
+        sign(self.signer.as_deref(), &self.shared, weights)
     }
 
     /// Record `version` as published (its frame `frame_bytes` long, in the chain of `anchor`
