@@ -147,6 +147,13 @@ if ! kill -0 "${pids[0]}" 2>/dev/null || ! grep -q "Server is ready" "$data/logs
   exit 1
 fi
 
+# Weights are signed (docs/SECURITY.md, "Signed weights"): a key pair in the run directory, made
+# on its first start and kept after; the learner signs with the private key, the actors take only
+# versions signed with it. Passed as variables, so a `--weights-signing-key` among the extra
+# flags wins.
+"$volley" keys generate --out "$data/keys" --if-missing > /dev/null
+export VOLLEY_WEIGHTS_SIGNING_KEY="$data/keys/weights-signing-key.pem"
+export VOLLEY_WEIGHTS_PUBLIC_KEY="$data/keys/weights-public-key.pem"
 "${detach[@]}" "$volley" learner --nats "$url" "${tls_ca[@]}" --run "$run" --checkpoint-dir "$data/checkpoints" "$@" \
   > "$data/learner.json" 2> "$data/logs/learner.log" &
 learner_pid=$!

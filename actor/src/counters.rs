@@ -32,6 +32,10 @@ pub struct ActorCounters {
     pub weights_live_refused: AtomicU64,
     /// See `weights_live`.
     pub weights_live_chunks_refused: AtomicU64,
+    /// Weights versions refused for carrying no signature (a follower that requires them).
+    pub weights_unsigned: AtomicU64,
+    /// Weights versions refused for a signature no trusted key made.
+    pub weights_bad_signature: AtomicU64,
     /// The learner's pace notices: taken, refused on arrival, and times a consumer reading
     /// contradicted them. Copied from the sink's
     /// [`volley_transport::TrajectorySink::pace_notices`] after each round.

@@ -527,6 +527,10 @@ impl RolloutWorker {
                     }
                 }
             }
+            // Versions refused for their signature show while the actor waits, too.
+            let paths = follower.paths();
+            self.counters.weights_unsigned.store(paths.unsigned, Ordering::Relaxed);
+            self.counters.weights_bad_signature.store(paths.bad_signature, Ordering::Relaxed);
         }
         info!(actor = %self.actor, version = ?self.policy_version(), n_envs = self.envs.n_envs(), "actor started");
         let mut throttled_before = sink.throttled();
@@ -585,6 +589,8 @@ impl RolloutWorker {
             c.weights_durable.store(paths.durable, Ordering::Relaxed);
             c.weights_live_refused.store(paths.live_refused, Ordering::Relaxed);
             c.weights_live_chunks_refused.store(paths.live_chunks_refused, Ordering::Relaxed);
+            c.weights_unsigned.store(paths.unsigned, Ordering::Relaxed);
+            c.weights_bad_signature.store(paths.bad_signature, Ordering::Relaxed);
             let started = Instant::now();
             let round = self.collect_segments();
             last_round = Some(started.elapsed());

@@ -112,7 +112,14 @@ pub fn learner(config: LearnerConfig, interrupted: Arc<AtomicBool>) -> anyhow::R
     } else {
         bus.ensure_run(&spec).context("creating the run's streams and buckets")?;
         // Versions never go backwards: continue above whatever this run already published.
-        let publisher = bus.weights_publisher().context("opening the weights store")?;
+        let mut publisher = bus.weights_publisher().context("opening the weights store")?;
+        match &config.weights_signing_key {
+            Some(key) => publisher.sign_with(key.clone()),
+            None => warn!(
+                "weights are not signed (no --weights-signing-key): actors given --weights-public-key refuse them, \
+                 and the others cannot tell them from forged ones"
+            ),
+        }
         // A checkpoint bounds how far the run's pointer can honestly be ahead of it: what a
         // learner can publish in the checkpoint's age (issue 46: a forged pointer far ahead
         // was followed, and then nothing the learner published after a restart was newer).
@@ -397,6 +404,8 @@ pub fn actor(args: ActorArgs, interrupted: Arc<AtomicBool>) -> anyhow::Result<()
         bail!("--envs: {} out of range 1..=4096", args.envs);
     }
     args.remote_env.validate()?;
+    // Read the public keys before anything else: a bad key file stops the actor at once.
+    let trusted_keys = args.weights_trust.load()?;
     // Serve health and metrics from the start: /readyz turns ready once weights are loaded.
     let counters = Arc::new(ActorCounters::default());
     let registry = serve::registry_for("actor")?;
@@ -534,6 +543,13 @@ pub fn actor(args: ActorArgs, interrupted: Arc<AtomicBool>) -> anyhow::Result<()
         let _ = counters.pacing.set(clock);
     }
     let mut follower = bus.weights_follower(layout.hash(), layout.n_params()).context("following weights")?;
+    match trusted_keys {
+        Some(keys) => follower.require_signatures(keys),
+        None => warn!(
+            "weights are not verified (no --weights-public-key): this actor takes unsigned weights, and any client \
+             that can write the run's weights pointer or live subject can make it act on weights of its choosing"
+        ),
+    }
     info!(run = %run, actor = %actor_id, env = %env.describe(), envs = args.envs, "actor joined the run");
     let reporter_stop = Arc::new(AtomicBool::new(false));
     let reporter = {

@@ -18,7 +18,7 @@ use clap::Parser;
 use tracing::warn;
 use tracing_subscriber::EnvFilter;
 
-use crate::args::{BenchWeightsConfig, Cli, Command, LearnerConfig, ProgressMode, TrainConfig};
+use crate::args::{BenchWeightsConfig, Cli, Command, KeysArgs, KeysCommand, LearnerConfig, ProgressMode, TrainConfig};
 
 /// Exit status of a learner stopped by a signal before its run ended, after its final
 /// checkpoint: EX_TEMPFAIL ("try again"). Exit 0 means the run is over (solved, a budget spent,
@@ -116,6 +116,11 @@ fn run(command: Command, interrupted: Arc<AtomicBool>) -> anyhow::Result<()> {
         Command::Actor(args) => distributed::actor(args, interrupted)?,
         Command::EnvServe(args) => env_serve::env_serve(args, interrupted)?,
         Command::TlsCerts(args) => tls_certs::tls_certs(args)?,
+        Command::Keys(KeysArgs { command: KeysCommand::Generate(args) }) => {
+            let (private, public) =
+                volley_transport::signing::generate_key_files(&args.out, args.public_out.as_deref(), args.if_missing)?;
+            println!("{}", serde_json::json!({ "signing_key": private, "public_key": public }));
+        }
         Command::BenchWeights(args) => {
             let config = BenchWeightsConfig::try_from(args)?;
             if let Some(summary) = bench::bench_weights(&config, &interrupted)? {

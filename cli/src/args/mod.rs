@@ -6,6 +6,7 @@ mod actor;
 mod bench;
 mod env;
 mod env_serve;
+mod keys;
 mod learner;
 mod nats;
 mod spec;
@@ -19,6 +20,7 @@ pub use self::env::{
     CoreName, EnvChoice, EnvName, LossName,
 };
 pub use self::env_serve::EnvServeArgs;
+pub use self::keys::{KeysArgs, KeysCommand, WeightsSigningArgs, WeightsTrustArgs};
 pub use self::learner::{LearnerArgs, LearnerConfig};
 pub use self::nats::{MetricsArgs, NatsArgs, NatsConnectArgs, RemoteEnvArgs};
 pub use self::spec::SpecArgs;
@@ -60,6 +62,8 @@ pub enum Command {
     /// Write a development CA, a NATS server certificate and client certificates (PEM) for
     /// TLS where no cert-manager issues them (deploy/local-run.sh, deploy/compose.yaml).
     TlsCerts(TlsCertsArgs),
+    /// Make the keys that sign weights: `volley keys generate --out DIR`.
+    Keys(KeysArgs),
 }
 
 #[cfg(test)]
@@ -93,6 +97,10 @@ mod tests {
         ("env-serve", "max-sessions", "VOLLEY_ENV_MAX_SESSIONS"),
         ("env-serve", "max-envs-per-session", "VOLLEY_ENV_MAX_ENVS_PER_SESSION"),
         ("env-serve", "idle-timeout-secs", "VOLLEY_ENV_IDLE_TIMEOUT_SECS"),
+        // Where `volley keys generate` writes: named after the command, not a bare `OUT`.
+        ("keys generate", "out", "VOLLEY_KEYS_OUT"),
+        ("keys generate", "public-out", "VOLLEY_KEYS_PUBLIC_OUT"),
+        ("keys generate", "if-missing", "VOLLEY_KEYS_IF_MISSING"),
     ];
 
     /// The variable a flag should read: the exception if listed, else `VOLLEY_<FLAG>` in upper
@@ -122,7 +130,7 @@ mod tests {
         let mut n_flags = 0;
         let mut stack: Vec<(String, &clap::Command)> =
             cli.get_subcommands().map(|c| (c.get_name().to_string(), c)).collect();
-        assert_eq!(stack.len(), 6, "train, learner, actor, bench-weights, env-serve, tls-certs");
+        assert_eq!(stack.len(), 7, "train, learner, actor, bench-weights, env-serve, tls-certs, keys");
         while let Some((name, command)) = stack.pop() {
             stack.extend(command.get_subcommands().map(|c| (format!("{name} {}", c.get_name()), c)));
             let mut envs = std::collections::HashMap::new();

@@ -46,11 +46,14 @@ use futures::StreamExt;
 use tokio::runtime::Handle;
 use tracing::{debug, info, warn};
 
-use super::{LiveWeightsSender, TransportError, WeightsFollower, WeightsPublisher};
-use volley_core::ids::{PolicyVersion, RunId};
+use super::{
+    Delivery, DeliveryToken, LiveWeightsSender, TrajectorySink, TrajectorySource, TransportError, WeightsFollower,
+    WeightsPublisher,
+};
+use volley_core::ids::{ActorId, PolicyVersion, RunId};
 use volley_core::spec::{RunSpec, StoreLimits, StoredSpecError};
 use volley_core::subjects;
-use volley_core::wire::{self, Weights};
+use volley_core::wire::{self, TrajectorySegment, Weights};
 
 mod consumers;
 mod dispatch;
