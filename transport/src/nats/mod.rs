@@ -34,26 +34,20 @@
 
 use std::collections::VecDeque;
 use std::fmt;
-use std::future::{Future, IntoFuture};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use async_nats::jetstream::{self, consumer, kv, object_store, stream, ErrorCode};
-use async_nats::{ConnectErrorKind, ConnectOptions, Event, ServerError, Subject};
+use async_nats::{ConnectErrorKind, ConnectOptions, Event, ServerError};
 use bytes::Bytes;
-use futures::StreamExt;
 use tokio::runtime::Handle;
 use tracing::{debug, info, warn};
 
-use super::{
-    Delivery, DeliveryToken, LiveWeightsSender, TrajectorySink, TrajectorySource, TransportError, WeightsFollower,
-    WeightsPublisher,
-};
-use volley_core::ids::{ActorId, PolicyVersion, RunId};
+use super::TransportError;
+use volley_core::ids::RunId;
 use volley_core::spec::{RunSpec, StoreLimits, StoredSpecError};
 use volley_core::subjects;
-use volley_core::wire::{self, TrajectorySegment, Weights};
 
 mod consumers;
 mod dispatch;
