@@ -33,7 +33,7 @@ while getopts "n:p:r:d:h" opt; do
     p) port=$OPTARG ;;
     r) run=$OPTARG ;;
     d) data=$OPTARG ;;
-    h) sed -n '2,20p' "$0"; exit 0 ;;
+    h) sed -n '2,22p' "$0"; exit 0 ;;
     *) exit 2 ;;
   esac
 done
