@@ -79,6 +79,13 @@ step "compose files (compose specification)"
 
 step "the cluster's nats.conf (nats-server -t)"
 cp k8s/base/nats/nats.conf broker-config/accounts.conf "$work/"
+# -t loads the TLS certificate and key: a throwaway pair (the test kit's) where the Secret
+# nats-server-tls is mounted in the cluster.
+mkdir -p "$work/tls"
+cargo run --quiet -p volley-testkit --bin volley-test-certs -- "$work/tls" > /dev/null
+mv "$work/tls/server-cert.pem" "$work/tls/tls.crt"
+mv "$work/tls/server-key.pem" "$work/tls/tls.key"
+sed -i "s|/etc/nats-tls/|$work/tls/|g" "$work/nats.conf"
 (
   # The actor identities' public keys must be valid NKeys: the development identities' are.
   set -a

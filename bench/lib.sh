@@ -66,11 +66,28 @@ cleanup_on_exit() {
   trap 'exit 130' INT TERM
 }
 
+# TLS for the bench brokers (issue 46), as deployments run them: on the first start_nats, a
+# development CA and a certificate for 127.0.0.1 (`volley tls-certs`, into a temporary
+# directory) and VOLLEY_NATS_TLS_CA exported, so every volley and volley_envs process started
+# afterwards trusts it. BENCH_NATS_TLS=0 runs the brokers in plain text instead (to measure
+# what TLS costs).
+nats_tls_args() {
+  NATS_TLS_ARGS=()
+  [ "${BENCH_NATS_TLS:-1}" = 0 ] && return 0
+  if [ -z "${NATS_TLS_DIR:-}" ]; then
+    NATS_TLS_DIR=$(mktemp -d -t volley-nats-tls-XXXXXX)
+    temp_dirs+=("$NATS_TLS_DIR")
+    "$(volley_bin)" tls-certs --tls-dir "$NATS_TLS_DIR" --tls-server-names 127.0.0.1,localhost 2> /dev/null
+    export VOLLEY_NATS_TLS_CA="$NATS_TLS_DIR/ca.crt"
+  fi
+  NATS_TLS_ARGS=(--tls --tlscert "$NATS_TLS_DIR/server.crt" --tlskey "$NATS_TLS_DIR/server.key")
+}
+
 # start_nats PORT STORE LOG [nats-server args...]: a nats-server with JetStream on 127.0.0.1:PORT,
-# its store in STORE (a fresh temporary directory, removed at exit, when STORE is ""), its output
-# appended to LOG; started in the background, its pid in NATS_PID and among the started
-# processes, and waited for until its port is open. The binary is NATS_SERVER, found by
-# nats_server_bin on first use.
+# TLS required (nats_tls_args), its store in STORE (a fresh temporary directory, removed at
+# exit, when STORE is ""), its output appended to LOG; started in the background, its pid in
+# NATS_PID and among the started processes, and waited for until its port is open. The binary
+# is NATS_SERVER, found by nats_server_bin on first use.
 start_nats() {
   local port=$1 store=$2 log=$3
   shift 3
@@ -79,7 +96,8 @@ start_nats() {
     temp_dirs+=("$store")
   fi
   NATS_SERVER=${NATS_SERVER:-$(nats_server_bin)}
-  "$NATS_SERVER" -js -a 127.0.0.1 -p "$port" -sd "$store" "$@" >> "$log" 2>&1 &
+  nats_tls_args
+  "$NATS_SERVER" -js -a 127.0.0.1 -p "$port" -sd "$store" "${NATS_TLS_ARGS[@]}" "$@" >> "$log" 2>&1 &
   NATS_PID=$!
   started_pids+=("$NATS_PID")
   wait_for_port "$port"

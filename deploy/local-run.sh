@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Start a whole distributed Volley run on this machine: nats-server (JetStream, file store),
-# one learner and N actor processes. One Ctrl-C (or SIGTERM to this script) stops everything in
+# Start a whole distributed Volley run on this machine: nats-server (JetStream, file store,
+# TLS required), one learner and N actor processes. A development CA and server certificate
+# are made at start (`volley tls-certs`, into DATA_DIR/tls, kept when DATA_DIR is reused); the
+# learner and the actors trust that CA. One Ctrl-C (or SIGTERM to this script) stops everything in
 # order: actors wait for the stream to acknowledge what they published (the round in progress
 # is dropped), the learner writes a final checkpoint, then nats-server stops; the script exits 0
 # when every process stopped cleanly. Each process runs in a session of its own, so the
@@ -39,7 +41,7 @@ while getopts "an:p:r:d:h" opt; do
     p) port=$OPTARG ;;
     r) run=$OPTARG ;;
     d) data=$OPTARG ;;
-    h) sed -n '2,26p' "$0"; exit 0 ;;
+    h) sed -n '2,28p' "$0"; exit 0 ;;
     *) exit 2 ;;
   esac
 done
@@ -79,6 +81,9 @@ fi
 data=${data:-$(mktemp -d -t volley-local-XXXXXX)}
 mkdir -p "$data/jetstream" "$data/checkpoints" "$data/logs"
 url="nats://127.0.0.1:$port"
+# TLS on the broker's port (issue 46): the CA and the server certificate for this machine.
+"$volley" tls-certs --tls-dir "$data/tls" --tls-server-names localhost,127.0.0.1 2> "$data/logs/tls-certs.log"
+tls_ca=("--nats-tls-ca" "$data/tls/ca.crt")
 # Credentials (-a): the broker's config file and what the learner connects with.
 nats_config=()
 learner_auth=()
@@ -160,7 +165,8 @@ on_exit() {
 trap on_signal INT TERM
 trap on_exit EXIT
 
-lower nats-server "${nats_config[@]}" -js -a 127.0.0.1 -p "$port" -sd "$data/jetstream" > "$data/logs/nats.log" 2>&1 &
+lower nats-server "${nats_config[@]}" -js -a 127.0.0.1 -p "$port" -sd "$data/jetstream" \
+  --tls --tlscert "$data/tls/server.crt" --tlskey "$data/tls/server.key" > "$data/logs/nats.log" 2>&1 &
 pids+=("$!")
 names+=(nats-server)
 # Ready when its log says so; a nats-server that exits (the port taken in between, a bad store
@@ -176,7 +182,14 @@ if ! kill -0 "${pids[0]}" 2>/dev/null || ! grep -q "Server is ready" "$data/logs
   exit 1
 fi
 
-"${detach[@]}" env "${learner_auth[@]}" "$volley" learner --nats "$url" --run "$run" --checkpoint-dir "$data/checkpoints" "$@" \
+# Weights are signed (docs/SECURITY.md, "Signed weights"): a key pair in the run directory, made
+# on its first start and kept after; the learner signs with the private key, the actors take only
+# versions signed with it. Passed as variables, so a `--weights-signing-key` among the extra
+# flags wins.
+"$volley" keys generate --out "$data/keys" --if-missing > /dev/null
+export VOLLEY_WEIGHTS_SIGNING_KEY="$data/keys/weights-signing-key.pem"
+export VOLLEY_WEIGHTS_PUBLIC_KEY="$data/keys/weights-public-key.pem"
+"${detach[@]}" env "${learner_auth[@]}" "$volley" learner --nats "$url" "${tls_ca[@]}" --run "$run" --checkpoint-dir "$data/checkpoints" "$@" \
   > "$data/learner.json" 2> "$data/logs/learner.log" &
 learner_pid=$!
 pids+=("$learner_pid")
@@ -184,11 +197,11 @@ names+=(learner)
 for i in $(seq 0 $((actors - 1))); do
   # With -a the actor id is its identity's name, actor-$i too.
   if [ "$auth" = 1 ]; then actor_auth=(--nats-nkey-file "$data/identities/actor-$i.nk"); else actor_auth=(--actor-id "actor-$i"); fi
-  lower "$volley" actor --nats "$url" --run "$run" "${actor_auth[@]}" > /dev/null 2> "$data/logs/actor-$i.log" &
+  lower "$volley" actor --nats "$url" "${tls_ca[@]}" --run "$run" "${actor_auth[@]}" > /dev/null 2> "$data/logs/actor-$i.log" &
   pids+=("$!")
   names+=("actor-$i")
 done
-echo "run '$run': nats $url, learner pid $learner_pid, $actors actors; logs in $data/logs (Ctrl-C to stop)" >&2
+echo "run '$run': nats $url (TLS, CA $data/tls/ca.crt), learner pid $learner_pid, $actors actors; logs in $data/logs (Ctrl-C to stop)" >&2
 # The learner stops by itself at its target or budget (then the actors see the run is over and
 # exit); then stop everything else.
 if wait "$learner_pid"; then learner_status=0; else learner_status=$?; fi

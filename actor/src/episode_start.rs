@@ -35,7 +35,8 @@ use volley_core::work::{group_stream_seed, EpisodeSnapshot, GroupMember, Snapsho
 use volley_env::{EnvConfig, VectorEnv};
 use volley_transport::work::{SnapshotStore, WorkSource, WorkToken};
 
-use crate::rollout::{ActorCounters, ActorError};
+use crate::counters::ActorCounters;
+use crate::error::ActorError;
 
 /// Mixed into a restart's episode seed for its action-sampling stream.
 const RESTART_STREAM: u64 = 0x7e57_a2e5_0f0e_5eed;

@@ -7,10 +7,14 @@
 //! [`episode_start::EpisodeStarts`] where episodes start.
 //! Start reading at [`rollout::RolloutWorker`], then [`episode_start`].
 
+pub mod counters;
 pub mod episode_start;
+pub mod error;
 pub mod metrics;
 pub mod rollout;
 
+pub use counters::ActorCounters;
 pub use episode_start::{EpisodeStarts, FreshStarts, WorkStarts};
+pub use error::ActorError;
 pub use metrics::ActorMetrics;
-pub use rollout::{ActorCounters, ActorError, RolloutWorker};
+pub use rollout::RolloutWorker;

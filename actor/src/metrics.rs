@@ -9,7 +9,7 @@ use prometheus::core::{Collector, Desc};
 use prometheus::proto::MetricFamily;
 use prometheus::{Counter, Gauge, IntCounter, IntCounterVec, Opts, Registry};
 
-use crate::rollout::ActorCounters;
+use crate::counters::ActorCounters;
 
 /// Exports an actor's counters.
 pub struct ActorMetrics {
@@ -32,6 +32,7 @@ pub struct ActorMetrics {
     policy_fallbacks: IntCounter,
     weights_taken: IntCounterVec,
     weights_live_refused: IntCounterVec,
+    weights_signature_refused: IntCounterVec,
     pace_notices: IntCounterVec,
     work_items_completed: IntCounter,
     snapshots_saved: IntCounter,
@@ -110,6 +111,13 @@ impl ActorMetrics {
                 ),
                 &["what"],
             )?,
+            weights_signature_refused: IntCounterVec::new(
+                Opts::new(
+                    "volley_actor_weights_signature_refused_total",
+                    "Weights versions refused by an actor that requires signed weights (--weights-public-key), live or durable, by reason: unsigned (no signature), bad_signature (no trusted key signed this run, version and parameters).",
+                ),
+                &["reason"],
+            )?,
             pace_notices: IntCounterVec::new(
                 Opts::new(
                     "volley_actor_pace_notices_total",
@@ -149,7 +157,7 @@ impl ActorMetrics {
         registry.register(Box::new(metrics))
     }
 
-    fn parts(&self) -> [&dyn Collector; 26] {
+    fn parts(&self) -> [&dyn Collector; 27] {
         [
             &self.env_steps,
             &self.episodes,
@@ -169,6 +177,7 @@ impl ActorMetrics {
             &self.policy_fallbacks,
             &self.weights_taken,
             &self.weights_live_refused,
+            &self.weights_signature_refused,
             &self.pace_notices,
             &self.work_items_completed,
             &self.snapshots_saved,
@@ -230,6 +239,9 @@ impl Collector for ActorMetrics {
             &self.weights_live_refused.with_label_values(&["chunk"]),
             c.weights_live_chunks_refused.load(Ordering::Relaxed),
         );
+        for (reason, counter) in [("unsigned", &c.weights_unsigned), ("bad_signature", &c.weights_bad_signature)] {
+            catch_up_int(&self.weights_signature_refused.with_label_values(&[reason]), counter.load(Ordering::Relaxed));
+        }
         for (outcome, counter) in [
             ("used", &c.pace_notices_used),
             ("refused", &c.pace_notices_refused),
@@ -270,6 +282,7 @@ mod tests {
         counters.weights_live.store(9, Ordering::Relaxed);
         counters.weights_durable.store(1, Ordering::Relaxed);
         counters.weights_live_chunks_refused.store(4, Ordering::Relaxed);
+        counters.weights_bad_signature.store(2, Ordering::Relaxed);
         counters.pace_notices_distrusted.store(1, Ordering::Relaxed);
         let mut text = Vec::new();
         TextEncoder::new().encode(&registry.gather(), &mut text).expect("encode");
@@ -287,6 +300,8 @@ mod tests {
         assert!(text.contains("volley_actor_weights_taken_total{path=\"durable\"} 1"), "{text}");
         assert!(text.contains("volley_actor_weights_live_refused_total{what=\"chunk\"} 4"), "{text}");
         assert!(text.contains("volley_actor_weights_live_refused_total{what=\"version\"} 0"), "{text}");
+        assert!(text.contains("volley_actor_weights_signature_refused_total{reason=\"bad_signature\"} 2"), "{text}");
+        assert!(text.contains("volley_actor_weights_signature_refused_total{reason=\"unsigned\"} 0"), "{text}");
         assert!(text.contains("volley_actor_pace_notices_total{outcome=\"distrusted\"} 1"), "{text}");
         assert!(text.contains("# HELP volley_actor_env_steps_total Environment steps taken."));
     }

@@ -219,6 +219,16 @@ fn spawn_followers(config: &BenchWeightsConfig, reports: &mpsc::Sender<Report>) 
         if let Some(NatsAuth::UserPassword { user, password }) = &config.nats.auth {
             command.env("VOLLEY_NATS_USER", user).env("VOLLEY_NATS_PASSWORD", password);
         }
+        // And over TLS as the driver does.
+        let tls = &config.nats.tls;
+        for (flag, path) in
+            [("--nats-tls-ca", &tls.ca_file), ("--nats-tls-cert", &tls.cert_file), ("--nats-tls-key", &tls.key_file)]
+        {
+            if let Some(path) = path {
+                command.arg(flag).arg(path);
+            }
+        }
+        command.args(["--nats-tls-required", &tls.required.to_string()]);
         if std::env::var_os("RUST_LOG").is_none() {
             command.env("RUST_LOG", "warn");
         }

@@ -112,7 +112,14 @@ pub fn learner(config: LearnerConfig, interrupted: Arc<AtomicBool>) -> anyhow::R
     } else {
         bus.ensure_run(&spec).context("creating the run's streams and buckets")?;
         // Versions never go backwards: continue above whatever this run already published.
-        let publisher = bus.weights_publisher().context("opening the weights store")?;
+        let mut publisher = bus.weights_publisher().context("opening the weights store")?;
+        match &config.weights_signing_key {
+            Some(key) => publisher.sign_with(key.clone()),
+            None => warn!(
+                "weights are not signed (no --weights-signing-key): actors given --weights-public-key refuse them, \
+                 and the others cannot tell them from forged ones"
+            ),
+        }
         // A checkpoint bounds how far the run's pointer can honestly be ahead of it: what a
         // learner can publish in the checkpoint's age (issue 46: a forged pointer far ahead
         // was followed, and then nothing the learner published after a restart was newer).
@@ -265,7 +272,7 @@ pub fn learner(config: LearnerConfig, interrupted: Arc<AtomicBool>) -> anyhow::R
         segments_stale: report.segments_stale,
         segments_duplicate: report.segments_duplicate,
         segments_rejected: report.segments_rejected.iter().map(|(k, v)| (k.to_string(), *v)).collect(),
-        windows: volley_learner::windows::WindowOutcome::ALL
+        windows: volley_learner::select::windows::WindowOutcome::ALL
             .iter()
             .zip(report.windows)
             .map(|(outcome, n)| (outcome.as_str(), n))
@@ -410,6 +417,8 @@ pub fn actor(args: ActorArgs, interrupted: Arc<AtomicBool>) -> anyhow::Result<()
         bail!("--envs: {} out of range 1..=4096", args.envs);
     }
     args.remote_env.validate()?;
+    // Read the public keys before anything else: a bad key file stops the actor at once.
+    let trusted_keys = args.weights_trust.load()?;
     // Serve health and metrics from the start: /readyz turns ready once weights are loaded.
     let counters = Arc::new(ActorCounters::default());
     let registry = serve::registry_for("actor")?;
@@ -497,8 +506,14 @@ pub fn actor(args: ActorArgs, interrupted: Arc<AtomicBool>) -> anyhow::Result<()
             // the env client waits on its runtime by itself, so it gets a connection and
             // worker threads of its own.
             let client = if bus.caller_driven() {
-                EnvServiceClient::connect(&config.url, config.auth.as_ref(), config.connect_timeout, timeout)
-                    .with_context(|| format!("connecting the environment client to NATS at {}", config.url))?
+                EnvServiceClient::connect(
+                    &config.url,
+                    config.auth.as_ref(),
+                    &config.tls,
+                    config.connect_timeout,
+                    timeout,
+                )
+                .with_context(|| format!("connecting the environment client to NATS at {}", config.url))?
             } else {
                 EnvServiceClient::with_client(bus.client().clone(), bus.handle().clone(), timeout)
             }
@@ -515,7 +530,7 @@ pub fn actor(args: ActorArgs, interrupted: Arc<AtomicBool>) -> anyhow::Result<()
                 Err(_) if stop.load(Ordering::Acquire) => return Ok(()),
                 Err(err) => return Err(err).with_context(|| format!("remote environment {}", remote.service)),
             };
-            let envs = crate::env_serve::actor_envs(envs, remote)
+            let envs = crate::remote_env::actor_envs(envs, remote)
                 .with_context(|| format!("remote environment {}", remote.service))?;
             RolloutWorker::with_envs(spec.clone(), actor_id.clone(), envs, seed, counters.clone())
         }
@@ -541,6 +556,13 @@ pub fn actor(args: ActorArgs, interrupted: Arc<AtomicBool>) -> anyhow::Result<()
         let _ = counters.pacing.set(clock);
     }
     let mut follower = bus.weights_follower(layout.hash(), layout.n_params()).context("following weights")?;
+    match trusted_keys {
+        Some(keys) => follower.require_signatures(keys),
+        None => warn!(
+            "weights are not verified (no --weights-public-key): this actor takes unsigned weights, and any client \
+             that can write the run's weights pointer or live subject can make it act on weights of its choosing"
+        ),
+    }
     info!(run = %run, actor = %actor_id, env = %env.describe(), envs = args.envs, "actor joined the run");
     let reporter_stop = Arc::new(AtomicBool::new(false));
     let reporter = {

@@ -6,7 +6,9 @@ mod creds;
 mod curve;
 mod distributed;
 mod env_serve;
+mod remote_env;
 mod serve;
+mod tls_certs;
 mod train;
 
 use std::io::IsTerminal;
@@ -17,7 +19,7 @@ use clap::Parser;
 use tracing::warn;
 use tracing_subscriber::EnvFilter;
 
-use crate::args::{BenchWeightsConfig, Cli, Command, LearnerConfig, ProgressMode, TrainConfig};
+use crate::args::{BenchWeightsConfig, Cli, Command, KeysArgs, KeysCommand, LearnerConfig, ProgressMode, TrainConfig};
 
 /// Exit status of a learner stopped by a signal before its run ended, after its final
 /// checkpoint: EX_TEMPFAIL ("try again"). Exit 0 means the run is over (solved, a budget spent,
@@ -117,6 +119,12 @@ fn run(command: Command, interrupted: Arc<AtomicBool>) -> anyhow::Result<()> {
         Command::Creds(args) => match args.command {
             args::CredsCommand::Actors(args) => println!("{}", serde_json::to_string(&creds::creds_actors(&args)?)?),
         },
+        Command::TlsCerts(args) => tls_certs::tls_certs(args)?,
+        Command::Keys(KeysArgs { command: KeysCommand::Generate(args) }) => {
+            let (private, public) =
+                volley_transport::signing::generate_key_files(&args.out, args.public_out.as_deref(), args.if_missing)?;
+            println!("{}", serde_json::json!({ "signing_key": private, "public_key": public }));
+        }
         Command::BenchWeights(args) => {
             let config = BenchWeightsConfig::try_from(args)?;
             if let Some(summary) = bench::bench_weights(&config, &interrupted)? {

@@ -183,7 +183,7 @@ pub fn train(config: TrainConfig, interrupted: Arc<AtomicBool>) -> anyhow::Resul
             // A remote environment: each actor thread steps its own sessions on the servers.
             (EnvConfig::Remote(remote), Some(nats)) => {
                 let envs = remote_envs(remote, nats, config.envs_per_actor, seed, actor_counters, &interrupted)
-                    .and_then(|envs| crate::env_serve::actor_envs(envs, remote))
+                    .and_then(|envs| crate::remote_env::actor_envs(envs, remote))
                     .with_context(|| format!("remote environment {} for actor {actor_id}", remote.service))?;
                 RolloutWorker::with_envs(spec.clone(), actor_id.clone(), envs, seed, actor_counters.clone())
             }
@@ -297,7 +297,7 @@ pub fn train(config: TrainConfig, interrupted: Arc<AtomicBool>) -> anyhow::Resul
         } else {
             Default::default()
         },
-        windows: volley_learner::windows::WindowOutcome::ALL
+        windows: volley_learner::select::windows::WindowOutcome::ALL
             .iter()
             .zip(report.windows)
             .map(|(outcome, n)| (outcome.as_str(), n))
@@ -504,6 +504,7 @@ fn remote_envs(
     let client = EnvServiceClient::connect(
         &nats.nats_url,
         nats.auth()?.as_ref(),
+        &nats.tls.tls(),
         Duration::from_secs(10),
         train_remote.remote_env.timeout()?,
     )

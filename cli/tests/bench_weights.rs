@@ -21,6 +21,8 @@ fn every_pattern_delivers_every_version_to_every_follower() {
             "bench-weights",
             "--nats",
             &nats.url(),
+            "--nats-tls-ca",
+            &nats.ca_file().display().to_string(),
             "--run",
             &format!("bench-{pattern}"),
             "--pattern",

@@ -28,18 +28,41 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
 const PATIENCE: Duration = Duration::from_secs(180);
 
 fn learner_args(nats: &TestNats, run: &str, dir: &Path, extra: &[&str]) -> Vec<String> {
-    let mut args: Vec<String> =
-        ["learner", "--nats", &nats.url(), "--run", run, "--checkpoint-dir"].iter().map(|s| s.to_string()).collect();
+    let mut args: Vec<String> = [
+        "learner",
+        "--nats",
+        &nats.url(),
+        "--nats-tls-ca",
+        &nats.ca_file().display().to_string(),
+        "--run",
+        run,
+        "--checkpoint-dir",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
     args.push(dir.join("checkpoints").display().to_string());
     args.extend(extra.iter().map(|s| s.to_string()));
     args
 }
 
 fn actor_args(nats: &TestNats, run: &str, id: &str) -> Vec<String> {
-    ["actor", "--nats", &nats.url(), "--run", run, "--actor-id", id, "--envs", "8"]
-        .iter()
-        .map(|s| s.to_string())
-        .collect()
+    [
+        "actor",
+        "--nats",
+        &nats.url(),
+        "--nats-tls-ca",
+        &nats.ca_file().display().to_string(),
+        "--run",
+        run,
+        "--actor-id",
+        id,
+        "--envs",
+        "8",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect()
 }
 
 fn spawn_actors(nats: &TestNats, run: &str, dir: &Path, n: usize) -> Vec<Proc> {
@@ -264,7 +287,8 @@ struct StreamState {
 /// The trajectory stream and learner consumer as a plain NATS client sees them.
 fn stream_state(nats: &TestNats, run: &str) -> StreamState {
     let run = volley_core::ids::RunId::new(run).expect("run");
-    let config = volley_transport::nats::NatsConfig::new(nats.url(), run.clone());
+    let config = volley_transport::nats::NatsConfig::new(nats.url(), run.clone())
+        .with_tls(volley_transport::nats::NatsTls::with_ca(nats.ca_file()));
     let bus = volley_transport::nats::NatsBus::connect(config).expect("connect");
     let js = bus.jetstream().clone();
     let stream_name = volley_core::subjects::trajectory_stream(&run);
@@ -534,8 +558,11 @@ impl StreamProbe {
     fn new(nats: &TestNats, run: &str) -> Self {
         let run = volley_core::ids::RunId::new(run).expect("run");
         let stream = volley_core::subjects::trajectory_stream(&run);
-        let bus = volley_transport::nats::NatsBus::connect(volley_transport::nats::NatsConfig::new(nats.url(), run))
-            .expect("connect");
+        let bus = volley_transport::nats::NatsBus::connect(
+            volley_transport::nats::NatsConfig::new(nats.url(), run)
+                .with_tls(volley_transport::nats::NatsTls::with_ca(nats.ca_file())),
+        )
+        .expect("connect");
         StreamProbe { bus, stream }
     }
 
@@ -656,7 +683,8 @@ fn malformed_messages_are_counted_and_dropped() {
     let mut learner = Proc::volley(dir.path(), "learner", &learner_args(&nats, "garbage", dir.path(), &[]), PATIENCE);
     learner.wait_for_log("no weights published yet");
     let config =
-        volley_transport::nats::NatsConfig::new(nats.url(), volley_core::ids::RunId::new("garbage").expect("run"));
+        volley_transport::nats::NatsConfig::new(nats.url(), volley_core::ids::RunId::new("garbage").expect("run"))
+            .with_tls(volley_transport::nats::NatsTls::with_ca(nats.ca_file()));
     let bus = volley_transport::nats::NatsBus::connect(config).expect("connect");
     let js = bus.jetstream().clone();
     let mut wrong_version = b"VLLY".to_vec();

@@ -61,6 +61,8 @@ fn a_hostile_actor_cannot_stop_freeze_or_bloat_a_run() {
             "learner",
             "--nats",
             &nats.url(),
+            "--nats-tls-ca",
+            &nats.ca_file().display().to_string(),
             "--run",
             "hostile",
             "--checkpoint-dir",
@@ -74,7 +76,20 @@ fn a_hostile_actor_cannot_stop_freeze_or_bloat_a_run() {
     let mut actors: Vec<Proc> = (0..2)
         .map(|i| {
             let id = format!("actor-{i}");
-            let args = ["actor", "--nats", &nats.url(), "--run", "hostile", "--actor-id", &id, "--envs", "8"];
+            let ca = nats.ca_file().display().to_string();
+            let args = [
+                "actor",
+                "--nats",
+                &nats.url(),
+                "--nats-tls-ca",
+                &ca,
+                "--run",
+                "hostile",
+                "--actor-id",
+                &id,
+                "--envs",
+                "8",
+            ];
             Proc::volley(dir.path(), &id, &strings(&args), PATIENCE)
         })
         .collect();
@@ -95,6 +110,7 @@ fn a_hostile_actor_cannot_stop_freeze_or_bloat_a_run() {
     let output = Command::new(&python)
         .arg(&script)
         .args([nats.url(), "hostile".into(), learner.child.id().to_string(), ROUNDS.to_string()])
+        .envs(nats.client_env())
         .output()
         .expect("run the hostile client");
     signal_actors("-CONT");

@@ -13,7 +13,9 @@ Usage: python hostile_client.py NATS_URL RUN LEARNER_PID ROUNDS
 import asyncio
 import json
 import math
+import os
 import random
+import ssl
 import struct
 import sys
 
@@ -99,7 +101,11 @@ def stored_spec(value: bytes) -> dict:
 
 
 async def main(url: str, run: str, learner_pid: int, rounds: int) -> None:
-    nc = await nats.connect(url)
+    # The broker requires TLS (the test kit's CA, passed as VOLLEY_NATS_TLS_CA like to Volley's
+    # processes): the attacker is a client like any other.
+    ca_file = os.environ.get("VOLLEY_NATS_TLS_CA")
+    tls = ssl.create_default_context(cafile=ca_file) if ca_file else None
+    nc = await nats.connect(url, tls=tls)
     js = nc.jetstream()
     kv = await js.key_value(f"volley-{run}")
     spec = stored_spec((await kv.get("spec")).value)

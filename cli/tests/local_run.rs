@@ -114,6 +114,11 @@ fn one_ctrl_c_stops_local_run_cleanly_with_a_final_checkpoint() {
     let logs = data.path().join("logs");
     wait_for_file_line(&logs.join("actor-0.log"), "actor joined the run", &mut script);
     wait_for_file_line(&logs.join("learner.log"), "learner progress", &mut script);
+    // Issue 46: the broker requires TLS with the CA the script made, and the learner and the
+    // actor got there (a plain-text client would have been refused).
+    let nats_log = fs::read_to_string(logs.join("nats.log")).unwrap_or_default();
+    assert!(nats_log.contains("TLS required for client connections"), "{nats_log}");
+    assert!(data.path().join("tls/ca.crt").is_file(), "no CA in the data directory");
 
     kill_group(&script, "-INT");
     let status = wait_within(&mut script, STOP_BOUND);

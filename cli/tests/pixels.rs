@@ -66,19 +66,39 @@ fn a_conv_torso_on_vector_observations_is_refused_by_name() {
 fn minatar_trains_over_nats_with_the_conv_torso() {
     let nats = TestNats::start();
     let dir = tempfile::tempdir().expect("temp dir");
-    let mut learner_args: Vec<String> = ["learner", "--nats", &nats.url(), "--run", "pixels", "--checkpoint-dir"]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
+    let mut learner_args: Vec<String> = [
+        "learner",
+        "--nats",
+        &nats.url(),
+        "--nats-tls-ca",
+        &nats.ca_file().display().to_string(),
+        "--run",
+        "pixels",
+        "--checkpoint-dir",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
     learner_args.push(dir.path().join("checkpoints").display().to_string());
     learner_args.extend(["--max-env-steps", "8192", "--segment-len", "32", "--batch-segments", "8"].map(String::from));
     learner_args.extend(MINATAR_CONV.map(String::from));
     let mut learner = Proc::volley(dir.path(), "learner", &learner_args, PATIENCE);
-    let actor_args: Vec<String> =
-        ["actor", "--nats", &nats.url(), "--run", "pixels", "--actor-id", "actor-0", "--envs", "8"]
-            .iter()
-            .map(|s| s.to_string())
-            .collect();
+    let actor_args: Vec<String> = [
+        "actor",
+        "--nats",
+        &nats.url(),
+        "--nats-tls-ca",
+        &nats.ca_file().display().to_string(),
+        "--run",
+        "pixels",
+        "--actor-id",
+        "actor-0",
+        "--envs",
+        "8",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
     let mut actor = Proc::volley(dir.path(), "actor-0", &actor_args, PATIENCE);
     let summary = learner.summary();
     assert_eq!(summary["stop_reason"], "env_step_budget", "{summary}");

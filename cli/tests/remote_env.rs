@@ -43,13 +43,35 @@ fn strings(args: &[&str]) -> Vec<String> {
 
 fn learner(nats: &TestNats, dir: &Path, run: &str, extra: &[&str]) -> Proc {
     let checkpoints = dir.join("checkpoints").display().to_string();
-    let mut args = strings(&["learner", "--nats", &nats.url(), "--run", run, "--checkpoint-dir", &checkpoints]);
+    let mut args = strings(&[
+        "learner",
+        "--nats",
+        &nats.url(),
+        "--nats-tls-ca",
+        &nats.ca_file().display().to_string(),
+        "--run",
+        run,
+        "--checkpoint-dir",
+        &checkpoints,
+    ]);
     args.extend(strings(extra));
     Proc::volley(dir, "learner", &args, PATIENCE)
 }
 
 fn actor(nats: &TestNats, dir: &Path, run: &str, id: &str, extra: &[&str]) -> Proc {
-    let mut args = strings(&["actor", "--nats", &nats.url(), "--run", run, "--actor-id", id, "--envs", "8"]);
+    let mut args = strings(&[
+        "actor",
+        "--nats",
+        &nats.url(),
+        "--nats-tls-ca",
+        &nats.ca_file().display().to_string(),
+        "--run",
+        run,
+        "--actor-id",
+        id,
+        "--envs",
+        "8",
+    ]);
     args.extend(strings(extra));
     Proc::volley(dir, id, &args, PATIENCE)
 }
@@ -71,7 +93,17 @@ fn one_signal_stops_a_process_waiting_for_an_environment_server() {
             Proc::volley(
                 dir.path(),
                 "train",
-                &strings(&["train", "--nats", &nats.url(), "--env", "remote:nobody", "--run-dir", &run_dir]),
+                &strings(&[
+                    "train",
+                    "--nats",
+                    &nats.url(),
+                    "--nats-tls-ca",
+                    &nats.ca_file().display().to_string(),
+                    "--env",
+                    "remote:nobody",
+                    "--run-dir",
+                    &run_dir,
+                ]),
                 PATIENCE,
             ),
             0,
@@ -139,7 +171,16 @@ fn gymnasium_cartpole_served_by_python_is_solved_over_nats() {
     let dir = tempfile::tempdir().expect("temp dir");
     let mut servers: Vec<Proc> = (0..2)
         .map(|i| {
-            let args = strings(&["-m", "volley_envs", "serve", "gymnasium:CartPole-v1", "--nats", &nats.url()]);
+            let args = strings(&[
+                "-m",
+                "volley_envs",
+                "serve",
+                "gymnasium:CartPole-v1",
+                "--nats",
+                &nats.url(),
+                "--tls-ca",
+                &nats.ca_file().display().to_string(),
+            ]);
             Proc::spawn(dir.path(), &format!("gym-{i}"), &python, &args, PATIENCE)
         })
         .collect();
@@ -177,7 +218,7 @@ fn a_killed_env_server_aborts_its_episodes_and_the_actor_continues() {
             Proc::volley(
                 dir.path(),
                 &format!("env-serve-{i}"),
-                &strings(&["env-serve", "--nats", &nats.url()]),
+                &strings(&["env-serve", "--nats", &nats.url(), "--nats-tls-ca", &nats.ca_file().display().to_string()]),
                 PATIENCE,
             )
         })
@@ -228,7 +269,16 @@ fn a_killed_env_server_aborts_its_episodes_and_the_actor_continues() {
 
 /// A Python server started with `python -m volley_envs serve <env>`, ready to answer.
 fn python_server(dir: &Path, python: &str, nats: &TestNats, env: &str) -> Proc {
-    let args = strings(&["-m", "volley_envs", "serve", env, "--nats", &nats.url()]);
+    let args = strings(&[
+        "-m",
+        "volley_envs",
+        "serve",
+        env,
+        "--nats",
+        &nats.url(),
+        "--tls-ca",
+        &nats.ca_file().display().to_string(),
+    ]);
     let mut server = Proc::spawn(dir, "gym-box", python, &args, PATIENCE);
     server.wait_for_log("environment server ready");
     server
@@ -346,6 +396,8 @@ fn embedded_train_steps_a_remote_box_env() {
         "remote:pendulum-v1",
         "--nats",
         &nats.url(),
+        "--nats-tls-ca",
+        &nats.ca_file().display().to_string(),
         "--actors",
         "2",
         "--max-env-steps",

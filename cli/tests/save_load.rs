@@ -17,7 +17,7 @@ use volley_core::work::{Start, WorkConfig, WorkItem};
 use volley_env::{EnvConfig, MilestonesConfig};
 use volley_policy::{Activation, CoreKind, PolicySpec};
 use volley_testkit::TestNats;
-use volley_transport::nats::{NatsBus, NatsConfig};
+use volley_transport::nats::{NatsBus, NatsConfig, NatsTls};
 use volley_transport::work::{local_work_queue, LocalSnapshotStore, SnapshotStore, WorkQueue};
 use volley_transport::{Delivery, TrajectorySource, WeightsPublisher};
 
@@ -95,10 +95,22 @@ fn uninterrupted(spec: &RunSpec, seed: u64) -> EpisodeSummary {
 }
 
 fn spawn_actor(nats: &TestNats, dir: &Path, id: &str) -> Proc {
-    let args: Vec<String> = ["actor", "--nats", &nats.url(), "--run", "saveload", "--actor-id", id, "--envs", "1"]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
+    let args: Vec<String> = [
+        "actor",
+        "--nats",
+        &nats.url(),
+        "--nats-tls-ca",
+        &nats.ca_file().display().to_string(),
+        "--run",
+        "saveload",
+        "--actor-id",
+        id,
+        "--envs",
+        "1",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
     Proc::volley(dir, id, &args, PATIENCE)
 }
 
@@ -117,7 +129,9 @@ fn an_episode_interrupted_by_a_killed_actor_finishes_on_another_with_the_same_re
 
     let nats = TestNats::start();
     let dir = tempfile::tempdir().expect("temp dir");
-    let bus = NatsBus::connect(NatsConfig::new(nats.url(), spec.run.clone())).expect("connect");
+    let bus =
+        NatsBus::connect(NatsConfig::new(nats.url(), spec.run.clone()).with_tls(NatsTls::with_ca(nats.ca_file())))
+            .expect("connect");
     bus.ensure_run(&spec).expect("run created");
     bus.weights_publisher().expect("publisher").publish(weights(&spec)).expect("weights published");
     // The queue runs the work dispatcher the actors lease items from: kept until the end.

@@ -150,6 +150,8 @@ fn learner_process_writes_scalars_tensorboard_reads_back() {
         "learner",
         "--nats",
         &nats.url(),
+        "--nats-tls-ca",
+        &nats.ca_file().display().to_string(),
         "--run",
         "tb",
         "--max-env-steps",
@@ -171,10 +173,22 @@ fn learner_process_writes_scalars_tensorboard_reads_back() {
     .map(|s| s.to_string())
     .collect();
     let mut learner = Proc::volley(dir.path(), "learner", &args, PATIENCE);
-    let actor_args: Vec<String> = ["actor", "--nats", &nats.url(), "--run", "tb", "--actor-id", "a0", "--envs", "8"]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
+    let actor_args: Vec<String> = [
+        "actor",
+        "--nats",
+        &nats.url(),
+        "--nats-tls-ca",
+        &nats.ca_file().display().to_string(),
+        "--run",
+        "tb",
+        "--actor-id",
+        "a0",
+        "--envs",
+        "8",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
     let mut actor = Proc::volley(dir.path(), "actor", &actor_args, PATIENCE);
     let summary = learner.summary();
     actor.terminate_and_wait();

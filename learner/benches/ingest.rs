@@ -43,14 +43,14 @@ use volley_core::spec::{HyperParams, RunSpec, StoreLimits};
 use volley_core::subjects;
 use volley_core::wire::{self, TrajectorySegment};
 use volley_env::{EnvConfig, EnvServiceName, RemoteEnvConfig};
-use volley_learner::admission::Admission;
 use volley_learner::batch::SegmentBatch;
-use volley_learner::seen::{SeenSegments, SEEN_STREAMS};
+use volley_learner::ingest::admission::Admission;
+use volley_learner::ingest::seen::{SeenSegments, SEEN_STREAMS};
 use volley_learner::Learner;
 use volley_policy::{Activation, PolicySpec};
 use volley_testkit::fixtures::SegmentBuilder;
 use volley_testkit::TestNats;
-use volley_transport::nats::{NatsBus, NatsConfig};
+use volley_transport::nats::{NatsBus, NatsConfig, NatsTls};
 use volley_transport::{Delivery, TrajectorySink, TrajectorySource};
 
 /// Segments per learner batch: 64 × T=32 = 2048 samples.
@@ -387,7 +387,7 @@ fn main() {
         }
         let run = format!("ingest-{shape_idx}");
         let spec = spec(&run, shape.obs_dim);
-        let mut config = NatsConfig::new(server.url(), spec.run.clone());
+        let mut config = NatsConfig::new(server.url(), spec.run.clone()).with_tls(NatsTls::with_ca(server.ca_file()));
         config.max_segments_per_message = shape.max_segments_per_message;
         config.runtime_workers = runtime_workers();
         let mut deep_config = config.clone();

@@ -1,5 +1,5 @@
 //! Assembling segments into a time-major batch `[T][B]`: one column per segment, or one column
-//! per stitched window of consecutive segments (`hyper.bptt.segments`, [`crate::windows`]).
+//! per stitched window of consecutive segments (`hyper.bptt.segments`, [`crate::select::windows`]).
 
 use volley_core::ids::PolicyVersion;
 use volley_core::wire::TrajectorySegment;

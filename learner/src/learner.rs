@@ -12,9 +12,9 @@ use volley_policy::ParamLayout;
 use crate::backend::cuda::DeviceTiming;
 use crate::backend::{open_cuda, BackendError, BackendKind, CpuBackend, CudaBackend, CudaDevice};
 use crate::batch::SegmentBatch;
-use crate::checkpoint::{Checkpoint, CheckpointError};
 use crate::losses::LossStats;
 use crate::optim::{AdamConfig, AdamState, LrSchedule};
+use crate::publish::checkpoint::{Checkpoint, CheckpointError};
 use crate::train::{AnyTrainer, HostState, Trainer};
 
 /// A published version the learner refuses to continue above (see

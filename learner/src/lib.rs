@@ -4,29 +4,35 @@
 //! Invariant: the learner's policy version increases by exactly one per published update and
 //! never goes backwards; every sample's lag is measured against it.
 //! Start reading at [`learner::Learner`] (one update) and [`consume::run_learner`] (the loop).
+//!
+//! Folders follow a segment's path: [`ingest`] (admission, the duplicate filter) → [`select`]
+//! (the pool, its filters and the draw) → the update ([`learner`],
+//! [`train`], [`losses`], [`net`], [`optim`] on a [`backend`]) → [`publish`] (weights versions,
+//! checkpoints); [`consume`] runs the loop and [`report`] keeps its report, [`scheduler`]
+//! plans the actors' next episodes from the same segments, and [`metrics`] and
+//! [`tensorboard`] export what they report.
 
-pub mod admission;
 pub mod backend;
 pub mod batch;
-pub mod checkpoint;
 pub mod consume;
 pub mod gaussian_losses;
-pub mod groups;
+pub mod ingest;
 pub mod learner;
 pub mod losses;
 pub mod metrics;
 pub mod net;
 pub mod optim;
+pub mod publish;
+pub mod report;
 pub mod scheduler;
-pub mod seen;
-pub mod selection;
+pub mod select;
 pub mod telemetry;
 pub mod tensorboard;
 pub mod train;
-pub mod windows;
 
-pub use checkpoint::{Checkpoint, CheckpointError};
-pub use consume::{run_learner, LearnerControl, LearnerReport, RunLimits, StopReason};
+pub use consume::{run_learner, LearnerControl, RunLimits};
 pub use learner::{AbsurdVersion, Learner, LearnerError, UpdateStats};
 pub use metrics::LearnerMetrics;
-pub use selection::{DropReason, Selector, ValueSource};
+pub use publish::checkpoint::{Checkpoint, CheckpointError};
+pub use report::{LearnerReport, StopReason};
+pub use select::selection::{DropReason, Selector, ValueSource};

@@ -6,8 +6,9 @@ use std::time::Duration;
 
 use prometheus::{Counter, Gauge, GaugeVec, Histogram, HistogramOpts, IntCounter, IntCounterVec, Opts, Registry};
 
-use crate::consume::LearnerReport;
 use crate::learner::{Learner, UpdateStats};
+use crate::report::LearnerReport;
+use crate::scheduler::{Scheduler, SchedulerObserver};
 
 /// Handles to every learner metric.
 pub struct LearnerMetrics {
@@ -201,16 +202,20 @@ impl LearnerMetrics {
         registry.register(Box::new(metrics.group_held_segments.clone()))?;
         registry.register(Box::new(metrics.group_held_bytes.clone()))?;
         // Every label value from the start, so rates and "no rejections" read 0, not "no data".
-        for outcome in ["used", "duplicate"].into_iter().chain(crate::selection::DropReason::ALL.map(|r| r.as_str())) {
+        for outcome in
+            ["used", "duplicate"].into_iter().chain(crate::select::selection::DropReason::ALL.map(|r| r.as_str()))
+        {
             metrics.segments.with_label_values(&[outcome]);
         }
-        for &reason in volley_core::wire::DecodeError::REASONS.iter().chain(crate::admission::Rejection::REASONS) {
+        for &reason in
+            volley_core::wire::DecodeError::REASONS.iter().chain(crate::ingest::admission::Rejection::REASONS)
+        {
             metrics.rejected.with_label_values(&[reason]);
         }
         for term in ["total", "policy", "value"] {
             metrics.loss.with_label_values(&[term]);
         }
-        for outcome in crate::windows::WindowOutcome::ALL {
+        for outcome in crate::select::windows::WindowOutcome::ALL {
             metrics.windows.with_label_values(&[outcome.as_str()]);
         }
         registry.register(Box::new(metrics.segments.clone()))?;
@@ -349,7 +354,7 @@ impl LearnerMetrics {
         self.group_held_bytes.set(now.held_bytes as f64);
         self.window_held.set(report.window_held_segments as f64);
         for ((outcome, &count), &before) in
-            crate::windows::WindowOutcome::ALL.iter().zip(&report.windows).zip(&prev.windows)
+            crate::select::windows::WindowOutcome::ALL.iter().zip(&report.windows).zip(&prev.windows)
         {
             self.windows.with_label_values(&[outcome.as_str()]).inc_by(delta(count, before));
         }
@@ -435,6 +440,12 @@ impl ActorLag {
     }
 }
 
+impl SchedulerObserver for WorkMetrics {
+    fn observe(&self, scheduler: &Scheduler) {
+        WorkMetrics::observe(self, scheduler);
+    }
+}
+
 /// The budget scheduler's metrics (learners of runs with `work.enabled`): each task's share of
 /// the work items and its recent success rate (label `task` = task index, bounded by the
 /// run's task list), work items issued by kind of start, and saved states known.
@@ -504,7 +515,7 @@ impl WorkMetrics {
     }
 
     /// Copy the scheduler's state.
-    pub fn observe(&self, scheduler: &crate::scheduler::Scheduler) {
+    pub fn observe(&self, scheduler: &Scheduler) {
         for (task, (stats, share)) in scheduler.task_stats().iter().zip(scheduler.budget_shares()).enumerate() {
             let label = task.to_string();
             self.share.with_label_values(&[&label]).set(share);
@@ -549,8 +560,10 @@ mod actor_lag_tests {
         };
         let rejected = values("volley_learner_segments_rejected_total");
         // Decoding and admission share `bad_id` (a typed id that does not decode, a bad key).
-        let reasons: std::collections::BTreeSet<_> =
-            volley_core::wire::DecodeError::REASONS.iter().chain(crate::admission::Rejection::REASONS).collect();
+        let reasons: std::collections::BTreeSet<_> = volley_core::wire::DecodeError::REASONS
+            .iter()
+            .chain(crate::ingest::admission::Rejection::REASONS)
+            .collect();
         assert_eq!(rejected.len(), reasons.len());
         let outcomes = values("volley_learner_segments_total");
         let mut names: Vec<_> = outcomes.iter().map(|(label, _)| label.as_str()).collect();

@@ -405,6 +405,13 @@ impl Scheduler {
     }
 }
 
+/// What reads the scheduler's state at every top-up of a [`WorkPlanner`]: its metrics
+/// (`metrics::WorkMetrics`), which know the scheduler, not the other way round.
+pub trait SchedulerObserver: Send {
+    /// Read the scheduler's state.
+    fn observe(&self, scheduler: &Scheduler);
+}
+
 /// A [`Scheduler`] wired to the run's work queue: learns from every segment the learner
 /// accepts and keeps `target` items queued. Wrap the learner loop's control in
 /// [`Planned`] to drive it.
@@ -417,7 +424,7 @@ pub struct WorkPlanner {
     /// Scheduled episodes reported finished since the last top-up: items the queue has lost.
     finished_since_top_up: u64,
     log: Option<Box<dyn std::io::Write + Send>>,
-    metrics: Option<crate::metrics::WorkMetrics>,
+    metrics: Option<Box<dyn SchedulerObserver>>,
 }
 
 impl std::fmt::Debug for WorkPlanner {
@@ -486,9 +493,10 @@ impl WorkPlanner {
         }
     }
 
-    /// Export the scheduler's state as Prometheus metrics, refreshed at every top-up.
-    pub fn with_metrics(mut self, metrics: crate::metrics::WorkMetrics) -> Self {
-        self.metrics = Some(metrics);
+    /// Export the scheduler's state (as Prometheus metrics: `metrics::WorkMetrics`), refreshed
+    /// at every top-up.
+    pub fn with_metrics(mut self, metrics: impl SchedulerObserver + 'static) -> Self {
+        self.metrics = Some(Box::new(metrics));
         self
     }
 

@@ -9,7 +9,7 @@ use std::thread;
 use volley_core::spec::{HyperParams, LossKind, RunSpec};
 use volley_core::wire::TrajectorySegment;
 use volley_core::work::SnapshotInfo;
-use volley_learner::seen::{SeenSegments, SEEN_STREAMS};
+use volley_learner::ingest::seen::{SeenSegments, SEEN_STREAMS};
 use volley_learner::{run_learner, Learner, LearnerReport, RunLimits, StopReason, UpdateStats};
 use volley_testkit::fixtures::{SegmentBuilder, SpecBuilder};
 use volley_transport::local::{trajectory_channel, weights_channel};

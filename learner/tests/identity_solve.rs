@@ -23,7 +23,7 @@ use volley_learner::{run_learner, Learner, LearnerReport, RunLimits, StopReason,
 use volley_testkit::fixtures::{SegmentBuilder, SpecBuilder};
 use volley_testkit::TestNats;
 use volley_transport::nats::identity::{actor_nkey_variable, ActorIdentity};
-use volley_transport::nats::{NatsAuth, NatsBus, NatsConfig};
+use volley_transport::nats::{NatsAuth, NatsBus, NatsConfig, NatsTls};
 use volley_transport::TrajectorySink;
 
 const T: usize = 8;
@@ -81,7 +81,8 @@ fn segment(learner: &Learner, actor: &str, idx: u64, episode_return: f32, episod
 }
 
 fn bus(server: &TestNats, auth: NatsAuth) -> NatsBus {
-    let mut config = NatsConfig::new(server.url(), RunId::new(RUN).expect("a valid run id"));
+    let mut config = NatsConfig::new(server.url(), RunId::new(RUN).expect("a valid run id"))
+        .with_tls(NatsTls::with_ca(server.ca_file()));
     config.connect_timeout = Duration::from_secs(10);
     config.request_timeout = Duration::from_secs(2);
     config.retry_deadline = Duration::from_secs(4);

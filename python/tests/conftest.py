@@ -1,4 +1,5 @@
-"""Fixtures: a real nats-server per test module on a free loopback port, and environments served on it."""
+"""Fixtures: a real nats-server per test module on a free loopback port, requiring TLS with a test CA,
+and environments served on it."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import contextlib
 import os
 import shutil
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -32,24 +34,62 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(scope="session")
+def tls_dir(tmp_path_factory):
+    """A test CA with a server certificate for 127.0.0.1 and a client certificate (issue 46), from
+    the Rust test kit's `volley-test-certs` (Python's standard library cannot make certificates):
+    `ca.pem`, `server-cert.pem`, `server-key.pem`, `client-cert.pem`, `client-key.pem`.
+    $VOLLEY_TEST_CERTS names a built `volley-test-certs` binary; else cargo builds and runs it."""
+    out = str(tmp_path_factory.mktemp("tls"))
+    binary = os.environ.get("VOLLEY_TEST_CERTS")
+    command = [binary] if binary else ["cargo", "run", "--quiet", "-p", "volley-testkit", "--bin", "volley-test-certs", "--"]
+    try:
+        subprocess.run([*command, out], check=True, cwd=REPO, stdout=subprocess.DEVNULL)
+    except (OSError, subprocess.CalledProcessError) as err:
+        pytest.fail(f"cannot make the test certificates with {command}: {err}")
+    return out
+
+
+@pytest.fixture(scope="session")
+def tls_context(tls_dir):
+    """An SSL context trusting the test CA, for nats-py clients of the test server."""
+    return ssl.create_default_context(cafile=os.path.join(tls_dir, "ca.pem"))
+
+
+def start_nats(tls_dir: str | None, store: str, port: int, log) -> subprocess.Popen:
+    """nats-server with JetStream on 127.0.0.1:port; requiring TLS with the test CA unless tls_dir is None."""
+    command = [find_nats_server(), "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", store]
+    if tls_dir is not None:
+        command += ["--tls", "--tlscert", os.path.join(tls_dir, "server-cert.pem"),
+                    "--tlskey", os.path.join(tls_dir, "server-key.pem")]
+    return subprocess.Popen(command, stdout=log, stderr=log)
+
+
+def wait_for_port(process: subprocess.Popen, port: int, log_path: str | None = None) -> None:
+    """Wait until nats-server accepts TCP connections on `port` (fails if it exits first)."""
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return
+        except OSError:
+            if process.poll() is not None or time.monotonic() > deadline:
+                log = open(log_path).read() if log_path else ""
+                raise RuntimeError(f"nats-server did not start: {log}")
+            time.sleep(0.02)
+
+
 @pytest.fixture(scope="module")
-def nats_url():
+def nats_url(tls_dir):
     port = free_port()
     store = tempfile.mkdtemp(prefix="volley-envs-nats-")
     log = open(os.path.join(store, "nats.log"), "w")
-    process = subprocess.Popen(
-        [find_nats_server(), "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", store], stdout=log, stderr=log
-    )
+    process = start_nats(tls_dir, store, port, log)
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                break
-            except OSError:
-                if process.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"nats-server did not start: {open(log.name).read()}")
-                time.sleep(0.02)
+        wait_for_port(process, port, log.name)
         yield f"nats://127.0.0.1:{port}"
     finally:
         process.kill()
@@ -81,7 +121,7 @@ class Served:
 
 
 @pytest.fixture
-def serve(nats_url):
+def serve(nats_url, tls_context):
     """Serve `EnvServer`s on the module's nats-server for one test.
 
     `async with serve(server, ...) as served:` connects to the broker, starts each server on that
@@ -93,7 +133,7 @@ def serve(nats_url):
 
     @contextlib.asynccontextmanager
     async def serving(*servers):
-        nc = await nats.connect(nats_url)
+        nc = await nats.connect(nats_url, tls=tls_context)
         served = Served(nc, servers, [])
         try:
             for server in servers:
@@ -116,7 +156,7 @@ def serve(nats_url):
 
 
 @pytest.fixture
-def serve_command(nats_url):
+def serve_command(nats_url, tls_dir):
     """Serve an environment by the command line, `python -m volley_envs serve SPEC --nats <url> ARGS...`.
 
     `with serve_command(SPEC, *args) as (process, ready):` yields the process once it has logged
@@ -126,7 +166,7 @@ def serve_command(nats_url):
 
     @contextlib.contextmanager
     def serving(spec: str, *args: str):
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", VOLLEY_NATS_TLS_CA=os.path.join(tls_dir, "ca.pem"))
         process = subprocess.Popen(
             [sys.executable, "-m", "volley_envs", "serve", spec, "--nats", nats_url, *args],
             stderr=subprocess.PIPE, text=True, env=env,

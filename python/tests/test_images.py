@@ -209,12 +209,12 @@ def test_atari_env_kwargs_go_to_make_or_to_the_wrapper():
         make_factory("atari:ALE/Pong-v5")
 
 
-def test_the_command_line_serves_atari_as_pong(nats_url, serve_command):
+def test_the_command_line_serves_atari_as_pong(nats_url, serve_command, tls_context):
     with serve_command("atari:Pong", "--env-kwargs", '{"terminal_on_life_loss": true}') as (process, line):
         assert "service=volley-env-pong " in line and "image[1, 84, 84]:u8" in line
 
         async def scenario():
-            nc = await nats.connect(nats_url)
+            nc = await nats.connect(nats_url, tls=tls_context)
             (instance,) = await discover(nc, "pong")
             assert (await call(nc, instance, "spaces", {}))["env"] == "atari:Pong"
             opened = await call(nc, instance, "open", {"n_envs": 1, "seeds": [5]})

@@ -70,7 +70,7 @@ def test_a_session_larger_than_the_server_is_a_bad_request():
         cartpole_server("zero", max_envs=0)
 
 
-def test_limits_come_from_flags_and_environment_variables(nats_url, serve_command, monkeypatch):
+def test_limits_come_from_flags_and_environment_variables(nats_url, serve_command, monkeypatch, tls_context):
     monkeypatch.setenv("VOLLEY_ENV_MAX_ENVS", "3")
     monkeypatch.setenv("VOLLEY_ENV_MAX_SESSIONS", "9")
     with serve_command("gymnasium:CartPole-v1", "--name", "limited", "--max-sessions", "2") as (process, _ready):
@@ -78,7 +78,7 @@ def test_limits_come_from_flags_and_environment_variables(nats_url, serve_comman
         assert "max_sessions=2 max_envs=3 max_envs_per_session=3" in limits, limits
 
         async def scenario():
-            nc = await nats.connect(nats_url)
+            nc = await nats.connect(nats_url, tls=tls_context)
             try:
                 (instance,) = await discover(nc, "limited")
                 await call(nc, instance, "open", {"n_envs": 3, "seeds": [1, 2, 3]})

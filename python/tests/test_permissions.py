@@ -39,13 +39,15 @@ ACTOR_KEYS = dict(
 
 
 @pytest.fixture(scope="module")
-def broker():
+def broker(tls_dir):
     """A nats-server with the repo's accounts: (url, path of its log)."""
     port = free_port()
     store = tempfile.mkdtemp(prefix="volley-envs-perm-")
     config = os.path.join(store, "nats.conf")
     with open(config, "w") as f:
         f.write(f"listen: 127.0.0.1:{port}\njetstream {{ store_dir: {store!r} }}\n")
+        cert, key = os.path.join(tls_dir, "server-cert.pem"), os.path.join(tls_dir, "server-key.pem")
+        f.write(f"tls {{ cert_file: {cert!r}, key_file: {key!r} }}\n")
         f.write(ACCOUNTS.read_text())
     log_path = os.path.join(store, "nats.log")
     log = open(log_path, "w")
@@ -72,17 +74,20 @@ def violations(log_path: str) -> list[str]:
     return [line for line in open(log_path).read().splitlines() if "Violation" in line]
 
 
-def test_the_env_server_user_serves_its_service_and_nothing_else(broker):
+def test_the_env_server_user_serves_its_service_and_nothing_else(broker, tls_context):
     url, log_path = broker
 
     async def scenario():
-        server_nc = await nats.connect(url, user="env-cartpole", password=PASSWORDS["VOLLEY_ENV_SERVER_PASSWORD"])
+        server_nc = await nats.connect(
+            url, user="env-cartpole", password=PASSWORDS["VOLLEY_ENV_SERVER_PASSWORD"], tls=tls_context
+        )
         actor_nc = await nats.connect(
             url,
             user="learner-local",
             password=PASSWORDS["VOLLEY_LEARNER_PASSWORD"],
             # The learner user's private inbox prefix, as the Rust transport sets it.
             inbox_prefix="_INBOX_learner-local",
+            tls=tls_context,
         )
         server = EnvServer(make_factory("gymnasium:CartPole-v1"), "cartpole", label="gymnasium:CartPole-v1")
         await server.start(server_nc)

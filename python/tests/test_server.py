@@ -22,7 +22,8 @@ from volley_envs.client import Gone, RemoteSession, call, discover
 from volley_envs.protocol import ProtocolError, from_f32_bin
 from volley_envs.server import EnvServer, make_factory
 
-from conftest import find_nats_server, free_port
+import conftest
+from conftest import free_port
 
 
 def run(coro):
@@ -200,7 +201,7 @@ def test_idle_sessions_expire(serve):
     run(scenario())
 
 
-def test_the_serve_fixture_stops_its_servers_when_the_test_fails(serve, nats_url):
+def test_the_serve_fixture_stops_its_servers_when_the_test_fails(serve, nats_url, tls_context):
     server = cartpole_server("fixture")
 
     async def failing():
@@ -214,19 +215,19 @@ def test_the_serve_fixture_stops_its_servers_when_the_test_fails(serve, nats_url
     assert server.sessions == {}
 
     async def gone():
-        nc = await nats.connect(nats_url)
+        nc = await nats.connect(nats_url, tls=tls_context)
         assert await discover(nc, "fixture") == []
         await nc.close()
 
     run(gone())
 
 
-def test_the_command_line_serves_until_sigterm(nats_url, serve_command):
+def test_the_command_line_serves_until_sigterm(nats_url, serve_command, tls_context):
     with serve_command("gymnasium:CartPole-v1") as (process, line):
         assert "service=volley-env-cartpole-v1" in line
 
         async def scenario():
-            nc = await nats.connect(nats_url)
+            nc = await nats.connect(nats_url, tls=tls_context)
             (instance,) = await discover(nc, "cartpole-v1")
             opened = await call(nc, instance, "open", {"n_envs": 2, "seeds": [1, 2]})
             assert len(from_f32_bin(opened["obs"])) == 8
@@ -237,7 +238,7 @@ def test_the_command_line_serves_until_sigterm(nats_url, serve_command):
         assert process.wait(timeout=30) == 0
 
     async def gone():
-        nc = await nats.connect(nats_url)
+        nc = await nats.connect(nats_url, tls=tls_context)
         assert await discover(nc, "cartpole-v1") == []
         await nc.close()
 
@@ -279,12 +280,9 @@ def test_non_finite_outputs_fail_the_environment(serve):
     run(scenario())
 
 
-def start_nats(port, store):
-    """A nats-server on `port`, up when this returns."""
-    process = subprocess.Popen(
-        [find_nats_server(), "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", store],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
+def start_nats(port, store, tls_dir):
+    """A nats-server on `port` requiring TLS with the test CA, up when this returns."""
+    process = conftest.start_nats(tls_dir, store, port, subprocess.DEVNULL)
     while True:
         try:
             socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
@@ -329,14 +327,14 @@ class Lines:
         return self.lines
 
 
-def test_a_broker_outage_logs_one_line_per_reconnect_attempt(tmp_path):
+def test_a_broker_outage_logs_one_line_per_reconnect_attempt(tmp_path, tls_dir, tls_context):
     """Issue 48: during a broker outage volley-envs printed a full Python traceback for every
     failed reconnect attempt. Each attempt is one line now, the server reconnects when the
     broker is back, and serves again."""
     port = free_port()
     url = f"nats://127.0.0.1:{port}"
-    broker = start_nats(port, str(tmp_path / "js"))
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    broker = start_nats(port, str(tmp_path / "js"), tls_dir)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", VOLLEY_NATS_TLS_CA=os.path.join(tls_dir, "ca.pem"))
     process = subprocess.Popen(
         [sys.executable, "-m", "volley_envs", "serve", "gymnasium:CartPole-v1", "--nats", url],
         stderr=subprocess.PIPE, text=True, env=env,
@@ -350,11 +348,11 @@ def test_a_broker_outage_logs_one_line_per_reconnect_attempt(tmp_path):
         # Two failed attempts while the broker is down (the server retries every 2 s).
         for _ in range(2):
             stderr.until(f"NATS at {url}:")
-        broker = start_nats(port, str(tmp_path / "js"))
+        broker = start_nats(port, str(tmp_path / "js"), tls_dir)
         stderr.until("reconnected to NATS")
 
         async def serves_again():
-            nc = await nats.connect(url)
+            nc = await nats.connect(url, tls=tls_context)
             (instance,) = await discover(nc, "cartpole-v1")
             opened = await call(nc, instance, "open", {"n_envs": 1, "seeds": [1]})
             assert len(from_f32_bin(opened["obs"])) == 4

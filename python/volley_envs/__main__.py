@@ -8,7 +8,9 @@ import json
 import logging
 import os
 import signal
+import ssl
 import sys
+from urllib.parse import urlparse
 
 import nats
 
@@ -28,12 +30,16 @@ def describe(err: BaseException) -> str:
     return f"{type(err).__name__}: {message}" if message else type(err).__name__
 
 
-def connection_options(url: str) -> dict:
+def connection_options(url: str, tls_failed: asyncio.Future | None = None) -> dict:
     """nats-py callbacks that log one line per event. Without them nats-py logs every failed
     reconnect attempt during a broker outage with a full traceback (issue 48). The server
-    reconnects for as long as the outage lasts; its service comes back with the connection."""
+    reconnects for as long as the outage lasts; its service comes back with the connection.
+    A TLS error (a certificate that does not verify) also completes `tls_failed`, if given:
+    retrying cannot fix it, so the first connection gives up (see `connect`)."""
     async def error_cb(err: Exception) -> None:
         log.warning("NATS at %s: %s", url, describe(err))
+        if tls_failed is not None and isinstance(err, ssl.SSLError) and not tls_failed.done():
+            tls_failed.set_result(err)
 
     async def disconnected_cb() -> None:
         log.warning("disconnected from NATS at %s; reconnecting every %.0f s", url, RECONNECT_WAIT_SECS)
@@ -48,6 +54,49 @@ def connection_options(url: str) -> dict:
         "max_reconnect_attempts": -1,
         "reconnect_time_wait": RECONNECT_WAIT_SECS,
     }
+
+
+def tls_options(ca: str | None, cert: str | None, key: str | None, required: bool) -> dict | None:
+    """nats-py options for TLS (issue 46), as the Rust processes take them; None when no TLS
+    setting is given (nats-py then follows the server: TLS when it asks, with the system's CAs).
+
+    A file that is missing or not PEM ends the command with one line.
+    """
+    if cert and not key or key and not cert:
+        raise SystemExit("volley-envs: --tls-cert and --tls-key go together")
+    if not (ca or cert or required):
+        return None
+    try:
+        context = ssl.create_default_context(cafile=ca)
+        if cert:
+            context.load_cert_chain(cert, key)
+    except (OSError, ssl.SSLError) as err:
+        raise SystemExit(f"volley-envs: TLS files (--tls-ca {ca}, --tls-cert {cert}): {describe(err)}") from None
+    return {"tls": context}
+
+
+async def check_server_offers_tls(url: str) -> None:
+    """With TLS required, refuse a server whose greeting does not ask for TLS.
+
+    nats-py upgrades to TLS only when the server's INFO says `tls_required`, and would send its
+    CONNECT (the password) in plain text to a server without TLS; the Rust client refuses such a
+    server by itself. So this reads the greeting first and stops with one line. (An attacker in
+    the path could still answer this probe and the real connection differently; the broker
+    requiring TLS, as broker-config/ does, is what keeps honest deployments encrypted.)
+    """
+    parsed = urlparse(url if "://" in url else f"nats://{url}")
+    try:
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(parsed.hostname, parsed.port or 4222), 10)
+        try:
+            line = await asyncio.wait_for(reader.readline(), 10)
+        finally:
+            writer.close()
+    except (OSError, asyncio.TimeoutError) as err:
+        raise SystemExit(f"volley-envs: cannot connect to NATS at {url}: {describe(err)}") from None
+    info = json.loads(line[len(b"INFO "):]) if line.startswith(b"INFO ") else {}
+    if not info.get("tls_required"):
+        raise SystemExit(f"volley-envs: the NATS server at {url} does not offer TLS, and TLS is required "
+                         "(--tls-ca, --tls-cert or --tls-required)")
 
 
 def positive_int(text: str) -> int:
@@ -110,8 +159,29 @@ def parse_args(argv=None) -> argparse.Namespace:
     serve.add_argument("--user", default=os.environ.get("VOLLEY_NATS_USER"), help="NATS user (env VOLLEY_NATS_USER)")
     serve.add_argument("--password", default=os.environ.get("VOLLEY_NATS_PASSWORD"),
                        help="NATS password (env VOLLEY_NATS_PASSWORD)")
+    serve.add_argument("--tls-ca", default=os.environ.get("VOLLEY_NATS_TLS_CA"),
+                       help="PEM file of the CA that signed the NATS server's certificate; requires TLS "
+                            "(env VOLLEY_NATS_TLS_CA)")
+    serve.add_argument("--tls-cert", default=os.environ.get("VOLLEY_NATS_TLS_CERT"),
+                       help="PEM client certificate, for a server that verifies clients (env VOLLEY_NATS_TLS_CERT)")
+    serve.add_argument("--tls-key", default=os.environ.get("VOLLEY_NATS_TLS_KEY"),
+                       help="PEM private key of --tls-cert (env VOLLEY_NATS_TLS_KEY)")
+    serve.add_argument("--tls-required", action="store_true",
+                       default=os.environ.get("VOLLEY_NATS_TLS_REQUIRED", "").lower() in ("1", "true"),
+                       help="refuse a NATS server without TLS, also without --tls-ca (env VOLLEY_NATS_TLS_REQUIRED)")
     serve.add_argument("--log-level", default=os.environ.get("VOLLEY_LOG_LEVEL", "INFO"))
     return parser.parse_args(argv)
+
+
+async def connect(options: dict, tls_failed: asyncio.Future):
+    """`nats.connect`, or the TLS error that ends it: nats-py retries a failed handshake for as
+    long as it retries an unreachable broker (for ever), and a wrong CA never gets better."""
+    connecting = asyncio.ensure_future(nats.connect(**options))
+    done, _ = await asyncio.wait({connecting, tls_failed}, return_when=asyncio.FIRST_COMPLETED)
+    if connecting in done:
+        return connecting.result()
+    connecting.cancel()
+    raise tls_failed.result()
 
 
 async def serve(args: argparse.Namespace) -> None:
@@ -131,11 +201,15 @@ async def serve(args: argparse.Namespace) -> None:
                        max_envs_per_session=args.max_envs_per_session, max_envs=args.max_envs,
                        idle_timeout=args.idle_timeout_secs,
                        max_abs_reward=args.max_abs_reward, snapshot_key=snapshot_key)
-    options = {"servers": [args.nats], "name": "volley-envs", **connection_options(args.nats)}
+    tls = tls_options(args.tls_ca, args.tls_cert, args.tls_key, args.tls_required)
+    if tls is not None:
+        await check_server_offers_tls(args.nats)
+    tls_failed = asyncio.get_running_loop().create_future()
+    options = {"servers": [args.nats], "name": "volley-envs", **connection_options(args.nats, tls_failed), **(tls or {})}
     if args.user:
         options.update(user=args.user, password=args.password)
     try:
-        nc = await nats.connect(**options)
+        nc = await connect(options, tls_failed)
     except Exception as err:  # noqa: BLE001 - any failure to connect ends the command with one line
         raise SystemExit(f"volley-envs: cannot connect to NATS at {args.nats}: {describe(err)}") from None
     await server.start(nc)

@@ -2,13 +2,17 @@
 //!
 //! [`TestNats`] runs a real `nats-server` with JetStream on a free loopback port and a
 //! temporary store directory, the way the async-nats test suite does: integration tests talk
-//! to the real broker, not to a mock. [`fixtures`] builds run specs and trajectory segments.
+//! to the real broker, not to a mock. It requires TLS by default, with a CA and server
+//! certificate of its own ([`tls::TestPki`]), so every test client connects as a deployment
+//! does (issue 46): give it [`TestNats::ca_file`], or [`TestNats::client_env`] to a process.
+//! [`fixtures`] builds run specs and trajectory segments.
 //!
 //! Invariant: every server a [`TestNats`] starts is killed when the guard drops, and its store
 //! directory is removed.
 //! Start reading at [`TestNats::start`] and [`fixtures::SegmentBuilder`].
 
 pub mod fixtures;
+pub mod tls;
 
 use std::fs::File;
 use std::io::{BufRead, BufReader, Read};
@@ -16,6 +20,8 @@ use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
+
+use tls::TestPki;
 
 /// Environment variable naming the `nats-server` binary; without it the guard looks on `PATH`.
 pub const NATS_SERVER_ENV: &str = "VOLLEY_NATS_SERVER";
@@ -27,6 +33,23 @@ const READY_TIMEOUT: Duration = Duration::from_secs(60);
 /// Pause between readiness probes.
 const READY_POLL: Duration = Duration::from_millis(20);
 
+/// Environment variable of the CA file that Volley's processes trust for NATS (`--nats-tls-ca`).
+pub const TLS_CA_ENV: &str = "VOLLEY_NATS_TLS_CA";
+
+/// Whether and how a [`TestNats`] speaks TLS to its clients.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum TestTls {
+    /// TLS required with the server's own certificate (the default): a client must trust
+    /// [`TestNats::ca_file`]; one that does not speak TLS is refused.
+    #[default]
+    Required,
+    /// TLS required, and each client must also present a certificate signed by the CA
+    /// (`tls { verify: true }`), e.g. [`TestPki::client_cert_file`].
+    VerifyClients,
+    /// Plain TCP, no TLS offered (to test a client that insists on TLS).
+    Off,
+}
+
 /// Options for [`TestNats::start_with`].
 #[derive(Debug, Clone, Default)]
 pub struct TestNatsOptions {
@@ -37,6 +60,8 @@ pub struct TestNatsOptions {
     /// whatever the config says for [`TestNats::start_with_config`]. Streams reserve their
     /// `max_bytes` against this limit when they are created.
     pub max_file_store_bytes: Option<u64>,
+    /// TLS towards the clients; required by default.
+    pub tls: TestTls,
 }
 
 /// The file storage limit of a test server started without a config: fixed, so whether a
@@ -56,8 +81,11 @@ pub struct TestNats {
     extra_config: Option<String>,
     /// Environment variables set for the server process (config `$VARIABLES`).
     env: Vec<(String, String)>,
-    /// Holds the JetStream store, the config file and the server log; removed on drop.
+    /// Holds the JetStream store, the config file, the server log and the TLS files; removed
+    /// on drop.
     dir: tempfile::TempDir,
+    /// The server's CA, certificate and key, and a client certificate (in `dir`).
+    pki: TestPki,
     child: Option<Child>,
 }
 
@@ -76,8 +104,9 @@ impl TestNats {
         options.max_file_store_bytes.get_or_insert(DEFAULT_MAX_FILE_STORE);
         let binary = find_nats_server();
         let dir = tempfile::Builder::new().prefix("volley-nats-").tempdir().expect("create a temporary directory");
+        let pki = TestPki::generate(&dir.path().join("tls"));
         let mut server =
-            TestNats { binary, port: free_port(), options, extra_config: None, env: Vec::new(), dir, child: None };
+            TestNats { binary, port: free_port(), options, extra_config: None, env: Vec::new(), dir, pki, child: None };
         server.spawn_and_wait();
         server
     }
@@ -85,10 +114,12 @@ impl TestNats {
     /// Start a server whose config file holds `config` (e.g. accounts, users and permissions, or
     /// an `include` of an absolute path), with `env` set in its environment for the config's
     /// `$VARIABLES`. Address, port and store directory still come from the command line, which
-    /// overrides the file, so `config` should not set them. Otherwise as [`TestNats::start`].
+    /// overrides the file, so `config` should not set them; nor `tls`, which the test kit adds
+    /// (required, as for [`TestNats::start`]). Otherwise as [`TestNats::start`].
     pub fn start_with_config(config: &str, env: &[(&str, &str)]) -> Self {
         let binary = find_nats_server();
         let dir = tempfile::Builder::new().prefix("volley-nats-").tempdir().expect("create a temporary directory");
+        let pki = TestPki::generate(&dir.path().join("tls"));
         let mut server = TestNats {
             binary,
             port: free_port(),
@@ -96,15 +127,34 @@ impl TestNats {
             extra_config: Some(config.to_string()),
             env: env.iter().map(|(name, value)| (name.to_string(), value.to_string())).collect(),
             dir,
+            pki,
             child: None,
         };
         server.spawn_and_wait();
         server
     }
 
-    /// The client URL, `nats://127.0.0.1:<port>`.
+    /// The client URL, `nats://127.0.0.1:<port>`. The server asks every client to switch to
+    /// TLS (unless started with [`TestTls::Off`]); the client must trust [`TestNats::ca_file`].
     pub fn url(&self) -> String {
         format!("nats://127.0.0.1:{}", self.port)
+    }
+
+    /// The CA certificate (PEM) that signed this server's certificate: what a client passes as
+    /// `--nats-tls-ca` (`NatsTls::with_ca` in the transport).
+    pub fn ca_file(&self) -> PathBuf {
+        self.pki.ca_file()
+    }
+
+    /// The server's test PKI: its CA, and a client certificate signed by it.
+    pub fn pki(&self) -> &TestPki {
+        &self.pki
+    }
+
+    /// Environment for a Volley process (`volley`, `python -m volley_envs`) that connects to
+    /// this server: the CA it must trust ([`TLS_CA_ENV`]). For `Command::envs`.
+    pub fn client_env(&self) -> [(&'static str, PathBuf); 1] {
+        [(TLS_CA_ENV, self.ca_file())]
     }
 
     /// The client port.
@@ -167,6 +217,20 @@ impl TestNats {
         let mut config_text = String::new();
         if let Some(max_payload) = self.options.max_payload_bytes {
             config_text.push_str(&format!("max_payload: {max_payload}\n"));
+        }
+        match self.options.tls {
+            TestTls::Off => {}
+            tls => {
+                // `timeout`: the handshake deadline; the default 0.5 s is short for two shared
+                // cores running many tests at once.
+                config_text.push_str(&format!(
+                    "tls {{\n  cert_file: {:?}\n  key_file: {:?}\n  ca_file: {:?}\n  verify: {}\n  timeout: 5\n}}\n",
+                    self.pki.server_cert_file(),
+                    self.pki.server_key_file(),
+                    self.pki.ca_file(),
+                    tls == TestTls::VerifyClients,
+                ));
+            }
         }
         if let Some(max_file_store) = self.options.max_file_store_bytes {
             config_text.push_str(&format!("jetstream {{\n  max_file_store: {max_file_store}\n}}\n"));
@@ -476,6 +540,20 @@ mod tests {
         let version = nats_server_version(&binary).expect("it runs");
         assert!(version >= MIN_NATS_SERVER, "{version:?}");
         assert_eq!(install_pinned_nats_server(tools.path()).expect("second call"), binary, "reused, not reinstalled");
+    }
+
+    /// Issue 46: the test servers require TLS unless told otherwise, so every test client
+    /// connects over TLS.
+    #[test]
+    fn servers_require_tls_by_default() {
+        let server = TestNats::start();
+        let info = probe_info(&SocketAddr::from((Ipv4Addr::LOCALHOST, server.port()))).expect("server answers");
+        assert!(info.contains("\"tls_required\":true"), "{info}");
+        assert!(server.ca_file().is_file());
+        assert_eq!(server.client_env()[0].1, server.ca_file());
+        let plain = TestNats::start_with(TestNatsOptions { tls: TestTls::Off, ..Default::default() });
+        let info = probe_info(&SocketAddr::from((Ipv4Addr::LOCALHOST, plain.port()))).expect("server answers");
+        assert!(!info.contains("\"tls_required\":true"), "{info}");
     }
 
     #[test]

@@ -31,6 +31,7 @@ use volley_testkit::TestNats;
 use volley_transport::envsvc::{
     EnvServer, EnvServerConfig, EnvServiceClient, EnvServiceName, RemoteVecEnv, RemoteVecEnvConfig,
 };
+use volley_transport::nats::NatsTls;
 
 /// Environments stepped per iteration.
 const N_ENVS: usize = 64;
@@ -65,7 +66,8 @@ fn bench_remote(c: &mut Criterion, nats: &TestNats, group: &str, service: &EnvSe
     for (id, envs_per_session, max_in_flight) in
         [("batch64", 64, 1), ("batch8", 8, 8), ("batch1", 1, 8), ("batch1_sequential", 1, 1)]
     {
-        let client = EnvServiceClient::connect(&nats.url(), None, TIMEOUT, TIMEOUT).expect("connect");
+        let client = EnvServiceClient::connect(&nats.url(), None, &NatsTls::with_ca(nats.ca_file()), TIMEOUT, TIMEOUT)
+            .expect("connect");
         let mut config = RemoteVecEnvConfig::new(service.clone(), N_ENVS, 1);
         config.envs_per_session = envs_per_session;
         config.max_in_flight = max_in_flight;
@@ -88,6 +90,7 @@ fn python_server(python: &str, nats: &TestNats) -> PythonServer {
     let mut child = Command::new(python)
         .args(["-m", "volley_envs", "serve", "gymnasium:CartPole-v1", "--nats", &nats.url(), "--name", "gym"])
         .env("PYTHONUNBUFFERED", "1")
+        .envs(nats.client_env())
         .stderr(Stdio::piped())
         .spawn()
         .expect("start the python environment server");
@@ -109,7 +112,11 @@ fn bench_envsvc(c: &mut Criterion) {
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
     let service = EnvServiceName::new("bench").expect("valid");
     let server = runtime.block_on(async {
-        let client = async_nats::connect(nats.url()).await.expect("connect");
+        let client = async_nats::ConnectOptions::new()
+            .add_root_certificates(nats.ca_file())
+            .connect(nats.url())
+            .await
+            .expect("connect");
         let config = EnvServerConfig::new(service.clone(), "cartpole");
         EnvServer::start(client, Arc::new(|| EnvConfig::Cartpole.build()), config).await.expect("server")
     });

@@ -28,6 +28,9 @@
 //! its bound is raised to `u64::MAX` so it never waits. The stream is purged before every
 //! sample, outside the timed region.
 //!
+//! The server requires TLS, as deployments run it (issue 46); `VOLLEY_BENCH_NATS_TLS=0` runs it
+//! in plain text, to measure what TLS costs.
+//!
 //! Run with `cargo bench -p volley-transport --bench nats`; numbers go in docs/BENCHMARKS.md.
 
 use std::collections::VecDeque;
@@ -45,8 +48,8 @@ use volley_core::wire::{self, TrajectorySegment};
 use volley_env::EnvConfig;
 use volley_policy::{Activation, PolicySpec};
 use volley_testkit::fixtures::SegmentBuilder;
-use volley_testkit::TestNats;
-use volley_transport::nats::{NatsBus, NatsConfig};
+use volley_testkit::{TestNats, TestNatsOptions, TestTls};
+use volley_transport::nats::{NatsBus, NatsConfig, NatsTls};
 use volley_transport::TrajectorySink;
 
 /// Segments per `publish` call: one actor with 8 environments.
@@ -119,16 +122,29 @@ fn purge(bus: &NatsBus) {
     });
 }
 
+/// The bench server (TLS unless `VOLLEY_BENCH_NATS_TLS=0`) and the TLS settings of its clients.
+fn server() -> (TestNats, NatsTls) {
+    if std::env::var("VOLLEY_BENCH_NATS_TLS").is_ok_and(|value| value == "0") {
+        eprintln!("nats-server in plain text (VOLLEY_BENCH_NATS_TLS=0)");
+        (TestNats::start_with(TestNatsOptions { tls: TestTls::Off, ..Default::default() }), NatsTls::default())
+    } else {
+        let server = TestNats::start();
+        let tls = NatsTls::with_ca(server.ca_file());
+        (server, tls)
+    }
+}
+
 fn bench_segments(c: &mut Criterion) {
-    let server = TestNats::start();
-    let bus = NatsBus::connect(NatsConfig::new(server.url(), RunId::new(RUN).expect("valid run id")))
-        .expect("connect to the bench server");
+    let (server, tls) = server();
+    let bus =
+        NatsBus::connect(NatsConfig::new(server.url(), RunId::new(RUN).expect("valid run id")).with_tls(tls.clone()))
+            .expect("connect to the bench server");
     bus.ensure_run(&spec()).expect("create the run");
     let actor = ActorId::new(ACTOR).expect("valid actor id");
     let mut sink = bus.trajectory_sink(&actor, Arc::new(AtomicBool::new(false))).expect("open the sink");
     sink.set_max_backlog_segments(u64::MAX);
     let subject = sink.subject().to_string();
-    let mut single_config = NatsConfig::new(server.url(), RunId::new(RUN).expect("valid run id"));
+    let mut single_config = NatsConfig::new(server.url(), RunId::new(RUN).expect("valid run id")).with_tls(tls);
     single_config.max_segments_per_message = 1;
     let single_bus = NatsBus::connect(single_config).expect("connect to the bench server");
     let mut single_sink =

@@ -11,42 +11,158 @@ use volley_core::wire::Weights;
 
 use crate::{LiveWeightsSender, TransportError, WeightsPublisher};
 
-/// What the learner and the publishing thread share.
+/// What the learner and the publishing thread share: what the caller asked for, what the
+/// thread is doing, and what came of it.
 #[derive(Default)]
 struct State {
     /// The newest version handed over and not yet taken by the thread, with whether the
     /// caller sent it live (`None`: the caller did not run the live path; the inner publisher
     /// runs all of it).
     pending: Option<(Arc<Weights>, Option<bool>)>,
+    /// What the thread does once nothing is pending.
+    asked: Asked,
+    /// What the thread is doing right now.
+    doing: Doing,
     /// The newest version the inner publisher has published.
     confirmed: Option<PolicyVersion>,
-    /// A version the thread is publishing right now.
-    in_progress: Option<PolicyVersion>,
     /// The first failure of the inner publisher (reported by the next call, then cleared).
     failure: Option<TransportError>,
     /// Versions handed over but replaced by a newer one before the thread took them.
     skipped: u64,
-    /// Set when the handle is dropped: the thread publishes what is pending, flushes and ends.
-    closing: bool,
-    /// A flush was asked for: the thread flushes the inner publisher once nothing is pending.
-    flush_wanted: bool,
-    /// The thread is flushing the inner publisher right now.
-    flushing: bool,
+}
+
+/// What the caller asked the thread to do after the pending version. Ordered: a later request
+/// absorbs an earlier, weaker one (ending flushes too).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Asked {
+    /// Nothing beyond publishing; a deferred write is still made when it falls due.
+    #[default]
+    Nothing,
+    /// Flush the inner publisher ([`BackgroundPublisher::flush`]).
+    Flush,
+    /// Flush, then end the thread (the handle was dropped).
+    FlushAndEnd,
+}
+
+/// What the publishing thread is doing.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+enum Doing {
+    /// Waiting for a version, a request or a deferred write falling due.
+    #[default]
+    Idle,
+    /// Publishing this version through the inner publisher.
+    Publishing(PolicyVersion),
+    /// Flushing the inner publisher.
+    Flushing,
+}
+
+impl State {
+    /// Nothing handed over or asked for is left undone: every version handed over went to the
+    /// inner publisher and every flush asked for was made.
+    fn settled(&self) -> bool {
+        self.pending.is_none() && self.asked == Asked::Nothing && self.doing == Doing::Idle
+    }
+
+    /// The thread's next piece of work, marked as started, or `None` to wait: the pending
+    /// version first, then a flush that was asked for or whose deferred write is `due` by `now`.
+    fn start_next(&mut self, due: Option<Instant>, now: Instant) -> Option<Work> {
+        if let Some((weights, sent_live)) = self.pending.take() {
+            self.doing = Doing::Publishing(weights.version);
+            return Some(Work::Publish(weights, sent_live));
+        }
+        let work = match self.asked {
+            Asked::FlushAndEnd => Work::Flush { then_end: true },
+            Asked::Flush => Work::Flush { then_end: false },
+            Asked::Nothing if due.is_some_and(|due| due <= now) => Work::Flush { then_end: false },
+            Asked::Nothing => return None,
+        };
+        if self.asked == Asked::Flush {
+            self.asked = Asked::Nothing;
+        }
+        self.doing = Doing::Flushing;
+        Some(work)
+    }
+
+    /// Record the end of a piece of work: `published` (a version) or a flush, with its outcome.
+    fn finish(&mut self, published: Option<PolicyVersion>, outcome: Result<(), TransportError>) {
+        self.doing = Doing::Idle;
+        match (outcome, published) {
+            (Ok(()), Some(version)) => self.confirmed = Some(version),
+            (Ok(()), None) => {}
+            (Err(err), Some(version)) => {
+                warn!(version = version.0, %err, "weights publish failed");
+                self.failure.get_or_insert(err);
+            }
+            (Err(err), None) => {
+                warn!(%err, "weights flush failed");
+                self.failure.get_or_insert(err);
+            }
+        }
+    }
 }
 
 /// What the publishing thread does next.
 enum Work {
     Publish(Arc<Weights>, Option<bool>),
-    /// Flush the inner publisher: asked for, or a deferred write is due. The thread ends after
-    /// it when `closing`.
+    /// Flush the inner publisher: asked for, or a deferred write is due.
     Flush {
-        closing: bool,
+        /// The handle was dropped: end the thread after the flush.
+        then_end: bool,
     },
 }
 
 struct Shared {
     state: Mutex<State>,
     changed: Condvar,
+}
+
+impl Shared {
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().expect("publisher lock is never poisoned")
+    }
+}
+
+/// The publishing thread: takes work from `shared` until the handle is dropped, running it
+/// through `inner`.
+fn run_publisher(shared: &Shared, inner: &Mutex<Box<dyn WeightsPublisher>>) {
+    let lock_inner = || inner.lock().expect("publisher lock is never poisoned");
+    loop {
+        let work = {
+            let mut state = shared.lock();
+            loop {
+                // A write the inner publisher deferred is made when it falls due, unless a
+                // newer version comes first. Read under the state lock: a version the caller
+                // took without writing changes it, and notifies.
+                let due = lock_inner().deferred_until();
+                let now = Instant::now();
+                if let Some(work) = state.start_next(due, now) {
+                    break work;
+                }
+                state = match due {
+                    Some(due) => {
+                        shared.changed.wait_timeout(state, due - now).expect("publisher lock is never poisoned").0
+                    }
+                    None => shared.changed.wait(state).expect("publisher lock is never poisoned"),
+                };
+            }
+        };
+        let (published, outcome, then_end) = match work {
+            Work::Publish(weights, sent_live) => {
+                let version = weights.version;
+                let outcome = match sent_live {
+                    Some(sent_live) => lock_inner().publish_after_live(weights, sent_live),
+                    None => lock_inner().publish(weights),
+                };
+                (Some(version), outcome, false)
+            }
+            Work::Flush { then_end } => (None, lock_inner().flush(), then_end),
+        };
+        shared.lock().finish(published, outcome);
+        shared.changed.notify_all();
+        if then_end {
+            return;
+        }
+    }
 }
 
 /// Publishes weights from a dedicated thread, newest first.
@@ -80,7 +196,7 @@ pub struct BackgroundPublisher {
 
 impl std::fmt::Debug for BackgroundPublisher {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let state = self.shared.state.lock().expect("publisher lock is never poisoned");
+        let state = self.shared.lock();
         f.debug_struct("BackgroundPublisher")
             .field("last_handed", &self.last_handed)
             .field("confirmed", &state.confirmed)
@@ -98,94 +214,28 @@ impl BackgroundPublisher {
         let (thread_shared, thread_inner) = (shared.clone(), inner.clone());
         let thread = thread::Builder::new()
             .name("weights-publisher".into())
-            .spawn(move || {
-                let (shared, inner) = (thread_shared, thread_inner);
-                let lock_inner = || inner.lock().expect("publisher lock is never poisoned");
-                loop {
-                    let work = {
-                        let mut state = shared.state.lock().expect("publisher lock is never poisoned");
-                        loop {
-                            // A write the inner publisher deferred is made when it falls due,
-                            // unless a newer version comes first. Read under the state lock: a
-                            // version the caller took without writing changes it, and notifies.
-                            let due = lock_inner().deferred_until();
-                            if let Some((weights, sent_live)) = state.pending.take() {
-                                state.in_progress = Some(weights.version);
-                                break Work::Publish(weights, sent_live);
-                            }
-                            let now = Instant::now();
-                            if state.closing || state.flush_wanted || due.is_some_and(|due| due <= now) {
-                                state.flush_wanted = false;
-                                state.flushing = true;
-                                break Work::Flush { closing: state.closing };
-                            }
-                            state = match due {
-                                Some(due) => {
-                                    shared
-                                        .changed
-                                        .wait_timeout(state, due - now)
-                                        .expect("publisher lock is never poisoned")
-                                        .0
-                                }
-                                None => shared.changed.wait(state).expect("publisher lock is never poisoned"),
-                            };
-                        }
-                    };
-                    let (weights, sent_live) = match work {
-                        Work::Publish(weights, sent_live) => (weights, sent_live),
-                        Work::Flush { closing } => {
-                            let outcome = lock_inner().flush();
-                            let mut state = shared.state.lock().expect("publisher lock is never poisoned");
-                            state.flushing = false;
-                            if let Err(err) = outcome {
-                                warn!(%err, "weights flush failed");
-                                state.failure.get_or_insert(err);
-                            }
-                            shared.changed.notify_all();
-                            if closing {
-                                return;
-                            }
-                            continue;
-                        }
-                    };
-                    let version = weights.version;
-                    let outcome = match sent_live {
-                        Some(sent_live) => lock_inner().publish_after_live(weights, sent_live),
-                        None => lock_inner().publish(weights),
-                    };
-                    let mut state = shared.state.lock().expect("publisher lock is never poisoned");
-                    state.in_progress = None;
-                    match outcome {
-                        Ok(()) => state.confirmed = Some(version),
-                        Err(err) => {
-                            warn!(version = version.0, %err, "weights publish failed");
-                            state.failure.get_or_insert(err);
-                        }
-                    }
-                    shared.changed.notify_all();
-                }
-            })
+            .spawn(move || run_publisher(&thread_shared, &thread_inner))
             .map_err(|err| TransportError::Failed { operation: "start weights publisher", message: err.to_string() })?;
         Ok(BackgroundPublisher { shared, inner, live, last_handed: None, thread: Some(thread) })
     }
 
     /// Versions replaced by a newer one before they were published.
     pub fn skipped(&self) -> u64 {
-        self.shared.state.lock().expect("publisher lock is never poisoned").skipped
+        self.shared.lock().skipped
     }
 
     /// Wait until every version handed over is published and the inner publisher is flushed
     /// (its deferred writes made), or something failed, at most `timeout`.
     fn wait_flushed(&mut self, timeout: Duration) -> Result<(), TransportError> {
         let started = Instant::now();
-        let mut state = self.shared.state.lock().expect("publisher lock is never poisoned");
-        state.flush_wanted = true;
+        let mut state = self.shared.lock();
+        state.asked = state.asked.max(Asked::Flush);
         self.shared.changed.notify_all();
         loop {
             if let Some(err) = state.failure.take() {
                 return Err(err);
             }
-            if state.pending.is_none() && state.in_progress.is_none() && !state.flush_wanted && !state.flushing {
+            if state.settled() {
                 return Ok(());
             }
             let left = timeout.saturating_sub(started.elapsed());
@@ -206,15 +256,14 @@ impl WeightsPublisher for BackgroundPublisher {
             });
         }
         let sent_live = self.live.as_mut().and_then(|live| live.send_live(&weights));
-        let mut state = self.shared.state.lock().expect("publisher lock is never poisoned");
+        let mut state = self.shared.lock();
         if let Some(err) = state.failure.take() {
             return Err(err);
         }
         // With the thread idle, a version whose durable write may wait is taken here: no
         // hand-off, and no wake-up of the thread, unless the deferred write's deadline changed
         // (issue 16: a futex wake-up and a context switch per version on two busy cores).
-        let idle = state.pending.is_none() && state.in_progress.is_none() && !state.flushing && !state.flush_wanted;
-        if let (true, Some(sent_live)) = (idle, sent_live) {
+        if let (true, Some(sent_live)) = (state.settled(), sent_live) {
             if let Ok(mut inner) = self.inner.try_lock() {
                 let due = inner.deferred_until();
                 if inner.take_without_writing(&weights, sent_live) {
@@ -237,7 +286,7 @@ impl WeightsPublisher for BackgroundPublisher {
     }
 
     fn is_published(&self, version: PolicyVersion) -> bool {
-        let state = self.shared.state.lock().expect("publisher lock is never poisoned");
+        let state = self.shared.lock();
         state.confirmed.is_some_and(|confirmed| confirmed >= version)
     }
 
@@ -260,7 +309,7 @@ const DROP_WAIT: Duration = Duration::from_secs(1);
 
 impl Drop for BackgroundPublisher {
     fn drop(&mut self) {
-        self.shared.state.lock().expect("publisher lock is never poisoned").closing = true;
+        self.shared.lock().asked = Asked::FlushAndEnd;
         self.shared.changed.notify_all();
         if let Some(thread) = self.thread.take() {
             let started = Instant::now();
@@ -321,7 +370,7 @@ mod tests {
             BackgroundPublisher::new(Gated { published: tx, go: go.clone(), fail_at: None }).expect("thread");
         publisher.publish(weights(0)).expect("handed over");
         // The thread holds v0 (blocked); v1 and v2 queue up, v2 replaces v1.
-        while publisher.shared.state.lock().unwrap().in_progress.is_none() {
+        while !matches!(publisher.shared.lock().doing, Doing::Publishing(_)) {
             thread::yield_now();
         }
         publisher.publish(weights(1)).expect("handed over");

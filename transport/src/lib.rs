@@ -22,6 +22,7 @@ pub mod envsvc;
 pub mod local;
 pub mod nats;
 pub mod rejection_log;
+pub mod signing;
 pub mod work;
 
 use std::sync::Arc;
@@ -304,6 +305,11 @@ pub struct WeightsPaths {
     /// Live chunks refused on arrival (corrupt, unreadable, another layout, too large,
     /// inconsistent with their version).
     pub live_chunks_refused: u64,
+    /// Versions refused for carrying no signature, from a follower that requires them
+    /// ([`signing`]); pointers and live frames alike.
+    pub unsigned: u64,
+    /// Versions refused for a signature no trusted key made over them.
+    pub bad_signature: u64,
 }
 
 #[cfg(test)]

@@ -24,7 +24,7 @@ use volley_core::spec::RunSpec;
 use volley_core::subjects;
 use volley_core::wire::{TrajectorySegment, Weights};
 use volley_testkit::TestNats;
-use volley_transport::nats::{NatsAuth, NatsBus, NatsConfig};
+use volley_transport::nats::{NatsAuth, NatsBus, NatsConfig, NatsTls};
 use volley_transport::{TrajectorySink, TrajectorySource, TransportError, WeightsFollower, WeightsPublisher};
 
 /// The run `broker-config/accounts.conf` has users for.
@@ -42,7 +42,8 @@ fn config(server: &TestNats, run: &str, user: &str, password: &str) -> NatsConfi
 }
 
 fn config_as(server: &TestNats, run: &str, auth: NatsAuth) -> NatsConfig {
-    let mut config = NatsConfig::new(server.url(), RunId::new(run).expect("a valid run id"));
+    let mut config = NatsConfig::new(server.url(), RunId::new(run).expect("a valid run id"))
+        .with_tls(NatsTls::with_ca(server.ca_file()));
     config.connect_timeout = Duration::from_secs(10);
     config.request_timeout = Duration::from_secs(2);
     config.retry_deadline = Duration::from_secs(4);
@@ -108,14 +109,19 @@ fn assert_no_violations(server: &TestNats) {
 
 #[test]
 fn repo_broker_config_passes_the_servers_config_check() {
-    // `-t` parses only; the store directory is not created.
+    // `-t` parses only; the store directory is not created. It does load the TLS certificate
+    // and key the config names (issue 46): a throwaway pair.
     let store = std::env::temp_dir().join("volley-broker-config-check");
+    let tls = tempfile::tempdir().expect("temp dir");
+    let pki = volley_testkit::tls::TestPki::generate(tls.path());
     let output = std::process::Command::new(volley_testkit::find_nats_server())
         .arg("-t")
         .arg("-c")
         .arg(repo_file("broker-config/nats.conf"))
         .env("VOLLEY_NATS_STORE_DIR", &store)
         .envs(repo_broker_environment())
+        .env("VOLLEY_NATS_TLS_CERT", pki.server_cert_file())
+        .env("VOLLEY_NATS_TLS_KEY", pki.server_key_file())
         .output()
         .expect("run nats-server -t");
     assert!(
@@ -593,7 +599,13 @@ fn env_server_user_serves_its_service_and_nothing_else() {
     let env_user = auth(&format!("env-{ENV_SERVICE}"), ENV_PASSWORD);
     let timeout = Duration::from_secs(5);
     let env_client = runtime
-        .block_on(connect_env_server(&server.url(), Some(&env_user), timeout, timeout))
+        .block_on(connect_env_server(
+            &server.url(),
+            Some(&env_user),
+            &NatsTls::with_ca(server.ca_file()),
+            timeout,
+            timeout,
+        ))
         .expect("the env server connects");
     let factory: EnvFactory = Arc::new(|| volley_env::EnvConfig::Cartpole.build());
     let name = EnvServiceName::new(ENV_SERVICE).expect("valid");
@@ -605,8 +617,14 @@ fn env_server_user_serves_its_service_and_nothing_else() {
     for (user, credentials) in
         [(ACTOR, actor_identity(0).auth()), ("learner-local", auth("learner-local", LEARNER_PASSWORD))]
     {
-        let client = EnvServiceClient::connect(&server.url(), Some(&credentials), timeout, timeout)
-            .unwrap_or_else(|err| panic!("{user} connects: {err}"));
+        let client = EnvServiceClient::connect(
+            &server.url(),
+            Some(&credentials),
+            &NatsTls::with_ca(server.ca_file()),
+            timeout,
+            timeout,
+        )
+        .unwrap_or_else(|err| panic!("{user} connects: {err}"));
         let instances = client.block_on(client.discover(&name)).expect("discovery");
         assert_eq!(instances.len(), 1, "{user} finds the server:\n{}", violations(&server));
         let spaces = client.block_on(client.spaces(&instances[0])).expect("spaces");

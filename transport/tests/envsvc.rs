@@ -13,6 +13,7 @@ use volley_transport::envsvc::{
     EnvFactory, EnvServer, EnvServerConfig, EnvServiceClient, EnvServiceError, EnvServiceName, RemoteVecEnv,
     RemoteVecEnvConfig,
 };
+use volley_transport::nats::NatsTls;
 
 const TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -33,7 +34,9 @@ struct Servers {
 impl Servers {
     fn new(nats: &TestNats) -> Self {
         let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
-        let client = runtime.block_on(async_nats::connect(nats.url())).expect("connect");
+        let client = runtime
+            .block_on(async_nats::ConnectOptions::new().add_root_certificates(nats.ca_file()).connect(nats.url()))
+            .expect("connect");
         Servers { runtime, client }
     }
 
@@ -43,7 +46,7 @@ impl Servers {
 }
 
 fn client(nats: &TestNats) -> EnvServiceClient {
-    EnvServiceClient::connect(&nats.url(), None, TIMEOUT, TIMEOUT).expect("connect")
+    EnvServiceClient::connect(&nats.url(), None, &NatsTls::with_ca(nats.ca_file()), TIMEOUT, TIMEOUT).expect("connect")
 }
 
 #[test]

@@ -20,7 +20,7 @@ use volley_core::ids::{ActorId, RunId};
 use volley_core::subjects;
 use volley_core::wire::{self, batch, TrajectorySegment};
 use volley_testkit::TestNats;
-use volley_transport::nats::{NatsBus, NatsConfig, NatsTrajectorySource};
+use volley_transport::nats::{NatsBus, NatsConfig, NatsTls, NatsTrajectorySource};
 use volley_transport::{Delivery, TrajectorySink, TrajectorySource};
 
 /// Bound on any wait: only there so that a regression fails instead of hanging.
@@ -31,7 +31,8 @@ fn actor(name: &str) -> ActorId {
 }
 
 fn config(server: &TestNats, run_name: &str) -> NatsConfig {
-    let mut config = NatsConfig::new(server.url(), RunId::new(run_name).expect("a valid run id"));
+    let mut config = NatsConfig::new(server.url(), RunId::new(run_name).expect("a valid run id"))
+        .with_tls(NatsTls::with_ca(server.ca_file()));
     config.request_timeout = Duration::from_secs(2);
     config.ack_wait = Duration::from_secs(1);
     config

@@ -16,13 +16,14 @@ use std::time::Duration;
 use volley_core::ids::RunId;
 use volley_core::subjects;
 use volley_testkit::{free_port, TestNats};
-use volley_transport::nats::{NatsBus, NatsConfig};
+use volley_transport::nats::{NatsBus, NatsConfig, NatsTls};
 
 /// Attempts at creating the run while the cluster elects its meta leader (one per 500 ms).
 const ELECTION_ATTEMPTS: usize = 120;
 
-fn config(url: String, run: &str, replicas: usize) -> NatsConfig {
-    let mut config = NatsConfig::new(url, RunId::new(run).expect("a valid run id"));
+fn config(server: &TestNats, run: &str, replicas: usize) -> NatsConfig {
+    let mut config = NatsConfig::new(server.url(), RunId::new(run).expect("a valid run id"))
+        .with_tls(NatsTls::with_ca(server.ca_file()));
     config.request_timeout = Duration::from_secs(5);
     config.replicas = replicas;
     config
@@ -48,7 +49,7 @@ fn cluster() -> Vec<TestNats> {
 #[test]
 fn run_objects_are_replicated_on_every_server_of_a_cluster() {
     let servers = cluster();
-    let bus = NatsBus::connect(config(servers[0].url(), "repl", 3)).expect("connect to the cluster");
+    let bus = NatsBus::connect(config(&servers[0], "repl", 3)).expect("connect to the cluster");
     let mut spec = common::spec("repl");
     // With work items the run also has a work queue and snapshot stores.
     spec.hyper.work.enabled = true;
@@ -94,10 +95,10 @@ fn run_objects_are_replicated_on_every_server_of_a_cluster() {
 #[test]
 fn replicas_above_one_are_refused_by_a_single_server() {
     let server = TestNats::start();
-    let bus = NatsBus::connect(config(server.url(), "single", 3)).expect("connect");
+    let bus = NatsBus::connect(config(&server, "single", 3)).expect("connect");
     let err = bus.ensure_run(&common::spec("single")).expect_err("a lone server cannot keep 3 copies");
     assert!(err.to_string().contains("replicas"), "the server's reason reaches the caller: {err}");
     // With one replica the same run is created.
-    let bus = NatsBus::connect(config(server.url(), "single", 1)).expect("connect");
+    let bus = NatsBus::connect(config(&server, "single", 1)).expect("connect");
     bus.ensure_run(&common::spec("single")).expect("one replica on one server");
 }

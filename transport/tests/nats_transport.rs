@@ -21,7 +21,7 @@ use volley_core::spec::{RunSpec, StoreLimits};
 use volley_core::subjects;
 use volley_core::wire::{self, TrajectorySegment, Weights};
 use volley_testkit::{TestNats, TestNatsOptions};
-use volley_transport::nats::{NatsBus, NatsConfig, NatsTrajectorySource};
+use volley_transport::nats::{NatsBus, NatsConfig, NatsTls, NatsTrajectorySource};
 use volley_transport::{Delivery, TrajectorySink, TrajectorySource, TransportError, WeightsFollower, WeightsPublisher};
 
 /// Bound on any wait in these tests: far above what a healthy run needs, only there so a
@@ -37,7 +37,7 @@ fn actor(name: &str) -> ActorId {
 }
 
 fn config(server: &TestNats, run_name: &str) -> NatsConfig {
-    let mut config = NatsConfig::new(server.url(), run(run_name));
+    let mut config = NatsConfig::new(server.url(), run(run_name)).with_tls(NatsTls::with_ca(server.ca_file()));
     config.request_timeout = Duration::from_secs(2);
     config.retry_deadline = Duration::from_secs(30);
     config

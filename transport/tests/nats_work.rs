@@ -14,7 +14,7 @@ use volley_core::ids::{ActorId, RunId};
 use volley_core::subjects;
 use volley_core::work::{EpisodeSnapshot, GroupMember, Start, WorkConfig, WorkItem};
 use volley_testkit::TestNats;
-use volley_transport::nats::{NatsBus, NatsConfig};
+use volley_transport::nats::{NatsBus, NatsConfig, NatsTls};
 use volley_transport::work::{SnapshotStore, WorkQueue, WorkSource, WorkToken};
 
 fn work_config(ack_wait_secs: f64) -> WorkConfig {
@@ -24,7 +24,10 @@ fn work_config(ack_wait_secs: f64) -> WorkConfig {
 fn bus_with(server: &TestNats, work: &WorkConfig) -> NatsBus {
     let mut spec = common::spec("work");
     spec.hyper.work = work.clone();
-    let bus = NatsBus::connect(NatsConfig::new(server.url(), RunId::new("work").unwrap())).expect("connect");
+    let bus = NatsBus::connect(
+        NatsConfig::new(server.url(), RunId::new("work").unwrap()).with_tls(NatsTls::with_ca(server.ca_file())),
+    )
+    .expect("connect");
     bus.ensure_run(&spec).expect("run with work objects");
     bus
 }
@@ -90,7 +93,8 @@ fn an_item_whose_ack_a_restart_lost_is_published_again_at_once() {
     let mut server = TestNats::start();
     let mut spec = common::spec("work");
     spec.hyper.work = WorkConfig { enabled: true, ..WorkConfig::default() };
-    let mut config = NatsConfig::new(server.url(), RunId::new("work").unwrap());
+    let mut config =
+        NatsConfig::new(server.url(), RunId::new("work").unwrap()).with_tls(NatsTls::with_ca(server.ca_file()));
     config.request_timeout = Duration::from_secs(120);
     let bus = NatsBus::connect(config).expect("connect");
     bus.ensure_run(&spec).expect("run with work objects");
@@ -110,7 +114,10 @@ fn an_item_whose_ack_a_restart_lost_is_published_again_at_once() {
     // Counted on a connection of its own, with the default timeout: a consumer-info request on
     // the submitter's reconnected connection once went unanswered for its whole 120 s timeout in
     // CI (after the item had been confirmed); this test is about the item, not that request.
-    let observer = NatsBus::connect(NatsConfig::new(server.url(), RunId::new("work").unwrap())).expect("connect");
+    let observer = NatsBus::connect(
+        NatsConfig::new(server.url(), RunId::new("work").unwrap()).with_tls(NatsTls::with_ca(server.ca_file())),
+    )
+    .expect("connect");
     let mut queue = observer.work_queue(&spec.hyper.work).expect("queue");
     let started = Instant::now();
     let depth = loop {

@@ -18,7 +18,7 @@ use volley_core::ids::{PolicyVersion, RunId};
 use volley_core::subjects;
 use volley_core::wire::{frame, live, Weights};
 use volley_testkit::TestNats;
-use volley_transport::nats::{NatsBus, NatsConfig, NatsWeightsFollower};
+use volley_transport::nats::{NatsBus, NatsConfig, NatsTls, NatsWeightsFollower};
 use volley_transport::{BackgroundPublisher, WeightsFollower, WeightsPublisher};
 
 /// Bound on any wait: only there so a regression fails instead of hanging.
@@ -254,7 +254,8 @@ fn corrupted_and_forged_live_chunks_are_refused() {
 #[test]
 fn live_off_leaves_the_pointer_alone() {
     let server = TestNats::start();
-    let mut config = NatsConfig::new(server.url(), RunId::new("off").unwrap());
+    let mut config =
+        NatsConfig::new(server.url(), RunId::new("off").unwrap()).with_tls(NatsTls::with_ca(server.ca_file()));
     config.weights_inline_max_bytes = 0;
     config.weights_live = false;
     let learner = NatsBus::connect(config.clone()).expect("connect");
@@ -313,7 +314,8 @@ fn small(version: u64) -> Arc<Weights> {
 /// A bus for inline weights whose pointer is written for every `every`-th version, or after
 /// `within` without a newer one.
 fn inline_bus(server: &TestNats, run: &str, every: u64, within: Duration) -> NatsBus {
-    let mut config = NatsConfig::new(server.url(), RunId::new(run).unwrap());
+    let mut config =
+        NatsConfig::new(server.url(), RunId::new(run).unwrap()).with_tls(NatsTls::with_ca(server.ca_file()));
     config.request_timeout = Duration::from_secs(2);
     config.weights_pointer_every = every;
     config.weights_pointer_within = within;

@@ -17,7 +17,7 @@ use volley_core::ids::{PolicyVersion, RunId};
 use volley_core::subjects;
 use volley_core::wire::{frame, Weights};
 use volley_testkit::TestNats;
-use volley_transport::nats::{NatsBus, NatsConfig, NatsWeightsFollower};
+use volley_transport::nats::{NatsBus, NatsConfig, NatsTls, NatsWeightsFollower};
 use volley_transport::{WeightsFollower, WeightsPublisher};
 
 /// Bound on any wait: far above what a healthy run needs, only there so a regression fails
@@ -27,7 +27,8 @@ const N_PARAMS: usize = 16;
 const LAYOUT: u64 = 42;
 
 fn learner_bus(server: &TestNats, run_name: &str) -> NatsBus {
-    let mut config = NatsConfig::new(server.url(), RunId::new(run_name).unwrap());
+    let mut config =
+        NatsConfig::new(server.url(), RunId::new(run_name).unwrap()).with_tls(NatsTls::with_ca(server.ca_file()));
     config.request_timeout = Duration::from_secs(2);
     config.retry_deadline = Duration::from_secs(30);
     let bus = NatsBus::connect(config).expect("connect to the test server");

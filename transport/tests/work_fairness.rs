@@ -14,6 +14,7 @@ mod common;
 use common::{actor_identity, repo_broker, LEARNER_PASSWORD};
 
 use std::collections::{HashMap, HashSet};
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc};
 use std::thread;
@@ -25,7 +26,7 @@ use volley_core::ids::{ActorId, RunId};
 use volley_core::subjects;
 use volley_core::work::{GroupMember, Start, WorkConfig, WorkItem};
 use volley_testkit::TestNats;
-use volley_transport::nats::{NatsAuth, NatsBus, NatsConfig};
+use volley_transport::nats::{NatsAuth, NatsBus, NatsConfig, NatsTls};
 use volley_transport::work::{WorkQueue, WorkSource};
 
 /// The run `broker-config/accounts.conf` has users for.
@@ -50,7 +51,8 @@ enum Hostility {
 }
 
 fn connect(server: &TestNats, auth: NatsAuth) -> NatsBus {
-    let mut config = NatsConfig::new(server.url(), RunId::new(RUN).expect("a valid run id"));
+    let mut config = NatsConfig::new(server.url(), RunId::new(RUN).expect("a valid run id"))
+        .with_tls(NatsTls::with_ca(server.ca_file()));
     config.connect_timeout = Duration::from_secs(10);
     config.request_timeout = Duration::from_secs(2);
     config.auth = Some(auth);
@@ -95,7 +97,7 @@ struct Taken {
 
 /// The hostile client: a plain NATS connection with the actors' credentials, speaking the
 /// protocols by hand.
-fn hostile(server_url: String, hostility: Hostility, stop: Arc<AtomicBool>) -> Taken {
+fn hostile(server_url: String, ca_file: PathBuf, hostility: Hostility, stop: Arc<AtomicBool>) -> Taken {
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
     runtime.block_on(async move {
         // An actor identity of its own (issue 46 item 3), with that identity's inbox prefix.
@@ -104,6 +106,7 @@ fn hostile(server_url: String, hostility: Hostility, stop: Arc<AtomicBool>) -> T
         let client = async_nats::ConnectOptions::with_nkey(seed)
             .custom_inbox_prefix(identity.auth().inbox_prefix())
             .request_timeout(Some(Duration::from_millis(500)))
+            .add_root_certificates(ca_file)
             .connect(server_url)
             .await
             .expect("the hostile client connects");
@@ -194,8 +197,8 @@ fn honest_actors_complete_groups_despite(hostility: Hostility) {
 
     let stop = Arc::new(AtomicBool::new(false));
     let hostile_thread = {
-        let (url, stop) = (server.url(), stop.clone());
-        thread::spawn(move || hostile(url, hostility, stop))
+        let (url, ca_file, stop) = (server.url(), server.ca_file(), stop.clone());
+        thread::spawn(move || hostile(url, ca_file, hostility, stop))
     };
     let (report, reports) = mpsc::channel();
     let honest_threads: Vec<_> = (0..HONEST_ACTORS)

@@ -2,7 +2,7 @@
 
 use clap::Args;
 
-use super::{parse_env_choice, EnvChoice, MetricsArgs, NatsArgs, RemoteEnvArgs};
+use super::{parse_env_choice, EnvChoice, MetricsArgs, NatsArgs, RemoteEnvArgs, WeightsTrustArgs};
 
 /// `volley actor`.
 #[derive(Debug, Args)]
@@ -41,4 +41,7 @@ pub struct ActorArgs {
     /// Remote environment settings.
     #[command(flatten)]
     pub remote_env: RemoteEnvArgs,
+    /// The public keys weights must be signed with.
+    #[command(flatten)]
+    pub weights_trust: WeightsTrustArgs,
 }

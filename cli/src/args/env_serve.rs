@@ -75,7 +75,20 @@ mod tests {
         };
         let serve = longs("env-serve");
         let nats: Vec<&String> = serve.iter().filter(|l| l.starts_with("nats")).collect();
-        assert_eq!(nats, ["nats", "nats-timeout-secs", "nats-user", "nats-password"], "{serve:?}");
+        assert_eq!(
+            nats,
+            [
+                "nats",
+                "nats-timeout-secs",
+                "nats-user",
+                "nats-password",
+                "nats-tls-ca",
+                "nats-tls-cert",
+                "nats-tls-key",
+                "nats-tls-required"
+            ],
+            "{serve:?}"
+        );
         let actor = longs("actor");
         assert!(actor.iter().any(|l| l == "nats-weights-live"), "actors keep the weights flags: {actor:?}");
         let cli = Cli::try_parse_from(["volley", "env-serve", "--env", "pendulum", "--nats-timeout-secs", "2"])

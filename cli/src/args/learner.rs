@@ -1,6 +1,7 @@
 //! `volley learner`: its flags, their validated config, and the check that updates can happen.
 
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
@@ -9,8 +10,12 @@ use volley_core::spec::{LossKind, RunSpec};
 use volley_learner::backend::BackendKind;
 use volley_learner::Checkpoint;
 use volley_transport::nats::{NatsConfig, CONSUMER_MAX_ACK_PENDING};
+use volley_transport::signing::WeightsSigningKey;
 
-use super::{check_secs, check_target, learner_threads, solved_return, BackendName, MetricsArgs, NatsArgs, SpecArgs};
+use super::{
+    check_secs, check_target, learner_threads, solved_return, BackendName, MetricsArgs, NatsArgs, SpecArgs,
+    WeightsSigningArgs,
+};
 
 /// `volley learner`.
 #[derive(Debug, Args)]
@@ -77,6 +82,9 @@ pub struct LearnerArgs {
     /// rate, env steps/s, lag; one event per update) to an event file in this directory.
     #[arg(long, env = "VOLLEY_TENSORBOARD", value_name = "DIR")]
     pub tensorboard: Option<PathBuf>,
+    /// The key weights are signed with.
+    #[command(flatten)]
+    pub weights_signing: WeightsSigningArgs,
     /// Where the update runs: `auto` uses the GPU when one works and otherwise the CPU (a
     /// warning only when a GPU is there but fails); `cuda` fails without a GPU.
     #[arg(long, value_enum, default_value = "auto", env = "VOLLEY_BACKEND")]
@@ -130,6 +138,8 @@ pub struct LearnerConfig {
     pub learner_threads: usize,
     /// Where TensorBoard event files go (`--tensorboard`).
     pub tensorboard: Option<PathBuf>,
+    /// The key every weights version is signed with (`--weights-signing-key`).
+    pub weights_signing_key: Option<Arc<WeightsSigningKey>>,
 }
 
 impl TryFrom<LearnerArgs> for LearnerConfig {
@@ -138,7 +148,18 @@ impl TryFrom<LearnerArgs> for LearnerConfig {
     fn try_from(args: LearnerArgs) -> anyhow::Result<Self> {
         let env_wait = check_secs("--env-wait-secs", args.env_wait_secs)?;
         let mut spec = args.spec.to_spec_with(&|service| {
-            crate::env_serve::remote_env_config(&args.nats, service, env_wait)
+            let nats = &args.nats;
+            nats.auth()
+                .and_then(|auth| {
+                    crate::remote_env::remote_env_config(
+                        &nats.nats_url,
+                        auth.as_ref(),
+                        &nats.tls.tls(),
+                        nats.timeout()?,
+                        service,
+                        env_wait,
+                    )
+                })
                 .with_context(|| format!("asking the servers of environment service {service} for its spaces"))
         })?;
         let batch_segments = spec.hyper.batch_segments as u64;
@@ -207,6 +228,7 @@ impl TryFrom<LearnerArgs> for LearnerConfig {
             backend: args.backend.into(),
             learner_threads: learner_threads(args.learner_threads, 0)?,
             tensorboard: args.tensorboard,
+            weights_signing_key: args.weights_signing.load()?,
             nats,
             spec,
         })

@@ -7,9 +7,11 @@ mod bench;
 mod creds;
 mod env;
 mod env_serve;
+mod keys;
 mod learner;
 mod nats;
 mod spec;
+mod tls_certs;
 mod train;
 
 pub use self::actor::ActorArgs;
@@ -20,10 +22,12 @@ pub use self::env::{
     CoreName, EnvChoice, EnvName, LossName,
 };
 pub use self::env_serve::EnvServeArgs;
+pub use self::keys::{KeysArgs, KeysCommand, WeightsSigningArgs, WeightsTrustArgs};
 pub use self::learner::{LearnerArgs, LearnerConfig};
 pub use self::nats::{MetricsArgs, NatsArgs, NatsConnectArgs, RemoteEnvArgs};
 pub use self::spec::SpecArgs;
 use self::spec::{check_secs, check_target};
+pub use self::tls_certs::TlsCertsArgs;
 pub use self::train::{learner_threads, ProgressMode, RunDir, TrainArgs, TrainConfig, TrainRemote};
 
 /// Volley: a distributed actor-learner system for reinforcement learning.
@@ -60,6 +64,11 @@ pub enum Command {
     /// Make credentials for a run's broker config: `volley creds actors` makes one NKey
     /// identity per actor (docs/SECURITY.md).
     Creds(CredsArgs),
+    /// Write a development CA, a NATS server certificate and client certificates (PEM) for
+    /// TLS where no cert-manager issues them (deploy/local-run.sh, deploy/compose.yaml).
+    TlsCerts(TlsCertsArgs),
+    /// Make the keys that sign weights: `volley keys generate --out DIR`.
+    Keys(KeysArgs),
 }
 
 #[cfg(test)]
@@ -93,6 +102,10 @@ mod tests {
         ("env-serve", "max-sessions", "VOLLEY_ENV_MAX_SESSIONS"),
         ("env-serve", "max-envs-per-session", "VOLLEY_ENV_MAX_ENVS_PER_SESSION"),
         ("env-serve", "idle-timeout-secs", "VOLLEY_ENV_IDLE_TIMEOUT_SECS"),
+        // Where `volley keys generate` writes: named after the command, not a bare `OUT`.
+        ("keys generate", "out", "VOLLEY_KEYS_OUT"),
+        ("keys generate", "public-out", "VOLLEY_KEYS_PUBLIC_OUT"),
+        ("keys generate", "if-missing", "VOLLEY_KEYS_IF_MISSING"),
     ];
 
     /// The variable a flag should read: the exception if listed, else `VOLLEY_<FLAG>` in upper
@@ -126,7 +139,7 @@ mod tests {
         let mut n_flags = 0;
         let mut stack: Vec<(String, &clap::Command)> =
             cli.get_subcommands().map(|c| (c.get_name().to_string(), c)).collect();
-        assert_eq!(stack.len(), 6, "train, learner, actor, bench-weights, env-serve, creds");
+        assert_eq!(stack.len(), 8, "train, learner, actor, bench-weights, env-serve, creds, tls-certs, keys");
         while let Some((name, command)) = stack.pop() {
             stack.extend(command.get_subcommands().map(|c| (format!("{name} {}", c.get_name()), c)));
             let mut envs = std::collections::HashMap::new();

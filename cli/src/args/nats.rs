@@ -1,12 +1,13 @@
 //! NATS connection flags, remote-environment flags and the metrics endpoint flags.
 
+use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
 use clap::Args;
 use volley_core::ids::RunId;
 use volley_transport::nats::identity::ActorIdentity;
-use volley_transport::nats::{NatsAuth, NatsConfig};
+use volley_transport::nats::{NatsAuth, NatsConfig, NatsTls};
 
 use super::check_secs;
 
@@ -31,7 +32,10 @@ pub struct NatsArgs {
     /// connect as that identity instead of `--nats-user`, which then may publish under its
     /// own id only; the actor id defaults to the identity's name (the file's stem).
     #[arg(long, env = "VOLLEY_NATS_NKEY_FILE", conflicts_with_all = ["nats_user", "nats_password"])]
-    pub nats_nkey_file: Option<std::path::PathBuf>,
+    pub nats_nkey_file: Option<PathBuf>,
+    /// TLS towards NATS.
+    #[command(flatten)]
+    pub tls: NatsTlsArgs,
     /// Weights also travel by core-NATS fan-out to connected actors (the live path), besides
     /// the object store and pointer; `false` turns it off (the learner does not send, actors
     /// do not subscribe), e.g. for a broker whose permissions lack the live subject.
@@ -67,6 +71,7 @@ impl std::fmt::Debug for NatsArgs {
             .field("nats_user", &self.nats_user)
             .field("nats_password", &self.nats_password.as_ref().map(|_| "<redacted>"))
             .field("nats_nkey_file", &self.nats_nkey_file)
+            .field("tls", &self.tls)
             .field("nats_weights_live", &self.nats_weights_live)
             .field("nats_weights_pointer_every", &self.nats_weights_pointer_every)
             .field("nats_prefetch_calls", &self.nats_prefetch_calls)
@@ -81,6 +86,7 @@ impl NatsArgs {
         let mut config = NatsConfig::new(self.nats_url.clone(), run);
         config.request_timeout = self.timeout()?;
         config.auth = self.auth()?;
+        config.tls = self.tls.tls();
         config.weights_live = self.nats_weights_live;
         config.weights_pointer_every = self.nats_weights_pointer_every;
         config.prefetch_calls = usize::from(self.nats_prefetch_calls);
@@ -157,6 +163,9 @@ pub struct NatsConnectArgs {
     /// in process listings). Never logged.
     #[arg(long, env = "VOLLEY_NATS_PASSWORD", hide_env_values = true, requires = "nats_user")]
     pub nats_password: Option<String>,
+    /// TLS towards NATS.
+    #[command(flatten)]
+    pub tls: NatsTlsArgs,
 }
 
 impl std::fmt::Debug for NatsConnectArgs {
@@ -166,6 +175,7 @@ impl std::fmt::Debug for NatsConnectArgs {
             .field("nats_timeout_secs", &self.nats_timeout_secs)
             .field("nats_user", &self.nats_user)
             .field("nats_password", &self.nats_password.as_ref().map(|_| "<redacted>"))
+            .field("tls", &self.tls)
             .finish()
     }
 }
@@ -179,6 +189,42 @@ impl NatsConnectArgs {
     /// The credentials, if any.
     pub fn auth(&self) -> anyhow::Result<Option<NatsAuth>> {
         nats_auth(&self.nats_user, &self.nats_password)
+    }
+}
+
+/// TLS towards NATS (issue 46), shared by every process that connects: the learner, actors,
+/// environment servers and `volley bench-weights`. Without any of these flags a process speaks
+/// TLS when the server asks for it (broker-config/ does) and trusts the system's CA
+/// certificates; with a CA file or `--nats-tls-required` it refuses a server without TLS.
+#[derive(Debug, Clone, Default, Args)]
+pub struct NatsTlsArgs {
+    /// PEM file of the CA certificate that signed the NATS server's certificate (e.g. the
+    /// `ca.crt` that `volley tls-certs` writes, or the one of a cert-manager Issuer); trusted
+    /// instead of the system's CAs. Implies --nats-tls-required.
+    #[arg(long, env = "VOLLEY_NATS_TLS_CA", value_name = "FILE")]
+    pub nats_tls_ca: Option<PathBuf>,
+    /// PEM file of this process's client certificate, for a server that verifies clients
+    /// (`tls { verify: true }`); needs --nats-tls-key.
+    #[arg(long, env = "VOLLEY_NATS_TLS_CERT", value_name = "FILE", requires = "nats_tls_key")]
+    pub nats_tls_cert: Option<PathBuf>,
+    /// PEM file of the private key of --nats-tls-cert.
+    #[arg(long, env = "VOLLEY_NATS_TLS_KEY", value_name = "FILE", requires = "nats_tls_cert")]
+    pub nats_tls_key: Option<PathBuf>,
+    /// Refuse a NATS server that does not offer TLS, also without --nats-tls-ca (then the
+    /// system's CAs must trust its certificate).
+    #[arg(long, env = "VOLLEY_NATS_TLS_REQUIRED", default_value_t = false, action = clap::ArgAction::Set)]
+    pub nats_tls_required: bool,
+}
+
+impl NatsTlsArgs {
+    /// The transport's TLS settings; the files are checked when connecting.
+    pub fn tls(&self) -> NatsTls {
+        NatsTls {
+            ca_file: self.nats_tls_ca.clone(),
+            cert_file: self.nats_tls_cert.clone(),
+            key_file: self.nats_tls_key.clone(),
+            required: self.nats_tls_required,
+        }
     }
 }
 
@@ -225,5 +271,22 @@ mod tests {
             let err = learner_config(&["--nats-replicas", out_of_range]).expect_err("refused");
             assert!(err.to_string().contains("--nats-replicas"), "{err}");
         }
+    }
+
+    /// Issue 46: the TLS flags reach the transport; a certificate needs its key.
+    #[test]
+    fn nats_tls_flags_reach_the_transport_config() {
+        let default = learner_config(&[]).expect("defaults are valid").nats.tls;
+        assert_eq!(default, volley_transport::nats::NatsTls::default(), "no tls setting by default");
+        let config =
+            learner_config(&["--nats-tls-ca", "ca.pem", "--nats-tls-cert", "c.pem", "--nats-tls-key", "k.pem"])
+                .expect("valid");
+        let expected = volley_transport::nats::NatsTls::with_ca("ca.pem").with_client_cert("c.pem", "k.pem");
+        assert_eq!(config.nats.tls, expected);
+        assert!(config.nats.tls.is_required());
+        let err = learner_config(&["--nats-tls-cert", "c.pem"]).expect_err("a certificate without its key");
+        assert!(err.to_string().contains("--nats-tls-key"), "{err}");
+        let required = learner_config(&["--nats-tls-required", "true"]).expect("valid").nats.tls;
+        assert!(required.required && required.ca_file.is_none());
     }
 }

@@ -127,7 +127,18 @@ impl TryFrom<TrainArgs> for TrainConfig {
         check_target(args.target_return)?;
         let env_wait = check_secs("--env-wait-secs", args.env_wait_secs)?;
         let spec = args.spec.to_spec_with(&|service| {
-            crate::env_serve::remote_env_config(&args.nats, service, env_wait)
+            let nats = &args.nats;
+            nats.auth()
+                .and_then(|auth| {
+                    crate::remote_env::remote_env_config(
+                        &nats.nats_url,
+                        auth.as_ref(),
+                        &nats.tls.tls(),
+                        nats.timeout()?,
+                        service,
+                        env_wait,
+                    )
+                })
                 .with_context(|| format!("asking the servers of environment service {service} for its spaces"))
         })?;
         let remote = match spec.env {

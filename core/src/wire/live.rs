@@ -18,6 +18,7 @@
 //! | 4 | chunk length `c` (every chunk but the last carries exactly `c` bytes) |
 //! | 4 | chunk index |
 //! | 4 | chunk count (`⌈frame length / c⌉`) |
+//! | 64 | Ed25519 signature of the version, all zero when unsigned (format 2) |
 //! | 8 | XXH3-64 of every header byte above |
 //! | … | the payload: frame bytes `index · c ..` |
 //!
@@ -25,9 +26,12 @@
 //! before it can place bytes anywhere; the payload needs no checksum of its own, because the
 //! reassembled frame's envelope checksum covers every payload byte and the digest of the
 //! rebuilt parameters is checked after that (hashing 16 MiB once more per follower would cost
-//! more than the fan-out saves on a busy machine). None of these is a signature:
-//! authenticity comes from broker permissions (only the learner may publish on the live
-//! subject, as only it may write the pointer; docs/SECURITY.md).
+//! more than the fan-out saves on a busy machine). None of these checksums proves who sent the
+//! chunks: authenticity comes from the signature, which the learner makes over the version
+//! it rebuilds (`volley_transport::signing`; every chunk of a version carries the same one,
+//! and the follower checks it after rebuilding the parameters), and from broker permissions
+//! (only the learner may publish on the live subject, as only it may write the pointer;
+//! docs/SECURITY.md).
 //!
 //! [`LiveAssembler`] follows the hostile-input rule: everything it holds is bounded by what
 //! the follower knows, never by what a chunk claims. At most [`MAX_ASSEMBLING`] versions are
@@ -43,10 +47,13 @@ use crate::ids::PolicyVersion;
 pub const LIVE_MAGIC: [u8; 4] = *b"VLYW";
 
 /// Version of the chunk layout (the frame inside carries the wire format version itself).
-pub const LIVE_FORMAT_VERSION: u16 = 1;
+pub const LIVE_FORMAT_VERSION: u16 = 2;
 
 /// Bytes of a chunk's header, checksum included.
-pub const CHUNK_HEADER_BYTES: usize = 4 + 2 + 5 * 8 + 3 * 4 + 8;
+pub const CHUNK_HEADER_BYTES: usize = 4 + 2 + 5 * 8 + 3 * 4 + SIGNATURE_BYTES + 8;
+
+/// Bytes of the signature field of a chunk's header.
+pub const SIGNATURE_BYTES: usize = 64;
 
 /// Versions a [`LiveAssembler`] assembles at once; a chunk of another version evicts the one
 /// fed least recently when this many are open (completing a version drops the older ones).
@@ -76,6 +83,9 @@ pub struct ChunkHeader {
     pub index: u32,
     /// Chunks of the frame.
     pub count: u32,
+    /// The version's signature (`None`: the field was all zero, unsigned). Checked by the
+    /// follower against the rebuilt parameters, not here.
+    pub signature: Option<[u8; SIGNATURE_BYTES]>,
 }
 
 impl ChunkHeader {
@@ -92,6 +102,19 @@ impl ChunkHeader {
 /// If `chunk_bytes` is 0 or the frame needs more than [`MAX_CHUNKS`] chunks of it: the
 /// publisher sizes chunks from the server's `max_payload`.
 pub fn encode_live_chunks(frame: &[u8], header: &FrameHeader, chunk_bytes: usize) -> Vec<Vec<u8>> {
+    encode_signed_live_chunks(frame, header, None, chunk_bytes)
+}
+
+/// [`encode_live_chunks`] with the version's `signature` in every chunk's header.
+///
+/// # Panics
+/// As [`encode_live_chunks`].
+pub fn encode_signed_live_chunks(
+    frame: &[u8],
+    header: &FrameHeader,
+    signature: Option<&[u8; SIGNATURE_BYTES]>,
+    chunk_bytes: usize,
+) -> Vec<Vec<u8>> {
     let count = chunk_count(frame.len(), chunk_bytes);
     let mut parts: Vec<&[u8]> = frame.chunks(chunk_bytes).collect();
     if parts.is_empty() {
@@ -101,7 +124,7 @@ pub fn encode_live_chunks(frame: &[u8], header: &FrameHeader, chunk_bytes: usize
         .into_iter()
         .enumerate()
         .map(|(index, payload)| {
-            let mut out = chunk_start(header, frame.len(), chunk_bytes, index, count);
+            let mut out = chunk_start(header, signature, frame.len(), chunk_bytes, index, count);
             out.extend_from_slice(payload);
             out
         })
@@ -119,13 +142,25 @@ pub fn encode_live_chunks(frame: &[u8], header: &FrameHeader, chunk_bytes: usize
 /// # Panics
 /// As [`encode_live_chunks`].
 pub fn encode_full_frame_chunks(weights: &Weights, chunk_bytes: usize) -> (Vec<Vec<u8>>, u64) {
+    encode_signed_full_frame_chunks(weights, None, chunk_bytes)
+}
+
+/// [`encode_full_frame_chunks`] with the version's `signature` in every chunk's header.
+///
+/// # Panics
+/// As [`encode_live_chunks`].
+pub fn encode_signed_full_frame_chunks(
+    weights: &Weights,
+    signature: Option<&[u8; SIGNATURE_BYTES]>,
+    chunk_bytes: usize,
+) -> (Vec<Vec<u8>>, u64) {
     use xxhash_rust::xxh3::Xxh3Default;
     let head = super::frame::full_frame_head(weights);
     let frame_len = head.len() + 4 * weights.params.len();
     let count = chunk_count(frame_len, chunk_bytes);
     let header = FrameHeader::of_full(weights);
     let mut chunks: Vec<Vec<u8>> =
-        (0..count).map(|index| chunk_start(&header, frame_len, chunk_bytes, index, count)).collect();
+        (0..count).map(|index| chunk_start(&header, signature, frame_len, chunk_bytes, index, count)).collect();
     // Appends frame bytes in order, each chunk taking `chunk_bytes` of them.
     let mut at = 0;
     let mut write = |mut bytes: &[u8]| {
@@ -161,7 +196,14 @@ fn chunk_count(frame_len: usize, chunk_bytes: usize) -> usize {
 }
 
 /// A chunk's header, checksum included: the payload follows.
-fn chunk_start(header: &FrameHeader, frame_len: usize, chunk_bytes: usize, index: usize, count: usize) -> Vec<u8> {
+fn chunk_start(
+    header: &FrameHeader,
+    signature: Option<&[u8; SIGNATURE_BYTES]>,
+    frame_len: usize,
+    chunk_bytes: usize,
+    index: usize,
+    count: usize,
+) -> Vec<u8> {
     let mut out =
         Vec::with_capacity(CHUNK_HEADER_BYTES + frame_len.saturating_sub(index * chunk_bytes).min(chunk_bytes));
     out.extend_from_slice(&LIVE_MAGIC);
@@ -178,6 +220,7 @@ fn chunk_start(header: &FrameHeader, frame_len: usize, chunk_bytes: usize, index
     for field in [chunk_bytes as u32, index as u32, count as u32] {
         out.extend_from_slice(&field.to_le_bytes());
     }
+    out.extend_from_slice(signature.unwrap_or(&[0; SIGNATURE_BYTES]));
     let checksum = body_checksum(&out);
     out.extend_from_slice(&checksum.to_le_bytes());
     out
@@ -211,6 +254,10 @@ pub fn decode_live_chunk(bytes: &[u8]) -> Result<(ChunkHeader, &[u8]), DecodeErr
         chunk_bytes: u32_at(46),
         index: u32_at(50),
         count: u32_at(54),
+        signature: {
+            let signature: [u8; SIGNATURE_BYTES] = head[58..58 + SIGNATURE_BYTES].try_into().expect("64 bytes");
+            (signature != [0; SIGNATURE_BYTES]).then_some(signature)
+        },
     };
     if header.frame_len > MAX_MESSAGE_BYTES as u64 {
         return Err(DecodeError::TooLarge { got_bytes: header.frame_len as usize, limit_bytes: MAX_MESSAGE_BYTES });
@@ -464,6 +511,7 @@ mod tests {
                     chunk_bytes: 256,
                     index: index as u32,
                     count: chunks.len() as u32,
+                    signature: None,
                 }
             );
             assert_eq!(payload, &frame[index * 256..(index * 256 + 256).min(frame.len())]);
@@ -604,6 +652,26 @@ mod tests {
     }
 
     #[test]
+    fn every_chunk_carries_the_signature_and_one_that_differs_is_refused() {
+        let w = weights(3, 100);
+        let frame = encode_full_frame(&w);
+        let header = decode_frame_header(&frame).expect("a frame").0;
+        let signature = [7u8; SIGNATURE_BYTES];
+        let (chunks, _) = encode_signed_full_frame_chunks(&w, Some(&signature), 64);
+        assert_eq!(chunks, encode_signed_live_chunks(&frame, &header, Some(&signature), 64));
+        for chunk in &chunks {
+            assert_eq!(decode_live_chunk(chunk).expect("decodes").0.signature, Some(signature));
+        }
+        let mut assembler = LiveAssembler::new(LAYOUT, limit(100));
+        assert_eq!(assembler.offer(&chunks[0]), Offered::Pending);
+        let resigned = encode_signed_live_chunks(&frame, &header, Some(&[8; SIGNATURE_BYTES]), 64);
+        assert!(matches!(assembler.offer(&resigned[1]), Offered::Refused(DecodeError::Mismatch { .. })));
+        let done = chunks.iter().map(|chunk| assembler.offer(chunk)).last();
+        let Some(Offered::Complete(done)) = done else { panic!("complete: {done:?}") };
+        assert_eq!(done.header.signature, Some(signature));
+    }
+
+    #[test]
     fn chunks_of_parameters_changed_after_their_checksum_say_so() {
         let mut w = weights(1, 100);
         w.params[40] += 1.0;
@@ -638,6 +706,7 @@ mod tests {
         for field in small {
             out.extend_from_slice(&field.to_le_bytes());
         }
+        out.extend_from_slice(&[0; SIGNATURE_BYTES]);
         let checksum = body_checksum(&out);
         out.extend_from_slice(&checksum.to_le_bytes());
         out.extend_from_slice(payload);

@@ -468,8 +468,9 @@ pub fn checksum(params: &[f32]) -> u64 {
 }
 
 /// Hand `params`' little-endian bytes to `f` in order, a few KiB at a time, through a small
-/// stack buffer (so big-endian hosts see the same bytes).
-pub(crate) fn for_le_blocks(params: &[f32], mut f: impl FnMut(&[u8])) {
+/// stack buffer (so big-endian hosts see the same bytes): what [`checksum`] hashes, and what
+/// a weights signature covers.
+pub fn for_le_blocks(params: &[f32], mut f: impl FnMut(&[u8])) {
     const CHUNK: usize = 1024;
     let mut buffer = [0u8; 4 * CHUNK];
     for chunk in params.chunks(CHUNK) {

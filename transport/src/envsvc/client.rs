@@ -20,7 +20,7 @@ use super::protocol::{
     ERROR_CODE_HEADER, ERROR_HEADER, METADATA_PROTOCOL, MIN_PROTOCOL_VERSION, PROTOCOL_VERSION,
 };
 use super::{EnvServiceError, EnvServiceName, OwnedRuntime, RemoteEnvCounters};
-use crate::nats::NatsAuth;
+use crate::nats::{NatsAuth, NatsTls, TlsFileError};
 use volley_core::subjects;
 
 /// How long discovery collects `$SRV.INFO` replies by default. Instances answer within a
@@ -99,6 +99,7 @@ impl EnvServiceClient {
     pub fn connect(
         url: &str,
         auth: Option<&NatsAuth>,
+        tls: &NatsTls,
         connect_timeout: Duration,
         request_timeout: Duration,
     ) -> Result<Self, EnvServiceError> {
@@ -109,7 +110,7 @@ impl EnvServiceClient {
             .build()
             .map_err(|err| EnvServiceError::Nats { operation: "start runtime", message: err.to_string() })?;
         let handle = runtime.handle().clone();
-        let client = handle.block_on(connect_nats(url, auth, connect_timeout, request_timeout))?;
+        let client = handle.block_on(connect_nats(url, auth, tls, connect_timeout, request_timeout))?;
         Ok(Self::from_parts(client, handle, request_timeout, OwnedRuntime(Some(runtime))))
     }
 
@@ -367,15 +368,16 @@ impl EnvServiceClient {
     }
 }
 
-/// Connect to `url` (with `auth`, if any), retrying until `connect_timeout`; every request on
-/// the connection gets `request_timeout`.
+/// Connect to `url` (with `auth`, if any, over TLS as `tls` says), retrying until
+/// `connect_timeout`; every request on the connection gets `request_timeout`.
 pub async fn connect_nats(
     url: &str,
     auth: Option<&NatsAuth>,
+    tls: &NatsTls,
     connect_timeout: Duration,
     request_timeout: Duration,
 ) -> Result<async_nats::Client, EnvServiceError> {
-    connect_with_inbox(url, auth, connect_timeout, request_timeout, None).await
+    connect_with_inbox(url, auth, tls, connect_timeout, request_timeout, None).await
 }
 
 /// The inbox prefix of environment servers' connections. Their NATS user may use this prefix
@@ -388,21 +390,25 @@ pub const ENV_SERVER_INBOX_PREFIX: &str = "_INBOX_ENV";
 pub async fn connect_env_server(
     url: &str,
     auth: Option<&NatsAuth>,
+    tls: &NatsTls,
     connect_timeout: Duration,
     request_timeout: Duration,
 ) -> Result<async_nats::Client, EnvServiceError> {
-    connect_with_inbox(url, auth, connect_timeout, request_timeout, Some(ENV_SERVER_INBOX_PREFIX)).await
+    connect_with_inbox(url, auth, tls, connect_timeout, request_timeout, Some(ENV_SERVER_INBOX_PREFIX)).await
 }
 
 async fn connect_with_inbox(
     url: &str,
     auth: Option<&NatsAuth>,
+    tls: &NatsTls,
     connect_timeout: Duration,
     request_timeout: Duration,
     inbox_prefix: Option<&str>,
 ) -> Result<async_nats::Client, EnvServiceError> {
     let started = Instant::now();
     let mut pause = Duration::from_millis(50);
+    let tls_error = |err: TlsFileError| EnvServiceError::Nats { operation: "connect", message: err.to_string() };
+    tls.check().map_err(tls_error)?;
     loop {
         let remaining = connect_timeout.saturating_sub(started.elapsed());
         let mut options = ConnectOptions::new()
@@ -423,9 +429,19 @@ async fn connect_with_inbox(
             (None, Some(auth)) => options = options.custom_inbox_prefix(auth.inbox_prefix()),
             (None, None) => {}
         }
+        options = tls.apply(options).map_err(tls_error)?;
         let problem = match tokio::time::timeout(remaining, options.connect(url)).await {
             Ok(Ok(client)) => return Ok(client),
-            Ok(Err(err)) => err.to_string(),
+            Ok(Err(err)) => {
+                // Retrying cannot fix a failed TLS handshake.
+                if let Some(explained) = tls.explain_failure(err.kind(), &err.to_string()) {
+                    return Err(EnvServiceError::Nats {
+                        operation: "connect",
+                        message: format!("nats server {url}: {explained}"),
+                    });
+                }
+                err.to_string()
+            }
             Err(_) => "timed out".to_string(),
         };
         if started.elapsed() >= connect_timeout {

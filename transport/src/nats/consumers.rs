@@ -11,11 +11,13 @@
 //! its run bucket, and object chunks (`$O.<bucket>.C.*`) of the weights store. Snapshots, which
 //! actors write, are read with no consumer at all ([`read_object_by_gets`], issue 46).
 
-use super::*;
-
 use async_nats::jetstream::consumer::push::{Ordered, OrderedConfig};
 use async_nats::jetstream::consumer::{DeliverPolicy, ReplayPolicy};
+use async_nats::jetstream::{self, object_store};
 use async_nats::HeaderMap;
+use bytes::Bytes;
+use futures::StreamExt;
+use volley_core::subjects;
 
 /// The header that marks a KV delete or purge (absent on a put).
 const KV_OPERATION_HEADER: &str = "KV-Operation";
@@ -45,7 +47,7 @@ fn is_delete(headers: Option<&HeaderMap>) -> bool {
 
 /// The newest value of `key` in KV bucket `bucket`, then every later change, through one named
 /// ordered consumer filtered on the key's subject (`$KV.<bucket>.<key>`). The caller must know
-/// the bucket exists ([`open_kv`]).
+/// the bucket exists ([`open_kv`](super::open_kv)).
 pub(super) async fn watch_key(
     js: &jetstream::Context,
     client: &async_nats::Client,

@@ -21,8 +21,21 @@
 //! The dispatcher keeps the leased stream messages alive with progress acknowledgements, so
 //! if the learner dies its leased items come back from the stream after `ack_wait`.
 
-use super::*;
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use async_nats::jetstream::{self, consumer, AckKind};
+use async_nats::Subject;
+use bytes::Bytes;
+use futures::StreamExt;
+use tracing::{debug, warn};
+use volley_core::subjects;
 use volley_core::work::WorkConfig;
+
+use super::source::fetch_into;
+use super::{call, failed, NatsBus, NatsConfig, Shared};
+use crate::TransportError;
 
 /// Header of a take reply carrying the lease id of the item in its body.
 pub(super) const LEASE_HEADER: &str = "Volley-Lease";

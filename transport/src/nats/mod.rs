@@ -28,59 +28,45 @@
 //!
 //! This module holds the connection ([`NatsBus`], its config, auth, retries and the helpers
 //! every component uses); each component lives in its own file with the `NatsBus` method
-//! that makes it: [`sink`] (actors' segments), [`source`] (the learner's consumer and replay),
-//! [`weights`] (publisher and follower) and [`work`] (work queue and snapshot store).
+//! that makes it: [`sink`] (actors' segments, paced by the learner's backlog in `pacing`),
+//! [`source`] (the learner's consumer and replay), [`weights`] (publisher and follower) and
+//! [`work`] (work queue and snapshot store).
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::fmt;
-use std::future::{Future, IntoFuture};
-use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use async_nats::jetstream::{self, consumer, kv, object_store, stream, AckKind, ErrorCode};
-use async_nats::{ConnectErrorKind, ConnectOptions, Event, ServerError, Subject};
+use async_nats::jetstream::{self, consumer, kv, object_store, stream, ErrorCode};
+use async_nats::{ConnectErrorKind, ConnectOptions, Event, ServerError};
 use bytes::Bytes;
-use futures::StreamExt;
 use tokio::runtime::Handle;
 use tracing::{debug, info, warn};
 
-use super::{
-    Delivery, DeliveryToken, LiveWeightsSender, TrajectorySink, TrajectorySource, TransportError, WeightsFollower,
-    WeightsPublisher,
-};
-use volley_core::ids::{ActorId, PolicyVersion, RunId};
+use super::TransportError;
+use volley_core::ids::RunId;
 use volley_core::spec::{RunSpec, StoreLimits, StoredSpecError};
 use volley_core::subjects;
-use volley_core::wire::{self, TrajectorySegment, Weights};
 
 mod consumers;
 mod dispatch;
 pub mod identity;
+mod pacing;
 pub mod sink;
 pub mod source;
+pub mod tls;
 pub mod weights;
 pub mod work;
 
 pub use sink::{NatsTrajectorySink, SinkStats};
 pub use source::NatsTrajectorySource;
+pub use tls::{NatsTls, TlsFileError};
 pub use weights::{NatsWeightsFollower, NatsWeightsPublisher};
 pub use work::{NatsSnapshotStore, NatsWorkQueue, NatsWorkSource};
 
-use source::fetch_into;
 use work::ensure_work_objects;
 
-/// How often a throttled sink re-reads the learner's backlog. Short, because a fast learner
-/// drains a batch in well under a millisecond; one consumer-info request costs the server
-/// about as much as one small publish.
-const PACING_POLL: Duration = Duration::from_millis(2);
-/// How long a backlog reading that showed room is trusted (counting the sink's own publishes
-/// since), so a burst of segments does not cost one consumer-info request each. Short: other
-/// actors publish meanwhile too, and every segment of overshoot adds policy lag.
-const PACING_CACHE: Duration = Duration::from_millis(20);
-/// Shortest sleep of a throttled sink between predictions of the backlog.
-const PACING_MIN_SLEEP: Duration = Duration::from_micros(100);
 /// Deadline of the consumer-info request behind pacing and `backlog()`: short, because a slow
 /// answer must not stall the caller (an unknown backlog does not block).
 const BACKLOG_DEADLINE: Duration = Duration::from_millis(500);
@@ -309,6 +295,9 @@ pub struct NatsConfig {
     pub replicas: usize,
     /// How to authenticate (`None`: anonymous, for a server without auth).
     pub auth: Option<NatsAuth>,
+    /// TLS: the CA to trust, a client certificate (default: TLS when the server asks for it,
+    /// trusting the system's CAs).
+    pub tls: NatsTls,
     /// Worker threads of the runtime [`NatsBus::connect`] makes. 0 (the default): none; the
     /// threads that call the bus run the connection and its background tasks while they
     /// block on it, so a message is handed from the socket to the caller without waking
@@ -348,8 +337,15 @@ impl NatsConfig {
             prefetch_calls: 1,
             replicas: 1,
             auth: None,
+            tls: NatsTls::default(),
             runtime_workers: 0,
         }
+    }
+
+    /// This config with TLS settings `tls`.
+    pub fn with_tls(mut self, tls: NatsTls) -> Self {
+        self.tls = tls;
+        self
     }
 
     fn transfer_deadline(&self, size_bytes: usize) -> Duration {
@@ -497,6 +493,7 @@ impl NatsBus {
         let (connections_tx, connections) = tokio::sync::watch::channel(0u64);
         let connections_tx = Arc::new(connections_tx);
         let denials = Arc::new(Denials::default());
+        config.tls.check().map_err(|err| failed("connect", err))?;
         // Our own retry loop instead of `retry_on_initial_connect`: that option returns at once
         // and leaves a task retrying forever, while a bounded loop gives a clear error.
         let client = runtime.block_on(&handle, async {
@@ -527,8 +524,10 @@ impl NatsBus {
                 if let Some(auth) = &config.auth {
                     options = options.custom_inbox_prefix(auth.inbox_prefix());
                 }
+                options = config.tls.apply(options).map_err(|err| failed("connect", err))?;
                 let problem = match tokio::time::timeout(remaining, options.connect(config.url.as_str())).await {
                     Ok(Ok(client)) => break Ok(client),
+
                     // Wrong credentials do not get better with retries.
                     Ok(Err(err)) if err.kind() == ConnectErrorKind::AuthorizationViolation => {
                         let who = config.auth.as_ref().map_or_else(|| "anonymous".to_string(), NatsAuth::describe);
@@ -537,7 +536,14 @@ impl NatsBus {
                             format!("nats server {} refused {who}: {err} (wrong user, password or nkey?)", config.url),
                         ));
                     }
-                    Ok(Err(err)) => err.to_string(),
+                    Ok(Err(err)) => {
+                        // Nor does a failed TLS handshake (a certificate the other side refuses,
+                        // a server without TLS).
+                        if let Some(explained) = config.tls.explain_failure(err.kind(), &err.to_string()) {
+                            break Err(failed("connect", format!("nats server {}: {explained}", config.url)));
+                        }
+                        err.to_string()
+                    }
                     Err(_) => "timed out".to_string(),
                 };
                 if started.elapsed() >= config.connect_timeout {

@@ -1,9 +1,24 @@
 //! The trajectory source: the learner's durable pull consumer (and the replay consumer),
 //! with explicit acks, redelivery handling and the backlog reading behind pacing.
 
-use futures::FutureExt;
+use std::collections::{HashMap, VecDeque};
+use std::fmt;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
-use super::*;
+use async_nats::jetstream::{self, consumer, AckKind};
+use bytes::Bytes;
+use futures::{FutureExt, StreamExt};
+use tokio::runtime::Handle;
+use tracing::{debug, info, warn};
+use volley_core::subjects;
+use volley_core::wire::{self, TrajectorySegment};
+
+use super::{
+    call, failed, learner_consumer_config, Backoff, NatsBus, Shared, ABANDON_ACK_DEADLINE, BACKLOG_CACHE,
+    BACKLOG_DEADLINE, REPLAY_INACTIVE_THRESHOLD,
+};
+use crate::{Delivery, DeliveryToken, TrajectorySource, TransportError};
 
 impl NatsBus {
     /// Learner side: the durable consumer `learner` (created if missing; the stream must
@@ -91,7 +106,7 @@ struct BacklogReading {
 /// Guarantee: delivery is at least once. [`TrajectorySource::ack`] uses double acks: when it
 /// returns `Ok`, the server has recorded the acks and will not deliver those segments again
 /// (the consumer state is on disk, so this survives a broker restart). A segment not
-/// acknowledged within [`NatsConfig::ack_wait`] of its last sign of life is delivered again
+/// acknowledged within [`NatsConfig::ack_wait`](super::NatsConfig::ack_wait) of its last sign of life is delivered again
 /// with a higher `delivery_count`; while the learner holds a delivery and keeps calling `recv`,
 /// `recv` sends a progress signal for it every `ack_wait / 2`, so a slow batch is not
 /// redelivered under the learner's feet. [`TrajectorySource::reject`] terminates a delivery
@@ -397,7 +412,7 @@ struct Settled {
 }
 
 /// Settle deliveries with double acks (or terms), retrying with backoff for
-/// [`NatsConfig::retry_deadline`]. Deliveries from a lost connection get one plain
+/// [`NatsConfig::retry_deadline`](super::NatsConfig::retry_deadline). Deliveries from a lost connection get one plain
 /// (unconfirmed) ack or term instead: a broker that still knows a delivery applies it; one that
 /// restarted without it redelivers the segment later, which the learner's duplicate filter
 /// skips (issue 11: waiting for confirmations the server never sends stalled training for the

@@ -1,7 +1,22 @@
 //! Save-load and budget assignment over JetStream: the work queue, the actors' work source
 //! and the snapshot store.
 
-use super::*;
+use std::fmt;
+use std::future::IntoFuture;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use async_nats::jetstream::{consumer, kv, object_store, stream};
+use bytes::Bytes;
+use tracing::{debug, warn};
+use volley_core::ids::ActorId;
+use volley_core::subjects;
+
+use super::{
+    call, consumers, denial_since, denied, failed, is_denied, open_kv, open_objects, retry_for, unless_reconnected,
+    NatsBus, Shared,
+};
+use crate::TransportError;
 
 /// Create (or update) the work-queue stream, the actors' shared consumer, the snapshot object
 /// store and its per-item index, bounded by the run's snapshot retention.

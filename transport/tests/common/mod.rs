@@ -10,7 +10,7 @@ use volley_core::wire::{TrajectorySegment, Weights};
 use volley_testkit::fixtures::{SegmentBuilder, SpecBuilder};
 use volley_testkit::TestNats;
 use volley_transport::nats::identity::{actor_nkey_variable, ActorIdentity};
-use volley_transport::nats::{NatsBus, NatsConfig};
+use volley_transport::nats::{NatsBus, NatsConfig, NatsTls};
 
 /// A small CartPole run spec for `run`, with small store bounds: JetStream reserves every
 /// stream's `max_bytes` when it is created, and a test broker may use at most 75 % of the free
@@ -44,7 +44,8 @@ pub fn segment(run: &str, actor: &str, env_idx: u32, segment_idx: u64) -> Trajec
 /// A bus for `run_name` whose weights always go through the object store (nothing inline), as
 /// anchors every 4 versions and deltas in between.
 pub fn delta_bus(server: &TestNats, run_name: &str) -> NatsBus {
-    let mut config = NatsConfig::new(server.url(), RunId::new(run_name).unwrap());
+    let mut config =
+        NatsConfig::new(server.url(), RunId::new(run_name).unwrap()).with_tls(NatsTls::with_ca(server.ca_file()));
     config.request_timeout = Duration::from_secs(2);
     config.weights_inline_max_bytes = 0;
     config.weights_anchor_every = 4;

@@ -210,7 +210,7 @@ impl GroupTable {
 /// `f64`.
 ///
 /// ```
-/// # use volley_learner::groups::group_relative_advantage;
+/// # use volley_learner::select::groups::group_relative_advantage;
 /// assert_eq!(group_relative_advantage(1.0, &[1.0, 0.0, 0.0, 0.0], false), 0.75);
 /// ```
 pub fn group_relative_advantage(own: f32, returns: &[f32], divide_by_std: bool) -> f32 {
