@@ -60,6 +60,7 @@ fn a_learner_signs_with_generated_keys_and_only_actors_trusting_them_take_its_we
 
     let strings = |args: &[&str]| args.iter().map(|s| s.to_string()).collect::<Vec<_>>();
     let checkpoints = dir.path().join("checkpoints").display().to_string();
+    let ca = nats.ca_file().display().to_string();
     let mut learner = Proc::volley(
         dir.path(),
         "learner",
@@ -67,6 +68,8 @@ fn a_learner_signs_with_generated_keys_and_only_actors_trusting_them_take_its_we
             "learner",
             "--nats",
             &nats.url(),
+            "--nats-tls-ca",
+            &ca,
             "--run",
             "signed",
             "--checkpoint-dir",
@@ -83,6 +86,8 @@ fn a_learner_signs_with_generated_keys_and_only_actors_trusting_them_take_its_we
             "actor",
             "--nats",
             &nats.url(),
+            "--nats-tls-ca",
+            &ca,
             "--run",
             "signed",
             "--actor-id",
@@ -126,7 +131,7 @@ fn a_learner_signs_with_generated_keys_and_only_actors_trusting_them_take_its_we
     let bad = dir.path().join("bad.pem");
     std::fs::write(&bad, "not a key").expect("written");
     let output = Command::new(env!("CARGO_BIN_EXE_volley"))
-        .args(["actor", "--nats", &nats.url(), "--run", "signed", "--weights-public-key"])
+        .args(["actor", "--nats", &nats.url(), "--nats-tls-ca", &ca, "--run", "signed", "--weights-public-key"])
         .arg(&bad)
         .output()
         .expect("runs");

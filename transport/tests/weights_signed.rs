@@ -20,7 +20,7 @@ use volley_core::ids::{PolicyVersion, RunId};
 use volley_core::subjects;
 use volley_core::wire::{frame, live, Weights};
 use volley_testkit::TestNats;
-use volley_transport::nats::{NatsBus, NatsConfig, NatsWeightsFollower};
+use volley_transport::nats::{NatsBus, NatsConfig, NatsTls, NatsWeightsFollower};
 use volley_transport::signing::{SignedVersion, WeightsSigningKey};
 use volley_transport::{WeightsFollower, WeightsPublisher};
 
@@ -38,7 +38,8 @@ fn weights(version: u64, n_params: usize) -> Arc<Weights> {
 
 /// A bus whose small weights go inline and whose every pointer is written (no deferral).
 fn inline_bus(server: &TestNats, run: &str) -> NatsBus {
-    let mut config = NatsConfig::new(server.url(), RunId::new(run).unwrap());
+    let mut config =
+        NatsConfig::new(server.url(), RunId::new(run).unwrap()).with_tls(NatsTls::with_ca(server.ca_file()));
     config.request_timeout = Duration::from_secs(2);
     config.weights_pointer_every = 1;
     let bus = NatsBus::connect(config).expect("connect to the test server");

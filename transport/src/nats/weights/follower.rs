@@ -385,6 +385,14 @@ impl NatsWeightsFollower {
             self.confirmed = Some(newest);
             return false;
         }
+        if self.trusted.is_some() {
+            // The live version's signature was verified: a pointer that disagrees with it is
+            // not the learner's, and must not take the follower back (docs/SECURITY.md).
+            if self.rejections.record("pointer_contradicts_signed") {
+                warn!(version = pointer.version, pointer_digest = %pointer.digest, "a pointer contradicts a signed live version; ignored");
+            }
+            return false;
+        }
         if self.rejections.record("live_contradicted") {
             warn!(
                 version = pointer.version,
