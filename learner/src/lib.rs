@@ -10,7 +10,6 @@ pub mod backend;
 pub mod batch;
 pub mod checkpoint;
 pub mod consume;
-pub mod gaussian_losses;
 pub mod groups;
 pub mod learner;
 pub mod losses;

@@ -18,7 +18,7 @@
 //! the first update, allocates nothing.
 
 use rayon::prelude::*;
-use volley_policy::distributions::log_softmax;
+use volley_policy::head::{AnyHead, PolicyHead};
 use volley_policy::ops::{
     act_backward_in_place, bias_act_rows, bias_rows, col2im, column_sums, dense_forward, gemm, gru_cell_backward,
     gru_cell_forward, im2col, Mat,
@@ -27,11 +27,10 @@ use volley_policy::returns::gae;
 use volley_policy::{Activation, ConvGeometry};
 
 use super::{
-    check_len, Backend, BackendError, Evaluation, GaussianHead, PpoLossInputs, VTraceLossInputs, VTraceLossOutputs,
-    View, ViewMut,
+    check_len, Backend, BackendError, Evaluation, Head, PpoLossInputs, PpoLossOutputs, VTraceLossInputs,
+    VTraceLossOutputs, View, ViewMut,
 };
-use crate::gaussian_losses::{self, GaussianBatch, GaussianPpoTargets};
-use crate::losses::{self, PpoLossConfig, PpoTargets, SequenceBatch, VTraceLossConfig};
+use crate::losses::{self, PpoLossConfig, PpoTargets, RowBatch, VTraceLossConfig, VTraceRows};
 use crate::optim::{adam_step, clip_grad_global_norm, AdamConfig};
 
 /// Products of at least this many multiply-adds (`m·k·n`) take the threaded path (see the
@@ -193,18 +192,6 @@ fn slice<'a>(view: View<'a, CpuBackend>) -> &'a [f32] {
 fn slice_mut<'a>(view: ViewMut<'a, CpuBackend>) -> &'a mut [f32] {
     let (buffer, range) = view.parts();
     &mut buffer[range]
-}
-
-/// Actions travel as `u32` bit patterns in float buffers (see [`Backend::Floats`]).
-fn actions(view: View<'_, CpuBackend>) -> &[u32] {
-    bytemuck_u32(slice(view))
-}
-
-/// Reinterpret floats as the `u32` words they carry.
-fn bytemuck_u32(floats: &[f32]) -> &[u32] {
-    // SAFETY: `f32` and `u32` have the same size and alignment and every bit pattern is a valid
-    // `u32`; the length is the same number of 4-byte words and the borrow keeps its lifetime.
-    unsafe { std::slice::from_raw_parts(floats.as_ptr().cast::<u32>(), floats.len()) }
 }
 
 impl CpuBackend {
@@ -608,43 +595,30 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn action_log_probs(
+    fn log_probs(
         &mut self,
         heads: View<'_, Self>,
         n_actions: usize,
-        actions_view: View<'_, Self>,
+        head: &Head<'_, Self>,
+        actions: View<'_, Self>,
         reference: Option<View<'_, Self>>,
         out: ViewMut<'_, Self>,
     ) -> Result<(), BackendError> {
         let n = out.len();
         let stride = n_actions + 1;
-        check_len("action_log_probs", "heads", n * stride, heads.len())?;
-        check_len("action_log_probs", "actions", n, actions_view.len())?;
+        let head = cpu_head("log_probs", head, n_actions)?;
+        let width = head.action_width();
+        check_len("log_probs", "heads", n * stride, heads.len())?;
+        check_len("log_probs", "actions", n * width, actions.len())?;
         if let Some(reference) = reference {
-            check_len("action_log_probs", "reference", n, reference.len())?;
+            check_len("log_probs", "reference", n, reference.len())?;
         }
-        let mut log_probs = [0.0f32; 16];
-        let mut log_probs_heap = Vec::new();
-        let log_probs: &mut [f32] = if n_actions <= log_probs.len() {
-            &mut log_probs[..n_actions]
-        } else {
-            log_probs_heap.resize(n_actions, 0.0);
-            &mut log_probs_heap
-        };
+        check_actions(&head, slice(actions), "log_probs")?;
         let out = slice_mut(out);
         let reference = reference.map(slice);
-        for (i, (row, &action)) in slice(heads).chunks_exact(stride).zip(actions(actions_view)).enumerate() {
-            let action = action as usize;
-            if action >= n_actions {
-                return Err(BackendError::Shape {
-                    op: "action_log_probs",
-                    operand: "action",
-                    expected: n_actions,
-                    got: action,
-                });
-            }
-            log_softmax(&row[..n_actions], log_probs);
-            out[i] = log_probs[action] - reference.map_or(0.0, |r| r[i]);
+        for (i, (row, action)) in slice(heads).chunks_exact(stride).zip(slice(actions).chunks_exact(width)).enumerate()
+        {
+            out[i] = head.log_prob(&row[..n_actions], action) - reference.map_or(0.0, |r| r[i]);
         }
         Ok(())
     }
@@ -721,8 +695,8 @@ impl Backend for CpuBackend {
         slot: usize,
     ) -> Result<(), BackendError> {
         let n = inputs.t_len * inputs.b_len;
+        let head = cpu_head("vtrace_loss", &inputs.head, inputs.n_actions)?;
         for (operand, len) in [
-            ("actions", inputs.actions.len()),
             ("behaviour_log_probs", inputs.behaviour_log_probs.len()),
             ("rewards", inputs.rewards.len()),
             ("discounts", inputs.discounts.len()),
@@ -735,30 +709,36 @@ impl Backend for CpuBackend {
             check_len("vtrace_loss", operand, n, len)?;
         }
         let rows = n + inputs.b_len;
+        check_len("vtrace_loss", "actions", n * head.action_width(), inputs.actions.len())?;
         check_len("vtrace_loss", "heads", rows * (inputs.n_actions + 1), inputs.heads.len())?;
         check_len("vtrace_loss", "values", rows, inputs.values.len())?;
         check_len("vtrace_loss", "d_heads", rows * (inputs.n_actions + 1), outputs.d_heads.len())?;
-        check_actions(actions(inputs.actions), inputs.n_actions, "vtrace_loss")?;
-        let batch = SequenceBatch {
+        check_len("vtrace_loss", "d_head_params", n * head.n_param_grads(), outputs.d_head_params.len())?;
+        check_actions(&head, slice(inputs.actions), "vtrace_loss")?;
+        let batch = RowBatch {
             t_len: inputs.t_len,
             b_len: inputs.b_len,
-            n_actions: inputs.n_actions,
-            actions: actions(inputs.actions),
+            actions: slice(inputs.actions),
             behaviour_log_probs: slice(inputs.behaviour_log_probs),
             rewards: slice(inputs.rewards),
             discounts: slice(inputs.discounts),
             sample_weights: slice(inputs.sample_weights),
         };
+        let out = VTraceRows {
+            log_rhos: slice_mut(outputs.log_rhos),
+            vs: slice_mut(outputs.vs),
+            pg_advantages: slice_mut(outputs.pg_advantages),
+            d_heads: slice_mut(outputs.d_heads),
+            d_head_params: slice_mut(outputs.d_head_params),
+        };
         let (sums, weight_sum) = losses::vtrace_loss_heads(
+            &head,
             &batch,
             slice(inputs.heads),
             slice(inputs.values),
             config,
             inputs.advantage_override.map(slice),
-            slice_mut(outputs.log_rhos),
-            slice_mut(outputs.vs),
-            slice_mut(outputs.pg_advantages),
-            slice_mut(outputs.d_heads),
+            out,
         );
         let evaluation = self.slot(slot)?;
         evaluation.sums = sums;
@@ -770,13 +750,13 @@ impl Backend for CpuBackend {
         &mut self,
         inputs: &PpoLossInputs<'_, Self>,
         config: &PpoLossConfig,
-        d_heads: ViewMut<'_, Self>,
+        outputs: PpoLossOutputs<'_, Self>,
         slot: usize,
     ) -> Result<(), BackendError> {
         let n = inputs.n_samples;
+        let head = cpu_head("ppo_loss", &inputs.head, inputs.n_actions)?;
         for (operand, len) in [
             ("values", inputs.values.len()),
-            ("actions", inputs.actions.len()),
             ("sample_weights", inputs.sample_weights.len()),
             ("advantages", inputs.advantages.len()),
             ("returns", inputs.returns.len()),
@@ -785,15 +765,16 @@ impl Backend for CpuBackend {
         ] {
             check_len("ppo_loss", operand, n, len)?;
         }
+        check_len("ppo_loss", "actions", n * head.action_width(), inputs.actions.len())?;
         check_len("ppo_loss", "heads", n * (inputs.n_actions + 1), inputs.heads.len())?;
-        check_len("ppo_loss", "d_heads", n * (inputs.n_actions + 1), d_heads.len())?;
-        check_actions(actions(inputs.actions), inputs.n_actions, "ppo_loss")?;
+        check_len("ppo_loss", "d_heads", n * (inputs.n_actions + 1), outputs.d_heads.len())?;
+        check_len("ppo_loss", "d_head_params", n * head.n_param_grads(), outputs.d_head_params.len())?;
+        check_actions(&head, slice(inputs.actions), "ppo_loss")?;
         // The PPO loss treats samples independently, so one row of n samples is its batch.
-        let batch = SequenceBatch {
+        let batch = RowBatch {
             t_len: 1,
             b_len: n,
-            n_actions: inputs.n_actions,
-            actions: actions(inputs.actions),
+            actions: slice(inputs.actions),
             behaviour_log_probs: &[],
             rewards: &[],
             discounts: &[],
@@ -806,157 +787,14 @@ impl Backend for CpuBackend {
             is_weights: slice(inputs.is_weights),
         };
         let (sums, weight_sum) = losses::ppo_loss_heads(
+            &head,
             &batch,
             &targets,
             slice(inputs.heads),
             slice(inputs.values),
             config,
-            slice_mut(d_heads),
-        );
-        let evaluation = self.slot(slot)?;
-        evaluation.sums = sums;
-        evaluation.weight_sum = weight_sum;
-        Ok(())
-    }
-
-    fn gaussian_log_probs(
-        &mut self,
-        heads: View<'_, Self>,
-        n_actions: usize,
-        head: &GaussianHead<'_, Self>,
-        actions: View<'_, Self>,
-        reference: Option<View<'_, Self>>,
-        out: ViewMut<'_, Self>,
-    ) -> Result<(), BackendError> {
-        let n = out.len();
-        check_len("gaussian_log_probs", "heads", n * (n_actions + 1), heads.len())?;
-        check_len("gaussian_log_probs", "log_std", n_actions, head.log_std.len())?;
-        check_len("gaussian_log_probs", "actions", n * n_actions, actions.len())?;
-        if let Some(reference) = reference {
-            check_len("gaussian_log_probs", "reference", n, reference.len())?;
-        }
-        gaussian_losses::gaussian_log_probs(
-            slice(heads),
-            slice(head.log_std),
-            slice(actions),
-            head.squash,
-            reference.map(slice),
-            slice_mut(out),
-        );
-        Ok(())
-    }
-
-    fn gaussian_vtrace_loss(
-        &mut self,
-        inputs: &VTraceLossInputs<'_, Self>,
-        head: &GaussianHead<'_, Self>,
-        config: &VTraceLossConfig,
-        outputs: VTraceLossOutputs<'_, Self>,
-        d_log_std_rows: ViewMut<'_, Self>,
-        slot: usize,
-    ) -> Result<(), BackendError> {
-        let (n, a) = (inputs.t_len * inputs.b_len, inputs.n_actions);
-        for (operand, len) in [
-            ("behaviour_log_probs", inputs.behaviour_log_probs.len()),
-            ("rewards", inputs.rewards.len()),
-            ("discounts", inputs.discounts.len()),
-            ("sample_weights", inputs.sample_weights.len()),
-            ("log_rhos", outputs.log_rhos.len()),
-            ("vs", outputs.vs.len()),
-            ("pg_advantages", outputs.pg_advantages.len()),
-            ("advantage_override", inputs.advantage_override.map_or(n, |v| v.len())),
-        ] {
-            check_len("gaussian_vtrace_loss", operand, n, len)?;
-        }
-        let rows = n + inputs.b_len;
-        check_len("gaussian_vtrace_loss", "actions", n * a, inputs.actions.len())?;
-        check_len("gaussian_vtrace_loss", "log_std", a, head.log_std.len())?;
-        check_len("gaussian_vtrace_loss", "heads", rows * (a + 1), inputs.heads.len())?;
-        check_len("gaussian_vtrace_loss", "values", rows, inputs.values.len())?;
-        check_len("gaussian_vtrace_loss", "d_heads", rows * (a + 1), outputs.d_heads.len())?;
-        check_len("gaussian_vtrace_loss", "d_log_std_rows", n * a, d_log_std_rows.len())?;
-        let batch = GaussianBatch {
-            t_len: inputs.t_len,
-            b_len: inputs.b_len,
-            action_dim: a,
-            squash: head.squash,
-            log_std: slice(head.log_std),
-            actions: slice(inputs.actions),
-            behaviour_log_probs: slice(inputs.behaviour_log_probs),
-            rewards: slice(inputs.rewards),
-            discounts: slice(inputs.discounts),
-            sample_weights: slice(inputs.sample_weights),
-        };
-        let (sums, weight_sum) = gaussian_losses::gaussian_vtrace_loss_heads(
-            &batch,
-            slice(inputs.heads),
-            slice(inputs.values),
-            config,
-            inputs.advantage_override.map(slice),
-            slice_mut(outputs.log_rhos),
-            slice_mut(outputs.vs),
-            slice_mut(outputs.pg_advantages),
             slice_mut(outputs.d_heads),
-            slice_mut(d_log_std_rows),
-        );
-        let evaluation = self.slot(slot)?;
-        evaluation.sums = sums;
-        evaluation.weight_sum = weight_sum;
-        Ok(())
-    }
-
-    fn gaussian_ppo_loss(
-        &mut self,
-        inputs: &PpoLossInputs<'_, Self>,
-        head: &GaussianHead<'_, Self>,
-        config: &PpoLossConfig,
-        d_heads: ViewMut<'_, Self>,
-        d_log_std_rows: ViewMut<'_, Self>,
-        slot: usize,
-    ) -> Result<(), BackendError> {
-        let (n, a) = (inputs.n_samples, inputs.n_actions);
-        for (operand, len) in [
-            ("values", inputs.values.len()),
-            ("sample_weights", inputs.sample_weights.len()),
-            ("advantages", inputs.advantages.len()),
-            ("returns", inputs.returns.len()),
-            ("prox_log_probs", inputs.prox_log_probs.len()),
-            ("is_weights", inputs.is_weights.len()),
-        ] {
-            check_len("gaussian_ppo_loss", operand, n, len)?;
-        }
-        check_len("gaussian_ppo_loss", "actions", n * a, inputs.actions.len())?;
-        check_len("gaussian_ppo_loss", "log_std", a, head.log_std.len())?;
-        check_len("gaussian_ppo_loss", "heads", n * (a + 1), inputs.heads.len())?;
-        check_len("gaussian_ppo_loss", "d_heads", n * (a + 1), d_heads.len())?;
-        check_len("gaussian_ppo_loss", "d_log_std_rows", n * a, d_log_std_rows.len())?;
-        // The PPO loss treats samples independently, so one row of n samples is its batch.
-        let batch = GaussianBatch {
-            t_len: 1,
-            b_len: n,
-            action_dim: a,
-            squash: head.squash,
-            log_std: slice(head.log_std),
-            actions: slice(inputs.actions),
-            behaviour_log_probs: &[],
-            rewards: &[],
-            discounts: &[],
-            sample_weights: slice(inputs.sample_weights),
-        };
-        let targets = GaussianPpoTargets {
-            advantages: slice(inputs.advantages),
-            returns: slice(inputs.returns),
-            prox_log_probs: slice(inputs.prox_log_probs),
-            is_weights: slice(inputs.is_weights),
-        };
-        let (sums, weight_sum) = gaussian_losses::gaussian_ppo_loss_heads(
-            &batch,
-            &targets,
-            slice(inputs.heads),
-            slice(inputs.values),
-            config,
-            slice_mut(d_heads),
-            slice_mut(d_log_std_rows),
+            slice_mut(outputs.d_head_params),
         );
         let evaluation = self.slot(slot)?;
         evaluation.sums = sums;
@@ -1043,10 +881,22 @@ impl Backend for CpuBackend {
     }
 }
 
+/// The head `head` describes, over host parameters of the length its kind needs.
+fn cpu_head<'a>(op: &'static str, head: &Head<'a, CpuBackend>, n_actions: usize) -> Result<AnyHead<'a>, BackendError> {
+    check_len(op, "head params", head.kind.n_params(n_actions), head.params.len())?;
+    Ok(AnyHead::new(head.kind, n_actions, slice(head.params)))
+}
+
 /// Segments are validated on arrival; an out-of-range action here is refused, not indexed.
-fn check_actions(actions: &[u32], n_actions: usize, op: &'static str) -> Result<(), BackendError> {
-    match actions.iter().find(|&&a| a as usize >= n_actions) {
-        Some(&action) => Err(BackendError::Shape { op, operand: "action", expected: n_actions, got: action as usize }),
+fn check_actions(head: &AnyHead<'_>, actions: &[f32], op: &'static str) -> Result<(), BackendError> {
+    let width = head.action_width();
+    match actions.chunks_exact(width).position(|action| !head.valid_action(action)) {
+        Some(i) => Err(BackendError::Shape {
+            op,
+            operand: "action",
+            expected: head.n_outputs(),
+            got: actions[i * width].to_bits() as usize,
+        }),
         None => Ok(()),
     }
 }
@@ -1082,17 +932,20 @@ mod tests {
     }
 
     #[test]
-    fn action_log_probs_reads_the_logits_of_each_heads_row() {
+    fn log_probs_read_the_logits_of_each_heads_row() {
+        use volley_policy::ActionHead;
         let mut cpu = CpuBackend::new();
         // Two rows of [logit 0, logit 1, value].
         let heads = vec![0.0, 0.0, 5.0, 1.0, 0.0, -5.0];
         let actions = vec![f32::from_bits(1), f32::from_bits(0)];
         let mut out = vec![0.0; 2];
-        cpu.action_log_probs(View::of(&heads), 2, View::of(&actions), None, ViewMut::of(&mut out)).unwrap();
+        let no_params = Vec::new();
+        let head = Head { kind: ActionHead::Categorical, params: View::of(&no_params) };
+        cpu.log_probs(View::of(&heads), 2, &head, View::of(&actions), None, ViewMut::of(&mut out)).unwrap();
         assert!((out[0] - 0.5f32.ln()).abs() < 1e-6);
         let expected = 1.0 - (1.0f32.exp() + 1.0).ln();
         assert!((out[1] - expected).abs() < 1e-6, "{out:?}");
         let bad = vec![f32::from_bits(2), f32::from_bits(0)];
-        assert!(cpu.action_log_probs(View::of(&heads), 2, View::of(&bad), None, ViewMut::of(&mut out)).is_err());
+        assert!(cpu.log_probs(View::of(&heads), 2, &head, View::of(&bad), None, ViewMut::of(&mut out)).is_err());
     }
 }

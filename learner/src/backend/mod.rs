@@ -57,7 +57,7 @@ use std::fmt;
 use std::ops::Range;
 use std::str::FromStr;
 
-use volley_policy::{Activation, ConvGeometry};
+use volley_policy::{ActionHead, Activation, ConvGeometry};
 
 use crate::losses::{PpoLossConfig, VTraceLossConfig, WeightedSums};
 use crate::optim::AdamConfig;
@@ -329,13 +329,15 @@ pub struct VTraceLossInputs<'a, B: Backend + ?Sized> {
     pub t_len: usize,
     /// `B`.
     pub b_len: usize,
-    /// `A`, the number of actions.
+    /// `A`, the policy head's outputs per row.
     pub n_actions: usize,
+    /// The policy head the heads block feeds.
+    pub head: Head<'a, B>,
     /// The heads block of the forward over `T + 1` rows, `[T+1][B][A + 1]`.
     pub heads: View<'a, B>,
     /// The value column of `heads`, `[T+1][B]` (row `T` is the bootstrap).
     pub values: View<'a, B>,
-    /// Actions as the bit patterns of `u32` (see [`Backend::Floats`]).
+    /// Actions, `[T][B][action_width]` words (see [`Backend::Floats`]).
     pub actions: View<'a, B>,
     /// `log μ(a|x)`.
     pub behaviour_log_probs: View<'a, B>,
@@ -362,6 +364,9 @@ pub struct VTraceLossOutputs<'a, B: Backend + ?Sized> {
     pub pg_advantages: ViewMut<'a, B>,
     /// `∂L/∂heads`, `[T+1][B][A + 1]` (the bootstrap row gets zero).
     pub d_heads: ViewMut<'a, B>,
+    /// `∂L/∂(head parameters)` per sample, `[T][B][n_params]` (empty for a head without
+    /// parameters); the caller sums the rows into the parameters' gradient.
+    pub d_head_params: ViewMut<'a, B>,
 }
 
 /// The inputs of the fused PPO loss ([`Backend::ppo_loss`]), all `[n]` (one minibatch) unless
@@ -369,13 +374,15 @@ pub struct VTraceLossOutputs<'a, B: Backend + ?Sized> {
 pub struct PpoLossInputs<'a, B: Backend + ?Sized> {
     /// `n`, the samples of the minibatch.
     pub n_samples: usize,
-    /// `A`, the number of actions.
+    /// `A`, the policy head's outputs per row.
     pub n_actions: usize,
+    /// The policy head the heads block feeds.
+    pub head: Head<'a, B>,
     /// The heads block, `[n][A + 1]`.
     pub heads: View<'a, B>,
     /// Its value column.
     pub values: View<'a, B>,
-    /// Actions as the bit patterns of `u32`.
+    /// Actions, `[n][action_width]` words.
     pub actions: View<'a, B>,
     /// Sample weights.
     pub sample_weights: View<'a, B>,
@@ -389,16 +396,32 @@ pub struct PpoLossInputs<'a, B: Backend + ?Sized> {
     pub is_weights: View<'a, B>,
 }
 
-/// A diagonal Gaussian action head's parameters beyond the heads block (issue 14): the
-/// state-independent log-std vector and the squashing convention
-/// (`volley_policy::gaussian`). With it, the heads block's first `A` columns are the means, and
-/// the `actions` views of the loss inputs hold `[n][A]` action values as floats.
-pub struct GaussianHead<'a, B: Backend + ?Sized> {
-    /// `policy.log_std`, `[A]`.
-    pub log_std: View<'a, B>,
-    /// Whether actions are `tanh`-squashed.
-    pub squash: bool,
+/// Where the fused PPO loss writes: the heads' gradient `[n][A + 1]` and the head parameters'
+/// per-sample gradient rows `[n][n_params]` (empty for a head without parameters).
+pub struct PpoLossOutputs<'a, B: Backend + ?Sized> {
+    /// `∂L/∂heads`.
+    pub d_heads: ViewMut<'a, B>,
+    /// `∂L/∂(head parameters)` per sample.
+    pub d_head_params: ViewMut<'a, B>,
 }
+
+/// The policy head a heads block feeds (`volley_policy::head`): its kind, and its own
+/// parameters on the backend (empty for a categorical head, the `A` log-stds of a Gaussian
+/// one). The heads block's first `A` columns are the head's outputs (logits, or means).
+pub struct Head<'a, B: Backend + ?Sized> {
+    /// Which distribution.
+    pub kind: ActionHead,
+    /// Its parameters, [`ActionHead::n_params`] floats.
+    pub params: View<'a, B>,
+}
+
+impl<B: Backend + ?Sized> Clone for Head<'_, B> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<B: Backend + ?Sized> Copy for Head<'_, B> {}
 
 /// The learner's device operations, at the level of the math (one trait for every device, one
 /// enum at the edge, generic code in between): matrix products, bias + activation, the GRU
@@ -587,12 +610,14 @@ pub trait Backend {
     ) -> Result<(), BackendError>;
 
     /// `out[i] = log π(a_i | x_i) − reference[i]` (or `log π(a_i | x_i)` without a reference)
-    /// from the logits in row `i` of the heads block (`stride = A + 1`).
+    /// under `head`, from the outputs in row `i` of the heads block (`stride = A + 1`);
+    /// `actions: [n][action_width]`.
     #[allow(clippy::too_many_arguments)]
-    fn action_log_probs(
+    fn log_probs(
         &mut self,
         heads: View<'_, Self>,
         n_actions: usize,
+        head: &Head<'_, Self>,
         actions: View<'_, Self>,
         reference: Option<View<'_, Self>>,
         out: ViewMut<'_, Self>,
@@ -631,9 +656,10 @@ pub trait Backend {
     /// every slot is zeroed.
     fn begin_evaluations(&mut self, n_evaluations: usize) -> Result<(), BackendError>;
 
-    /// The fused IMPALA loss with V-trace targets (Espeholt et al. 2018, sec. 4.2): log-ρ,
-    /// the V-trace scan, the weighted loss sums into evaluation `slot`, and `∂L/∂heads`.
-    /// Same result as [`crate::losses::vtrace_loss`].
+    /// The fused IMPALA loss with V-trace targets (Espeholt et al. 2018, sec. 4.2) for any
+    /// head: log-ρ, the V-trace scan, the weighted loss sums into evaluation `slot`,
+    /// `∂L/∂heads` and the head parameters' gradient rows. Same result as
+    /// [`crate::losses::vtrace_loss_heads`].
     fn vtrace_loss(
         &mut self,
         inputs: &VTraceLossInputs<'_, Self>,
@@ -643,55 +669,13 @@ pub trait Backend {
     ) -> Result<(), BackendError>;
 
     /// The fused decoupled PPO-clip loss (Schulman et al. 2017; Hilton et al. 2021) over one
-    /// minibatch: the weighted loss sums into evaluation `slot`, and `∂L/∂heads`. Same result
-    /// as [`crate::losses::ppo_loss`].
+    /// minibatch for any head: the weighted loss sums into evaluation `slot`, `∂L/∂heads` and
+    /// the head parameters' gradient rows. Same result as [`crate::losses::ppo_loss_heads`].
     fn ppo_loss(
         &mut self,
         inputs: &PpoLossInputs<'_, Self>,
         config: &PpoLossConfig,
-        d_heads: ViewMut<'_, Self>,
-        slot: usize,
-    ) -> Result<(), BackendError>;
-
-    /// [`Backend::action_log_probs`] for a Gaussian head: `out[i] = log π(a_i | x_i) −
-    /// reference[i]` from the means in row `i` of the heads block, the log-std and the action
-    /// values `actions: [n][A]`.
-    #[allow(clippy::too_many_arguments)]
-    fn gaussian_log_probs(
-        &mut self,
-        heads: View<'_, Self>,
-        n_actions: usize,
-        head: &GaussianHead<'_, Self>,
-        actions: View<'_, Self>,
-        reference: Option<View<'_, Self>>,
-        out: ViewMut<'_, Self>,
-    ) -> Result<(), BackendError>;
-
-    /// [`Backend::vtrace_loss`] for a Gaussian head (`inputs.actions` holds `[T][B][A]` action
-    /// values): also writes `∂L/∂s` per sample into `d_log_std_rows` (`[T][B][A]`), which the
-    /// caller sums over rows into the log-std gradient. Same result as
-    /// [`crate::gaussian_losses::gaussian_vtrace_loss_heads`].
-    fn gaussian_vtrace_loss(
-        &mut self,
-        inputs: &VTraceLossInputs<'_, Self>,
-        head: &GaussianHead<'_, Self>,
-        config: &VTraceLossConfig,
-        outputs: VTraceLossOutputs<'_, Self>,
-        d_log_std_rows: ViewMut<'_, Self>,
-        slot: usize,
-    ) -> Result<(), BackendError>;
-
-    /// [`Backend::ppo_loss`] for a Gaussian head (`inputs.actions` holds `[n][A]` action
-    /// values): also writes `∂L/∂s` per sample into `d_log_std_rows` (`[n][A]`). Same result
-    /// as [`crate::gaussian_losses::gaussian_ppo_loss_heads`].
-    #[allow(clippy::too_many_arguments)]
-    fn gaussian_ppo_loss(
-        &mut self,
-        inputs: &PpoLossInputs<'_, Self>,
-        head: &GaussianHead<'_, Self>,
-        config: &PpoLossConfig,
-        d_heads: ViewMut<'_, Self>,
-        d_log_std_rows: ViewMut<'_, Self>,
+        outputs: PpoLossOutputs<'_, Self>,
         slot: usize,
     ) -> Result<(), BackendError>;
 

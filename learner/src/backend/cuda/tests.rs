@@ -15,11 +15,12 @@ use volley_core::ids::{PolicyVersion, RunId};
 use volley_core::spec::{HyperParams, LossKind, RunSpec};
 use volley_env::EnvConfig;
 use volley_policy::returns::{vtrace, VTraceConfig};
-use volley_policy::{Activation, CoreKind, ParamLayout, PolicySpec};
+use volley_policy::{ActionHead, Activation, CoreKind, ParamLayout, PolicySpec};
 
 use super::*;
 use crate::backend::{
-    Backend, CpuBackend, Evaluation, PpoLossInputs, VTraceLossInputs, VTraceLossOutputs, View, ViewMut,
+    Backend, CpuBackend, Evaluation, Head, PpoLossInputs, PpoLossOutputs, VTraceLossInputs, VTraceLossOutputs, View,
+    ViewMut,
 };
 use crate::batch::{SegmentBatch, StateRestore};
 use crate::learner::Learner;
@@ -291,10 +292,13 @@ fn run_vtrace_loss<B: Backend>(
         (backend.alloc(n).unwrap(), backend.alloc(n).unwrap(), backend.alloc(n).unwrap());
     let mut d_heads = backend.alloc(rows * stride).unwrap();
     backend.begin_evaluations(1).unwrap();
+    let no_params = backend.alloc(0).unwrap();
+    let mut no_param_grads = backend.alloc(0).unwrap();
     let inputs = VTraceLossInputs {
         t_len: case.t_len,
         b_len: case.b_len,
         n_actions: case.n_actions,
+        head: Head { kind: ActionHead::Categorical, params: View::of(&no_params) },
         heads: View::range(&bufs[0], 0..rows * stride),
         values: View::range(&bufs[1], 0..rows),
         actions: View::range(&bufs[2], 0..n),
@@ -309,6 +313,7 @@ fn run_vtrace_loss<B: Backend>(
         vs: ViewMut::range(&mut vs, 0..n),
         pg_advantages: ViewMut::range(&mut pg, 0..n),
         d_heads: ViewMut::range(&mut d_heads, 0..rows * stride),
+        d_head_params: ViewMut::of(&mut no_param_grads),
     };
     backend.vtrace_loss(&inputs, config, outputs, 0).unwrap();
     let mut evaluations = Vec::new();
@@ -338,9 +343,12 @@ fn run_ppo_loss<B: Backend>(backend: &mut B, case: &LossCase, config: &PpoLossCo
     .collect();
     let mut d_heads = backend.alloc(n * stride).unwrap();
     backend.begin_evaluations(2).unwrap();
+    let no_params = backend.alloc(0).unwrap();
+    let mut no_param_grads = backend.alloc(0).unwrap();
     let inputs = PpoLossInputs {
         n_samples: n,
         n_actions: case.n_actions,
+        head: Head { kind: ActionHead::Categorical, params: View::of(&no_params) },
         heads: View::range(&bufs[0], 0..n * stride),
         values: View::range(&bufs[1], 0..n),
         actions: View::range(&bufs[2], 0..n),
@@ -351,7 +359,11 @@ fn run_ppo_loss<B: Backend>(backend: &mut B, case: &LossCase, config: &PpoLossCo
         is_weights: View::range(&bufs[7], 0..n),
     };
     // Slot 1: the statistics land in the slot asked for, not slot 0.
-    backend.ppo_loss(&inputs, config, ViewMut::range(&mut d_heads, 0..n * stride), 1).unwrap();
+    let outputs = PpoLossOutputs {
+        d_heads: ViewMut::range(&mut d_heads, 0..n * stride),
+        d_head_params: ViewMut::of(&mut no_param_grads),
+    };
+    backend.ppo_loss(&inputs, config, outputs, 1).unwrap();
     let mut evaluations = Vec::new();
     backend.read_evaluations(&mut evaluations).unwrap();
     assert_eq!(evaluations[0].weight_sum, 0.0, "slot 0 untouched");
@@ -426,11 +438,14 @@ fn check_elementwise<B: Backend>(backend: &mut B) {
         let mut out: Vec<B::Floats> = (0..5).map(|_| backend.alloc(n).unwrap()).collect();
         let [log_probs, log_rhos, weights, adv, ret] = &mut out[..] else { unreachable!() };
         let heads_view = View::range(&heads, 0..n * stride);
-        backend.action_log_probs(heads_view, case.n_actions, View::of(&actions), None, ViewMut::of(log_probs)).unwrap();
+        let no_params = backend.alloc(0).unwrap();
+        let head = Head { kind: ActionHead::Categorical, params: View::of(&no_params) };
+        backend.log_probs(heads_view, case.n_actions, &head, View::of(&actions), None, ViewMut::of(log_probs)).unwrap();
         backend
-            .action_log_probs(
+            .log_probs(
                 heads_view,
                 case.n_actions,
+                &head,
                 View::of(&actions),
                 Some(View::of(&behaviour)),
                 ViewMut::of(log_rhos),

@@ -6,7 +6,8 @@
 use std::convert::Infallible;
 
 use super::{
-    Backend, BackendError, Evaluation, GaussianHead, PpoLossInputs, VTraceLossInputs, VTraceLossOutputs, View, ViewMut,
+    Backend, BackendError, Evaluation, Head, PpoLossInputs, PpoLossOutputs, VTraceLossInputs, VTraceLossOutputs, View,
+    ViewMut,
 };
 use crate::losses::{PpoLossConfig, VTraceLossConfig};
 use crate::optim::AdamConfig;
@@ -264,10 +265,11 @@ impl Backend for CudaBackend {
         match *self {}
     }
 
-    fn action_log_probs(
+    fn log_probs(
         &mut self,
         _heads: View<'_, Self>,
         _n_actions: usize,
+        _head: &Head<'_, Self>,
         _actions: View<'_, Self>,
         _reference: Option<View<'_, Self>>,
         _out: ViewMut<'_, Self>,
@@ -319,43 +321,7 @@ impl Backend for CudaBackend {
         &mut self,
         _inputs: &PpoLossInputs<'_, Self>,
         _config: &PpoLossConfig,
-        _d_heads: ViewMut<'_, Self>,
-        _slot: usize,
-    ) -> Result<(), BackendError> {
-        match *self {}
-    }
-
-    fn gaussian_log_probs(
-        &mut self,
-        _heads: View<'_, Self>,
-        _n_actions: usize,
-        _head: &GaussianHead<'_, Self>,
-        _actions: View<'_, Self>,
-        _reference: Option<View<'_, Self>>,
-        _out: ViewMut<'_, Self>,
-    ) -> Result<(), BackendError> {
-        match *self {}
-    }
-
-    fn gaussian_vtrace_loss(
-        &mut self,
-        _inputs: &VTraceLossInputs<'_, Self>,
-        _head: &GaussianHead<'_, Self>,
-        _config: &VTraceLossConfig,
-        _outputs: VTraceLossOutputs<'_, Self>,
-        _d_log_std_rows: ViewMut<'_, Self>,
-        _slot: usize,
-    ) -> Result<(), BackendError> {
-        match *self {}
-    }
-
-    fn gaussian_ppo_loss(
-        &mut self,
-        _inputs: &PpoLossInputs<'_, Self>,
-        _head: &GaussianHead<'_, Self>,
-        _config: &PpoLossConfig,
-        _d_heads: ViewMut<'_, Self>,
-        _d_log_std_rows: ViewMut<'_, Self>,
+        _outputs: PpoLossOutputs<'_, Self>,
         _slot: usize,
     ) -> Result<(), BackendError> {
         match *self {}
