@@ -115,6 +115,42 @@ __device__ __forceinline__ void volley_add_stats(double* stats, double policy, d
     }
 }
 
+// Off-policy health of one update (learner/src/telemetry.rs, `OffPolicySums::add`: the same terms),
+// grid-stride over samples: over the samples with w > 0, sums[0..10] += [w, w [rho > rho_bar],
+// w [rho > c_bar], w ((rho - 1) - log rho), w rho, w rho^2, w target, w target^2, w err, w err^2]
+// with err = target - value; ratios[i] = rho, or -1 (telemetry::NO_RATIO) where w <= 0.
+extern "C" __global__ void off_policy_sums(const float* log_rhos, const float* weights, const float* values, const float* targets,
+                                           float rho_bar, float c_bar, int n, double* sums, float* ratios) {
+    double acc[10] = {0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0};
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+        const double w = weights[i];
+        if (w <= 0.0) {
+            ratios[i] = -1.0f;
+            continue;
+        }
+        const double log_rho = log_rhos[i];
+        const double rho = exp(log_rho);
+        ratios[i] = (float)rho;
+        const double target = targets[i];
+        const double err = target - (double)values[i];
+        acc[0] += w;
+        if (rho > (double)rho_bar) acc[1] += w;
+        if (rho > (double)c_bar) acc[2] += w;
+        // expm1 keeps (rho - 1) - log rho exact near rho = 1, where both terms cancel.
+        acc[3] += w * (expm1(log_rho) - log_rho);
+        acc[4] += w * rho;
+        acc[5] += w * rho * rho;
+        acc[6] += w * target;
+        acc[7] += w * target * target;
+        acc[8] += w * err;
+        acc[9] += w * err * err;
+    }
+    for (int k = 0; k < 10; ++k) {
+        const double total = volley_block_sum(acc[k]);
+        if (threadIdx.x == 0) atomicAdd(sums + k, total);
+    }
+}
+
 // ---- Policy heads: the device side of volley_policy::head::PolicyHead ----
 // A head is built in each thread from the uniform head arguments every head kernel takes
 // (n_outputs, the head's own parameters, flags) and offers what the loss bodies need:

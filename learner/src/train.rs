@@ -24,14 +24,14 @@ use volley_policy::returns::VTraceConfig;
 use volley_policy::{ActionHead, ParamLayout};
 
 use crate::backend::{
-    Backend, BackendError, CpuBackend, CudaBackend, Evaluation, Head, PpoLossInputs, PpoLossOutputs, VTraceLossInputs,
-    VTraceLossOutputs, View, ViewMut,
+    Backend, BackendError, CpuBackend, CudaBackend, Evaluation, Head, OffPolicyViews, PpoLossInputs, PpoLossOutputs,
+    VTraceLossInputs, VTraceLossOutputs, View, ViewMut,
 };
 use crate::batch::{SegmentBatch, StateRestore};
 use crate::losses::{LossStats, PpoLossConfig, VTraceLossConfig};
 use crate::net::{ensure, Network};
 use crate::optim::{AdamConfig, AdamState};
-use crate::telemetry::{off_policy_stats, OffPolicyInputs, OffPolicyStats};
+use crate::telemetry::{OffPolicyStats, OffPolicySums, NO_RATIO};
 
 /// Host copies of everything a checkpoint needs.
 #[derive(Debug, Clone, PartialEq)]
@@ -51,7 +51,7 @@ pub struct StepOutcome {
     pub grad_norm: f32,
     /// Gradient steps skipped because the gradient was not finite.
     pub skipped_steps: u32,
-    /// Off-policy health of the batch, where the backend's buffers are host memory (CPU).
+    /// Off-policy health of the batch (on every backend; `None` only before the first update).
     pub off_policy: Option<OffPolicyStats>,
 }
 
@@ -118,6 +118,8 @@ impl StagedLayout {
 /// The `[T][B]` intermediates of the loss, each sized to the batch.
 struct LossBuffers<B: Backend> {
     log_rhos: B::Floats,
+    /// Each sample's importance ratio, for the off-policy histogram.
+    ratios: B::Floats,
     vs: B::Floats,
     pg_advantages: B::Floats,
     prox_log_probs: B::Floats,
@@ -167,7 +169,7 @@ pub struct Trainer<B: Backend> {
     columns: Vec<usize>,
     host_permutations: Vec<u32>,
     evaluations: Vec<Evaluation>,
-    prox_log_rhos: Vec<f32>,
+    host_ratios: Vec<f32>,
     /// The policy head's kind.
     head_kind: ActionHead,
     /// Where the head's own parameters sit (`policy.log_std`; empty for a categorical head).
@@ -211,6 +213,7 @@ impl<B: Backend> Trainer<B> {
         let mut empty = || backend.alloc(0);
         let loss = LossBuffers {
             log_rhos: empty()?,
+            ratios: empty()?,
             vs: empty()?,
             pg_advantages: empty()?,
             prox_log_probs: empty()?,
@@ -252,7 +255,7 @@ impl<B: Backend> Trainer<B> {
             columns: Vec::new(),
             host_permutations: Vec::new(),
             evaluations: Vec::new(),
-            prox_log_rhos: Vec::new(),
+            host_ratios: Vec::new(),
             obs_norm: layout.obs_norm_range().map(|range| (range.clone(), state.params[range].to_vec())),
             input_scale: layout.input_scale(),
             head_kind: layout.head(),
@@ -387,11 +390,16 @@ impl<B: Backend> Trainer<B> {
             self.backend.upload(stats, ViewMut::range(&mut self.params, range.clone()))?;
         }
         self.stage(batch)?;
-        let off_policy = match hyper.loss {
+        match hyper.loss {
             LossKind::Vtrace => self.vtrace_step(batch.t_len, batch.b_len, hyper, learning_rate)?,
             LossKind::Ppo => self.ppo_step(batch.t_len, batch.b_len, hyper, learning_rate, rng)?,
         };
-        self.backend.read_evaluations(&mut self.evaluations)?;
+        let mut off_policy = OffPolicySums::default();
+        self.backend.read_evaluations(&mut self.evaluations, &mut off_policy)?;
+        let n = batch.t_len * batch.b_len;
+        self.host_ratios.resize(n, 0.0);
+        self.backend.download(View::range(&self.loss.ratios, 0..n), &mut self.host_ratios)?;
+        let off_policy = off_policy.finish(self.host_ratios.iter().copied().filter(|&r| r != NO_RATIO).collect());
         // Statistics of applied steps only; a skipped step's loss is not finite anyway.
         let mut total = LossStats::default();
         let (mut norm_sum, mut applied, mut skipped) = (0.0f32, 0u32, 0u32);
@@ -408,7 +416,7 @@ impl<B: Backend> Trainer<B> {
             loss: total.mean(),
             grad_norm: if applied > 0 { norm_sum / applied as f32 } else { f32::NAN },
             skipped_steps: skipped,
-            off_policy,
+            off_policy: Some(off_policy),
         })
     }
 
@@ -449,13 +457,13 @@ impl<B: Backend> Trainer<B> {
         b_len: usize,
         h: &HyperParams,
         learning_rate: f32,
-    ) -> Result<Option<OffPolicyStats>, BackendError> {
+    ) -> Result<(), BackendError> {
         let n = t_len * b_len;
         let stride = self.net.n_actions() + 1;
         self.backend.begin_evaluations(1)?;
         self.forward_batch(t_len, b_len)?;
         let loss = &mut self.loss;
-        for buffer in [&mut loss.log_rhos, &mut loss.vs, &mut loss.pg_advantages] {
+        for buffer in [&mut loss.log_rhos, &mut loss.ratios, &mut loss.vs, &mut loss.pg_advantages] {
             ensure(&mut self.backend, buffer, n)?;
         }
         ensure(&mut self.backend, &mut loss.d_heads, (n + b_len) * stride)?;
@@ -495,16 +503,15 @@ impl<B: Backend> Trainer<B> {
             d_head_params: ViewMut::range(&mut loss.d_head_params, 0..n * n_head_params),
         };
         self.backend.vtrace_loss(&inputs, &config, outputs, 0)?;
-        let off_policy = (|| {
-            Some(off_policy_stats(&OffPolicyInputs {
-                log_rhos: self.backend.host_slice(View::range(&self.loss.log_rhos, 0..n))?,
-                weights: self.backend.host_slice(inputs.sample_weights)?,
-                values: self.backend.host_slice(inputs.values.slice(0..n))?,
-                value_targets: self.backend.host_slice(View::range(&self.loss.vs, 0..n))?,
-                rho_bar: h.clip_rho_threshold,
-                c_bar: h.clip_c_threshold,
-            }))
-        })();
+        let off_policy = OffPolicyViews {
+            log_rhos: View::range(&loss.log_rhos, 0..n),
+            weights: inputs.sample_weights,
+            values: inputs.values.slice(0..n),
+            value_targets: View::range(&loss.vs, 0..n),
+            rho_bar: h.clip_rho_threshold,
+            c_bar: h.clip_c_threshold,
+        };
+        self.backend.off_policy_sums(&off_policy, ViewMut::range(&mut loss.ratios, 0..n))?;
         self.net.backward(
             &mut self.backend,
             &self.params,
@@ -514,8 +521,7 @@ impl<B: Backend> Trainer<B> {
             &mut self.grads,
         )?;
         self.head_params_gradient(n)?;
-        self.apply_gradients(h, learning_rate, 0)?;
-        Ok(off_policy)
+        self.apply_gradients(h, learning_rate, 0)
     }
 
     /// The head parameters' gradient (a Gaussian head's log-std): the sum over the `n`
@@ -564,7 +570,7 @@ impl<B: Backend> Trainer<B> {
         h: &HyperParams,
         learning_rate: f32,
         rng: &mut Pcg64Mcg,
-    ) -> Result<Option<OffPolicyStats>, BackendError> {
+    ) -> Result<(), BackendError> {
         let n = t_len * b_len;
         let (n_actions, obs_dim, hidden) = (self.net.n_actions(), self.net.obs_dim(), self.net.hidden());
         let stride = n_actions + 1;
@@ -589,7 +595,6 @@ impl<B: Backend> Trainer<B> {
             h.behaviour_is_clip,
             ViewMut::range(&mut self.loss.is_weights, 0..n),
         )?;
-        let off_policy = self.ppo_off_policy(n, h, &s);
 
         // 4. Epochs of minibatch gradient steps over whole sequences (columns).
         let n_minibatches = (h.ppo_minibatches as usize).clamp(1, b_len.max(1));
@@ -602,8 +607,9 @@ impl<B: Backend> Trainer<B> {
             self.host_permutations.extend(self.columns.iter().map(|&c| c as u32));
         }
         self.backend.begin_evaluations(epochs * n_minibatches)?;
+        self.ppo_off_policy(n, h, &s)?;
         if self.host_permutations.is_empty() {
-            return Ok(off_policy);
+            return Ok(());
         }
         self.backend.upload_indices(&self.host_permutations, &mut self.permutations)?;
         let max_mb_len =
@@ -684,24 +690,35 @@ impl<B: Backend> Trainer<B> {
                 slot += 1;
             }
         }
-        Ok(off_policy)
+        Ok(())
     }
 
-    /// PPO's off-policy statistics against the proximal policy, where the buffers are host memory.
-    fn ppo_off_policy(&mut self, n: usize, h: &HyperParams, s: &StagedLayout) -> Option<OffPolicyStats> {
-        let backend = &self.backend;
-        let prox = backend.host_slice(View::range(&self.loss.prox_log_probs, 0..n))?;
-        let behaviour = backend.host_slice(View::range(&self.staged, s.behaviour_log_probs.clone()))?;
-        self.prox_log_rhos.clear();
-        self.prox_log_rhos.extend(prox.iter().zip(behaviour).map(|(prox, mu)| prox - mu));
-        Some(off_policy_stats(&OffPolicyInputs {
-            log_rhos: &self.prox_log_rhos,
-            weights: backend.host_slice(View::range(&self.staged, s.sample_weights.clone()))?,
-            values: backend.host_slice(self.net.values().slice(0..n))?,
-            value_targets: backend.host_slice(View::range(&self.loss.returns, 0..n))?,
+    /// PPO's off-policy statistics: the proximal policy (the parameters before the update)
+    /// against the behaviour's, weighted by the samples' weights, with GAE's returns as the
+    /// value targets and the behaviour IS clip as both `ρ̄` and `c̄` (PPO has no traces).
+    fn ppo_off_policy(&mut self, n: usize, h: &HyperParams, s: &StagedLayout) -> Result<(), BackendError> {
+        let stride = self.net.n_actions() + 1;
+        let loss = &mut self.loss;
+        for buffer in [&mut loss.log_rhos, &mut loss.ratios] {
+            ensure(&mut self.backend, buffer, n)?;
+        }
+        self.backend.log_probs(
+            self.net.heads().slice(0..n * stride),
+            self.net.n_actions(),
+            &Head { kind: self.head_kind, params: View::range(&self.params, self.head_params.clone()) },
+            View::range(&self.staged, s.actions.clone()),
+            Some(View::range(&self.staged, s.behaviour_log_probs.clone())),
+            ViewMut::range(&mut loss.log_rhos, 0..n),
+        )?;
+        let inputs = OffPolicyViews {
+            log_rhos: View::range(&loss.log_rhos, 0..n),
+            weights: View::range(&self.staged, s.sample_weights.clone()),
+            values: self.net.values().slice(0..n),
+            value_targets: View::range(&loss.returns, 0..n),
             rho_bar: h.behaviour_is_clip,
             c_bar: h.behaviour_is_clip,
-        }))
+        };
+        self.backend.off_policy_sums(&inputs, ViewMut::range(&mut loss.ratios, 0..n))
     }
 
     /// Gather the columns `permutations[offset..offset + mb_len]` of every per-sample field into

@@ -27,11 +27,12 @@ use volley_policy::returns::gae;
 use volley_policy::{Activation, ConvGeometry};
 
 use super::{
-    check_len, Backend, BackendError, Evaluation, Head, PpoLossInputs, PpoLossOutputs, VTraceLossInputs,
-    VTraceLossOutputs, View, ViewMut,
+    check_len, Backend, BackendError, Evaluation, Head, OffPolicyViews, PpoLossInputs, PpoLossOutputs,
+    VTraceLossInputs, VTraceLossOutputs, View, ViewMut,
 };
 use crate::losses::{self, PpoLossConfig, PpoTargets, RowBatch, VTraceLossConfig, VTraceRows};
 use crate::optim::{adam_step, clip_grad_global_norm, AdamConfig};
+use crate::telemetry::{self, OffPolicyInputs, OffPolicySums};
 
 /// Products of at least this many multiply-adds (`m·k·n`) take the threaded path (see the
 /// module documentation); below it the pool's hand-off costs more than it saves. A
@@ -45,6 +46,7 @@ pub const MAX_THREADS: usize = 1024;
 #[derive(Debug)]
 pub struct CpuBackend {
     evaluations: Vec<Evaluation>,
+    off_policy: OffPolicySums,
     /// The pool large products and per-image loops run on; `None` with one thread.
     pool: Option<rayon::ThreadPool>,
     threads: usize,
@@ -66,6 +68,7 @@ impl CpuBackend {
     pub fn new() -> Self {
         CpuBackend {
             evaluations: Vec::new(),
+            off_policy: OffPolicySums::default(),
             pool: None,
             threads: 1,
             partial_grads: Vec::new(),
@@ -313,10 +316,6 @@ impl Backend for CpuBackend {
         check_len("download", "host", src.len(), host.len())?;
         host.copy_from_slice(src);
         Ok(())
-    }
-
-    fn host_slice<'a>(&self, src: View<'a, Self>) -> Option<&'a [f32]> {
-        Some(slice(src))
     }
 
     fn fill(&mut self, x: ViewMut<'_, Self>, value: f32) -> Result<(), BackendError> {
@@ -684,6 +683,7 @@ impl Backend for CpuBackend {
     fn begin_evaluations(&mut self, n_evaluations: usize) -> Result<(), BackendError> {
         self.evaluations.clear();
         self.evaluations.resize(n_evaluations, Evaluation::default());
+        self.off_policy = OffPolicySums::default();
         Ok(())
     }
 
@@ -802,6 +802,32 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    fn off_policy_sums(
+        &mut self,
+        inputs: &OffPolicyViews<'_, Self>,
+        ratios: ViewMut<'_, Self>,
+    ) -> Result<(), BackendError> {
+        let n = ratios.len();
+        for (operand, len) in [
+            ("log_rhos", inputs.log_rhos.len()),
+            ("weights", inputs.weights.len()),
+            ("values", inputs.values.len()),
+            ("value_targets", inputs.value_targets.len()),
+        ] {
+            check_len("off_policy_sums", operand, n, len)?;
+        }
+        let host = OffPolicyInputs {
+            log_rhos: slice(inputs.log_rhos),
+            weights: slice(inputs.weights),
+            values: slice(inputs.values),
+            value_targets: slice(inputs.value_targets),
+            rho_bar: inputs.rho_bar,
+            c_bar: inputs.c_bar,
+        };
+        telemetry::off_policy_sums(&host, &mut self.off_policy, slice_mut(ratios));
+        Ok(())
+    }
+
     fn gather_columns(
         &mut self,
         src: View<'_, Self>,
@@ -874,7 +900,12 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn read_evaluations(&mut self, out: &mut Vec<Evaluation>) -> Result<(), BackendError> {
+    fn read_evaluations(
+        &mut self,
+        out: &mut Vec<Evaluation>,
+        off_policy: &mut OffPolicySums,
+    ) -> Result<(), BackendError> {
+        *off_policy = self.off_policy;
         out.clear();
         out.extend_from_slice(&self.evaluations);
         Ok(())

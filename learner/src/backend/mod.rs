@@ -61,6 +61,7 @@ use volley_policy::{ActionHead, Activation, ConvGeometry};
 
 use crate::losses::{PpoLossConfig, VTraceLossConfig, WeightedSums};
 use crate::optim::AdamConfig;
+use crate::telemetry::OffPolicySums;
 
 pub use cpu::CpuBackend;
 pub use cuda::{open_cuda, CudaBackend, CudaDevice};
@@ -396,6 +397,23 @@ pub struct PpoLossInputs<'a, B: Backend + ?Sized> {
     pub is_weights: View<'a, B>,
 }
 
+/// The inputs of [`Backend::off_policy_sums`], all `[n]`.
+pub struct OffPolicyViews<'a, B: Backend + ?Sized> {
+    /// `log ρ = log π(a|x) − log μ(a|x)`: the learner's parameters before the update against the
+    /// behaviour log-probabilities the actors recorded.
+    pub log_rhos: View<'a, B>,
+    /// Sample weights (0 drops a sample).
+    pub weights: View<'a, B>,
+    /// The value head's outputs.
+    pub values: View<'a, B>,
+    /// The value targets the update regresses on.
+    pub value_targets: View<'a, B>,
+    /// `ρ̄`.
+    pub rho_bar: f32,
+    /// `c̄`.
+    pub c_bar: f32,
+}
+
 /// Where the fused PPO loss writes: the heads' gradient `[n][A + 1]` and the head parameters'
 /// per-sample gradient rows `[n][n_params]` (empty for a head without parameters).
 pub struct PpoLossOutputs<'a, B: Backend + ?Sized> {
@@ -470,9 +488,6 @@ pub trait Backend {
 
     /// Copy `src` to `host` (equal lengths), waiting for the work that writes it.
     fn download(&mut self, src: View<'_, Self>, host: &mut [f32]) -> Result<(), BackendError>;
-
-    /// The floats of `src` without a copy when they live in host memory (CPU), else `None`.
-    fn host_slice<'a>(&self, src: View<'a, Self>) -> Option<&'a [f32]>;
 
     /// `x[i] = value`.
     fn fill(&mut self, x: ViewMut<'_, Self>, value: f32) -> Result<(), BackendError>;
@@ -653,7 +668,7 @@ pub trait Backend {
     ) -> Result<(), BackendError>;
 
     /// Start the statistics of an update of `n_evaluations` loss evaluations (gradient steps):
-    /// every slot is zeroed.
+    /// every slot, and the update's off-policy sums, is zeroed.
     fn begin_evaluations(&mut self, n_evaluations: usize) -> Result<(), BackendError>;
 
     /// The fused IMPALA loss with V-trace targets (Espeholt et al. 2018, sec. 4.2) for any
@@ -677,6 +692,16 @@ pub trait Backend {
         config: &PpoLossConfig,
         outputs: PpoLossOutputs<'_, Self>,
         slot: usize,
+    ) -> Result<(), BackendError>;
+
+    /// The off-policy health of this update ([`crate::telemetry`]), from the same per-sample
+    /// terms on every device ([`OffPolicySums::add`]): adds the weighted sums of `inputs` to the
+    /// update's [`OffPolicySums`] (read back by [`Backend::read_evaluations`]) and writes each
+    /// sample's `ρ` into `ratios` (`[n]`; [`crate::telemetry::NO_RATIO`] where its weight is 0).
+    fn off_policy_sums(
+        &mut self,
+        inputs: &OffPolicyViews<'_, Self>,
+        ratios: ViewMut<'_, Self>,
     ) -> Result<(), BackendError>;
 
     /// Whole columns of a time-major `[rows][b_len][width]` block:
@@ -717,8 +742,13 @@ pub trait Backend {
         slot: usize,
     ) -> Result<(), BackendError>;
 
-    /// The statistics of this update's evaluations (one device-to-host transfer on CUDA).
-    fn read_evaluations(&mut self, out: &mut Vec<Evaluation>) -> Result<(), BackendError>;
+    /// The statistics of this update's evaluations and its off-policy sums (one wait for the
+    /// device on CUDA).
+    fn read_evaluations(
+        &mut self,
+        out: &mut Vec<Evaluation>,
+        off_policy: &mut OffPolicySums,
+    ) -> Result<(), BackendError>;
 }
 
 #[cfg(test)]

@@ -56,6 +56,7 @@ pub const FILES: &[KernelFile] = &[
             "gae_scan",
             "weighted_sum",
             "weighted_var",
+            "off_policy_sums",
             "log_probs_categorical",
             "vtrace_loss_grad_categorical",
             "ppo_loss_grad_categorical",
@@ -205,6 +206,7 @@ pub(crate) struct Kernels {
     gae_scan: CudaFunction,
     weighted_sum: CudaFunction,
     weighted_var: CudaFunction,
+    off_policy_sums: CudaFunction,
     /// Each head's instances of the head kernels, by [`HeadArgs::index`].
     heads: [HeadKernels; 2],
     sum_squares: CudaFunction,
@@ -353,6 +355,7 @@ impl Kernels {
             gae_scan: f("gae_scan")?,
             weighted_sum: f("weighted_sum")?,
             weighted_var: f("weighted_var")?,
+            off_policy_sums: f("off_policy_sums")?,
             heads: [
                 HeadKernels {
                     log_probs: f("log_probs_categorical")?,
@@ -789,6 +792,43 @@ impl Kernels {
         launch.arg(weights).arg(x).arg(&n_i).arg(moments);
         // SAFETY: (w, x, n, acc) is the parameter list; w and x hold n floats and acc the three
         // moments the kernel reads and adds to (checked).
+        unsafe { launch.launch(grid(n)) }?;
+        Ok(())
+    }
+
+    /// The update's off-policy sums (`crate::telemetry::OffPolicySums`, added to `sums`) over
+    /// `[log_rhos, weights, values, value_targets]`, each `[n]`, and every sample's ratio into
+    /// `ratios` (`[n]`).
+    pub(crate) fn off_policy_sums(
+        &self,
+        stream: &Arc<CudaStream>,
+        inputs: &[CudaView<'_, f32>; 4],
+        rho_bar: f32,
+        c_bar: f32,
+        sums: &mut CudaViewMut<'_, f64>,
+        ratios: &mut CudaViewMut<'_, f32>,
+    ) -> Result<(), BackendError> {
+        let n = ratios.len();
+        for (operand, input) in ["log_rhos", "weights", "values", "value_targets"].into_iter().zip(inputs) {
+            check_len("off_policy_sums", operand, n, input.len())?;
+        }
+        check_len("off_policy_sums", "sums", crate::telemetry::OFF_POLICY_SUMS, sums.len())?;
+        let n_i = int("n", n)?;
+        let [log_rhos, weights, values, targets] = inputs;
+        let mut launch = stream.launch_builder(&self.off_policy_sums);
+        launch
+            .arg(log_rhos)
+            .arg(weights)
+            .arg(values)
+            .arg(targets)
+            .arg(&rho_bar)
+            .arg(&c_bar)
+            .arg(&n_i)
+            .arg(sums)
+            .arg(ratios);
+        // SAFETY: (log_rhos, weights, values, targets, rho_bar, c_bar, n, sums, ratios) is the
+        // parameter list; the four inputs and ratios hold n floats and sums the ten doubles the
+        // kernel adds to (checked).
         unsafe { launch.launch(grid(n)) }?;
         Ok(())
     }

@@ -34,11 +34,12 @@ use self::kernels::{
 pub use self::profile::{DeviceTiming, KernelTiming};
 use self::profile::{Mark, Profile};
 use super::{
-    Backend, BackendError, Evaluation, Head, PpoLossInputs, PpoLossOutputs, VTraceLossInputs, VTraceLossOutputs, View,
-    ViewMut,
+    Backend, BackendError, Evaluation, Head, OffPolicyViews, PpoLossInputs, PpoLossOutputs, VTraceLossInputs,
+    VTraceLossOutputs, View, ViewMut,
 };
 use crate::losses::{PpoLossConfig, VTraceLossConfig, WeightedSums};
 use crate::optim::AdamConfig;
+use crate::telemetry::{OffPolicySums, OFF_POLICY_SUMS};
 
 /// A CUDA device with the learner's kernels compiled and loaded, and a cuBLAS handle.
 #[derive(Clone)]
@@ -111,6 +112,8 @@ pub struct CudaBackend {
     /// The pre-clip gradient norm of each evaluation of the current update.
     grad_norms: CudaSlice<f32>,
     n_evaluations: usize,
+    /// The update's off-policy sums (`OffPolicySums` in field order).
+    off_policy_sums: CudaSlice<f64>,
     /// Adam's per-step coefficients `[clip scale, step size, 1/√(1 − β₂ᵗ), apply]`.
     adam_coeffs: CudaSlice<f32>,
     /// The batch upload: page-locked host buffer, and the event the compute stream waits on.
@@ -171,6 +174,7 @@ impl CudaBackend {
             evaluation_sums: stream.alloc_zeros(SLOT)?,
             grad_norms: stream.alloc_zeros(1)?,
             n_evaluations: 0,
+            off_policy_sums: stream.alloc_zeros(OFF_POLICY_SUMS)?,
             adam_coeffs: stream.alloc_zeros(4)?,
             host_stage: None,
             uploaded: gpu.ctx.new_event(None)?,
@@ -301,10 +305,6 @@ impl Backend for CudaBackend {
         self.gpu.stream.memcpy_dtoh(&view(src), host)?;
         self.gpu.stream.synchronize()?;
         Ok(())
-    }
-
-    fn host_slice<'a>(&self, _src: View<'a, Self>) -> Option<&'a [f32]> {
-        None
     }
 
     fn fill(&mut self, x: ViewMut<'_, Self>, value: f32) -> Result<(), BackendError> {
@@ -556,6 +556,7 @@ impl Backend for CudaBackend {
             self.grad_norms = stream.alloc_zeros(n_evaluations.max(1))?;
         }
         stream.memset_zeros(&mut self.evaluation_sums)?;
+        stream.memset_zeros(&mut self.off_policy_sums)?;
         self.n_evaluations = n_evaluations;
         Ok(())
     }
@@ -668,6 +669,23 @@ impl Backend for CudaBackend {
         )
     }
 
+    fn off_policy_sums(
+        &mut self,
+        inputs: &OffPolicyViews<'_, Self>,
+        ratios: ViewMut<'_, Self>,
+    ) -> Result<(), BackendError> {
+        let gpu = self.gpu.clone();
+        let views = [view(inputs.log_rhos), view(inputs.weights), view(inputs.values), view(inputs.value_targets)];
+        gpu.kernels.off_policy_sums(
+            &gpu.stream,
+            &views,
+            inputs.rho_bar,
+            inputs.c_bar,
+            &mut self.off_policy_sums.slice_mut(..),
+            &mut view_mut(ratios),
+        )
+    }
+
     fn gather_columns(
         &mut self,
         src: View<'_, Self>,
@@ -748,9 +766,15 @@ impl Backend for CudaBackend {
         )
     }
 
-    fn read_evaluations(&mut self, out: &mut Vec<Evaluation>) -> Result<(), BackendError> {
+    fn read_evaluations(
+        &mut self,
+        out: &mut Vec<Evaluation>,
+        off_policy: &mut OffPolicySums,
+    ) -> Result<(), BackendError> {
         let n = self.n_evaluations;
         self.mark(Mark::ReadbackStart, false)?;
+        let mut host_off_policy = [0.0f64; OFF_POLICY_SUMS];
+        self.gpu.stream.memcpy_dtoh(&self.off_policy_sums, &mut host_off_policy[..])?;
         self.host_sums.resize(n * SLOT, 0.0);
         self.host_norms.resize(n, 0.0);
         if n > 0 {
@@ -760,6 +784,7 @@ impl Backend for CudaBackend {
         }
         self.mark(Mark::ReadbackEnd, false)?;
         self.gpu.stream.synchronize()?;
+        *off_policy = OffPolicySums::from_array(&host_off_policy);
         if let Some(profile) = &mut self.profile {
             profile.finish()?;
         }

@@ -6,11 +6,12 @@
 use std::convert::Infallible;
 
 use super::{
-    Backend, BackendError, Evaluation, Head, PpoLossInputs, PpoLossOutputs, VTraceLossInputs, VTraceLossOutputs, View,
-    ViewMut,
+    Backend, BackendError, Evaluation, Head, OffPolicyViews, PpoLossInputs, PpoLossOutputs, VTraceLossInputs,
+    VTraceLossOutputs, View, ViewMut,
 };
 use crate::losses::{PpoLossConfig, VTraceLossConfig};
 use crate::optim::AdamConfig;
+use crate::telemetry::OffPolicySums;
 use volley_policy::{Activation, ConvGeometry};
 
 /// A CUDA device (none can exist in this build).
@@ -122,10 +123,6 @@ impl Backend for CudaBackend {
     }
 
     fn download(&mut self, _src: View<'_, Self>, _host: &mut [f32]) -> Result<(), BackendError> {
-        match *self {}
-    }
-
-    fn host_slice<'a>(&self, _src: View<'a, Self>) -> Option<&'a [f32]> {
         match *self {}
     }
 
@@ -364,7 +361,19 @@ impl Backend for CudaBackend {
         match *self {}
     }
 
-    fn read_evaluations(&mut self, _out: &mut Vec<Evaluation>) -> Result<(), BackendError> {
+    fn off_policy_sums(
+        &mut self,
+        _inputs: &OffPolicyViews<'_, Self>,
+        _ratios: ViewMut<'_, Self>,
+    ) -> Result<(), BackendError> {
+        match *self {}
+    }
+
+    fn read_evaluations(
+        &mut self,
+        _out: &mut Vec<Evaluation>,
+        _off_policy: &mut OffPolicySums,
+    ) -> Result<(), BackendError> {
         match *self {}
     }
 }
