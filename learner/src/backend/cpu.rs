@@ -594,7 +594,7 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn log_probs(
+    fn log_probs_unchecked(
         &mut self,
         heads: View<'_, Self>,
         n_actions: usize,
@@ -603,15 +603,9 @@ impl Backend for CpuBackend {
         reference: Option<View<'_, Self>>,
         out: ViewMut<'_, Self>,
     ) -> Result<(), BackendError> {
-        let n = out.len();
         let stride = n_actions + 1;
-        let head = cpu_head("log_probs", head, n_actions)?;
+        let head = cpu_head(head, n_actions);
         let width = head.action_width();
-        check_len("log_probs", "heads", n * stride, heads.len())?;
-        check_len("log_probs", "actions", n * width, actions.len())?;
-        if let Some(reference) = reference {
-            check_len("log_probs", "reference", n, reference.len())?;
-        }
         check_actions(&head, slice(actions), "log_probs")?;
         let out = slice_mut(out);
         let reference = reference.map(slice);
@@ -687,33 +681,14 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn vtrace_loss(
+    fn vtrace_loss_unchecked(
         &mut self,
         inputs: &VTraceLossInputs<'_, Self>,
         config: &VTraceLossConfig,
         outputs: VTraceLossOutputs<'_, Self>,
         slot: usize,
     ) -> Result<(), BackendError> {
-        let n = inputs.t_len * inputs.b_len;
-        let head = cpu_head("vtrace_loss", &inputs.head, inputs.n_actions)?;
-        for (operand, len) in [
-            ("behaviour_log_probs", inputs.behaviour_log_probs.len()),
-            ("rewards", inputs.rewards.len()),
-            ("discounts", inputs.discounts.len()),
-            ("sample_weights", inputs.sample_weights.len()),
-            ("log_rhos", outputs.log_rhos.len()),
-            ("vs", outputs.vs.len()),
-            ("pg_advantages", outputs.pg_advantages.len()),
-            ("advantage_override", inputs.advantage_override.map_or(n, |v| v.len())),
-        ] {
-            check_len("vtrace_loss", operand, n, len)?;
-        }
-        let rows = n + inputs.b_len;
-        check_len("vtrace_loss", "actions", n * head.action_width(), inputs.actions.len())?;
-        check_len("vtrace_loss", "heads", rows * (inputs.n_actions + 1), inputs.heads.len())?;
-        check_len("vtrace_loss", "values", rows, inputs.values.len())?;
-        check_len("vtrace_loss", "d_heads", rows * (inputs.n_actions + 1), outputs.d_heads.len())?;
-        check_len("vtrace_loss", "d_head_params", n * head.n_param_grads(), outputs.d_head_params.len())?;
+        let head = cpu_head(&inputs.head, inputs.n_actions);
         check_actions(&head, slice(inputs.actions), "vtrace_loss")?;
         let batch = RowBatch {
             t_len: inputs.t_len,
@@ -746,7 +721,7 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn ppo_loss(
+    fn ppo_loss_unchecked(
         &mut self,
         inputs: &PpoLossInputs<'_, Self>,
         config: &PpoLossConfig,
@@ -754,21 +729,7 @@ impl Backend for CpuBackend {
         slot: usize,
     ) -> Result<(), BackendError> {
         let n = inputs.n_samples;
-        let head = cpu_head("ppo_loss", &inputs.head, inputs.n_actions)?;
-        for (operand, len) in [
-            ("values", inputs.values.len()),
-            ("sample_weights", inputs.sample_weights.len()),
-            ("advantages", inputs.advantages.len()),
-            ("returns", inputs.returns.len()),
-            ("prox_log_probs", inputs.prox_log_probs.len()),
-            ("is_weights", inputs.is_weights.len()),
-        ] {
-            check_len("ppo_loss", operand, n, len)?;
-        }
-        check_len("ppo_loss", "actions", n * head.action_width(), inputs.actions.len())?;
-        check_len("ppo_loss", "heads", n * (inputs.n_actions + 1), inputs.heads.len())?;
-        check_len("ppo_loss", "d_heads", n * (inputs.n_actions + 1), outputs.d_heads.len())?;
-        check_len("ppo_loss", "d_head_params", n * head.n_param_grads(), outputs.d_head_params.len())?;
+        let head = cpu_head(&inputs.head, inputs.n_actions);
         check_actions(&head, slice(inputs.actions), "ppo_loss")?;
         // The PPO loss treats samples independently, so one row of n samples is its batch.
         let batch = RowBatch {
@@ -802,20 +763,11 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn off_policy_sums(
+    fn off_policy_sums_unchecked(
         &mut self,
         inputs: &OffPolicyViews<'_, Self>,
         ratios: ViewMut<'_, Self>,
     ) -> Result<(), BackendError> {
-        let n = ratios.len();
-        for (operand, len) in [
-            ("log_rhos", inputs.log_rhos.len()),
-            ("weights", inputs.weights.len()),
-            ("values", inputs.values.len()),
-            ("value_targets", inputs.value_targets.len()),
-        ] {
-            check_len("off_policy_sums", operand, n, len)?;
-        }
         let host = OffPolicyInputs {
             log_rhos: slice(inputs.log_rhos),
             weights: slice(inputs.weights),
@@ -912,10 +864,10 @@ impl Backend for CpuBackend {
     }
 }
 
-/// The head `head` describes, over host parameters of the length its kind needs.
-fn cpu_head<'a>(op: &'static str, head: &Head<'a, CpuBackend>, n_actions: usize) -> Result<AnyHead<'a>, BackendError> {
-    check_len(op, "head params", head.kind.n_params(n_actions), head.params.len())?;
-    Ok(AnyHead::new(head.kind, n_actions, slice(head.params)))
+/// The head `head` describes, over its host parameters (their length is checked at the
+/// trait's entry).
+fn cpu_head<'a>(head: &Head<'a, CpuBackend>, n_actions: usize) -> AnyHead<'a> {
+    AnyHead::new(head.kind, n_actions, slice(head.params))
 }
 
 /// Segments are validated on arrival; an out-of-range action here is refused, not indexed.

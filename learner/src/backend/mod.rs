@@ -441,6 +441,381 @@ impl<B: Backend + ?Sized> Clone for Head<'_, B> {
 
 impl<B: Backend + ?Sized> Copy for Head<'_, B> {}
 
+/// Hands the declarations of [`Backend`]'s operations (every method after `len`, each taking
+/// `&mut self`) to the macro `$then`: the one list both the trait ([`declare_operations`]) and
+/// the stand-in CUDA backend of builds without CUDA (`cuda/unavailable.rs`, where every
+/// operation is unreachable) are generated from.
+macro_rules! backend_operations {
+    ($then:ident) => {
+        $then! {
+            /// A zeroed buffer of `len` floats.
+            fn alloc(&mut self, len: usize) -> Result<Self::Floats, BackendError>;
+
+            /// Make `dst` hold `indices` (at its start), allocating it or growing it when needed.
+            fn upload_indices(&mut self, indices: &[u32], dst: &mut Option<Self::Indices>) -> Result<(), BackendError>;
+
+            /// Copy `host` into `dst` (equal lengths).
+            fn upload(&mut self, host: &[f32], dst: ViewMut<'_, Self>) -> Result<(), BackendError>;
+
+            /// Make `dst` hold `len` floats written by `pack` into host memory, in one transfer (the
+            /// batch upload: CUDA packs into page-locked memory and copies asynchronously).
+            fn upload_packed(
+                &mut self,
+                len: usize,
+                pack: &mut dyn FnMut(&mut [f32]),
+                dst: &mut Self::Floats,
+            ) -> Result<(), BackendError>;
+
+            /// Copy `src` to `host` (equal lengths), waiting for the work that writes it.
+            fn download(&mut self, src: View<'_, Self>, host: &mut [f32]) -> Result<(), BackendError>;
+
+            /// `x[i] = value`.
+            fn fill(&mut self, x: ViewMut<'_, Self>, value: f32) -> Result<(), BackendError>;
+
+            /// `dst[i] = src[i]` (equal lengths, on the device): a restored recurrent state copied
+            /// into the row of the step it enters ([`crate::net::Network::forward`]).
+            fn copy(&mut self, src: View<'_, Self>, dst: ViewMut<'_, Self>) -> Result<(), BackendError>;
+
+            /// One dense layer over `rows` rows: `y = act(x Wᵀ + b)` (no activation when `act` is
+            /// `None`); `x: [rows][n_in]`, `weight: [n_out][n_in]`, `bias: [n_out]`, `y: [rows][n_out]`.
+            #[allow(clippy::too_many_arguments)]
+            fn dense_forward(
+                &mut self,
+                x: View<'_, Self>,
+                rows: usize,
+                n_in: usize,
+                weight: View<'_, Self>,
+                bias: View<'_, Self>,
+                n_out: usize,
+                act: Option<Activation>,
+                y: ViewMut<'_, Self>,
+            ) -> Result<(), BackendError>;
+
+            /// `dy ← dy · act'(pre)`, written through the stored output `y = act(pre)`.
+            fn act_backward(&mut self, dy: ViewMut<'_, Self>, y: View<'_, Self>, act: Activation) -> Result<(), BackendError>;
+
+            /// The weight gradient of a dense layer, overwritten: `dW = dYᵀ X` over `rows` rows;
+            /// `dy: [rows][n_out]`, `x: [rows][n_in]`, `dw: [n_out][n_in]`.
+            #[allow(clippy::too_many_arguments)]
+            fn matmul_dw(
+                &mut self,
+                dy: View<'_, Self>,
+                x: View<'_, Self>,
+                rows: usize,
+                n_out: usize,
+                n_in: usize,
+                dw: ViewMut<'_, Self>,
+            ) -> Result<(), BackendError>;
+
+            /// The input gradient of a dense layer: `dX = dY W` (`+ dX` when `accumulate`);
+            /// `dy: [rows][n_out]`, `weight: [n_out][n_in]`, `dx: [rows][n_in]`.
+            #[allow(clippy::too_many_arguments)]
+            fn matmul_dx(
+                &mut self,
+                dy: View<'_, Self>,
+                rows: usize,
+                n_out: usize,
+                weight: View<'_, Self>,
+                n_in: usize,
+                dx: ViewMut<'_, Self>,
+                accumulate: bool,
+            ) -> Result<(), BackendError>;
+
+            /// The bias gradient, overwritten: `out[j] = Σ_r dy[r][j]`, `dy: [rows][out.len()]`.
+            fn column_sums(&mut self, dy: View<'_, Self>, rows: usize, out: ViewMut<'_, Self>) -> Result<(), BackendError>;
+
+            /// Unfold the receptive fields of `n` images for one conv layer (`volley_policy::ops::im2col`):
+            /// `x: [n][C·H·W]` in the geometry's layout, `cols: [n·OH·OW][C·K·K]` (zeros where the
+            /// kernel covers padding). The layer itself is then [`Backend::dense_forward`] over `cols`.
+            fn im2col(
+                &mut self,
+                x: View<'_, Self>,
+                n: usize,
+                geometry: &ConvGeometry,
+                cols: ViewMut<'_, Self>,
+            ) -> Result<(), BackendError>;
+
+            /// The adjoint of [`Backend::im2col`], overwriting `dx: [n][C·H·W]` with, for every input
+            /// element, the sum of the entries of `d_cols: [n·OH·OW][C·K·K]` that read it.
+            fn col2im(
+                &mut self,
+                d_cols: View<'_, Self>,
+                n: usize,
+                geometry: &ConvGeometry,
+                dx: ViewMut<'_, Self>,
+            ) -> Result<(), BackendError>;
+
+            /// `dst[i] = src[i · width + column]` for `i < rows` (the value column of the heads).
+            fn take_column(
+                &mut self,
+                src: View<'_, Self>,
+                rows: usize,
+                width: usize,
+                column: usize,
+                dst: ViewMut<'_, Self>,
+            ) -> Result<(), BackendError>;
+
+            /// The GRU state entering a step: `dst[b] = 0` where `starts[b] ≠ 0`, else `src[b]`;
+            /// `src`, `dst: [B][hidden]`, `starts: [B]`.
+            fn gru_reset_copy(
+                &mut self,
+                src: View<'_, Self>,
+                starts: View<'_, Self>,
+                hidden: usize,
+                dst: ViewMut<'_, Self>,
+            ) -> Result<(), BackendError>;
+
+            /// One GRU step's element-wise part (PyTorch gate convention): from the gate pre-sums
+            /// `gi`, `gh` (`[B][3H]`, biases included) and `h_prev` (`[B][H]`) write the gates
+            /// `[r, z, n]` (`[B][3H]`) and `h_out` (`[B][H]`).
+            #[allow(clippy::too_many_arguments)]
+            fn gru_cell_forward(
+                &mut self,
+                gi: View<'_, Self>,
+                gh: View<'_, Self>,
+                h_prev: View<'_, Self>,
+                hidden: usize,
+                gates: ViewMut<'_, Self>,
+                h_out: ViewMut<'_, Self>,
+            ) -> Result<(), BackendError>;
+
+            /// Backward through one GRU step's element-wise part: on entry `d_h` holds `∂L/∂h'`, on
+            /// exit its direct part `∂L/∂h' ⊙ z` (the caller adds `d_gh W_h`); writes `d_gi`, `d_gh`.
+            #[allow(clippy::too_many_arguments)]
+            fn gru_cell_backward(
+                &mut self,
+                d_h: ViewMut<'_, Self>,
+                gates: View<'_, Self>,
+                gh: View<'_, Self>,
+                h_prev: View<'_, Self>,
+                hidden: usize,
+                d_gi: ViewMut<'_, Self>,
+                d_gh: ViewMut<'_, Self>,
+            ) -> Result<(), BackendError>;
+
+            /// The gradient carried into a GRU step from the step after it: zero the rows of `d_h`
+            /// where `starts_next` (the next step's episode starts, if any) is non-zero, then add
+            /// `from_heads`, the gradient arriving at this step's output from above.
+            fn gru_carry_grad(
+                &mut self,
+                d_h: ViewMut<'_, Self>,
+                starts_next: Option<View<'_, Self>>,
+                from_heads: View<'_, Self>,
+                hidden: usize,
+            ) -> Result<(), BackendError>;
+
+            /// [`Backend::log_probs`] on shapes it has checked (what a backend implements).
+            #[allow(clippy::too_many_arguments)]
+            fn log_probs_unchecked(
+                &mut self,
+                heads: View<'_, Self>,
+                n_actions: usize,
+                head: &Head<'_, Self>,
+                actions: View<'_, Self>,
+                reference: Option<View<'_, Self>>,
+                out: ViewMut<'_, Self>,
+            ) -> Result<(), BackendError>;
+
+            /// `out[i] = min(exp(prox[i] − behaviour[i]), clip)` (Hilton et al. 2021).
+            fn behaviour_weights(
+                &mut self,
+                prox_log_probs: View<'_, Self>,
+                behaviour_log_probs: View<'_, Self>,
+                clip: f32,
+                out: ViewMut<'_, Self>,
+            ) -> Result<(), BackendError>;
+
+            /// GAE(γ, λ) advantages and λ-returns over `[T][B]` (Schulman et al. 2016, eq. (16));
+            /// `values: [T][B]`, `bootstrap_value: [B]`.
+            #[allow(clippy::too_many_arguments)]
+            ///
+            /// Where `advantage_override` (`[T][B]`, group baselines) is finite, it is written to
+            /// `advantages` in place of GAE's; `returns` (the value targets) are GAE's either way.
+            fn gae_scan(
+                &mut self,
+                t_len: usize,
+                b_len: usize,
+                discounts: View<'_, Self>,
+                rewards: View<'_, Self>,
+                values: View<'_, Self>,
+                bootstrap_value: View<'_, Self>,
+                lambda_: f32,
+                advantage_override: Option<View<'_, Self>>,
+                advantages: ViewMut<'_, Self>,
+                returns: ViewMut<'_, Self>,
+            ) -> Result<(), BackendError>;
+
+            /// Start the statistics of an update of `n_evaluations` loss evaluations (gradient steps):
+            /// every slot, and the update's off-policy sums, is zeroed.
+            fn begin_evaluations(&mut self, n_evaluations: usize) -> Result<(), BackendError>;
+
+            /// [`Backend::vtrace_loss`] on shapes it has checked (what a backend implements): log-ρ,
+            /// the V-trace scan, the weighted loss sums into evaluation `slot`,
+            /// `∂L/∂heads` and the head parameters' gradient rows. Same result as
+            /// [`crate::losses::vtrace_loss_heads`].
+            fn vtrace_loss_unchecked(
+                &mut self,
+                inputs: &VTraceLossInputs<'_, Self>,
+                config: &VTraceLossConfig,
+                outputs: VTraceLossOutputs<'_, Self>,
+                slot: usize,
+            ) -> Result<(), BackendError>;
+
+            /// [`Backend::ppo_loss`] on shapes it has checked (what a backend implements;
+            /// Schulman et al. 2017, Hilton et al. 2021): the weighted loss sums into evaluation `slot`, `∂L/∂heads` and
+            /// the head parameters' gradient rows. Same result as [`crate::losses::ppo_loss_heads`].
+            fn ppo_loss_unchecked(
+                &mut self,
+                inputs: &PpoLossInputs<'_, Self>,
+                config: &PpoLossConfig,
+                outputs: PpoLossOutputs<'_, Self>,
+                slot: usize,
+            ) -> Result<(), BackendError>;
+
+            /// [`Backend::off_policy_sums`] on shapes it has checked (what a backend implements).
+            /// The off-policy health of this update ([`crate::telemetry`]), from the same per-sample
+            /// terms on every device ([`OffPolicySums::add`]): adds the weighted sums of `inputs` to the
+            /// update's [`OffPolicySums`] (read back by [`Backend::read_evaluations`]) and writes each
+            /// sample's `ρ` into `ratios` (`[n]`; [`crate::telemetry::NO_RATIO`] where its weight is 0).
+            fn off_policy_sums_unchecked(
+                &mut self,
+                inputs: &OffPolicyViews<'_, Self>,
+                ratios: ViewMut<'_, Self>,
+            ) -> Result<(), BackendError>;
+
+            /// Whole columns of a time-major `[rows][b_len][width]` block:
+            /// `dst[t][j] = src[t][columns[columns_offset + j]]` for `j < n_columns`.
+            #[allow(clippy::too_many_arguments)]
+            fn gather_columns(
+                &mut self,
+                src: View<'_, Self>,
+                rows: usize,
+                b_len: usize,
+                width: usize,
+                columns: &Self::Indices,
+                columns_offset: usize,
+                n_columns: usize,
+                dst: ViewMut<'_, Self>,
+            ) -> Result<(), BackendError>;
+
+            /// Adam's step count `t`, on the device.
+            fn step_count(&mut self, t: u64) -> Result<Self::StepCount, BackendError>;
+
+            /// Read Adam's step count back.
+            fn read_step_count(&mut self, step: &Self::StepCount) -> Result<u64, BackendError>;
+
+            /// Global-norm clipping (Pascanu et al. 2013) then Adam (Kingma & Ba 2015) over the flat
+            /// parameter buffer; the pre-clip norm goes to evaluation `slot`. A non-finite norm skips
+            /// the step (parameters, moments and `t` unchanged). `grads` may be scaled in place.
+            #[allow(clippy::too_many_arguments)]
+            fn clip_adam_step(
+                &mut self,
+                params: ViewMut<'_, Self>,
+                grads: ViewMut<'_, Self>,
+                adam_m: ViewMut<'_, Self>,
+                adam_v: ViewMut<'_, Self>,
+                step: &mut Self::StepCount,
+                config: &AdamConfig,
+                learning_rate: f32,
+                max_grad_norm: f32,
+                slot: usize,
+            ) -> Result<(), BackendError>;
+
+            /// The statistics of this update's evaluations and its off-policy sums (one wait for the
+            /// device on CUDA).
+            fn read_evaluations(
+                &mut self,
+                out: &mut Vec<Evaluation>,
+                off_policy: &mut OffPolicySums,
+            ) -> Result<(), BackendError>;
+        }
+    };
+}
+// Used by the stand-in, which builds without the `cuda` feature.
+#[cfg_attr(feature = "cuda", allow(unused_imports))]
+pub(crate) use backend_operations;
+
+/// Declares the operations [`backend_operations`] lists, as they are, in the trait.
+macro_rules! declare_operations {
+    ($($(#[$meta:meta])* fn $name:ident($($params:tt)*) -> $ret:ty;)*) => {
+        $($(#[$meta])* fn $name($($params)*) -> $ret;)*
+    };
+}
+
+impl<B: Backend + ?Sized> Head<'_, B> {
+    /// The head's part of every head operation's shape contract: its parameters'
+    /// length; returns the widths an action and a parameter-gradient row take.
+    fn check(&self, op: &'static str, n_outputs: usize) -> Result<(usize, usize), BackendError> {
+        check_len(op, "head params", self.kind.n_params(n_outputs), self.params.len())?;
+        Ok((self.kind.action_width(n_outputs), self.kind.n_params(n_outputs)))
+    }
+}
+
+impl<B: Backend + ?Sized> VTraceLossInputs<'_, B> {
+    /// The shape contract of [`Backend::vtrace_loss`], stated once: `n = T·B` samples, `T + 1`
+    /// rows of heads and values, `[n]` per-sample inputs and intermediates, `[n][action_width]`
+    /// actions, `[n][n_params]` head-parameter gradient rows.
+    fn check(&self, outputs: &VTraceLossOutputs<'_, B>) -> Result<(), BackendError> {
+        let op = "vtrace_loss";
+        let n = self.t_len * self.b_len;
+        let (rows, stride) = (n + self.b_len, self.n_actions + 1);
+        let (width, n_params) = self.head.check(op, self.n_actions)?;
+        let per_sample = [
+            ("behaviour_log_probs", self.behaviour_log_probs.len()),
+            ("rewards", self.rewards.len()),
+            ("discounts", self.discounts.len()),
+            ("sample_weights", self.sample_weights.len()),
+            ("advantage_override", self.advantage_override.map_or(n, |v| v.len())),
+            ("log_rhos", outputs.log_rhos.len()),
+            ("vs", outputs.vs.len()),
+            ("pg_advantages", outputs.pg_advantages.len()),
+        ];
+        let blocks = [
+            ("actions", n * width, self.actions.len()),
+            ("heads", rows * stride, self.heads.len()),
+            ("values", rows, self.values.len()),
+            ("d_heads", rows * stride, outputs.d_heads.len()),
+            ("d_head_params", n * n_params, outputs.d_head_params.len()),
+        ];
+        per_sample
+            .into_iter()
+            .map(|(operand, len)| (operand, n, len))
+            .chain(blocks)
+            .try_for_each(|(operand, expected, len)| check_len(op, operand, expected, len))
+    }
+}
+
+impl<B: Backend + ?Sized> PpoLossInputs<'_, B> {
+    /// The shape contract of [`Backend::ppo_loss`], stated once: `n` samples, `[n]` per-sample
+    /// inputs, `[n][A + 1]` heads and their gradient, `[n][action_width]` actions and
+    /// `[n][n_params]` head-parameter gradient rows.
+    fn check(&self, outputs: &PpoLossOutputs<'_, B>) -> Result<(), BackendError> {
+        let op = "ppo_loss";
+        let n = self.n_samples;
+        let stride = self.n_actions + 1;
+        let (width, n_params) = self.head.check(op, self.n_actions)?;
+        let per_sample = [
+            ("values", self.values.len()),
+            ("sample_weights", self.sample_weights.len()),
+            ("advantages", self.advantages.len()),
+            ("returns", self.returns.len()),
+            ("prox_log_probs", self.prox_log_probs.len()),
+            ("is_weights", self.is_weights.len()),
+        ];
+        let blocks = [
+            ("actions", n * width, self.actions.len()),
+            ("heads", n * stride, self.heads.len()),
+            ("d_heads", n * stride, outputs.d_heads.len()),
+            ("d_head_params", n * n_params, outputs.d_head_params.len()),
+        ];
+        per_sample
+            .into_iter()
+            .map(|(operand, len)| (operand, n, len))
+            .chain(blocks)
+            .try_for_each(|(operand, expected, len)| check_len(op, operand, expected, len))
+    }
+}
+
 /// The learner's device operations, at the level of the math (one trait for every device, one
 /// enum at the edge, generic code in between): matrix products, bias + activation, the GRU
 /// cell, log-probabilities, the return scans, the fused losses, clipping + Adam, and buffers.
@@ -468,165 +843,12 @@ pub trait Backend {
     /// The number of floats in `buffer`.
     fn len(buffer: &Self::Floats) -> usize;
 
-    /// A zeroed buffer of `len` floats.
-    fn alloc(&mut self, len: usize) -> Result<Self::Floats, BackendError>;
-
-    /// Make `dst` hold `indices` (at its start), allocating it or growing it when needed.
-    fn upload_indices(&mut self, indices: &[u32], dst: &mut Option<Self::Indices>) -> Result<(), BackendError>;
-
-    /// Copy `host` into `dst` (equal lengths).
-    fn upload(&mut self, host: &[f32], dst: ViewMut<'_, Self>) -> Result<(), BackendError>;
-
-    /// Make `dst` hold `len` floats written by `pack` into host memory, in one transfer (the
-    /// batch upload: CUDA packs into page-locked memory and copies asynchronously).
-    fn upload_packed(
-        &mut self,
-        len: usize,
-        pack: &mut dyn FnMut(&mut [f32]),
-        dst: &mut Self::Floats,
-    ) -> Result<(), BackendError>;
-
-    /// Copy `src` to `host` (equal lengths), waiting for the work that writes it.
-    fn download(&mut self, src: View<'_, Self>, host: &mut [f32]) -> Result<(), BackendError>;
-
-    /// `x[i] = value`.
-    fn fill(&mut self, x: ViewMut<'_, Self>, value: f32) -> Result<(), BackendError>;
-
-    /// `dst[i] = src[i]` (equal lengths, on the device): a restored recurrent state copied
-    /// into the row of the step it enters ([`crate::net::Network::forward`]).
-    fn copy(&mut self, src: View<'_, Self>, dst: ViewMut<'_, Self>) -> Result<(), BackendError>;
-
-    /// One dense layer over `rows` rows: `y = act(x Wᵀ + b)` (no activation when `act` is
-    /// `None`); `x: [rows][n_in]`, `weight: [n_out][n_in]`, `bias: [n_out]`, `y: [rows][n_out]`.
-    #[allow(clippy::too_many_arguments)]
-    fn dense_forward(
-        &mut self,
-        x: View<'_, Self>,
-        rows: usize,
-        n_in: usize,
-        weight: View<'_, Self>,
-        bias: View<'_, Self>,
-        n_out: usize,
-        act: Option<Activation>,
-        y: ViewMut<'_, Self>,
-    ) -> Result<(), BackendError>;
-
-    /// `dy ← dy · act'(pre)`, written through the stored output `y = act(pre)`.
-    fn act_backward(&mut self, dy: ViewMut<'_, Self>, y: View<'_, Self>, act: Activation) -> Result<(), BackendError>;
-
-    /// The weight gradient of a dense layer, overwritten: `dW = dYᵀ X` over `rows` rows;
-    /// `dy: [rows][n_out]`, `x: [rows][n_in]`, `dw: [n_out][n_in]`.
-    #[allow(clippy::too_many_arguments)]
-    fn matmul_dw(
-        &mut self,
-        dy: View<'_, Self>,
-        x: View<'_, Self>,
-        rows: usize,
-        n_out: usize,
-        n_in: usize,
-        dw: ViewMut<'_, Self>,
-    ) -> Result<(), BackendError>;
-
-    /// The input gradient of a dense layer: `dX = dY W` (`+ dX` when `accumulate`);
-    /// `dy: [rows][n_out]`, `weight: [n_out][n_in]`, `dx: [rows][n_in]`.
-    #[allow(clippy::too_many_arguments)]
-    fn matmul_dx(
-        &mut self,
-        dy: View<'_, Self>,
-        rows: usize,
-        n_out: usize,
-        weight: View<'_, Self>,
-        n_in: usize,
-        dx: ViewMut<'_, Self>,
-        accumulate: bool,
-    ) -> Result<(), BackendError>;
-
-    /// The bias gradient, overwritten: `out[j] = Σ_r dy[r][j]`, `dy: [rows][out.len()]`.
-    fn column_sums(&mut self, dy: View<'_, Self>, rows: usize, out: ViewMut<'_, Self>) -> Result<(), BackendError>;
-
-    /// Unfold the receptive fields of `n` images for one conv layer (`volley_policy::ops::im2col`):
-    /// `x: [n][C·H·W]` in the geometry's layout, `cols: [n·OH·OW][C·K·K]` (zeros where the
-    /// kernel covers padding). The layer itself is then [`Backend::dense_forward`] over `cols`.
-    fn im2col(
-        &mut self,
-        x: View<'_, Self>,
-        n: usize,
-        geometry: &ConvGeometry,
-        cols: ViewMut<'_, Self>,
-    ) -> Result<(), BackendError>;
-
-    /// The adjoint of [`Backend::im2col`], overwriting `dx: [n][C·H·W]` with, for every input
-    /// element, the sum of the entries of `d_cols: [n·OH·OW][C·K·K]` that read it.
-    fn col2im(
-        &mut self,
-        d_cols: View<'_, Self>,
-        n: usize,
-        geometry: &ConvGeometry,
-        dx: ViewMut<'_, Self>,
-    ) -> Result<(), BackendError>;
-
-    /// `dst[i] = src[i · width + column]` for `i < rows` (the value column of the heads).
-    fn take_column(
-        &mut self,
-        src: View<'_, Self>,
-        rows: usize,
-        width: usize,
-        column: usize,
-        dst: ViewMut<'_, Self>,
-    ) -> Result<(), BackendError>;
-
-    /// The GRU state entering a step: `dst[b] = 0` where `starts[b] ≠ 0`, else `src[b]`;
-    /// `src`, `dst: [B][hidden]`, `starts: [B]`.
-    fn gru_reset_copy(
-        &mut self,
-        src: View<'_, Self>,
-        starts: View<'_, Self>,
-        hidden: usize,
-        dst: ViewMut<'_, Self>,
-    ) -> Result<(), BackendError>;
-
-    /// One GRU step's element-wise part (PyTorch gate convention): from the gate pre-sums
-    /// `gi`, `gh` (`[B][3H]`, biases included) and `h_prev` (`[B][H]`) write the gates
-    /// `[r, z, n]` (`[B][3H]`) and `h_out` (`[B][H]`).
-    #[allow(clippy::too_many_arguments)]
-    fn gru_cell_forward(
-        &mut self,
-        gi: View<'_, Self>,
-        gh: View<'_, Self>,
-        h_prev: View<'_, Self>,
-        hidden: usize,
-        gates: ViewMut<'_, Self>,
-        h_out: ViewMut<'_, Self>,
-    ) -> Result<(), BackendError>;
-
-    /// Backward through one GRU step's element-wise part: on entry `d_h` holds `∂L/∂h'`, on
-    /// exit its direct part `∂L/∂h' ⊙ z` (the caller adds `d_gh W_h`); writes `d_gi`, `d_gh`.
-    #[allow(clippy::too_many_arguments)]
-    fn gru_cell_backward(
-        &mut self,
-        d_h: ViewMut<'_, Self>,
-        gates: View<'_, Self>,
-        gh: View<'_, Self>,
-        h_prev: View<'_, Self>,
-        hidden: usize,
-        d_gi: ViewMut<'_, Self>,
-        d_gh: ViewMut<'_, Self>,
-    ) -> Result<(), BackendError>;
-
-    /// The gradient carried into a GRU step from the step after it: zero the rows of `d_h`
-    /// where `starts_next` (the next step's episode starts, if any) is non-zero, then add
-    /// `from_heads`, the gradient arriving at this step's output from above.
-    fn gru_carry_grad(
-        &mut self,
-        d_h: ViewMut<'_, Self>,
-        starts_next: Option<View<'_, Self>>,
-        from_heads: View<'_, Self>,
-        hidden: usize,
-    ) -> Result<(), BackendError>;
+    backend_operations!(declare_operations);
 
     /// `out[i] = log π(a_i | x_i) − reference[i]` (or `log π(a_i | x_i)` without a reference)
     /// under `head`, from the outputs in row `i` of the heads block (`stride = A + 1`);
-    /// `actions: [n][action_width]`.
+    /// `actions: [n][action_width]`, `n = out.len()`. Checks the shapes, then runs
+    /// [`Backend::log_probs_unchecked`].
     #[allow(clippy::too_many_arguments)]
     fn log_probs(
         &mut self,
@@ -636,119 +858,60 @@ pub trait Backend {
         actions: View<'_, Self>,
         reference: Option<View<'_, Self>>,
         out: ViewMut<'_, Self>,
-    ) -> Result<(), BackendError>;
-
-    /// `out[i] = min(exp(prox[i] − behaviour[i]), clip)` (Hilton et al. 2021).
-    fn behaviour_weights(
-        &mut self,
-        prox_log_probs: View<'_, Self>,
-        behaviour_log_probs: View<'_, Self>,
-        clip: f32,
-        out: ViewMut<'_, Self>,
-    ) -> Result<(), BackendError>;
-
-    /// GAE(γ, λ) advantages and λ-returns over `[T][B]` (Schulman et al. 2016, eq. (16));
-    /// `values: [T][B]`, `bootstrap_value: [B]`.
-    #[allow(clippy::too_many_arguments)]
-    ///
-    /// Where `advantage_override` (`[T][B]`, group baselines) is finite, it is written to
-    /// `advantages` in place of GAE's; `returns` (the value targets) are GAE's either way.
-    fn gae_scan(
-        &mut self,
-        t_len: usize,
-        b_len: usize,
-        discounts: View<'_, Self>,
-        rewards: View<'_, Self>,
-        values: View<'_, Self>,
-        bootstrap_value: View<'_, Self>,
-        lambda_: f32,
-        advantage_override: Option<View<'_, Self>>,
-        advantages: ViewMut<'_, Self>,
-        returns: ViewMut<'_, Self>,
-    ) -> Result<(), BackendError>;
-
-    /// Start the statistics of an update of `n_evaluations` loss evaluations (gradient steps):
-    /// every slot, and the update's off-policy sums, is zeroed.
-    fn begin_evaluations(&mut self, n_evaluations: usize) -> Result<(), BackendError>;
+    ) -> Result<(), BackendError> {
+        let n = out.len();
+        let (width, _) = head.check("log_probs", n_actions)?;
+        check_len("log_probs", "heads", n * (n_actions + 1), heads.len())?;
+        check_len("log_probs", "actions", n * width, actions.len())?;
+        check_len("log_probs", "reference", n, reference.map_or(n, |r| r.len()))?;
+        self.log_probs_unchecked(heads, n_actions, head, actions, reference, out)
+    }
 
     /// The fused IMPALA loss with V-trace targets (Espeholt et al. 2018, sec. 4.2) for any
-    /// head: log-ρ, the V-trace scan, the weighted loss sums into evaluation `slot`,
-    /// `∂L/∂heads` and the head parameters' gradient rows. Same result as
-    /// [`crate::losses::vtrace_loss_heads`].
+    /// head: checks the shapes ([`VTraceLossInputs`]' contract), then runs
+    /// [`Backend::vtrace_loss_unchecked`].
     fn vtrace_loss(
         &mut self,
         inputs: &VTraceLossInputs<'_, Self>,
         config: &VTraceLossConfig,
         outputs: VTraceLossOutputs<'_, Self>,
         slot: usize,
-    ) -> Result<(), BackendError>;
+    ) -> Result<(), BackendError> {
+        inputs.check(&outputs)?;
+        self.vtrace_loss_unchecked(inputs, config, outputs, slot)
+    }
 
-    /// The fused decoupled PPO-clip loss (Schulman et al. 2017; Hilton et al. 2021) over one
-    /// minibatch for any head: the weighted loss sums into evaluation `slot`, `∂L/∂heads` and
-    /// the head parameters' gradient rows. Same result as [`crate::losses::ppo_loss_heads`].
+    /// The fused decoupled PPO-clip loss over one minibatch for any head: checks the shapes
+    /// ([`PpoLossInputs`]' contract), then runs [`Backend::ppo_loss_unchecked`].
     fn ppo_loss(
         &mut self,
         inputs: &PpoLossInputs<'_, Self>,
         config: &PpoLossConfig,
         outputs: PpoLossOutputs<'_, Self>,
         slot: usize,
-    ) -> Result<(), BackendError>;
+    ) -> Result<(), BackendError> {
+        inputs.check(&outputs)?;
+        self.ppo_loss_unchecked(inputs, config, outputs, slot)
+    }
 
-    /// The off-policy health of this update ([`crate::telemetry`]), from the same per-sample
-    /// terms on every device ([`OffPolicySums::add`]): adds the weighted sums of `inputs` to the
-    /// update's [`OffPolicySums`] (read back by [`Backend::read_evaluations`]) and writes each
-    /// sample's `ρ` into `ratios` (`[n]`; [`crate::telemetry::NO_RATIO`] where its weight is 0).
+    /// The update's off-policy sums over `n = ratios.len()` samples: checks that every input
+    /// has `n` elements, then runs [`Backend::off_policy_sums_unchecked`].
     fn off_policy_sums(
         &mut self,
         inputs: &OffPolicyViews<'_, Self>,
         ratios: ViewMut<'_, Self>,
-    ) -> Result<(), BackendError>;
-
-    /// Whole columns of a time-major `[rows][b_len][width]` block:
-    /// `dst[t][j] = src[t][columns[columns_offset + j]]` for `j < n_columns`.
-    #[allow(clippy::too_many_arguments)]
-    fn gather_columns(
-        &mut self,
-        src: View<'_, Self>,
-        rows: usize,
-        b_len: usize,
-        width: usize,
-        columns: &Self::Indices,
-        columns_offset: usize,
-        n_columns: usize,
-        dst: ViewMut<'_, Self>,
-    ) -> Result<(), BackendError>;
-
-    /// Adam's step count `t`, on the device.
-    fn step_count(&mut self, t: u64) -> Result<Self::StepCount, BackendError>;
-
-    /// Read Adam's step count back.
-    fn read_step_count(&mut self, step: &Self::StepCount) -> Result<u64, BackendError>;
-
-    /// Global-norm clipping (Pascanu et al. 2013) then Adam (Kingma & Ba 2015) over the flat
-    /// parameter buffer; the pre-clip norm goes to evaluation `slot`. A non-finite norm skips
-    /// the step (parameters, moments and `t` unchanged). `grads` may be scaled in place.
-    #[allow(clippy::too_many_arguments)]
-    fn clip_adam_step(
-        &mut self,
-        params: ViewMut<'_, Self>,
-        grads: ViewMut<'_, Self>,
-        adam_m: ViewMut<'_, Self>,
-        adam_v: ViewMut<'_, Self>,
-        step: &mut Self::StepCount,
-        config: &AdamConfig,
-        learning_rate: f32,
-        max_grad_norm: f32,
-        slot: usize,
-    ) -> Result<(), BackendError>;
-
-    /// The statistics of this update's evaluations and its off-policy sums (one wait for the
-    /// device on CUDA).
-    fn read_evaluations(
-        &mut self,
-        out: &mut Vec<Evaluation>,
-        off_policy: &mut OffPolicySums,
-    ) -> Result<(), BackendError>;
+    ) -> Result<(), BackendError> {
+        let n = ratios.len();
+        for (operand, view) in [
+            ("log_rhos", inputs.log_rhos),
+            ("weights", inputs.weights),
+            ("values", inputs.values),
+            ("value_targets", inputs.value_targets),
+        ] {
+            check_len("off_policy_sums", operand, n, view.len())?;
+        }
+        self.off_policy_sums_unchecked(inputs, ratios)
+    }
 }
 
 #[cfg(test)]

@@ -484,7 +484,7 @@ impl Backend for CudaBackend {
         )
     }
 
-    fn log_probs(
+    fn log_probs_unchecked(
         &mut self,
         heads: View<'_, Self>,
         n_actions: usize,
@@ -561,7 +561,7 @@ impl Backend for CudaBackend {
         Ok(())
     }
 
-    fn vtrace_loss(
+    fn vtrace_loss_unchecked(
         &mut self,
         inputs: &VTraceLossInputs<'_, Self>,
         config: &VTraceLossConfig,
@@ -570,8 +570,6 @@ impl Backend for CudaBackend {
     ) -> Result<(), BackendError> {
         let (t_len, b_len) = (inputs.t_len, inputs.b_len);
         let n = t_len * b_len;
-        super::check_len("vtrace_loss", "values", n + b_len, inputs.values.len())?;
-        super::check_len("vtrace_loss", "heads", (n + b_len) * (inputs.n_actions + 1), inputs.heads.len())?;
         let gpu = self.gpu.clone();
         let stream = &gpu.stream;
         let head = head_args(&inputs.head, inputs.n_actions);
@@ -626,7 +624,7 @@ impl Backend for CudaBackend {
         )
     }
 
-    fn ppo_loss(
+    fn ppo_loss_unchecked(
         &mut self,
         inputs: &PpoLossInputs<'_, Self>,
         config: &PpoLossConfig,
@@ -669,7 +667,7 @@ impl Backend for CudaBackend {
         )
     }
 
-    fn off_policy_sums(
+    fn off_policy_sums_unchecked(
         &mut self,
         inputs: &OffPolicyViews<'_, Self>,
         ratios: ViewMut<'_, Self>,
