@@ -294,7 +294,7 @@ impl EnvDefaults {
     /// its return fell to 0 for good. A bonus of 0.01 at learning rate 2e-3 held the policy near
     /// uniform on Asterix and Seaquest and still let Breakout seeds 4 and 11 collapse. 0.005 at
     /// 1.5e-3 kept the 6 Breakout seeds of a 0.6M-frame screen above 0.06 nats and took Seaquest
-    /// from 5-6.5 to 20-25 at 5M frames on 2 of 3 seeds; 0.003 at 2e-3 learned faster still but
+    /// from 5-6.5 to 20-25 at 5M frames on 2 of 5 seeds; 0.003 at 2e-3 learned faster still but
     /// collapsed 3 of the 6. The collapse is rarer, not gone: Breakout seed 2 of the 5M suite
     /// went deterministic from 0.87M to 2.0M frames before the bonus pulled it back.
     const MINATAR: EnvDefaults = EnvDefaults {
