@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use rand::{Rng, SeedableRng};
+use rand::SeedableRng;
 use rand_pcg::Pcg64Mcg;
 use tracing::{debug, info, warn};
 use volley_core::ids::{ActorId, PolicyVersion};
@@ -14,7 +14,7 @@ use volley_core::spec::{RunSpec, SpecError};
 use volley_core::wire::{EpisodeSummary, RestoredState, TrajectorySegment, Weights};
 use volley_core::work::SnapshotInfo;
 use volley_env::{Actions, EnvError, VecEnv, VecStep, VectorEnv};
-use volley_policy::distributions::{log_softmax, sample_categorical};
+use volley_policy::head::{AnyHead, PolicyHead};
 use volley_policy::{gaussian, ActionHead, ParamLayout, PolicyInference};
 use volley_transport::rejection_log::RejectionLog;
 use volley_transport::work::{SnapshotStore, WorkSource};
@@ -63,12 +63,12 @@ pub struct RolloutWorker {
     weights: Option<Arc<Weights>>,
     hidden: Vec<f32>,
     logits: Vec<f32>,
-    log_probs: Vec<f32>,
     values: Vec<f32>,
+    /// The head's draws, `[n_envs][action_width]` words (`volley_policy::head`).
+    action_words: Vec<f32>,
+    /// What discrete environments get: the drawn indices.
     actions: Vec<usize>,
-    /// The Gaussian head's draws `[n_envs][A]` (recorded), and what the environments get
-    /// (the same values, or squashed ones scaled to the action box).
-    continuous_actions: Vec<f32>,
+    /// What continuous environments get: the draws, or squashed ones scaled to the action box.
     env_actions: Vec<f32>,
     /// The action box `(low, high)` of a continuous environment.
     action_box: Option<(Vec<f32>, Vec<f32>)>,
@@ -162,10 +162,9 @@ impl RolloutWorker {
             inference: PolicyInference::new(&layout, n_envs),
             hidden: vec![0.0; n_envs * h],
             logits: vec![0.0; n_envs * n_actions],
-            log_probs: vec![0.0; n_actions],
             values: vec![0.0; n_envs],
+            action_words: vec![0.0; n_envs * spec.policy.head.action_width(n_actions)],
             actions: vec![0; n_envs],
-            continuous_actions: vec![0.0; n_continuous],
             env_actions: vec![0.0; n_continuous],
             action_box,
             step: VecStep::new(n_envs, obs_dim),
@@ -274,7 +273,8 @@ impl RolloutWorker {
         }
         let mut env_time = Duration::ZERO;
         let mut inference_time = Duration::ZERO;
-        let continuous = self.spec.policy.head.is_continuous();
+        // The environment's action space (the head agrees with it: checked in `new`).
+        let continuous = self.action_box.is_some();
         let segment_len = self.spec.segment_len;
         for step in 0..segment_len {
             let started = Instant::now();
@@ -283,43 +283,7 @@ impl RolloutWorker {
                 builder.observations.extend_from_slice(&obs[env_idx * obs_dim..(env_idx + 1) * obs_dim]);
             }
             self.inference.forward(params, obs, n_envs, &mut self.hidden, &mut self.logits, &mut self.values);
-            // A categorical head samples here; a Gaussian head in `sample_gaussian` below.
-            let categorical_envs = if continuous { 0 } else { n_envs };
-            for env_idx in 0..categorical_envs {
-                let row = &self.logits[env_idx * n_actions..(env_idx + 1) * n_actions];
-                // A scheduled episode samples from its own generator, so a resumed episode
-                // replays exactly; otherwise all slots share the worker's.
-                let u = match self.starts.action_rng(env_idx) {
-                    Some(rng) => rng.random::<f32>(),
-                    None => self.rng.random::<f32>(),
-                };
-                let (action, log_prob) = match sample_categorical(row, u) {
-                    Some(action) => {
-                        log_softmax(row, &mut self.log_probs);
-                        (action, self.log_probs[action])
-                    }
-                    // No distribution in this row (weights are checked before they are applied,
-                    // but finite weights can still overflow a forward): act uniformly and record
-                    // that policy's log-probability, which is the behaviour's, so the step is
-                    // honest off-policy data (issue 46: this was a panic).
-                    None => {
-                        self.counters.policy_fallbacks.fetch_add(1, Ordering::Relaxed);
-                        if self.rejections.record("non_finite_logits") {
-                            warn!(actor = %self.actor, env_idx, version = weights.version.0,
-                                  "policy output has no distribution; acting uniformly for this step");
-                        }
-                        let action = ((u * n_actions as f32) as usize).min(n_actions - 1);
-                        (action, -(n_actions as f32).ln())
-                    }
-                };
-                self.actions[env_idx] = action;
-                let builder = &mut self.builders[env_idx];
-                builder.actions.push(action as u32);
-                builder.behaviour_log_probs.push(log_prob);
-            }
-            if let ActionHead::Gaussian { squash } = self.spec.policy.head {
-                self.sample_gaussian(params, squash);
-            }
+            self.sample_actions(params, weights.version);
             let stepped = Instant::now();
             inference_time += stepped - started;
             let actions = if continuous {
@@ -402,44 +366,54 @@ impl RolloutWorker {
         segments
     }
 
-    /// Draw every environment's action from the Gaussian head (means in `self.logits`), record
-    /// it with its log-probability ([`volley_policy::gaussian::sample`]: the learner re-evaluates
-    /// exactly this), and write what the environments get into `env_actions`: the draw itself
-    /// (the environment clips it to its box and counts the repair) or, squashed, the draw
-    /// scaled from `(−1, 1)` to the box.
-    fn sample_gaussian(&mut self, params: &[f32], squash: bool) {
+    /// Draw every environment's action from the policy head over its row of outputs (one
+    /// sampler for every head, `volley_policy::head`), record it with its log-probability (the
+    /// learner re-evaluates exactly this), and write what the environments get: the index, the
+    /// draw itself (a continuous environment clips it to its box and counts the repair) or,
+    /// squashed, the draw scaled from `(−1, 1)` to the box. A row whose outputs are no
+    /// distribution (finite weights can still overflow a forward) draws from the head's fallback
+    /// (uniform, or the standard normal) and records that density, so the step is honest
+    /// off-policy data (issue 46: this was a panic).
+    fn sample_actions(&mut self, params: &[f32], version: PolicyVersion) {
         let n_actions = self.envs.n_actions();
-        let log_std = &params[self.layout.log_std_range().expect("a Gaussian head has a log-std entry")];
-        let standard = [0.0f32; 64];
+        let head_params = self.layout.log_std_range().map_or(&[][..], |range| &params[range]);
+        let head = AnyHead::new(self.spec.policy.head, n_actions, head_params);
+        let width = head.action_width();
+        let squashed = self.spec.policy.head == (ActionHead::Gaussian { squash: true });
         for env_idx in 0..self.envs.n_envs() {
-            let row = env_idx * n_actions..(env_idx + 1) * n_actions;
-            let mut mean = &self.logits[row.clone()];
-            let mut log_std = log_std;
-            // A head whose output is not finite (finite weights can still overflow a forward)
-            // acts from the standard normal instead, and records that density, so the step is
-            // honest off-policy data (issue 46).
-            if !(mean.iter().chain(log_std).all(|x| x.is_finite())) && n_actions <= standard.len() {
-                self.counters.policy_fallbacks.fetch_add(1, Ordering::Relaxed);
-                if self.rejections.record("non_finite_means") {
-                    warn!(actor = %self.actor, env_idx, "policy output is not finite; acting from the standard normal for this step");
-                }
-                mean = &standard[..n_actions];
-                log_std = &standard[..n_actions];
-            }
-            let action = &mut self.continuous_actions[row.clone()];
-            let log_prob = match self.starts.action_rng(env_idx) {
-                Some(rng) => gaussian::sample(mean, log_std, squash, rng, action),
-                None => gaussian::sample(mean, log_std, squash, &mut self.rng, action),
+            let outputs = &self.logits[env_idx * n_actions..(env_idx + 1) * n_actions];
+            let action = &mut self.action_words[env_idx * width..(env_idx + 1) * width];
+            // A scheduled episode samples from its own generator, so a resumed episode replays
+            // exactly; otherwise all slots share the worker's.
+            let sampled = match self.starts.action_rng(env_idx) {
+                Some(rng) => head.sample(outputs, rng, action),
+                None => head.sample(outputs, &mut self.rng, action),
             };
-            match (&self.action_box, squash) {
-                (Some((low, high)), true) => {
-                    gaussian::scale_to_box(action, low, high, &mut self.env_actions[row]);
+            if sampled.fell_back {
+                self.counters.policy_fallbacks.fetch_add(1, Ordering::Relaxed);
+                if self.rejections.record("non_finite_policy_output") {
+                    warn!(actor = %self.actor, env_idx, version = version.0,
+                          "policy output has no distribution; acting from the head's fallback for this step");
                 }
-                _ => self.env_actions[row].copy_from_slice(action),
             }
             let builder = &mut self.builders[env_idx];
-            builder.continuous_actions.extend_from_slice(action);
-            builder.behaviour_log_probs.push(log_prob);
+            builder.behaviour_log_probs.push(sampled.log_prob);
+            let row = env_idx * n_actions..(env_idx + 1) * n_actions;
+            match &self.action_box {
+                None => {
+                    let index = action[0].to_bits();
+                    self.actions[env_idx] = index as usize;
+                    builder.actions.push(index);
+                }
+                Some((low, high)) => {
+                    builder.continuous_actions.extend_from_slice(action);
+                    if squashed {
+                        gaussian::scale_to_box(action, low, high, &mut self.env_actions[row]);
+                    } else {
+                        self.env_actions[row].copy_from_slice(action);
+                    }
+                }
+            }
         }
     }
 

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use volley_actor::{ActorCounters, RolloutWorker};
 use volley_core::ids::{ActorId, PolicyVersion};
 use volley_core::wire::Weights;
-use volley_learner::backend::{Backend, CpuBackend, GaussianHead, View, ViewMut};
+use volley_learner::backend::{Backend, CpuBackend, Head, View, ViewMut};
 use volley_learner::net::Network;
 use volley_policy::ActionHead;
 use volley_testkit::fixtures::SpecBuilder;
@@ -63,8 +63,8 @@ fn recorded_behaviour_log_probs_equal_the_learners_for_the_same_weights() {
             net.forward(&mut cpu, &params, View::of(&observations), View::of(&starts), View::of(&Vec::new()), T, 1)
                 .expect("forward");
             let mut log_probs = vec![0.0f32; T];
-            let head = GaussianHead { log_std: View::range(&params, log_std.clone()), squash };
-            cpu.gaussian_log_probs(
+            let head = Head { kind: spec.policy.head, params: View::range(&params, log_std.clone()) };
+            cpu.log_probs(
                 net.heads(),
                 spec.policy.n_actions,
                 &head,

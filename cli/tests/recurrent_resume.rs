@@ -13,7 +13,7 @@ use volley_core::spec::RunSpec;
 use volley_core::wire::{TrajectorySegment, Weights};
 use volley_core::work::{Start, WorkConfig, WorkItem};
 use volley_env::{EnvConfig, MemoryConfig};
-use volley_learner::backend::{Backend, CpuBackend, View, ViewMut};
+use volley_learner::backend::{Backend, CpuBackend, Head, View, ViewMut};
 use volley_learner::batch::SegmentBatch;
 use volley_learner::net::Network;
 use volley_policy::{CoreKind, ParamLayout};
@@ -79,7 +79,9 @@ fn learner_log_probs(layout: &ParamLayout, params: &[f32], batch: &SegmentBatch,
     .expect("forward");
     let actions: Vec<f32> = batch.actions.iter().map(|&a| f32::from_bits(a)).collect();
     let mut log_probs = vec![0.0f32; n];
-    cpu.action_log_probs(net.heads(), layout.spec().n_actions, View::of(&actions), None, ViewMut::of(&mut log_probs))
+    let no_params = Vec::new();
+    let head = Head { kind: layout.head(), params: View::of(&no_params) };
+    cpu.log_probs(net.heads(), layout.spec().n_actions, &head, View::of(&actions), None, ViewMut::of(&mut log_probs))
         .expect("log-probs");
     log_probs
 }

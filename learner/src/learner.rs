@@ -70,8 +70,7 @@ pub struct UpdateStats {
     pub lag_max: u64,
     /// Mean lag.
     pub lag_mean: f32,
-    /// Off-policy health of the batch (CPU backend; `None` on the CUDA backend, whose
-    /// intermediates stay on the device).
+    /// Off-policy health of the batch (both backends).
     pub off_policy: Option<crate::telemetry::OffPolicyStats>,
 }
 

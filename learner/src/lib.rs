@@ -15,7 +15,6 @@
 pub mod backend;
 pub mod batch;
 pub mod consume;
-pub mod gaussian_losses;
 pub mod ingest;
 pub mod learner;
 pub mod losses;

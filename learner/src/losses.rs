@@ -24,7 +24,7 @@
 //! per-row gradient is computed in place: each row of `dlogits` first receives the row's
 //! log-probabilities and then its gradient, so the losses allocate nothing per sample.
 
-use volley_policy::distributions::{entropy_from_log_probs, log_softmax};
+use volley_policy::head::{Categorical, PolicyHead};
 use volley_policy::returns::{vtrace, VTraceConfig};
 
 /// A time-major batch (or minibatch) of `B` segments of `T` steps, as both losses consume it.
@@ -55,10 +55,23 @@ pub struct SequenceBatch<'a> {
     pub sample_weights: &'a [f32],
 }
 
-impl SequenceBatch<'_> {
+impl<'a> SequenceBatch<'a> {
     /// `T · B`, the number of samples.
     pub fn n_samples(&self) -> usize {
         self.t_len * self.b_len
+    }
+
+    /// The same batch for the head-generic bodies, with `actions` as words.
+    fn rows(&self, actions: &'a [f32]) -> RowBatch<'a> {
+        RowBatch {
+            t_len: self.t_len,
+            b_len: self.b_len,
+            actions,
+            behaviour_log_probs: self.behaviour_log_probs,
+            rewards: self.rewards,
+            discounts: self.discounts,
+            sample_weights: self.sample_weights,
+        }
     }
 }
 
@@ -219,31 +232,10 @@ fn assert_len(name: &str, slice_len: usize, expected: usize) {
     assert!(slice_len == expected, "{name}: expected {expected} elements, got {slice_len}");
 }
 
-#[track_caller]
-fn action_index(action: u32, n_actions: usize) -> usize {
-    let action = action as usize;
-    assert!(action < n_actions, "action {action} out of range for {n_actions} actions");
-    action
-}
-
-/// Turns a row of log-probabilities into the gradient, with respect to the logits, of
-/// `−pg_scale · log π(a) − ent_scale · H(π)`:
-///
-/// ```text
-/// ∂/∂z_j = pg_scale · (p_j − 1[j = a]) + ent_scale · p_j · (log p_j + H),
-/// ```
-///
-/// using `∂ log p_a / ∂z_j = 1[j = a] − p_j` and `∂H/∂z_j = −p_j (log p_j + H)`.
-#[inline]
-fn policy_row_gradient(log_probs_in_grad_out: &mut [f32], action: usize, entropy: f32, pg_scale: f32, ent_scale: f32) {
-    for (j, slot) in log_probs_in_grad_out.iter_mut().enumerate() {
-        let log_p = *slot;
-        let p = log_p.exp();
-        // A masked action (p = 0, log p = −∞) has no entropy gradient; 0·(−∞) would be NaN.
-        let entropy_grad = if p > 0.0 { p * (log_p + entropy) } else { 0.0 };
-        let indicator = if j == action { 1.0 } else { 0.0 };
-        *slot = pg_scale * (p - indicator) + ent_scale * entropy_grad;
-    }
+/// The actions of a categorical [`SequenceBatch`] as the words the loss bodies read (each
+/// index's bit pattern, as the backends stage them).
+fn action_words(actions: &[u32]) -> Vec<f32> {
+    actions.iter().map(|&a| f32::from_bits(a)).collect()
 }
 
 /// The IMPALA loss with V-trace targets (Espeholt et al. 2018, sec. 4.2), its statistics, and
@@ -307,16 +299,22 @@ pub fn vtrace_loss_with_workspace(
     let heads = join_heads(logits, values, batch.n_actions);
     let mut d_heads = vec![0.0; heads.len()];
     workspace.resize(batch.n_samples());
+    let actions = action_words(batch.actions);
+    let rows = VTraceRows {
+        log_rhos: &mut workspace.log_rhos,
+        vs: &mut workspace.vs,
+        pg_advantages: &mut workspace.pg_advantages,
+        d_heads: &mut d_heads,
+        d_head_params: &mut [],
+    };
     let (sums, weight_sum) = vtrace_loss_heads(
-        batch,
+        &Categorical { n_actions: batch.n_actions },
+        &batch.rows(&actions),
         &heads,
         values,
         config,
         None,
-        &mut workspace.log_rhos,
-        &mut workspace.vs,
-        &mut workspace.pg_advantages,
-        &mut d_heads,
+        rows,
     );
     split_heads(&d_heads, batch.n_actions, dlogits, dvalues);
     sums.stats(weight_sum, config.value_coef, config.ent_coef)
@@ -342,59 +340,95 @@ fn split_heads(heads: &[f32], n_actions: usize, logits: &mut [f32], values: &mut
     }
 }
 
-/// [`vtrace_loss_with_workspace`] on the network's fused heads block, as the CPU backend runs
-/// it: `heads` and `d_heads` are `[T+1][B][A + 1]` (logits, then the value), `values` is the
-/// value column `[T+1][B]`, and `log_rhos`, `vs`, `pg_advantages` (`[T][B]`) receive the
-/// intermediates. Returns the weighted sums and the weight sum `W`; `d_heads` is zero where
-/// `W = 0`.
+/// The recorded side of a time-major batch as the head-generic loss bodies read it: `[T][B]`
+/// per-sample slices and the actions as `[T][B][action_width]` words (an index's bit pattern,
+/// or the values of a continuous action; see [`volley_policy::head`]). PPO reads only
+/// `actions` and `sample_weights` and passes its minibatch as `T = 1`, `B = n`.
+#[derive(Debug, Clone, Copy)]
+pub struct RowBatch<'a> {
+    /// `T`.
+    pub t_len: usize,
+    /// `B`.
+    pub b_len: usize,
+    /// The recorded actions, `[T][B][action_width]`.
+    pub actions: &'a [f32],
+    /// `log μ(a|x)` (V-trace only).
+    pub behaviour_log_probs: &'a [f32],
+    /// Rewards (V-trace only).
+    pub rewards: &'a [f32],
+    /// `γ (1 − terminated)` (V-trace only).
+    pub discounts: &'a [f32],
+    /// Per-sample weights.
+    pub sample_weights: &'a [f32],
+}
+
+/// Where [`vtrace_loss_heads`] writes: the `[T][B]` intermediates, the heads' gradient
+/// `[T+1][B][n_outputs + 1]` and the head parameters' per-sample gradient rows
+/// `[T][B][n_param_grads]` (empty for a head without parameters), which the caller sums over
+/// rows.
+pub struct VTraceRows<'a> {
+    /// `log π(a|x) − log μ(a|x)`.
+    pub log_rhos: &'a mut [f32],
+    /// The V-trace value targets.
+    pub vs: &'a mut [f32],
+    /// The policy-gradient advantages.
+    pub pg_advantages: &'a mut [f32],
+    /// `∂L/∂heads` (zero on the bootstrap row).
+    pub d_heads: &'a mut [f32],
+    /// `∂L/∂(head parameters)` per sample.
+    pub d_head_params: &'a mut [f32],
+}
+
+/// The IMPALA loss with V-trace targets on the network's fused heads block, for any
+/// [`PolicyHead`]: the one body the CPU backend runs for every head. `heads` is
+/// `[T+1][B][n_outputs + 1]` (the head's outputs, then the value; row `T` supplies the
+/// bootstrap value only) and `values` its value column `[T+1][B]`. Returns the weighted sums
+/// and the weight sum `W`; the gradients are zero where `W = 0`.
 ///
 /// # Panics
 ///
 /// If a slice length disagrees with the batch shape or an action is out of range.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn vtrace_loss_heads(
-    batch: &SequenceBatch<'_>,
+pub fn vtrace_loss_heads<H: PolicyHead>(
+    head: &H,
+    batch: &RowBatch<'_>,
     heads: &[f32],
     values: &[f32],
     config: &VTraceLossConfig,
     advantage_override: Option<&[f32]>,
-    log_rhos: &mut [f32],
-    vs: &mut [f32],
-    pg_advantages: &mut [f32],
-    d_heads: &mut [f32],
+    out: VTraceRows<'_>,
 ) -> (WeightedSums, f64) {
-    let n_samples = batch.n_samples();
-    let n_actions = batch.n_actions;
-    let stride = n_actions + 1;
+    let VTraceRows { log_rhos, vs, pg_advantages, d_heads, d_head_params } = out;
+    let n_samples = batch.t_len * batch.b_len;
+    let (n_outputs, width, n_params) = (head.n_outputs(), head.action_width(), head.n_param_grads());
+    let stride = n_outputs + 1;
     let n_rows = n_samples + batch.b_len;
-    assert_len("actions", batch.actions.len(), n_samples);
-    assert_len("behaviour_log_probs", batch.behaviour_log_probs.len(), n_samples);
-    assert_len("rewards", batch.rewards.len(), n_samples);
-    assert_len("discounts", batch.discounts.len(), n_samples);
-    assert_len("sample_weights", batch.sample_weights.len(), n_samples);
+    assert!(n_outputs > 0, "a head has outputs");
+    assert_len("actions", batch.actions.len(), n_samples * width);
+    for (name, len) in [
+        ("behaviour_log_probs", batch.behaviour_log_probs.len()),
+        ("rewards", batch.rewards.len()),
+        ("discounts", batch.discounts.len()),
+        ("sample_weights", batch.sample_weights.len()),
+        ("log_rhos", log_rhos.len()),
+        ("vs", vs.len()),
+        ("pg_advantages", pg_advantages.len()),
+    ] {
+        assert_len(name, len, n_samples);
+    }
     assert_len("heads", heads.len(), n_rows * stride);
     assert_len("values", values.len(), n_rows);
     assert_len("d_heads", d_heads.len(), n_rows * stride);
-    assert_len("log_rhos", log_rhos.len(), n_samples);
-    assert_len("vs", vs.len(), n_samples);
-    assert_len("pg_advantages", pg_advantages.len(), n_samples);
-    assert!(n_actions > 0, "n_actions must be positive");
+    assert_len("d_head_params", d_head_params.len(), n_samples * n_params);
 
-    // The bootstrap row is a constant: no gradient reaches its logits or its value.
+    // The bootstrap row is a constant: no gradient reaches its outputs or its value.
     let (d_heads, d_heads_bootstrap) = d_heads.split_at_mut(n_samples * stride);
     d_heads_bootstrap.fill(0.0);
     let (values, bootstrap_value) = values.split_at(n_samples);
+    let action = |i: usize| &batch.actions[i * width..(i + 1) * width];
 
-    // Pass 1: log-probabilities (kept in the gradient rows) and the log importance weights.
-    let rows = heads
-        .chunks_exact(stride)
-        .zip(d_heads.chunks_exact_mut(stride))
-        .zip(batch.actions.iter().zip(batch.behaviour_log_probs))
-        .zip(log_rhos.iter_mut());
-    for (((heads_row, grad_row), (&action, &behaviour_log_prob)), log_rho) in rows {
-        let log_probs_row = &mut grad_row[..n_actions];
-        log_softmax(&heads_row[..n_actions], log_probs_row);
-        *log_rho = log_probs_row[action_index(action, n_actions)] - behaviour_log_prob;
+    // Pass 1: the log importance weights.
+    for (i, (log_rho, &behaviour_log_prob)) in log_rhos.iter_mut().zip(batch.behaviour_log_probs).enumerate() {
+        *log_rho = head.log_prob(&heads[i * stride..i * stride + n_outputs], action(i)) - behaviour_log_prob;
     }
 
     // Pass 2: V-trace targets and advantages (Espeholt et al. 2018, eq. (1) and sec. 4.2).
@@ -418,36 +452,38 @@ pub(crate) fn vtrace_loss_heads(
     let mut sums = WeightedSums::default();
     if weight_sum <= 0.0 {
         d_heads.fill(0.0);
+        d_head_params.fill(0.0);
         return (sums, weight_sum);
     }
     let inv_weight_sum = (1.0 / weight_sum) as f32;
 
     // Pass 3: per-sample loss terms and gradients.
-    let rows = d_heads
-        .chunks_exact_mut(stride)
-        .zip(batch.actions.iter().zip(batch.sample_weights))
-        .zip(values.iter().zip(&*vs))
-        .zip(log_rhos.iter().zip(&*pg_advantages));
-    for (((grad_row, (&action, &weight)), (&value, &vs)), (&log_rho, &pg_advantage)) in rows {
+    for (i, &weight) in batch.sample_weights.iter().enumerate() {
+        let grad_row = &mut d_heads[i * stride..(i + 1) * stride];
+        let d_params = &mut d_head_params[i * n_params..(i + 1) * n_params];
         if weight == 0.0 {
             grad_row.fill(0.0);
+            d_params.fill(0.0);
             continue;
         }
-        let action = action as usize;
         let scale = weight * inv_weight_sum;
-        let (log_probs_row, dvalue) = grad_row.split_at_mut(n_actions);
-        let entropy = entropy_from_log_probs(log_probs_row);
-        let log_prob = log_probs_row[action];
-        let rho = log_rho.exp();
-
+        let (value, target, pg_advantage, log_rho) = (values[i], vs[i], pg_advantages[i], log_rhos[i]);
+        let (d_outputs, d_value) = grad_row.split_at_mut(n_outputs);
+        let terms = head.row_gradient(
+            &heads[i * stride..i * stride + n_outputs],
+            action(i),
+            scale * pg_advantage,
+            scale * config.ent_coef,
+            d_outputs,
+            d_params,
+        );
+        d_value[0] = -config.value_coef * scale * (target - value);
         let w = f64::from(weight);
-        sums.policy += w * f64::from(-pg_advantage * log_prob);
-        sums.value += w * 0.5 * f64::from(vs - value).powi(2);
-        sums.entropy += w * f64::from(entropy);
+        let rho = log_rho.exp();
+        sums.policy += w * f64::from(-pg_advantage * terms.log_prob);
+        sums.value += w * 0.5 * f64::from(target - value).powi(2);
+        sums.entropy += w * f64::from(terms.entropy);
         sums.add_ratio(w, f64::from(rho), f64::from(log_rho), rho > config.vtrace.clip_rho_threshold);
-
-        policy_row_gradient(log_probs_row, action, entropy, scale * pg_advantage, scale * config.ent_coef);
-        dvalue[0] = -config.value_coef * scale * (vs - value);
     }
     (sums, weight_sum)
 }
@@ -560,44 +596,58 @@ pub fn ppo_loss(
     assert!(batch.n_actions > 0, "n_actions must be positive");
     let heads = join_heads(logits, values, batch.n_actions);
     let mut d_heads = vec![0.0; heads.len()];
-    let (sums, weight_sum) = ppo_loss_heads(batch, targets, &heads, values, config, &mut d_heads);
+    let actions = action_words(batch.actions);
+    let head = Categorical { n_actions: batch.n_actions };
+    let rows = RowBatch { t_len: 1, b_len: n_samples, ..batch.rows(&actions) };
+    let (sums, weight_sum) = ppo_loss_heads(&head, &rows, targets, &heads, values, config, &mut d_heads, &mut []);
     split_heads(&d_heads, batch.n_actions, dlogits, dvalues);
     sums.stats(weight_sum, config.value_coef, config.ent_coef)
 }
 
-/// [`ppo_loss`] on the network's fused heads block, as the CPU backend runs it: `heads` and
-/// `d_heads` are `[T][B][A + 1]` (logits, then the value) and `values` the value column
-/// `[T][B]`. Returns the weighted sums and the weight sum `W`; `d_heads` is zero where `W = 0`.
+/// The decoupled PPO-clip loss of [`ppo_loss`] on the network's fused heads block, for any
+/// [`PolicyHead`]: the one body the CPU backend runs for every head. `heads` and `d_heads`
+/// are `[n][n_outputs + 1]`, `values` the value column `[n]`, `d_head_params` the head
+/// parameters' per-sample gradient rows `[n][n_param_grads]`; `batch` is the minibatch as
+/// `T = 1`, `B = n`. Returns the weighted sums and `W`; the gradients are zero where `W = 0`.
 ///
 /// # Panics
 ///
 /// If a slice length disagrees with the batch shape or an action is out of range.
-pub(crate) fn ppo_loss_heads(
-    batch: &SequenceBatch<'_>,
+#[allow(clippy::too_many_arguments)]
+pub fn ppo_loss_heads<H: PolicyHead>(
+    head: &H,
+    batch: &RowBatch<'_>,
     targets: &PpoTargets<'_>,
     heads: &[f32],
     values: &[f32],
     config: &PpoLossConfig,
     d_heads: &mut [f32],
+    d_head_params: &mut [f32],
 ) -> (WeightedSums, f64) {
-    let n_samples = batch.n_samples();
-    let n_actions = batch.n_actions;
-    let stride = n_actions + 1;
-    assert_len("actions", batch.actions.len(), n_samples);
-    assert_len("advantages", targets.advantages.len(), n_samples);
-    assert_len("returns", targets.returns.len(), n_samples);
-    assert_len("prox_log_probs", targets.prox_log_probs.len(), n_samples);
-    assert_len("is_weights", targets.is_weights.len(), n_samples);
-    assert_len("sample_weights", batch.sample_weights.len(), n_samples);
+    let n_samples = batch.t_len * batch.b_len;
+    let (n_outputs, width, n_params) = (head.n_outputs(), head.action_width(), head.n_param_grads());
+    let stride = n_outputs + 1;
+    assert!(n_outputs > 0, "a head has outputs");
+    assert_len("actions", batch.actions.len(), n_samples * width);
+    for (name, len) in [
+        ("sample_weights", batch.sample_weights.len()),
+        ("advantages", targets.advantages.len()),
+        ("returns", targets.returns.len()),
+        ("prox_log_probs", targets.prox_log_probs.len()),
+        ("is_weights", targets.is_weights.len()),
+        ("values", values.len()),
+    ] {
+        assert_len(name, len, n_samples);
+    }
     assert_len("heads", heads.len(), n_samples * stride);
-    assert_len("values", values.len(), n_samples);
     assert_len("d_heads", d_heads.len(), n_samples * stride);
-    assert!(n_actions > 0, "n_actions must be positive");
+    assert_len("d_head_params", d_head_params.len(), n_samples * n_params);
 
     let weight_sum: f64 = batch.sample_weights.iter().map(|&w| f64::from(w)).sum();
     let mut sums = WeightedSums::default();
     if weight_sum <= 0.0 {
         d_heads.fill(0.0);
+        d_head_params.fill(0.0);
         return (sums, weight_sum);
     }
     let inv_weight_sum = (1.0 / weight_sum) as f32;
@@ -619,50 +669,43 @@ pub(crate) fn ppo_loss_heads(
         (0.0, 1.0)
     };
 
-    let clip_low = 1.0 - config.clip_coef;
-    let clip_high = 1.0 + config.clip_coef;
-    let rows = heads
-        .chunks_exact(stride)
-        .zip(d_heads.chunks_exact_mut(stride))
-        .zip(values)
-        .zip(batch.actions.iter().zip(batch.sample_weights))
-        .zip(targets.advantages.iter().zip(targets.returns))
-        .zip(targets.prox_log_probs.iter().zip(targets.is_weights));
-    for (((((heads_row, grad_row), &value), (&action, &weight)), (&advantage, &ret)), (&prox_log_prob, &is_weight)) in
-        rows
-    {
+    let (clip_low, clip_high) = (1.0 - config.clip_coef, 1.0 + config.clip_coef);
+    for (i, &weight) in batch.sample_weights.iter().enumerate() {
+        let grad_row = &mut d_heads[i * stride..(i + 1) * stride];
+        let d_params = &mut d_head_params[i * n_params..(i + 1) * n_params];
         if weight == 0.0 {
             grad_row.fill(0.0);
+            d_params.fill(0.0);
             continue;
         }
-        let action = action_index(action, n_actions);
         let scale = weight * inv_weight_sum;
-        let (log_probs_row, dvalue) = grad_row.split_at_mut(n_actions);
-        log_softmax(&heads_row[..n_actions], log_probs_row);
-        let entropy = entropy_from_log_probs(log_probs_row);
-        let log_ratio = log_probs_row[action] - prox_log_prob;
+        let outputs = &heads[i * stride..i * stride + n_outputs];
+        let action = &batch.actions[i * width..(i + 1) * width];
+        let log_ratio = head.log_prob(outputs, action) - targets.prox_log_probs[i];
         let ratio = log_ratio.exp();
-        let advantage = (advantage - adv_shift) * adv_scale;
+        let advantage = (targets.advantages[i] - adv_shift) * adv_scale;
 
         // PPO-clip surrogate (Schulman et al. 2017, eq. (7)); d(r Â)/d log π = r Â.
         let unclipped = ratio * advantage;
         let clipped = ratio.clamp(clip_low, clip_high) * advantage;
         let (surrogate, surrogate_grad) = if unclipped <= clipped { (unclipped, unclipped) } else { (clipped, 0.0) };
-
+        let is_weight = targets.is_weights[i];
+        let (d_outputs, d_value) = grad_row.split_at_mut(n_outputs);
+        let terms = head.row_gradient(
+            outputs,
+            action,
+            scale * is_weight * surrogate_grad,
+            scale * config.ent_coef,
+            d_outputs,
+            d_params,
+        );
+        let (value, ret) = (values[i], targets.returns[i]);
+        d_value[0] = -config.value_coef * scale * (ret - value);
         let w = f64::from(weight);
         sums.policy -= w * f64::from(is_weight * surrogate);
         sums.value += w * 0.5 * f64::from(ret - value).powi(2);
-        sums.entropy += w * f64::from(entropy);
+        sums.entropy += w * f64::from(terms.entropy);
         sums.add_ratio(w, f64::from(ratio), f64::from(log_ratio), (ratio - 1.0).abs() > config.clip_coef);
-
-        policy_row_gradient(
-            log_probs_row,
-            action,
-            entropy,
-            scale * is_weight * surrogate_grad,
-            scale * config.ent_coef,
-        );
-        dvalue[0] = -config.value_coef * scale * (ret - value);
     }
     (sums, weight_sum)
 }
@@ -726,6 +769,7 @@ impl WeightedSums {
 mod tests {
     use super::*;
     use rand::{rngs::SmallRng, Rng, SeedableRng};
+    use volley_policy::distributions::log_softmax;
 
     /// `log softmax` of one row in f64, written independently of the crate's f32 version.
     fn log_softmax_f64(row: &[f64]) -> Vec<f64> {
@@ -1346,17 +1390,16 @@ mod tests {
         let run = |advantage_override: Option<&[f32]>| {
             let (mut log_rhos, mut vs, mut pg, mut d_heads) =
                 (vec![0.0; n], vec![0.0; n], vec![0.0; n], vec![0.0; rows * stride]);
-            vtrace_loss_heads(
-                &f.batch(),
-                &heads,
-                &f.values,
-                &config,
-                advantage_override,
-                &mut log_rhos,
-                &mut vs,
-                &mut pg,
-                &mut d_heads,
-            );
+            let actions = action_words(&f.actions);
+            let rows = VTraceRows {
+                log_rhos: &mut log_rhos,
+                vs: &mut vs,
+                pg_advantages: &mut pg,
+                d_heads: &mut d_heads,
+                d_head_params: &mut [],
+            };
+            let head = Categorical { n_actions: f.n_actions };
+            vtrace_loss_heads(&head, &f.batch().rows(&actions), &heads, &f.values, &config, advantage_override, rows);
             (log_rhos, vs, pg, d_heads)
         };
         let base = run(None);
@@ -1406,3 +1449,7 @@ mod tests {
         assert_eq!(&with.0[b_len..], &base.0[b_len..]);
     }
 }
+
+#[cfg(test)]
+#[path = "losses_gaussian_tests.rs"]
+mod gaussian_tests;

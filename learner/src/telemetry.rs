@@ -19,6 +19,11 @@
 //!   constant, negative worse.
 //!
 //! `ratios` keeps every weighted sample's `ρ` for the importance-ratio histogram.
+//!
+//! Both backends compute them from the same per-sample terms ([`OffPolicySums::add`]) in one
+//! pass per update ([`crate::backend::Backend::off_policy_sums`]), so a GPU learner reports them too.
+
+use volley_policy::head::importance;
 
 /// Off-policy statistics of one update (see the module docs).
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -55,57 +60,152 @@ pub struct OffPolicyInputs<'a> {
     pub c_bar: f32,
 }
 
-/// Compute the statistics; sums in `f64`.
+/// The weighted sums behind [`OffPolicyStats`], each over the samples with `w > 0`: what both
+/// backends accumulate per update ([`crate::backend::Backend::off_policy_sums`]; the CUDA kernel
+/// `off_policy_sums` in `learner/kernels/loss.cu` adds the same terms per sample).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct OffPolicySums {
+    /// `Σ w`.
+    pub weight: f64,
+    /// `Σ w [ρ > ρ̄]`.
+    pub rho_clipped: f64,
+    /// `Σ w [ρ > c̄]`.
+    pub c_clipped: f64,
+    /// `Σ w ((ρ − 1) − log ρ)`.
+    pub kl: f64,
+    /// `Σ w ρ`.
+    pub ratio: f64,
+    /// `Σ w ρ²`.
+    pub ratio_sq: f64,
+    /// `Σ w target`.
+    pub target: f64,
+    /// `Σ w target²`.
+    pub target_sq: f64,
+    /// `Σ w (target − V)`.
+    pub error: f64,
+    /// `Σ w (target − V)²`.
+    pub error_sq: f64,
+}
+
+/// The number of sums in [`OffPolicySums`], in the order of its fields (the layout the CUDA
+/// kernel writes).
+pub const OFF_POLICY_SUMS: usize = 10;
+
+/// What a backend writes for a sample of weight 0 in the ratios buffer of
+/// [`crate::backend::Backend::off_policy_sums`] (a ratio is never negative).
+pub const NO_RATIO: f32 = -1.0;
+
+impl OffPolicySums {
+    /// Add one sample of weight `w > 0`; returns its ratio `ρ`.
+    #[inline]
+    pub fn add(&mut self, w: f64, log_rho: f64, value: f64, target: f64, rho_bar: f32, c_bar: f32) -> f64 {
+        let (rho, kl) = importance(log_rho);
+        self.weight += w;
+        self.rho_clipped += if rho > f64::from(rho_bar) { w } else { 0.0 };
+        self.c_clipped += if rho > f64::from(c_bar) { w } else { 0.0 };
+        self.kl += w * kl;
+        self.ratio += w * rho;
+        self.ratio_sq += w * rho * rho;
+        let error = target - value;
+        self.target += w * target;
+        self.target_sq += w * target * target;
+        self.error += w * error;
+        self.error_sq += w * error * error;
+        rho
+    }
+
+    /// The sums in field order.
+    pub fn to_array(&self) -> [f64; OFF_POLICY_SUMS] {
+        [
+            self.weight,
+            self.rho_clipped,
+            self.c_clipped,
+            self.kl,
+            self.ratio,
+            self.ratio_sq,
+            self.target,
+            self.target_sq,
+            self.error,
+            self.error_sq,
+        ]
+    }
+
+    /// The sums from field order.
+    pub fn from_array(a: &[f64; OFF_POLICY_SUMS]) -> Self {
+        OffPolicySums {
+            weight: a[0],
+            rho_clipped: a[1],
+            c_clipped: a[2],
+            kl: a[3],
+            ratio: a[4],
+            ratio_sq: a[5],
+            target: a[6],
+            target_sq: a[7],
+            error: a[8],
+            error_sq: a[9],
+        }
+    }
+
+    /// The statistics, with `ratios` the weighted samples' `ρ` for the histogram.
+    pub fn finish(&self, ratios: Vec<f32>) -> OffPolicyStats {
+        let w_sum = self.weight;
+        if w_sum <= 0.0 {
+            return OffPolicyStats { explained_variance: f32::NAN, ..OffPolicyStats::default() };
+        }
+        let var = |sum: f64, sq: f64| (sq / w_sum - (sum / w_sum).powi(2)).max(0.0);
+        let target_var = var(self.target, self.target_sq);
+        let (wr, wr2) = (self.ratio, self.ratio_sq);
+        OffPolicyStats {
+            rho_clipped_fraction: (self.rho_clipped / w_sum) as f32,
+            c_clipped_fraction: (self.c_clipped / w_sum) as f32,
+            behaviour_kl: (self.kl / w_sum) as f32,
+            effective_sample_fraction: if wr2 > 0.0 { (wr * wr / wr2 / w_sum) as f32 } else { 0.0 },
+            explained_variance: if target_var > 0.0 {
+                (1.0 - var(self.error, self.error_sq) / target_var) as f32
+            } else {
+                f32::NAN
+            },
+            ratios,
+        }
+    }
+}
+
+/// The sums of `inputs` into `sums`, and each sample's `ρ` into `ratios` ([`NO_RATIO`] where its
+/// weight is 0): the CPU backend's off-policy pass.
 ///
 /// # Panics
 /// If the slices differ in length.
-pub fn off_policy_stats(inputs: &OffPolicyInputs<'_>) -> OffPolicyStats {
+pub fn off_policy_sums(inputs: &OffPolicyInputs<'_>, sums: &mut OffPolicySums, ratios: &mut [f32]) {
     let n = inputs.weights.len();
     for (name, len) in [
         ("log_rhos", inputs.log_rhos.len()),
         ("values", inputs.values.len()),
         ("value_targets", inputs.value_targets.len()),
+        ("ratios", ratios.len()),
     ] {
         assert!(len == n, "{name}: expected {n} elements, got {len}");
     }
-    let mut ratios = Vec::with_capacity(n);
-    let (mut w_sum, mut rho_clipped, mut c_clipped, mut kl, mut wr, mut wr2) = (0f64, 0f64, 0f64, 0f64, 0f64, 0f64);
-    let (mut t_sum, mut t_sq, mut e_sum, mut e_sq) = (0f64, 0f64, 0f64, 0f64);
-    for i in 0..n {
+    for (i, ratio) in ratios.iter_mut().enumerate() {
         let w = f64::from(inputs.weights[i]);
-        if w <= 0.0 {
-            continue;
-        }
-        let log_rho = f64::from(inputs.log_rhos[i]);
-        let rho = log_rho.exp();
-        ratios.push(rho as f32);
-        w_sum += w;
-        rho_clipped += if rho > f64::from(inputs.rho_bar) { w } else { 0.0 };
-        c_clipped += if rho > f64::from(inputs.c_bar) { w } else { 0.0 };
-        // exp_m1 keeps (ρ − 1) − log ρ exact near ρ = 1, where both terms cancel.
-        kl += w * (log_rho.exp_m1() - log_rho);
-        wr += w * rho;
-        wr2 += w * rho * rho;
-        let target = f64::from(inputs.value_targets[i]);
-        let error = target - f64::from(inputs.values[i]);
-        t_sum += w * target;
-        t_sq += w * target * target;
-        e_sum += w * error;
-        e_sq += w * error * error;
+        *ratio = if w <= 0.0 {
+            NO_RATIO
+        } else {
+            let (log_rho, value, target) = (inputs.log_rhos[i], inputs.values[i], inputs.value_targets[i]);
+            sums.add(w, f64::from(log_rho), f64::from(value), f64::from(target), inputs.rho_bar, inputs.c_bar) as f32
+        };
     }
-    if w_sum <= 0.0 {
-        return OffPolicyStats { explained_variance: f32::NAN, ..OffPolicyStats::default() };
-    }
-    let var = |sum: f64, sq: f64| (sq / w_sum - (sum / w_sum).powi(2)).max(0.0);
-    let target_var = var(t_sum, t_sq);
-    OffPolicyStats {
-        rho_clipped_fraction: (rho_clipped / w_sum) as f32,
-        c_clipped_fraction: (c_clipped / w_sum) as f32,
-        behaviour_kl: (kl / w_sum) as f32,
-        effective_sample_fraction: if wr2 > 0.0 { (wr * wr / wr2 / w_sum) as f32 } else { 0.0 },
-        explained_variance: if target_var > 0.0 { (1.0 - var(e_sum, e_sq) / target_var) as f32 } else { f32::NAN },
-        ratios,
-    }
+}
+
+/// Compute the statistics; sums in `f64`.
+///
+/// # Panics
+/// If the slices differ in length.
+pub fn off_policy_stats(inputs: &OffPolicyInputs<'_>) -> OffPolicyStats {
+    let mut sums = OffPolicySums::default();
+    let mut ratios = vec![0.0; inputs.weights.len()];
+    off_policy_sums(inputs, &mut sums, &mut ratios);
+    ratios.retain(|&r| r != NO_RATIO);
+    sums.finish(ratios)
 }
 
 #[cfg(test)]

@@ -24,14 +24,14 @@ use volley_policy::returns::VTraceConfig;
 use volley_policy::{ActionHead, ParamLayout};
 
 use crate::backend::{
-    Backend, BackendError, CpuBackend, CudaBackend, Evaluation, GaussianHead, PpoLossInputs, VTraceLossInputs,
-    VTraceLossOutputs, View, ViewMut,
+    Backend, BackendError, CpuBackend, CudaBackend, Evaluation, Head, OffPolicyViews, PpoLossInputs, PpoLossOutputs,
+    VTraceLossInputs, VTraceLossOutputs, View, ViewMut,
 };
 use crate::batch::{SegmentBatch, StateRestore};
 use crate::losses::{LossStats, PpoLossConfig, VTraceLossConfig};
 use crate::net::{ensure, Network};
 use crate::optim::{AdamConfig, AdamState};
-use crate::telemetry::{off_policy_stats, OffPolicyInputs, OffPolicyStats};
+use crate::telemetry::{OffPolicyStats, OffPolicySums, NO_RATIO};
 
 /// Host copies of everything a checkpoint needs.
 #[derive(Debug, Clone, PartialEq)]
@@ -51,7 +51,7 @@ pub struct StepOutcome {
     pub grad_norm: f32,
     /// Gradient steps skipped because the gradient was not finite.
     pub skipped_steps: u32,
-    /// Off-policy health of the batch, where the backend's buffers are host memory (CPU).
+    /// Off-policy health of the batch (on every backend; `None` only before the first update).
     pub off_policy: Option<OffPolicyStats>,
 }
 
@@ -118,6 +118,8 @@ impl StagedLayout {
 /// The `[T][B]` intermediates of the loss, each sized to the batch.
 struct LossBuffers<B: Backend> {
     log_rhos: B::Floats,
+    /// Each sample's importance ratio, for the off-policy histogram.
+    ratios: B::Floats,
     vs: B::Floats,
     pg_advantages: B::Floats,
     prox_log_probs: B::Floats,
@@ -125,8 +127,8 @@ struct LossBuffers<B: Backend> {
     advantages: B::Floats,
     returns: B::Floats,
     d_heads: B::Floats,
-    /// A Gaussian head's per-sample log-std gradient, `[n][A]`.
-    d_log_std_rows: B::Floats,
+    /// The head parameters' per-sample gradient, `[n][n_params]`.
+    d_head_params: B::Floats,
 }
 
 /// One PPO minibatch, gathered column by column on the device.
@@ -167,9 +169,13 @@ pub struct Trainer<B: Backend> {
     columns: Vec<usize>,
     host_permutations: Vec<u32>,
     evaluations: Vec<Evaluation>,
-    prox_log_rhos: Vec<f32>,
-    /// A Gaussian head's log-std parameters and squashing (`None`: categorical).
-    gaussian: Option<(Range<usize>, bool)>,
+    host_ratios: Vec<f32>,
+    /// The policy head's kind.
+    head_kind: ActionHead,
+    /// Where the head's own parameters sit (`policy.log_std`; empty for a categorical head).
+    head_params: Range<usize>,
+    /// Floats per staged action ([`ActionHead::action_width`]).
+    action_width: usize,
     /// Observation normalisation (`normalize_obs`): where the statistics sit in the parameters,
     /// and the host copy this trainer updates and uploads there before every update.
     obs_norm: Option<(Range<usize>, Vec<f32>)>,
@@ -207,6 +213,7 @@ impl<B: Backend> Trainer<B> {
         let mut empty = || backend.alloc(0);
         let loss = LossBuffers {
             log_rhos: empty()?,
+            ratios: empty()?,
             vs: empty()?,
             pg_advantages: empty()?,
             prox_log_probs: empty()?,
@@ -214,7 +221,7 @@ impl<B: Backend> Trainer<B> {
             advantages: empty()?,
             returns: empty()?,
             d_heads: empty()?,
-            d_log_std_rows: empty()?,
+            d_head_params: empty()?,
         };
         let minibatch = Minibatch {
             observations: empty()?,
@@ -248,13 +255,12 @@ impl<B: Backend> Trainer<B> {
             columns: Vec::new(),
             host_permutations: Vec::new(),
             evaluations: Vec::new(),
-            prox_log_rhos: Vec::new(),
+            host_ratios: Vec::new(),
             obs_norm: layout.obs_norm_range().map(|range| (range.clone(), state.params[range].to_vec())),
             input_scale: layout.input_scale(),
-            gaussian: match layout.head() {
-                ActionHead::Categorical => None,
-                ActionHead::Gaussian { squash } => Some((layout.log_std_range().expect("a Gaussian layout"), squash)),
-            },
+            head_kind: layout.head(),
+            head_params: layout.log_std_range().unwrap_or(0..0),
+            action_width: layout.head().action_width(layout.spec().n_actions),
         })
     }
 
@@ -288,13 +294,14 @@ impl<B: Backend> Trainer<B> {
     fn stage(&mut self, batch: &SegmentBatch) -> Result<(), BackendError> {
         let (t_len, b_len) = (batch.t_len, batch.b_len);
         let (obs_dim, hidden, n_actions) = (self.net.obs_dim(), self.net.hidden(), self.net.n_actions());
-        let continuous = self.gaussian.is_some();
-        let action_width = if continuous { n_actions } else { 1 };
+        let action_width = self.action_width;
         let with_override = !batch.advantage_override.is_empty();
         let n_restores = batch.restores.len();
         let layout = StagedLayout::new(t_len, b_len, obs_dim, hidden, action_width, with_override, n_restores);
         let steps = t_len * b_len;
-        let (discrete_len, continuous_len) = if continuous { (0, steps * n_actions) } else { (steps, 0) };
+        // A head's actions arrive as indices or as values, never both.
+        let (discrete_len, continuous_len) =
+            if self.head_kind.is_continuous() { (0, steps * n_actions) } else { (steps, 0) };
         let shapes = [
             ("observations", batch.observations.len(), (t_len + 1) * b_len * obs_dim),
             ("episode_start", batch.episode_start.len(), (t_len + 1) * b_len),
@@ -348,12 +355,12 @@ impl<B: Backend> Trainer<B> {
             words[layout.episode_start.clone()].copy_from_slice(&batch.episode_start);
             words[layout.initial_hidden.clone()].copy_from_slice(&batch.initial_hidden);
             words[layout.restore_states.clone()].copy_from_slice(&batch.restore_states);
-            if continuous {
-                words[layout.actions.clone()].copy_from_slice(&batch.continuous_actions);
-            } else {
-                for (word, &action) in words[layout.actions.clone()].iter_mut().zip(&batch.actions) {
-                    *word = f32::from_bits(action);
-                }
+            // One of the two is empty (checked above): values are staged as they are, indices
+            // as their bit patterns (`volley_policy::head`).
+            let actions = &mut words[layout.actions.clone()];
+            actions[..batch.continuous_actions.len()].copy_from_slice(&batch.continuous_actions);
+            for (word, &action) in actions.iter_mut().zip(&batch.actions) {
+                *word = f32::from_bits(action);
             }
             words[layout.behaviour_log_probs.clone()].copy_from_slice(&batch.behaviour_log_probs);
             words[layout.rewards.clone()].copy_from_slice(&batch.rewards);
@@ -383,11 +390,16 @@ impl<B: Backend> Trainer<B> {
             self.backend.upload(stats, ViewMut::range(&mut self.params, range.clone()))?;
         }
         self.stage(batch)?;
-        let off_policy = match hyper.loss {
+        match hyper.loss {
             LossKind::Vtrace => self.vtrace_step(batch.t_len, batch.b_len, hyper, learning_rate)?,
             LossKind::Ppo => self.ppo_step(batch.t_len, batch.b_len, hyper, learning_rate, rng)?,
         };
-        self.backend.read_evaluations(&mut self.evaluations)?;
+        let mut off_policy = OffPolicySums::default();
+        self.backend.read_evaluations(&mut self.evaluations, &mut off_policy)?;
+        let n = batch.t_len * batch.b_len;
+        self.host_ratios.resize(n, 0.0);
+        self.backend.download(View::range(&self.loss.ratios, 0..n), &mut self.host_ratios)?;
+        let off_policy = off_policy.finish(self.host_ratios.iter().copied().filter(|&r| r != NO_RATIO).collect());
         // Statistics of applied steps only; a skipped step's loss is not finite anyway.
         let mut total = LossStats::default();
         let (mut norm_sum, mut applied, mut skipped) = (0.0f32, 0u32, 0u32);
@@ -404,7 +416,7 @@ impl<B: Backend> Trainer<B> {
             loss: total.mean(),
             grad_norm: if applied > 0 { norm_sum / applied as f32 } else { f32::NAN },
             skipped_steps: skipped,
-            off_policy,
+            off_policy: Some(off_policy),
         })
     }
 
@@ -445,21 +457,18 @@ impl<B: Backend> Trainer<B> {
         b_len: usize,
         h: &HyperParams,
         learning_rate: f32,
-    ) -> Result<Option<OffPolicyStats>, BackendError> {
+    ) -> Result<(), BackendError> {
         let n = t_len * b_len;
         let stride = self.net.n_actions() + 1;
         self.backend.begin_evaluations(1)?;
         self.forward_batch(t_len, b_len)?;
         let loss = &mut self.loss;
-        for buffer in [&mut loss.log_rhos, &mut loss.vs, &mut loss.pg_advantages] {
+        for buffer in [&mut loss.log_rhos, &mut loss.ratios, &mut loss.vs, &mut loss.pg_advantages] {
             ensure(&mut self.backend, buffer, n)?;
         }
         ensure(&mut self.backend, &mut loss.d_heads, (n + b_len) * stride)?;
-        ensure(
-            &mut self.backend,
-            &mut loss.d_log_std_rows,
-            if self.gaussian.is_some() { n * (stride - 1) } else { 0 },
-        )?;
+        let n_head_params = self.head_params.len();
+        ensure(&mut self.backend, &mut loss.d_head_params, n * n_head_params)?;
         let config = VTraceLossConfig {
             vtrace: VTraceConfig {
                 clip_rho_threshold: h.clip_rho_threshold,
@@ -476,6 +485,7 @@ impl<B: Backend> Trainer<B> {
             t_len,
             b_len,
             n_actions: self.net.n_actions(),
+            head: Head { kind: self.head_kind, params: View::range(&self.params, self.head_params.clone()) },
             heads: self.net.heads(),
             values: self.net.values(),
             actions: staged(&s.actions),
@@ -490,25 +500,18 @@ impl<B: Backend> Trainer<B> {
             vs: ViewMut::range(&mut loss.vs, 0..n),
             pg_advantages: ViewMut::range(&mut loss.pg_advantages, 0..n),
             d_heads: ViewMut::range(&mut loss.d_heads, 0..(n + b_len) * stride),
+            d_head_params: ViewMut::range(&mut loss.d_head_params, 0..n * n_head_params),
         };
-        match &self.gaussian {
-            Some((log_std, squash)) => {
-                let head = GaussianHead { log_std: View::range(&self.params, log_std.clone()), squash: *squash };
-                let d_log_std_rows = ViewMut::range(&mut loss.d_log_std_rows, 0..n * (stride - 1));
-                self.backend.gaussian_vtrace_loss(&inputs, &head, &config, outputs, d_log_std_rows, 0)?;
-            }
-            None => self.backend.vtrace_loss(&inputs, &config, outputs, 0)?,
-        }
-        let off_policy = (|| {
-            Some(off_policy_stats(&OffPolicyInputs {
-                log_rhos: self.backend.host_slice(View::range(&self.loss.log_rhos, 0..n))?,
-                weights: self.backend.host_slice(inputs.sample_weights)?,
-                values: self.backend.host_slice(inputs.values.slice(0..n))?,
-                value_targets: self.backend.host_slice(View::range(&self.loss.vs, 0..n))?,
-                rho_bar: h.clip_rho_threshold,
-                c_bar: h.clip_c_threshold,
-            }))
-        })();
+        self.backend.vtrace_loss(&inputs, &config, outputs, 0)?;
+        let off_policy = OffPolicyViews {
+            log_rhos: View::range(&loss.log_rhos, 0..n),
+            weights: inputs.sample_weights,
+            values: inputs.values.slice(0..n),
+            value_targets: View::range(&loss.vs, 0..n),
+            rho_bar: h.clip_rho_threshold,
+            c_bar: h.clip_c_threshold,
+        };
+        self.backend.off_policy_sums(&off_policy, ViewMut::range(&mut loss.ratios, 0..n))?;
         self.net.backward(
             &mut self.backend,
             &self.params,
@@ -517,19 +520,20 @@ impl<B: Backend> Trainer<B> {
             View::range(&self.staged, s.episode_start.clone()),
             &mut self.grads,
         )?;
-        self.log_std_gradient(n)?;
-        self.apply_gradients(h, learning_rate, 0)?;
-        Ok(off_policy)
+        self.head_params_gradient(n)?;
+        self.apply_gradients(h, learning_rate, 0)
     }
 
-    /// A Gaussian head's log-std gradient: the sum over the `n` samples' rows of
-    /// `loss.d_log_std_rows` (the network's backward does not touch that entry).
-    fn log_std_gradient(&mut self, n: usize) -> Result<(), BackendError> {
-        let Some((log_std, _)) = &self.gaussian else {
+    /// The head parameters' gradient (a Gaussian head's log-std): the sum over the `n`
+    /// samples' rows of `loss.d_head_params` (the network's backward does not touch those
+    /// entries). Nothing for a head without parameters.
+    fn head_params_gradient(&mut self, n: usize) -> Result<(), BackendError> {
+        let params = self.head_params.clone();
+        if params.is_empty() {
             return Ok(());
-        };
-        let rows = View::range(&self.loss.d_log_std_rows, 0..n * log_std.len());
-        self.backend.column_sums(rows, n, ViewMut::range(&mut self.grads, log_std.clone()))
+        }
+        let rows = View::range(&self.loss.d_head_params, 0..n * params.len());
+        self.backend.column_sums(rows, n, ViewMut::range(&mut self.grads, params))
     }
 
     /// The value pass shared by PPO and trajectory selection: the forward over the staged
@@ -566,7 +570,7 @@ impl<B: Backend> Trainer<B> {
         h: &HyperParams,
         learning_rate: f32,
         rng: &mut Pcg64Mcg,
-    ) -> Result<Option<OffPolicyStats>, BackendError> {
+    ) -> Result<(), BackendError> {
         let n = t_len * b_len;
         let (n_actions, obs_dim, hidden) = (self.net.n_actions(), self.net.obs_dim(), self.net.hidden());
         let stride = n_actions + 1;
@@ -575,24 +579,15 @@ impl<B: Backend> Trainer<B> {
         self.value_pass(t_len, b_len, h.gae_lambda)?;
         // 2. The proximal policy: log π_prox of the taken actions, from the same forward.
         let s = self.staged_layout.clone();
-        match &self.gaussian {
-            Some((log_std, squash)) => self.backend.gaussian_log_probs(
-                self.net.heads().slice(0..n * stride),
-                n_actions,
-                &GaussianHead { log_std: View::range(&self.params, log_std.clone()), squash: *squash },
-                View::range(&self.staged, s.actions.clone()),
-                None,
-                ViewMut::range(&mut self.loss.prox_log_probs, 0..n),
-            )?,
-            None => self.backend.action_log_probs(
-                self.net.heads().slice(0..n * stride),
-                n_actions,
-                View::range(&self.staged, s.actions.clone()),
-                None,
-                ViewMut::range(&mut self.loss.prox_log_probs, 0..n),
-            )?,
-        }
-        let action_width = if self.gaussian.is_some() { n_actions } else { 1 };
+        self.backend.log_probs(
+            self.net.heads().slice(0..n * stride),
+            n_actions,
+            &Head { kind: self.head_kind, params: View::range(&self.params, self.head_params.clone()) },
+            View::range(&self.staged, s.actions.clone()),
+            None,
+            ViewMut::range(&mut self.loss.prox_log_probs, 0..n),
+        )?;
+        let action_width = self.action_width;
         // 3. Behaviour importance weights min(π_prox/μ, clip) (Hilton et al. 2021).
         self.backend.behaviour_weights(
             View::range(&self.loss.prox_log_probs, 0..n),
@@ -600,7 +595,6 @@ impl<B: Backend> Trainer<B> {
             h.behaviour_is_clip,
             ViewMut::range(&mut self.loss.is_weights, 0..n),
         )?;
-        let off_policy = self.ppo_off_policy(n, h, &s);
 
         // 4. Epochs of minibatch gradient steps over whole sequences (columns).
         let n_minibatches = (h.ppo_minibatches as usize).clamp(1, b_len.max(1));
@@ -613,8 +607,9 @@ impl<B: Backend> Trainer<B> {
             self.host_permutations.extend(self.columns.iter().map(|&c| c as u32));
         }
         self.backend.begin_evaluations(epochs * n_minibatches)?;
+        self.ppo_off_policy(n, h, &s)?;
         if self.host_permutations.is_empty() {
-            return Ok(off_policy);
+            return Ok(());
         }
         self.backend.upload_indices(&self.host_permutations, &mut self.permutations)?;
         let max_mb_len =
@@ -635,8 +630,8 @@ impl<B: Backend> Trainer<B> {
             ensure(&mut self.backend, buffer, max_m)?;
         }
         ensure(&mut self.backend, &mut self.loss.d_heads, max_m * stride)?;
-        let log_std_width = if self.gaussian.is_some() { n_actions } else { 0 };
-        ensure(&mut self.backend, &mut self.loss.d_log_std_rows, max_m * log_std_width)?;
+        let n_head_params = self.head_params.len();
+        ensure(&mut self.backend, &mut self.loss.d_head_params, max_m * n_head_params)?;
         let config = PpoLossConfig {
             clip_coef: h.clip_coef,
             value_coef: h.value_coef,
@@ -667,6 +662,7 @@ impl<B: Backend> Trainer<B> {
                 let inputs = PpoLossInputs {
                     n_samples: m,
                     n_actions,
+                    head: Head { kind: self.head_kind, params: View::range(&self.params, self.head_params.clone()) },
                     heads: self.net.heads(),
                     values: self.net.values(),
                     actions: View::range(&mb.actions, 0..m * action_width),
@@ -676,16 +672,11 @@ impl<B: Backend> Trainer<B> {
                     prox_log_probs: View::range(&mb.prox_log_probs, 0..m),
                     is_weights: View::range(&mb.is_weights, 0..m),
                 };
-                let d_heads = ViewMut::range(&mut self.loss.d_heads, 0..m * stride);
-                match &self.gaussian {
-                    Some((log_std, squash)) => {
-                        let head =
-                            GaussianHead { log_std: View::range(&self.params, log_std.clone()), squash: *squash };
-                        let d_log_std_rows = ViewMut::range(&mut self.loss.d_log_std_rows, 0..m * log_std_width);
-                        self.backend.gaussian_ppo_loss(&inputs, &head, &config, d_heads, d_log_std_rows, slot)?;
-                    }
-                    None => self.backend.ppo_loss(&inputs, &config, d_heads, slot)?,
-                }
+                let outputs = PpoLossOutputs {
+                    d_heads: ViewMut::range(&mut self.loss.d_heads, 0..m * stride),
+                    d_head_params: ViewMut::range(&mut self.loss.d_head_params, 0..m * n_head_params),
+                };
+                self.backend.ppo_loss(&inputs, &config, outputs, slot)?;
                 self.net.backward(
                     &mut self.backend,
                     &self.params,
@@ -694,29 +685,40 @@ impl<B: Backend> Trainer<B> {
                     starts,
                     &mut self.grads,
                 )?;
-                self.log_std_gradient(m)?;
+                self.head_params_gradient(m)?;
                 self.apply_gradients(h, learning_rate, slot)?;
                 slot += 1;
             }
         }
-        Ok(off_policy)
+        Ok(())
     }
 
-    /// PPO's off-policy statistics against the proximal policy, where the buffers are host memory.
-    fn ppo_off_policy(&mut self, n: usize, h: &HyperParams, s: &StagedLayout) -> Option<OffPolicyStats> {
-        let backend = &self.backend;
-        let prox = backend.host_slice(View::range(&self.loss.prox_log_probs, 0..n))?;
-        let behaviour = backend.host_slice(View::range(&self.staged, s.behaviour_log_probs.clone()))?;
-        self.prox_log_rhos.clear();
-        self.prox_log_rhos.extend(prox.iter().zip(behaviour).map(|(prox, mu)| prox - mu));
-        Some(off_policy_stats(&OffPolicyInputs {
-            log_rhos: &self.prox_log_rhos,
-            weights: backend.host_slice(View::range(&self.staged, s.sample_weights.clone()))?,
-            values: backend.host_slice(self.net.values().slice(0..n))?,
-            value_targets: backend.host_slice(View::range(&self.loss.returns, 0..n))?,
+    /// PPO's off-policy statistics: the proximal policy (the parameters before the update)
+    /// against the behaviour's, weighted by the samples' weights, with GAE's returns as the
+    /// value targets and the behaviour IS clip as both `ρ̄` and `c̄` (PPO has no traces).
+    fn ppo_off_policy(&mut self, n: usize, h: &HyperParams, s: &StagedLayout) -> Result<(), BackendError> {
+        let stride = self.net.n_actions() + 1;
+        let loss = &mut self.loss;
+        for buffer in [&mut loss.log_rhos, &mut loss.ratios] {
+            ensure(&mut self.backend, buffer, n)?;
+        }
+        self.backend.log_probs(
+            self.net.heads().slice(0..n * stride),
+            self.net.n_actions(),
+            &Head { kind: self.head_kind, params: View::range(&self.params, self.head_params.clone()) },
+            View::range(&self.staged, s.actions.clone()),
+            Some(View::range(&self.staged, s.behaviour_log_probs.clone())),
+            ViewMut::range(&mut loss.log_rhos, 0..n),
+        )?;
+        let inputs = OffPolicyViews {
+            log_rhos: View::range(&loss.log_rhos, 0..n),
+            weights: View::range(&self.staged, s.sample_weights.clone()),
+            values: self.net.values().slice(0..n),
+            value_targets: View::range(&loss.returns, 0..n),
             rho_bar: h.behaviour_is_clip,
             c_bar: h.behaviour_is_clip,
-        }))
+        };
+        self.backend.off_policy_sums(&inputs, ViewMut::range(&mut loss.ratios, 0..n))
     }
 
     /// Gather the columns `permutations[offset..offset + mb_len]` of every per-sample field into
@@ -729,7 +731,7 @@ impl<B: Backend> Trainer<B> {
         mb_len: usize,
     ) -> Result<(), BackendError> {
         let (obs_dim, hidden) = (self.net.obs_dim(), self.net.hidden());
-        let action_width = if self.gaussian.is_some() { self.net.n_actions() } else { 1 };
+        let action_width = self.action_width;
         let n = t_len * b_len;
         let m = t_len * mb_len;
         // The minibatch's restores, renumbered to its columns; their states stay where the

@@ -160,7 +160,7 @@ pub fn row_gradient(
 
 /// A standard normal draw (Box–Muller on two uniforms from `rng`).
 #[inline]
-pub fn standard_normal(rng: &mut impl Rng) -> f32 {
+pub fn standard_normal(rng: &mut (impl Rng + ?Sized)) -> f32 {
     // 1 − U lies in (0, 1], so the logarithm is finite.
     let u1 = 1.0 - rng.random::<f64>();
     let u2 = rng.random::<f64>();
@@ -186,13 +186,30 @@ pub fn standard_normal(rng: &mut impl Rng) -> f32 {
 /// assert!(action.iter().all(|a| a.abs() < 1.0));
 /// assert_eq!(lp, log_prob(&[0.5, -1.0], &[-1.0, 0.0], &action, true));
 /// ```
-pub fn sample(mean: &[f32], log_std: &[f32], squash: bool, rng: &mut impl Rng, action: &mut [f32]) -> f32 {
+pub fn sample(mean: &[f32], log_std: &[f32], squash: bool, rng: &mut (impl Rng + ?Sized), action: &mut [f32]) -> f32 {
     check_row(mean, log_std, action);
     for ((a, &mu), &s) in action.iter_mut().zip(mean).zip(log_std) {
         let u = mu + clamp_log_std(s).exp() * standard_normal(rng);
         *a = if squash { u.tanh().clamp(-SQUASH_LIMIT, SQUASH_LIMIT) } else { u };
     }
     log_prob(mean, log_std, action, squash)
+}
+
+/// Draw an action from the standard normal (`μ = 0`, `s = 0`; squashed or not) into `action`
+/// and return its log-probability: the fallback of a head whose outputs are not finite
+/// (issue 46), with no means or log-stds to borrow.
+pub fn sample_standard(squash: bool, rng: &mut (impl Rng + ?Sized), action: &mut [f32]) -> f32 {
+    let mut total = 0.0f32;
+    for a in action.iter_mut() {
+        let u = standard_normal(rng);
+        *a = if squash { u.tanh().clamp(-SQUASH_LIMIT, SQUASH_LIMIT) } else { u };
+        let u = pre_squash(*a, squash);
+        total += -0.5 * u * u - HALF_LN_2PI;
+        if squash {
+            total -= log_one_minus_tanh_sq(u);
+        }
+    }
+    total
 }
 
 /// Map squashed action values in `[−1, 1]` onto the box `[low, high]` (into `out`).

@@ -42,6 +42,7 @@ mod conv;
 pub mod distributions;
 pub mod gaussian;
 mod gru;
+pub mod head;
 mod inference;
 mod init;
 mod layout;
@@ -142,6 +143,24 @@ impl ActionHead {
     /// Whether actions are continuous.
     pub fn is_continuous(&self) -> bool {
         matches!(self, ActionHead::Gaussian { .. })
+    }
+
+    /// Floats per recorded action for a head of `n_actions` outputs: 1 (the index's bit
+    /// pattern) for a categorical head, `n_actions` values for a Gaussian one.
+    pub fn action_width(&self, n_actions: usize) -> usize {
+        match self {
+            ActionHead::Categorical => 1,
+            ActionHead::Gaussian { .. } => n_actions,
+        }
+    }
+
+    /// The head's own parameters (outside the output layer): none for a categorical head, the
+    /// `n_actions` log-stds of a Gaussian one (`policy.log_std` in the [`ParamLayout`]).
+    pub fn n_params(&self, n_actions: usize) -> usize {
+        match self {
+            ActionHead::Categorical => 0,
+            ActionHead::Gaussian { .. } => n_actions,
+        }
     }
 }
 

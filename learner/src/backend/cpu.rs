@@ -18,7 +18,7 @@
 //! the first update, allocates nothing.
 
 use rayon::prelude::*;
-use volley_policy::distributions::log_softmax;
+use volley_policy::head::{AnyHead, PolicyHead};
 use volley_policy::ops::{
     act_backward_in_place, bias_act_rows, bias_rows, col2im, column_sums, dense_forward, gemm, gru_cell_backward,
     gru_cell_forward, im2col, Mat,
@@ -27,12 +27,12 @@ use volley_policy::returns::gae;
 use volley_policy::{Activation, ConvGeometry};
 
 use super::{
-    check_len, Backend, BackendError, Evaluation, GaussianHead, PpoLossInputs, VTraceLossInputs, VTraceLossOutputs,
-    View, ViewMut,
+    check_len, Backend, BackendError, Evaluation, Head, OffPolicyViews, PpoLossInputs, PpoLossOutputs,
+    VTraceLossInputs, VTraceLossOutputs, View, ViewMut,
 };
-use crate::gaussian_losses::{self, GaussianBatch, GaussianPpoTargets};
-use crate::losses::{self, PpoLossConfig, PpoTargets, SequenceBatch, VTraceLossConfig};
+use crate::losses::{self, PpoLossConfig, PpoTargets, RowBatch, VTraceLossConfig, VTraceRows};
 use crate::optim::{adam_step, clip_grad_global_norm, AdamConfig};
+use crate::telemetry::{self, OffPolicyInputs, OffPolicySums};
 
 /// Products of at least this many multiply-adds (`m·k·n`) take the threaded path (see the
 /// module documentation); below it the pool's hand-off costs more than it saves. A
@@ -46,6 +46,7 @@ pub const MAX_THREADS: usize = 1024;
 #[derive(Debug)]
 pub struct CpuBackend {
     evaluations: Vec<Evaluation>,
+    off_policy: OffPolicySums,
     /// The pool large products and per-image loops run on; `None` with one thread.
     pool: Option<rayon::ThreadPool>,
     threads: usize,
@@ -67,6 +68,7 @@ impl CpuBackend {
     pub fn new() -> Self {
         CpuBackend {
             evaluations: Vec::new(),
+            off_policy: OffPolicySums::default(),
             pool: None,
             threads: 1,
             partial_grads: Vec::new(),
@@ -195,18 +197,6 @@ fn slice_mut<'a>(view: ViewMut<'a, CpuBackend>) -> &'a mut [f32] {
     &mut buffer[range]
 }
 
-/// Actions travel as `u32` bit patterns in float buffers (see [`Backend::Floats`]).
-fn actions(view: View<'_, CpuBackend>) -> &[u32] {
-    bytemuck_u32(slice(view))
-}
-
-/// Reinterpret floats as the `u32` words they carry.
-fn bytemuck_u32(floats: &[f32]) -> &[u32] {
-    // SAFETY: `f32` and `u32` have the same size and alignment and every bit pattern is a valid
-    // `u32`; the length is the same number of 4-byte words and the borrow keeps its lifetime.
-    unsafe { std::slice::from_raw_parts(floats.as_ptr().cast::<u32>(), floats.len()) }
-}
-
 impl CpuBackend {
     /// [`large_gemm`] on this backend's threads.
     #[allow(clippy::too_many_arguments)]
@@ -326,10 +316,6 @@ impl Backend for CpuBackend {
         check_len("download", "host", src.len(), host.len())?;
         host.copy_from_slice(src);
         Ok(())
-    }
-
-    fn host_slice<'a>(&self, src: View<'a, Self>) -> Option<&'a [f32]> {
-        Some(slice(src))
     }
 
     fn fill(&mut self, x: ViewMut<'_, Self>, value: f32) -> Result<(), BackendError> {
@@ -608,43 +594,24 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn action_log_probs(
+    fn log_probs_unchecked(
         &mut self,
         heads: View<'_, Self>,
         n_actions: usize,
-        actions_view: View<'_, Self>,
+        head: &Head<'_, Self>,
+        actions: View<'_, Self>,
         reference: Option<View<'_, Self>>,
         out: ViewMut<'_, Self>,
     ) -> Result<(), BackendError> {
-        let n = out.len();
         let stride = n_actions + 1;
-        check_len("action_log_probs", "heads", n * stride, heads.len())?;
-        check_len("action_log_probs", "actions", n, actions_view.len())?;
-        if let Some(reference) = reference {
-            check_len("action_log_probs", "reference", n, reference.len())?;
-        }
-        let mut log_probs = [0.0f32; 16];
-        let mut log_probs_heap = Vec::new();
-        let log_probs: &mut [f32] = if n_actions <= log_probs.len() {
-            &mut log_probs[..n_actions]
-        } else {
-            log_probs_heap.resize(n_actions, 0.0);
-            &mut log_probs_heap
-        };
+        let head = cpu_head(head, n_actions);
+        let width = head.action_width();
+        check_actions(&head, slice(actions), "log_probs")?;
         let out = slice_mut(out);
         let reference = reference.map(slice);
-        for (i, (row, &action)) in slice(heads).chunks_exact(stride).zip(actions(actions_view)).enumerate() {
-            let action = action as usize;
-            if action >= n_actions {
-                return Err(BackendError::Shape {
-                    op: "action_log_probs",
-                    operand: "action",
-                    expected: n_actions,
-                    got: action,
-                });
-            }
-            log_softmax(&row[..n_actions], log_probs);
-            out[i] = log_probs[action] - reference.map_or(0.0, |r| r[i]);
+        for (i, (row, action)) in slice(heads).chunks_exact(stride).zip(slice(actions).chunks_exact(width)).enumerate()
+        {
+            out[i] = head.log_prob(&row[..n_actions], action) - reference.map_or(0.0, |r| r[i]);
         }
         Ok(())
     }
@@ -710,55 +677,43 @@ impl Backend for CpuBackend {
     fn begin_evaluations(&mut self, n_evaluations: usize) -> Result<(), BackendError> {
         self.evaluations.clear();
         self.evaluations.resize(n_evaluations, Evaluation::default());
+        self.off_policy = OffPolicySums::default();
         Ok(())
     }
 
-    fn vtrace_loss(
+    fn vtrace_loss_unchecked(
         &mut self,
         inputs: &VTraceLossInputs<'_, Self>,
         config: &VTraceLossConfig,
         outputs: VTraceLossOutputs<'_, Self>,
         slot: usize,
     ) -> Result<(), BackendError> {
-        let n = inputs.t_len * inputs.b_len;
-        for (operand, len) in [
-            ("actions", inputs.actions.len()),
-            ("behaviour_log_probs", inputs.behaviour_log_probs.len()),
-            ("rewards", inputs.rewards.len()),
-            ("discounts", inputs.discounts.len()),
-            ("sample_weights", inputs.sample_weights.len()),
-            ("log_rhos", outputs.log_rhos.len()),
-            ("vs", outputs.vs.len()),
-            ("pg_advantages", outputs.pg_advantages.len()),
-            ("advantage_override", inputs.advantage_override.map_or(n, |v| v.len())),
-        ] {
-            check_len("vtrace_loss", operand, n, len)?;
-        }
-        let rows = n + inputs.b_len;
-        check_len("vtrace_loss", "heads", rows * (inputs.n_actions + 1), inputs.heads.len())?;
-        check_len("vtrace_loss", "values", rows, inputs.values.len())?;
-        check_len("vtrace_loss", "d_heads", rows * (inputs.n_actions + 1), outputs.d_heads.len())?;
-        check_actions(actions(inputs.actions), inputs.n_actions, "vtrace_loss")?;
-        let batch = SequenceBatch {
+        let head = cpu_head(&inputs.head, inputs.n_actions);
+        check_actions(&head, slice(inputs.actions), "vtrace_loss")?;
+        let batch = RowBatch {
             t_len: inputs.t_len,
             b_len: inputs.b_len,
-            n_actions: inputs.n_actions,
-            actions: actions(inputs.actions),
+            actions: slice(inputs.actions),
             behaviour_log_probs: slice(inputs.behaviour_log_probs),
             rewards: slice(inputs.rewards),
             discounts: slice(inputs.discounts),
             sample_weights: slice(inputs.sample_weights),
         };
+        let out = VTraceRows {
+            log_rhos: slice_mut(outputs.log_rhos),
+            vs: slice_mut(outputs.vs),
+            pg_advantages: slice_mut(outputs.pg_advantages),
+            d_heads: slice_mut(outputs.d_heads),
+            d_head_params: slice_mut(outputs.d_head_params),
+        };
         let (sums, weight_sum) = losses::vtrace_loss_heads(
+            &head,
             &batch,
             slice(inputs.heads),
             slice(inputs.values),
             config,
             inputs.advantage_override.map(slice),
-            slice_mut(outputs.log_rhos),
-            slice_mut(outputs.vs),
-            slice_mut(outputs.pg_advantages),
-            slice_mut(outputs.d_heads),
+            out,
         );
         let evaluation = self.slot(slot)?;
         evaluation.sums = sums;
@@ -766,34 +721,21 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn ppo_loss(
+    fn ppo_loss_unchecked(
         &mut self,
         inputs: &PpoLossInputs<'_, Self>,
         config: &PpoLossConfig,
-        d_heads: ViewMut<'_, Self>,
+        outputs: PpoLossOutputs<'_, Self>,
         slot: usize,
     ) -> Result<(), BackendError> {
         let n = inputs.n_samples;
-        for (operand, len) in [
-            ("values", inputs.values.len()),
-            ("actions", inputs.actions.len()),
-            ("sample_weights", inputs.sample_weights.len()),
-            ("advantages", inputs.advantages.len()),
-            ("returns", inputs.returns.len()),
-            ("prox_log_probs", inputs.prox_log_probs.len()),
-            ("is_weights", inputs.is_weights.len()),
-        ] {
-            check_len("ppo_loss", operand, n, len)?;
-        }
-        check_len("ppo_loss", "heads", n * (inputs.n_actions + 1), inputs.heads.len())?;
-        check_len("ppo_loss", "d_heads", n * (inputs.n_actions + 1), d_heads.len())?;
-        check_actions(actions(inputs.actions), inputs.n_actions, "ppo_loss")?;
+        let head = cpu_head(&inputs.head, inputs.n_actions);
+        check_actions(&head, slice(inputs.actions), "ppo_loss")?;
         // The PPO loss treats samples independently, so one row of n samples is its batch.
-        let batch = SequenceBatch {
+        let batch = RowBatch {
             t_len: 1,
             b_len: n,
-            n_actions: inputs.n_actions,
-            actions: actions(inputs.actions),
+            actions: slice(inputs.actions),
             behaviour_log_probs: &[],
             rewards: &[],
             discounts: &[],
@@ -806,98 +748,14 @@ impl Backend for CpuBackend {
             is_weights: slice(inputs.is_weights),
         };
         let (sums, weight_sum) = losses::ppo_loss_heads(
+            &head,
             &batch,
             &targets,
             slice(inputs.heads),
             slice(inputs.values),
             config,
-            slice_mut(d_heads),
-        );
-        let evaluation = self.slot(slot)?;
-        evaluation.sums = sums;
-        evaluation.weight_sum = weight_sum;
-        Ok(())
-    }
-
-    fn gaussian_log_probs(
-        &mut self,
-        heads: View<'_, Self>,
-        n_actions: usize,
-        head: &GaussianHead<'_, Self>,
-        actions: View<'_, Self>,
-        reference: Option<View<'_, Self>>,
-        out: ViewMut<'_, Self>,
-    ) -> Result<(), BackendError> {
-        let n = out.len();
-        check_len("gaussian_log_probs", "heads", n * (n_actions + 1), heads.len())?;
-        check_len("gaussian_log_probs", "log_std", n_actions, head.log_std.len())?;
-        check_len("gaussian_log_probs", "actions", n * n_actions, actions.len())?;
-        if let Some(reference) = reference {
-            check_len("gaussian_log_probs", "reference", n, reference.len())?;
-        }
-        gaussian_losses::gaussian_log_probs(
-            slice(heads),
-            slice(head.log_std),
-            slice(actions),
-            head.squash,
-            reference.map(slice),
-            slice_mut(out),
-        );
-        Ok(())
-    }
-
-    fn gaussian_vtrace_loss(
-        &mut self,
-        inputs: &VTraceLossInputs<'_, Self>,
-        head: &GaussianHead<'_, Self>,
-        config: &VTraceLossConfig,
-        outputs: VTraceLossOutputs<'_, Self>,
-        d_log_std_rows: ViewMut<'_, Self>,
-        slot: usize,
-    ) -> Result<(), BackendError> {
-        let (n, a) = (inputs.t_len * inputs.b_len, inputs.n_actions);
-        for (operand, len) in [
-            ("behaviour_log_probs", inputs.behaviour_log_probs.len()),
-            ("rewards", inputs.rewards.len()),
-            ("discounts", inputs.discounts.len()),
-            ("sample_weights", inputs.sample_weights.len()),
-            ("log_rhos", outputs.log_rhos.len()),
-            ("vs", outputs.vs.len()),
-            ("pg_advantages", outputs.pg_advantages.len()),
-            ("advantage_override", inputs.advantage_override.map_or(n, |v| v.len())),
-        ] {
-            check_len("gaussian_vtrace_loss", operand, n, len)?;
-        }
-        let rows = n + inputs.b_len;
-        check_len("gaussian_vtrace_loss", "actions", n * a, inputs.actions.len())?;
-        check_len("gaussian_vtrace_loss", "log_std", a, head.log_std.len())?;
-        check_len("gaussian_vtrace_loss", "heads", rows * (a + 1), inputs.heads.len())?;
-        check_len("gaussian_vtrace_loss", "values", rows, inputs.values.len())?;
-        check_len("gaussian_vtrace_loss", "d_heads", rows * (a + 1), outputs.d_heads.len())?;
-        check_len("gaussian_vtrace_loss", "d_log_std_rows", n * a, d_log_std_rows.len())?;
-        let batch = GaussianBatch {
-            t_len: inputs.t_len,
-            b_len: inputs.b_len,
-            action_dim: a,
-            squash: head.squash,
-            log_std: slice(head.log_std),
-            actions: slice(inputs.actions),
-            behaviour_log_probs: slice(inputs.behaviour_log_probs),
-            rewards: slice(inputs.rewards),
-            discounts: slice(inputs.discounts),
-            sample_weights: slice(inputs.sample_weights),
-        };
-        let (sums, weight_sum) = gaussian_losses::gaussian_vtrace_loss_heads(
-            &batch,
-            slice(inputs.heads),
-            slice(inputs.values),
-            config,
-            inputs.advantage_override.map(slice),
-            slice_mut(outputs.log_rhos),
-            slice_mut(outputs.vs),
-            slice_mut(outputs.pg_advantages),
             slice_mut(outputs.d_heads),
-            slice_mut(d_log_std_rows),
+            slice_mut(outputs.d_head_params),
         );
         let evaluation = self.slot(slot)?;
         evaluation.sums = sums;
@@ -905,62 +763,20 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn gaussian_ppo_loss(
+    fn off_policy_sums_unchecked(
         &mut self,
-        inputs: &PpoLossInputs<'_, Self>,
-        head: &GaussianHead<'_, Self>,
-        config: &PpoLossConfig,
-        d_heads: ViewMut<'_, Self>,
-        d_log_std_rows: ViewMut<'_, Self>,
-        slot: usize,
+        inputs: &OffPolicyViews<'_, Self>,
+        ratios: ViewMut<'_, Self>,
     ) -> Result<(), BackendError> {
-        let (n, a) = (inputs.n_samples, inputs.n_actions);
-        for (operand, len) in [
-            ("values", inputs.values.len()),
-            ("sample_weights", inputs.sample_weights.len()),
-            ("advantages", inputs.advantages.len()),
-            ("returns", inputs.returns.len()),
-            ("prox_log_probs", inputs.prox_log_probs.len()),
-            ("is_weights", inputs.is_weights.len()),
-        ] {
-            check_len("gaussian_ppo_loss", operand, n, len)?;
-        }
-        check_len("gaussian_ppo_loss", "actions", n * a, inputs.actions.len())?;
-        check_len("gaussian_ppo_loss", "log_std", a, head.log_std.len())?;
-        check_len("gaussian_ppo_loss", "heads", n * (a + 1), inputs.heads.len())?;
-        check_len("gaussian_ppo_loss", "d_heads", n * (a + 1), d_heads.len())?;
-        check_len("gaussian_ppo_loss", "d_log_std_rows", n * a, d_log_std_rows.len())?;
-        // The PPO loss treats samples independently, so one row of n samples is its batch.
-        let batch = GaussianBatch {
-            t_len: 1,
-            b_len: n,
-            action_dim: a,
-            squash: head.squash,
-            log_std: slice(head.log_std),
-            actions: slice(inputs.actions),
-            behaviour_log_probs: &[],
-            rewards: &[],
-            discounts: &[],
-            sample_weights: slice(inputs.sample_weights),
+        let host = OffPolicyInputs {
+            log_rhos: slice(inputs.log_rhos),
+            weights: slice(inputs.weights),
+            values: slice(inputs.values),
+            value_targets: slice(inputs.value_targets),
+            rho_bar: inputs.rho_bar,
+            c_bar: inputs.c_bar,
         };
-        let targets = GaussianPpoTargets {
-            advantages: slice(inputs.advantages),
-            returns: slice(inputs.returns),
-            prox_log_probs: slice(inputs.prox_log_probs),
-            is_weights: slice(inputs.is_weights),
-        };
-        let (sums, weight_sum) = gaussian_losses::gaussian_ppo_loss_heads(
-            &batch,
-            &targets,
-            slice(inputs.heads),
-            slice(inputs.values),
-            config,
-            slice_mut(d_heads),
-            slice_mut(d_log_std_rows),
-        );
-        let evaluation = self.slot(slot)?;
-        evaluation.sums = sums;
-        evaluation.weight_sum = weight_sum;
+        telemetry::off_policy_sums(&host, &mut self.off_policy, slice_mut(ratios));
         Ok(())
     }
 
@@ -1036,17 +852,34 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn read_evaluations(&mut self, out: &mut Vec<Evaluation>) -> Result<(), BackendError> {
+    fn read_evaluations(
+        &mut self,
+        out: &mut Vec<Evaluation>,
+        off_policy: &mut OffPolicySums,
+    ) -> Result<(), BackendError> {
+        *off_policy = self.off_policy;
         out.clear();
         out.extend_from_slice(&self.evaluations);
         Ok(())
     }
 }
 
+/// The head `head` describes, over its host parameters (their length is checked at the
+/// trait's entry).
+fn cpu_head<'a>(head: &Head<'a, CpuBackend>, n_actions: usize) -> AnyHead<'a> {
+    AnyHead::new(head.kind, n_actions, slice(head.params))
+}
+
 /// Segments are validated on arrival; an out-of-range action here is refused, not indexed.
-fn check_actions(actions: &[u32], n_actions: usize, op: &'static str) -> Result<(), BackendError> {
-    match actions.iter().find(|&&a| a as usize >= n_actions) {
-        Some(&action) => Err(BackendError::Shape { op, operand: "action", expected: n_actions, got: action as usize }),
+fn check_actions(head: &AnyHead<'_>, actions: &[f32], op: &'static str) -> Result<(), BackendError> {
+    let width = head.action_width();
+    match actions.chunks_exact(width).position(|action| !head.valid_action(action)) {
+        Some(i) => Err(BackendError::Shape {
+            op,
+            operand: "action",
+            expected: head.n_outputs(),
+            got: actions[i * width].to_bits() as usize,
+        }),
         None => Ok(()),
     }
 }
@@ -1082,17 +915,20 @@ mod tests {
     }
 
     #[test]
-    fn action_log_probs_reads_the_logits_of_each_heads_row() {
+    fn log_probs_read_the_logits_of_each_heads_row() {
+        use volley_policy::ActionHead;
         let mut cpu = CpuBackend::new();
         // Two rows of [logit 0, logit 1, value].
         let heads = vec![0.0, 0.0, 5.0, 1.0, 0.0, -5.0];
         let actions = vec![f32::from_bits(1), f32::from_bits(0)];
         let mut out = vec![0.0; 2];
-        cpu.action_log_probs(View::of(&heads), 2, View::of(&actions), None, ViewMut::of(&mut out)).unwrap();
+        let no_params = Vec::new();
+        let head = Head { kind: ActionHead::Categorical, params: View::of(&no_params) };
+        cpu.log_probs(View::of(&heads), 2, &head, View::of(&actions), None, ViewMut::of(&mut out)).unwrap();
         assert!((out[0] - 0.5f32.ln()).abs() < 1e-6);
         let expected = 1.0 - (1.0f32.exp() + 1.0).ln();
         assert!((out[1] - expected).abs() < 1e-6, "{out:?}");
         let bad = vec![f32::from_bits(2), f32::from_bits(0)];
-        assert!(cpu.action_log_probs(View::of(&heads), 2, View::of(&bad), None, ViewMut::of(&mut out)).is_err());
+        assert!(cpu.log_probs(View::of(&heads), 2, &head, View::of(&bad), None, ViewMut::of(&mut out)).is_err());
     }
 }

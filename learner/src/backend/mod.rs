@@ -57,10 +57,11 @@ use std::fmt;
 use std::ops::Range;
 use std::str::FromStr;
 
-use volley_policy::{Activation, ConvGeometry};
+use volley_policy::{ActionHead, Activation, ConvGeometry};
 
 use crate::losses::{PpoLossConfig, VTraceLossConfig, WeightedSums};
 use crate::optim::AdamConfig;
+use crate::telemetry::OffPolicySums;
 
 pub use cpu::CpuBackend;
 pub use cuda::{open_cuda, CudaBackend, CudaDevice};
@@ -329,13 +330,15 @@ pub struct VTraceLossInputs<'a, B: Backend + ?Sized> {
     pub t_len: usize,
     /// `B`.
     pub b_len: usize,
-    /// `A`, the number of actions.
+    /// `A`, the policy head's outputs per row.
     pub n_actions: usize,
+    /// The policy head the heads block feeds.
+    pub head: Head<'a, B>,
     /// The heads block of the forward over `T + 1` rows, `[T+1][B][A + 1]`.
     pub heads: View<'a, B>,
     /// The value column of `heads`, `[T+1][B]` (row `T` is the bootstrap).
     pub values: View<'a, B>,
-    /// Actions as the bit patterns of `u32` (see [`Backend::Floats`]).
+    /// Actions, `[T][B][action_width]` words (see [`Backend::Floats`]).
     pub actions: View<'a, B>,
     /// `log μ(a|x)`.
     pub behaviour_log_probs: View<'a, B>,
@@ -362,6 +365,9 @@ pub struct VTraceLossOutputs<'a, B: Backend + ?Sized> {
     pub pg_advantages: ViewMut<'a, B>,
     /// `∂L/∂heads`, `[T+1][B][A + 1]` (the bootstrap row gets zero).
     pub d_heads: ViewMut<'a, B>,
+    /// `∂L/∂(head parameters)` per sample, `[T][B][n_params]` (empty for a head without
+    /// parameters); the caller sums the rows into the parameters' gradient.
+    pub d_head_params: ViewMut<'a, B>,
 }
 
 /// The inputs of the fused PPO loss ([`Backend::ppo_loss`]), all `[n]` (one minibatch) unless
@@ -369,13 +375,15 @@ pub struct VTraceLossOutputs<'a, B: Backend + ?Sized> {
 pub struct PpoLossInputs<'a, B: Backend + ?Sized> {
     /// `n`, the samples of the minibatch.
     pub n_samples: usize,
-    /// `A`, the number of actions.
+    /// `A`, the policy head's outputs per row.
     pub n_actions: usize,
+    /// The policy head the heads block feeds.
+    pub head: Head<'a, B>,
     /// The heads block, `[n][A + 1]`.
     pub heads: View<'a, B>,
     /// Its value column.
     pub values: View<'a, B>,
-    /// Actions as the bit patterns of `u32`.
+    /// Actions, `[n][action_width]` words.
     pub actions: View<'a, B>,
     /// Sample weights.
     pub sample_weights: View<'a, B>,
@@ -389,15 +397,423 @@ pub struct PpoLossInputs<'a, B: Backend + ?Sized> {
     pub is_weights: View<'a, B>,
 }
 
-/// A diagonal Gaussian action head's parameters beyond the heads block (issue 14): the
-/// state-independent log-std vector and the squashing convention
-/// (`volley_policy::gaussian`). With it, the heads block's first `A` columns are the means, and
-/// the `actions` views of the loss inputs hold `[n][A]` action values as floats.
-pub struct GaussianHead<'a, B: Backend + ?Sized> {
-    /// `policy.log_std`, `[A]`.
-    pub log_std: View<'a, B>,
-    /// Whether actions are `tanh`-squashed.
-    pub squash: bool,
+/// The inputs of [`Backend::off_policy_sums`], all `[n]`.
+pub struct OffPolicyViews<'a, B: Backend + ?Sized> {
+    /// `log ρ = log π(a|x) − log μ(a|x)`: the learner's parameters before the update against the
+    /// behaviour log-probabilities the actors recorded.
+    pub log_rhos: View<'a, B>,
+    /// Sample weights (0 drops a sample).
+    pub weights: View<'a, B>,
+    /// The value head's outputs.
+    pub values: View<'a, B>,
+    /// The value targets the update regresses on.
+    pub value_targets: View<'a, B>,
+    /// `ρ̄`.
+    pub rho_bar: f32,
+    /// `c̄`.
+    pub c_bar: f32,
+}
+
+/// Where the fused PPO loss writes: the heads' gradient `[n][A + 1]` and the head parameters'
+/// per-sample gradient rows `[n][n_params]` (empty for a head without parameters).
+pub struct PpoLossOutputs<'a, B: Backend + ?Sized> {
+    /// `∂L/∂heads`.
+    pub d_heads: ViewMut<'a, B>,
+    /// `∂L/∂(head parameters)` per sample.
+    pub d_head_params: ViewMut<'a, B>,
+}
+
+/// The policy head a heads block feeds (`volley_policy::head`): its kind, and its own
+/// parameters on the backend (empty for a categorical head, the `A` log-stds of a Gaussian
+/// one). The heads block's first `A` columns are the head's outputs (logits, or means).
+pub struct Head<'a, B: Backend + ?Sized> {
+    /// Which distribution.
+    pub kind: ActionHead,
+    /// Its parameters, [`ActionHead::n_params`] floats.
+    pub params: View<'a, B>,
+}
+
+impl<B: Backend + ?Sized> Clone for Head<'_, B> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<B: Backend + ?Sized> Copy for Head<'_, B> {}
+
+/// Hands the declarations of [`Backend`]'s operations (every method after `len`, each taking
+/// `&mut self`) to the macro `$then`: the one list both the trait ([`declare_operations`]) and
+/// the stand-in CUDA backend of builds without CUDA (`cuda/unavailable.rs`, where every
+/// operation is unreachable) are generated from.
+macro_rules! backend_operations {
+    ($then:ident) => {
+        $then! {
+            /// A zeroed buffer of `len` floats.
+            fn alloc(&mut self, len: usize) -> Result<Self::Floats, BackendError>;
+
+            /// Make `dst` hold `indices` (at its start), allocating it or growing it when needed.
+            fn upload_indices(&mut self, indices: &[u32], dst: &mut Option<Self::Indices>) -> Result<(), BackendError>;
+
+            /// Copy `host` into `dst` (equal lengths).
+            fn upload(&mut self, host: &[f32], dst: ViewMut<'_, Self>) -> Result<(), BackendError>;
+
+            /// Make `dst` hold `len` floats written by `pack` into host memory, in one transfer (the
+            /// batch upload: CUDA packs into page-locked memory and copies asynchronously).
+            fn upload_packed(
+                &mut self,
+                len: usize,
+                pack: &mut dyn FnMut(&mut [f32]),
+                dst: &mut Self::Floats,
+            ) -> Result<(), BackendError>;
+
+            /// Copy `src` to `host` (equal lengths), waiting for the work that writes it.
+            fn download(&mut self, src: View<'_, Self>, host: &mut [f32]) -> Result<(), BackendError>;
+
+            /// `x[i] = value`.
+            fn fill(&mut self, x: ViewMut<'_, Self>, value: f32) -> Result<(), BackendError>;
+
+            /// `dst[i] = src[i]` (equal lengths, on the device): a restored recurrent state copied
+            /// into the row of the step it enters ([`crate::net::Network::forward`]).
+            fn copy(&mut self, src: View<'_, Self>, dst: ViewMut<'_, Self>) -> Result<(), BackendError>;
+
+            /// One dense layer over `rows` rows: `y = act(x Wᵀ + b)` (no activation when `act` is
+            /// `None`); `x: [rows][n_in]`, `weight: [n_out][n_in]`, `bias: [n_out]`, `y: [rows][n_out]`.
+            #[allow(clippy::too_many_arguments)]
+            fn dense_forward(
+                &mut self,
+                x: View<'_, Self>,
+                rows: usize,
+                n_in: usize,
+                weight: View<'_, Self>,
+                bias: View<'_, Self>,
+                n_out: usize,
+                act: Option<Activation>,
+                y: ViewMut<'_, Self>,
+            ) -> Result<(), BackendError>;
+
+            /// `dy ← dy · act'(pre)`, written through the stored output `y = act(pre)`.
+            fn act_backward(&mut self, dy: ViewMut<'_, Self>, y: View<'_, Self>, act: Activation) -> Result<(), BackendError>;
+
+            /// The weight gradient of a dense layer, overwritten: `dW = dYᵀ X` over `rows` rows;
+            /// `dy: [rows][n_out]`, `x: [rows][n_in]`, `dw: [n_out][n_in]`.
+            #[allow(clippy::too_many_arguments)]
+            fn matmul_dw(
+                &mut self,
+                dy: View<'_, Self>,
+                x: View<'_, Self>,
+                rows: usize,
+                n_out: usize,
+                n_in: usize,
+                dw: ViewMut<'_, Self>,
+            ) -> Result<(), BackendError>;
+
+            /// The input gradient of a dense layer: `dX = dY W` (`+ dX` when `accumulate`);
+            /// `dy: [rows][n_out]`, `weight: [n_out][n_in]`, `dx: [rows][n_in]`.
+            #[allow(clippy::too_many_arguments)]
+            fn matmul_dx(
+                &mut self,
+                dy: View<'_, Self>,
+                rows: usize,
+                n_out: usize,
+                weight: View<'_, Self>,
+                n_in: usize,
+                dx: ViewMut<'_, Self>,
+                accumulate: bool,
+            ) -> Result<(), BackendError>;
+
+            /// The bias gradient, overwritten: `out[j] = Σ_r dy[r][j]`, `dy: [rows][out.len()]`.
+            fn column_sums(&mut self, dy: View<'_, Self>, rows: usize, out: ViewMut<'_, Self>) -> Result<(), BackendError>;
+
+            /// Unfold the receptive fields of `n` images for one conv layer (`volley_policy::ops::im2col`):
+            /// `x: [n][C·H·W]` in the geometry's layout, `cols: [n·OH·OW][C·K·K]` (zeros where the
+            /// kernel covers padding). The layer itself is then [`Backend::dense_forward`] over `cols`.
+            fn im2col(
+                &mut self,
+                x: View<'_, Self>,
+                n: usize,
+                geometry: &ConvGeometry,
+                cols: ViewMut<'_, Self>,
+            ) -> Result<(), BackendError>;
+
+            /// The adjoint of [`Backend::im2col`], overwriting `dx: [n][C·H·W]` with, for every input
+            /// element, the sum of the entries of `d_cols: [n·OH·OW][C·K·K]` that read it.
+            fn col2im(
+                &mut self,
+                d_cols: View<'_, Self>,
+                n: usize,
+                geometry: &ConvGeometry,
+                dx: ViewMut<'_, Self>,
+            ) -> Result<(), BackendError>;
+
+            /// `dst[i] = src[i · width + column]` for `i < rows` (the value column of the heads).
+            fn take_column(
+                &mut self,
+                src: View<'_, Self>,
+                rows: usize,
+                width: usize,
+                column: usize,
+                dst: ViewMut<'_, Self>,
+            ) -> Result<(), BackendError>;
+
+            /// The GRU state entering a step: `dst[b] = 0` where `starts[b] ≠ 0`, else `src[b]`;
+            /// `src`, `dst: [B][hidden]`, `starts: [B]`.
+            fn gru_reset_copy(
+                &mut self,
+                src: View<'_, Self>,
+                starts: View<'_, Self>,
+                hidden: usize,
+                dst: ViewMut<'_, Self>,
+            ) -> Result<(), BackendError>;
+
+            /// One GRU step's element-wise part (PyTorch gate convention): from the gate pre-sums
+            /// `gi`, `gh` (`[B][3H]`, biases included) and `h_prev` (`[B][H]`) write the gates
+            /// `[r, z, n]` (`[B][3H]`) and `h_out` (`[B][H]`).
+            #[allow(clippy::too_many_arguments)]
+            fn gru_cell_forward(
+                &mut self,
+                gi: View<'_, Self>,
+                gh: View<'_, Self>,
+                h_prev: View<'_, Self>,
+                hidden: usize,
+                gates: ViewMut<'_, Self>,
+                h_out: ViewMut<'_, Self>,
+            ) -> Result<(), BackendError>;
+
+            /// Backward through one GRU step's element-wise part: on entry `d_h` holds `∂L/∂h'`, on
+            /// exit its direct part `∂L/∂h' ⊙ z` (the caller adds `d_gh W_h`); writes `d_gi`, `d_gh`.
+            #[allow(clippy::too_many_arguments)]
+            fn gru_cell_backward(
+                &mut self,
+                d_h: ViewMut<'_, Self>,
+                gates: View<'_, Self>,
+                gh: View<'_, Self>,
+                h_prev: View<'_, Self>,
+                hidden: usize,
+                d_gi: ViewMut<'_, Self>,
+                d_gh: ViewMut<'_, Self>,
+            ) -> Result<(), BackendError>;
+
+            /// The gradient carried into a GRU step from the step after it: zero the rows of `d_h`
+            /// where `starts_next` (the next step's episode starts, if any) is non-zero, then add
+            /// `from_heads`, the gradient arriving at this step's output from above.
+            fn gru_carry_grad(
+                &mut self,
+                d_h: ViewMut<'_, Self>,
+                starts_next: Option<View<'_, Self>>,
+                from_heads: View<'_, Self>,
+                hidden: usize,
+            ) -> Result<(), BackendError>;
+
+            /// [`Backend::log_probs`] on shapes it has checked (what a backend implements).
+            #[allow(clippy::too_many_arguments)]
+            fn log_probs_unchecked(
+                &mut self,
+                heads: View<'_, Self>,
+                n_actions: usize,
+                head: &Head<'_, Self>,
+                actions: View<'_, Self>,
+                reference: Option<View<'_, Self>>,
+                out: ViewMut<'_, Self>,
+            ) -> Result<(), BackendError>;
+
+            /// `out[i] = min(exp(prox[i] − behaviour[i]), clip)` (Hilton et al. 2021).
+            fn behaviour_weights(
+                &mut self,
+                prox_log_probs: View<'_, Self>,
+                behaviour_log_probs: View<'_, Self>,
+                clip: f32,
+                out: ViewMut<'_, Self>,
+            ) -> Result<(), BackendError>;
+
+            /// GAE(γ, λ) advantages and λ-returns over `[T][B]` (Schulman et al. 2016, eq. (16));
+            /// `values: [T][B]`, `bootstrap_value: [B]`.
+            #[allow(clippy::too_many_arguments)]
+            ///
+            /// Where `advantage_override` (`[T][B]`, group baselines) is finite, it is written to
+            /// `advantages` in place of GAE's; `returns` (the value targets) are GAE's either way.
+            fn gae_scan(
+                &mut self,
+                t_len: usize,
+                b_len: usize,
+                discounts: View<'_, Self>,
+                rewards: View<'_, Self>,
+                values: View<'_, Self>,
+                bootstrap_value: View<'_, Self>,
+                lambda_: f32,
+                advantage_override: Option<View<'_, Self>>,
+                advantages: ViewMut<'_, Self>,
+                returns: ViewMut<'_, Self>,
+            ) -> Result<(), BackendError>;
+
+            /// Start the statistics of an update of `n_evaluations` loss evaluations (gradient steps):
+            /// every slot, and the update's off-policy sums, is zeroed.
+            fn begin_evaluations(&mut self, n_evaluations: usize) -> Result<(), BackendError>;
+
+            /// [`Backend::vtrace_loss`] on shapes it has checked (what a backend implements): log-ρ,
+            /// the V-trace scan, the weighted loss sums into evaluation `slot`,
+            /// `∂L/∂heads` and the head parameters' gradient rows. Same result as
+            /// [`crate::losses::vtrace_loss_heads`].
+            fn vtrace_loss_unchecked(
+                &mut self,
+                inputs: &VTraceLossInputs<'_, Self>,
+                config: &VTraceLossConfig,
+                outputs: VTraceLossOutputs<'_, Self>,
+                slot: usize,
+            ) -> Result<(), BackendError>;
+
+            /// [`Backend::ppo_loss`] on shapes it has checked (what a backend implements;
+            /// Schulman et al. 2017, Hilton et al. 2021): the weighted loss sums into evaluation `slot`, `∂L/∂heads` and
+            /// the head parameters' gradient rows. Same result as [`crate::losses::ppo_loss_heads`].
+            fn ppo_loss_unchecked(
+                &mut self,
+                inputs: &PpoLossInputs<'_, Self>,
+                config: &PpoLossConfig,
+                outputs: PpoLossOutputs<'_, Self>,
+                slot: usize,
+            ) -> Result<(), BackendError>;
+
+            /// [`Backend::off_policy_sums`] on shapes it has checked (what a backend implements).
+            /// The off-policy health of this update ([`crate::telemetry`]), from the same per-sample
+            /// terms on every device ([`OffPolicySums::add`]): adds the weighted sums of `inputs` to the
+            /// update's [`OffPolicySums`] (read back by [`Backend::read_evaluations`]) and writes each
+            /// sample's `ρ` into `ratios` (`[n]`; [`crate::telemetry::NO_RATIO`] where its weight is 0).
+            fn off_policy_sums_unchecked(
+                &mut self,
+                inputs: &OffPolicyViews<'_, Self>,
+                ratios: ViewMut<'_, Self>,
+            ) -> Result<(), BackendError>;
+
+            /// Whole columns of a time-major `[rows][b_len][width]` block:
+            /// `dst[t][j] = src[t][columns[columns_offset + j]]` for `j < n_columns`.
+            #[allow(clippy::too_many_arguments)]
+            fn gather_columns(
+                &mut self,
+                src: View<'_, Self>,
+                rows: usize,
+                b_len: usize,
+                width: usize,
+                columns: &Self::Indices,
+                columns_offset: usize,
+                n_columns: usize,
+                dst: ViewMut<'_, Self>,
+            ) -> Result<(), BackendError>;
+
+            /// Adam's step count `t`, on the device.
+            fn step_count(&mut self, t: u64) -> Result<Self::StepCount, BackendError>;
+
+            /// Read Adam's step count back.
+            fn read_step_count(&mut self, step: &Self::StepCount) -> Result<u64, BackendError>;
+
+            /// Global-norm clipping (Pascanu et al. 2013) then Adam (Kingma & Ba 2015) over the flat
+            /// parameter buffer; the pre-clip norm goes to evaluation `slot`. A non-finite norm skips
+            /// the step (parameters, moments and `t` unchanged). `grads` may be scaled in place.
+            #[allow(clippy::too_many_arguments)]
+            fn clip_adam_step(
+                &mut self,
+                params: ViewMut<'_, Self>,
+                grads: ViewMut<'_, Self>,
+                adam_m: ViewMut<'_, Self>,
+                adam_v: ViewMut<'_, Self>,
+                step: &mut Self::StepCount,
+                config: &AdamConfig,
+                learning_rate: f32,
+                max_grad_norm: f32,
+                slot: usize,
+            ) -> Result<(), BackendError>;
+
+            /// The statistics of this update's evaluations and its off-policy sums (one wait for the
+            /// device on CUDA).
+            fn read_evaluations(
+                &mut self,
+                out: &mut Vec<Evaluation>,
+                off_policy: &mut OffPolicySums,
+            ) -> Result<(), BackendError>;
+        }
+    };
+}
+// Used by the stand-in, which builds without the `cuda` feature.
+#[cfg_attr(feature = "cuda", allow(unused_imports))]
+pub(crate) use backend_operations;
+
+/// Declares the operations [`backend_operations`] lists, as they are, in the trait.
+macro_rules! declare_operations {
+    ($($(#[$meta:meta])* fn $name:ident($($params:tt)*) -> $ret:ty;)*) => {
+        $($(#[$meta])* fn $name($($params)*) -> $ret;)*
+    };
+}
+
+impl<B: Backend + ?Sized> Head<'_, B> {
+    /// The head's part of every head operation's shape contract: its parameters'
+    /// length; returns the widths an action and a parameter-gradient row take.
+    fn check(&self, op: &'static str, n_outputs: usize) -> Result<(usize, usize), BackendError> {
+        check_len(op, "head params", self.kind.n_params(n_outputs), self.params.len())?;
+        Ok((self.kind.action_width(n_outputs), self.kind.n_params(n_outputs)))
+    }
+}
+
+impl<B: Backend + ?Sized> VTraceLossInputs<'_, B> {
+    /// The shape contract of [`Backend::vtrace_loss`], stated once: `n = T·B` samples, `T + 1`
+    /// rows of heads and values, `[n]` per-sample inputs and intermediates, `[n][action_width]`
+    /// actions, `[n][n_params]` head-parameter gradient rows.
+    fn check(&self, outputs: &VTraceLossOutputs<'_, B>) -> Result<(), BackendError> {
+        let op = "vtrace_loss";
+        let n = self.t_len * self.b_len;
+        let (rows, stride) = (n + self.b_len, self.n_actions + 1);
+        let (width, n_params) = self.head.check(op, self.n_actions)?;
+        let per_sample = [
+            ("behaviour_log_probs", self.behaviour_log_probs.len()),
+            ("rewards", self.rewards.len()),
+            ("discounts", self.discounts.len()),
+            ("sample_weights", self.sample_weights.len()),
+            ("advantage_override", self.advantage_override.map_or(n, |v| v.len())),
+            ("log_rhos", outputs.log_rhos.len()),
+            ("vs", outputs.vs.len()),
+            ("pg_advantages", outputs.pg_advantages.len()),
+        ];
+        let blocks = [
+            ("actions", n * width, self.actions.len()),
+            ("heads", rows * stride, self.heads.len()),
+            ("values", rows, self.values.len()),
+            ("d_heads", rows * stride, outputs.d_heads.len()),
+            ("d_head_params", n * n_params, outputs.d_head_params.len()),
+        ];
+        per_sample
+            .into_iter()
+            .map(|(operand, len)| (operand, n, len))
+            .chain(blocks)
+            .try_for_each(|(operand, expected, len)| check_len(op, operand, expected, len))
+    }
+}
+
+impl<B: Backend + ?Sized> PpoLossInputs<'_, B> {
+    /// The shape contract of [`Backend::ppo_loss`], stated once: `n` samples, `[n]` per-sample
+    /// inputs, `[n][A + 1]` heads and their gradient, `[n][action_width]` actions and
+    /// `[n][n_params]` head-parameter gradient rows.
+    fn check(&self, outputs: &PpoLossOutputs<'_, B>) -> Result<(), BackendError> {
+        let op = "ppo_loss";
+        let n = self.n_samples;
+        let stride = self.n_actions + 1;
+        let (width, n_params) = self.head.check(op, self.n_actions)?;
+        let per_sample = [
+            ("values", self.values.len()),
+            ("sample_weights", self.sample_weights.len()),
+            ("advantages", self.advantages.len()),
+            ("returns", self.returns.len()),
+            ("prox_log_probs", self.prox_log_probs.len()),
+            ("is_weights", self.is_weights.len()),
+        ];
+        let blocks = [
+            ("actions", n * width, self.actions.len()),
+            ("heads", n * stride, self.heads.len()),
+            ("d_heads", n * stride, outputs.d_heads.len()),
+            ("d_head_params", n * n_params, outputs.d_head_params.len()),
+        ];
+        per_sample
+            .into_iter()
+            .map(|(operand, len)| (operand, n, len))
+            .chain(blocks)
+            .try_for_each(|(operand, expected, len)| check_len(op, operand, expected, len))
+    }
 }
 
 /// The learner's device operations, at the level of the math (one trait for every device, one
@@ -427,314 +843,75 @@ pub trait Backend {
     /// The number of floats in `buffer`.
     fn len(buffer: &Self::Floats) -> usize;
 
-    /// A zeroed buffer of `len` floats.
-    fn alloc(&mut self, len: usize) -> Result<Self::Floats, BackendError>;
-
-    /// Make `dst` hold `indices` (at its start), allocating it or growing it when needed.
-    fn upload_indices(&mut self, indices: &[u32], dst: &mut Option<Self::Indices>) -> Result<(), BackendError>;
-
-    /// Copy `host` into `dst` (equal lengths).
-    fn upload(&mut self, host: &[f32], dst: ViewMut<'_, Self>) -> Result<(), BackendError>;
-
-    /// Make `dst` hold `len` floats written by `pack` into host memory, in one transfer (the
-    /// batch upload: CUDA packs into page-locked memory and copies asynchronously).
-    fn upload_packed(
-        &mut self,
-        len: usize,
-        pack: &mut dyn FnMut(&mut [f32]),
-        dst: &mut Self::Floats,
-    ) -> Result<(), BackendError>;
-
-    /// Copy `src` to `host` (equal lengths), waiting for the work that writes it.
-    fn download(&mut self, src: View<'_, Self>, host: &mut [f32]) -> Result<(), BackendError>;
-
-    /// The floats of `src` without a copy when they live in host memory (CPU), else `None`.
-    fn host_slice<'a>(&self, src: View<'a, Self>) -> Option<&'a [f32]>;
-
-    /// `x[i] = value`.
-    fn fill(&mut self, x: ViewMut<'_, Self>, value: f32) -> Result<(), BackendError>;
-
-    /// `dst[i] = src[i]` (equal lengths, on the device): a restored recurrent state copied
-    /// into the row of the step it enters ([`crate::net::Network::forward`]).
-    fn copy(&mut self, src: View<'_, Self>, dst: ViewMut<'_, Self>) -> Result<(), BackendError>;
-
-    /// One dense layer over `rows` rows: `y = act(x Wᵀ + b)` (no activation when `act` is
-    /// `None`); `x: [rows][n_in]`, `weight: [n_out][n_in]`, `bias: [n_out]`, `y: [rows][n_out]`.
-    #[allow(clippy::too_many_arguments)]
-    fn dense_forward(
-        &mut self,
-        x: View<'_, Self>,
-        rows: usize,
-        n_in: usize,
-        weight: View<'_, Self>,
-        bias: View<'_, Self>,
-        n_out: usize,
-        act: Option<Activation>,
-        y: ViewMut<'_, Self>,
-    ) -> Result<(), BackendError>;
-
-    /// `dy ← dy · act'(pre)`, written through the stored output `y = act(pre)`.
-    fn act_backward(&mut self, dy: ViewMut<'_, Self>, y: View<'_, Self>, act: Activation) -> Result<(), BackendError>;
-
-    /// The weight gradient of a dense layer, overwritten: `dW = dYᵀ X` over `rows` rows;
-    /// `dy: [rows][n_out]`, `x: [rows][n_in]`, `dw: [n_out][n_in]`.
-    #[allow(clippy::too_many_arguments)]
-    fn matmul_dw(
-        &mut self,
-        dy: View<'_, Self>,
-        x: View<'_, Self>,
-        rows: usize,
-        n_out: usize,
-        n_in: usize,
-        dw: ViewMut<'_, Self>,
-    ) -> Result<(), BackendError>;
-
-    /// The input gradient of a dense layer: `dX = dY W` (`+ dX` when `accumulate`);
-    /// `dy: [rows][n_out]`, `weight: [n_out][n_in]`, `dx: [rows][n_in]`.
-    #[allow(clippy::too_many_arguments)]
-    fn matmul_dx(
-        &mut self,
-        dy: View<'_, Self>,
-        rows: usize,
-        n_out: usize,
-        weight: View<'_, Self>,
-        n_in: usize,
-        dx: ViewMut<'_, Self>,
-        accumulate: bool,
-    ) -> Result<(), BackendError>;
-
-    /// The bias gradient, overwritten: `out[j] = Σ_r dy[r][j]`, `dy: [rows][out.len()]`.
-    fn column_sums(&mut self, dy: View<'_, Self>, rows: usize, out: ViewMut<'_, Self>) -> Result<(), BackendError>;
-
-    /// Unfold the receptive fields of `n` images for one conv layer (`volley_policy::ops::im2col`):
-    /// `x: [n][C·H·W]` in the geometry's layout, `cols: [n·OH·OW][C·K·K]` (zeros where the
-    /// kernel covers padding). The layer itself is then [`Backend::dense_forward`] over `cols`.
-    fn im2col(
-        &mut self,
-        x: View<'_, Self>,
-        n: usize,
-        geometry: &ConvGeometry,
-        cols: ViewMut<'_, Self>,
-    ) -> Result<(), BackendError>;
-
-    /// The adjoint of [`Backend::im2col`], overwriting `dx: [n][C·H·W]` with, for every input
-    /// element, the sum of the entries of `d_cols: [n·OH·OW][C·K·K]` that read it.
-    fn col2im(
-        &mut self,
-        d_cols: View<'_, Self>,
-        n: usize,
-        geometry: &ConvGeometry,
-        dx: ViewMut<'_, Self>,
-    ) -> Result<(), BackendError>;
-
-    /// `dst[i] = src[i · width + column]` for `i < rows` (the value column of the heads).
-    fn take_column(
-        &mut self,
-        src: View<'_, Self>,
-        rows: usize,
-        width: usize,
-        column: usize,
-        dst: ViewMut<'_, Self>,
-    ) -> Result<(), BackendError>;
-
-    /// The GRU state entering a step: `dst[b] = 0` where `starts[b] ≠ 0`, else `src[b]`;
-    /// `src`, `dst: [B][hidden]`, `starts: [B]`.
-    fn gru_reset_copy(
-        &mut self,
-        src: View<'_, Self>,
-        starts: View<'_, Self>,
-        hidden: usize,
-        dst: ViewMut<'_, Self>,
-    ) -> Result<(), BackendError>;
-
-    /// One GRU step's element-wise part (PyTorch gate convention): from the gate pre-sums
-    /// `gi`, `gh` (`[B][3H]`, biases included) and `h_prev` (`[B][H]`) write the gates
-    /// `[r, z, n]` (`[B][3H]`) and `h_out` (`[B][H]`).
-    #[allow(clippy::too_many_arguments)]
-    fn gru_cell_forward(
-        &mut self,
-        gi: View<'_, Self>,
-        gh: View<'_, Self>,
-        h_prev: View<'_, Self>,
-        hidden: usize,
-        gates: ViewMut<'_, Self>,
-        h_out: ViewMut<'_, Self>,
-    ) -> Result<(), BackendError>;
-
-    /// Backward through one GRU step's element-wise part: on entry `d_h` holds `∂L/∂h'`, on
-    /// exit its direct part `∂L/∂h' ⊙ z` (the caller adds `d_gh W_h`); writes `d_gi`, `d_gh`.
-    #[allow(clippy::too_many_arguments)]
-    fn gru_cell_backward(
-        &mut self,
-        d_h: ViewMut<'_, Self>,
-        gates: View<'_, Self>,
-        gh: View<'_, Self>,
-        h_prev: View<'_, Self>,
-        hidden: usize,
-        d_gi: ViewMut<'_, Self>,
-        d_gh: ViewMut<'_, Self>,
-    ) -> Result<(), BackendError>;
-
-    /// The gradient carried into a GRU step from the step after it: zero the rows of `d_h`
-    /// where `starts_next` (the next step's episode starts, if any) is non-zero, then add
-    /// `from_heads`, the gradient arriving at this step's output from above.
-    fn gru_carry_grad(
-        &mut self,
-        d_h: ViewMut<'_, Self>,
-        starts_next: Option<View<'_, Self>>,
-        from_heads: View<'_, Self>,
-        hidden: usize,
-    ) -> Result<(), BackendError>;
+    backend_operations!(declare_operations);
 
     /// `out[i] = log π(a_i | x_i) − reference[i]` (or `log π(a_i | x_i)` without a reference)
-    /// from the logits in row `i` of the heads block (`stride = A + 1`).
+    /// under `head`, from the outputs in row `i` of the heads block (`stride = A + 1`);
+    /// `actions: [n][action_width]`, `n = out.len()`. Checks the shapes, then runs
+    /// [`Backend::log_probs_unchecked`].
     #[allow(clippy::too_many_arguments)]
-    fn action_log_probs(
+    fn log_probs(
         &mut self,
         heads: View<'_, Self>,
         n_actions: usize,
+        head: &Head<'_, Self>,
         actions: View<'_, Self>,
         reference: Option<View<'_, Self>>,
         out: ViewMut<'_, Self>,
-    ) -> Result<(), BackendError>;
+    ) -> Result<(), BackendError> {
+        let n = out.len();
+        let (width, _) = head.check("log_probs", n_actions)?;
+        check_len("log_probs", "heads", n * (n_actions + 1), heads.len())?;
+        check_len("log_probs", "actions", n * width, actions.len())?;
+        check_len("log_probs", "reference", n, reference.map_or(n, |r| r.len()))?;
+        self.log_probs_unchecked(heads, n_actions, head, actions, reference, out)
+    }
 
-    /// `out[i] = min(exp(prox[i] − behaviour[i]), clip)` (Hilton et al. 2021).
-    fn behaviour_weights(
-        &mut self,
-        prox_log_probs: View<'_, Self>,
-        behaviour_log_probs: View<'_, Self>,
-        clip: f32,
-        out: ViewMut<'_, Self>,
-    ) -> Result<(), BackendError>;
-
-    /// GAE(γ, λ) advantages and λ-returns over `[T][B]` (Schulman et al. 2016, eq. (16));
-    /// `values: [T][B]`, `bootstrap_value: [B]`.
-    #[allow(clippy::too_many_arguments)]
-    ///
-    /// Where `advantage_override` (`[T][B]`, group baselines) is finite, it is written to
-    /// `advantages` in place of GAE's; `returns` (the value targets) are GAE's either way.
-    fn gae_scan(
-        &mut self,
-        t_len: usize,
-        b_len: usize,
-        discounts: View<'_, Self>,
-        rewards: View<'_, Self>,
-        values: View<'_, Self>,
-        bootstrap_value: View<'_, Self>,
-        lambda_: f32,
-        advantage_override: Option<View<'_, Self>>,
-        advantages: ViewMut<'_, Self>,
-        returns: ViewMut<'_, Self>,
-    ) -> Result<(), BackendError>;
-
-    /// Start the statistics of an update of `n_evaluations` loss evaluations (gradient steps):
-    /// every slot is zeroed.
-    fn begin_evaluations(&mut self, n_evaluations: usize) -> Result<(), BackendError>;
-
-    /// The fused IMPALA loss with V-trace targets (Espeholt et al. 2018, sec. 4.2): log-ρ,
-    /// the V-trace scan, the weighted loss sums into evaluation `slot`, and `∂L/∂heads`.
-    /// Same result as [`crate::losses::vtrace_loss`].
+    /// The fused IMPALA loss with V-trace targets (Espeholt et al. 2018, sec. 4.2) for any
+    /// head: checks the shapes ([`VTraceLossInputs`]' contract), then runs
+    /// [`Backend::vtrace_loss_unchecked`].
     fn vtrace_loss(
         &mut self,
         inputs: &VTraceLossInputs<'_, Self>,
         config: &VTraceLossConfig,
         outputs: VTraceLossOutputs<'_, Self>,
         slot: usize,
-    ) -> Result<(), BackendError>;
+    ) -> Result<(), BackendError> {
+        inputs.check(&outputs)?;
+        self.vtrace_loss_unchecked(inputs, config, outputs, slot)
+    }
 
-    /// The fused decoupled PPO-clip loss (Schulman et al. 2017; Hilton et al. 2021) over one
-    /// minibatch: the weighted loss sums into evaluation `slot`, and `∂L/∂heads`. Same result
-    /// as [`crate::losses::ppo_loss`].
+    /// The fused decoupled PPO-clip loss over one minibatch for any head: checks the shapes
+    /// ([`PpoLossInputs`]' contract), then runs [`Backend::ppo_loss_unchecked`].
     fn ppo_loss(
         &mut self,
         inputs: &PpoLossInputs<'_, Self>,
         config: &PpoLossConfig,
-        d_heads: ViewMut<'_, Self>,
+        outputs: PpoLossOutputs<'_, Self>,
         slot: usize,
-    ) -> Result<(), BackendError>;
+    ) -> Result<(), BackendError> {
+        inputs.check(&outputs)?;
+        self.ppo_loss_unchecked(inputs, config, outputs, slot)
+    }
 
-    /// [`Backend::action_log_probs`] for a Gaussian head: `out[i] = log π(a_i | x_i) −
-    /// reference[i]` from the means in row `i` of the heads block, the log-std and the action
-    /// values `actions: [n][A]`.
-    #[allow(clippy::too_many_arguments)]
-    fn gaussian_log_probs(
+    /// The update's off-policy sums over `n = ratios.len()` samples: checks that every input
+    /// has `n` elements, then runs [`Backend::off_policy_sums_unchecked`].
+    fn off_policy_sums(
         &mut self,
-        heads: View<'_, Self>,
-        n_actions: usize,
-        head: &GaussianHead<'_, Self>,
-        actions: View<'_, Self>,
-        reference: Option<View<'_, Self>>,
-        out: ViewMut<'_, Self>,
-    ) -> Result<(), BackendError>;
-
-    /// [`Backend::vtrace_loss`] for a Gaussian head (`inputs.actions` holds `[T][B][A]` action
-    /// values): also writes `∂L/∂s` per sample into `d_log_std_rows` (`[T][B][A]`), which the
-    /// caller sums over rows into the log-std gradient. Same result as
-    /// [`crate::gaussian_losses::gaussian_vtrace_loss_heads`].
-    fn gaussian_vtrace_loss(
-        &mut self,
-        inputs: &VTraceLossInputs<'_, Self>,
-        head: &GaussianHead<'_, Self>,
-        config: &VTraceLossConfig,
-        outputs: VTraceLossOutputs<'_, Self>,
-        d_log_std_rows: ViewMut<'_, Self>,
-        slot: usize,
-    ) -> Result<(), BackendError>;
-
-    /// [`Backend::ppo_loss`] for a Gaussian head (`inputs.actions` holds `[n][A]` action
-    /// values): also writes `∂L/∂s` per sample into `d_log_std_rows` (`[n][A]`). Same result
-    /// as [`crate::gaussian_losses::gaussian_ppo_loss_heads`].
-    #[allow(clippy::too_many_arguments)]
-    fn gaussian_ppo_loss(
-        &mut self,
-        inputs: &PpoLossInputs<'_, Self>,
-        head: &GaussianHead<'_, Self>,
-        config: &PpoLossConfig,
-        d_heads: ViewMut<'_, Self>,
-        d_log_std_rows: ViewMut<'_, Self>,
-        slot: usize,
-    ) -> Result<(), BackendError>;
-
-    /// Whole columns of a time-major `[rows][b_len][width]` block:
-    /// `dst[t][j] = src[t][columns[columns_offset + j]]` for `j < n_columns`.
-    #[allow(clippy::too_many_arguments)]
-    fn gather_columns(
-        &mut self,
-        src: View<'_, Self>,
-        rows: usize,
-        b_len: usize,
-        width: usize,
-        columns: &Self::Indices,
-        columns_offset: usize,
-        n_columns: usize,
-        dst: ViewMut<'_, Self>,
-    ) -> Result<(), BackendError>;
-
-    /// Adam's step count `t`, on the device.
-    fn step_count(&mut self, t: u64) -> Result<Self::StepCount, BackendError>;
-
-    /// Read Adam's step count back.
-    fn read_step_count(&mut self, step: &Self::StepCount) -> Result<u64, BackendError>;
-
-    /// Global-norm clipping (Pascanu et al. 2013) then Adam (Kingma & Ba 2015) over the flat
-    /// parameter buffer; the pre-clip norm goes to evaluation `slot`. A non-finite norm skips
-    /// the step (parameters, moments and `t` unchanged). `grads` may be scaled in place.
-    #[allow(clippy::too_many_arguments)]
-    fn clip_adam_step(
-        &mut self,
-        params: ViewMut<'_, Self>,
-        grads: ViewMut<'_, Self>,
-        adam_m: ViewMut<'_, Self>,
-        adam_v: ViewMut<'_, Self>,
-        step: &mut Self::StepCount,
-        config: &AdamConfig,
-        learning_rate: f32,
-        max_grad_norm: f32,
-        slot: usize,
-    ) -> Result<(), BackendError>;
-
-    /// The statistics of this update's evaluations (one device-to-host transfer on CUDA).
-    fn read_evaluations(&mut self, out: &mut Vec<Evaluation>) -> Result<(), BackendError>;
+        inputs: &OffPolicyViews<'_, Self>,
+        ratios: ViewMut<'_, Self>,
+    ) -> Result<(), BackendError> {
+        let n = ratios.len();
+        for (operand, view) in [
+            ("log_rhos", inputs.log_rhos),
+            ("weights", inputs.weights),
+            ("values", inputs.values),
+            ("value_targets", inputs.value_targets),
+        ] {
+            check_len("off_policy_sums", operand, n, view.len())?;
+        }
+        self.off_policy_sums_unchecked(inputs, ratios)
+    }
 }
 
 #[cfg(test)]

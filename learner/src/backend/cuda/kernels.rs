@@ -17,7 +17,7 @@ use std::sync::Arc;
 use cudarc::driver::{CudaFunction, CudaModule, CudaStream, CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::{CompileOptions, Ptx};
 
-use volley_policy::ConvGeometry;
+use volley_policy::{ActionHead, ConvGeometry};
 
 use crate::backend::{check_len, BackendError};
 
@@ -51,20 +51,19 @@ pub const FILES: &[KernelFile] = &[
         name: "loss.cu",
         source: include_str!("../../../kernels/loss.cu"),
         kernels: &[
-            "action_log_probs",
             "behaviour_weights",
             "vtrace_scan",
             "gae_scan",
             "weighted_sum",
             "weighted_var",
-            "vtrace_loss_grad",
-            "ppo_loss_grad",
+            "off_policy_sums",
+            "log_probs_categorical",
+            "vtrace_loss_grad_categorical",
+            "ppo_loss_grad_categorical",
+            "log_probs_gaussian",
+            "vtrace_loss_grad_gaussian",
+            "ppo_loss_grad_gaussian",
         ],
-    },
-    KernelFile {
-        name: "gaussian.cu",
-        source: include_str!("../../../kernels/gaussian.cu"),
-        kernels: &["gaussian_log_probs", "gaussian_vtrace_loss_grad", "gaussian_ppo_loss_grad"],
     },
     KernelFile {
         name: "optim.cu",
@@ -202,21 +201,17 @@ pub(crate) struct Kernels {
     gru_cell_fwd: CudaFunction,
     gru_cell_bwd: CudaFunction,
     gru_carry_grad: CudaFunction,
-    action_log_probs: CudaFunction,
     behaviour_weights: CudaFunction,
     vtrace_scan: CudaFunction,
     gae_scan: CudaFunction,
     weighted_sum: CudaFunction,
     weighted_var: CudaFunction,
-    vtrace_loss_grad: CudaFunction,
-    ppo_loss_grad: CudaFunction,
+    off_policy_sums: CudaFunction,
+    /// Each head's instances of the head kernels, by [`HeadArgs::index`].
+    heads: [HeadKernels; 2],
     sum_squares: CudaFunction,
     adam_prepare: CudaFunction,
     adam_step: CudaFunction,
-    /// The Gaussian head's kernels (`gaussian.cu`), launched from `cuda/gaussian.rs`.
-    pub(crate) gaussian_log_probs: CudaFunction,
-    pub(crate) gaussian_vtrace_loss_grad: CudaFunction,
-    pub(crate) gaussian_ppo_loss_grad: CudaFunction,
     im2col: CudaFunction,
     col2im: CudaFunction,
     /// Keeps the functions' module loaded.
@@ -231,11 +226,63 @@ pub(crate) const SLOT_STATS: usize = 3;
 /// Where `Σ g²` sits in a slot.
 pub(crate) const SLOT_SUMSQ: usize = 9;
 
-/// The arguments of [`Kernels::vtrace_loss_grad`] besides the slot: the heads block of `n_rows`
-/// rows and the `[n]` per-sample inputs.
+/// One head's instances of the kernels templated over the head (`loss.cu`,
+/// `VOLLEY_HEAD_KERNELS`): every one takes the same leading head arguments, so one launcher per
+/// kernel serves every head.
+struct HeadKernels {
+    log_probs: CudaFunction,
+    vtrace_loss_grad: CudaFunction,
+    ppo_loss_grad: CudaFunction,
+}
+
+/// The head arguments every head kernel starts with: `(int n_outputs, const float* head_params,
+/// int head_flags)`, and which instance to launch.
+pub(crate) struct HeadArgs<'a> {
+    /// The head's kind.
+    pub(crate) kind: ActionHead,
+    /// Outputs per row (the heads block's stride is one more).
+    pub(crate) n_outputs: usize,
+    /// The head's own parameters ([`ActionHead::n_params`] floats).
+    pub(crate) params: CudaView<'a, f32>,
+}
+
+impl HeadArgs<'_> {
+    /// The index of the head's kernels in [`Kernels`] (the order of `VOLLEY_HEAD_KERNELS`).
+    fn index(&self) -> usize {
+        match self.kind {
+            ActionHead::Categorical => 0,
+            ActionHead::Gaussian { .. } => 1,
+        }
+    }
+
+    /// The kernel's `head_flags`: squashing for a Gaussian head.
+    fn flags(&self) -> i32 {
+        i32::from(matches!(self.kind, ActionHead::Gaussian { squash: true }))
+    }
+
+    /// Floats per recorded action, and per row of parameter gradient.
+    fn widths(&self) -> (usize, usize) {
+        (self.kind.action_width(self.n_outputs), self.kind.n_params(self.n_outputs))
+    }
+
+    /// Check the parameters' length and push the three head arguments.
+    fn push<'b>(
+        &'b self,
+        op: &'static str,
+        launch: &mut cudarc::driver::LaunchArgs<'b>,
+        n_outputs: &'b i32,
+        flags: &'b i32,
+    ) -> Result<(), BackendError> {
+        check_len(op, "head params", self.kind.n_params(self.n_outputs), self.params.len())?;
+        launch.arg(n_outputs).arg(&self.params).arg(flags);
+        Ok(())
+    }
+}
+
+/// The arguments of [`Kernels::vtrace_loss_grad`] besides the head and the slot: the heads block
+/// of `n_rows` rows and the `[n]` per-sample inputs.
 pub(crate) struct VTraceLossGradArgs<'a> {
     pub(crate) heads: CudaView<'a, f32>,
-    pub(crate) n_actions: usize,
     pub(crate) actions: CudaView<'a, f32>,
     pub(crate) weights: CudaView<'a, f32>,
     pub(crate) values: CudaView<'a, f32>,
@@ -247,10 +294,10 @@ pub(crate) struct VTraceLossGradArgs<'a> {
     pub(crate) ent_coef: f32,
 }
 
-/// The arguments of [`Kernels::ppo_loss_grad`] besides the slot, all `[n]` but the heads block.
+/// The arguments of [`Kernels::ppo_loss_grad`] besides the head and the slot, all `[n]` but the
+/// heads block.
 pub(crate) struct PpoLossGradArgs<'a> {
     pub(crate) heads: CudaView<'a, f32>,
-    pub(crate) n_actions: usize,
     pub(crate) actions: CudaView<'a, f32>,
     pub(crate) weights: CudaView<'a, f32>,
     pub(crate) values: CudaView<'a, f32>,
@@ -303,20 +350,27 @@ impl Kernels {
             gru_cell_fwd: f("gru_cell_fwd")?,
             gru_cell_bwd: f("gru_cell_bwd")?,
             gru_carry_grad: f("gru_carry_grad")?,
-            action_log_probs: f("action_log_probs")?,
             behaviour_weights: f("behaviour_weights")?,
             vtrace_scan: f("vtrace_scan")?,
             gae_scan: f("gae_scan")?,
             weighted_sum: f("weighted_sum")?,
             weighted_var: f("weighted_var")?,
-            vtrace_loss_grad: f("vtrace_loss_grad")?,
-            ppo_loss_grad: f("ppo_loss_grad")?,
+            off_policy_sums: f("off_policy_sums")?,
+            heads: [
+                HeadKernels {
+                    log_probs: f("log_probs_categorical")?,
+                    vtrace_loss_grad: f("vtrace_loss_grad_categorical")?,
+                    ppo_loss_grad: f("ppo_loss_grad_categorical")?,
+                },
+                HeadKernels {
+                    log_probs: f("log_probs_gaussian")?,
+                    vtrace_loss_grad: f("vtrace_loss_grad_gaussian")?,
+                    ppo_loss_grad: f("ppo_loss_grad_gaussian")?,
+                },
+            ],
             sum_squares: f("sum_squares")?,
             adam_prepare: f("adam_prepare")?,
             adam_step: f("adam_step")?,
-            gaussian_log_probs: f("gaussian_log_probs")?,
-            gaussian_vtrace_loss_grad: f("gaussian_vtrace_loss_grad")?,
-            gaussian_ppo_loss_grad: f("gaussian_ppo_loss_grad")?,
             im2col: f("im2col")?,
             col2im: f("col2im")?,
             _module: module,
@@ -537,42 +591,38 @@ impl Kernels {
         Ok(())
     }
 
-    /// `out[i] = log π(a_i|x_i) − reference[i]` (or without a reference) for `i < out.len()`,
-    /// from rows of stride `n_actions + 1`.
-    pub(crate) fn action_log_probs(
+    /// `out[i] = log π(a_i|x_i) − reference[i]` (or without a reference) for `i < out.len()`
+    /// under `head`, from rows of stride `n_outputs + 1`.
+    pub(crate) fn log_probs(
         &self,
         stream: &Arc<CudaStream>,
+        head: &HeadArgs<'_>,
         heads: &CudaView<'_, f32>,
-        n_actions: usize,
         actions: &CudaView<'_, f32>,
         reference: Option<&CudaView<'_, f32>>,
         out: &mut CudaViewMut<'_, f32>,
     ) -> Result<(), BackendError> {
         let n = out.len();
-        let stride = n_actions + 1;
-        if heads.len() < n * stride {
-            return Err(BackendError::Shape {
-                op: "action_log_probs",
-                operand: "heads",
-                expected: n * stride,
-                got: heads.len(),
-            });
-        }
-        check_len("action_log_probs", "actions", n, actions.len())?;
+        let (width, _) = head.widths();
+        check_len("log_probs", "heads", n * (head.n_outputs + 1), heads.len())?;
+        check_len("log_probs", "actions", n * width, actions.len())?;
         if let Some(reference) = reference {
-            check_len("action_log_probs", "reference", n, reference.len())?;
+            check_len("log_probs", "reference", n, reference.len())?;
         }
-        let (stride_i, a_i, n_i) = (int("stride", stride)?, int("n_actions", n_actions)?, int("n", n)?);
-        let mut launch = stream.launch_builder(&self.action_log_probs);
-        launch.arg(heads).arg(&stride_i).arg(&a_i).arg(actions);
+        let (outputs_i, flags, n_i) = (int("n_outputs", head.n_outputs)?, head.flags(), int("n", n)?);
+        let mut launch = stream.launch_builder(&self.heads[head.index()].log_probs);
+        head.push("log_probs", &mut launch, &outputs_i, &flags)?;
+        launch.arg(heads).arg(actions);
         match reference {
             Some(reference) => launch.arg(reference),
             None => launch.arg(&NULL),
         };
         launch.arg(out).arg(&n_i);
-        // SAFETY: (heads, stride, n_actions, actions, ref, out, n) is the parameter list; heads
-        // holds at least n rows of stride floats, actions, ref and out n words (checked); every
-        // action is below n_actions because the trainer validates actions before staging them.
+        // SAFETY: (n_outputs, head_params, head_flags, heads, actions, ref, out, n) is the
+        // parameter list; head_params holds the head's parameters, heads n rows of
+        // n_outputs + 1 floats, actions n rows of the head's action width, ref and out n floats
+        // (checked); ref may be NULL (the kernel tests it); every categorical action is below
+        // n_outputs because the trainer validates actions before staging them.
         unsafe { launch.launch(grid(n)) }?;
         Ok(())
     }
@@ -746,45 +796,81 @@ impl Kernels {
         Ok(())
     }
 
-    /// The fused V-trace loss rows over `n_rows` heads rows (`n` samples plus the bootstrap).
+    /// The update's off-policy sums (`crate::telemetry::OffPolicySums`, added to `sums`) over
+    /// `[log_rhos, weights, values, value_targets]`, each `[n]`, and every sample's ratio into
+    /// `ratios` (`[n]`).
+    pub(crate) fn off_policy_sums(
+        &self,
+        stream: &Arc<CudaStream>,
+        inputs: &[CudaView<'_, f32>; 4],
+        rho_bar: f32,
+        c_bar: f32,
+        sums: &mut CudaViewMut<'_, f64>,
+        ratios: &mut CudaViewMut<'_, f32>,
+    ) -> Result<(), BackendError> {
+        let n = ratios.len();
+        for (operand, input) in ["log_rhos", "weights", "values", "value_targets"].into_iter().zip(inputs) {
+            check_len("off_policy_sums", operand, n, input.len())?;
+        }
+        check_len("off_policy_sums", "sums", crate::telemetry::OFF_POLICY_SUMS, sums.len())?;
+        let n_i = int("n", n)?;
+        let [log_rhos, weights, values, targets] = inputs;
+        let mut launch = stream.launch_builder(&self.off_policy_sums);
+        launch
+            .arg(log_rhos)
+            .arg(weights)
+            .arg(values)
+            .arg(targets)
+            .arg(&rho_bar)
+            .arg(&c_bar)
+            .arg(&n_i)
+            .arg(sums)
+            .arg(ratios);
+        // SAFETY: (log_rhos, weights, values, targets, rho_bar, c_bar, n, sums, ratios) is the
+        // parameter list; the four inputs and ratios hold n floats and sums the ten doubles the
+        // kernel adds to (checked).
+        unsafe { launch.launch(grid(n)) }?;
+        Ok(())
+    }
+
+    /// The fused V-trace loss rows over `n_rows` heads rows (`n` samples plus the bootstrap),
+    /// with the head parameters' gradient rows `[n][n_params]`.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn vtrace_loss_grad(
         &self,
         stream: &Arc<CudaStream>,
+        head: &HeadArgs<'_>,
         args: &VTraceLossGradArgs<'_>,
         moments: &mut CudaViewMut<'_, f64>,
         d_heads: &mut CudaViewMut<'_, f32>,
+        d_head_params: &mut CudaViewMut<'_, f32>,
         stats: &mut CudaViewMut<'_, f64>,
     ) -> Result<(), BackendError> {
-        let n = args.actions.len();
-        let stride = args.n_actions + 1;
+        let op = "vtrace_loss_grad";
+        let n = args.weights.len();
+        let stride = head.n_outputs + 1;
+        let (width, n_params) = head.widths();
         let n_rows = d_heads.len() / stride;
-        check_len("vtrace_loss_grad", "d_heads", n_rows * stride, d_heads.len())?;
-        check_len("vtrace_loss_grad", "heads", n_rows * stride, args.heads.len())?;
-        for (operand, len) in [
-            ("weights", args.weights.len()),
-            ("vs", args.vs.len()),
-            ("log_rhos", args.log_rhos.len()),
-            ("pg_advantages", args.pg_advantages.len()),
-        ] {
-            check_len("vtrace_loss_grad", operand, n, len)?;
+        check_len(op, "d_heads", n_rows * stride, d_heads.len())?;
+        check_len(op, "heads", n_rows * stride, args.heads.len())?;
+        check_len(op, "actions", n * width, args.actions.len())?;
+        check_len(op, "d_head_params", n * n_params, d_head_params.len())?;
+        for (operand, len) in
+            [("vs", args.vs.len()), ("log_rhos", args.log_rhos.len()), ("pg_advantages", args.pg_advantages.len())]
+        {
+            check_len(op, operand, n, len)?;
         }
         if args.values.len() < n || n > n_rows {
-            return Err(BackendError::Shape {
-                op: "vtrace_loss_grad",
-                operand: "values",
-                expected: n,
-                got: args.values.len(),
-            });
+            return Err(BackendError::Shape { op, operand: "values", expected: n, got: args.values.len() });
         }
-        check_len("vtrace_loss_grad", "moments", SLOT_STATS, moments.len())?;
-        check_len("vtrace_loss_grad", "stats", 6, stats.len())?;
-        let (stride_i, a_i, n_i, rows_i) =
-            (int("stride", stride)?, int("n_actions", args.n_actions)?, int("n", n)?, int("n_rows", n_rows)?);
-        let mut launch = stream.launch_builder(&self.vtrace_loss_grad);
+        check_len(op, "moments", SLOT_STATS, moments.len())?;
+        check_len(op, "stats", 6, stats.len())?;
+        let (outputs_i, flags, n_i, rows_i) =
+            (int("n_outputs", head.n_outputs)?, head.flags(), int("n", n)?, int("n_rows", n_rows)?);
+        let mut launch = stream.launch_builder(&self.heads[head.index()].vtrace_loss_grad);
+        head.push(op, &mut launch, &outputs_i, &flags)?;
         launch
             .arg(&args.heads)
-            .arg(&stride_i)
-            .arg(&a_i)
             .arg(&args.actions)
             .arg(&args.weights)
             .arg(&args.values)
@@ -798,47 +884,55 @@ impl Kernels {
             .arg(&rows_i)
             .arg(moments)
             .arg(d_heads)
+            .arg(d_head_params)
             .arg(stats);
-        // SAFETY: the argument list matches vtrace_loss_grad's parameters; heads and d_heads hold
-        // n_rows rows of stride floats, the per-sample inputs n words (read only for rows < n),
-        // moments and stats are disjoint parts of one slot (split_at_mut) of 3 and 6 doubles;
-        // every action is below n_actions (validated before staging).
+        // SAFETY: the argument list matches vtrace_loss_grad_<head>'s parameters; heads and
+        // d_heads hold n_rows rows of n_outputs + 1 floats, actions n rows of the action width,
+        // d_head_params n rows of the head's parameter count, the per-sample inputs n floats
+        // (read only for rows < n); moments and stats are disjoint parts of one slot
+        // (split_at_mut) of 3 and 6 doubles; every categorical action is below n_outputs
+        // (validated before staging).
         unsafe { launch.launch(grid(n_rows)) }?;
         Ok(())
     }
 
-    /// The fused PPO loss rows over `n` samples.
+    /// The fused PPO loss rows over `n` samples, with the head parameters' gradient rows.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn ppo_loss_grad(
         &self,
         stream: &Arc<CudaStream>,
+        head: &HeadArgs<'_>,
         args: &PpoLossGradArgs<'_>,
         moments: &mut CudaViewMut<'_, f64>,
         d_heads: &mut CudaViewMut<'_, f32>,
+        d_head_params: &mut CudaViewMut<'_, f32>,
         stats: &mut CudaViewMut<'_, f64>,
     ) -> Result<(), BackendError> {
-        let n = args.actions.len();
-        let stride = args.n_actions + 1;
-        check_len("ppo_loss_grad", "heads", n * stride, args.heads.len())?;
-        check_len("ppo_loss_grad", "d_heads", n * stride, d_heads.len())?;
+        let op = "ppo_loss_grad";
+        let n = args.weights.len();
+        let stride = head.n_outputs + 1;
+        let (width, n_params) = head.widths();
+        check_len(op, "heads", n * stride, args.heads.len())?;
+        check_len(op, "d_heads", n * stride, d_heads.len())?;
+        check_len(op, "actions", n * width, args.actions.len())?;
+        check_len(op, "d_head_params", n * n_params, d_head_params.len())?;
         for (operand, len) in [
-            ("weights", args.weights.len()),
             ("values", args.values.len()),
             ("advantages", args.advantages.len()),
             ("returns", args.returns.len()),
             ("prox_log_probs", args.prox_log_probs.len()),
             ("is_weights", args.is_weights.len()),
         ] {
-            check_len("ppo_loss_grad", operand, n, len)?;
+            check_len(op, operand, n, len)?;
         }
-        check_len("ppo_loss_grad", "moments", SLOT_STATS, moments.len())?;
-        check_len("ppo_loss_grad", "stats", 6, stats.len())?;
-        let (stride_i, a_i, n_i) = (int("stride", stride)?, int("n_actions", args.n_actions)?, int("n", n)?);
+        check_len(op, "moments", SLOT_STATS, moments.len())?;
+        check_len(op, "stats", 6, stats.len())?;
+        let (outputs_i, flags, n_i) = (int("n_outputs", head.n_outputs)?, head.flags(), int("n", n)?);
         let normalize = i32::from(args.normalize);
-        let mut launch = stream.launch_builder(&self.ppo_loss_grad);
+        let mut launch = stream.launch_builder(&self.heads[head.index()].ppo_loss_grad);
+        head.push(op, &mut launch, &outputs_i, &flags)?;
         launch
             .arg(&args.heads)
-            .arg(&stride_i)
-            .arg(&a_i)
             .arg(&args.actions)
             .arg(&args.weights)
             .arg(&args.values)
@@ -853,10 +947,13 @@ impl Kernels {
             .arg(&n_i)
             .arg(moments)
             .arg(d_heads)
+            .arg(d_head_params)
             .arg(stats);
-        // SAFETY: the argument list matches ppo_loss_grad's parameters; heads and d_heads hold n
-        // rows of stride floats and every per-sample input n words (checked); moments and stats
-        // are disjoint parts of one slot; every action is below n_actions (validated).
+        // SAFETY: the argument list matches ppo_loss_grad_<head>'s parameters; heads and d_heads
+        // hold n rows of n_outputs + 1 floats, actions n rows of the action width,
+        // d_head_params n rows of the head's parameter count and every per-sample input n
+        // floats (checked); moments and stats are disjoint parts of one slot; every categorical
+        // action is below n_outputs (validated).
         unsafe { launch.launch(grid(n)) }?;
         Ok(())
     }
@@ -1067,8 +1164,18 @@ mod tests {
     fn every_declared_kernel_is_defined_in_its_source() {
         for file in FILES {
             for kernel in file.kernels {
+                // A head kernel is defined by one `VOLLEY_HEAD_KERNELS(<head>, <name>)` line.
+                let by_head = ["log_probs_", "vtrace_loss_grad_", "ppo_loss_grad_"].iter().any(|prefix| {
+                    kernel.strip_prefix(prefix).is_some_and(|name| {
+                        file.source.contains(&format!("__global__ void {prefix}##NAME("))
+                            && file
+                                .source
+                                .lines()
+                                .any(|l| l.starts_with("VOLLEY_HEAD_KERNELS(") && l.ends_with(&format!(", {name})")))
+                    })
+                });
                 assert!(
-                    file.source.contains(&format!("__global__ void {kernel}(")),
+                    by_head || file.source.contains(&format!("__global__ void {kernel}(")),
                     "{} does not define {kernel}",
                     file.name
                 );

@@ -16,7 +16,6 @@
 #[cfg(test)]
 mod conv_tests;
 pub(crate) mod device;
-mod gaussian;
 pub mod kernels;
 pub mod profile;
 #[cfg(test)]
@@ -28,17 +27,19 @@ use cudarc::driver::{CudaEvent, CudaSlice, CudaView, CudaViewMut, PinnedHostSlic
 use volley_policy::{Activation, ConvGeometry};
 
 use self::device::Gpu;
-use self::gaussian::{GaussianPpoArgs, GaussianRows, GaussianVTraceArgs};
 use self::kernels::{
-    PpoLossGradArgs, VTraceLossGradArgs, VTraceScanArgs, ACT_IDENTITY, ACT_RELU, ACT_TANH, SLOT, SLOT_STATS, SLOT_SUMSQ,
+    HeadArgs, PpoLossGradArgs, VTraceLossGradArgs, VTraceScanArgs, ACT_IDENTITY, ACT_RELU, ACT_TANH, SLOT, SLOT_STATS,
+    SLOT_SUMSQ,
 };
 pub use self::profile::{DeviceTiming, KernelTiming};
 use self::profile::{Mark, Profile};
 use super::{
-    Backend, BackendError, Evaluation, GaussianHead, PpoLossInputs, VTraceLossInputs, VTraceLossOutputs, View, ViewMut,
+    Backend, BackendError, Evaluation, Head, OffPolicyViews, PpoLossInputs, PpoLossOutputs, VTraceLossInputs,
+    VTraceLossOutputs, View, ViewMut,
 };
 use crate::losses::{PpoLossConfig, VTraceLossConfig, WeightedSums};
 use crate::optim::AdamConfig;
+use crate::telemetry::{OffPolicySums, OFF_POLICY_SUMS};
 
 /// A CUDA device with the learner's kernels compiled and loaded, and a cuBLAS handle.
 #[derive(Clone)]
@@ -111,6 +112,8 @@ pub struct CudaBackend {
     /// The pre-clip gradient norm of each evaluation of the current update.
     grad_norms: CudaSlice<f32>,
     n_evaluations: usize,
+    /// The update's off-policy sums (`OffPolicySums` in field order).
+    off_policy_sums: CudaSlice<f64>,
     /// Adam's per-step coefficients `[clip scale, step size, 1/√(1 − β₂ᵗ), apply]`.
     adam_coeffs: CudaSlice<f32>,
     /// The batch upload: page-locked host buffer, and the event the compute stream waits on.
@@ -131,6 +134,11 @@ impl std::fmt::Debug for CudaBackend {
 fn view<'a>(view: View<'a, CudaBackend>) -> CudaView<'a, f32> {
     let (buffer, range) = view.parts();
     buffer.slice(range)
+}
+
+/// The head arguments of the head kernels for `head` over `n_outputs` outputs per row.
+fn head_args<'a>(head: &Head<'a, CudaBackend>, n_outputs: usize) -> HeadArgs<'a> {
+    HeadArgs { kind: head.kind, n_outputs, params: view(head.params) }
 }
 
 fn view_mut<'a>(view: ViewMut<'a, CudaBackend>) -> CudaViewMut<'a, f32> {
@@ -166,6 +174,7 @@ impl CudaBackend {
             evaluation_sums: stream.alloc_zeros(SLOT)?,
             grad_norms: stream.alloc_zeros(1)?,
             n_evaluations: 0,
+            off_policy_sums: stream.alloc_zeros(OFF_POLICY_SUMS)?,
             adam_coeffs: stream.alloc_zeros(4)?,
             host_stage: None,
             uploaded: gpu.ctx.new_event(None)?,
@@ -296,10 +305,6 @@ impl Backend for CudaBackend {
         self.gpu.stream.memcpy_dtoh(&view(src), host)?;
         self.gpu.stream.synchronize()?;
         Ok(())
-    }
-
-    fn host_slice<'a>(&self, _src: View<'a, Self>) -> Option<&'a [f32]> {
-        None
     }
 
     fn fill(&mut self, x: ViewMut<'_, Self>, value: f32) -> Result<(), BackendError> {
@@ -479,20 +484,20 @@ impl Backend for CudaBackend {
         )
     }
 
-    fn action_log_probs(
+    fn log_probs_unchecked(
         &mut self,
         heads: View<'_, Self>,
         n_actions: usize,
+        head: &Head<'_, Self>,
         actions: View<'_, Self>,
         reference: Option<View<'_, Self>>,
         out: ViewMut<'_, Self>,
     ) -> Result<(), BackendError> {
-        super::check_len("action_log_probs", "heads", out.len() * (n_actions + 1), heads.len())?;
         let reference = reference.map(view);
-        self.gpu.kernels.action_log_probs(
+        self.gpu.kernels.log_probs(
             &self.gpu.stream,
+            &head_args(head, n_actions),
             &view(heads),
-            n_actions,
             &view(actions),
             reference.as_ref(),
             &mut view_mut(out),
@@ -551,11 +556,12 @@ impl Backend for CudaBackend {
             self.grad_norms = stream.alloc_zeros(n_evaluations.max(1))?;
         }
         stream.memset_zeros(&mut self.evaluation_sums)?;
+        stream.memset_zeros(&mut self.off_policy_sums)?;
         self.n_evaluations = n_evaluations;
         Ok(())
     }
 
-    fn vtrace_loss(
+    fn vtrace_loss_unchecked(
         &mut self,
         inputs: &VTraceLossInputs<'_, Self>,
         config: &VTraceLossConfig,
@@ -564,22 +570,17 @@ impl Backend for CudaBackend {
     ) -> Result<(), BackendError> {
         let (t_len, b_len) = (inputs.t_len, inputs.b_len);
         let n = t_len * b_len;
-        super::check_len("vtrace_loss", "values", n + b_len, inputs.values.len())?;
         let gpu = self.gpu.clone();
         let stream = &gpu.stream;
+        let head = head_args(&inputs.head, inputs.n_actions);
         let mut log_rhos = view_mut(outputs.log_rhos);
         let mut vs = view_mut(outputs.vs);
         let mut pg_advantages = view_mut(outputs.pg_advantages);
-        let mut d_heads = view_mut(outputs.d_heads);
         let values = inputs.values;
-        gpu.kernels.action_log_probs(
-            stream,
-            &view(inputs.heads),
-            inputs.n_actions,
-            &view(inputs.actions),
-            Some(&view(inputs.behaviour_log_probs)),
-            &mut log_rhos,
-        )?;
+        // log ρ over the n sample rows (the bootstrap row has no action).
+        let sample_rows = view(inputs.heads.slice(0..n * (inputs.n_actions + 1)));
+        let behaviour = view(inputs.behaviour_log_probs);
+        gpu.kernels.log_probs(stream, &head, &sample_rows, &view(inputs.actions), Some(&behaviour), &mut log_rhos)?;
         let scan = VTraceScanArgs {
             t_len,
             b_len,
@@ -602,7 +603,6 @@ impl Backend for CudaBackend {
         gpu.kernels.weighted_sum(stream, &weights, None, &mut moments)?;
         let args = VTraceLossGradArgs {
             heads: view(inputs.heads),
-            n_actions: inputs.n_actions,
             actions: view(inputs.actions),
             weights,
             values: view(values),
@@ -613,14 +613,22 @@ impl Backend for CudaBackend {
             value_coef: config.value_coef,
             ent_coef: config.ent_coef,
         };
-        gpu.kernels.vtrace_loss_grad(stream, &args, &mut moments, &mut d_heads, &mut stats)
+        gpu.kernels.vtrace_loss_grad(
+            stream,
+            &head,
+            &args,
+            &mut moments,
+            &mut view_mut(outputs.d_heads),
+            &mut view_mut(outputs.d_head_params),
+            &mut stats,
+        )
     }
 
-    fn ppo_loss(
+    fn ppo_loss_unchecked(
         &mut self,
         inputs: &PpoLossInputs<'_, Self>,
         config: &PpoLossConfig,
-        d_heads: ViewMut<'_, Self>,
+        outputs: PpoLossOutputs<'_, Self>,
         slot: usize,
     ) -> Result<(), BackendError> {
         let gpu = self.gpu.clone();
@@ -636,7 +644,6 @@ impl Backend for CudaBackend {
         }
         let args = PpoLossGradArgs {
             heads: view(inputs.heads),
-            n_actions: inputs.n_actions,
             actions: view(inputs.actions),
             weights,
             values: view(inputs.values),
@@ -649,148 +656,31 @@ impl Backend for CudaBackend {
             ent_coef: config.ent_coef,
             normalize: config.normalize_advantages,
         };
-        gpu.kernels.ppo_loss_grad(stream, &args, &mut moments, &mut view_mut(d_heads), &mut stats)
-    }
-
-    fn gaussian_log_probs(
-        &mut self,
-        heads: View<'_, Self>,
-        n_actions: usize,
-        head: &GaussianHead<'_, Self>,
-        actions: View<'_, Self>,
-        reference: Option<View<'_, Self>>,
-        out: ViewMut<'_, Self>,
-    ) -> Result<(), BackendError> {
-        let rows = GaussianRows {
-            heads: view(heads),
-            action_dim: n_actions,
-            log_std: view(head.log_std),
-            actions: view(actions),
-            squash: head.squash,
-        };
-        let reference = reference.map(view);
-        self.gpu.kernels.gaussian_log_probs(&self.gpu.stream, &rows, reference.as_ref(), &mut view_mut(out))
-    }
-
-    fn gaussian_vtrace_loss<'a>(
-        &mut self,
-        inputs: &VTraceLossInputs<'a, Self>,
-        head: &GaussianHead<'a, Self>,
-        config: &VTraceLossConfig,
-        outputs: VTraceLossOutputs<'_, Self>,
-        d_log_std_rows: ViewMut<'_, Self>,
-        slot: usize,
-    ) -> Result<(), BackendError> {
-        let (t_len, b_len) = (inputs.t_len, inputs.b_len);
-        let n = t_len * b_len;
-        super::check_len("gaussian_vtrace_loss", "values", n + b_len, inputs.values.len())?;
-        let gpu = self.gpu.clone();
-        let stream = &gpu.stream;
-        let mut log_rhos = view_mut(outputs.log_rhos);
-        let mut vs = view_mut(outputs.vs);
-        let mut pg_advantages = view_mut(outputs.pg_advantages);
-        let mut d_heads = view_mut(outputs.d_heads);
-        let values = inputs.values;
-        let rows = |heads: CudaView<'a, f32>| GaussianRows {
-            heads,
-            action_dim: inputs.n_actions,
-            log_std: view(head.log_std),
-            actions: view(inputs.actions),
-            squash: head.squash,
-        };
-        // log ρ over the n sample rows (the bootstrap row has no action).
-        let sample_rows = rows(view(inputs.heads.slice(0..n * (inputs.n_actions + 1))));
-        gpu.kernels.gaussian_log_probs(stream, &sample_rows, Some(&view(inputs.behaviour_log_probs)), &mut log_rhos)?;
-        let rows = rows(view(inputs.heads));
-        let scan = VTraceScanArgs {
-            t_len,
-            b_len,
-            log_rhos: log_rhos.as_view(),
-            discounts: view(inputs.discounts),
-            rewards: view(inputs.rewards),
-            values: view(values.slice(0..n)),
-            bootstrap: view(values.slice(n..n + b_len)),
-            rho_bar: config.vtrace.clip_rho_threshold,
-            pg_rho_bar: config.vtrace.clip_pg_rho_threshold,
-            c_bar: config.vtrace.clip_c_threshold,
-            lambda_: config.vtrace.lambda_,
-            advantage_override: inputs.advantage_override.map(view),
-        };
-        gpu.kernels.vtrace_scan(stream, &scan, &mut vs, &mut pg_advantages)?;
-        let mut slot_sums = self.slot(slot)?;
-        let (mut moments, mut rest) = slot_sums.split_at_mut(SLOT_STATS);
-        let mut stats = rest.slice_mut(..6);
-        let weights = view(inputs.sample_weights);
-        gpu.kernels.weighted_sum(stream, &weights, None, &mut moments)?;
-        let args = GaussianVTraceArgs {
-            weights,
-            values: view(values),
-            vs: vs.as_view(),
-            log_rhos: log_rhos.as_view(),
-            pg_advantages: pg_advantages.as_view(),
-            rho_bar: config.vtrace.clip_rho_threshold,
-            value_coef: config.value_coef,
-            ent_coef: config.ent_coef,
-        };
-        let mut d_log_std_rows = view_mut(d_log_std_rows);
-        gpu.kernels.gaussian_vtrace_loss_grad(
+        gpu.kernels.ppo_loss_grad(
             stream,
-            &rows,
+            &head_args(&inputs.head, inputs.n_actions),
             &args,
             &mut moments,
-            &mut d_heads,
-            &mut d_log_std_rows,
+            &mut view_mut(outputs.d_heads),
+            &mut view_mut(outputs.d_head_params),
             &mut stats,
         )
     }
 
-    fn gaussian_ppo_loss(
+    fn off_policy_sums_unchecked(
         &mut self,
-        inputs: &PpoLossInputs<'_, Self>,
-        head: &GaussianHead<'_, Self>,
-        config: &PpoLossConfig,
-        d_heads: ViewMut<'_, Self>,
-        d_log_std_rows: ViewMut<'_, Self>,
-        slot: usize,
+        inputs: &OffPolicyViews<'_, Self>,
+        ratios: ViewMut<'_, Self>,
     ) -> Result<(), BackendError> {
         let gpu = self.gpu.clone();
-        let stream = &gpu.stream;
-        let mut slot_sums = self.slot(slot)?;
-        let (mut moments, mut rest) = slot_sums.split_at_mut(SLOT_STATS);
-        let mut stats = rest.slice_mut(..6);
-        let weights = view(inputs.sample_weights);
-        let advantages = view(inputs.advantages);
-        gpu.kernels.weighted_sum(stream, &weights, Some(&advantages), &mut moments)?;
-        if config.normalize_advantages {
-            gpu.kernels.weighted_var(stream, &weights, &advantages, &mut moments)?;
-        }
-        let rows = GaussianRows {
-            heads: view(inputs.heads),
-            action_dim: inputs.n_actions,
-            log_std: view(head.log_std),
-            actions: view(inputs.actions),
-            squash: head.squash,
-        };
-        let args = GaussianPpoArgs {
-            weights,
-            values: view(inputs.values),
-            advantages,
-            returns: view(inputs.returns),
-            prox_log_probs: view(inputs.prox_log_probs),
-            is_weights: view(inputs.is_weights),
-            clip_coef: config.clip_coef,
-            value_coef: config.value_coef,
-            ent_coef: config.ent_coef,
-            normalize: config.normalize_advantages,
-        };
-        gpu.kernels.gaussian_ppo_loss_grad(
-            stream,
-            &rows,
-            &args,
-            &mut moments,
-            &mut view_mut(d_heads),
-            &mut view_mut(d_log_std_rows),
-            &mut stats,
+        let views = [view(inputs.log_rhos), view(inputs.weights), view(inputs.values), view(inputs.value_targets)];
+        gpu.kernels.off_policy_sums(
+            &gpu.stream,
+            &views,
+            inputs.rho_bar,
+            inputs.c_bar,
+            &mut self.off_policy_sums.slice_mut(..),
+            &mut view_mut(ratios),
         )
     }
 
@@ -874,9 +764,15 @@ impl Backend for CudaBackend {
         )
     }
 
-    fn read_evaluations(&mut self, out: &mut Vec<Evaluation>) -> Result<(), BackendError> {
+    fn read_evaluations(
+        &mut self,
+        out: &mut Vec<Evaluation>,
+        off_policy: &mut OffPolicySums,
+    ) -> Result<(), BackendError> {
         let n = self.n_evaluations;
         self.mark(Mark::ReadbackStart, false)?;
+        let mut host_off_policy = [0.0f64; OFF_POLICY_SUMS];
+        self.gpu.stream.memcpy_dtoh(&self.off_policy_sums, &mut host_off_policy[..])?;
         self.host_sums.resize(n * SLOT, 0.0);
         self.host_norms.resize(n, 0.0);
         if n > 0 {
@@ -886,6 +782,7 @@ impl Backend for CudaBackend {
         }
         self.mark(Mark::ReadbackEnd, false)?;
         self.gpu.stream.synchronize()?;
+        *off_policy = OffPolicySums::from_array(&host_off_policy);
         if let Some(profile) = &mut self.profile {
             profile.finish()?;
         }

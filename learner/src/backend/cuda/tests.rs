@@ -15,17 +15,19 @@ use volley_core::ids::{PolicyVersion, RunId};
 use volley_core::spec::{HyperParams, LossKind, RunSpec};
 use volley_env::EnvConfig;
 use volley_policy::returns::{vtrace, VTraceConfig};
-use volley_policy::{Activation, CoreKind, ParamLayout, PolicySpec};
+use volley_policy::{ActionHead, Activation, CoreKind, ParamLayout, PolicySpec};
 
 use super::*;
 use crate::backend::{
-    Backend, CpuBackend, Evaluation, PpoLossInputs, VTraceLossInputs, VTraceLossOutputs, View, ViewMut,
+    Backend, CpuBackend, Evaluation, Head, OffPolicyViews, PpoLossInputs, PpoLossOutputs, VTraceLossInputs,
+    VTraceLossOutputs, View, ViewMut,
 };
 use crate::batch::{SegmentBatch, StateRestore};
 use crate::learner::Learner;
 use crate::losses::{LossStats, PpoLossConfig, VTraceLossConfig};
 use crate::net::Network;
 use crate::optim::AdamConfig;
+use crate::telemetry::{OffPolicyStats, OffPolicySums, NO_RATIO};
 
 fn device_or_skip(test: &str) -> Option<CudaDevice> {
     match open_cuda(0) {
@@ -291,10 +293,13 @@ fn run_vtrace_loss<B: Backend>(
         (backend.alloc(n).unwrap(), backend.alloc(n).unwrap(), backend.alloc(n).unwrap());
     let mut d_heads = backend.alloc(rows * stride).unwrap();
     backend.begin_evaluations(1).unwrap();
+    let no_params = backend.alloc(0).unwrap();
+    let mut no_param_grads = backend.alloc(0).unwrap();
     let inputs = VTraceLossInputs {
         t_len: case.t_len,
         b_len: case.b_len,
         n_actions: case.n_actions,
+        head: Head { kind: ActionHead::Categorical, params: View::of(&no_params) },
         heads: View::range(&bufs[0], 0..rows * stride),
         values: View::range(&bufs[1], 0..rows),
         actions: View::range(&bufs[2], 0..n),
@@ -309,10 +314,11 @@ fn run_vtrace_loss<B: Backend>(
         vs: ViewMut::range(&mut vs, 0..n),
         pg_advantages: ViewMut::range(&mut pg, 0..n),
         d_heads: ViewMut::range(&mut d_heads, 0..rows * stride),
+        d_head_params: ViewMut::of(&mut no_param_grads),
     };
     backend.vtrace_loss(&inputs, config, outputs, 0).unwrap();
     let mut evaluations = Vec::new();
-    backend.read_evaluations(&mut evaluations).unwrap();
+    backend.read_evaluations(&mut evaluations, &mut OffPolicySums::default()).unwrap();
     LossResult {
         d_heads: get(backend, &d_heads, rows * stride),
         intermediates: vec![get(backend, &log_rhos, n), get(backend, &vs, n), get(backend, &pg, n)],
@@ -338,9 +344,12 @@ fn run_ppo_loss<B: Backend>(backend: &mut B, case: &LossCase, config: &PpoLossCo
     .collect();
     let mut d_heads = backend.alloc(n * stride).unwrap();
     backend.begin_evaluations(2).unwrap();
+    let no_params = backend.alloc(0).unwrap();
+    let mut no_param_grads = backend.alloc(0).unwrap();
     let inputs = PpoLossInputs {
         n_samples: n,
         n_actions: case.n_actions,
+        head: Head { kind: ActionHead::Categorical, params: View::of(&no_params) },
         heads: View::range(&bufs[0], 0..n * stride),
         values: View::range(&bufs[1], 0..n),
         actions: View::range(&bufs[2], 0..n),
@@ -351,9 +360,13 @@ fn run_ppo_loss<B: Backend>(backend: &mut B, case: &LossCase, config: &PpoLossCo
         is_weights: View::range(&bufs[7], 0..n),
     };
     // Slot 1: the statistics land in the slot asked for, not slot 0.
-    backend.ppo_loss(&inputs, config, ViewMut::range(&mut d_heads, 0..n * stride), 1).unwrap();
+    let outputs = PpoLossOutputs {
+        d_heads: ViewMut::range(&mut d_heads, 0..n * stride),
+        d_head_params: ViewMut::of(&mut no_param_grads),
+    };
+    backend.ppo_loss(&inputs, config, outputs, 1).unwrap();
     let mut evaluations = Vec::new();
-    backend.read_evaluations(&mut evaluations).unwrap();
+    backend.read_evaluations(&mut evaluations, &mut OffPolicySums::default()).unwrap();
     assert_eq!(evaluations[0].weight_sum, 0.0, "slot 0 untouched");
     LossResult { d_heads: get(backend, &d_heads, n * stride), intermediates: Vec::new(), evaluation: evaluations[1] }
 }
@@ -426,11 +439,14 @@ fn check_elementwise<B: Backend>(backend: &mut B) {
         let mut out: Vec<B::Floats> = (0..5).map(|_| backend.alloc(n).unwrap()).collect();
         let [log_probs, log_rhos, weights, adv, ret] = &mut out[..] else { unreachable!() };
         let heads_view = View::range(&heads, 0..n * stride);
-        backend.action_log_probs(heads_view, case.n_actions, View::of(&actions), None, ViewMut::of(log_probs)).unwrap();
+        let no_params = backend.alloc(0).unwrap();
+        let head = Head { kind: ActionHead::Categorical, params: View::of(&no_params) };
+        backend.log_probs(heads_view, case.n_actions, &head, View::of(&actions), None, ViewMut::of(log_probs)).unwrap();
         backend
-            .action_log_probs(
+            .log_probs(
                 heads_view,
                 case.n_actions,
+                &head,
                 View::of(&actions),
                 Some(View::of(&behaviour)),
                 ViewMut::of(log_rhos),
@@ -510,7 +526,7 @@ fn check_optimiser<B: Backend>(backend: &mut B) {
                 .unwrap();
         }
         let mut evaluations = Vec::new();
-        backend.read_evaluations(&mut evaluations).unwrap();
+        backend.read_evaluations(&mut evaluations, &mut OffPolicySums::default()).unwrap();
         let t = backend.read_step_count(&step).unwrap();
         let state = vec![get(backend, &params, n), get(backend, &m, n), get(backend, &v, n)];
         (state, t, evaluations.iter().map(|e| e.grad_norm).collect())
@@ -528,6 +544,60 @@ fn check_optimiser<B: Backend>(backend: &mut B) {
     }
 }
 
+/// Issue 47: the off-policy sums and ratios (`telemetry::OffPolicySums`) of a batch with
+/// dropped samples and ratios on both sides of the clips, accumulated over two calls.
+fn check_off_policy<B: Backend>(backend: &mut B) {
+    let case = LossCase::new(8, 11, 6, 3);
+    let n = case.t_len * case.b_len;
+    let log_rhos: Vec<f32> = case.prox.iter().zip(&case.behaviour).map(|(p, b)| p - b).collect();
+    fn run<B: Backend>(backend: &mut B, case: &LossCase, log_rhos: &[f32]) -> (OffPolicySums, Vec<f32>) {
+        let n = log_rhos.len();
+        let inputs = [log_rhos, &case.weights[..], &case.values[..n], &case.returns[..]].map(|host| put(backend, host));
+        let mut ratios = backend.alloc(n).unwrap();
+        backend.begin_evaluations(1).unwrap();
+        let half = n / 2;
+        for range in [0..half, half..n] {
+            let views = OffPolicyViews {
+                log_rhos: View::range(&inputs[0], range.clone()),
+                weights: View::range(&inputs[1], range.clone()),
+                values: View::range(&inputs[2], range.clone()),
+                value_targets: View::range(&inputs[3], range.clone()),
+                rho_bar: 1.0,
+                c_bar: 0.9,
+            };
+            backend.off_policy_sums(&views, ViewMut::range(&mut ratios, range)).unwrap();
+        }
+        let mut sums = OffPolicySums::default();
+        backend.read_evaluations(&mut Vec::new(), &mut sums).unwrap();
+        (sums, get(backend, &ratios, n))
+    }
+    let mut cpu = CpuBackend::new();
+    let (other, other_ratios) = run(backend, &case, &log_rhos);
+    let (reference, cpu_ratios) = run(&mut cpu, &case, &log_rhos);
+    for (k, (o, c)) in other.to_array().iter().zip(reference.to_array()).enumerate() {
+        assert!((o - c).abs() <= 1e-9 * (1.0 + c.abs()), "off-policy sum {k}: {o} vs {c}");
+    }
+    assert_close("ratios", &other_ratios, &cpu_ratios, 1e-6, 0.0);
+    let stats = reference.finish(Vec::new());
+    assert!(stats.rho_clipped_fraction > 0.0 && stats.rho_clipped_fraction < 1.0, "{stats:?}");
+    assert!(cpu_ratios.iter().filter(|&&r| r == NO_RATIO).count() < n, "some samples carry weight");
+}
+
+fn assert_off_policy_close(name: &str, other: &Option<OffPolicyStats>, cpu: &Option<OffPolicyStats>) {
+    let (Some(o), Some(c)) = (other, cpu) else { panic!("{name}: off-policy statistics missing: {other:?} {cpu:?}") };
+    let fields = |s: &OffPolicyStats| {
+        [
+            s.rho_clipped_fraction,
+            s.c_clipped_fraction,
+            s.behaviour_kl,
+            s.effective_sample_fraction,
+            s.explained_variance,
+        ]
+    };
+    assert_close(&format!("{name} off-policy"), &fields(o), &fields(c), 1e-4, 1e-6);
+    assert_close(&format!("{name} ratios"), &o.ratios, &c.ratios, 1e-4, 1e-6);
+}
+
 /// The checks run with the CPU backend in the tested role: the harness works without a GPU.
 #[test]
 fn parity_checks_harness_runs_on_the_cpu() {
@@ -536,6 +606,14 @@ fn parity_checks_harness_runs_on_the_cpu() {
     check_losses(&mut cpu);
     check_elementwise(&mut cpu);
     check_optimiser(&mut cpu);
+    check_off_policy(&mut cpu);
+}
+
+/// Issue 47: the CUDA backend reports the off-policy statistics, with the CPU's values.
+#[test]
+fn off_policy_sums_match_the_cpu() {
+    let Some(mut cuda) = cuda_or_skip("off_policy_sums_match_the_cpu") else { return };
+    check_off_policy(&mut cuda);
 }
 
 #[test]
@@ -740,6 +818,7 @@ fn whole_updates_match_the_cpu_learner() {
                 let name = format!("{loss:?} {:?} update {update}", spec.policy.core);
                 assert_stats_close(&name, &g.loss, &c.loss);
                 assert_close(&format!("{name} grad norm"), &[g.grad_norm], &[c.grad_norm], 1e-3, 1e-6);
+                assert_off_policy_close(&name, &g.off_policy, &c.off_policy);
                 assert_eq!(g.skipped_steps, c.skipped_steps, "{name}");
                 // Adam's first steps are ±lr per parameter whatever the gradient's size, so a
                 // parameter whose gradient is rounding noise may step either way on the two
@@ -788,7 +867,8 @@ fn gaussian_parity_harness_runs_on_the_cpu() {
 }
 
 /// Issue 14: whole V-trace and PPO updates with the Gaussian head (log-probabilities, the
-/// fused losses and the log-std gradient rows of `gaussian.cu`) match the CPU learner.
+/// fused losses and the log-std gradient rows of the `VolleyGaussian` kernels) and their
+/// off-policy statistics match the CPU learner.
 #[test]
 fn gaussian_whole_updates_match_the_cpu_learner() {
     let Some(device) = device_or_skip("gaussian_whole_updates_match_the_cpu_learner") else { return };
@@ -805,6 +885,7 @@ fn gaussian_whole_updates_match_the_cpu_learner() {
                 let name = format!("{loss:?} {:?} update {update}", spec.policy.head);
                 assert_stats_close(&name, &g.loss, &c.loss);
                 assert_close(&format!("{name} grad norm"), &[g.grad_norm], &[c.grad_norm], 1e-3, 1e-6);
+                assert_off_policy_close(&name, &g.off_policy, &c.off_policy);
                 let (gp, cp) = (gpu.params().to_vec(), cpu.params().to_vec());
                 let off = gp.iter().zip(&cp).filter(|(a, b)| (*a - *b).abs() > 1e-5 + 1e-3 * b.abs()).count();
                 assert!((off as f32) < 0.02 * gp.len() as f32, "{name}: {off} of {} parameters differ", gp.len());
