@@ -442,7 +442,7 @@ impl<B: Backend + ?Sized> Clone for Head<'_, B> {
 impl<B: Backend + ?Sized> Copy for Head<'_, B> {}
 
 /// Hands the declarations of [`Backend`]'s operations (every method after `len`, each taking
-/// `&mut self`) to the macro `$then`: the one list both the trait ([`declare_operations`]) and
+/// `&mut self`) to the macro `$then`: the one list both the trait (`declare_operations`) and
 /// the stand-in CUDA backend of builds without CUDA (`cuda/unavailable.rs`, where every
 /// operation is unreachable) are generated from.
 macro_rules! backend_operations {

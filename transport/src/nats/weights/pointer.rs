@@ -70,7 +70,7 @@ pub const MAX_POINTER_EVERY: u64 = 64;
 /// least every `pointer_every` versions: up to `pointer_every - 1` versions travel live
 /// between two pointers, the next version's pointer is written after that version is sent
 /// live, and one more leaves room for a watch that lags. A live version further ahead waits
-/// (at most [`LIVE_FRAMES_KEPT`] of them) until the pointer catches up, so a forged live
+/// (at most [`LIVE_FRAMES_KEPT`](super::live::LIVE_FRAMES_KEPT) of them) until the pointer catches up, so a forged live
 /// version cannot claim a version far above the learner's and make the follower ignore the
 /// real ones.
 pub(super) fn live_lead(pointer_every: u64) -> u64 {
