@@ -1,6 +1,10 @@
 //! The CUDA sources of the learner's kernels, their NVRTC compilation, and one safe launcher
 //! per kernel (`Kernels`).
 //!
+//! One concept over 1,000 lines: the launchers are one list, each beside the length checks its
+//! kernel's indexing relies on; splitting them would put a launcher's checks and its `SAFETY`
+//! argument in different files from the kernels' shared compile and module code.
+//!
 //! Each launcher takes typed device views (`CudaView`/`CudaViewMut`, which carry their length),
 //! checks every length against the sizes the kernel will index with, converts sizes to the
 //! kernel's integer types (refusing what does not fit), and only then launches, under a `SAFETY`
