@@ -186,7 +186,8 @@ def bounded(words):
 
 def prepare(command, port, tmp):
     """(argv, role) for one README command run here: role 'service' (stopped at the block's
-    end), 'finishes' (must exit 0 by itself) or 'help'."""
+    end), 'finishes' (must exit 0 by itself), 'setup' (files the next commands read: must exit 0
+    before they start) or 'help'."""
     command = command.replace("nats://127.0.0.1:4222", f"nats://127.0.0.1:{port}").replace("/tmp/", f"{tmp}/")
     words = shlex.split(normalise(command))
     if words[0] == "nats-server":
@@ -208,6 +209,8 @@ def prepare(command, port, tmp):
         return [VOLLEY] + bounded(words[1:]) + ([] if LONG_MODE else ["--progress", "quiet"]), "finishes"
     if sub == "learner":
         return [VOLLEY] + bounded(words[1:]), "finishes"
+    if sub in ("keys", "tls-certs", "creds"):
+        return [VOLLEY] + words[1:], "setup"
     if sub in ("actor", "env-serve"):
         return [VOLLEY] + words[1:], "finishes" if sub == "actor" else "service"
     die(f"no rule runs {command!r}")
@@ -228,6 +231,17 @@ def run_block(commands, tmp):
             log = open(os.path.join(tmp, f"cmd-{i}.log"), "w")
             print(f"  $ {' '.join(shlex.quote(a) for a in argv)}", flush=True)
             proc = subprocess.Popen(argv, cwd=tmp, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            if role == "setup":
+                try:
+                    status = proc.wait(timeout=PATIENCE_SECS)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    status = proc.wait()
+                if status != 0:
+                    log.flush()
+                    with open(log.name, encoding="utf-8", errors="replace") as f:
+                        problems.append(f"{command!r} exited {status}:\n{f.read()[-2000:]}")
+                continue
             procs.append((command, proc, role, log.name))
             if role == "service":
                 wait_for_port(port, proc)
