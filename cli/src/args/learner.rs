@@ -147,21 +147,7 @@ impl TryFrom<LearnerArgs> for LearnerConfig {
 
     fn try_from(args: LearnerArgs) -> anyhow::Result<Self> {
         let env_wait = check_secs("--env-wait-secs", args.env_wait_secs)?;
-        let mut spec = args.spec.to_spec_with(&|service| {
-            let nats = &args.nats;
-            nats.auth()
-                .and_then(|auth| {
-                    crate::remote_env::remote_env_config(
-                        &nats.nats_url,
-                        auth.as_ref(),
-                        &nats.tls.tls(),
-                        nats.timeout()?,
-                        service,
-                        env_wait,
-                    )
-                })
-                .with_context(|| format!("asking the servers of environment service {service} for its spaces"))
-        })?;
+        let mut spec = args.spec.to_spec_with(&|service| args.nats.remote_env_config(service, env_wait))?;
         let batch_segments = spec.hyper.batch_segments as u64;
         let default_backlog_batches = if spec.hyper.loss == LossKind::Ppo { 1 } else { 2 };
         let max_backlog_segments = args.max_backlog_segments.unwrap_or(default_backlog_batches * batch_segments);

@@ -6,6 +6,8 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 use clap::Args;
 use volley_core::ids::RunId;
+use volley_env::RemoteEnvConfig;
+use volley_transport::envsvc::EnvServiceName;
 use volley_transport::nats::identity::ActorIdentity;
 use volley_transport::nats::{NatsAuth, NatsConfig, NatsTls};
 
@@ -106,6 +108,23 @@ impl NatsArgs {
             return Ok(Some(identity.auth()));
         }
         nats_auth(&self.nats_user, &self.nats_password)
+    }
+
+    /// The spaces of environment service `service`, asked of its servers over this connection's
+    /// settings, waiting up to `wait` for one to appear (`--env remote:<service>`).
+    pub fn remote_env_config(&self, service: &EnvServiceName, wait: Duration) -> anyhow::Result<RemoteEnvConfig> {
+        self.auth()
+            .and_then(|auth| {
+                crate::remote_env::remote_env_config(
+                    &self.nats_url,
+                    auth.as_ref(),
+                    &self.tls.tls(),
+                    self.timeout()?,
+                    service,
+                    wait,
+                )
+            })
+            .with_context(|| format!("asking the servers of environment service {service} for its spaces"))
     }
 }
 

@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use anyhow::{bail, Context};
+use anyhow::bail;
 use clap::{Args, ValueEnum};
 use volley_core::spec::RunSpec;
 use volley_env::EnvConfig;
@@ -126,21 +126,7 @@ impl TryFrom<TrainArgs> for TrainConfig {
         let max_duration = args.max_secs.map(|secs| check_secs("--max-secs", secs)).transpose()?;
         check_target(args.target_return)?;
         let env_wait = check_secs("--env-wait-secs", args.env_wait_secs)?;
-        let spec = args.spec.to_spec_with(&|service| {
-            let nats = &args.nats;
-            nats.auth()
-                .and_then(|auth| {
-                    crate::remote_env::remote_env_config(
-                        &nats.nats_url,
-                        auth.as_ref(),
-                        &nats.tls.tls(),
-                        nats.timeout()?,
-                        service,
-                        env_wait,
-                    )
-                })
-                .with_context(|| format!("asking the servers of environment service {service} for its spaces"))
-        })?;
+        let spec = args.spec.to_spec_with(&|service| args.nats.remote_env_config(service, env_wait))?;
         let remote = match spec.env {
             volley_env::EnvConfig::Remote(_) => {
                 args.remote_env.validate()?;
