@@ -9,6 +9,7 @@ use prometheus::{Counter, Gauge, GaugeVec, Histogram, HistogramOpts, IntCounter,
 use crate::learner::{Learner, UpdateStats};
 use crate::report::LearnerReport;
 use crate::scheduler::{Scheduler, SchedulerObserver};
+use volley_transport::work::LeaseCounts;
 
 /// Handles to every learner metric.
 pub struct LearnerMetrics {
@@ -444,6 +445,10 @@ impl SchedulerObserver for WorkMetrics {
     fn observe(&self, scheduler: &Scheduler) {
         WorkMetrics::observe(self, scheduler);
     }
+
+    fn observe_leases(&self, leases: &LeaseCounts) {
+        WorkMetrics::observe_leases(self, leases);
+    }
 }
 
 /// The budget scheduler's metrics (learners of runs with `work.enabled`): each task's share of
@@ -457,6 +462,9 @@ pub struct WorkMetrics {
     items: IntCounterVec,
     groups: IntCounter,
     snapshots: Gauge,
+    leases: IntCounterVec,
+    leases_in_flight: Gauge,
+    leases_most_held: Gauge,
 }
 
 impl WorkMetrics {
@@ -500,6 +508,21 @@ impl WorkMetrics {
                 "volley_learner_snapshots_known",
                 "Saved states the scheduler can restart from.",
             ))?,
+            leases: IntCounterVec::new(
+                Opts::new(
+                    "volley_learner_work_leases_total",
+                    "Work dispatcher (NATS runs): actors' takes and leases by outcome: leased, refused_limit (the actor held work.max_items_per_actor), refused_cooling (an item of the actor was taken back), confirmed (its episodes arrived), reclaimed (no progress for work.ack_wait_secs), unconfirmed (reported done, no episodes within work.confirm_wait_secs).",
+                ),
+                &["outcome"],
+            )?,
+            leases_in_flight: Gauge::with_opts(Opts::new(
+                "volley_learner_work_leases_in_flight",
+                "Work items leased to actors now (NATS runs).",
+            ))?,
+            leases_most_held: Gauge::with_opts(Opts::new(
+                "volley_learner_work_leases_most_held",
+                "The most work items one actor identity holds now (at most work.max_items_per_actor; NATS runs).",
+            ))?,
         };
         registry.register(Box::new(metrics.share.clone()))?;
         registry.register(Box::new(metrics.success.clone()))?;
@@ -511,7 +534,25 @@ impl WorkMetrics {
         registry.register(Box::new(metrics.items.clone()))?;
         registry.register(Box::new(metrics.snapshots.clone()))?;
         registry.register(Box::new(metrics.groups.clone()))?;
+        for (outcome, _) in LeaseCounts::default().outcomes() {
+            metrics.leases.with_label_values(&[outcome]);
+        }
+        registry.register(Box::new(metrics.leases.clone()))?;
+        registry.register(Box::new(metrics.leases_in_flight.clone()))?;
+        registry.register(Box::new(metrics.leases_most_held.clone()))?;
         Ok(metrics)
+    }
+
+    /// Copy the work dispatcher's counts.
+    pub fn observe_leases(&self, leases: &LeaseCounts) {
+        for (outcome, total) in leases.outcomes() {
+            let counter = self.leases.with_label_values(&[outcome]);
+            if total > counter.get() {
+                counter.inc_by(total - counter.get());
+            }
+        }
+        self.leases_in_flight.set(leases.in_flight as f64);
+        self.leases_most_held.set(leases.most_held as f64);
     }
 
     /// Copy the scheduler's state.
@@ -579,6 +620,51 @@ mod actor_lag_tests {
         for (label, value) in rejected.iter().chain(&outcomes) {
             assert_eq!(*value, 0.0, "{label}");
         }
+    }
+
+    #[test]
+    fn work_lease_counts_are_exported_by_outcome_and_never_go_back() {
+        let registry = Registry::new();
+        let work = WorkMetrics::register(&registry).expect("register");
+        let value = |name: &str, outcome: Option<&str>| -> f64 {
+            let families = registry.gather();
+            let family = families.iter().find(|f| f.name() == name).unwrap_or_else(|| panic!("{name} not exported"));
+            let metric = family
+                .get_metric()
+                .iter()
+                .find(|m| outcome.is_none_or(|outcome| m.get_label()[0].value() == outcome))
+                .unwrap_or_else(|| panic!("{name}{{{outcome:?}}} not exported"));
+            match outcome {
+                Some(_) => metric.get_counter().get_value(),
+                None => metric.get_gauge().get_value(),
+            }
+        };
+        // Every outcome from the start, at zero.
+        let families = registry.gather();
+        let leases = families.iter().find(|f| f.name() == "volley_learner_work_leases_total").expect("exported");
+        assert_eq!(leases.get_metric().len(), 6);
+        assert!(leases.get_metric().iter().all(|m| m.get_counter().get_value() == 0.0));
+
+        let counts = LeaseCounts {
+            leased: 40,
+            refused_limit: 7,
+            refused_cooling: 3,
+            confirmed: 30,
+            reclaimed: 5,
+            unconfirmed: 2,
+            in_flight: 3,
+            most_held: 2,
+        };
+        work.observe_leases(&counts);
+        // Lower counts (a queue opened again counts from zero) never move a counter back.
+        work.observe_leases(&LeaseCounts { leased: 1, in_flight: 1, most_held: 1, ..LeaseCounts::default() });
+        let later = LeaseCounts { reclaimed: 6, ..counts };
+        work.observe_leases(&later);
+        for (outcome, total) in later.outcomes() {
+            assert_eq!(value("volley_learner_work_leases_total", Some(outcome)), total as f64, "{outcome}");
+        }
+        assert_eq!(value("volley_learner_work_leases_in_flight", None), 3.0);
+        assert_eq!(value("volley_learner_work_leases_most_held", None), 2.0);
     }
 
     #[test]

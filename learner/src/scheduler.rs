@@ -410,6 +410,8 @@ impl Scheduler {
 pub trait SchedulerObserver: Send {
     /// Read the scheduler's state.
     fn observe(&self, scheduler: &Scheduler);
+    /// Read what the work queue's lease dispatcher has done (NATS runs; issue 46).
+    fn observe_leases(&self, _leases: &volley_transport::work::LeaseCounts) {}
 }
 
 /// A [`Scheduler`] wired to the run's work queue: learns from every segment the learner
@@ -504,6 +506,9 @@ impl WorkPlanner {
     pub fn top_up(&mut self) {
         if let Some(metrics) = &self.metrics {
             metrics.observe(&self.scheduler);
+            if let Some(leases) = self.queue.leases() {
+                metrics.observe_leases(&leases);
+            }
         }
         self.last_top_up = Some(Instant::now());
         self.finished_since_top_up = 0;

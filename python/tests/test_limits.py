@@ -96,3 +96,25 @@ def test_a_limit_below_one_is_refused_at_start(flag, capsys):
     with pytest.raises(SystemExit):
         parse_args(["serve", "gymnasium:CartPole-v1", flag, "0"])
     assert "must be at least 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "soon"])
+def test_an_idle_timeout_that_never_frees_a_session_is_refused_at_start(value, capsys, monkeypatch):
+    # A NaN or infinite timeout kept abandoned sessions (and their slots of --max-sessions)
+    # forever; a bad variable was a traceback. Both are now a clear error.
+    with pytest.raises(SystemExit):
+        parse_args(["serve", "gymnasium:CartPole-v1", "--idle-timeout-secs", value])
+    assert "--idle-timeout-secs" in capsys.readouterr().err
+    monkeypatch.setenv("VOLLEY_ENV_IDLE_TIMEOUT_SECS", value)
+    with pytest.raises(SystemExit):
+        parse_args(["serve", "gymnasium:CartPole-v1"])
+    assert "--idle-timeout-secs" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="idle_timeout"):
+        cartpole_server("idle", idle_timeout=float(value) if value != "soon" else "soon")
+
+
+def test_the_idle_timeout_comes_from_its_flag_or_variable(monkeypatch):
+    assert parse_args(["serve", "gymnasium:CartPole-v1"]).idle_timeout_secs == 300.0
+    monkeypatch.setenv("VOLLEY_ENV_IDLE_TIMEOUT_SECS", "45")
+    assert parse_args(["serve", "gymnasium:CartPole-v1"]).idle_timeout_secs == 45.0
+    assert parse_args(["serve", "gymnasium:CartPole-v1", "--idle-timeout-secs", "2.5"]).idle_timeout_secs == 2.5

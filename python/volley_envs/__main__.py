@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import json
 import logging
+import math
 import os
 import signal
 import ssl
@@ -15,7 +16,14 @@ from urllib.parse import urlparse
 import nats
 
 from .protocol import check_name, default_name
-from .server import DEFAULT_MAX_ENVS, DEFAULT_MAX_ENVS_PER_SESSION, DEFAULT_MAX_SESSIONS, EnvServer, make_factory
+from .server import (
+    DEFAULT_IDLE_TIMEOUT_SECS,
+    DEFAULT_MAX_ENVS,
+    DEFAULT_MAX_ENVS_PER_SESSION,
+    DEFAULT_MAX_SESSIONS,
+    EnvServer,
+    make_factory,
+)
 
 
 log = logging.getLogger("volley_envs")
@@ -110,7 +118,18 @@ def positive_int(text: str) -> int:
     return value
 
 
-def limit_default(variable: str, default: int) -> str:
+def positive_seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text} must be a finite number of seconds above 0")
+    return value
+
+
+def limit_default(variable: str, default: float) -> str:
     """The default of a limit flag: its environment variable if set (checked by the flag's type)."""
     return os.environ.get(variable) or str(default)
 
@@ -148,9 +167,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                        default=limit_default("VOLLEY_ENV_MAX_ENVS_PER_SESSION", DEFAULT_MAX_ENVS_PER_SESSION),
                        help="largest session, at most --max-envs (env VOLLEY_ENV_MAX_ENVS_PER_SESSION, default "
                             f"{DEFAULT_MAX_ENVS_PER_SESSION})")
-    serve.add_argument("--idle-timeout-secs", type=float,
-                       default=float(os.environ.get("VOLLEY_ENV_IDLE_TIMEOUT_SECS") or 300.0),
-                       help="drop a session without requests for this long (env VOLLEY_ENV_IDLE_TIMEOUT_SECS)")
+    serve.add_argument("--idle-timeout-secs", type=positive_seconds,
+                       default=limit_default("VOLLEY_ENV_IDLE_TIMEOUT_SECS", DEFAULT_IDLE_TIMEOUT_SECS),
+                       help="drop a session without requests for this long, so abandoned sessions free their "
+                            "slots (env VOLLEY_ENV_IDLE_TIMEOUT_SECS, default "
+                            f"{DEFAULT_IDLE_TIMEOUT_SECS:g})")
     serve.add_argument("--snapshot-key-file", default=os.environ.get("VOLLEY_ENVS_SNAPSHOT_KEY_FILE"),
                        help="file of at least 16 bytes that authenticates snapshot states whose decoder trusts "
                             "its input (ALE's); instances that share it restore each other's states (env "

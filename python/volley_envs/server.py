@@ -262,6 +262,8 @@ class Session:
 DEFAULT_MAX_SESSIONS = 64
 DEFAULT_MAX_ENVS_PER_SESSION = 64
 DEFAULT_MAX_ENVS = 256
+# Seconds after which a session without requests is dropped, freeing its slots.
+DEFAULT_IDLE_TIMEOUT_SECS = 300.0
 
 
 class EnvServer:
@@ -279,7 +281,7 @@ class EnvServer:
         label: str = "",
         max_sessions: int = DEFAULT_MAX_SESSIONS,
         max_envs_per_session: int = DEFAULT_MAX_ENVS_PER_SESSION,
-        idle_timeout: float = 300.0,
+        idle_timeout: float = DEFAULT_IDLE_TIMEOUT_SECS,
         max_abs_reward: Optional[float] = None,
         snapshot_key: Optional[bytes] = None,
         max_envs: int = DEFAULT_MAX_ENVS,
@@ -288,6 +290,9 @@ class EnvServer:
                              ("max_envs", max_envs)):
             if not (isinstance(value, int) and value >= 1):
                 raise ValueError(f"{limit} {value!r} must be an integer of at least 1")
+        # A NaN or infinite timeout would keep abandoned sessions, and their slots, forever.
+        if not (isinstance(idle_timeout, (int, float)) and math.isfinite(idle_timeout) and idle_timeout > 0):
+            raise ValueError(f"idle_timeout {idle_timeout!r} must be a finite number of seconds above 0")
         self.factory = factory
         # Declared in `spaces`: the largest |reward| of one step; the learner rejects segments
         # beyond it (docs/SECURITY.md). None: undeclared (the learner's default applies).

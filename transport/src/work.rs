@@ -29,6 +29,50 @@ pub trait WorkQueue: Send {
     /// networked queue hands an item an actor reported done but never confirmed to another
     /// actor after `work.confirm_wait_secs`; in process there is nothing to confirm.
     fn confirm(&mut self, _item: u64, _actor: &ActorId) {}
+    /// What the queue's lease dispatcher has done so far, for a networked queue that leases
+    /// items to actors (`None` in process, where nothing is leased).
+    fn leases(&self) -> Option<LeaseCounts> {
+        None
+    }
+}
+
+/// What a work dispatcher did with actors' takes and leases since it started (issue 46): the
+/// counters only grow; `in_flight` and `most_held` are the state now.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LeaseCounts {
+    /// Takes answered with an item.
+    pub leased: u64,
+    /// Takes refused because the actor held its limit of items (`work.max_items_per_actor`).
+    pub refused_limit: u64,
+    /// Takes refused because one of the actor's leases was taken back within `work.ack_wait_secs`.
+    pub refused_cooling: u64,
+    /// Leases ended by their item's episodes arriving from the actor that reported it done
+    /// (the item is acknowledged to the stream).
+    pub confirmed: u64,
+    /// Leases taken back without a progress signal for `work.ack_wait_secs`; the item goes to
+    /// the next actor that asks.
+    pub reclaimed: u64,
+    /// Leases reported done whose episodes did not arrive within `work.confirm_wait_secs`;
+    /// the item goes to the next actor that asks.
+    pub unconfirmed: u64,
+    /// Leases held now, over all actors.
+    pub in_flight: u64,
+    /// The most leases one actor identity holds now.
+    pub most_held: u64,
+}
+
+impl LeaseCounts {
+    /// The counters' labels, as the metric exports them, with their values.
+    pub fn outcomes(&self) -> [(&'static str, u64); 6] {
+        [
+            ("leased", self.leased),
+            ("refused_limit", self.refused_limit),
+            ("refused_cooling", self.refused_cooling),
+            ("confirmed", self.confirmed),
+            ("reclaimed", self.reclaimed),
+            ("unconfirmed", self.unconfirmed),
+        ]
+    }
 }
 
 /// Where actors take work.

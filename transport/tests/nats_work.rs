@@ -15,7 +15,7 @@ use volley_core::subjects;
 use volley_core::work::{EpisodeSnapshot, GroupMember, Start, WorkConfig, WorkItem};
 use volley_testkit::TestNats;
 use volley_transport::nats::{NatsBus, NatsConfig, NatsTls};
-use volley_transport::work::{SnapshotStore, WorkQueue, WorkSource, WorkToken};
+use volley_transport::work::{LeaseCounts, SnapshotStore, WorkQueue, WorkSource, WorkToken};
 
 fn work_config(ack_wait_secs: f64) -> WorkConfig {
     WorkConfig { enabled: true, ack_wait_secs, ..WorkConfig::default() }
@@ -42,6 +42,20 @@ fn actor(name: &str) -> ActorId {
 
 fn item(id: u64) -> WorkItem {
     WorkItem { id, task_id: 0, start: Start::Fresh { seed: id }, episodes: 1, group: None }
+}
+
+/// The dispatcher's counts once `done` holds for them (it counts on its own thread; the wait
+/// only bounds a hang).
+fn lease_counts_when(queue: &impl WorkQueue, done: impl Fn(&LeaseCounts) -> bool) -> LeaseCounts {
+    let started = Instant::now();
+    loop {
+        let counts = queue.leases().expect("a NATS work queue counts its leases");
+        if done(&counts) {
+            return counts;
+        }
+        assert!(started.elapsed() < Duration::from_secs(30), "the dispatcher's counts stayed at {counts:?}");
+        std::thread::sleep(Duration::from_millis(10));
+    }
 }
 
 /// Take an item, retrying within a generous safety net (redelivery happens after ack_wait).
@@ -80,6 +94,9 @@ fn items_go_to_one_actor_and_an_abandoned_one_is_redelivered() {
     assert_eq!(again.id, a.id);
     second.complete(token).expect("complete");
     queue.confirm(a.id, &actor("b"));
+    // Counted: three leases, the abandoned one reclaimed, two confirmed.
+    let counts = lease_counts_when(&queue, |counts| counts.confirmed == 2);
+    assert_eq!((counts.leased, counts.reclaimed, counts.unconfirmed, counts.in_flight), (3, 1, 0, 0), "{counts:?}");
     // Completed and confirmed items never come back.
     std::thread::sleep(Duration::from_millis(1500));
     assert!(second.take(Duration::from_millis(200)).expect("take").is_none());
@@ -204,6 +221,24 @@ fn an_actor_holds_at_most_its_limit_and_an_unconfirmed_item_is_handed_out_again(
     assert_eq!(again.id, first.id);
     honest.complete(token).expect("done");
     queue.confirm(again.id, &actor("honest"));
+    // The greedy actor's item was taken back: it gets nothing for ack_wait (30 s here).
+    assert!(greedy.take(Duration::ZERO).expect("take").is_none(), "refused while cooling");
+    assert_eq!(greedy.refused(), 2);
+    // What the dispatcher counted (the learner's `volley_learner_work_leases_total` and gauges):
+    // 2 + 2 + 1 leases, one take refused at the limit and one while cooling, the unrun item
+    // unconfirmed, three confirmed; the greedy actor still holds its second item.
+    let counts = lease_counts_when(&queue, |counts| counts.confirmed == 3);
+    let expected = LeaseCounts {
+        leased: 5,
+        refused_limit: 1,
+        refused_cooling: 1,
+        confirmed: 3,
+        reclaimed: 0,
+        unconfirmed: 1,
+        in_flight: 1,
+        most_held: 1,
+    };
+    assert_eq!(counts, expected);
 }
 
 #[test]

@@ -20,9 +20,13 @@
 //!
 //! The dispatcher keeps the leased stream messages alive with progress acknowledgements, so
 //! if the learner dies its leased items come back from the stream after `ack_wait`.
+//!
+//! It counts what it does ([`LeaseCounts`]: leases, refusals, reclaimed and unconfirmed
+//! leases, leases in flight and the most one identity holds), which the learner exports as
+//! `volley_learner_work_leases_total{outcome}` and gauges.
 
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use async_nats::jetstream::{self, consumer, AckKind};
@@ -35,6 +39,7 @@ use volley_core::work::WorkConfig;
 
 use super::source::fetch_into;
 use super::{call, failed, NatsBus, NatsConfig, Shared};
+use crate::work::LeaseCounts;
 use crate::TransportError;
 
 /// Header of a take reply carrying the lease id of the item in its body.
@@ -120,12 +125,30 @@ impl Leases {
     }
 }
 
+/// The dispatcher's [`LeaseCounts`], shared with the learner's work queue, which reads them.
+#[derive(Debug, Default)]
+pub(super) struct SharedLeaseCounts(Mutex<LeaseCounts>);
+
+impl SharedLeaseCounts {
+    pub(super) fn get(&self) -> LeaseCounts {
+        *self.0.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Apply `change`, and take the state of `leases` now.
+    fn update(&self, leases: &Leases, change: impl FnOnce(&mut LeaseCounts)) {
+        let mut counts = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        change(&mut counts);
+        counts.in_flight = leases.by_id.len() as u64;
+        counts.most_held = leases.per_actor.values().copied().max().unwrap_or(0) as u64;
+    }
+}
+
 /// Start the dispatcher of `config`'s run on a thread with a connection of its own; it stops
-/// when the returned sender is dropped.
+/// when the returned sender is dropped. The counts are what it has done so far.
 pub(super) fn start(
     config: &NatsConfig,
     work: &WorkConfig,
-) -> Result<tokio::sync::mpsc::Sender<Confirmation>, TransportError> {
+) -> Result<(tokio::sync::mpsc::Sender<Confirmation>, Arc<SharedLeaseCounts>), TransportError> {
     let limits = Limits {
         max_items_per_actor: work.max_items_per_actor as usize,
         ack_wait: Duration::from_secs_f64(work.ack_wait_secs),
@@ -157,6 +180,8 @@ pub(super) fn start(
         call("confirm work lease subscriptions", timeout, shared.client.flush()).await?;
         Ok::<_, TransportError>((consumer, subscriptions))
     })?;
+    let counts = Arc::new(SharedLeaseCounts::default());
+    let dispatcher_counts = counts.clone();
     std::thread::Builder::new()
         .name("volley-work-dispatch".into())
         .spawn(move || {
@@ -165,11 +190,11 @@ pub(super) fn start(
             // previous learner's dispatcher cannot name one of this dispatcher's.
             let first_id = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
             let leases = Leases { next_id: first_id, ..Leases::default() };
-            let dispatcher = Dispatcher { shared: shared.clone(), consumer, limits, leases };
+            let dispatcher = Dispatcher { shared: shared.clone(), consumer, limits, leases, counts: dispatcher_counts };
             shared.block_on(dispatcher.run(subscriptions, receiver));
         })
         .map_err(|err| failed("start work dispatcher", err))?;
-    Ok(confirmations)
+    Ok((confirmations, counts))
 }
 
 /// The dispatcher's subscriptions, one per verb of the lease protocol.
@@ -184,6 +209,7 @@ struct Dispatcher {
     consumer: consumer::PullConsumer,
     limits: Limits,
     leases: Leases,
+    counts: Arc<SharedLeaseCounts>,
 }
 
 impl Dispatcher {
@@ -234,9 +260,11 @@ impl Dispatcher {
         if self.leases.held_by(&actor) >= self.limits.max_items_per_actor {
             debug!(%actor, "work take refused: the actor holds its limit of items");
             headers.insert(REFUSED_HEADER, "in-flight limit");
+            self.counts.update(&self.leases, |counts| counts.refused_limit += 1);
         } else if self.leases.cooling.get(&actor).is_some_and(|until| *until > Instant::now()) {
             debug!(%actor, "work take refused: an item of the actor was taken back");
             headers.insert(REFUSED_HEADER, "item taken back");
+            self.counts.update(&self.leases, |counts| counts.refused_cooling += 1);
         } else if let Some((item, message)) = self.next_item().await {
             let lease = Lease {
                 actor: actor.clone(),
@@ -248,6 +276,7 @@ impl Dispatcher {
             };
             body = lease.message.payload.clone();
             let id = self.leases.insert(lease);
+            self.counts.update(&self.leases, |counts| counts.leased += 1);
             headers.insert(LEASE_HEADER, id.to_string().as_str());
             debug!(%actor, item, lease = id, "work item leased");
         }
@@ -321,6 +350,7 @@ impl Dispatcher {
     /// End lease `id` and acknowledge its item to the stream.
     async fn acknowledge(&mut self, id: u64) {
         let Some(lease) = self.leases.remove(id) else { return };
+        self.counts.update(&self.leases, |counts| counts.confirmed += 1);
         let request_timeout = self.shared.config.request_timeout;
         if let Err(err) = call("complete work item", request_timeout, lease.message.double_ack()).await {
             // Not acknowledged: the stream delivers it again after ack_wait; it runs twice.
@@ -336,6 +366,13 @@ impl Dispatcher {
             self.leases.by_id.iter().filter(|(_, lease)| lease.deadline <= now).map(|(&id, _)| id).collect();
         for id in expired {
             let lease = self.leases.remove(id).expect("listed above");
+            self.counts.update(&self.leases, |counts| {
+                if lease.done {
+                    counts.unconfirmed += 1;
+                } else {
+                    counts.reclaimed += 1;
+                }
+            });
             self.leases.cooling.insert(lease.actor.clone(), now + self.limits.ack_wait);
             debug!(actor = %lease.actor, item = lease.item, done = lease.done, "work lease expired; item handed out again");
             if let Err(err) = lease.message.ack_with(AckKind::Nak(None)).await {

@@ -100,8 +100,8 @@ impl NatsBus {
             timeout,
             shared.js.get_stream_no_info(subjects::work_stream(&shared.config.run)),
         ))?;
-        let dispatcher = super::dispatch::start(&shared.config, work)?;
-        Ok(NatsWorkQueue { shared, stream, dispatcher, confirmations_dropped: 0 })
+        let (dispatcher, lease_counts) = super::dispatch::start(&shared.config, work)?;
+        Ok(NatsWorkQueue { shared, stream, dispatcher, lease_counts, confirmations_dropped: 0 })
     }
 
     /// Actor side: lease work items from the learner's work dispatcher as `actor`.
@@ -135,6 +135,8 @@ pub struct NatsWorkQueue {
     stream: stream::Stream<()>,
     /// The dispatcher stops when this is dropped.
     dispatcher: tokio::sync::mpsc::Sender<super::dispatch::Confirmation>,
+    /// What the dispatcher has done, as its thread counts it.
+    lease_counts: Arc<super::dispatch::SharedLeaseCounts>,
     confirmations_dropped: u64,
 }
 
@@ -196,6 +198,10 @@ impl crate::work::WorkQueue for NatsWorkQueue {
         if self.dispatcher.try_send(confirmation).is_err() {
             self.confirmations_dropped += 1;
         }
+    }
+
+    fn leases(&self) -> Option<crate::work::LeaseCounts> {
+        Some(self.lease_counts.get())
     }
 
     fn queued(&mut self) -> Result<u64, TransportError> {
