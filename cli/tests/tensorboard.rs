@@ -13,7 +13,7 @@ use std::time::Duration;
 use volley_testkit::TestNats;
 
 mod common;
-use common::Proc;
+use common::{actor_args, learner_args, volley, Proc};
 
 /// Set by `.ci/run`: a missing `tensorboard` package is a failure, not a skip.
 const REQUIRE_TENSORBOARD: &str = "VOLLEY_REQUIRE_TENSORBOARD";
@@ -103,7 +103,7 @@ fn train_writes_scalars_tensorboard_reads_back() {
     let dir = tempfile::tempdir().expect("temp dir");
     let run_dir = dir.path().join("run");
     let tb_dir = dir.path().join("tb");
-    let output = Command::new(env!("CARGO_BIN_EXE_volley"))
+    let output = volley()
         .args(["train", "--max-env-steps", "8192", "--segment-len", "16", "--batch-segments", "8"])
         .args(["--progress", "quiet", "--target-return", "1e9", "--backend", "cpu", "--run-dir"])
         .arg(&run_dir)
@@ -146,50 +146,28 @@ fn learner_process_writes_scalars_tensorboard_reads_back() {
     let nats = TestNats::start();
     let dir = tempfile::tempdir().expect("temp dir");
     let tb_dir = dir.path().join("tb");
-    let args: Vec<String> = [
-        "learner",
-        "--nats",
-        &nats.url(),
-        "--nats-tls-ca",
-        &nats.ca_file().display().to_string(),
-        "--run",
+    let tb = tb_dir.display().to_string();
+    let args = learner_args(
+        &nats,
         "tb",
-        "--max-env-steps",
-        "4096",
-        "--segment-len",
-        "16",
-        "--batch-segments",
-        "8",
-        "--target-return",
-        "1e9",
-        "--backend",
-        "cpu",
-        "--checkpoint-dir",
-        &dir.path().join("checkpoints").display().to_string(),
-        "--tensorboard",
-        &tb_dir.display().to_string(),
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
+        dir.path(),
+        &[
+            "--max-env-steps",
+            "4096",
+            "--segment-len",
+            "16",
+            "--batch-segments",
+            "8",
+            "--target-return",
+            "1e9",
+            "--backend",
+            "cpu",
+            "--tensorboard",
+            &tb,
+        ],
+    );
     let mut learner = Proc::volley(dir.path(), "learner", &args, PATIENCE);
-    let actor_args: Vec<String> = [
-        "actor",
-        "--nats",
-        &nats.url(),
-        "--nats-tls-ca",
-        &nats.ca_file().display().to_string(),
-        "--run",
-        "tb",
-        "--actor-id",
-        "a0",
-        "--envs",
-        "8",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
-    let mut actor = Proc::volley(dir.path(), "actor", &actor_args, PATIENCE);
+    let mut actor = Proc::volley(dir.path(), "actor", &actor_args(&nats, "tb", "a0", &[]), PATIENCE);
     let summary = learner.summary();
     actor.terminate_and_wait();
     let updates = summary["updates"].as_u64().expect("updates") as usize;

@@ -1,10 +1,7 @@
 //! Smoke tests of the `volley` binary: a tiny embedded run, and clear errors for bad flags.
 
-use std::process::Command;
-
-fn volley() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_volley"))
-}
+mod common;
+use common::volley;
 
 #[test]
 fn tiny_train_run_prints_summary_and_writes_run_dir() {

@@ -1,7 +1,8 @@
 #![allow(dead_code)] // each test crate uses part of these helpers
-//! Process helpers shared by the CLI's integration tests: spawn `volley` (or another program)
-//! with its stderr in a log file, wait for log lines, exit and the JSON summary, and always
-//! reap the child.
+//! Process helpers shared by the CLI's integration tests: the command lines of `volley`
+//! processes connected to a test broker, and [`Proc`], which spawns `volley` (or another
+//! program) with its stderr in a log file, waits for log lines, exit and the JSON summary, and
+//! always reaps the child.
 
 use std::fs;
 use std::io::Read;
@@ -9,6 +10,41 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::thread;
 use std::time::{Duration, Instant};
+
+use volley_testkit::TestNats;
+
+/// `args` as owned strings, for [`Proc::spawn`].
+pub fn strings(args: &[&str]) -> Vec<String> {
+    args.iter().map(|arg| arg.to_string()).collect()
+}
+
+/// The `volley` binary under test, as a `Command` to run to completion.
+pub fn volley() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_volley"))
+}
+
+/// `volley <subcommand>` connected to `nats` ([`TestNats::client_args`]), then `rest`.
+pub fn volley_args(subcommand: &str, nats: &TestNats, rest: &[&str]) -> Vec<String> {
+    let mut args = vec![subcommand.to_string()];
+    args.extend(nats.client_args());
+    args.extend(strings(rest));
+    args
+}
+
+/// `volley learner` of run `run` on `nats`, checkpointing in `<dir>/checkpoints`, then `extra`.
+pub fn learner_args(nats: &TestNats, run: &str, dir: &Path, extra: &[&str]) -> Vec<String> {
+    let checkpoints = dir.join("checkpoints").display().to_string();
+    let mut args = volley_args("learner", nats, &["--run", run, "--checkpoint-dir", &checkpoints]);
+    args.extend(strings(extra));
+    args
+}
+
+/// `volley actor` with id `id` in run `run` on `nats`, stepping 8 environments, then `extra`.
+pub fn actor_args(nats: &TestNats, run: &str, id: &str, extra: &[&str]) -> Vec<String> {
+    let mut args = volley_args("actor", nats, &["--run", run, "--actor-id", id, "--envs", "8"]);
+    args.extend(strings(extra));
+    args
+}
 
 /// A child process whose stderr goes to `<dir>/<name>.log`; killed when dropped.
 pub struct Proc {
