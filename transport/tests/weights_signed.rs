@@ -82,14 +82,7 @@ fn forge_pointer(bus: &NatsBus, weights: &Weights, signature: Option<String>) {
 /// rights on the live subject could.
 fn forge_live(bus: &NatsBus, weights: &Weights, signature: Option<&[u8; 64]>) {
     let (chunks, _) = live::encode_signed_full_frame_chunks(weights, signature, 100_000);
-    let subject = subjects::weights_live(&bus.config().run);
-    let client = bus.client().clone();
-    bus.block_on(async move {
-        for chunk in chunks {
-            client.publish(subject.clone(), Bytes::from(chunk)).await.expect("published");
-        }
-        client.flush().await.expect("flushed");
-    });
+    common::publish_live(bus, chunks);
 }
 
 /// Call `latest` until the pointer written last has been judged: weights, or an error.
