@@ -2,7 +2,8 @@
 
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Duration;
+use std::thread;
+use std::time::{Duration, Instant};
 
 use volley_core::ids::{ActorId, PolicyVersion, RunId};
 use volley_core::spec::{HyperParams, RunSpec, StoreLimits};
@@ -11,7 +12,8 @@ use volley_core::wire::{TrajectorySegment, Weights};
 use volley_testkit::fixtures::{SegmentBuilder, SpecBuilder};
 use volley_testkit::TestNats;
 use volley_transport::nats::identity::{actor_nkey_variable, ActorIdentity};
-use volley_transport::nats::{NatsBus, NatsConfig, NatsTls};
+use volley_transport::nats::{NatsBus, NatsConfig, NatsTls, NatsWeightsFollower};
+use volley_transport::WeightsFollower;
 
 /// A small CartPole run spec for `run`, with small store bounds: JetStream reserves every
 /// stream's `max_bytes` when it is created, and a test broker may use at most 75 % of the free
@@ -81,6 +83,21 @@ pub fn publish_live(bus: &NatsBus, chunks: Vec<Vec<u8>>) {
         }
         client.flush().await.expect("flushed");
     });
+}
+
+/// Call `latest` on `follower`, which holds version `have`, until the pointer written last has
+/// been judged: the weights it took, or the error it refused them with. Bounded by a minute, only
+/// so that a regression fails instead of hanging.
+pub fn next_outcome(follower: &mut NatsWeightsFollower, have: u64) -> Result<Arc<Weights>, String> {
+    let started = Instant::now();
+    loop {
+        assert!(started.elapsed() < Duration::from_secs(60), "no outcome: {follower:?}");
+        match follower.latest(Some(PolicyVersion(have))) {
+            Ok(Some(weights)) => return Ok(weights),
+            Ok(None) => thread::sleep(Duration::from_millis(5)),
+            Err(err) => return Err(err.to_string()),
+        }
+    }
 }
 
 /// A bus for `run_name` whose weights always go through the object store (nothing inline), as
