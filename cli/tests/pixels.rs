@@ -7,7 +7,7 @@ use std::time::Duration;
 use volley_testkit::TestNats;
 
 mod common;
-use common::{actor_args, learner_args, volley, Proc};
+use common::{actor_args, learner_args, read_json, train_in, volley, Proc};
 
 /// Upper bound on any wait: a safety net against hangs, not a timed assertion.
 const PATIENCE: Duration = Duration::from_secs(300);
@@ -19,19 +19,12 @@ const MINATAR_CONV: [&str; 8] =
 fn minatar_trains_embedded_with_the_conv_torso() {
     let dir = tempfile::tempdir().expect("temp dir");
     let run_dir = dir.path().join("run");
-    let output = volley()
-        .args(["train", "--max-env-steps", "2048", "--segment-len", "16", "--batch-segments", "8"])
-        .args(MINATAR_CONV)
-        .args(["--progress", "quiet", "--run-dir"])
-        .arg(&run_dir)
-        .output()
-        .expect("run volley");
-    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
-    let summary: serde_json::Value = serde_json::from_slice(&output.stdout).expect("one JSON summary");
+    let mut args = vec!["--max-env-steps", "2048", "--segment-len", "16", "--batch-segments", "8"];
+    args.extend(MINATAR_CONV);
+    let summary = train_in(&run_dir, &args);
     assert_eq!(summary["stop_reason"], "env_step_budget", "{summary}");
     assert!(summary["updates"].as_u64().expect("updates") >= 1, "{summary}");
-    let spec: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(run_dir.join("spec.json")).expect("spec.json")).expect("json");
+    let spec = read_json(&run_dir.join("spec.json"));
     let conv = &spec["policy"]["conv"];
     assert_eq!(conv["in_channels"], 4, "{conv}");
     assert_eq!(conv["layers"][0]["out_channels"], 16, "{conv}");

@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use volley_testkit::TestNats;
 
 mod common;
-use common::{actor_args, learner_args, strings, volley_args, Proc};
+use common::{actor_args, learner_args, read_json, strings, volley_args, Proc};
 
 /// Both tests run a broker, servers, a learner and actors: one at a time on two cores.
 static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
@@ -343,9 +343,7 @@ fn embedded_train_steps_a_remote_box_env() {
     assert_eq!(summary["stop_reason"], "env_step_budget", "{summary}\n{}", train.log());
     assert!(summary["env_steps"].as_u64().expect("steps") >= 3000, "{summary}");
     assert_eq!(train.log().matches("remote environments ready").count(), 2, "{}", train.log());
-    let spec: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.path().join("run/spec.json")).expect("spec.json"))
-            .expect("spec json");
+    let spec = read_json(&dir.path().join("run/spec.json"));
     assert_eq!(spec["env"]["action_box"], serde_json::json!({"low": [-2.0], "high": [2.0]}), "{spec}");
     assert_eq!(spec["policy"]["n_actions"], 1, "{spec}");
     assert!(server.terminate_and_wait().success(), "{}", server.log());

@@ -13,7 +13,7 @@ use std::time::Duration;
 use volley_testkit::TestNats;
 
 mod common;
-use common::{actor_args, learner_args, volley, Proc};
+use common::{actor_args, learner_args, train_in, Proc};
 
 /// Set by `.ci/run`: a missing `tensorboard` package is a failure, not a skip.
 const REQUIRE_TENSORBOARD: &str = "VOLLEY_REQUIRE_TENSORBOARD";
@@ -103,15 +103,24 @@ fn train_writes_scalars_tensorboard_reads_back() {
     let dir = tempfile::tempdir().expect("temp dir");
     let run_dir = dir.path().join("run");
     let tb_dir = dir.path().join("tb");
-    let output = volley()
-        .args(["train", "--max-env-steps", "8192", "--segment-len", "16", "--batch-segments", "8"])
-        .args(["--progress", "quiet", "--target-return", "1e9", "--backend", "cpu", "--run-dir"])
-        .arg(&run_dir)
-        .arg("--tensorboard")
-        .arg(&tb_dir)
-        .output()
-        .expect("run volley");
-    assert!(output.status.success(), "volley train failed: {}", String::from_utf8_lossy(&output.stderr));
+    let tb = tb_dir.display().to_string();
+    train_in(
+        &run_dir,
+        &[
+            "--max-env-steps",
+            "8192",
+            "--segment-len",
+            "16",
+            "--batch-segments",
+            "8",
+            "--target-return",
+            "1e9",
+            "--backend",
+            "cpu",
+            "--tensorboard",
+            &tb,
+        ],
+    );
     let rows: Vec<serde_json::Value> = std::fs::read_to_string(run_dir.join("metrics.jsonl"))
         .expect("metrics.jsonl")
         .lines()

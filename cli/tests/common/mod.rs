@@ -23,6 +23,26 @@ pub fn volley() -> Command {
     Command::new(env!("CARGO_BIN_EXE_volley"))
 }
 
+/// Run `volley train ARGS --progress quiet --run-dir RUN_DIR` to its end and return the JSON
+/// summary it printed; fails with its stderr when it does not succeed.
+pub fn train_in(run_dir: &Path, args: &[&str]) -> serde_json::Value {
+    let output = volley()
+        .arg("train")
+        .args(args)
+        .args(["--progress", "quiet", "--run-dir"])
+        .arg(run_dir)
+        .output()
+        .expect("run volley");
+    assert!(output.status.success(), "volley train {args:?} failed: {}", String::from_utf8_lossy(&output.stderr));
+    serde_json::from_slice(&output.stdout).expect("one JSON summary on stdout")
+}
+
+/// The JSON file at `path` (a run directory's `spec.json`, a summary).
+pub fn read_json(path: &Path) -> serde_json::Value {
+    let text = fs::read_to_string(path).unwrap_or_else(|err| panic!("read {}: {err}", path.display()));
+    serde_json::from_str(&text).unwrap_or_else(|err| panic!("{} is not JSON: {err}", path.display()))
+}
+
 /// `volley <subcommand>` connected to `nats` ([`TestNats::client_args`]), then `rest`.
 pub fn volley_args(subcommand: &str, nats: &TestNats, rest: &[&str]) -> Vec<String> {
     let mut args = vec![subcommand.to_string()];
