@@ -14,7 +14,7 @@ use futures::StreamExt;
 use volley_testkit::TestNats;
 
 mod common;
-use common::{actor_args, learner_args, Proc};
+use common::{actor_args, learner_args, Proc, SMALL_GRU_ON_MEMORY};
 
 /// These tests each run a broker, a learner and actors: run them one at a time, so two cores
 /// are not shared by several runs at once.
@@ -718,24 +718,8 @@ fn stitched_bptt_windows_form_over_nats() {
     let _serial = serial();
     let nats = TestNats::start();
     let dir = tempfile::tempdir().expect("temp dir");
-    let extra = [
-        "--env",
-        "memory",
-        "--core",
-        "gru",
-        "--gru-hidden",
-        "16",
-        "--torso",
-        "16",
-        "--segment-len",
-        "8",
-        "--batch-segments",
-        "8",
-        "--bptt-segments",
-        "4",
-        "--max-env-steps",
-        "16384",
-    ];
+    let rest = ["--segment-len", "8", "--batch-segments", "8", "--bptt-segments", "4", "--max-env-steps", "16384"];
+    let extra = [&SMALL_GRU_ON_MEMORY[..], &rest].concat();
     let mut learner = Proc::volley(dir.path(), "learner", &learner_args(&nats, "bptt", dir.path(), &extra), PATIENCE);
     let mut actors = spawn_actors(&nats, "bptt", dir.path(), 2);
     let summary = learner.summary_with_exit_code(0);

@@ -20,6 +20,11 @@ const REQUIRE_TENSORBOARD: &str = "VOLLEY_REQUIRE_TENSORBOARD";
 /// The Python interpreter with `tensorboard` (default `python3`).
 const PYTHON: &str = "VOLLEY_ENVS_PYTHON";
 
+/// A run of small batches on the CPU backend that never reaches a target: it takes its whole
+/// step budget, one TensorBoard event per update.
+const SMALL_CPU_RUN: [&str; 8] =
+    ["--segment-len", "16", "--batch-segments", "8", "--target-return", "1e9", "--backend", "cpu"];
+
 /// Upper bound on any wait: a safety net against hangs, not a timed assertion.
 const PATIENCE: Duration = Duration::from_secs(180);
 
@@ -104,23 +109,7 @@ fn train_writes_scalars_tensorboard_reads_back() {
     let run_dir = dir.path().join("run");
     let tb_dir = dir.path().join("tb");
     let tb = tb_dir.display().to_string();
-    train_in(
-        &run_dir,
-        &[
-            "--max-env-steps",
-            "8192",
-            "--segment-len",
-            "16",
-            "--batch-segments",
-            "8",
-            "--target-return",
-            "1e9",
-            "--backend",
-            "cpu",
-            "--tensorboard",
-            &tb,
-        ],
-    );
+    train_in(&run_dir, &[&["--max-env-steps", "8192", "--tensorboard", &tb][..], &SMALL_CPU_RUN].concat());
     let rows: Vec<serde_json::Value> = std::fs::read_to_string(run_dir.join("metrics.jsonl"))
         .expect("metrics.jsonl")
         .lines()
@@ -156,25 +145,8 @@ fn learner_process_writes_scalars_tensorboard_reads_back() {
     let dir = tempfile::tempdir().expect("temp dir");
     let tb_dir = dir.path().join("tb");
     let tb = tb_dir.display().to_string();
-    let args = learner_args(
-        &nats,
-        "tb",
-        dir.path(),
-        &[
-            "--max-env-steps",
-            "4096",
-            "--segment-len",
-            "16",
-            "--batch-segments",
-            "8",
-            "--target-return",
-            "1e9",
-            "--backend",
-            "cpu",
-            "--tensorboard",
-            &tb,
-        ],
-    );
+    let extra = [&["--max-env-steps", "4096", "--tensorboard", &tb][..], &SMALL_CPU_RUN].concat();
+    let args = learner_args(&nats, "tb", dir.path(), &extra);
     let mut learner = Proc::volley(dir.path(), "learner", &args, PATIENCE);
     let mut actor = Proc::volley(dir.path(), "actor", &actor_args(&nats, "tb", "a0", &[]), PATIENCE);
     let summary = learner.summary();

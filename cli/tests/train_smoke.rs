@@ -1,7 +1,22 @@
 //! Smoke tests of the `volley` binary: a tiny embedded run, and clear errors for bad flags.
 
 mod common;
-use common::{read_json, train_in, volley};
+use common::{read_json, train_in, volley, SMALL_GRU_ON_MEMORY};
+
+/// Stitched BPTT windows of 4 segments of 8 steps, 8 segments a batch, to a budget of 4096 steps
+/// (no target, so every run takes the whole budget).
+const STITCHED_WINDOWS: [&str; 10] = [
+    "--segment-len",
+    "8",
+    "--batch-segments",
+    "8",
+    "--bptt-segments",
+    "4",
+    "--max-env-steps",
+    "4096",
+    "--target-return",
+    "1e9",
+];
 
 #[test]
 fn tiny_train_run_prints_summary_and_writes_run_dir() {
@@ -60,24 +75,8 @@ fn selection_flags_reach_the_run_spec_and_training_runs() {
 
 #[test]
 fn gru_and_vtrace_flags_run_on_the_memory_task() {
-    train_summary(&[
-        "--env",
-        "memory",
-        "--core",
-        "gru",
-        "--gru-hidden",
-        "16",
-        "--torso",
-        "16",
-        "--loss",
-        "vtrace",
-        "--max-env-steps",
-        "512",
-        "--segment-len",
-        "8",
-        "--batch-segments",
-        "4",
-    ]);
+    let rest = ["--loss", "vtrace", "--max-env-steps", "512", "--segment-len", "8", "--batch-segments", "4"];
+    train_summary(&[&SMALL_GRU_ON_MEMORY[..], &rest].concat());
 }
 
 /// Issue 18: stitched BPTT windows train end to end on the embedded bus, with V-trace and
@@ -86,30 +85,8 @@ fn gru_and_vtrace_flags_run_on_the_memory_task() {
 #[test]
 fn stitched_bptt_windows_train_on_the_memory_task() {
     for loss in ["vtrace", "ppo"] {
-        let summary = train_summary(&[
-            "--env",
-            "memory",
-            "--core",
-            "gru",
-            "--gru-hidden",
-            "16",
-            "--torso",
-            "16",
-            "--loss",
-            loss,
-            "--ppo-minibatches",
-            "1",
-            "--segment-len",
-            "8",
-            "--batch-segments",
-            "8",
-            "--bptt-segments",
-            "4",
-            "--max-env-steps",
-            "4096",
-            "--target-return",
-            "1e9",
-        ]);
+        let rest = ["--loss", loss, "--ppo-minibatches", "1"];
+        let summary = train_summary(&[&SMALL_GRU_ON_MEMORY[..], &rest, &STITCHED_WINDOWS].concat());
         assert_eq!(summary["stop_reason"], "env_step_budget", "{summary}");
         assert!(summary["updates"].as_u64().expect("updates") >= 4, "{summary}");
         let windows = &summary["windows"];
@@ -265,29 +242,7 @@ fn reruns_never_overwrite_a_run_directory() {
 fn summary_lag_max_is_the_trained_on_lag_of_the_progress_line() {
     let dir = tempfile::tempdir().expect("temp dir");
     let run_dir = dir.path().join("run");
-    let summary = train_in(
-        &run_dir,
-        &[
-            "--env",
-            "memory",
-            "--core",
-            "gru",
-            "--gru-hidden",
-            "16",
-            "--torso",
-            "16",
-            "--segment-len",
-            "8",
-            "--batch-segments",
-            "8",
-            "--bptt-segments",
-            "4",
-            "--max-env-steps",
-            "4096",
-            "--target-return",
-            "1e9",
-        ],
-    );
+    let summary = train_in(&run_dir, &[&SMALL_GRU_ON_MEMORY[..], &STITCHED_WINDOWS].concat());
     let metrics = std::fs::read_to_string(run_dir.join("metrics.jsonl")).expect("metrics");
     let rows_max = metrics
         .lines()

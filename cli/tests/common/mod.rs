@@ -23,6 +23,9 @@ pub fn volley() -> Command {
     Command::new(env!("CARGO_BIN_EXE_volley"))
 }
 
+/// A small GRU (16 units over a 16-unit torso) on the memory task: the recurrent runs' flags.
+pub const SMALL_GRU_ON_MEMORY: [&str; 8] = ["--env", "memory", "--core", "gru", "--gru-hidden", "16", "--torso", "16"];
+
 /// Run `volley train ARGS --progress quiet --run-dir RUN_DIR` to its end and return the JSON
 /// summary it printed; fails with its stderr when it does not succeed.
 pub fn train_in(run_dir: &Path, args: &[&str]) -> serde_json::Value {
