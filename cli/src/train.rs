@@ -502,13 +502,13 @@ fn remote_envs(
 ) -> anyhow::Result<RemoteVecEnv> {
     let nats = &train_remote.nats;
     let client = EnvServiceClient::connect(
-        &nats.nats_url,
+        &nats.connect.nats_url,
         nats.auth()?.as_ref(),
-        &nats.tls.tls(),
+        &nats.connect.tls.tls(),
         Duration::from_secs(10),
         train_remote.remote_env.timeout()?,
     )
-    .with_context(|| format!("connecting to NATS at {}", nats.nats_url))?
+    .with_context(|| format!("connecting to NATS at {}", nats.connect.nats_url))?
     .with_counters(counters.remote_env.clone());
     let mut config = RemoteVecEnvConfig::new(remote.service.clone(), n_envs, seed);
     config.envs_per_session = train_remote.remote_env.envs_per_session;

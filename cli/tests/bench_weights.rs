@@ -7,7 +7,7 @@ use std::time::Duration;
 use volley_testkit::{TestNats, TestNatsOptions};
 
 mod common;
-use common::Proc;
+use common::{volley_args, Proc};
 
 #[test]
 fn every_pattern_delivers_every_version_to_every_follower() {
@@ -17,28 +17,25 @@ fn every_pattern_delivers_every_version_to_every_follower() {
     let nats = TestNats::start_with(TestNatsOptions { max_file_store_bytes: Some(256 << 20), ..Default::default() });
     let dir = tempfile::tempdir().expect("temp dir");
     for pattern in ["volley", "raw-object", "raw-core"] {
-        let args: Vec<String> = [
+        let run = format!("bench-{pattern}");
+        let args = volley_args(
             "bench-weights",
-            "--nats",
-            &nats.url(),
-            "--nats-tls-ca",
-            &nats.ca_file().display().to_string(),
-            "--run",
-            &format!("bench-{pattern}"),
-            "--pattern",
-            pattern,
-            "--size-mib",
-            "0.5",
-            "--followers",
-            "2",
-            "--versions",
-            "3",
-            "--pause-ms",
-            "10",
-        ]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
+            &nats,
+            &[
+                "--run",
+                &run,
+                "--pattern",
+                pattern,
+                "--size-mib",
+                "0.5",
+                "--followers",
+                "2",
+                "--versions",
+                "3",
+                "--pause-ms",
+                "10",
+            ],
+        );
         let mut bench = Proc::volley(dir.path(), pattern, &args, Duration::from_secs(120));
         let summary = bench.summary();
         assert_eq!(summary["versions"], 3, "{pattern}: {summary}\n{}", bench.log());

@@ -14,7 +14,7 @@ use futures::StreamExt;
 use volley_testkit::TestNats;
 
 mod common;
-use common::Proc;
+use common::{actor_args, learner_args, Proc, SMALL_GRU_ON_MEMORY};
 
 /// These tests each run a broker, a learner and actors: run them one at a time, so two cores
 /// are not shared by several runs at once.
@@ -27,47 +27,12 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
 /// Upper bound on any wait in these tests: a safety net against hangs, not a timed assertion.
 const PATIENCE: Duration = Duration::from_secs(180);
 
-fn learner_args(nats: &TestNats, run: &str, dir: &Path, extra: &[&str]) -> Vec<String> {
-    let mut args: Vec<String> = [
-        "learner",
-        "--nats",
-        &nats.url(),
-        "--nats-tls-ca",
-        &nats.ca_file().display().to_string(),
-        "--run",
-        run,
-        "--checkpoint-dir",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
-    args.push(dir.join("checkpoints").display().to_string());
-    args.extend(extra.iter().map(|s| s.to_string()));
-    args
-}
-
-fn actor_args(nats: &TestNats, run: &str, id: &str) -> Vec<String> {
-    [
-        "actor",
-        "--nats",
-        &nats.url(),
-        "--nats-tls-ca",
-        &nats.ca_file().display().to_string(),
-        "--run",
-        run,
-        "--actor-id",
-        id,
-        "--envs",
-        "8",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect()
-}
+/// Learner flags of a run that only a signal ends: a budget and a target it never reaches.
+const ENDLESS: [&str; 4] = ["--max-env-steps", "100000000", "--target-return", "1e9"];
 
 fn spawn_actors(nats: &TestNats, run: &str, dir: &Path, n: usize) -> Vec<Proc> {
     (0..n)
-        .map(|i| Proc::volley(dir, &format!("actor-{i}"), &actor_args(nats, run, &format!("actor-{i}")), PATIENCE))
+        .map(|i| Proc::volley(dir, &format!("actor-{i}"), &actor_args(nats, run, &format!("actor-{i}"), &[]), PATIENCE))
         .collect()
 }
 
@@ -99,11 +64,16 @@ fn learner_and_three_actor_processes_solve_cartpole() {
     }
     assert_eq!(http_get(&learner_metrics, "/healthz").0, 200);
     let actor_port = volley_testkit::free_port();
-    let mut first_actor_args = actor_args(&nats, "solve", "actor-0");
-    first_actor_args.extend(["--metrics-addr".to_string(), format!("127.0.0.1:{actor_port}")]);
+    let first_actor_args =
+        actor_args(&nats, "solve", "actor-0", &["--metrics-addr", &format!("127.0.0.1:{actor_port}")]);
     let mut actors = vec![Proc::volley(dir.path(), "actor-0", &first_actor_args, PATIENCE)];
     actors.extend((1..3).map(|i| {
-        Proc::volley(dir.path(), &format!("actor-{i}"), &actor_args(&nats, "solve", &format!("actor-{i}")), PATIENCE)
+        Proc::volley(
+            dir.path(),
+            &format!("actor-{i}"),
+            &actor_args(&nats, "solve", &format!("actor-{i}"), &[]),
+            PATIENCE,
+        )
     }));
     actors[0].wait_for_log("actor started");
     let (status, body) = http_get(&format!("127.0.0.1:{actor_port}"), "/readyz");
@@ -153,22 +123,15 @@ fn killing_an_actor_loses_nothing_it_published() {
     let _serial = serial();
     let nats = TestNats::start();
     let dir = tempfile::tempdir().expect("temp dir");
-    let mut learner = Proc::volley(
-        dir.path(),
-        "learner",
-        &learner_args(&nats, "killactor", dir.path(), &["--max-env-steps", "100000000", "--target-return", "1e9"]),
-        PATIENCE,
-    );
+    let mut learner =
+        Proc::volley(dir.path(), "learner", &learner_args(&nats, "killactor", dir.path(), &ENDLESS), PATIENCE);
     let mut actors = spawn_actors(&nats, "killactor", dir.path(), 3);
     actors[1].wait_for_log("actor joined the run");
     learner.wait_for_log("learner progress");
     actors[1].kill9();
     let before = learner_updates(&learner);
     // Training goes on without the dead actor.
-    while learner_updates(&learner) < before + 20 {
-        assert!(learner.child.try_wait().expect("wait").is_none(), "learner died:\n{}", learner.log());
-        thread::sleep(Duration::from_millis(50));
-    }
+    wait_for_updates(&mut learner, before + 20);
     for actor in [0, 2] {
         actors[actor].terminate();
         assert!(actors[actor].wait_exit().success(), "{}", actors[actor].log());
@@ -264,6 +227,16 @@ fn http_get(addr: &str, path: &str) -> (u16, String) {
     let status = response.split_whitespace().nth(1).and_then(|s| s.parse().ok()).expect("status line");
     let body = response.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default();
     (status, body)
+}
+
+/// Wait until `learner` has logged version `at_least`; fails if it exits first.
+fn wait_for_updates(learner: &mut Proc, at_least: u64) {
+    let started = Instant::now();
+    while learner_updates(learner) < at_least {
+        assert!(learner.child.try_wait().expect("wait").is_none(), "learner died:\n{}", learner.log());
+        assert!(started.elapsed() < PATIENCE, "learner never reached version {at_least}:\n{}", learner.log());
+        thread::sleep(Duration::from_millis(50));
+    }
 }
 
 fn learner_updates(learner: &Proc) -> u64 {
@@ -386,12 +359,12 @@ fn actors_stop_with_a_run_finished_line_when_the_run_is_over() {
         );
     };
     actors.iter_mut().for_each(finished);
-    let mut late = Proc::volley(dir.path(), "late", &actor_args(&nats, "ends", "late"), PATIENCE);
+    let mut late = Proc::volley(dir.path(), "late", &actor_args(&nats, "ends", "late", &[]), PATIENCE);
     finished(&mut late);
 
     let mut again = Proc::volley(dir.path(), "learner-again", &budget("40000"), PATIENCE);
     again.wait_for_log("run ready on nats");
-    let mut actor = Proc::volley(dir.path(), "actor-again", &actor_args(&nats, "ends", "actor-again"), PATIENCE);
+    let mut actor = Proc::volley(dir.path(), "actor-again", &actor_args(&nats, "ends", "actor-again", &[]), PATIENCE);
     let summary = again.summary();
     assert!(summary["env_steps"].as_u64().expect("env_steps") >= 40000, "{summary}");
     assert!(summary["segments_used"].as_u64().expect("used") > 0, "{summary}");
@@ -436,14 +409,10 @@ fn stopping_the_broker_first_still_writes_the_final_checkpoint_quickly() {
     let _serial = serial();
     let mut nats = TestNats::start();
     let dir = tempfile::tempdir().expect("temp dir");
-    let args =
-        learner_args(&nats, "brokerfirst", dir.path(), &["--max-env-steps", "100000000", "--target-return", "1e9"]);
+    let args = learner_args(&nats, "brokerfirst", dir.path(), &ENDLESS);
     let mut learner = Proc::volley(dir.path(), "learner", &args, PATIENCE);
     let mut actors = spawn_actors(&nats, "brokerfirst", dir.path(), 1);
-    while learner_updates(&learner) < 5 {
-        assert!(learner.child.try_wait().expect("wait").is_none(), "learner died:\n{}", learner.log());
-        thread::sleep(Duration::from_millis(50));
-    }
+    wait_for_updates(&mut learner, 5);
     nats.kill();
     learner.terminate();
     let status = stops_within_bound(&mut learner, "the learner");
@@ -469,24 +438,17 @@ fn stopping_the_learner_first_keeps_its_actors_for_the_next_learner() {
     let _serial = serial();
     let nats = TestNats::start();
     let dir = tempfile::tempdir().expect("temp dir");
-    let args =
-        learner_args(&nats, "learnerfirst", dir.path(), &["--max-env-steps", "100000000", "--target-return", "1e9"]);
+    let args = learner_args(&nats, "learnerfirst", dir.path(), &ENDLESS);
     let mut first = Proc::volley(dir.path(), "learner-1", &args, PATIENCE);
     let mut actors = spawn_actors(&nats, "learnerfirst", dir.path(), 2);
-    while learner_updates(&first) < 5 {
-        assert!(first.child.try_wait().expect("wait").is_none(), "learner died:\n{}", first.log());
-        thread::sleep(Duration::from_millis(50));
-    }
+    wait_for_updates(&mut first, 5);
     first.terminate();
     assert_eq!(stops_within_bound(&mut first, "the learner").code(), Some(75), "{}", first.log());
     let stopped_at = final_checkpoint_version(&first);
     let mut second = Proc::volley(dir.path(), "learner-2", &args, PATIENCE);
     second.wait_for_log("resuming from checkpoint");
     let resumed = learner_updates(&second);
-    while learner_updates(&second) < resumed + 5 {
-        assert!(second.child.try_wait().expect("wait").is_none(), "learner died:\n{}", second.log());
-        thread::sleep(Duration::from_millis(50));
-    }
+    wait_for_updates(&mut second, resumed + 5);
     for actor in &mut actors {
         assert!(actor.child.try_wait().expect("wait").is_none(), "the actors waited for the next learner");
         actor.terminate();
@@ -504,14 +466,10 @@ fn stopping_the_actors_first_leaves_everything_to_the_learner() {
     let _serial = serial();
     let nats = TestNats::start();
     let dir = tempfile::tempdir().expect("temp dir");
-    let args =
-        learner_args(&nats, "actorsfirst", dir.path(), &["--max-env-steps", "100000000", "--target-return", "1e9"]);
+    let args = learner_args(&nats, "actorsfirst", dir.path(), &ENDLESS);
     let mut learner = Proc::volley(dir.path(), "learner", &args, PATIENCE);
     let mut actors = spawn_actors(&nats, "actorsfirst", dir.path(), 2);
-    while learner_updates(&learner) < 5 {
-        assert!(learner.child.try_wait().expect("wait").is_none(), "learner died:\n{}", learner.log());
-        thread::sleep(Duration::from_millis(50));
-    }
+    wait_for_updates(&mut learner, 5);
     for actor in &mut actors {
         actor.terminate();
         assert!(stops_within_bound(actor, "an actor").success(), "{}", actor.log());
@@ -715,7 +673,7 @@ fn an_actor_waits_for_a_run_that_does_not_exist_yet() {
     let _serial = serial();
     let nats = TestNats::start();
     let dir = tempfile::tempdir().expect("temp dir");
-    let mut actor = Proc::volley(dir.path(), "early-actor", &actor_args(&nats, "later", "early"), PATIENCE);
+    let mut actor = Proc::volley(dir.path(), "early-actor", &actor_args(&nats, "later", "early", &[]), PATIENCE);
     actor.wait_for_log("waiting for run later: no run spec on NATS yet");
     let mut learner = Proc::volley(
         dir.path(),
@@ -760,24 +718,8 @@ fn stitched_bptt_windows_form_over_nats() {
     let _serial = serial();
     let nats = TestNats::start();
     let dir = tempfile::tempdir().expect("temp dir");
-    let extra = [
-        "--env",
-        "memory",
-        "--core",
-        "gru",
-        "--gru-hidden",
-        "16",
-        "--torso",
-        "16",
-        "--segment-len",
-        "8",
-        "--batch-segments",
-        "8",
-        "--bptt-segments",
-        "4",
-        "--max-env-steps",
-        "16384",
-    ];
+    let rest = ["--segment-len", "8", "--batch-segments", "8", "--bptt-segments", "4", "--max-env-steps", "16384"];
+    let extra = [&SMALL_GRU_ON_MEMORY[..], &rest].concat();
     let mut learner = Proc::volley(dir.path(), "learner", &learner_args(&nats, "bptt", dir.path(), &extra), PATIENCE);
     let mut actors = spawn_actors(&nats, "bptt", dir.path(), 2);
     let summary = learner.summary_with_exit_code(0);

@@ -19,7 +19,7 @@ use std::time::Duration;
 use volley_testkit::TestNats;
 
 mod common;
-use common::Proc;
+use common::{actor_args, learner_args, Proc};
 
 /// Upper bound on any wait: a safety net against hangs, not a timed assertion.
 const PATIENCE: Duration = Duration::from_secs(600);
@@ -37,10 +37,6 @@ fn python() -> Result<String, String> {
     }
 }
 
-fn strings(args: &[&str]) -> Vec<String> {
-    args.iter().map(|s| s.to_string()).collect()
-}
-
 #[test]
 fn a_hostile_actor_cannot_stop_freeze_or_bloat_a_run() {
     let python = match python() {
@@ -53,44 +49,13 @@ fn a_hostile_actor_cannot_stop_freeze_or_bloat_a_run() {
     };
     let nats = TestNats::start();
     let dir = tempfile::tempdir().expect("temp dir");
-    let checkpoints = dir.path().join("checkpoints").display().to_string();
-    let mut learner = Proc::volley(
-        dir.path(),
-        "learner",
-        &strings(&[
-            "learner",
-            "--nats",
-            &nats.url(),
-            "--nats-tls-ca",
-            &nats.ca_file().display().to_string(),
-            "--run",
-            "hostile",
-            "--checkpoint-dir",
-            &checkpoints,
-            "--max-env-steps",
-            "3000000",
-        ]),
-        PATIENCE,
-    );
+    let args = learner_args(&nats, "hostile", dir.path(), &["--max-env-steps", "3000000"]);
+    let mut learner = Proc::volley(dir.path(), "learner", &args, PATIENCE);
     learner.wait_for_log("no weights published yet");
     let mut actors: Vec<Proc> = (0..2)
         .map(|i| {
             let id = format!("actor-{i}");
-            let ca = nats.ca_file().display().to_string();
-            let args = [
-                "actor",
-                "--nats",
-                &nats.url(),
-                "--nats-tls-ca",
-                &ca,
-                "--run",
-                "hostile",
-                "--actor-id",
-                &id,
-                "--envs",
-                "8",
-            ];
-            Proc::volley(dir.path(), &id, &strings(&args), PATIENCE)
+            Proc::volley(dir.path(), &id, &actor_args(&nats, "hostile", &id, &[]), PATIENCE)
         })
         .collect();
     actors[0].wait_for_log("actor started");

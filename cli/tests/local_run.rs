@@ -35,13 +35,14 @@ fn path_with_nats_server() -> String {
     format!("{}:{}", dir.display(), std::env::var("PATH").unwrap_or_default())
 }
 
-/// Start the script in a process group of its own, as a shell starts a foreground job: the
-/// terminal's Ctrl-C is a SIGINT to that whole group.
-fn start_local_run(port: u16, data: &Path, stderr: &Path, learner_flags: &[&str]) -> Child {
-    let mut command = Command::new("bash");
-    command
+/// Start the script with `script_flags`, data directory `data` and then `-- learner_flags`, in
+/// a process group of its own, as a shell starts a foreground job: the terminal's Ctrl-C is a
+/// SIGINT to that whole group. Its stderr goes to `stderr`.
+fn spawn_local_run(script_flags: &[&str], data: &Path, stderr: &Path, learner_flags: &[&str]) -> Child {
+    Command::new("bash")
         .arg(script())
-        .args(["-n", "1", "-p", &port.to_string(), "-r", "ctrlc", "-d"])
+        .args(script_flags)
+        .arg("-d")
         .arg(data)
         .arg("--")
         .args(learner_flags)
@@ -52,8 +53,14 @@ fn start_local_run(port: u16, data: &Path, stderr: &Path, learner_flags: &[&str]
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(fs::File::create(stderr).expect("stderr file"))
-        .process_group(0);
-    command.spawn().expect("start deploy/local-run.sh")
+        .process_group(0)
+        .spawn()
+        .expect("start deploy/local-run.sh")
+}
+
+/// The script with one actor on `port`, run `ctrlc`.
+fn start_local_run(port: u16, data: &Path, stderr: &Path, learner_flags: &[&str]) -> Child {
+    spawn_local_run(&["-n", "1", "-p", &port.to_string(), "-r", "ctrlc"], data, stderr, learner_flags)
 }
 
 fn wait_for_file_line(path: &Path, needle: &str, child: &mut Child) {
@@ -166,21 +173,12 @@ fn local_run_with_auth_runs_each_actor_as_its_own_identity() {
     let data = tempfile::tempdir().expect("temp dir");
     let stderr = data.path().join("local-run.stderr");
     let port = free_port();
-    let mut script = Command::new("bash")
-        .arg(script())
-        .args(["-a", "-n", "2", "-p", &port.to_string(), "-d"])
-        .arg(data.path())
-        .args(["--", "--max-env-steps", "2000"])
-        .env("VOLLEY_BIN", env!("CARGO_BIN_EXE_volley"))
-        .env("PATH", path_with_nats_server())
-        .env("VOLLEY_LOCAL_NICE", "0")
-        .env("RUST_LOG", "info")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(fs::File::create(&stderr).expect("stderr file"))
-        .process_group(0)
-        .spawn()
-        .expect("start deploy/local-run.sh -a");
+    let mut script = spawn_local_run(
+        &["-a", "-n", "2", "-p", &port.to_string()],
+        data.path(),
+        &stderr,
+        &["--max-env-steps", "2000"],
+    );
     let status = wait_within(&mut script, PATIENCE);
     if status.is_none() {
         kill_group(&script, "-KILL");

@@ -2,13 +2,12 @@
 //! conv preset, embedded and over a real nats-server (whose segments carry the 0/1 planes as
 //! bytes, wire format 5), bounded by environment steps.
 
-use std::process::Command;
 use std::time::Duration;
 
 use volley_testkit::TestNats;
 
 mod common;
-use common::Proc;
+use common::{actor_args, learner_args, read_json, train_in, volley, Proc};
 
 /// Upper bound on any wait: a safety net against hangs, not a timed assertion.
 const PATIENCE: Duration = Duration::from_secs(300);
@@ -16,27 +15,16 @@ const PATIENCE: Duration = Duration::from_secs(300);
 const MINATAR_CONV: [&str; 8] =
     ["--env", "minatar-breakout", "--conv", "minatar", "--torso", "128", "--activation", "relu"];
 
-fn volley() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_volley"))
-}
-
 #[test]
 fn minatar_trains_embedded_with_the_conv_torso() {
     let dir = tempfile::tempdir().expect("temp dir");
     let run_dir = dir.path().join("run");
-    let output = volley()
-        .args(["train", "--max-env-steps", "2048", "--segment-len", "16", "--batch-segments", "8"])
-        .args(MINATAR_CONV)
-        .args(["--progress", "quiet", "--run-dir"])
-        .arg(&run_dir)
-        .output()
-        .expect("run volley");
-    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
-    let summary: serde_json::Value = serde_json::from_slice(&output.stdout).expect("one JSON summary");
+    let mut args = vec!["--max-env-steps", "2048", "--segment-len", "16", "--batch-segments", "8"];
+    args.extend(MINATAR_CONV);
+    let summary = train_in(&run_dir, &args);
     assert_eq!(summary["stop_reason"], "env_step_budget", "{summary}");
     assert!(summary["updates"].as_u64().expect("updates") >= 1, "{summary}");
-    let spec: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(run_dir.join("spec.json")).expect("spec.json")).expect("json");
+    let spec = read_json(&run_dir.join("spec.json"));
     let conv = &spec["policy"]["conv"];
     assert_eq!(conv["in_channels"], 4, "{conv}");
     assert_eq!(conv["layers"][0]["out_channels"], 16, "{conv}");
@@ -66,40 +54,10 @@ fn a_conv_torso_on_vector_observations_is_refused_by_name() {
 fn minatar_trains_over_nats_with_the_conv_torso() {
     let nats = TestNats::start();
     let dir = tempfile::tempdir().expect("temp dir");
-    let mut learner_args: Vec<String> = [
-        "learner",
-        "--nats",
-        &nats.url(),
-        "--nats-tls-ca",
-        &nats.ca_file().display().to_string(),
-        "--run",
-        "pixels",
-        "--checkpoint-dir",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
-    learner_args.push(dir.path().join("checkpoints").display().to_string());
-    learner_args.extend(["--max-env-steps", "8192", "--segment-len", "32", "--batch-segments", "8"].map(String::from));
-    learner_args.extend(MINATAR_CONV.map(String::from));
-    let mut learner = Proc::volley(dir.path(), "learner", &learner_args, PATIENCE);
-    let actor_args: Vec<String> = [
-        "actor",
-        "--nats",
-        &nats.url(),
-        "--nats-tls-ca",
-        &nats.ca_file().display().to_string(),
-        "--run",
-        "pixels",
-        "--actor-id",
-        "actor-0",
-        "--envs",
-        "8",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
-    let mut actor = Proc::volley(dir.path(), "actor-0", &actor_args, PATIENCE);
+    let mut extra = vec!["--max-env-steps", "8192", "--segment-len", "32", "--batch-segments", "8"];
+    extra.extend(MINATAR_CONV);
+    let mut learner = Proc::volley(dir.path(), "learner", &learner_args(&nats, "pixels", dir.path(), &extra), PATIENCE);
+    let mut actor = Proc::volley(dir.path(), "actor-0", &actor_args(&nats, "pixels", "actor-0", &[]), PATIENCE);
     let summary = learner.summary();
     assert_eq!(summary["stop_reason"], "env_step_budget", "{summary}");
     assert!(summary["env_steps"].as_u64().expect("env_steps") >= 8192, "{summary}");

@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use volley_testkit::TestNats;
 
 mod common;
-use common::Proc;
+use common::{actor_args, learner_args, read_json, strings, volley_args, Proc};
 
 /// Both tests run a broker, servers, a learner and actors: one at a time on two cores.
 static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
@@ -37,43 +37,12 @@ const REQUIRE_PYTHON_ENV: &str = "VOLLEY_REQUIRE_PYTHON_ENVS";
 /// The Python interpreter that has `volley_envs` and `gymnasium` (default `python3`).
 const PYTHON_ENV: &str = "VOLLEY_ENVS_PYTHON";
 
-fn strings(args: &[&str]) -> Vec<String> {
-    args.iter().map(|s| s.to_string()).collect()
-}
-
 fn learner(nats: &TestNats, dir: &Path, run: &str, extra: &[&str]) -> Proc {
-    let checkpoints = dir.join("checkpoints").display().to_string();
-    let mut args = strings(&[
-        "learner",
-        "--nats",
-        &nats.url(),
-        "--nats-tls-ca",
-        &nats.ca_file().display().to_string(),
-        "--run",
-        run,
-        "--checkpoint-dir",
-        &checkpoints,
-    ]);
-    args.extend(strings(extra));
-    Proc::volley(dir, "learner", &args, PATIENCE)
+    Proc::volley(dir, "learner", &learner_args(nats, run, dir, extra), PATIENCE)
 }
 
 fn actor(nats: &TestNats, dir: &Path, run: &str, id: &str, extra: &[&str]) -> Proc {
-    let mut args = strings(&[
-        "actor",
-        "--nats",
-        &nats.url(),
-        "--nats-tls-ca",
-        &nats.ca_file().display().to_string(),
-        "--run",
-        run,
-        "--actor-id",
-        id,
-        "--envs",
-        "8",
-    ]);
-    args.extend(strings(extra));
-    Proc::volley(dir, id, &args, PATIENCE)
+    Proc::volley(dir, id, &actor_args(nats, run, id, extra), PATIENCE)
 }
 
 /// Regression test for issue 48 item 4: one SIGINT stops a learner, or `volley train`, that
@@ -93,17 +62,7 @@ fn one_signal_stops_a_process_waiting_for_an_environment_server() {
             Proc::volley(
                 dir.path(),
                 "train",
-                &strings(&[
-                    "train",
-                    "--nats",
-                    &nats.url(),
-                    "--nats-tls-ca",
-                    &nats.ca_file().display().to_string(),
-                    "--env",
-                    "remote:nobody",
-                    "--run-dir",
-                    &run_dir,
-                ]),
+                &volley_args("train", &nats, &["--env", "remote:nobody", "--run-dir", &run_dir]),
                 PATIENCE,
             ),
             0,
@@ -170,23 +129,8 @@ fn gymnasium_cartpole_served_by_python_is_solved_over_nats() {
     let nats = TestNats::start();
     let dir = tempfile::tempdir().expect("temp dir");
     let mut servers: Vec<Proc> = (0..2)
-        .map(|i| {
-            let args = strings(&[
-                "-m",
-                "volley_envs",
-                "serve",
-                "gymnasium:CartPole-v1",
-                "--nats",
-                &nats.url(),
-                "--tls-ca",
-                &nats.ca_file().display().to_string(),
-            ]);
-            Proc::spawn(dir.path(), &format!("gym-{i}"), &python, &args, PATIENCE)
-        })
+        .map(|i| python_server(dir.path(), &format!("gym-{i}"), &python, &nats, "gymnasium:CartPole-v1"))
         .collect();
-    for server in &mut servers {
-        server.wait_for_log("environment server ready");
-    }
     // The target is the server's reward_threshold (475 for CartPole-v1); the budget bounds the run.
     let mut learner = learner(&nats, dir.path(), "gym", &["--env", "remote:cartpole-v1", "--max-env-steps", "600000"]);
     learner.wait_for_log("remote environment found");
@@ -214,14 +158,7 @@ fn a_killed_env_server_aborts_its_episodes_and_the_actor_continues() {
     let nats = TestNats::start();
     let dir = tempfile::tempdir().expect("temp dir");
     let mut servers: Vec<Proc> = (0..2)
-        .map(|i| {
-            Proc::volley(
-                dir.path(),
-                &format!("env-serve-{i}"),
-                &strings(&["env-serve", "--nats", &nats.url(), "--nats-tls-ca", &nats.ca_file().display().to_string()]),
-                PATIENCE,
-            )
-        })
+        .map(|i| Proc::volley(dir.path(), &format!("env-serve-{i}"), &volley_args("env-serve", &nats, &[]), PATIENCE))
         .collect();
     for server in &mut servers {
         server.wait_for_log("environment server ready");
@@ -267,19 +204,12 @@ fn a_killed_env_server_aborts_its_episodes_and_the_actor_continues() {
     assert!(servers[1].terminate_and_wait().success(), "{}", servers[1].log());
 }
 
-/// A Python server started with `python -m volley_envs serve <env>`, ready to answer.
-fn python_server(dir: &Path, python: &str, nats: &TestNats, env: &str) -> Proc {
-    let args = strings(&[
-        "-m",
-        "volley_envs",
-        "serve",
-        env,
-        "--nats",
-        &nats.url(),
-        "--tls-ca",
-        &nats.ca_file().display().to_string(),
-    ]);
-    let mut server = Proc::spawn(dir, "gym-box", python, &args, PATIENCE);
+/// A Python server started with `python -m volley_envs serve <env>`, ready to answer; its log
+/// is `<dir>/<name>.log`.
+fn python_server(dir: &Path, name: &str, python: &str, nats: &TestNats, env: &str) -> Proc {
+    let ca = nats.ca_file().display().to_string();
+    let args = strings(&["-m", "volley_envs", "serve", env, "--nats", &nats.url(), "--tls-ca", &ca]);
+    let mut server = Proc::spawn(dir, name, python, &args, PATIENCE);
     server.wait_for_log("environment server ready");
     server
 }
@@ -296,7 +226,7 @@ struct ServedRun {
 fn served_run(python: &str, env: &str, service: &str, flags: &[&str]) -> ServedRun {
     let nats = TestNats::start();
     let dir = tempfile::tempdir().expect("temp dir");
-    let server = python_server(dir.path(), python, &nats, env);
+    let server = python_server(dir.path(), "gym-box", python, &nats, env);
     let remote = format!("remote:{service}");
     let mut args = vec!["--env", remote.as_str()];
     args.extend_from_slice(flags);
@@ -388,35 +318,32 @@ fn embedded_train_steps_a_remote_box_env() {
     let _serial = serial();
     let nats = TestNats::start();
     let dir = tempfile::tempdir().expect("temp dir");
-    let mut server = python_server(dir.path(), &python, &nats, "gymnasium:Pendulum-v1");
+    let mut server = python_server(dir.path(), "gym-box", &python, &nats, "gymnasium:Pendulum-v1");
     let run_dir = dir.path().join("run").display().to_string();
-    let args = strings(&[
+    let args = volley_args(
         "train",
-        "--env",
-        "remote:pendulum-v1",
-        "--nats",
-        &nats.url(),
-        "--nats-tls-ca",
-        &nats.ca_file().display().to_string(),
-        "--actors",
-        "2",
-        "--max-env-steps",
-        "3000",
-        "--target-return",
-        "1e9",
-        "--run-dir",
-        &run_dir,
-        "--progress",
-        "lines",
-    ]);
+        &nats,
+        &[
+            "--env",
+            "remote:pendulum-v1",
+            "--actors",
+            "2",
+            "--max-env-steps",
+            "3000",
+            "--target-return",
+            "1e9",
+            "--run-dir",
+            &run_dir,
+            "--progress",
+            "lines",
+        ],
+    );
     let mut train = Proc::volley(dir.path(), "train", &args, PATIENCE);
     let summary = train.summary();
     assert_eq!(summary["stop_reason"], "env_step_budget", "{summary}\n{}", train.log());
     assert!(summary["env_steps"].as_u64().expect("steps") >= 3000, "{summary}");
     assert_eq!(train.log().matches("remote environments ready").count(), 2, "{}", train.log());
-    let spec: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.path().join("run/spec.json")).expect("spec.json"))
-            .expect("spec json");
+    let spec = read_json(&dir.path().join("run/spec.json"));
     assert_eq!(spec["env"]["action_box"], serde_json::json!({"low": [-2.0], "high": [2.0]}), "{spec}");
     assert_eq!(spec["policy"]["n_actions"], 1, "{spec}");
     assert!(server.terminate_and_wait().success(), "{}", server.log());

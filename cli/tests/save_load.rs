@@ -22,7 +22,7 @@ use volley_transport::work::{local_work_queue, LocalSnapshotStore, SnapshotStore
 use volley_transport::{Delivery, TrajectorySource, WeightsPublisher};
 
 mod common;
-use common::Proc;
+use common::{volley_args, Proc};
 
 /// A safety net against hangs, not a timed assertion.
 const PATIENCE: Duration = Duration::from_secs(120);
@@ -95,22 +95,7 @@ fn uninterrupted(spec: &RunSpec, seed: u64) -> EpisodeSummary {
 }
 
 fn spawn_actor(nats: &TestNats, dir: &Path, id: &str) -> Proc {
-    let args: Vec<String> = [
-        "actor",
-        "--nats",
-        &nats.url(),
-        "--nats-tls-ca",
-        &nats.ca_file().display().to_string(),
-        "--run",
-        "saveload",
-        "--actor-id",
-        id,
-        "--envs",
-        "1",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
+    let args = volley_args("actor", nats, &["--run", "saveload", "--actor-id", id, "--envs", "1"]);
     Proc::volley(dir, id, &args, PATIENCE)
 }
 

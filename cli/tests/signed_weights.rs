@@ -3,25 +3,20 @@
 //! the public key that trains, and an actor given another key that refuses every version.
 
 use std::path::Path;
-use std::process::Command;
 use std::thread;
 use std::time::{Duration, Instant};
 
 use volley_testkit::TestNats;
 
 mod common;
-use common::Proc;
+use common::{actor_args, learner_args, volley, volley_args, Proc};
 
 /// Upper bound on any wait: a safety net against hangs, not a timed assertion.
 const PATIENCE: Duration = Duration::from_secs(180);
 
 /// `volley keys generate --out DIR`: the two files it says it wrote.
 fn generate(dir: &Path) -> (String, String) {
-    let output = Command::new(env!("CARGO_BIN_EXE_volley"))
-        .args(["keys", "generate", "--out"])
-        .arg(dir)
-        .output()
-        .expect("volley keys generate runs");
+    let output = volley().args(["keys", "generate", "--out"]).arg(dir).output().expect("volley keys generate runs");
     assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
     let written: serde_json::Value = serde_json::from_slice(&output.stdout).expect("a JSON line");
     let path = |key: &str| written[key].as_str().expect("a path").to_string();
@@ -50,55 +45,23 @@ fn a_learner_signs_with_generated_keys_and_only_actors_trusting_them_take_its_we
         assert_eq!(mode & 0o777, 0o600, "the private key is the owner's only");
     }
     // Generating again into the same folder never replaces the key.
-    let again = Command::new(env!("CARGO_BIN_EXE_volley"))
-        .args(["keys", "generate", "--out"])
-        .arg(dir.path().join("keys"))
-        .output()
-        .expect("runs");
+    let again = volley().args(["keys", "generate", "--out"]).arg(dir.path().join("keys")).output().expect("runs");
     assert!(!again.status.success());
     assert!(String::from_utf8_lossy(&again.stderr).contains("weights-signing-key.pem"));
 
-    let strings = |args: &[&str]| args.iter().map(|s| s.to_string()).collect::<Vec<_>>();
-    let checkpoints = dir.path().join("checkpoints").display().to_string();
-    let ca = nats.ca_file().display().to_string();
     let mut learner = Proc::volley(
         dir.path(),
         "learner",
-        &strings(&[
-            "learner",
-            "--nats",
-            &nats.url(),
-            "--nats-tls-ca",
-            &ca,
-            "--run",
+        &learner_args(
+            &nats,
             "signed",
-            "--checkpoint-dir",
-            &checkpoints,
-            "--max-env-steps",
-            "20000",
-            "--weights-signing-key",
-            &signing_key,
-        ]),
+            dir.path(),
+            &["--max-env-steps", "20000", "--weights-signing-key", &signing_key],
+        ),
         PATIENCE,
     );
     let actor = |id: &str, key: &str, metrics: &str| {
-        strings(&[
-            "actor",
-            "--nats",
-            &nats.url(),
-            "--nats-tls-ca",
-            &ca,
-            "--run",
-            "signed",
-            "--actor-id",
-            id,
-            "--envs",
-            "8",
-            "--weights-public-key",
-            key,
-            "--metrics-addr",
-            metrics,
-        ])
+        actor_args(&nats, "signed", id, &["--weights-public-key", key, "--metrics-addr", metrics])
     };
     let stranger_metrics = format!("127.0.0.1:{}", volley_testkit::free_port());
     let mut trusting = Proc::volley(
@@ -130,8 +93,8 @@ fn a_learner_signs_with_generated_keys_and_only_actors_trusting_them_take_its_we
     // A key file that is not one fails at start, naming the flag and the file.
     let bad = dir.path().join("bad.pem");
     std::fs::write(&bad, "not a key").expect("written");
-    let output = Command::new(env!("CARGO_BIN_EXE_volley"))
-        .args(["actor", "--nats", &nats.url(), "--nats-tls-ca", &ca, "--run", "signed", "--weights-public-key"])
+    let output = volley()
+        .args(volley_args("actor", &nats, &["--run", "signed", "--weights-public-key"]))
         .arg(&bad)
         .output()
         .expect("runs");

@@ -13,12 +13,17 @@ use std::time::Duration;
 use volley_testkit::TestNats;
 
 mod common;
-use common::Proc;
+use common::{actor_args, learner_args, train_in, Proc};
 
 /// Set by `.ci/run`: a missing `tensorboard` package is a failure, not a skip.
 const REQUIRE_TENSORBOARD: &str = "VOLLEY_REQUIRE_TENSORBOARD";
 /// The Python interpreter with `tensorboard` (default `python3`).
 const PYTHON: &str = "VOLLEY_ENVS_PYTHON";
+
+/// A run of small batches on the CPU backend that never reaches a target: it takes its whole
+/// step budget, one TensorBoard event per update.
+const SMALL_CPU_RUN: [&str; 8] =
+    ["--segment-len", "16", "--batch-segments", "8", "--target-return", "1e9", "--backend", "cpu"];
 
 /// Upper bound on any wait: a safety net against hangs, not a timed assertion.
 const PATIENCE: Duration = Duration::from_secs(180);
@@ -103,15 +108,8 @@ fn train_writes_scalars_tensorboard_reads_back() {
     let dir = tempfile::tempdir().expect("temp dir");
     let run_dir = dir.path().join("run");
     let tb_dir = dir.path().join("tb");
-    let output = Command::new(env!("CARGO_BIN_EXE_volley"))
-        .args(["train", "--max-env-steps", "8192", "--segment-len", "16", "--batch-segments", "8"])
-        .args(["--progress", "quiet", "--target-return", "1e9", "--backend", "cpu", "--run-dir"])
-        .arg(&run_dir)
-        .arg("--tensorboard")
-        .arg(&tb_dir)
-        .output()
-        .expect("run volley");
-    assert!(output.status.success(), "volley train failed: {}", String::from_utf8_lossy(&output.stderr));
+    let tb = tb_dir.display().to_string();
+    train_in(&run_dir, &[&["--max-env-steps", "8192", "--tensorboard", &tb][..], &SMALL_CPU_RUN].concat());
     let rows: Vec<serde_json::Value> = std::fs::read_to_string(run_dir.join("metrics.jsonl"))
         .expect("metrics.jsonl")
         .lines()
@@ -146,50 +144,11 @@ fn learner_process_writes_scalars_tensorboard_reads_back() {
     let nats = TestNats::start();
     let dir = tempfile::tempdir().expect("temp dir");
     let tb_dir = dir.path().join("tb");
-    let args: Vec<String> = [
-        "learner",
-        "--nats",
-        &nats.url(),
-        "--nats-tls-ca",
-        &nats.ca_file().display().to_string(),
-        "--run",
-        "tb",
-        "--max-env-steps",
-        "4096",
-        "--segment-len",
-        "16",
-        "--batch-segments",
-        "8",
-        "--target-return",
-        "1e9",
-        "--backend",
-        "cpu",
-        "--checkpoint-dir",
-        &dir.path().join("checkpoints").display().to_string(),
-        "--tensorboard",
-        &tb_dir.display().to_string(),
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
+    let tb = tb_dir.display().to_string();
+    let extra = [&["--max-env-steps", "4096", "--tensorboard", &tb][..], &SMALL_CPU_RUN].concat();
+    let args = learner_args(&nats, "tb", dir.path(), &extra);
     let mut learner = Proc::volley(dir.path(), "learner", &args, PATIENCE);
-    let actor_args: Vec<String> = [
-        "actor",
-        "--nats",
-        &nats.url(),
-        "--nats-tls-ca",
-        &nats.ca_file().display().to_string(),
-        "--run",
-        "tb",
-        "--actor-id",
-        "a0",
-        "--envs",
-        "8",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
-    let mut actor = Proc::volley(dir.path(), "actor", &actor_args, PATIENCE);
+    let mut actor = Proc::volley(dir.path(), "actor", &actor_args(&nats, "tb", "a0", &[]), PATIENCE);
     let summary = learner.summary();
     actor.terminate_and_wait();
     let updates = summary["updates"].as_u64().expect("updates") as usize;

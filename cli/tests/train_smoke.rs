@@ -1,25 +1,28 @@
 //! Smoke tests of the `volley` binary: a tiny embedded run, and clear errors for bad flags.
 
-use std::process::Command;
+mod common;
+use common::{read_json, train_in, volley, SMALL_GRU_ON_MEMORY};
 
-fn volley() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_volley"))
-}
+/// Stitched BPTT windows of 4 segments of 8 steps, 8 segments a batch, to a budget of 4096 steps
+/// (no target, so every run takes the whole budget).
+const STITCHED_WINDOWS: [&str; 10] = [
+    "--segment-len",
+    "8",
+    "--batch-segments",
+    "8",
+    "--bptt-segments",
+    "4",
+    "--max-env-steps",
+    "4096",
+    "--target-return",
+    "1e9",
+];
 
 #[test]
 fn tiny_train_run_prints_summary_and_writes_run_dir() {
     let dir = tempfile::tempdir().expect("temp dir");
     let run_dir = dir.path().join("run");
-    let output = volley()
-        .args(["train", "--max-env-steps", "1024", "--segment-len", "16", "--batch-segments", "4"])
-        .args(["--progress", "quiet", "--run-dir"])
-        .arg(&run_dir)
-        .output()
-        .expect("run volley");
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(output.status.success(), "volley train failed: {stderr}");
-    let stdout = String::from_utf8(output.stdout).expect("utf-8 summary");
-    let summary: serde_json::Value = serde_json::from_str(stdout.trim()).expect("one JSON line on stdout");
+    let summary = train_in(&run_dir, &["--max-env-steps", "1024", "--segment-len", "16", "--batch-segments", "4"]);
     for key in ["env_steps", "wall_secs", "final_mean_return", "solved", "updates", "policy_version"] {
         assert!(summary.get(key).is_some(), "summary lacks {key}: {summary}");
     }
@@ -39,19 +42,29 @@ fn tiny_train_run_prints_summary_and_writes_run_dir() {
 fn selection_flags_reach_the_run_spec_and_training_runs() {
     let dir = tempfile::tempdir().expect("temp dir");
     let run_dir = dir.path().join("run");
-    let output = volley()
-        .args(["train", "--max-env-steps", "2048", "--segment-len", "16", "--batch-segments", "4"])
-        .args(["--select-priority-alpha", "0.6", "--select-priority-beta", "1", "--select-pool-factor", "3"])
-        .args(["--select-zero-variance-min-group", "4", "--select-max-abs-reward", "10"])
-        .args(["--progress", "quiet", "--run-dir"])
-        .arg(&run_dir)
-        .output()
-        .expect("run volley");
-    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
-    let summary: serde_json::Value = serde_json::from_slice(&output.stdout).expect("one JSON summary");
+    let summary = train_in(
+        &run_dir,
+        &[
+            "--max-env-steps",
+            "2048",
+            "--segment-len",
+            "16",
+            "--batch-segments",
+            "4",
+            "--select-priority-alpha",
+            "0.6",
+            "--select-priority-beta",
+            "1",
+            "--select-pool-factor",
+            "3",
+            "--select-zero-variance-min-group",
+            "4",
+            "--select-max-abs-reward",
+            "10",
+        ],
+    );
     assert!(summary["updates"].as_u64().expect("updates") >= 1, "{summary}");
-    let spec: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(run_dir.join("spec.json")).expect("spec.json")).expect("json");
+    let spec = read_json(&run_dir.join("spec.json"));
     let selection = &spec["hyper"]["selection"];
     assert_eq!(selection["priority"]["alpha"], 0.6, "{selection}");
     assert_eq!(selection["priority"]["beta"], 1.0);
@@ -62,15 +75,8 @@ fn selection_flags_reach_the_run_spec_and_training_runs() {
 
 #[test]
 fn gru_and_vtrace_flags_run_on_the_memory_task() {
-    let dir = tempfile::tempdir().expect("temp dir");
-    let output = volley()
-        .args(["train", "--env", "memory", "--core", "gru", "--gru-hidden", "16", "--torso", "16"])
-        .args(["--loss", "vtrace", "--max-env-steps", "512", "--segment-len", "8", "--batch-segments", "4"])
-        .args(["--progress", "quiet", "--run-dir"])
-        .arg(dir.path().join("run"))
-        .output()
-        .expect("run volley");
-    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    let rest = ["--loss", "vtrace", "--max-env-steps", "512", "--segment-len", "8", "--batch-segments", "4"];
+    train_summary(&[&SMALL_GRU_ON_MEMORY[..], &rest].concat());
 }
 
 /// Issue 18: stitched BPTT windows train end to end on the embedded bus, with V-trace and
@@ -79,30 +85,8 @@ fn gru_and_vtrace_flags_run_on_the_memory_task() {
 #[test]
 fn stitched_bptt_windows_train_on_the_memory_task() {
     for loss in ["vtrace", "ppo"] {
-        let summary = train_summary(&[
-            "--env",
-            "memory",
-            "--core",
-            "gru",
-            "--gru-hidden",
-            "16",
-            "--torso",
-            "16",
-            "--loss",
-            loss,
-            "--ppo-minibatches",
-            "1",
-            "--segment-len",
-            "8",
-            "--batch-segments",
-            "8",
-            "--bptt-segments",
-            "4",
-            "--max-env-steps",
-            "4096",
-            "--target-return",
-            "1e9",
-        ]);
+        let rest = ["--loss", loss, "--ppo-minibatches", "1"];
+        let summary = train_summary(&[&SMALL_GRU_ON_MEMORY[..], &rest, &STITCHED_WINDOWS].concat());
         assert_eq!(summary["stop_reason"], "env_step_budget", "{summary}");
         assert!(summary["updates"].as_u64().expect("updates") >= 4, "{summary}");
         let windows = &summary["windows"];
@@ -137,17 +121,10 @@ fn invalid_flags_get_clear_errors() {
     assert_rejected(&["train", "--core", "gru", "--bptt-segments", "3"], "not a multiple of bptt.segments");
 }
 
+/// `volley train ARGS` in a run directory of its own, removed afterwards: its summary.
 fn train_summary(args: &[&str]) -> serde_json::Value {
     let dir = tempfile::tempdir().expect("temp dir");
-    let output = volley()
-        .arg("train")
-        .args(args)
-        .args(["--progress", "quiet", "--run-dir"])
-        .arg(dir.path().join("run"))
-        .output()
-        .expect("run volley");
-    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
-    serde_json::from_slice(&output.stdout).expect("one JSON line on stdout")
+    train_in(&dir.path().join("run"), args)
 }
 
 #[test]
@@ -175,22 +152,15 @@ fn pendulum_trains_with_a_gaussian_head() {
     for extra in [&[][..], &["--squash-actions", "--loss", "vtrace"][..], &["--normalize-obs"][..]] {
         let dir = tempfile::tempdir().expect("temp dir");
         let run_dir = dir.path().join("run");
-        let output = volley()
-            .args(["train", "--env", "pendulum", "--max-env-steps", "4096", "--segment-len", "32"])
-            .args(["--batch-segments", "8", "--progress", "quiet", "--run-dir"])
-            .arg(&run_dir)
-            .args(extra)
-            .output()
-            .expect("run volley");
-        assert!(output.status.success(), "{extra:?}: {}", String::from_utf8_lossy(&output.stderr));
-        let summary: serde_json::Value = serde_json::from_slice(&output.stdout).expect("one JSON summary");
+        let mut args =
+            vec!["--env", "pendulum", "--max-env-steps", "4096", "--segment-len", "32", "--batch-segments", "8"];
+        args.extend(extra);
+        let summary = train_in(&run_dir, &args);
         assert!(summary["updates"].as_u64().expect("updates") >= 1, "{summary}");
         let mean = summary["final_mean_return"].as_f64().expect("a mean return after 20 episodes");
         assert!((-16.3 * 200.0..=0.0).contains(&mean), "{summary}");
         assert_eq!(summary["segments_rejected"], 0, "{summary}");
-        let spec: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(run_dir.join("spec.json")).expect("spec.json"))
-                .expect("json");
+        let spec = read_json(&run_dir.join("spec.json"));
         assert_eq!(spec["policy"]["head"]["gaussian"]["squash"], extra.contains(&"--squash-actions"), "{spec}");
         assert_eq!(spec["policy"]["normalize_obs"], extra.contains(&"--normalize-obs"), "{spec}");
         let metrics = std::fs::read_to_string(run_dir.join("metrics.jsonl")).expect("metrics");
@@ -272,15 +242,7 @@ fn reruns_never_overwrite_a_run_directory() {
 fn summary_lag_max_is_the_trained_on_lag_of_the_progress_line() {
     let dir = tempfile::tempdir().expect("temp dir");
     let run_dir = dir.path().join("run");
-    let output = volley()
-        .args(["train", "--env", "memory", "--core", "gru", "--gru-hidden", "16", "--torso", "16"])
-        .args(["--segment-len", "8", "--batch-segments", "8", "--bptt-segments", "4", "--max-env-steps", "4096"])
-        .args(["--target-return", "1e9", "--progress", "quiet", "--run-dir"])
-        .arg(&run_dir)
-        .output()
-        .expect("run volley");
-    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
-    let summary: serde_json::Value = serde_json::from_slice(&output.stdout).expect("one JSON summary");
+    let summary = train_in(&run_dir, &[&SMALL_GRU_ON_MEMORY[..], &STITCHED_WINDOWS].concat());
     let metrics = std::fs::read_to_string(run_dir.join("metrics.jsonl")).expect("metrics");
     let rows_max = metrics
         .lines()

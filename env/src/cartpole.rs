@@ -261,7 +261,7 @@ mod tests {
     use proptest::prelude::*;
 
     use super::*;
-    use crate::testing::replay_after_restore;
+    use crate::testing::{replay_after_restore, restore_corrupted_snapshot};
 
     const START: [f64; 4] = [0.01, -0.02, 0.03, 0.04];
 
@@ -527,20 +527,7 @@ mod tests {
             flip_value in any::<u8>(),
             actions in proptest::collection::vec(0usize..2, 0..50),
         ) {
-            let mut env = CartPole::new();
-            let mut obs = [0.0f32; 4];
-            env.reset(seed, &mut obs).unwrap();
-            let mut bytes = env.snapshot();
-            let idx = flip_idx.index(bytes.len());
-            bytes[idx] = flip_value;
-            let mut target = CartPole::new();
-            if target.restore(&bytes, &mut obs).is_ok() {
-                for action in actions {
-                    if target.step(Action::Discrete(action), &mut obs).is_err() {
-                        target.reset_next(&mut obs).unwrap();
-                    }
-                }
-            }
+            restore_corrupted_snapshot(&mut CartPole::new(), &mut CartPole::new(), seed, flip_idx, flip_value, &actions);
         }
     }
 }

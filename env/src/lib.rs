@@ -813,4 +813,30 @@ pub(crate) mod testing {
         let replayed = run_with_auto_reset(fresh, suffix);
         (original, replayed, obs_at_snapshot, restored_obs_bits)
     }
+
+    /// Reset `env` with `seed`, snapshot it, overwrite the byte at `flip_idx` with `flip_value`,
+    /// and restore that into `target`; when it is accepted, step `actions` through it (a new
+    /// episode wherever a step fails). A corrupted snapshot must be refused or give a state the
+    /// dynamics accept: nothing here may panic.
+    pub(crate) fn restore_corrupted_snapshot<E: Env>(
+        env: &mut E,
+        target: &mut E,
+        seed: u64,
+        flip_idx: proptest::sample::Index,
+        flip_value: u8,
+        actions: &[usize],
+    ) {
+        let mut obs = vec![0.0f32; env.observation_space().dim()];
+        env.reset(seed, &mut obs).expect("reset succeeds");
+        let mut bytes = env.snapshot();
+        let idx = flip_idx.index(bytes.len());
+        bytes[idx] = flip_value;
+        if target.restore(&bytes, &mut obs).is_ok() {
+            for &action in actions {
+                if target.step(Action::Discrete(action), &mut obs).is_err() {
+                    target.reset_next(&mut obs).expect("reset after a restored episode");
+                }
+            }
+        }
+    }
 }

@@ -236,7 +236,7 @@ mod tests {
     use proptest::prelude::*;
 
     use super::*;
-    use crate::testing::replay_after_restore;
+    use crate::testing::{replay_after_restore, restore_corrupted_snapshot};
 
     fn memory(n_cues: usize, delay: usize) -> Memory {
         Memory::new(MemoryConfig { n_cues, delay }).unwrap()
@@ -430,20 +430,7 @@ mod tests {
             flip_value in any::<u8>(),
             actions in proptest::collection::vec(0usize..2, 0..30),
         ) {
-            let mut env = Memory::new(MemoryConfig::default()).unwrap();
-            let mut obs = vec![0.0; 3];
-            env.reset(seed, &mut obs).unwrap();
-            let mut bytes = env.snapshot();
-            let idx = flip_idx.index(bytes.len());
-            bytes[idx] = flip_value;
-            let mut target = Memory::new(MemoryConfig::default()).unwrap();
-            if target.restore(&bytes, &mut obs).is_ok() {
-                for action in actions {
-                    if target.step(Action::Discrete(action), &mut obs).is_err() {
-                        target.reset_next(&mut obs).unwrap();
-                    }
-                }
-            }
+            restore_corrupted_snapshot(&mut Memory::new(MemoryConfig::default()).unwrap(), &mut Memory::new(MemoryConfig::default()).unwrap(), seed, flip_idx, flip_value, &actions);
         }
     }
 }

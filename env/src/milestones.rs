@@ -404,7 +404,7 @@ mod tests {
     use rand::Rng;
 
     use super::*;
-    use crate::testing::replay_after_restore;
+    use crate::testing::{replay_after_restore, restore_corrupted_snapshot};
 
     fn reset_default(seed: u64) -> (Milestones, Vec<f32>) {
         let mut env = Milestones::new(MilestonesConfig::default()).unwrap();
@@ -685,20 +685,7 @@ mod tests {
             flip_value in any::<u8>(),
             actions in proptest::collection::vec(0usize..3, 0..200),
         ) {
-            let mut env = Milestones::new(MilestonesConfig::default()).unwrap();
-            let mut obs = vec![0.0; OBS_DIM];
-            env.reset(seed, &mut obs).unwrap();
-            let mut bytes = env.snapshot();
-            let idx = flip_idx.index(bytes.len());
-            bytes[idx] = flip_value;
-            let mut target = Milestones::new(MilestonesConfig::default()).unwrap();
-            if target.restore(&bytes, &mut obs).is_ok() {
-                for action in actions {
-                    if target.step(Action::Discrete(action), &mut obs).is_err() {
-                        target.reset_next(&mut obs).unwrap();
-                    }
-                }
-            }
+            restore_corrupted_snapshot(&mut Milestones::new(MilestonesConfig::default()).unwrap(), &mut Milestones::new(MilestonesConfig::default()).unwrap(), seed, flip_idx, flip_value, &actions);
         }
     }
 }

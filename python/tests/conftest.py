@@ -155,6 +155,15 @@ def serve(nats_url, tls_context):
     return serving
 
 
+def start_serve(url: str, tls_dir: str, spec: str, *args: str) -> subprocess.Popen:
+    """Start `python -m volley_envs serve SPEC --nats URL ARGS...` trusting the test CA, its stderr a text pipe."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", VOLLEY_NATS_TLS_CA=os.path.join(tls_dir, "ca.pem"))
+    return subprocess.Popen(
+        [sys.executable, "-m", "volley_envs", "serve", spec, "--nats", url, *args],
+        stderr=subprocess.PIPE, text=True, env=env,
+    )
+
+
 @pytest.fixture
 def serve_command(nats_url, tls_dir):
     """Serve an environment by the command line, `python -m volley_envs serve SPEC --nats <url> ARGS...`.
@@ -166,11 +175,7 @@ def serve_command(nats_url, tls_dir):
 
     @contextlib.contextmanager
     def serving(spec: str, *args: str):
-        env = dict(os.environ, PYTHONUNBUFFERED="1", VOLLEY_NATS_TLS_CA=os.path.join(tls_dir, "ca.pem"))
-        process = subprocess.Popen(
-            [sys.executable, "-m", "volley_envs", "serve", spec, "--nats", nats_url, *args],
-            stderr=subprocess.PIPE, text=True, env=env,
-        )
+        process = start_serve(nats_url, tls_dir, spec, *args)
         try:
             line = ""
             while "environment server ready" not in line:

@@ -11,7 +11,6 @@ import asyncio
 import os
 import pathlib
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -23,7 +22,7 @@ from volley_envs.client import call, discover
 from volley_envs.protocol import from_f32_bin
 from volley_envs.server import EnvServer, make_factory
 
-from conftest import find_nats_server, free_port
+from conftest import find_nats_server, free_port, wait_for_port
 
 ACCOUNTS = pathlib.Path(__file__).resolve().parents[2] / "broker-config" / "accounts.conf"
 PASSWORDS = {
@@ -53,15 +52,7 @@ def broker(tls_dir):
     log = open(log_path, "w")
     process = subprocess.Popen([find_nats_server(), "-c", config], stdout=log, stderr=log, env={**os.environ, **PASSWORDS, **ACTOR_KEYS})
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                break
-            except OSError:
-                if process.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"nats-server did not start: {open(log_path).read()}")
-                time.sleep(0.02)
+        wait_for_port(process, port, log_path)
         yield f"nats://127.0.0.1:{port}", log_path
     finally:
         process.kill()

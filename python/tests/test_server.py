@@ -6,9 +6,7 @@ import asyncio
 import os
 import queue
 import signal
-import socket
 import subprocess
-import sys
 import threading
 import time
 
@@ -283,13 +281,8 @@ def test_non_finite_outputs_fail_the_environment(serve):
 def start_nats(port, store, tls_dir):
     """A nats-server on `port` requiring TLS with the test CA, up when this returns."""
     process = conftest.start_nats(tls_dir, store, port, subprocess.DEVNULL)
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            return process
-        except OSError:
-            assert process.poll() is None, "nats-server did not start"
-            time.sleep(0.02)
+    conftest.wait_for_port(process, port)
+    return process
 
 
 class Lines:
@@ -334,11 +327,7 @@ def test_a_broker_outage_logs_one_line_per_reconnect_attempt(tmp_path, tls_dir, 
     port = free_port()
     url = f"nats://127.0.0.1:{port}"
     broker = start_nats(port, str(tmp_path / "js"), tls_dir)
-    env = dict(os.environ, PYTHONUNBUFFERED="1", VOLLEY_NATS_TLS_CA=os.path.join(tls_dir, "ca.pem"))
-    process = subprocess.Popen(
-        [sys.executable, "-m", "volley_envs", "serve", "gymnasium:CartPole-v1", "--nats", url],
-        stderr=subprocess.PIPE, text=True, env=env,
-    )
+    process = conftest.start_serve(url, tls_dir, "gymnasium:CartPole-v1")
     stderr = Lines(process.stderr)
     try:
         stderr.until("environment server ready")

@@ -157,6 +157,12 @@ impl TestNats {
         [(TLS_CA_ENV, self.ca_file())]
     }
 
+    /// The flags that point a `volley` process at this server: `--nats <url> --nats-tls-ca <ca>`
+    /// (the flag form of [`TestNats::url`] and [`TestNats::client_env`]). For `Command::args`.
+    pub fn client_args(&self) -> [String; 4] {
+        ["--nats".into(), self.url(), "--nats-tls-ca".into(), self.ca_file().display().to_string()]
+    }
+
     /// The client port.
     pub fn port(&self) -> u16 {
         self.port
@@ -551,6 +557,9 @@ mod tests {
         assert!(info.contains("\"tls_required\":true"), "{info}");
         assert!(server.ca_file().is_file());
         assert_eq!(server.client_env()[0].1, server.ca_file());
+        let [url_flag, url, ca_flag, ca] = server.client_args();
+        assert_eq!((url_flag.as_str(), url), ("--nats", server.url()));
+        assert_eq!((ca_flag.as_str(), ca), ("--nats-tls-ca", server.ca_file().display().to_string()));
         let plain = TestNats::start_with(TestNatsOptions { tls: TestTls::Off, ..Default::default() });
         let info = probe_info(&SocketAddr::from((Ipv4Addr::LOCALHOST, plain.port()))).expect("server answers");
         assert!(!info.contains("\"tls_required\":true"), "{info}");

@@ -16,6 +16,7 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use common::{consumer_pending, learner_bus, stream_messages};
 use volley_core::ids::{ActorId, RunId};
 use volley_core::subjects;
 use volley_core::wire::{self, batch, TrajectorySegment};
@@ -36,13 +37,6 @@ fn config(server: &TestNats, run_name: &str) -> NatsConfig {
     config.request_timeout = Duration::from_secs(2);
     config.ack_wait = Duration::from_secs(1);
     config
-}
-
-fn learner_bus(config: NatsConfig) -> NatsBus {
-    let run_name = config.run.to_string();
-    let bus = NatsBus::connect(config).expect("connect to the test server");
-    bus.ensure_run(&common::spec(&run_name)).expect("create the run");
-    bus
 }
 
 fn segment(env_idx: u32, segment_idx: u64) -> TrajectorySegment {
@@ -76,24 +70,6 @@ fn next_notice(bus: &NatsBus, notices: &mut async_nats::Subscriber) -> wire::pac
 
 fn outcome(delivery: &Delivery) -> Result<u64, &'static str> {
     delivery.segment.as_ref().map(|s| s.segment_idx).map_err(|err| err.reason())
-}
-
-fn stream_messages(bus: &NatsBus) -> u64 {
-    let name = subjects::trajectory_stream(&bus.config().run);
-    bus.block_on(async {
-        let mut stream = bus.jetstream().get_stream(name).await.expect("the stream exists");
-        stream.info().await.expect("stream info").state.messages
-    })
-}
-
-/// (messages not yet delivered, messages delivered and not yet acknowledged).
-fn consumer_pending(bus: &NatsBus) -> (u64, usize) {
-    let name = subjects::trajectory_stream(&bus.config().run);
-    bus.block_on(async {
-        let stream = bus.jetstream().get_stream(name).await.expect("the stream exists");
-        let info = stream.consumer_info(subjects::LEARNER_CONSUMER).await.expect("consumer info");
-        (info.num_pending, info.num_ack_pending)
-    })
 }
 
 fn publish_raw(bus: &NatsBus, payload: Vec<u8>) {

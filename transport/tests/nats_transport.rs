@@ -15,6 +15,7 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use common::{consumer_pending, learner_bus, stream_messages};
 use futures::StreamExt;
 use volley_core::ids::{ActorId, PolicyVersion, RunId};
 use volley_core::spec::{RunSpec, StoreLimits};
@@ -60,14 +61,6 @@ fn segment(actor: &str, env_idx: u32, segment_idx: u64) -> TrajectorySegment {
     common::segment("test", actor, env_idx, segment_idx)
 }
 
-/// A connected bus with the run created (the learner's start).
-fn learner_bus(config: NatsConfig) -> NatsBus {
-    let run_name = config.run.to_string();
-    let bus = NatsBus::connect(config).expect("connect to the test server");
-    bus.ensure_run(&spec(&run_name)).expect("create the run");
-    bus
-}
-
 /// Receive until `n` deliveries arrived (transport errors, e.g. during a restart, are retried).
 fn recv_at_least(source: &mut NatsTrajectorySource, n: usize) -> Vec<Delivery> {
     let started = Instant::now();
@@ -81,23 +74,6 @@ fn recv_at_least(source: &mut NatsTrajectorySource, n: usize) -> Vec<Delivery> {
 
 fn segment_idx(delivery: &Delivery) -> u64 {
     delivery.segment.as_ref().expect("a valid segment").segment_idx
-}
-
-fn stream_messages(bus: &NatsBus) -> u64 {
-    let name = subjects::trajectory_stream(&bus.config().run);
-    bus.block_on(async {
-        let mut stream = bus.jetstream().get_stream(name).await.expect("the stream exists");
-        stream.info().await.expect("stream info").state.messages
-    })
-}
-
-fn consumer_pending(bus: &NatsBus) -> (u64, usize) {
-    let name = subjects::trajectory_stream(&bus.config().run);
-    bus.block_on(async {
-        let stream = bus.jetstream().get_stream(name).await.expect("the stream exists");
-        let info = stream.consumer_info(subjects::LEARNER_CONSUMER).await.expect("consumer info");
-        (info.num_pending, info.num_ack_pending)
-    })
 }
 
 fn publish_raw(bus: &NatsBus, subject: &str, payload: Vec<u8>) {

@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
+use common::publish_live;
 use volley_core::ids::{PolicyVersion, RunId};
 use volley_core::subjects;
 use volley_core::wire::{frame, live, Weights};
@@ -62,18 +62,6 @@ fn both_arrived(follower: &NatsWeightsFollower, frames: u64, version: u64) {
         assert!(started.elapsed() < GUARD, "v{version} did not arrive: {follower:?}");
         thread::sleep(Duration::from_millis(2));
     }
-}
-
-/// Publish raw bytes on the run's live subject, as anyone with publish rights on it could.
-fn publish_live(bus: &NatsBus, chunks: Vec<Vec<u8>>) {
-    let subject = subjects::weights_live(&bus.config().run);
-    let client = bus.client().clone();
-    bus.block_on(async move {
-        for chunk in chunks {
-            client.publish(subject.clone(), Bytes::from(chunk)).await.expect("published");
-        }
-        client.flush().await.expect("flushed");
-    });
 }
 
 fn live_chunks(frame: &[u8]) -> Vec<Vec<u8>> {

@@ -10,12 +10,12 @@
 mod common;
 
 use std::sync::Arc;
-use std::thread;
 use std::time::{Duration, Instant};
 
 use base64::engine::general_purpose::STANDARD;
 use base64::Engine as _;
 use bytes::Bytes;
+use common::next_outcome;
 use volley_core::ids::{PolicyVersion, RunId};
 use volley_core::subjects;
 use volley_core::wire::{frame, live, Weights};
@@ -82,27 +82,7 @@ fn forge_pointer(bus: &NatsBus, weights: &Weights, signature: Option<String>) {
 /// rights on the live subject could.
 fn forge_live(bus: &NatsBus, weights: &Weights, signature: Option<&[u8; 64]>) {
     let (chunks, _) = live::encode_signed_full_frame_chunks(weights, signature, 100_000);
-    let subject = subjects::weights_live(&bus.config().run);
-    let client = bus.client().clone();
-    bus.block_on(async move {
-        for chunk in chunks {
-            client.publish(subject.clone(), Bytes::from(chunk)).await.expect("published");
-        }
-        client.flush().await.expect("flushed");
-    });
-}
-
-/// Call `latest` until the pointer written last has been judged: weights, or an error.
-fn next_outcome(follower: &mut NatsWeightsFollower, have: u64) -> Result<Arc<Weights>, String> {
-    let started = Instant::now();
-    loop {
-        assert!(started.elapsed() < GUARD, "no outcome: {follower:?}");
-        match follower.latest(Some(PolicyVersion(have))) {
-            Ok(Some(weights)) => return Ok(weights),
-            Ok(None) => thread::sleep(Duration::from_millis(5)),
-            Err(err) => return Err(err.to_string()),
-        }
-    }
+    common::publish_live(bus, chunks);
 }
 
 /// Wait (on the follower, which reads its socket meanwhile) until `follower` has reassembled

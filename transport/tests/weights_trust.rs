@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 use base64::engine::general_purpose::STANDARD;
 use base64::Engine as _;
 use bytes::Bytes;
+use common::next_outcome;
 use volley_core::ids::{PolicyVersion, RunId};
 use volley_core::subjects;
 use volley_core::wire::{frame, Weights};
@@ -60,19 +61,6 @@ fn forge_json(bus: &NatsBus, json: String) {
         let kv = bus.jetstream().get_key_value(bucket).await.expect("run bucket");
         kv.put(subjects::WEIGHTS_KEY, Bytes::from(json)).await.expect("forged pointer written");
     });
-}
-
-/// Call `latest` until the pointer written last has been judged: weights, or an error.
-fn next_outcome(follower: &mut NatsWeightsFollower, have: u64) -> Result<Arc<Weights>, String> {
-    let started = Instant::now();
-    loop {
-        assert!(started.elapsed() < GUARD, "no outcome");
-        match follower.latest(Some(PolicyVersion(have))) {
-            Ok(Some(weights)) => return Ok(weights),
-            Ok(None) => thread::sleep(Duration::from_millis(5)),
-            Err(err) => return Err(err.to_string()),
-        }
-    }
 }
 
 /// Issue 12: a pointer with a higher version and a wrong checksum (or a missing object) was

@@ -13,31 +13,19 @@ use volley_transport::nats::{NatsAuth, NatsConfig, NatsTls};
 
 use super::check_secs;
 
-/// How to reach NATS (shared by `volley learner` and `volley actor`).
-/// `Debug` shows no password.
+/// How the learner, actors, `volley train --nats` and `volley bench-weights` reach NATS: the
+/// connection of [`NatsConnectArgs`], an actor's NKey identity, and how weights and segments
+/// travel. `Debug` shows no password.
 #[derive(Clone, Args)]
 pub struct NatsArgs {
-    /// NATS server to connect to.
-    #[arg(long = "nats", env = "VOLLEY_NATS_URL", default_value = "nats://127.0.0.1:4222")]
-    pub nats_url: String,
-    /// Deadline for every NATS request, fetch and publish ack.
-    #[arg(long, env = "VOLLEY_NATS_TIMEOUT_SECS", default_value_t = 5.0)]
-    pub nats_timeout_secs: f64,
-    /// NATS user name (see broker-config/: `learner-<run>` or `actor-<run>`); needs a password.
-    #[arg(long, env = "VOLLEY_NATS_USER", requires = "nats_password")]
-    pub nats_user: Option<String>,
-    /// Password of `--nats-user`; prefer the environment variable over the flag (flags show up
-    /// in process listings). Never logged.
-    #[arg(long, env = "VOLLEY_NATS_PASSWORD", hide_env_values = true, requires = "nats_user")]
-    pub nats_password: Option<String>,
+    /// Server, deadline, user and TLS.
+    #[command(flatten)]
+    pub connect: NatsConnectArgs,
     /// An actor's own NKey identity file (`<id>.nk`, made by `volley creds actors`; issue 46):
     /// connect as that identity instead of `--nats-user`, which then may publish under its
     /// own id only; the actor id defaults to the identity's name (the file's stem).
     #[arg(long, env = "VOLLEY_NATS_NKEY_FILE", conflicts_with_all = ["nats_user", "nats_password"])]
     pub nats_nkey_file: Option<PathBuf>,
-    /// TLS towards NATS.
-    #[command(flatten)]
-    pub tls: NatsTlsArgs,
     /// Weights also travel by core-NATS fan-out to connected actors (the live path), besides
     /// the object store and pointer; `false` turns it off (the learner does not send, actors
     /// do not subscribe), e.g. for a broker whose permissions lack the live subject.
@@ -68,12 +56,8 @@ pub struct NatsArgs {
 impl std::fmt::Debug for NatsArgs {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("NatsArgs")
-            .field("nats_url", &self.nats_url)
-            .field("nats_timeout_secs", &self.nats_timeout_secs)
-            .field("nats_user", &self.nats_user)
-            .field("nats_password", &self.nats_password.as_ref().map(|_| "<redacted>"))
+            .field("connect", &self.connect)
             .field("nats_nkey_file", &self.nats_nkey_file)
-            .field("tls", &self.tls)
             .field("nats_weights_live", &self.nats_weights_live)
             .field("nats_weights_pointer_every", &self.nats_weights_pointer_every)
             .field("nats_prefetch_calls", &self.nats_prefetch_calls)
@@ -85,20 +69,15 @@ impl std::fmt::Debug for NatsArgs {
 impl NatsArgs {
     /// The transport config for `run`.
     pub fn config(&self, run: RunId) -> anyhow::Result<NatsConfig> {
-        let mut config = NatsConfig::new(self.nats_url.clone(), run);
-        config.request_timeout = self.timeout()?;
+        let mut config = NatsConfig::new(self.connect.nats_url.clone(), run);
+        config.request_timeout = self.connect.timeout()?;
         config.auth = self.auth()?;
-        config.tls = self.tls.tls();
+        config.tls = self.connect.tls.tls();
         config.weights_live = self.nats_weights_live;
         config.weights_pointer_every = self.nats_weights_pointer_every;
         config.prefetch_calls = usize::from(self.nats_prefetch_calls);
         config.runtime_workers = usize::from(self.nats_runtime_workers);
         Ok(config)
-    }
-
-    /// The deadline of every NATS request.
-    pub fn timeout(&self) -> anyhow::Result<Duration> {
-        check_secs("--nats-timeout-secs", self.nats_timeout_secs)
     }
 
     /// The credentials, if any: the NKey identity of `--nats-nkey-file`, else the user.
@@ -107,7 +86,7 @@ impl NatsArgs {
             let identity = ActorIdentity::read(path).context("--nats-nkey-file")?;
             return Ok(Some(identity.auth()));
         }
-        nats_auth(&self.nats_user, &self.nats_password)
+        self.connect.auth()
     }
 
     /// The spaces of environment service `service`, asked of its servers over this connection's
@@ -116,10 +95,10 @@ impl NatsArgs {
         self.auth()
             .and_then(|auth| {
                 crate::remote_env::remote_env_config(
-                    &self.nats_url,
+                    &self.connect.nats_url,
                     auth.as_ref(),
-                    &self.tls.tls(),
-                    self.timeout()?,
+                    &self.connect.tls.tls(),
+                    self.connect.timeout()?,
                     service,
                     wait,
                 )
@@ -164,18 +143,19 @@ impl RemoteEnvArgs {
     }
 }
 
-/// How an environment server reaches NATS: the connection only. The weights and prefetch
-/// settings of [`NatsArgs`] are the learner's and actors' and mean nothing to a server.
-/// `Debug` shows no password.
+/// How a process connects to NATS: server, deadline, user and TLS. An environment server
+/// (`volley env-serve`) takes these alone; [`NatsArgs`] adds the learner's and actors' identity,
+/// weights and prefetch settings, which mean nothing to a server. `Debug` shows no password.
 #[derive(Clone, Args)]
 pub struct NatsConnectArgs {
     /// NATS server to connect to.
     #[arg(long = "nats", env = "VOLLEY_NATS_URL", default_value = "nats://127.0.0.1:4222")]
     pub nats_url: String,
-    /// Deadline for connecting and for every NATS request.
+    /// Deadline for connecting and for every NATS request, fetch and publish ack.
     #[arg(long, env = "VOLLEY_NATS_TIMEOUT_SECS", default_value_t = 5.0)]
     pub nats_timeout_secs: f64,
-    /// NATS user name (see broker-config/: `env-<service>`, e.g. `env-cartpole`); needs a password.
+    /// NATS user name (see broker-config/: `learner-<run>`, `actor-<run>`, or `env-<service>`
+    /// for an environment server, e.g. `env-cartpole`); needs a password.
     #[arg(long, env = "VOLLEY_NATS_USER", requires = "nats_password")]
     pub nats_user: Option<String>,
     /// Password of `--nats-user`; prefer the environment variable over the flag (flags show up
@@ -205,9 +185,15 @@ impl NatsConnectArgs {
         check_secs("--nats-timeout-secs", self.nats_timeout_secs)
     }
 
-    /// The credentials, if any.
+    /// The credentials, if any: `--nats-user` and `--nats-password`.
     pub fn auth(&self) -> anyhow::Result<Option<NatsAuth>> {
-        nats_auth(&self.nats_user, &self.nats_password)
+        Ok(match (&self.nats_user, &self.nats_password) {
+            (Some(user), Some(password)) => {
+                Some(NatsAuth::UserPassword { user: user.clone(), password: password.clone() })
+            }
+            (None, None) => None,
+            _ => bail!("--nats-user and --nats-password go together"),
+        })
     }
 }
 
@@ -247,15 +233,6 @@ impl NatsTlsArgs {
     }
 }
 
-/// `--nats-user` and `--nats-password` as credentials.
-fn nats_auth(user: &Option<String>, password: &Option<String>) -> anyhow::Result<Option<NatsAuth>> {
-    Ok(match (user, password) {
-        (Some(user), Some(password)) => Some(NatsAuth::UserPassword { user: user.clone(), password: password.clone() }),
-        (None, None) => None,
-        _ => bail!("--nats-user and --nats-password go together"),
-    })
-}
-
 /// Where a long-running process serves `/metrics`, `/healthz` and `/readyz`.
 #[derive(Debug, Clone, Args)]
 pub struct MetricsArgs {
@@ -290,6 +267,23 @@ mod tests {
             let err = learner_config(&["--nats-replicas", out_of_range]).expect_err("refused");
             assert!(err.to_string().contains("--nats-replicas"), "{err}");
         }
+    }
+
+    /// The connection flags are one group flattened into `NatsArgs` (issue 47): a user still
+    /// needs its password, and an actor's NKey identity still excludes them, across the group.
+    #[test]
+    fn nats_credentials_reach_the_config_and_exclude_each_other() {
+        let config = learner_config(&["--nats-user", "learner-x", "--nats-password", "secret"]).expect("valid");
+        let expected = volley_transport::nats::NatsAuth::UserPassword {
+            user: "learner-x".to_string(),
+            password: "secret".to_string(),
+        };
+        assert_eq!(config.nats.auth, Some(expected));
+        let err = learner_config(&["--nats-user", "learner-x"]).expect_err("a user without its password");
+        assert!(err.to_string().contains("--nats-password"), "{err}");
+        let err = learner_config(&["--nats-nkey-file", "a.nk", "--nats-user", "u", "--nats-password", "p"])
+            .expect_err("an identity and a user at once");
+        assert!(err.to_string().contains("--nats-nkey-file"), "{err}");
     }
 
     /// Issue 46: the TLS flags reach the transport; a certificate needs its key.

@@ -1,7 +1,8 @@
 #![allow(dead_code)] // each test crate uses part of these helpers
-//! Process helpers shared by the CLI's integration tests: spawn `volley` (or another program)
-//! with its stderr in a log file, wait for log lines, exit and the JSON summary, and always
-//! reap the child.
+//! Process helpers shared by the CLI's integration tests: the command lines of `volley`
+//! processes connected to a test broker, and [`Proc`], which spawns `volley` (or another
+//! program) with its stderr in a log file, waits for log lines, exit and the JSON summary, and
+//! always reaps the child.
 
 use std::fs;
 use std::io::Read;
@@ -9,6 +10,64 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::thread;
 use std::time::{Duration, Instant};
+
+use volley_testkit::TestNats;
+
+/// `args` as owned strings, for [`Proc::spawn`].
+pub fn strings(args: &[&str]) -> Vec<String> {
+    args.iter().map(|arg| arg.to_string()).collect()
+}
+
+/// The `volley` binary under test, as a `Command` to run to completion.
+pub fn volley() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_volley"))
+}
+
+/// A small GRU (16 units over a 16-unit torso) on the memory task: the recurrent runs' flags.
+pub const SMALL_GRU_ON_MEMORY: [&str; 8] = ["--env", "memory", "--core", "gru", "--gru-hidden", "16", "--torso", "16"];
+
+/// Run `volley train ARGS --progress quiet --run-dir RUN_DIR` to its end and return the JSON
+/// summary it printed; fails with its stderr when it does not succeed.
+pub fn train_in(run_dir: &Path, args: &[&str]) -> serde_json::Value {
+    let output = volley()
+        .arg("train")
+        .args(args)
+        .args(["--progress", "quiet", "--run-dir"])
+        .arg(run_dir)
+        .output()
+        .expect("run volley");
+    assert!(output.status.success(), "volley train {args:?} failed: {}", String::from_utf8_lossy(&output.stderr));
+    serde_json::from_slice(&output.stdout).expect("one JSON summary on stdout")
+}
+
+/// The JSON file at `path` (a run directory's `spec.json`, a summary).
+pub fn read_json(path: &Path) -> serde_json::Value {
+    let text = fs::read_to_string(path).unwrap_or_else(|err| panic!("read {}: {err}", path.display()));
+    serde_json::from_str(&text).unwrap_or_else(|err| panic!("{} is not JSON: {err}", path.display()))
+}
+
+/// `volley <subcommand>` connected to `nats` ([`TestNats::client_args`]), then `rest`.
+pub fn volley_args(subcommand: &str, nats: &TestNats, rest: &[&str]) -> Vec<String> {
+    let mut args = vec![subcommand.to_string()];
+    args.extend(nats.client_args());
+    args.extend(strings(rest));
+    args
+}
+
+/// `volley learner` of run `run` on `nats`, checkpointing in `<dir>/checkpoints`, then `extra`.
+pub fn learner_args(nats: &TestNats, run: &str, dir: &Path, extra: &[&str]) -> Vec<String> {
+    let checkpoints = dir.join("checkpoints").display().to_string();
+    let mut args = volley_args("learner", nats, &["--run", run, "--checkpoint-dir", &checkpoints]);
+    args.extend(strings(extra));
+    args
+}
+
+/// `volley actor` with id `id` in run `run` on `nats`, stepping 8 environments, then `extra`.
+pub fn actor_args(nats: &TestNats, run: &str, id: &str, extra: &[&str]) -> Vec<String> {
+    let mut args = volley_args("actor", nats, &["--run", run, "--actor-id", id, "--envs", "8"]);
+    args.extend(strings(extra));
+    args
+}
 
 /// A child process whose stderr goes to `<dir>/<name>.log`; killed when dropped.
 pub struct Proc {

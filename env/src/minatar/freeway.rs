@@ -200,7 +200,7 @@ impl Game for Freeway {
 mod tests {
     use proptest::prelude::*;
 
-    use super::super::testing::{check_snapshot_properties, random_play};
+    use super::super::testing::{random_play, snapshot_property_test};
     use super::super::{Env, MinAtar};
     use super::*;
 
@@ -241,16 +241,5 @@ mod tests {
         assert!(largest <= 1.0);
     }
 
-    proptest! {
-        #![proptest_config(ProptestConfig::with_cases(64))]
-        #[test]
-        fn snapshots_replay_and_corruption_never_panics(
-            seed in any::<u64>(),
-            prefix in proptest::collection::vec(0usize..6, 0..200),
-            suffix in proptest::collection::vec(0usize..6, 1..200),
-            flip in (any::<usize>(), any::<u8>()),
-        ) {
-            check_snapshot_properties::<Freeway>(seed, &prefix, &suffix, flip)?;
-        }
-    }
+    snapshot_property_test!(Freeway, ProptestConfig::with_cases(64));
 }

@@ -549,6 +549,30 @@ pub(crate) mod testing {
         Ok(())
     }
 
+    /// The property test of one game's snapshots, `snapshots_replay_and_corruption_never_panics`
+    /// ([`check_snapshot_properties`] on random seeds, action sequences and byte flips), with the
+    /// default proptest configuration or the one given.
+    macro_rules! snapshot_property_test {
+        ($game:ty) => {
+            snapshot_property_test!($game, proptest::prelude::ProptestConfig::default());
+        };
+        ($game:ty, $config:expr) => {
+            proptest::proptest! {
+                #![proptest_config($config)]
+                #[test]
+                fn snapshots_replay_and_corruption_never_panics(
+                    seed in proptest::prelude::any::<u64>(),
+                    prefix in proptest::collection::vec(0usize..6, 0..200),
+                    suffix in proptest::collection::vec(0usize..6, 1..200),
+                    flip in (proptest::prelude::any::<usize>(), proptest::prelude::any::<u8>()),
+                ) {
+                    $crate::minatar::testing::check_snapshot_properties::<$game>(seed, &prefix, &suffix, flip)?;
+                }
+            }
+        };
+    }
+    pub(crate) use snapshot_property_test;
+
     /// Run `n_steps` of random play from `seed` (actions from a second generator), resetting at
     /// episode ends, and return (episodes finished, total reward, largest step reward).
     pub(crate) fn random_play<G: Game>(seed: u64, n_steps: usize) -> (usize, f32, f32) {

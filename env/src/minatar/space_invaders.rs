@@ -260,9 +260,7 @@ impl Game for SpaceInvaders {
 
 #[cfg(test)]
 mod tests {
-    use proptest::prelude::*;
-
-    use super::super::testing::{check_snapshot_properties, random_play};
+    use super::super::testing::{random_play, snapshot_property_test};
     use super::*;
 
     #[test]
@@ -338,15 +336,5 @@ mod tests {
         assert!(total > 0.0);
     }
 
-    proptest! {
-        #[test]
-        fn snapshots_replay_and_corruption_never_panics(
-            seed in any::<u64>(),
-            prefix in proptest::collection::vec(0usize..6, 0..200),
-            suffix in proptest::collection::vec(0usize..6, 1..200),
-            flip in (any::<usize>(), any::<u8>()),
-        ) {
-            check_snapshot_properties::<SpaceInvaders>(seed, &prefix, &suffix, flip)?;
-        }
-    }
+    snapshot_property_test!(SpaceInvaders);
 }

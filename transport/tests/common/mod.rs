@@ -2,15 +2,18 @@
 
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Duration;
+use std::thread;
+use std::time::{Duration, Instant};
 
 use volley_core::ids::{ActorId, PolicyVersion, RunId};
 use volley_core::spec::{HyperParams, RunSpec, StoreLimits};
+use volley_core::subjects;
 use volley_core::wire::{TrajectorySegment, Weights};
 use volley_testkit::fixtures::{SegmentBuilder, SpecBuilder};
 use volley_testkit::TestNats;
 use volley_transport::nats::identity::{actor_nkey_variable, ActorIdentity};
-use volley_transport::nats::{NatsBus, NatsConfig, NatsTls};
+use volley_transport::nats::{NatsBus, NatsConfig, NatsTls, NatsWeightsFollower};
+use volley_transport::WeightsFollower;
 
 /// A small CartPole run spec for `run`, with small store bounds: JetStream reserves every
 /// stream's `max_bytes` when it is created, and a test broker may use at most 75 % of the free
@@ -39,6 +42,62 @@ pub fn segment(run: &str, actor: &str, env_idx: u32, segment_idx: u64) -> Trajec
         .observations_from(|_| segment_idx as f32)
         .log_prob(-0.5)
         .build()
+}
+
+/// A connected bus with the run created (the learner's start).
+pub fn learner_bus(config: NatsConfig) -> NatsBus {
+    let run_name = config.run.to_string();
+    let bus = NatsBus::connect(config).expect("connect to the test server");
+    bus.ensure_run(&spec(&run_name)).expect("create the run");
+    bus
+}
+
+/// The messages in the run's trajectory stream.
+pub fn stream_messages(bus: &NatsBus) -> u64 {
+    let name = subjects::trajectory_stream(&bus.config().run);
+    bus.block_on(async {
+        let mut stream = bus.jetstream().get_stream(name).await.expect("the stream exists");
+        stream.info().await.expect("stream info").state.messages
+    })
+}
+
+/// (messages not yet delivered, messages delivered and not yet acknowledged) of the learner's
+/// consumer.
+pub fn consumer_pending(bus: &NatsBus) -> (u64, usize) {
+    let name = subjects::trajectory_stream(&bus.config().run);
+    bus.block_on(async {
+        let stream = bus.jetstream().get_stream(name).await.expect("the stream exists");
+        let info = stream.consumer_info(subjects::LEARNER_CONSUMER).await.expect("consumer info");
+        (info.num_pending, info.num_ack_pending)
+    })
+}
+
+/// Publish raw bytes on the run's live weights subject, as anyone with publish rights on it
+/// could, and flush.
+pub fn publish_live(bus: &NatsBus, chunks: Vec<Vec<u8>>) {
+    let subject = subjects::weights_live(&bus.config().run);
+    let client = bus.client().clone();
+    bus.block_on(async move {
+        for chunk in chunks {
+            client.publish(subject.clone(), bytes::Bytes::from(chunk)).await.expect("published");
+        }
+        client.flush().await.expect("flushed");
+    });
+}
+
+/// Call `latest` on `follower`, which holds version `have`, until the pointer written last has
+/// been judged: the weights it took, or the error it refused them with. Bounded by a minute, only
+/// so that a regression fails instead of hanging.
+pub fn next_outcome(follower: &mut NatsWeightsFollower, have: u64) -> Result<Arc<Weights>, String> {
+    let started = Instant::now();
+    loop {
+        assert!(started.elapsed() < Duration::from_secs(60), "no outcome: {follower:?}");
+        match follower.latest(Some(PolicyVersion(have))) {
+            Ok(Some(weights)) => return Ok(weights),
+            Ok(None) => thread::sleep(Duration::from_millis(5)),
+            Err(err) => return Err(err.to_string()),
+        }
+    }
 }
 
 /// A bus for `run_name` whose weights always go through the object store (nothing inline), as
