@@ -13,8 +13,8 @@ use volley_core::ids::ActorId;
 use volley_core::subjects;
 
 use super::{
-    call, consumers, denial_since, denied, failed, is_denied, open_kv, open_objects, retry_for, unless_reconnected,
-    NatsBus, Shared,
+    call, denial_since, denied, failed, gets, is_denied, open_kv, open_objects, retry_for, unless_reconnected, NatsBus,
+    Shared,
 };
 use crate::TransportError;
 
@@ -349,11 +349,10 @@ impl crate::work::SnapshotStore for NatsSnapshotStore {
         let deadline = shared.config.transfer_deadline(volley_core::work::MAX_EPISODE_SNAPSHOT_BYTES);
         let bucket = subjects::snapshot_bucket(&shared.config.run);
         // A message get per chunk, no consumer: the actor user may create none on the store
-        // it writes (`consumers::read_object_by_gets`); an oversized snapshot is refused by
+        // it writes (`gets::read_object_by_gets`); an oversized snapshot is refused by
         // its decoder.
-        let read = consumers::read_object_by_gets(
+        let read = gets::read_object_by_gets(
             &shared.js,
-            &shared.client,
             &self.objects,
             &bucket,
             key,

@@ -1,18 +1,19 @@
 //! The `weights` pointer in the run's KV bucket (what the newest version is and how to rebuild
-//! it), the bounds a follower holds it to, and the background watch that keeps the newest
-//! pointer written.
+//! it), the bounds a follower holds it to, and the background reader that keeps the newest
+//! pointer written (direct gets, woken by notices on the key's subject).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_nats::jetstream::{self, kv};
+use futures::StreamExt;
 use tracing::{debug, info, warn};
 use volley_core::ids::PolicyVersion;
 use volley_core::subjects;
 use volley_core::wire;
 
-use crate::nats::{call, consumers, open_kv, Backoff};
+use crate::nats::{call, open_kv, Backoff};
 use crate::rejection_log::RejectionLog;
 use crate::TransportError;
 
@@ -69,7 +70,7 @@ pub const MAX_POINTER_EVERY: u64 = 64;
 /// How far a live version may run ahead of the pointer written last, for a pointer written at
 /// least every `pointer_every` versions: up to `pointer_every - 1` versions travel live
 /// between two pointers, the next version's pointer is written after that version is sent
-/// live, and one more leaves room for a watch that lags. A live version further ahead waits
+/// live, and one more leaves room for a pointer read that lags. A live version further ahead waits
 /// (at most [`LIVE_FRAMES_KEPT`](super::live::LIVE_FRAMES_KEPT) of them) until the pointer catches up, so a forged live
 /// version cannot claim a version far above the learner's and make the follower ignore the
 /// real ones.
@@ -212,14 +213,14 @@ pub(super) fn full_frame_bytes(n_params: usize) -> usize {
     wire::HEADER_BYTES + wire::frame::FRAME_HEADER_BYTES + 4 * n_params
 }
 
-/// The pointer most recently written to KV, as the watch delivered it.
+/// The pointer most recently written to KV, as the follower's reads found it.
 ///
 /// Not the highest version ever announced: a forged pointer with a huge version must not
 /// hide the real pointers written after it (issue 12, docs/SECURITY.md). Whether a pointer
 /// is worth fetching is the follower's decision, against the newest version it verified.
 #[derive(Debug, Default)]
 pub(super) struct PointerSlot {
-    /// The pointer and its write number (1 = the first the watch delivered).
+    /// The pointer and its write number (1 = the first read).
     pub(super) pointer: Mutex<Option<(WeightsPointer, u64)>>,
     /// Writes seen (0 = none yet): lets `latest` answer "nothing new" with one load.
     pub(super) writes: AtomicU64,
@@ -229,7 +230,7 @@ pub(super) struct PointerSlot {
 impl PointerSlot {
     pub(super) fn offer(&self, pointer: WeightsPointer) {
         let mut slot = self.pointer.lock().expect("pointer lock is never poisoned");
-        // A re-created watch delivers the current value again: not a new write.
+        // The current value read again (after a reconnect, say): not a new write.
         if slot.as_ref().is_some_and(|(current, _)| *current == pointer) {
             return;
         }
@@ -250,9 +251,22 @@ pub(super) const FETCH_RETRY_FIRST: Duration = Duration::from_millis(250);
 /// Longest pause between fetches of an unfetchable pointer.
 pub(super) const FETCH_RETRY_MAX: Duration = Duration::from_secs(30);
 
-/// Keep `slot` at the newest `weights` pointer: open the bucket (waiting until it exists),
-/// watch the key (the watch yields the current value first), and start over after an error,
-/// the end of the watch, or a reconnect.
+/// How long a follower goes without reading the pointer when no notice of a write came: the
+/// bound on how late it sees a version whose notice was lost (a reconnect, a notice dropped by
+/// a slow subscription).
+pub(super) const POINTER_REREAD: Duration = Duration::from_secs(1);
+
+/// Notices taken at once before one read: a burst of writes (or of messages relayed onto the
+/// key's subject) costs one read of the pointer, not one per message.
+const NOTICES_PER_READ: usize = 1024;
+
+/// Keep `slot` at the newest `weights` pointer, with no consumer (issue 46: the actor user may
+/// create none, as its deliver subject could be any subject): read the key by direct get
+/// (`$JS.API.DIRECT.GET.KV_<bucket>.$KV.<bucket>.weights`, the last message on it), and read
+/// it again when a message arrives on the key's subject (a core-NATS subscription to
+/// `$KV.<bucket>.weights`, where the learner's put goes), after a reconnect, and at least every
+/// [`POINTER_REREAD`]. A notice's body is never used: it only says "read again", and what is
+/// read is what the bucket holds, judged by the follower as any pointer.
 pub(super) async fn follow_pointer(
     js: jetstream::Context,
     client: async_nats::Client,
@@ -261,68 +275,90 @@ pub(super) async fn follow_pointer(
     slot: Arc<PointerSlot>,
     mut connections: tokio::sync::watch::Receiver<u64>,
 ) {
+    // Subscribed before the first read, so no write after that read goes unnoticed. The
+    // subscription outlives reconnects (the client subscribes again by itself); one denied
+    // by a broker config that predates it leaves the periodic reads.
+    let notice_subject = subjects::kv_key_subject(&bucket, subjects::WEIGHTS_KEY);
+    let mut notices = match client.subscribe(notice_subject).await {
+        Ok(notices) => Some(notices),
+        Err(err) => {
+            warn!(operation = "subscribe to weights notices", %err, "reading the weights pointer periodically only");
+            None
+        }
+    };
     let mut backoff = Backoff::new();
     let mut rejections = RejectionLog::new("weights pointer");
+    let mut store: Option<kv::Store> = None;
+    // The value read last: read again (the periodic read, or a bucket re-created with the
+    // same revisions), it is not judged again.
+    let mut last_value: Option<bytes::Bytes> = None;
     loop {
         connections.borrow_and_update();
-        let watch = async {
-            if open_kv(&js, &bucket, timeout).await?.is_none() {
+        let read = async {
+            if store.is_none() {
+                store = open_kv(&js, &bucket, timeout).await?;
+            }
+            let Some(kv) = &store else {
                 return Err(TransportError::Failed {
-                    operation: "watch weights",
+                    operation: "read weights pointer",
                     message: format!("bucket {bucket} does not exist yet"),
                 });
-            }
-            // A named consumer filtered on the key, which the actor's permissions grant
-            // (`consumers`), rather than async-nats' unnamed KV watch.
-            call("watch weights", timeout, consumers::watch_key(&js, &client, &bucket, subjects::WEIGHTS_KEY)).await
+            };
+            call("read weights pointer", timeout, kv.entry(subjects::WEIGHTS_KEY)).await
         };
-        let mut watch = match watch.await {
-            Ok(watch) => watch,
-            Err(err) => {
-                debug!(operation = "watch weights", %err, "retrying");
-                tokio::select! {
-                    _ = tokio::time::sleep(backoff.next()) => {}
-                    changed = connections.changed() => {
-                        if changed.is_err() {
-                            return;
-                        }
-                    }
-                }
-                continue;
-            }
-        };
-        backoff = Backoff::new();
-        loop {
-            tokio::select! {
-                entry = watch.next() => match entry {
-                    Some(Ok(change)) if !change.deleted => {
-                        match serde_json::from_slice::<WeightsPointer>(&change.value) {
+        let pause = match read.await {
+            Ok(entry) => {
+                backoff = Backoff::new();
+                if let Some(entry) = entry.filter(|entry| last_value.as_ref() != Some(&entry.value)) {
+                    last_value = Some(entry.value.clone());
+                    // A delete or purge leaves the pointer held.
+                    if entry.operation == kv::Operation::Put {
+                        match serde_json::from_slice::<WeightsPointer>(&entry.value) {
                             Ok(pointer) => slot.offer(pointer),
-                            Err(err) => if rejections.record("undecodable") {
-                                warn!(operation = "decode weights pointer", error = %err, "ignoring bad weights pointer");
-                            },
+                            Err(err) => {
+                                if rejections.record("undecodable") {
+                                    warn!(operation = "decode weights pointer", error = %err, "ignoring bad weights pointer");
+                                }
+                            }
                         }
                     }
-                    Some(Ok(_)) => {}
-                    Some(Err(err)) => {
-                        warn!(operation = "watch weights", error = %err, "weights watch failed; re-creating it");
-                        break;
-                    }
-                    None => {
-                        warn!(operation = "watch weights", "weights watch ended; re-creating it");
-                        break;
-                    }
-                },
-                changed = connections.changed() => {
-                    if changed.is_err() {
-                        return;
-                    }
-                    info!("reconnected; re-creating the weights watch");
-                    break;
                 }
+                POINTER_REREAD
+            }
+            Err(err) => {
+                debug!(operation = "read weights pointer", %err, "retrying");
+                backoff.next()
+            }
+        };
+        let notice = async {
+            match notices.as_mut() {
+                Some(notices) => notices.next().await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            _ = tokio::time::sleep(pause) => {}
+            received = notice => match received {
+                Some(_) => {
+                    // Writes that arrived together need one read.
+                    if let Some(notices) = notices.as_mut() {
+                        for _ in 0..NOTICES_PER_READ {
+                            if futures::FutureExt::now_or_never(notices.next()).flatten().is_none() {
+                                break;
+                            }
+                        }
+                    }
+                }
+                // The client is going away.
+                None => return,
+            },
+            changed = connections.changed() => {
+                if changed.is_err() {
+                    return;
+                }
+                info!("reconnected; reading the weights pointer again");
             }
         }
-        tokio::time::sleep(backoff.next()).await;
     }
 }
 
