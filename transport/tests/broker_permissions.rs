@@ -649,6 +649,67 @@ fn actors_may_create_no_consumer_and_read_by_gets_and_notices() {
     assert!(!matches!(watched, Ok(true)), "the actor created a KV watch");
 }
 
+/// Issue 46: nats-server checks no request's reply subject, and JetStream answers a direct get
+/// with the stored message itself, so an actor that could direct-get bytes it wrote into the
+/// snapshot store could have the server store them on another actor's trajectory subject (or
+/// any subject a stream captures) as if that actor had published them. The snapshot store and
+/// its index now allow no direct gets, and the actor user may not send one there; its message
+/// gets, still granted, are answered with a JSON document, which is what such a relay stores.
+#[test]
+fn an_actor_cannot_relay_bytes_it_wrote_through_a_get_answer() {
+    use volley_core::work::WorkConfig;
+    let server = repo_broker();
+    let learner = learner(&server);
+    let mut spec = spec();
+    spec.hyper.work = WorkConfig { enabled: true, ..WorkConfig::default() };
+    learner.ensure_run(&spec).expect("the learner creates the run");
+    let _queue = learner.work_queue(&spec.hyper.work).expect("the learner opens the work queue");
+    let actor = actor_on(&server, RUN);
+    let forged: &[u8] = b"VOLLEY-FORGED-SEGMENT-OF-ACTOR-1";
+    let client = actor.client().clone();
+    let sequence = actor.block_on(async move {
+        let js = async_nats::jetstream::new(client);
+        let ack = js.publish("$O.volley-local-snap.C.forged", Bytes::from_static(forged)).await.expect("sent");
+        ack.await.expect("stored").sequence
+    });
+    let victim = "volley.local.traj.actor-1";
+    let client = actor.client().clone();
+    let get = Bytes::from(serde_json::json!({ "seq": sequence }).to_string());
+    actor.block_on(async move {
+        for subject in ["$JS.API.DIRECT.GET.OBJ_volley-local-snap", "$JS.API.STREAM.MSG.GET.OBJ_volley-local-snap"] {
+            client.publish_with_reply(subject, victim, get.clone()).await.expect("sent");
+        }
+        let last = "$JS.API.DIRECT.GET.OBJ_volley-local-snap.$O.volley-local-snap.C.forged";
+        client.publish_with_reply(last, victim, Bytes::new()).await.expect("sent");
+        client.flush().await.expect("flushed");
+    });
+    assert_violation(&server, "$JS.API.DIRECT.GET.OBJ_volley-local-snap");
+    assert_violation(&server, "$JS.API.DIRECT.GET.OBJ_volley-local-snap.$O.volley-local-snap.C.forged");
+    // The stores actors write allow no direct gets.
+    learner.block_on({
+        let client = learner.client().clone();
+        async move {
+            let js = async_nats::jetstream::new(client);
+            for stream in ["OBJ_volley-local-snap", "KV_volley-local-snapidx"] {
+                let info = js.get_stream(stream).await.expect("stream").info().await.expect("info").config.clone();
+                assert!(!info.allow_direct, "{stream} allows direct gets");
+            }
+        }
+    });
+    // What reached the victim's subject: the message get's JSON answer, which the learner
+    // cannot decode as a segment, never the actor's bytes.
+    let mut source = learner.trajectory_source().expect("the learner opens its consumer");
+    let mut deliveries = Vec::new();
+    let started = std::time::Instant::now();
+    while deliveries.is_empty() {
+        assert!(started.elapsed() < GUARD, "nothing reached {victim}");
+        source.recv(8, Duration::from_millis(200), &mut deliveries).expect("the learner consumes");
+    }
+    assert_eq!(deliveries.len(), 1, "{deliveries:?}");
+    assert_eq!(deliveries[0].subject_actor.as_deref(), Some("actor-1"));
+    assert!(deliveries[0].segment.is_err(), "a get answer decoded as a segment: {:?}", deliveries[0].segment);
+}
+
 /// A raw request as `bus`'s user: the answer, or `None` when none came (a denied request is
 /// dropped by the server).
 fn raw_request(bus: &NatsBus, subject: &str, body: Bytes) -> Option<async_nats::Message> {

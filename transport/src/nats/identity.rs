@@ -173,8 +173,8 @@ fn cut(value: &str) -> &str {
 /// account `VOLLEY`: the NKey user `nkey` (a public key, or a `$VARIABLE` the server reads
 /// from its environment) may publish its segments and work-lease signals under its own id
 /// only, reply on its own inbox prefix, read the run spec, the weights pointer and objects
-/// (message gets and a subscription to the pointer key's subject, no consumer: issue 46),
-/// read and write episode snapshots, and call the environment services `env_services`. Each
+/// (direct gets and a subscription to the pointer key's subject, no consumer: issue 46),
+/// read (by message gets only) and write episode snapshots, and call the environment services `env_services`. Each
 /// grant is explained in `broker-config/accounts.conf`; `transport/tests/broker_permissions.rs`
 /// checks them.
 pub fn actor_user_block(run: &RunId, actor: &ActorId, nkey: &str, env_services: &[EnvServiceName]) -> String {
@@ -200,11 +200,9 @@ pub fn actor_user_block(run: &RunId, actor: &ActorId, nkey: &str, env_services: 
         format!("$O.{snap_bucket}.>"),
         format!("$JS.API.STREAM.INFO.{snap}"),
         format!("$JS.API.STREAM.MSG.GET.{snap}"),
-        format!("$JS.API.DIRECT.GET.{snap}.>"),
         format!("$KV.{snapidx_bucket}.>"),
         format!("$JS.API.STREAM.INFO.{snapidx}"),
         format!("$JS.API.STREAM.MSG.GET.{snapidx}"),
-        format!("$JS.API.DIRECT.GET.{snapidx}.>"),
     ]);
     for service in env_services {
         allow.push(subjects::service_info(&subjects::env_service(service)));
@@ -221,6 +219,10 @@ pub fn actor_user_block(run: &RunId, actor: &ActorId, nkey: &str, env_services: 
         "$JS.API.CONSUMER.DURABLE.CREATE.>".to_string(),
         "$JS.API.CONSUMER.DELETE.>".to_string(),
         "$JS.FC.>".to_string(),
+        format!("$JS.API.DIRECT.GET.{snap}"),
+        format!("$JS.API.DIRECT.GET.{snap}.>"),
+        format!("$JS.API.DIRECT.GET.{snapidx}"),
+        format!("$JS.API.DIRECT.GET.{snapidx}.>"),
         format!("$JS.API.CONSUMER.MSG.NEXT.{work}.>"),
         format!("$JS.ACK.{work}.>"),
     ];
@@ -335,6 +337,13 @@ mod tests {
             assert!(rest.contains(denied), "{denied} not denied in\n{block}");
         }
         assert!(allow.contains("\"$JS.API.DIRECT.GET.OBJ_volley-local-wts\""), "chunk gets by next_by_subj");
+        // Nor direct gets on the stores actors write, whose answers could carry their bytes to
+        // any reply subject.
+        assert!(
+            !allow.contains("DIRECT.GET.OBJ_volley-local-snap")
+                && !allow.contains("DIRECT.GET.KV_volley-local-snapidx")
+        );
+        assert!(allow.contains("\"$JS.API.STREAM.MSG.GET.OBJ_volley-local-snap\""));
         let subscribe = rest.split_once("subscribe:").expect("subscribe grants").1;
         assert!(subscribe.contains("\"$KV.volley-local.weights\""), "pointer notices");
         assert!(!subscribe.contains("$KV.volley-local.>"), "the pointer key only");
