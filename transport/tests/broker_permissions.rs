@@ -649,6 +649,37 @@ fn actors_may_create_no_consumer_and_read_by_gets_and_notices() {
     assert!(!matches!(watched, Ok(true)), "the actor created a KV watch");
 }
 
+/// Issue 46 item 4: notices on the pointer key's subject only make a follower quicker. With
+/// that subscription denied (a broker config that predates it; or every notice lost), an actor
+/// identity still follows each version, through its periodic reads of the pointer.
+#[test]
+fn an_actor_without_pointer_notices_still_follows_every_version() {
+    let accounts = std::fs::read_to_string(repo_file("broker-config/accounts.conf")).expect("read accounts.conf");
+    let without_notices = accounts.replace(", \"$KV.volley-local.weights\"] }", "] }");
+    assert_ne!(without_notices, accounts, "the notice grant is where the test expects it");
+    let environment = repo_broker_environment();
+    let server = TestNats::start_with_config(
+        &without_notices,
+        &environment.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect::<Vec<_>>(),
+    );
+    let learner = learner(&server);
+    learner.ensure_run(&spec()).expect("the learner creates the run");
+    let mut publisher = learner.weights_publisher().expect("publisher");
+    publisher.publish(weights(0)).expect("v0");
+    let mut config = config_as(&server, RUN, actor_identity(2).auth());
+    config.weights_live = false;
+    let actor = NatsBus::connect(config).expect("actor-2 connects");
+    let mut follower = actor.weights_follower(42, 300_000).expect("follower");
+    assert_eq!(follower.wait_first(GUARD).expect("v0").version, PolicyVersion(0));
+    for version in 1..=3 {
+        publisher.publish(weights(version)).expect("the learner publishes");
+        let next = follower.wait_newer(Some(PolicyVersion(version - 1)), GUARD).expect("no error");
+        assert_eq!(next.map(|w| w.version), Some(PolicyVersion(version)), "v{version} within {GUARD:?}");
+    }
+    assert_violation(&server, "$KV.volley-local.weights");
+    assert_eq!(follower.refusals(), 0);
+}
+
 /// Issue 46: nats-server checks no request's reply subject, and JetStream answers a direct get
 /// with the stored message itself, so an actor that could direct-get bytes it wrote into the
 /// snapshot store could have the server store them on another actor's trajectory subject (or

@@ -2,6 +2,7 @@
 //! it), the bounds a follower holds it to, and the background reader that keeps the newest
 //! pointer written (direct gets, woken by notices on the key's subject).
 
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -260,13 +261,24 @@ pub(super) const POINTER_REREAD: Duration = Duration::from_secs(1);
 /// key's subject) costs one read of the pointer, not one per message.
 const NOTICES_PER_READ: usize = 1024;
 
+/// Pointer values a follower remembers having judged: a read that returns one of them (a
+/// periodic read of an unchanged key, or a get that raced a newer write it already took from
+/// a notice) is not a new write.
+const RECENT_VALUES: usize = 8;
+
 /// Keep `slot` at the newest `weights` pointer, with no consumer (issue 46: the actor user may
 /// create none, as its deliver subject could be any subject): read the key by direct get
 /// (`$JS.API.DIRECT.GET.KV_<bucket>.$KV.<bucket>.weights`, the last message on it), and read
 /// it again when a message arrives on the key's subject (a core-NATS subscription to
 /// `$KV.<bucket>.weights`, where the learner's put goes), after a reconnect, and at least every
-/// [`POINTER_REREAD`]. A notice's body is never used: it only says "read again", and what is
-/// read is what the bucket holds, judged by the follower as any pointer.
+/// [`POINTER_REREAD`].
+///
+/// The learner's put itself arrives as the notice, so the notice's body is taken at once, as a
+/// pointer read from the bucket would be (the follower judges every pointer the same way:
+/// layout, chain, size, digest, signature, version bounds); waiting for the get's answer would
+/// let the live path run a version ahead of every pointer, which looks like the learner
+/// writing lower versions. A notice with headers or a status (the answer to a get that an actor
+/// sent there; a client put carries neither) only causes the read.
 pub(super) async fn follow_pointer(
     js: jetstream::Context,
     client: async_nats::Client,
@@ -287,11 +299,8 @@ pub(super) async fn follow_pointer(
         }
     };
     let mut backoff = Backoff::new();
-    let mut rejections = RejectionLog::new("weights pointer");
+    let mut values = PointerValues { recent: VecDeque::new(), rejections: RejectionLog::new("weights pointer") };
     let mut store: Option<kv::Store> = None;
-    // The value read last: read again (the periodic read, or a bucket re-created with the
-    // same revisions), it is not judged again.
-    let mut last_value: Option<bytes::Bytes> = None;
     loop {
         connections.borrow_and_update();
         let read = async {
@@ -309,19 +318,9 @@ pub(super) async fn follow_pointer(
         let pause = match read.await {
             Ok(entry) => {
                 backoff = Backoff::new();
-                if let Some(entry) = entry.filter(|entry| last_value.as_ref() != Some(&entry.value)) {
-                    last_value = Some(entry.value.clone());
-                    // A delete or purge leaves the pointer held.
-                    if entry.operation == kv::Operation::Put {
-                        match serde_json::from_slice::<WeightsPointer>(&entry.value) {
-                            Ok(pointer) => slot.offer(pointer),
-                            Err(err) => {
-                                if rejections.record("undecodable") {
-                                    warn!(operation = "decode weights pointer", error = %err, "ignoring bad weights pointer");
-                                }
-                            }
-                        }
-                    }
+                // A delete or purge leaves the pointer held.
+                if let Some(entry) = entry.filter(|entry| entry.operation == kv::Operation::Put) {
+                    values.judge(&entry.value, &slot);
                 }
                 POINTER_REREAD
             }
@@ -339,14 +338,19 @@ pub(super) async fn follow_pointer(
         tokio::select! {
             _ = tokio::time::sleep(pause) => {}
             received = notice => match received {
-                Some(_) => {
-                    // Writes that arrived together need one read.
+                Some(first) => {
+                    // Writes that arrived together need one read; the newest is taken now.
+                    let mut newest = first;
                     if let Some(notices) = notices.as_mut() {
                         for _ in 0..NOTICES_PER_READ {
-                            if futures::FutureExt::now_or_never(notices.next()).flatten().is_none() {
-                                break;
+                            match futures::FutureExt::now_or_never(notices.next()).flatten() {
+                                Some(next) => newest = next,
+                                None => break,
                             }
                         }
+                    }
+                    if newest.headers.is_none() && newest.status.is_none() {
+                        values.judge(&newest.payload, &slot);
                     }
                 }
                 // The client is going away.
@@ -357,6 +361,34 @@ pub(super) async fn follow_pointer(
                     return;
                 }
                 info!("reconnected; reading the weights pointer again");
+            }
+        }
+    }
+}
+
+/// What [`follow_pointer`] has read lately.
+struct PointerValues {
+    /// The last [`RECENT_VALUES`] values judged, newest last.
+    recent: VecDeque<bytes::Bytes>,
+    rejections: RejectionLog,
+}
+
+impl PointerValues {
+    /// Offer `value` to `slot` as the pointer written last, unless it was judged lately.
+    fn judge(&mut self, value: &bytes::Bytes, slot: &PointerSlot) {
+        if self.recent.contains(value) {
+            return;
+        }
+        if self.recent.len() >= RECENT_VALUES {
+            self.recent.pop_front();
+        }
+        self.recent.push_back(value.clone());
+        match serde_json::from_slice::<WeightsPointer>(value) {
+            Ok(pointer) => slot.offer(pointer),
+            Err(err) => {
+                if self.rejections.record("undecodable") {
+                    warn!(operation = "decode weights pointer", error = %err, "ignoring bad weights pointer");
+                }
             }
         }
     }
