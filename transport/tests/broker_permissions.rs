@@ -232,6 +232,25 @@ fn learner_and_actor_users_can_do_their_jobs() {
     // The actor user may receive the learner's live weights: v1 came by fan-out.
     assert!(newest.1, "the actor follows the live subject");
     assert!(newest.2 >= 1, "v1 came live ({} versions taken live)", newest.2);
+
+    // The pointer path alone (issue 46 item 4), as an actor that missed the live chunks:
+    // notices on the key's subject, direct gets of the pointer and of each object's chunks,
+    // no consumer; three more versions, as identity `actor-1` over TLS.
+    let mut durable_config = config_as(&server, RUN, actor_identity(1).auth());
+    durable_config.weights_live = false;
+    let durable_actor = NatsBus::connect(durable_config).expect("actor-1 connects");
+    let mut durable = durable_actor.weights_follower(42, 300_000).expect("follower");
+    assert!(!durable.is_live());
+    let first = durable.wait_first(GUARD).unwrap_or_else(|err| panic!("{err}\n{}", violations(&server)));
+    assert_eq!(first.version, PolicyVersion(1));
+    for version in 2..=4 {
+        publisher.publish(weights(version)).expect("the learner publishes");
+        let next = durable.wait_newer(Some(PolicyVersion(version - 1)), GUARD);
+        let next = next.unwrap_or_else(|err| panic!("v{version}: {err}\n{}", violations(&server)));
+        assert_eq!(next.map(|w| w.version), Some(PolicyVersion(version)), "v{version} within {GUARD:?}");
+    }
+    assert_eq!(durable.durable_fetches(), 4);
+    assert_eq!((durable.refusals(), durable.live_applied()), (0, 0));
     assert_no_violations(&server);
 }
 
@@ -518,70 +537,218 @@ fn push_consumer(stream: &str, name: &str, filter: &str, deliver: &str) -> serde
     })
 }
 
-/// Issue 12: actors may create exactly the consumers their reads need (a watch of the
-/// `weights` key, the chunks of one object in the weights and snapshot stores), each named
-/// with its filter in the create subject; not an unnamed consumer (whose filter permissions
-/// cannot see), not another filter, not one whose body asks for a wider filter than its
-/// subject. They may delete consumers on these three streams (an ordered consumer deletes its
-/// predecessor when it re-creates itself), but not the learner's or the work queue's. The
-/// reads themselves pass with no violation in
-/// `learner_and_actor_users_can_do_their_jobs` and `work_queue_and_snapshots_work_with_role_credentials`.
+/// Issue 46 item 4: an actor may create no consumer on any stream, since a push consumer's
+/// deliver subject is not checked by NATS: a consumer aimed at the live weights or pace subject,
+/// or at another actor's inbox, would have the server relay stream messages there. Every create
+/// (push or pull, named or not, the old durable API) and delete is denied by the broker, as are
+/// flow-control replies; and the actor's reads without a consumer are granted next to them: the
+/// pointer by direct get, notices of new pointers on the key's subject, the weights chunks by
+/// direct gets. Before this change the named creates on the run bucket and the weights store
+/// were granted (issue 12), so the relay creates of this test were answered.
 #[test]
-fn actor_consumer_grants_are_exactly_the_filtered_reads() {
+fn actors_may_create_no_consumer_and_read_by_gets_and_notices() {
     use volley_core::work::WorkConfig;
     let server = repo_broker();
     let learner = learner(&server);
     let mut spec = spec();
     spec.hyper.work = WorkConfig { enabled: true, ..WorkConfig::default() };
     learner.ensure_run(&spec).expect("the learner creates the run");
+    let _queue = learner.work_queue(&spec.hyper.work).expect("the learner opens the work queue");
+    let mut publisher = learner.weights_publisher().expect("publisher");
+    publisher.publish(weights(0)).expect("v0");
     let actor = actor_on(&server, RUN);
-    let inbox = actor.client().new_inbox();
-    let cases = [
-        ("KV_volley-local", "$KV.volley-local.weights", "$KV.volley-local.spec", "$KV.volley-local.>"),
-        ("OBJ_volley-local-wts", "$O.volley-local-wts.C.abc", "$O.volley-local-wts.M.abc", "$O.volley-local-wts.>"),
+    let run = RunId::new(RUN).expect("valid");
+
+    // Denied: every consumer create, whatever it delivers to, on every stream of the run.
+    let own_inbox = actor.client().new_inbox();
+    let relay_targets = [subjects::weights_live(&run), subjects::pace(&run), "_INBOX_actor-1.relay".to_string()];
+    let streams = [
+        ("KV_volley-local", "$KV.volley-local.weights"),
+        ("OBJ_volley-local-wts", "$O.volley-local-wts.C.abc"),
+        ("OBJ_volley-local-snap", "$O.volley-local-snap.C.abc"),
+        ("KV_volley-local-snapidx", "$KV.volley-local-snapidx.1"),
+        ("volley-local-traj", "volley.local.traj.actor-0"),
+        ("volley-local-work", "volley.local.work"),
     ];
-    for (stream, granted, other, wide) in cases {
-        // Granted: a named consumer with the filter in its create subject.
-        let subject = format!("$JS.API.CONSUMER.CREATE.{stream}.ok1.{granted}");
-        let answer = js_request(&actor, &subject, push_consumer(stream, "ok1", granted, &inbox))
-            .unwrap_or_else(|| panic!("{subject} was not answered:\n{}", violations(&server)));
-        assert!(answer.get("error").is_none(), "{subject}: {answer}");
-        assert!(!has_violation(&server, &subject), "{subject} was denied");
-        // Granted: deleting it (what a re-created ordered consumer does to its predecessor).
-        let delete = format!("$JS.API.CONSUMER.DELETE.{stream}.ok1");
-        let answer = js_request(&actor, &delete, serde_json::json!({})).expect("delete answered");
-        assert_eq!(answer["success"], true, "{delete}: {answer}");
-        // Denied next to them: unnamed, and another filter.
-        let unnamed = format!("$JS.API.CONSUMER.CREATE.{stream}");
-        assert!(js_request(&actor, &unnamed, push_consumer(stream, "", granted, &inbox)).is_none(), "{unnamed}");
-        assert_violation(&server, &unnamed);
-        let elsewhere = format!("$JS.API.CONSUMER.CREATE.{stream}.no1.{other}");
-        assert!(js_request(&actor, &elsewhere, push_consumer(stream, "no1", other, &inbox)).is_none(), "{elsewhere}");
-        assert_violation(&server, &elsewhere);
-        // Allowed subject, wider filter in the body: the server itself refuses it.
-        let sneaky = format!("$JS.API.CONSUMER.CREATE.{stream}.no2.{granted}");
-        let answer = js_request(&actor, &sneaky, push_consumer(stream, "no2", wide, &inbox)).expect("answered");
-        assert!(answer.get("error").is_some(), "{sneaky} with filter {wide} was accepted: {answer}");
+    let mut denied = Vec::new();
+    for (stream, filter) in streams {
+        // Push consumers delivering onto the learner's subjects and another actor's inbox.
+        for (idx, deliver) in relay_targets.iter().enumerate() {
+            let create = format!("$JS.API.CONSUMER.CREATE.{stream}.relay{idx}.{filter}");
+            denied.push((create, push_consumer(stream, &format!("relay{idx}"), filter, deliver)));
+        }
+        // An ordered consumer as async-nats makes one (unnamed, to the actor's own inbox).
+        denied.push((format!("$JS.API.CONSUMER.CREATE.{stream}"), push_consumer(stream, "", filter, &own_inbox)));
+        // Pull consumers: named, and through the older durable API.
+        let mut pull = push_consumer(stream, "pull", filter, "");
+        pull["config"].as_object_mut().expect("an object").remove("deliver_subject");
+        pull["config"]["ack_policy"] = "explicit".into();
+        denied.push((format!("$JS.API.CONSUMER.CREATE.{stream}.pull.{filter}"), pull.clone()));
+        pull["config"]["durable_name"] = "pull".into();
+        denied.push((format!("$JS.API.CONSUMER.DURABLE.CREATE.{stream}.pull"), pull));
+        denied.push((format!("$JS.API.CONSUMER.DELETE.{stream}.learner"), serde_json::json!({})));
     }
-    // Issue 46: no consumer at all on the snapshot store, which actors write (snapshots are
-    // read by message gets): its deliveries could be relayed onto the learner's subjects.
-    let snap = "$JS.API.CONSUMER.CREATE.OBJ_volley-local-snap.x.$O.volley-local-snap.C.abc";
-    let relay = push_consumer("OBJ_volley-local-snap", "x", "$O.volley-local-snap.C.abc", "volley.local.weights.live");
-    assert!(js_request(&actor, snap, relay).is_none(), "{snap}");
-    assert_violation(&server, snap);
-    let snap_delete = "$JS.API.CONSUMER.DELETE.OBJ_volley-local-snap.x";
-    assert!(js_request(&actor, snap_delete, serde_json::json!({})).is_none(), "{snap_delete}");
-    assert_violation(&server, snap_delete);
-    // The trajectory stream, the learner's consumer and the work queue's are out of reach.
-    let traj = "$JS.API.CONSUMER.CREATE.volley-local-traj.x.volley.local.traj.a1";
-    assert!(js_request(&actor, traj, push_consumer("volley-local-traj", "x", "volley.local.traj.a1", &inbox)).is_none());
-    assert_violation(&server, traj);
-    for delete in
-        ["$JS.API.CONSUMER.DELETE.volley-local-traj.learner", "$JS.API.CONSUMER.DELETE.volley-local-work.actors"]
-    {
-        assert!(js_request(&actor, delete, serde_json::json!({})).is_none(), "{delete}");
-        assert_violation(&server, delete);
+    denied.push(("$JS.FC.KV_volley-local.relay0.1".to_string(), serde_json::json!({})));
+    let requests = denied.clone();
+    let client = actor.client().clone();
+    actor.block_on(async move {
+        for (subject, body) in requests {
+            let reply = client.new_inbox();
+            let body = Bytes::from(serde_json::to_vec(&body).expect("json"));
+            client.publish_with_reply(subject, reply, body).await.expect("handed to the client");
+        }
+        client.flush().await.expect("flushed");
+    });
+    for (subject, _) in &denied {
+        assert_violation(&server, subject);
     }
+    // Granted: the pointer's last message, the first weights chunk (the next message on the
+    // store's chunk subjects), and the notices on the pointer key's subject.
+    let pointer = raw_request(&actor, "$JS.API.DIRECT.GET.KV_volley-local.$KV.volley-local.weights", Bytes::new())
+        .unwrap_or_else(|| panic!("the pointer get was not answered:\n{}", violations(&server)));
+    assert!(pointer.status.is_none(), "{pointer:?}");
+    assert!(serde_json::from_slice::<serde_json::Value>(&pointer.payload).is_ok_and(|p| p["version"] == 0));
+    let next_chunk = serde_json::json!({ "seq": 1, "next_by_subj": "$O.volley-local-wts.C.>" });
+    let chunk = raw_request(&actor, "$JS.API.DIRECT.GET.OBJ_volley-local-wts", Bytes::from(next_chunk.to_string()))
+        .unwrap_or_else(|| panic!("the chunk get was not answered:\n{}", violations(&server)));
+    let subject = chunk.headers.as_ref().and_then(|headers| headers.get("Nats-Subject")).map(|s| s.to_string());
+    assert!(subject.is_some_and(|s| s.starts_with("$O.volley-local-wts.C.")), "{:?}", chunk.headers);
+    assert!(!chunk.payload.is_empty());
+    let notices = actor.block_on({
+        let client = actor.client().clone();
+        async move {
+            let notices = client.subscribe("$KV.volley-local.weights").await.expect("sent");
+            client.flush().await.expect("flushed");
+            notices
+        }
+    });
+    publisher.publish(weights(1)).expect("v1");
+    let notice = actor.block_on(async move {
+        let mut notices = notices;
+        tokio::time::timeout(GUARD, futures::StreamExt::next(&mut notices)).await
+    });
+    assert!(notice.is_ok_and(|notice| notice.is_some()), "no notice of v1's pointer");
+    for granted in [
+        "$JS.API.DIRECT.GET.KV_volley-local.$KV.volley-local.weights",
+        "$JS.API.DIRECT.GET.OBJ_volley-local-wts",
+        "$KV.volley-local.weights",
+    ] {
+        assert!(!has_violation(&server, granted), "{granted} was denied:\n{}", violations(&server));
+    }
+
+    // And through async-nats' own API: its KV watch creates an unnamed ordered consumer.
+    let watched = within_guard("an actor's KV watch", {
+        let actor = actor_as(&server, RUN, 1);
+        move || {
+            actor.block_on(async {
+                let kv = actor.jetstream().get_key_value("volley-local").await.expect("kv opens");
+                tokio::time::timeout(Duration::from_secs(10), kv.watch("weights")).await.map(|watch| watch.is_ok())
+            })
+        }
+    });
+    assert!(!matches!(watched, Ok(true)), "the actor created a KV watch");
+}
+
+/// Issue 46 item 4: notices on the pointer key's subject only make a follower quicker. With
+/// that subscription denied (a broker config that predates it; or every notice lost), an actor
+/// identity still follows each version, through its periodic reads of the pointer.
+#[test]
+fn an_actor_without_pointer_notices_still_follows_every_version() {
+    let accounts = std::fs::read_to_string(repo_file("broker-config/accounts.conf")).expect("read accounts.conf");
+    let without_notices = accounts.replace(", \"$KV.volley-local.weights\"] }", "] }");
+    assert_ne!(without_notices, accounts, "the notice grant is where the test expects it");
+    let environment = repo_broker_environment();
+    let server = TestNats::start_with_config(
+        &without_notices,
+        &environment.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect::<Vec<_>>(),
+    );
+    let learner = learner(&server);
+    learner.ensure_run(&spec()).expect("the learner creates the run");
+    let mut publisher = learner.weights_publisher().expect("publisher");
+    publisher.publish(weights(0)).expect("v0");
+    let mut config = config_as(&server, RUN, actor_identity(2).auth());
+    config.weights_live = false;
+    let actor = NatsBus::connect(config).expect("actor-2 connects");
+    let mut follower = actor.weights_follower(42, 300_000).expect("follower");
+    assert_eq!(follower.wait_first(GUARD).expect("v0").version, PolicyVersion(0));
+    for version in 1..=3 {
+        publisher.publish(weights(version)).expect("the learner publishes");
+        let next = follower.wait_newer(Some(PolicyVersion(version - 1)), GUARD).expect("no error");
+        assert_eq!(next.map(|w| w.version), Some(PolicyVersion(version)), "v{version} within {GUARD:?}");
+    }
+    assert_violation(&server, "$KV.volley-local.weights");
+    assert_eq!(follower.refusals(), 0);
+}
+
+/// Issue 46: nats-server checks no request's reply subject, and JetStream answers a direct get
+/// with the stored message itself, so an actor that could direct-get bytes it wrote into the
+/// snapshot store could have the server store them on another actor's trajectory subject (or
+/// any subject a stream captures) as if that actor had published them. The snapshot store and
+/// its index now allow no direct gets, and the actor user may not send one there; its message
+/// gets, still granted, are answered with a JSON document, which is what such a relay stores.
+#[test]
+fn an_actor_cannot_relay_bytes_it_wrote_through_a_get_answer() {
+    use volley_core::work::WorkConfig;
+    let server = repo_broker();
+    let learner = learner(&server);
+    let mut spec = spec();
+    spec.hyper.work = WorkConfig { enabled: true, ..WorkConfig::default() };
+    learner.ensure_run(&spec).expect("the learner creates the run");
+    let _queue = learner.work_queue(&spec.hyper.work).expect("the learner opens the work queue");
+    let actor = actor_on(&server, RUN);
+    let forged: &[u8] = b"VOLLEY-FORGED-SEGMENT-OF-ACTOR-1";
+    let client = actor.client().clone();
+    let sequence = actor.block_on(async move {
+        let js = async_nats::jetstream::new(client);
+        let ack = js.publish("$O.volley-local-snap.C.forged", Bytes::from_static(forged)).await.expect("sent");
+        ack.await.expect("stored").sequence
+    });
+    let victim = "volley.local.traj.actor-1";
+    let client = actor.client().clone();
+    let get = Bytes::from(serde_json::json!({ "seq": sequence }).to_string());
+    actor.block_on(async move {
+        for subject in ["$JS.API.DIRECT.GET.OBJ_volley-local-snap", "$JS.API.STREAM.MSG.GET.OBJ_volley-local-snap"] {
+            client.publish_with_reply(subject, victim, get.clone()).await.expect("sent");
+        }
+        let last = "$JS.API.DIRECT.GET.OBJ_volley-local-snap.$O.volley-local-snap.C.forged";
+        client.publish_with_reply(last, victim, Bytes::new()).await.expect("sent");
+        client.flush().await.expect("flushed");
+    });
+    assert_violation(&server, "$JS.API.DIRECT.GET.OBJ_volley-local-snap");
+    assert_violation(&server, "$JS.API.DIRECT.GET.OBJ_volley-local-snap.$O.volley-local-snap.C.forged");
+    // The stores actors write allow no direct gets.
+    learner.block_on({
+        let client = learner.client().clone();
+        async move {
+            let js = async_nats::jetstream::new(client);
+            for stream in ["OBJ_volley-local-snap", "KV_volley-local-snapidx"] {
+                let info = js.get_stream(stream).await.expect("stream").info().await.expect("info").config.clone();
+                assert!(!info.allow_direct, "{stream} allows direct gets");
+            }
+        }
+    });
+    // What reached the victim's subject: the message get's JSON answer, which the learner
+    // cannot decode as a segment, never the actor's bytes.
+    let mut source = learner.trajectory_source().expect("the learner opens its consumer");
+    let mut deliveries = Vec::new();
+    let started = std::time::Instant::now();
+    while deliveries.is_empty() {
+        assert!(started.elapsed() < GUARD, "nothing reached {victim}");
+        source.recv(8, Duration::from_millis(200), &mut deliveries).expect("the learner consumes");
+    }
+    assert_eq!(deliveries.len(), 1, "{deliveries:?}");
+    assert_eq!(deliveries[0].subject_actor.as_deref(), Some("actor-1"));
+    assert!(deliveries[0].segment.is_err(), "a get answer decoded as a segment: {:?}", deliveries[0].segment);
+}
+
+/// A raw request as `bus`'s user: the answer, or `None` when none came (a denied request is
+/// dropped by the server).
+fn raw_request(bus: &NatsBus, subject: &str, body: Bytes) -> Option<async_nats::Message> {
+    let client = bus.client().clone();
+    let subject = subject.to_string();
+    bus.block_on(
+        async move { tokio::time::timeout(Duration::from_secs(2), client.request(subject, body)).await.ok()?.ok() },
+    )
 }
 
 /// Issue 12: the environment server user `env-<service>` serves its service (endpoints, the
@@ -713,17 +880,18 @@ fn each_role_subscribes_to_its_own_private_inboxes_only() {
 }
 
 /// Issue 46, relays: NATS checks no permission on a push consumer's deliver subject, so an
-/// actor that may create a consumer on a stream it writes (it could, on the snapshot store)
-/// can make the server deliver its own bytes on the learner's live weights or pace subject; 4
-/// of 4 such relays reached every actor. Now the actor user may create no consumer on the
-/// stores it writes (`actor_consumer_grants_are_exactly_the_filtered_reads`), and the
-/// consumers it may create (on the learner's weights store and run bucket) can relay only
-/// what the learner wrote. Those deliveries carry the consumer's `$JS.ACK` reply subject, and
-/// followers and sinks refuse and count them: here a well-formed live frame for the next
-/// version and a well-formed pace notice (written into the weights store with learner
-/// credentials, as a leaked one could), which a follower would otherwise take.
+/// actor that may create a consumer can make the server deliver stream messages on the
+/// learner's live weights or pace subject; 4 of 4 such relays reached every actor. Now the
+/// actor may create no consumer (`actors_may_create_no_consumer_and_read_by_gets_and_notices`;
+/// before, these creates on the weights store were answered), but NATS checks no request's
+/// reply subject either, so the answer to an actor's direct get can still be sent there, and a
+/// leaked learner credential can still create a relay consumer. Both kinds of message carry
+/// what no learner publish does (a consumer's `$JS.ACK` reply subject, a get answer's
+/// `Nats-Stream` headers), and followers and sinks refuse and count them: here a well-formed
+/// live frame for the next version and a well-formed pace notice (written into the weights
+/// store with learner credentials), which a follower would otherwise take.
 #[test]
-fn consumer_deliveries_relayed_onto_the_learners_subjects_are_refused_on_receipt() {
+fn relays_onto_the_learners_subjects_are_denied_or_refused_on_receipt() {
     use volley_core::wire::{frame, live, pace};
     let server = repo_broker();
     let learner = learner(&server);
@@ -749,26 +917,45 @@ fn consumer_deliveries_relayed_onto_the_learners_subjects_are_refused_on_receipt
         ("relay2", subjects::pace(&run), vec![notice.to_vec(); 3]),
     ];
     // The attacker: actor credentials, its own connection, and bytes in the store.
-    let attacker = actor_on(&server, RUN);
+    let attacker = actor_as(&server, RUN, 1);
     for (name, deliver, payloads) in relays {
         let filter = format!("$O.volley-local-wts.C.{name}");
         let client = learner.client().clone();
         let subject = filter.clone();
-        learner.block_on(async move {
+        let sequences = learner.block_on(async move {
             let js = async_nats::jetstream::new(client);
+            let mut sequences = Vec::new();
             for payload in payloads {
-                js.publish(subject.clone(), Bytes::from(payload)).await.expect("sent").await.expect("stored");
+                let ack = js.publish(subject.clone(), Bytes::from(payload)).await.expect("sent").await;
+                sequences.push(ack.expect("stored").sequence);
             }
+            sequences
         });
         let create = format!("$JS.API.CONSUMER.CREATE.{stream}.{name}.{filter}");
-        let answer = js_request(&attacker, &create, push_consumer(stream, name, &filter, &deliver))
+        let relay = push_consumer(stream, name, &filter, &deliver);
+        assert!(js_request(&attacker, &create, relay.clone()).is_none(), "the actor created a relay consumer");
+        assert_violation(&server, &create);
+        // A leaked learner credential can: its deliveries are refused on receipt.
+        let answer = js_request(&learner, &create, relay)
             .unwrap_or_else(|| panic!("{create} was not answered:\n{}", violations(&server)));
-        assert!(answer.get("error").is_none(), "the relay consumer is created (NATS allows it): {answer}");
+        assert!(answer.get("error").is_none(), "the learner creates the relay consumer: {answer}");
+        // The actor's own gets, answered onto the learner's subject: refused on receipt too.
+        let client = attacker.client().clone();
+        attacker.block_on(async move {
+            for sequence in sequences {
+                let get = Bytes::from(serde_json::json!({ "seq": sequence }).to_string());
+                client
+                    .publish_with_reply(format!("$JS.API.DIRECT.GET.{stream}"), deliver.clone(), get)
+                    .await
+                    .expect("sent");
+            }
+            client.flush().await.expect("flushed");
+        });
     }
     let n_chunks = chunks.len() as u64;
     let outcome = within_guard("the relayed messages arriving", move || loop {
         let pace_refused = sink.pace_notices().refused;
-        if follower.live_chunks_refused() >= n_chunks && pace_refused >= 3 {
+        if follower.live_chunks_refused() >= 2 * n_chunks && pace_refused >= 6 {
             let latest = follower.latest(Some(PolicyVersion(0))).expect("no error").map(|w| w.version);
             return (follower.live_received(), latest, follower.verified_version(), sink.pace_notices().used);
         }

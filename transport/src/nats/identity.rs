@@ -172,10 +172,11 @@ fn cut(value: &str) -> &str {
 /// The broker-config user block of actor `actor` of `run`, for `broker-config/accounts.conf`'s
 /// account `VOLLEY`: the NKey user `nkey` (a public key, or a `$VARIABLE` the server reads
 /// from its environment) may publish its segments and work-lease signals under its own id
-/// only, reply on its own inbox prefix, read the run spec, the weights pointer and objects,
-/// read and write episode snapshots, and call the environment services `env_services`. The
-/// grants are those of the shared actor user they replace, each explained in
-/// `broker-config/accounts.conf`; `transport/tests/broker_permissions.rs` checks them.
+/// only, reply on its own inbox prefix, read the run spec, the weights pointer and objects
+/// (direct gets and a subscription to the pointer key's subject, no consumer: issue 46),
+/// read (by message gets only) and write episode snapshots, and call the environment services `env_services`. Each
+/// grant is explained in `broker-config/accounts.conf`; `transport/tests/broker_permissions.rs`
+/// checks them.
 pub fn actor_user_block(run: &RunId, actor: &ActorId, nkey: &str, env_services: &[EnvServiceName]) -> String {
     let traj = subjects::trajectory_stream(run);
     let run_kv = subjects::kv_backing_stream(&subjects::run_bucket(run));
@@ -193,22 +194,15 @@ pub fn actor_user_block(run: &RunId, actor: &ActorId, nkey: &str, env_services: 
         format!("$JS.API.CONSUMER.INFO.{traj}.{}", subjects::LEARNER_CONSUMER),
         format!("$JS.API.STREAM.INFO.{run_kv}"),
         format!("$JS.API.DIRECT.GET.{run_kv}.>"),
-        format!("$JS.API.CONSUMER.CREATE.{run_kv}.*.{}", subjects::kv_key_subject(&run_bucket, subjects::WEIGHTS_KEY)),
-        format!("$JS.API.CONSUMER.DELETE.{run_kv}.*"),
-        format!("$JS.FC.{run_kv}.>"),
         format!("$JS.API.STREAM.INFO.{wts}"),
+        format!("$JS.API.DIRECT.GET.{wts}"),
         format!("$JS.API.DIRECT.GET.{wts}.>"),
-        format!("$JS.API.CONSUMER.CREATE.{wts}.*.{}", subjects::object_chunk_subject(&wts_bucket, "*")),
-        format!("$JS.API.CONSUMER.DELETE.{wts}.*"),
-        format!("$JS.FC.{wts}.>"),
         format!("$O.{snap_bucket}.>"),
         format!("$JS.API.STREAM.INFO.{snap}"),
         format!("$JS.API.STREAM.MSG.GET.{snap}"),
-        format!("$JS.API.DIRECT.GET.{snap}.>"),
         format!("$KV.{snapidx_bucket}.>"),
         format!("$JS.API.STREAM.INFO.{snapidx}"),
         format!("$JS.API.STREAM.MSG.GET.{snapidx}"),
-        format!("$JS.API.DIRECT.GET.{snapidx}.>"),
     ]);
     for service in env_services {
         allow.push(subjects::service_info(&subjects::env_service(service)));
@@ -221,10 +215,23 @@ pub fn actor_user_block(run: &RunId, actor: &ActorId, nkey: &str, env_services: 
         subjects::pace(run),
         "$JS.API.STREAM.DELETE.>".to_string(),
         "$JS.API.STREAM.PURGE.>".to_string(),
+        "$JS.API.CONSUMER.CREATE.>".to_string(),
+        "$JS.API.CONSUMER.DURABLE.CREATE.>".to_string(),
+        "$JS.API.CONSUMER.DELETE.>".to_string(),
+        "$JS.FC.>".to_string(),
+        format!("$JS.API.DIRECT.GET.{snap}"),
+        format!("$JS.API.DIRECT.GET.{snap}.>"),
+        format!("$JS.API.DIRECT.GET.{snapidx}"),
+        format!("$JS.API.DIRECT.GET.{snapidx}.>"),
         format!("$JS.API.CONSUMER.MSG.NEXT.{work}.>"),
         format!("$JS.ACK.{work}.>"),
     ];
-    let subscribe = [format!("{PRIVATE_INBOX_PREFIX}{actor}.>"), subjects::weights_live(run), subjects::pace(run)];
+    let subscribe = [
+        format!("{PRIVATE_INBOX_PREFIX}{actor}.>"),
+        subjects::weights_live(run),
+        subjects::pace(run),
+        subjects::kv_key_subject(&run_bucket, subjects::WEIGHTS_KEY),
+    ];
     let quoted = |items: &[String]| items.iter().map(|item| format!("\"{item}\"")).collect::<Vec<_>>();
     let mut block = String::new();
     block.push_str("      {\n");
@@ -308,5 +315,37 @@ mod tests {
         assert!(!block.contains("traj.>") && !block.contains("traj.*"), "no wildcard over other actors");
         assert!(!block.contains("work.take.*"), "no wildcard over other actors");
         assert!(block.contains("nkey: $VOLLEY_ACTOR_1_NKEY\n"));
+    }
+
+    /// Issue 46: an actor may create no consumer (a push consumer's deliver subject is not
+    /// checked, so it could relay onto the learner's subjects); it reads by message gets and
+    /// hears of new pointers on the key's subject.
+    #[test]
+    fn a_user_block_grants_no_consumer_and_the_pointer_notices() {
+        let run = RunId::new("local").expect("run id");
+        let block = actor_user_block(&run, &actor("actor-1"), "$VOLLEY_ACTOR_1_NKEY", &[]);
+        let (allow, rest) = block.split_once("deny:").expect("a deny list");
+        for granted_nowhere in ["CONSUMER.CREATE", "CONSUMER.DELETE", "CONSUMER.DURABLE", "$JS.FC"] {
+            assert!(!allow.contains(granted_nowhere), "{granted_nowhere} granted in\n{block}");
+        }
+        for denied in [
+            "\"$JS.API.CONSUMER.CREATE.>\"",
+            "\"$JS.API.CONSUMER.DURABLE.CREATE.>\"",
+            "\"$JS.API.CONSUMER.DELETE.>\"",
+            "\"$JS.FC.>\"",
+        ] {
+            assert!(rest.contains(denied), "{denied} not denied in\n{block}");
+        }
+        assert!(allow.contains("\"$JS.API.DIRECT.GET.OBJ_volley-local-wts\""), "chunk gets by next_by_subj");
+        // Nor direct gets on the stores actors write, whose answers could carry their bytes to
+        // any reply subject.
+        assert!(
+            !allow.contains("DIRECT.GET.OBJ_volley-local-snap")
+                && !allow.contains("DIRECT.GET.KV_volley-local-snapidx")
+        );
+        assert!(allow.contains("\"$JS.API.STREAM.MSG.GET.OBJ_volley-local-snap\""));
+        let subscribe = rest.split_once("subscribe:").expect("subscribe grants").1;
+        assert!(subscribe.contains("\"$KV.volley-local.weights\""), "pointer notices");
+        assert!(!subscribe.contains("$KV.volley-local.>"), "the pointer key only");
     }
 }

@@ -24,7 +24,7 @@
 //! async-nats reconnects by itself; the components here retry across a broker restart:
 //! the sink until its segment is stored (or `stop`), ack/reject/weights publish for
 //! [`NatsConfig::retry_deadline`], the learner's fetch on its next `recv`, and the weights
-//! follower re-creates its KV watch after every reconnect.
+//! follower reads the weights pointer again after every reconnect.
 //!
 //! This module holds the connection ([`NatsBus`], its config, auth, retries and the helpers
 //! every component uses); each component lives in its own file with the `NatsBus` method
@@ -49,8 +49,8 @@ use volley_core::ids::RunId;
 use volley_core::spec::{RunSpec, StoreLimits, StoredSpecError};
 use volley_core::subjects;
 
-mod consumers;
 mod dispatch;
+mod gets;
 pub mod identity;
 mod pacing;
 pub mod sink;
@@ -413,7 +413,7 @@ struct Shared {
     client: async_nats::Client,
     js: jetstream::Context,
     handle: Handle,
-    /// Counts (re)connections; the weights follower re-creates its watch when it changes.
+    /// Counts (re)connections; the weights follower reads the pointer again when it changes.
     connections: tokio::sync::watch::Receiver<u64>,
     /// Permission violations the server reported on this connection.
     denials: Arc<Denials>,

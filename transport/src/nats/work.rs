@@ -13,8 +13,8 @@ use volley_core::ids::ActorId;
 use volley_core::subjects;
 
 use super::{
-    call, consumers, denial_since, denied, failed, is_denied, open_kv, open_objects, retry_for, unless_reconnected,
-    NatsBus, Shared,
+    call, denial_since, denied, failed, gets, is_denied, open_kv, open_objects, retry_for, unless_reconnected, NatsBus,
+    Shared,
 };
 use crate::TransportError;
 
@@ -84,6 +84,31 @@ pub(super) async fn ensure_work_objects(
             open_kv(&shared.js, &index, timeout).await?.ok_or(err)?;
         }
     }
+    for written_by_actors in [subjects::object_backing_stream(&snapshots), subjects::kv_backing_stream(&index)] {
+        refuse_direct_gets(shared, &written_by_actors).await?;
+    }
+    Ok(())
+}
+
+/// Turn direct gets off on `stream`, one that actors write (the snapshot store and its index).
+///
+/// Issue 46: the answer to a direct get is the stored message itself, published on whatever
+/// reply subject the request names, and nats-server checks no request's reply subject against
+/// the requester's permissions; so an actor that may direct-get a message it wrote can have the
+/// server publish its own bytes on any subject of the account, among them subjects a stream
+/// captures (another actor's trajectory subject, the run bucket's keys). A message get
+/// (`$JS.API.STREAM.MSG.GET`) answers with a JSON document instead, which nothing reading the
+/// run takes for its own messages; async-nats reads a store with message gets when its stream
+/// does not allow direct gets, and the actor user is granted those only.
+async fn refuse_direct_gets(shared: &Shared, stream: &str) -> Result<(), TransportError> {
+    let timeout = shared.config.request_timeout;
+    let mut handle = call("look up snapshot stream", timeout, shared.js.get_stream(stream)).await?;
+    let info = call("look up snapshot stream", timeout, handle.info()).await?;
+    if !info.config.allow_direct {
+        return Ok(());
+    }
+    let config = stream::Config { allow_direct: false, ..info.config.clone() };
+    call("turn off direct gets", timeout, shared.js.update_stream(config)).await?;
     Ok(())
 }
 
@@ -355,11 +380,10 @@ impl crate::work::SnapshotStore for NatsSnapshotStore {
         let deadline = shared.config.transfer_deadline(volley_core::work::MAX_EPISODE_SNAPSHOT_BYTES);
         let bucket = subjects::snapshot_bucket(&shared.config.run);
         // A message get per chunk, no consumer: the actor user may create none on the store
-        // it writes (`consumers::read_object_by_gets`); an oversized snapshot is refused by
+        // it writes (`gets::read_object_by_gets`); an oversized snapshot is refused by
         // its decoder.
-        let read = consumers::read_object_by_gets(
+        let read = gets::read_object_by_gets(
             &shared.js,
-            &shared.client,
             &self.objects,
             &bucket,
             key,

@@ -18,13 +18,13 @@ use super::pointer::{
     follow_pointer, full_frame_bytes, live_lead, max_version_jump, PointerSlot, WeightsPointer, FETCH_RETRY_FIRST,
     FETCH_RETRY_MAX, REWIND_AFTER_WRITES,
 };
-use crate::nats::{call, consumers, failed, open_objects, NatsBus, Shared};
+use crate::nats::{call, failed, gets, open_objects, NatsBus, Shared};
 use crate::rejection_log::RejectionLog;
 use crate::signing::{SignatureError, SignedVersion, WeightsPublicKeys, SIGNATURE_BYTES};
 use crate::{TransportError, WeightsFollower};
 
 impl NatsBus {
-    /// Actor side: follows the `weights` pointer (a background watch) and fetches and verifies
+    /// Actor side: follows the `weights` pointer (a background reader) and fetches and verifies
     /// new versions on demand. The run's bucket need not exist yet.
     pub fn weights_follower(&self, layout_hash: u64, n_params: usize) -> Result<NatsWeightsFollower, TransportError> {
         let shared = self.shared.clone();
@@ -80,8 +80,10 @@ impl NatsBus {
 /// [`durable_fetches`](Self::durable_fetches), [`live_refused`](Self::live_refused),
 /// [`live_chunks_refused`](Self::live_chunks_refused).
 ///
-/// A background task watches the `weights` pointer (re-creating the watch after errors and
-/// reconnects; a late joiner gets the current pointer at once). [`WeightsFollower::latest`]
+/// A background task reads the `weights` pointer by direct get, again on each notice of a
+/// write (a core-NATS subscription to the key's subject), after errors and reconnects, and at
+/// least every second; a late joiner gets the current pointer at once. No consumer is created:
+/// the actor user may create none (issue 46). Objects are read by direct gets too. [`WeightsFollower::latest`]
 /// costs one atomic load when nothing was written; otherwise it looks at the pointer written
 /// last and, when its version is above the newest version this follower has *verified*,
 /// fetches the object with a deadline and verifies layout, size, checksum and version.
@@ -501,10 +503,11 @@ impl NatsWeightsFollower {
                 return Err(failed(OPERATION, format!("object store {bucket} does not exist")));
             };
             call(OPERATION, deadline, async {
-                let (js, client, bucket) = (&shared.js, &shared.client, bucket.as_str());
+                let (js, bucket) = (&shared.js, bucket.as_str());
                 let reads = names.iter().map(|name| async move {
-                    // At most one byte past the limit is read: an oversized object is refused when decoded.
-                    match consumers::read_object(js, client, store, bucket, name, frame_limit).await {
+                    // Direct gets, no consumer (issue 46). At most one byte past the limit is
+                    // read: an oversized object is refused when decoded.
+                    match gets::read_object_by_direct_gets(js, store, bucket, name, frame_limit).await {
                         Ok(Some(bytes)) => Ok(bytes),
                         Ok(None) => Err(format!("weights object {name} does not exist")),
                         Err(err) => Err(format!("{name}: {err}")),

@@ -1,18 +1,20 @@
 //! The `weights` pointer in the run's KV bucket (what the newest version is and how to rebuild
-//! it), the bounds a follower holds it to, and the background watch that keeps the newest
-//! pointer written.
+//! it), the bounds a follower holds it to, and the background reader that keeps the newest
+//! pointer written (direct gets, woken by notices on the key's subject).
 
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_nats::jetstream::{self, kv};
+use futures::StreamExt;
 use tracing::{debug, info, warn};
 use volley_core::ids::PolicyVersion;
 use volley_core::subjects;
 use volley_core::wire;
 
-use crate::nats::{call, consumers, open_kv, Backoff};
+use crate::nats::{call, open_kv, Backoff};
 use crate::rejection_log::RejectionLog;
 use crate::TransportError;
 
@@ -69,7 +71,7 @@ pub const MAX_POINTER_EVERY: u64 = 64;
 /// How far a live version may run ahead of the pointer written last, for a pointer written at
 /// least every `pointer_every` versions: up to `pointer_every - 1` versions travel live
 /// between two pointers, the next version's pointer is written after that version is sent
-/// live, and one more leaves room for a watch that lags. A live version further ahead waits
+/// live, and one more leaves room for a pointer read that lags. A live version further ahead waits
 /// (at most [`LIVE_FRAMES_KEPT`](super::live::LIVE_FRAMES_KEPT) of them) until the pointer catches up, so a forged live
 /// version cannot claim a version far above the learner's and make the follower ignore the
 /// real ones.
@@ -212,14 +214,14 @@ pub(super) fn full_frame_bytes(n_params: usize) -> usize {
     wire::HEADER_BYTES + wire::frame::FRAME_HEADER_BYTES + 4 * n_params
 }
 
-/// The pointer most recently written to KV, as the watch delivered it.
+/// The pointer most recently written to KV, as the follower's reads found it.
 ///
 /// Not the highest version ever announced: a forged pointer with a huge version must not
 /// hide the real pointers written after it (issue 12, docs/SECURITY.md). Whether a pointer
 /// is worth fetching is the follower's decision, against the newest version it verified.
 #[derive(Debug, Default)]
 pub(super) struct PointerSlot {
-    /// The pointer and its write number (1 = the first the watch delivered).
+    /// The pointer and its write number (1 = the first read).
     pub(super) pointer: Mutex<Option<(WeightsPointer, u64)>>,
     /// Writes seen (0 = none yet): lets `latest` answer "nothing new" with one load.
     pub(super) writes: AtomicU64,
@@ -229,7 +231,7 @@ pub(super) struct PointerSlot {
 impl PointerSlot {
     pub(super) fn offer(&self, pointer: WeightsPointer) {
         let mut slot = self.pointer.lock().expect("pointer lock is never poisoned");
-        // A re-created watch delivers the current value again: not a new write.
+        // The current value read again (after a reconnect, say): not a new write.
         if slot.as_ref().is_some_and(|(current, _)| *current == pointer) {
             return;
         }
@@ -250,9 +252,33 @@ pub(super) const FETCH_RETRY_FIRST: Duration = Duration::from_millis(250);
 /// Longest pause between fetches of an unfetchable pointer.
 pub(super) const FETCH_RETRY_MAX: Duration = Duration::from_secs(30);
 
-/// Keep `slot` at the newest `weights` pointer: open the bucket (waiting until it exists),
-/// watch the key (the watch yields the current value first), and start over after an error,
-/// the end of the watch, or a reconnect.
+/// How long a follower goes without reading the pointer when no notice of a write came: the
+/// bound on how late it sees a version whose notice was lost (a reconnect, a notice dropped by
+/// a slow subscription).
+pub(super) const POINTER_REREAD: Duration = Duration::from_secs(1);
+
+/// Notices taken at once before one read: a burst of writes (or of messages relayed onto the
+/// key's subject) costs one read of the pointer, not one per message.
+const NOTICES_PER_READ: usize = 1024;
+
+/// Pointer values a follower remembers having judged: a read that returns one of them (a
+/// periodic read of an unchanged key, or a get that raced a newer write it already took from
+/// a notice) is not a new write.
+const RECENT_VALUES: usize = 8;
+
+/// Keep `slot` at the newest `weights` pointer, with no consumer (issue 46: the actor user may
+/// create none, as its deliver subject could be any subject): read the key by direct get
+/// (`$JS.API.DIRECT.GET.KV_<bucket>.$KV.<bucket>.weights`, the last message on it), and read
+/// it again when a message arrives on the key's subject (a core-NATS subscription to
+/// `$KV.<bucket>.weights`, where the learner's put goes), after a reconnect, and at least every
+/// [`POINTER_REREAD`].
+///
+/// The learner's put itself arrives as the notice, so the notice's body is taken at once, as a
+/// pointer read from the bucket would be (the follower judges every pointer the same way:
+/// layout, chain, size, digest, signature, version bounds); waiting for the get's answer would
+/// let the live path run a version ahead of every pointer, which looks like the learner
+/// writing lower versions. A notice with headers or a status (the answer to a get that an actor
+/// sent there; a client put carries neither) only causes the read.
 pub(super) async fn follow_pointer(
     js: jetstream::Context,
     client: async_nats::Client,
@@ -261,68 +287,110 @@ pub(super) async fn follow_pointer(
     slot: Arc<PointerSlot>,
     mut connections: tokio::sync::watch::Receiver<u64>,
 ) {
+    // Subscribed before the first read, so no write after that read goes unnoticed. The
+    // subscription outlives reconnects (the client subscribes again by itself); one denied
+    // by a broker config that predates it leaves the periodic reads.
+    let notice_subject = subjects::kv_key_subject(&bucket, subjects::WEIGHTS_KEY);
+    let mut notices = match client.subscribe(notice_subject).await {
+        Ok(notices) => Some(notices),
+        Err(err) => {
+            warn!(operation = "subscribe to weights notices", %err, "reading the weights pointer periodically only");
+            None
+        }
+    };
     let mut backoff = Backoff::new();
-    let mut rejections = RejectionLog::new("weights pointer");
+    let mut values = PointerValues { recent: VecDeque::new(), rejections: RejectionLog::new("weights pointer") };
+    let mut store: Option<kv::Store> = None;
     loop {
         connections.borrow_and_update();
-        let watch = async {
-            if open_kv(&js, &bucket, timeout).await?.is_none() {
+        let read = async {
+            if store.is_none() {
+                store = open_kv(&js, &bucket, timeout).await?;
+            }
+            let Some(kv) = &store else {
                 return Err(TransportError::Failed {
-                    operation: "watch weights",
+                    operation: "read weights pointer",
                     message: format!("bucket {bucket} does not exist yet"),
                 });
-            }
-            // A named consumer filtered on the key, which the actor's permissions grant
-            // (`consumers`), rather than async-nats' unnamed KV watch.
-            call("watch weights", timeout, consumers::watch_key(&js, &client, &bucket, subjects::WEIGHTS_KEY)).await
+            };
+            call("read weights pointer", timeout, kv.entry(subjects::WEIGHTS_KEY)).await
         };
-        let mut watch = match watch.await {
-            Ok(watch) => watch,
+        let pause = match read.await {
+            Ok(entry) => {
+                backoff = Backoff::new();
+                // A delete or purge leaves the pointer held.
+                if let Some(entry) = entry.filter(|entry| entry.operation == kv::Operation::Put) {
+                    values.judge(&entry.value, &slot);
+                }
+                POINTER_REREAD
+            }
             Err(err) => {
-                debug!(operation = "watch weights", %err, "retrying");
-                tokio::select! {
-                    _ = tokio::time::sleep(backoff.next()) => {}
-                    changed = connections.changed() => {
-                        if changed.is_err() {
-                            return;
+                debug!(operation = "read weights pointer", %err, "retrying");
+                backoff.next()
+            }
+        };
+        let notice = async {
+            match notices.as_mut() {
+                Some(notices) => notices.next().await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            _ = tokio::time::sleep(pause) => {}
+            received = notice => match received {
+                Some(first) => {
+                    // Writes that arrived together need one read; the newest is taken now.
+                    let mut newest = first;
+                    if let Some(notices) = notices.as_mut() {
+                        for _ in 0..NOTICES_PER_READ {
+                            match futures::FutureExt::now_or_never(notices.next()).flatten() {
+                                Some(next) => newest = next,
+                                None => break,
+                            }
                         }
+                    }
+                    if newest.headers.is_none() && newest.status.is_none() {
+                        values.judge(&newest.payload, &slot);
                     }
                 }
-                continue;
+                // The client is going away.
+                None => return,
+            },
+            changed = connections.changed() => {
+                if changed.is_err() {
+                    return;
+                }
+                info!("reconnected; reading the weights pointer again");
             }
-        };
-        backoff = Backoff::new();
-        loop {
-            tokio::select! {
-                entry = watch.next() => match entry {
-                    Some(Ok(change)) if !change.deleted => {
-                        match serde_json::from_slice::<WeightsPointer>(&change.value) {
-                            Ok(pointer) => slot.offer(pointer),
-                            Err(err) => if rejections.record("undecodable") {
-                                warn!(operation = "decode weights pointer", error = %err, "ignoring bad weights pointer");
-                            },
-                        }
-                    }
-                    Some(Ok(_)) => {}
-                    Some(Err(err)) => {
-                        warn!(operation = "watch weights", error = %err, "weights watch failed; re-creating it");
-                        break;
-                    }
-                    None => {
-                        warn!(operation = "watch weights", "weights watch ended; re-creating it");
-                        break;
-                    }
-                },
-                changed = connections.changed() => {
-                    if changed.is_err() {
-                        return;
-                    }
-                    info!("reconnected; re-creating the weights watch");
-                    break;
+        }
+    }
+}
+
+/// What [`follow_pointer`] has read lately.
+struct PointerValues {
+    /// The last [`RECENT_VALUES`] values judged, newest last.
+    recent: VecDeque<bytes::Bytes>,
+    rejections: RejectionLog,
+}
+
+impl PointerValues {
+    /// Offer `value` to `slot` as the pointer written last, unless it was judged lately.
+    fn judge(&mut self, value: &bytes::Bytes, slot: &PointerSlot) {
+        if self.recent.contains(value) {
+            return;
+        }
+        if self.recent.len() >= RECENT_VALUES {
+            self.recent.pop_front();
+        }
+        self.recent.push_back(value.clone());
+        match serde_json::from_slice::<WeightsPointer>(value) {
+            Ok(pointer) => slot.offer(pointer),
+            Err(err) => {
+                if self.rejections.record("undecodable") {
+                    warn!(operation = "decode weights pointer", error = %err, "ignoring bad weights pointer");
                 }
             }
         }
-        tokio::time::sleep(backoff.next()).await;
     }
 }
 
