@@ -7,14 +7,17 @@
 
 use std::convert::Infallible;
 
+use super::ops::{
+    BehaviourWeights, ClipAdamStep, Col2im, DenseForward, GaeScan, GatherColumns, GruCarryGrad, GruCellBackward,
+    GruCellForward, GruResetCopy, Im2col, LogProbs, MatmulDw, MatmulDx, TakeColumn,
+};
 use super::{
-    backend_operations, Backend, BackendError, Evaluation, Head, OffPolicyViews, PpoLossInputs, PpoLossOutputs,
+    backend_operations, Backend, BackendError, Evaluation, OffPolicyViews, PpoLossInputs, PpoLossOutputs,
     VTraceLossInputs, VTraceLossOutputs, View, ViewMut,
 };
 use crate::losses::{PpoLossConfig, VTraceLossConfig};
-use crate::optim::AdamConfig;
 use crate::telemetry::OffPolicySums;
-use volley_policy::{Activation, ConvGeometry};
+use volley_policy::Activation;
 
 /// A CUDA device (none can exist in this build).
 #[derive(Debug, Clone)]
@@ -91,9 +94,20 @@ impl CudaBackend {
 }
 
 /// Implements each operation [`backend_operations`] lists as unreachable: `self` is uninhabited.
+/// A checked operation's entry point is the trait's own; only its `_unchecked` half is here.
 macro_rules! unreachable_operations {
-    ($($(#[$meta:meta])* fn $name:ident(&mut self $(, $param:ident: $ty:ty)* $(,)?) -> $ret:ty;)*) => {
+    (
+        plain { $($(#[$meta:meta])* fn $name:ident(&mut self $(, $param:ident: $ty:ty)* $(,)?) -> $ret:ty;)* }
+        checked {
+            $($(#[$checked_meta:meta])*
+            fn $checked:ident(&mut self $(, $checked_param:ident: $checked_ty:ty)* $(,)?) -> $checked_ret:ty
+                => $unchecked:ident after $check:expr;)*
+        }
+    ) => {
         $(fn $name(&mut self $(, _: $ty)*) -> $ret {
+            match *self {}
+        })*
+        $(fn $unchecked(&mut self $(, _: $checked_ty)*) -> $checked_ret {
             match *self {}
         })*
     };
@@ -109,6 +123,10 @@ impl Backend for CudaBackend {
     }
 
     fn len(_buffer: &Self::Floats) -> usize {
+        match *_buffer {}
+    }
+
+    fn indices_len(_buffer: &Self::Indices) -> usize {
         match *_buffer {}
     }
 
