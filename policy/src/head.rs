@@ -83,6 +83,30 @@ pub trait PolicyHead {
         d_params: &mut [f32],
     ) -> RowTerms;
 
+    /// `log π(action | outputs)`, leaving in `scratch` (`n_outputs` long) what
+    /// [`row_gradient_prepared`](Self::row_gradient_prepared) reads back. The losses pass the
+    /// row of the heads' gradient they fill afterwards, so a head whose log-probability and
+    /// gradient share work (the categorical log-softmax) does it once per sample.
+    fn prepare_row(&self, outputs: &[f32], action: &[f32], scratch: &mut [f32]) -> f32 {
+        let _ = scratch;
+        self.log_prob(outputs, action)
+    }
+
+    /// [`row_gradient`](Self::row_gradient) where `d_outputs` holds what
+    /// [`prepare_row`](Self::prepare_row) left for the same `outputs` and `action`.
+    #[allow(clippy::too_many_arguments)]
+    fn row_gradient_prepared(
+        &self,
+        outputs: &[f32],
+        action: &[f32],
+        pg_scale: f32,
+        ent_scale: f32,
+        d_outputs: &mut [f32],
+        d_params: &mut [f32],
+    ) -> RowTerms {
+        self.row_gradient(outputs, action, pg_scale, ent_scale, d_outputs, d_params)
+    }
+
     /// Draw an action into `action` (`action_width` long) and return its log-probability,
     /// which is [`log_prob`](Self::log_prob) of the written action. A row that is not a
     /// distribution draws from the head's fallback and says so.
@@ -156,10 +180,30 @@ impl PolicyHead for Categorical {
         pg_scale: f32,
         ent_scale: f32,
         d_outputs: &mut [f32],
+        d_params: &mut [f32],
+    ) -> RowTerms {
+        self.prepare_row(outputs, action, d_outputs);
+        self.row_gradient_prepared(outputs, action, pg_scale, ent_scale, d_outputs, d_params)
+    }
+
+    /// The row's log-softmax, into `scratch`.
+    fn prepare_row(&self, outputs: &[f32], action: &[f32], scratch: &mut [f32]) -> f32 {
+        let index = self.index(action);
+        log_softmax(outputs, scratch);
+        scratch[index]
+    }
+
+    /// From the log-softmax [`prepare_row`](PolicyHead::prepare_row) left in `d_outputs`.
+    fn row_gradient_prepared(
+        &self,
+        _outputs: &[f32],
+        action: &[f32],
+        pg_scale: f32,
+        ent_scale: f32,
+        d_outputs: &mut [f32],
         _d_params: &mut [f32],
     ) -> RowTerms {
         let index = self.index(action);
-        log_softmax(outputs, d_outputs);
         let entropy = entropy_from_log_probs(d_outputs);
         let log_prob = d_outputs[index];
         for (j, slot) in d_outputs.iter_mut().enumerate() {
@@ -337,6 +381,24 @@ impl PolicyHead for AnyHead<'_> {
     }
 
     #[inline]
+    fn prepare_row(&self, outputs: &[f32], action: &[f32], scratch: &mut [f32]) -> f32 {
+        dispatch!(self, head => head.prepare_row(outputs, action, scratch))
+    }
+
+    #[inline]
+    fn row_gradient_prepared(
+        &self,
+        outputs: &[f32],
+        action: &[f32],
+        pg_scale: f32,
+        ent_scale: f32,
+        d_outputs: &mut [f32],
+        d_params: &mut [f32],
+    ) -> RowTerms {
+        dispatch!(self, head => head.row_gradient_prepared(outputs, action, pg_scale, ent_scale, d_outputs, d_params))
+    }
+
+    #[inline]
     fn sample<R: Rng + ?Sized>(&self, outputs: &[f32], rng: &mut R, action: &mut [f32]) -> Sampled {
         dispatch!(self, head => head.sample(outputs, rng, action))
     }
@@ -372,6 +434,14 @@ mod tests {
                 let terms = head.row_gradient(&outputs, &action, 0.7, 0.1, &mut d_outputs, &mut d_params);
                 assert!((terms.log_prob - sampled.log_prob).abs() < 1e-5, "{head:?}");
                 assert!((terms.entropy - head.entropy(&outputs)).abs() < 1e-6, "{head:?}");
+                // The losses' two-step form (log-probability first, gradient later from what
+                // it left in the row) gives the same log-probability, terms and gradients.
+                let (mut prepared, mut prepared_params) = (vec![f32::NAN; d_outputs.len()], vec![0.0; d_params.len()]);
+                let log_prob = head.prepare_row(&outputs, &action, &mut prepared);
+                assert_eq!(log_prob, terms.log_prob, "{head:?}");
+                let prepared_terms =
+                    head.row_gradient_prepared(&outputs, &action, 0.7, 0.1, &mut prepared, &mut prepared_params);
+                assert_eq!((prepared_terms, &prepared, &prepared_params), (terms, &d_outputs, &d_params), "{head:?}");
             }
         }
     }
