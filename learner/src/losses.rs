@@ -472,7 +472,7 @@ pub fn vtrace_loss_heads<H: PolicyHead>(
         let scale = weight * inv_weight_sum;
         let (value, target, pg_advantage, log_rho) = (values[i], vs[i], pg_advantages[i], log_rhos[i]);
         let (d_outputs, d_value) = grad_row.split_at_mut(n_outputs);
-        let terms = head.row_gradient_prepared(
+        let terms = head.row_gradient(
             &heads[i * stride..i * stride + n_outputs],
             action(i),
             scale * pg_advantage,
@@ -694,7 +694,7 @@ pub fn ppo_loss_heads<H: PolicyHead>(
         let clipped = ratio.clamp(clip_low, clip_high) * advantage;
         let (surrogate, surrogate_grad) = if unclipped <= clipped { (unclipped, unclipped) } else { (clipped, 0.0) };
         let is_weight = targets.is_weights[i];
-        let terms = head.row_gradient_prepared(
+        let terms = head.row_gradient(
             outputs,
             action,
             scale * is_weight * surrogate_grad,

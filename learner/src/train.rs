@@ -25,7 +25,8 @@ use volley_policy::{ActionHead, ParamLayout};
 
 use crate::backend::{
     Backend, BackendError, BehaviourWeights, ClipAdamStep, CpuBackend, CudaBackend, Evaluation, GaeScan, GatherColumns,
-    Head, LogProbs, OffPolicyViews, PpoLossInputs, PpoLossOutputs, VTraceLossInputs, VTraceLossOutputs, View, ViewMut,
+    Head, LogProbs, OffPolicyViews, PpoLoss, PpoLossInputs, PpoLossOutputs, VTraceLoss, VTraceLossInputs,
+    VTraceLossOutputs, View, ViewMut,
 };
 use crate::batch::{SegmentBatch, StateRestore};
 use crate::losses::{LossStats, PpoLossConfig, VTraceLossConfig};
@@ -502,11 +503,12 @@ impl<B: Backend> Trainer<B> {
             d_heads: ViewMut::range(&mut loss.d_heads, 0..(n + b_len) * stride),
             d_head_params: ViewMut::range(&mut loss.d_head_params, 0..n * n_head_params),
         };
-        self.backend.vtrace_loss(&inputs, &config, outputs, 0)?;
+        let (weights, values) = (inputs.sample_weights, inputs.values.slice(0..n));
+        self.backend.vtrace_loss(VTraceLoss { inputs, config: &config, outputs, slot: 0 })?;
         let off_policy = OffPolicyViews {
             log_rhos: View::range(&loss.log_rhos, 0..n),
-            weights: inputs.sample_weights,
-            values: inputs.values.slice(0..n),
+            weights,
+            values,
             value_targets: View::range(&loss.vs, 0..n),
             rho_bar: h.clip_rho_threshold,
             c_bar: h.clip_c_threshold,
@@ -676,7 +678,7 @@ impl<B: Backend> Trainer<B> {
                     d_heads: ViewMut::range(&mut self.loss.d_heads, 0..m * stride),
                     d_head_params: ViewMut::range(&mut self.loss.d_head_params, 0..m * n_head_params),
                 };
-                self.backend.ppo_loss(&inputs, &config, outputs, slot)?;
+                self.backend.ppo_loss(PpoLoss { inputs, config: &config, outputs, slot })?;
                 self.net.backward(
                     &mut self.backend,
                     &self.params,

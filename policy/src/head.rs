@@ -69,9 +69,21 @@ pub trait PolicyHead {
     /// `H(π(· | outputs))` in nats.
     fn entropy(&self, outputs: &[f32]) -> f32;
 
+    /// `log π(action | outputs)`, leaving in `d_outputs` (`n_outputs` long: the row's gradient
+    /// to come) what [`row_gradient`](Self::row_gradient) reads back, so a head whose
+    /// log-probability and gradient share work (the categorical log-softmax) does it once per
+    /// sample even when the loss needs the log-probability long before the gradient (V-trace's
+    /// scan sits between the two).
+    fn prepare_row(&self, outputs: &[f32], action: &[f32], d_outputs: &mut [f32]) -> f32 {
+        let _ = d_outputs;
+        self.log_prob(outputs, action)
+    }
+
     /// The gradient of `−pg_scale · log π(action) − ent_scale · H(π)` with respect to the row's
-    /// outputs (into `d_outputs`, `n_outputs` long) and the head's parameters (into `d_params`,
-    /// `n_param_grads` long): the one piece of calculus every policy loss needs.
+    /// outputs (into `d_outputs`, `n_outputs` long, which must hold what
+    /// [`prepare_row`](Self::prepare_row) left for the same `outputs` and `action`) and the
+    /// head's parameters (into `d_params`, `n_param_grads` long): the one piece of calculus
+    /// every policy loss needs.
     #[allow(clippy::too_many_arguments)]
     fn row_gradient(
         &self,
@@ -82,30 +94,6 @@ pub trait PolicyHead {
         d_outputs: &mut [f32],
         d_params: &mut [f32],
     ) -> RowTerms;
-
-    /// `log π(action | outputs)`, leaving in `scratch` (`n_outputs` long) what
-    /// [`row_gradient_prepared`](Self::row_gradient_prepared) reads back. The losses pass the
-    /// row of the heads' gradient they fill afterwards, so a head whose log-probability and
-    /// gradient share work (the categorical log-softmax) does it once per sample.
-    fn prepare_row(&self, outputs: &[f32], action: &[f32], scratch: &mut [f32]) -> f32 {
-        let _ = scratch;
-        self.log_prob(outputs, action)
-    }
-
-    /// [`row_gradient`](Self::row_gradient) where `d_outputs` holds what
-    /// [`prepare_row`](Self::prepare_row) left for the same `outputs` and `action`.
-    #[allow(clippy::too_many_arguments)]
-    fn row_gradient_prepared(
-        &self,
-        outputs: &[f32],
-        action: &[f32],
-        pg_scale: f32,
-        ent_scale: f32,
-        d_outputs: &mut [f32],
-        d_params: &mut [f32],
-    ) -> RowTerms {
-        self.row_gradient(outputs, action, pg_scale, ent_scale, d_outputs, d_params)
-    }
 
     /// Draw an action into `action` (`action_width` long) and return its log-probability,
     /// which is [`log_prob`](Self::log_prob) of the written action. A row that is not a
@@ -169,32 +157,18 @@ impl PolicyHead for Categorical {
         entropy_from_log_probs(&log_probs)
     }
 
-    /// `∂/∂z_j = pg_scale · (p_j − 1[j = a]) + ent_scale · p_j · (log p_j + H)`, using
-    /// `∂ log p_a / ∂z_j = 1[j = a] − p_j` and `∂H/∂z_j = −p_j (log p_j + H)`. The
-    /// log-probabilities are computed in `d_outputs` and turned into the gradient in place, so
-    /// nothing is allocated.
-    fn row_gradient(
-        &self,
-        outputs: &[f32],
-        action: &[f32],
-        pg_scale: f32,
-        ent_scale: f32,
-        d_outputs: &mut [f32],
-        d_params: &mut [f32],
-    ) -> RowTerms {
-        self.prepare_row(outputs, action, d_outputs);
-        self.row_gradient_prepared(outputs, action, pg_scale, ent_scale, d_outputs, d_params)
-    }
-
-    /// The row's log-softmax, into `scratch`.
-    fn prepare_row(&self, outputs: &[f32], action: &[f32], scratch: &mut [f32]) -> f32 {
+    /// The row's log-softmax, into `d_outputs`.
+    fn prepare_row(&self, outputs: &[f32], action: &[f32], d_outputs: &mut [f32]) -> f32 {
         let index = self.index(action);
-        log_softmax(outputs, scratch);
-        scratch[index]
+        log_softmax(outputs, d_outputs);
+        d_outputs[index]
     }
 
-    /// From the log-softmax [`prepare_row`](PolicyHead::prepare_row) left in `d_outputs`.
-    fn row_gradient_prepared(
+    /// `∂/∂z_j = pg_scale · (p_j − 1[j = a]) + ent_scale · p_j · (log p_j + H)`, using
+    /// `∂ log p_a / ∂z_j = 1[j = a] − p_j` and `∂H/∂z_j = −p_j (log p_j + H)`, from the
+    /// log-probabilities [`prepare_row`](PolicyHead::prepare_row) left in `d_outputs`, turned
+    /// into the gradient in place, so nothing is allocated.
+    fn row_gradient(
         &self,
         _outputs: &[f32],
         action: &[f32],
@@ -381,21 +355,8 @@ impl PolicyHead for AnyHead<'_> {
     }
 
     #[inline]
-    fn prepare_row(&self, outputs: &[f32], action: &[f32], scratch: &mut [f32]) -> f32 {
-        dispatch!(self, head => head.prepare_row(outputs, action, scratch))
-    }
-
-    #[inline]
-    fn row_gradient_prepared(
-        &self,
-        outputs: &[f32],
-        action: &[f32],
-        pg_scale: f32,
-        ent_scale: f32,
-        d_outputs: &mut [f32],
-        d_params: &mut [f32],
-    ) -> RowTerms {
-        dispatch!(self, head => head.row_gradient_prepared(outputs, action, pg_scale, ent_scale, d_outputs, d_params))
+    fn prepare_row(&self, outputs: &[f32], action: &[f32], d_outputs: &mut [f32]) -> f32 {
+        dispatch!(self, head => head.prepare_row(outputs, action, d_outputs))
     }
 
     #[inline]
@@ -431,17 +392,11 @@ mod tests {
                 assert!(!sampled.fell_back);
                 assert_eq!(sampled.log_prob, head.log_prob(&outputs, &action), "{head:?}");
                 let (mut d_outputs, mut d_params) = (vec![0.0; head.n_outputs()], vec![0.0; head.n_param_grads()]);
+                let log_prob = head.prepare_row(&outputs, &action, &mut d_outputs);
+                assert_eq!(log_prob, head.log_prob(&outputs, &action), "{head:?}");
                 let terms = head.row_gradient(&outputs, &action, 0.7, 0.1, &mut d_outputs, &mut d_params);
                 assert!((terms.log_prob - sampled.log_prob).abs() < 1e-5, "{head:?}");
                 assert!((terms.entropy - head.entropy(&outputs)).abs() < 1e-6, "{head:?}");
-                // The losses' two-step form (log-probability first, gradient later from what
-                // it left in the row) gives the same log-probability, terms and gradients.
-                let (mut prepared, mut prepared_params) = (vec![f32::NAN; d_outputs.len()], vec![0.0; d_params.len()]);
-                let log_prob = head.prepare_row(&outputs, &action, &mut prepared);
-                assert_eq!(log_prob, terms.log_prob, "{head:?}");
-                let prepared_terms =
-                    head.row_gradient_prepared(&outputs, &action, 0.7, 0.1, &mut prepared, &mut prepared_params);
-                assert_eq!((prepared_terms, &prepared, &prepared_params), (terms, &d_outputs, &d_params), "{head:?}");
             }
         }
     }
@@ -461,6 +416,7 @@ mod tests {
                 f64::from(-pg * head.log_prob(outputs, &action) - ent * head.entropy(outputs))
             };
             let (mut d_outputs, mut d_params) = (vec![0.0; head.n_outputs()], vec![0.0; head.n_param_grads()]);
+            head.prepare_row(&outputs, &action, &mut d_outputs);
             head.row_gradient(&outputs, &action, pg, ent, &mut d_outputs, &mut d_params);
             let eps = 1e-2f32;
             for j in 0..outputs.len() {

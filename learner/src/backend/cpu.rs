@@ -30,11 +30,8 @@ use super::ops::{
     BehaviourWeights, ClipAdamStep, Col2im, DenseForward, GaeScan, GatherColumns, GruCarryGrad, GruCellBackward,
     GruCellForward, GruResetCopy, Im2col, LogProbs, MatmulDw, MatmulDx, TakeColumn,
 };
-use super::{
-    Backend, BackendError, Evaluation, Head, OffPolicyViews, PpoLossInputs, PpoLossOutputs, VTraceLossInputs,
-    VTraceLossOutputs, View, ViewMut,
-};
-use crate::losses::{self, PpoLossConfig, PpoTargets, RowBatch, VTraceLossConfig, VTraceRows};
+use super::{Backend, BackendError, Evaluation, Head, OffPolicyViews, PpoLoss, VTraceLoss, View, ViewMut};
+use crate::losses::{self, PpoTargets, RowBatch, VTraceRows};
 use crate::optim::{adam_step, clip_grad_global_norm};
 use crate::telemetry::{self, OffPolicyInputs, OffPolicySums};
 
@@ -527,13 +524,8 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn vtrace_loss_unchecked(
-        &mut self,
-        inputs: &VTraceLossInputs<'_, Self>,
-        config: &VTraceLossConfig,
-        outputs: VTraceLossOutputs<'_, Self>,
-        slot: usize,
-    ) -> Result<(), BackendError> {
+    fn vtrace_loss_unchecked(&mut self, op: VTraceLoss<'_, Self>) -> Result<(), BackendError> {
+        let VTraceLoss { inputs, config, outputs, slot } = op;
         let head = cpu_head(&inputs.head, inputs.n_actions);
         check_actions(&head, slice(inputs.actions), "vtrace_loss")?;
         let batch = RowBatch {
@@ -567,13 +559,8 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn ppo_loss_unchecked(
-        &mut self,
-        inputs: &PpoLossInputs<'_, Self>,
-        config: &PpoLossConfig,
-        outputs: PpoLossOutputs<'_, Self>,
-        slot: usize,
-    ) -> Result<(), BackendError> {
+    fn ppo_loss_unchecked(&mut self, op: PpoLoss<'_, Self>) -> Result<(), BackendError> {
+        let PpoLoss { inputs, config, outputs, slot } = op;
         let n = inputs.n_samples;
         let head = cpu_head(&inputs.head, inputs.n_actions);
         check_actions(&head, slice(inputs.actions), "ppo_loss")?;

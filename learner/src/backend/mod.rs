@@ -424,6 +424,32 @@ pub struct PpoLossInputs<'a, B: Backend + ?Sized> {
     pub is_weights: View<'a, B>,
 }
 
+/// The operands of [`Backend::vtrace_loss`]: inputs, hyper-parameters, outputs, and the
+/// evaluation slot its sums go to.
+pub struct VTraceLoss<'a, B: Backend + ?Sized> {
+    /// What the loss reads.
+    pub inputs: VTraceLossInputs<'a, B>,
+    /// Its hyper-parameters.
+    pub config: &'a VTraceLossConfig,
+    /// Where it writes.
+    pub outputs: VTraceLossOutputs<'a, B>,
+    /// The evaluation (gradient step) its weighted sums go to.
+    pub slot: usize,
+}
+
+/// The operands of [`Backend::ppo_loss`]: inputs, hyper-parameters, outputs, and the
+/// evaluation slot its sums go to.
+pub struct PpoLoss<'a, B: Backend + ?Sized> {
+    /// What the loss reads.
+    pub inputs: PpoLossInputs<'a, B>,
+    /// Its hyper-parameters.
+    pub config: &'a PpoLossConfig,
+    /// Where it writes.
+    pub outputs: PpoLossOutputs<'a, B>,
+    /// The evaluation (gradient step) its weighted sums go to.
+    pub slot: usize,
+}
+
 /// The inputs of [`Backend::off_policy_sums`], all `[n]`.
 pub struct OffPolicyViews<'a, B: Backend + ?Sized> {
     /// `log ρ = log π(a|x) − log μ(a|x)`: the learner's parameters before the update against the
@@ -614,27 +640,15 @@ macro_rules! backend_operations {
                 /// head ([`VTraceLossInputs`]' contract): log-ρ, the V-trace scan, the weighted loss
                 /// sums into evaluation `slot`, `∂L/∂heads` and the head parameters' gradient rows.
                 /// Same result as [`crate::losses::vtrace_loss_heads`].
-                fn vtrace_loss(
-                    &mut self,
-                    inputs: &VTraceLossInputs<'_, Self>,
-                    config: &VTraceLossConfig,
-                    outputs: VTraceLossOutputs<'_, Self>,
-                    slot: usize,
-                ) -> Result<(), BackendError>
-                    => vtrace_loss_unchecked after inputs.check(&outputs);
+                fn vtrace_loss(&mut self, op: VTraceLoss<'_, Self>) -> Result<(), BackendError>
+                    => vtrace_loss_unchecked after op.inputs.check(&op.outputs);
 
                 /// The fused decoupled PPO-clip loss over one minibatch for any head (Schulman et al.
                 /// 2017, Hilton et al. 2021; [`PpoLossInputs`]' contract): the weighted loss sums into
                 /// evaluation `slot`, `∂L/∂heads` and the head parameters' gradient rows. Same result
                 /// as [`crate::losses::ppo_loss_heads`].
-                fn ppo_loss(
-                    &mut self,
-                    inputs: &PpoLossInputs<'_, Self>,
-                    config: &PpoLossConfig,
-                    outputs: PpoLossOutputs<'_, Self>,
-                    slot: usize,
-                ) -> Result<(), BackendError>
-                    => ppo_loss_unchecked after inputs.check(&outputs);
+                fn ppo_loss(&mut self, op: PpoLoss<'_, Self>) -> Result<(), BackendError>
+                    => ppo_loss_unchecked after op.inputs.check(&op.outputs);
 
                 /// The off-policy health of this update ([`crate::telemetry`]) over `n = ratios.len()`
                 /// samples, from the same per-sample terms on every device ([`OffPolicySums::add`]):

@@ -37,11 +37,8 @@ use super::ops::{
     BehaviourWeights, ClipAdamStep, Col2im, DenseForward, GaeScan, GatherColumns, GruCarryGrad, GruCellBackward,
     GruCellForward, GruResetCopy, Im2col, LogProbs, MatmulDw, MatmulDx, TakeColumn,
 };
-use super::{
-    Backend, BackendError, Evaluation, Head, OffPolicyViews, PpoLossInputs, PpoLossOutputs, VTraceLossInputs,
-    VTraceLossOutputs, View, ViewMut,
-};
-use crate::losses::{PpoLossConfig, VTraceLossConfig, WeightedSums};
+use super::{Backend, BackendError, Evaluation, Head, OffPolicyViews, PpoLoss, VTraceLoss, View, ViewMut};
+use crate::losses::WeightedSums;
 use crate::telemetry::{OffPolicySums, OFF_POLICY_SUMS};
 
 /// A CUDA device with the learner's kernels compiled and loaded, and a cuBLAS handle.
@@ -435,13 +432,8 @@ impl Backend for CudaBackend {
         Ok(())
     }
 
-    fn vtrace_loss_unchecked(
-        &mut self,
-        inputs: &VTraceLossInputs<'_, Self>,
-        config: &VTraceLossConfig,
-        outputs: VTraceLossOutputs<'_, Self>,
-        slot: usize,
-    ) -> Result<(), BackendError> {
+    fn vtrace_loss_unchecked(&mut self, op: VTraceLoss<'_, Self>) -> Result<(), BackendError> {
+        let VTraceLoss { inputs, config, outputs, slot } = op;
         let (t_len, b_len) = (inputs.t_len, inputs.b_len);
         let n = t_len * b_len;
         let gpu = self.gpu.clone();
@@ -498,13 +490,8 @@ impl Backend for CudaBackend {
         )
     }
 
-    fn ppo_loss_unchecked(
-        &mut self,
-        inputs: &PpoLossInputs<'_, Self>,
-        config: &PpoLossConfig,
-        outputs: PpoLossOutputs<'_, Self>,
-        slot: usize,
-    ) -> Result<(), BackendError> {
+    fn ppo_loss_unchecked(&mut self, op: PpoLoss<'_, Self>) -> Result<(), BackendError> {
+        let PpoLoss { inputs, config, outputs, slot } = op;
         let gpu = self.gpu.clone();
         let stream = &gpu.stream;
         let mut slot_sums = self.slot(slot)?;

@@ -20,7 +20,8 @@ use volley_policy::{ActionHead, Activation, CoreKind, ParamLayout, PolicySpec};
 use super::*;
 use crate::backend::{
     Backend, BehaviourWeights, ClipAdamStep, CpuBackend, Evaluation, GaeScan, GatherColumns, Head, LogProbs,
-    OffPolicyViews, PpoLossInputs, PpoLossOutputs, VTraceLossInputs, VTraceLossOutputs, View, ViewMut,
+    OffPolicyViews, PpoLoss, PpoLossInputs, PpoLossOutputs, VTraceLoss, VTraceLossInputs, VTraceLossOutputs, View,
+    ViewMut,
 };
 use crate::batch::{SegmentBatch, StateRestore};
 use crate::learner::Learner;
@@ -316,7 +317,7 @@ fn run_vtrace_loss<B: Backend>(
         d_heads: ViewMut::range(&mut d_heads, 0..rows * stride),
         d_head_params: ViewMut::of(&mut no_param_grads),
     };
-    backend.vtrace_loss(&inputs, config, outputs, 0).unwrap();
+    backend.vtrace_loss(VTraceLoss { inputs, config, outputs, slot: 0 }).unwrap();
     let mut evaluations = Vec::new();
     backend.read_evaluations(&mut evaluations, &mut OffPolicySums::default()).unwrap();
     LossResult {
@@ -364,7 +365,7 @@ fn run_ppo_loss<B: Backend>(backend: &mut B, case: &LossCase, config: &PpoLossCo
         d_heads: ViewMut::range(&mut d_heads, 0..n * stride),
         d_head_params: ViewMut::of(&mut no_param_grads),
     };
-    backend.ppo_loss(&inputs, config, outputs, 1).unwrap();
+    backend.ppo_loss(PpoLoss { inputs, config, outputs, slot: 1 }).unwrap();
     let mut evaluations = Vec::new();
     backend.read_evaluations(&mut evaluations, &mut OffPolicySums::default()).unwrap();
     assert_eq!(evaluations[0].weight_sum, 0.0, "slot 0 untouched");

@@ -12,10 +12,8 @@ use super::ops::{
     GruCellForward, GruResetCopy, Im2col, LogProbs, MatmulDw, MatmulDx, TakeColumn,
 };
 use super::{
-    backend_operations, Backend, BackendError, Evaluation, OffPolicyViews, PpoLossInputs, PpoLossOutputs,
-    VTraceLossInputs, VTraceLossOutputs, View, ViewMut,
+    backend_operations, Backend, BackendError, Evaluation, OffPolicyViews, PpoLoss, VTraceLoss, View, ViewMut,
 };
-use crate::losses::{PpoLossConfig, VTraceLossConfig};
 use crate::telemetry::OffPolicySums;
 use volley_policy::Activation;
 
