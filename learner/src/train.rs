@@ -507,6 +507,7 @@ impl<B: Backend> Trainer<B> {
         self.backend.vtrace_loss(VTraceLoss { inputs, config: &config, outputs, slot: 0 })?;
         let off_policy = OffPolicyViews {
             log_rhos: View::range(&loss.log_rhos, 0..n),
+            reference: None,
             weights,
             values,
             value_targets: View::range(&loss.vs, 0..n),
@@ -696,24 +697,15 @@ impl<B: Backend> Trainer<B> {
     }
 
     /// PPO's off-policy statistics: the proximal policy (the parameters before the update)
-    /// against the behaviour's, weighted by the samples' weights, with GAE's returns as the
+    /// against the behaviour's (the proximal log-probabilities the value pass wrote, less the
+    /// behaviour's, per sample), weighted by the samples' weights, with GAE's returns as the
     /// value targets and the behaviour IS clip as both `ρ̄` and `c̄` (PPO has no traces).
     fn ppo_off_policy(&mut self, n: usize, h: &HyperParams, s: &StagedLayout) -> Result<(), BackendError> {
-        let stride = self.net.n_actions() + 1;
         let loss = &mut self.loss;
-        for buffer in [&mut loss.log_rhos, &mut loss.ratios] {
-            ensure(&mut self.backend, buffer, n)?;
-        }
-        self.backend.log_probs(LogProbs {
-            heads: self.net.heads().slice(0..n * stride),
-            n_actions: self.net.n_actions(),
-            head: Head { kind: self.head_kind, params: View::range(&self.params, self.head_params.clone()) },
-            actions: View::range(&self.staged, s.actions.clone()),
-            reference: Some(View::range(&self.staged, s.behaviour_log_probs.clone())),
-            out: ViewMut::range(&mut loss.log_rhos, 0..n),
-        })?;
+        ensure(&mut self.backend, &mut loss.ratios, n)?;
         let inputs = OffPolicyViews {
-            log_rhos: View::range(&loss.log_rhos, 0..n),
+            log_rhos: View::range(&loss.prox_log_probs, 0..n),
+            reference: Some(View::range(&self.staged, s.behaviour_log_probs.clone())),
             weights: View::range(&self.staged, s.sample_weights.clone()),
             values: self.net.values().slice(0..n),
             value_targets: View::range(&loss.returns, 0..n),

@@ -603,6 +603,7 @@ impl Backend for CpuBackend {
     ) -> Result<(), BackendError> {
         let host = OffPolicyInputs {
             log_rhos: slice(inputs.log_rhos),
+            reference: inputs.reference.map(slice),
             weights: slice(inputs.weights),
             values: slice(inputs.values),
             value_targets: slice(inputs.value_targets),

@@ -455,6 +455,9 @@ pub struct OffPolicyViews<'a, B: Backend + ?Sized> {
     /// `log ρ = log π(a|x) − log μ(a|x)`: the learner's parameters before the update against the
     /// behaviour log-probabilities the actors recorded.
     pub log_rhos: View<'a, B>,
+    /// Subtracted from `log_rhos` per sample when given: PPO passes its proximal
+    /// log-probabilities as `log_rhos` and the behaviour's here, with no pass of its own.
+    pub reference: Option<View<'a, B>>,
     /// Sample weights (0 drops a sample).
     pub weights: View<'a, B>,
     /// The value head's outputs.
@@ -752,6 +755,7 @@ impl<B: Backend + ?Sized> OffPolicyViews<'_, B> {
     fn check(&self, n: usize) -> Result<(), BackendError> {
         [
             ("log_rhos", self.log_rhos),
+            ("reference", self.reference.unwrap_or(self.log_rhos)),
             ("weights", self.weights),
             ("values", self.values),
             ("value_targets", self.value_targets),

@@ -535,9 +535,11 @@ impl Backend for CudaBackend {
     ) -> Result<(), BackendError> {
         let gpu = self.gpu.clone();
         let views = [view(inputs.log_rhos), view(inputs.weights), view(inputs.values), view(inputs.value_targets)];
+        let reference = inputs.reference.map(view);
         gpu.kernels.off_policy_sums(
             &gpu.stream,
             &views,
+            reference.as_ref(),
             inputs.rho_bar,
             inputs.c_bar,
             &mut self.off_policy_sums.slice_mut(..),

@@ -576,6 +576,7 @@ fn check_off_policy<B: Backend>(backend: &mut B) {
         for range in [0..half, half..n] {
             let views = OffPolicyViews {
                 log_rhos: View::range(&inputs[0], range.clone()),
+                reference: None,
                 weights: View::range(&inputs[1], range.clone()),
                 values: View::range(&inputs[2], range.clone()),
                 value_targets: View::range(&inputs[3], range.clone()),
