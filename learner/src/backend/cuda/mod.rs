@@ -20,6 +20,7 @@ pub mod kernels;
 pub mod profile;
 #[cfg(test)]
 mod tests;
+pub mod timing;
 
 use std::sync::Arc;
 
@@ -31,8 +32,8 @@ use self::kernels::{
     HeadArgs, PpoLossGradArgs, VTraceLossGradArgs, VTraceScanArgs, ACT_IDENTITY, ACT_RELU, ACT_TANH, SLOT, SLOT_STATS,
     SLOT_SUMSQ,
 };
-pub use self::profile::{DeviceTiming, KernelTiming};
 use self::profile::{Mark, Profile};
+pub use self::timing::{DeviceTiming, KernelTiming};
 use super::ops::{
     BehaviourWeights, ClipAdamStep, Col2im, DenseForward, GaeScan, GatherColumns, GruCarryGrad, GruCellBackward,
     GruCellForward, GruResetCopy, Im2col, LogProbs, MatmulDw, MatmulDx, TakeColumn,

@@ -7,6 +7,10 @@
 
 use std::convert::Infallible;
 
+#[path = "timing.rs"]
+mod timing;
+pub use timing::{DeviceTiming, KernelTiming};
+
 use super::ops::{
     BehaviourWeights, ClipAdamStep, Col2im, DenseForward, GaeScan, GatherColumns, GruCarryGrad, GruCellBackward,
     GruCellForward, GruResetCopy, Im2col, LogProbs, MatmulDw, MatmulDx, TakeColumn,
@@ -41,33 +45,6 @@ impl CudaDevice {
 /// Always [`BackendError::CudaNotCompiled`] in this build.
 pub fn open_cuda(_ordinal: usize) -> Result<CudaDevice, BackendError> {
     Err(BackendError::CudaNotCompiled)
-}
-
-/// Device time of the last update (see the CUDA build).
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub struct DeviceTiming {
-    /// Host-to-device copy of the packed batch, milliseconds.
-    pub h2d_ms: f32,
-    /// Kernels and products of the update, milliseconds.
-    pub compute_ms: f32,
-    /// Device-to-host copy of the statistics, milliseconds.
-    pub d2h_ms: f32,
-}
-
-/// One timed kernel measurement (see the CUDA build).
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct KernelTiming {
-    /// Median milliseconds per launch.
-    pub ms: f32,
-    /// Bytes read plus written per launch.
-    pub bytes: u64,
-}
-
-impl KernelTiming {
-    /// Achieved bandwidth in GB/s.
-    pub fn gbps(&self) -> f64 {
-        self.bytes as f64 / (f64::from(self.ms) * 1e-3) / 1e9
-    }
 }
 
 /// The CUDA backend (none can exist in this build).
