@@ -8,7 +8,7 @@ use std::sync::Arc;
 use volley_actor::{ActorCounters, RolloutWorker};
 use volley_core::ids::{ActorId, PolicyVersion};
 use volley_core::wire::Weights;
-use volley_learner::backend::{Backend, CpuBackend, Head, View, ViewMut};
+use volley_learner::backend::{Backend, CpuBackend, Head, LogProbs, View, ViewMut};
 use volley_learner::net::Network;
 use volley_policy::ActionHead;
 use volley_testkit::fixtures::SpecBuilder;
@@ -64,14 +64,14 @@ fn recorded_behaviour_log_probs_equal_the_learners_for_the_same_weights() {
                 .expect("forward");
             let mut log_probs = vec![0.0f32; T];
             let head = Head { kind: spec.policy.head, params: View::range(&params, log_std.clone()) };
-            cpu.log_probs(
-                net.heads(),
-                spec.policy.n_actions,
-                &head,
-                View::of(&segment.continuous_actions),
-                None,
-                ViewMut::of(&mut log_probs),
-            )
+            cpu.log_probs(LogProbs {
+                heads: net.heads(),
+                n_actions: spec.policy.n_actions,
+                head,
+                actions: View::of(&segment.continuous_actions),
+                reference: None,
+                out: ViewMut::of(&mut log_probs),
+            })
             .expect("log-probs");
             for (t, (&learner, &actor)) in log_probs.iter().zip(&segment.behaviour_log_probs).enumerate() {
                 assert!(

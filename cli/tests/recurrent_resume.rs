@@ -13,7 +13,7 @@ use volley_core::spec::RunSpec;
 use volley_core::wire::{TrajectorySegment, Weights};
 use volley_core::work::{Start, WorkConfig, WorkItem};
 use volley_env::{EnvConfig, MemoryConfig};
-use volley_learner::backend::{Backend, CpuBackend, Head, View, ViewMut};
+use volley_learner::backend::{Backend, CpuBackend, Head, LogProbs, View, ViewMut};
 use volley_learner::batch::SegmentBatch;
 use volley_learner::net::Network;
 use volley_policy::{CoreKind, ParamLayout};
@@ -81,8 +81,8 @@ fn learner_log_probs(layout: &ParamLayout, params: &[f32], batch: &SegmentBatch,
     let mut log_probs = vec![0.0f32; n];
     let no_params = Vec::new();
     let head = Head { kind: layout.head(), params: View::of(&no_params) };
-    cpu.log_probs(net.heads(), layout.spec().n_actions, &head, View::of(&actions), None, ViewMut::of(&mut log_probs))
-        .expect("log-probs");
+    let (n_actions, actions, out) = (layout.spec().n_actions, View::of(&actions), ViewMut::of(&mut log_probs));
+    cpu.log_probs(LogProbs { heads: net.heads(), n_actions, head, actions, reference: None, out }).expect("log-probs");
     log_probs
 }
 

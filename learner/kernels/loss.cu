@@ -119,8 +119,9 @@ __device__ __forceinline__ void volley_add_stats(double* stats, double policy, d
 // grid-stride over samples: over the samples with w > 0, sums[0..10] += [w, w [rho > rho_bar],
 // w [rho > c_bar], w ((rho - 1) - log rho), w rho, w rho^2, w target, w target^2, w err, w err^2]
 // with err = target - value; ratios[i] = rho, or -1 (telemetry::NO_RATIO) where w <= 0.
-extern "C" __global__ void off_policy_sums(const float* log_rhos, const float* weights, const float* values, const float* targets,
-                                           float rho_bar, float c_bar, int n, double* sums, float* ratios) {
+extern "C" __global__ void off_policy_sums(const float* log_rhos, const float* ref, const float* weights, const float* values,
+                                           const float* targets, float rho_bar, float c_bar, int n, double* sums,
+                                           float* ratios) {
     double acc[10] = {0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0};
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
         const double w = weights[i];
@@ -128,7 +129,8 @@ extern "C" __global__ void off_policy_sums(const float* log_rhos, const float* w
             ratios[i] = -1.0f;
             continue;
         }
-        const double log_rho = log_rhos[i];
+        // The difference in float, as the CPU backend takes it (ref: PPO's behaviour log-probs).
+        const double log_rho = ref == NULL ? log_rhos[i] : log_rhos[i] - ref[i];
         const double rho = exp(log_rho);
         ratios[i] = (float)rho;
         const double target = targets[i];

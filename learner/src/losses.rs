@@ -426,9 +426,12 @@ pub fn vtrace_loss_heads<H: PolicyHead>(
     let (values, bootstrap_value) = values.split_at(n_samples);
     let action = |i: usize| &batch.actions[i * width..(i + 1) * width];
 
-    // Pass 1: the log importance weights.
-    for (i, (log_rho, &behaviour_log_prob)) in log_rhos.iter_mut().zip(batch.behaviour_log_probs).enumerate() {
-        *log_rho = head.log_prob(&heads[i * stride..i * stride + n_outputs], action(i)) - behaviour_log_prob;
+    // Pass 1: the log importance weights. What the head computes on the way (the categorical
+    // log-softmax) waits in the row's gradient for pass 3, which overwrites every row.
+    let rows = log_rhos.iter_mut().zip(batch.behaviour_log_probs).zip(d_heads.chunks_exact_mut(stride));
+    for (i, ((log_rho, &behaviour_log_prob), grad_row)) in rows.enumerate() {
+        let outputs = &heads[i * stride..i * stride + n_outputs];
+        *log_rho = head.prepare_row(outputs, action(i), &mut grad_row[..n_outputs]) - behaviour_log_prob;
     }
 
     // Pass 2: V-trace targets and advantages (Espeholt et al. 2018, eq. (1) and sec. 4.2).
@@ -681,7 +684,8 @@ pub fn ppo_loss_heads<H: PolicyHead>(
         let scale = weight * inv_weight_sum;
         let outputs = &heads[i * stride..i * stride + n_outputs];
         let action = &batch.actions[i * width..(i + 1) * width];
-        let log_ratio = head.log_prob(outputs, action) - targets.prox_log_probs[i];
+        let (d_outputs, d_value) = grad_row.split_at_mut(n_outputs);
+        let log_ratio = head.prepare_row(outputs, action, d_outputs) - targets.prox_log_probs[i];
         let ratio = log_ratio.exp();
         let advantage = (targets.advantages[i] - adv_shift) * adv_scale;
 
@@ -690,7 +694,6 @@ pub fn ppo_loss_heads<H: PolicyHead>(
         let clipped = ratio.clamp(clip_low, clip_high) * advantage;
         let (surrogate, surrogate_grad) = if unclipped <= clipped { (unclipped, unclipped) } else { (clipped, 0.0) };
         let is_weight = targets.is_weights[i];
-        let (d_outputs, d_value) = grad_row.split_at_mut(n_outputs);
         let terms = head.row_gradient(
             outputs,
             action,

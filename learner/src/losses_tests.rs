@@ -630,7 +630,7 @@ fn group_advantages_replace_vtrace_pg_advantages_only_where_given() {
 
 #[test]
 fn group_advantages_replace_gae_advantages_but_not_returns() {
-    use crate::backend::{Backend, CpuBackend, View, ViewMut};
+    use crate::backend::{Backend, CpuBackend, GaeScan, View, ViewMut};
     let (t_len, b_len) = (5, 2);
     let n = t_len * b_len;
     let discounts = vec![0.9; n];
@@ -641,18 +641,18 @@ fn group_advantages_replace_gae_advantages_but_not_returns() {
     let run = |backend: &mut CpuBackend, advantage_override: Option<&Vec<f32>>| {
         let (mut adv, mut ret) = (vec![0.0; n], vec![0.0; n]);
         backend
-            .gae_scan(
+            .gae_scan(GaeScan {
                 t_len,
                 b_len,
-                View::of(&discounts),
-                View::of(&rewards),
-                View::range(&values, 0..n),
-                View::range(&values, n..n + b_len),
-                0.95,
-                advantage_override.map(View::of),
-                ViewMut::of(&mut adv),
-                ViewMut::of(&mut ret),
-            )
+                discounts: View::of(&discounts),
+                rewards: View::of(&rewards),
+                values: View::range(&values, 0..n),
+                bootstrap_value: View::range(&values, n..n + b_len),
+                lambda_: 0.95,
+                advantage_override: advantage_override.map(View::of),
+                advantages: ViewMut::of(&mut adv),
+                returns: ViewMut::of(&mut ret),
+            })
             .unwrap();
         (adv, ret)
     };

@@ -22,7 +22,10 @@ use std::ops::Range;
 
 use volley_policy::{Activation, ConvGeometry, CoreKind, ParamLayout};
 
-use crate::backend::{Backend, BackendError, View, ViewMut};
+use crate::backend::{
+    Backend, BackendError, Col2im, DenseForward, GruCarryGrad, GruCellBackward, GruCellForward, GruResetCopy, Im2col,
+    MatmulDw, MatmulDx, TakeColumn, View, ViewMut,
+};
 pub use crate::batch::StateRestore;
 
 /// Where one dense layer's parameters sit in the flat buffer.
@@ -298,17 +301,17 @@ impl<B: Backend> Network<B> {
             ensure(backend, y, rows * geometry.output_len())?;
             let x = if i == 0 { obs } else { View::range(&before[i - 1], 0..rows * geometry.input_len()) };
             let cols_len = rows * geometry.cols_len();
-            backend.im2col(x, rows, geometry, ViewMut::range(&mut self.conv_cols, 0..cols_len))?;
-            backend.dense_forward(
-                View::range(&self.conv_cols, 0..cols_len),
-                rows * geometry.out_positions(),
-                geometry.patch_len(),
-                param(&layer.weight),
-                param(&layer.bias),
-                geometry.out_channels,
-                Some(Activation::Relu),
-                ViewMut::range(y, 0..rows * geometry.output_len()),
-            )?;
+            backend.im2col(Im2col { x, n: rows, geometry, cols: ViewMut::range(&mut self.conv_cols, 0..cols_len) })?;
+            backend.dense_forward(DenseForward {
+                x: View::range(&self.conv_cols, 0..cols_len),
+                rows: rows * geometry.out_positions(),
+                n_in: geometry.patch_len(),
+                weight: param(&layer.weight),
+                bias: param(&layer.bias),
+                n_out: geometry.out_channels,
+                act: Some(Activation::Relu),
+                y: ViewMut::range(y, 0..rows * geometry.output_len()),
+            })?;
         }
         let conv_features = match self.conv_out.last() {
             Some(out) => View::range(out, 0..rows * shape.conv_width()),
@@ -320,16 +323,16 @@ impl<B: Backend> Network<B> {
             let y = &mut rest[0];
             ensure(backend, y, rows * layer.n_out)?;
             let x = if i == 0 { conv_features } else { View::range(&before[i - 1], 0..rows * layer.n_in) };
-            backend.dense_forward(
+            backend.dense_forward(DenseForward {
                 x,
                 rows,
-                layer.n_in,
-                param(&layer.weight),
-                param(&layer.bias),
-                layer.n_out,
-                Some(shape.activation),
-                ViewMut::range(y, 0..rows * layer.n_out),
-            )?;
+                n_in: layer.n_in,
+                weight: param(&layer.weight),
+                bias: param(&layer.bias),
+                n_out: layer.n_out,
+                act: Some(shape.activation),
+                y: ViewMut::range(y, 0..rows * layer.n_out),
+            })?;
         }
         let torso_width = shape.torso.last().map_or(shape.conv_width(), |d| d.n_out);
         let torso_features = match self.torso_out.last() {
@@ -346,27 +349,27 @@ impl<B: Backend> Network<B> {
             ensure(backend, &mut self.gru_h_prev, rows * hidden)?;
             ensure(backend, &mut self.gru_h_out, rows * hidden)?;
             // The input projection does not depend on h: one product for the whole sequence.
-            backend.dense_forward(
-                torso_features,
+            backend.dense_forward(DenseForward {
+                x: torso_features,
                 rows,
-                gru.n_in,
-                param(&gru.weight_ih),
-                param(&gru.bias_ih),
-                3 * hidden,
-                None,
-                ViewMut::range(&mut self.gru_input_proj, 0..rows * 3 * hidden),
-            )?;
+                n_in: gru.n_in,
+                weight: param(&gru.weight_ih),
+                bias: param(&gru.bias_ih),
+                n_out: 3 * hidden,
+                act: None,
+                y: ViewMut::range(&mut self.gru_input_proj, 0..rows * 3 * hidden),
+            })?;
             let mut pending = restores.iter().peekable();
             for t in 0..t_len {
                 let source = if t == 0 { h0 } else { View::range(&self.gru_h_out, (t - 1) * state..t * state) };
                 let step_state = t * state..(t + 1) * state;
                 let step_gates = t * gates..(t + 1) * gates;
-                backend.gru_reset_copy(
-                    source,
-                    starts.slice(t * b_len..(t + 1) * b_len),
+                backend.gru_reset_copy(GruResetCopy {
+                    src: source,
+                    starts: starts.slice(t * b_len..(t + 1) * b_len),
                     hidden,
-                    ViewMut::range(&mut self.gru_h_prev, step_state.clone()),
-                )?;
+                    dst: ViewMut::range(&mut self.gru_h_prev, step_state.clone()),
+                })?;
                 while let Some(restore) = pending.next_if(|r| r.t == t) {
                     let row = step_state.start + restore.b * hidden;
                     backend.copy(
@@ -375,24 +378,24 @@ impl<B: Backend> Network<B> {
                     )?;
                 }
                 let h_prev = View::range(&self.gru_h_prev, step_state.clone());
-                backend.dense_forward(
+                backend.dense_forward(DenseForward {
+                    x: h_prev,
+                    rows: b_len,
+                    n_in: hidden,
+                    weight: param(&gru.weight_hh),
+                    bias: param(&gru.bias_hh),
+                    n_out: 3 * hidden,
+                    act: None,
+                    y: ViewMut::range(&mut self.gru_hidden_proj, step_gates.clone()),
+                })?;
+                backend.gru_cell_forward(GruCellForward {
+                    gi: View::range(&self.gru_input_proj, step_gates.clone()),
+                    gh: View::range(&self.gru_hidden_proj, step_gates.clone()),
                     h_prev,
-                    b_len,
                     hidden,
-                    param(&gru.weight_hh),
-                    param(&gru.bias_hh),
-                    3 * hidden,
-                    None,
-                    ViewMut::range(&mut self.gru_hidden_proj, step_gates.clone()),
-                )?;
-                backend.gru_cell_forward(
-                    View::range(&self.gru_input_proj, step_gates.clone()),
-                    View::range(&self.gru_hidden_proj, step_gates.clone()),
-                    h_prev,
-                    hidden,
-                    ViewMut::range(&mut self.gru_gates, step_gates),
-                    ViewMut::range(&mut self.gru_h_out, step_state),
-                )?;
+                    gates: ViewMut::range(&mut self.gru_gates, step_gates),
+                    h_out: ViewMut::range(&mut self.gru_h_out, step_state),
+                })?;
             }
         }
 
@@ -403,23 +406,23 @@ impl<B: Backend> Network<B> {
             Some(gru) => View::range(&self.gru_h_out, 0..rows * gru.hidden),
             None => torso_features,
         };
-        backend.dense_forward(
-            features,
+        backend.dense_forward(DenseForward {
+            x: features,
             rows,
-            heads.n_in,
-            param(&heads.weight),
-            param(&heads.bias),
-            heads.n_out,
-            None,
-            ViewMut::range(&mut self.heads_out, 0..rows * heads.n_out),
-        )?;
-        backend.take_column(
-            View::range(&self.heads_out, 0..rows * heads.n_out),
+            n_in: heads.n_in,
+            weight: param(&heads.weight),
+            bias: param(&heads.bias),
+            n_out: heads.n_out,
+            act: None,
+            y: ViewMut::range(&mut self.heads_out, 0..rows * heads.n_out),
+        })?;
+        backend.take_column(TakeColumn {
+            src: View::range(&self.heads_out, 0..rows * heads.n_out),
             rows,
-            heads.n_out,
-            shape.n_actions,
-            ViewMut::range(&mut self.values, 0..rows),
-        )
+            width: heads.n_out,
+            column: shape.n_actions,
+            dst: ViewMut::range(&mut self.values, 0..rows),
+        })
     }
 
     /// Backprop `d_heads` (`∂L/∂[logits | value]`, `[T·B][A + 1]`) through the last forward and
@@ -453,14 +456,14 @@ impl<B: Backend> Network<B> {
         };
 
         let heads = &shape.heads;
-        backend.matmul_dw(
-            d_heads,
-            features,
+        backend.matmul_dw(MatmulDw {
+            dy: d_heads,
+            x: features,
             rows,
-            heads.n_out,
-            heads.n_in,
-            ViewMut::range(grads, heads.weight.clone()),
-        )?;
+            n_out: heads.n_out,
+            n_in: heads.n_in,
+            dw: ViewMut::range(grads, heads.weight.clone()),
+        })?;
         backend.column_sums(d_heads, rows, ViewMut::range(grads, heads.bias.clone()))?;
         // ∂L/∂features is only needed if something upstream has parameters.
         if shape.conv.is_empty() && shape.torso.is_empty() && shape.gru.is_none() {
@@ -472,15 +475,15 @@ impl<B: Backend> Network<B> {
         ensure(backend, d_b, rows * widest)?;
         // `d_cur` always holds ∂L/∂(output of the layer being processed).
         let (mut d_cur, mut d_next) = (d_a, d_b);
-        backend.matmul_dx(
-            d_heads,
+        backend.matmul_dx(MatmulDx {
+            dy: d_heads,
             rows,
-            heads.n_out,
-            param(&heads.weight),
-            heads.n_in,
-            ViewMut::range(d_cur, 0..rows * heads.n_in),
-            false,
-        )?;
+            n_out: heads.n_out,
+            weight: param(&heads.weight),
+            n_in: heads.n_in,
+            dx: ViewMut::range(d_cur, 0..rows * heads.n_in),
+            accumulate: false,
+        })?;
 
         if let Some(gru) = &shape.gru {
             let hidden = gru.hidden;
@@ -496,66 +499,66 @@ impl<B: Backend> Network<B> {
                 }
                 // A reset at step t+1 replaced h_t with zeros there, so no gradient reaches it.
                 let starts_next = (!last).then(|| starts.slice((t + 1) * b_len..(t + 2) * b_len));
-                backend.gru_carry_grad(
-                    ViewMut::range(&mut self.d_gru_h, 0..state),
+                backend.gru_carry_grad(GruCarryGrad {
+                    d_h: ViewMut::range(&mut self.d_gru_h, 0..state),
                     starts_next,
-                    View::range(d_cur, t * state..(t + 1) * state),
+                    from_heads: View::range(d_cur, t * state..(t + 1) * state),
                     hidden,
-                )?;
+                })?;
                 let step_gates = t * gates..(t + 1) * gates;
-                backend.gru_cell_backward(
-                    ViewMut::range(&mut self.d_gru_h, 0..state),
-                    View::range(&self.gru_gates, step_gates.clone()),
-                    View::range(&self.gru_hidden_proj, step_gates.clone()),
-                    View::range(&self.gru_h_prev, t * state..(t + 1) * state),
+                backend.gru_cell_backward(GruCellBackward {
+                    d_h: ViewMut::range(&mut self.d_gru_h, 0..state),
+                    gates: View::range(&self.gru_gates, step_gates.clone()),
+                    gh: View::range(&self.gru_hidden_proj, step_gates.clone()),
+                    h_prev: View::range(&self.gru_h_prev, t * state..(t + 1) * state),
                     hidden,
-                    ViewMut::range(&mut self.d_gru_input_proj, step_gates.clone()),
-                    ViewMut::range(&mut self.d_gru_hidden_proj, step_gates.clone()),
-                )?;
+                    d_gi: ViewMut::range(&mut self.d_gru_input_proj, step_gates.clone()),
+                    d_gh: ViewMut::range(&mut self.d_gru_hidden_proj, step_gates.clone()),
+                })?;
                 if t == 0 {
                     break; // no gradient into h0
                 }
-                backend.matmul_dx(
-                    View::range(&self.d_gru_hidden_proj, step_gates),
-                    b_len,
-                    3 * hidden,
-                    param(&gru.weight_hh),
-                    hidden,
-                    ViewMut::range(&mut self.d_gru_h, 0..state),
-                    true,
-                )?;
+                backend.matmul_dx(MatmulDx {
+                    dy: View::range(&self.d_gru_hidden_proj, step_gates),
+                    rows: b_len,
+                    n_out: 3 * hidden,
+                    weight: param(&gru.weight_hh),
+                    n_in: hidden,
+                    dx: ViewMut::range(&mut self.d_gru_h, 0..state),
+                    accumulate: true,
+                })?;
             }
             // Weight gradients summed over all steps: one T·B-deep product each.
             let d_input_proj = View::range(&self.d_gru_input_proj, 0..rows * 3 * hidden);
             let d_hidden_proj = View::range(&self.d_gru_hidden_proj, 0..rows * 3 * hidden);
-            backend.matmul_dw(
-                d_input_proj,
-                torso_features,
+            backend.matmul_dw(MatmulDw {
+                dy: d_input_proj,
+                x: torso_features,
                 rows,
-                3 * hidden,
-                gru.n_in,
-                ViewMut::range(grads, gru.weight_ih.clone()),
-            )?;
+                n_out: 3 * hidden,
+                n_in: gru.n_in,
+                dw: ViewMut::range(grads, gru.weight_ih.clone()),
+            })?;
             backend.column_sums(d_input_proj, rows, ViewMut::range(grads, gru.bias_ih.clone()))?;
-            backend.matmul_dw(
-                d_hidden_proj,
-                View::range(&self.gru_h_prev, 0..rows * hidden),
+            backend.matmul_dw(MatmulDw {
+                dy: d_hidden_proj,
+                x: View::range(&self.gru_h_prev, 0..rows * hidden),
                 rows,
-                3 * hidden,
-                hidden,
-                ViewMut::range(grads, gru.weight_hh.clone()),
-            )?;
+                n_out: 3 * hidden,
+                n_in: hidden,
+                dw: ViewMut::range(grads, gru.weight_hh.clone()),
+            })?;
             backend.column_sums(d_hidden_proj, rows, ViewMut::range(grads, gru.bias_hh.clone()))?;
             if !shape.torso.is_empty() || !shape.conv.is_empty() {
-                backend.matmul_dx(
-                    d_input_proj,
+                backend.matmul_dx(MatmulDx {
+                    dy: d_input_proj,
                     rows,
-                    3 * hidden,
-                    param(&gru.weight_ih),
-                    gru.n_in,
-                    ViewMut::range(d_cur, 0..rows * gru.n_in),
-                    false,
-                )?;
+                    n_out: 3 * hidden,
+                    weight: param(&gru.weight_ih),
+                    n_in: gru.n_in,
+                    dx: ViewMut::range(d_cur, 0..rows * gru.n_in),
+                    accumulate: false,
+                })?;
             }
         }
 
@@ -568,18 +571,25 @@ impl<B: Backend> Network<B> {
             )?;
             let x = if i == 0 { conv_features } else { View::range(&self.torso_out[i - 1], 0..rows * layer.n_in) };
             let d_pre = View::range(d_cur, 0..n);
-            backend.matmul_dw(d_pre, x, rows, layer.n_out, layer.n_in, ViewMut::range(grads, layer.weight.clone()))?;
+            backend.matmul_dw(MatmulDw {
+                dy: d_pre,
+                x,
+                rows,
+                n_out: layer.n_out,
+                n_in: layer.n_in,
+                dw: ViewMut::range(grads, layer.weight.clone()),
+            })?;
             backend.column_sums(d_pre, rows, ViewMut::range(grads, layer.bias.clone()))?;
             if i > 0 || !shape.conv.is_empty() {
-                backend.matmul_dx(
-                    d_pre,
+                backend.matmul_dx(MatmulDx {
+                    dy: d_pre,
                     rows,
-                    layer.n_out,
-                    param(&layer.weight),
-                    layer.n_in,
-                    ViewMut::range(d_next, 0..rows * layer.n_in),
-                    false,
-                )?;
+                    n_out: layer.n_out,
+                    weight: param(&layer.weight),
+                    n_in: layer.n_in,
+                    dx: ViewMut::range(d_next, 0..rows * layer.n_in),
+                    accumulate: false,
+                })?;
                 std::mem::swap(&mut d_cur, &mut d_next);
             }
         }
@@ -599,33 +609,33 @@ impl<B: Backend> Network<B> {
             // The unfolding is recomputed rather than kept from the forward: it is the largest
             // activation of a conv torso (K² times its input) and cheap to rebuild.
             let x = if i == 0 { obs } else { View::range(&self.conv_out[i - 1], 0..rows * geometry.input_len()) };
-            backend.im2col(x, rows, geometry, ViewMut::range(&mut self.conv_cols, 0..cols_len))?;
+            backend.im2col(Im2col { x, n: rows, geometry, cols: ViewMut::range(&mut self.conv_cols, 0..cols_len) })?;
             let d_pre = View::range(d_cur, 0..out_len);
-            backend.matmul_dw(
-                d_pre,
-                View::range(&self.conv_cols, 0..cols_len),
-                positions,
-                geometry.out_channels,
-                geometry.patch_len(),
-                ViewMut::range(grads, layer.weight.clone()),
-            )?;
+            backend.matmul_dw(MatmulDw {
+                dy: d_pre,
+                x: View::range(&self.conv_cols, 0..cols_len),
+                rows: positions,
+                n_out: geometry.out_channels,
+                n_in: geometry.patch_len(),
+                dw: ViewMut::range(grads, layer.weight.clone()),
+            })?;
             backend.column_sums(d_pre, positions, ViewMut::range(grads, layer.bias.clone()))?;
             if i > 0 {
-                backend.matmul_dx(
-                    d_pre,
-                    positions,
-                    geometry.out_channels,
-                    param(&layer.weight),
-                    geometry.patch_len(),
-                    ViewMut::range(&mut self.d_conv_cols, 0..cols_len),
-                    false,
-                )?;
-                backend.col2im(
-                    View::range(&self.d_conv_cols, 0..cols_len),
-                    rows,
+                backend.matmul_dx(MatmulDx {
+                    dy: d_pre,
+                    rows: positions,
+                    n_out: geometry.out_channels,
+                    weight: param(&layer.weight),
+                    n_in: geometry.patch_len(),
+                    dx: ViewMut::range(&mut self.d_conv_cols, 0..cols_len),
+                    accumulate: false,
+                })?;
+                backend.col2im(Col2im {
+                    d_cols: View::range(&self.d_conv_cols, 0..cols_len),
+                    n: rows,
                     geometry,
-                    ViewMut::range(d_next, 0..rows * geometry.input_len()),
-                )?;
+                    dx: ViewMut::range(d_next, 0..rows * geometry.input_len()),
+                })?;
                 std::mem::swap(&mut d_cur, &mut d_next);
             }
         }

@@ -48,6 +48,8 @@ pub struct OffPolicyInputs<'a> {
     /// `log ρ = log π(a|x) − log μ(a|x)`: the learner's parameters before this update against
     /// the behaviour log-probabilities the actors recorded.
     pub log_rhos: &'a [f32],
+    /// Subtracted from `log_rhos` per sample when given (`log π` and `log μ` apart).
+    pub reference: Option<&'a [f32]>,
     /// Sample weights (0 drops a sample).
     pub weights: &'a [f32],
     /// The value head's outputs.
@@ -179,6 +181,7 @@ pub fn off_policy_sums(inputs: &OffPolicyInputs<'_>, sums: &mut OffPolicySums, r
     let n = inputs.weights.len();
     for (name, len) in [
         ("log_rhos", inputs.log_rhos.len()),
+        ("reference", inputs.reference.map_or(n, <[f32]>::len)),
         ("values", inputs.values.len()),
         ("value_targets", inputs.value_targets.len()),
         ("ratios", ratios.len()),
@@ -190,7 +193,8 @@ pub fn off_policy_sums(inputs: &OffPolicyInputs<'_>, sums: &mut OffPolicySums, r
         *ratio = if w <= 0.0 {
             NO_RATIO
         } else {
-            let (log_rho, value, target) = (inputs.log_rhos[i], inputs.values[i], inputs.value_targets[i]);
+            let log_rho = inputs.log_rhos[i] - inputs.reference.map_or(0.0, |r| r[i]);
+            let (value, target) = (inputs.values[i], inputs.value_targets[i]);
             sums.add(w, f64::from(log_rho), f64::from(value), f64::from(target), inputs.rho_bar, inputs.c_bar) as f32
         };
     }
@@ -217,6 +221,7 @@ mod tests {
         let log_rhos: Vec<f32> = target.iter().zip(behaviour).map(|(t, b)| t - b).collect();
         off_policy_stats(&OffPolicyInputs {
             log_rhos: &log_rhos,
+            reference: None,
             weights,
             values,
             value_targets: targets,

@@ -24,8 +24,9 @@ use volley_policy::returns::VTraceConfig;
 use volley_policy::{ActionHead, ParamLayout};
 
 use crate::backend::{
-    Backend, BackendError, CpuBackend, CudaBackend, Evaluation, Head, OffPolicyViews, PpoLossInputs, PpoLossOutputs,
-    VTraceLossInputs, VTraceLossOutputs, View, ViewMut,
+    Backend, BackendError, BehaviourWeights, ClipAdamStep, CpuBackend, CudaBackend, Evaluation, GaeScan, GatherColumns,
+    Head, LogProbs, OffPolicyViews, PpoLoss, PpoLossInputs, PpoLossOutputs, VTraceLoss, VTraceLossInputs,
+    VTraceLossOutputs, View, ViewMut,
 };
 use crate::batch::{SegmentBatch, StateRestore};
 use crate::losses::{LossStats, PpoLossConfig, VTraceLossConfig};
@@ -422,17 +423,17 @@ impl<B: Backend> Trainer<B> {
 
     /// Clip and take an Adam step on the gradient of evaluation `slot`.
     fn apply_gradients(&mut self, hyper: &HyperParams, learning_rate: f32, slot: usize) -> Result<(), BackendError> {
-        self.backend.clip_adam_step(
-            ViewMut::of(&mut self.params),
-            ViewMut::of(&mut self.grads),
-            ViewMut::of(&mut self.adam_m),
-            ViewMut::of(&mut self.adam_v),
-            &mut self.adam_step,
-            &self.adam_config,
+        self.backend.clip_adam_step(ClipAdamStep {
+            params: ViewMut::of(&mut self.params),
+            grads: ViewMut::of(&mut self.grads),
+            adam_m: ViewMut::of(&mut self.adam_m),
+            adam_v: ViewMut::of(&mut self.adam_v),
+            step: &mut self.adam_step,
+            config: &self.adam_config,
             learning_rate,
-            hyper.max_grad_norm,
+            max_grad_norm: hyper.max_grad_norm,
             slot,
-        )
+        })
     }
 
     /// The forward over the staged batch's `T + 1` rows.
@@ -502,11 +503,13 @@ impl<B: Backend> Trainer<B> {
             d_heads: ViewMut::range(&mut loss.d_heads, 0..(n + b_len) * stride),
             d_head_params: ViewMut::range(&mut loss.d_head_params, 0..n * n_head_params),
         };
-        self.backend.vtrace_loss(&inputs, &config, outputs, 0)?;
+        let (weights, values) = (inputs.sample_weights, inputs.values.slice(0..n));
+        self.backend.vtrace_loss(VTraceLoss { inputs, config: &config, outputs, slot: 0 })?;
         let off_policy = OffPolicyViews {
             log_rhos: View::range(&loss.log_rhos, 0..n),
-            weights: inputs.sample_weights,
-            values: inputs.values.slice(0..n),
+            reference: None,
+            weights,
+            values,
             value_targets: View::range(&loss.vs, 0..n),
             rho_bar: h.clip_rho_threshold,
             c_bar: h.clip_c_threshold,
@@ -549,18 +552,18 @@ impl<B: Backend> Trainer<B> {
         let s = &self.staged_layout;
         let staged = |range: &Range<usize>| View::range(&self.staged, range.clone());
         let values = self.net.values();
-        self.backend.gae_scan(
+        self.backend.gae_scan(GaeScan {
             t_len,
             b_len,
-            staged(&s.discounts),
-            staged(&s.rewards),
-            values.slice(0..n),
-            values.slice(n..n + b_len),
-            gae_lambda,
-            s.advantage_override_view(&self.staged),
-            ViewMut::range(&mut loss.advantages, 0..n),
-            ViewMut::range(&mut loss.returns, 0..n),
-        )
+            discounts: staged(&s.discounts),
+            rewards: staged(&s.rewards),
+            values: values.slice(0..n),
+            bootstrap_value: values.slice(n..n + b_len),
+            lambda_: gae_lambda,
+            advantage_override: s.advantage_override_view(&self.staged),
+            advantages: ViewMut::range(&mut loss.advantages, 0..n),
+            returns: ViewMut::range(&mut loss.returns, 0..n),
+        })
     }
 
     fn ppo_step(
@@ -579,22 +582,22 @@ impl<B: Backend> Trainer<B> {
         self.value_pass(t_len, b_len, h.gae_lambda)?;
         // 2. The proximal policy: log π_prox of the taken actions, from the same forward.
         let s = self.staged_layout.clone();
-        self.backend.log_probs(
-            self.net.heads().slice(0..n * stride),
+        self.backend.log_probs(LogProbs {
+            heads: self.net.heads().slice(0..n * stride),
             n_actions,
-            &Head { kind: self.head_kind, params: View::range(&self.params, self.head_params.clone()) },
-            View::range(&self.staged, s.actions.clone()),
-            None,
-            ViewMut::range(&mut self.loss.prox_log_probs, 0..n),
-        )?;
+            head: Head { kind: self.head_kind, params: View::range(&self.params, self.head_params.clone()) },
+            actions: View::range(&self.staged, s.actions.clone()),
+            reference: None,
+            out: ViewMut::range(&mut self.loss.prox_log_probs, 0..n),
+        })?;
         let action_width = self.action_width;
         // 3. Behaviour importance weights min(π_prox/μ, clip) (Hilton et al. 2021).
-        self.backend.behaviour_weights(
-            View::range(&self.loss.prox_log_probs, 0..n),
-            View::range(&self.staged, s.behaviour_log_probs.clone()),
-            h.behaviour_is_clip,
-            ViewMut::range(&mut self.loss.is_weights, 0..n),
-        )?;
+        self.backend.behaviour_weights(BehaviourWeights {
+            prox_log_probs: View::range(&self.loss.prox_log_probs, 0..n),
+            behaviour_log_probs: View::range(&self.staged, s.behaviour_log_probs.clone()),
+            clip: h.behaviour_is_clip,
+            out: ViewMut::range(&mut self.loss.is_weights, 0..n),
+        })?;
 
         // 4. Epochs of minibatch gradient steps over whole sequences (columns).
         let n_minibatches = (h.ppo_minibatches as usize).clamp(1, b_len.max(1));
@@ -676,7 +679,7 @@ impl<B: Backend> Trainer<B> {
                     d_heads: ViewMut::range(&mut self.loss.d_heads, 0..m * stride),
                     d_head_params: ViewMut::range(&mut self.loss.d_head_params, 0..m * n_head_params),
                 };
-                self.backend.ppo_loss(&inputs, &config, outputs, slot)?;
+                self.backend.ppo_loss(PpoLoss { inputs, config: &config, outputs, slot })?;
                 self.net.backward(
                     &mut self.backend,
                     &self.params,
@@ -694,24 +697,15 @@ impl<B: Backend> Trainer<B> {
     }
 
     /// PPO's off-policy statistics: the proximal policy (the parameters before the update)
-    /// against the behaviour's, weighted by the samples' weights, with GAE's returns as the
+    /// against the behaviour's (the proximal log-probabilities the value pass wrote, less the
+    /// behaviour's, per sample), weighted by the samples' weights, with GAE's returns as the
     /// value targets and the behaviour IS clip as both `ρ̄` and `c̄` (PPO has no traces).
     fn ppo_off_policy(&mut self, n: usize, h: &HyperParams, s: &StagedLayout) -> Result<(), BackendError> {
-        let stride = self.net.n_actions() + 1;
         let loss = &mut self.loss;
-        for buffer in [&mut loss.log_rhos, &mut loss.ratios] {
-            ensure(&mut self.backend, buffer, n)?;
-        }
-        self.backend.log_probs(
-            self.net.heads().slice(0..n * stride),
-            self.net.n_actions(),
-            &Head { kind: self.head_kind, params: View::range(&self.params, self.head_params.clone()) },
-            View::range(&self.staged, s.actions.clone()),
-            Some(View::range(&self.staged, s.behaviour_log_probs.clone())),
-            ViewMut::range(&mut loss.log_rhos, 0..n),
-        )?;
+        ensure(&mut self.backend, &mut loss.ratios, n)?;
         let inputs = OffPolicyViews {
-            log_rhos: View::range(&loss.log_rhos, 0..n),
+            log_rhos: View::range(&loss.prox_log_probs, 0..n),
+            reference: Some(View::range(&self.staged, s.behaviour_log_probs.clone())),
             weights: View::range(&self.staged, s.sample_weights.clone()),
             values: self.net.values().slice(0..n),
             value_targets: View::range(&loss.returns, 0..n),
@@ -778,7 +772,18 @@ impl<B: Backend> Trainer<B> {
             }
             let len = rows * mb_len * width;
             debug_assert!(rows == 1 || len == m * width);
-            backend.gather_columns(src, rows, b_len, width, columns, offset, mb_len, ViewMut::range(dst, 0..len))?;
+            let dst = ViewMut::range(dst, 0..len);
+            let (columns_offset, n_columns) = (offset, mb_len);
+            backend.gather_columns(GatherColumns {
+                src,
+                rows,
+                b_len,
+                width,
+                columns,
+                columns_offset,
+                n_columns,
+                dst,
+            })?;
         }
         Ok(())
     }

@@ -3,15 +3,16 @@
 //! it stayed there. One test in its own binary, so no other test's allocations move the
 //! process's resident set while it measures.
 
-use std::sync::atomic::AtomicBool;
+mod common;
+
 use std::thread;
 
 use volley_core::spec::{HyperParams, LossKind, RunSpec};
 use volley_core::wire::TrajectorySegment;
 use volley_core::work::SnapshotInfo;
 use volley_learner::ingest::seen::{SeenSegments, SEEN_STREAMS};
-use volley_learner::{run_learner, Learner, LearnerReport, RunLimits, StopReason, UpdateStats};
-use volley_testkit::fixtures::{SegmentBuilder, SpecBuilder};
+use volley_learner::{Learner, LearnerReport, RunLimits, StopReason, UpdateStats};
+use volley_testkit::fixtures::SpecBuilder;
 use volley_transport::local::{trajectory_channel, weights_channel};
 use volley_transport::TrajectorySink;
 
@@ -27,16 +28,7 @@ fn spec() -> RunSpec {
 }
 
 fn segment(spec: &RunSpec, actor: &str, idx: u64) -> TrajectorySegment {
-    SegmentBuilder::for_spec(spec)
-        .actor(actor)
-        .incarnation(idx)
-        .episode_id(idx)
-        .segment_idx(idx)
-        .observations_from(|i| (i as f32 * 0.37).sin() * 0.1)
-        .actions((0..T).map(|t| (t % 2) as u32).collect())
-        .terminal_at(T - 1)
-        .episode(8.0, 8)
-        .build()
+    TrajectorySegment { incarnation: idx, ..common::ended_episode_segment(spec, actor, idx, 8.0, 8) }
 }
 
 /// Resident set size of this process, from /proc (None where there is no /proc).
@@ -108,15 +100,8 @@ fn hostile_ids_and_keys_do_not_grow_the_learner() {
         }
     });
     let limits = RunLimits { publish_every: 1, ..RunLimits::default() };
-    let report = run_learner(
-        &mut learner,
-        &mut source,
-        &mut publisher,
-        &limits,
-        &AtomicBool::new(false),
-        &mut |_: &mut Learner, _: &LearnerReport, _: &UpdateStats| {},
-    )
-    .expect("learner loop");
+    let no_control = &mut |_: &mut Learner, _: &LearnerReport, _: &UpdateStats| {};
+    let report = common::run_to_end(&mut learner, &mut source, &mut publisher, &limits, no_control);
     producer.join().expect("producer");
     let after = rss_bytes().expect("readable before, readable after");
     assert_eq!(report.stop_reason, Some(StopReason::SourceClosed));

@@ -11,6 +11,8 @@
 //! id (at most half the return window). Three honest identities report returns far below the
 //! target. The run must not stop as solved; before identities it did.
 
+mod common;
+
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::thread;
@@ -19,8 +21,8 @@ use std::time::Duration;
 use volley_core::ids::{ActorId, RunId};
 use volley_core::spec::{HyperParams, LossKind, RunSpec, StoreLimits};
 use volley_core::wire::TrajectorySegment;
-use volley_learner::{run_learner, Learner, LearnerReport, RunLimits, StopReason, UpdateStats};
-use volley_testkit::fixtures::{SegmentBuilder, SpecBuilder};
+use volley_learner::{Learner, LearnerReport, RunLimits, StopReason, UpdateStats};
+use volley_testkit::fixtures::SpecBuilder;
 use volley_testkit::TestNats;
 use volley_transport::nats::identity::{actor_nkey_variable, ActorIdentity};
 use volley_transport::nats::{NatsAuth, NatsBus, NatsConfig, NatsTls};
@@ -66,18 +68,8 @@ fn spec() -> RunSpec {
     SpecBuilder::cartpole(T).run(RUN).torso(vec![16]).hyper(hyper).seed(5).build()
 }
 
-/// A CartPole segment of `actor` whose one episode ends at its last step with `episode_return`
-/// over `episode_len` steps.
 fn segment(learner: &Learner, actor: &str, idx: u64, episode_return: f32, episode_len: u32) -> TrajectorySegment {
-    SegmentBuilder::for_spec(learner.spec())
-        .actor(actor)
-        .episode_id(idx)
-        .segment_idx(idx)
-        .observations_from(|i| (i as f32 * 0.37).sin() * 0.1)
-        .actions((0..T).map(|t| (t % 2) as u32).collect())
-        .terminal_at(T - 1)
-        .episode(episode_return, episode_len)
-        .build()
+    common::ended_episode_segment(learner.spec(), actor, idx, episode_return, episode_len)
 }
 
 fn bus(server: &TestNats, auth: NatsAuth) -> NatsBus {
@@ -167,15 +159,8 @@ fn one_identity_forging_summaries_cannot_end_a_run_as_solved() {
                 publish_every: 1,
                 ..RunLimits::default()
             };
-            let report = run_learner(
-                &mut learner,
-                &mut source,
-                &mut publisher,
-                &limits,
-                &AtomicBool::new(false),
-                &mut |_: &mut Learner, _: &LearnerReport, _: &UpdateStats| {},
-            )
-            .expect("learner loop");
+            let no_control = &mut |_: &mut Learner, _: &LearnerReport, _: &UpdateStats| {};
+            let report = common::run_to_end(&mut learner, &mut source, &mut publisher, &limits, no_control);
             (report, sent.join().expect("publisher thread"))
         })
     };

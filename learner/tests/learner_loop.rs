@@ -2,8 +2,9 @@
 //! are dropped by lag, trajectory selection drops and counts by reason, and training carries on
 //! with the valid data.
 
+mod common;
+
 use std::collections::{HashMap, HashSet};
-use std::sync::atomic::AtomicBool;
 use std::time::Duration;
 
 use rand::{Rng, SeedableRng};
@@ -12,7 +13,7 @@ use volley_core::ids::{PolicyVersion, RunId};
 use volley_core::spec::{GuardConfig, HyperParams, LossKind, PriorityConfig, RunSpec, ZeroVarianceConfig};
 use volley_core::wire::{EpisodeSummary, TrajectorySegment};
 use volley_env::{EnvConfig, RemoteEnvConfig};
-use volley_learner::{run_learner, Learner, LearnerMetrics, LearnerReport, RunLimits, StopReason, UpdateStats};
+use volley_learner::{Learner, LearnerMetrics, LearnerReport, RunLimits, StopReason, UpdateStats};
 use volley_testkit::fixtures::{SegmentBuilder, SpecBuilder};
 use volley_transport::envsvc::EnvServiceName;
 use volley_transport::local::{trajectory_channel, weights_channel, LocalTrajectorySource};
@@ -49,15 +50,8 @@ fn run(learner: &mut Learner, segments: Vec<TrajectorySegment>, max_updates: u64
     let (mut publisher, mut follower) = weights_channel();
     let limits = RunLimits { max_updates: Some(max_updates), publish_every: 1, ..RunLimits::default() };
     let mut losses = Vec::new();
-    let report = run_learner(
-        learner,
-        &mut source,
-        &mut publisher,
-        &limits,
-        &AtomicBool::new(false),
-        &mut |_: &mut Learner, _: &LearnerReport, stats: &UpdateStats| losses.push(stats.loss.total),
-    )
-    .expect("learner loop");
+    let record = &mut |_: &mut Learner, _: &LearnerReport, stats: &UpdateStats| losses.push(stats.loss.total);
+    let report = common::run_to_end(learner, &mut source, &mut publisher, &limits, record);
     assert!(losses.iter().all(|l| l.is_finite()), "losses must stay finite: {losses:?}");
     let published = follower.latest(None).expect("open").expect("weights published").version.0;
     (report, published)
@@ -233,19 +227,17 @@ fn selection_drops_are_counted_by_reason_while_training_continues() {
     let mut last_observed = LearnerReport::default();
     let mut losses = Vec::new();
     let limits = RunLimits { publish_every: 1, ..RunLimits::default() };
-    let report = run_learner(
+    let report = common::run_to_end(
         &mut learner,
         &mut source,
         &mut publisher,
         &limits,
-        &AtomicBool::new(false),
         &mut |learner: &mut Learner, report: &LearnerReport, stats: &UpdateStats| {
             losses.push(stats.loss.total);
             metrics.observe(learner, report, stats, true);
             last_observed = report.clone();
         },
-    )
-    .expect("learner loop");
+    );
     assert_eq!(report.stop_reason, Some(StopReason::SourceClosed));
     assert!(losses.iter().all(|l| l.is_finite()), "losses stay finite: {losses:?}");
 
@@ -324,8 +316,7 @@ fn a_learner_fed_only_stale_data_ticks_but_makes_no_progress() {
     let (mut publisher, _follower) = weights_channel();
     let limits = RunLimits { max_duration: Some(Duration::from_millis(500)), publish_every: 1, ..RunLimits::default() };
     let mut ticks = Ticks::default();
-    let report = run_learner(&mut learner, &mut source, &mut publisher, &limits, &AtomicBool::new(false), &mut ticks)
-        .expect("learner loop");
+    let report = common::run_to_end(&mut learner, &mut source, &mut publisher, &limits, &mut ticks);
     drop(sink);
     assert_eq!(report.stop_reason, Some(StopReason::TimeBudget));
     assert_eq!((report.updates, ticks.updates), (0, 0));
@@ -347,8 +338,7 @@ fn a_starving_learner_ticks_counts_its_wait_and_makes_progress() {
     let (mut publisher, _follower) = weights_channel();
     let limits = RunLimits { max_duration: Some(Duration::from_millis(350)), publish_every: 1, ..RunLimits::default() };
     let mut ticks = Ticks::default();
-    let report = run_learner(&mut learner, &mut source, &mut publisher, &limits, &AtomicBool::new(false), &mut ticks)
-        .expect("learner loop");
+    let report = common::run_to_end(&mut learner, &mut source, &mut publisher, &limits, &mut ticks);
     assert_eq!(report.stop_reason, Some(StopReason::TimeBudget));
     assert_eq!(report.updates, 0);
     assert!(ticks.ticks >= 2, "{} ticks", ticks.ticks);

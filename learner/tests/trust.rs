@@ -3,13 +3,13 @@
 //! trained on with absurd rewards, or pass as lag 0 with a future version. Every rejection is
 //! counted under its reason, and training carries on with the honest data.
 
-use std::sync::atomic::AtomicBool;
+mod common;
 
 use volley_core::ids::PolicyVersion;
 use volley_core::spec::{HyperParams, LossKind, RunSpec};
 use volley_core::wire::{EpisodeSummary, TrajectorySegment};
-use volley_learner::{run_learner, Learner, LearnerReport, RunLimits, StopReason, UpdateStats};
-use volley_testkit::fixtures::{SegmentBuilder, SpecBuilder};
+use volley_learner::{Learner, LearnerReport, RunLimits, StopReason, UpdateStats};
+use volley_testkit::fixtures::SpecBuilder;
 use volley_transport::local::{trajectory_channel, weights_channel};
 use volley_transport::TrajectorySink;
 
@@ -22,18 +22,8 @@ fn spec() -> RunSpec {
     SpecBuilder::cartpole(T).run("trust").torso(vec![16]).hyper(hyper).seed(5).build()
 }
 
-/// A CartPole segment whose one episode ends at the last step with `episode_return` over
-/// `episode_len` steps (the steps before the segment are the actor's claim).
 fn segment(learner: &Learner, actor: &str, idx: u64, episode_return: f32, episode_len: u32) -> TrajectorySegment {
-    SegmentBuilder::for_spec(learner.spec())
-        .actor(actor)
-        .episode_id(idx)
-        .segment_idx(idx)
-        .observations_from(|i| (i as f32 * 0.37).sin() * 0.1)
-        .actions((0..T).map(|t| (t % 2) as u32).collect())
-        .terminal_at(T - 1)
-        .episode(episode_return, episode_len)
-        .build()
+    common::ended_episode_segment(learner.spec(), actor, idx, episode_return, episode_len)
 }
 
 /// Serialises the learner loops of this file: one test captures the log through a scoped
@@ -56,18 +46,16 @@ fn run_alone(learner: &mut Learner, segments: Vec<TrajectorySegment>, limits: Ru
     drop(sink);
     let (mut publisher, _follower) = weights_channel();
     let mut grad_norms = Vec::new();
-    let report = run_learner(
+    let report = common::run_to_end(
         learner,
         &mut source,
         &mut publisher,
         &limits,
-        &AtomicBool::new(false),
         &mut |_: &mut Learner, _: &LearnerReport, stats: &UpdateStats| {
             assert!(stats.loss.total.is_finite(), "loss {}", stats.loss.total);
             grad_norms.push(stats.grad_norm);
         },
-    )
-    .expect("learner loop");
+    );
     (report, grad_norms)
 }
 
@@ -323,8 +311,8 @@ proptest::proptest! {
         drop(sink);
         let (mut publisher, _follower) = weights_channel();
         let limits = RunLimits { publish_every: 1, ..RunLimits::default() };
-        let report = run_learner(&mut learner, &mut source, &mut publisher, &limits, &AtomicBool::new(false), &mut |_: &mut Learner, _: &LearnerReport, _: &UpdateStats| {})
-            .expect("learner loop");
+        let no_control = &mut |_: &mut Learner, _: &LearnerReport, _: &UpdateStats| {};
+        let report = common::run_to_end(&mut learner, &mut source, &mut publisher, &limits, no_control);
         proptest::prop_assert!(report.updates >= 1, "the honest segments are trained on");
         proptest::prop_assert!(learner.params().iter().all(|p| p.is_finite()));
     }

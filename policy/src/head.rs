@@ -69,9 +69,21 @@ pub trait PolicyHead {
     /// `H(π(· | outputs))` in nats.
     fn entropy(&self, outputs: &[f32]) -> f32;
 
+    /// `log π(action | outputs)`, leaving in `d_outputs` (`n_outputs` long: the row's gradient
+    /// to come) what [`row_gradient`](Self::row_gradient) reads back, so a head whose
+    /// log-probability and gradient share work (the categorical log-softmax) does it once per
+    /// sample even when the loss needs the log-probability long before the gradient (V-trace's
+    /// scan sits between the two).
+    fn prepare_row(&self, outputs: &[f32], action: &[f32], d_outputs: &mut [f32]) -> f32 {
+        let _ = d_outputs;
+        self.log_prob(outputs, action)
+    }
+
     /// The gradient of `−pg_scale · log π(action) − ent_scale · H(π)` with respect to the row's
-    /// outputs (into `d_outputs`, `n_outputs` long) and the head's parameters (into `d_params`,
-    /// `n_param_grads` long): the one piece of calculus every policy loss needs.
+    /// outputs (into `d_outputs`, `n_outputs` long, which must hold what
+    /// [`prepare_row`](Self::prepare_row) left for the same `outputs` and `action`) and the
+    /// head's parameters (into `d_params`, `n_param_grads` long): the one piece of calculus
+    /// every policy loss needs.
     #[allow(clippy::too_many_arguments)]
     fn row_gradient(
         &self,
@@ -145,13 +157,20 @@ impl PolicyHead for Categorical {
         entropy_from_log_probs(&log_probs)
     }
 
+    /// The row's log-softmax, into `d_outputs`.
+    fn prepare_row(&self, outputs: &[f32], action: &[f32], d_outputs: &mut [f32]) -> f32 {
+        let index = self.index(action);
+        log_softmax(outputs, d_outputs);
+        d_outputs[index]
+    }
+
     /// `∂/∂z_j = pg_scale · (p_j − 1[j = a]) + ent_scale · p_j · (log p_j + H)`, using
-    /// `∂ log p_a / ∂z_j = 1[j = a] − p_j` and `∂H/∂z_j = −p_j (log p_j + H)`. The
-    /// log-probabilities are computed in `d_outputs` and turned into the gradient in place, so
-    /// nothing is allocated.
+    /// `∂ log p_a / ∂z_j = 1[j = a] − p_j` and `∂H/∂z_j = −p_j (log p_j + H)`, from the
+    /// log-probabilities [`prepare_row`](PolicyHead::prepare_row) left in `d_outputs`, turned
+    /// into the gradient in place, so nothing is allocated.
     fn row_gradient(
         &self,
-        outputs: &[f32],
+        _outputs: &[f32],
         action: &[f32],
         pg_scale: f32,
         ent_scale: f32,
@@ -159,7 +178,6 @@ impl PolicyHead for Categorical {
         _d_params: &mut [f32],
     ) -> RowTerms {
         let index = self.index(action);
-        log_softmax(outputs, d_outputs);
         let entropy = entropy_from_log_probs(d_outputs);
         let log_prob = d_outputs[index];
         for (j, slot) in d_outputs.iter_mut().enumerate() {
@@ -337,6 +355,11 @@ impl PolicyHead for AnyHead<'_> {
     }
 
     #[inline]
+    fn prepare_row(&self, outputs: &[f32], action: &[f32], d_outputs: &mut [f32]) -> f32 {
+        dispatch!(self, head => head.prepare_row(outputs, action, d_outputs))
+    }
+
+    #[inline]
     fn sample<R: Rng + ?Sized>(&self, outputs: &[f32], rng: &mut R, action: &mut [f32]) -> Sampled {
         dispatch!(self, head => head.sample(outputs, rng, action))
     }
@@ -369,6 +392,8 @@ mod tests {
                 assert!(!sampled.fell_back);
                 assert_eq!(sampled.log_prob, head.log_prob(&outputs, &action), "{head:?}");
                 let (mut d_outputs, mut d_params) = (vec![0.0; head.n_outputs()], vec![0.0; head.n_param_grads()]);
+                let log_prob = head.prepare_row(&outputs, &action, &mut d_outputs);
+                assert_eq!(log_prob, head.log_prob(&outputs, &action), "{head:?}");
                 let terms = head.row_gradient(&outputs, &action, 0.7, 0.1, &mut d_outputs, &mut d_params);
                 assert!((terms.log_prob - sampled.log_prob).abs() < 1e-5, "{head:?}");
                 assert!((terms.entropy - head.entropy(&outputs)).abs() < 1e-6, "{head:?}");
@@ -391,6 +416,7 @@ mod tests {
                 f64::from(-pg * head.log_prob(outputs, &action) - ent * head.entropy(outputs))
             };
             let (mut d_outputs, mut d_params) = (vec![0.0; head.n_outputs()], vec![0.0; head.n_param_grads()]);
+            head.prepare_row(&outputs, &action, &mut d_outputs);
             head.row_gradient(&outputs, &action, pg, ent, &mut d_outputs, &mut d_params);
             let eps = 1e-2f32;
             for j in 0..outputs.len() {

@@ -24,14 +24,15 @@ use volley_policy::ops::{
     gru_cell_forward, im2col, Mat,
 };
 use volley_policy::returns::gae;
-use volley_policy::{Activation, ConvGeometry};
+use volley_policy::Activation;
 
-use super::{
-    check_len, Backend, BackendError, Evaluation, Head, OffPolicyViews, PpoLossInputs, PpoLossOutputs,
-    VTraceLossInputs, VTraceLossOutputs, View, ViewMut,
+use super::ops::{
+    BehaviourWeights, ClipAdamStep, Col2im, DenseForward, GaeScan, GatherColumns, GruCarryGrad, GruCellBackward,
+    GruCellForward, GruResetCopy, Im2col, LogProbs, MatmulDw, MatmulDx, TakeColumn,
 };
-use crate::losses::{self, PpoLossConfig, PpoTargets, RowBatch, VTraceLossConfig, VTraceRows};
-use crate::optim::{adam_step, clip_grad_global_norm, AdamConfig};
+use super::{Backend, BackendError, Evaluation, Head, OffPolicyViews, PpoLoss, VTraceLoss, View, ViewMut};
+use crate::losses::{self, PpoTargets, RowBatch, VTraceRows};
+use crate::optim::{adam_step, clip_grad_global_norm};
 use crate::telemetry::{self, OffPolicyInputs, OffPolicySums};
 
 /// Products of at least this many multiply-adds (`m·k·n`) take the threaded path (see the
@@ -280,6 +281,10 @@ impl Backend for CpuBackend {
         buffer.len()
     }
 
+    fn indices_len(buffer: &Vec<u32>) -> usize {
+        buffer.len()
+    }
+
     fn alloc(&mut self, len: usize) -> Result<Vec<f32>, BackendError> {
         Ok(vec![0.0; len])
     }
@@ -291,10 +296,8 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn upload(&mut self, host: &[f32], dst: ViewMut<'_, Self>) -> Result<(), BackendError> {
-        let dst = slice_mut(dst);
-        check_len("upload", "dst", host.len(), dst.len())?;
-        dst.copy_from_slice(host);
+    fn upload_unchecked(&mut self, host: &[f32], dst: ViewMut<'_, Self>) -> Result<(), BackendError> {
+        slice_mut(dst).copy_from_slice(host);
         Ok(())
     }
 
@@ -311,10 +314,8 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn download(&mut self, src: View<'_, Self>, host: &mut [f32]) -> Result<(), BackendError> {
-        let src = slice(src);
-        check_len("download", "host", src.len(), host.len())?;
-        host.copy_from_slice(src);
+    fn download_unchecked(&mut self, src: View<'_, Self>, host: &mut [f32]) -> Result<(), BackendError> {
+        host.copy_from_slice(slice(src));
         Ok(())
     }
 
@@ -323,42 +324,25 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn copy(&mut self, src: View<'_, Self>, dst: ViewMut<'_, Self>) -> Result<(), BackendError> {
-        check_len("copy", "dst", src.len(), dst.len())?;
+    fn copy_unchecked(&mut self, src: View<'_, Self>, dst: ViewMut<'_, Self>) -> Result<(), BackendError> {
         slice_mut(dst).copy_from_slice(slice(src));
         Ok(())
     }
 
-    fn dense_forward(
-        &mut self,
-        x: View<'_, Self>,
-        rows: usize,
-        n_in: usize,
-        weight: View<'_, Self>,
-        bias: View<'_, Self>,
-        n_out: usize,
-        act: Option<Activation>,
-        y: ViewMut<'_, Self>,
-    ) -> Result<(), BackendError> {
-        let op = "dense_forward";
-        check_len(op, "x", rows * n_in, x.len())?;
-        check_len(op, "weight", n_out * n_in, weight.len())?;
-        check_len(op, "bias", n_out, bias.len())?;
-        check_len(op, "y", rows * n_out, y.len())?;
+    fn dense_forward_unchecked(&mut self, op: DenseForward<'_, Self>) -> Result<(), BackendError> {
+        let DenseForward { rows, n_in, n_out, act, .. } = op;
         if rows == 0 {
             return Ok(());
         }
+        let (x, weight, bias, y) = (slice(op.x), slice(op.weight), slice(op.bias), slice_mut(op.y));
         if rows * n_in * n_out < self.large_macs {
-            dense_forward(slice(x), rows, slice(weight), slice(bias), act, slice_mut(y));
+            dense_forward(x, rows, weight, bias, act, y);
             return Ok(());
         }
         // y = x Wᵀ: W is [n_out][n_in], so Wᵀ has row stride 1 and column stride n_in.
-        let (x, weight) = (slice(x), slice(weight));
-        let y = slice_mut(y);
         let a = Strided { data: x, row_stride: n_in, col_stride: 1 };
         let b = Strided { data: weight, row_stride: 1, col_stride: n_in };
         self.large_product(rows, n_in, n_out, a, b, false, y);
-        let bias = slice(bias);
         let finish = |y: &mut [f32]| match act {
             Some(act) => bias_act_rows(y, bias, act),
             None => bias_rows(y, bias),
@@ -373,26 +357,19 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn act_backward(&mut self, dy: ViewMut<'_, Self>, y: View<'_, Self>, act: Activation) -> Result<(), BackendError> {
-        check_len("act_backward", "y", dy.len(), y.len())?;
+    fn act_backward_unchecked(
+        &mut self,
+        dy: ViewMut<'_, Self>,
+        y: View<'_, Self>,
+        act: Activation,
+    ) -> Result<(), BackendError> {
         act_backward_in_place(slice_mut(dy), slice(y), act);
         Ok(())
     }
 
-    fn matmul_dw(
-        &mut self,
-        dy: View<'_, Self>,
-        x: View<'_, Self>,
-        rows: usize,
-        n_out: usize,
-        n_in: usize,
-        dw: ViewMut<'_, Self>,
-    ) -> Result<(), BackendError> {
-        let op = "matmul_dw";
-        check_len(op, "dy", rows * n_out, dy.len())?;
-        check_len(op, "x", rows * n_in, x.len())?;
-        check_len(op, "dw", n_out * n_in, dw.len())?;
-        let (dy, x, dw) = (slice(dy), slice(x), slice_mut(dw));
+    fn matmul_dw_unchecked(&mut self, op: MatmulDw<'_, Self>) -> Result<(), BackendError> {
+        let MatmulDw { rows, n_out, n_in, .. } = op;
+        let (dy, x, dw) = (slice(op.dy), slice(op.x), slice_mut(op.dw));
         let large = rows * n_out * n_in >= self.large_macs;
         if large && self.pool.is_some() && rows >= 2 * self.threads {
             self.split_weight_gradient(dy, x, rows, n_out, n_in, dw);
@@ -404,53 +381,33 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn matmul_dx(
-        &mut self,
-        dy: View<'_, Self>,
-        rows: usize,
-        n_out: usize,
-        weight: View<'_, Self>,
-        n_in: usize,
-        dx: ViewMut<'_, Self>,
-        accumulate: bool,
-    ) -> Result<(), BackendError> {
-        let op = "matmul_dx";
-        check_len(op, "dy", rows * n_out, dy.len())?;
-        check_len(op, "weight", n_out * n_in, weight.len())?;
-        check_len(op, "dx", rows * n_in, dx.len())?;
+    fn matmul_dx_unchecked(&mut self, op: MatmulDx<'_, Self>) -> Result<(), BackendError> {
+        let MatmulDx { rows, n_out, n_in, accumulate, .. } = op;
+        let (dy, weight, dx) = (slice(op.dy), slice(op.weight), slice_mut(op.dx));
         if rows * n_out * n_in >= self.large_macs {
-            let a = Strided { data: slice(dy), row_stride: n_out, col_stride: 1 };
-            let b = Strided { data: slice(weight), row_stride: n_in, col_stride: 1 };
-            self.large_product(rows, n_out, n_in, a, b, accumulate, slice_mut(dx));
+            let a = Strided { data: dy, row_stride: n_out, col_stride: 1 };
+            let b = Strided { data: weight, row_stride: n_in, col_stride: 1 };
+            self.large_product(rows, n_out, n_in, a, b, accumulate, dx);
             return Ok(());
         }
         let beta = if accumulate { 1.0 } else { 0.0 };
-        gemm(
-            1.0,
-            Mat::row_major(slice(dy), rows, n_out),
-            Mat::row_major(slice(weight), n_out, n_in),
-            beta,
-            slice_mut(dx),
-        );
+        gemm(1.0, Mat::row_major(dy, rows, n_out), Mat::row_major(weight, n_out, n_in), beta, dx);
         Ok(())
     }
 
-    fn column_sums(&mut self, dy: View<'_, Self>, rows: usize, out: ViewMut<'_, Self>) -> Result<(), BackendError> {
-        check_len("column_sums", "dy", rows * out.len(), dy.len())?;
+    fn column_sums_unchecked(
+        &mut self,
+        dy: View<'_, Self>,
+        _rows: usize,
+        out: ViewMut<'_, Self>,
+    ) -> Result<(), BackendError> {
         column_sums(slice(dy), slice_mut(out));
         Ok(())
     }
 
-    fn im2col(
-        &mut self,
-        x: View<'_, Self>,
-        n: usize,
-        geometry: &ConvGeometry,
-        cols: ViewMut<'_, Self>,
-    ) -> Result<(), BackendError> {
-        check_len("im2col", "x", n * geometry.input_len(), x.len())?;
-        check_len("im2col", "cols", n * geometry.cols_len(), cols.len())?;
-        let (x, cols) = (slice(x), slice_mut(cols));
+    fn im2col_unchecked(&mut self, op: Im2col<'_, Self>) -> Result<(), BackendError> {
+        let (geometry, n) = (op.geometry, op.n);
+        let (x, cols) = (slice(op.x), slice_mut(op.cols));
         match self.image_split(n, geometry.cols_len()) {
             Some((pool, per_thread)) => pool.install(|| {
                 let inputs = x.par_chunks(per_thread * geometry.input_len());
@@ -459,21 +416,14 @@ impl Backend for CpuBackend {
                     im2col(geometry, x, images, cols).expect("whole images on both sides");
                 });
             }),
-            None => im2col(geometry, x, n, cols).expect("lengths checked above"),
+            None => im2col(geometry, x, n, cols).expect("lengths checked at the trait's entry"),
         }
         Ok(())
     }
 
-    fn col2im(
-        &mut self,
-        d_cols: View<'_, Self>,
-        n: usize,
-        geometry: &ConvGeometry,
-        dx: ViewMut<'_, Self>,
-    ) -> Result<(), BackendError> {
-        check_len("col2im", "d_cols", n * geometry.cols_len(), d_cols.len())?;
-        check_len("col2im", "dx", n * geometry.input_len(), dx.len())?;
-        let (d_cols, dx) = (slice(d_cols), slice_mut(dx));
+    fn col2im_unchecked(&mut self, op: Col2im<'_, Self>) -> Result<(), BackendError> {
+        let (geometry, n) = (op.geometry, op.n);
+        let (d_cols, dx) = (slice(op.d_cols), slice_mut(op.dx));
         match self.image_split(n, geometry.cols_len()) {
             Some((pool, per_thread)) => pool.install(|| {
                 let grads = d_cols.par_chunks(per_thread * geometry.cols_len());
@@ -482,38 +432,22 @@ impl Backend for CpuBackend {
                     col2im(geometry, d_cols, images, dx).expect("whole images on both sides");
                 });
             }),
-            None => col2im(geometry, d_cols, n, dx).expect("lengths checked above"),
+            None => col2im(geometry, d_cols, n, dx).expect("lengths checked at the trait's entry"),
         }
         Ok(())
     }
 
-    fn take_column(
-        &mut self,
-        src: View<'_, Self>,
-        rows: usize,
-        width: usize,
-        column: usize,
-        dst: ViewMut<'_, Self>,
-    ) -> Result<(), BackendError> {
-        check_len("take_column", "src", rows * width, src.len())?;
-        check_len("take_column", "dst", rows, dst.len())?;
-        for (out, row) in slice_mut(dst).iter_mut().zip(slice(src).chunks_exact(width)) {
-            *out = row[column];
+    fn take_column_unchecked(&mut self, op: TakeColumn<'_, Self>) -> Result<(), BackendError> {
+        for (out, row) in slice_mut(op.dst).iter_mut().zip(slice(op.src).chunks_exact(op.width)) {
+            *out = row[op.column];
         }
         Ok(())
     }
 
-    fn gru_reset_copy(
-        &mut self,
-        src: View<'_, Self>,
-        starts: View<'_, Self>,
-        hidden: usize,
-        dst: ViewMut<'_, Self>,
-    ) -> Result<(), BackendError> {
-        check_len("gru_reset_copy", "src", starts.len() * hidden, src.len())?;
-        check_len("gru_reset_copy", "dst", starts.len() * hidden, dst.len())?;
-        let rows = slice_mut(dst).chunks_exact_mut(hidden).zip(slice(src).chunks_exact(hidden)).zip(slice(starts));
-        for ((dst, src), &start) in rows {
+    fn gru_reset_copy_unchecked(&mut self, op: GruResetCopy<'_, Self>) -> Result<(), BackendError> {
+        let hidden = op.hidden;
+        let rows = slice_mut(op.dst).chunks_exact_mut(hidden).zip(slice(op.src).chunks_exact(hidden));
+        for ((dst, src), &start) in rows.zip(slice(op.starts)) {
             if start != 0.0 {
                 dst.fill(0.0);
             } else {
@@ -523,152 +457,61 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn gru_cell_forward(
-        &mut self,
-        gi: View<'_, Self>,
-        gh: View<'_, Self>,
-        h_prev: View<'_, Self>,
-        hidden: usize,
-        gates: ViewMut<'_, Self>,
-        h_out: ViewMut<'_, Self>,
-    ) -> Result<(), BackendError> {
-        let op = "gru_cell_forward";
-        let state = h_prev.len();
-        check_len(op, "gi", 3 * state, gi.len())?;
-        check_len(op, "gh", 3 * state, gh.len())?;
-        check_len(op, "gates", 3 * state, gates.len())?;
-        check_len(op, "h_out", state, h_out.len())?;
-        gru_cell_forward(slice(gi), slice(gh), slice(h_prev), hidden, slice_mut(gates), slice_mut(h_out));
+    fn gru_cell_forward_unchecked(&mut self, op: GruCellForward<'_, Self>) -> Result<(), BackendError> {
+        let (gi, gh, h_prev) = (slice(op.gi), slice(op.gh), slice(op.h_prev));
+        gru_cell_forward(gi, gh, h_prev, op.hidden, slice_mut(op.gates), slice_mut(op.h_out));
         Ok(())
     }
 
-    fn gru_cell_backward(
-        &mut self,
-        d_h: ViewMut<'_, Self>,
-        gates: View<'_, Self>,
-        gh: View<'_, Self>,
-        h_prev: View<'_, Self>,
-        hidden: usize,
-        d_gi: ViewMut<'_, Self>,
-        d_gh: ViewMut<'_, Self>,
-    ) -> Result<(), BackendError> {
-        let op = "gru_cell_backward";
-        let state = d_h.len();
-        check_len(op, "gates", 3 * state, gates.len())?;
-        check_len(op, "gh", 3 * state, gh.len())?;
-        check_len(op, "h_prev", state, h_prev.len())?;
-        check_len(op, "d_gi", 3 * state, d_gi.len())?;
-        check_len(op, "d_gh", 3 * state, d_gh.len())?;
-        gru_cell_backward(
-            slice_mut(d_h),
-            slice(gates),
-            slice(gh),
-            slice(h_prev),
-            hidden,
-            slice_mut(d_gi),
-            slice_mut(d_gh),
-        );
+    fn gru_cell_backward_unchecked(&mut self, op: GruCellBackward<'_, Self>) -> Result<(), BackendError> {
+        let (gates, gh, h_prev) = (slice(op.gates), slice(op.gh), slice(op.h_prev));
+        let (d_gi, d_gh) = (slice_mut(op.d_gi), slice_mut(op.d_gh));
+        gru_cell_backward(slice_mut(op.d_h), gates, gh, h_prev, op.hidden, d_gi, d_gh);
         Ok(())
     }
 
-    fn gru_carry_grad(
-        &mut self,
-        d_h: ViewMut<'_, Self>,
-        starts_next: Option<View<'_, Self>>,
-        from_heads: View<'_, Self>,
-        hidden: usize,
-    ) -> Result<(), BackendError> {
-        check_len("gru_carry_grad", "from_heads", d_h.len(), from_heads.len())?;
-        let d_h = slice_mut(d_h);
-        if let Some(starts) = starts_next {
-            check_len("gru_carry_grad", "starts_next", d_h.len(), starts.len() * hidden)?;
-            for (d_row, &start) in d_h.chunks_exact_mut(hidden).zip(slice(starts)) {
+    fn gru_carry_grad_unchecked(&mut self, op: GruCarryGrad<'_, Self>) -> Result<(), BackendError> {
+        let d_h = slice_mut(op.d_h);
+        if let Some(starts) = op.starts_next {
+            for (d_row, &start) in d_h.chunks_exact_mut(op.hidden).zip(slice(starts)) {
                 if start != 0.0 {
                     d_row.fill(0.0);
                 }
             }
         }
-        for (d, &from_heads) in d_h.iter_mut().zip(slice(from_heads)) {
+        for (d, &from_heads) in d_h.iter_mut().zip(slice(op.from_heads)) {
             *d += from_heads;
         }
         Ok(())
     }
 
-    fn log_probs_unchecked(
-        &mut self,
-        heads: View<'_, Self>,
-        n_actions: usize,
-        head: &Head<'_, Self>,
-        actions: View<'_, Self>,
-        reference: Option<View<'_, Self>>,
-        out: ViewMut<'_, Self>,
-    ) -> Result<(), BackendError> {
-        let stride = n_actions + 1;
-        let head = cpu_head(head, n_actions);
+    fn log_probs_unchecked(&mut self, op: LogProbs<'_, Self>) -> Result<(), BackendError> {
+        let n_actions = op.n_actions;
+        let head = cpu_head(&op.head, n_actions);
         let width = head.action_width();
-        check_actions(&head, slice(actions), "log_probs")?;
-        let out = slice_mut(out);
-        let reference = reference.map(slice);
-        for (i, (row, action)) in slice(heads).chunks_exact(stride).zip(slice(actions).chunks_exact(width)).enumerate()
-        {
+        let actions = slice(op.actions);
+        check_actions(&head, actions, "log_probs")?;
+        let out = slice_mut(op.out);
+        let reference = op.reference.map(slice);
+        let rows = slice(op.heads).chunks_exact(n_actions + 1).zip(actions.chunks_exact(width));
+        for (i, (row, action)) in rows.enumerate() {
             out[i] = head.log_prob(&row[..n_actions], action) - reference.map_or(0.0, |r| r[i]);
         }
         Ok(())
     }
 
-    fn behaviour_weights(
-        &mut self,
-        prox_log_probs: View<'_, Self>,
-        behaviour_log_probs: View<'_, Self>,
-        clip: f32,
-        out: ViewMut<'_, Self>,
-    ) -> Result<(), BackendError> {
-        check_len("behaviour_weights", "behaviour_log_probs", prox_log_probs.len(), behaviour_log_probs.len())?;
-        check_len("behaviour_weights", "out", prox_log_probs.len(), out.len())?;
-        losses::behaviour_is_weights(slice(prox_log_probs), slice(behaviour_log_probs), clip, slice_mut(out));
+    fn behaviour_weights_unchecked(&mut self, op: BehaviourWeights<'_, Self>) -> Result<(), BackendError> {
+        let (prox, behaviour) = (slice(op.prox_log_probs), slice(op.behaviour_log_probs));
+        losses::behaviour_is_weights(prox, behaviour, op.clip, slice_mut(op.out));
         Ok(())
     }
 
-    fn gae_scan(
-        &mut self,
-        t_len: usize,
-        b_len: usize,
-        discounts: View<'_, Self>,
-        rewards: View<'_, Self>,
-        values: View<'_, Self>,
-        bootstrap_value: View<'_, Self>,
-        lambda_: f32,
-        advantage_override: Option<View<'_, Self>>,
-        advantages: ViewMut<'_, Self>,
-        returns: ViewMut<'_, Self>,
-    ) -> Result<(), BackendError> {
-        let n = t_len * b_len;
-        if let Some(advantage_override) = advantage_override {
-            check_len("gae_scan", "advantage_override", n, advantage_override.len())?;
-        }
-        for (operand, len) in [
-            ("discounts", discounts.len()),
-            ("rewards", rewards.len()),
-            ("values", values.len()),
-            ("advantages", advantages.len()),
-            ("returns", returns.len()),
-        ] {
-            check_len("gae_scan", operand, n, len)?;
-        }
-        check_len("gae_scan", "bootstrap_value", b_len, bootstrap_value.len())?;
-        let advantages = slice_mut(advantages);
-        gae(
-            t_len,
-            b_len,
-            slice(discounts),
-            slice(rewards),
-            slice(values),
-            slice(bootstrap_value),
-            lambda_,
-            advantages,
-            slice_mut(returns),
-        );
-        if let Some(advantage_override) = advantage_override {
+    fn gae_scan_unchecked(&mut self, op: GaeScan<'_, Self>) -> Result<(), BackendError> {
+        let advantages = slice_mut(op.advantages);
+        let (discounts, rewards, values) = (slice(op.discounts), slice(op.rewards), slice(op.values));
+        let (bootstrap_value, returns) = (slice(op.bootstrap_value), slice_mut(op.returns));
+        gae(op.t_len, op.b_len, discounts, rewards, values, bootstrap_value, op.lambda_, advantages, returns);
+        if let Some(advantage_override) = op.advantage_override {
             losses::override_advantages(slice(advantage_override), advantages);
         }
         Ok(())
@@ -681,13 +524,8 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn vtrace_loss_unchecked(
-        &mut self,
-        inputs: &VTraceLossInputs<'_, Self>,
-        config: &VTraceLossConfig,
-        outputs: VTraceLossOutputs<'_, Self>,
-        slot: usize,
-    ) -> Result<(), BackendError> {
+    fn vtrace_loss_unchecked(&mut self, op: VTraceLoss<'_, Self>) -> Result<(), BackendError> {
+        let VTraceLoss { inputs, config, outputs, slot } = op;
         let head = cpu_head(&inputs.head, inputs.n_actions);
         check_actions(&head, slice(inputs.actions), "vtrace_loss")?;
         let batch = RowBatch {
@@ -721,13 +559,8 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn ppo_loss_unchecked(
-        &mut self,
-        inputs: &PpoLossInputs<'_, Self>,
-        config: &PpoLossConfig,
-        outputs: PpoLossOutputs<'_, Self>,
-        slot: usize,
-    ) -> Result<(), BackendError> {
+    fn ppo_loss_unchecked(&mut self, op: PpoLoss<'_, Self>) -> Result<(), BackendError> {
+        let PpoLoss { inputs, config, outputs, slot } = op;
         let n = inputs.n_samples;
         let head = cpu_head(&inputs.head, inputs.n_actions);
         check_actions(&head, slice(inputs.actions), "ppo_loss")?;
@@ -770,6 +603,7 @@ impl Backend for CpuBackend {
     ) -> Result<(), BackendError> {
         let host = OffPolicyInputs {
             log_rhos: slice(inputs.log_rhos),
+            reference: inputs.reference.map(slice),
             weights: slice(inputs.weights),
             values: slice(inputs.values),
             value_targets: slice(inputs.value_targets),
@@ -780,36 +614,19 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn gather_columns(
-        &mut self,
-        src: View<'_, Self>,
-        rows: usize,
-        b_len: usize,
-        width: usize,
-        columns: &Vec<u32>,
-        columns_offset: usize,
-        n_columns: usize,
-        dst: ViewMut<'_, Self>,
-    ) -> Result<(), BackendError> {
-        check_len("gather_columns", "src", rows * b_len * width, src.len())?;
-        check_len("gather_columns", "dst", rows * n_columns * width, dst.len())?;
-        let Some(columns) = columns.get(columns_offset..columns_offset + n_columns) else {
-            return Err(BackendError::Shape {
-                op: "gather_columns",
-                operand: "columns",
-                expected: columns_offset + n_columns,
-                got: columns.len(),
-            });
-        };
+    fn gather_columns_unchecked(&mut self, op: GatherColumns<'_, Self>) -> Result<(), BackendError> {
+        let GatherColumns { b_len, width, columns_offset, n_columns, .. } = op;
+        let columns = &op.columns[columns_offset..columns_offset + n_columns];
+        // A column index is data, not a shape: refused here rather than indexed out of bounds.
         if let Some(&column) = columns.iter().find(|&&c| c as usize >= b_len) {
-            return Err(BackendError::Shape {
+            return Err(BackendError::IndexOutOfRange {
                 op: "gather_columns",
                 operand: "column",
-                expected: b_len,
-                got: column as usize,
+                index: column as usize,
+                bound: b_len,
             });
         }
-        let (src, dst) = (slice(src), slice_mut(dst));
+        let (src, dst) = (slice(op.src), slice_mut(op.dst));
         for (src_row, dst_row) in src.chunks_exact(b_len * width).zip(dst.chunks_exact_mut(n_columns * width)) {
             for (&column, dst) in columns.iter().zip(dst_row.chunks_exact_mut(width)) {
                 let column = column as usize;
@@ -827,27 +644,13 @@ impl Backend for CpuBackend {
         Ok(*step)
     }
 
-    fn clip_adam_step(
-        &mut self,
-        params: ViewMut<'_, Self>,
-        grads: ViewMut<'_, Self>,
-        adam_m: ViewMut<'_, Self>,
-        adam_v: ViewMut<'_, Self>,
-        step: &mut u64,
-        config: &AdamConfig,
-        learning_rate: f32,
-        max_grad_norm: f32,
-        slot: usize,
-    ) -> Result<(), BackendError> {
-        let n = params.len();
-        for (operand, len) in [("grads", grads.len()), ("adam_m", adam_m.len()), ("adam_v", adam_v.len())] {
-            check_len("clip_adam_step", operand, n, len)?;
-        }
-        let grads = slice_mut(grads);
-        let norm = clip_grad_global_norm(grads, max_grad_norm);
-        self.slot(slot)?.grad_norm = norm;
+    fn clip_adam_step_unchecked(&mut self, op: ClipAdamStep<'_, Self>) -> Result<(), BackendError> {
+        let grads = slice_mut(op.grads);
+        let norm = clip_grad_global_norm(grads, op.max_grad_norm);
+        self.slot(op.slot)?.grad_norm = norm;
         if norm.is_finite() {
-            adam_step(config, slice_mut(params), grads, slice_mut(adam_m), slice_mut(adam_v), step, learning_rate);
+            let (params, adam_m, adam_v) = (slice_mut(op.params), slice_mut(op.adam_m), slice_mut(op.adam_v));
+            adam_step(op.config, params, grads, adam_m, adam_v, op.step, op.learning_rate);
         }
         Ok(())
     }
@@ -897,21 +700,15 @@ mod tests {
         cpu.upload_indices(&[9, 2, 0], &mut columns).unwrap();
         let columns = columns.unwrap();
         let mut dst = vec![0.0; 2 * 2 * 2];
-        cpu.gather_columns(View::of(&src), 2, 3, 2, &columns, 1, 2, ViewMut::of(&mut dst)).unwrap();
+        let mut gather = |columns_offset, dst: &mut Vec<f32>| {
+            let (src, dst) = (View::of(&src), ViewMut::of(dst));
+            let (rows, b_len, width, n_columns, columns) = (2, 3, 2, 2, &columns);
+            cpu.gather_columns(GatherColumns { src, rows, b_len, width, columns, columns_offset, n_columns, dst })
+        };
+        gather(1, &mut dst).unwrap();
         assert_eq!(dst, [4.0, 5.0, 0.0, 1.0, 10.0, 11.0, 6.0, 7.0]);
-        let err = cpu.gather_columns(View::of(&src), 2, 3, 2, &columns, 0, 2, ViewMut::of(&mut dst)).unwrap_err();
+        let err = gather(0, &mut dst).unwrap_err();
         assert!(err.to_string().contains("column"), "{err}");
-    }
-
-    #[test]
-    fn a_wrong_length_is_an_error_naming_the_operand() {
-        let mut cpu = CpuBackend::new();
-        let (x, w, b) = (vec![0.0; 6], vec![0.0; 6], vec![0.0; 3]);
-        let mut y = vec![0.0; 5];
-        let err = cpu
-            .dense_forward(View::of(&x), 3, 2, View::of(&w), View::of(&b), 3, None, ViewMut::of(&mut y))
-            .unwrap_err();
-        assert_eq!(err.to_string(), "dense_forward: y expected 9 elements, got 5");
     }
 
     #[test]
@@ -924,11 +721,15 @@ mod tests {
         let mut out = vec![0.0; 2];
         let no_params = Vec::new();
         let head = Head { kind: ActionHead::Categorical, params: View::of(&no_params) };
-        cpu.log_probs(View::of(&heads), 2, &head, View::of(&actions), None, ViewMut::of(&mut out)).unwrap();
+        let mut log_probs = |actions: &Vec<f32>, out: &mut Vec<f32>| {
+            let (heads, actions, out) = (View::of(&heads), View::of(actions), ViewMut::of(out));
+            cpu.log_probs(LogProbs { heads, n_actions: 2, head, actions, reference: None, out })
+        };
+        log_probs(&actions, &mut out).unwrap();
         assert!((out[0] - 0.5f32.ln()).abs() < 1e-6);
         let expected = 1.0 - (1.0f32.exp() + 1.0).ln();
         assert!((out[1] - expected).abs() < 1e-6, "{out:?}");
         let bad = vec![f32::from_bits(2), f32::from_bits(0)];
-        assert!(cpu.log_probs(View::of(&heads), 2, &head, View::of(&bad), None, ViewMut::of(&mut out)).is_err());
+        assert!(log_probs(&bad, &mut out).is_err());
     }
 }

@@ -15,9 +15,17 @@
 //!
 //! A backend owns its storage type ([`Backend::Floats`], [`Backend::Indices`]); generic code
 //! addresses parts of a buffer through typed views, [`View`] and [`ViewMut`], which carry the
-//! buffer, an offset and a length (never a raw device address). Every operation checks the
-//! lengths it is given against the shapes it is told, so a wrong view is an error message, not
-//! a wild read on the device.
+//! buffer, an offset and a length (never a raw device address).
+//!
+//! # Shapes, checked once
+//!
+//! Each operation's shape contract is stated in one place: the `check` of its operands' struct
+//! in [`ops`] (or of [`VTraceLossInputs`] and [`PpoLossInputs`]), or the one-line check beside
+//! a small operation in the trait's operation list. The trait's entry point (`dense_forward`)
+//! runs it and then calls the backend's `*_unchecked` implementation, so a wrong view is an
+//! error naming the operation and the operand, raised before any backend code runs (not a wild
+//! read on the device, nor a panic deep in a CPU loop), and backends state no shapes of their
+//! own.
 //!
 //! # Adding a layer
 //!
@@ -27,11 +35,14 @@
 //! 1. Add its operations to [`Backend`] at the level of its math (for a convolution: the forward
 //!    `conv2d` and its two backward products, or an `im2col` that reuses [`Backend::dense_forward`];
 //!    for a Gaussian head: the log-density, entropy and their gradient rows). Each takes views,
-//!    writes into caller-owned outputs and allocates nothing.
-//! 2. Implement them in `cpu.rs` (plain loops over slices, or calls into
+//!    writes into caller-owned outputs and allocates nothing. An operation is one entry of the
+//!    list in `backend_operations!` (which generates the trait's methods and the stand-in
+//!    backend of builds without CUDA); one with more than a few operands takes a struct in
+//!    [`ops`] whose `check` states its shapes.
+//! 2. Implement its `*_unchecked` half in `cpu.rs` (plain loops over slices, or calls into
 //!    `volley_policy::ops`) and in `cuda/mod.rs` (cuBLAS or a kernel in a `.cu` file under
 //!    `learner/kernels/`, declared in `cuda/kernels.rs` with one safe launcher carrying its own
-//!    `SAFETY` line).
+//!    `SAFETY` line); both trust the shapes the entry point checked.
 //! 3. Compose it in [`crate::net::Network`] (forward records what backward needs; backward runs
 //!    the same steps in reverse) and, for a head, in [`crate::train`]'s loss step.
 //! 4. Add a parity test (`cuda/tests.rs`: CUDA against CPU) and a finite-difference test of the
@@ -52,19 +63,23 @@ pub mod cuda;
 #[cfg(not(feature = "cuda"))]
 #[path = "cuda/unavailable.rs"]
 pub mod cuda;
+pub mod ops;
 
 use std::fmt;
 use std::ops::Range;
 use std::str::FromStr;
 
-use volley_policy::{ActionHead, Activation, ConvGeometry};
+use volley_policy::{ActionHead, Activation};
 
 use crate::losses::{PpoLossConfig, VTraceLossConfig, WeightedSums};
-use crate::optim::AdamConfig;
 use crate::telemetry::OffPolicySums;
 
 pub use cpu::CpuBackend;
 pub use cuda::{open_cuda, CudaBackend, CudaDevice};
+pub use ops::{
+    BehaviourWeights, ClipAdamStep, Col2im, DenseForward, GaeScan, GatherColumns, GruCarryGrad, GruCellBackward,
+    GruCellForward, GruResetCopy, Im2col, LogProbs, MatmulDw, MatmulDx, TakeColumn,
+};
 
 /// Which backend the user asked for (`--backend`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -150,6 +165,18 @@ pub enum BackendError {
         expected: usize,
         /// The view's length.
         got: usize,
+    },
+    /// An index an operation was given is out of its range (a column of a block).
+    #[error("{op}: {operand} {index} is not below {bound}")]
+    IndexOutOfRange {
+        /// The operation.
+        op: &'static str,
+        /// Which index.
+        operand: &'static str,
+        /// Its value.
+        index: usize,
+        /// The length it indexes.
+        bound: usize,
     },
     /// A size does not fit the 32-bit integers the kernels take.
     #[error("{what} = {value} does not fit a 32-bit kernel argument")]
@@ -397,11 +424,40 @@ pub struct PpoLossInputs<'a, B: Backend + ?Sized> {
     pub is_weights: View<'a, B>,
 }
 
+/// The operands of [`Backend::vtrace_loss`]: inputs, hyper-parameters, outputs, and the
+/// evaluation slot its sums go to.
+pub struct VTraceLoss<'a, B: Backend + ?Sized> {
+    /// What the loss reads.
+    pub inputs: VTraceLossInputs<'a, B>,
+    /// Its hyper-parameters.
+    pub config: &'a VTraceLossConfig,
+    /// Where it writes.
+    pub outputs: VTraceLossOutputs<'a, B>,
+    /// The evaluation (gradient step) its weighted sums go to.
+    pub slot: usize,
+}
+
+/// The operands of [`Backend::ppo_loss`]: inputs, hyper-parameters, outputs, and the
+/// evaluation slot its sums go to.
+pub struct PpoLoss<'a, B: Backend + ?Sized> {
+    /// What the loss reads.
+    pub inputs: PpoLossInputs<'a, B>,
+    /// Its hyper-parameters.
+    pub config: &'a PpoLossConfig,
+    /// Where it writes.
+    pub outputs: PpoLossOutputs<'a, B>,
+    /// The evaluation (gradient step) its weighted sums go to.
+    pub slot: usize,
+}
+
 /// The inputs of [`Backend::off_policy_sums`], all `[n]`.
 pub struct OffPolicyViews<'a, B: Backend + ?Sized> {
     /// `log ρ = log π(a|x) − log μ(a|x)`: the learner's parameters before the update against the
     /// behaviour log-probabilities the actors recorded.
     pub log_rhos: View<'a, B>,
+    /// Subtracted from `log_rhos` per sample when given: PPO passes its proximal
+    /// log-probabilities as `log_rhos` and the behaviour's here, with no pass of its own.
+    pub reference: Option<View<'a, B>>,
     /// Sample weights (0 drops a sample).
     pub weights: View<'a, B>,
     /// The value head's outputs.
@@ -441,293 +497,181 @@ impl<B: Backend + ?Sized> Clone for Head<'_, B> {
 
 impl<B: Backend + ?Sized> Copy for Head<'_, B> {}
 
-/// Hands the declarations of [`Backend`]'s operations (every method after `len`, each taking
-/// `&mut self`) to the macro `$then`: the one list both the trait (`declare_operations`) and
+/// Hands the declarations of [`Backend`]'s operations (every method after `indices_len`, each
+/// taking `&mut self`) to the macro `$then`: the one list the trait (`declare_operations`) and
 /// the stand-in CUDA backend of builds without CUDA (`cuda/unavailable.rs`, where every
 /// operation is unreachable) are generated from.
+///
+/// `plain` operations have no shape contract and are implemented as declared. Each `checked`
+/// operation `fn name(...) => name_unchecked after check;` becomes two methods: the provided
+/// entry point `name`, which runs `check` (its shape contract, stated once: in
+/// [`ops`] or beside its inputs' type) and then calls `name_unchecked`, the method a backend
+/// implements and that trusts the shapes it is given.
 macro_rules! backend_operations {
     ($then:ident) => {
         $then! {
-            /// A zeroed buffer of `len` floats.
-            fn alloc(&mut self, len: usize) -> Result<Self::Floats, BackendError>;
+            plain {
+                /// A zeroed buffer of `len` floats.
+                fn alloc(&mut self, len: usize) -> Result<Self::Floats, BackendError>;
 
-            /// Make `dst` hold `indices` (at its start), allocating it or growing it when needed.
-            fn upload_indices(&mut self, indices: &[u32], dst: &mut Option<Self::Indices>) -> Result<(), BackendError>;
+                /// Make `dst` hold `indices` (at its start), allocating it or growing it when needed.
+                fn upload_indices(&mut self, indices: &[u32], dst: &mut Option<Self::Indices>) -> Result<(), BackendError>;
 
-            /// Copy `host` into `dst` (equal lengths).
-            fn upload(&mut self, host: &[f32], dst: ViewMut<'_, Self>) -> Result<(), BackendError>;
+                /// Make `dst` hold `len` floats written by `pack` into host memory, in one transfer (the
+                /// batch upload: CUDA packs into page-locked memory and copies asynchronously).
+                fn upload_packed(
+                    &mut self,
+                    len: usize,
+                    pack: &mut dyn FnMut(&mut [f32]),
+                    dst: &mut Self::Floats,
+                ) -> Result<(), BackendError>;
 
-            /// Make `dst` hold `len` floats written by `pack` into host memory, in one transfer (the
-            /// batch upload: CUDA packs into page-locked memory and copies asynchronously).
-            fn upload_packed(
-                &mut self,
-                len: usize,
-                pack: &mut dyn FnMut(&mut [f32]),
-                dst: &mut Self::Floats,
-            ) -> Result<(), BackendError>;
+                /// `x[i] = value`.
+                fn fill(&mut self, x: ViewMut<'_, Self>, value: f32) -> Result<(), BackendError>;
 
-            /// Copy `src` to `host` (equal lengths), waiting for the work that writes it.
-            fn download(&mut self, src: View<'_, Self>, host: &mut [f32]) -> Result<(), BackendError>;
+                /// Start the statistics of an update of `n_evaluations` loss evaluations (gradient steps):
+                /// every slot, and the update's off-policy sums, is zeroed.
+                fn begin_evaluations(&mut self, n_evaluations: usize) -> Result<(), BackendError>;
 
-            /// `x[i] = value`.
-            fn fill(&mut self, x: ViewMut<'_, Self>, value: f32) -> Result<(), BackendError>;
+                /// Adam's step count `t`, on the device.
+                fn step_count(&mut self, t: u64) -> Result<Self::StepCount, BackendError>;
 
-            /// `dst[i] = src[i]` (equal lengths, on the device): a restored recurrent state copied
-            /// into the row of the step it enters ([`crate::net::Network::forward`]).
-            fn copy(&mut self, src: View<'_, Self>, dst: ViewMut<'_, Self>) -> Result<(), BackendError>;
+                /// Read Adam's step count back.
+                fn read_step_count(&mut self, step: &Self::StepCount) -> Result<u64, BackendError>;
 
-            /// One dense layer over `rows` rows: `y = act(x Wᵀ + b)` (no activation when `act` is
-            /// `None`); `x: [rows][n_in]`, `weight: [n_out][n_in]`, `bias: [n_out]`, `y: [rows][n_out]`.
-            #[allow(clippy::too_many_arguments)]
-            fn dense_forward(
-                &mut self,
-                x: View<'_, Self>,
-                rows: usize,
-                n_in: usize,
-                weight: View<'_, Self>,
-                bias: View<'_, Self>,
-                n_out: usize,
-                act: Option<Activation>,
-                y: ViewMut<'_, Self>,
-            ) -> Result<(), BackendError>;
+                /// The statistics of this update's evaluations and its off-policy sums (one wait for the
+                /// device on CUDA).
+                fn read_evaluations(
+                    &mut self,
+                    out: &mut Vec<Evaluation>,
+                    off_policy: &mut OffPolicySums,
+                ) -> Result<(), BackendError>;
+            }
+            checked {
+                /// Copy `host` into `dst` (equal lengths).
+                fn upload(&mut self, host: &[f32], dst: ViewMut<'_, Self>) -> Result<(), BackendError>
+                    => upload_unchecked after check_len("upload", "dst", host.len(), dst.len());
 
-            /// `dy ← dy · act'(pre)`, written through the stored output `y = act(pre)`.
-            fn act_backward(&mut self, dy: ViewMut<'_, Self>, y: View<'_, Self>, act: Activation) -> Result<(), BackendError>;
+                /// Copy `src` to `host` (equal lengths), waiting for the work that writes it.
+                fn download(&mut self, src: View<'_, Self>, host: &mut [f32]) -> Result<(), BackendError>
+                    => download_unchecked after check_len("download", "host", src.len(), host.len());
 
-            /// The weight gradient of a dense layer, overwritten: `dW = dYᵀ X` over `rows` rows;
-            /// `dy: [rows][n_out]`, `x: [rows][n_in]`, `dw: [n_out][n_in]`.
-            #[allow(clippy::too_many_arguments)]
-            fn matmul_dw(
-                &mut self,
-                dy: View<'_, Self>,
-                x: View<'_, Self>,
-                rows: usize,
-                n_out: usize,
-                n_in: usize,
-                dw: ViewMut<'_, Self>,
-            ) -> Result<(), BackendError>;
+                /// `dst[i] = src[i]` (equal lengths, on the device): a restored recurrent state copied
+                /// into the row of the step it enters ([`crate::net::Network::forward`]).
+                fn copy(&mut self, src: View<'_, Self>, dst: ViewMut<'_, Self>) -> Result<(), BackendError>
+                    => copy_unchecked after check_len("copy", "dst", src.len(), dst.len());
 
-            /// The input gradient of a dense layer: `dX = dY W` (`+ dX` when `accumulate`);
-            /// `dy: [rows][n_out]`, `weight: [n_out][n_in]`, `dx: [rows][n_in]`.
-            #[allow(clippy::too_many_arguments)]
-            fn matmul_dx(
-                &mut self,
-                dy: View<'_, Self>,
-                rows: usize,
-                n_out: usize,
-                weight: View<'_, Self>,
-                n_in: usize,
-                dx: ViewMut<'_, Self>,
-                accumulate: bool,
-            ) -> Result<(), BackendError>;
+                /// One dense layer over `rows` rows: `y = act(x Wᵀ + b)` (no activation when `act` is
+                /// `None`); `x: [rows][n_in]`, `weight: [n_out][n_in]`, `bias: [n_out]`, `y: [rows][n_out]`.
+                fn dense_forward(&mut self, op: DenseForward<'_, Self>) -> Result<(), BackendError>
+                    => dense_forward_unchecked after op.check();
 
-            /// The bias gradient, overwritten: `out[j] = Σ_r dy[r][j]`, `dy: [rows][out.len()]`.
-            fn column_sums(&mut self, dy: View<'_, Self>, rows: usize, out: ViewMut<'_, Self>) -> Result<(), BackendError>;
+                /// `dy ← dy · act'(pre)`, written through the stored output `y = act(pre)` (equal lengths).
+                fn act_backward(&mut self, dy: ViewMut<'_, Self>, y: View<'_, Self>, act: Activation) -> Result<(), BackendError>
+                    => act_backward_unchecked after check_len("act_backward", "y", dy.len(), y.len());
 
-            /// Unfold the receptive fields of `n` images for one conv layer (`volley_policy::ops::im2col`):
-            /// `x: [n][C·H·W]` in the geometry's layout, `cols: [n·OH·OW][C·K·K]` (zeros where the
-            /// kernel covers padding). The layer itself is then [`Backend::dense_forward`] over `cols`.
-            fn im2col(
-                &mut self,
-                x: View<'_, Self>,
-                n: usize,
-                geometry: &ConvGeometry,
-                cols: ViewMut<'_, Self>,
-            ) -> Result<(), BackendError>;
+                /// The weight gradient of a dense layer, overwritten: `dW = dYᵀ X` over `rows` rows;
+                /// `dy: [rows][n_out]`, `x: [rows][n_in]`, `dw: [n_out][n_in]`.
+                fn matmul_dw(&mut self, op: MatmulDw<'_, Self>) -> Result<(), BackendError>
+                    => matmul_dw_unchecked after op.check();
 
-            /// The adjoint of [`Backend::im2col`], overwriting `dx: [n][C·H·W]` with, for every input
-            /// element, the sum of the entries of `d_cols: [n·OH·OW][C·K·K]` that read it.
-            fn col2im(
-                &mut self,
-                d_cols: View<'_, Self>,
-                n: usize,
-                geometry: &ConvGeometry,
-                dx: ViewMut<'_, Self>,
-            ) -> Result<(), BackendError>;
+                /// The input gradient of a dense layer: `dX = dY W` (`+ dX` when `accumulate`);
+                /// `dy: [rows][n_out]`, `weight: [n_out][n_in]`, `dx: [rows][n_in]`.
+                fn matmul_dx(&mut self, op: MatmulDx<'_, Self>) -> Result<(), BackendError>
+                    => matmul_dx_unchecked after op.check();
 
-            /// `dst[i] = src[i · width + column]` for `i < rows` (the value column of the heads).
-            fn take_column(
-                &mut self,
-                src: View<'_, Self>,
-                rows: usize,
-                width: usize,
-                column: usize,
-                dst: ViewMut<'_, Self>,
-            ) -> Result<(), BackendError>;
+                /// The bias gradient, overwritten: `out[j] = Σ_r dy[r][j]`, `dy: [rows][out.len()]`.
+                fn column_sums(&mut self, dy: View<'_, Self>, rows: usize, out: ViewMut<'_, Self>) -> Result<(), BackendError>
+                    => column_sums_unchecked after check_len("column_sums", "dy", rows * out.len(), dy.len());
 
-            /// The GRU state entering a step: `dst[b] = 0` where `starts[b] ≠ 0`, else `src[b]`;
-            /// `src`, `dst: [B][hidden]`, `starts: [B]`.
-            fn gru_reset_copy(
-                &mut self,
-                src: View<'_, Self>,
-                starts: View<'_, Self>,
-                hidden: usize,
-                dst: ViewMut<'_, Self>,
-            ) -> Result<(), BackendError>;
+                /// Unfold the receptive fields of `n` images for one conv layer (`volley_policy::ops::im2col`):
+                /// `x: [n][C·H·W]` in the geometry's layout, `cols: [n·OH·OW][C·K·K]` (zeros where the
+                /// kernel covers padding). The layer itself is then [`Backend::dense_forward`] over `cols`.
+                fn im2col(&mut self, op: Im2col<'_, Self>) -> Result<(), BackendError>
+                    => im2col_unchecked after op.check();
 
-            /// One GRU step's element-wise part (PyTorch gate convention): from the gate pre-sums
-            /// `gi`, `gh` (`[B][3H]`, biases included) and `h_prev` (`[B][H]`) write the gates
-            /// `[r, z, n]` (`[B][3H]`) and `h_out` (`[B][H]`).
-            #[allow(clippy::too_many_arguments)]
-            fn gru_cell_forward(
-                &mut self,
-                gi: View<'_, Self>,
-                gh: View<'_, Self>,
-                h_prev: View<'_, Self>,
-                hidden: usize,
-                gates: ViewMut<'_, Self>,
-                h_out: ViewMut<'_, Self>,
-            ) -> Result<(), BackendError>;
+                /// The adjoint of [`Backend::im2col`], overwriting `dx: [n][C·H·W]` with, for every input
+                /// element, the sum of the entries of `d_cols: [n·OH·OW][C·K·K]` that read it.
+                fn col2im(&mut self, op: Col2im<'_, Self>) -> Result<(), BackendError>
+                    => col2im_unchecked after op.check();
 
-            /// Backward through one GRU step's element-wise part: on entry `d_h` holds `∂L/∂h'`, on
-            /// exit its direct part `∂L/∂h' ⊙ z` (the caller adds `d_gh W_h`); writes `d_gi`, `d_gh`.
-            #[allow(clippy::too_many_arguments)]
-            fn gru_cell_backward(
-                &mut self,
-                d_h: ViewMut<'_, Self>,
-                gates: View<'_, Self>,
-                gh: View<'_, Self>,
-                h_prev: View<'_, Self>,
-                hidden: usize,
-                d_gi: ViewMut<'_, Self>,
-                d_gh: ViewMut<'_, Self>,
-            ) -> Result<(), BackendError>;
+                /// `dst[i] = src[i · width + column]` for `i < rows` (the value column of the heads).
+                fn take_column(&mut self, op: TakeColumn<'_, Self>) -> Result<(), BackendError>
+                    => take_column_unchecked after op.check();
 
-            /// The gradient carried into a GRU step from the step after it: zero the rows of `d_h`
-            /// where `starts_next` (the next step's episode starts, if any) is non-zero, then add
-            /// `from_heads`, the gradient arriving at this step's output from above.
-            fn gru_carry_grad(
-                &mut self,
-                d_h: ViewMut<'_, Self>,
-                starts_next: Option<View<'_, Self>>,
-                from_heads: View<'_, Self>,
-                hidden: usize,
-            ) -> Result<(), BackendError>;
+                /// The GRU state entering a step: `dst[b] = 0` where `starts[b] ≠ 0`, else `src[b]`;
+                /// `src`, `dst: [B][hidden]`, `starts: [B]`.
+                fn gru_reset_copy(&mut self, op: GruResetCopy<'_, Self>) -> Result<(), BackendError>
+                    => gru_reset_copy_unchecked after op.check();
 
-            /// [`Backend::log_probs`] on shapes it has checked (what a backend implements).
-            #[allow(clippy::too_many_arguments)]
-            fn log_probs_unchecked(
-                &mut self,
-                heads: View<'_, Self>,
-                n_actions: usize,
-                head: &Head<'_, Self>,
-                actions: View<'_, Self>,
-                reference: Option<View<'_, Self>>,
-                out: ViewMut<'_, Self>,
-            ) -> Result<(), BackendError>;
+                /// One GRU step's element-wise part (PyTorch gate convention): from the gate pre-sums
+                /// `gi`, `gh` (`[B][3H]`, biases included) and `h_prev` (`[B][H]`) write the gates
+                /// `[r, z, n]` (`[B][3H]`) and `h_out` (`[B][H]`).
+                fn gru_cell_forward(&mut self, op: GruCellForward<'_, Self>) -> Result<(), BackendError>
+                    => gru_cell_forward_unchecked after op.check();
 
-            /// `out[i] = min(exp(prox[i] − behaviour[i]), clip)` (Hilton et al. 2021).
-            fn behaviour_weights(
-                &mut self,
-                prox_log_probs: View<'_, Self>,
-                behaviour_log_probs: View<'_, Self>,
-                clip: f32,
-                out: ViewMut<'_, Self>,
-            ) -> Result<(), BackendError>;
+                /// Backward through one GRU step's element-wise part: on entry `d_h` holds `∂L/∂h'`, on
+                /// exit its direct part `∂L/∂h' ⊙ z` (the caller adds `d_gh W_h`); writes `d_gi`, `d_gh`.
+                fn gru_cell_backward(&mut self, op: GruCellBackward<'_, Self>) -> Result<(), BackendError>
+                    => gru_cell_backward_unchecked after op.check();
 
-            /// GAE(γ, λ) advantages and λ-returns over `[T][B]` (Schulman et al. 2016, eq. (16));
-            /// `values: [T][B]`, `bootstrap_value: [B]`.
-            #[allow(clippy::too_many_arguments)]
-            ///
-            /// Where `advantage_override` (`[T][B]`, group baselines) is finite, it is written to
-            /// `advantages` in place of GAE's; `returns` (the value targets) are GAE's either way.
-            fn gae_scan(
-                &mut self,
-                t_len: usize,
-                b_len: usize,
-                discounts: View<'_, Self>,
-                rewards: View<'_, Self>,
-                values: View<'_, Self>,
-                bootstrap_value: View<'_, Self>,
-                lambda_: f32,
-                advantage_override: Option<View<'_, Self>>,
-                advantages: ViewMut<'_, Self>,
-                returns: ViewMut<'_, Self>,
-            ) -> Result<(), BackendError>;
+                /// The gradient carried into a GRU step from the step after it: zero the rows of `d_h`
+                /// where `starts_next` (the next step's episode starts, if any) is non-zero, then add
+                /// `from_heads`, the gradient arriving at this step's output from above.
+                fn gru_carry_grad(&mut self, op: GruCarryGrad<'_, Self>) -> Result<(), BackendError>
+                    => gru_carry_grad_unchecked after op.check();
 
-            /// Start the statistics of an update of `n_evaluations` loss evaluations (gradient steps):
-            /// every slot, and the update's off-policy sums, is zeroed.
-            fn begin_evaluations(&mut self, n_evaluations: usize) -> Result<(), BackendError>;
+                /// `out[i] = log π(a_i | x_i) − reference[i]` (or `log π(a_i | x_i)` without a reference)
+                /// under `head`, from the outputs in row `i` of the heads block (`stride = A + 1`);
+                /// `actions: [n][action_width]`, `n = out.len()`.
+                fn log_probs(&mut self, op: LogProbs<'_, Self>) -> Result<(), BackendError>
+                    => log_probs_unchecked after op.check();
 
-            /// [`Backend::vtrace_loss`] on shapes it has checked (what a backend implements): log-ρ,
-            /// the V-trace scan, the weighted loss sums into evaluation `slot`,
-            /// `∂L/∂heads` and the head parameters' gradient rows. Same result as
-            /// [`crate::losses::vtrace_loss_heads`].
-            fn vtrace_loss_unchecked(
-                &mut self,
-                inputs: &VTraceLossInputs<'_, Self>,
-                config: &VTraceLossConfig,
-                outputs: VTraceLossOutputs<'_, Self>,
-                slot: usize,
-            ) -> Result<(), BackendError>;
+                /// `out[i] = min(exp(prox[i] − behaviour[i]), clip)` (Hilton et al. 2021).
+                fn behaviour_weights(&mut self, op: BehaviourWeights<'_, Self>) -> Result<(), BackendError>
+                    => behaviour_weights_unchecked after op.check();
 
-            /// [`Backend::ppo_loss`] on shapes it has checked (what a backend implements;
-            /// Schulman et al. 2017, Hilton et al. 2021): the weighted loss sums into evaluation `slot`, `∂L/∂heads` and
-            /// the head parameters' gradient rows. Same result as [`crate::losses::ppo_loss_heads`].
-            fn ppo_loss_unchecked(
-                &mut self,
-                inputs: &PpoLossInputs<'_, Self>,
-                config: &PpoLossConfig,
-                outputs: PpoLossOutputs<'_, Self>,
-                slot: usize,
-            ) -> Result<(), BackendError>;
+                /// GAE(γ, λ) advantages and λ-returns over `[T][B]` (Schulman et al. 2016, eq. (16));
+                /// `values: [T][B]`, `bootstrap_value: [B]`.
+                ///
+                /// Where `advantage_override` (`[T][B]`, group baselines) is finite, it is written to
+                /// `advantages` in place of GAE's; `returns` (the value targets) are GAE's either way.
+                fn gae_scan(&mut self, op: GaeScan<'_, Self>) -> Result<(), BackendError>
+                    => gae_scan_unchecked after op.check();
 
-            /// [`Backend::off_policy_sums`] on shapes it has checked (what a backend implements).
-            /// The off-policy health of this update ([`crate::telemetry`]), from the same per-sample
-            /// terms on every device ([`OffPolicySums::add`]): adds the weighted sums of `inputs` to the
-            /// update's [`OffPolicySums`] (read back by [`Backend::read_evaluations`]) and writes each
-            /// sample's `ρ` into `ratios` (`[n]`; [`crate::telemetry::NO_RATIO`] where its weight is 0).
-            fn off_policy_sums_unchecked(
-                &mut self,
-                inputs: &OffPolicyViews<'_, Self>,
-                ratios: ViewMut<'_, Self>,
-            ) -> Result<(), BackendError>;
+                /// The fused IMPALA loss with V-trace targets (Espeholt et al. 2018, sec. 4.2) for any
+                /// head ([`VTraceLossInputs`]' contract): log-ρ, the V-trace scan, the weighted loss
+                /// sums into evaluation `slot`, `∂L/∂heads` and the head parameters' gradient rows.
+                /// Same result as [`crate::losses::vtrace_loss_heads`].
+                fn vtrace_loss(&mut self, op: VTraceLoss<'_, Self>) -> Result<(), BackendError>
+                    => vtrace_loss_unchecked after op.inputs.check(&op.outputs);
 
-            /// Whole columns of a time-major `[rows][b_len][width]` block:
-            /// `dst[t][j] = src[t][columns[columns_offset + j]]` for `j < n_columns`.
-            #[allow(clippy::too_many_arguments)]
-            fn gather_columns(
-                &mut self,
-                src: View<'_, Self>,
-                rows: usize,
-                b_len: usize,
-                width: usize,
-                columns: &Self::Indices,
-                columns_offset: usize,
-                n_columns: usize,
-                dst: ViewMut<'_, Self>,
-            ) -> Result<(), BackendError>;
+                /// The fused decoupled PPO-clip loss over one minibatch for any head (Schulman et al.
+                /// 2017, Hilton et al. 2021; [`PpoLossInputs`]' contract): the weighted loss sums into
+                /// evaluation `slot`, `∂L/∂heads` and the head parameters' gradient rows. Same result
+                /// as [`crate::losses::ppo_loss_heads`].
+                fn ppo_loss(&mut self, op: PpoLoss<'_, Self>) -> Result<(), BackendError>
+                    => ppo_loss_unchecked after op.inputs.check(&op.outputs);
 
-            /// Adam's step count `t`, on the device.
-            fn step_count(&mut self, t: u64) -> Result<Self::StepCount, BackendError>;
+                /// The off-policy health of this update ([`crate::telemetry`]) over `n = ratios.len()`
+                /// samples, from the same per-sample terms on every device ([`OffPolicySums::add`]):
+                /// adds the weighted sums of `inputs` to the update's [`OffPolicySums`] (read back by
+                /// [`Backend::read_evaluations`]) and writes each sample's `ρ` into `ratios` (`[n]`;
+                /// [`crate::telemetry::NO_RATIO`] where its weight is 0).
+                fn off_policy_sums(&mut self, inputs: &OffPolicyViews<'_, Self>, ratios: ViewMut<'_, Self>) -> Result<(), BackendError>
+                    => off_policy_sums_unchecked after inputs.check(ratios.len());
 
-            /// Read Adam's step count back.
-            fn read_step_count(&mut self, step: &Self::StepCount) -> Result<u64, BackendError>;
+                /// Whole columns of a time-major `[rows][b_len][width]` block:
+                /// `dst[t][j] = src[t][columns[columns_offset + j]]` for `j < n_columns`.
+                fn gather_columns(&mut self, op: GatherColumns<'_, Self>) -> Result<(), BackendError>
+                    => gather_columns_unchecked after op.check();
 
-            /// Global-norm clipping (Pascanu et al. 2013) then Adam (Kingma & Ba 2015) over the flat
-            /// parameter buffer; the pre-clip norm goes to evaluation `slot`. A non-finite norm skips
-            /// the step (parameters, moments and `t` unchanged). `grads` may be scaled in place.
-            #[allow(clippy::too_many_arguments)]
-            fn clip_adam_step(
-                &mut self,
-                params: ViewMut<'_, Self>,
-                grads: ViewMut<'_, Self>,
-                adam_m: ViewMut<'_, Self>,
-                adam_v: ViewMut<'_, Self>,
-                step: &mut Self::StepCount,
-                config: &AdamConfig,
-                learning_rate: f32,
-                max_grad_norm: f32,
-                slot: usize,
-            ) -> Result<(), BackendError>;
-
-            /// The statistics of this update's evaluations and its off-policy sums (one wait for the
-            /// device on CUDA).
-            fn read_evaluations(
-                &mut self,
-                out: &mut Vec<Evaluation>,
-                off_policy: &mut OffPolicySums,
-            ) -> Result<(), BackendError>;
+                /// Global-norm clipping (Pascanu et al. 2013) then Adam (Kingma & Ba 2015) over the flat
+                /// parameter buffer; the pre-clip norm goes to evaluation `slot`. A non-finite norm skips
+                /// the step (parameters, moments and `t` unchanged). `grads` may be scaled in place.
+                fn clip_adam_step(&mut self, op: ClipAdamStep<'_, Self>) -> Result<(), BackendError>
+                    => clip_adam_step_unchecked after op.check();
+            }
         }
     };
 }
@@ -735,10 +679,30 @@ macro_rules! backend_operations {
 #[cfg_attr(feature = "cuda", allow(unused_imports))]
 pub(crate) use backend_operations;
 
-/// Declares the operations [`backend_operations`] lists, as they are, in the trait.
+/// Declares the operations [`backend_operations`] lists in the trait: each plain one as it is,
+/// each checked one as its entry point (check, then run) and its `_unchecked` implementation.
 macro_rules! declare_operations {
-    ($($(#[$meta:meta])* fn $name:ident($($params:tt)*) -> $ret:ty;)*) => {
+    (
+        plain { $($(#[$meta:meta])* fn $name:ident($($params:tt)*) -> $ret:ty;)* }
+        checked {
+            $($(#[$checked_meta:meta])*
+            fn $checked:ident(&mut self $(, $param:ident: $ty:ty)* $(,)?) -> $checked_ret:ty
+                => $unchecked:ident after $check:expr;)*
+        }
+    ) => {
         $($(#[$meta])* fn $name($($params)*) -> $ret;)*
+        $(
+            $(#[$checked_meta])*
+            ///
+            #[doc = concat!("Checks the shapes, then runs [`Backend::", stringify!($unchecked), "`].")]
+            fn $checked(&mut self $(, $param: $ty)*) -> $checked_ret {
+                $check?;
+                self.$unchecked($($param),*)
+            }
+
+            #[doc = concat!("[`Backend::", stringify!($checked), "`] on shapes it has checked (what a backend implements).")]
+            fn $unchecked(&mut self $(, $param: $ty)*) -> $checked_ret;
+        )*
     };
 }
 
@@ -782,6 +746,22 @@ impl<B: Backend + ?Sized> VTraceLossInputs<'_, B> {
             .map(|(operand, len)| (operand, n, len))
             .chain(blocks)
             .try_for_each(|(operand, expected, len)| check_len(op, operand, expected, len))
+    }
+}
+
+impl<B: Backend + ?Sized> OffPolicyViews<'_, B> {
+    /// The shape contract of [`Backend::off_policy_sums`]: every input has the `n` elements of
+    /// the ratios it writes.
+    fn check(&self, n: usize) -> Result<(), BackendError> {
+        [
+            ("log_rhos", self.log_rhos),
+            ("reference", self.reference.unwrap_or(self.log_rhos)),
+            ("weights", self.weights),
+            ("values", self.values),
+            ("value_targets", self.value_targets),
+        ]
+        .into_iter()
+        .try_for_each(|(operand, view)| check_len("off_policy_sums", operand, n, view.len()))
     }
 }
 
@@ -843,80 +823,16 @@ pub trait Backend {
     /// The number of floats in `buffer`.
     fn len(buffer: &Self::Floats) -> usize;
 
+    /// The number of indices in `buffer`.
+    fn indices_len(buffer: &Self::Indices) -> usize;
+
     backend_operations!(declare_operations);
-
-    /// `out[i] = log π(a_i | x_i) − reference[i]` (or `log π(a_i | x_i)` without a reference)
-    /// under `head`, from the outputs in row `i` of the heads block (`stride = A + 1`);
-    /// `actions: [n][action_width]`, `n = out.len()`. Checks the shapes, then runs
-    /// [`Backend::log_probs_unchecked`].
-    #[allow(clippy::too_many_arguments)]
-    fn log_probs(
-        &mut self,
-        heads: View<'_, Self>,
-        n_actions: usize,
-        head: &Head<'_, Self>,
-        actions: View<'_, Self>,
-        reference: Option<View<'_, Self>>,
-        out: ViewMut<'_, Self>,
-    ) -> Result<(), BackendError> {
-        let n = out.len();
-        let (width, _) = head.check("log_probs", n_actions)?;
-        check_len("log_probs", "heads", n * (n_actions + 1), heads.len())?;
-        check_len("log_probs", "actions", n * width, actions.len())?;
-        check_len("log_probs", "reference", n, reference.map_or(n, |r| r.len()))?;
-        self.log_probs_unchecked(heads, n_actions, head, actions, reference, out)
-    }
-
-    /// The fused IMPALA loss with V-trace targets (Espeholt et al. 2018, sec. 4.2) for any
-    /// head: checks the shapes ([`VTraceLossInputs`]' contract), then runs
-    /// [`Backend::vtrace_loss_unchecked`].
-    fn vtrace_loss(
-        &mut self,
-        inputs: &VTraceLossInputs<'_, Self>,
-        config: &VTraceLossConfig,
-        outputs: VTraceLossOutputs<'_, Self>,
-        slot: usize,
-    ) -> Result<(), BackendError> {
-        inputs.check(&outputs)?;
-        self.vtrace_loss_unchecked(inputs, config, outputs, slot)
-    }
-
-    /// The fused decoupled PPO-clip loss over one minibatch for any head: checks the shapes
-    /// ([`PpoLossInputs`]' contract), then runs [`Backend::ppo_loss_unchecked`].
-    fn ppo_loss(
-        &mut self,
-        inputs: &PpoLossInputs<'_, Self>,
-        config: &PpoLossConfig,
-        outputs: PpoLossOutputs<'_, Self>,
-        slot: usize,
-    ) -> Result<(), BackendError> {
-        inputs.check(&outputs)?;
-        self.ppo_loss_unchecked(inputs, config, outputs, slot)
-    }
-
-    /// The update's off-policy sums over `n = ratios.len()` samples: checks that every input
-    /// has `n` elements, then runs [`Backend::off_policy_sums_unchecked`].
-    fn off_policy_sums(
-        &mut self,
-        inputs: &OffPolicyViews<'_, Self>,
-        ratios: ViewMut<'_, Self>,
-    ) -> Result<(), BackendError> {
-        let n = ratios.len();
-        for (operand, view) in [
-            ("log_rhos", inputs.log_rhos),
-            ("weights", inputs.weights),
-            ("values", inputs.values),
-            ("value_targets", inputs.value_targets),
-        ] {
-            check_len("off_policy_sums", operand, n, view.len())?;
-        }
-        self.off_policy_sums_unchecked(inputs, ratios)
-    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::optim::AdamConfig;
 
     /// Issue 48: a machine without a GPU is told once at info level, not warned on every run;
     /// a GPU that is there but fails is still a warning.
@@ -949,6 +865,91 @@ mod tests {
             assert_eq!(kind.to_string().parse::<BackendKind>(), Ok(kind));
         }
         assert!("gpu".parse::<BackendKind>().unwrap_err().contains("auto, cpu or cuda"));
+    }
+
+    /// Issue 47: every operation's shapes are checked once, at the trait's entry, so a wrong
+    /// view is an error naming the operation and the operand before any backend code runs (the
+    /// CPU backend itself would panic on a short slice, or read past a row).
+    #[test]
+    fn a_wrong_shape_is_an_error_naming_the_operation_and_operand() {
+        let mut cpu = CpuBackend::new();
+        let (x, w, b, short) = (vec![0.0; 6], vec![0.0; 6], vec![0.0; 3], vec![0.0; 5]);
+        let (mut out, mut out2, mut out3) = (vec![0.0; 5], vec![0.0; 6], vec![0.0; 9]);
+        let mut step = cpu.step_count(0).unwrap();
+        cpu.begin_evaluations(1).unwrap();
+        let config = AdamConfig { beta1: 0.9, beta2: 0.999, eps: 1e-8 };
+        let results = [
+            cpu.dense_forward(DenseForward {
+                x: View::of(&x),
+                rows: 3,
+                n_in: 2,
+                weight: View::of(&w),
+                bias: View::of(&b),
+                n_out: 3,
+                act: None,
+                y: ViewMut::of(&mut out),
+            }),
+            cpu.matmul_dx(MatmulDx {
+                dy: View::of(&x),
+                rows: 2,
+                n_out: 3,
+                weight: View::of(&short),
+                n_in: 2,
+                dx: ViewMut::of(&mut out[..4].to_vec()),
+                accumulate: false,
+            }),
+            cpu.gru_cell_forward(GruCellForward {
+                gi: View::of(&x),
+                gh: View::of(&x),
+                h_prev: View::of(&[0.0, 0.0].to_vec()),
+                hidden: 2,
+                gates: ViewMut::of(&mut out),
+                h_out: ViewMut::range(&mut out2, 0..2),
+            }),
+            cpu.gae_scan(GaeScan {
+                t_len: 2,
+                b_len: 3,
+                discounts: View::of(&x),
+                rewards: View::of(&x),
+                values: View::of(&x),
+                bootstrap_value: View::of(&short),
+                lambda_: 0.95,
+                advantage_override: None,
+                advantages: ViewMut::of(&mut out2),
+                returns: ViewMut::of(&mut out3[..6].to_vec()),
+            }),
+            cpu.take_column(TakeColumn {
+                src: View::of(&x),
+                rows: 2,
+                width: 3,
+                column: 3,
+                dst: ViewMut::range(&mut out3, 0..2),
+            }),
+            cpu.clip_adam_step(ClipAdamStep {
+                params: ViewMut::of(&mut out2),
+                grads: ViewMut::of(&mut out3[..6].to_vec()),
+                adam_m: ViewMut::of(&mut x.clone()),
+                adam_v: ViewMut::of(&mut short.clone()),
+                step: &mut step,
+                config: &config,
+                learning_rate: 1e-3,
+                max_grad_norm: 1.0,
+                slot: 0,
+            }),
+            cpu.upload(&x, ViewMut::of(&mut out)),
+        ];
+        let expected = [
+            "dense_forward: y expected 9 elements, got 5",
+            "matmul_dx: weight expected 6 elements, got 5",
+            "gru_cell_forward: gates expected 6 elements, got 5",
+            "gae_scan: bootstrap_value expected 3 elements, got 5",
+            "take_column: column 3 is not below 3",
+            "clip_adam_step: adam_v expected 6 elements, got 5",
+            "upload: dst expected 6 elements, got 5",
+        ];
+        for (result, expected) in results.into_iter().zip(expected) {
+            assert_eq!(result.expect_err(expected).to_string(), expected);
+        }
     }
 
     #[test]

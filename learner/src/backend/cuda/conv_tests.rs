@@ -5,7 +5,7 @@
 use volley_policy::{ConvGeometry, ConvLayerSpec, ConvSpec};
 
 use super::*;
-use crate::backend::{Backend, CpuBackend, View, ViewMut};
+use crate::backend::{Backend, Col2im, CpuBackend, Im2col, View, ViewMut};
 
 /// Two conv layers over a 2×9×8 image: 3×3 with padding 1, then 4×4 with stride 2 over the
 /// channel-last output of the first.
@@ -56,8 +56,8 @@ fn run<B: Backend>(
     let (x_buf, d_buf) = (upload(backend, x), upload(backend, d_cols));
     let mut cols = backend.alloc(d_cols.len()).expect("alloc");
     let mut dx = upload(backend, &vec![f32::NAN; x.len()]);
-    backend.im2col(View::of(&x_buf), n, geometry, ViewMut::of(&mut cols)).expect("im2col");
-    backend.col2im(View::of(&d_buf), n, geometry, ViewMut::of(&mut dx)).expect("col2im");
+    backend.im2col(Im2col { x: View::of(&x_buf), n, geometry, cols: ViewMut::of(&mut cols) }).expect("im2col");
+    backend.col2im(Col2im { d_cols: View::of(&d_buf), n, geometry, dx: ViewMut::of(&mut dx) }).expect("col2im");
     let (mut cols_host, mut dx_host) = (vec![0.0; d_cols.len()], vec![0.0; x.len()]);
     backend.download(View::of(&cols), &mut cols_host).expect("download");
     backend.download(View::of(&dx), &mut dx_host).expect("download");
@@ -78,7 +78,9 @@ fn check_conv_ops<B: Backend>(backend: &mut B) {
             assert!((a - b).abs() <= 1e-5 * (1.0 + b.abs()), "{geometry:?}: col2im[{i}] {a} vs {b}");
         }
         let mut short = cpu.alloc(1).expect("alloc");
-        let err = cpu.im2col(View::of(&x), n, &geometry, ViewMut::of(&mut short)).expect_err("wrong cols length");
+        let err = cpu
+            .im2col(Im2col { x: View::of(&x), n, geometry: &geometry, cols: ViewMut::of(&mut short) })
+            .expect_err("wrong cols length");
         assert!(err.to_string().contains("cols"), "{err}");
     }
 }

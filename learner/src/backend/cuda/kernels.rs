@@ -803,10 +803,12 @@ impl Kernels {
     /// The update's off-policy sums (`crate::telemetry::OffPolicySums`, added to `sums`) over
     /// `[log_rhos, weights, values, value_targets]`, each `[n]`, and every sample's ratio into
     /// `ratios` (`[n]`).
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn off_policy_sums(
         &self,
         stream: &Arc<CudaStream>,
         inputs: &[CudaView<'_, f32>; 4],
+        reference: Option<&CudaView<'_, f32>>,
         rho_bar: f32,
         c_bar: f32,
         sums: &mut CudaViewMut<'_, f64>,
@@ -816,23 +818,22 @@ impl Kernels {
         for (operand, input) in ["log_rhos", "weights", "values", "value_targets"].into_iter().zip(inputs) {
             check_len("off_policy_sums", operand, n, input.len())?;
         }
+        if let Some(reference) = reference {
+            check_len("off_policy_sums", "reference", n, reference.len())?;
+        }
         check_len("off_policy_sums", "sums", crate::telemetry::OFF_POLICY_SUMS, sums.len())?;
         let n_i = int("n", n)?;
         let [log_rhos, weights, values, targets] = inputs;
         let mut launch = stream.launch_builder(&self.off_policy_sums);
-        launch
-            .arg(log_rhos)
-            .arg(weights)
-            .arg(values)
-            .arg(targets)
-            .arg(&rho_bar)
-            .arg(&c_bar)
-            .arg(&n_i)
-            .arg(sums)
-            .arg(ratios);
-        // SAFETY: (log_rhos, weights, values, targets, rho_bar, c_bar, n, sums, ratios) is the
-        // parameter list; the four inputs and ratios hold n floats and sums the ten doubles the
-        // kernel adds to (checked).
+        launch.arg(log_rhos);
+        match reference {
+            Some(reference) => launch.arg(reference),
+            None => launch.arg(&NULL),
+        };
+        launch.arg(weights).arg(values).arg(targets).arg(&rho_bar).arg(&c_bar).arg(&n_i).arg(sums).arg(ratios);
+        // SAFETY: (log_rhos, ref, weights, values, targets, rho_bar, c_bar, n, sums, ratios) is
+        // the parameter list; the four inputs, ref and ratios hold n floats and sums the ten
+        // doubles the kernel adds to (checked); ref may be NULL (the kernel tests it).
         unsafe { launch.launch(grid(n)) }?;
         Ok(())
     }

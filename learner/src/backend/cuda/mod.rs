@@ -20,25 +20,26 @@ pub mod kernels;
 pub mod profile;
 #[cfg(test)]
 mod tests;
+pub mod timing;
 
 use std::sync::Arc;
 
 use cudarc::driver::{CudaEvent, CudaSlice, CudaView, CudaViewMut, PinnedHostSlice};
-use volley_policy::{Activation, ConvGeometry};
+use volley_policy::Activation;
 
 use self::device::Gpu;
 use self::kernels::{
     HeadArgs, PpoLossGradArgs, VTraceLossGradArgs, VTraceScanArgs, ACT_IDENTITY, ACT_RELU, ACT_TANH, SLOT, SLOT_STATS,
     SLOT_SUMSQ,
 };
-pub use self::profile::{DeviceTiming, KernelTiming};
 use self::profile::{Mark, Profile};
-use super::{
-    Backend, BackendError, Evaluation, Head, OffPolicyViews, PpoLossInputs, PpoLossOutputs, VTraceLossInputs,
-    VTraceLossOutputs, View, ViewMut,
+pub use self::timing::{DeviceTiming, KernelTiming};
+use super::ops::{
+    BehaviourWeights, ClipAdamStep, Col2im, DenseForward, GaeScan, GatherColumns, GruCarryGrad, GruCellBackward,
+    GruCellForward, GruResetCopy, Im2col, LogProbs, MatmulDw, MatmulDx, TakeColumn,
 };
-use crate::losses::{PpoLossConfig, VTraceLossConfig, WeightedSums};
-use crate::optim::AdamConfig;
+use super::{Backend, BackendError, Evaluation, Head, OffPolicyViews, PpoLoss, VTraceLoss, View, ViewMut};
+use crate::losses::WeightedSums;
 use crate::telemetry::{OffPolicySums, OFF_POLICY_SUMS};
 
 /// A CUDA device with the learner's kernels compiled and loaded, and a cuBLAS handle.
@@ -243,6 +244,10 @@ impl Backend for CudaBackend {
         buffer.len()
     }
 
+    fn indices_len(buffer: &CudaSlice<u32>) -> usize {
+        buffer.len()
+    }
+
     fn alloc(&mut self, len: usize) -> Result<CudaSlice<f32>, BackendError> {
         Ok(self.gpu.stream.alloc_zeros::<f32>(len.max(1))?)
     }
@@ -257,8 +262,7 @@ impl Backend for CudaBackend {
         Ok(())
     }
 
-    fn upload(&mut self, host: &[f32], dst: ViewMut<'_, Self>) -> Result<(), BackendError> {
-        super::check_len("upload", "dst", host.len(), dst.len())?;
+    fn upload_unchecked(&mut self, host: &[f32], dst: ViewMut<'_, Self>) -> Result<(), BackendError> {
         self.gpu.stream.memcpy_htod(host, &mut view_mut(dst))?;
         Ok(())
     }
@@ -300,8 +304,7 @@ impl Backend for CudaBackend {
         self.mark(Mark::ComputeStart, false)
     }
 
-    fn download(&mut self, src: View<'_, Self>, host: &mut [f32]) -> Result<(), BackendError> {
-        super::check_len("download", "host", src.len(), host.len())?;
+    fn download_unchecked(&mut self, src: View<'_, Self>, host: &mut [f32]) -> Result<(), BackendError> {
         self.gpu.stream.memcpy_dtoh(&view(src), host)?;
         self.gpu.stream.synchronize()?;
         Ok(())
@@ -311,241 +314,110 @@ impl Backend for CudaBackend {
         self.gpu.kernels.fill(&self.gpu.stream, &mut view_mut(x), value)
     }
 
-    fn copy(&mut self, src: View<'_, Self>, dst: ViewMut<'_, Self>) -> Result<(), BackendError> {
-        // cudarc asserts `dst.len() >= src.len()`; refuse a mismatch as an error first.
-        super::check_len("copy", "dst", src.len(), dst.len())?;
+    fn copy_unchecked(&mut self, src: View<'_, Self>, dst: ViewMut<'_, Self>) -> Result<(), BackendError> {
         self.gpu.stream.memcpy_dtod(&view(src), &mut view_mut(dst))?;
         Ok(())
     }
 
-    fn dense_forward(
-        &mut self,
-        x: View<'_, Self>,
-        rows: usize,
-        n_in: usize,
-        weight: View<'_, Self>,
-        bias: View<'_, Self>,
-        n_out: usize,
-        act: Option<Activation>,
-        y: ViewMut<'_, Self>,
-    ) -> Result<(), BackendError> {
-        let op = "dense_forward";
-        super::check_len(op, "x", rows * n_in, x.len())?;
-        super::check_len(op, "weight", n_out * n_in, weight.len())?;
-        super::check_len(op, "bias", n_out, bias.len())?;
-        super::check_len(op, "y", rows * n_out, y.len())?;
+    fn dense_forward_unchecked(&mut self, op: DenseForward<'_, Self>) -> Result<(), BackendError> {
         let gpu = &self.gpu;
-        let mut y = view_mut(y);
-        gpu.gemm_xwt(&view(x), rows, n_in, &view(weight), n_out, &mut y)?;
-        gpu.kernels.bias_act_fwd(&gpu.stream, &mut y, &view(bias), rows, activation_code(act))
+        let mut y = view_mut(op.y);
+        gpu.gemm_xwt(&view(op.x), op.rows, op.n_in, &view(op.weight), op.n_out, &mut y)?;
+        gpu.kernels.bias_act_fwd(&gpu.stream, &mut y, &view(op.bias), op.rows, activation_code(op.act))
     }
 
-    fn act_backward(&mut self, dy: ViewMut<'_, Self>, y: View<'_, Self>, act: Activation) -> Result<(), BackendError> {
+    fn act_backward_unchecked(
+        &mut self,
+        dy: ViewMut<'_, Self>,
+        y: View<'_, Self>,
+        act: Activation,
+    ) -> Result<(), BackendError> {
         self.gpu.kernels.act_bwd(&self.gpu.stream, &mut view_mut(dy), &view(y), activation_code(Some(act)))
     }
 
-    fn matmul_dw(
-        &mut self,
-        dy: View<'_, Self>,
-        x: View<'_, Self>,
-        rows: usize,
-        n_out: usize,
-        n_in: usize,
-        dw: ViewMut<'_, Self>,
-    ) -> Result<(), BackendError> {
-        super::check_len("matmul_dw", "dy", rows * n_out, dy.len())?;
-        super::check_len("matmul_dw", "x", rows * n_in, x.len())?;
-        super::check_len("matmul_dw", "dw", n_out * n_in, dw.len())?;
-        self.gpu.gemm_dw(&view(dy), rows, n_out, &view(x), n_in, &mut view_mut(dw))
+    fn matmul_dw_unchecked(&mut self, op: MatmulDw<'_, Self>) -> Result<(), BackendError> {
+        self.gpu.gemm_dw(&view(op.dy), op.rows, op.n_out, &view(op.x), op.n_in, &mut view_mut(op.dw))
     }
 
-    fn matmul_dx(
+    fn matmul_dx_unchecked(&mut self, op: MatmulDx<'_, Self>) -> Result<(), BackendError> {
+        let beta = if op.accumulate { 1.0 } else { 0.0 };
+        let (dy, weight) = (view(op.dy), view(op.weight));
+        self.gpu.gemm_dx(&dy, op.rows, op.n_out, &weight, op.n_in, &mut view_mut(op.dx), beta)
+    }
+
+    fn column_sums_unchecked(
         &mut self,
         dy: View<'_, Self>,
         rows: usize,
-        n_out: usize,
-        weight: View<'_, Self>,
-        n_in: usize,
-        dx: ViewMut<'_, Self>,
-        accumulate: bool,
+        out: ViewMut<'_, Self>,
     ) -> Result<(), BackendError> {
-        super::check_len("matmul_dx", "dy", rows * n_out, dy.len())?;
-        super::check_len("matmul_dx", "weight", n_out * n_in, weight.len())?;
-        super::check_len("matmul_dx", "dx", rows * n_in, dx.len())?;
-        let beta = if accumulate { 1.0 } else { 0.0 };
-        self.gpu.gemm_dx(&view(dy), rows, n_out, &view(weight), n_in, &mut view_mut(dx), beta)
-    }
-
-    fn column_sums(&mut self, dy: View<'_, Self>, rows: usize, out: ViewMut<'_, Self>) -> Result<(), BackendError> {
-        super::check_len("column_sums", "dy", rows * out.len(), dy.len())?;
         let gpu = self.gpu.clone();
         let ones = self.ones(rows)?;
         gpu.column_sums(&view(dy), rows, &ones, &mut view_mut(out))
     }
 
-    fn im2col(
-        &mut self,
-        x: View<'_, Self>,
-        n: usize,
-        geometry: &ConvGeometry,
-        cols: ViewMut<'_, Self>,
-    ) -> Result<(), BackendError> {
-        self.gpu.kernels.im2col(&self.gpu.stream, &view(x), n, geometry, &mut view_mut(cols))
+    fn im2col_unchecked(&mut self, op: Im2col<'_, Self>) -> Result<(), BackendError> {
+        self.gpu.kernels.im2col(&self.gpu.stream, &view(op.x), op.n, op.geometry, &mut view_mut(op.cols))
     }
 
-    fn col2im(
-        &mut self,
-        d_cols: View<'_, Self>,
-        n: usize,
-        geometry: &ConvGeometry,
-        dx: ViewMut<'_, Self>,
-    ) -> Result<(), BackendError> {
-        self.gpu.kernels.col2im(&self.gpu.stream, &view(d_cols), n, geometry, &mut view_mut(dx))
+    fn col2im_unchecked(&mut self, op: Col2im<'_, Self>) -> Result<(), BackendError> {
+        self.gpu.kernels.col2im(&self.gpu.stream, &view(op.d_cols), op.n, op.geometry, &mut view_mut(op.dx))
     }
 
-    fn take_column(
-        &mut self,
-        src: View<'_, Self>,
-        rows: usize,
-        width: usize,
-        column: usize,
-        dst: ViewMut<'_, Self>,
-    ) -> Result<(), BackendError> {
-        super::check_len("take_column", "dst", rows, dst.len())?;
-        self.gpu.kernels.take_column(&self.gpu.stream, &view(src), width, column, &mut view_mut(dst))
+    fn take_column_unchecked(&mut self, op: TakeColumn<'_, Self>) -> Result<(), BackendError> {
+        self.gpu.kernels.take_column(&self.gpu.stream, &view(op.src), op.width, op.column, &mut view_mut(op.dst))
     }
 
-    fn gru_reset_copy(
-        &mut self,
-        src: View<'_, Self>,
-        starts: View<'_, Self>,
-        hidden: usize,
-        dst: ViewMut<'_, Self>,
-    ) -> Result<(), BackendError> {
-        self.gpu.kernels.gru_reset_copy(&self.gpu.stream, &view(src), &view(starts), hidden, &mut view_mut(dst))
+    fn gru_reset_copy_unchecked(&mut self, op: GruResetCopy<'_, Self>) -> Result<(), BackendError> {
+        let (src, starts) = (view(op.src), view(op.starts));
+        self.gpu.kernels.gru_reset_copy(&self.gpu.stream, &src, &starts, op.hidden, &mut view_mut(op.dst))
     }
 
-    fn gru_cell_forward(
-        &mut self,
-        gi: View<'_, Self>,
-        gh: View<'_, Self>,
-        h_prev: View<'_, Self>,
-        hidden: usize,
-        gates: ViewMut<'_, Self>,
-        h_out: ViewMut<'_, Self>,
-    ) -> Result<(), BackendError> {
-        self.gpu.kernels.gru_cell_fwd(
-            &self.gpu.stream,
-            &view(gi),
-            &view(gh),
-            &view(h_prev),
-            hidden,
-            &mut view_mut(gates),
-            &mut view_mut(h_out),
-        )
+    fn gru_cell_forward_unchecked(&mut self, op: GruCellForward<'_, Self>) -> Result<(), BackendError> {
+        let (gi, gh, h_prev) = (view(op.gi), view(op.gh), view(op.h_prev));
+        let (mut gates, mut h_out) = (view_mut(op.gates), view_mut(op.h_out));
+        self.gpu.kernels.gru_cell_fwd(&self.gpu.stream, &gi, &gh, &h_prev, op.hidden, &mut gates, &mut h_out)
     }
 
-    fn gru_cell_backward(
-        &mut self,
-        d_h: ViewMut<'_, Self>,
-        gates: View<'_, Self>,
-        gh: View<'_, Self>,
-        h_prev: View<'_, Self>,
-        hidden: usize,
-        d_gi: ViewMut<'_, Self>,
-        d_gh: ViewMut<'_, Self>,
-    ) -> Result<(), BackendError> {
-        self.gpu.kernels.gru_cell_bwd(
-            &self.gpu.stream,
-            &mut view_mut(d_h),
-            &view(gates),
-            &view(gh),
-            &view(h_prev),
-            hidden,
-            &mut view_mut(d_gi),
-            &mut view_mut(d_gh),
-        )
+    fn gru_cell_backward_unchecked(&mut self, op: GruCellBackward<'_, Self>) -> Result<(), BackendError> {
+        let (gates, gh, h_prev) = (view(op.gates), view(op.gh), view(op.h_prev));
+        let (mut d_h, mut d_gi, mut d_gh) = (view_mut(op.d_h), view_mut(op.d_gi), view_mut(op.d_gh));
+        let stream = &self.gpu.stream;
+        self.gpu.kernels.gru_cell_bwd(stream, &mut d_h, &gates, &gh, &h_prev, op.hidden, &mut d_gi, &mut d_gh)
     }
 
-    fn gru_carry_grad(
-        &mut self,
-        d_h: ViewMut<'_, Self>,
-        starts_next: Option<View<'_, Self>>,
-        from_heads: View<'_, Self>,
-        hidden: usize,
-    ) -> Result<(), BackendError> {
-        let starts = starts_next.map(view);
-        self.gpu.kernels.gru_carry_grad(
-            &self.gpu.stream,
-            &mut view_mut(d_h),
-            starts.as_ref(),
-            &view(from_heads),
-            hidden,
-        )
+    fn gru_carry_grad_unchecked(&mut self, op: GruCarryGrad<'_, Self>) -> Result<(), BackendError> {
+        let (starts, from_heads) = (op.starts_next.map(view), view(op.from_heads));
+        let stream = &self.gpu.stream;
+        self.gpu.kernels.gru_carry_grad(stream, &mut view_mut(op.d_h), starts.as_ref(), &from_heads, op.hidden)
     }
 
-    fn log_probs_unchecked(
-        &mut self,
-        heads: View<'_, Self>,
-        n_actions: usize,
-        head: &Head<'_, Self>,
-        actions: View<'_, Self>,
-        reference: Option<View<'_, Self>>,
-        out: ViewMut<'_, Self>,
-    ) -> Result<(), BackendError> {
-        let reference = reference.map(view);
-        self.gpu.kernels.log_probs(
-            &self.gpu.stream,
-            &head_args(head, n_actions),
-            &view(heads),
-            &view(actions),
-            reference.as_ref(),
-            &mut view_mut(out),
-        )
+    fn log_probs_unchecked(&mut self, op: LogProbs<'_, Self>) -> Result<(), BackendError> {
+        let (heads, actions, reference) = (view(op.heads), view(op.actions), op.reference.map(view));
+        let head = head_args(&op.head, op.n_actions);
+        let stream = &self.gpu.stream;
+        self.gpu.kernels.log_probs(stream, &head, &heads, &actions, reference.as_ref(), &mut view_mut(op.out))
     }
 
-    fn behaviour_weights(
-        &mut self,
-        prox_log_probs: View<'_, Self>,
-        behaviour_log_probs: View<'_, Self>,
-        clip: f32,
-        out: ViewMut<'_, Self>,
-    ) -> Result<(), BackendError> {
-        self.gpu.kernels.behaviour_weights(
-            &self.gpu.stream,
-            &view(prox_log_probs),
-            &view(behaviour_log_probs),
-            clip,
-            &mut view_mut(out),
-        )
+    fn behaviour_weights_unchecked(&mut self, op: BehaviourWeights<'_, Self>) -> Result<(), BackendError> {
+        let (prox, behaviour) = (view(op.prox_log_probs), view(op.behaviour_log_probs));
+        self.gpu.kernels.behaviour_weights(&self.gpu.stream, &prox, &behaviour, op.clip, &mut view_mut(op.out))
     }
 
-    fn gae_scan(
-        &mut self,
-        t_len: usize,
-        b_len: usize,
-        discounts: View<'_, Self>,
-        rewards: View<'_, Self>,
-        values: View<'_, Self>,
-        bootstrap_value: View<'_, Self>,
-        lambda_: f32,
-        advantage_override: Option<View<'_, Self>>,
-        advantages: ViewMut<'_, Self>,
-        returns: ViewMut<'_, Self>,
-    ) -> Result<(), BackendError> {
-        let advantage_override = advantage_override.map(view);
+    fn gae_scan_unchecked(&mut self, op: GaeScan<'_, Self>) -> Result<(), BackendError> {
+        let advantage_override = op.advantage_override.map(view);
         self.gpu.kernels.gae_scan(
             &self.gpu.stream,
-            t_len,
-            b_len,
-            &view(discounts),
-            &view(rewards),
-            &view(values),
-            &view(bootstrap_value),
-            lambda_,
+            op.t_len,
+            op.b_len,
+            &view(op.discounts),
+            &view(op.rewards),
+            &view(op.values),
+            &view(op.bootstrap_value),
+            op.lambda_,
             advantage_override.as_ref(),
-            &mut view_mut(advantages),
-            &mut view_mut(returns),
+            &mut view_mut(op.advantages),
+            &mut view_mut(op.returns),
         )
     }
 
@@ -561,13 +433,8 @@ impl Backend for CudaBackend {
         Ok(())
     }
 
-    fn vtrace_loss_unchecked(
-        &mut self,
-        inputs: &VTraceLossInputs<'_, Self>,
-        config: &VTraceLossConfig,
-        outputs: VTraceLossOutputs<'_, Self>,
-        slot: usize,
-    ) -> Result<(), BackendError> {
+    fn vtrace_loss_unchecked(&mut self, op: VTraceLoss<'_, Self>) -> Result<(), BackendError> {
+        let VTraceLoss { inputs, config, outputs, slot } = op;
         let (t_len, b_len) = (inputs.t_len, inputs.b_len);
         let n = t_len * b_len;
         let gpu = self.gpu.clone();
@@ -624,13 +491,8 @@ impl Backend for CudaBackend {
         )
     }
 
-    fn ppo_loss_unchecked(
-        &mut self,
-        inputs: &PpoLossInputs<'_, Self>,
-        config: &PpoLossConfig,
-        outputs: PpoLossOutputs<'_, Self>,
-        slot: usize,
-    ) -> Result<(), BackendError> {
+    fn ppo_loss_unchecked(&mut self, op: PpoLoss<'_, Self>) -> Result<(), BackendError> {
+        let PpoLoss { inputs, config, outputs, slot } = op;
         let gpu = self.gpu.clone();
         let stream = &gpu.stream;
         let mut slot_sums = self.slot(slot)?;
@@ -674,9 +536,11 @@ impl Backend for CudaBackend {
     ) -> Result<(), BackendError> {
         let gpu = self.gpu.clone();
         let views = [view(inputs.log_rhos), view(inputs.weights), view(inputs.values), view(inputs.value_targets)];
+        let reference = inputs.reference.map(view);
         gpu.kernels.off_policy_sums(
             &gpu.stream,
             &views,
+            reference.as_ref(),
             inputs.rho_bar,
             inputs.c_bar,
             &mut self.off_policy_sums.slice_mut(..),
@@ -684,27 +548,11 @@ impl Backend for CudaBackend {
         )
     }
 
-    fn gather_columns(
-        &mut self,
-        src: View<'_, Self>,
-        rows: usize,
-        b_len: usize,
-        width: usize,
-        columns: &CudaSlice<u32>,
-        columns_offset: usize,
-        n_columns: usize,
-        dst: ViewMut<'_, Self>,
-    ) -> Result<(), BackendError> {
-        if columns.len() < columns_offset + n_columns {
-            return Err(BackendError::Shape {
-                op: "gather_columns",
-                operand: "columns",
-                expected: columns_offset + n_columns,
-                got: columns.len(),
-            });
-        }
-        let columns = columns.slice(columns_offset..columns_offset + n_columns);
-        self.gpu.kernels.gather_columns(&self.gpu.stream, &view(src), rows, b_len, width, &columns, &mut view_mut(dst))
+    fn gather_columns_unchecked(&mut self, op: GatherColumns<'_, Self>) -> Result<(), BackendError> {
+        let columns = op.columns.slice(op.columns_offset..op.columns_offset + op.n_columns);
+        let (src, mut dst) = (view(op.src), view_mut(op.dst));
+        let (rows, b_len, width) = (op.rows, op.b_len, op.width);
+        self.gpu.kernels.gather_columns(&self.gpu.stream, &src, rows, b_len, width, &columns, &mut dst)
     }
 
     fn step_count(&mut self, t: u64) -> Result<CudaSlice<f64>, BackendError> {
@@ -719,21 +567,11 @@ impl Backend for CudaBackend {
         Ok(t[0] as u64)
     }
 
-    fn clip_adam_step(
-        &mut self,
-        params: ViewMut<'_, Self>,
-        grads: ViewMut<'_, Self>,
-        adam_m: ViewMut<'_, Self>,
-        adam_v: ViewMut<'_, Self>,
-        step: &mut CudaSlice<f64>,
-        config: &AdamConfig,
-        learning_rate: f32,
-        max_grad_norm: f32,
-        slot: usize,
-    ) -> Result<(), BackendError> {
+    fn clip_adam_step_unchecked(&mut self, op: ClipAdamStep<'_, Self>) -> Result<(), BackendError> {
+        let ClipAdamStep { step, config, learning_rate, max_grad_norm, slot, .. } = op;
         let gpu = self.gpu.clone();
         let stream = &gpu.stream;
-        let grads = view_mut(grads);
+        let grads = view_mut(op.grads);
         {
             let mut slot_sums = self.slot(slot)?;
             let mut sumsq = slot_sums.slice_mut(SLOT_SUMSQ..SLOT_SUMSQ + 1);
@@ -753,10 +591,10 @@ impl Backend for CudaBackend {
         )?;
         gpu.kernels.adam_step(
             stream,
-            &mut view_mut(params),
+            &mut view_mut(op.params),
             &grads.as_view(),
-            &mut view_mut(adam_m),
-            &mut view_mut(adam_v),
+            &mut view_mut(op.adam_m),
+            &mut view_mut(op.adam_v),
             &self.adam_coeffs.slice(..4),
             config.beta1,
             config.beta2,

@@ -19,8 +19,9 @@ use volley_policy::{ActionHead, Activation, CoreKind, ParamLayout, PolicySpec};
 
 use super::*;
 use crate::backend::{
-    Backend, CpuBackend, Evaluation, Head, OffPolicyViews, PpoLossInputs, PpoLossOutputs, VTraceLossInputs,
-    VTraceLossOutputs, View, ViewMut,
+    Backend, BehaviourWeights, ClipAdamStep, CpuBackend, Evaluation, GaeScan, GatherColumns, Head, LogProbs,
+    OffPolicyViews, PpoLoss, PpoLossInputs, PpoLossOutputs, VTraceLoss, VTraceLossInputs, VTraceLossOutputs, View,
+    ViewMut,
 };
 use crate::batch::{SegmentBatch, StateRestore};
 use crate::learner::Learner;
@@ -316,7 +317,7 @@ fn run_vtrace_loss<B: Backend>(
         d_heads: ViewMut::range(&mut d_heads, 0..rows * stride),
         d_head_params: ViewMut::of(&mut no_param_grads),
     };
-    backend.vtrace_loss(&inputs, config, outputs, 0).unwrap();
+    backend.vtrace_loss(VTraceLoss { inputs, config, outputs, slot: 0 }).unwrap();
     let mut evaluations = Vec::new();
     backend.read_evaluations(&mut evaluations, &mut OffPolicySums::default()).unwrap();
     LossResult {
@@ -364,7 +365,7 @@ fn run_ppo_loss<B: Backend>(backend: &mut B, case: &LossCase, config: &PpoLossCo
         d_heads: ViewMut::range(&mut d_heads, 0..n * stride),
         d_head_params: ViewMut::of(&mut no_param_grads),
     };
-    backend.ppo_loss(&inputs, config, outputs, 1).unwrap();
+    backend.ppo_loss(PpoLoss { inputs, config, outputs, slot: 1 }).unwrap();
     let mut evaluations = Vec::new();
     backend.read_evaluations(&mut evaluations, &mut OffPolicySums::default()).unwrap();
     assert_eq!(evaluations[0].weight_sum, 0.0, "slot 0 untouched");
@@ -441,46 +442,62 @@ fn check_elementwise<B: Backend>(backend: &mut B) {
         let heads_view = View::range(&heads, 0..n * stride);
         let no_params = backend.alloc(0).unwrap();
         let head = Head { kind: ActionHead::Categorical, params: View::of(&no_params) };
-        backend.log_probs(heads_view, case.n_actions, &head, View::of(&actions), None, ViewMut::of(log_probs)).unwrap();
         backend
-            .log_probs(
-                heads_view,
-                case.n_actions,
-                &head,
-                View::of(&actions),
-                Some(View::of(&behaviour)),
-                ViewMut::of(log_rhos),
-            )
+            .log_probs(LogProbs {
+                heads: heads_view,
+                n_actions: case.n_actions,
+                head,
+                actions: View::of(&actions),
+                reference: None,
+                out: ViewMut::of(log_probs),
+            })
             .unwrap();
-        backend.behaviour_weights(View::of(log_probs), View::of(&behaviour), 1.0, ViewMut::of(weights)).unwrap();
         backend
-            .gae_scan(
+            .log_probs(LogProbs {
+                heads: heads_view,
+                n_actions: case.n_actions,
+                head,
+                actions: View::of(&actions),
+                reference: Some(View::of(&behaviour)),
+                out: ViewMut::of(log_rhos),
+            })
+            .unwrap();
+        backend
+            .behaviour_weights(BehaviourWeights {
+                prox_log_probs: View::of(log_probs),
+                behaviour_log_probs: View::of(&behaviour),
+                clip: 1.0,
+                out: ViewMut::of(weights),
+            })
+            .unwrap();
+        backend
+            .gae_scan(GaeScan {
                 t_len,
                 b_len,
-                View::of(&discounts),
-                View::of(&rewards),
-                View::range(&values, 0..n),
-                View::range(&values, n..n + b_len),
-                0.95,
-                Some(View::of(&advantage_override)),
-                ViewMut::of(adv),
-                ViewMut::of(ret),
-            )
+                discounts: View::of(&discounts),
+                rewards: View::of(&rewards),
+                values: View::range(&values, 0..n),
+                bootstrap_value: View::range(&values, n..n + b_len),
+                lambda_: 0.95,
+                advantage_override: Some(View::of(&advantage_override)),
+                advantages: ViewMut::of(adv),
+                returns: ViewMut::of(ret),
+            })
             .unwrap();
         let mut columns = None;
         backend.upload_indices(&[3, 0, 6, 6, 1], &mut columns).unwrap();
         let mut gathered = backend.alloc(t_len * 3 * stride).unwrap();
         backend
-            .gather_columns(
-                heads_view,
-                t_len,
+            .gather_columns(GatherColumns {
+                src: heads_view,
+                rows: t_len,
                 b_len,
-                stride,
-                columns.as_ref().unwrap(),
-                1,
-                3,
-                ViewMut::of(&mut gathered),
-            )
+                width: stride,
+                columns: columns.as_ref().unwrap(),
+                columns_offset: 1,
+                n_columns: 3,
+                dst: ViewMut::of(&mut gathered),
+            })
             .unwrap();
         let mut results: Vec<Vec<f32>> = out.iter().map(|b| get(backend, b, n)).collect();
         results.push(get(backend, &gathered, t_len * 3 * stride));
@@ -512,17 +529,17 @@ fn check_optimiser<B: Backend>(backend: &mut B) {
             }
             let mut grads = put(backend, &host);
             backend
-                .clip_adam_step(
-                    ViewMut::of(&mut params),
-                    ViewMut::of(&mut grads),
-                    ViewMut::of(&mut m),
-                    ViewMut::of(&mut v),
-                    &mut step,
+                .clip_adam_step(ClipAdamStep {
+                    params: ViewMut::of(&mut params),
+                    grads: ViewMut::of(&mut grads),
+                    adam_m: ViewMut::of(&mut m),
+                    adam_v: ViewMut::of(&mut v),
+                    step: &mut step,
                     config,
-                    1e-2,
-                    if slot == 1 { 0.5 } else { 100.0 },
+                    learning_rate: 1e-2,
+                    max_grad_norm: if slot == 1 { 0.5 } else { 100.0 },
                     slot,
-                )
+                })
                 .unwrap();
         }
         let mut evaluations = Vec::new();
@@ -559,6 +576,7 @@ fn check_off_policy<B: Backend>(backend: &mut B) {
         for range in [0..half, half..n] {
             let views = OffPolicyViews {
                 log_rhos: View::range(&inputs[0], range.clone()),
+                reference: None,
                 weights: View::range(&inputs[1], range.clone()),
                 values: View::range(&inputs[2], range.clone()),
                 value_targets: View::range(&inputs[3], range.clone()),

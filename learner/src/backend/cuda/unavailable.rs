@@ -7,14 +7,19 @@
 
 use std::convert::Infallible;
 
-use super::{
-    backend_operations, Backend, BackendError, Evaluation, Head, OffPolicyViews, PpoLossInputs, PpoLossOutputs,
-    VTraceLossInputs, VTraceLossOutputs, View, ViewMut,
+#[path = "timing.rs"]
+mod timing;
+pub use timing::{DeviceTiming, KernelTiming};
+
+use super::ops::{
+    BehaviourWeights, ClipAdamStep, Col2im, DenseForward, GaeScan, GatherColumns, GruCarryGrad, GruCellBackward,
+    GruCellForward, GruResetCopy, Im2col, LogProbs, MatmulDw, MatmulDx, TakeColumn,
 };
-use crate::losses::{PpoLossConfig, VTraceLossConfig};
-use crate::optim::AdamConfig;
+use super::{
+    backend_operations, Backend, BackendError, Evaluation, OffPolicyViews, PpoLoss, VTraceLoss, View, ViewMut,
+};
 use crate::telemetry::OffPolicySums;
-use volley_policy::{Activation, ConvGeometry};
+use volley_policy::Activation;
 
 /// A CUDA device (none can exist in this build).
 #[derive(Debug, Clone)]
@@ -42,33 +47,6 @@ pub fn open_cuda(_ordinal: usize) -> Result<CudaDevice, BackendError> {
     Err(BackendError::CudaNotCompiled)
 }
 
-/// Device time of the last update (see the CUDA build).
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub struct DeviceTiming {
-    /// Host-to-device copy of the packed batch, milliseconds.
-    pub h2d_ms: f32,
-    /// Kernels and products of the update, milliseconds.
-    pub compute_ms: f32,
-    /// Device-to-host copy of the statistics, milliseconds.
-    pub d2h_ms: f32,
-}
-
-/// One timed kernel measurement (see the CUDA build).
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct KernelTiming {
-    /// Median milliseconds per launch.
-    pub ms: f32,
-    /// Bytes read plus written per launch.
-    pub bytes: u64,
-}
-
-impl KernelTiming {
-    /// Achieved bandwidth in GB/s.
-    pub fn gbps(&self) -> f64 {
-        self.bytes as f64 / (f64::from(self.ms) * 1e-3) / 1e9
-    }
-}
-
 /// The CUDA backend (none can exist in this build).
 #[derive(Debug)]
 pub enum CudaBackend {}
@@ -91,9 +69,20 @@ impl CudaBackend {
 }
 
 /// Implements each operation [`backend_operations`] lists as unreachable: `self` is uninhabited.
+/// A checked operation's entry point is the trait's own; only its `_unchecked` half is here.
 macro_rules! unreachable_operations {
-    ($($(#[$meta:meta])* fn $name:ident(&mut self $(, $param:ident: $ty:ty)* $(,)?) -> $ret:ty;)*) => {
+    (
+        plain { $($(#[$meta:meta])* fn $name:ident(&mut self $(, $param:ident: $ty:ty)* $(,)?) -> $ret:ty;)* }
+        checked {
+            $($(#[$checked_meta:meta])*
+            fn $checked:ident(&mut self $(, $checked_param:ident: $checked_ty:ty)* $(,)?) -> $checked_ret:ty
+                => $unchecked:ident after $check:expr;)*
+        }
+    ) => {
         $(fn $name(&mut self $(, _: $ty)*) -> $ret {
+            match *self {}
+        })*
+        $(fn $unchecked(&mut self $(, _: $checked_ty)*) -> $checked_ret {
             match *self {}
         })*
     };
@@ -109,6 +98,10 @@ impl Backend for CudaBackend {
     }
 
     fn len(_buffer: &Self::Floats) -> usize {
+        match *_buffer {}
+    }
+
+    fn indices_len(_buffer: &Self::Indices) -> usize {
         match *_buffer {}
     }
 
