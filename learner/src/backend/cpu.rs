@@ -20,14 +20,14 @@
 use rayon::prelude::*;
 use volley_policy::head::{AnyHead, PolicyHead};
 use volley_policy::ops::{
-    act_backward_in_place, bias_act_rows, bias_rows, col2im, column_sums, dense_forward, gemm, gru_cell_backward,
-    gru_cell_forward, im2col, Mat,
+    act_backward_in_place, bias_act_rows, bias_rows, byte_table, col2im, column_sums, dense_forward, gemm,
+    gru_cell_backward, gru_cell_forward, im2col, im2col_u8_scaled, Mat,
 };
 use volley_policy::returns::gae;
 use volley_policy::{Activation, ConvGeometry};
 
 use super::{
-    check_len, Backend, BackendError, Evaluation, Head, OffPolicyViews, PpoLossInputs, PpoLossOutputs,
+    check_len, packed_words, Backend, BackendError, Evaluation, Head, OffPolicyViews, PpoLossInputs, PpoLossOutputs,
     VTraceLossInputs, VTraceLossOutputs, View, ViewMut,
 };
 use crate::losses::{self, PpoLossConfig, PpoTargets, RowBatch, VTraceLossConfig, VTraceRows};
@@ -460,6 +460,62 @@ impl Backend for CpuBackend {
                 });
             }),
             None => im2col(geometry, x, n, cols).expect("lengths checked above"),
+        }
+        Ok(())
+    }
+
+    fn im2col_u8(
+        &mut self,
+        x: View<'_, Self>,
+        n: usize,
+        geometry: &ConvGeometry,
+        scale: f32,
+        cols: ViewMut<'_, Self>,
+    ) -> Result<(), BackendError> {
+        let image_words = packed_words(geometry.input_len());
+        check_len("im2col_u8", "x", n * image_words, x.len())?;
+        check_len("im2col_u8", "cols", n * geometry.cols_len(), cols.len())?;
+        let (bytes, cols): (&[u8], _) = (bytemuck::cast_slice(slice(x)), slice_mut(cols));
+        // One image at a time: each starts at a word, so the images are `4 · image_words`
+        // bytes apart rather than `C·H·W`.
+        let unfold = |bytes: &[u8], cols: &mut [f32]| {
+            for (image, cols) in bytes.chunks_exact(4 * image_words).zip(cols.chunks_exact_mut(geometry.cols_len())) {
+                im2col_u8_scaled(geometry, &image[..geometry.input_len()], 1, scale, cols)
+                    .expect("one whole image on both sides");
+            }
+        };
+        match self.image_split(n, geometry.cols_len()) {
+            Some((pool, per_thread)) => pool.install(|| {
+                let inputs = bytes.par_chunks(per_thread * 4 * image_words);
+                inputs
+                    .zip(cols.par_chunks_mut(per_thread * geometry.cols_len()))
+                    .for_each(|(bytes, cols)| unfold(bytes, cols));
+            }),
+            None => unfold(bytes, cols),
+        }
+        Ok(())
+    }
+
+    fn widen_u8(
+        &mut self,
+        x: View<'_, Self>,
+        rows: usize,
+        width: usize,
+        scale: f32,
+        out: ViewMut<'_, Self>,
+    ) -> Result<(), BackendError> {
+        let row_words = packed_words(width);
+        check_len("widen_u8", "x", rows * row_words, x.len())?;
+        check_len("widen_u8", "out", rows * width, out.len())?;
+        if width == 0 {
+            return Ok(());
+        }
+        let (bytes, out): (&[u8], _) = (bytemuck::cast_slice(slice(x)), slice_mut(out));
+        let table = byte_table(scale);
+        for (row, out) in bytes.chunks_exact(4 * row_words).zip(out.chunks_exact_mut(width)) {
+            for (value, &byte) in out.iter_mut().zip(row) {
+                *value = table[usize::from(byte)];
+            }
         }
         Ok(())
     }

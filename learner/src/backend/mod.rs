@@ -197,6 +197,36 @@ fn shape_error(op: &'static str, operand: &'static str, expected: usize, got: us
     BackendError::Shape { op, operand, expected, got }
 }
 
+/// Words one row of `width` bytes takes in a float buffer: rows of bytes travel packed four
+/// to a word, each row starting at a word ([`pack_byte_rows`]).
+pub fn packed_words(width: usize) -> usize {
+    width.div_ceil(4)
+}
+
+/// Pack `rows` rows of `width` bytes into `words` (`rows · packed_words(width)` floats), each
+/// row's bytes in memory order from the start of its first word, so that a buffer of floats
+/// carries image observations at a byte per value (the staged batch is one float buffer, as
+/// actions travel in it as the bit patterns of their indices). A backend reads the words back
+/// as bytes in the same memory order (`bytemuck`'s casts on the CPU, a byte pointer on CUDA).
+///
+/// # Panics
+/// If the lengths disagree: callers size both sides.
+pub fn pack_byte_rows(bytes: &[u8], width: usize, words: &mut [f32]) {
+    let stride = packed_words(width);
+    assert!(width > 0 || bytes.is_empty(), "rows of no bytes");
+    let rows = bytes.len().checked_div(width).unwrap_or(0);
+    assert_eq!((rows * width, rows * stride), (bytes.len(), words.len()), "pack_byte_rows: shapes");
+    let out: &mut [u8] = bytemuck::cast_slice_mut(words);
+    if stride * 4 == width {
+        out.copy_from_slice(bytes);
+        return;
+    }
+    for (row, out) in bytes.chunks_exact(width).zip(out.chunks_exact_mut(4 * stride)) {
+        out[..width].copy_from_slice(row);
+        out[width..].fill(0);
+    }
+}
+
 /// A read-only view of `len` floats at `offset` in one backend buffer.
 pub struct View<'a, B: Backend + ?Sized> {
     buffer: &'a B::Floats,
@@ -543,6 +573,31 @@ macro_rules! backend_operations {
                 n: usize,
                 geometry: &ConvGeometry,
                 dx: ViewMut<'_, Self>,
+            ) -> Result<(), BackendError>;
+
+            /// [`Backend::im2col`] over `n` images of bytes (image observations, issue 44 item 3):
+            /// `x` holds them packed four bytes to a word ([`pack_byte_rows`]), each image's
+            /// `C·H·W` bytes starting at a word, and each byte `v` enters `cols` as
+            /// `f32::from(v) · scale`, the value the `f32` path would unfold.
+            fn im2col_u8(
+                &mut self,
+                x: View<'_, Self>,
+                n: usize,
+                geometry: &ConvGeometry,
+                scale: f32,
+                cols: ViewMut<'_, Self>,
+            ) -> Result<(), BackendError>;
+
+            /// Widen `rows` rows of `width` bytes, packed four to a word ([`pack_byte_rows`]),
+            /// into `out: [rows][width]` floats, byte `v` as `f32::from(v) · scale` (a dense first
+            /// layer over image observations reads these).
+            fn widen_u8(
+                &mut self,
+                x: View<'_, Self>,
+                rows: usize,
+                width: usize,
+                scale: f32,
+                out: ViewMut<'_, Self>,
             ) -> Result<(), BackendError>;
 
             /// `dst[i] = src[i · width + column]` for `i < rows` (the value column of the heads).

@@ -123,6 +123,9 @@ pub struct CudaBackend {
     host_sums: Vec<f64>,
     host_norms: Vec<f32>,
     profile: Option<Profile>,
+    /// `f32::from(v) · scale` for every byte `v`, on the device, and the bits of its `scale`:
+    /// what the byte-reading first layers look values up in (`im2col_u8`, `widen_u8`).
+    byte_table: Option<(u32, CudaSlice<f32>)>,
 }
 
 impl std::fmt::Debug for CudaBackend {
@@ -181,6 +184,7 @@ impl CudaBackend {
             host_sums: Vec::new(),
             host_norms: Vec::new(),
             profile: None,
+            byte_table: None,
             gpu,
         };
         backend.gpu.stream.synchronize()?;
@@ -200,6 +204,17 @@ impl CudaBackend {
 
     fn mark(&self, mark: Mark, on_copy_stream: bool) -> Result<(), BackendError> {
         record(&self.profile, &self.gpu, mark, on_copy_stream)
+    }
+
+    /// The device table of `f32::from(v) · scale` for every byte `v`, uploaded when `scale`
+    /// changes (once per run: a network has one input scale).
+    fn byte_table(&mut self, scale: f32) -> Result<CudaView<'_, f32>, BackendError> {
+        if self.byte_table.as_ref().is_none_or(|(bits, _)| *bits != scale.to_bits()) {
+            let table = volley_policy::ops::byte_table(scale);
+            self.byte_table = Some((scale.to_bits(), self.gpu.stream.clone_htod(&table)?));
+        }
+        let (_, table) = self.byte_table.as_ref().expect("set above");
+        Ok(table.slice(..))
     }
 
     /// At least `rows` ones, for column sums.
@@ -391,6 +406,32 @@ impl Backend for CudaBackend {
         cols: ViewMut<'_, Self>,
     ) -> Result<(), BackendError> {
         self.gpu.kernels.im2col(&self.gpu.stream, &view(x), n, geometry, &mut view_mut(cols))
+    }
+
+    fn im2col_u8(
+        &mut self,
+        x: View<'_, Self>,
+        n: usize,
+        geometry: &ConvGeometry,
+        scale: f32,
+        cols: ViewMut<'_, Self>,
+    ) -> Result<(), BackendError> {
+        let gpu = self.gpu.clone();
+        let table = self.byte_table(scale)?;
+        gpu.kernels.im2col_u8(&gpu.stream, &view(x), n, geometry, &table, &mut view_mut(cols))
+    }
+
+    fn widen_u8(
+        &mut self,
+        x: View<'_, Self>,
+        rows: usize,
+        width: usize,
+        scale: f32,
+        out: ViewMut<'_, Self>,
+    ) -> Result<(), BackendError> {
+        let gpu = self.gpu.clone();
+        let table = self.byte_table(scale)?;
+        gpu.kernels.widen_u8(&gpu.stream, &view(x), rows, width, &table, &mut view_mut(out))
     }
 
     fn col2im(
