@@ -258,9 +258,8 @@ fn main() {
     let presets = list_flag(&args, "--presets", vec![], str::to_string);
     let batches = list_flag(&args, "--batches", vec![], |n| n.parse::<usize>().expect("--batches: whole numbers"));
     if !presets.is_empty() {
-        configs.extend([("nature", 20, 8), ("nature", 20, 32)]);
+        configs = vec![("minatar", 32, 8), ("minatar", 32, 32), ("nature", 20, 8), ("nature", 20, 32)];
         configs.retain(|(preset, _, _)| presets.iter().any(|p| p == preset));
-        configs.dedup();
     }
     configs.retain(|(_, _, b_len)| batches.is_empty() || batches.contains(b_len));
     let mut backends: Vec<(Option<&CudaDevice>, usize)> = thread_counts.iter().map(|&n| (None, n)).collect();

@@ -476,9 +476,16 @@ impl Backend for CpuBackend {
         check_len("im2col_u8", "x", n * image_words, x.len())?;
         check_len("im2col_u8", "cols", n * geometry.cols_len(), cols.len())?;
         let (bytes, cols): (&[u8], _) = (bytemuck::cast_slice(slice(x)), slice_mut(cols));
-        // One image at a time: each starts at a word, so the images are `4 · image_words`
-        // bytes apart rather than `C·H·W`.
+        // Each image starts at a word. When `C·H·W` is a whole number of words (every preset)
+        // the images are contiguous and unfold in one call; otherwise one at a time, skipping
+        // the padding between them.
+        let contiguous = 4 * image_words == geometry.input_len();
         let unfold = |bytes: &[u8], cols: &mut [f32]| {
+            if contiguous {
+                let images = bytes.len() / geometry.input_len().max(1);
+                im2col_u8_scaled(geometry, bytes, images, scale, cols).expect("whole images on both sides");
+                return;
+            }
             for (image, cols) in bytes.chunks_exact(4 * image_words).zip(cols.chunks_exact_mut(geometry.cols_len())) {
                 im2col_u8_scaled(geometry, &image[..geometry.input_len()], 1, scale, cols)
                     .expect("one whole image on both sides");
