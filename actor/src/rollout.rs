@@ -11,7 +11,7 @@ use rand_pcg::Pcg64Mcg;
 use tracing::{debug, info, warn};
 use volley_core::ids::{ActorId, PolicyVersion};
 use volley_core::spec::{RunSpec, SpecError};
-use volley_core::wire::{EpisodeSummary, RestoredState, TrajectorySegment, Weights};
+use volley_core::wire::{EpisodeSummary, ObsElement, Observations, RestoredState, TrajectorySegment, Weights};
 use volley_core::work::SnapshotInfo;
 use volley_env::{Actions, EnvError, VecEnv, VecStep, VectorEnv};
 use volley_policy::head::{AnyHead, PolicyHead};
@@ -31,7 +31,8 @@ struct SegmentBuilder {
     segment_idx: u64,
     episode: RunningEpisode,
     episode_id_at_start: u64,
-    observations: Vec<f32>,
+    /// In the observation space's element type: bytes for images (issue 44 item 3).
+    observations: Observations,
     actions: Vec<u32>,
     continuous_actions: Vec<f32>,
     rewards: Vec<f32>,
@@ -77,6 +78,9 @@ pub struct RolloutWorker {
     /// not empty).
     aborted: Vec<bool>,
     builders: Vec<SegmentBuilder>,
+    /// Image observations of the current step as bytes, `[n_envs][obs_dim]`, which the
+    /// segments store and the policy reads (empty for vector observations).
+    frames: Vec<u8>,
     rng: Pcg64Mcg,
     // Scratch for bootstrapping truncated episodes.
     trunc_obs: Vec<f32>,
@@ -157,7 +161,11 @@ impl RolloutWorker {
         let h = layout.recurrent_size();
         let n_continuous = if action_box.is_some() { n_envs * n_actions } else { 0 };
         let t_len = spec.segment_len;
-        let builders = (0..n_envs).map(|_| SegmentBuilder::with_capacity(t_len, obs_dim, h)).collect();
+        // Image observation spaces (MinAtar's planes, served frames) keep their observations a
+        // byte per value from here to the learner's first layer.
+        let image = spec.env.image_shape().is_some();
+        let element = ObsElement::for_image(image);
+        let builders = (0..n_envs).map(|_| SegmentBuilder::with_capacity(t_len, obs_dim, h, element)).collect();
         Ok(RolloutWorker {
             inference: PolicyInference::new(&layout, n_envs),
             hidden: vec![0.0; n_envs * h],
@@ -170,6 +178,7 @@ impl RolloutWorker {
             step: VecStep::new(n_envs, obs_dim),
             aborted: vec![false; n_envs],
             builders,
+            frames: if image { vec![0; n_envs * obs_dim] } else { Vec::new() },
             rng: Pcg64Mcg::seed_from_u64(seed ^ 0x5eed_ac70),
             trunc_obs: Vec::new(),
             trunc_hidden: Vec::new(),
@@ -279,10 +288,21 @@ impl RolloutWorker {
         for step in 0..segment_len {
             let started = Instant::now();
             let obs = self.envs.obs();
-            for (env_idx, builder) in self.builders.iter_mut().enumerate() {
-                builder.observations.extend_from_slice(&obs[env_idx * obs_dim..(env_idx + 1) * obs_dim]);
+            if self.frames.is_empty() {
+                for (env_idx, builder) in self.builders.iter_mut().enumerate() {
+                    builder.observations.extend_from_f32(&obs[env_idx * obs_dim..(env_idx + 1) * obs_dim]);
+                }
+                self.inference.forward(params, obs, n_envs, &mut self.hidden, &mut self.logits, &mut self.values);
+            } else {
+                // One conversion per value, which the segment needs anyway; the policy's first
+                // layer reads the same bytes.
+                to_frames(obs, &mut self.frames);
+                for (builder, row) in self.builders.iter_mut().zip(self.frames.chunks_exact(obs_dim)) {
+                    builder.observations.extend_from_u8(row);
+                }
+                let frames = &self.frames;
+                self.inference.forward_u8(params, frames, n_envs, &mut self.hidden, &mut self.logits, &mut self.values);
             }
-            self.inference.forward(params, obs, n_envs, &mut self.hidden, &mut self.logits, &mut self.values);
             self.sample_actions(params, weights.version);
             let stepped = Instant::now();
             inference_time += stepped - started;
@@ -355,7 +375,7 @@ impl RolloutWorker {
         let obs = self.envs.obs();
         let mut segments = Vec::with_capacity(n_envs);
         for (env_idx, builder) in self.builders.iter_mut().enumerate() {
-            builder.observations.extend_from_slice(&obs[env_idx * obs_dim..(env_idx + 1) * obs_dim]);
+            builder.observations.extend_from_f32(&obs[env_idx * obs_dim..(env_idx + 1) * obs_dim]);
             segments.push(builder.finish(&self.spec, &self.actor, self.incarnation, env_idx, &weights, obs_dim));
         }
         self.starts.segment_done();
@@ -634,9 +654,16 @@ fn new_incarnation() -> u64 {
         ^ COUNTER.fetch_add(1, Ordering::Relaxed).wrapping_mul(0x9e37_79b9_7f4a_7c15)
 }
 
+/// Environment observations (whole numbers in `0..=255` for an image space) as bytes.
+fn to_frames(obs: &[f32], frames: &mut [u8]) {
+    for (frame, &value) in frames.iter_mut().zip(obs) {
+        *frame = value as u8;
+    }
+}
+
 impl SegmentBuilder {
-    fn with_capacity(t_len: usize, obs_dim: usize, h: usize) -> Self {
-        let mut builder = SegmentBuilder::default();
+    fn with_capacity(t_len: usize, obs_dim: usize, h: usize, element: ObsElement) -> Self {
+        let mut builder = SegmentBuilder { observations: Observations::empty(element), ..SegmentBuilder::default() };
         builder.reserve(t_len, obs_dim, h);
         builder
     }
@@ -669,6 +696,7 @@ impl SegmentBuilder {
         obs_dim: usize,
     ) -> TrajectorySegment {
         let h = self.initial_hidden.len();
+        let element = self.observations.element();
         let segment = TrajectorySegment {
             run: spec.run.clone(),
             actor: actor.clone(),
@@ -681,7 +709,7 @@ impl SegmentBuilder {
             policy_version: weights.version,
             layout_hash: weights.layout_hash,
             obs_dim: obs_dim as u32,
-            observations: std::mem::take(&mut self.observations),
+            observations: std::mem::replace(&mut self.observations, Observations::empty(element)),
             actions: std::mem::take(&mut self.actions),
             continuous_actions: std::mem::take(&mut self.continuous_actions),
             rewards: std::mem::take(&mut self.rewards),
@@ -743,7 +771,8 @@ mod tests {
         for (a, b) in first.iter().zip(&second) {
             a.validate(&worker.spec, hash, 0).expect("valid segment");
             b.validate(&worker.spec, hash, 0).expect("valid segment");
-            assert_eq!(&a.observations[64 * 4..], &b.observations[..4], "the next segment starts where this one ended");
+            assert_eq!(a.observations.element(), ObsElement::F32, "vector observations stay f32");
+            assert!(a.observations.same_values(64 * 4..65 * 4, &b.observations, 0..4), "b starts where a ended");
             assert_eq!((a.segment_idx, b.segment_idx), (0, 1));
             assert_eq!(a.policy_version, PolicyVersion(4));
             let dones = a.terminated.iter().zip(&a.truncated).filter(|(&te, &tr)| te == 1 || tr == 1).count();
@@ -757,6 +786,27 @@ mod tests {
         let lengths: u32 = first.iter().flat_map(|s| &s.finished_episodes).map(|e| e.episode_len).sum();
         assert_eq!(returns, lengths as f32, "CartPole pays 1 per step");
         assert_eq!(worker.counters.env_steps.load(Ordering::Relaxed), 2 * 64 * 3);
+    }
+
+    /// Issue 44 item 3: an image observation space (MinAtar's planes) fills segments with
+    /// bytes, which validate and continue each other; the policy reads the same bytes.
+    #[test]
+    fn image_observations_travel_in_segments_as_bytes() {
+        let env = EnvConfig::Minatar(volley_env::MinatarConfig::new(volley_env::MinatarGame::Breakout));
+        let (obs_dim, n_actions) = env.spaces().expect("MinAtar's spaces");
+        let mut worker = worker(env, obs_dim, n_actions, CoreKind::Mlp, 16);
+        let first = worker.collect_segments();
+        let second = worker.collect_segments();
+        let hash = worker.layout.hash();
+        for (a, b) in first.iter().zip(&second) {
+            a.validate(&worker.spec, hash, 0).expect("valid segment");
+            let frames = a.observations.as_u8().expect("image observations are bytes");
+            assert_eq!(frames.len(), 17 * obs_dim);
+            assert!(frames.iter().all(|&v| v <= 1) && frames.contains(&1), "0/1 planes");
+            let boundary = 16 * obs_dim..17 * obs_dim;
+            assert!(a.observations.same_values(boundary, &b.observations, 0..obs_dim), "b starts where a ended");
+            assert!(a.behaviour_log_probs.iter().all(|&lp| lp <= 0.0 && lp > -10.0));
+        }
     }
 
     /// A sink under backpressure whose learner publishes a new version while the actor waits.

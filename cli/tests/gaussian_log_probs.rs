@@ -54,7 +54,7 @@ fn recorded_behaviour_log_probs_equal_the_learners_for_the_same_weights() {
             if squash {
                 assert!(segment.continuous_actions.iter().all(|a| a.abs() < 1.0));
             }
-            let mut observations = segment.observations[..T * spec.policy.obs_dim].to_vec();
+            let mut observations = segment.observations.to_f32_vec()[..T * spec.policy.obs_dim].to_vec();
             // What the trainer's staging does with the statistics in the weights.
             if let Some(stats) = layout.obs_norm_range() {
                 let raw = observations.clone();

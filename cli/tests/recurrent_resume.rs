@@ -62,7 +62,7 @@ fn learner_log_probs(layout: &ParamLayout, params: &[f32], batch: &SegmentBatch,
     let n = t_len * b_len;
     let mut cpu = CpuBackend::new();
     let mut net = Network::new(&mut cpu, layout).expect("a network");
-    let obs = &batch.observations[..n * batch.obs_dim];
+    let obs = &batch.observations.to_f32_vec()[..n * batch.obs_dim];
     let starts = &batch.episode_start[..n];
     let restores = if ignore_restores { &[][..] } else { &batch.restores[..] };
     net.forward_restoring(

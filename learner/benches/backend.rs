@@ -67,7 +67,9 @@ fn batch(rng: &mut Pcg64Mcg, t_len: usize, b_len: usize) -> SegmentBatch {
         b_len,
         obs_dim: OBS_DIM,
         hidden_size: 0,
-        observations: (0..(t_len + 1) * b_len * OBS_DIM).map(|_| rng.random_range(-1.0..1.0)).collect(),
+        observations: volley_core::wire::Observations::F32(
+            (0..(t_len + 1) * b_len * OBS_DIM).map(|_| rng.random_range(-1.0..1.0)).collect(),
+        ),
         episode_start: vec![0.0; (t_len + 1) * b_len],
         initial_hidden: Vec::new(),
         actions: (0..steps).map(|_| rng.random_range(0..N_ACTIONS as u32)).collect(),

@@ -6,7 +6,10 @@
 //!
 //! `cargo bench -p volley-learner --bench conv` (add `-- --quick` for the MinAtar rows only,
 //! `-- --threads 1,2` for the CPU backend's thread counts, default 1 and every core the process
-//! may use). Prints a Markdown table with the arithmetic rate of each update (2 FLOP per
+//! may use; `-- --obs u8,f32` for how the batch holds its observations, default both: `u8`
+//! frames converted in the first layer, issue 44 item 3, or `f32` as before it; `--presets
+//! nature` and `--batches 32` to run only those rows). Each row gives the bytes of the batch's
+//! observations, and the last line the process's peak resident memory (`VmHWM`). Prints a Markdown table with the arithmetic rate of each update (2 FLOP per
 //! multiply-add of the forward and the backward products) beside the f32 peak of the threads it
 //! ran on, measured first by an FMA loop (see [`fma_peak_gflops`]).
 
@@ -16,6 +19,7 @@ use rand::{Rng, SeedableRng};
 use rand_pcg::Pcg64Mcg;
 use volley_core::ids::{PolicyVersion, RunId};
 use volley_core::spec::{HyperParams, LossKind, RunSpec};
+use volley_core::wire::{ObsElement, Observations};
 use volley_env::{EnvConfig, EnvServiceName, MinatarConfig, MinatarGame, RemoteEnvConfig};
 use volley_learner::backend::{open_cuda, CudaDevice};
 use volley_learner::batch::SegmentBatch;
@@ -56,14 +60,27 @@ fn spec(preset: &str, t_len: usize, b_len: usize) -> RunSpec {
     }
 }
 
-fn batch(rng: &mut Pcg64Mcg, obs_dim: usize, n_actions: usize, t_len: usize, b_len: usize) -> SegmentBatch {
+/// A batch of byte-valued observations (MinAtar's planes; frames for the Nature network) held
+/// as `element`.
+fn batch(
+    rng: &mut Pcg64Mcg,
+    obs_dim: usize,
+    n_actions: usize,
+    t_len: usize,
+    b_len: usize,
+    element: ObsElement,
+) -> SegmentBatch {
     let steps = t_len * b_len;
+    let bytes: Vec<u8> = (0..(t_len + 1) * b_len * obs_dim).map(|_| u8::from(rng.random_bool(0.1))).collect();
     SegmentBatch {
         t_len,
         b_len,
         obs_dim,
         hidden_size: 0,
-        observations: (0..(t_len + 1) * b_len * obs_dim).map(|_| f32::from(u8::from(rng.random_bool(0.1)))).collect(),
+        observations: match element {
+            ObsElement::U8 => Observations::U8(bytes),
+            ObsElement::F32 => Observations::F32(bytes.iter().map(|&b| f32::from(b)).collect()),
+        },
         episode_start: vec![0.0; (t_len + 1) * b_len],
         initial_hidden: Vec::new(),
         actions: (0..steps).map(|_| rng.random_range(0..n_actions as u32)).collect(),
@@ -161,8 +178,9 @@ fn median(mut xs: Vec<f64>) -> f64 {
     xs[xs.len() / 2]
 }
 
-/// Median seconds per update over at least 3 updates and about a second.
-fn seconds_per_update(device: Option<&CudaDevice>, threads: usize, spec: RunSpec) -> f64 {
+/// Median seconds per update over at least 3 updates and about a second, and the bytes of the
+/// batch's observations.
+fn seconds_per_update(device: Option<&CudaDevice>, threads: usize, spec: RunSpec, element: ObsElement) -> (f64, usize) {
     let (obs_dim, n_actions, t_len, b_len) =
         (spec.policy.obs_dim, spec.policy.n_actions, spec.segment_len, spec.hyper.batch_segments);
     let mut learner = Learner::new(spec).expect("valid spec");
@@ -170,7 +188,7 @@ fn seconds_per_update(device: Option<&CudaDevice>, threads: usize, spec: RunSpec
         Some(device) => learner.use_cuda_device(device).expect("the device opened once already"),
         None => learner.set_cpu_threads(threads).expect("a thread pool"),
     }
-    let batch = batch(&mut Pcg64Mcg::seed_from_u64(1), obs_dim, n_actions, t_len, b_len);
+    let batch = batch(&mut Pcg64Mcg::seed_from_u64(1), obs_dim, n_actions, t_len, b_len, element);
     learner.update(&batch); // warm-up: allocation, cuBLAS heuristics
     let mut wall = Vec::new();
     let started = Instant::now();
@@ -179,7 +197,23 @@ fn seconds_per_update(device: Option<&CudaDevice>, threads: usize, spec: RunSpec
         learner.update(&batch);
         wall.push(t0.elapsed().as_secs_f64());
     }
-    median(wall)
+    (median(wall), batch.observations.size_bytes())
+}
+
+/// The values of a comma-separated list flag, or `default`.
+fn list_flag<T>(args: &[String], flag: &str, default: Vec<T>, parse: impl Fn(&str) -> T) -> Vec<T> {
+    match args.iter().position(|a| a == flag) {
+        Some(i) => args.get(i + 1).unwrap_or_else(|| panic!("{flag} takes a list")).split(',').map(parse).collect(),
+        None => default,
+    }
+}
+
+/// The process's peak resident memory in MiB (`VmHWM` of `/proc/self/status`).
+fn peak_rss_mib() -> Option<f64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|line| line.starts_with("VmHWM:"))?;
+    let kib: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib / 1024.0)
 }
 
 fn main() {
@@ -208,19 +242,37 @@ fn main() {
         Some(peak) => println!("f32 peak of one core (FMA loop): {peak:.1} GFLOP/s"),
         None => println!("f32 peak: not measured (no AVX2/AVX-512 FMA)"),
     }
-    println!("| backend | threads | network | T | B | samples/s | update ms | GFLOP/s | % of f32 peak |");
-    println!("|---|---|---|---|---|---|---|---|---|");
+    let elements = list_flag(&args, "--obs", vec![ObsElement::U8, ObsElement::F32], |name| match name {
+        "u8" => ObsElement::U8,
+        "f32" => ObsElement::F32,
+        other => panic!("--obs: u8 or f32, not {other}"),
+    });
+    println!(
+        "| backend | threads | network | obs | T | B | batch obs MB | samples/s | update ms | GFLOP/s | % of f32 peak |"
+    );
+    println!("|---|---|---|---|---|---|---|---|---|---|---|");
     let mut configs = vec![("minatar", 32, 8), ("minatar", 32, 32)];
     if !quick {
         configs.extend([("nature", 20, 8), ("nature", 20, 32)]);
     }
+    let presets = list_flag(&args, "--presets", vec![], str::to_string);
+    let batches = list_flag(&args, "--batches", vec![], |n| n.parse::<usize>().expect("--batches: whole numbers"));
+    if !presets.is_empty() {
+        configs = vec![("minatar", 32, 8), ("minatar", 32, 32), ("nature", 20, 8), ("nature", 20, 32)];
+        configs.retain(|(preset, _, _)| presets.iter().any(|p| p == preset));
+    }
+    configs.retain(|(_, _, b_len)| batches.is_empty() || batches.contains(b_len));
     let mut backends: Vec<(Option<&CudaDevice>, usize)> = thread_counts.iter().map(|&n| (None, n)).collect();
     backends.extend(device.as_ref().map(|d| (Some(d), 1)));
     for &(preset, t_len, b_len) in &configs {
-        for &(backend, threads) in &backends {
+        for (&(backend, threads), &element) in backends.iter().flat_map(|b| elements.iter().map(move |e| (b, e))) {
             let spec = spec(preset, t_len, b_len);
             let flop = 2.0 * macs_per_row(&spec) * ((t_len + 1) * b_len) as f64;
-            let secs = seconds_per_update(backend, threads, spec);
+            let (secs, obs_bytes) = seconds_per_update(backend, threads, spec, element);
+            let obs = match element {
+                ObsElement::U8 => "u8",
+                ObsElement::F32 => "f32",
+            };
             let gflops = flop / secs / 1e9;
             let (name, of_peak) = match (backend, peak) {
                 (None, Some(peak)) => ("cpu", format!("{:.0} %", 100.0 * gflops / (peak * threads as f64))),
@@ -228,10 +280,14 @@ fn main() {
                 (Some(_), _) => ("cuda", "-".into()),
             };
             println!(
-                "| {name} | {threads} | {preset} | {t_len} | {b_len} | {:.0} | {:.1} | {gflops:.1} | {of_peak} |",
+                "| {name} | {threads} | {preset} | {obs} | {t_len} | {b_len} | {:.2} | {:.0} | {:.1} | {gflops:.1} | {of_peak} |",
+                obs_bytes as f64 / 1e6,
                 (t_len * b_len) as f64 / secs,
                 secs * 1e3
             );
         }
+    }
+    if let Some(mib) = peak_rss_mib() {
+        println!("peak resident memory (VmHWM): {mib:.0} MiB");
     }
 }

@@ -69,8 +69,8 @@ struct Shape {
     n_segments: usize,
     /// The sink's `max_segments_per_message` (1: one message per segment, as before frames).
     max_segments_per_message: usize,
-    /// Observations are whole numbers in `0..=255` (pixels), so they travel as one byte each
-    /// (`core::wire::observations`); otherwise they are arbitrary `f32`.
+    /// Observations are frames, held and sent as one byte each (`core::wire::observations`);
+    /// otherwise they are arbitrary `f32`.
     pixels: bool,
 }
 
@@ -182,25 +182,23 @@ fn spec(run: &str, obs_dim: usize) -> RunSpec {
     }
 }
 
-/// One environment's segment: random observations (whole numbers in `0..=255` for `pixels`),
+/// One environment's segment: random observations (bytes for `pixels`),
 /// alternating actions, reward 1, no episode end; valid for `spec` and admitted at policy
 /// version 0.
 fn template(spec: &RunSpec, env_idx: usize, pixels: bool) -> TrajectorySegment {
     let mut z = (env_idx as u32).wrapping_mul(0x9E37_79B9) | 1;
-    SegmentBuilder::for_spec(spec)
-        .actor("actor-0")
-        .env_idx(env_idx as u32)
-        .observations_from(|_| {
-            z = z.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
-            if pixels {
-                (z >> 24) as f32
-            } else {
-                (z >> 8) as f32 / (1u32 << 24) as f32 - 0.5
-            }
-        })
-        .actions((0..SEGMENT_LEN).map(|t| (t % 2) as u32).collect())
-        .log_prob(-0.69)
-        .build()
+    let mut next = move || {
+        z = z.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+        z
+    };
+    let builder = SegmentBuilder::for_spec(spec).actor("actor-0").env_idx(env_idx as u32);
+    // Frames are bytes, as an actor of an image space holds them (issue 44 item 3).
+    let builder = if pixels {
+        builder.frames_from(|_| (next() >> 24) as u8)
+    } else {
+        builder.observations_from(|_| (next() >> 8) as f32 / (1u32 << 24) as f32 - 0.5)
+    };
+    builder.actions((0..SEGMENT_LEN).map(|t| (t % 2) as u32).collect()).log_prob(-0.69).build()
 }
 
 /// Publish `shape.n_segments` segments through the sink, 8 per call; returns the messages

@@ -71,3 +71,45 @@ extern "C" __global__ void col2im(const float* d_cols, float* dx, int n, int c_i
         dx[i] = sum;
     }
 }
+
+// im2col over image observations of one byte per value (issue 44 item 3): x is the staged
+// float buffer read as bytes, image img's C*H*W bytes starting at byte img * image_stride (each
+// image starts at a word: image_stride = 4 * ceil(C*H*W / 4)), and byte v enters cols as
+// table[v] = (float)v * scale, which the host computes (so the values are those of the f32
+// path bit for bit). Same thread mapping as im2col: one thread per element of cols.
+extern "C" __global__ void im2col_u8(const unsigned char* x, float* cols, const float* table, long long image_stride,
+                                     int n, int c_in, int h, int w, int k, int stride, int pad, int out_h, int out_w,
+                                     int channels_last) {
+    const int patch = c_in * k * k;
+    const long long total = (long long)n * out_h * out_w * patch;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total; i += (long long)gridDim.x * blockDim.x) {
+        const int col = (int)(i % patch);
+        const long long row = i / patch;
+        const int ox = (int)(row % out_w);
+        const long long rest = row / out_w;
+        const int oy = (int)(rest % out_h);
+        const long long img = rest / out_h;
+        const int kx = col % k;
+        const int ky = (col / k) % k;
+        const int c = col / (k * k);
+        const int iy = oy * stride - pad + ky;
+        const int ix = ox * stride - pad + kx;
+        float v = 0.0f;
+        if (iy >= 0 && iy < h && ix >= 0 && ix < w) {
+            v = table[x[img * image_stride + conv_input_index(c, iy, ix, c_in, h, w, channels_last)]];
+        }
+        cols[i] = v;
+    }
+}
+
+// Widen rows of bytes into floats: out[r * width + j] = table[x[r * row_stride + j]], row r's
+// bytes starting at byte r * row_stride (a word boundary). One thread per output element.
+extern "C" __global__ void widen_u8(const unsigned char* x, float* out, const float* table, long long row_stride,
+                                    int rows, int width) {
+    const long long total = (long long)rows * width;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total; i += (long long)gridDim.x * blockDim.x) {
+        const long long r = i / width;
+        const int j = (int)(i % width);
+        out[i] = table[x[r * row_stride + j]];
+    }
+}

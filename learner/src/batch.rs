@@ -2,7 +2,7 @@
 //! per stitched window of consecutive segments (`hyper.bptt.segments`, [`crate::select::windows`]).
 
 use volley_core::ids::PolicyVersion;
-use volley_core::wire::TrajectorySegment;
+use volley_core::wire::{ObsElement, Observations, TrajectorySegment};
 
 /// A recurrent state that replaces the one entering step `t` of column `b`: row `state` of
 /// [`SegmentBatch::restore_states`]. The batch also sets `episode_start` there, so no
@@ -34,8 +34,9 @@ pub struct SegmentBatch {
     pub obs_dim: usize,
     /// Recurrent state width (0 for feed-forward).
     pub hidden_size: usize,
-    /// `[T + 1][B][obs_dim]`.
-    pub observations: Vec<f32>,
+    /// `[T + 1][B][obs_dim]`: bytes when every segment's observations are (image
+    /// observations, `volley_core::wire::observations`), else `f32` (bytes widened).
+    pub observations: Observations,
     /// `[T + 1][B]`: 1 where a new episode starts at that step (recurrent state reset to zero,
     /// or to a restored state: [`SegmentBatch::restores`]).
     pub episode_start: Vec<f32>,
@@ -121,7 +122,11 @@ impl SegmentBatch {
         self.obs_dim = obs_dim;
         self.hidden_size = hidden_size;
         let steps = t_len * b_len;
-        resize(&mut self.observations, (t_len + 1) * b_len * obs_dim);
+        // One element type for the whole batch, chosen once: frames stay bytes unless a
+        // segment holds `f32` observations, and then every segment's are widened (exactly).
+        let all_bytes = windows.iter().flat_map(|w| w.iter()).all(|s| s.observations.element() == ObsElement::U8);
+        let element = if all_bytes && first.is_some() { ObsElement::U8 } else { ObsElement::F32 };
+        self.observations.reset(element, (t_len + 1) * b_len * obs_dim);
         resize(&mut self.episode_start, (t_len + 1) * b_len);
         resize(&mut self.initial_hidden, b_len * hidden_size);
         self.actions.clear();
@@ -163,8 +168,7 @@ impl SegmentBatch {
                 let rows = if k + 1 == window.len() { seg_len + 1 } else { seg_len };
                 for t in 0..rows {
                     let dst = ((offset + t) * b_len + b) * obs_dim;
-                    self.observations[dst..dst + obs_dim]
-                        .copy_from_slice(&segment.observations[t * obs_dim..(t + 1) * obs_dim]);
+                    self.observations.write_from(dst, &segment.observations, t * obs_dim..(t + 1) * obs_dim);
                 }
                 for t in 0..seg_len {
                     let dst = ((offset + t) * b_len + b) * action_dim;
@@ -264,7 +268,18 @@ impl SegmentBatch {
         out.b_len = cols.len();
         out.obs_dim = self.obs_dim;
         out.hidden_size = self.hidden_size;
-        gather(&self.observations, t_len + 1, b_len, self.obs_dim, cols, &mut out.observations);
+        match &self.observations {
+            Observations::F32(values) => {
+                out.observations.reset(ObsElement::F32, 0);
+                let Observations::F32(dst) = &mut out.observations else { unreachable!("reset to f32") };
+                gather(values, t_len + 1, b_len, self.obs_dim, cols, dst);
+            }
+            Observations::U8(bytes) => {
+                out.observations.reset(ObsElement::U8, 0);
+                let Observations::U8(dst) = &mut out.observations else { unreachable!("reset to u8") };
+                gather(bytes, t_len + 1, b_len, self.obs_dim, cols, dst);
+            }
+        }
         gather(&self.episode_start, t_len + 1, b_len, 1, cols, &mut out.episode_start);
         gather(&self.initial_hidden, 1, b_len, self.hidden_size, cols, &mut out.initial_hidden);
         if self.action_dim == 0 {
@@ -346,7 +361,7 @@ mod tests {
         let mut batch = SegmentBatch::default();
         batch.fill(&[&a, &b], 0.9, 1.0, &[1.0, 0.5]);
         // Observation of segment b at t = 1 sits at row 1, column 1.
-        assert_eq!(&batch.observations[(2 + 1) * 2..(2 + 1) * 2 + 2], &[102.0, 103.0]);
+        assert_eq!(&batch.observations.to_f32_vec()[(2 + 1) * 2..(2 + 1) * 2 + 2], &[102.0, 103.0]);
         assert_eq!(batch.rewards[2], 1.0 + 0.9 * 10.0);
         assert_eq!(batch.discounts[2], 0.0);
         assert_eq!(batch.discounts[4], 0.0);
@@ -392,9 +407,10 @@ mod tests {
         assert_eq!((batch.t_len, batch.b_len, batch.padded_steps, batch.data_samples()), (6, 2, 4, 8));
         // Column 0: observations 0, 1 | 10, 11 | 20, 21, then the bootstrap row 22.
         let column = |field: &[f32], b: usize| field.iter().skip(b).step_by(2).copied().collect::<Vec<_>>();
-        assert_eq!(column(&batch.observations, 0), vec![0.0, 1.0, 10.0, 11.0, 20.0, 21.0, 22.0]);
+        let observations = batch.observations.to_f32_vec();
+        assert_eq!(column(&observations, 0), vec![0.0, 1.0, 10.0, 11.0, 20.0, 21.0, 22.0]);
         // Column 1: four padding steps, then the short window's data.
-        assert_eq!(column(&batch.observations, 1), vec![0.0, 0.0, 0.0, 0.0, 70.0, 71.0, 72.0]);
+        assert_eq!(column(&observations, 1), vec![0.0, 0.0, 0.0, 0.0, 70.0, 71.0, 72.0]);
         assert_eq!(column(&batch.sample_weights, 1), vec![0.0, 0.0, 0.0, 0.0, 0.5, 0.5]);
         assert_eq!(column(&batch.discounts, 1), vec![0.0, 0.0, 0.0, 0.0, 0.9, 0.9]);
         assert_eq!(column(&batch.behaviour_log_probs, 0), vec![-0.25; 6]);
@@ -432,7 +448,7 @@ mod tests {
         let mut mini = SegmentBatch::default();
         batch.gather_columns(&[2, 0], &mut mini);
         assert_eq!(mini.b_len, 2);
-        assert_eq!(mini.observations, vec![20.0, 0.0, 21.0, 1.0, 22.0, 2.0]);
+        assert_eq!(mini.observations, Observations::F32(vec![20.0, 0.0, 21.0, 1.0, 22.0, 2.0]));
         let mut direct = SegmentBatch::default();
         direct.fill(&[&segments[2], &segments[0]], 0.99, 1.0, &[1.0; 2]);
         assert_eq!(mini.rewards, direct.rewards);

@@ -15,6 +15,11 @@
 //! is one `T·B`-deep product. This is the same computation as `volley_policy::PolicyTape`
 //! (the tests below check it to rounding).
 //!
+//! Image observations may arrive as bytes ([`Input::U8`]): the first conv layer unfolds them
+//! with [`Backend::im2col_u8`] (forward, and again in backward for its weight gradient), and a
+//! dense first layer reads them widened by [`Backend::widen_u8`] into a buffer kept for the
+//! backward. The input has no gradient, so nothing flows back into the bytes.
+//!
 //! A new layer is composed here: its forward records what its backward needs in buffers of this
 //! struct, and its backward runs between its neighbours' (see [`crate::backend`]).
 
@@ -24,7 +29,7 @@ use volley_policy::{Activation, ConvGeometry, CoreKind, ParamLayout};
 
 use crate::backend::{
     Backend, BackendError, Col2im, DenseForward, GruCarryGrad, GruCellBackward, GruCellForward, GruResetCopy, Im2col,
-    MatmulDw, MatmulDx, TakeColumn, View, ViewMut,
+    Im2colU8, MatmulDw, MatmulDx, TakeColumn, View, ViewMut, WidenU8,
 };
 pub use crate::batch::StateRestore;
 
@@ -142,6 +147,29 @@ impl Shape {
     }
 }
 
+/// The observations a forward (and the backward after it) reads.
+pub enum Input<'a, B: Backend> {
+    /// `[rows][obs_dim]` floats, as the first layer reads them (already scaled or normalised).
+    F32(View<'a, B>),
+    /// `[rows][packed_words(obs_dim)]`: image observations packed four bytes to a word
+    /// ([`crate::backend::pack_byte_rows`]); the first layer reads byte `v` as
+    /// `f32::from(v) · scale`.
+    U8 {
+        /// The packed rows.
+        packed: View<'a, B>,
+        /// The factor every value is read with (`ParamLayout::input_scale`).
+        scale: f32,
+    },
+}
+
+impl<B: Backend> Clone for Input<'_, B> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<B: Backend> Copy for Input<'_, B> {}
+
 /// Grow `buffer` to at least `len` floats (never shrinks; a smaller call reuses it).
 pub(crate) fn ensure<B: Backend>(backend: &mut B, buffer: &mut B::Floats, len: usize) -> Result<(), BackendError> {
     if B::len(buffer) < len {
@@ -178,6 +206,9 @@ pub struct Network<B: Backend> {
     d_gru_input_proj: B::Floats,
     d_gru_hidden_proj: B::Floats,
     d_gru_h: B::Floats,
+    /// Byte observations widened for a dense first layer, `[T·B][obs_dim]` (kept from the
+    /// forward for the backward's weight gradient).
+    widened_obs: B::Floats,
 }
 
 impl<B: Backend> Network<B> {
@@ -201,6 +232,7 @@ impl<B: Backend> Network<B> {
             d_gru_input_proj: empty()?,
             d_gru_hidden_proj: empty()?,
             d_gru_h: empty()?,
+            widened_obs: empty()?,
             shape,
             t_len: 0,
             b_len: 0,
@@ -268,6 +300,25 @@ impl<B: Backend> Network<B> {
         t_len: usize,
         b_len: usize,
     ) -> Result<(), BackendError> {
+        let input = Input::F32(obs);
+        self.forward_input(backend, params, input, starts, h0, restores, restore_states, t_len, b_len)
+    }
+
+    /// [`forward_restoring`](Self::forward_restoring) over observations of either kind
+    /// ([`Input`]).
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_input(
+        &mut self,
+        backend: &mut B,
+        params: &B::Floats,
+        input: Input<'_, B>,
+        starts: View<'_, B>,
+        h0: View<'_, B>,
+        restores: &[StateRestore],
+        restore_states: View<'_, B>,
+        t_len: usize,
+        b_len: usize,
+    ) -> Result<(), BackendError> {
         let hidden = self.hidden();
         if let Some(bad) =
             restores.iter().find(|r| r.t >= t_len || r.b >= b_len || (r.state + 1) * hidden > restore_states.len())
@@ -292,6 +343,15 @@ impl<B: Backend> Network<B> {
         self.t_len = t_len;
         self.b_len = b_len;
         let param = |range: &Range<usize>| View::range(params, range.clone());
+        // Bytes for a dense first layer are widened once here; for a conv torso the first
+        // unfolding reads them (`byte_scale`).
+        if let (Input::U8 { packed, scale }, true) = (input, shape.conv.is_empty()) {
+            let len = rows * shape.obs_dim;
+            ensure(backend, &mut self.widened_obs, len)?;
+            let out = ViewMut::range(&mut self.widened_obs, 0..len);
+            backend.widen_u8(WidenU8 { x: packed, rows, width: shape.obs_dim, scale, out })?;
+        }
+        let (obs, byte_scale) = first_layer_input(input, shape, &self.widened_obs, rows);
 
         ensure(backend, &mut self.conv_cols, rows * shape.widest_cols())?;
         for (i, layer) in shape.conv.iter().enumerate() {
@@ -301,7 +361,11 @@ impl<B: Backend> Network<B> {
             ensure(backend, y, rows * geometry.output_len())?;
             let x = if i == 0 { obs } else { View::range(&before[i - 1], 0..rows * geometry.input_len()) };
             let cols_len = rows * geometry.cols_len();
-            backend.im2col(Im2col { x, n: rows, geometry, cols: ViewMut::range(&mut self.conv_cols, 0..cols_len) })?;
+            let cols = ViewMut::range(&mut self.conv_cols, 0..cols_len);
+            match byte_scale {
+                Some(scale) if i == 0 => backend.im2col_u8(Im2colU8 { x, n: rows, geometry, scale, cols })?,
+                _ => backend.im2col(Im2col { x, n: rows, geometry, cols })?,
+            }
             backend.dense_forward(DenseForward {
                 x: View::range(&self.conv_cols, 0..cols_len),
                 rows: rows * geometry.out_positions(),
@@ -437,10 +501,25 @@ impl<B: Backend> Network<B> {
         starts: View<'_, B>,
         grads: &mut B::Floats,
     ) -> Result<(), BackendError> {
+        self.backward_input(backend, params, d_heads, Input::F32(obs), starts, grads)
+    }
+
+    /// [`backward`](Self::backward) after a [`forward_input`](Self::forward_input) over `input`
+    /// (the same input).
+    pub fn backward_input(
+        &mut self,
+        backend: &mut B,
+        params: &B::Floats,
+        d_heads: View<'_, B>,
+        input: Input<'_, B>,
+        starts: View<'_, B>,
+        grads: &mut B::Floats,
+    ) -> Result<(), BackendError> {
         let (t_len, b_len) = (self.t_len, self.b_len);
         let rows = t_len * b_len;
         let shape = &self.shape;
         let param = |range: &Range<usize>| View::range(params, range.clone());
+        let (obs, byte_scale) = first_layer_input(input, shape, &self.widened_obs, rows);
         let conv_features = match self.conv_out.last() {
             Some(out) => View::range(out, 0..rows * shape.conv_width()),
             None => obs,
@@ -609,7 +688,11 @@ impl<B: Backend> Network<B> {
             // The unfolding is recomputed rather than kept from the forward: it is the largest
             // activation of a conv torso (K² times its input) and cheap to rebuild.
             let x = if i == 0 { obs } else { View::range(&self.conv_out[i - 1], 0..rows * geometry.input_len()) };
-            backend.im2col(Im2col { x, n: rows, geometry, cols: ViewMut::range(&mut self.conv_cols, 0..cols_len) })?;
+            let cols = ViewMut::range(&mut self.conv_cols, 0..cols_len);
+            match byte_scale {
+                Some(scale) if i == 0 => backend.im2col_u8(Im2colU8 { x, n: rows, geometry, scale, cols })?,
+                _ => backend.im2col(Im2col { x, n: rows, geometry, cols })?,
+            }
             let d_pre = View::range(d_cur, 0..out_len);
             backend.matmul_dw(MatmulDw {
                 dy: d_pre,
@@ -640,6 +723,21 @@ impl<B: Backend> Network<B> {
             }
         }
         Ok(())
+    }
+}
+
+/// What the first layer reads: the floats (the caller's, or bytes widened into `widened` for a
+/// dense first layer), or the packed bytes with their scale for a conv torso's first unfolding.
+fn first_layer_input<'a, B: Backend>(
+    input: Input<'a, B>,
+    shape: &Shape,
+    widened: &'a B::Floats,
+    rows: usize,
+) -> (View<'a, B>, Option<f32>) {
+    match input {
+        Input::F32(obs) => (obs, None),
+        Input::U8 { packed, scale } if !shape.conv.is_empty() => (packed, Some(scale)),
+        Input::U8 { .. } => (View::range(widened, 0..rows * shape.obs_dim), None),
     }
 }
 
@@ -711,7 +809,7 @@ mod tests {
 mod window_tests {
     use rand::{Rng, SeedableRng};
     use rand_pcg::Pcg64;
-    use volley_core::wire::{RestoredState, TrajectorySegment};
+    use volley_core::wire::{Observations, RestoredState, TrajectorySegment};
     use volley_policy::PolicySpec;
     use volley_testkit::fixtures::SegmentBuilder;
 
@@ -729,7 +827,8 @@ mod window_tests {
             .observations_from(|_| 0.0)
             .initial_hidden((0..HIDDEN).map(|_| rng.random_range(-0.5..0.5)).collect())
             .build();
-        segment.observations.iter_mut().for_each(|o| *o = rng.random_range(-1.0..1.0));
+        let n = segment.observations.len();
+        segment.observations = Observations::F32((0..n).map(|_| rng.random_range(-1.0..1.0)).collect());
         segment.segment_idx = idx;
         segment
     }
@@ -753,7 +852,7 @@ mod window_tests {
         let (rows, b_len) = (batch.t_len, batch.b_len);
         let mut cpu = CpuBackend::new();
         let mut net = Network::new(&mut cpu, layout).expect("network");
-        let obs = batch.observations[..rows * b_len * OBS].to_vec();
+        let obs = batch.observations.to_f32_vec()[..rows * b_len * OBS].to_vec();
         net.forward_restoring(
             &mut cpu,
             &params.to_vec(),
@@ -780,7 +879,7 @@ mod window_tests {
         let (rows, b_len) = (batch.t_len, batch.b_len);
         let mut cpu = CpuBackend::new();
         let mut net = Network::new(&mut cpu, layout).expect("network");
-        let obs = batch.observations[..rows * b_len * OBS].to_vec();
+        let obs = batch.observations.to_f32_vec()[..rows * b_len * OBS].to_vec();
         let (params, starts) = (params.to_vec(), starts.to_vec());
         net.forward_restoring(
             &mut cpu,
@@ -862,3 +961,7 @@ mod window_tests {
 #[cfg(test)]
 #[path = "net_conv_tests.rs"]
 mod conv_tests;
+
+#[cfg(test)]
+#[path = "net_u8_tests.rs"]
+mod u8_tests;

@@ -20,17 +20,18 @@ use std::ops::Range;
 use rand::seq::SliceRandom;
 use rand_pcg::Pcg64Mcg;
 use volley_core::spec::{HyperParams, LossKind};
+use volley_core::wire::Observations;
 use volley_policy::returns::VTraceConfig;
 use volley_policy::{ActionHead, ParamLayout};
 
 use crate::backend::{
-    Backend, BackendError, BehaviourWeights, ClipAdamStep, CpuBackend, CudaBackend, Evaluation, GaeScan, GatherColumns,
-    Head, LogProbs, OffPolicyViews, PpoLoss, PpoLossInputs, PpoLossOutputs, VTraceLoss, VTraceLossInputs,
-    VTraceLossOutputs, View, ViewMut,
+    pack_byte_rows, packed_words, Backend, BackendError, BehaviourWeights, ClipAdamStep, CpuBackend, CudaBackend,
+    Evaluation, GaeScan, GatherColumns, Head, LogProbs, OffPolicyViews, PpoLoss, PpoLossInputs, PpoLossOutputs,
+    VTraceLoss, VTraceLossInputs, VTraceLossOutputs, View, ViewMut,
 };
 use crate::batch::{SegmentBatch, StateRestore};
 use crate::losses::{LossStats, PpoLossConfig, VTraceLossConfig};
-use crate::net::{ensure, Network};
+use crate::net::{ensure, Input, Network};
 use crate::optim::{AdamConfig, AdamState};
 use crate::telemetry::{OffPolicyStats, OffPolicySums, NO_RATIO};
 
@@ -74,13 +75,14 @@ struct StagedLayout {
 }
 
 impl StagedLayout {
+    /// `obs_words` words per observation row (`obs_dim`, or [`packed_words`] of it for bytes);
     /// `action_width` words per action: 1 for a discrete index, `A` for a continuous action;
     /// `advantages`: room for the group advantages; `n_restores` restored recurrent states.
     #[allow(clippy::too_many_arguments)]
     fn new(
         t_len: usize,
         b_len: usize,
-        obs_dim: usize,
+        obs_words: usize,
         hidden: usize,
         action_width: usize,
         advantages: bool,
@@ -94,7 +96,7 @@ impl StagedLayout {
             range
         };
         StagedLayout {
-            observations: take((t_len + 1) * b_len * obs_dim),
+            observations: take((t_len + 1) * b_len * obs_words),
             episode_start: take((t_len + 1) * b_len),
             initial_hidden: take(b_len * hidden),
             restore_states: take(n_restores * hidden),
@@ -180,8 +182,22 @@ pub struct Trainer<B: Backend> {
     /// Observation normalisation (`normalize_obs`): where the statistics sit in the parameters,
     /// and the host copy this trainer updates and uploads there before every update.
     obs_norm: Option<(Range<usize>, Vec<f32>)>,
-    /// The factor observations are scaled by when staged ([`ParamLayout::input_scale`]).
+    /// The factor observations are scaled by ([`ParamLayout::input_scale`]): when staged for
+    /// `f32` observations, in the first layer for bytes.
     input_scale: f32,
+    /// Whether the staged batch's observations are bytes packed four to a word (image
+    /// observations without normalisation), which the network's first layer converts.
+    staged_bytes: bool,
+    /// Host scratch: byte observations widened, where normalisation needs `f32` values.
+    host_widened: Vec<f32>,
+}
+
+/// `bytes` widened to `f32` in `scratch` (resized to fit), for normalisation's statistics and
+/// inputs, which are `f32`.
+fn widen<'a>(bytes: &[u8], scratch: &'a mut Vec<f32>) -> &'a [f32] {
+    scratch.clear();
+    scratch.extend(bytes.iter().map(|&byte| f32::from(byte)));
+    scratch
 }
 
 impl<B: Backend> Trainer<B> {
@@ -259,6 +275,8 @@ impl<B: Backend> Trainer<B> {
             host_ratios: Vec::new(),
             obs_norm: layout.obs_norm_range().map(|range| (range.clone(), state.params[range].to_vec())),
             input_scale: layout.input_scale(),
+            staged_bytes: false,
+            host_widened: Vec::new(),
             head_kind: layout.head(),
             head_params: layout.log_std_range().unwrap_or(0..0),
             action_width: layout.head().action_width(layout.spec().n_actions),
@@ -292,13 +310,19 @@ impl<B: Backend> Trainer<B> {
     }
 
     /// Pack `batch` into one buffer on the backend.
+    ///
+    /// Image observations (bytes) are staged as bytes, four to a word, and converted by the
+    /// network's first layer; with normalisation on they are widened here and normalised like
+    /// `f32` observations (normalised values are not bytes). The choice is made once per batch.
     fn stage(&mut self, batch: &SegmentBatch) -> Result<(), BackendError> {
         let (t_len, b_len) = (batch.t_len, batch.b_len);
         let (obs_dim, hidden, n_actions) = (self.net.obs_dim(), self.net.hidden(), self.net.n_actions());
         let action_width = self.action_width;
         let with_override = !batch.advantage_override.is_empty();
         let n_restores = batch.restores.len();
-        let layout = StagedLayout::new(t_len, b_len, obs_dim, hidden, action_width, with_override, n_restores);
+        let bytes = batch.observations.as_u8().filter(|_| self.obs_norm.is_none());
+        let obs_words = if bytes.is_some() { packed_words(obs_dim) } else { obs_dim };
+        let layout = StagedLayout::new(t_len, b_len, obs_words, hidden, action_width, with_override, n_restores);
         let steps = t_len * b_len;
         // A head's actions arrive as indices or as values, never both.
         let (discrete_len, continuous_len) =
@@ -338,20 +362,24 @@ impl<B: Backend> Trainer<B> {
         }
         let obs_stats = self.obs_norm.as_ref().map(|(_, stats)| stats.as_slice());
         let input_scale = self.input_scale;
+        let floats: &[f32] = match (&batch.observations, bytes) {
+            (Observations::F32(values), _) => values,
+            (Observations::U8(_), Some(_)) => &[],
+            (Observations::U8(values), None) => widen(values, &mut self.host_widened),
+        };
         let mut pack = |words: &mut [f32]| {
-            match obs_stats {
-                Some(stats) => volley_policy::obs_norm::normalize(
-                    stats,
-                    &batch.observations,
-                    &mut words[layout.observations.clone()],
-                ),
+            match (bytes, obs_stats) {
+                (Some(bytes), _) => pack_byte_rows(bytes, obs_dim, &mut words[layout.observations.clone()]),
+                (None, Some(stats)) => {
+                    volley_policy::obs_norm::normalize(stats, floats, &mut words[layout.observations.clone()])
+                }
                 // Pixels become [0, 1] here, inside the network (conv `input = pixels`).
-                None if input_scale != 1.0 => {
-                    for (word, &value) in words[layout.observations.clone()].iter_mut().zip(&batch.observations) {
+                (None, None) if input_scale != 1.0 => {
+                    for (word, &value) in words[layout.observations.clone()].iter_mut().zip(floats) {
                         *word = value * input_scale;
                     }
                 }
-                None => words[layout.observations.clone()].copy_from_slice(&batch.observations),
+                (None, None) => words[layout.observations.clone()].copy_from_slice(floats),
             }
             words[layout.episode_start.clone()].copy_from_slice(&batch.episode_start);
             words[layout.initial_hidden.clone()].copy_from_slice(&batch.initial_hidden);
@@ -371,6 +399,7 @@ impl<B: Backend> Trainer<B> {
         };
         self.backend.upload_packed(layout.len, &mut pack, &mut self.staged)?;
         self.staged_layout = layout;
+        self.staged_bytes = bytes.is_some();
         self.restores.clear();
         self.restores.extend_from_slice(&batch.restores);
         Ok(())
@@ -387,7 +416,11 @@ impl<B: Backend> Trainer<B> {
         // Observation statistics move with the data before the update, and the new ones go
         // into the parameters, so the version this update publishes carries them.
         if let Some((range, stats)) = &mut self.obs_norm {
-            volley_policy::obs_norm::update(stats, &batch.observations);
+            let observations = match &batch.observations {
+                Observations::F32(values) => values,
+                Observations::U8(bytes) => widen(bytes, &mut self.host_widened),
+            };
+            volley_policy::obs_norm::update(stats, observations);
             self.backend.upload(stats, ViewMut::range(&mut self.params, range.clone()))?;
         }
         self.stage(batch)?;
@@ -436,13 +469,33 @@ impl<B: Backend> Trainer<B> {
         })
     }
 
+    /// The network's view of observations staged (or gathered) in `buffer`'s `range`.
+    fn obs_input<'a>(&self, buffer: &'a B::Floats, range: Range<usize>) -> Input<'a, B> {
+        let view = View::range(buffer, range);
+        if self.staged_bytes {
+            Input::U8 { packed: view, scale: self.input_scale }
+        } else {
+            Input::F32(view)
+        }
+    }
+
+    /// Words per staged observation row.
+    fn obs_words(&self) -> usize {
+        if self.staged_bytes {
+            packed_words(self.net.obs_dim())
+        } else {
+            self.net.obs_dim()
+        }
+    }
+
     /// The forward over the staged batch's `T + 1` rows.
     fn forward_batch(&mut self, t_len: usize, b_len: usize) -> Result<(), BackendError> {
         let s = &self.staged_layout;
-        self.net.forward_restoring(
+        let obs = self.obs_input(&self.staged, s.observations.clone());
+        self.net.forward_input(
             &mut self.backend,
             &self.params,
-            View::range(&self.staged, s.observations.clone()),
+            obs,
             View::range(&self.staged, s.episode_start.clone()),
             View::range(&self.staged, s.initial_hidden.clone()),
             &self.restores,
@@ -515,11 +568,12 @@ impl<B: Backend> Trainer<B> {
             c_bar: h.clip_c_threshold,
         };
         self.backend.off_policy_sums(&off_policy, ViewMut::range(&mut loss.ratios, 0..n))?;
-        self.net.backward(
+        let obs = self.obs_input(&self.staged, s.observations.clone());
+        self.net.backward_input(
             &mut self.backend,
             &self.params,
             View::range(&self.loss.d_heads, 0..(n + b_len) * stride),
-            View::range(&self.staged, s.observations.clone()),
+            obs,
             View::range(&self.staged, s.episode_start.clone()),
             &mut self.grads,
         )?;
@@ -575,7 +629,7 @@ impl<B: Backend> Trainer<B> {
         rng: &mut Pcg64Mcg,
     ) -> Result<(), BackendError> {
         let n = t_len * b_len;
-        let (n_actions, obs_dim, hidden) = (self.net.n_actions(), self.net.obs_dim(), self.net.hidden());
+        let (n_actions, obs_words, hidden) = (self.net.n_actions(), self.obs_words(), self.net.hidden());
         let stride = n_actions + 1;
         // 1. The value baseline under the parameters before this update, and GAE advantages
         // against it (Schulman et al. 2016).
@@ -619,7 +673,7 @@ impl<B: Backend> Trainer<B> {
             (0..n_minibatches).map(|mb| (mb + 1) * b_len / n_minibatches - mb * b_len / n_minibatches).max();
         let max_m = t_len * max_mb_len.unwrap_or(0);
         let mb = &mut self.minibatch;
-        ensure(&mut self.backend, &mut mb.observations, max_m * obs_dim)?;
+        ensure(&mut self.backend, &mut mb.observations, max_m * obs_words)?;
         ensure(&mut self.backend, &mut mb.initial_hidden, max_mb_len.unwrap_or(0) * hidden)?;
         ensure(&mut self.backend, &mut mb.actions, max_m * action_width)?;
         for buffer in [
@@ -649,9 +703,9 @@ impl<B: Backend> Trainer<B> {
                 let (mb_len, m) = (hi - lo, t_len * (hi - lo));
                 self.gather_minibatch(t_len, b_len, epoch * b_len + lo, mb_len)?;
                 let mb = &self.minibatch;
-                let obs = View::range(&mb.observations, 0..m * obs_dim);
+                let obs = self.obs_input(&mb.observations, 0..m * obs_words);
                 let starts = View::range(&mb.episode_start, 0..m);
-                self.net.forward_restoring(
+                self.net.forward_input(
                     &mut self.backend,
                     &self.params,
                     obs,
@@ -680,7 +734,7 @@ impl<B: Backend> Trainer<B> {
                     d_head_params: ViewMut::range(&mut self.loss.d_head_params, 0..m * n_head_params),
                 };
                 self.backend.ppo_loss(PpoLoss { inputs, config: &config, outputs, slot })?;
-                self.net.backward(
+                self.net.backward_input(
                     &mut self.backend,
                     &self.params,
                     View::range(&self.loss.d_heads, 0..m * stride),
@@ -724,7 +778,7 @@ impl<B: Backend> Trainer<B> {
         offset: usize,
         mb_len: usize,
     ) -> Result<(), BackendError> {
-        let (obs_dim, hidden) = (self.net.obs_dim(), self.net.hidden());
+        let (obs_words, hidden) = (self.obs_words(), self.net.hidden());
         let action_width = self.action_width;
         let n = t_len * b_len;
         let m = t_len * mb_len;
@@ -752,9 +806,9 @@ impl<B: Backend> Trainer<B> {
         // The bootstrap row is not needed: targets are already computed.
         let fields: [(View<'_, B>, usize, usize, &mut B::Floats); 9] = [
             (
-                View::range(staged, s.observations.start..s.observations.start + n * obs_dim),
+                View::range(staged, s.observations.start..s.observations.start + n * obs_words),
                 t_len,
-                obs_dim,
+                obs_words,
                 &mut mb.observations,
             ),
             (View::range(staged, s.episode_start.start..s.episode_start.start + n), t_len, 1, &mut mb.episode_start),

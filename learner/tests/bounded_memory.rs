@@ -8,7 +8,7 @@ mod common;
 use std::thread;
 
 use volley_core::spec::{HyperParams, LossKind, RunSpec};
-use volley_core::wire::TrajectorySegment;
+use volley_core::wire::{Observations, TrajectorySegment};
 use volley_core::work::SnapshotInfo;
 use volley_learner::ingest::seen::{SeenSegments, SEEN_STREAMS};
 use volley_learner::{Learner, LearnerReport, RunLimits, StopReason, UpdateStats};
@@ -50,7 +50,7 @@ fn hostile_ids_and_keys_do_not_grow_the_learner() {
     let run_spec = spec();
     for idx in 0..250_000u64 {
         let mut s = segment(&run_spec, &long_id, idx);
-        s.observations = Vec::new();
+        s.observations = Observations::F32(Vec::new());
         assert!(seen.insert(&s));
         assert!(seen.len() <= SEEN_STREAMS);
     }

@@ -68,7 +68,7 @@ fn malformed_segments_are_counted_and_dropped_while_training_continues() {
             0 => bad.rewards[2] = f32::NAN,
             1 => bad.run = RunId::new("another-run").expect("valid run id"),
             2 => {
-                bad.observations.pop();
+                bad.observations.as_f32_mut().expect("f32 observations").pop();
             }
             _ => bad.actions[0] = 7,
         }

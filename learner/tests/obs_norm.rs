@@ -40,7 +40,7 @@ fn statistics_follow_the_batches_and_travel_in_the_parameters() {
             batch.fill(&refs, 0.9, 0.1, &[1.0; B]);
             let stats = learner.update(&batch);
             assert!(stats.loss.total.is_finite() && stats.grad_norm.is_finite(), "update {update}: {stats:?}");
-            obs_norm::update(&mut expected, &batch.observations);
+            obs_norm::update(&mut expected, &batch.observations.to_f32_vec());
             let params = learner.params().to_vec();
             assert_eq!(params[range.clone()], expected[..], "update {update}: the published statistics");
         }

@@ -189,7 +189,7 @@ fn an_update_on_unvalidated_states_of_3e38_skips_the_step_instead_of_panicking()
             segment.initial_hidden = vec![0.0; hidden];
         }
         segments[0].initial_hidden = vec![3e38; hidden];
-        segments[1].observations.fill(3e38);
+        segments[1].observations.as_f32_mut().expect("f32 observations").fill(3e38);
         segments[2].rewards[1] = 3e38;
         let refs: Vec<&TrajectorySegment> = segments.iter().collect();
         let mut batch = volley_learner::batch::SegmentBatch::default();
@@ -287,7 +287,7 @@ proptest::proptest! {
             }
         };
         match field {
-            0 => put(&mut forged.observations),
+            0 => put(forged.observations.as_f32_mut().expect("f32 observations")),
             1 => put(&mut forged.rewards),
             2 => put(&mut forged.behaviour_log_probs),
             3 => {

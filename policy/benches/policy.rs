@@ -1,5 +1,7 @@
 //! Policy network throughput: actor inference (agent-steps/s) and learner forward + backward
-//! (samples/s) for the CartPole-sized 64×64 tanh MLP, with and without a GRU(64) core.
+//! (samples/s) for the CartPole-sized 64×64 tanh MLP, with and without a GRU(64) core; and
+//! actor inference with the MinAtar and Nature conv presets over `f32` observations and over
+//! the same frames as bytes (`forward_u8`, issue 44 item 3).
 //!
 //! Run with `cargo bench -p volley-policy --bench policy`; numbers go in docs/BENCHMARKS.md.
 //! The project's targets are ≥ 1M agent-steps/s per core for inference and ≥ 1M samples/s on
@@ -9,7 +11,7 @@ use std::hint::black_box;
 use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use volley_policy::{Activation, ParamLayout, PolicyInference, PolicySpec, PolicyTape};
+use volley_policy::{Activation, ConvInput, ConvSpec, ParamLayout, PolicyInference, PolicySpec, PolicyTape};
 
 const OBS_DIM: usize = 4;
 const N_ACTIONS: usize = 2;
@@ -44,6 +46,43 @@ fn bench_inference(c: &mut Criterion) {
         });
     }
     group.finish();
+}
+
+/// One actor step over 8 environments with a conv torso: frames as `f32` rows (`forward`) and
+/// the same frames as bytes (`forward_u8`).
+fn bench_conv_inference(c: &mut Criterion) {
+    let presets = [
+        ("minatar", PolicySpec::mlp(0, 6, &[128], Activation::Relu).with_conv(ConvSpec::minatar(4, 10, 10))),
+        (
+            "nature",
+            PolicySpec::mlp(0, 6, &[512], Activation::Relu)
+                .with_conv(ConvSpec { input: ConvInput::Pixels, ..ConvSpec::nature(4, 84, 84) }),
+        ),
+    ];
+    let n = 8;
+    for (name, spec) in presets {
+        let layout = ParamLayout::new(&spec).expect("valid spec");
+        let params = layout.init_params(0);
+        let mut group = c.benchmark_group(format!("policy_inference_conv_{name}"));
+        group.throughput(Throughput::Elements(n as u64));
+        let bytes: Vec<u8> = (0..n * spec.obs_dim).map(|i| (i.wrapping_mul(2_654_435_761) >> 11) as u8).collect();
+        let floats: Vec<f32> = bytes.iter().map(|&b| f32::from(b)).collect();
+        let mut inference = PolicyInference::new(&layout, n);
+        let (mut logits, mut values) = (vec![0.0; n * 6], vec![0.0; n]);
+        group.bench_function(BenchmarkId::new("f32", n), |b| {
+            b.iter(|| {
+                inference.forward(black_box(&params), black_box(&floats), n, &mut [], &mut logits, &mut values);
+                black_box(&values);
+            })
+        });
+        group.bench_function(BenchmarkId::new("u8", n), |b| {
+            b.iter(|| {
+                inference.forward_u8(black_box(&params), black_box(&bytes), n, &mut [], &mut logits, &mut values);
+                black_box(&values);
+            })
+        });
+        group.finish();
+    }
 }
 
 fn bench_tape(c: &mut Criterion) {
@@ -84,6 +123,6 @@ fn config() -> Criterion {
 criterion_group! {
     name = benches;
     config = config();
-    targets = bench_inference, bench_tape
+    targets = bench_inference, bench_tape, bench_conv_inference
 }
 criterion_main!(benches);

@@ -272,6 +272,29 @@ pub fn im2col_u8(geometry: &ConvGeometry, x: &[u8], n: usize, cols: &mut [f32]) 
     Ok(())
 }
 
+/// [`im2col`] over `u8` values, each converted to `f32` and multiplied by `scale` as it is
+/// read: the first conv layer over image observations (`scale` is the torso's
+/// [`ConvInput::scale`]). A value becomes exactly the `f32` that scaling its widened value
+/// gives, so this unfolds to the same bits as [`im2col`] over `f32::from(v) * scale`.
+pub fn im2col_u8_scaled(
+    geometry: &ConvGeometry,
+    x: &[u8],
+    n: usize,
+    scale: f32,
+    cols: &mut [f32],
+) -> Result<(), PolicyError> {
+    geometry.check("im2col", n, x.len(), cols.len())?;
+    let table = byte_table(scale);
+    im2col_generic(geometry, x, n, cols, |byte: u8| table[usize::from(byte)]);
+    Ok(())
+}
+
+/// `table[v] = f32::from(v) * scale` for every byte `v`: one lookup per value instead of a
+/// conversion and a product.
+pub fn byte_table(scale: f32) -> [f32; 256] {
+    std::array::from_fn(|v| f32::from(v as u8) * scale)
+}
+
 fn im2col_generic<T: Copy>(geometry: &ConvGeometry, x: &[T], n: usize, cols: &mut [f32], to_f32: impl Fn(T) -> f32) {
     let g = geometry;
     let (k, s, p) = (g.kernel, g.stride, g.padding);
@@ -568,6 +591,23 @@ mod tests {
             }
             assert!(checked * 10 >= x.len() * 9, "{g:?}: only {checked} of {} inputs checkable", x.len());
             assert!(dx.iter().any(|&d| d.abs() > 0.1), "{g:?}: gradients too small to test anything");
+        }
+    }
+
+    #[test]
+    fn scaled_u8_pixels_unfold_to_the_bits_of_their_scaled_float_values() {
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        for g in
+            [geometry(4, 9, 9, 3, 2, 0, false), geometry(2, 6, 5, 3, 2, 1, false), geometry(3, 5, 5, 2, 1, 0, true)]
+        {
+            let pixels: Vec<u8> = (0..3 * g.input_len()).map(|i| (i * 101 % 256) as u8).collect();
+            for scale in [1.0, 1.0 / 255.0] {
+                let floats: Vec<f32> = pixels.iter().map(|&v| f32::from(v) * scale).collect();
+                let (mut a, mut b) = (vec![0.0; 3 * g.cols_len()], vec![0.0; 3 * g.cols_len()]);
+                im2col_u8_scaled(&g, &pixels, 3, scale, &mut a).unwrap();
+                im2col(&g, &floats, 3, &mut b).unwrap();
+                assert_eq!(bits(&a), bits(&b), "{g:?} scale {scale}");
+            }
         }
     }
 

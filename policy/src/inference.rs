@@ -1,6 +1,6 @@
 //! Batched one-step inference for actors.
 
-use super::conv::im2col;
+use super::conv::{byte_table, im2col, im2col_u8_scaled};
 use super::layout::ParamLayout;
 use super::linalg::{dense_forward, small_chain_fits, small_dense_chain_forward, SmallLayer};
 use super::{gru, Activation, PolicyError};
@@ -55,6 +55,29 @@ pub struct PolicyInference {
     heads_out: Vec<f32>,
     /// Normalised observations, `[max_batch][obs_dim]` (empty without `normalize_obs`).
     obs_normalized: Vec<f32>,
+    /// Image observations widened to `f32`, `[max_batch][obs_dim]`, for a first layer that
+    /// reads `f32` (dense, or after normalisation); sized by the first such call.
+    obs_widened: Vec<f32>,
+}
+
+/// One step's observations: `f32` rows, or rows of bytes (image observations,
+/// `volley_core::wire::Observations::U8`), which the first layer converts as it reads them.
+#[derive(Debug, Clone, Copy)]
+pub enum ObsRows<'a> {
+    /// `[n][obs_dim]` values.
+    F32(&'a [f32]),
+    /// `[n][obs_dim]` bytes; value `v` enters the network as `f32::from(v)` (times the conv
+    /// torso's pixel scale), exactly what the `f32` path computes for the widened values.
+    U8(&'a [u8]),
+}
+
+impl ObsRows<'_> {
+    fn len(&self) -> usize {
+        match self {
+            ObsRows::F32(values) => values.len(),
+            ObsRows::U8(bytes) => bytes.len(),
+        }
+    }
 }
 
 impl PolicyInference {
@@ -77,6 +100,7 @@ impl PolicyInference {
             gh: vec![0.0; max_batch * gates],
             heads_out: vec![0.0; max_batch * (layout.n_actions() + 1)],
             obs_normalized: vec![0.0; if scaled_input(layout) { max_batch * layout.obs_dim() } else { 0 }],
+            obs_widened: Vec::new(),
         }
     }
 
@@ -127,7 +151,42 @@ impl PolicyInference {
         logits: &mut [f32],
         values: &mut [f32],
     ) -> Result<(), PolicyError> {
-        self.check_shapes(params, obs, n, hidden, logits, values)?;
+        self.try_forward_rows(params, ObsRows::F32(obs), n, hidden, logits, values)
+    }
+
+    /// [`forward`](Self::forward) over image observations of one byte per value: the first
+    /// conv layer unfolds the bytes directly; a dense first layer (or normalisation) reads them
+    /// widened. The outputs are bit for bit those of [`forward`](Self::forward) over
+    /// `f32::from(v)` for every byte `v`.
+    ///
+    /// # Panics
+    /// As [`forward`](Self::forward).
+    pub fn forward_u8(
+        &mut self,
+        params: &[f32],
+        obs: &[u8],
+        n: usize,
+        hidden: &mut [f32],
+        logits: &mut [f32],
+        values: &mut [f32],
+    ) {
+        if let Err(err) = self.try_forward_rows(params, ObsRows::U8(obs), n, hidden, logits, values) {
+            panic!("PolicyInference::forward_u8: {err}");
+        }
+    }
+
+    /// [`forward`](Self::forward) over either kind of observation rows, reporting bad lengths
+    /// as [`PolicyError`].
+    pub fn try_forward_rows(
+        &mut self,
+        params: &[f32],
+        obs: ObsRows<'_>,
+        n: usize,
+        hidden: &mut [f32],
+        logits: &mut [f32],
+        values: &mut [f32],
+    ) -> Result<(), PolicyError> {
+        self.check_shapes(params, obs.len(), n, hidden, logits, values)?;
         self.run(params, obs, n, hidden, logits, values);
         Ok(())
     }
@@ -140,7 +199,7 @@ impl PolicyInference {
     fn check_shapes(
         &self,
         params: &[f32],
-        obs: &[f32],
+        obs_len: usize,
         n: usize,
         hidden: &[f32],
         logits: &[f32],
@@ -156,7 +215,7 @@ impl PolicyInference {
         let layout = &self.layout;
         let expected = [
             ("params", layout.n_params(), params.len()),
-            ("obs", n * layout.obs_dim(), obs.len()),
+            ("obs", n * layout.obs_dim(), obs_len),
             ("hidden", n * layout.recurrent_size(), hidden.len()),
             ("logits", n * layout.n_actions(), logits.len()),
             ("values", n, values.len()),
@@ -173,7 +232,7 @@ impl PolicyInference {
     fn run(
         &mut self,
         params: &[f32],
-        obs: &[f32],
+        rows: ObsRows<'_>,
         n: usize,
         hidden: &mut [f32],
         logits: &mut [f32],
@@ -183,7 +242,26 @@ impl PolicyInference {
             return;
         }
         let layout = &self.layout;
+        // Bytes enter the first conv layer's unfolding as they are; for any other first layer
+        // they are widened (and scaled) into a scratch first, and then take the `f32` path.
+        // The branch is taken once per call, never per value.
+        let (obs, direct_bytes): (&[f32], Option<&[u8]>) = match rows {
+            ObsRows::F32(obs) => (obs, None),
+            ObsRows::U8(bytes) if !layout.conv().is_empty() && layout.obs_norm_range().is_none() => (&[], Some(bytes)),
+            ObsRows::U8(bytes) => {
+                if self.obs_widened.len() < bytes.len() {
+                    self.obs_widened.resize(self.max_batch * layout.obs_dim(), 0.0);
+                }
+                let widened = &mut self.obs_widened[..bytes.len()];
+                let table = byte_table(1.0);
+                for (value, &byte) in widened.iter_mut().zip(bytes) {
+                    *value = table[usize::from(byte)];
+                }
+                (&self.obs_widened[..bytes.len()], None)
+            }
+        };
         let obs: &[f32] = match (layout.obs_norm_range(), layout.input_scale()) {
+            _ if direct_bytes.is_some() => obs,
             (Some(stats), _) => {
                 let out = &mut self.obs_normalized[..obs.len()];
                 crate::obs_norm::normalize(&params[stats], obs, out);
@@ -208,7 +286,11 @@ impl PolicyInference {
             let x = if layer_idx == 0 { obs } else { &input[..n * geometry.input_len()] };
             let positions = n * geometry.out_positions();
             let cols = &mut self.conv_cols[..n * geometry.cols_len()];
-            im2col(geometry, x, n, cols).expect("conv input and cols are sized by the layout (checked)");
+            match direct_bytes {
+                Some(bytes) if layer_idx == 0 => im2col_u8_scaled(geometry, bytes, n, layout.input_scale(), cols),
+                _ => im2col(geometry, x, n, cols),
+            }
+            .expect("conv input and cols are sized by the layout (checked)");
             dense_forward(cols, positions, layer.weight(params), layer.bias(params), Some(Activation::Relu), output);
         }
         let conv_features: &[f32] = match layout.conv().len() {
@@ -360,6 +442,46 @@ mod tests {
         // Pixels and running normalisation do not combine.
         let both = PolicySpec { normalize_obs: true, ..pixels.spec().clone() };
         assert!(ParamLayout::new(&both).is_err());
+    }
+
+    /// Issue 44 item 3: frames of one byte per value give the `f32` path's outputs bit for bit
+    /// (so the same sampled actions and log-probabilities) for the Nature and MinAtar conv
+    /// presets, with normalisation (applied after widening), and for a dense first layer.
+    #[test]
+    fn byte_frames_give_the_bits_of_their_float_values() {
+        let nature = crate::ConvSpec { input: crate::ConvInput::Pixels, ..crate::ConvSpec::nature(4, 84, 84) };
+        let minatar = crate::ConvSpec::minatar(4, 10, 10);
+        let specs = [
+            PolicySpec::mlp(0, 6, &[512], Activation::Relu).with_conv(nature),
+            PolicySpec::mlp(0, 6, &[128], Activation::Relu).with_conv(minatar.clone()),
+            PolicySpec::mlp(0, 6, &[128], Activation::Relu).with_conv(minatar).with_obs_normalization(true),
+            PolicySpec::mlp(400, 6, &[16], Activation::Tanh),
+            PolicySpec::mlp(400, 6, &[16], Activation::Tanh).with_obs_normalization(true),
+        ];
+        for spec in specs {
+            let layout = ParamLayout::new(&spec).unwrap();
+            let obs_dim = layout.obs_dim();
+            let mut params = layout.init_params(5);
+            if let Some(stats) = layout.obs_norm_range() {
+                // Statistics of some seen data, so normalisation changes the values.
+                let seen: Vec<f32> = (0..3 * obs_dim).map(|i| (i % 7) as f32).collect();
+                crate::obs_norm::update(&mut params[stats], &seen);
+            }
+            let n = 3;
+            let bytes: Vec<u8> = (0..n * obs_dim)
+                .map(|i| if obs_dim > 400 { (i * 37 % 256) as u8 } else { (i % 3 == 0) as u8 })
+                .collect();
+            let floats: Vec<f32> = bytes.iter().map(|&b| f32::from(b)).collect();
+            let mut inference = PolicyInference::new(&layout, n);
+            let (mut logits_f, mut values_f) = (vec![0.0; n * 6], vec![0.0; n]);
+            inference.forward(&params, &floats, n, &mut [], &mut logits_f, &mut values_f);
+            let (mut logits_u, mut values_u) = (vec![0.0; n * 6], vec![0.0; n]);
+            inference.forward_u8(&params, &bytes, n, &mut [], &mut logits_u, &mut values_u);
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&logits_u), bits(&logits_f), "{spec:?}");
+            assert_eq!(bits(&values_u), bits(&values_f), "{spec:?}");
+            assert!(logits_f.iter().any(|&l| l != logits_f[0]), "outputs that depend on the input");
+        }
     }
 
     #[test]

@@ -52,7 +52,7 @@ pub mod returns;
 mod tape;
 
 pub use conv::{ConvGeometry, ConvInput, ConvLayerSpec, ConvSpec, MAX_CONV_LAYERS};
-pub use inference::PolicyInference;
+pub use inference::{ObsRows, PolicyInference};
 pub use layout::{ParamEntry, ParamLayout};
 pub use tape::PolicyTape;
 
@@ -61,7 +61,7 @@ pub use tape::PolicyTape;
 /// (`volley_learner::backend::cpu`) runs its layers on these, so actors and learner compute the
 /// same function.
 pub mod ops {
-    pub use super::conv::{col2im, im2col, im2col_u8};
+    pub use super::conv::{byte_table, col2im, im2col, im2col_u8, im2col_u8_scaled};
     pub use super::gru::{cell_backward as gru_cell_backward, cell_forward as gru_cell_forward};
     pub use super::linalg::{
         act_backward_in_place, bias_act_rows, bias_rows, column_sums, dense_forward, fast_sigmoid, fast_tanh, gemm,

@@ -8,6 +8,11 @@
 //! The statistics are `[mean (obs_dim), var (obs_dim), count]`; a normalised observation is
 //! `clip((x − mean) / sqrt(var + VAR_EPS), ±OBS_CLIP)`. They are not trained by gradient: their
 //! gradient is always zero, so Adam leaves them where the learner put them.
+//!
+//! Image observations held as bytes (issue 44 item 3) are normalised after conversion: they are
+//! widened to `f32` exactly, and the statistics and the normalised values are those of the
+//! widened values, as if the observations had been `f32` all along (normalised values are not
+//! bytes, so a normalised batch is staged as `f32`).
 
 /// Normalised values are clipped to `±OBS_CLIP` (Stable-Baselines3's default).
 pub const OBS_CLIP: f32 = 10.0;

@@ -13,7 +13,7 @@
 
 use volley_core::ids::{ActorId, PolicyVersion, RunId};
 use volley_core::spec::{HyperParams, RunSpec};
-use volley_core::wire::{EpisodeSummary, TrajectorySegment};
+use volley_core::wire::{EpisodeSummary, Observations, TrajectorySegment};
 use volley_core::work::SnapshotInfo;
 use volley_env::EnvConfig;
 use volley_policy::{ActionHead, Activation, CoreKind, ParamLayout, PolicySpec};
@@ -148,7 +148,7 @@ impl SegmentBuilder {
                 policy_version: PolicyVersion(0),
                 layout_hash: 0,
                 obs_dim: obs_dim as u32,
-                observations: vec![0.0; (t_len + 1) * obs_dim],
+                observations: Observations::F32(vec![0.0; (t_len + 1) * obs_dim]),
                 actions: vec![0; t_len],
                 continuous_actions: Vec::new(),
                 rewards: vec![1.0; t_len],
@@ -257,7 +257,14 @@ impl SegmentBuilder {
     /// Observations `[T + 1][obs_dim]`, element `i` from `value(i)`.
     pub fn observations_from(mut self, value: impl FnMut(usize) -> f32) -> Self {
         let n = self.segment.observations.len();
-        self.segment.observations = (0..n).map(value).collect();
+        self.segment.observations = Observations::F32((0..n).map(value).collect());
+        self
+    }
+
+    /// Image observations (one byte per value) `[T + 1][obs_dim]`, element `i` from `value(i)`.
+    pub fn frames_from(mut self, value: impl FnMut(usize) -> u8) -> Self {
+        let n = self.segment.observations.len();
+        self.segment.observations = Observations::U8((0..n).map(value).collect());
         self
     }
 

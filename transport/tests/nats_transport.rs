@@ -301,7 +301,7 @@ fn segment_over_max_payload_is_refused_with_both_sizes() {
     assert_eq!(bus.max_payload(), 64 * 1024);
     let mut sink = bus.trajectory_sink(&actor("a"), Arc::new(AtomicBool::new(false))).expect("sink");
     let mut big = segment("a", 0, 1);
-    big.observations = vec![0.5; 20_000];
+    big.observations = wire::Observations::F32(vec![0.5; 20_000]);
     let err = sink.publish(vec![segment("a", 0, 0), big]).expect_err("over max_payload");
     let TransportError::Failed { message, .. } = &err else { panic!("expected Failed, got {err:?}") };
     assert!(message.contains("65536") && message.contains("max_payload"), "{message}");

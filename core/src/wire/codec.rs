@@ -283,12 +283,12 @@ pub fn encode_segment_into(segment: &TrajectorySegment, out: &mut Vec<u8>) {
     encode_into(MessageKind::Segment, segment, out);
 }
 
-/// Bytes to reserve for a segment's body: observations as `f32` plus room for the per-step
+/// Bytes to reserve for a segment's body: observations in their element type plus room for the per-step
 /// columns and the ids; an unusual segment (long ids, many finished episodes) that does not
 /// fit grows the buffer.
 pub fn segment_size_hint(segment: &TrajectorySegment) -> usize {
     let steps = segment.rewards.len();
-    4 * (segment.observations.len() + segment.continuous_actions.len()) + 64 * steps + 1024
+    segment.observations.size_bytes() + 4 * segment.continuous_actions.len() + 64 * steps + 1024
 }
 
 /// Decode a segment and validate it against the run spec.
@@ -436,12 +436,12 @@ pub fn decode_episode_snapshot(bytes: &[u8]) -> Result<EpisodeSnapshot, DecodeEr
 #[cfg(test)]
 mod encode_tests {
     use super::*;
-    use crate::wire::test_segment;
+    use crate::wire::{test_segment, Observations};
 
     #[test]
     fn a_short_size_hint_falls_back_to_the_same_bytes() {
         let mut segment = test_segment("hint", 32, 480, 3);
-        segment.observations.iter_mut().enumerate().for_each(|(i, v)| *v = i as f32 * 0.25);
+        segment.observations = Observations::F32((0..33 * 480).map(|i| i as f32 * 0.25).collect());
         let sized = encode_segment(&segment);
         for hint in [0, 100, 5_000] {
             assert_eq!(encode(MessageKind::Segment, &segment, hint), sized, "hint {hint}");

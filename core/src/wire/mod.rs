@@ -11,6 +11,7 @@ mod f32_bytes;
 pub mod observations;
 
 pub use codec::*;
+pub use observations::{ObsElement, Observations};
 
 use crate::ids::{ActorId, PolicyVersion, RunId};
 use crate::spec::RunSpec;
@@ -178,10 +179,9 @@ pub struct TrajectorySegment {
     pub layout_hash: u64,
     /// Observation width.
     pub obs_dim: u32,
-    /// `[T + 1][obs_dim]`. On the wire as bytes when every value is a whole number in
-    /// `0..=255` (image observations), else as `f32` ([`observations`]).
-    #[serde(serialize_with = "observations::serialize", deserialize_with = "observations::deserialize")]
-    pub observations: Vec<f32>,
+    /// `[T + 1][obs_dim]`, one byte per value for an image observation space, else `f32`
+    /// ([`observations`]).
+    pub observations: Observations,
     /// `[T]` discrete action indices; empty when the policy's actions are continuous.
     pub actions: Vec<u32>,
     /// `[T][action_dim]` continuous actions as the policy drew them (a Gaussian sample before
@@ -313,8 +313,10 @@ impl TrajectorySegment {
         if let Some((step, &action)) = self.actions.iter().enumerate().find(|(_, &a)| a as usize >= n_actions) {
             return Err(DecodeError::ActionOutOfRange { action, step, n_actions });
         }
+        // Bytes are finite and within every bound; only `f32` observations are checked.
+        let observations = self.observations.as_f32().unwrap_or(&[]);
         let floats: [(&'static str, &[f32]); 6] = [
-            ("observations", &self.observations),
+            ("observations", observations),
             ("continuous_actions", &self.continuous_actions),
             ("rewards", &self.rewards),
             ("behaviour_log_probs", &self.behaviour_log_probs),
@@ -327,7 +329,7 @@ impl TrajectorySegment {
             }
         }
         for (field, values, bound) in [
-            ("observations", &self.observations, MAX_ABS_OBSERVATION),
+            ("observations", observations, MAX_ABS_OBSERVATION),
             ("initial_hidden", &self.initial_hidden, MAX_ABS_HIDDEN),
         ] {
             if let Some(index) = first_beyond(values, bound) {
@@ -498,7 +500,7 @@ pub(crate) fn test_segment(run: &str, t_len: usize, obs_dim: usize, segment_idx:
         policy_version: PolicyVersion(0),
         layout_hash: 0,
         obs_dim: obs_dim as u32,
-        observations: vec![0.0; (t_len + 1) * obs_dim],
+        observations: Observations::F32(vec![0.0; (t_len + 1) * obs_dim]),
         actions: vec![0; t_len],
         continuous_actions: Vec::new(),
         rewards: vec![0.0; t_len],
@@ -609,11 +611,11 @@ mod tests {
                     episode_id: idx / 3,
                     policy_version: PolicyVersion(version),
                     layout_hash: layout_hash(),
-                    // Whole numbers 0..=10 travel as bytes (wire::observations).
+                    // Image observations travel as bytes (wire::observations).
                     observations: if pixels {
-                        observations.iter().map(|v| v.abs().floor()).collect()
+                        Observations::U8(observations.iter().map(|v| v.abs().floor() as u8).collect())
                     } else {
-                        observations
+                        Observations::F32(observations)
                     },
                     actions,
                     rewards,

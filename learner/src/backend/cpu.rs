@@ -20,17 +20,19 @@
 use rayon::prelude::*;
 use volley_policy::head::{AnyHead, PolicyHead};
 use volley_policy::ops::{
-    act_backward_in_place, bias_act_rows, bias_rows, col2im, column_sums, dense_forward, gemm, gru_cell_backward,
-    gru_cell_forward, im2col, Mat,
+    act_backward_in_place, bias_act_rows, bias_rows, byte_table, col2im, column_sums, dense_forward, gemm,
+    gru_cell_backward, gru_cell_forward, im2col, im2col_u8_scaled, Mat,
 };
 use volley_policy::returns::gae;
 use volley_policy::Activation;
 
 use super::ops::{
     BehaviourWeights, ClipAdamStep, Col2im, DenseForward, GaeScan, GatherColumns, GruCarryGrad, GruCellBackward,
-    GruCellForward, GruResetCopy, Im2col, LogProbs, MatmulDw, MatmulDx, TakeColumn,
+    GruCellForward, GruResetCopy, Im2col, Im2colU8, LogProbs, MatmulDw, MatmulDx, TakeColumn, WidenU8,
 };
-use super::{Backend, BackendError, Evaluation, Head, OffPolicyViews, PpoLoss, VTraceLoss, View, ViewMut};
+use super::{
+    packed_words, Backend, BackendError, Evaluation, Head, OffPolicyViews, PpoLoss, VTraceLoss, View, ViewMut,
+};
 use crate::losses::{self, PpoTargets, RowBatch, VTraceRows};
 use crate::optim::{adam_step, clip_grad_global_norm};
 use crate::telemetry::{self, OffPolicyInputs, OffPolicySums};
@@ -417,6 +419,53 @@ impl Backend for CpuBackend {
                 });
             }),
             None => im2col(geometry, x, n, cols).expect("lengths checked at the trait's entry"),
+        }
+        Ok(())
+    }
+
+    fn im2col_u8_unchecked(&mut self, op: Im2colU8<'_, Self>) -> Result<(), BackendError> {
+        let (x, n, geometry, scale, cols) = (op.x, op.n, op.geometry, op.scale, op.cols);
+        let image_words = packed_words(geometry.input_len());
+        let (bytes, cols): (&[u8], _) = (bytemuck::cast_slice(slice(x)), slice_mut(cols));
+        // Each image starts at a word. When `C·H·W` is a whole number of words (every preset)
+        // the images are contiguous and unfold in one call; otherwise one at a time, skipping
+        // the padding between them.
+        let contiguous = 4 * image_words == geometry.input_len();
+        let unfold = |bytes: &[u8], cols: &mut [f32]| {
+            if contiguous {
+                let images = bytes.len() / geometry.input_len().max(1);
+                im2col_u8_scaled(geometry, bytes, images, scale, cols).expect("whole images on both sides");
+                return;
+            }
+            for (image, cols) in bytes.chunks_exact(4 * image_words).zip(cols.chunks_exact_mut(geometry.cols_len())) {
+                im2col_u8_scaled(geometry, &image[..geometry.input_len()], 1, scale, cols)
+                    .expect("one whole image on both sides");
+            }
+        };
+        match self.image_split(n, geometry.cols_len()) {
+            Some((pool, per_thread)) => pool.install(|| {
+                let inputs = bytes.par_chunks(per_thread * 4 * image_words);
+                inputs
+                    .zip(cols.par_chunks_mut(per_thread * geometry.cols_len()))
+                    .for_each(|(bytes, cols)| unfold(bytes, cols));
+            }),
+            None => unfold(bytes, cols),
+        }
+        Ok(())
+    }
+
+    fn widen_u8_unchecked(&mut self, op: WidenU8<'_, Self>) -> Result<(), BackendError> {
+        let (x, width, scale, out) = (op.x, op.width, op.scale, op.out);
+        let row_words = packed_words(width);
+        if width == 0 {
+            return Ok(());
+        }
+        let (bytes, out): (&[u8], _) = (bytemuck::cast_slice(slice(x)), slice_mut(out));
+        let table = byte_table(scale);
+        for (row, out) in bytes.chunks_exact(4 * row_words).zip(out.chunks_exact_mut(width)) {
+            for (value, &byte) in out.iter_mut().zip(row) {
+                *value = table[usize::from(byte)];
+            }
         }
         Ok(())
     }

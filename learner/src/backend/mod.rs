@@ -78,7 +78,7 @@ pub use cpu::CpuBackend;
 pub use cuda::{open_cuda, CudaBackend, CudaDevice};
 pub use ops::{
     BehaviourWeights, ClipAdamStep, Col2im, DenseForward, GaeScan, GatherColumns, GruCarryGrad, GruCellBackward,
-    GruCellForward, GruResetCopy, Im2col, LogProbs, MatmulDw, MatmulDx, TakeColumn,
+    GruCellForward, GruResetCopy, Im2col, Im2colU8, LogProbs, MatmulDw, MatmulDx, TakeColumn, WidenU8,
 };
 
 /// Which backend the user asked for (`--backend`).
@@ -222,6 +222,36 @@ pub(crate) fn check_len(
 #[cold]
 fn shape_error(op: &'static str, operand: &'static str, expected: usize, got: usize) -> BackendError {
     BackendError::Shape { op, operand, expected, got }
+}
+
+/// Words one row of `width` bytes takes in a float buffer: rows of bytes travel packed four
+/// to a word, each row starting at a word ([`pack_byte_rows`]).
+pub fn packed_words(width: usize) -> usize {
+    width.div_ceil(4)
+}
+
+/// Pack `rows` rows of `width` bytes into `words` (`rows · packed_words(width)` floats), each
+/// row's bytes in memory order from the start of its first word, so that a buffer of floats
+/// carries image observations at a byte per value (the staged batch is one float buffer, as
+/// actions travel in it as the bit patterns of their indices). A backend reads the words back
+/// as bytes in the same memory order (`bytemuck`'s casts on the CPU, a byte pointer on CUDA).
+///
+/// # Panics
+/// If the lengths disagree: callers size both sides.
+pub fn pack_byte_rows(bytes: &[u8], width: usize, words: &mut [f32]) {
+    let stride = packed_words(width);
+    assert!(width > 0 || bytes.is_empty(), "rows of no bytes");
+    let rows = bytes.len().checked_div(width).unwrap_or(0);
+    assert_eq!((rows * width, rows * stride), (bytes.len(), words.len()), "pack_byte_rows: shapes");
+    let out: &mut [u8] = bytemuck::cast_slice_mut(words);
+    if stride * 4 == width {
+        out.copy_from_slice(bytes);
+        return;
+    }
+    for (row, out) in bytes.chunks_exact(width).zip(out.chunks_exact_mut(4 * stride)) {
+        out[..width].copy_from_slice(row);
+        out[width..].fill(0);
+    }
 }
 
 /// A read-only view of `len` floats at `offset` in one backend buffer.
@@ -583,6 +613,19 @@ macro_rules! backend_operations {
                 /// The bias gradient, overwritten: `out[j] = Σ_r dy[r][j]`, `dy: [rows][out.len()]`.
                 fn column_sums(&mut self, dy: View<'_, Self>, rows: usize, out: ViewMut<'_, Self>) -> Result<(), BackendError>
                     => column_sums_unchecked after check_len("column_sums", "dy", rows * out.len(), dy.len());
+
+                /// [`Backend::im2col`] over `n` images of bytes (image observations, issue 44 item 3):
+                /// `x` holds them packed four bytes to a word ([`pack_byte_rows`]), each image's
+                /// `C·H·W` bytes starting at a word, and each byte `v` enters `cols` as
+                /// `f32::from(v) · scale`, the value the `f32` path would unfold.
+                fn im2col_u8(&mut self, op: Im2colU8<'_, Self>) -> Result<(), BackendError>
+                    => im2col_u8_unchecked after op.check();
+
+                /// Widen `rows` rows of `width` bytes, packed four to a word ([`pack_byte_rows`]),
+                /// into `out: [rows][width]` floats, byte `v` as `f32::from(v) · scale` (a dense first
+                /// layer over image observations reads these).
+                fn widen_u8(&mut self, op: WidenU8<'_, Self>) -> Result<(), BackendError>
+                    => widen_u8_unchecked after op.check();
 
                 /// Unfold the receptive fields of `n` images for one conv layer (`volley_policy::ops::im2col`):
                 /// `x: [n][C·H·W]` in the geometry's layout, `cols: [n·OH·OW][C·K·K]` (zeros where the

@@ -131,6 +131,51 @@ impl<B: Backend + ?Sized> Im2col<'_, B> {
     }
 }
 
+/// The operands of [`Backend::im2col_u8`]: [`Im2col`] over images of bytes packed four to a
+/// word ([`super::pack_byte_rows`]), each byte `v` unfolded as `f32::from(v) · scale`.
+pub struct Im2colU8<'a, B: Backend + ?Sized> {
+    /// The images, `[n][packed_words(C·H·W)]`, each image starting at a word.
+    pub x: View<'a, B>,
+    /// The images.
+    pub n: usize,
+    /// The conv layer's geometry.
+    pub geometry: &'a ConvGeometry,
+    /// What one byte step is worth in the layer's input (`1/255` for pixels).
+    pub scale: f32,
+    /// The unfolded matrix, `[n·OH·OW][C·K·K]`.
+    pub cols: ViewMut<'a, B>,
+}
+
+impl<B: Backend + ?Sized> Im2colU8<'_, B> {
+    pub(super) fn check(&self) -> Result<(), BackendError> {
+        let (g, n) = (self.geometry, self.n);
+        let x_len = n * super::packed_words(g.input_len());
+        check_all("im2col_u8", &[("x", x_len, self.x.len()), ("cols", n * g.cols_len(), self.cols.len())])
+    }
+}
+
+/// The operands of [`Backend::widen_u8`]: `rows` rows of `width` bytes packed four to a word
+/// ([`super::pack_byte_rows`]) widened to floats, byte `v` as `f32::from(v) · scale`.
+pub struct WidenU8<'a, B: Backend + ?Sized> {
+    /// `[rows][packed_words(width)]`.
+    pub x: View<'a, B>,
+    /// Rows of `x` and `out`.
+    pub rows: usize,
+    /// Bytes (and floats) per row.
+    pub width: usize,
+    /// What one byte step is worth.
+    pub scale: f32,
+    /// `[rows][width]`.
+    pub out: ViewMut<'a, B>,
+}
+
+impl<B: Backend + ?Sized> WidenU8<'_, B> {
+    pub(super) fn check(&self) -> Result<(), BackendError> {
+        let x_len = self.rows * super::packed_words(self.width);
+        check_all("widen_u8", &[("x", x_len, self.x.len()), ("out", self.rows * self.width, self.out.len())])
+    }
+}
+
 /// The operands of [`Backend::col2im`], the adjoint of [`Backend::im2col`].
 pub struct Col2im<'a, B: Backend + ?Sized> {
     /// The unfolded matrix's gradient, `[n·OH·OW][C·K·K]`.

@@ -174,11 +174,11 @@ enum Release {
 
 /// Approximate heap bytes of a segment (its arrays; the hold's byte bound).
 fn segment_bytes(segment: &TrajectorySegment) -> usize {
-    4 * (segment.observations.len()
-        + segment.actions.len()
-        + segment.continuous_actions.len()
-        + 3 * segment.rewards.len()
-        + segment.initial_hidden.len())
+    segment.observations.size_bytes()
+        + 4 * (segment.actions.len()
+            + segment.continuous_actions.len()
+            + 3 * segment.rewards.len()
+            + segment.initial_hidden.len())
         + 2 * segment.rewards.len()
         + 64 * (segment.finished_episodes.len() + segment.saved_snapshots.len() + segment.episode_groups.len())
 }

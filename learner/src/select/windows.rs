@@ -240,10 +240,7 @@ pub fn continues(last: &TrajectorySegment, next: &TrajectorySegment) -> bool {
         && Some(next.episode_id) == last.episode_id.checked_add(ended)
         && next.obs_dim == last.obs_dim
         && next.observations.len() >= obs_dim
-        && last.observations[boundary..]
-            .iter()
-            .zip(&next.observations[..obs_dim])
-            .all(|(a, b)| a.to_bits() == b.to_bits())
+        && last.observations.same_values(boundary..last.observations.len(), &next.observations, 0..obs_dim)
 }
 
 #[cfg(test)]
@@ -318,7 +315,7 @@ mod tests {
         assert!(continues(&ended, &replaced));
         // A different first observation (a restored state) breaks the chain.
         let mut jumped = segment(0, 1, 0);
-        jumped.observations[0] = -1.0;
+        jumped.observations.as_f32_mut().expect("f32 observations")[0] = -1.0;
         assert!(!continues(&last, &jumped));
         // Another incarnation is another stream: both wait apart.
         let mut assembler = WindowAssembler::new(&config(2, 64), 32);

@@ -762,7 +762,9 @@ mod tests {
     use volley_testkit::fixtures::SegmentBuilder;
 
     fn segments(n: usize, obs_dim: usize) -> Vec<TrajectorySegment> {
-        (0..n).map(|idx| SegmentBuilder::new(8, obs_dim).env_idx(idx as u32).segment_idx(7).build()).collect()
+        (0..n)
+            .map(|idx| SegmentBuilder::new(8, obs_dim).frames_from(|_| 0).env_idx(idx as u32).segment_idx(7).build())
+            .collect()
     }
 
     fn limits(max_payload: usize, max_segments: usize) -> FrameLimits {
@@ -814,7 +816,7 @@ mod tests {
             "nats://127.0.0.1:4222",
             volley_core::ids::RunId::new("r").expect("valid run id"),
         );
-        // The fixture's observations are small whole numbers, sent as one byte each.
+        // The fixture's observations are frames, sent as one byte each.
         let input = segments(8, 7_600);
         let one = wire::encode_segment(&input[0]).len();
         assert!((60_000..70_000).contains(&one), "a segment of about 64 KB, not {one} bytes");

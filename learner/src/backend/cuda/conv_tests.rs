@@ -1,11 +1,11 @@
-//! Parity of the CUDA `im2col` and `col2im` kernels with the CPU backend, for both input
+//! Parity of the CUDA `im2col`, `col2im`, `im2col_u8` and `widen_u8` kernels with the CPU backend, for both input
 //! layouts, strides and padding (the network-level parity of conv torsos is in `tests.rs`).
 //! Without a device each CUDA test prints `SKIPPED` and passes, unless `VOLLEY_REQUIRE_CUDA=1`.
 
 use volley_policy::{ConvGeometry, ConvLayerSpec, ConvSpec};
 
 use super::*;
-use crate::backend::{Backend, Col2im, CpuBackend, Im2col, View, ViewMut};
+use crate::backend::{Backend, Col2im, CpuBackend, Im2col, Im2colU8, View, ViewMut, WidenU8};
 
 /// Two conv layers over a 2×9×8 image: 3×3 with padding 1, then 4×4 with stride 2 over the
 /// channel-last output of the first.
@@ -105,4 +105,73 @@ fn im2col_and_col2im_kernels_match_the_cpu_backend() {
     };
     let mut cuda = CudaBackend::new(&device).expect("backend on an opened device");
     check_conv_ops(&mut cuda);
+}
+
+/// `im2col_u8` and `widen_u8` over `n` rows of bytes packed four to a word, as host vectors.
+fn run_bytes<B: Backend>(
+    backend: &mut B,
+    geometry: &ConvGeometry,
+    n: usize,
+    bytes: &[u8],
+    scale: f32,
+) -> (Vec<f32>, Vec<f32>) {
+    let width = geometry.input_len();
+    let mut packed = vec![0.0; n * crate::backend::packed_words(width)];
+    crate::backend::pack_byte_rows(bytes, width, &mut packed);
+    let mut x = backend.alloc(packed.len()).expect("alloc");
+    backend.upload(&packed, ViewMut::of(&mut x)).expect("upload");
+    let mut cols = backend.alloc(n * geometry.cols_len()).expect("alloc");
+    let mut widened = backend.alloc(n * width).expect("alloc");
+    backend
+        .im2col_u8(Im2colU8 { x: View::of(&x), n, geometry, scale, cols: ViewMut::of(&mut cols) })
+        .expect("im2col_u8");
+    let out = ViewMut::of(&mut widened);
+    backend.widen_u8(WidenU8 { x: View::of(&x), rows: n, width, scale, out }).expect("widen_u8");
+    let (mut cols_host, mut widened_host) = (vec![0.0; n * geometry.cols_len()], vec![0.0; n * width]);
+    backend.download(View::of(&cols), &mut cols_host).expect("download");
+    backend.download(View::of(&widened), &mut widened_host).expect("download");
+    (cols_host, widened_host)
+}
+
+/// Issue 44 item 3: the byte-reading first-layer operations equal `im2col` over the scaled
+/// values (on the CPU) and agree exactly between backends, for images that are and are not a
+/// whole number of words (the Nature preset's 28 224 bytes, the 7×6×3 image's 126).
+fn check_byte_ops<B: Backend>(backend: &mut B) {
+    let mut cpu = CpuBackend::new();
+    for geometry in geometries().into_iter().filter(|g| !g.channels_last || g.in_channels == 3) {
+        let n = 3;
+        let bytes: Vec<u8> = (0..n * geometry.input_len()).map(|i| (i * 97 % 256) as u8).collect();
+        for scale in [1.0, 1.0 / 255.0] {
+            let (cols, widened) = run_bytes(backend, &geometry, n, &bytes, scale);
+            let (cpu_cols, cpu_widened) = run_bytes(&mut cpu, &geometry, n, &bytes, scale);
+            assert_eq!(cols, cpu_cols, "{geometry:?}: im2col_u8");
+            assert_eq!(widened, cpu_widened, "{geometry:?}: widen_u8");
+            let floats: Vec<f32> = bytes.iter().map(|&b| f32::from(b) * scale).collect();
+            let (float_cols, _) = run(&mut cpu, &geometry, n, &floats, &vec![0.0; n * geometry.cols_len()]);
+            assert_eq!(cpu_cols, float_cols, "{geometry:?}: im2col over the scaled values");
+            assert_eq!(cpu_widened, floats, "{geometry:?}: the scaled values");
+        }
+    }
+}
+
+#[test]
+fn byte_ops_harness_runs_on_the_cpu() {
+    check_byte_ops(&mut CpuBackend::new());
+}
+
+#[test]
+fn im2col_u8_and_widen_u8_kernels_match_the_cpu_backend() {
+    let device = match open_cuda(0) {
+        Ok(device) => device,
+        Err(err) => {
+            assert!(
+                std::env::var("VOLLEY_REQUIRE_CUDA").map_or(true, |v| v != "1"),
+                "VOLLEY_REQUIRE_CUDA=1 but the CUDA backend cannot start: {err}"
+            );
+            eprintln!("SKIPPED im2col_u8_and_widen_u8_kernels_match_the_cpu_backend: no usable CUDA device ({err})");
+            return;
+        }
+    };
+    let mut cuda = CudaBackend::new(&device).expect("backend on an opened device");
+    check_byte_ops(&mut cuda);
 }

@@ -74,7 +74,11 @@ pub const FILES: &[KernelFile] = &[
         source: include_str!("../../../kernels/optim.cu"),
         kernels: &["sum_squares", "adam_prepare", "adam_step"],
     },
-    KernelFile { name: "conv.cu", source: include_str!("../../../kernels/conv.cu"), kernels: &["im2col", "col2im"] },
+    KernelFile {
+        name: "conv.cu",
+        source: include_str!("../../../kernels/conv.cu"),
+        kernels: &["im2col", "col2im", "im2col_u8", "widen_u8"],
+    },
 ];
 
 /// The whole module: the header followed by every file.
@@ -218,6 +222,8 @@ pub(crate) struct Kernels {
     adam_step: CudaFunction,
     im2col: CudaFunction,
     col2im: CudaFunction,
+    im2col_u8: CudaFunction,
+    widen_u8: CudaFunction,
     /// Keeps the functions' module loaded.
     _module: Arc<CudaModule>,
 }
@@ -377,6 +383,8 @@ impl Kernels {
             adam_step: f("adam_step")?,
             im2col: f("im2col")?,
             col2im: f("col2im")?,
+            im2col_u8: f("im2col_u8")?,
+            widen_u8: f("widen_u8")?,
             _module: module,
         })
     }
@@ -1085,6 +1093,73 @@ impl Kernels {
         // ConvInts::push); the kernel writes dx[0..n·C·H·W) and reads d_cols only at rows of
         // in-range output positions of images 0..n, below n·OH·OW·C·K·K; both lengths are
         // checked above, and dx (a mutable borrow) cannot alias d_cols.
+        unsafe { launch.launch(grid(len)) }?;
+        Ok(())
+    }
+}
+
+impl Kernels {
+    /// Unfold `n` images of bytes packed four to a word in `x` into `cols`, byte `v` as
+    /// `table[v]` (`table`: 256 floats on the device; see `conv.cu`).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn im2col_u8(
+        &self,
+        stream: &Arc<CudaStream>,
+        x: &CudaView<'_, f32>,
+        n: usize,
+        geometry: &ConvGeometry,
+        table: &CudaView<'_, f32>,
+        cols: &mut CudaViewMut<'_, f32>,
+    ) -> Result<(), BackendError> {
+        let image_words = crate::backend::packed_words(geometry.input_len());
+        check_len("im2col_u8", "x", n * image_words, x.len())?;
+        check_len("im2col_u8", "table", 256, table.len())?;
+        check_len("im2col_u8", "cols", n * geometry.cols_len(), cols.len())?;
+        let args = ConvInts::new(n, geometry)?;
+        let image_stride = long("image_stride", 4 * image_words)?;
+        long("x bytes", n.saturating_mul(4 * image_words))?;
+        let len = cols.len();
+        let mut launch = stream.launch_builder(&self.im2col_u8);
+        launch.arg(x).arg(cols).arg(table).arg(&image_stride);
+        args.push(&mut launch);
+        // SAFETY: the argument list matches im2col_u8's (x read as bytes, cols, table,
+        // image_stride, then the ten ints of ConvInts::push); the kernel writes
+        // cols[0..n·OH·OW·C·K·K) and reads bytes of images 0..n below n·image_stride = 4·x.len()
+        // and table[0..256); the lengths are checked above, and cols (a mutable borrow) cannot
+        // alias x or table.
+        unsafe { launch.launch(grid(len)) }?;
+        Ok(())
+    }
+
+    /// Widen `rows` rows of `width` bytes packed four to a word in `x` into `out`, byte `v` as
+    /// `table[v]` (see `conv.cu`).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn widen_u8(
+        &self,
+        stream: &Arc<CudaStream>,
+        x: &CudaView<'_, f32>,
+        rows: usize,
+        width: usize,
+        table: &CudaView<'_, f32>,
+        out: &mut CudaViewMut<'_, f32>,
+    ) -> Result<(), BackendError> {
+        let row_words = crate::backend::packed_words(width);
+        check_len("widen_u8", "x", rows * row_words, x.len())?;
+        check_len("widen_u8", "table", 256, table.len())?;
+        check_len("widen_u8", "out", rows * width, out.len())?;
+        let len = out.len();
+        if len == 0 {
+            return Ok(());
+        }
+        let row_stride = long("row_stride", 4 * row_words)?;
+        long("x bytes", rows.saturating_mul(4 * row_words))?;
+        let (rows_arg, width_arg) = (int("rows", rows)?, int("width", width)?);
+        let mut launch = stream.launch_builder(&self.widen_u8);
+        launch.arg(x).arg(out).arg(table).arg(&row_stride).arg(&rows_arg).arg(&width_arg);
+        // SAFETY: the argument list matches widen_u8's (x read as bytes, out, table,
+        // row_stride, rows, width); the kernel writes out[0..rows·width) and reads bytes below
+        // rows·row_stride = 4·x.len() and table[0..256); the lengths are checked above, and out
+        // (a mutable borrow) cannot alias x or table.
         unsafe { launch.launch(grid(len)) }?;
         Ok(())
     }

@@ -36,7 +36,7 @@ use self::profile::{Mark, Profile};
 pub use self::timing::{DeviceTiming, KernelTiming};
 use super::ops::{
     BehaviourWeights, ClipAdamStep, Col2im, DenseForward, GaeScan, GatherColumns, GruCarryGrad, GruCellBackward,
-    GruCellForward, GruResetCopy, Im2col, LogProbs, MatmulDw, MatmulDx, TakeColumn,
+    GruCellForward, GruResetCopy, Im2col, Im2colU8, LogProbs, MatmulDw, MatmulDx, TakeColumn, WidenU8,
 };
 use super::{Backend, BackendError, Evaluation, Head, OffPolicyViews, PpoLoss, VTraceLoss, View, ViewMut};
 use crate::losses::WeightedSums;
@@ -124,6 +124,9 @@ pub struct CudaBackend {
     host_sums: Vec<f64>,
     host_norms: Vec<f32>,
     profile: Option<Profile>,
+    /// `f32::from(v) · scale` for every byte `v`, on the device, and the bits of its `scale`:
+    /// what the byte-reading first layers look values up in (`im2col_u8`, `widen_u8`).
+    byte_table: Option<(u32, CudaSlice<f32>)>,
 }
 
 impl std::fmt::Debug for CudaBackend {
@@ -182,6 +185,7 @@ impl CudaBackend {
             host_sums: Vec::new(),
             host_norms: Vec::new(),
             profile: None,
+            byte_table: None,
             gpu,
         };
         backend.gpu.stream.synchronize()?;
@@ -201,6 +205,17 @@ impl CudaBackend {
 
     fn mark(&self, mark: Mark, on_copy_stream: bool) -> Result<(), BackendError> {
         record(&self.profile, &self.gpu, mark, on_copy_stream)
+    }
+
+    /// The device table of `f32::from(v) · scale` for every byte `v`, uploaded when `scale`
+    /// changes (once per run: a network has one input scale).
+    fn byte_table(&mut self, scale: f32) -> Result<CudaView<'_, f32>, BackendError> {
+        if self.byte_table.as_ref().is_none_or(|(bits, _)| *bits != scale.to_bits()) {
+            let table = volley_policy::ops::byte_table(scale);
+            self.byte_table = Some((scale.to_bits(), self.gpu.stream.clone_htod(&table)?));
+        }
+        let (_, table) = self.byte_table.as_ref().expect("set above");
+        Ok(table.slice(..))
     }
 
     /// At least `rows` ones, for column sums.
@@ -358,6 +373,18 @@ impl Backend for CudaBackend {
 
     fn im2col_unchecked(&mut self, op: Im2col<'_, Self>) -> Result<(), BackendError> {
         self.gpu.kernels.im2col(&self.gpu.stream, &view(op.x), op.n, op.geometry, &mut view_mut(op.cols))
+    }
+
+    fn im2col_u8_unchecked(&mut self, op: Im2colU8<'_, Self>) -> Result<(), BackendError> {
+        let gpu = self.gpu.clone();
+        let table = self.byte_table(op.scale)?;
+        gpu.kernels.im2col_u8(&gpu.stream, &view(op.x), op.n, op.geometry, &table, &mut view_mut(op.cols))
+    }
+
+    fn widen_u8_unchecked(&mut self, op: WidenU8<'_, Self>) -> Result<(), BackendError> {
+        let gpu = self.gpu.clone();
+        let table = self.byte_table(op.scale)?;
+        gpu.kernels.widen_u8(&gpu.stream, &view(op.x), op.rows, op.width, &table, &mut view_mut(op.out))
     }
 
     fn col2im_unchecked(&mut self, op: Col2im<'_, Self>) -> Result<(), BackendError> {

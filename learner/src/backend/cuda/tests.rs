@@ -13,6 +13,7 @@ use rand::{Rng, SeedableRng};
 use rand_pcg::Pcg64Mcg;
 use volley_core::ids::{PolicyVersion, RunId};
 use volley_core::spec::{HyperParams, LossKind, RunSpec};
+use volley_core::wire::Observations;
 use volley_env::EnvConfig;
 use volley_policy::returns::{vtrace, VTraceConfig};
 use volley_policy::{ActionHead, Activation, CoreKind, ParamLayout, PolicySpec};
@@ -766,7 +767,7 @@ fn random_batch(r: &mut Pcg64Mcg, spec: &RunSpec, hidden: usize) -> SegmentBatch
         b_len,
         obs_dim: d,
         hidden_size: hidden,
-        observations: uniform(r, (t_len + 1) * b_len * d, -1.0, 1.0),
+        observations: Observations::F32(uniform(r, (t_len + 1) * b_len * d, -1.0, 1.0)),
         episode_start,
         initial_hidden: uniform(r, b_len * hidden, -0.5, 0.5),
         actions: if continuous { Vec::new() } else { (0..steps).map(|_| r.random_range(0..a as u32)).collect() },
