@@ -6,7 +6,8 @@
 //!
 //! `cargo bench -p volley-learner --bench conv` (add `-- --quick` for the MinAtar rows only,
 //! `-- --threads 1,2` for the CPU backend's thread counts, default 1 and every core the process
-//! may use). Prints a Markdown table with the arithmetic rate of each update (2 FLOP per
+//! may use, `-- --networks nature` and `-- --batches 8` for some of the rows, `-- --no-peak` to
+//! skip the peak measurement, `-- --phases` for the Nature-DQN update's time per phase instead). Prints a Markdown table with the arithmetic rate of each update (2 FLOP per
 //! multiply-add of the forward and the backward products) beside the f32 peak of the threads it
 //! ran on, measured first by an FMA loop (see [`fma_peak_gflops`]).
 
@@ -17,7 +18,7 @@ use rand_pcg::Pcg64Mcg;
 use volley_core::ids::{PolicyVersion, RunId};
 use volley_core::spec::{HyperParams, LossKind, RunSpec};
 use volley_env::{EnvConfig, EnvServiceName, MinatarConfig, MinatarGame, RemoteEnvConfig};
-use volley_learner::backend::{open_cuda, CudaDevice};
+use volley_learner::backend::{open_cuda, Backend, CpuBackend, CudaDevice, View, ViewMut};
 use volley_learner::batch::SegmentBatch;
 use volley_learner::Learner;
 use volley_policy::{Activation, ConvSpec, PolicySpec};
@@ -182,6 +183,230 @@ fn seconds_per_update(device: Option<&CudaDevice>, threads: usize, spec: RunSpec
     median(wall)
 }
 
+/// Median milliseconds of `op` over `reps` calls after one warm-up call.
+fn median_ms(reps: usize, mut op: impl FnMut()) -> f64 {
+    op();
+    median(
+        (0..reps)
+            .map(|_| {
+                let t0 = Instant::now();
+                op();
+                t0.elapsed().as_secs_f64() * 1e3
+            })
+            .collect(),
+    )
+}
+
+/// One row of the phase table: its name, milliseconds and multiply-adds.
+struct Phase {
+    name: String,
+    ms: f64,
+    macs: f64,
+}
+
+/// The Nature-DQN update's conv and dense phases, each timed alone on the CPU backend with the
+/// shapes and calls of the learner's network (`net.rs`) over `(T + 1)·B` images: per layer the
+/// forward `im2col` and product (with bias and ReLU), and backward the ReLU mask, the unfolding
+/// again, the weight-gradient product, the bias sums, the input-gradient product and `col2im`.
+/// The rest of a whole update (the heads, loss, clipping, Adam, batch packing) is the whole
+/// update's time less these.
+fn phases(threads: usize, t_len: usize, b_len: usize, peak: Option<f64>) {
+    let spec = spec("nature", t_len, b_len);
+    let whole_ms = seconds_per_update(None, threads, spec.clone()) * 1e3;
+    let geometries = spec.validate().expect("valid spec").conv_geometries().to_vec();
+    let mut backend = CpuBackend::with_threads(threads).expect("a thread pool");
+    let images = (t_len + 1) * b_len;
+    let mut rng = Pcg64Mcg::seed_from_u64(3);
+    let mut random =
+        |len: usize, scale: f32| -> Vec<f32> { (0..len).map(|_| rng.random_range(-scale..scale)).collect() };
+    let reps = 5;
+    let mut rows: Vec<Phase> = Vec::new();
+    let obs: Vec<f32> = (0..images * geometries[0].input_len()).map(|i| ((i * 7919) % 256) as f32 / 255.0).collect();
+    let widest = geometries.iter().map(|g| g.cols_len()).max().expect("three layers") * images;
+    let mut cols = vec![0.0f32; widest];
+    let mut d_cols = vec![0.0f32; widest];
+    let mut outputs: Vec<Vec<f32>> = Vec::new();
+    let mut weights: Vec<(Vec<f32>, Vec<f32>)> = Vec::new();
+    for (i, g) in geometries.iter().enumerate() {
+        let (positions, patch, oc) = (images * g.out_positions(), g.patch_len(), g.out_channels);
+        let (weight, bias) = (random(oc * patch, 0.05), random(oc, 0.05));
+        let cols_len = images * g.cols_len();
+        let input = if i == 0 { &obs } else { &outputs[i - 1] };
+        rows.push(Phase {
+            name: format!("conv {} forward: im2col", i + 1),
+            ms: median_ms(reps, || {
+                backend.im2col(View::of(input), images, g, ViewMut::range(&mut cols, 0..cols_len)).expect("shapes")
+            }),
+            macs: 0.0,
+        });
+        let mut y = vec![0.0f32; positions * oc];
+        rows.push(Phase {
+            name: format!("conv {} forward: product, bias, ReLU", i + 1),
+            ms: median_ms(reps, || {
+                backend
+                    .dense_forward(
+                        View::range(&cols, 0..cols_len),
+                        positions,
+                        patch,
+                        View::of(&weight),
+                        View::of(&bias),
+                        oc,
+                        Some(Activation::Relu),
+                        ViewMut::of(&mut y),
+                    )
+                    .expect("shapes")
+            }),
+            macs: (positions * patch * oc) as f64,
+        });
+        outputs.push(y);
+        weights.push((weight, bias));
+    }
+    let n_in = geometries[2].output_len();
+    let n_hidden = spec.policy.torso[0];
+    let (dense_w, dense_b) = (random(n_hidden * n_in, 0.02), random(n_hidden, 0.02));
+    let mut hidden = vec![0.0f32; images * n_hidden];
+    rows.push(Phase {
+        name: format!("dense {n_in}→{n_hidden} forward"),
+        ms: median_ms(reps, || {
+            backend
+                .dense_forward(
+                    View::of(&outputs[2]),
+                    images,
+                    n_in,
+                    View::of(&dense_w),
+                    View::of(&dense_b),
+                    n_hidden,
+                    Some(Activation::Relu),
+                    ViewMut::of(&mut hidden),
+                )
+                .expect("shapes")
+        }),
+        macs: (images * n_in * n_hidden) as f64,
+    });
+    let d_hidden = random(images * n_hidden, 0.01);
+    let mut d_dense_w = vec![0.0f32; n_hidden * n_in];
+    let mut d_bias = vec![0.0f32; 64.max(n_hidden)];
+    rows.push(Phase {
+        name: format!("dense {n_in}→{n_hidden} backward: weight gradient, bias sums"),
+        ms: median_ms(reps, || {
+            backend
+                .matmul_dw(
+                    View::of(&d_hidden),
+                    View::of(&outputs[2]),
+                    images,
+                    n_hidden,
+                    n_in,
+                    ViewMut::of(&mut d_dense_w),
+                )
+                .expect("shapes");
+            backend.column_sums(View::of(&d_hidden), images, ViewMut::range(&mut d_bias, 0..n_hidden)).expect("shapes");
+        }),
+        macs: (images * n_in * n_hidden) as f64,
+    });
+    let mut d_y = vec![0.0f32; images * n_in];
+    rows.push(Phase {
+        name: format!("dense {n_in}→{n_hidden} backward: input gradient"),
+        ms: median_ms(reps, || {
+            backend
+                .matmul_dx(
+                    View::of(&d_hidden),
+                    images,
+                    n_hidden,
+                    View::of(&dense_w),
+                    n_in,
+                    ViewMut::of(&mut d_y),
+                    false,
+                )
+                .expect("shapes")
+        }),
+        macs: (images * n_in * n_hidden) as f64,
+    });
+    for (i, g) in geometries.iter().enumerate().rev() {
+        let (positions, patch, oc) = (images * g.out_positions(), g.patch_len(), g.out_channels);
+        let cols_len = images * g.cols_len();
+        let input = if i == 0 { &obs } else { &outputs[i - 1] };
+        let mut d_pre = random(positions * oc, 0.01);
+        rows.push(Phase {
+            name: format!("conv {} backward: ReLU mask", i + 1),
+            ms: median_ms(reps, || {
+                backend.act_backward(ViewMut::of(&mut d_pre), View::of(&outputs[i]), Activation::Relu).expect("shapes")
+            }),
+            macs: 0.0,
+        });
+        rows.push(Phase {
+            name: format!("conv {} backward: im2col again", i + 1),
+            ms: median_ms(reps, || {
+                backend.im2col(View::of(input), images, g, ViewMut::range(&mut cols, 0..cols_len)).expect("shapes")
+            }),
+            macs: 0.0,
+        });
+        let mut d_w = vec![0.0f32; oc * patch];
+        rows.push(Phase {
+            name: format!("conv {} backward: weight gradient, bias sums", i + 1),
+            ms: median_ms(reps, || {
+                backend
+                    .matmul_dw(
+                        View::of(&d_pre),
+                        View::range(&cols, 0..cols_len),
+                        positions,
+                        oc,
+                        patch,
+                        ViewMut::of(&mut d_w),
+                    )
+                    .expect("shapes");
+                backend.column_sums(View::of(&d_pre), positions, ViewMut::range(&mut d_bias, 0..oc)).expect("shapes");
+            }),
+            macs: (positions * patch * oc) as f64,
+        });
+        if i > 0 {
+            rows.push(Phase {
+                name: format!("conv {} backward: input gradient", i + 1),
+                ms: median_ms(reps, || {
+                    backend
+                        .matmul_dx(
+                            View::of(&d_pre),
+                            positions,
+                            oc,
+                            View::of(&weights[i].0),
+                            patch,
+                            ViewMut::range(&mut d_cols, 0..cols_len),
+                            false,
+                        )
+                        .expect("shapes")
+                }),
+                macs: (positions * patch * oc) as f64,
+            });
+            let mut dx = vec![0.0f32; images * g.input_len()];
+            rows.push(Phase {
+                name: format!("conv {} backward: col2im", i + 1),
+                ms: median_ms(reps, || {
+                    backend.col2im(View::range(&d_cols, 0..cols_len), images, g, ViewMut::of(&mut dx)).expect("shapes")
+                }),
+                macs: 0.0,
+            });
+        }
+    }
+    let timed: f64 = rows.iter().map(|r| r.ms).sum();
+    println!(
+        "Nature-DQN phases, T={t_len} B={b_len}, {threads} thread(s), {images} images; median of {reps} calls each"
+    );
+    println!("| phase | ms | % of update | GFLOP/s | % of f32 peak |");
+    println!("|---|---|---|---|---|");
+    let peak_of = |gflops: f64| peak.map_or("-".into(), |p| format!("{:.0} %", 100.0 * gflops / (p * threads as f64)));
+    for row in &rows {
+        let gflops = 2.0 * row.macs / row.ms / 1e6;
+        let (gflops, of_peak) =
+            if row.macs > 0.0 { (format!("{gflops:.1}"), peak_of(gflops)) } else { ("-".into(), "-".into()) };
+        println!("| {} | {:.2} | {:.1} % | {gflops} | {of_peak} |", row.name, row.ms, 100.0 * row.ms / whole_ms);
+    }
+    println!(
+        "| rest: heads, loss, clipping, Adam, packing | {:.2} | {:.1} % | - | - |",
+        whole_ms - timed,
+        100.0 * (whole_ms - timed) / whole_ms
+    );
+    println!("| whole update | {whole_ms:.2} | 100 % | - | - |");
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let quick = args.iter().any(|a| a == "--quick");
@@ -203,16 +428,36 @@ fn main() {
             None
         }
     };
-    let peak = fma_peak_gflops();
+    let peak = if args.iter().any(|a| a == "--no-peak") { None } else { fma_peak_gflops() };
     match peak {
         Some(peak) => println!("f32 peak of one core (FMA loop): {peak:.1} GFLOP/s"),
         None => println!("f32 peak: not measured (no AVX2/AVX-512 FMA)"),
+    }
+    if args.iter().any(|a| a == "--phases") {
+        let batches: Vec<usize> = match args.iter().position(|a| a == "--batches") {
+            Some(i) => args[i + 1].split(',').map(|b| b.parse().expect("--batches: whole numbers")).collect(),
+            None => vec![8],
+        };
+        for &threads in &thread_counts {
+            for &b_len in &batches {
+                phases(threads, 20, b_len, peak);
+            }
+        }
+        return;
     }
     println!("| backend | threads | network | T | B | samples/s | update ms | GFLOP/s | % of f32 peak |");
     println!("|---|---|---|---|---|---|---|---|---|");
     let mut configs = vec![("minatar", 32, 8), ("minatar", 32, 32)];
     if !quick {
         configs.extend([("nature", 20, 8), ("nature", 20, 32)]);
+    }
+    if let Some(i) = args.iter().position(|a| a == "--networks") {
+        let networks = args.get(i + 1).expect("--networks takes a list such as minatar,nature");
+        configs.retain(|(preset, _, _)| networks.split(',').any(|n| n == *preset));
+    }
+    if let Some(i) = args.iter().position(|a| a == "--batches") {
+        let batches = args.get(i + 1).expect("--batches takes a list such as 8,32");
+        configs.retain(|(_, _, b_len)| batches.split(',').any(|b| b.parse() == Ok(*b_len)));
     }
     let mut backends: Vec<(Option<&CudaDevice>, usize)> = thread_counts.iter().map(|&n| (None, n)).collect();
     backends.extend(device.as_ref().map(|d| (Some(d), 1)));
