@@ -3,7 +3,8 @@
 use super::conv::im2col;
 use super::layout::ParamLayout;
 use super::linalg::{
-    dense_forward, large_dense_forward, small_chain_fits, small_dense_chain_forward, SmallLayer, LARGE_WEIGHTS,
+    dense_forward, large_dense_forward, small_chain_fits, small_dense_chain_forward, SmallLayer, LARGE_PRODUCT_MACS,
+    LARGE_WEIGHTS,
 };
 use super::{gru, Activation, PolicyError};
 
@@ -203,8 +204,8 @@ impl PolicyInference {
         };
         let activation = layout.spec().activation;
         // Conv layer i unfolds what layer i−1 wrote (obs for i = 0), then one GEMM over all
-        // n·OH·OW positions (the `gemm` crate's, as in the learner) writes the other ping-pong
-        // buffer, channel-last.
+        // n·OH·OW positions (the `gemm` crate's for large products, as in the learner) writes
+        // the other ping-pong buffer, channel-last.
         for (layer_idx, (layer, geometry)) in layout.conv().iter().zip(layout.conv_geometries()).enumerate() {
             let (input, output) =
                 if layer_idx % 2 == 0 { (&self.conv_b, &mut self.conv_a) } else { (&self.conv_a, &mut self.conv_b) };
@@ -213,7 +214,11 @@ impl PolicyInference {
             let cols = &mut self.conv_cols[..n * geometry.cols_len()];
             im2col(geometry, x, n, cols).expect("conv input and cols are sized by the layout (checked)");
             let (weight, bias) = (layer.weight(params), layer.bias(params));
-            large_dense_forward(cols, positions, weight, bias, Some(Activation::Relu), output);
+            if positions * weight.len() >= LARGE_PRODUCT_MACS {
+                large_dense_forward(cols, positions, weight, bias, Some(Activation::Relu), output);
+            } else {
+                dense_forward(cols, positions, weight, bias, Some(Activation::Relu), output);
+            }
         }
         let conv_features: &[f32] = match layout.conv().len() {
             0 => obs,

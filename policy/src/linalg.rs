@@ -190,9 +190,16 @@ pub fn large_dense_forward(
     }
 }
 
-/// Dense layers of inference with at least this many weights go through
-/// [`large_dense_forward`] (a 64×64 layer has 4 K, the Nature-DQN network's 3136→512 layer 1.6 M).
-pub const LARGE_WEIGHTS: usize = 1 << 16;
+/// Conv layers of inference whose product has at least this many multiply-adds go through
+/// [`large_dense_forward`] (every Nature-DQN layer, even over one frame: 1.8–3.3 M; MinAtar's
+/// layer over 8 environments, 0.3 M, stays on `matrixmultiply`).
+pub const LARGE_PRODUCT_MACS: usize = 1 << 20;
+
+/// Dense layers of inference with at least this many weights (4 MiB, more than a core's L2
+/// cache, which `matrixmultiply` would copy through memory on every call) go through
+/// [`large_dense_forward`]: the Nature-DQN network's 3136→512 layer (1.6 M), not MinAtar's
+/// 1024→128 (131 K), which measured slower there over 8 environments.
+pub const LARGE_WEIGHTS: usize = 1 << 20;
 
 /// Largest batch [`dense_forward`] computes with [`small_dense_forward`].
 pub const SMALL_BATCH_ROWS: usize = 16;
