@@ -7,8 +7,15 @@ median samples/s of each side over the rounds, the median ratio of the rounds' p
 Volley figure over the same round's PyTorch figure, so a load change between rounds cancels) and
 the median GFLOP/s and % of the f32 peak of Volley's rows.
 
+With `--actor-bench-bin` (the built `cargo bench -p volley-actor --bench actor` binary) each round
+also runs the actor's Nature-DQN policy step (`actor_nature_policy_steps`, 1 and 8 environments,
+one thread) and then its peer `bench/peers/torch_actor_nature.py --runs 1`, and a second table
+gives their agent steps/s and the median of the rounds' ratios.
+
     cargo bench -p volley-learner --bench conv --no-run   # prints the binary's path
+    cargo bench -p volley-actor --bench actor --no-run
     python3 bench/conv_vs_torch.py --bench-bin target/release/deps/conv-HASH \\
+        --actor-bench-bin target/release/deps/actor-HASH \\
         --torch-python target/venv-torch/bin/python --rounds 5
 """
 
@@ -28,6 +35,22 @@ def table_rows(text):
     return rows
 
 
+def criterion_rates(text):
+    """Agent steps/s per batch from criterion's output: the middle `thrpt` estimate of each
+    `actor_nature_policy_steps/<name>/<batch>` benchmark."""
+    rates, batch = {}, None
+    scale = {"elem/s": 1.0, "Kelem/s": 1e3, "Melem/s": 1e6}
+    for line in text.splitlines():
+        line = line.strip()
+        if line.startswith("actor_nature_policy_steps/"):
+            batch = int(line.split("/")[-1])
+        elif line.startswith("thrpt:") and batch is not None:
+            value, unit = line.split("[")[1].split()[2:4]
+            rates[batch] = float(value) * scale[unit]
+            batch = None
+    return rates
+
+
 def load_1min():
     return os.getloadavg()[0]
 
@@ -38,9 +61,11 @@ def main():
     parser.add_argument("--torch-python", required=True)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", default="1,2")
+    parser.add_argument("--actor-bench-bin", help="also the actor's Nature-DQN policy step and its peer")
     args = parser.parse_args()
     here = os.path.dirname(os.path.abspath(__file__))
     volley, torch, extra, loads = {}, {}, {}, []
+    actor, actor_peer = {}, {}
     for round_idx in range(args.rounds):
         loads.append(load_1min())
         out = subprocess.run([args.bench_bin, "--threads", args.threads], capture_output=True, text=True, check=True)
@@ -53,6 +78,19 @@ def main():
         out = subprocess.run(peer, capture_output=True, text=True, check=True)
         for _peer, threads, net, t_len, b_len, rate in table_rows(out.stdout):
             torch.setdefault((net, int(t_len), int(b_len), int(threads)), []).append(float(rate))
+        if args.actor_bench_bin:
+            loads.append(load_1min())
+            bench = [args.actor_bench_bin, "--bench", "actor_nature_policy_steps", "--warm-up-time", "1"]
+            out = subprocess.run(bench + ["--measurement-time", "2"], capture_output=True, text=True, check=True)
+            for batch, rate in criterion_rates(out.stdout).items():
+                actor.setdefault(batch, []).append(rate)
+            loads.append(load_1min())
+            peer = [args.torch_python, os.path.join(here, "peers", "torch_actor_nature.py"), "--runs", "1"]
+            out = subprocess.run(peer, capture_output=True, text=True, check=True)
+            for line in out.stdout.splitlines():
+                cells = [c.strip() for c in line.strip().strip("|").split("|")]
+                if line.startswith("|") and cells[0] == "torch":
+                    actor_peer.setdefault(int(cells[2]), []).append(float(cells[3]))
         print(f"round {round_idx + 1}/{args.rounds} done, load {loads[-1]:.1f}", flush=True)
     print(f"rounds: {args.rounds}; one-minute load before each half-round: {min(loads):.1f}-{max(loads):.1f}")
     print("| network | T | B | threads | Volley samples/s | PyTorch f32 samples/s | Volley / PyTorch (median of pairs) | Volley GFLOP/s | % of f32 peak |")
@@ -67,6 +105,18 @@ def main():
             f"| {net} | {t_len} | {b_len} | {threads} | {statistics.median(ours):,.0f} | "
             f"{statistics.median(theirs) if theirs else float('nan'):,.0f} | {ratio:.2f} | {gflops:.1f} | {of_peak:.0f} % |"
         )
+
+    if actor:
+        print()
+        print("| actor policy step, Nature-DQN, 1 thread | envs | Volley agent steps/s | PyTorch no_grad agent steps/s | Volley / PyTorch (median of pairs) |")
+        print("|---|---|---|---|---|")
+        for batch in sorted(actor):
+            ours, theirs = actor[batch], actor_peer.get(batch, [])
+            ratio = statistics.median(a / b for a, b in zip(ours, theirs)) if theirs else float("nan")
+            print(
+                f"| frames 84×84×4 in, actions out | {batch} | {statistics.median(ours):,.0f} | "
+                f"{statistics.median(theirs) if theirs else float('nan'):,.0f} | {ratio:.2f} |"
+            )
 
 
 if __name__ == "__main__":

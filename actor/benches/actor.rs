@@ -167,5 +167,39 @@ fn actor_path_minatar_conv(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, actor_path, gaussian_policy_step, actor_path_minatar_conv);
+/// The policy side of an actor step with the Nature-DQN network (issue 44 item 4): a batch of
+/// 84×84×4 frames of 8-bit pixels (as `f32`, scaled by 1/255 inside the network) through the
+/// three convs, 512 ReLU units and the heads, then one categorical draw per agent; one thread,
+/// batches of 1 and 8 environments. The peer is `bench/peers/torch_actor_nature.py`.
+fn nature_policy_step(c: &mut Criterion) {
+    use rand::SeedableRng;
+    let mut group = c.benchmark_group("actor_nature_policy_steps");
+    group.sample_size(10).measurement_time(std::time::Duration::from_secs(3));
+    let n_actions = 6;
+    let conv = ConvSpec { input: volley_policy::ConvInput::Pixels, ..ConvSpec::nature(4, 84, 84) };
+    let policy = PolicySpec::mlp(0, n_actions, &[512], Activation::Relu).with_conv(conv);
+    let layout = ParamLayout::new(&policy).expect("valid policy");
+    let params = layout.init_params(3);
+    for n in [1usize, 8] {
+        let mut inference = volley_policy::PolicyInference::new(&layout, n);
+        let obs: Vec<f32> = (0..n * policy.obs_dim).map(|i| ((i * 7919) % 256) as f32).collect();
+        let (mut logits, mut values, mut actions) = (vec![0.0; n * n_actions], vec![0.0; n], vec![0u32; n]);
+        let mut rng = rand::rngs::SmallRng::seed_from_u64(1);
+        group.throughput(Throughput::Elements(n as u64));
+        group.bench_function(BenchmarkId::new("frames84x84x4_nature", n), |b| {
+            b.iter(|| {
+                inference.forward(&params, &obs, n, &mut [], &mut logits, &mut values);
+                for (row, action) in logits.chunks_exact(n_actions).zip(actions.iter_mut()) {
+                    let (a, _) = volley_policy::distributions::sample_categorical_with_rng(row, &mut rng)
+                        .expect("finite logits");
+                    *action = a as u32;
+                }
+                std::hint::black_box(&actions);
+            })
+        });
+    }
+    group.finish();
+}
+
+criterion_group!(benches, actor_path, gaussian_policy_step, actor_path_minatar_conv, nature_policy_step);
 criterion_main!(benches);

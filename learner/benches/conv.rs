@@ -8,8 +8,10 @@
 //! `-- --threads 1,2` for the CPU backend's thread counts, default 1 and every core the process
 //! may use; `-- --obs u8,f32` for how the batch holds its observations, default both: `u8`
 //! frames converted in the first layer, issue 44 item 3, or `f32` as before it; `--presets
-//! nature` and `--batches 32` to run only those rows). Each row gives the bytes of the batch's
-//! observations, and the last line the process's peak resident memory (`VmHWM`). Prints a Markdown table with the arithmetic rate of each update (2 FLOP per
+//! nature` (or `--networks nature`) and `--batches 32` to run only those rows, `--no-peak` to skip
+//! the peak measurement, `--phases` for the Nature-DQN update's time per phase instead). Each row
+//! gives the bytes of the batch's observations, and the last line the process's peak resident
+//! memory (`VmHWM`). Prints a Markdown table with the arithmetic rate of each update (2 FLOP per
 //! multiply-add of the forward and the backward products) beside the f32 peak of the threads it
 //! ran on, measured first by an FMA loop (see [`fma_peak_gflops`]).
 
@@ -21,7 +23,9 @@ use volley_core::ids::{PolicyVersion, RunId};
 use volley_core::spec::{HyperParams, LossKind, RunSpec};
 use volley_core::wire::{ObsElement, Observations};
 use volley_env::{EnvConfig, EnvServiceName, MinatarConfig, MinatarGame, RemoteEnvConfig};
-use volley_learner::backend::{open_cuda, CudaDevice};
+use volley_learner::backend::{
+    open_cuda, Backend, Col2im, CpuBackend, CudaDevice, DenseForward, Im2col, MatmulDw, MatmulDx, View, ViewMut,
+};
 use volley_learner::batch::SegmentBatch;
 use volley_learner::Learner;
 use volley_policy::{Activation, ConvSpec, PolicySpec};
@@ -216,6 +220,233 @@ fn peak_rss_mib() -> Option<f64> {
     Some(kib / 1024.0)
 }
 
+/// Median milliseconds of `op` over `reps` calls after one warm-up call.
+fn median_ms(reps: usize, mut op: impl FnMut()) -> f64 {
+    op();
+    median(
+        (0..reps)
+            .map(|_| {
+                let t0 = Instant::now();
+                op();
+                t0.elapsed().as_secs_f64() * 1e3
+            })
+            .collect(),
+    )
+}
+
+/// One row of the phase table: its name, milliseconds and multiply-adds.
+struct Phase {
+    name: String,
+    ms: f64,
+    macs: f64,
+}
+
+/// The Nature-DQN update's conv and dense phases, each timed alone on the CPU backend with the
+/// shapes and calls of the learner's network (`net.rs`) over `(T + 1)·B` images: per layer the
+/// forward `im2col` and product (with bias and ReLU), and backward the ReLU mask, the unfolding
+/// again, the weight-gradient product, the bias sums, the input-gradient product and `col2im`.
+/// The rest of a whole update (the heads, loss, clipping, Adam, batch packing) is the whole
+/// update's time less these.
+fn phases(threads: usize, t_len: usize, b_len: usize, peak: Option<f64>) {
+    let spec = spec("nature", t_len, b_len);
+    let whole_ms = seconds_per_update(None, threads, spec.clone(), ObsElement::F32).0 * 1e3;
+    let geometries = spec.validate().expect("valid spec").conv_geometries().to_vec();
+    let mut backend = CpuBackend::with_threads(threads).expect("a thread pool");
+    let images = (t_len + 1) * b_len;
+    let mut rng = Pcg64Mcg::seed_from_u64(3);
+    let mut random =
+        |len: usize, scale: f32| -> Vec<f32> { (0..len).map(|_| rng.random_range(-scale..scale)).collect() };
+    let reps = 5;
+    let mut rows: Vec<Phase> = Vec::new();
+    let obs: Vec<f32> = (0..images * geometries[0].input_len()).map(|i| ((i * 7919) % 256) as f32 / 255.0).collect();
+    let widest = geometries.iter().map(|g| g.cols_len()).max().expect("three layers") * images;
+    let mut cols = vec![0.0f32; widest];
+    let mut d_cols = vec![0.0f32; widest];
+    let mut outputs: Vec<Vec<f32>> = Vec::new();
+    let mut weights: Vec<(Vec<f32>, Vec<f32>)> = Vec::new();
+    for (i, g) in geometries.iter().enumerate() {
+        let (positions, patch, oc) = (images * g.out_positions(), g.patch_len(), g.out_channels);
+        let (weight, bias) = (random(oc * patch, 0.05), random(oc, 0.05));
+        let cols_len = images * g.cols_len();
+        let input = if i == 0 { &obs } else { &outputs[i - 1] };
+        rows.push(Phase {
+            name: format!("conv {} forward: im2col", i + 1),
+            ms: median_ms(reps, || {
+                let cols = ViewMut::range(&mut cols, 0..cols_len);
+                backend.im2col(Im2col { x: View::of(input), n: images, geometry: g, cols }).expect("shapes")
+            }),
+            macs: 0.0,
+        });
+        let mut y = vec![0.0f32; positions * oc];
+        rows.push(Phase {
+            name: format!("conv {} forward: product, bias, ReLU", i + 1),
+            ms: median_ms(reps, || {
+                backend
+                    .dense_forward(DenseForward {
+                        x: View::range(&cols, 0..cols_len),
+                        rows: positions,
+                        n_in: patch,
+                        weight: View::of(&weight),
+                        bias: View::of(&bias),
+                        n_out: oc,
+                        act: Some(Activation::Relu),
+                        y: ViewMut::of(&mut y),
+                    })
+                    .expect("shapes")
+            }),
+            macs: (positions * patch * oc) as f64,
+        });
+        outputs.push(y);
+        weights.push((weight, bias));
+    }
+    let n_in = geometries[2].output_len();
+    let n_hidden = spec.policy.torso[0];
+    let (dense_w, dense_b) = (random(n_hidden * n_in, 0.02), random(n_hidden, 0.02));
+    let mut hidden = vec![0.0f32; images * n_hidden];
+    rows.push(Phase {
+        name: format!("dense {n_in}→{n_hidden} forward"),
+        ms: median_ms(reps, || {
+            backend
+                .dense_forward(DenseForward {
+                    x: View::of(&outputs[2]),
+                    rows: images,
+                    n_in,
+                    weight: View::of(&dense_w),
+                    bias: View::of(&dense_b),
+                    n_out: n_hidden,
+                    act: Some(Activation::Relu),
+                    y: ViewMut::of(&mut hidden),
+                })
+                .expect("shapes")
+        }),
+        macs: (images * n_in * n_hidden) as f64,
+    });
+    let d_hidden = random(images * n_hidden, 0.01);
+    let mut d_dense_w = vec![0.0f32; n_hidden * n_in];
+    let mut d_bias = vec![0.0f32; 64.max(n_hidden)];
+    rows.push(Phase {
+        name: format!("dense {n_in}→{n_hidden} backward: weight gradient, bias sums"),
+        ms: median_ms(reps, || {
+            backend
+                .matmul_dw(MatmulDw {
+                    dy: View::of(&d_hidden),
+                    x: View::of(&outputs[2]),
+                    rows: images,
+                    n_out: n_hidden,
+                    n_in,
+                    dw: ViewMut::of(&mut d_dense_w),
+                })
+                .expect("shapes");
+            backend.column_sums(View::of(&d_hidden), images, ViewMut::range(&mut d_bias, 0..n_hidden)).expect("shapes");
+        }),
+        macs: (images * n_in * n_hidden) as f64,
+    });
+    let mut d_y = vec![0.0f32; images * n_in];
+    rows.push(Phase {
+        name: format!("dense {n_in}→{n_hidden} backward: input gradient"),
+        ms: median_ms(reps, || {
+            backend
+                .matmul_dx(MatmulDx {
+                    dy: View::of(&d_hidden),
+                    rows: images,
+                    n_out: n_hidden,
+                    weight: View::of(&dense_w),
+                    n_in,
+                    dx: ViewMut::of(&mut d_y),
+                    accumulate: false,
+                })
+                .expect("shapes")
+        }),
+        macs: (images * n_in * n_hidden) as f64,
+    });
+    for (i, g) in geometries.iter().enumerate().rev() {
+        let (positions, patch, oc) = (images * g.out_positions(), g.patch_len(), g.out_channels);
+        let cols_len = images * g.cols_len();
+        let input = if i == 0 { &obs } else { &outputs[i - 1] };
+        let mut d_pre = random(positions * oc, 0.01);
+        rows.push(Phase {
+            name: format!("conv {} backward: ReLU mask", i + 1),
+            ms: median_ms(reps, || {
+                backend.act_backward(ViewMut::of(&mut d_pre), View::of(&outputs[i]), Activation::Relu).expect("shapes")
+            }),
+            macs: 0.0,
+        });
+        rows.push(Phase {
+            name: format!("conv {} backward: im2col again", i + 1),
+            ms: median_ms(reps, || {
+                let cols = ViewMut::range(&mut cols, 0..cols_len);
+                backend.im2col(Im2col { x: View::of(input), n: images, geometry: g, cols }).expect("shapes")
+            }),
+            macs: 0.0,
+        });
+        let mut d_w = vec![0.0f32; oc * patch];
+        rows.push(Phase {
+            name: format!("conv {} backward: weight gradient, bias sums", i + 1),
+            ms: median_ms(reps, || {
+                backend
+                    .matmul_dw(MatmulDw {
+                        dy: View::of(&d_pre),
+                        x: View::range(&cols, 0..cols_len),
+                        rows: positions,
+                        n_out: oc,
+                        n_in: patch,
+                        dw: ViewMut::of(&mut d_w),
+                    })
+                    .expect("shapes");
+                backend.column_sums(View::of(&d_pre), positions, ViewMut::range(&mut d_bias, 0..oc)).expect("shapes");
+            }),
+            macs: (positions * patch * oc) as f64,
+        });
+        if i > 0 {
+            rows.push(Phase {
+                name: format!("conv {} backward: input gradient", i + 1),
+                ms: median_ms(reps, || {
+                    backend
+                        .matmul_dx(MatmulDx {
+                            dy: View::of(&d_pre),
+                            rows: positions,
+                            n_out: oc,
+                            weight: View::of(&weights[i].0),
+                            n_in: patch,
+                            dx: ViewMut::range(&mut d_cols, 0..cols_len),
+                            accumulate: false,
+                        })
+                        .expect("shapes")
+                }),
+                macs: (positions * patch * oc) as f64,
+            });
+            let mut dx = vec![0.0f32; images * g.input_len()];
+            rows.push(Phase {
+                name: format!("conv {} backward: col2im", i + 1),
+                ms: median_ms(reps, || {
+                    let d_cols = View::range(&d_cols, 0..cols_len);
+                    backend.col2im(Col2im { d_cols, n: images, geometry: g, dx: ViewMut::of(&mut dx) }).expect("shapes")
+                }),
+                macs: 0.0,
+            });
+        }
+    }
+    let timed: f64 = rows.iter().map(|r| r.ms).sum();
+    println!(
+        "Nature-DQN phases, T={t_len} B={b_len}, {threads} thread(s), {images} images; median of {reps} calls each"
+    );
+    println!("| phase | ms | % of update | GFLOP/s | % of f32 peak |");
+    println!("|---|---|---|---|---|");
+    let peak_of = |gflops: f64| peak.map_or("-".into(), |p| format!("{:.0} %", 100.0 * gflops / (p * threads as f64)));
+    for row in &rows {
+        let gflops = 2.0 * row.macs / row.ms / 1e6;
+        let (gflops, of_peak) =
+            if row.macs > 0.0 { (format!("{gflops:.1}"), peak_of(gflops)) } else { ("-".into(), "-".into()) };
+        println!("| {} | {:.2} | {:.1} % | {gflops} | {of_peak} |", row.name, row.ms, 100.0 * row.ms / whole_ms);
+    }
+    println!(
+        "| rest: heads, loss, clipping, Adam, packing | {:.2} | {:.1} % | - | - |",
+        whole_ms - timed,
+        100.0 * (whole_ms - timed) / whole_ms
+    );
+    println!("| whole update | {whole_ms:.2} | 100 % | - | - |");
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let quick = args.iter().any(|a| a == "--quick");
@@ -237,10 +468,19 @@ fn main() {
             None
         }
     };
-    let peak = fma_peak_gflops();
+    let peak = if args.iter().any(|a| a == "--no-peak") { None } else { fma_peak_gflops() };
     match peak {
         Some(peak) => println!("f32 peak of one core (FMA loop): {peak:.1} GFLOP/s"),
         None => println!("f32 peak: not measured (no AVX2/AVX-512 FMA)"),
+    }
+    if args.iter().any(|a| a == "--phases") {
+        let batches = list_flag(&args, "--batches", vec![8], |b| b.parse::<usize>().expect("--batches: whole numbers"));
+        for &threads in &thread_counts {
+            for &b_len in &batches {
+                phases(threads, 20, b_len, peak);
+            }
+        }
+        return;
     }
     let elements = list_flag(&args, "--obs", vec![ObsElement::U8, ObsElement::F32], |name| match name {
         "u8" => ObsElement::U8,
@@ -255,7 +495,8 @@ fn main() {
     if !quick {
         configs.extend([("nature", 20, 8), ("nature", 20, 32)]);
     }
-    let presets = list_flag(&args, "--presets", vec![], str::to_string);
+    let mut presets = list_flag(&args, "--presets", vec![], str::to_string);
+    presets.extend(list_flag(&args, "--networks", vec![], str::to_string));
     let batches = list_flag(&args, "--batches", vec![], |n| n.parse::<usize>().expect("--batches: whole numbers"));
     if !presets.is_empty() {
         configs = vec![("minatar", 32, 8), ("minatar", 32, 32), ("nature", 20, 8), ("nature", 20, 32)];

@@ -374,6 +374,39 @@ pub fn col2im(geometry: &ConvGeometry, d_cols: &[f32], n: usize, dx: &mut [f32])
     // A scatter-add over the rows of d_cols; on the CPU this visits each entry once, in a fixed
     // order, so the sums are deterministic.
     let mut rows = d_cols.chunks_exact(g.patch_len());
+    if p == 0 {
+        // No padding (every preset): the mirror of `im2col`'s fast path, every write inside the
+        // image, so no bounds tests per element (issue 44: 1.5–1.9× faster on the Nature layers).
+        for image in dx.chunks_exact_mut(g.input_len()).take(n) {
+            for oy in 0..out_h {
+                for ox in 0..out_w {
+                    let row = rows.next().expect("d_cols holds n·OH·OW rows (checked)");
+                    let origin = oy * s * y_stride + ox * s * x_stride;
+                    if x_stride == 1 {
+                        for (c, row_c) in row.chunks_exact(k * k).enumerate() {
+                            for (ky, row_ky) in row_c.chunks_exact(k).enumerate() {
+                                let start = origin + c * c_stride + ky * y_stride;
+                                for (out, &d) in image[start..start + k].iter_mut().zip(row_ky) {
+                                    *out += d;
+                                }
+                            }
+                        }
+                    } else {
+                        for ky in 0..k {
+                            for kx in 0..k {
+                                let start = origin + ky * y_stride + kx * x_stride;
+                                let pixel = &mut image[start..start + g.in_channels];
+                                for (out, &d) in pixel.iter_mut().zip(row[ky * k + kx..].iter().step_by(k * k)) {
+                                    *out += d;
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        return Ok(());
+    }
     for image in dx.chunks_exact_mut(g.input_len()).take(n) {
         for oy in 0..out_h {
             for ox in 0..out_w {

@@ -2,7 +2,10 @@
 
 use super::conv::{byte_table, im2col, im2col_u8_scaled};
 use super::layout::ParamLayout;
-use super::linalg::{dense_forward, small_chain_fits, small_dense_chain_forward, SmallLayer};
+use super::linalg::{
+    dense_forward, large_dense_forward, small_chain_fits, small_dense_chain_forward, SmallLayer, LARGE_PRODUCT_MACS,
+    LARGE_WEIGHTS,
+};
 use super::{gru, Activation, PolicyError};
 
 /// Dense layers (torso and heads) that one forward pass chains through the small-batch kernel
@@ -279,7 +282,8 @@ impl PolicyInference {
         };
         let activation = layout.spec().activation;
         // Conv layer i unfolds what layer i−1 wrote (obs for i = 0), then one GEMM over all
-        // n·OH·OW positions writes the other ping-pong buffer, channel-last.
+        // n·OH·OW positions (the `gemm` crate's for large products, as in the learner) writes
+        // the other ping-pong buffer, channel-last.
         for (layer_idx, (layer, geometry)) in layout.conv().iter().zip(layout.conv_geometries()).enumerate() {
             let (input, output) =
                 if layer_idx % 2 == 0 { (&self.conv_b, &mut self.conv_a) } else { (&self.conv_a, &mut self.conv_b) };
@@ -291,7 +295,12 @@ impl PolicyInference {
                 _ => im2col(geometry, x, n, cols),
             }
             .expect("conv input and cols are sized by the layout (checked)");
-            dense_forward(cols, positions, layer.weight(params), layer.bias(params), Some(Activation::Relu), output);
+            let (weight, bias) = (layer.weight(params), layer.bias(params));
+            if positions * weight.len() >= LARGE_PRODUCT_MACS {
+                large_dense_forward(cols, positions, weight, bias, Some(Activation::Relu), output);
+            } else {
+                dense_forward(cols, positions, weight, bias, Some(Activation::Relu), output);
+            }
         }
         let conv_features: &[f32] = match layout.conv().len() {
             0 => obs,
@@ -336,7 +345,12 @@ impl PolicyInference {
                 let (input, output) =
                     if layer_idx % 2 == 0 { (&self.act_b, &mut self.act_a) } else { (&self.act_a, &mut self.act_b) };
                 let x = if layer_idx == 0 { conv_features } else { &input[..] };
-                dense_forward(x, n, layer.weight(params), layer.bias(params), Some(activation), output);
+                let (weight, bias) = (layer.weight(params), layer.bias(params));
+                if weight.len() >= LARGE_WEIGHTS {
+                    large_dense_forward(x, n, weight, bias, Some(activation), output);
+                } else {
+                    dense_forward(x, n, weight, bias, Some(activation), output);
+                }
             }
         }
         let torso_features: &[f32] = match torso.len() {

@@ -130,6 +130,77 @@ fn gemm_dense_forward(x: &[f32], n_rows: usize, weight: &[f32], bias: &[f32], ac
     }
 }
 
+/// One linear layer through the `gemm` crate on the calling thread, `y = act(x Wᵀ + b)`, with
+/// the shapes of [`dense_forward`]; for the large products of inference (issue 44: a conv layer
+/// over a batch of frames, a dense layer of more than [`LARGE_WEIGHTS`] weights).
+///
+/// `matrixmultiply` copies ("packs") both operands before every product, so a 3136→512 layer
+/// over one row copies its 6.4 MB of weights to read them once; the `gemm` crate reads a thin
+/// operand in place (for one row, a matrix-vector product) and picks its AVX2/AVX-512 kernels at
+/// run time, as the learner's CPU backend does for its large products.
+pub fn large_dense_forward(
+    x: &[f32],
+    n_rows: usize,
+    weight: &[f32],
+    bias: &[f32],
+    act: Option<Activation>,
+    y: &mut [f32],
+) {
+    let n_out = bias.len();
+    let n_in = weight.len() / n_out.max(1);
+    assert_eq!(weight.len(), n_out * n_in, "weight is not n_out × n_in");
+    assert!(x.len() >= n_rows * n_in, "input needs {} floats, has {}", n_rows * n_in, x.len());
+    let y = &mut y[..n_rows * n_out];
+    if n_rows == 0 || n_out == 0 {
+        return;
+    }
+    // SAFETY: `x` holds at least `n_rows × n_in` floats read row-major (row stride `n_in`,
+    // column stride 1) and `weight` exactly `n_out × n_in`, read as `Wᵀ` (row stride 1, column
+    // stride `n_in`), so the furthest elements the product reads are in bounds (asserted
+    // above). `y` is an exclusive borrow of exactly `n_rows × n_out` floats written row-major
+    // (row stride `n_out`), so no two outputs alias and it cannot overlap the shared borrows.
+    // Strides are at most slice lengths, which fit in `isize`. With `read_dst` false the crate
+    // computes `dst = lhs·rhs` without reading `dst`.
+    unsafe {
+        gemm::gemm(
+            n_rows,
+            n_out,
+            n_in,
+            y.as_mut_ptr(),
+            1,
+            n_out as isize,
+            false,
+            x.as_ptr(),
+            1,
+            n_in as isize,
+            weight.as_ptr(),
+            n_in as isize,
+            1,
+            0.0,
+            1.0,
+            false,
+            false,
+            false,
+            gemm::Parallelism::None,
+        );
+    }
+    match act {
+        Some(act) => bias_act_rows(y, bias, act),
+        None => bias_rows(y, bias),
+    }
+}
+
+/// Conv layers of inference whose product has at least this many multiply-adds go through
+/// [`large_dense_forward`] (every Nature-DQN layer, even over one frame: 1.8–3.3 M; MinAtar's
+/// layer over 8 environments, 0.3 M, stays on `matrixmultiply`).
+pub const LARGE_PRODUCT_MACS: usize = 1 << 20;
+
+/// Dense layers of inference with at least this many weights (4 MiB, more than a core's L2
+/// cache, which `matrixmultiply` would copy through memory on every call) go through
+/// [`large_dense_forward`]: the Nature-DQN network's 3136→512 layer (1.6 M), not MinAtar's
+/// 1024→128 (131 K), which measured slower there over 8 environments.
+pub const LARGE_WEIGHTS: usize = 1 << 20;
+
 /// Largest batch [`dense_forward`] computes with [`small_dense_forward`].
 pub const SMALL_BATCH_ROWS: usize = 16;
 
@@ -688,6 +759,31 @@ mod tests {
                     assert!((y[r * 5 + o] as f64 - want).abs() < 1e-4, "{n_rows}x{n_in}: {} vs {want}", y[r * 5 + o]);
                 }
             }
+        }
+    }
+
+    /// The `gemm` crate's path of inference computes what the `matrixmultiply` path computes,
+    /// to rounding, for one row (a matrix-vector product), a few rows and many, with and
+    /// without an activation, and writes nothing past `n_rows × n_out`.
+    #[test]
+    fn large_dense_forward_matches_the_gemm_path() {
+        for (n_rows, n_in, n_out, act) in [
+            (1, 3136, 40, Some(Activation::Relu)),
+            (8, 300, 33, None),
+            (67, 256, 32, Some(Activation::Tanh)),
+            (0, 5, 3, None),
+        ] {
+            let x: Vec<f32> = (0..n_rows * n_in).map(|i| ((i * 7919) % 255) as f32 / 255.0 - 0.5).collect();
+            let weight: Vec<f32> = (0..n_out * n_in).map(|i| ((i * 104_729) % 97) as f32 * 0.002 - 0.09).collect();
+            let bias: Vec<f32> = (0..n_out).map(|i| i as f32 * 0.01 - 0.1).collect();
+            let mut want = vec![0.0; n_rows * n_out];
+            gemm_dense_forward(&x, n_rows, &weight, &bias, act, &mut want);
+            let mut got = vec![f32::NAN; n_rows * n_out + 2];
+            large_dense_forward(&x, n_rows, &weight, &bias, act, &mut got);
+            for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+                assert!((a - b).abs() <= 1e-5 * (1.0 + b.abs()), "{n_rows}x{n_in}x{n_out} output {i}: {a} vs {b}");
+            }
+            assert!(got[n_rows * n_out..].iter().all(|v| v.is_nan()), "wrote past the output");
         }
     }
 
