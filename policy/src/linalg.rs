@@ -225,7 +225,7 @@ const SMALL_OUTPUTS: usize = 8;
 /// what `matrixmultiply`'s kernels compute, fused where they fuse (FMA on x86-64 with AVX2 and
 /// FMA, and on aarch64), separate where they do not, so the two paths agree bit for bit and an
 /// actor's behaviour log-probabilities equal the learner's at the same weights (tested against
-/// [`gemm`]).
+/// [`gemm()`]).
 ///
 /// `x: [n_rows][n_in]` with `n_rows ≤` [`SMALL_BATCH_ROWS`] and `n_in ≤` [`SMALL_BATCH_MAX_IN`],
 /// `weight: [n_out][n_in]`, `bias: [n_out]`, `y: [n_rows][n_out]`.
