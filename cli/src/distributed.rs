@@ -203,11 +203,18 @@ pub fn learner(config: LearnerConfig, interrupted: Arc<AtomicBool>) -> anyhow::R
     };
     let tensorboard =
         config.tensorboard.as_deref().map(|dir| TensorBoardLog::create(dir).context("--tensorboard")).transpose()?;
-    let spec_keeper =
-        (!replay).then(|| SpecKeeper { bus: &bus, stored_spec: spec.encode_stored(), last_check: Instant::now() });
+    // Replay writes no run, so it has no spec to keep.
+    let keeper_stop = Arc::new(AtomicBool::new(false));
+    if !replay {
+        let (nats, stored_spec, restored) = (config.nats.clone(), spec.encode_stored(), metrics.run_spec_restored());
+        let stop = keeper_stop.clone();
+        thread::Builder::new()
+            .name("volley-spec-keeper".to_string())
+            .spawn(move || keep_spec(nats, stored_spec, restored, &stop))
+            .context("spawning the spec keeper")?;
+    }
     let mut control = LearnerOps {
         metrics,
-        spec_keeper,
         tensorboard,
         actor_lag: ActorLag::register(&registry).context("registering learner metrics")?,
         version: learner.version().0,
@@ -235,7 +242,9 @@ pub fn learner(config: LearnerConfig, interrupted: Arc<AtomicBool>) -> anyhow::R
         ),
         None => run_learner(&mut learner, source.as_mut(), publisher.as_mut(), &limits, &interrupted, &mut control),
     }
-    .context("learner loop")?;
+    .context("learner loop");
+    keeper_stop.store(true, Ordering::Release);
+    let report = report?;
     if !config.replay {
         learner
             .checkpoint(report.env_steps)
@@ -308,31 +317,37 @@ fn run_end_reason(reason: StopReason) -> Option<RunEndReason> {
 /// How often the learner checks that the run bucket's `spec` key still holds its spec.
 const SPEC_CHECK_EVERY: Duration = Duration::from_secs(5);
 
-/// The learner's watch over the run bucket's `spec` key: an actor can have an answer to its
-/// request stored there (docs/SECURITY.md, "Relays that remain"), and actors started after
-/// that could not read the spec; the learner writes its spec again (issue 46).
-struct SpecKeeper<'a> {
-    bus: &'a NatsBus,
-    /// The spec as [`NatsBus::ensure_run`] stored it.
+/// Keep the run spec in the run bucket until `stop`: every [`SPEC_CHECK_EVERY`] (one get), write
+/// `stored_spec` again when the `spec` key holds something else, counting it in `restored`. An
+/// actor can have an answer to its request stored there (docs/SECURITY.md, "Relays that
+/// remain"), and actors started after that could not read the spec (issue 46). Runs on a thread
+/// and connection of its own, so a slow or absent broker never holds the learner loop.
+fn keep_spec(
+    config: volley_transport::nats::NatsConfig,
     stored_spec: Vec<u8>,
-    last_check: Instant,
-}
-
-impl SpecKeeper<'_> {
-    /// Check the key every [`SPEC_CHECK_EVERY`] (one get), and write the spec again when it
-    /// holds something else.
-    fn on_tick(&mut self, metrics: &LearnerMetrics) {
-        if self.last_check.elapsed() < SPEC_CHECK_EVERY {
-            return;
+    restored: prometheus::IntCounter,
+    stop: &AtomicBool,
+) {
+    let mut bus = None;
+    let mut last_check = Instant::now();
+    while !stop.load(Ordering::Acquire) {
+        thread::sleep(Duration::from_millis(100));
+        if last_check.elapsed() < SPEC_CHECK_EVERY {
+            continue;
         }
-        self.last_check = Instant::now();
-        match self.bus.reassert_spec(&self.stored_spec) {
-            Ok(true) => {
-                metrics.count_run_spec_restored();
+        last_check = Instant::now();
+        if bus.is_none() {
+            bus = NatsBus::connect(config.clone())
+                .inspect_err(|err| debug!(%err, "spec keeper: connecting failed; trying again"))
+                .ok();
+        }
+        match bus.as_ref().map(|bus| bus.reassert_spec(&stored_spec)) {
+            Some(Ok(true)) => {
+                restored.inc();
                 warn!("the run spec key held something other than this learner's spec; wrote the spec again");
             }
-            Ok(false) => {}
-            Err(err) => debug!(%err, "checking the run spec failed; trying again later"),
+            Some(Err(err)) => debug!(%err, "spec keeper: checking the run spec failed; trying again later"),
+            _ => {}
         }
     }
 }
@@ -340,10 +355,8 @@ impl SpecKeeper<'_> {
 /// What the learner process does around the loop: metrics, progress lines, checkpoints and the
 /// liveness heartbeat. Time-based signals are refreshed on every pass ([`LearnerControl::on_tick`]),
 /// so they move while the learner starves or stalls.
-struct LearnerOps<'a> {
+struct LearnerOps {
     metrics: LearnerMetrics,
-    /// Keeps the run spec in the run bucket (`None` in replay, which writes no run).
-    spec_keeper: Option<SpecKeeper<'a>>,
     /// `--tensorboard`: scalars per update.
     tensorboard: Option<TensorBoardLog>,
     actor_lag: ActorLag,
@@ -366,7 +379,7 @@ struct LearnerOps<'a> {
     replay: bool,
 }
 
-impl LearnerControl for LearnerOps<'_> {
+impl LearnerControl for LearnerOps {
     fn on_update(&mut self, learner: &mut Learner, report: &LearnerReport, stats: &UpdateStats) {
         self.metrics.observe(learner, report, stats, learner.updates().is_multiple_of(self.publish_every));
         self.last_lag_max = Some(stats.lag_max);
@@ -402,9 +415,6 @@ impl LearnerControl for LearnerOps<'_> {
         }
         self.metrics.tick(report);
         self.metrics.set_checkpoint_age(self.last_checkpoint.elapsed());
-        if let Some(keeper) = &mut self.spec_keeper {
-            keeper.on_tick(&self.metrics);
-        }
         if self.last_log.elapsed() >= Duration::from_secs(2) {
             self.last_log = Instant::now();
             let loop_secs = report.elapsed.as_secs_f64().max(1e-9);

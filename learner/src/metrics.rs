@@ -266,10 +266,10 @@ impl LearnerMetrics {
         Ok(metrics)
     }
 
-    /// Count one write of the run spec over a value that was not it
-    /// (`volley_learner_run_spec_restored_total`).
-    pub fn count_run_spec_restored(&self) {
-        self.run_spec_restored.inc();
+    /// The counter of writes of the run spec over a value that was not it
+    /// (`volley_learner_run_spec_restored_total`), for whoever checks the spec.
+    pub fn run_spec_restored(&self) -> IntCounter {
+        self.run_spec_restored.clone()
     }
 
     /// Record one update (its losses, statistics and duration), then [`LearnerMetrics::tick`].
