@@ -58,6 +58,14 @@ pub struct ActorCounters {
     /// Run specs read from the broker that failed their checksum or did not decode (never
     /// used; the actor reads the spec again).
     pub spec_rejected: AtomicU64,
+    /// Values of the run bucket's `ended` key that were not taken as the end of the run, by
+    /// reason: not a marker for this run, unsigned, or a signature no trusted key made
+    /// (`volley_transport::run_end`; the run goes on).
+    pub run_end_malformed: AtomicU64,
+    /// See `run_end_malformed`.
+    pub run_end_unsigned: AtomicU64,
+    /// See `run_end_malformed`.
+    pub run_end_bad_signature: AtomicU64,
     /// Environment steps taken.
     pub env_steps: AtomicU64,
     /// Segments published.
@@ -94,6 +102,16 @@ pub struct ActorCounters {
 }
 
 impl ActorCounters {
+    /// The counter of run-end values refused for `refusal`.
+    pub fn run_end_refused(&self, refusal: volley_transport::run_end::RunEndRefusal) -> &AtomicU64 {
+        use volley_transport::run_end::RunEndRefusal;
+        match refusal {
+            RunEndRefusal::Malformed => &self.run_end_malformed,
+            RunEndRefusal::Unsigned => &self.run_end_unsigned,
+            RunEndRefusal::BadSignature => &self.run_end_bad_signature,
+        }
+    }
+
     /// Time blocked by backpressure so far, a wait in progress included when the sink's
     /// transport reports it live.
     pub fn throttled(&self) -> Duration {

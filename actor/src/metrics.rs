@@ -40,6 +40,7 @@ pub struct ActorMetrics {
     resume_failures: IntCounter,
     unscheduled_episodes: IntCounter,
     spec_rejected: IntCounter,
+    run_end_refused: IntCounterVec,
     episode_return_mean: Gauge,
     descs: Vec<Desc>,
 }
@@ -146,6 +147,13 @@ impl ActorMetrics {
                 "volley_actor_spec_rejected_total",
                 "Run specs read from NATS that failed their checksum (corrupt) or did not decode; never used, read again.",
             )?,
+            run_end_refused: IntCounterVec::new(
+                Opts::new(
+                    "volley_actor_run_end_refused_total",
+                    "Values of the run's `ended` key not taken as the end of the run (the actor goes on), by reason: malformed (not a run-end marker for this run, e.g. an answer a client had stored there), unsigned (an actor with --weights-public-key reads only signed markers), bad_signature (no trusted key signed this run and reason).",
+                ),
+                &["reason"],
+            )?,
             episode_return_mean: Gauge::with_opts(Opts::new(
                 "volley_actor_episode_return_mean",
                 "Mean return of this actor's last 100 finished episodes (0 until one ends).",
@@ -157,7 +165,7 @@ impl ActorMetrics {
         registry.register(Box::new(metrics))
     }
 
-    fn parts(&self) -> [&dyn Collector; 27] {
+    fn parts(&self) -> [&dyn Collector; 28] {
         [
             &self.env_steps,
             &self.episodes,
@@ -185,6 +193,7 @@ impl ActorMetrics {
             &self.resume_failures,
             &self.unscheduled_episodes,
             &self.spec_rejected,
+            &self.run_end_refused,
             &self.episode_return_mean,
         ]
     }
@@ -255,6 +264,12 @@ impl Collector for ActorMetrics {
         catch_up_int(&self.resume_failures, c.resume_failures.load(Ordering::Relaxed));
         catch_up_int(&self.unscheduled_episodes, c.unscheduled_episodes.load(Ordering::Relaxed));
         catch_up_int(&self.spec_rejected, c.spec_rejected.load(Ordering::Relaxed));
+        for refusal in volley_transport::run_end::RunEndRefusal::ALL {
+            catch_up_int(
+                &self.run_end_refused.with_label_values(&[refusal.reason()]),
+                c.run_end_refused(refusal).load(Ordering::Relaxed),
+            );
+        }
         self.episode_return_mean.set(f64::from_bits(c.episode_return_mean_bits.load(Ordering::Relaxed)));
         self.parts().iter().flat_map(|c| c.collect()).collect()
     }
@@ -284,6 +299,7 @@ mod tests {
         counters.weights_live_chunks_refused.store(4, Ordering::Relaxed);
         counters.weights_bad_signature.store(2, Ordering::Relaxed);
         counters.pace_notices_distrusted.store(1, Ordering::Relaxed);
+        counters.run_end_malformed.store(3, Ordering::Relaxed);
         let mut text = Vec::new();
         TextEncoder::new().encode(&registry.gather(), &mut text).expect("encode");
         let text = String::from_utf8(text).expect("utf-8");
@@ -297,6 +313,8 @@ mod tests {
         assert!(text.contains("volley_actor_env_sessions_lost_total 2"), "{text}");
         assert!(text.contains("volley_actor_episode_return_mean 21.5"), "{text}");
         assert!(text.contains("volley_actor_weights_taken_total{path=\"live\"} 9"), "{text}");
+        assert!(text.contains("volley_actor_run_end_refused_total{reason=\"malformed\"} 3"), "{text}");
+        assert!(text.contains("volley_actor_run_end_refused_total{reason=\"unsigned\"} 0"), "{text}");
         assert!(text.contains("volley_actor_weights_taken_total{path=\"durable\"} 1"), "{text}");
         assert!(text.contains("volley_actor_weights_live_refused_total{what=\"chunk\"} 4"), "{text}");
         assert!(text.contains("volley_actor_weights_live_refused_total{what=\"version\"} 0"), "{text}");

@@ -19,6 +19,9 @@ use volley_learner::{
 use volley_transport::envsvc::{EnvServiceClient, RemoteVecEnv, RemoteVecEnvConfig};
 use volley_transport::local::weights_channel;
 use volley_transport::nats::{weights, NatsAuth, NatsBus};
+use volley_transport::rejection_log::RejectionLog;
+use volley_transport::run_end::{RunEnd, RunEndReason};
+use volley_transport::signing::WeightsPublicKeys;
 use volley_transport::{BackgroundPublisher, TrajectorySink, TrajectorySource, WeightsPublisher};
 
 use crate::args::{ActorArgs, EnvChoice, LearnerConfig};
@@ -200,6 +203,16 @@ pub fn learner(config: LearnerConfig, interrupted: Arc<AtomicBool>) -> anyhow::R
     };
     let tensorboard =
         config.tensorboard.as_deref().map(|dir| TensorBoardLog::create(dir).context("--tensorboard")).transpose()?;
+    // Replay writes no run, so it has no spec to keep.
+    let keeper_stop = Arc::new(AtomicBool::new(false));
+    if !replay {
+        let (nats, stored_spec, restored) = (config.nats.clone(), spec.encode_stored(), metrics.run_spec_restored());
+        let stop = keeper_stop.clone();
+        thread::Builder::new()
+            .name("volley-spec-keeper".to_string())
+            .spawn(move || keep_spec(nats, stored_spec, restored, &stop))
+            .context("spawning the spec keeper")?;
+    }
     let mut control = LearnerOps {
         metrics,
         tensorboard,
@@ -229,7 +242,9 @@ pub fn learner(config: LearnerConfig, interrupted: Arc<AtomicBool>) -> anyhow::R
         ),
         None => run_learner(&mut learner, source.as_mut(), publisher.as_mut(), &limits, &interrupted, &mut control),
     }
-    .context("learner loop")?;
+    .context("learner loop");
+    keeper_stop.store(true, Ordering::Release);
+    let report = report?;
     if !config.replay {
         learner
             .checkpoint(report.env_steps)
@@ -240,9 +255,9 @@ pub fn learner(config: LearnerConfig, interrupted: Arc<AtomicBool>) -> anyhow::R
     // The run is over (solved, a budget spent): tell the actors, which stop instead of waiting
     // for weights that will not come (issue 48 item 6). A signal is no end: the learner
     // resumes when started again.
-    let over = report.stop_reason.filter(|r| !matches!(r, StopReason::Interrupted | StopReason::SourceClosed));
+    let over = report.stop_reason.and_then(run_end_reason);
     if let (Some(reason), false) = (over, config.replay) {
-        match bus.mark_run_ended(&reason.to_string()) {
+        match bus.mark_run_ended(reason, config.weights_signing_key.as_deref()) {
             Ok(()) => info!(run = %spec.run, %reason, "run over; told the actors to stop"),
             Err(err) => warn!(run = %spec.run, %reason, %err, "run over, but telling the actors failed"),
         }
@@ -285,6 +300,56 @@ pub fn learner(config: LearnerConfig, interrupted: Arc<AtomicBool>) -> anyhow::R
         lag_histogram: report.lag_histogram.clone(),
         stop_reason: report.stop_reason.map(|r| r.to_string()).unwrap_or_default(),
     })
+}
+
+/// The run-end marker's reason for a learner that stopped for `reason`, or `None` when the run
+/// is not over (a signal, the transport closed: the learner resumes when started again).
+fn run_end_reason(reason: StopReason) -> Option<RunEndReason> {
+    match reason {
+        StopReason::Solved => Some(RunEndReason::Solved),
+        StopReason::EnvStepBudget => Some(RunEndReason::EnvStepBudget),
+        StopReason::TimeBudget => Some(RunEndReason::TimeBudget),
+        StopReason::UpdateBudget => Some(RunEndReason::UpdateBudget),
+        StopReason::Interrupted | StopReason::SourceClosed => None,
+    }
+}
+
+/// How often the learner checks that the run bucket's `spec` key still holds its spec.
+const SPEC_CHECK_EVERY: Duration = Duration::from_secs(5);
+
+/// Keep the run spec in the run bucket until `stop`: every [`SPEC_CHECK_EVERY`] (one get), write
+/// `stored_spec` again when the `spec` key holds something else, counting it in `restored`. An
+/// actor can have an answer to its request stored there (docs/SECURITY.md, "Relays that
+/// remain"), and actors started after that could not read the spec (issue 46). Runs on a thread
+/// and connection of its own, so a slow or absent broker never holds the learner loop.
+fn keep_spec(
+    config: volley_transport::nats::NatsConfig,
+    stored_spec: Vec<u8>,
+    restored: prometheus::IntCounter,
+    stop: &AtomicBool,
+) {
+    let mut bus = None;
+    let mut last_check = Instant::now();
+    while !stop.load(Ordering::Acquire) {
+        thread::sleep(Duration::from_millis(100));
+        if last_check.elapsed() < SPEC_CHECK_EVERY {
+            continue;
+        }
+        last_check = Instant::now();
+        if bus.is_none() {
+            bus = NatsBus::connect(config.clone())
+                .inspect_err(|err| debug!(%err, "spec keeper: connecting failed; trying again"))
+                .ok();
+        }
+        match bus.as_ref().map(|bus| bus.reassert_spec(&stored_spec)) {
+            Some(Ok(true)) => {
+                restored.inc();
+                warn!("the run spec key held something other than this learner's spec; wrote the spec again");
+            }
+            Some(Err(err)) => debug!(%err, "spec keeper: checking the run spec failed; trying again later"),
+            _ => {}
+        }
+    }
 }
 
 /// What the learner process does around the loop: metrics, progress lines, checkpoints and the
@@ -479,9 +544,10 @@ pub fn actor(args: ActorArgs, interrupted: Arc<AtomicBool>) -> anyhow::Result<()
     let stop = Arc::new(AtomicBool::new(false));
     let watcher = {
         let (config, interrupted, stop) = (config.clone(), interrupted.clone(), stop.clone());
+        let (trusted, counters) = (trusted_keys.clone(), counters.clone());
         thread::Builder::new()
             .name("volley-run-end".to_string())
-            .spawn(move || watch_run_end(config, &interrupted, &stop))
+            .spawn(move || watch_run_end(config, trusted.as_ref(), &counters, &interrupted, &stop))
             .context("spawning the run-end watcher")?
     };
     let seed = args.seed.unwrap_or_else(|| seed_from(&actor_id));
@@ -591,7 +657,7 @@ pub fn actor(args: ActorArgs, interrupted: Arc<AtomicBool>) -> anyhow::Result<()
         weight_fetches = counters.weight_fetches.load(Ordering::Relaxed),
         weight_fetch_secs = secs(&counters.weight_fetch_nanos),
         throttled_secs = secs(&counters.throttled_nanos),
-        run_ended = run_ended.as_deref(),
+        run_ended = run_ended.map(RunEndReason::as_str),
         "actor stopped"
     );
     Ok(())
@@ -604,14 +670,18 @@ const RUN_END_POLL: Duration = Duration::from_secs(1);
 /// ([`NatsBus::mark_run_ended`]), and return the learner's reason in that case (issue 48
 /// item 6: actors of a finished run stayed up forever, throttled, without a word). Returns
 /// when `stop` is set by anyone. Reads over a connection of its own, so the actor's hot path
-/// keeps its connection to itself.
+/// keeps its connection to itself. A value of the `ended` key that is not a marker (signed by
+/// one of `trusted`, when given) is counted in `counters` and the run goes on (issue 46).
 fn watch_run_end(
     config: volley_transport::nats::NatsConfig,
+    trusted: Option<&WeightsPublicKeys>,
+    counters: &ActorCounters,
     interrupted: &AtomicBool,
     stop: &AtomicBool,
-) -> Option<String> {
+) -> Option<RunEndReason> {
     let run = config.run.clone();
     let mut bus = None;
+    let mut rejections = RejectionLog::new("run end");
     let mut last_poll: Option<Instant> = None;
     while !stop.load(Ordering::Acquire) {
         if interrupted.load(Ordering::Acquire) {
@@ -625,11 +695,19 @@ fn watch_run_end(
                     .inspect_err(|err| debug!(%err, "run-end watcher: connecting failed; trying again"))
                     .ok();
             }
-            match bus.as_ref().map(NatsBus::read_run_ended) {
-                Some(Ok(Some(reason))) => {
+            match bus.as_ref().map(|bus| bus.read_run_ended(trusted)) {
+                Some(Ok(RunEnd::Ended(reason))) => {
                     info!(run = %run, %reason, "run finished: the learner says run {run} is over ({reason}); stopping");
                     stop.store(true, Ordering::Release);
                     return Some(reason);
+                }
+                Some(Ok(RunEnd::Refused(refusal))) => {
+                    // Read again each poll while the value stays: counted each time, logged
+                    // at the log's bounded rate.
+                    counters.run_end_refused(refusal).fetch_add(1, Ordering::Relaxed);
+                    if rejections.record(refusal.reason()) {
+                        warn!(run = %run, reason = refusal.reason(), %refusal, "run-end value refused; the run goes on");
+                    }
                 }
                 Some(Err(err)) => debug!(%err, "run-end watcher: reading failed; trying again"),
                 _ => {}
@@ -701,7 +779,7 @@ fn check_segment_fits(spec: &volley_core::spec::RunSpec, max_payload: usize) -> 
 
 #[cfg(test)]
 mod tests {
-    use super::{actor_identity, check_segment_fits, NatsAuth};
+    use super::{actor_identity, check_segment_fits, watch_run_end, NatsAuth};
     use volley_env::{EnvConfig, EnvServiceName, RemoteEnvConfig};
     use volley_testkit::fixtures::SpecBuilder;
 
@@ -735,5 +813,55 @@ mod tests {
         assert!(err.contains("--segment-len 35 or less"), "{err}");
         check_segment_fits(&spec(64), 8 << 20).expect("64 steps fit 8 MiB");
         check_segment_fits(&SpecBuilder::cartpole(4096).build(), 1024).expect("vector observations are not checked");
+    }
+
+    /// Issue 46: a value of the `ended` key that is not the learner's marker (here bytes put
+    /// there directly; `transport/tests/broker_permissions.rs` stores the relayed answers an
+    /// actor can cause) is counted and the watcher goes on, until the learner's marker ends
+    /// the run.
+    #[test]
+    fn the_run_end_watcher_counts_a_value_that_is_not_a_marker_and_goes_on() {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        use std::sync::{mpsc, Arc};
+        use std::time::{Duration, Instant};
+        use volley_actor::ActorCounters;
+        use volley_core::ids::RunId;
+        use volley_transport::nats::{NatsBus, NatsConfig, NatsTls};
+        use volley_transport::run_end::RunEndReason;
+
+        // Bounds the waits: only there so that a regression fails instead of hanging.
+        const GUARD: Duration = Duration::from_secs(60);
+        let server = volley_testkit::TestNats::start();
+        let config = NatsConfig::new(server.url(), RunId::new("ends").expect("valid"))
+            .with_tls(NatsTls::with_ca(server.ca_file()));
+        let learner = NatsBus::connect(config.clone()).expect("connects");
+        learner.ensure_run(&SpecBuilder::cartpole(8).run("ends").build()).expect("run");
+        let client = learner.client().clone();
+        learner.block_on(async move {
+            let js = async_nats::jetstream::new(client);
+            let kv = js.get_key_value("volley-ends").await.expect("bucket");
+            kv.put("ended", "{\"type\":\"io.nats.jetstream.api.v1.stream_msg_get_response\"}".into())
+                .await
+                .expect("put");
+        });
+        let counters = Arc::new(ActorCounters::default());
+        let (interrupted, stop) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicBool::new(false)));
+        let (done, ended) = mpsc::channel();
+        {
+            let (counters, interrupted, stop) = (counters.clone(), interrupted.clone(), stop.clone());
+            std::thread::spawn(move || {
+                let _ = done.send(watch_run_end(config, None, &counters, &interrupted, &stop));
+            });
+        }
+        let started = Instant::now();
+        while counters.run_end_malformed.load(Ordering::Relaxed) == 0 {
+            assert!(started.elapsed() < GUARD, "the refused value was not counted");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        assert!(!stop.load(Ordering::Acquire), "a value that is not a marker stopped the actor");
+        learner.mark_run_ended(RunEndReason::UpdateBudget, None).expect("marker");
+        let reason = ended.recv_timeout(GUARD).expect("the watcher saw the learner's marker");
+        assert_eq!(reason, Some(RunEndReason::UpdateBudget));
+        assert!(stop.load(Ordering::Acquire));
     }
 }

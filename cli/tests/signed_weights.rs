@@ -85,10 +85,19 @@ fn a_learner_signs_with_generated_keys_and_only_actors_trusting_them_take_its_we
     assert!(summary["env_steps"].as_u64().expect("env_steps") >= 20_000, "{summary}");
     assert!(!distrusting.log().contains("actor started"), "{}", distrusting.log());
     assert!(distrusting.log().contains("no trusted key"), "{}", distrusting.log());
-    for actor in [&mut trusting, &mut distrusting] {
-        actor.terminate();
-        assert!(actor.wait_exit().success(), "{}", actor.log());
+    // The run is over, and its end is signed too (issue 46): the actor that trusts the
+    // learner's key stops by itself; the other refuses the end, counts it and goes on.
+    assert!(trusting.wait_exit().success(), "{}", trusting.log());
+    assert!(trusting.log().contains("run finished"), "{}", trusting.log());
+    let end_refused = "volley_actor_run_end_refused_total{reason=\"bad_signature\"} ";
+    let started = Instant::now();
+    while metric(&stranger_metrics, end_refused).unwrap_or(0.0) < 1.0 {
+        assert!(started.elapsed() < PATIENCE, "no refused end counted:\n{}", distrusting.log());
+        thread::sleep(Duration::from_millis(50));
     }
+    assert!(!distrusting.log().contains("run finished"), "{}", distrusting.log());
+    distrusting.terminate();
+    assert!(distrusting.wait_exit().success(), "{}", distrusting.log());
 
     // A key file that is not one fails at start, naming the flag and the file.
     let bad = dir.path().join("bad.pem");

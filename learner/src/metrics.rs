@@ -22,6 +22,7 @@ pub struct LearnerMetrics {
     episodes: IntCounter,
     updates: IntCounter,
     weights_published: IntCounter,
+    run_spec_restored: IntCounter,
     update_duration: Histogram,
     policy_lag: Histogram,
     wait_seconds: Counter,
@@ -90,6 +91,10 @@ impl LearnerMetrics {
             episodes: int("volley_learner_episodes_total", "Episodes reported finished inside segments.")?,
             updates: int("volley_learner_updates_total", "Learner updates applied.")?,
             weights_published: int("volley_learner_weights_published_total", "Policy versions published.")?,
+            run_spec_restored: int(
+                "volley_learner_run_spec_restored_total",
+                "Times the run bucket's spec key held something other than this learner's spec (e.g. an answer an actor had stored there) and the spec was written again.",
+            )?,
             update_duration: Histogram::with_opts(
                 HistogramOpts::new(
                     "volley_learner_update_duration_seconds",
@@ -222,9 +227,14 @@ impl LearnerMetrics {
         registry.register(Box::new(metrics.segments.clone()))?;
         registry.register(Box::new(metrics.windows.clone()))?;
         registry.register(Box::new(metrics.rejected.clone()))?;
-        for counter in
-            [&metrics.samples, &metrics.env_steps, &metrics.episodes, &metrics.updates, &metrics.weights_published]
-        {
+        for counter in [
+            &metrics.samples,
+            &metrics.env_steps,
+            &metrics.episodes,
+            &metrics.updates,
+            &metrics.weights_published,
+            &metrics.run_spec_restored,
+        ] {
             registry.register(Box::new(counter.clone()))?;
         }
         registry.register(Box::new(metrics.update_duration.clone()))?;
@@ -254,6 +264,12 @@ impl LearnerMetrics {
             registry.register(Box::new(gauge.clone()))?;
         }
         Ok(metrics)
+    }
+
+    /// The counter of writes of the run spec over a value that was not it
+    /// (`volley_learner_run_spec_restored_total`), for whoever checks the spec.
+    pub fn run_spec_restored(&self) -> IntCounter {
+        self.run_spec_restored.clone()
     }
 
     /// Record one update (its losses, statistics and duration), then [`LearnerMetrics::tick`].

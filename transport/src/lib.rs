@@ -22,6 +22,7 @@ pub mod envsvc;
 pub mod local;
 pub mod nats;
 pub mod rejection_log;
+pub mod run_end;
 pub mod signing;
 pub mod work;
 

@@ -34,6 +34,10 @@ pub const SIGNATURE_BYTES: usize = 64;
 /// What every signed message starts with, so a signature made here means nothing elsewhere.
 const DOMAIN: &[u8] = b"volley weights signature v1\0";
 
+/// What every signed run-end marker starts with: a weights signature is never a marker's, nor
+/// the other way round.
+const RUN_END_DOMAIN: &[u8] = b"volley run end signature v1\0";
+
 /// The PEM label of a public key.
 const PUBLIC_KEY_BEGIN: &str = "-----BEGIN PUBLIC KEY-----";
 
@@ -128,6 +132,18 @@ impl<'a> SignedVersion<'a> {
     }
 }
 
+/// The bytes a run-end marker's signature covers: the domain tag, then the run and the reason,
+/// lengths first (little-endian).
+fn run_end_message(run: &str, reason: &str) -> Vec<u8> {
+    let mut message = Vec::with_capacity(RUN_END_DOMAIN.len() + 16 + run.len() + reason.len());
+    message.extend_from_slice(RUN_END_DOMAIN);
+    for field in [run, reason] {
+        message.extend_from_slice(&(field.len() as u64).to_le_bytes());
+        message.extend_from_slice(field.as_bytes());
+    }
+    message
+}
+
 /// SHA-256 of the parameters' little-endian bytes (the same bytes on every host).
 pub fn params_sha256(params: &[f32]) -> [u8; 32] {
     let mut hasher = Sha256::new();
@@ -198,6 +214,11 @@ impl WeightsSigningKey {
         self.key.sign(&version.message()).to_bytes()
     }
 
+    /// Sign the end of run `run` for `reason` (`crate::run_end`).
+    pub fn sign_run_end(&self, run: &str, reason: &str) -> [u8; SIGNATURE_BYTES] {
+        self.key.sign(&run_end_message(run, reason)).to_bytes()
+    }
+
     /// The public keys that verify this key's signatures.
     pub fn public_keys(&self) -> WeightsPublicKeys {
         WeightsPublicKeys { keys: vec![self.key.verifying_key()] }
@@ -266,6 +287,23 @@ impl WeightsPublicKeys {
     ) -> Result<(), SignatureError> {
         let signature = Signature::from_bytes(signature.ok_or(SignatureError::Unsigned)?);
         let message = version.message();
+        match self.keys.iter().any(|key| key.verify_strict(&message, &signature).is_ok()) {
+            true => Ok(()),
+            false => Err(SignatureError::Invalid),
+        }
+    }
+}
+
+impl WeightsPublicKeys {
+    /// Check `signature` over the end of run `run` for `reason` against every trusted key.
+    pub fn verify_run_end(
+        &self,
+        run: &str,
+        reason: &str,
+        signature: Option<&[u8; SIGNATURE_BYTES]>,
+    ) -> Result<(), SignatureError> {
+        let signature = Signature::from_bytes(signature.ok_or(SignatureError::Unsigned)?);
+        let message = run_end_message(run, reason);
         match self.keys.iter().any(|key| key.verify_strict(&message, &signature).is_ok()) {
             true => Ok(()),
             false => Err(SignatureError::Invalid),

@@ -963,3 +963,114 @@ fn relays_onto_the_learners_subjects_are_denied_or_refused_on_receipt() {
     });
     assert_eq!(outcome, (0, None, Some(PolicyVersion(0)), 0), "(frames reassembled, taken, held, notices used)");
 }
+
+/// Have the server answer `request` (sent by `bus`'s user with `body`) onto `reply`.
+fn relay(bus: &NatsBus, request: &str, body: Bytes, reply: &str) {
+    let client = bus.client().clone();
+    let (request, reply) = (request.to_string(), reply.to_string());
+    bus.block_on(async move {
+        client.publish_with_reply(request, reply, body).await.expect("sent");
+        client.flush().await.expect("flushed");
+    });
+}
+
+/// The revision of the run bucket's newest value of `key`, read as `bus`'s user.
+fn run_key_revision(bus: &NatsBus, key: &str) -> Option<u64> {
+    let client = bus.client().clone();
+    let key = key.to_string();
+    bus.block_on(async move {
+        let js = async_nats::jetstream::new(client);
+        let kv = js.get_key_value(subjects::run_bucket(&RunId::new(RUN).expect("valid"))).await.expect("bucket");
+        kv.entry(key).await.expect("entry").map(|entry| entry.revision)
+    })
+}
+
+/// Wait (bounded by [`GUARD`]) until the run bucket's `key` has a revision other than `before`.
+fn wait_for_new_revision(bus: &NatsBus, key: &str, before: Option<u64>) {
+    let started = std::time::Instant::now();
+    while run_key_revision(bus, key) == before {
+        assert!(started.elapsed() < GUARD, "nothing was stored under {key}");
+        thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Issue 46: an actor's direct get (of the weights pointer) and message get (of the snapshot
+/// index), with the run bucket's `ended` key as their reply subject, have the server store the
+/// answer (the learner's pointer bytes, a JSON document) as the key's newest value. Every actor used to take any value there as the end of
+/// the run and stop. Such a value is now refused (no marker), and the learner's own marker,
+/// unsigned or signed, is still read as the end.
+#[test]
+fn answers_relayed_onto_the_ended_key_do_not_end_the_run() {
+    use volley_core::work::WorkConfig;
+    use volley_transport::run_end::{RunEnd, RunEndReason, RunEndRefusal};
+    use volley_transport::signing::WeightsSigningKey;
+    let server = repo_broker();
+    let learner = learner(&server);
+    let mut spec = spec();
+    spec.hyper.work = WorkConfig { enabled: true, ..WorkConfig::default() };
+    learner.ensure_run(&spec).expect("the learner creates the run");
+    let _queue = learner.work_queue(&spec.hyper.work).expect("the learner opens the work queue");
+    let mut publisher = learner.weights_publisher().expect("publisher");
+    publisher.publish(weights(0)).expect("v0");
+    let actor = actor_on(&server, RUN);
+    assert_eq!(actor.read_run_ended(None).expect("read"), RunEnd::Ongoing);
+    let ended = format!("$KV.volley-{RUN}.ended");
+    let pointer = format!("$KV.volley-{RUN}.weights");
+
+    relay(&actor, &format!("$JS.API.DIRECT.GET.KV_volley-{RUN}.{pointer}"), Bytes::new(), &ended);
+    wait_for_new_revision(&learner, subjects::ENDED_KEY, None);
+    assert_eq!(actor.read_run_ended(None).expect("read"), RunEnd::Refused(RunEndRefusal::Malformed));
+
+    let before = run_key_revision(&learner, subjects::ENDED_KEY);
+    // The message gets actors may send (the snapshot index) are answered with JSON documents.
+    let get = Bytes::from(serde_json::json!({ "seq": 1 }).to_string());
+    relay(&actor, &format!("$JS.API.STREAM.MSG.GET.KV_volley-{RUN}-snapidx"), get, &ended);
+    wait_for_new_revision(&learner, subjects::ENDED_KEY, before);
+    assert_eq!(actor.read_run_ended(None).expect("read"), RunEnd::Refused(RunEndRefusal::Malformed));
+    assert_no_violations(&server);
+
+    // The learner's markers: unsigned, taken by an actor without public keys only; signed,
+    // taken by both, and refused under another key.
+    let key = WeightsSigningKey::generate();
+    let other = WeightsSigningKey::generate().public_keys();
+    learner.mark_run_ended(RunEndReason::EnvStepBudget, None).expect("unsigned marker");
+    assert_eq!(actor.read_run_ended(None).expect("read"), RunEnd::Ended(RunEndReason::EnvStepBudget));
+    assert_eq!(actor.read_run_ended(Some(&key.public_keys())).expect("read"), RunEnd::Refused(RunEndRefusal::Unsigned));
+    learner.mark_run_ended(RunEndReason::Solved, Some(&key)).expect("signed marker");
+    assert_eq!(actor.read_run_ended(None).expect("read"), RunEnd::Ended(RunEndReason::Solved));
+    assert_eq!(actor.read_run_ended(Some(&key.public_keys())).expect("read"), RunEnd::Ended(RunEndReason::Solved));
+    assert_eq!(actor.read_run_ended(Some(&other)).expect("read"), RunEnd::Refused(RunEndRefusal::BadSignature));
+}
+
+/// Issue 46: an actor's direct get of the weights pointer answered onto the `spec` key leaves
+/// actors started later unable to read the spec; the learner's check writes it again, and
+/// costs no write while the key holds the spec.
+#[test]
+fn an_answer_relayed_onto_the_spec_key_is_undone_by_the_learner() {
+    let server = repo_broker();
+    let learner = learner(&server);
+    let spec = spec();
+    learner.ensure_run(&spec).expect("the learner creates the run");
+    let stored_spec = spec.encode_stored();
+    assert!(!learner.reassert_spec(&stored_spec).expect("check"), "the spec was written over itself");
+    let mut publisher = learner.weights_publisher().expect("publisher");
+    publisher.publish(weights(0)).expect("v0");
+    let actor = actor_on(&server, RUN);
+    assert!(matches!(actor.read_spec().expect("read"), Some(Ok(_))));
+
+    let before = run_key_revision(&learner, subjects::SPEC_KEY);
+    let pointer = format!("$KV.volley-{RUN}.weights");
+    relay(
+        &actor,
+        &format!("$JS.API.DIRECT.GET.KV_volley-{RUN}.{pointer}"),
+        Bytes::new(),
+        &format!("$KV.volley-{RUN}.spec"),
+    );
+    wait_for_new_revision(&learner, subjects::SPEC_KEY, before);
+    assert!(matches!(actor.read_spec().expect("read"), Some(Err(_))), "the relayed answer read as a spec");
+
+    assert!(learner.reassert_spec(&stored_spec).expect("check"), "the learner did not write its spec again");
+    assert_eq!(actor.read_spec().expect("read").expect("a spec").expect("the learner's spec"), spec);
+    assert!(!learner.reassert_spec(&stored_spec).expect("check"), "the spec was written over itself");
+    assert_no_violations(&server);
+}

@@ -8,8 +8,8 @@
 //! - The stream `volley-<run>-traj` (file storage, limits retention) keeps segments after
 //!   they were consumed, bounded by bytes and age, so a run can be replayed.
 //! - The learner reads through the durable pull consumer `learner` with explicit acks.
-//! - The KV bucket `volley-<run>` holds the run spec (key `spec`) and a pointer to the newest
-//!   weights (key `weights`); the object store `volley-<run>-wts` holds the weights buffers
+//! - The KV bucket `volley-<run>` holds the run spec (key `spec`), a pointer to the newest
+//!   weights (key `weights`) and, once the run is over, its end (key `ended`, [`crate::run_end`]); the object store `volley-<run>-wts` holds the weights buffers
 //!   (chunked, so any size works with the default 1 MiB `max_payload`).
 //!
 //! The traits are blocking, because actors and the learner are CPU threads. [`NatsBus`] owns a
@@ -45,6 +45,8 @@ use tokio::runtime::Handle;
 use tracing::{debug, info, warn};
 
 use super::TransportError;
+use crate::run_end::{self, RunEnd, RunEndReason};
+use crate::signing::{WeightsPublicKeys, WeightsSigningKey};
 use volley_core::ids::RunId;
 use volley_core::spec::{RunSpec, StoreLimits, StoredSpecError};
 use volley_core::subjects;
@@ -724,32 +726,68 @@ impl NatsBus {
         })
     }
 
-    /// Learner side: say that the run is over (`reason`: why, e.g. `solved`), so that actors
-    /// stop instead of waiting for weights that will not come ([`NatsBus::read_run_ended`]).
-    /// [`NatsBus::ensure_run`] clears it when a learner starts the run again.
-    pub fn mark_run_ended(&self, reason: &str) -> Result<(), TransportError> {
+    /// Learner side: say that the run is over, so that actors stop instead of waiting for
+    /// weights that will not come ([`NatsBus::read_run_ended`]). The marker is signed with
+    /// `signer` when given ([`crate::run_end`]). [`NatsBus::ensure_run`] clears it when a learner
+    /// starts the run again.
+    pub fn mark_run_ended(
+        &self,
+        reason: RunEndReason,
+        signer: Option<&WeightsSigningKey>,
+    ) -> Result<(), TransportError> {
+        let shared = &self.shared;
+        let timeout = shared.config.request_timeout;
+        let marker = run_end::encode_marker(shared.config.run.as_str(), reason, signer);
+        shared.block_on(async {
+            let bucket = subjects::run_bucket(&shared.config.run);
+            let kv = open_kv(&shared.js, &bucket, timeout)
+                .await?
+                .ok_or_else(|| failed("mark run ended", format!("bucket {bucket} does not exist")))?;
+            call("mark run ended", timeout, kv.put(subjects::ENDED_KEY, Bytes::from(marker))).await?;
+            Ok(())
+        })
+    }
+
+    /// Actor side: whether the learner ended the run. Any value of the `ended` key that is not
+    /// a marker for this run ([`run_end::decode_marker`], signed by one of `trusted` when given)
+    /// is [`RunEnd::Refused`]: the run goes on (issue 46: an actor had an answer to its request
+    /// stored there, and every actor of the run stopped).
+    pub fn read_run_ended(&self, trusted: Option<&WeightsPublicKeys>) -> Result<RunEnd, TransportError> {
+        let shared = &self.shared;
+        let timeout = shared.config.request_timeout;
+        shared.block_on(async {
+            let Some(kv) = open_kv(&shared.js, &subjects::run_bucket(&shared.config.run), timeout).await? else {
+                return Ok(RunEnd::Ongoing);
+            };
+            let Some(value) = call("read run end", timeout, kv.get(subjects::ENDED_KEY)).await? else {
+                return Ok(RunEnd::Ongoing);
+            };
+            Ok(match run_end::decode_marker(&value, shared.config.run.as_str(), trusted) {
+                Ok(reason) => RunEnd::Ended(reason),
+                Err(refusal) => RunEnd::Refused(refusal),
+            })
+        })
+    }
+
+    /// Learner side: put `stored_spec` ([`RunSpec::encode_stored`], what
+    /// [`NatsBus::ensure_run`] wrote) under the `spec` key again unless it is the key's newest
+    /// value; returns whether it was written. Costs one get when nothing changed. An actor can
+    /// have an answer to its request stored there (docs/SECURITY.md, "Relays that remain"),
+    /// and actors started after that could not read the spec until it is written again.
+    pub fn reassert_spec(&self, stored_spec: &[u8]) -> Result<bool, TransportError> {
         let shared = &self.shared;
         let timeout = shared.config.request_timeout;
         shared.block_on(async {
             let bucket = subjects::run_bucket(&shared.config.run);
             let kv = open_kv(&shared.js, &bucket, timeout)
                 .await?
-                .ok_or_else(|| failed("mark run ended", format!("bucket {bucket} does not exist")))?;
-            call("mark run ended", timeout, kv.put(subjects::ENDED_KEY, Bytes::from(reason.to_string()))).await?;
-            Ok(())
-        })
-    }
-
-    /// Actor side: why the run is over, or `None` while it goes on (or does not exist yet).
-    pub fn read_run_ended(&self) -> Result<Option<String>, TransportError> {
-        let shared = &self.shared;
-        let timeout = shared.config.request_timeout;
-        shared.block_on(async {
-            let Some(kv) = open_kv(&shared.js, &subjects::run_bucket(&shared.config.run), timeout).await? else {
-                return Ok(None);
-            };
-            let ended = call("read run end", timeout, kv.get(subjects::ENDED_KEY)).await?;
-            Ok(ended.map(|reason| String::from_utf8_lossy(&reason).into_owned()))
+                .ok_or_else(|| failed("reassert run spec", format!("bucket {bucket} does not exist")))?;
+            let current = call("read run spec", timeout, kv.get(subjects::SPEC_KEY)).await?;
+            if current.as_deref() == Some(stored_spec) {
+                return Ok(false);
+            }
+            call("put run spec", timeout, kv.put(subjects::SPEC_KEY, Bytes::copy_from_slice(stored_spec))).await?;
+            Ok(true)
         })
     }
 }
