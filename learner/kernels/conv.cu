@@ -7,12 +7,12 @@ __device__ __forceinline__ long long conv_input_index(int c, int y, int x, int c
 }
 
 // cols[(img, oy, ox)][(c, ky, kx)] = x[img](c, oy*stride - pad + ky, ox*stride - pad + kx), or 0
-// in the padding. One thread per element of cols, so consecutive threads write consecutive
-// addresses.
-extern "C" __global__ void im2col(const float* x, float* cols, int n, int c_in, int h, int w, int k, int stride,
-                                  int pad, int out_h, int out_w, int channels_last) {
+// in the padding; `read(img, e)` gives element e of image img as a float. One thread per
+// element of cols, so consecutive threads write consecutive addresses.
+template <typename Read>
+__device__ __forceinline__ void im2col_body(Read read, float* cols, int n, int c_in, int h, int w, int k, int stride,
+                                            int pad, int out_h, int out_w, int channels_last) {
     const int patch = c_in * k * k;
-    const long long image_len = (long long)c_in * h * w;
     const long long total = (long long)n * out_h * out_w * patch;
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total; i += (long long)gridDim.x * blockDim.x) {
         const int col = (int)(i % patch);
@@ -28,10 +28,17 @@ extern "C" __global__ void im2col(const float* x, float* cols, int n, int c_in, 
         const int ix = ox * stride - pad + kx;
         float v = 0.0f;
         if (iy >= 0 && iy < h && ix >= 0 && ix < w) {
-            v = x[img * image_len + conv_input_index(c, iy, ix, c_in, h, w, channels_last)];
+            v = read(img, conv_input_index(c, iy, ix, c_in, h, w, channels_last));
         }
         cols[i] = v;
     }
+}
+
+extern "C" __global__ void im2col(const float* x, float* cols, int n, int c_in, int h, int w, int k, int stride,
+                                  int pad, int out_h, int out_w, int channels_last) {
+    const long long image_len = (long long)c_in * h * w;
+    auto read = [=](long long img, long long e) { return x[img * image_len + e]; };
+    im2col_body(read, cols, n, c_in, h, w, k, stride, pad, out_h, out_w, channels_last);
 }
 
 // The adjoint of im2col: every input element gathers the d_cols entries that read it, over the
@@ -76,30 +83,12 @@ extern "C" __global__ void col2im(const float* d_cols, float* dx, int n, int c_i
 // float buffer read as bytes, image img's C*H*W bytes starting at byte img * image_stride (each
 // image starts at a word: image_stride = 4 * ceil(C*H*W / 4)), and byte v enters cols as
 // table[v] = (float)v * scale, which the host computes (so the values are those of the f32
-// path bit for bit). Same thread mapping as im2col: one thread per element of cols.
+// path bit for bit). Same thread mapping as im2col (im2col_body).
 extern "C" __global__ void im2col_u8(const unsigned char* x, float* cols, const float* table, long long image_stride,
                                      int n, int c_in, int h, int w, int k, int stride, int pad, int out_h, int out_w,
                                      int channels_last) {
-    const int patch = c_in * k * k;
-    const long long total = (long long)n * out_h * out_w * patch;
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total; i += (long long)gridDim.x * blockDim.x) {
-        const int col = (int)(i % patch);
-        const long long row = i / patch;
-        const int ox = (int)(row % out_w);
-        const long long rest = row / out_w;
-        const int oy = (int)(rest % out_h);
-        const long long img = rest / out_h;
-        const int kx = col % k;
-        const int ky = (col / k) % k;
-        const int c = col / (k * k);
-        const int iy = oy * stride - pad + ky;
-        const int ix = ox * stride - pad + kx;
-        float v = 0.0f;
-        if (iy >= 0 && iy < h && ix >= 0 && ix < w) {
-            v = table[x[img * image_stride + conv_input_index(c, iy, ix, c_in, h, w, channels_last)]];
-        }
-        cols[i] = v;
-    }
+    auto read = [=](long long img, long long e) { return table[x[img * image_stride + e]]; };
+    im2col_body(read, cols, n, c_in, h, w, k, stride, pad, out_h, out_w, channels_last);
 }
 
 // Widen rows of bytes into floats: out[r * width + j] = table[x[r * row_stride + j]], row r's
