@@ -60,7 +60,8 @@ pub struct TrainArgs {
     #[arg(long, value_enum, default_value = "auto", env = "VOLLEY_BACKEND")]
     pub backend: BackendName,
     /// Threads of the CPU learner's update (default: the cores this process may use less one
-    /// per actor thread, at least 1, so actors and learner do not share a core).
+    /// per actor thread, at least 1, so actors and learner do not share a core; with
+    /// `--env remote:<service>` every core, since the actor threads mostly wait for the servers).
     #[arg(long, env = "VOLLEY_LEARNER_THREADS")]
     pub learner_threads: Option<usize>,
     /// NATS, for `--env remote:<service>` only (the embedded run itself needs no broker).
@@ -148,11 +149,24 @@ impl TryFrom<TrainArgs> for TrainConfig {
             run_dir,
             progress: args.progress,
             backend: args.backend.into(),
-            learner_threads: learner_threads(args.learner_threads, args.actors)?,
+            learner_threads: learner_threads(args.learner_threads, busy_actor_threads(args.actors, remote.is_some()))?,
             remote,
             tensorboard: args.tensorboard,
             spec,
         })
+    }
+}
+
+/// The actor threads of `volley train` that keep a core busy: every one on a built-in
+/// environment, none on a served one, whose actor threads spend most of their time waiting for
+/// the servers (Pong: the Nature-DQN policy step runs at 1.5–2.6 K agent steps/s per core, so
+/// at the few hundred a second that the learner keeps up with it takes a fifth of a core or
+/// less), so the learner's update gets every core.
+fn busy_actor_threads(actors: usize, served: bool) -> usize {
+    if served {
+        0
+    } else {
+        actors
     }
 }
 
@@ -203,7 +217,7 @@ mod tests {
     use crate::args::{Cli, Command};
 
     /// Issue 44: the learner's threads are the flag when given (in range), else the cores this
-    /// process may use less the actor threads, never fewer than one.
+    /// process may use less the actor threads (none for a served environment), never fewer than one.
     #[test]
     fn learner_threads_default_to_the_cores_the_actors_leave() {
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
@@ -212,6 +226,8 @@ mod tests {
         assert_eq!(learner_threads(None, 1).unwrap(), cores.saturating_sub(1).max(1));
         assert_eq!(learner_threads(None, cores + 8).unwrap(), 1);
         assert!(learner_threads(Some(0), 1).is_err());
+        assert_eq!(busy_actor_threads(2, false), 2);
+        assert_eq!(learner_threads(None, busy_actor_threads(1, true)).unwrap(), cores);
         let err = learner_config(&["--learner-threads", "0"]).unwrap_err();
         assert!(err.to_string().contains("--learner-threads: 0"), "{err}");
         assert_eq!(learner_config(&["--learner-threads", "2"]).unwrap().learner_threads, 2);
