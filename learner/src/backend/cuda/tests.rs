@@ -599,37 +599,26 @@ fn parity_checks_harness_runs_on_the_cpu() {
     check_off_policy(&mut cpu);
 }
 
-/// Issue 47: the CUDA backend reports the off-policy statistics, with the CPU's values.
-#[test]
-fn off_policy_sums_match_the_cpu() {
-    let Some(mut cuda) = cuda_or_skip("off_policy_sums_match_the_cpu") else { return };
-    check_off_policy(&mut cuda);
+/// One CUDA test per `name => check`: the check with the CUDA backend in the tested role,
+/// skipped without a device (see [`cuda_or_skip`]).
+macro_rules! cuda_parity_tests {
+    ($($(#[$doc:meta])* $name:ident => $check:ident;)*) => {$(
+        $(#[$doc])*
+        #[test]
+        fn $name() {
+            let Some(mut cuda) = cuda_or_skip(stringify!($name)) else { return };
+            $check(&mut cuda);
+        }
+    )*};
 }
 
-#[test]
-fn network_forward_and_backward_match_the_cpu_backend() {
-    let Some(mut cuda) = cuda_or_skip("network_forward_and_backward_match_the_cpu_backend") else { return };
-    check_network(&mut cuda);
-}
-
-#[test]
-fn fused_losses_match_the_cpu_losses() {
-    let Some(mut cuda) = cuda_or_skip("fused_losses_match_the_cpu_losses") else { return };
-    check_losses(&mut cuda);
-}
-
-#[test]
-fn log_probs_scans_and_gathers_match_the_cpu() {
-    let Some(mut cuda) = cuda_or_skip("log_probs_scans_and_gathers_match_the_cpu") else { return };
-    check_elementwise(&mut cuda);
-}
-
-#[test]
-fn clipped_adam_matches_the_cpu_optimiser_and_skips_non_finite_gradients() {
-    let Some(mut cuda) = cuda_or_skip("clipped_adam_matches_the_cpu_optimiser_and_skips_non_finite_gradients") else {
-        return;
-    };
-    check_optimiser(&mut cuda);
+cuda_parity_tests! {
+    /// Issue 47: the CUDA backend reports the off-policy statistics, with the CPU's values.
+    off_policy_sums_match_the_cpu => check_off_policy;
+    network_forward_and_backward_match_the_cpu_backend => check_network;
+    fused_losses_match_the_cpu_losses => check_losses;
+    log_probs_scans_and_gathers_match_the_cpu => check_elementwise;
+    clipped_adam_matches_the_cpu_optimiser_and_skips_non_finite_gradients => check_optimiser;
 }
 
 #[test]
