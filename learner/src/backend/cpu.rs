@@ -24,11 +24,11 @@ use volley_policy::ops::{
     gru_cell_backward, gru_cell_forward, im2col, im2col_u8_scaled, Mat,
 };
 use volley_policy::returns::gae;
-use volley_policy::Activation;
+use volley_policy::{Activation, ConvGeometry};
 
 use super::ops::{
-    BehaviourWeights, ClipAdamStep, Col2im, DenseForward, GaeScan, GatherColumns, GruCarryGrad, GruCellBackward,
-    GruCellForward, GruResetCopy, Im2col, Im2colU8, LogProbs, MatmulDw, MatmulDx, TakeColumn, WidenU8,
+    BehaviourWeights, ClipAdamStep, Col2im, ConvMap, DenseForward, GaeScan, GatherColumns, GruCarryGrad,
+    GruCellBackward, GruCellForward, GruResetCopy, Im2col, Im2colU8, LogProbs, MatmulDw, MatmulDx, TakeColumn, WidenU8,
 };
 use super::{
     packed_words, Backend, BackendError, Evaluation, Head, OffPolicyViews, PpoLoss, VTraceLoss, View, ViewMut,
@@ -218,21 +218,12 @@ fn slice_mut<'a>(view: ViewMut<'a, CpuBackend>) -> &'a mut [f32] {
 }
 
 impl CpuBackend {
-    /// [`large_gemm`] on this backend's threads.
-    #[allow(clippy::too_many_arguments)]
-    fn large_product(
-        &self,
-        m: usize,
-        k: usize,
-        n: usize,
-        a: Strided<'_>,
-        b: Strided<'_>,
-        accumulate: bool,
-        c: &mut [f32],
-    ) {
+    /// `f(threads)` on this backend's pool, or on the calling thread with one thread: for
+    /// [`large_gemm`], which splits a product over the current rayon pool.
+    fn on_pool<R: Send>(&self, f: impl FnOnce(usize) -> R + Send) -> R {
         match &self.pool {
-            Some(pool) => pool.install(|| large_gemm(self.threads, m, k, n, a, b, accumulate, c)),
-            None => large_gemm(1, m, k, n, a, b, accumulate, c),
+            Some(pool) => pool.install(|| f(self.threads)),
+            None => f(1),
         }
     }
 
@@ -296,6 +287,48 @@ impl CpuBackend {
     fn image_split(&self, n: usize, elements_per_image: usize) -> Option<(&rayon::ThreadPool, usize)> {
         let pool = self.pool.as_ref()?;
         (n > 1 && n * elements_per_image >= self.large_macs / 16).then(|| (pool, n.div_ceil(self.threads)))
+    }
+
+    /// `f(images, input, output)` over a conv layer's `n` images, where `input` holds
+    /// `per_image.0` elements an image and `output` `per_image.1`: split into whole images over
+    /// the pool when [`Self::image_split`] finds the work (the unfolded matrix's size) worth it,
+    /// else one call over all `n`.
+    fn over_images<I: Sync, O: Send>(
+        &self,
+        geometry: &ConvGeometry,
+        n: usize,
+        (input, output): (&[I], &mut [O]),
+        per_image: (usize, usize),
+        f: impl Fn(usize, &[I], &mut [O]) + Sync + Send,
+    ) {
+        match self.image_split(n, geometry.cols_len()) {
+            Some((pool, per_thread)) => pool.install(|| {
+                let inputs = input.par_chunks(per_thread * per_image.0);
+                inputs
+                    .zip(output.par_chunks_mut(per_thread * per_image.1))
+                    .enumerate()
+                    .for_each(|(chunk, (input, output))| f(per_thread.min(n - chunk * per_thread), input, output));
+            }),
+            None => f(n, input, output),
+        }
+    }
+
+    /// `im2col` ([`ConvMap::Unfold`]: `src` the images, `dst` the unfolded matrix) or `col2im`
+    /// ([`ConvMap::Fold`]: `src` the matrix's gradient, `dst` the images', overwritten) over
+    /// `n` images.
+    fn conv_map(&self, map: ConvMap, geometry: &ConvGeometry, n: usize, src: &[f32], dst: &mut [f32]) {
+        let (image, cols) = (geometry.input_len(), geometry.cols_len());
+        let per_image = match map {
+            ConvMap::Unfold => (image, cols),
+            ConvMap::Fold => (cols, image),
+        };
+        self.over_images(geometry, n, (src, dst), per_image, |images, src, dst| {
+            match map {
+                ConvMap::Unfold => im2col(geometry, src, images, dst),
+                ConvMap::Fold => col2im(geometry, src, images, dst),
+            }
+            .expect("whole images on both sides")
+        });
     }
 
     fn slot(&mut self, slot: usize) -> Result<&mut Evaluation, BackendError> {
@@ -383,7 +416,7 @@ impl Backend for CpuBackend {
         // y = x Wᵀ: W is [n_out][n_in], so Wᵀ has row stride 1 and column stride n_in.
         let a = Strided { data: x, row_stride: n_in, col_stride: 1 };
         let b = Strided { data: weight, row_stride: 1, col_stride: n_in };
-        self.large_product(rows, n_in, n_out, a, b, false, y);
+        self.on_pool(|threads| large_gemm(threads, rows, n_in, n_out, a, b, false, y));
         let finish = |y: &mut [f32]| match act {
             Some(act) => bias_act_rows(y, bias, act),
             None => bias_rows(y, bias),
@@ -434,7 +467,7 @@ impl Backend for CpuBackend {
         if rows * n_out * n_in >= self.large_macs {
             let a = Strided { data: dy, row_stride: n_out, col_stride: 1 };
             let b = Strided { data: weight, row_stride: n_in, col_stride: 1 };
-            self.large_product(rows, n_out, n_in, a, b, accumulate, dx);
+            self.on_pool(|threads| large_gemm(threads, rows, n_out, n_in, a, b, accumulate, dx));
             return Ok(());
         }
         let beta = if accumulate { 1.0 } else { 0.0 };
@@ -453,18 +486,7 @@ impl Backend for CpuBackend {
     }
 
     fn im2col_unchecked(&mut self, op: Im2col<'_, Self>) -> Result<(), BackendError> {
-        let (geometry, n) = (op.geometry, op.n);
-        let (x, cols) = (slice(op.x), slice_mut(op.cols));
-        match self.image_split(n, geometry.cols_len()) {
-            Some((pool, per_thread)) => pool.install(|| {
-                let inputs = x.par_chunks(per_thread * geometry.input_len());
-                inputs.zip(cols.par_chunks_mut(per_thread * geometry.cols_len())).for_each(|(x, cols)| {
-                    let images = x.len() / geometry.input_len();
-                    im2col(geometry, x, images, cols).expect("whole images on both sides");
-                });
-            }),
-            None => im2col(geometry, x, n, cols).expect("lengths checked at the trait's entry"),
-        }
+        self.conv_map(ConvMap::Unfold, op.geometry, op.n, slice(op.x), slice_mut(op.cols));
         Ok(())
     }
 
@@ -476,9 +498,9 @@ impl Backend for CpuBackend {
         // the images are contiguous and unfold in one call; otherwise one at a time, skipping
         // the padding between them.
         let contiguous = 4 * image_words == geometry.input_len();
-        let unfold = |bytes: &[u8], cols: &mut [f32]| {
+        let per_image = (4 * image_words, geometry.cols_len());
+        self.over_images(geometry, n, (bytes, cols), per_image, |images, bytes, cols| {
             if contiguous {
-                let images = bytes.len() / geometry.input_len().max(1);
                 im2col_u8_scaled(geometry, bytes, images, scale, cols).expect("whole images on both sides");
                 return;
             }
@@ -486,16 +508,7 @@ impl Backend for CpuBackend {
                 im2col_u8_scaled(geometry, &image[..geometry.input_len()], 1, scale, cols)
                     .expect("one whole image on both sides");
             }
-        };
-        match self.image_split(n, geometry.cols_len()) {
-            Some((pool, per_thread)) => pool.install(|| {
-                let inputs = bytes.par_chunks(per_thread * 4 * image_words);
-                inputs
-                    .zip(cols.par_chunks_mut(per_thread * geometry.cols_len()))
-                    .for_each(|(bytes, cols)| unfold(bytes, cols));
-            }),
-            None => unfold(bytes, cols),
-        }
+        });
         Ok(())
     }
 
@@ -516,18 +529,7 @@ impl Backend for CpuBackend {
     }
 
     fn col2im_unchecked(&mut self, op: Col2im<'_, Self>) -> Result<(), BackendError> {
-        let (geometry, n) = (op.geometry, op.n);
-        let (d_cols, dx) = (slice(op.d_cols), slice_mut(op.dx));
-        match self.image_split(n, geometry.cols_len()) {
-            Some((pool, per_thread)) => pool.install(|| {
-                let grads = d_cols.par_chunks(per_thread * geometry.cols_len());
-                grads.zip(dx.par_chunks_mut(per_thread * geometry.input_len())).for_each(|(d_cols, dx)| {
-                    let images = dx.len() / geometry.input_len();
-                    col2im(geometry, d_cols, images, dx).expect("whole images on both sides");
-                });
-            }),
-            None => col2im(geometry, d_cols, n, dx).expect("lengths checked at the trait's entry"),
-        }
+        self.conv_map(ConvMap::Fold, op.geometry, op.n, slice(op.d_cols), slice_mut(op.dx));
         Ok(())
     }
 

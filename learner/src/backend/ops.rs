@@ -14,8 +14,19 @@ use crate::optim::AdamConfig;
 
 /// Check every `(operand, expected, got)` length of operation `op`, in order.
 #[inline]
-fn check_all(op: &'static str, operands: &[(&'static str, usize, usize)]) -> Result<(), BackendError> {
+pub(crate) fn check_all(op: &'static str, operands: &[(&'static str, usize, usize)]) -> Result<(), BackendError> {
     operands.iter().try_for_each(|&(operand, expected, got)| check_len(op, operand, expected, got))
+}
+
+/// Which way a conv layer's `im2col` and `col2im` map between its images `[n][C·H·W]` and the
+/// unfolded matrix `[n·OH·OW][C·K·K]`; the two are adjoint and take the same operands, so each
+/// backend implements them once.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum ConvMap {
+    /// Images to the matrix ([`Backend::im2col`]).
+    Unfold,
+    /// The matrix's gradient back to the images', summing overlaps ([`Backend::col2im`]).
+    Fold,
 }
 
 /// The operands of [`Backend::dense_forward`]: `y = act(x Wᵀ + b)` over `rows` rows.

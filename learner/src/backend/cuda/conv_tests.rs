@@ -4,7 +4,7 @@
 
 use volley_policy::{ConvGeometry, ConvLayerSpec, ConvSpec};
 
-use super::*;
+use super::tests::cuda_or_skip;
 use crate::backend::{Backend, Col2im, CpuBackend, Im2col, Im2colU8, View, ViewMut, WidenU8};
 
 /// Two conv layers over a 2×9×8 image: 3×3 with padding 1, then 4×4 with stride 2 over the
@@ -86,24 +86,8 @@ fn check_conv_ops<B: Backend>(backend: &mut B) {
 }
 
 #[test]
-fn conv_ops_harness_runs_on_the_cpu() {
-    check_conv_ops(&mut CpuBackend::new());
-}
-
-#[test]
 fn im2col_and_col2im_kernels_match_the_cpu_backend() {
-    let device = match open_cuda(0) {
-        Ok(device) => device,
-        Err(err) => {
-            assert!(
-                std::env::var("VOLLEY_REQUIRE_CUDA").map_or(true, |v| v != "1"),
-                "VOLLEY_REQUIRE_CUDA=1 but the CUDA backend cannot start: {err}"
-            );
-            eprintln!("SKIPPED im2col_and_col2im_kernels_match_the_cpu_backend: no usable CUDA device ({err})");
-            return;
-        }
-    };
-    let mut cuda = CudaBackend::new(&device).expect("backend on an opened device");
+    let Some(mut cuda) = cuda_or_skip("im2col_and_col2im_kernels_match_the_cpu_backend") else { return };
     check_conv_ops(&mut cuda);
 }
 
@@ -154,24 +138,15 @@ fn check_byte_ops<B: Backend>(backend: &mut B) {
     }
 }
 
+/// The checks run with the CPU backend in the tested role: the harness works without a GPU.
 #[test]
-fn byte_ops_harness_runs_on_the_cpu() {
+fn conv_and_byte_ops_harnesses_run_on_the_cpu() {
+    check_conv_ops(&mut CpuBackend::new());
     check_byte_ops(&mut CpuBackend::new());
 }
 
 #[test]
 fn im2col_u8_and_widen_u8_kernels_match_the_cpu_backend() {
-    let device = match open_cuda(0) {
-        Ok(device) => device,
-        Err(err) => {
-            assert!(
-                std::env::var("VOLLEY_REQUIRE_CUDA").map_or(true, |v| v != "1"),
-                "VOLLEY_REQUIRE_CUDA=1 but the CUDA backend cannot start: {err}"
-            );
-            eprintln!("SKIPPED im2col_u8_and_widen_u8_kernels_match_the_cpu_backend: no usable CUDA device ({err})");
-            return;
-        }
-    };
-    let mut cuda = CudaBackend::new(&device).expect("backend on an opened device");
+    let Some(mut cuda) = cuda_or_skip("im2col_u8_and_widen_u8_kernels_match_the_cpu_backend") else { return };
     check_byte_ops(&mut cuda);
 }

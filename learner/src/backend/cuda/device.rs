@@ -3,8 +3,8 @@
 //!
 //! Row-major products through column-major cuBLAS: a row-major `M[r×c]` is the column-major
 //! `Mᵀ[c×r]` with leading dimension `c`, so `Y = X Wᵀ` is computed as `Yᵀ = W Xᵀ`, and so on
-//! (see `Gpu::gemm_xwt`, `Gpu::gemm_dw` and `Gpu::gemm_dx`). Products run in plain f32
-//! (no TF32), so results stay within f32 rounding of the CPU backend.
+//! (see [`Product`]). Products run in plain f32 (no TF32), so results stay within f32 rounding
+//! of the CPU backend.
 
 use std::sync::Arc;
 
@@ -27,28 +27,32 @@ pub(crate) struct Gpu {
     pub(crate) kernels: Kernels,
 }
 
-/// The dimensions of one `sgemm` call (column-major, cuBLAS's convention).
+/// A row-major product `C[rows×cols] = op(A)[rows×inner] · op(B)[inner×cols]` of contiguous
+/// operands, where `op(M)` is `M`, or `Mᵀ` for an operand stored transposed
+/// (`A: [inner×rows]`, `B: [cols×inner]`).
 #[derive(Debug, Clone, Copy)]
-struct Gemm {
-    transa: cublasOperation_t,
-    transb: cublasOperation_t,
-    m: usize,
-    n: usize,
-    k: usize,
-    lda: usize,
-    ldb: usize,
-    ldc: usize,
+pub(crate) struct Product {
+    rows: usize,
+    cols: usize,
+    inner: usize,
+    a_transposed: bool,
+    b_transposed: bool,
 }
 
-impl Gemm {
-    /// Elements of `A`, `B` and `C` that the call reads or writes (the last one addressed + 1).
-    fn extents(&self) -> (usize, usize, usize) {
-        let cols_a = if self.transa == cublasOperation_t::CUBLAS_OP_N { self.k } else { self.m };
-        let cols_b = if self.transb == cublasOperation_t::CUBLAS_OP_N { self.n } else { self.k };
-        let rows_a = if self.transa == cublasOperation_t::CUBLAS_OP_N { self.m } else { self.k };
-        let rows_b = if self.transb == cublasOperation_t::CUBLAS_OP_N { self.k } else { self.n };
-        let extent = |rows: usize, cols: usize, ld: usize| if cols == 0 { 0 } else { (cols - 1) * ld + rows };
-        (extent(rows_a, cols_a, self.lda), extent(rows_b, cols_b, self.ldb), extent(self.m, self.n, self.ldc))
+impl Product {
+    /// `C[rows×cols] = A[rows×inner] · B[inner×cols]`.
+    pub(crate) fn new(rows: usize, cols: usize, inner: usize) -> Self {
+        Product { rows, cols, inner, a_transposed: false, b_transposed: false }
+    }
+
+    /// With `A` stored transposed, `[inner×rows]`.
+    pub(crate) fn a_transposed(self) -> Self {
+        Product { a_transposed: true, ..self }
+    }
+
+    /// With `B` stored transposed, `[cols×inner]`.
+    pub(crate) fn b_transposed(self) -> Self {
+        Product { b_transposed: true, ..self }
     }
 }
 
@@ -73,7 +77,7 @@ impl Gpu {
         let stream = ctx.new_stream()?;
         let copy_stream = ctx.new_stream()?;
         let blas = CudaBlas::new(stream.clone())?;
-        let kernels = Kernels::load(module)?;
+        let kernels = Kernels::load(module, stream.clone())?;
         Ok(Gpu {
             description: format!("{name} (sm_{major}{minor}, device {ordinal})"),
             ctx,
@@ -84,128 +88,62 @@ impl Gpu {
         })
     }
 
-    /// `C = A·B + beta·C` in cuBLAS's column-major terms, after checking that every operand
-    /// holds the elements the call addresses.
-    fn sgemm(
+    /// `C = op(A)·op(B) + beta·C` (see [`Product`]), after checking that every operand holds
+    /// the elements the product addresses.
+    pub(crate) fn product(
         &self,
-        dims: Gemm,
+        product: Product,
         a: &CudaView<'_, f32>,
         b: &CudaView<'_, f32>,
         beta: f32,
         c: &mut CudaViewMut<'_, f32>,
     ) -> Result<(), BackendError> {
-        if dims.m == 0 || dims.n == 0 {
+        let Product { rows, cols, inner, a_transposed, b_transposed } = product;
+        if rows == 0 || cols == 0 {
             return Ok(());
         }
-        let (need_a, need_b, need_c) = dims.extents();
-        for (operand, need, len) in [("a", need_a, a.len()), ("b", need_b, b.len()), ("c", need_c, c.len())] {
+        for (operand, need, len) in
+            [("a", rows * inner, a.len()), ("b", inner * cols, b.len()), ("c", rows * cols, c.len())]
+        {
             if len < need {
                 return Err(BackendError::Shape { op: "sgemm", operand, expected: need, got: len });
             }
         }
+        // Column-major cuBLAS sees each row-major operand transposed, with its stored row
+        // width as leading dimension, so it computes `Cᵀ = op(B)ᵀ·op(A)ᵀ`: `B` is its first
+        // operand.
         let dim = |what, x| kernels::int(what, x);
-        let (m, n, k) = (dim("m", dims.m)?, dim("n", dims.n)?, dim("k", dims.k)?);
-        let (lda, ldb, ldc) = (dim("lda", dims.lda)?, dim("ldb", dims.ldb)?, dim("ldc", dims.ldc)?);
+        let (m, n, k) = (dim("cols", cols)?, dim("rows", rows)?, dim("inner", inner)?);
+        let ld_b = dim("b row width", if b_transposed { inner } else { cols })?;
+        let ld_a = dim("a row width", if a_transposed { rows } else { inner })?;
+        let op = |transposed| if transposed { cublasOperation_t::CUBLAS_OP_T } else { cublasOperation_t::CUBLAS_OP_N };
         let alpha = 1.0f32;
         let (a_ptr, _a_sync) = a.device_ptr(&self.stream);
         let (b_ptr, _b_sync) = b.device_ptr(&self.stream);
         let (c_ptr, _c_sync) = c.device_ptr_mut(&self.stream);
         // SAFETY: the handle is bound to the compute stream that orders every use of these
-        // buffers; each operand holds at least the elements the call addresses at its leading
-        // dimension (checked above); `c` is an exclusive borrow, so it aliases neither input.
+        // buffers; each operand is contiguous and holds at least the elements of its shape
+        // (checked above), which is all the call addresses at these leading dimensions; `c` is
+        // an exclusive borrow, so it aliases neither input.
         unsafe {
             cudarc::cublas::result::sgemm(
                 *self.blas.handle(),
-                dims.transa,
-                dims.transb,
+                op(b_transposed),
+                op(a_transposed),
                 m,
                 n,
                 k,
                 &alpha,
-                a_ptr as *const f32,
-                lda,
                 b_ptr as *const f32,
-                ldb,
+                ld_b,
+                a_ptr as *const f32,
+                ld_a,
                 &beta,
                 c_ptr as *mut f32,
-                ldc,
+                m,
             )
         }?;
         Ok(())
-    }
-
-    /// `Y[rows×n_out] = X[rows×n_in] · Wᵀ`, `W: [n_out×n_in]` row-major.
-    pub(crate) fn gemm_xwt(
-        &self,
-        x: &CudaView<'_, f32>,
-        rows: usize,
-        n_in: usize,
-        w: &CudaView<'_, f32>,
-        n_out: usize,
-        y: &mut CudaViewMut<'_, f32>,
-    ) -> Result<(), BackendError> {
-        use cublasOperation_t::{CUBLAS_OP_N, CUBLAS_OP_T};
-        let dims = Gemm {
-            transa: CUBLAS_OP_T,
-            transb: CUBLAS_OP_N,
-            m: n_out,
-            n: rows,
-            k: n_in,
-            lda: n_in,
-            ldb: n_in,
-            ldc: n_out,
-        };
-        self.sgemm(dims, w, x, 0.0, y)
-    }
-
-    /// `dW[n_out×n_in] = dYᵀ · X` over `rows` rows (overwrites).
-    pub(crate) fn gemm_dw(
-        &self,
-        dy: &CudaView<'_, f32>,
-        rows: usize,
-        n_out: usize,
-        x: &CudaView<'_, f32>,
-        n_in: usize,
-        dw: &mut CudaViewMut<'_, f32>,
-    ) -> Result<(), BackendError> {
-        use cublasOperation_t::{CUBLAS_OP_N, CUBLAS_OP_T};
-        let dims = Gemm {
-            transa: CUBLAS_OP_N,
-            transb: CUBLAS_OP_T,
-            m: n_in,
-            n: n_out,
-            k: rows,
-            lda: n_in,
-            ldb: n_out,
-            ldc: n_in,
-        };
-        self.sgemm(dims, x, dy, 0.0, dw)
-    }
-
-    /// `dX[rows×n_in] = dY[rows×n_out] · W` (`+ beta · dX`).
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn gemm_dx(
-        &self,
-        dy: &CudaView<'_, f32>,
-        rows: usize,
-        n_out: usize,
-        w: &CudaView<'_, f32>,
-        n_in: usize,
-        dx: &mut CudaViewMut<'_, f32>,
-        beta: f32,
-    ) -> Result<(), BackendError> {
-        use cublasOperation_t::CUBLAS_OP_N;
-        let dims = Gemm {
-            transa: CUBLAS_OP_N,
-            transb: CUBLAS_OP_N,
-            m: n_in,
-            n: rows,
-            k: n_out,
-            lda: n_in,
-            ldb: n_out,
-            ldc: n_in,
-        };
-        self.sgemm(dims, w, dy, beta, dx)
     }
 
     /// `out[width] = Σ_r dY[r][·]` through a product with `ones` (at least `rows` ones).
@@ -216,22 +154,11 @@ impl Gpu {
         ones: &CudaView<'_, f32>,
         out: &mut CudaViewMut<'_, f32>,
     ) -> Result<(), BackendError> {
-        use cublasOperation_t::CUBLAS_OP_N;
-        let width = out.len();
-        let dims = Gemm {
-            transa: CUBLAS_OP_N,
-            transb: CUBLAS_OP_N,
-            m: width,
-            n: 1,
-            k: rows,
-            lda: width,
-            ldb: rows,
-            ldc: width,
-        };
         if rows == 0 {
-            return self.kernels.fill(&self.stream, out, 0.0);
+            return self.kernels.fill(out, 0.0);
         }
-        self.sgemm(dims, dy, ones, 0.0, out)
+        // `out[1×width] = ones[1×rows] · dY[rows×width]`.
+        self.product(Product::new(1, out.len(), rows), ones, dy, 0.0, out)
     }
 }
 

@@ -18,11 +18,17 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaFunction, CudaModule, CudaStream, CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
+use cudarc::driver::{
+    CudaFunction, CudaModule, CudaStream, CudaView, CudaViewMut, LaunchArgs, LaunchConfig, PushKernelArg,
+};
 use cudarc::nvrtc::{CompileOptions, Ptx};
 
+use volley_policy::returns::VTraceConfig;
 use volley_policy::{ActionHead, ConvGeometry};
 
+use crate::losses::{PpoLossConfig, VTraceLossConfig};
+
+use crate::backend::ops::{check_all, ConvMap};
 use crate::backend::{check_len, BackendError};
 
 /// One kernel source file and the `extern "C"` kernels it defines.
@@ -191,6 +197,14 @@ fn long(what: &'static str, value: usize) -> Result<i64, BackendError> {
 /// The null pointer a kernel reads as "no such input" (`ref == NULL`, `x == NULL`).
 pub(crate) const NULL: u64 = 0;
 
+/// Push `view`, or [`NULL`] for an input the kernel may go without.
+fn optional<'a, 'l>(launch: &'l mut LaunchArgs<'a>, view: Option<&'a CudaView<'_, f32>>) -> &'l mut LaunchArgs<'a> {
+    match view {
+        Some(view) => launch.arg(view),
+        None => launch.arg(&NULL),
+    }
+}
+
 /// Activation codes of `bias_act_fwd` and `act_bwd`.
 pub(crate) const ACT_IDENTITY: i32 = 0;
 /// `tanh`.
@@ -198,8 +212,11 @@ pub(crate) const ACT_TANH: i32 = 1;
 /// `relu`.
 pub(crate) const ACT_RELU: i32 = 2;
 
-/// The loaded kernels, one field per `extern "C"` kernel in `learner/kernels/`.
+/// The loaded kernels, one field per `extern "C"` kernel in `learner/kernels/`, and the stream
+/// they run on.
 pub(crate) struct Kernels {
+    /// The compute stream: every launch runs here, in order.
+    stream: Arc<CudaStream>,
     bias_act_fwd: CudaFunction,
     act_bwd: CudaFunction,
     take_column: CudaFunction,
@@ -275,50 +292,101 @@ impl HeadArgs<'_> {
         (self.kind.action_width(self.n_outputs), self.kind.n_params(self.n_outputs))
     }
 
-    /// Check the parameters' length and push the three head arguments.
-    fn push<'b>(
-        &'b self,
-        op: &'static str,
-        launch: &mut cudarc::driver::LaunchArgs<'b>,
-        n_outputs: &'b i32,
-        flags: &'b i32,
-    ) -> Result<(), BackendError> {
+    /// Check the parameters' length (every head kernel indexes them) and convert the two
+    /// integers of the head arguments.
+    fn check(&self, op: &'static str) -> Result<[i32; 2], BackendError> {
         check_len(op, "head params", self.kind.n_params(self.n_outputs), self.params.len())?;
-        launch.arg(n_outputs).arg(&self.params).arg(flags);
-        Ok(())
+        Ok([int("n_outputs", self.n_outputs)?, self.flags()])
+    }
+
+    /// Push the three head arguments every head kernel starts with (`ints` from
+    /// [`Self::check`]).
+    fn push<'a, 'l>(&'a self, launch: &'l mut LaunchArgs<'a>, ints: &'a [i32; 2]) -> &'l mut LaunchArgs<'a> {
+        let [n_outputs, flags] = ints;
+        launch.arg(n_outputs).arg(&self.params).arg(flags)
     }
 }
 
-/// The arguments of [`Kernels::vtrace_loss_grad`] besides the head and the slot: the heads block
-/// of `n_rows` rows and the `[n]` per-sample inputs.
-pub(crate) struct VTraceLossGradArgs<'a> {
+/// Where [`Kernels::vtrace_loss_grad`] and [`Kernels::ppo_loss_grad`] write: the slot's moments
+/// and loss sums (disjoint parts of one slot), the heads block's gradient and the head
+/// parameters' gradient rows.
+pub(crate) struct LossGradOutputs<'a> {
+    /// `[W, Σ w·x, Σ w·(x − mean)²]` ([`SLOT_STATS`] doubles).
+    pub(crate) moments: CudaViewMut<'a, f64>,
+    /// `∂L/∂heads`, rows of `n_outputs + 1`.
+    pub(crate) d_heads: CudaViewMut<'a, f32>,
+    /// `[n][n_params]`.
+    pub(crate) d_head_params: CudaViewMut<'a, f32>,
+    /// The six loss sums.
+    pub(crate) stats: CudaViewMut<'a, f64>,
+}
+
+impl LossGradOutputs<'_> {
+    /// Push the four outputs, the last parameters of both loss kernels.
+    fn push<'b, 'l>(&'b mut self, launch: &'l mut LaunchArgs<'b>) -> &'l mut LaunchArgs<'b> {
+        launch.arg(&mut self.moments).arg(&mut self.d_heads).arg(&mut self.d_head_params).arg(&mut self.stats)
+    }
+}
+
+/// What both fused loss kernels read first, in their parameter order: the head's arguments,
+/// the heads block, and per sample the action, the weight and the value.
+pub(crate) struct LossRows<'a> {
+    pub(crate) head: HeadArgs<'a>,
+    /// Rows of `n_outputs + 1`.
     pub(crate) heads: CudaView<'a, f32>,
+    /// `[n][action width]` words.
     pub(crate) actions: CudaView<'a, f32>,
+    /// `[n]`.
     pub(crate) weights: CudaView<'a, f32>,
+    /// At least `[n]`.
     pub(crate) values: CudaView<'a, f32>,
+}
+
+impl LossRows<'_> {
+    /// Check what every loss kernel indexes besides its own inputs: the head's parameters,
+    /// `n_rows` heads rows in and out, and the actions and parameter-gradient rows of the
+    /// `n = weights.len()` samples; and convert the head's two integers.
+    fn check(&self, op: &'static str, out: &LossGradOutputs<'_>, n_rows: usize) -> Result<[i32; 2], BackendError> {
+        let (n, stride) = (self.weights.len(), self.head.n_outputs + 1);
+        let (width, n_params) = self.head.widths();
+        let head_ints = self.head.check(op)?;
+        check_all(
+            op,
+            &[
+                ("heads", n_rows * stride, self.heads.len()),
+                ("d_heads", n_rows * stride, out.d_heads.len()),
+                ("actions", n * width, self.actions.len()),
+                ("d_head_params", n * n_params, out.d_head_params.len()),
+                ("moments", SLOT_STATS, out.moments.len()),
+                ("stats", 6, out.stats.len()),
+            ],
+        )?;
+        Ok(head_ints)
+    }
+
+    /// Push the head's arguments (`head_ints` from [`Self::check`]) and the four views.
+    fn push<'a, 'l>(&'a self, launch: &'l mut LaunchArgs<'a>, head_ints: &'a [i32; 2]) -> &'l mut LaunchArgs<'a> {
+        self.head.push(launch, head_ints).arg(&self.heads).arg(&self.actions).arg(&self.weights).arg(&self.values)
+    }
+}
+
+/// The inputs of [`Kernels::vtrace_loss_grad`]: its [`LossRows`], then `[n]` per-sample inputs.
+pub(crate) struct VTraceLossGradArgs<'a> {
+    pub(crate) rows: LossRows<'a>,
     pub(crate) vs: CudaView<'a, f32>,
     pub(crate) log_rhos: CudaView<'a, f32>,
     pub(crate) pg_advantages: CudaView<'a, f32>,
-    pub(crate) rho_bar: f32,
-    pub(crate) value_coef: f32,
-    pub(crate) ent_coef: f32,
+    pub(crate) config: &'a VTraceLossConfig,
 }
 
-/// The arguments of [`Kernels::ppo_loss_grad`] besides the head and the slot, all `[n]` but the
-/// heads block.
+/// The inputs of [`Kernels::ppo_loss_grad`]: its [`LossRows`], then `[n]` per-sample inputs.
 pub(crate) struct PpoLossGradArgs<'a> {
-    pub(crate) heads: CudaView<'a, f32>,
-    pub(crate) actions: CudaView<'a, f32>,
-    pub(crate) weights: CudaView<'a, f32>,
-    pub(crate) values: CudaView<'a, f32>,
+    pub(crate) rows: LossRows<'a>,
     pub(crate) advantages: CudaView<'a, f32>,
     pub(crate) returns: CudaView<'a, f32>,
     pub(crate) prox_log_probs: CudaView<'a, f32>,
     pub(crate) is_weights: CudaView<'a, f32>,
-    pub(crate) clip_coef: f32,
-    pub(crate) value_coef: f32,
-    pub(crate) ent_coef: f32,
-    pub(crate) normalize: bool,
+    pub(crate) config: &'a PpoLossConfig,
 }
 
 /// The arguments of [`Kernels::vtrace_scan`], all `[T][B]` but `bootstrap` (`[B]`).
@@ -330,18 +398,16 @@ pub(crate) struct VTraceScanArgs<'a> {
     pub(crate) rewards: CudaView<'a, f32>,
     pub(crate) values: CudaView<'a, f32>,
     pub(crate) bootstrap: CudaView<'a, f32>,
-    pub(crate) rho_bar: f32,
-    pub(crate) pg_rho_bar: f32,
-    pub(crate) c_bar: f32,
-    pub(crate) lambda_: f32,
+    /// The clipping thresholds and `λ`.
+    pub(crate) config: &'a VTraceConfig,
     /// Group baselines: where finite, the policy-gradient advantage before the clipped
     /// importance weight (`[T][B]`).
     pub(crate) advantage_override: Option<CudaView<'a, f32>>,
 }
 
 impl Kernels {
-    /// Look every kernel up in `module`.
-    pub(crate) fn load(module: Arc<CudaModule>) -> Result<Self, BackendError> {
+    /// Look every kernel up in `module`; every launcher launches on `stream`.
+    pub(crate) fn load(module: Arc<CudaModule>, stream: Arc<CudaStream>) -> Result<Self, BackendError> {
         let f = |name: &str| {
             module.load_function(name).map_err(|err| {
                 BackendError::Kernels(KernelError::MissingKernel {
@@ -351,6 +417,7 @@ impl Kernels {
             })
         };
         Ok(Kernels {
+            stream,
             bias_act_fwd: f("bias_act_fwd")?,
             act_bwd: f("act_bwd")?,
             take_column: f("take_column")?,
@@ -389,10 +456,30 @@ impl Kernels {
         })
     }
 
+    /// Launch `function` on the stream over `config`, with the arguments `push` adds in the
+    /// kernel's parameter order: the one launch every launcher below ends with.
+    ///
+    /// # Safety
+    ///
+    /// The arguments must match the kernel's parameter list, and every element the kernel
+    /// indexes through them must lie inside the views passed: each launcher checks the lengths
+    /// its kernel relies on first, and states them in its `SAFETY` comment.
+    unsafe fn launch<'a>(
+        &'a self,
+        function: &'a CudaFunction,
+        config: LaunchConfig,
+        push: impl for<'l> FnOnce(&'l mut LaunchArgs<'a>) -> &'l mut LaunchArgs<'a>,
+    ) -> Result<(), BackendError> {
+        let mut launch = self.stream.launch_builder(function);
+        push(&mut launch);
+        // SAFETY: the caller's contract above.
+        unsafe { launch.launch(config) }?;
+        Ok(())
+    }
+
     /// `y[r][j] = act(y[r][j] + bias[j])` over `[rows][width]`.
     pub(crate) fn bias_act_fwd(
         &self,
-        stream: &Arc<CudaStream>,
         y: &mut CudaViewMut<'_, f32>,
         bias: &CudaView<'_, f32>,
         rows: usize,
@@ -401,36 +488,32 @@ impl Kernels {
         let width = bias.len();
         check_len("bias_act_fwd", "y", rows * width, y.len())?;
         let (rows_i, width_i) = (int("rows", rows)?, int("width", width)?);
-        let mut launch = stream.launch_builder(&self.bias_act_fwd);
-        launch.arg(y).arg(bias).arg(&rows_i).arg(&width_i).arg(&act);
         // SAFETY: (y, bias, rows, width, act) is the kernel's parameter list; it reads
         // bias[0..width) and reads and writes y[0..rows·width), both checked above.
-        unsafe { launch.launch(grid(rows * width)) }?;
-        Ok(())
+        unsafe {
+            self.launch(&self.bias_act_fwd, grid(rows * width), |l| {
+                l.arg(y).arg(bias).arg(&rows_i).arg(&width_i).arg(&act)
+            })
+        }
     }
 
     /// `dy ← dy · act'(pre)` through the stored output `y`.
     pub(crate) fn act_bwd(
         &self,
-        stream: &Arc<CudaStream>,
         dy: &mut CudaViewMut<'_, f32>,
         y: &CudaView<'_, f32>,
         act: i32,
     ) -> Result<(), BackendError> {
-        check_len("act_bwd", "y", dy.len(), y.len())?;
         let len = dy.len();
+        check_len("act_bwd", "y", len, y.len())?;
         let n = long("n", len)?;
-        let mut launch = stream.launch_builder(&self.act_bwd);
-        launch.arg(dy).arg(y).arg(&n).arg(&act);
         // SAFETY: (dy, y, n, act) is the parameter list; both views hold n elements (checked).
-        unsafe { launch.launch(grid(len)) }?;
-        Ok(())
+        unsafe { self.launch(&self.act_bwd, grid(len), |l| l.arg(dy).arg(y).arg(&n).arg(&act)) }
     }
 
     /// `dst[i] = src[i · stride + column]` for `i < dst.len()`.
     pub(crate) fn take_column(
         &self,
-        stream: &Arc<CudaStream>,
         src: &CudaView<'_, f32>,
         stride: usize,
         column: usize,
@@ -442,20 +525,19 @@ impl Kernels {
             return Err(BackendError::Shape { op: "take_column", operand: "column", expected: stride, got: column });
         }
         let (rows_i, stride_i, column_i) = (int("rows", rows)?, int("stride", stride)?, int("column", column)?);
-        let mut launch = stream.launch_builder(&self.take_column);
-        launch.arg(src).arg(dst).arg(&rows_i).arg(&stride_i).arg(&column_i);
         // SAFETY: (src, dst, rows, stride, col) is the parameter list; the largest index read is
         // (rows − 1)·stride + column < rows·stride = src.len(), and dst holds rows (checked).
-        unsafe { launch.launch(grid(rows)) }?;
-        Ok(())
+        unsafe {
+            self.launch(&self.take_column, grid(rows), |l| {
+                l.arg(src).arg(dst).arg(&rows_i).arg(&stride_i).arg(&column_i)
+            })
+        }
     }
 
     /// `dst[t][j][k] = src[t][columns[j]][k]` for `j < n_columns` over `[rows][b_len][width]`
     /// words; `columns` holds the `n_columns` column indices, each `< b_len`.
-    #[allow(clippy::too_many_arguments)]
     pub(crate) fn gather_columns(
         &self,
-        stream: &Arc<CudaStream>,
         src: &CudaView<'_, f32>,
         rows: usize,
         b_len: usize,
@@ -464,61 +546,51 @@ impl Kernels {
         dst: &mut CudaViewMut<'_, f32>,
     ) -> Result<(), BackendError> {
         let n_columns = columns.len();
-        check_len("gather_columns", "src", rows * b_len * width, src.len())?;
-        check_len("gather_columns", "dst", rows * n_columns * width, dst.len())?;
+        let op = "gather_columns";
+        check_all(op, &[("src", rows * b_len * width, src.len()), ("dst", rows * n_columns * width, dst.len())])?;
         let (rows_i, b_i, width_i, n_i) =
             (int("rows", rows)?, int("b_len", b_len)?, int("width", width)?, int("n_columns", n_columns)?);
-        let mut launch = stream.launch_builder(&self.gather_columns);
-        launch.arg(src).arg(dst).arg(&rows_i).arg(&b_i).arg(&width_i).arg(columns).arg(&n_i);
         // SAFETY: (src, dst, rows, b_len, width, cols, mb_len) is the parameter list; dst holds
         // rows·n_columns·width words and src rows·b_len·width (checked); every column index is
         // below b_len because the trainer uploads permutations of 0..b_len only.
-        unsafe { launch.launch(grid(rows * n_columns * width)) }?;
-        Ok(())
+        unsafe {
+            self.launch(&self.gather_columns, grid(rows * n_columns * width), |l| {
+                l.arg(src).arg(dst).arg(&rows_i).arg(&b_i).arg(&width_i).arg(columns).arg(&n_i)
+            })
+        }
     }
 
     /// `x[i] = value`.
-    pub(crate) fn fill(
-        &self,
-        stream: &Arc<CudaStream>,
-        x: &mut CudaViewMut<'_, f32>,
-        value: f32,
-    ) -> Result<(), BackendError> {
-        let n = long("n", x.len())?;
+    pub(crate) fn fill(&self, x: &mut CudaViewMut<'_, f32>, value: f32) -> Result<(), BackendError> {
         let len = x.len();
-        let mut launch = stream.launch_builder(&self.fill);
-        launch.arg(x).arg(&value).arg(&n);
+        let n = long("n", len)?;
         // SAFETY: (x, value, n) is the parameter list and x holds n floats.
-        unsafe { launch.launch(grid(len)) }?;
-        Ok(())
+        unsafe { self.launch(&self.fill, grid(len), |l| l.arg(x).arg(&value).arg(&n)) }
     }
 
     /// `dst[b] = starts[b] ≠ 0 ? 0 : src[b]` over `[B][hidden]`.
     pub(crate) fn gru_reset_copy(
         &self,
-        stream: &Arc<CudaStream>,
         src: &CudaView<'_, f32>,
         starts: &CudaView<'_, f32>,
         hidden: usize,
         dst: &mut CudaViewMut<'_, f32>,
     ) -> Result<(), BackendError> {
         let b_len = starts.len();
-        check_len("gru_reset_copy", "src", b_len * hidden, src.len())?;
-        check_len("gru_reset_copy", "dst", b_len * hidden, dst.len())?;
+        check_all("gru_reset_copy", &[("src", b_len * hidden, src.len()), ("dst", b_len * hidden, dst.len())])?;
         let (b_i, h_i) = (int("b_len", b_len)?, int("hidden", hidden)?);
-        let mut launch = stream.launch_builder(&self.gru_reset_copy);
-        launch.arg(src).arg(starts).arg(dst).arg(&b_i).arg(&h_i);
         // SAFETY: (src, starts, dst, b_len, hidden) is the parameter list; src and dst hold
         // b_len·hidden floats and starts b_len (checked); src and dst are distinct buffers.
-        unsafe { launch.launch(grid(b_len * hidden)) }?;
-        Ok(())
+        unsafe {
+            self.launch(&self.gru_reset_copy, grid(b_len * hidden), |l| {
+                l.arg(src).arg(starts).arg(dst).arg(&b_i).arg(&h_i)
+            })
+        }
     }
 
     /// One GRU step forward (see `gru.cu`).
-    #[allow(clippy::too_many_arguments)]
     pub(crate) fn gru_cell_fwd(
         &self,
-        stream: &Arc<CudaStream>,
         gi: &CudaView<'_, f32>,
         gh: &CudaView<'_, f32>,
         h_prev: &CudaView<'_, f32>,
@@ -527,26 +599,25 @@ impl Kernels {
         h_out: &mut CudaViewMut<'_, f32>,
     ) -> Result<(), BackendError> {
         let state = h_prev.len();
-        check_len("gru_cell_fwd", "gi", 3 * state, gi.len())?;
-        check_len("gru_cell_fwd", "gh", 3 * state, gh.len())?;
-        check_len("gru_cell_fwd", "gates", 3 * state, gates.len())?;
+        let gate_lens =
+            [("gi", gi.len()), ("gh", gh.len()), ("gates", gates.len())].map(|(op, len)| (op, 3 * state, len));
+        check_all("gru_cell_fwd", &gate_lens)?;
         check_len("gru_cell_fwd", "h_out", state, h_out.len())?;
-        let b_len = state.checked_div(hidden).unwrap_or(0);
-        let (b_i, h_i) = (int("b_len", b_len)?, int("hidden", hidden)?);
-        let mut launch = stream.launch_builder(&self.gru_cell_fwd);
-        launch.arg(gi).arg(gh).arg(h_prev).arg(gates).arg(h_out).arg(&b_i).arg(&h_i);
+        let (b_i, h_i) = (int("b_len", state.checked_div(hidden).unwrap_or(0))?, int("hidden", hidden)?);
         // SAFETY: (gi, gh, h_prev, gates, h_out, b_len, hidden) is the parameter list; the gate
         // views hold 3·b_len·hidden floats and the state views b_len·hidden (checked); the two
         // outputs are distinct buffers from the inputs.
-        unsafe { launch.launch(grid(state)) }?;
-        Ok(())
+        unsafe {
+            self.launch(&self.gru_cell_fwd, grid(state), |l| {
+                l.arg(gi).arg(gh).arg(h_prev).arg(gates).arg(h_out).arg(&b_i).arg(&h_i)
+            })
+        }
     }
 
     /// One GRU step backward (see `gru.cu`).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn gru_cell_bwd(
         &self,
-        stream: &Arc<CudaStream>,
         d_h: &mut CudaViewMut<'_, f32>,
         gates: &CudaView<'_, f32>,
         gh: &CudaView<'_, f32>,
@@ -556,58 +627,49 @@ impl Kernels {
         d_gh: &mut CudaViewMut<'_, f32>,
     ) -> Result<(), BackendError> {
         let state = d_h.len();
-        check_len("gru_cell_bwd", "gates", 3 * state, gates.len())?;
-        check_len("gru_cell_bwd", "gh", 3 * state, gh.len())?;
+        let gate_lens = [("gates", gates.len()), ("gh", gh.len()), ("d_gi", d_gi.len()), ("d_gh", d_gh.len())]
+            .map(|(op, len)| (op, 3 * state, len));
+        check_all("gru_cell_bwd", &gate_lens)?;
         check_len("gru_cell_bwd", "h_prev", state, h_prev.len())?;
-        check_len("gru_cell_bwd", "d_gi", 3 * state, d_gi.len())?;
-        check_len("gru_cell_bwd", "d_gh", 3 * state, d_gh.len())?;
-        let b_len = state.checked_div(hidden).unwrap_or(0);
-        let (b_i, h_i) = (int("b_len", b_len)?, int("hidden", hidden)?);
-        let mut launch = stream.launch_builder(&self.gru_cell_bwd);
-        launch.arg(d_h).arg(gates).arg(gh).arg(h_prev).arg(d_gi).arg(d_gh).arg(&b_i).arg(&h_i);
+        let (b_i, h_i) = (int("b_len", state.checked_div(hidden).unwrap_or(0))?, int("hidden", hidden)?);
         // SAFETY: (dh, gates, gh, h_prev, dgi, dgh, b_len, hidden) is the parameter list; every
         // view has the length its shape implies (checked); dh is read and written only at the
         // thread's own index.
-        unsafe { launch.launch(grid(state)) }?;
-        Ok(())
+        unsafe {
+            self.launch(&self.gru_cell_bwd, grid(state), |l| {
+                l.arg(d_h).arg(gates).arg(gh).arg(h_prev).arg(d_gi).arg(d_gh).arg(&b_i).arg(&h_i)
+            })
+        }
     }
 
     /// `d_h[b] = 0` where `starts_next[b] ≠ 0` (when given), then `d_h += from_heads`.
     pub(crate) fn gru_carry_grad(
         &self,
-        stream: &Arc<CudaStream>,
         d_h: &mut CudaViewMut<'_, f32>,
         starts_next: Option<&CudaView<'_, f32>>,
         from_heads: &CudaView<'_, f32>,
         hidden: usize,
     ) -> Result<(), BackendError> {
         let state = d_h.len();
-        check_len("gru_carry_grad", "from_heads", state, from_heads.len())?;
         let b_len = state.checked_div(hidden).unwrap_or(0);
-        if let Some(starts) = starts_next {
-            check_len("gru_carry_grad", "starts_next", b_len, starts.len())?;
-        }
+        let starts_len = starts_next.map_or(b_len, |starts| starts.len());
+        check_all("gru_carry_grad", &[("from_heads", state, from_heads.len()), ("starts_next", b_len, starts_len)])?;
         let (b_i, h_i) = (int("b_len", b_len)?, int("hidden", hidden)?);
         let apply_reset = i32::from(starts_next.is_some());
-        let mut launch = stream.launch_builder(&self.gru_carry_grad);
-        launch.arg(d_h);
-        match starts_next {
-            Some(starts) => launch.arg(starts),
-            None => launch.arg(&NULL),
-        };
-        launch.arg(from_heads).arg(&b_i).arg(&h_i).arg(&apply_reset);
         // SAFETY: (dh, starts, from_heads, b_len, hidden, apply_reset) is the parameter list;
         // dh and from_heads hold b_len·hidden floats and starts b_len (checked); the kernel reads
         // starts only when apply_reset is 1, which is exactly when a real view was passed.
-        unsafe { launch.launch(grid(state)) }?;
-        Ok(())
+        unsafe {
+            self.launch(&self.gru_carry_grad, grid(state), |l| {
+                optional(l.arg(d_h), starts_next).arg(from_heads).arg(&b_i).arg(&h_i).arg(&apply_reset)
+            })
+        }
     }
 
     /// `out[i] = log π(a_i|x_i) − reference[i]` (or without a reference) for `i < out.len()`
     /// under `head`, from rows of stride `n_outputs + 1`.
     pub(crate) fn log_probs(
         &self,
-        stream: &Arc<CudaStream>,
         head: &HeadArgs<'_>,
         heads: &CudaView<'_, f32>,
         actions: &CudaView<'_, f32>,
@@ -616,104 +678,90 @@ impl Kernels {
     ) -> Result<(), BackendError> {
         let n = out.len();
         let (width, _) = head.widths();
-        check_len("log_probs", "heads", n * (head.n_outputs + 1), heads.len())?;
-        check_len("log_probs", "actions", n * width, actions.len())?;
-        if let Some(reference) = reference {
-            check_len("log_probs", "reference", n, reference.len())?;
-        }
-        let (outputs_i, flags, n_i) = (int("n_outputs", head.n_outputs)?, head.flags(), int("n", n)?);
-        let mut launch = stream.launch_builder(&self.heads[head.index()].log_probs);
-        head.push("log_probs", &mut launch, &outputs_i, &flags)?;
-        launch.arg(heads).arg(actions);
-        match reference {
-            Some(reference) => launch.arg(reference),
-            None => launch.arg(&NULL),
-        };
-        launch.arg(out).arg(&n_i);
+        let reference_len = reference.map_or(n, |reference| reference.len());
+        check_all(
+            "log_probs",
+            &[
+                ("heads", n * (head.n_outputs + 1), heads.len()),
+                ("actions", n * width, actions.len()),
+                ("reference", n, reference_len),
+            ],
+        )?;
+        let (head_ints, n_i) = (head.check("log_probs")?, int("n", n)?);
         // SAFETY: (n_outputs, head_params, head_flags, heads, actions, ref, out, n) is the
         // parameter list; head_params holds the head's parameters, heads n rows of
         // n_outputs + 1 floats, actions n rows of the head's action width, ref and out n floats
         // (checked); ref may be NULL (the kernel tests it); every categorical action is below
         // n_outputs because the trainer validates actions before staging them.
-        unsafe { launch.launch(grid(n)) }?;
-        Ok(())
+        unsafe {
+            self.launch(&self.heads[head.index()].log_probs, grid(n), |l| {
+                optional(head.push(l, &head_ints).arg(heads).arg(actions), reference).arg(out).arg(&n_i)
+            })
+        }
     }
 
     /// `out[i] = min(exp(prox[i] − behaviour[i]), clip)`.
     pub(crate) fn behaviour_weights(
         &self,
-        stream: &Arc<CudaStream>,
         prox: &CudaView<'_, f32>,
         behaviour: &CudaView<'_, f32>,
         clip: f32,
         out: &mut CudaViewMut<'_, f32>,
     ) -> Result<(), BackendError> {
         let n = out.len();
-        check_len("behaviour_weights", "prox", n, prox.len())?;
-        check_len("behaviour_weights", "behaviour", n, behaviour.len())?;
+        check_all("behaviour_weights", &[("prox", n, prox.len()), ("behaviour", n, behaviour.len())])?;
         let n_i = int("n", n)?;
-        let mut launch = stream.launch_builder(&self.behaviour_weights);
-        launch.arg(prox).arg(behaviour).arg(&clip).arg(out).arg(&n_i);
         // SAFETY: (prox, behaviour, clip, out, n) is the parameter list; all three views hold n
         // floats (checked).
-        unsafe { launch.launch(grid(n)) }?;
-        Ok(())
+        unsafe {
+            self.launch(&self.behaviour_weights, grid(n), |l| l.arg(prox).arg(behaviour).arg(&clip).arg(out).arg(&n_i))
+        }
     }
 
     /// The V-trace reverse scan (one thread per column).
     pub(crate) fn vtrace_scan(
         &self,
-        stream: &Arc<CudaStream>,
         args: &VTraceScanArgs<'_>,
         vs: &mut CudaViewMut<'_, f32>,
         pg_advantages: &mut CudaViewMut<'_, f32>,
     ) -> Result<(), BackendError> {
-        let n = args.t_len * args.b_len;
-        for (operand, len) in [
-            ("log_rhos", args.log_rhos.len()),
-            ("discounts", args.discounts.len()),
-            ("rewards", args.rewards.len()),
-            ("values", args.values.len()),
-            ("vs", vs.len()),
-            ("pg_advantages", pg_advantages.len()),
-            ("advantage_override", args.advantage_override.as_ref().map_or(n, |v| v.len())),
-        ] {
-            check_len("vtrace_scan", operand, n, len)?;
-        }
-        check_len("vtrace_scan", "bootstrap", args.b_len, args.bootstrap.len())?;
-        let (t_i, b_i) = (int("t_len", args.t_len)?, int("b_len", args.b_len)?);
+        let (t_len, b_len) = (args.t_len, args.b_len);
+        let n = t_len * b_len;
+        check_all(
+            "vtrace_scan",
+            &[
+                ("log_rhos", n, args.log_rhos.len()),
+                ("discounts", n, args.discounts.len()),
+                ("rewards", n, args.rewards.len()),
+                ("values", n, args.values.len()),
+                ("vs", n, vs.len()),
+                ("pg_advantages", n, pg_advantages.len()),
+                ("advantage_override", n, args.advantage_override.as_ref().map_or(n, |v| v.len())),
+                ("bootstrap", b_len, args.bootstrap.len()),
+            ],
+        )?;
+        let (t_i, b_i) = (int("t_len", t_len)?, int("b_len", b_len)?);
         // Without an override the kernel never reads the pointer; `rewards` stands in for it.
         let has_override = i32::from(args.advantage_override.is_some());
         let advantage_override = args.advantage_override.as_ref().unwrap_or(&args.rewards);
-        let mut launch = stream.launch_builder(&self.vtrace_scan);
-        launch
-            .arg(&t_i)
-            .arg(&b_i)
-            .arg(&args.log_rhos)
-            .arg(&args.discounts)
-            .arg(&args.rewards)
-            .arg(&args.values)
-            .arg(&args.bootstrap)
-            .arg(&args.rho_bar)
-            .arg(&args.pg_rho_bar)
-            .arg(&args.c_bar)
-            .arg(&args.lambda_)
-            .arg(&has_override)
-            .arg(advantage_override)
-            .arg(vs)
-            .arg(pg_advantages);
+        let VTraceScanArgs { log_rhos, discounts, rewards, values, bootstrap, config, .. } = args;
+        let VTraceConfig { clip_rho_threshold, clip_pg_rho_threshold, clip_c_threshold, lambda_ } = config;
         // SAFETY: the argument list matches vtrace_scan's parameters; every [T][B] view holds
         // t_len·b_len floats (the override too, or it is not read) and bootstrap b_len
         // (checked); each thread touches only its column.
-        unsafe { launch.launch(grid(args.b_len)) }?;
-        Ok(())
+        unsafe {
+            self.launch(&self.vtrace_scan, grid(b_len), |l| {
+                l.arg(&t_i).arg(&b_i).arg(log_rhos).arg(discounts).arg(rewards).arg(values).arg(bootstrap);
+                l.arg(clip_rho_threshold).arg(clip_pg_rho_threshold).arg(clip_c_threshold).arg(lambda_);
+                l.arg(&has_override).arg(advantage_override).arg(vs).arg(pg_advantages)
+            })
+        }
     }
 
     /// GAE advantages and returns (one thread per column).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn gae_scan(
         &self,
-        stream: &Arc<CudaStream>,
         t_len: usize,
         b_len: usize,
         discounts: &CudaView<'_, f32>,
@@ -726,95 +774,68 @@ impl Kernels {
         returns: &mut CudaViewMut<'_, f32>,
     ) -> Result<(), BackendError> {
         let n = t_len * b_len;
-        for (operand, len) in [
-            ("discounts", discounts.len()),
-            ("rewards", rewards.len()),
-            ("values", values.len()),
-            ("advantages", advantages.len()),
-            ("returns", returns.len()),
-            ("advantage_override", advantage_override.map_or(n, |v| v.len())),
-        ] {
-            check_len("gae_scan", operand, n, len)?;
-        }
+        check_all(
+            "gae_scan",
+            &[
+                ("discounts", n, discounts.len()),
+                ("rewards", n, rewards.len()),
+                ("values", n, values.len()),
+                ("advantages", n, advantages.len()),
+                ("returns", n, returns.len()),
+                ("advantage_override", n, advantage_override.map_or(n, |v| v.len())),
+                ("bootstrap", b_len, bootstrap.len()),
+            ],
+        )?;
         // Without an override the kernel never reads the pointer; `rewards` stands in for it.
         let has_override = i32::from(advantage_override.is_some());
         let advantage_override = advantage_override.unwrap_or(rewards);
-        check_len("gae_scan", "bootstrap", b_len, bootstrap.len())?;
         let (t_i, b_i) = (int("t_len", t_len)?, int("b_len", b_len)?);
-        let mut launch = stream.launch_builder(&self.gae_scan);
-        launch
-            .arg(&t_i)
-            .arg(&b_i)
-            .arg(discounts)
-            .arg(rewards)
-            .arg(values)
-            .arg(bootstrap)
-            .arg(&lambda_)
-            .arg(&has_override)
-            .arg(advantage_override)
-            .arg(advantages)
-            .arg(returns);
         // SAFETY: the argument list matches gae_scan's parameters; every [T][B] view holds
         // t_len·b_len floats (the override too, or it is not read) and bootstrap b_len
         // (checked); each thread touches only its column.
-        unsafe { launch.launch(grid(b_len)) }?;
-        Ok(())
+        unsafe {
+            self.launch(&self.gae_scan, grid(b_len), |l| {
+                l.arg(&t_i).arg(&b_i).arg(discounts).arg(rewards).arg(values).arg(bootstrap).arg(&lambda_);
+                l.arg(&has_override).arg(advantage_override).arg(advantages).arg(returns)
+            })
+        }
     }
 
     /// `moments[0] += Σ w`, `moments[1] += Σ w·x` (without `x`: only the first).
     pub(crate) fn weighted_sum(
         &self,
-        stream: &Arc<CudaStream>,
         weights: &CudaView<'_, f32>,
         x: Option<&CudaView<'_, f32>>,
         moments: &mut CudaViewMut<'_, f64>,
     ) -> Result<(), BackendError> {
         let n = weights.len();
-        if let Some(x) = x {
-            check_len("weighted_sum", "x", n, x.len())?;
-        }
-        check_len("weighted_sum", "moments", SLOT_STATS, moments.len())?;
+        check_all("weighted_sum", &[("x", n, x.map_or(n, |x| x.len())), ("moments", SLOT_STATS, moments.len())])?;
         let n_i = int("n", n)?;
-        let mut launch = stream.launch_builder(&self.weighted_sum);
-        launch.arg(weights);
-        match x {
-            Some(x) => launch.arg(x),
-            None => launch.arg(&NULL),
-        };
-        launch.arg(&n_i).arg(moments);
         // SAFETY: (w, x, n, acc) is the parameter list; w and x hold n floats (checked), x may
         // be NULL (the kernel tests it), and acc has the two doubles the kernel adds to.
-        unsafe { launch.launch(grid(n)) }?;
-        Ok(())
+        unsafe { self.launch(&self.weighted_sum, grid(n), |l| optional(l.arg(weights), x).arg(&n_i).arg(moments)) }
     }
 
     /// `moments[2] += Σ w·(x − mean)²` with the mean from `moments[0..2]`.
     pub(crate) fn weighted_var(
         &self,
-        stream: &Arc<CudaStream>,
         weights: &CudaView<'_, f32>,
         x: &CudaView<'_, f32>,
         moments: &mut CudaViewMut<'_, f64>,
     ) -> Result<(), BackendError> {
         let n = weights.len();
-        check_len("weighted_var", "x", n, x.len())?;
-        check_len("weighted_var", "moments", SLOT_STATS, moments.len())?;
+        check_all("weighted_var", &[("x", n, x.len()), ("moments", SLOT_STATS, moments.len())])?;
         let n_i = int("n", n)?;
-        let mut launch = stream.launch_builder(&self.weighted_var);
-        launch.arg(weights).arg(x).arg(&n_i).arg(moments);
         // SAFETY: (w, x, n, acc) is the parameter list; w and x hold n floats and acc the three
         // moments the kernel reads and adds to (checked).
-        unsafe { launch.launch(grid(n)) }?;
-        Ok(())
+        unsafe { self.launch(&self.weighted_var, grid(n), |l| l.arg(weights).arg(x).arg(&n_i).arg(moments)) }
     }
 
     /// The update's off-policy sums (`crate::telemetry::OffPolicySums`, added to `sums`) over
     /// `[log_rhos, weights, values, value_targets]`, each `[n]`, and every sample's ratio into
     /// `ratios` (`[n]`).
-    #[allow(clippy::too_many_arguments)]
     pub(crate) fn off_policy_sums(
         &self,
-        stream: &Arc<CudaStream>,
         inputs: &[CudaView<'_, f32>; 4],
         reference: Option<&CudaView<'_, f32>>,
         rho_bar: f32,
@@ -822,176 +843,106 @@ impl Kernels {
         sums: &mut CudaViewMut<'_, f64>,
         ratios: &mut CudaViewMut<'_, f32>,
     ) -> Result<(), BackendError> {
+        let op = "off_policy_sums";
         let n = ratios.len();
         for (operand, input) in ["log_rhos", "weights", "values", "value_targets"].into_iter().zip(inputs) {
-            check_len("off_policy_sums", operand, n, input.len())?;
+            check_len(op, operand, n, input.len())?;
         }
-        if let Some(reference) = reference {
-            check_len("off_policy_sums", "reference", n, reference.len())?;
-        }
-        check_len("off_policy_sums", "sums", crate::telemetry::OFF_POLICY_SUMS, sums.len())?;
+        let reference_len = reference.map_or(n, |reference| reference.len());
+        check_all(op, &[("reference", n, reference_len), ("sums", crate::telemetry::OFF_POLICY_SUMS, sums.len())])?;
         let n_i = int("n", n)?;
         let [log_rhos, weights, values, targets] = inputs;
-        let mut launch = stream.launch_builder(&self.off_policy_sums);
-        launch.arg(log_rhos);
-        match reference {
-            Some(reference) => launch.arg(reference),
-            None => launch.arg(&NULL),
-        };
-        launch.arg(weights).arg(values).arg(targets).arg(&rho_bar).arg(&c_bar).arg(&n_i).arg(sums).arg(ratios);
         // SAFETY: (log_rhos, ref, weights, values, targets, rho_bar, c_bar, n, sums, ratios) is
         // the parameter list; the four inputs, ref and ratios hold n floats and sums the ten
         // doubles the kernel adds to (checked); ref may be NULL (the kernel tests it).
-        unsafe { launch.launch(grid(n)) }?;
-        Ok(())
+        unsafe {
+            self.launch(&self.off_policy_sums, grid(n), |l| {
+                optional(l.arg(log_rhos), reference).arg(weights).arg(values).arg(targets);
+                l.arg(&rho_bar).arg(&c_bar).arg(&n_i).arg(sums).arg(ratios)
+            })
+        }
     }
 
     /// The fused V-trace loss rows over `n_rows` heads rows (`n` samples plus the bootstrap),
     /// with the head parameters' gradient rows `[n][n_params]`.
-    #[allow(clippy::too_many_arguments)]
     pub(crate) fn vtrace_loss_grad(
         &self,
-        stream: &Arc<CudaStream>,
-        head: &HeadArgs<'_>,
         args: &VTraceLossGradArgs<'_>,
-        moments: &mut CudaViewMut<'_, f64>,
-        d_heads: &mut CudaViewMut<'_, f32>,
-        d_head_params: &mut CudaViewMut<'_, f32>,
-        stats: &mut CudaViewMut<'_, f64>,
+        mut out: LossGradOutputs<'_>,
     ) -> Result<(), BackendError> {
         let op = "vtrace_loss_grad";
-        let n = args.weights.len();
-        let stride = head.n_outputs + 1;
-        let (width, n_params) = head.widths();
-        let n_rows = d_heads.len() / stride;
-        check_len(op, "d_heads", n_rows * stride, d_heads.len())?;
-        check_len(op, "heads", n_rows * stride, args.heads.len())?;
-        check_len(op, "actions", n * width, args.actions.len())?;
-        check_len(op, "d_head_params", n * n_params, d_head_params.len())?;
-        for (operand, len) in
-            [("vs", args.vs.len()), ("log_rhos", args.log_rhos.len()), ("pg_advantages", args.pg_advantages.len())]
-        {
-            check_len(op, operand, n, len)?;
+        let VTraceLossGradArgs { rows, vs, log_rhos, pg_advantages, config } = args;
+        let n = rows.weights.len();
+        let n_rows = out.d_heads.len() / (rows.head.n_outputs + 1);
+        let head_ints = rows.check(op, &out, n_rows)?;
+        let per_sample = [("vs", vs.len()), ("log_rhos", log_rhos.len()), ("pg_advantages", pg_advantages.len())];
+        check_all(op, &per_sample.map(|(operand, len)| (operand, n, len)))?;
+        if rows.values.len() < n || n > n_rows {
+            return Err(BackendError::Shape { op, operand: "values", expected: n, got: rows.values.len() });
         }
-        if args.values.len() < n || n > n_rows {
-            return Err(BackendError::Shape { op, operand: "values", expected: n, got: args.values.len() });
-        }
-        check_len(op, "moments", SLOT_STATS, moments.len())?;
-        check_len(op, "stats", 6, stats.len())?;
-        let (outputs_i, flags, n_i, rows_i) =
-            (int("n_outputs", head.n_outputs)?, head.flags(), int("n", n)?, int("n_rows", n_rows)?);
-        let mut launch = stream.launch_builder(&self.heads[head.index()].vtrace_loss_grad);
-        head.push(op, &mut launch, &outputs_i, &flags)?;
-        launch
-            .arg(&args.heads)
-            .arg(&args.actions)
-            .arg(&args.weights)
-            .arg(&args.values)
-            .arg(&args.vs)
-            .arg(&args.log_rhos)
-            .arg(&args.pg_advantages)
-            .arg(&args.rho_bar)
-            .arg(&args.value_coef)
-            .arg(&args.ent_coef)
-            .arg(&n_i)
-            .arg(&rows_i)
-            .arg(moments)
-            .arg(d_heads)
-            .arg(d_head_params)
-            .arg(stats);
+        let (n_i, rows_i) = (int("n", n)?, int("n_rows", n_rows)?);
+        let [rho_bar, value_coef, ent_coef] = [config.vtrace.clip_rho_threshold, config.value_coef, config.ent_coef];
         // SAFETY: the argument list matches vtrace_loss_grad_<head>'s parameters; heads and
         // d_heads hold n_rows rows of n_outputs + 1 floats, actions n rows of the action width,
         // d_head_params n rows of the head's parameter count, the per-sample inputs n floats
         // (read only for rows < n); moments and stats are disjoint parts of one slot
         // (split_at_mut) of 3 and 6 doubles; every categorical action is below n_outputs
         // (validated before staging).
-        unsafe { launch.launch(grid(n_rows)) }?;
-        Ok(())
+        unsafe {
+            self.launch(&self.heads[rows.head.index()].vtrace_loss_grad, grid(n_rows), |l| {
+                rows.push(l, &head_ints).arg(vs).arg(log_rhos).arg(pg_advantages);
+                out.push(l.arg(&rho_bar).arg(&value_coef).arg(&ent_coef).arg(&n_i).arg(&rows_i))
+            })
+        }
     }
 
     /// The fused PPO loss rows over `n` samples, with the head parameters' gradient rows.
-    #[allow(clippy::too_many_arguments)]
     pub(crate) fn ppo_loss_grad(
         &self,
-        stream: &Arc<CudaStream>,
-        head: &HeadArgs<'_>,
         args: &PpoLossGradArgs<'_>,
-        moments: &mut CudaViewMut<'_, f64>,
-        d_heads: &mut CudaViewMut<'_, f32>,
-        d_head_params: &mut CudaViewMut<'_, f32>,
-        stats: &mut CudaViewMut<'_, f64>,
+        mut out: LossGradOutputs<'_>,
     ) -> Result<(), BackendError> {
         let op = "ppo_loss_grad";
-        let n = args.weights.len();
-        let stride = head.n_outputs + 1;
-        let (width, n_params) = head.widths();
-        check_len(op, "heads", n * stride, args.heads.len())?;
-        check_len(op, "d_heads", n * stride, d_heads.len())?;
-        check_len(op, "actions", n * width, args.actions.len())?;
-        check_len(op, "d_head_params", n * n_params, d_head_params.len())?;
-        for (operand, len) in [
-            ("values", args.values.len()),
-            ("advantages", args.advantages.len()),
-            ("returns", args.returns.len()),
-            ("prox_log_probs", args.prox_log_probs.len()),
-            ("is_weights", args.is_weights.len()),
-        ] {
+        let PpoLossGradArgs { rows, advantages, returns, prox_log_probs, is_weights, config } = args;
+        let n = rows.weights.len();
+        let head_ints = rows.check(op, &out, n)?;
+        let per_sample = [rows.values.len(), advantages.len(), returns.len(), prox_log_probs.len(), is_weights.len()];
+        let operands = ["values", "advantages", "returns", "prox_log_probs", "is_weights"];
+        for (operand, len) in operands.into_iter().zip(per_sample) {
             check_len(op, operand, n, len)?;
         }
-        check_len(op, "moments", SLOT_STATS, moments.len())?;
-        check_len(op, "stats", 6, stats.len())?;
-        let (outputs_i, flags, n_i) = (int("n_outputs", head.n_outputs)?, head.flags(), int("n", n)?);
-        let normalize = i32::from(args.normalize);
-        let mut launch = stream.launch_builder(&self.heads[head.index()].ppo_loss_grad);
-        head.push(op, &mut launch, &outputs_i, &flags)?;
-        launch
-            .arg(&args.heads)
-            .arg(&args.actions)
-            .arg(&args.weights)
-            .arg(&args.values)
-            .arg(&args.advantages)
-            .arg(&args.returns)
-            .arg(&args.prox_log_probs)
-            .arg(&args.is_weights)
-            .arg(&args.clip_coef)
-            .arg(&args.value_coef)
-            .arg(&args.ent_coef)
-            .arg(&normalize)
-            .arg(&n_i)
-            .arg(moments)
-            .arg(d_heads)
-            .arg(d_head_params)
-            .arg(stats);
+        let (n_i, normalize) = (int("n", n)?, i32::from(config.normalize_advantages));
+        let [clip_coef, value_coef, ent_coef] = [config.clip_coef, config.value_coef, config.ent_coef];
         // SAFETY: the argument list matches ppo_loss_grad_<head>'s parameters; heads and d_heads
         // hold n rows of n_outputs + 1 floats, actions n rows of the action width,
         // d_head_params n rows of the head's parameter count and every per-sample input n
         // floats (checked); moments and stats are disjoint parts of one slot; every categorical
         // action is below n_outputs (validated).
-        unsafe { launch.launch(grid(n)) }?;
-        Ok(())
+        unsafe {
+            self.launch(&self.heads[rows.head.index()].ppo_loss_grad, grid(n), |l| {
+                rows.push(l, &head_ints).arg(advantages).arg(returns).arg(prox_log_probs).arg(is_weights);
+                l.arg(&clip_coef).arg(&value_coef).arg(&ent_coef).arg(&normalize).arg(&n_i);
+                out.push(l)
+            })
+        }
     }
 
     /// `sumsq[0] += Σ g²`.
     pub(crate) fn sum_squares(
         &self,
-        stream: &Arc<CudaStream>,
         grads: &CudaView<'_, f32>,
         sumsq: &mut CudaViewMut<'_, f64>,
     ) -> Result<(), BackendError> {
         check_len("sum_squares", "sumsq", 1, sumsq.len())?;
         let n = long("n", grads.len())?;
-        let mut launch = stream.launch_builder(&self.sum_squares);
-        launch.arg(grads).arg(&n).arg(sumsq);
         // SAFETY: (g, n, acc) is the parameter list; g holds n floats and acc one double.
-        unsafe { launch.launch(grid(grads.len())) }?;
-        Ok(())
+        unsafe { self.launch(&self.sum_squares, grid(grads.len()), |l| l.arg(grads).arg(&n).arg(sumsq)) }
     }
 
     /// From `Σ g²`: the norm, the skip decision, the step count and the bias corrections.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn adam_prepare(
         &self,
-        stream: &Arc<CudaStream>,
         sumsq: &CudaView<'_, f64>,
         step: &mut CudaViewMut<'_, f64>,
         coeffs: &mut CudaViewMut<'_, f32>,
@@ -1001,31 +952,24 @@ impl Kernels {
         beta1: f32,
         beta2: f32,
     ) -> Result<(), BackendError> {
-        check_len("adam_prepare", "sumsq", 1, sumsq.len())?;
-        check_len("adam_prepare", "step", 1, step.len())?;
-        check_len("adam_prepare", "coeffs", 4, coeffs.len())?;
+        let lens = [("sumsq", 1, sumsq.len()), ("step", 1, step.len()), ("coeffs", 4, coeffs.len())];
+        check_all("adam_prepare", &lens)?;
         check_len("adam_prepare", "norm_out", 1, norm_out.len())?;
-        let mut launch = stream.launch_builder(&self.adam_prepare);
-        launch
-            .arg(sumsq)
-            .arg(step)
-            .arg(coeffs)
-            .arg(norm_out)
-            .arg(&learning_rate)
-            .arg(&max_norm)
-            .arg(&beta1)
-            .arg(&beta2);
+        let one_thread = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (32, 1, 1), shared_mem_bytes: 0 };
         // SAFETY: the argument list matches adam_prepare's parameters; one thread touches
         // sumsq[0], step[0], coeffs[0..4] and norm_out[0], all present (checked).
-        unsafe { launch.launch(LaunchConfig { grid_dim: (1, 1, 1), block_dim: (32, 1, 1), shared_mem_bytes: 0 }) }?;
-        Ok(())
+        unsafe {
+            self.launch(&self.adam_prepare, one_thread, |l| {
+                l.arg(sumsq).arg(step).arg(coeffs).arg(norm_out);
+                l.arg(&learning_rate).arg(&max_norm).arg(&beta1).arg(&beta2)
+            })
+        }
     }
 
     /// The clipped Adam step over the flat parameters (skipped when `coeffs[3] = 0`).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn adam_step(
         &self,
-        stream: &Arc<CudaStream>,
         params: &mut CudaViewMut<'_, f32>,
         grads: &CudaView<'_, f32>,
         m: &mut CudaViewMut<'_, f32>,
@@ -1036,75 +980,48 @@ impl Kernels {
         eps: f32,
     ) -> Result<(), BackendError> {
         let len = params.len();
-        check_len("adam_step", "grads", len, grads.len())?;
-        check_len("adam_step", "m", len, m.len())?;
-        check_len("adam_step", "v", len, v.len())?;
-        check_len("adam_step", "coeffs", 4, coeffs.len())?;
+        let lens = [("grads", len, grads.len()), ("m", len, m.len()), ("v", len, v.len()), ("coeffs", 4, coeffs.len())];
+        check_all("adam_step", &lens)?;
         let n = long("n", len)?;
-        let mut launch = stream.launch_builder(&self.adam_step);
-        launch.arg(params).arg(grads).arg(m).arg(v).arg(coeffs).arg(&beta1).arg(&beta2).arg(&eps).arg(&n);
         // SAFETY: the argument list matches adam_step's parameters; params, grads, m and v hold
         // n floats and coeffs four (checked); the four buffers are distinct allocations.
-        unsafe { launch.launch(grid(len)) }?;
-        Ok(())
+        unsafe {
+            self.launch(&self.adam_step, grid(len), |l| {
+                l.arg(params).arg(grads).arg(m).arg(v).arg(coeffs).arg(&beta1).arg(&beta2).arg(&eps).arg(&n)
+            })
+        }
     }
 
-    /// Unfold `n` images `x` into `cols: [n·OH·OW][C·K·K]` (see `conv.cu`).
-    pub(crate) fn im2col(
+    /// `im2col` ([`ConvMap::Unfold`]: `src` the images, `dst` the unfolded matrix) or
+    /// `col2im` ([`ConvMap::Fold`]: `src` the matrix's gradient, `dst` the images' gradient,
+    /// overwritten) over `n` images (see `conv.cu`).
+    pub(crate) fn conv_map(
         &self,
-        stream: &Arc<CudaStream>,
-        x: &CudaView<'_, f32>,
+        map: ConvMap,
+        src: &CudaView<'_, f32>,
         n: usize,
         geometry: &ConvGeometry,
-        cols: &mut CudaViewMut<'_, f32>,
+        dst: &mut CudaViewMut<'_, f32>,
     ) -> Result<(), BackendError> {
-        check_len("im2col", "x", n * geometry.input_len(), x.len())?;
-        check_len("im2col", "cols", n * geometry.cols_len(), cols.len())?;
-        let args = ConvInts::new(n, geometry)?;
-        let len = cols.len();
-        let mut launch = stream.launch_builder(&self.im2col);
-        launch.arg(x).arg(cols);
-        args.push(&mut launch);
-        // SAFETY: the argument list matches im2col's (x, cols, then the ten ints of
-        // ConvInts::push); the kernel writes cols[0..n·OH·OW·C·K·K) and reads x only at in-image
-        // positions of images 0..n, below n·C·H·W; both lengths are checked above, and cols (a
-        // mutable borrow) cannot alias x.
-        unsafe { launch.launch(grid(len)) }?;
-        Ok(())
+        let (images, cols) = (n * geometry.input_len(), n * geometry.cols_len());
+        let (op, function, [(src_name, src_len), (dst_name, dst_len)]) = match map {
+            ConvMap::Unfold => ("im2col", &self.im2col, [("x", images), ("cols", cols)]),
+            ConvMap::Fold => ("col2im", &self.col2im, [("d_cols", cols), ("dx", images)]),
+        };
+        check_all(op, &[(src_name, src_len, src.len()), (dst_name, dst_len, dst.len())])?;
+        let ints = ConvInts::new(n, geometry)?;
+        // SAFETY: the argument list matches im2col's and col2im's (src, dst, then the ten ints
+        // of ConvInts::push); the kernel writes dst[0..dst_len) and reads src only below
+        // src_len (im2col: in-image positions of images 0..n; col2im: rows of in-range output
+        // positions of images 0..n); both lengths are checked above, and dst (a mutable
+        // borrow) cannot alias src.
+        unsafe { self.launch(function, grid(dst_len), |l| ints.push(l.arg(src).arg(dst))) }
     }
 
-    /// Fold `d_cols: [n·OH·OW][C·K·K]` back into `dx: [n][C·H·W]`, overwriting it (see `conv.cu`).
-    pub(crate) fn col2im(
-        &self,
-        stream: &Arc<CudaStream>,
-        d_cols: &CudaView<'_, f32>,
-        n: usize,
-        geometry: &ConvGeometry,
-        dx: &mut CudaViewMut<'_, f32>,
-    ) -> Result<(), BackendError> {
-        check_len("col2im", "d_cols", n * geometry.cols_len(), d_cols.len())?;
-        check_len("col2im", "dx", n * geometry.input_len(), dx.len())?;
-        let args = ConvInts::new(n, geometry)?;
-        let len = dx.len();
-        let mut launch = stream.launch_builder(&self.col2im);
-        launch.arg(d_cols).arg(dx);
-        args.push(&mut launch);
-        // SAFETY: the argument list matches col2im's (d_cols, dx, then the ten ints of
-        // ConvInts::push); the kernel writes dx[0..n·C·H·W) and reads d_cols only at rows of
-        // in-range output positions of images 0..n, below n·OH·OW·C·K·K; both lengths are
-        // checked above, and dx (a mutable borrow) cannot alias d_cols.
-        unsafe { launch.launch(grid(len)) }?;
-        Ok(())
-    }
-}
-
-impl Kernels {
     /// Unfold `n` images of bytes packed four to a word in `x` into `cols`, byte `v` as
     /// `table[v]` (`table`: 256 floats on the device; see `conv.cu`).
-    #[allow(clippy::too_many_arguments)]
     pub(crate) fn im2col_u8(
         &self,
-        stream: &Arc<CudaStream>,
         x: &CudaView<'_, f32>,
         n: usize,
         geometry: &ConvGeometry,
@@ -1112,31 +1029,28 @@ impl Kernels {
         cols: &mut CudaViewMut<'_, f32>,
     ) -> Result<(), BackendError> {
         let image_words = crate::backend::packed_words(geometry.input_len());
-        check_len("im2col_u8", "x", n * image_words, x.len())?;
-        check_len("im2col_u8", "table", 256, table.len())?;
+        let lens = [("x", n * image_words, x.len()), ("table", 256, table.len())];
+        check_all("im2col_u8", &lens)?;
         check_len("im2col_u8", "cols", n * geometry.cols_len(), cols.len())?;
-        let args = ConvInts::new(n, geometry)?;
+        let ints = ConvInts::new(n, geometry)?;
         let image_stride = long("image_stride", 4 * image_words)?;
         long("x bytes", n.saturating_mul(4 * image_words))?;
-        let len = cols.len();
-        let mut launch = stream.launch_builder(&self.im2col_u8);
-        launch.arg(x).arg(cols).arg(table).arg(&image_stride);
-        args.push(&mut launch);
         // SAFETY: the argument list matches im2col_u8's (x read as bytes, cols, table,
         // image_stride, then the ten ints of ConvInts::push); the kernel writes
         // cols[0..n·OH·OW·C·K·K) and reads bytes of images 0..n below n·image_stride = 4·x.len()
         // and table[0..256); the lengths are checked above, and cols (a mutable borrow) cannot
         // alias x or table.
-        unsafe { launch.launch(grid(len)) }?;
-        Ok(())
+        unsafe {
+            self.launch(&self.im2col_u8, grid(cols.len()), |l| {
+                ints.push(l.arg(x).arg(cols).arg(table).arg(&image_stride))
+            })
+        }
     }
 
     /// Widen `rows` rows of `width` bytes packed four to a word in `x` into `out`, byte `v` as
     /// `table[v]` (see `conv.cu`).
-    #[allow(clippy::too_many_arguments)]
     pub(crate) fn widen_u8(
         &self,
-        stream: &Arc<CudaStream>,
         x: &CudaView<'_, f32>,
         rows: usize,
         width: usize,
@@ -1144,28 +1058,28 @@ impl Kernels {
         out: &mut CudaViewMut<'_, f32>,
     ) -> Result<(), BackendError> {
         let row_words = crate::backend::packed_words(width);
-        check_len("widen_u8", "x", rows * row_words, x.len())?;
-        check_len("widen_u8", "table", 256, table.len())?;
-        check_len("widen_u8", "out", rows * width, out.len())?;
+        let lens = [("x", rows * row_words, x.len()), ("table", 256, table.len()), ("out", rows * width, out.len())];
+        check_all("widen_u8", &lens)?;
         let len = out.len();
         if len == 0 {
             return Ok(());
         }
         let row_stride = long("row_stride", 4 * row_words)?;
         long("x bytes", rows.saturating_mul(4 * row_words))?;
-        let (rows_arg, width_arg) = (int("rows", rows)?, int("width", width)?);
-        let mut launch = stream.launch_builder(&self.widen_u8);
-        launch.arg(x).arg(out).arg(table).arg(&row_stride).arg(&rows_arg).arg(&width_arg);
+        let (rows_i, width_i) = (int("rows", rows)?, int("width", width)?);
         // SAFETY: the argument list matches widen_u8's (x read as bytes, out, table,
         // row_stride, rows, width); the kernel writes out[0..rows·width) and reads bytes below
         // rows·row_stride = 4·x.len() and table[0..256); the lengths are checked above, and out
         // (a mutable borrow) cannot alias x or table.
-        unsafe { launch.launch(grid(len)) }?;
-        Ok(())
+        unsafe {
+            self.launch(&self.widen_u8, grid(len), |l| {
+                l.arg(x).arg(out).arg(table).arg(&row_stride).arg(&rows_i).arg(&width_i)
+            })
+        }
     }
 }
 
-/// The integer arguments shared by `im2col` and `col2im`, converted once.
+/// The integer arguments shared by the conv kernels, converted once.
 struct ConvInts([i32; 10]);
 
 impl ConvInts {
@@ -1188,10 +1102,11 @@ impl ConvInts {
     }
 
     /// Push `n, c_in, h, w, k, stride, pad, out_h, out_w, channels_last`, in the kernels' order.
-    fn push<'a>(&'a self, launch: &mut cudarc::driver::LaunchArgs<'a>) {
+    fn push<'a, 'l>(&'a self, launch: &'l mut LaunchArgs<'a>) -> &'l mut LaunchArgs<'a> {
         for value in &self.0 {
             launch.arg(value);
         }
+        launch
     }
 }
 

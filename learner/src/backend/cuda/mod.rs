@@ -27,16 +27,16 @@ use std::sync::Arc;
 use cudarc::driver::{CudaEvent, CudaSlice, CudaView, CudaViewMut, PinnedHostSlice};
 use volley_policy::Activation;
 
-use self::device::Gpu;
+use self::device::{Gpu, Product};
 use self::kernels::{
-    HeadArgs, PpoLossGradArgs, VTraceLossGradArgs, VTraceScanArgs, ACT_IDENTITY, ACT_RELU, ACT_TANH, SLOT, SLOT_STATS,
-    SLOT_SUMSQ,
+    HeadArgs, LossGradOutputs, LossRows, PpoLossGradArgs, VTraceLossGradArgs, VTraceScanArgs, ACT_IDENTITY, ACT_RELU,
+    ACT_TANH, SLOT, SLOT_STATS, SLOT_SUMSQ,
 };
 use self::profile::{Mark, Profile};
 pub use self::timing::{DeviceTiming, KernelTiming};
 use super::ops::{
-    BehaviourWeights, ClipAdamStep, Col2im, DenseForward, GaeScan, GatherColumns, GruCarryGrad, GruCellBackward,
-    GruCellForward, GruResetCopy, Im2col, Im2colU8, LogProbs, MatmulDw, MatmulDx, TakeColumn, WidenU8,
+    BehaviourWeights, ClipAdamStep, Col2im, ConvMap, DenseForward, GaeScan, GatherColumns, GruCarryGrad,
+    GruCellBackward, GruCellForward, GruResetCopy, Im2col, Im2colU8, LogProbs, MatmulDw, MatmulDx, TakeColumn, WidenU8,
 };
 use super::{Backend, BackendError, Evaluation, Head, OffPolicyViews, PpoLoss, VTraceLoss, View, ViewMut};
 use crate::losses::WeightedSums;
@@ -226,7 +226,7 @@ impl CudaBackend {
         }
         if self.ones_filled < rows {
             let len = self.ones.len();
-            self.gpu.kernels.fill(&self.gpu.stream, &mut self.ones.slice_mut(..len), 1.0)?;
+            self.gpu.kernels.fill(&mut self.ones.slice_mut(..len), 1.0)?;
             self.ones_filled = len;
         }
         Ok(self.ones.slice(..rows))
@@ -326,7 +326,7 @@ impl Backend for CudaBackend {
     }
 
     fn fill(&mut self, x: ViewMut<'_, Self>, value: f32) -> Result<(), BackendError> {
-        self.gpu.kernels.fill(&self.gpu.stream, &mut view_mut(x), value)
+        self.gpu.kernels.fill(&mut view_mut(x), value)
     }
 
     fn copy_unchecked(&mut self, src: View<'_, Self>, dst: ViewMut<'_, Self>) -> Result<(), BackendError> {
@@ -337,8 +337,15 @@ impl Backend for CudaBackend {
     fn dense_forward_unchecked(&mut self, op: DenseForward<'_, Self>) -> Result<(), BackendError> {
         let gpu = &self.gpu;
         let mut y = view_mut(op.y);
-        gpu.gemm_xwt(&view(op.x), op.rows, op.n_in, &view(op.weight), op.n_out, &mut y)?;
-        gpu.kernels.bias_act_fwd(&gpu.stream, &mut y, &view(op.bias), op.rows, activation_code(op.act))
+        // `y[rows×n_out] = x[rows×n_in] · Wᵀ`, `W: [n_out×n_in]`.
+        gpu.product(
+            Product::new(op.rows, op.n_out, op.n_in).b_transposed(),
+            &view(op.x),
+            &view(op.weight),
+            0.0,
+            &mut y,
+        )?;
+        gpu.kernels.bias_act_fwd(&mut y, &view(op.bias), op.rows, activation_code(op.act))
     }
 
     fn act_backward_unchecked(
@@ -347,17 +354,20 @@ impl Backend for CudaBackend {
         y: View<'_, Self>,
         act: Activation,
     ) -> Result<(), BackendError> {
-        self.gpu.kernels.act_bwd(&self.gpu.stream, &mut view_mut(dy), &view(y), activation_code(Some(act)))
+        self.gpu.kernels.act_bwd(&mut view_mut(dy), &view(y), activation_code(Some(act)))
     }
 
     fn matmul_dw_unchecked(&mut self, op: MatmulDw<'_, Self>) -> Result<(), BackendError> {
-        self.gpu.gemm_dw(&view(op.dy), op.rows, op.n_out, &view(op.x), op.n_in, &mut view_mut(op.dw))
+        // `dW[n_out×n_in] = dYᵀ · X` over `rows` rows (overwrites).
+        let product = Product::new(op.n_out, op.n_in, op.rows).a_transposed();
+        self.gpu.product(product, &view(op.dy), &view(op.x), 0.0, &mut view_mut(op.dw))
     }
 
     fn matmul_dx_unchecked(&mut self, op: MatmulDx<'_, Self>) -> Result<(), BackendError> {
         let beta = if op.accumulate { 1.0 } else { 0.0 };
         let (dy, weight) = (view(op.dy), view(op.weight));
-        self.gpu.gemm_dx(&dy, op.rows, op.n_out, &weight, op.n_in, &mut view_mut(op.dx), beta)
+        // `dX[rows×n_in] = dY[rows×n_out] · W` (`+ dX`).
+        self.gpu.product(Product::new(op.rows, op.n_in, op.n_out), &dy, &weight, beta, &mut view_mut(op.dx))
     }
 
     fn column_sums_unchecked(
@@ -372,69 +382,65 @@ impl Backend for CudaBackend {
     }
 
     fn im2col_unchecked(&mut self, op: Im2col<'_, Self>) -> Result<(), BackendError> {
-        self.gpu.kernels.im2col(&self.gpu.stream, &view(op.x), op.n, op.geometry, &mut view_mut(op.cols))
+        self.gpu.kernels.conv_map(ConvMap::Unfold, &view(op.x), op.n, op.geometry, &mut view_mut(op.cols))
     }
 
     fn im2col_u8_unchecked(&mut self, op: Im2colU8<'_, Self>) -> Result<(), BackendError> {
         let gpu = self.gpu.clone();
         let table = self.byte_table(op.scale)?;
-        gpu.kernels.im2col_u8(&gpu.stream, &view(op.x), op.n, op.geometry, &table, &mut view_mut(op.cols))
+        gpu.kernels.im2col_u8(&view(op.x), op.n, op.geometry, &table, &mut view_mut(op.cols))
     }
 
     fn widen_u8_unchecked(&mut self, op: WidenU8<'_, Self>) -> Result<(), BackendError> {
         let gpu = self.gpu.clone();
         let table = self.byte_table(op.scale)?;
-        gpu.kernels.widen_u8(&gpu.stream, &view(op.x), op.rows, op.width, &table, &mut view_mut(op.out))
+        gpu.kernels.widen_u8(&view(op.x), op.rows, op.width, &table, &mut view_mut(op.out))
     }
 
     fn col2im_unchecked(&mut self, op: Col2im<'_, Self>) -> Result<(), BackendError> {
-        self.gpu.kernels.col2im(&self.gpu.stream, &view(op.d_cols), op.n, op.geometry, &mut view_mut(op.dx))
+        self.gpu.kernels.conv_map(ConvMap::Fold, &view(op.d_cols), op.n, op.geometry, &mut view_mut(op.dx))
     }
 
     fn take_column_unchecked(&mut self, op: TakeColumn<'_, Self>) -> Result<(), BackendError> {
-        self.gpu.kernels.take_column(&self.gpu.stream, &view(op.src), op.width, op.column, &mut view_mut(op.dst))
+        self.gpu.kernels.take_column(&view(op.src), op.width, op.column, &mut view_mut(op.dst))
     }
 
     fn gru_reset_copy_unchecked(&mut self, op: GruResetCopy<'_, Self>) -> Result<(), BackendError> {
         let (src, starts) = (view(op.src), view(op.starts));
-        self.gpu.kernels.gru_reset_copy(&self.gpu.stream, &src, &starts, op.hidden, &mut view_mut(op.dst))
+        self.gpu.kernels.gru_reset_copy(&src, &starts, op.hidden, &mut view_mut(op.dst))
     }
 
     fn gru_cell_forward_unchecked(&mut self, op: GruCellForward<'_, Self>) -> Result<(), BackendError> {
         let (gi, gh, h_prev) = (view(op.gi), view(op.gh), view(op.h_prev));
         let (mut gates, mut h_out) = (view_mut(op.gates), view_mut(op.h_out));
-        self.gpu.kernels.gru_cell_fwd(&self.gpu.stream, &gi, &gh, &h_prev, op.hidden, &mut gates, &mut h_out)
+        self.gpu.kernels.gru_cell_fwd(&gi, &gh, &h_prev, op.hidden, &mut gates, &mut h_out)
     }
 
     fn gru_cell_backward_unchecked(&mut self, op: GruCellBackward<'_, Self>) -> Result<(), BackendError> {
         let (gates, gh, h_prev) = (view(op.gates), view(op.gh), view(op.h_prev));
         let (mut d_h, mut d_gi, mut d_gh) = (view_mut(op.d_h), view_mut(op.d_gi), view_mut(op.d_gh));
-        let stream = &self.gpu.stream;
-        self.gpu.kernels.gru_cell_bwd(stream, &mut d_h, &gates, &gh, &h_prev, op.hidden, &mut d_gi, &mut d_gh)
+        self.gpu.kernels.gru_cell_bwd(&mut d_h, &gates, &gh, &h_prev, op.hidden, &mut d_gi, &mut d_gh)
     }
 
     fn gru_carry_grad_unchecked(&mut self, op: GruCarryGrad<'_, Self>) -> Result<(), BackendError> {
         let (starts, from_heads) = (op.starts_next.map(view), view(op.from_heads));
-        let stream = &self.gpu.stream;
-        self.gpu.kernels.gru_carry_grad(stream, &mut view_mut(op.d_h), starts.as_ref(), &from_heads, op.hidden)
+        self.gpu.kernels.gru_carry_grad(&mut view_mut(op.d_h), starts.as_ref(), &from_heads, op.hidden)
     }
 
     fn log_probs_unchecked(&mut self, op: LogProbs<'_, Self>) -> Result<(), BackendError> {
         let (heads, actions, reference) = (view(op.heads), view(op.actions), op.reference.map(view));
         let head = head_args(&op.head, op.n_actions);
-        let stream = &self.gpu.stream;
-        self.gpu.kernels.log_probs(stream, &head, &heads, &actions, reference.as_ref(), &mut view_mut(op.out))
+        self.gpu.kernels.log_probs(&head, &heads, &actions, reference.as_ref(), &mut view_mut(op.out))
     }
 
     fn behaviour_weights_unchecked(&mut self, op: BehaviourWeights<'_, Self>) -> Result<(), BackendError> {
         let (prox, behaviour) = (view(op.prox_log_probs), view(op.behaviour_log_probs));
-        self.gpu.kernels.behaviour_weights(&self.gpu.stream, &prox, &behaviour, op.clip, &mut view_mut(op.out))
+        self.gpu.kernels.behaviour_weights(&prox, &behaviour, op.clip, &mut view_mut(op.out))
     }
 
     fn gae_scan_unchecked(&mut self, op: GaeScan<'_, Self>) -> Result<(), BackendError> {
         let advantage_override = op.advantage_override.map(view);
         self.gpu.kernels.gae_scan(
-            &self.gpu.stream,
             op.t_len,
             op.b_len,
             &view(op.discounts),
@@ -465,7 +471,6 @@ impl Backend for CudaBackend {
         let (t_len, b_len) = (inputs.t_len, inputs.b_len);
         let n = t_len * b_len;
         let gpu = self.gpu.clone();
-        let stream = &gpu.stream;
         let head = head_args(&inputs.head, inputs.n_actions);
         let mut log_rhos = view_mut(outputs.log_rhos);
         let mut vs = view_mut(outputs.vs);
@@ -474,7 +479,7 @@ impl Backend for CudaBackend {
         // log ρ over the n sample rows (the bootstrap row has no action).
         let sample_rows = view(inputs.heads.slice(0..n * (inputs.n_actions + 1)));
         let behaviour = view(inputs.behaviour_log_probs);
-        gpu.kernels.log_probs(stream, &head, &sample_rows, &view(inputs.actions), Some(&behaviour), &mut log_rhos)?;
+        gpu.kernels.log_probs(&head, &sample_rows, &view(inputs.actions), Some(&behaviour), &mut log_rhos)?;
         let scan = VTraceScanArgs {
             t_len,
             b_len,
@@ -483,77 +488,48 @@ impl Backend for CudaBackend {
             rewards: view(inputs.rewards),
             values: view(values.slice(0..n)),
             bootstrap: view(values.slice(n..n + b_len)),
-            rho_bar: config.vtrace.clip_rho_threshold,
-            pg_rho_bar: config.vtrace.clip_pg_rho_threshold,
-            c_bar: config.vtrace.clip_c_threshold,
-            lambda_: config.vtrace.lambda_,
+            config: &config.vtrace,
             advantage_override: inputs.advantage_override.map(view),
         };
-        gpu.kernels.vtrace_scan(stream, &scan, &mut vs, &mut pg_advantages)?;
+        gpu.kernels.vtrace_scan(&scan, &mut vs, &mut pg_advantages)?;
         let mut slot_sums = self.slot(slot)?;
         let (mut moments, mut rest) = slot_sums.split_at_mut(SLOT_STATS);
-        let mut stats = rest.slice_mut(..6);
+        let stats = rest.slice_mut(..6);
         let weights = view(inputs.sample_weights);
-        gpu.kernels.weighted_sum(stream, &weights, None, &mut moments)?;
-        let args = VTraceLossGradArgs {
-            heads: view(inputs.heads),
-            actions: view(inputs.actions),
-            weights,
-            values: view(values),
-            vs: vs.as_view(),
-            log_rhos: log_rhos.as_view(),
-            pg_advantages: pg_advantages.as_view(),
-            rho_bar: config.vtrace.clip_rho_threshold,
-            value_coef: config.value_coef,
-            ent_coef: config.ent_coef,
-        };
-        gpu.kernels.vtrace_loss_grad(
-            stream,
-            &head,
-            &args,
-            &mut moments,
-            &mut view_mut(outputs.d_heads),
-            &mut view_mut(outputs.d_head_params),
-            &mut stats,
-        )
+        gpu.kernels.weighted_sum(&weights, None, &mut moments)?;
+        let rows =
+            LossRows { head, heads: view(inputs.heads), actions: view(inputs.actions), weights, values: view(values) };
+        let (vs, log_rhos, pg_advantages) = (vs.as_view(), log_rhos.as_view(), pg_advantages.as_view());
+        let args = VTraceLossGradArgs { rows, vs, log_rhos, pg_advantages, config };
+        let (d_heads, d_head_params) = (view_mut(outputs.d_heads), view_mut(outputs.d_head_params));
+        gpu.kernels.vtrace_loss_grad(&args, LossGradOutputs { moments, d_heads, d_head_params, stats })
     }
 
     fn ppo_loss_unchecked(&mut self, op: PpoLoss<'_, Self>) -> Result<(), BackendError> {
         let PpoLoss { inputs, config, outputs, slot } = op;
         let gpu = self.gpu.clone();
-        let stream = &gpu.stream;
         let mut slot_sums = self.slot(slot)?;
         let (mut moments, mut rest) = slot_sums.split_at_mut(SLOT_STATS);
-        let mut stats = rest.slice_mut(..6);
+        let stats = rest.slice_mut(..6);
         let weights = view(inputs.sample_weights);
         let advantages = view(inputs.advantages);
-        gpu.kernels.weighted_sum(stream, &weights, Some(&advantages), &mut moments)?;
+        gpu.kernels.weighted_sum(&weights, Some(&advantages), &mut moments)?;
         if config.normalize_advantages {
-            gpu.kernels.weighted_var(stream, &weights, &advantages, &mut moments)?;
+            gpu.kernels.weighted_var(&weights, &advantages, &mut moments)?;
         }
-        let args = PpoLossGradArgs {
+        let head = head_args(&inputs.head, inputs.n_actions);
+        let rows = LossRows {
+            head,
             heads: view(inputs.heads),
             actions: view(inputs.actions),
             weights,
             values: view(inputs.values),
-            advantages,
-            returns: view(inputs.returns),
-            prox_log_probs: view(inputs.prox_log_probs),
-            is_weights: view(inputs.is_weights),
-            clip_coef: config.clip_coef,
-            value_coef: config.value_coef,
-            ent_coef: config.ent_coef,
-            normalize: config.normalize_advantages,
         };
-        gpu.kernels.ppo_loss_grad(
-            stream,
-            &head_args(&inputs.head, inputs.n_actions),
-            &args,
-            &mut moments,
-            &mut view_mut(outputs.d_heads),
-            &mut view_mut(outputs.d_head_params),
-            &mut stats,
-        )
+        let (returns, prox_log_probs, is_weights) =
+            (view(inputs.returns), view(inputs.prox_log_probs), view(inputs.is_weights));
+        let args = PpoLossGradArgs { rows, advantages, returns, prox_log_probs, is_weights, config };
+        let (d_heads, d_head_params) = (view_mut(outputs.d_heads), view_mut(outputs.d_head_params));
+        gpu.kernels.ppo_loss_grad(&args, LossGradOutputs { moments, d_heads, d_head_params, stats })
     }
 
     fn off_policy_sums_unchecked(
@@ -565,7 +541,6 @@ impl Backend for CudaBackend {
         let views = [view(inputs.log_rhos), view(inputs.weights), view(inputs.values), view(inputs.value_targets)];
         let reference = inputs.reference.map(view);
         gpu.kernels.off_policy_sums(
-            &gpu.stream,
             &views,
             reference.as_ref(),
             inputs.rho_bar,
@@ -579,7 +554,7 @@ impl Backend for CudaBackend {
         let columns = op.columns.slice(op.columns_offset..op.columns_offset + op.n_columns);
         let (src, mut dst) = (view(op.src), view_mut(op.dst));
         let (rows, b_len, width) = (op.rows, op.b_len, op.width);
-        self.gpu.kernels.gather_columns(&self.gpu.stream, &src, rows, b_len, width, &columns, &mut dst)
+        self.gpu.kernels.gather_columns(&src, rows, b_len, width, &columns, &mut dst)
     }
 
     fn step_count(&mut self, t: u64) -> Result<CudaSlice<f64>, BackendError> {
@@ -597,16 +572,14 @@ impl Backend for CudaBackend {
     fn clip_adam_step_unchecked(&mut self, op: ClipAdamStep<'_, Self>) -> Result<(), BackendError> {
         let ClipAdamStep { step, config, learning_rate, max_grad_norm, slot, .. } = op;
         let gpu = self.gpu.clone();
-        let stream = &gpu.stream;
         let grads = view_mut(op.grads);
         {
             let mut slot_sums = self.slot(slot)?;
             let mut sumsq = slot_sums.slice_mut(SLOT_SUMSQ..SLOT_SUMSQ + 1);
-            gpu.kernels.sum_squares(stream, &grads.as_view(), &mut sumsq)?;
+            gpu.kernels.sum_squares(&grads.as_view(), &mut sumsq)?;
         }
         let sumsq = self.evaluation_sums.slice(slot * SLOT + SLOT_SUMSQ..slot * SLOT + SLOT_SUMSQ + 1);
         gpu.kernels.adam_prepare(
-            stream,
             &sumsq,
             &mut step.slice_mut(..1),
             &mut self.adam_coeffs.slice_mut(..4),
@@ -617,7 +590,6 @@ impl Backend for CudaBackend {
             config.beta2,
         )?;
         gpu.kernels.adam_step(
-            stream,
             &mut view_mut(op.params),
             &grads.as_view(),
             &mut view_mut(op.adam_m),

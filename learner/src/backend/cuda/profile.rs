@@ -4,6 +4,7 @@
 //! ceiling).
 
 use cudarc::driver::{CudaEvent, CudaSlice};
+use volley_policy::returns::VTraceConfig;
 
 use super::device::Gpu;
 use super::kernels::VTraceScanArgs;
@@ -99,13 +100,10 @@ impl CudaDevice {
                 rewards: bufs[2].slice(..n),
                 values: bufs[3].slice(..n),
                 bootstrap: bootstrap.slice(..b_len),
-                rho_bar: 1.0,
-                pg_rho_bar: 1.0,
-                c_bar: 1.0,
-                lambda_: 0.95,
+                config: &VTraceConfig { lambda_: 0.95, ..VTraceConfig::default() },
                 advantage_override: None,
             };
-            gpu.kernels.vtrace_scan(&gpu.stream, &args, &mut vs.slice_mut(..n), &mut adv.slice_mut(..n))
+            gpu.kernels.vtrace_scan(&args, &mut vs.slice_mut(..n), &mut adv.slice_mut(..n))
         })?;
         Ok(KernelTiming { ms, bytes: (4 * (6 * n + b_len)) as u64 })
     }

@@ -16,7 +16,7 @@ use volley_core::spec::{HyperParams, LossKind, RunSpec};
 use volley_core::wire::Observations;
 use volley_env::EnvConfig;
 use volley_policy::returns::{vtrace, VTraceConfig};
-use volley_policy::{ActionHead, Activation, CoreKind, ParamLayout, PolicySpec};
+use volley_policy::{ActionHead, Activation, ParamLayout, PolicySpec};
 
 use super::*;
 use crate::backend::{
@@ -25,7 +25,7 @@ use crate::backend::{
     ViewMut,
 };
 use crate::batch::{SegmentBatch, StateRestore};
-use crate::learner::Learner;
+use crate::learner::{Learner, UpdateStats};
 use crate::losses::{LossStats, PpoLossConfig, VTraceLossConfig};
 use crate::net::Network;
 use crate::optim::AdamConfig;
@@ -46,7 +46,7 @@ fn device_or_skip(test: &str) -> Option<CudaDevice> {
 }
 
 /// The CUDA backend on the device, or `None` (skipped).
-fn cuda_or_skip(test: &str) -> Option<CudaBackend> {
+pub(super) fn cuda_or_skip(test: &str) -> Option<CudaBackend> {
     device_or_skip(test).map(|device| CudaBackend::new(&device).expect("backend on an opened device"))
 }
 
@@ -110,37 +110,10 @@ fn random_params(layout: &ParamLayout, rng: &mut Pcg64Mcg) -> Vec<f32> {
 
 fn specs() -> Vec<PolicySpec> {
     vec![
-        PolicySpec {
-            obs_dim: 5,
-            n_actions: 3,
-            torso: vec![32, 16],
-            activation: Activation::Tanh,
-            core: CoreKind::Mlp,
-            head: volley_policy::ActionHead::Categorical,
-            conv: None,
-            normalize_obs: false,
-        },
-        PolicySpec {
-            obs_dim: 4,
-            n_actions: 2,
-            torso: vec![24],
-            activation: Activation::Relu,
-            core: CoreKind::Mlp,
-            head: volley_policy::ActionHead::Categorical,
-            conv: None,
-            normalize_obs: false,
-        },
+        PolicySpec::mlp(5, 3, &[32, 16], Activation::Tanh),
+        PolicySpec::mlp(4, 2, &[24], Activation::Relu),
         PolicySpec::gru(6, 4, &[16], Activation::Tanh, 12),
-        PolicySpec {
-            obs_dim: 3,
-            n_actions: 2,
-            torso: vec![],
-            activation: Activation::Tanh,
-            core: CoreKind::Gru { hidden: 8 },
-            head: volley_policy::ActionHead::Categorical,
-            conv: None,
-            normalize_obs: false,
-        },
+        PolicySpec::gru(3, 2, &[], Activation::Tanh, 8),
         // Conv torsos (issue 15): im2col and col2im with stride, padding and both layouts.
         PolicySpec::mlp(0, 3, &[16], Activation::Relu).with_conv(crate::backend::cuda::conv_tests::two_layer_conv()),
         PolicySpec::gru(0, 4, &[], Activation::Tanh, 6).with_conv(volley_policy::ConvSpec::minatar(3, 10, 10)),
@@ -262,6 +235,51 @@ impl LossCase {
     }
 }
 
+/// A [`LossCase`] on a backend: one buffer per vector, and the categorical head's (empty)
+/// parameters.
+struct DeviceCase<B: Backend> {
+    heads: B::Floats,
+    values: B::Floats,
+    actions: B::Floats,
+    behaviour: B::Floats,
+    rewards: B::Floats,
+    discounts: B::Floats,
+    weights: B::Floats,
+    advantages: B::Floats,
+    returns: B::Floats,
+    prox: B::Floats,
+    is_weights: B::Floats,
+    advantage_override: B::Floats,
+    no_params: B::Floats,
+}
+
+impl LossCase {
+    fn upload<B: Backend>(&self, backend: &mut B) -> DeviceCase<B> {
+        DeviceCase {
+            heads: put(backend, &self.heads),
+            values: put(backend, &self.values),
+            actions: put(backend, &self.actions),
+            behaviour: put(backend, &self.behaviour),
+            rewards: put(backend, &self.rewards),
+            discounts: put(backend, &self.discounts),
+            weights: put(backend, &self.weights),
+            advantages: put(backend, &self.advantages),
+            returns: put(backend, &self.returns),
+            prox: put(backend, &self.prox),
+            is_weights: put(backend, &self.is_weights),
+            advantage_override: put(backend, &self.advantage_override),
+            no_params: backend.alloc(0).expect("alloc"),
+        }
+    }
+}
+
+impl<B: Backend> DeviceCase<B> {
+    /// The categorical head the cases' heads rows feed.
+    fn categorical(&self) -> Head<'_, B> {
+        Head { kind: ActionHead::Categorical, params: View::of(&self.no_params) }
+    }
+}
+
 /// Everything a loss check reads back: the gradient rows, the intermediates and the evaluation.
 #[derive(Debug)]
 struct LossResult {
@@ -278,38 +296,25 @@ fn run_vtrace_loss<B: Backend>(
 ) -> LossResult {
     let (n, rows) = (case.t_len * case.b_len, (case.t_len + 1) * case.b_len);
     let stride = case.n_actions + 1;
-    let bufs: Vec<B::Floats> = [
-        &case.heads,
-        &case.values,
-        &case.actions,
-        &case.behaviour,
-        &case.rewards,
-        &case.discounts,
-        &case.weights,
-        &case.advantage_override,
-    ]
-    .iter()
-    .map(|host| put(backend, host))
-    .collect();
+    let d = case.upload(backend);
     let (mut log_rhos, mut vs, mut pg) =
         (backend.alloc(n).unwrap(), backend.alloc(n).unwrap(), backend.alloc(n).unwrap());
     let mut d_heads = backend.alloc(rows * stride).unwrap();
     backend.begin_evaluations(1).unwrap();
-    let no_params = backend.alloc(0).unwrap();
     let mut no_param_grads = backend.alloc(0).unwrap();
     let inputs = VTraceLossInputs {
         t_len: case.t_len,
         b_len: case.b_len,
         n_actions: case.n_actions,
-        head: Head { kind: ActionHead::Categorical, params: View::of(&no_params) },
-        heads: View::range(&bufs[0], 0..rows * stride),
-        values: View::range(&bufs[1], 0..rows),
-        actions: View::range(&bufs[2], 0..n),
-        behaviour_log_probs: View::range(&bufs[3], 0..n),
-        rewards: View::range(&bufs[4], 0..n),
-        discounts: View::range(&bufs[5], 0..n),
-        sample_weights: View::range(&bufs[6], 0..n),
-        advantage_override: with_override.then(|| View::range(&bufs[7], 0..n)),
+        head: d.categorical(),
+        heads: View::of(&d.heads),
+        values: View::of(&d.values),
+        actions: View::of(&d.actions),
+        behaviour_log_probs: View::of(&d.behaviour),
+        rewards: View::of(&d.rewards),
+        discounts: View::of(&d.discounts),
+        sample_weights: View::of(&d.weights),
+        advantage_override: with_override.then(|| View::of(&d.advantage_override)),
     };
     let outputs = VTraceLossOutputs {
         log_rhos: ViewMut::range(&mut log_rhos, 0..n),
@@ -331,35 +336,23 @@ fn run_vtrace_loss<B: Backend>(
 fn run_ppo_loss<B: Backend>(backend: &mut B, case: &LossCase, config: &PpoLossConfig) -> LossResult {
     let n = case.t_len * case.b_len;
     let stride = case.n_actions + 1;
-    let bufs: Vec<B::Floats> = [
-        &case.heads,
-        &case.values,
-        &case.actions,
-        &case.weights,
-        &case.advantages,
-        &case.returns,
-        &case.prox,
-        &case.is_weights,
-    ]
-    .iter()
-    .map(|host| put(backend, host))
-    .collect();
+    let d = case.upload(backend);
     let mut d_heads = backend.alloc(n * stride).unwrap();
     backend.begin_evaluations(2).unwrap();
-    let no_params = backend.alloc(0).unwrap();
     let mut no_param_grads = backend.alloc(0).unwrap();
+    // The first `n` of the `[T+1][B]` rows: the samples, without the bootstrap row.
     let inputs = PpoLossInputs {
         n_samples: n,
         n_actions: case.n_actions,
-        head: Head { kind: ActionHead::Categorical, params: View::of(&no_params) },
-        heads: View::range(&bufs[0], 0..n * stride),
-        values: View::range(&bufs[1], 0..n),
-        actions: View::range(&bufs[2], 0..n),
-        sample_weights: View::range(&bufs[3], 0..n),
-        advantages: View::range(&bufs[4], 0..n),
-        returns: View::range(&bufs[5], 0..n),
-        prox_log_probs: View::range(&bufs[6], 0..n),
-        is_weights: View::range(&bufs[7], 0..n),
+        head: d.categorical(),
+        heads: View::range(&d.heads, 0..n * stride),
+        values: View::range(&d.values, 0..n),
+        actions: View::of(&d.actions),
+        sample_weights: View::of(&d.weights),
+        advantages: View::of(&d.advantages),
+        returns: View::of(&d.returns),
+        prox_log_probs: View::of(&d.prox),
+        is_weights: View::of(&d.is_weights),
     };
     // Slot 1: the statistics land in the slot asked for, not slot 0.
     let outputs = PpoLossOutputs {
@@ -431,42 +424,20 @@ fn check_elementwise<B: Backend>(backend: &mut B) {
         let (t_len, b_len) = (case.t_len, case.b_len);
         let n = t_len * b_len;
         let stride = case.n_actions + 1;
-        let heads = put(backend, &case.heads);
-        let actions = put(backend, &case.actions);
-        let behaviour = put(backend, &case.behaviour);
-        let values = put(backend, &case.values);
-        let rewards = put(backend, &case.rewards);
-        let discounts = put(backend, &case.discounts);
-        let advantage_override = put(backend, &case.advantage_override);
+        let d = case.upload(backend);
         let mut out: Vec<B::Floats> = (0..5).map(|_| backend.alloc(n).unwrap()).collect();
         let [log_probs, log_rhos, weights, adv, ret] = &mut out[..] else { unreachable!() };
-        let heads_view = View::range(&heads, 0..n * stride);
-        let no_params = backend.alloc(0).unwrap();
-        let head = Head { kind: ActionHead::Categorical, params: View::of(&no_params) };
-        backend
-            .log_probs(LogProbs {
-                heads: heads_view,
-                n_actions: case.n_actions,
-                head,
-                actions: View::of(&actions),
-                reference: None,
-                out: ViewMut::of(log_probs),
-            })
-            .unwrap();
-        backend
-            .log_probs(LogProbs {
-                heads: heads_view,
-                n_actions: case.n_actions,
-                head,
-                actions: View::of(&actions),
-                reference: Some(View::of(&behaviour)),
-                out: ViewMut::of(log_rhos),
-            })
-            .unwrap();
+        let heads_view = View::range(&d.heads, 0..n * stride);
+        // Without a reference (log π), and less the behaviour's (log ρ).
+        for (reference, out) in [(None, &mut *log_probs), (Some(View::of(&d.behaviour)), &mut *log_rhos)] {
+            let (n_actions, head, actions) = (case.n_actions, d.categorical(), View::of(&d.actions));
+            let out = ViewMut::of(out);
+            backend.log_probs(LogProbs { heads: heads_view, n_actions, head, actions, reference, out }).unwrap();
+        }
         backend
             .behaviour_weights(BehaviourWeights {
                 prox_log_probs: View::of(log_probs),
-                behaviour_log_probs: View::of(&behaviour),
+                behaviour_log_probs: View::of(&d.behaviour),
                 clip: 1.0,
                 out: ViewMut::of(weights),
             })
@@ -475,12 +446,12 @@ fn check_elementwise<B: Backend>(backend: &mut B) {
             .gae_scan(GaeScan {
                 t_len,
                 b_len,
-                discounts: View::of(&discounts),
-                rewards: View::of(&rewards),
-                values: View::range(&values, 0..n),
-                bootstrap_value: View::range(&values, n..n + b_len),
+                discounts: View::of(&d.discounts),
+                rewards: View::of(&d.rewards),
+                values: View::range(&d.values, 0..n),
+                bootstrap_value: View::range(&d.values, n..n + b_len),
                 lambda_: 0.95,
-                advantage_override: Some(View::of(&advantage_override)),
+                advantage_override: Some(View::of(&d.advantage_override)),
                 advantages: ViewMut::of(adv),
                 returns: ViewMut::of(ret),
             })
@@ -628,37 +599,26 @@ fn parity_checks_harness_runs_on_the_cpu() {
     check_off_policy(&mut cpu);
 }
 
-/// Issue 47: the CUDA backend reports the off-policy statistics, with the CPU's values.
-#[test]
-fn off_policy_sums_match_the_cpu() {
-    let Some(mut cuda) = cuda_or_skip("off_policy_sums_match_the_cpu") else { return };
-    check_off_policy(&mut cuda);
+/// One CUDA test per `name => check`: the check with the CUDA backend in the tested role,
+/// skipped without a device (see [`cuda_or_skip`]).
+macro_rules! cuda_parity_tests {
+    ($($(#[$doc:meta])* $name:ident => $check:ident;)*) => {$(
+        $(#[$doc])*
+        #[test]
+        fn $name() {
+            let Some(mut cuda) = cuda_or_skip(stringify!($name)) else { return };
+            $check(&mut cuda);
+        }
+    )*};
 }
 
-#[test]
-fn network_forward_and_backward_match_the_cpu_backend() {
-    let Some(mut cuda) = cuda_or_skip("network_forward_and_backward_match_the_cpu_backend") else { return };
-    check_network(&mut cuda);
-}
-
-#[test]
-fn fused_losses_match_the_cpu_losses() {
-    let Some(mut cuda) = cuda_or_skip("fused_losses_match_the_cpu_losses") else { return };
-    check_losses(&mut cuda);
-}
-
-#[test]
-fn log_probs_scans_and_gathers_match_the_cpu() {
-    let Some(mut cuda) = cuda_or_skip("log_probs_scans_and_gathers_match_the_cpu") else { return };
-    check_elementwise(&mut cuda);
-}
-
-#[test]
-fn clipped_adam_matches_the_cpu_optimiser_and_skips_non_finite_gradients() {
-    let Some(mut cuda) = cuda_or_skip("clipped_adam_matches_the_cpu_optimiser_and_skips_non_finite_gradients") else {
-        return;
-    };
-    check_optimiser(&mut cuda);
+cuda_parity_tests! {
+    /// Issue 47: the CUDA backend reports the off-policy statistics, with the CPU's values.
+    off_policy_sums_match_the_cpu => check_off_policy;
+    network_forward_and_backward_match_the_cpu_backend => check_network;
+    fused_losses_match_the_cpu_losses => check_losses;
+    log_probs_scans_and_gathers_match_the_cpu => check_elementwise;
+    clipped_adam_matches_the_cpu_optimiser_and_skips_non_finite_gradients => check_optimiser;
 }
 
 #[test]
@@ -695,13 +655,10 @@ fn the_vtrace_scan_kernel_matches_the_cpu_recursion() {
         rewards: r.slice(..),
         values: v.slice(..n),
         bootstrap: v.slice(n..),
-        rho_bar: config.clip_rho_threshold,
-        pg_rho_bar: config.clip_pg_rho_threshold,
-        c_bar: config.clip_c_threshold,
-        lambda_: config.lambda_,
+        config: &config,
         advantage_override: None,
     };
-    gpu.kernels.vtrace_scan(&gpu.stream, &args, &mut vs_d.slice_mut(..), &mut pg_d.slice_mut(..)).unwrap();
+    gpu.kernels.vtrace_scan(&args, &mut vs_d.slice_mut(..), &mut pg_d.slice_mut(..)).unwrap();
     let (vs_g, pg_g) = (gpu.stream.clone_dtoh(&vs_d).unwrap(), gpu.stream.clone_dtoh(&pg_d).unwrap());
     assert_close("vs", &vs_g, &vs, 1e-4, 1e-5);
     assert_close("pg advantages", &pg_g, &pg, 1e-4, 1e-5);
@@ -788,19 +745,7 @@ fn random_batch(r: &mut Pcg64Mcg, spec: &RunSpec, hidden: usize) -> SegmentBatch
 
 /// CartPole-shaped policies (the run spec checks them against the env): an MLP and a GRU.
 fn cartpole_policies() -> [PolicySpec; 2] {
-    [
-        PolicySpec {
-            obs_dim: 4,
-            n_actions: 2,
-            torso: vec![32, 16],
-            activation: Activation::Tanh,
-            core: CoreKind::Mlp,
-            head: volley_policy::ActionHead::Categorical,
-            conv: None,
-            normalize_obs: false,
-        },
-        PolicySpec::gru(4, 2, &[16], Activation::Tanh, 12),
-    ]
+    [PolicySpec::mlp(4, 2, &[32, 16], Activation::Tanh), PolicySpec::gru(4, 2, &[16], Activation::Tanh, 12)]
 }
 
 /// The harness of the whole-update tests works (specs valid, batches well formed) without a
@@ -832,30 +777,38 @@ fn whole_updates_match_the_cpu_learner() {
             let mut r = rng(21);
             for update in 0..3 {
                 let batch = random_batch(&mut r, &spec, hidden);
-                let c = cpu.update(&batch);
-                let g = gpu.update(&batch);
                 let name = format!("{loss:?} {:?} update {update}", spec.policy.core);
-                assert_stats_close(&name, &g.loss, &c.loss);
-                assert_close(&format!("{name} grad norm"), &[g.grad_norm], &[c.grad_norm], 1e-3, 1e-6);
-                assert_off_policy_close(&name, &g.off_policy, &c.off_policy);
+                let [g, c] = assert_update_matches(&name, &mut gpu, &mut cpu, &batch);
                 assert_eq!(g.skipped_steps, c.skipped_steps, "{name}");
-                // Adam's first steps are ±lr per parameter whatever the gradient's size, so a
-                // parameter whose gradient is rounding noise may step either way on the two
-                // backends: require all but a few parameters to agree closely.
-                let (gp, cp) = (gpu.params().to_vec(), cpu.params().to_vec());
-                let off = gp.iter().zip(&cp).filter(|(a, b)| (*a - *b).abs() > 1e-5 + 1e-3 * b.abs()).count();
-                let mean_diff = gp.iter().zip(&cp).map(|(a, b)| (a - b).abs()).sum::<f32>() / gp.len() as f32;
-                assert!(
-                    (off as f32) < 0.02 * gp.len() as f32,
-                    "{name}: {off} of {} parameters differ (mean |Δ| {mean_diff})",
-                    gp.len()
-                );
             }
             // A checkpoint from the device has the device's optimiser state.
             let checkpoint = gpu.checkpoint(0);
             assert_eq!(checkpoint.adam_t, cpu.checkpoint(0).adam_t);
         }
     }
+}
+
+/// One update of `batch` on both learners: the statistics, the gradient norm and the
+/// off-policy statistics agree, and so do all but a few parameters. Returns both updates'
+/// statistics (the GPU's first).
+#[track_caller]
+fn assert_update_matches(name: &str, gpu: &mut Learner, cpu: &mut Learner, batch: &SegmentBatch) -> [UpdateStats; 2] {
+    let (c, g) = (cpu.update(batch), gpu.update(batch));
+    assert_stats_close(name, &g.loss, &c.loss);
+    assert_close(&format!("{name} grad norm"), &[g.grad_norm], &[c.grad_norm], 1e-3, 1e-6);
+    assert_off_policy_close(name, &g.off_policy, &c.off_policy);
+    // Adam's first steps are ±lr per parameter whatever the gradient's size, so a parameter
+    // whose gradient is rounding noise may step either way on the two backends: require all
+    // but a few parameters to agree closely.
+    let (gp, cp) = (gpu.params(), cpu.params());
+    let off = gp.iter().zip(cp).filter(|(a, b)| (*a - *b).abs() > 1e-5 + 1e-3 * b.abs()).count();
+    let mean_diff = gp.iter().zip(cp).map(|(a, b)| (a - b).abs()).sum::<f32>() / gp.len() as f32;
+    assert!(
+        (off as f32) < 0.02 * gp.len() as f32,
+        "{name}: {off} of {} parameters differ (mean |Δ| {mean_diff})",
+        gp.len()
+    );
+    [g, c]
 }
 
 /// Pendulum-shaped policies with the Gaussian head (issue 14): unsquashed and squashed.
@@ -899,16 +852,10 @@ fn gaussian_whole_updates_match_the_cpu_learner() {
             let mut r = rng(23);
             for update in 0..3 {
                 let batch = random_batch(&mut r, &spec, 0);
-                let c = cpu.update(&batch);
-                let g = gpu.update(&batch);
                 let name = format!("{loss:?} {:?} update {update}", spec.policy.head);
-                assert_stats_close(&name, &g.loss, &c.loss);
-                assert_close(&format!("{name} grad norm"), &[g.grad_norm], &[c.grad_norm], 1e-3, 1e-6);
-                assert_off_policy_close(&name, &g.off_policy, &c.off_policy);
-                let (gp, cp) = (gpu.params().to_vec(), cpu.params().to_vec());
-                let off = gp.iter().zip(&cp).filter(|(a, b)| (*a - *b).abs() > 1e-5 + 1e-3 * b.abs()).count();
-                assert!((off as f32) < 0.02 * gp.len() as f32, "{name}: {off} of {} parameters differ", gp.len());
+                assert_update_matches(&name, &mut gpu, &mut cpu, &batch);
                 let log_std = cpu.layout().log_std_range().expect("a Gaussian layout");
+                let (gp, cp) = (gpu.params(), cpu.params());
                 assert_close(&format!("{name} log_std"), &gp[log_std.clone()], &cp[log_std], 1e-3, 1e-5);
             }
         }
