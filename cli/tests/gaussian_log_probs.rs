@@ -60,8 +60,17 @@ fn recorded_behaviour_log_probs_equal_the_learners_for_the_same_weights() {
                 let raw = observations.clone();
                 volley_policy::obs_norm::normalize(&params[stats], &raw, &mut observations);
             }
-            net.forward(&mut cpu, &params, View::of(&observations), View::of(&starts), View::of(&Vec::new()), T, 1)
-                .expect("forward");
+            net.forward(
+                &mut cpu,
+                &params,
+                View::of(&observations),
+                View::of(&starts),
+                View::of(&Vec::new()),
+                None,
+                T,
+                1,
+            )
+            .expect("forward");
             let mut log_probs = vec![0.0f32; T];
             let head = Head { kind: spec.policy.head, params: View::range(&params, log_std.clone()) };
             cpu.log_probs(LogProbs {

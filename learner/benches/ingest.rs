@@ -233,15 +233,16 @@ fn fill(bus: &NatsBus, spec: &RunSpec, shape: &Shape) -> u64 {
     messages
 }
 
+/// The run's trajectory stream.
+async fn trajectory_stream(bus: &NatsBus) -> async_nats::jetstream::stream::Stream<()> {
+    let name = subjects::trajectory_stream(&bus.config().run);
+    bus.jetstream().get_stream_no_info(name).await.expect("the stream exists")
+}
+
 /// Delete the learner consumer, so the next one starts at the stream's first message.
 fn reset_consumer(bus: &NatsBus) {
     bus.block_on(async {
-        let stream = bus
-            .jetstream()
-            .get_stream_no_info(subjects::trajectory_stream(&bus.config().run))
-            .await
-            .expect("the stream exists");
-        let _ = stream.delete_consumer(subjects::LEARNER_CONSUMER).await;
+        let _ = trajectory_stream(bus).await.delete_consumer(subjects::LEARNER_CONSUMER).await;
     });
 }
 
@@ -250,11 +251,7 @@ fn read_raw(bus: &NatsBus, n_messages: u64, n_segments: usize) -> Reading {
     reset_consumer(bus);
     drop(bus.trajectory_source().expect("create the learner consumer"));
     bus.block_on(async {
-        let stream = bus
-            .jetstream()
-            .get_stream_no_info(subjects::trajectory_stream(&bus.config().run))
-            .await
-            .expect("the stream exists");
+        let stream = trajectory_stream(bus).await;
         let consumer: async_nats::jetstream::consumer::PullConsumer =
             stream.get_consumer(subjects::LEARNER_CONSUMER).await.expect("the learner consumer");
         let started = Instant::now();

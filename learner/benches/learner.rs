@@ -4,33 +4,21 @@
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use rand::{Rng, SeedableRng};
 use rand_pcg::Pcg64Mcg;
-use volley_core::ids::RunId;
 use volley_core::spec::{HyperParams, LossKind, RunSpec};
 use volley_core::wire::TrajectorySegment;
-use volley_env::EnvConfig;
 use volley_learner::batch::SegmentBatch;
 use volley_learner::Learner;
-use volley_policy::{Activation, CoreKind, PolicySpec};
+use volley_policy::CoreKind;
 use volley_testkit::fixtures::{SegmentBuilder, SpecBuilder};
 
+/// `loss` over batches of `b_len` segments, one epoch of one minibatch per update.
+fn hyper(loss: LossKind, b_len: usize) -> HyperParams {
+    HyperParams { loss, batch_segments: b_len, ppo_epochs: 1, ppo_minibatches: 1, ..HyperParams::default() }
+}
+
+/// CartPole with a 64×64 tanh MLP (and `core`).
 fn spec(loss: LossKind, core: CoreKind, t_len: usize, b_len: usize) -> RunSpec {
-    RunSpec {
-        run: RunId::new("bench").expect("valid run id"),
-        env: EnvConfig::Cartpole,
-        policy: PolicySpec {
-            obs_dim: 4,
-            n_actions: 2,
-            torso: vec![64, 64],
-            activation: Activation::Tanh,
-            core,
-            head: volley_policy::ActionHead::Categorical,
-            conv: None,
-            normalize_obs: false,
-        },
-        segment_len: t_len,
-        hyper: HyperParams { loss, batch_segments: b_len, ppo_epochs: 1, ppo_minibatches: 1, ..HyperParams::default() },
-        seed: 5,
-    }
+    SpecBuilder::cartpole(t_len).run("bench").torso(vec![64, 64]).core(core).hyper(hyper(loss, b_len)).seed(5).build()
 }
 
 fn random_segment(rng: &mut Pcg64Mcg, t_len: usize, hidden: usize) -> TrajectorySegment {
@@ -67,17 +55,7 @@ fn learner_update(c: &mut Criterion) {
     }
     // Issue 14: the Gaussian head (pendulum: 3 observations, one continuous action).
     for (name, loss) in [("vtrace_mlp64x64_gaussian", LossKind::Vtrace), ("ppo_mlp64x64_gaussian", LossKind::Ppo)] {
-        let spec = SpecBuilder::pendulum(t_len)
-            .run("bench")
-            .torso(vec![64, 64])
-            .hyper(HyperParams {
-                loss,
-                batch_segments: b_len,
-                ppo_epochs: 1,
-                ppo_minibatches: 1,
-                ..HyperParams::default()
-            })
-            .build();
+        let spec = SpecBuilder::pendulum(t_len).run("bench").torso(vec![64, 64]).hyper(hyper(loss, b_len)).build();
         let mut learner = Learner::new(spec.clone()).expect("valid spec");
         let mut rng = Pcg64Mcg::seed_from_u64(1);
         let segments: Vec<_> = (0..b_len)

@@ -15,7 +15,7 @@ use crate::batch::SegmentBatch;
 use crate::losses::LossStats;
 use crate::optim::{AdamConfig, AdamState, LrSchedule};
 use crate::publish::checkpoint::{Checkpoint, CheckpointError};
-use crate::train::{AnyTrainer, HostState, Trainer};
+use crate::train::{with_trainer, AnyTrainer, HostState, Trainer};
 
 /// A published version the learner refuses to continue above (see
 /// [`Learner::advance_version_past`]).
@@ -342,9 +342,8 @@ impl Learner {
     /// If the backend fails (see [`Learner::params`]).
     pub fn update(&mut self, batch: &SegmentBatch) -> UpdateStats {
         let learning_rate = self.schedule.lr_at(self.updates);
-        let outcome = self
-            .trainer
-            .train_step(batch, &self.spec.hyper, learning_rate, &mut self.rng)
+        let (hyper, rng) = (&self.spec.hyper, &mut self.rng);
+        let outcome = with_trainer!(&mut self.trainer, trainer => trainer.train_step(batch, hyper, learning_rate, rng))
             .unwrap_or_else(|err| backend_failed(&err));
         self.host_params_stale = true;
         let lags = batch.policy_versions.iter().map(|&v| self.version.lag_of(v));
@@ -378,8 +377,7 @@ impl Learner {
         values: &mut Vec<f32>,
         advantages: &mut Vec<f32>,
     ) {
-        self.trainer
-            .values_and_advantages(batch, gae_lambda, values, advantages)
+        with_trainer!(&mut self.trainer, trainer => trainer.values_and_advantages(batch, gae_lambda, values, advantages))
             .unwrap_or_else(|err| backend_failed(&err));
     }
 }

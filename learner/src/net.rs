@@ -42,22 +42,64 @@ struct Dense {
     n_out: usize,
 }
 
-/// Where one conv layer's parameters sit (`[OC][C·K·K]` and `[OC]`), and its geometry.
+impl Dense {
+    /// `y = act(x · Wᵀ + b)` over `rows` rows of `x`.
+    fn forward<B: Backend>(
+        &self,
+        backend: &mut B,
+        params: &B::Floats,
+        rows: usize,
+        x: View<'_, B>,
+        act: Option<Activation>,
+        y: ViewMut<'_, B>,
+    ) -> Result<(), BackendError> {
+        let (weight, bias) = (View::range(params, self.weight.clone()), View::range(params, self.bias.clone()));
+        backend.dense_forward(DenseForward { x, rows, n_in: self.n_in, weight, bias, n_out: self.n_out, act, y })
+    }
+
+    /// The weight and bias gradients from `rows` rows of `dy = ∂L/∂(pre-activation)` and the
+    /// layer's input `x`, written into their ranges of `grads`.
+    fn param_grads<B: Backend>(
+        &self,
+        backend: &mut B,
+        dy: View<'_, B>,
+        x: View<'_, B>,
+        rows: usize,
+        grads: &mut B::Floats,
+    ) -> Result<(), BackendError> {
+        let (n_out, n_in) = (self.n_out, self.n_in);
+        backend.matmul_dw(MatmulDw { dy, x, rows, n_out, n_in, dw: ViewMut::range(grads, self.weight.clone()) })?;
+        backend.column_sums(dy, rows, ViewMut::range(grads, self.bias.clone()))
+    }
+
+    /// `dx = dy · W` over `rows` rows (added to `dx` when `accumulate`).
+    fn input_grad<B: Backend>(
+        &self,
+        backend: &mut B,
+        params: &B::Floats,
+        dy: View<'_, B>,
+        rows: usize,
+        dx: ViewMut<'_, B>,
+        accumulate: bool,
+    ) -> Result<(), BackendError> {
+        let weight = View::range(params, self.weight.clone());
+        backend.matmul_dx(MatmulDx { dy, rows, n_out: self.n_out, weight, n_in: self.n_in, dx, accumulate })
+    }
+}
+
+/// One conv layer: its product over the unfolding (`[OC][C·K·K]` and `[OC]`, read by every
+/// output position), and its geometry.
 #[derive(Debug, Clone)]
 struct ConvLayer {
-    weight: Range<usize>,
-    bias: Range<usize>,
+    dense: Dense,
     geometry: ConvGeometry,
 }
 
-/// Where the GRU core's parameters sit in the flat buffer.
+/// The GRU core: its input projection (`[3H][n_in]`) and hidden projection (`[3H][H]`).
 #[derive(Debug, Clone)]
 struct GruLayer {
-    weight_ih: Range<usize>,
-    weight_hh: Range<usize>,
-    bias_ih: Range<usize>,
-    bias_hh: Range<usize>,
-    n_in: usize,
+    input_proj: Dense,
+    hidden_proj: Dense,
     hidden: usize,
 }
 
@@ -79,13 +121,19 @@ impl Shape {
         let spec = layout.spec();
         // A validated layout always has these entries (ParamLayout::new builds them).
         let entry = |name: &str| layout.entry(name).unwrap_or_else(|| panic!("layout has no `{name}` entry")).range();
+        let dense =
+            |weight: &str, bias: &str, n_in, n_out| Dense { weight: entry(weight), bias: entry(bias), n_in, n_out };
         let conv: Vec<ConvLayer> = layout
             .conv_geometries()
             .iter()
             .enumerate()
             .map(|(i, &geometry)| ConvLayer {
-                weight: entry(&format!("conv.{i}.weight")),
-                bias: entry(&format!("conv.{i}.bias")),
+                dense: dense(
+                    &format!("conv.{i}.weight"),
+                    &format!("conv.{i}.bias"),
+                    geometry.patch_len(),
+                    geometry.out_channels,
+                ),
                 geometry,
             })
             .collect();
@@ -95,24 +143,16 @@ impl Shape {
             .iter()
             .enumerate()
             .map(|(i, &n_out)| {
-                let dense = Dense {
-                    weight: entry(&format!("torso.{i}.weight")),
-                    bias: entry(&format!("torso.{i}.bias")),
-                    n_in,
-                    n_out,
-                };
+                let layer = dense(&format!("torso.{i}.weight"), &format!("torso.{i}.bias"), n_in, n_out);
                 n_in = n_out;
-                dense
+                layer
             })
             .collect();
         let gru = match spec.core {
             CoreKind::Mlp => None,
             CoreKind::Gru { hidden } => Some(GruLayer {
-                weight_ih: entry("gru.weight_ih"),
-                weight_hh: entry("gru.weight_hh"),
-                bias_ih: entry("gru.bias_ih"),
-                bias_hh: entry("gru.bias_hh"),
-                n_in,
+                input_proj: dense("gru.weight_ih", "gru.bias_ih", n_in, 3 * hidden),
+                hidden_proj: dense("gru.weight_hh", "gru.bias_hh", hidden, 3 * hidden),
                 hidden,
             }),
         };
@@ -169,6 +209,23 @@ impl<B: Backend> Clone for Input<'_, B> {
 }
 
 impl<B: Backend> Copy for Input<'_, B> {}
+
+/// The steps of a sequence whose entering recurrent state is a restored one rather than zero:
+/// an episode resumed from a saved state mid-sequence, or the start of a stitched window's data
+/// after padding ([`crate::batch::SegmentBatch`]). The caller sets `starts` at every restored
+/// step, so backward treats the restored state as a constant (no gradient flows across it).
+pub struct Restores<'a, B: Backend> {
+    /// Sorted by `t`: the state entering step `t` of column `b` is row `state` of `states`.
+    pub steps: &'a [StateRestore],
+    /// `[n][H]`: the restored states.
+    pub states: View<'a, B>,
+}
+
+impl<'a, B: Backend> From<View<'a, B>> for Input<'a, B> {
+    fn from(obs: View<'a, B>) -> Self {
+        Input::F32(obs)
+    }
+}
 
 /// Grow `buffer` to at least `len` floats (never shrinks; a smaller call reuses it).
 pub(crate) fn ensure<B: Backend>(backend: &mut B, buffer: &mut B::Floats, len: usize) -> Result<(), BackendError> {
@@ -265,66 +322,33 @@ impl<B: Backend> Network<B> {
     }
 
     /// Run the network over a time-major `[t_len][b_len]` sequence and record what backward
-    /// needs: `obs: [T][B][obs_dim]`, `starts: [T][B]` (non-zero zeroes the recurrent state
-    /// before that step), `h0: [B][H]`.
+    /// needs: `obs: [T][B][obs_dim]` (floats, a [`View`], or either kind of [`Input`]),
+    /// `starts: [T][B]` (non-zero zeroes the recurrent state before that step), `h0: [B][H]`,
+    /// and the steps that start from a restored state instead ([`Restores`]; `None` for none).
     #[allow(clippy::too_many_arguments)]
-    pub fn forward(
+    pub fn forward<'a>(
         &mut self,
         backend: &mut B,
         params: &B::Floats,
-        obs: View<'_, B>,
+        obs: impl Into<Input<'a, B>>,
         starts: View<'_, B>,
         h0: View<'_, B>,
+        restores: Option<Restores<'_, B>>,
         t_len: usize,
         b_len: usize,
-    ) -> Result<(), BackendError> {
-        self.forward_restoring(backend, params, obs, starts, h0, &[], h0.slice(0..0), t_len, b_len)
-    }
-
-    /// [`forward`](Self::forward), where the recurrent state entering step `restore.t` of
-    /// column `restore.b` is row `restore.state` of `restore_states` (`[n][H]`) instead of
-    /// zero, for every entry of `restores` (sorted by `t`): an episode resumed from a saved
-    /// state mid-sequence, or the start of a stitched window's data after padding
-    /// ([`crate::batch::SegmentBatch`]). The caller sets `starts` at every restored step, so
-    /// backward treats the restored state as a constant (no gradient flows across it).
-    #[allow(clippy::too_many_arguments)]
-    pub fn forward_restoring(
-        &mut self,
-        backend: &mut B,
-        params: &B::Floats,
-        obs: View<'_, B>,
-        starts: View<'_, B>,
-        h0: View<'_, B>,
-        restores: &[StateRestore],
-        restore_states: View<'_, B>,
-        t_len: usize,
-        b_len: usize,
-    ) -> Result<(), BackendError> {
-        let input = Input::F32(obs);
-        self.forward_input(backend, params, input, starts, h0, restores, restore_states, t_len, b_len)
-    }
-
-    /// [`forward_restoring`](Self::forward_restoring) over observations of either kind
-    /// ([`Input`]).
-    #[allow(clippy::too_many_arguments)]
-    pub fn forward_input(
-        &mut self,
-        backend: &mut B,
-        params: &B::Floats,
-        input: Input<'_, B>,
-        starts: View<'_, B>,
-        h0: View<'_, B>,
-        restores: &[StateRestore],
-        restore_states: View<'_, B>,
-        t_len: usize,
-        b_len: usize,
-    ) -> Result<(), BackendError> {
+    ) -> Result<(), BackendError>
+    where
+        B::Floats: 'a,
+    {
+        let Restores { steps: restores, states: restore_states } =
+            restores.unwrap_or(Restores { steps: &[], states: h0.slice(0..0) });
+        let input = obs.into();
         let hidden = self.hidden();
         if let Some(bad) =
             restores.iter().find(|r| r.t >= t_len || r.b >= b_len || (r.state + 1) * hidden > restore_states.len())
         {
             return Err(BackendError::Shape {
-                op: "forward_restoring",
+                op: "forward",
                 operand: "restore (step, column or state row out of range; `got` is its step)",
                 expected: t_len,
                 got: bad.t,
@@ -332,7 +356,7 @@ impl<B: Backend> Network<B> {
         }
         if !restores.is_sorted_by_key(|r| r.t) {
             return Err(BackendError::Shape {
-                op: "forward_restoring",
+                op: "forward",
                 operand: "restores (not sorted by step)",
                 expected: 0,
                 got: 1,
@@ -342,7 +366,6 @@ impl<B: Backend> Network<B> {
         let shape = &self.shape;
         self.t_len = t_len;
         self.b_len = b_len;
-        let param = |range: &Range<usize>| View::range(params, range.clone());
         // Bytes for a dense first layer are widened once here; for a conv torso the first
         // unfolding reads them (`byte_scale`).
         if let (Input::U8 { packed, scale }, true) = (input, shape.conv.is_empty()) {
@@ -362,20 +385,10 @@ impl<B: Backend> Network<B> {
             let x = if i == 0 { obs } else { View::range(&before[i - 1], 0..rows * geometry.input_len()) };
             let cols_len = rows * geometry.cols_len();
             let cols = ViewMut::range(&mut self.conv_cols, 0..cols_len);
-            match byte_scale {
-                Some(scale) if i == 0 => backend.im2col_u8(Im2colU8 { x, n: rows, geometry, scale, cols })?,
-                _ => backend.im2col(Im2col { x, n: rows, geometry, cols })?,
-            }
-            backend.dense_forward(DenseForward {
-                x: View::range(&self.conv_cols, 0..cols_len),
-                rows: rows * geometry.out_positions(),
-                n_in: geometry.patch_len(),
-                weight: param(&layer.weight),
-                bias: param(&layer.bias),
-                n_out: geometry.out_channels,
-                act: Some(Activation::Relu),
-                y: ViewMut::range(y, 0..rows * geometry.output_len()),
-            })?;
+            unfold(backend, x, rows, geometry, byte_scale.filter(|_| i == 0), cols)?;
+            let (cols, y) =
+                (View::range(&self.conv_cols, 0..cols_len), ViewMut::range(y, 0..rows * geometry.output_len()));
+            layer.dense.forward(backend, params, rows * geometry.out_positions(), cols, Some(Activation::Relu), y)?;
         }
         let conv_features = match self.conv_out.last() {
             Some(out) => View::range(out, 0..rows * shape.conv_width()),
@@ -387,16 +400,14 @@ impl<B: Backend> Network<B> {
             let y = &mut rest[0];
             ensure(backend, y, rows * layer.n_out)?;
             let x = if i == 0 { conv_features } else { View::range(&before[i - 1], 0..rows * layer.n_in) };
-            backend.dense_forward(DenseForward {
-                x,
+            layer.forward(
+                backend,
+                params,
                 rows,
-                n_in: layer.n_in,
-                weight: param(&layer.weight),
-                bias: param(&layer.bias),
-                n_out: layer.n_out,
-                act: Some(shape.activation),
-                y: ViewMut::range(y, 0..rows * layer.n_out),
-            })?;
+                x,
+                Some(shape.activation),
+                ViewMut::range(y, 0..rows * layer.n_out),
+            )?;
         }
         let torso_width = shape.torso.last().map_or(shape.conv_width(), |d| d.n_out);
         let torso_features = match self.torso_out.last() {
@@ -413,16 +424,8 @@ impl<B: Backend> Network<B> {
             ensure(backend, &mut self.gru_h_prev, rows * hidden)?;
             ensure(backend, &mut self.gru_h_out, rows * hidden)?;
             // The input projection does not depend on h: one product for the whole sequence.
-            backend.dense_forward(DenseForward {
-                x: torso_features,
-                rows,
-                n_in: gru.n_in,
-                weight: param(&gru.weight_ih),
-                bias: param(&gru.bias_ih),
-                n_out: 3 * hidden,
-                act: None,
-                y: ViewMut::range(&mut self.gru_input_proj, 0..rows * 3 * hidden),
-            })?;
+            let input_proj = ViewMut::range(&mut self.gru_input_proj, 0..rows * 3 * hidden);
+            gru.input_proj.forward(backend, params, rows, torso_features, None, input_proj)?;
             let mut pending = restores.iter().peekable();
             for t in 0..t_len {
                 let source = if t == 0 { h0 } else { View::range(&self.gru_h_out, (t - 1) * state..t * state) };
@@ -442,16 +445,8 @@ impl<B: Backend> Network<B> {
                     )?;
                 }
                 let h_prev = View::range(&self.gru_h_prev, step_state.clone());
-                backend.dense_forward(DenseForward {
-                    x: h_prev,
-                    rows: b_len,
-                    n_in: hidden,
-                    weight: param(&gru.weight_hh),
-                    bias: param(&gru.bias_hh),
-                    n_out: 3 * hidden,
-                    act: None,
-                    y: ViewMut::range(&mut self.gru_hidden_proj, step_gates.clone()),
-                })?;
+                let hidden_proj = ViewMut::range(&mut self.gru_hidden_proj, step_gates.clone());
+                gru.hidden_proj.forward(backend, params, b_len, h_prev, None, hidden_proj)?;
                 backend.gru_cell_forward(GruCellForward {
                     gi: View::range(&self.gru_input_proj, step_gates.clone()),
                     gh: View::range(&self.gru_hidden_proj, step_gates.clone()),
@@ -470,16 +465,14 @@ impl<B: Backend> Network<B> {
             Some(gru) => View::range(&self.gru_h_out, 0..rows * gru.hidden),
             None => torso_features,
         };
-        backend.dense_forward(DenseForward {
-            x: features,
+        heads.forward(
+            backend,
+            params,
             rows,
-            n_in: heads.n_in,
-            weight: param(&heads.weight),
-            bias: param(&heads.bias),
-            n_out: heads.n_out,
-            act: None,
-            y: ViewMut::range(&mut self.heads_out, 0..rows * heads.n_out),
-        })?;
+            features,
+            None,
+            ViewMut::range(&mut self.heads_out, 0..rows * heads.n_out),
+        )?;
         backend.take_column(TakeColumn {
             src: View::range(&self.heads_out, 0..rows * heads.n_out),
             rows,
@@ -489,37 +482,43 @@ impl<B: Backend> Network<B> {
         })
     }
 
+    /// [`forward`](Self::forward) over float observations, with the restores apart.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_restoring(
+        &mut self,
+        backend: &mut B,
+        params: &B::Floats,
+        obs: View<'_, B>,
+        starts: View<'_, B>,
+        h0: View<'_, B>,
+        restores: &[StateRestore],
+        restore_states: View<'_, B>,
+        t_len: usize,
+        b_len: usize,
+    ) -> Result<(), BackendError> {
+        let restores = Some(Restores { steps: restores, states: restore_states });
+        self.forward(backend, params, obs, starts, h0, restores, t_len, b_len)
+    }
+
     /// Backprop `d_heads` (`∂L/∂[logits | value]`, `[T·B][A + 1]`) through the last forward and
     /// overwrite `grads` with `∂L/∂params`. `params`, `obs` and `starts` must be what the last
     /// forward ran with. No gradient flows into `h0`, nor across an episode start.
-    pub fn backward(
+    pub fn backward<'a>(
         &mut self,
         backend: &mut B,
         params: &B::Floats,
         d_heads: View<'_, B>,
-        obs: View<'_, B>,
+        obs: impl Into<Input<'a, B>>,
         starts: View<'_, B>,
         grads: &mut B::Floats,
-    ) -> Result<(), BackendError> {
-        self.backward_input(backend, params, d_heads, Input::F32(obs), starts, grads)
-    }
-
-    /// [`backward`](Self::backward) after a [`forward_input`](Self::forward_input) over `input`
-    /// (the same input).
-    pub fn backward_input(
-        &mut self,
-        backend: &mut B,
-        params: &B::Floats,
-        d_heads: View<'_, B>,
-        input: Input<'_, B>,
-        starts: View<'_, B>,
-        grads: &mut B::Floats,
-    ) -> Result<(), BackendError> {
+    ) -> Result<(), BackendError>
+    where
+        B::Floats: 'a,
+    {
         let (t_len, b_len) = (self.t_len, self.b_len);
         let rows = t_len * b_len;
         let shape = &self.shape;
-        let param = |range: &Range<usize>| View::range(params, range.clone());
-        let (obs, byte_scale) = first_layer_input(input, shape, &self.widened_obs, rows);
+        let (obs, byte_scale) = first_layer_input(obs.into(), shape, &self.widened_obs, rows);
         let conv_features = match self.conv_out.last() {
             Some(out) => View::range(out, 0..rows * shape.conv_width()),
             None => obs,
@@ -535,15 +534,7 @@ impl<B: Backend> Network<B> {
         };
 
         let heads = &shape.heads;
-        backend.matmul_dw(MatmulDw {
-            dy: d_heads,
-            x: features,
-            rows,
-            n_out: heads.n_out,
-            n_in: heads.n_in,
-            dw: ViewMut::range(grads, heads.weight.clone()),
-        })?;
-        backend.column_sums(d_heads, rows, ViewMut::range(grads, heads.bias.clone()))?;
+        heads.param_grads(backend, d_heads, features, rows, grads)?;
         // ∂L/∂features is only needed if something upstream has parameters.
         if shape.conv.is_empty() && shape.torso.is_empty() && shape.gru.is_none() {
             return Ok(());
@@ -554,15 +545,7 @@ impl<B: Backend> Network<B> {
         ensure(backend, d_b, rows * widest)?;
         // `d_cur` always holds ∂L/∂(output of the layer being processed).
         let (mut d_cur, mut d_next) = (d_a, d_b);
-        backend.matmul_dx(MatmulDx {
-            dy: d_heads,
-            rows,
-            n_out: heads.n_out,
-            weight: param(&heads.weight),
-            n_in: heads.n_in,
-            dx: ViewMut::range(d_cur, 0..rows * heads.n_in),
-            accumulate: false,
-        })?;
+        heads.input_grad(backend, params, d_heads, rows, ViewMut::range(d_cur, 0..rows * heads.n_in), false)?;
 
         if let Some(gru) = &shape.gru {
             let hidden = gru.hidden;
@@ -597,47 +580,19 @@ impl<B: Backend> Network<B> {
                 if t == 0 {
                     break; // no gradient into h0
                 }
-                backend.matmul_dx(MatmulDx {
-                    dy: View::range(&self.d_gru_hidden_proj, step_gates),
-                    rows: b_len,
-                    n_out: 3 * hidden,
-                    weight: param(&gru.weight_hh),
-                    n_in: hidden,
-                    dx: ViewMut::range(&mut self.d_gru_h, 0..state),
-                    accumulate: true,
-                })?;
+                let (d_hidden_proj, d_h) =
+                    (View::range(&self.d_gru_hidden_proj, step_gates), ViewMut::range(&mut self.d_gru_h, 0..state));
+                gru.hidden_proj.input_grad(backend, params, d_hidden_proj, b_len, d_h, true)?;
             }
             // Weight gradients summed over all steps: one T·B-deep product each.
             let d_input_proj = View::range(&self.d_gru_input_proj, 0..rows * 3 * hidden);
             let d_hidden_proj = View::range(&self.d_gru_hidden_proj, 0..rows * 3 * hidden);
-            backend.matmul_dw(MatmulDw {
-                dy: d_input_proj,
-                x: torso_features,
-                rows,
-                n_out: 3 * hidden,
-                n_in: gru.n_in,
-                dw: ViewMut::range(grads, gru.weight_ih.clone()),
-            })?;
-            backend.column_sums(d_input_proj, rows, ViewMut::range(grads, gru.bias_ih.clone()))?;
-            backend.matmul_dw(MatmulDw {
-                dy: d_hidden_proj,
-                x: View::range(&self.gru_h_prev, 0..rows * hidden),
-                rows,
-                n_out: 3 * hidden,
-                n_in: hidden,
-                dw: ViewMut::range(grads, gru.weight_hh.clone()),
-            })?;
-            backend.column_sums(d_hidden_proj, rows, ViewMut::range(grads, gru.bias_hh.clone()))?;
+            gru.input_proj.param_grads(backend, d_input_proj, torso_features, rows, grads)?;
+            let h_prev = View::range(&self.gru_h_prev, 0..rows * hidden);
+            gru.hidden_proj.param_grads(backend, d_hidden_proj, h_prev, rows, grads)?;
             if !shape.torso.is_empty() || !shape.conv.is_empty() {
-                backend.matmul_dx(MatmulDx {
-                    dy: d_input_proj,
-                    rows,
-                    n_out: 3 * hidden,
-                    weight: param(&gru.weight_ih),
-                    n_in: gru.n_in,
-                    dx: ViewMut::range(d_cur, 0..rows * gru.n_in),
-                    accumulate: false,
-                })?;
+                let d_torso = ViewMut::range(d_cur, 0..rows * gru.input_proj.n_in);
+                gru.input_proj.input_grad(backend, params, d_input_proj, rows, d_torso, false)?;
             }
         }
 
@@ -650,25 +605,9 @@ impl<B: Backend> Network<B> {
             )?;
             let x = if i == 0 { conv_features } else { View::range(&self.torso_out[i - 1], 0..rows * layer.n_in) };
             let d_pre = View::range(d_cur, 0..n);
-            backend.matmul_dw(MatmulDw {
-                dy: d_pre,
-                x,
-                rows,
-                n_out: layer.n_out,
-                n_in: layer.n_in,
-                dw: ViewMut::range(grads, layer.weight.clone()),
-            })?;
-            backend.column_sums(d_pre, rows, ViewMut::range(grads, layer.bias.clone()))?;
+            layer.param_grads(backend, d_pre, x, rows, grads)?;
             if i > 0 || !shape.conv.is_empty() {
-                backend.matmul_dx(MatmulDx {
-                    dy: d_pre,
-                    rows,
-                    n_out: layer.n_out,
-                    weight: param(&layer.weight),
-                    n_in: layer.n_in,
-                    dx: ViewMut::range(d_next, 0..rows * layer.n_in),
-                    accumulate: false,
-                })?;
+                layer.input_grad(backend, params, d_pre, rows, ViewMut::range(d_next, 0..rows * layer.n_in), false)?;
                 std::mem::swap(&mut d_cur, &mut d_next);
             }
         }
@@ -689,30 +628,12 @@ impl<B: Backend> Network<B> {
             // activation of a conv torso (K² times its input) and cheap to rebuild.
             let x = if i == 0 { obs } else { View::range(&self.conv_out[i - 1], 0..rows * geometry.input_len()) };
             let cols = ViewMut::range(&mut self.conv_cols, 0..cols_len);
-            match byte_scale {
-                Some(scale) if i == 0 => backend.im2col_u8(Im2colU8 { x, n: rows, geometry, scale, cols })?,
-                _ => backend.im2col(Im2col { x, n: rows, geometry, cols })?,
-            }
+            unfold(backend, x, rows, geometry, byte_scale.filter(|_| i == 0), cols)?;
             let d_pre = View::range(d_cur, 0..out_len);
-            backend.matmul_dw(MatmulDw {
-                dy: d_pre,
-                x: View::range(&self.conv_cols, 0..cols_len),
-                rows: positions,
-                n_out: geometry.out_channels,
-                n_in: geometry.patch_len(),
-                dw: ViewMut::range(grads, layer.weight.clone()),
-            })?;
-            backend.column_sums(d_pre, positions, ViewMut::range(grads, layer.bias.clone()))?;
+            layer.dense.param_grads(backend, d_pre, View::range(&self.conv_cols, 0..cols_len), positions, grads)?;
             if i > 0 {
-                backend.matmul_dx(MatmulDx {
-                    dy: d_pre,
-                    rows: positions,
-                    n_out: geometry.out_channels,
-                    weight: param(&layer.weight),
-                    n_in: geometry.patch_len(),
-                    dx: ViewMut::range(&mut self.d_conv_cols, 0..cols_len),
-                    accumulate: false,
-                })?;
+                let d_cols = ViewMut::range(&mut self.d_conv_cols, 0..cols_len);
+                layer.dense.input_grad(backend, params, d_pre, positions, d_cols, false)?;
                 backend.col2im(Col2im {
                     d_cols: View::range(&self.d_conv_cols, 0..cols_len),
                     n: rows,
@@ -723,6 +644,22 @@ impl<B: Backend> Network<B> {
             }
         }
         Ok(())
+    }
+}
+
+/// Unfold `n` images of `x` for a conv layer into `cols`: floats, or packed bytes read with
+/// `byte_scale` (the first layer over byte observations).
+fn unfold<B: Backend>(
+    backend: &mut B,
+    x: View<'_, B>,
+    n: usize,
+    geometry: &ConvGeometry,
+    byte_scale: Option<f32>,
+    cols: ViewMut<'_, B>,
+) -> Result<(), BackendError> {
+    match byte_scale {
+        Some(scale) => backend.im2col_u8(Im2colU8 { x, n, geometry, scale, cols }),
+        None => backend.im2col(Im2col { x, n, geometry, cols }),
     }
 }
 
@@ -741,18 +678,40 @@ fn first_layer_input<'a, B: Backend>(
     }
 }
 
+/// Random inputs and parameters for the network's tests.
+#[cfg(test)]
+mod test_data {
+    use rand::Rng;
+    use rand_pcg::Pcg64;
+    use volley_policy::ParamLayout;
+
+    /// `n` values uniform in `±scale`.
+    pub(super) fn random(rng: &mut Pcg64, n: usize, scale: f32) -> Vec<f32> {
+        (0..n).map(|_| rng.random_range(-scale..scale)).collect()
+    }
+
+    /// Parameters with signal on every path (scaled by fan-in), biases in ±0.5.
+    pub(super) fn random_params(layout: &ParamLayout, rng: &mut Pcg64) -> Vec<f32> {
+        let mut params = vec![0.0; layout.n_params()];
+        for entry in layout.entries() {
+            let scale = if entry.rows == 1 { 0.5 } else { 1.5 / (entry.cols as f32).sqrt() };
+            for p in &mut params[entry.range()] {
+                *p = rng.random_range(-scale..scale);
+            }
+        }
+        params
+    }
+}
+
 #[cfg(test)]
 mod tests {
-    use rand::{Rng, SeedableRng};
+    use rand::SeedableRng;
     use rand_pcg::Pcg64;
     use volley_policy::{PolicySpec, PolicyTape};
 
+    use super::test_data::random;
     use super::*;
     use crate::backend::CpuBackend;
-
-    fn random(rng: &mut Pcg64, n: usize, scale: f32) -> Vec<f32> {
-        (0..n).map(|_| rng.random_range(-scale..scale)).collect()
-    }
 
     /// The generic network on the CPU backend computes what `PolicyTape` computes, forward and
     /// backward, for an MLP and a GRU core with episode starts in the middle of the sequence.
@@ -787,7 +746,8 @@ mod tests {
 
             let mut cpu = CpuBackend::new();
             let mut net = Network::new(&mut cpu, &layout).unwrap();
-            net.forward(&mut cpu, &params, View::of(&obs), View::of(&starts), View::of(&h0), t_len, b_len).unwrap();
+            net.forward(&mut cpu, &params, View::of(&obs), View::of(&starts), View::of(&h0), None, t_len, b_len)
+                .unwrap();
             let heads = net.heads().parts();
             let heads = &heads.0[heads.1];
             for (i, row) in heads.chunks_exact(4).enumerate() {
@@ -847,56 +807,29 @@ mod window_tests {
         batch
     }
 
-    /// `Σ d_heads ⊙ heads` over the first `rows` rows of `batch` (and the network's forward).
-    fn loss(layout: &ParamLayout, params: &[f32], batch: &SegmentBatch, starts: &[f32], d_heads: &[f32]) -> f64 {
-        let (rows, b_len) = (batch.t_len, batch.b_len);
-        let mut cpu = CpuBackend::new();
-        let mut net = Network::new(&mut cpu, layout).expect("network");
-        let obs = batch.observations.to_f32_vec()[..rows * b_len * OBS].to_vec();
-        net.forward_restoring(
-            &mut cpu,
-            &params.to_vec(),
-            View::of(&obs),
-            View::of(&starts.to_vec()),
-            View::of(&batch.initial_hidden),
-            &batch.restores,
-            View::of(&batch.restore_states),
-            rows,
-            b_len,
-        )
-        .expect("forward");
-        let (heads, range) = net.heads().parts();
-        heads[range].iter().zip(d_heads).map(|(&h, &d)| f64::from(h) * f64::from(d)).sum()
-    }
-
-    fn gradient(
+    /// `Σ d_heads ⊙ heads` over the first `rows` rows of `batch` (and the network's forward),
+    /// and its gradient with respect to `params`.
+    fn loss_and_gradient(
         layout: &ParamLayout,
         params: &[f32],
         batch: &SegmentBatch,
         starts: &[f32],
         d_heads: &[f32],
-    ) -> Vec<f32> {
+    ) -> (f64, Vec<f32>) {
         let (rows, b_len) = (batch.t_len, batch.b_len);
         let mut cpu = CpuBackend::new();
         let mut net = Network::new(&mut cpu, layout).expect("network");
         let obs = batch.observations.to_f32_vec()[..rows * b_len * OBS].to_vec();
-        let (params, starts) = (params.to_vec(), starts.to_vec());
-        net.forward_restoring(
-            &mut cpu,
-            &params,
-            View::of(&obs),
-            View::of(&starts),
-            View::of(&batch.initial_hidden),
-            &batch.restores,
-            View::of(&batch.restore_states),
-            rows,
-            b_len,
-        )
-        .expect("forward");
+        let (params, starts, d_heads) = (params.to_vec(), starts.to_vec(), d_heads.to_vec());
+        let (obs, starts) = (View::of(&obs), View::of(&starts));
+        let restores = Restores { steps: &batch.restores, states: View::of(&batch.restore_states) };
+        let h0 = View::of(&batch.initial_hidden);
+        net.forward(&mut cpu, &params, obs, starts, h0, Some(restores), rows, b_len).expect("forward");
+        let (heads, range) = net.heads().parts();
+        let loss = heads[range].iter().zip(&d_heads).map(|(&h, &d)| f64::from(h) * f64::from(d)).sum();
         let mut grads = vec![0.0; params.len()];
-        net.backward(&mut cpu, &params, View::of(&d_heads.to_vec()), View::of(&obs), View::of(&starts), &mut grads)
-            .expect("backward");
-        grads
+        net.backward(&mut cpu, &params, View::of(&d_heads), obs, starts, &mut grads).expect("backward");
+        (loss, grads)
     }
 
     /// Issue 18: backpropagation through a stitched window of K·T steps, with the state
@@ -915,15 +848,14 @@ mod window_tests {
         let d_heads: Vec<f32> = (0..rows * 3)
             .map(|i| if batch.sample_weights[i / 3] == 0.0 { 0.0 } else { rng.random_range(-1.0..1.0) })
             .collect();
-        let analytic = gradient(&layout, &params, &batch, &starts, &d_heads);
+        let (_, analytic) = loss_and_gradient(&layout, &params, &batch, &starts, &d_heads);
         let eps = 1e-2f32;
         for (k, &g) in analytic.iter().enumerate() {
             let (mut plus, mut minus) = (params.clone(), params.clone());
             plus[k] += eps;
             minus[k] -= eps;
-            let numeric = (loss(&layout, &plus, &batch, &starts, &d_heads)
-                - loss(&layout, &minus, &batch, &starts, &d_heads))
-                / (2.0 * f64::from(eps));
+            let loss = |params: &[f32]| loss_and_gradient(&layout, params, &batch, &starts, &d_heads).0;
+            let numeric = (loss(&plus) - loss(&minus)) / (2.0 * f64::from(eps));
             let error = (f64::from(g) - numeric).abs();
             assert!(error <= 2e-3 + 2e-2 * numeric.abs(), "param {k}: backward {g}, finite differences {numeric}");
         }
@@ -951,8 +883,8 @@ mod window_tests {
             truncated[boundary] = 1.0;
         }
         let weight_ih = layout.entry("gru.weight_ih").expect("a GRU").range();
-        let through = gradient(&layout, &params, &batch, &stitched, &d_heads);
-        let cut = gradient(&layout, &params, &batch, &truncated, &d_heads);
+        let (_, through) = loss_and_gradient(&layout, &params, &batch, &stitched, &d_heads);
+        let (_, cut) = loss_and_gradient(&layout, &params, &batch, &truncated, &d_heads);
         let difference: f32 = through[weight_ih.clone()].iter().zip(&cut[weight_ih]).map(|(a, b)| (a - b).abs()).sum();
         assert!(difference > 1e-3, "the first segments' steps contribute to the gradient: {difference}");
     }

@@ -2,10 +2,11 @@
 //! parameter (with strides, padding, both input layouts, with and without a dense torso and a
 //! GRU), and agreement of the learner's forward with the actors' `PolicyInference`.
 
-use rand::{Rng, SeedableRng};
+use rand::SeedableRng;
 use rand_pcg::Pcg64;
 use volley_policy::{Activation, ConvLayerSpec, ConvSpec, ParamLayout, PolicyInference, PolicySpec};
 
+use super::test_data::{random, random_params};
 use super::*;
 use crate::backend::CpuBackend;
 
@@ -31,22 +32,6 @@ fn conv_specs() -> Vec<PolicySpec> {
         PolicySpec::gru(0, 2, &[], Activation::Tanh, 4).with_conv(strided),
         PolicySpec::gru(0, 2, &[5], Activation::Relu, 3).with_conv(two_layers),
     ]
-}
-
-fn random(rng: &mut Pcg64, n: usize, scale: f32) -> Vec<f32> {
-    (0..n).map(|_| rng.random_range(-scale..scale)).collect()
-}
-
-/// Parameters with signal on every path (scaled by fan-in), biases in ±0.5.
-fn random_params(layout: &ParamLayout, rng: &mut Pcg64) -> Vec<f32> {
-    let mut params = vec![0.0; layout.n_params()];
-    for entry in layout.entries() {
-        let scale = if entry.rows == 1 { 0.5 } else { 1.5 / (entry.cols as f32).sqrt() };
-        for p in &mut params[entry.range()] {
-            *p = rng.random_range(-scale..scale);
-        }
-    }
-    params
 }
 
 struct Case {
@@ -80,7 +65,7 @@ impl Case {
 
     fn forward(&self, net: &mut Network<CpuBackend>, cpu: &mut CpuBackend, params: &Vec<f32>) {
         let (obs, starts, h0) = (View::of(&self.obs), View::of(&self.starts), View::of(&self.h0));
-        net.forward(cpu, params, obs, starts, h0, self.t_len, self.b_len).expect("forward");
+        net.forward(cpu, params, obs, starts, h0, None, self.t_len, self.b_len).expect("forward");
     }
 
     fn loss(&self, net: &mut Network<CpuBackend>, cpu: &mut CpuBackend, params: &Vec<f32>) -> f64 {
@@ -145,7 +130,7 @@ fn threaded_backend_matches_one_thread() {
     let run = |mut cpu: CpuBackend| {
         let mut net = Network::new(&mut cpu, &layout).expect("network");
         let (obs, starts) = (View::of(&obs), View::of(&starts));
-        net.forward(&mut cpu, &params, obs, starts, View::of(&Vec::new()), t_len, b_len).expect("forward");
+        net.forward(&mut cpu, &params, obs, starts, View::of(&Vec::new()), None, t_len, b_len).expect("forward");
         let (heads, range) = net.heads().parts();
         let heads = heads[range].to_vec();
         let mut grads = vec![f32::NAN; params.len()];
@@ -247,7 +232,7 @@ fn actor_inference_matches_the_learner_forward_for_conv_torsos() {
         let mut cpu = CpuBackend::new();
         let mut net = Network::new(&mut cpu, &layout).expect("network");
         let starts = vec![0.0; n];
-        net.forward(&mut cpu, &params, View::of(&obs), View::of(&starts), View::of(&h0), 1, n).expect("forward");
+        net.forward(&mut cpu, &params, View::of(&obs), View::of(&starts), View::of(&h0), None, 1, n).expect("forward");
         let (heads, range) = net.heads().parts();
         let stride = spec.n_actions + 1;
         for (i, row) in heads[range].chunks_exact(stride).enumerate() {

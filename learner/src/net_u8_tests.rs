@@ -10,6 +10,7 @@ use volley_core::wire::Observations;
 use volley_env::{EnvConfig, EnvServiceName, RemoteEnvConfig};
 use volley_policy::{Activation, ConvInput, ConvLayerSpec, ConvSpec, ParamLayout, PolicySpec};
 
+use super::test_data::random_params;
 use super::*;
 use crate::backend::{pack_byte_rows, packed_words, CpuBackend};
 use crate::batch::SegmentBatch;
@@ -30,18 +31,6 @@ fn byte_specs() -> Vec<PolicySpec> {
     vec![PolicySpec::mlp(0, 3, &[6], Activation::Tanh).with_conv(pixels), PolicySpec::mlp(7, 3, &[5], Activation::Tanh)]
 }
 
-/// Parameters with signal on every path (scaled by fan-in), biases in ±0.5.
-fn random_params(layout: &ParamLayout, rng: &mut Pcg64) -> Vec<f32> {
-    let mut params = vec![0.0; layout.n_params()];
-    for entry in layout.entries() {
-        let scale = if entry.rows == 1 { 0.5 } else { 1.5 / (entry.cols as f32).sqrt() };
-        for p in &mut params[entry.range()] {
-            *p = rng.random_range(-scale..scale);
-        }
-    }
-    params
-}
-
 /// `Σ c ⊙ heads` of a forward over `packed` bytes, and the network after it.
 fn loss(
     net: &mut Network<CpuBackend>,
@@ -54,18 +43,7 @@ fn loss(
 ) -> f64 {
     let starts = vec![0.0; rows];
     let input = Input::U8 { packed: View::of(packed), scale };
-    net.forward_input(
-        cpu,
-        params,
-        input,
-        View::of(&starts),
-        View::of(&Vec::new()),
-        &[],
-        View::of(&Vec::new()),
-        rows,
-        1,
-    )
-    .expect("forward");
+    net.forward(cpu, params, input, View::of(&starts), View::of(&Vec::new()), None, rows, 1).expect("forward");
     let (heads, range) = net.heads().parts();
     heads[range].iter().zip(c).map(|(&h, &c)| f64::from(h) * f64::from(c)).sum()
 }
@@ -91,13 +69,13 @@ fn first_layer_over_bytes_has_the_gradients_of_finite_differences() {
         let starts = vec![0.0; rows];
         let mut analytic = vec![f32::NAN; params.len()];
         let input = Input::U8 { packed: View::of(&packed), scale };
-        net.backward_input(&mut cpu, &params, View::of(&c), input, View::of(&starts), &mut analytic).expect("backward");
+        net.backward(&mut cpu, &params, View::of(&c), input, View::of(&starts), &mut analytic).expect("backward");
 
         // The f32 path over the values the first layer reads.
         let floats: Vec<f32> = bytes.iter().map(|&b| f32::from(b) * scale).collect();
         let mut reference = Network::new(&mut cpu, &layout).expect("network");
         let (obs, starts_view) = (View::of(&floats), View::of(&starts));
-        reference.forward(&mut cpu, &params, obs, starts_view, View::of(&Vec::new()), rows, 1).expect("forward");
+        reference.forward(&mut cpu, &params, obs, starts_view, View::of(&Vec::new()), None, rows, 1).expect("forward");
         let mut expected = vec![f32::NAN; params.len()];
         reference.backward(&mut cpu, &params, View::of(&c), obs, starts_view, &mut expected).expect("backward");
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();

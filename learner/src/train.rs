@@ -31,7 +31,7 @@ use crate::backend::{
 };
 use crate::batch::{SegmentBatch, StateRestore};
 use crate::losses::{LossStats, PpoLossConfig, VTraceLossConfig};
-use crate::net::{ensure, Input, Network};
+use crate::net::{ensure, Input, Network, Restores};
 use crate::optim::{AdamConfig, AdamState};
 use crate::telemetry::{OffPolicyStats, OffPolicySums, NO_RATIO};
 
@@ -492,14 +492,14 @@ impl<B: Backend> Trainer<B> {
     fn forward_batch(&mut self, t_len: usize, b_len: usize) -> Result<(), BackendError> {
         let s = &self.staged_layout;
         let obs = self.obs_input(&self.staged, s.observations.clone());
-        self.net.forward_input(
+        let restores = Restores { steps: &self.restores, states: View::range(&self.staged, s.restore_states.clone()) };
+        self.net.forward(
             &mut self.backend,
             &self.params,
             obs,
             View::range(&self.staged, s.episode_start.clone()),
             View::range(&self.staged, s.initial_hidden.clone()),
-            &self.restores,
-            View::range(&self.staged, s.restore_states.clone()),
+            Some(restores),
             t_len + 1,
             b_len,
         )
@@ -569,7 +569,7 @@ impl<B: Backend> Trainer<B> {
         };
         self.backend.off_policy_sums(&off_policy, ViewMut::range(&mut loss.ratios, 0..n))?;
         let obs = self.obs_input(&self.staged, s.observations.clone());
-        self.net.backward_input(
+        self.net.backward(
             &mut self.backend,
             &self.params,
             View::range(&self.loss.d_heads, 0..(n + b_len) * stride),
@@ -705,14 +705,14 @@ impl<B: Backend> Trainer<B> {
                 let mb = &self.minibatch;
                 let obs = self.obs_input(&mb.observations, 0..m * obs_words);
                 let starts = View::range(&mb.episode_start, 0..m);
-                self.net.forward_input(
+                let restore_states = View::range(&self.staged, self.staged_layout.restore_states.clone());
+                self.net.forward(
                     &mut self.backend,
                     &self.params,
                     obs,
                     starts,
                     View::range(&mb.initial_hidden, 0..mb_len * hidden),
-                    &self.minibatch_restores,
-                    View::range(&self.staged, self.staged_layout.restore_states.clone()),
+                    Some(Restores { steps: &self.minibatch_restores, states: restore_states }),
                     t_len,
                     mb_len,
                 )?;
@@ -734,7 +734,7 @@ impl<B: Backend> Trainer<B> {
                     d_head_params: ViewMut::range(&mut self.loss.d_head_params, 0..m * n_head_params),
                 };
                 self.backend.ppo_loss(PpoLoss { inputs, config: &config, outputs, slot })?;
-                self.net.backward_input(
+                self.net.backward(
                     &mut self.backend,
                     &self.params,
                     View::range(&self.loss.d_heads, 0..m * stride),
@@ -872,15 +872,18 @@ pub enum AnyTrainer {
     Cuda(Trainer<CudaBackend>),
 }
 
-/// Run `$body` with `$trainer` bound to the concrete trainer inside `$any`.
+/// Run `$body` with `$trainer` bound to the concrete trainer inside `$any`: the learner's
+/// calls into the trainer ([`Trainer::train_step`], [`Trainer::values_and_advantages`]) match
+/// through it, once per call.
 macro_rules! with_trainer {
     ($any:expr, $trainer:ident => $body:expr) => {
         match $any {
-            AnyTrainer::Cpu($trainer) => $body,
-            AnyTrainer::Cuda($trainer) => $body,
+            $crate::train::AnyTrainer::Cpu($trainer) => $body,
+            $crate::train::AnyTrainer::Cuda($trainer) => $body,
         }
     };
 }
+pub(crate) use with_trainer;
 
 impl AnyTrainer {
     /// `cpu` or `cuda: <device>`.
@@ -893,17 +896,6 @@ impl AnyTrainer {
         matches!(self, AnyTrainer::Cpu(_))
     }
 
-    /// See [`Trainer::train_step`].
-    pub fn train_step(
-        &mut self,
-        batch: &SegmentBatch,
-        hyper: &HyperParams,
-        learning_rate: f32,
-        rng: &mut Pcg64Mcg,
-    ) -> Result<StepOutcome, BackendError> {
-        with_trainer!(self, trainer => trainer.train_step(batch, hyper, learning_rate, rng))
-    }
-
     /// See [`Trainer::download_params`].
     pub fn download_params(&mut self, out: &mut [f32]) -> Result<(), BackendError> {
         with_trainer!(self, trainer => trainer.download_params(out))
@@ -912,16 +904,5 @@ impl AnyTrainer {
     /// See [`Trainer::download_state`].
     pub fn download_state(&mut self) -> Result<HostState, BackendError> {
         with_trainer!(self, trainer => trainer.download_state())
-    }
-
-    /// See [`Trainer::values_and_advantages`].
-    pub fn values_and_advantages(
-        &mut self,
-        batch: &SegmentBatch,
-        gae_lambda: f32,
-        values: &mut Vec<f32>,
-        advantages: &mut Vec<f32>,
-    ) -> Result<(), BackendError> {
-        with_trainer!(self, trainer => trainer.values_and_advantages(batch, gae_lambda, values, advantages))
     }
 }

@@ -27,6 +27,13 @@ fn spec(loss: LossKind, max_policy_lag: u64) -> RunSpec {
     SpecBuilder::cartpole(T).run("loop").torso(vec![16]).hyper(hyper).seed(3).build()
 }
 
+/// A fresh learner's parameters at policy version `version` (after as many updates), so
+/// segments of older versions arrive that far behind.
+fn learner_at(spec: RunSpec, version: u64) -> Learner {
+    let params = Learner::new(spec.clone()).expect("valid spec").params().to_vec();
+    Learner::with_state(spec, params, PolicyVersion(version), version).expect("valid state")
+}
+
 /// Segment `idx` of environment `idx / 1000`: each environment's segments carry a run of
 /// consecutive indices, as an actor counts them per environment (the duplicate filter keeps a
 /// window of indices per environment).
@@ -90,10 +97,7 @@ fn malformed_segments_are_counted_and_dropped_while_training_continues() {
 
 #[test]
 fn segments_beyond_max_policy_lag_are_dropped_and_counted() {
-    let fresh_spec = spec(LossKind::Ppo, 2);
-    let mut template = Learner::new(fresh_spec.clone()).expect("valid spec");
-    let params = template.params().to_vec();
-    let mut learner = Learner::with_state(fresh_spec, params, PolicyVersion(10), 10).expect("valid state");
+    let mut learner = learner_at(spec(LossKind::Ppo, 2), 10);
     let mut rng = Pcg64Mcg::seed_from_u64(4);
     let mut segments = Vec::new();
     for idx in 0..B as u64 {
@@ -304,10 +308,7 @@ impl volley_learner::LearnerControl for Ticks {
 /// not even on the empty passes after the data ran out (once data came, only an update counts).
 #[test]
 fn a_learner_fed_only_stale_data_ticks_but_makes_no_progress() {
-    let fresh_spec = spec(LossKind::Vtrace, 2);
-    let mut template = Learner::new(fresh_spec.clone()).expect("valid spec");
-    let params = template.params().to_vec();
-    let mut learner = Learner::with_state(fresh_spec, params, PolicyVersion(50), 50).expect("valid state");
+    let mut learner = learner_at(spec(LossKind::Vtrace, 2), 50);
     let mut rng = Pcg64Mcg::seed_from_u64(5);
     let n = 40 * B as u64;
     let segments: Vec<_> = (0..n).map(|idx| valid_segment(&learner, &mut rng, 1, idx)).collect();

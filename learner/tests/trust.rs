@@ -204,19 +204,6 @@ fn an_update_on_unvalidated_states_of_3e38_skips_the_step_instead_of_panicking()
 /// every one is still counted.
 #[test]
 fn a_flood_of_rejected_segments_logs_a_bounded_number_of_lines() {
-    use std::io::Write;
-    use std::sync::{Arc, Mutex};
-    #[derive(Clone, Default)]
-    struct Captured(Arc<Mutex<Vec<u8>>>);
-    impl Write for Captured {
-        fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
-            self.0.lock().expect("not poisoned").extend_from_slice(bytes);
-            Ok(bytes.len())
-        }
-        fn flush(&mut self) -> std::io::Result<()> {
-            Ok(())
-        }
-    }
     let mut learner = Learner::new(spec()).expect("valid spec");
     let mut segments = Vec::new();
     for idx in 0..3_000 {
@@ -231,21 +218,17 @@ fn a_flood_of_rejected_segments_logs_a_bounded_number_of_lines() {
     for idx in 0..8 {
         segments.push(segment(&learner, "honest", idx, 8.0, 8));
     }
-    let captured = Captured::default();
-    let writer = captured.clone();
-    let subscriber = tracing_subscriber::fmt().with_writer(move || writer.clone()).with_ansi(false).finish();
     let _one = one_loop_at_a_time();
-    let report = tracing::subscriber::with_default(subscriber, || {
+    let (report, lines) = volley_testkit::logs::capture_logs(|| {
         run_alone(&mut learner, segments, RunLimits { publish_every: 1, ..RunLimits::default() }).0
     });
     assert_eq!(report.segments_rejected.get("non_finite"), Some(&1_500));
     assert_eq!(report.segments_rejected.get("future_version"), Some(&1_500));
-    let text = String::from_utf8_lossy(&captured.0.lock().expect("not poisoned")).into_owned();
-    let rejected_lines = text.lines().filter(|line| line.contains("segment rejected")).count();
+    let rejected_lines = lines.iter().filter(|line| line.contains("segment rejected")).count();
     let first = volley_transport::rejection_log::DEFAULT_FIRST_PER_WINDOW as usize;
     // A window is 30 s: a slow machine may start a second one during the run.
-    assert!(rejected_lines >= 2 * first && rejected_lines <= 2 * 2 * first, "{rejected_lines} lines:\n{text}");
-    assert!(text.lines().count() < 100, "{} lines in all", text.lines().count());
+    assert!(rejected_lines >= 2 * first && rejected_lines <= 2 * 2 * first, "{rejected_lines} lines:\n{lines:#?}");
+    assert!(lines.len() < 100, "{} lines in all", lines.len());
 }
 
 /// Float values as they may come off the bus: any bit pattern, and the awkward ones.

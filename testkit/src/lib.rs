@@ -5,13 +5,14 @@
 //! to the real broker, not to a mock. It requires TLS by default, with a CA and server
 //! certificate of its own ([`tls::TestPki`]), so every test client connects as a deployment
 //! does (issue 46): give it [`TestNats::ca_file`], or [`TestNats::client_env`] to a process.
-//! [`fixtures`] builds run specs and trajectory segments.
+//! [`fixtures`] builds run specs and trajectory segments; [`logs`] captures what a test logs.
 //!
 //! Invariant: every server a [`TestNats`] starts is killed when the guard drops, and its store
 //! directory is removed.
 //! Start reading at [`TestNats::start`] and [`fixtures::SegmentBuilder`].
 
 pub mod fixtures;
+pub mod logs;
 pub mod tls;
 
 use std::fs::File;

@@ -136,35 +136,9 @@ impl RejectionLog {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::io::Write;
-    use std::sync::{Arc, Mutex};
-
-    /// A tracing writer that keeps every line, to count the events a flood produces.
-    #[derive(Clone, Default)]
-    struct Captured(Arc<Mutex<Vec<u8>>>);
-
-    impl Write for Captured {
-        fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
-            self.0.lock().expect("not poisoned").extend_from_slice(bytes);
-            Ok(bytes.len())
-        }
-        fn flush(&mut self) -> std::io::Result<()> {
-            Ok(())
-        }
-    }
-
-    impl Captured {
-        fn lines(&self) -> Vec<String> {
-            String::from_utf8_lossy(&self.0.lock().expect("not poisoned")).lines().map(str::to_string).collect()
-        }
-    }
 
     fn capture(f: impl FnOnce()) -> Vec<String> {
-        let captured = Captured::default();
-        let writer = captured.clone();
-        let subscriber = tracing_subscriber::fmt().with_writer(move || writer.clone()).with_ansi(false).finish();
-        tracing::subscriber::with_default(subscriber, f);
-        captured.lines()
+        volley_testkit::logs::capture_logs(f).1
     }
 
     /// Issue 46: 100,000 rejections of three reasons within one window log the first few of

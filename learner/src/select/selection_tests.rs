@@ -165,24 +165,19 @@ fn guard_drops_absurd_and_overflowing_rewards_and_non_finite_returns() {
     assert_eq!(reasons(&dropped), vec![(0, "out_of_range"), (1, "non_finite"), (2, "non_finite")]);
     assert_eq!(selector.len(), 1);
 
-    // Without a raw bound an overflowing scaled reward is caught as non-finite.
+    // Without a raw bound an overflowing scaled reward is caught as non-finite; with the guard
+    // switched off, nothing is checked.
     let mut spec = spec.clone();
     spec.hyper.selection.guard.max_abs_reward = None;
-    let mut selector = Selector::new(&spec);
-    let mut overflowing = segment(5, 0, 1.0);
-    overflowing.rewards[0] = f32::MAX / 2.0;
-    let mut dropped = Vec::new();
-    selector.offer(overflowing, DeliveryToken(5), PolicyVersion(0), &mut dropped);
-    assert_eq!(reasons(&dropped), vec![(5, "non_finite")]);
-
-    // Switched off, nothing is checked.
-    spec.hyper.selection.guard.enabled = false;
-    let mut selector = Selector::new(&spec);
-    let mut overflowing = segment(6, 0, 1.0);
-    overflowing.rewards[0] = f32::MAX / 2.0;
-    let mut dropped = Vec::new();
-    selector.offer(overflowing, DeliveryToken(6), PolicyVersion(0), &mut dropped);
-    assert!(dropped.is_empty());
+    for (idx, enabled, expected) in [(5, true, vec![(5, "non_finite")]), (6, false, vec![])] {
+        spec.hyper.selection.guard.enabled = enabled;
+        let mut selector = Selector::new(&spec);
+        let mut overflowing = segment(idx, 0, 1.0);
+        overflowing.rewards[0] = f32::MAX / 2.0;
+        let mut dropped = Vec::new();
+        selector.offer(overflowing, DeliveryToken(idx), PolicyVersion(0), &mut dropped);
+        assert_eq!(reasons(&dropped), expected, "guard enabled: {enabled}");
+    }
 }
 
 #[test]

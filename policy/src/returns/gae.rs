@@ -98,46 +98,23 @@ pub fn gae(
 
 #[cfg(test)]
 mod tests {
+    use super::super::test_inputs::{assert_close, batch_strategy, column_of, Inputs};
     use super::*;
     use proptest::prelude::*;
 
-    /// Runs [`gae`] and returns `(advantages, returns)`.
-    fn run(
-        t_len: usize,
-        b_len: usize,
-        discounts: &[f32],
-        rewards: &[f32],
-        values: &[f32],
-        bootstrap_value: &[f32],
-        lambda_: f32,
-    ) -> (Vec<f32>, Vec<f32>) {
-        let mut adv = vec![f32::NAN; t_len * b_len];
-        let mut ret = vec![f32::NAN; t_len * b_len];
-        gae(t_len, b_len, discounts, rewards, values, bootstrap_value, lambda_, &mut adv, &mut ret);
-        (adv, ret)
-    }
-
-    fn assert_close(got: &[f32], want: &[f64], tol: f64) {
-        assert_eq!(got.len(), want.len());
-        for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
-            let err = (f64::from(g) - w).abs();
-            assert!(err <= tol * (1.0 + w.abs()), "index {i}: got {g}, want {w} (err {err})");
+    impl Inputs {
+        /// Runs [`gae`] with `lambda_` and returns `(advantages, returns)`.
+        fn gae(&self, lambda_: f32) -> (Vec<f32>, Vec<f32>) {
+            let (mut adv, mut ret) = outputs(self.t_len * self.b_len);
+            let (discounts, rewards, values) = (&self.discounts, &self.rewards, &self.values);
+            gae(self.t_len, self.b_len, discounts, rewards, values, &self.bootstrap, lambda_, &mut adv, &mut ret);
+            (adv, ret)
         }
     }
 
-    #[allow(clippy::type_complexity)]
-    fn batch_strategy() -> impl Strategy<Value = (usize, usize, Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>)> {
-        (1usize..12, 1usize..5).prop_flat_map(|(t_len, b_len)| {
-            let n = t_len * b_len;
-            (
-                Just(t_len),
-                Just(b_len),
-                prop::collection::vec(prop_oneof![1 => Just(0.0f32), 3 => 0.5f32..=1.0], n),
-                prop::collection::vec(-2.0f32..2.0, n),
-                prop::collection::vec(-3.0f32..3.0, n),
-                prop::collection::vec(-3.0f32..3.0, b_len),
-            )
-        })
+    /// `(advantages, returns)` for `n` samples, NaN until [`gae`] writes them.
+    fn outputs(n: usize) -> (Vec<f32>, Vec<f32>) {
+        (vec![f32::NAN; n], vec![f32::NAN; n])
     }
 
     #[test]
@@ -151,7 +128,8 @@ mod tests {
         // Â_1 = 0.35 + 0.9·0.5·0.5 = 0.575
         // Â_0 = 1.4 + 0.9·0.5·0.575 = 1.65875
         // returns = Â + V = [2.15875, 1.575, 2.0]
-        let (adv, ret) = run(3, 1, &[0.9, 0.9, 0.0], &[1.0, 0.0, 2.0], &[0.5, 1.0, 1.5], &[100.0], 0.5);
+        let (mut adv, mut ret) = outputs(3);
+        gae(3, 1, &[0.9, 0.9, 0.0], &[1.0, 0.0, 2.0], &[0.5, 1.0, 1.5], &[100.0], 0.5, &mut adv, &mut ret);
         assert_close(&adv, &[1.65875, 0.575, 0.5], 1e-6);
         assert_close(&ret, &[2.15875, 1.575, 2.0], 1e-6);
     }
@@ -159,16 +137,18 @@ mod tests {
     #[test]
     fn gae_termination_cuts_the_recursion() {
         // γ_0 = 0: Â_0 = r_0 − V_0 whatever follows.
-        let (adv, _) = run(2, 1, &[0.0, 1.0], &[3.0, 50.0], &[1.0, -9.0], &[9.0], 1.0);
+        let (mut adv, mut ret) = outputs(2);
+        gae(2, 1, &[0.0, 1.0], &[3.0, 50.0], &[1.0, -9.0], &[9.0], 1.0, &mut adv, &mut ret);
         assert_close(&adv[..1], &[2.0], 0.0);
     }
 
     proptest! {
         #[test]
         fn gae_with_lambda_zero_equals_the_td_error(
-            (t_len, b_len, discounts, rewards, values, bootstrap) in batch_strategy(),
+            inputs in batch_strategy(0.0),
         ) {
-            let (adv, ret) = run(t_len, b_len, &discounts, &rewards, &values, &bootstrap, 0.0);
+            let (adv, ret) = inputs.gae(0.0);
+            let Inputs { t_len, b_len, ref discounts, ref rewards, ref values, ref bootstrap, .. } = inputs;
             for t in 0..t_len {
                 for (b, &bootstrap_b) in bootstrap.iter().enumerate() {
                     let i = t * b_len + b;
@@ -184,42 +164,37 @@ mod tests {
 
         #[test]
         fn gae_with_lambda_one_equals_discounted_return_minus_value(
-            (t_len, b_len, discounts, rewards, values, bootstrap) in batch_strategy(),
+            inputs in batch_strategy(0.0),
         ) {
-            let (adv, ret) = run(t_len, b_len, &discounts, &rewards, &values, &bootstrap, 1.0);
-            for b in 0..b_len {
+            let (adv, ret) = inputs.gae(1.0);
+            for b in 0..inputs.b_len {
+                let Inputs { t_len, discounts, rewards, values, bootstrap, .. } = inputs.column(b);
+                let (adv_b, ret_b) = (column_of(&adv, inputs.b_len, b), column_of(&ret, inputs.b_len, b));
                 for s in 0..t_len {
                     // G_s = Σ_k (γ_s…γ_{s+k−1}) r_{s+k} + (γ_s…γ_{T−1}) V(x_T), summed forward.
                     let mut g = 0.0f64;
                     let mut scale = 1.0f64;
                     for t in s..t_len {
-                        g += scale * f64::from(rewards[t * b_len + b]);
-                        scale *= f64::from(discounts[t * b_len + b]);
+                        g += scale * f64::from(rewards[t]);
+                        scale *= f64::from(discounts[t]);
                     }
-                    g += scale * f64::from(bootstrap[b]);
-                    let i = s * b_len + b;
-                    assert_close(&adv[i..=i], &[g - f64::from(values[i])], 1e-5);
-                    assert_close(&ret[i..=i], &[g], 1e-5);
+                    g += scale * f64::from(bootstrap[0]);
+                    assert_close(&adv_b[s..=s], &[g - f64::from(values[s])], 1e-5);
+                    assert_close(&ret_b[s..=s], &[g], 1e-5);
                 }
             }
         }
 
         #[test]
         fn gae_columns_are_independent(
-            (t_len, b_len, discounts, rewards, values, bootstrap) in batch_strategy(),
+            inputs in batch_strategy(0.0),
             lambda_ in 0.0f32..=1.0,
         ) {
-            let (adv, ret) = run(t_len, b_len, &discounts, &rewards, &values, &bootstrap, lambda_);
-            for b in 0..b_len {
-                let column = |xs: &[f32]| -> Vec<f32> {
-                    (0..t_len).map(|t| xs[t * b_len + b]).collect()
-                };
-                let (adv_b, ret_b) = run(
-                    t_len, 1, &column(&discounts), &column(&rewards), &column(&values),
-                    &[bootstrap[b]], lambda_,
-                );
-                prop_assert_eq!(column(&adv), adv_b);
-                prop_assert_eq!(column(&ret), ret_b);
+            let (adv, ret) = inputs.gae(lambda_);
+            for b in 0..inputs.b_len {
+                let (adv_b, ret_b) = inputs.column(b).gae(lambda_);
+                prop_assert_eq!(column_of(&adv, inputs.b_len, b), adv_b);
+                prop_assert_eq!(column_of(&ret, inputs.b_len, b), ret_b);
             }
         }
     }

@@ -17,6 +17,8 @@
 //!   `γ · c ≤ 1`, so rounding errors do not grow with `T`.
 
 pub mod gae;
+#[cfg(test)]
+mod test_inputs;
 pub mod vtrace;
 
 pub use gae::gae;

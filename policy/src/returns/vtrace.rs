@@ -156,37 +156,34 @@ pub fn vtrace(
 
 #[cfg(test)]
 mod tests {
+    use super::super::test_inputs::{assert_close, batch_strategy, column_of, Inputs};
     use super::*;
     use proptest::prelude::*;
-
-    fn assert_close(got: &[f32], want: &[f64], tol: f64) {
-        assert_eq!(got.len(), want.len());
-        for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
-            let err = (f64::from(g) - w).abs();
-            assert!(err <= tol * (1.0 + w.abs()), "index {i}: got {g}, want {w} (err {err})");
-        }
-    }
 
     fn config(rho: f32, pg_rho: f32, c: f32, lambda_: f32) -> VTraceConfig {
         VTraceConfig { clip_rho_threshold: rho, clip_pg_rho_threshold: pg_rho, clip_c_threshold: c, lambda_ }
     }
 
-    /// Runs [`vtrace`] and returns `(vs, pg_advantages)`.
-    #[allow(clippy::too_many_arguments)]
-    fn run(
-        t_len: usize,
-        b_len: usize,
-        log_rhos: &[f32],
-        discounts: &[f32],
-        rewards: &[f32],
-        values: &[f32],
-        bootstrap_value: &[f32],
-        config: &VTraceConfig,
-    ) -> (Vec<f32>, Vec<f32>) {
-        let mut vs = vec![f32::NAN; t_len * b_len];
-        let mut adv = vec![f32::NAN; t_len * b_len];
-        vtrace(t_len, b_len, log_rhos, discounts, rewards, values, bootstrap_value, config, &mut vs, &mut adv);
-        (vs, adv)
+    impl Inputs {
+        /// Runs [`vtrace`] and returns `(vs, pg_advantages)`.
+        fn run(&self, config: &VTraceConfig) -> (Vec<f32>, Vec<f32>) {
+            let mut vs = vec![f32::NAN; self.t_len * self.b_len];
+            let mut adv = vec![f32::NAN; self.t_len * self.b_len];
+            let (log_rhos, discounts, rewards, values) = (&self.log_rhos, &self.discounts, &self.rewards, &self.values);
+            vtrace(
+                self.t_len,
+                self.b_len,
+                log_rhos,
+                discounts,
+                rewards,
+                values,
+                &self.bootstrap,
+                config,
+                &mut vs,
+                &mut adv,
+            );
+            (vs, adv)
+        }
     }
 
     /// The λ-return of one column, computed forward from its definition
@@ -223,17 +220,9 @@ mod tests {
 
     /// Eq. (1) of Espeholt et al. (2018) summed directly for every start step, `O(T²)` per
     /// column, in `f64`. Returns `(vs, pg_advantages)`.
-    #[allow(clippy::too_many_arguments)]
-    fn naive_vtrace(
-        t_len: usize,
-        b_len: usize,
-        log_rhos: &[f32],
-        discounts: &[f32],
-        rewards: &[f32],
-        values: &[f32],
-        bootstrap_value: &[f32],
-        config: &VTraceConfig,
-    ) -> (Vec<f64>, Vec<f64>) {
+    fn naive_vtrace(inputs: &Inputs, config: &VTraceConfig) -> (Vec<f64>, Vec<f64>) {
+        let Inputs { t_len, b_len, ref log_rhos, ref discounts, ref rewards, ref values, ref bootstrap } = *inputs;
+        let bootstrap_value = bootstrap;
         let at = |xs: &[f32], t: usize, b: usize| f64::from(xs[t * b_len + b]);
         let mut vs = vec![0.0; t_len * b_len];
         let mut adv = vec![0.0; t_len * b_len];
@@ -269,26 +258,6 @@ mod tests {
         (vs, adv)
     }
 
-    /// Random `[T][B]` inputs: `(t_len, b_len, log_rhos, discounts, rewards, values, bootstrap)`.
-    #[allow(clippy::type_complexity)]
-    fn batch_strategy(
-        log_rho_range: f32,
-    ) -> impl Strategy<Value = (usize, usize, Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>)> {
-        (1usize..12, 1usize..5).prop_flat_map(move |(t_len, b_len)| {
-            let n = t_len * b_len;
-            (
-                Just(t_len),
-                Just(b_len),
-                prop::collection::vec(-log_rho_range..=log_rho_range, n),
-                // A quarter of the steps terminate; the rest discount by a random γ.
-                prop::collection::vec(prop_oneof![1 => Just(0.0f32), 3 => 0.5f32..=1.0], n),
-                prop::collection::vec(-2.0f32..2.0, n),
-                prop::collection::vec(-3.0f32..3.0, n),
-                prop::collection::vec(-3.0f32..3.0, b_len),
-            )
-        })
-    }
-
     #[test]
     fn vtrace_matches_hand_computed_off_policy_case() {
         // One column, T = 2, ρ̄ = ρ̄_pg = c̄ = 1, λ = 1.
@@ -300,16 +269,8 @@ mod tests {
         // t = 0: δ_0 = 1 · (1 + 0.9·1 − 0.5) = 1.4;
         //        v_0 = 0.5 + 1.4 + 0.9·1·(1.9 − 1) = 2.71.
         //        A_0 = 1 · (1 + 0.9·1.9 − 0.5) = 2.21.
-        let (vs, adv) = run(
-            2,
-            1,
-            &[2f32.ln(), 0.5f32.ln()],
-            &[0.9, 0.9],
-            &[1.0, 1.0],
-            &[0.5, 1.0],
-            &[2.0],
-            &VTraceConfig::default(),
-        );
+        let (vs, adv) = Inputs::new(2, 1, [&[2f32.ln(), 0.5f32.ln()], &[0.9, 0.9], &[1.0, 1.0], &[0.5, 1.0]], &[2.0])
+            .run(&VTraceConfig::default());
         assert_close(&vs, &[2.71, 1.9], 1e-6);
         assert_close(&adv, &[2.21, 0.9], 1e-6);
     }
@@ -323,8 +284,8 @@ mod tests {
         // t = 1: δ_1 = 1 · (1 + 1 − 0) = 2; v_1 = 2; A_1 = 1 · (1 + 1 − 0) = 2.
         // t = 0: δ_0 = 1 · (0 + 0 − 0) = 0; v_0 = 0 + 0 + 1·0.5·(2 − 0) = 1.
         //        A_0 = min(3, 2) · (0 + 1·2 − 0) = 4.
-        let (vs, adv) =
-            run(2, 1, &[2f32.ln(), 0.0], &[1.0, 1.0], &[0.0, 1.0], &[0.0, 0.0], &[1.0], &config(1.0, 3.0, 1.0, 0.5));
+        let (vs, adv) = Inputs::new(2, 1, [&[2f32.ln(), 0.0], &[1.0, 1.0], &[0.0, 1.0], &[0.0, 0.0]], &[1.0])
+            .run(&config(1.0, 3.0, 1.0, 0.5));
         assert_close(&vs, &[1.0, 2.0], 1e-6);
         assert_close(&adv, &[4.0, 2.0], 1e-6);
     }
@@ -334,8 +295,8 @@ mod tests {
         // Column 0: r = [1, 1], column 1: r = [0, 2]; γ = 1, V = 0, on-policy, λ = 1.
         // Column 0 bootstraps from 10: v = [12, 11]. Column 1 from 0: v = [2, 2].
         // Time-major layout interleaves them: [v_00, v_01, v_10, v_11] = [12, 2, 11, 2].
-        let (vs, _) =
-            run(2, 2, &[0.0; 4], &[1.0; 4], &[1.0, 0.0, 1.0, 2.0], &[0.0; 4], &[10.0, 0.0], &VTraceConfig::default());
+        let (vs, _) = Inputs::new(2, 2, [&[0.0; 4], &[1.0; 4], &[1.0, 0.0, 1.0, 2.0], &[0.0; 4]], &[10.0, 0.0])
+            .run(&VTraceConfig::default());
         assert_close(&vs, &[12.0, 2.0, 11.0, 2.0], 1e-6);
     }
 
@@ -343,8 +304,8 @@ mod tests {
     fn vtrace_on_policy_with_unit_lambda_equals_bootstrapped_discounted_return() {
         // T = 3, γ = 0.5, r = [1, 2, 4], V(x_T) = 8, arbitrary V.
         // G_2 = 4 + 0.5·8 = 8; G_1 = 2 + 0.5·8 = 6; G_0 = 1 + 0.5·6 = 4.
-        let (vs, adv) =
-            run(3, 1, &[0.0; 3], &[0.5; 3], &[1.0, 2.0, 4.0], &[3.0, -1.0, 0.25], &[8.0], &VTraceConfig::default());
+        let (vs, adv) = Inputs::new(3, 1, [&[0.0; 3], &[0.5; 3], &[1.0, 2.0, 4.0], &[3.0, -1.0, 0.25]], &[8.0])
+            .run(&VTraceConfig::default());
         assert_close(&vs, &[4.0, 6.0, 8.0], 1e-6);
         // A_t = r_t + γ G_{t+1} − V_t = G_t − V_t.
         assert_close(&adv, &[1.0, 7.0, 7.75], 1e-6);
@@ -354,26 +315,10 @@ mod tests {
     fn vtrace_termination_cuts_the_recursion() {
         // γ_1 = 0 ends the episode after step 1: v_0 and v_1 must not depend on r_2, V_2 or
         // V(x_T). With on-policy data and λ = 1: v_1 = r_1 = 2, v_0 = 1 + 0.9·2 = 2.8.
-        let base = run(
-            3,
-            1,
-            &[0.0; 3],
-            &[0.9, 0.0, 0.9],
-            &[1.0, 2.0, 3.0],
-            &[0.5, 0.5, 0.5],
-            &[7.0],
-            &VTraceConfig::default(),
-        );
-        let perturbed = run(
-            3,
-            1,
-            &[0.0; 3],
-            &[0.9, 0.0, 0.9],
-            &[1.0, 2.0, -30.0],
-            &[0.5, 0.5, 40.0],
-            &[-70.0],
-            &VTraceConfig::default(),
-        );
+        let base = Inputs::new(3, 1, [&[0.0; 3], &[0.9, 0.0, 0.9], &[1.0, 2.0, 3.0], &[0.5, 0.5, 0.5]], &[7.0]);
+        let perturbed =
+            Inputs::new(3, 1, [&[0.0; 3], &[0.9, 0.0, 0.9], &[1.0, 2.0, -30.0], &[0.5, 0.5, 40.0]], &[-70.0]);
+        let (base, perturbed) = (base.run(&VTraceConfig::default()), perturbed.run(&VTraceConfig::default()));
         assert_close(&base.0[..2], &[2.8, 2.0], 1e-6);
         assert_eq!(base.0[..2], perturbed.0[..2]);
         assert_eq!(base.1[..2], perturbed.1[..2]);
@@ -381,36 +326,33 @@ mod tests {
 
     #[test]
     fn vtrace_with_zero_steps_writes_nothing() {
-        let (vs, adv) = run(0, 3, &[], &[], &[], &[], &[1.0, 2.0, 3.0], &VTraceConfig::default());
+        let (vs, adv) = Inputs::new(0, 3, [&[], &[], &[], &[]], &[1.0, 2.0, 3.0]).run(&VTraceConfig::default());
         assert!(vs.is_empty() && adv.is_empty());
     }
 
     #[test]
     #[should_panic(expected = "rewards: expected 4 elements, got 3")]
     fn vtrace_panics_on_a_short_slice_naming_it() {
-        run(2, 2, &[0.0; 4], &[1.0; 4], &[0.0; 3], &[0.0; 4], &[0.0; 2], &VTraceConfig::default());
+        Inputs::new(2, 2, [&[0.0; 4], &[1.0; 4], &[0.0; 3], &[0.0; 4]], &[0.0; 2]).run(&VTraceConfig::default());
     }
 
     proptest! {
         #[test]
         fn vtrace_on_policy_equals_the_lambda_return(
-            (t_len, b_len, _, discounts, rewards, values, bootstrap) in batch_strategy(0.0),
+            inputs in batch_strategy(0.0),
             lambda_ in 0.0f32..=1.0,
             rho_bar in 1.0f32..3.0,
             c_bar in 1.0f32..3.0,
         ) {
             let cfg = config(rho_bar, rho_bar, c_bar, lambda_);
-            let (vs, _) = run(
-                t_len, b_len, &vec![0.0; t_len * b_len], &discounts, &rewards, &values,
-                &bootstrap, &cfg,
-            );
+            let (vs, _) = inputs.run(&cfg);
+            let (t_len, b_len) = (inputs.t_len, inputs.b_len);
             for b in 0..b_len {
-                let column = |xs: &[f32]| -> Vec<f64> {
-                    (0..t_len).map(|t| f64::from(xs[t * b_len + b])).collect()
-                };
+                let column = inputs.column(b);
+                let wide = |xs: &[f32]| -> Vec<f64> { xs.iter().map(|&x| f64::from(x)).collect() };
                 let want = lambda_returns(
-                    &column(&discounts), &column(&rewards), &column(&values),
-                    f64::from(bootstrap[b]), f64::from(lambda_),
+                    &wide(&column.discounts), &wide(&column.rewards), &wide(&column.values),
+                    f64::from(column.bootstrap[0]), f64::from(lambda_),
                 );
                 let got: Vec<f32> = (0..t_len).map(|t| vs[t * b_len + b]).collect();
                 assert_close(&got, &want, 1e-4);
@@ -419,43 +361,31 @@ mod tests {
 
         #[test]
         fn vtrace_recursion_agrees_with_the_direct_sum_of_eq_1(
-            (t_len, b_len, log_rhos, discounts, rewards, values, bootstrap) in batch_strategy(2.0),
+            inputs in batch_strategy(2.0),
             rho_bar in 0.1f32..3.0,
             pg_rho_bar in 0.1f32..3.0,
             c_bar in 0.1f32..3.0,
             lambda_ in 0.0f32..=1.0,
         ) {
             let cfg = config(rho_bar, pg_rho_bar, c_bar, lambda_);
-            let (vs, adv) = run(
-                t_len, b_len, &log_rhos, &discounts, &rewards, &values, &bootstrap, &cfg,
-            );
-            let (want_vs, want_adv) = naive_vtrace(
-                t_len, b_len, &log_rhos, &discounts, &rewards, &values, &bootstrap, &cfg,
-            );
+            let (vs, adv) = inputs.run(&cfg);
+            let (want_vs, want_adv) = naive_vtrace(&inputs, &cfg);
             assert_close(&vs, &want_vs, 1e-4);
             assert_close(&adv, &want_adv, 1e-4);
         }
 
         #[test]
         fn vtrace_columns_are_independent(
-            (t_len, b_len, log_rhos, discounts, rewards, values, bootstrap) in batch_strategy(2.0),
+            inputs in batch_strategy(2.0),
             lambda_ in 0.0f32..=1.0,
         ) {
             let cfg = config(1.0, 1.0, 1.0, lambda_);
-            let (vs, adv) = run(
-                t_len, b_len, &log_rhos, &discounts, &rewards, &values, &bootstrap, &cfg,
-            );
-            for b in 0..b_len {
-                let column = |xs: &[f32]| -> Vec<f32> {
-                    (0..t_len).map(|t| xs[t * b_len + b]).collect()
-                };
-                let (vs_b, adv_b) = run(
-                    t_len, 1, &column(&log_rhos), &column(&discounts), &column(&rewards),
-                    &column(&values), &[bootstrap[b]], &cfg,
-                );
+            let (vs, adv) = inputs.run(&cfg);
+            for b in 0..inputs.b_len {
+                let (vs_b, adv_b) = inputs.column(b).run(&cfg);
                 // Same operations in the same order: the results are bit-identical.
-                prop_assert_eq!(column(&vs), vs_b);
-                prop_assert_eq!(column(&adv), adv_b);
+                prop_assert_eq!(column_of(&vs, inputs.b_len, b), vs_b);
+                prop_assert_eq!(column_of(&adv, inputs.b_len, b), adv_b);
             }
         }
     }
