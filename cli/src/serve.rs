@@ -271,26 +271,34 @@ mod tests {
 
     #[test]
     fn probes_answer_503_with_their_reason() {
+        // Long enough that a request sent right after a beat is answered within it on a loaded
+        // machine (200 ms may not be); the failure without beats is waited for, not slept for.
+        let timeout = Duration::from_secs(2);
         let heartbeat = Heartbeat::new();
         let ready_flag = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let flag = ready_flag.clone();
         let ready: Probe =
             Arc::new(move || if flag.load(Ordering::Acquire) { Ok(()) } else { Err("no weights yet".into()) });
-        let addr = serve(
-            "127.0.0.1:0",
-            registry_for("test").expect("registry"),
-            ready,
-            heartbeat.probe(Duration::from_millis(200), "test loop"),
-        )
-        .expect("serve");
+        let addr =
+            serve("127.0.0.1:0", registry_for("test").expect("registry"), ready, heartbeat.probe(timeout, "test loop"))
+                .expect("serve");
+        heartbeat.beat();
         assert_eq!(get(addr, "/healthz").0, 200);
         let (status, body) = get(addr, "/readyz");
         assert_eq!((status, body.as_str()), (503, "not ready: no weights yet\n"));
         ready_flag.store(true, Ordering::Release);
         assert_eq!(get(addr, "/readyz").0, 200);
-        std::thread::sleep(Duration::from_millis(300));
-        let (status, body) = get(addr, "/healthz");
-        assert_eq!(status, 503);
+        let started = Instant::now();
+        let body = loop {
+            let (status, body) = get(addr, "/healthz");
+            if status == 503 {
+                break body;
+            }
+            assert_eq!(status, 200, "{body}");
+            assert!(started.elapsed() < Duration::from_secs(60), "/healthz never failed without beats");
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        assert!(heartbeat.since() > timeout, "failed {:?} after the last beat", heartbeat.since());
         assert!(body.starts_with("test loop: no progress for"), "{body}");
         heartbeat.beat();
         assert_eq!(get(addr, "/healthz").0, 200);

@@ -200,7 +200,7 @@ fn learner_and_actor_users_can_do_their_jobs() {
     let read = actor.read_spec().expect("the actor reads the spec").expect("stored");
     assert_eq!(read.expect("verified"), spec());
     let mut follower = actor.weights_follower(42, 300_000).expect("follower");
-    let first = follower.wait_first(Duration::from_secs(10));
+    let first = follower.wait_first(GUARD);
     let first = first.unwrap_or_else(|err| panic!("the actor fetches weights: {err}\n{}", violations(&server)));
     assert_eq!(first.version, PolicyVersion(0));
     let mut sink = actor
@@ -219,9 +219,16 @@ fn learner_and_actor_users_can_do_their_jobs() {
     assert!(deliveries.iter().all(|d| d.subject_actor.as_deref() == Some(ACTOR)), "{deliveries:?}");
     let tokens: Vec<_> = deliveries.iter().map(|d| d.token).collect();
     source.ack(&tokens).expect("the learner acks");
+    let live_before = follower.live_received();
     publisher.publish(weights(1)).expect("the learner publishes the next version");
-    // Time for both paths to arrive, so the live frame is the one taken.
-    thread::sleep(Duration::from_millis(300));
+    // Until the live frame is reassembled, so it is the one taken: a follower takes a waiting
+    // live frame before it looks at the pointer. (After a fixed sleep instead, a loaded
+    // machine could take v1 from the pointer before its live frame was complete.)
+    let started = std::time::Instant::now();
+    while follower.live_received() == live_before {
+        assert!(started.elapsed() < GUARD, "v1's live frame never arrived\n{}", violations(&server));
+        thread::sleep(Duration::from_millis(10));
+    }
     let newest = within_guard("following v1", move || loop {
         if let Some(newest) = follower.latest(Some(PolicyVersion(0))).expect("the actor follows") {
             return (newest.version, follower.is_live(), follower.live_applied());

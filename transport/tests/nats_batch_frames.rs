@@ -394,7 +394,10 @@ fn forged_pace_notices_cannot_overfill_the_learners_backlog() {
     let forging = Arc::new(AtomicBool::new(true));
     let forger =
         forge_pace_notices(&bus, wire::pace::PaceNotice { taken: 1 << 40, stored: 1 << 40, prefetch: 2 }, &forging);
+    let contradictions = Contradictions::default();
+    let counted = contradictions.clone();
     let publisher = thread::spawn(move || {
+        let _counting = counted.count_on_this_thread();
         for idx in 0..2_000u64 {
             match sink.publish(vec![segment(0, idx)]) {
                 Ok(()) => {}
@@ -404,9 +407,20 @@ fn forged_pace_notices_cannot_overfill_the_learners_backlog() {
         }
         sink.stats()
     });
-    // Long enough for the sink to publish far past any bound if it trusted the forger (a
-    // publish takes well under a millisecond here), and for one distrust period to run out.
-    thread::sleep(Duration::from_millis(1_500));
+    // Until a reading contradicted the notices twice: once the sink had published past the
+    // bound on the forger's word, and again when the first distrust period ran out. A fixed
+    // 1.5 s wait instead could end before the first one on a loaded machine. The sink
+    // publishes nothing after a contradiction: every later reading finds the backlog it left.
+    let started = Instant::now();
+    while contradictions.seen() < 2 {
+        assert!(
+            started.elapsed() < GUARD,
+            "{} contradictions; {} messages stored",
+            contradictions.seen(),
+            stream_messages(&bus)
+        );
+        thread::sleep(Duration::from_millis(10));
+    }
     let stored = stream_messages(&bus);
     stop.store(true, std::sync::atomic::Ordering::Release);
     let stats = publisher.join().expect("publisher thread");
@@ -418,7 +432,43 @@ fn forged_pace_notices_cannot_overfill_the_learners_backlog() {
     let window = bus.config().publish_window as u64;
     assert!(stored <= 2 * (4 * bound + 16) + window, "the backlog grew to {stored} messages: {stats:?}");
     assert!(stored >= bound, "the sink published {stored} messages, fewer than the bound");
-    assert!(stats.pace_notices_distrusted >= 1, "no reading contradicted the forged notices: {stats:?}");
+    assert!(stats.pace_notices_distrusted >= 2, "fewer than two readings contradicted the forged notices: {stats:?}");
+}
+
+/// Counts a sink's "pace notices contradicted" warnings (`NatsTrajectorySink` distrusting the
+/// notices) on the thread that publishes: a sink paces on the thread that calls `publish`.
+/// Its stats say the same, but only once `publish` returns, and a sink that distrusts the
+/// notices, with nobody draining the stream, does not return until it is stopped.
+#[derive(Clone, Default)]
+struct Contradictions(Arc<std::sync::atomic::AtomicU64>);
+
+impl Contradictions {
+    fn count_on_this_thread(&self) -> tracing::subscriber::DefaultGuard {
+        use tracing_subscriber::layer::SubscriberExt;
+        tracing::subscriber::set_default(tracing_subscriber::registry().with(self.clone()))
+    }
+
+    fn seen(&self) -> u64 {
+        self.0.load(std::sync::atomic::Ordering::Acquire)
+    }
+}
+
+impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Contradictions {
+    fn on_event(&self, event: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
+        struct Message(bool);
+        impl tracing::field::Visit for Message {
+            fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+                if field.name() == "message" {
+                    self.0 |= format!("{value:?}").contains("pace notices contradicted");
+                }
+            }
+        }
+        let mut message = Message(false);
+        event.record(&mut message);
+        if message.0 {
+            self.0.fetch_add(1, std::sync::atomic::Ordering::Release);
+        }
+    }
 }
 
 /// Publish `notice` on the run's pace subject every 200 µs until `forging` is cleared.
@@ -468,6 +518,15 @@ fn forged_pace_notices_cannot_freeze_a_sink_while_the_learner_drains() {
     };
     let (done_tx, done_rx) = mpsc::channel();
     let publisher = thread::spawn(move || {
+        // Not before a forged notice was taken (a pacing check takes the newest one): on a
+        // loaded machine the forger's thread may run too late for the sink to see any notice
+        // while it publishes.
+        let started = Instant::now();
+        while sink.stats().pace_notices_used == 0 {
+            assert!(started.elapsed() < GUARD, "no forged notice reached the sink");
+            sink.wait_for_room(1).expect("room");
+            thread::sleep(Duration::from_millis(1));
+        }
         for idx in 0..64u64 {
             sink.publish(vec![segment(0, idx)]).expect("publish");
         }

@@ -563,15 +563,22 @@ fn publishes_whose_acks_a_restart_lost_are_sent_again_at_once() {
 
     // The server stops reading: three messages go out (one per call) and stay unread.
     server.pause();
-    let (done, finished) = std::sync::mpsc::channel();
+    let (sent, handed_over) = mpsc::channel();
+    let (done, finished) = mpsc::channel();
     let actor_thread = thread::spawn(move || {
         for i in 1..4 {
             sink.publish(vec![segment("a", 0, i)]).expect("handed to the client");
         }
+        sent.send(()).expect("the test waits");
         done.send(sink.flush()).expect("the test waits");
         sink
     });
-    thread::sleep(Duration::from_millis(300));
+    // The restart comes only once all three were sent on the connection it ends (a publish
+    // returns once its message is handed to the client; the sink counts it as sent on the
+    // connection it had before the call). Waiting a fixed time instead let a loaded machine
+    // restart the server before the actor thread had run, so nothing was lost and nothing
+    // was sent again.
+    handed_over.recv_timeout(GUARD).expect("the three publishes returned while the server was paused");
     server.restart();
     let flushed = finished.recv_timeout(GUARD).expect("the sink waited for acks that a restart had lost");
     flushed.expect("acknowledged after the restart");
@@ -588,11 +595,11 @@ fn publishes_whose_acks_a_restart_lost_are_sent_again_at_once() {
         let _ = source.recv(4, Duration::from_millis(200), &mut out);
         seen.extend(out.iter().map(segment_idx));
     }
-    let mut out = Vec::new();
-    let _ = source.recv(4, Duration::from_millis(300), &mut out);
-    seen.extend(out.iter().map(segment_idx));
     seen.sort_unstable();
     assert_eq!(seen, vec![0, 1, 2, 3]);
+    // Counted in the stream, not by waiting for more deliveries: a duplicate would be a fifth
+    // message.
+    assert_eq!(stream_messages(&bus), 4, "each segment stored once");
 }
 
 #[test]
@@ -623,8 +630,11 @@ fn sink_source_publisher_and_follower_survive_a_server_restart() {
         publisher.publish(weights(1, 16)).expect("v1 across the outage");
         publisher
     });
+    // No broker, no segments: an error once the client has seen the connection drop, or
+    // nothing within the wait before it has (a loaded machine may not have run it yet).
     let mut out = Vec::new();
-    assert!(source.recv(3, Duration::from_millis(100), &mut out).is_err(), "no broker, no segments");
+    let outcome = source.recv(3, Duration::from_millis(100), &mut out);
+    assert!(matches!(outcome, Err(_) | Ok(0)) && out.is_empty(), "no broker, no segments: {outcome:?}");
     server.restart();
     let sink = actor_thread.join().expect("actor thread");
     let mut publisher = learner_thread.join().expect("learner thread");

@@ -118,12 +118,22 @@ fn an_item_whose_ack_a_restart_lost_is_published_again_at_once() {
     let mut queue = bus.work_queue(&spec.hyper.work).expect("queue");
     queue.submit(&[item(1)]).expect("before the pause");
     server.pause();
+    // Messages the bus's client has sent (its dispatcher has a connection of its own).
+    let sent = bus.client().statistics();
+    let sent_before = sent.out_messages.load(std::sync::atomic::Ordering::Relaxed);
     let (done, submitted) = std::sync::mpsc::channel();
     let submitter = std::thread::spawn(move || {
         done.send(queue.submit(&[item(2)])).expect("the test waits");
         queue
     });
-    std::thread::sleep(Duration::from_millis(300));
+    // The restart comes only once the client has sent item 2 to the paused server. Waiting a
+    // fixed time instead could restart it, on a loaded machine, before the submitter had run:
+    // the item then simply went to the new server and nothing was sent again.
+    let started = Instant::now();
+    while sent.out_messages.load(std::sync::atomic::Ordering::Relaxed) == sent_before {
+        assert!(started.elapsed() < Duration::from_secs(60), "item 2 was never sent");
+        std::thread::sleep(Duration::from_millis(10));
+    }
     server.restart();
     let outcome = submitted.recv_timeout(Duration::from_secs(60)).expect("submit waited for an ack the restart lost");
     outcome.expect("submitted after the restart");

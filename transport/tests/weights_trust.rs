@@ -116,21 +116,37 @@ fn an_unfetchable_pointer_is_retried_with_backoff() {
     assert_eq!(follower.wait_first(GUARD).expect("v0").version, PolicyVersion(0));
 
     forge_pointer(&bus, 5, None, "0123456789abcdef");
+    // Before the failed fetch, so its pause ends at least `pause` after this instant.
+    let before_failure = Instant::now();
     next_outcome(&mut follower, 0).expect_err("missing object");
-    let failed_at = Instant::now();
+    let pause = Duration::from_millis(250);
     assert_eq!(follower.refusals(), 1);
-    assert_eq!(follower.retry_pause(), Some(Duration::from_millis(250)));
-    // Right after a failure, within the pause: no fetch, no report (checked only for calls
-    // made well within the pause, so a slow machine cannot fail the test).
-    for _ in 0..100 {
-        let outcome = follower.latest(Some(PolicyVersion(0)));
-        if failed_at.elapsed() < Duration::from_millis(200) {
-            assert!(outcome.expect("within the pause").is_none());
+    assert_eq!(follower.retry_pause(), Some(pause));
+    // Asked again and again: no fetch and no report within the pause, then one more attempt,
+    // which fails again, and the pause doubles. Waiting for that attempt rather than sleeping
+    // past the pause: on a loaded machine a fixed sleep's calls could fall after the pause, so
+    // the attempt came early and the next call fell within the doubled pause. A call that
+    // returned less than `pause` after `before_failure` was made within the pause, however
+    // slow the machine.
+    let started = Instant::now();
+    let mut calls_within_pause = 0;
+    loop {
+        assert!(started.elapsed() < GUARD, "the pointer was never fetched again");
+        match follower.latest(Some(PolicyVersion(0))) {
+            Ok(outcome) => {
+                assert!(outcome.is_none(), "nothing new while the object is missing");
+                if before_failure.elapsed() < pause {
+                    calls_within_pause += 1;
+                }
+            }
+            Err(_) => {
+                assert!(before_failure.elapsed() >= pause, "fetched again within the pause");
+                break;
+            }
         }
+        thread::sleep(Duration::from_millis(2));
     }
-    // After the pause: one more attempt, and the pause doubles.
-    thread::sleep(Duration::from_millis(300));
-    follower.latest(Some(PolicyVersion(0))).expect_err("still missing");
+    eprintln!("{calls_within_pause} calls within the pause found no fetch");
     assert_eq!(follower.refusals(), 2);
     assert_eq!(follower.retry_pause(), Some(Duration::from_millis(500)));
 }

@@ -193,23 +193,30 @@ impl crate::work::WorkQueue for NatsWorkQueue {
                     let (subject, payload) = (subject.clone(), payload.clone());
                     async move {
                         let published_at = Instant::now();
-                        let ack = call(
-                            "publish work item",
-                            timeout,
-                            shared.js.publish_with_headers(subject, headers, payload),
-                        )
-                        .await?;
+                        let publish_and_confirm = async {
+                            let ack = call(
+                                "publish work item",
+                                timeout,
+                                shared.js.publish_with_headers(subject, headers, payload),
+                            )
+                            .await?;
+                            call("confirm work item", timeout, ack.into_future()).await
+                        };
                         // A denied publish is never acked; the server's violation can arrive
                         // before the confirmation is awaited, so look for it since the publish.
                         // An ack the server lost in a restart never comes: retried at once on
-                        // the reconnect, not after the request timeout.
-                        let confirm = call("confirm work item", timeout, ack.into_future());
-                        unless_reconnected(&shared.connections, "confirm work item", confirm).await.map(|_| ()).map_err(
-                            |err| match denial_since(published_at) {
+                        // the reconnect, not after the request timeout. The connection is
+                        // noted before the publish, not after it returns: the client may send
+                        // the item, and the server die, before the publish call returns, and
+                        // a reconnect noted as the connection the item went out on left its
+                        // confirmation to wait out the whole request timeout.
+                        unless_reconnected(&shared.connections, "confirm work item", publish_and_confirm)
+                            .await
+                            .map(|_| ())
+                            .map_err(|err| match denial_since(published_at) {
                                 Some(violation) if !is_denied(&err) => denied("confirm work item", &violation),
                                 _ => err,
-                            },
-                        )
+                            })
                     }
                 })
                 .await?;
