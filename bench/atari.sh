@@ -3,11 +3,14 @@
 # (ALE v5, sticky actions 0.25, frame skip 4 with max-pooling, 84x84 grayscale, up to 30 no-op
 # starts; single u8 frames over NATS, protocol version 3) and `volley train` on it: 4 frames
 # stacked on the actor, the Nature-DQN network (pixels scaled by 1/255 inside the network),
-# V-trace with an entropy bonus. One run per seed, bounded by agent steps (1 agent step = 4 frames).
+# the served-image defaults (PPO, 3 epochs of 4 minibatches over 1,024-step batches, learning rate
+# 3e-4, entropy bonus 0.01), 16 environments on one actor thread and the learner on every core.
+# One run per seed, bounded by agent steps (1 agent step = 4 frames); it stops early at a last-100
+# mean of +18.
 #
 #   [VOLLEY_NATS_SERVER=<nats-server>] PYTHON=<python with volley_envs, ale_py, cv2> \
 #     bench/atari.sh OUT_DIR GAME STEPS SEED...
-#   e.g. bench/atari.sh /tmp/pong Pong 500000 1
+#   e.g. bench/atari.sh /tmp/pong Pong 1800000 1
 #
 # Extra `volley train` flags go in TRAIN_FLAGS. Curves: OUT_DIR/<game>-s<seed>/metrics.jsonl and
 # curve.svg (written by volley train).
@@ -29,9 +32,8 @@ for seed in "$@"; do
   run="$out/$service-s$seed"
   # shellcheck disable=SC2086
   "$volley" train --env "remote:$service" --nats "nats://127.0.0.1:$port" --seed "$seed" \
-    --frame-stack 4 --conv nature --torso 512 --activation relu \
-    --learning-rate 6e-4 --ent-coef 0.01 --reward-scale 1 \
-    --max-env-steps "$steps" --max-secs 86400 --target-return 1e9 \
+    --frame-stack 4 --conv nature --torso 512 --activation relu --envs-per-actor 16 \
+    --max-env-steps "$steps" --target-return 18 \
     --run-dir "$run" --progress quiet ${TRAIN_FLAGS:-} > "$run.summary.json" 2> "$run.log"
   cat "$run.summary.json"
 done
