@@ -1,7 +1,7 @@
 """Volley's conv learner against the PyTorch CPU peer in one sitting, rounds alternating.
 
-Each round runs `cargo bench -p volley-learner --bench conv -- --threads 1,2` (the built bench
-binary, `--bench-bin`) and then `bench/peers/torch_conv.py --runs 1` (with `--torch-python`), and
+Each round runs `cargo bench -p volley-learner --bench conv -- --threads 1,2 --obs u8` (the built
+bench binary, `--bench-bin`) and then `bench/peers/torch_conv.py --runs 1` (with `--torch-python`), and
 records `uptime`'s one-minute load before each. Prints, per network, batch and thread count, the
 median samples/s of each side over the rounds, the median ratio of the rounds' pairs (each round's
 Volley figure over the same round's PyTorch figure, so a load change between rounds cancels) and
@@ -68,8 +68,11 @@ def main():
     actor, actor_peer = {}, {}
     for round_idx in range(args.rounds):
         loads.append(load_1min())
-        out = subprocess.run([args.bench_bin, "--threads", args.threads], capture_output=True, text=True, check=True)
-        for backend, threads, net, t_len, b_len, rate, _ms, gflops, of_peak in table_rows(out.stdout):
+        bench = [args.bench_bin, "--threads", args.threads, "--obs", "u8"]
+        out = subprocess.run(bench, capture_output=True, text=True, check=True)
+        # The bench's columns since issue 44 item 3: the batch's element type and its bytes after
+        # the thread count and the network; `--obs u8` is the learner's path for image frames.
+        for backend, threads, net, _obs, t_len, b_len, _mb, rate, _ms, gflops, of_peak in table_rows(out.stdout):
             key = (net, int(t_len), int(b_len), int(threads))
             volley.setdefault(key, []).append(float(rate))
             extra.setdefault(key, []).append((float(gflops), float(of_peak.rstrip(" %"))))
