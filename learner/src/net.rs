@@ -7,7 +7,9 @@
 //!
 //! A conv layer is an `im2col` unfolding followed by the dense product over all `T·B·OH·OW`
 //! output positions (`volley_policy`'s `conv.rs` has the layouts); its backward is the two dense
-//! gradient products over the same unfolding, recomputed rather than stored, and `col2im`.
+//! gradient products over the same unfolding and `col2im`. The forward's unfoldings are kept
+//! for the backward, from the last conv layer towards the first, as far as
+//! [`KEPT_UNFOLDINGS_BYTES`] allows; the others are recomputed.
 //!
 //! Work is batched as widely as the data dependencies allow: the torso, the GRU's input
 //! projection and the heads each run as one product over all `T·B` rows; only the GRU's
@@ -86,6 +88,13 @@ impl Dense {
         backend.matmul_dx(MatmulDx { dy, rows, n_out: self.n_out, weight, n_in: self.n_in, dx, accumulate })
     }
 }
+
+/// Bytes of conv unfoldings a network keeps from its forward for its backward's weight
+/// gradients instead of unfolding again (issue 44: the second `im2col` of every layer was 10 %
+/// of the Nature-DQN update). Layers are kept from the last towards the first, whose unfolding is
+/// the largest and the cheapest to redo per byte: for Nature-DQN over `T·B` = 21·8 images all
+/// three (116 MB), over 21·32 the last two (187 MB; the first's 275 MB is recomputed).
+pub const KEPT_UNFOLDINGS_BYTES: usize = 256 << 20;
 
 /// One conv layer: its product over the unfolding (`[OC][C·K·K]` and `[OC]`, read by every
 /// output position), and its geometry.
@@ -181,9 +190,25 @@ impl Shape {
         self.conv.last().map_or(self.obs_dim, |layer| layer.geometry.output_len())
     }
 
-    /// The widest unfolding of one image over the conv layers (`OH·OW·C·K·K`).
-    fn widest_cols(&self) -> usize {
-        self.conv.iter().map(|layer| layer.geometry.cols_len()).max().unwrap_or(0)
+    /// The first conv layer whose unfolding over `rows` images is kept from the forward for the
+    /// backward (it and every later one are; `self.conv.len()` for none): layers from the last
+    /// towards the first while their unfoldings total at most `budget_bytes`.
+    fn first_kept_unfolding(&self, rows: usize, budget_bytes: usize) -> usize {
+        let mut total_bytes = 0usize;
+        for (i, layer) in self.conv.iter().enumerate().rev() {
+            total_bytes += rows * layer.geometry.cols_len() * std::mem::size_of::<f32>();
+            if total_bytes > budget_bytes {
+                return i + 1;
+            }
+        }
+        0
+    }
+
+    /// The floats the shared unfolding scratch needs per image: the unfoldings of the layers
+    /// before `first_kept` and the unfolding gradients of every layer but the first.
+    fn scratch_cols(&self, first_kept: usize) -> usize {
+        let layers = self.conv.iter().enumerate();
+        layers.filter(|&(i, _)| i < first_kept || i > 0).map(|(_, layer)| layer.geometry.cols_len()).max().unwrap_or(0)
     }
 }
 
@@ -243,9 +268,14 @@ pub struct Network<B: Backend> {
     b_len: usize,
     /// Post-ReLU output of each conv layer, `[T·B][OH·OW·OC]` (channel-last).
     conv_out: Vec<B::Floats>,
-    /// One conv layer's unfolding, `[T·B·OH·OW][C·K·K]`, and its gradient (backward scratch).
-    conv_cols: B::Floats,
-    d_conv_cols: B::Floats,
+    /// The unfolding of each conv layer kept from the forward for the backward,
+    /// `[T·B·OH·OW][C·K·K]` (empty for a layer whose unfolding is recomputed).
+    kept_cols: Vec<B::Floats>,
+    /// Scratch for the unfolding of a layer that is not kept, and for any layer's unfolding
+    /// gradient in the backward.
+    scratch_cols: B::Floats,
+    /// [`KEPT_UNFOLDINGS_BYTES`] (tests change it to exercise both paths).
+    kept_unfoldings_bytes: usize,
     /// Post-activation output of each torso layer, `[T·B][width]`.
     torso_out: Vec<B::Floats>,
     /// GRU records, `[T·B][3H]`: input projection, hidden projection, gates `[r, z, n]`.
@@ -275,8 +305,9 @@ impl<B: Backend> Network<B> {
         let mut empty = || backend.alloc(0);
         Ok(Network {
             conv_out: shape.conv.iter().map(|_| empty()).collect::<Result<_, _>>()?,
-            conv_cols: empty()?,
-            d_conv_cols: empty()?,
+            kept_cols: shape.conv.iter().map(|_| empty()).collect::<Result<_, _>>()?,
+            scratch_cols: empty()?,
+            kept_unfoldings_bytes: KEPT_UNFOLDINGS_BYTES,
             torso_out: shape.torso.iter().map(|_| empty()).collect::<Result<_, _>>()?,
             gru_input_proj: empty()?,
             gru_hidden_proj: empty()?,
@@ -294,6 +325,14 @@ impl<B: Backend> Network<B> {
             t_len: 0,
             b_len: 0,
         })
+    }
+
+    /// This network keeping at most `bytes` of conv unfoldings for the backward (tests: 0
+    /// recomputes every one, as before issue 44).
+    #[cfg(test)]
+    pub(crate) fn with_kept_unfoldings_bytes(mut self, bytes: usize) -> Self {
+        self.kept_unfoldings_bytes = bytes;
+        self
     }
 
     /// The number of actions.
@@ -376,7 +415,10 @@ impl<B: Backend> Network<B> {
         }
         let (obs, byte_scale) = first_layer_input(input, shape, &self.widened_obs, rows);
 
-        ensure(backend, &mut self.conv_cols, rows * shape.widest_cols())?;
+        let first_kept = shape.first_kept_unfolding(rows, self.kept_unfoldings_bytes);
+        if !shape.conv.is_empty() {
+            ensure(backend, &mut self.scratch_cols, rows * shape.scratch_cols(first_kept))?;
+        }
         for (i, layer) in shape.conv.iter().enumerate() {
             let geometry = &layer.geometry;
             let (before, rest) = self.conv_out.split_at_mut(i);
@@ -384,10 +426,11 @@ impl<B: Backend> Network<B> {
             ensure(backend, y, rows * geometry.output_len())?;
             let x = if i == 0 { obs } else { View::range(&before[i - 1], 0..rows * geometry.input_len()) };
             let cols_len = rows * geometry.cols_len();
-            let cols = ViewMut::range(&mut self.conv_cols, 0..cols_len);
+            let cols_buffer = if i >= first_kept { &mut self.kept_cols[i] } else { &mut self.scratch_cols };
+            ensure(backend, cols_buffer, cols_len)?;
+            let cols = ViewMut::range(cols_buffer, 0..cols_len);
             unfold(backend, x, rows, geometry, byte_scale.filter(|_| i == 0), cols)?;
-            let (cols, y) =
-                (View::range(&self.conv_cols, 0..cols_len), ViewMut::range(y, 0..rows * geometry.output_len()));
+            let (cols, y) = (View::range(cols_buffer, 0..cols_len), ViewMut::range(y, 0..rows * geometry.output_len()));
             layer.dense.forward(backend, params, rows * geometry.out_positions(), cols, Some(Activation::Relu), y)?;
         }
         let conv_features = match self.conv_out.last() {
@@ -612,9 +655,7 @@ impl<B: Backend> Network<B> {
             }
         }
 
-        if !shape.conv.is_empty() {
-            ensure(backend, &mut self.d_conv_cols, rows * shape.widest_cols())?;
-        }
+        let first_kept = shape.first_kept_unfolding(rows, self.kept_unfoldings_bytes);
         for (i, layer) in shape.conv.iter().enumerate().rev() {
             let geometry = &layer.geometry;
             let (positions, out_len, cols_len) =
@@ -624,18 +665,24 @@ impl<B: Backend> Network<B> {
                 View::range(&self.conv_out[i], 0..out_len),
                 Activation::Relu,
             )?;
-            // The unfolding is recomputed rather than kept from the forward: it is the largest
-            // activation of a conv torso (K² times its input) and cheap to rebuild.
-            let x = if i == 0 { obs } else { View::range(&self.conv_out[i - 1], 0..rows * geometry.input_len()) };
-            let cols = ViewMut::range(&mut self.conv_cols, 0..cols_len);
-            unfold(backend, x, rows, geometry, byte_scale.filter(|_| i == 0), cols)?;
+            // The forward's unfolding where it was kept (`KEPT_UNFOLDINGS_BYTES`), else the
+            // unfolding again: it is the largest activation of a conv torso (K² times its input
+            // over the stride squared).
+            let cols_buffer = if i >= first_kept {
+                &self.kept_cols[i]
+            } else {
+                let x = if i == 0 { obs } else { View::range(&self.conv_out[i - 1], 0..rows * geometry.input_len()) };
+                let cols = ViewMut::range(&mut self.scratch_cols, 0..cols_len);
+                unfold(backend, x, rows, geometry, byte_scale.filter(|_| i == 0), cols)?;
+                &self.scratch_cols
+            };
             let d_pre = View::range(d_cur, 0..out_len);
-            layer.dense.param_grads(backend, d_pre, View::range(&self.conv_cols, 0..cols_len), positions, grads)?;
+            layer.dense.param_grads(backend, d_pre, View::range(cols_buffer, 0..cols_len), positions, grads)?;
             if i > 0 {
-                let d_cols = ViewMut::range(&mut self.d_conv_cols, 0..cols_len);
+                let d_cols = ViewMut::range(&mut self.scratch_cols, 0..cols_len);
                 layer.dense.input_grad(backend, params, d_pre, positions, d_cols, false)?;
                 backend.col2im(Col2im {
-                    d_cols: View::range(&self.d_conv_cols, 0..cols_len),
+                    d_cols: View::range(&self.scratch_cols, 0..cols_len),
                     n: rows,
                     geometry,
                     dx: ViewMut::range(d_next, 0..rows * geometry.input_len()),

@@ -149,6 +149,47 @@ fn threaded_backend_matches_one_thread() {
     }
 }
 
+/// Issue 44: the forward's unfoldings kept for the backward give the gradients of unfolding
+/// again, bit for bit, whether none, the last layer's or every layer's is kept, and a second
+/// backward after the same forward gives them again (the backward leaves what it keeps intact).
+#[test]
+fn kept_and_recomputed_unfoldings_give_the_same_gradients() {
+    let nature = PolicySpec::mlp(0, 4, &[32], Activation::Relu).with_conv(ConvSpec::nature(2, 36, 36));
+    for spec in conv_specs().into_iter().chain([nature]) {
+        let mut rng = Pcg64::seed_from_u64(12);
+        let case = Case::new(&spec, &mut rng);
+        let params = random_params(&case.layout, &mut rng);
+        let rows = case.t_len * case.b_len;
+        let last_layer_bytes = rows * case.layout.conv_geometries().last().expect("a conv torso").cols_len() * 4;
+        let gradients = |budget: usize| {
+            let mut cpu = CpuBackend::new();
+            let mut net = Network::new(&mut cpu, &case.layout).expect("network").with_kept_unfoldings_bytes(budget);
+            assert_eq!(
+                net.shape.first_kept_unfolding(rows, budget),
+                match budget {
+                    0 => net.shape.conv.len(),
+                    usize::MAX => 0,
+                    _ => net.shape.conv.len() - 1,
+                }
+            );
+            case.forward(&mut net, &mut cpu, &params);
+            let (obs, starts) = (View::of(&case.obs), View::of(&case.starts));
+            let mut runs = [vec![f32::NAN; params.len()], vec![f32::NAN; params.len()]];
+            for grads in &mut runs {
+                net.backward(&mut cpu, &params, View::of(&case.c), obs, starts, grads).expect("backward");
+            }
+            runs.map(|grads| grads.iter().map(|g| g.to_bits()).collect::<Vec<_>>())
+        };
+        let [recomputed, again] = gradients(0);
+        assert_eq!(recomputed, again, "{spec:?}: a second backward without keeping");
+        for budget in [last_layer_bytes, usize::MAX] {
+            let [kept, again] = gradients(budget);
+            assert_eq!(kept, recomputed, "{spec:?}: keeping {budget} bytes");
+            assert_eq!(again, recomputed, "{spec:?}: a second backward keeping {budget} bytes");
+        }
+    }
+}
+
 fn check_gradients(backend: impl Fn() -> CpuBackend) {
     for spec in conv_specs() {
         let mut rng = Pcg64::seed_from_u64(11);

@@ -1,6 +1,6 @@
 //! Batched one-step inference for actors.
 
-use super::conv::{byte_table, im2col, im2col_u8_scaled};
+use super::conv::{byte_table, im2col, im2col_u8_scaled, ConvGeometry};
 use super::layout::ParamLayout;
 use super::linalg::{
     dense_forward, large_dense_forward, small_chain_fits, small_dense_chain_forward, SmallLayer, LARGE_PRODUCT_MACS,
@@ -42,8 +42,8 @@ const SMALL_CHAIN_MAX: usize = 8;
 pub struct PolicyInference {
     layout: ParamLayout,
     max_batch: usize,
-    /// The unfolded receptive fields of one conv layer, `[max_batch·OH·OW][C·K·K]` for the
-    /// largest layer (empty without a conv torso).
+    /// The unfolded receptive fields of one chunk of images ([`unfolding_chunk`]) of one conv
+    /// layer, `[images·OH·OW][C·K·K]`, for the largest layer (empty without a conv torso).
     conv_cols: Vec<f32>,
     /// Ping-pong conv feature maps, `[max_batch][OH·OW·OC]` of the largest layer each.
     conv_a: Vec<f32>,
@@ -89,12 +89,12 @@ impl PolicyInference {
         let width = layout.max_torso_width();
         let gates = 3 * layout.recurrent_size();
         let geometries = layout.conv_geometries();
-        let widest_cols = geometries.iter().map(|g| g.cols_len()).max().unwrap_or(0);
+        let widest_cols = geometries.iter().map(|g| unfolding_chunk(g, max_batch) * g.cols_len()).max().unwrap_or(0);
         let widest_map = geometries.iter().map(|g| g.output_len()).max().unwrap_or(0);
         PolicyInference {
             layout: layout.clone(),
             max_batch,
-            conv_cols: vec![0.0; max_batch * widest_cols],
+            conv_cols: vec![0.0; widest_cols],
             conv_a: vec![0.0; max_batch * widest_map],
             conv_b: vec![0.0; max_batch * widest_map],
             act_a: vec![0.0; max_batch * width],
@@ -281,25 +281,36 @@ impl PolicyInference {
             (None, _) => obs,
         };
         let activation = layout.spec().activation;
-        // Conv layer i unfolds what layer i−1 wrote (obs for i = 0), then one GEMM over all
-        // n·OH·OW positions (the `gemm` crate's for large products, as in the learner) writes
-        // the other ping-pong buffer, channel-last.
+        // Conv layer i unfolds what layer i−1 wrote (obs for i = 0), then one GEMM over the
+        // unfolded positions (the `gemm` crate's for large products, as in the learner) writes
+        // the other ping-pong buffer, channel-last. Both run over chunks of images whose
+        // unfolding fits in a core's L2 cache ([`unfolding_chunk`]), so the product reads the
+        // unfolding where `im2col` just wrote it.
         for (layer_idx, (layer, geometry)) in layout.conv().iter().zip(layout.conv_geometries()).enumerate() {
             let (input, output) =
                 if layer_idx % 2 == 0 { (&self.conv_b, &mut self.conv_a) } else { (&self.conv_a, &mut self.conv_b) };
-            let x = if layer_idx == 0 { obs } else { &input[..n * geometry.input_len()] };
-            let positions = n * geometry.out_positions();
-            let cols = &mut self.conv_cols[..n * geometry.cols_len()];
-            match direct_bytes {
-                Some(bytes) if layer_idx == 0 => im2col_u8_scaled(geometry, bytes, n, layout.input_scale(), cols),
-                _ => im2col(geometry, x, n, cols),
-            }
-            .expect("conv input and cols are sized by the layout (checked)");
             let (weight, bias) = (layer.weight(params), layer.bias(params));
-            if positions * weight.len() >= LARGE_PRODUCT_MACS {
-                large_dense_forward(cols, positions, weight, bias, Some(Activation::Relu), output);
-            } else {
-                dense_forward(cols, positions, weight, bias, Some(Activation::Relu), output);
+            let chunk = unfolding_chunk(geometry, n);
+            let large = n * geometry.out_positions() * weight.len() >= LARGE_PRODUCT_MACS;
+            for first in (0..n).step_by(chunk) {
+                let images = chunk.min(n - first);
+                let cols = &mut self.conv_cols[..images * geometry.cols_len()];
+                let inputs = first * geometry.input_len()..(first + images) * geometry.input_len();
+                match direct_bytes {
+                    Some(bytes) if layer_idx == 0 => {
+                        im2col_u8_scaled(geometry, &bytes[inputs], images, layout.input_scale(), cols)
+                    }
+                    _ if layer_idx == 0 => im2col(geometry, &obs[inputs], images, cols),
+                    _ => im2col(geometry, &input[inputs], images, cols),
+                }
+                .expect("conv input and cols are sized by the layout (checked)");
+                let positions = images * geometry.out_positions();
+                let output = &mut output[first * geometry.output_len()..(first + images) * geometry.output_len()];
+                if large {
+                    large_dense_forward(cols, positions, weight, bias, Some(Activation::Relu), output);
+                } else {
+                    dense_forward(cols, positions, weight, bias, Some(Activation::Relu), output);
+                }
             }
         }
         let conv_features: &[f32] = match layout.conv().len() {
@@ -374,6 +385,20 @@ impl PolicyInference {
         dense_forward(features, n, heads.weight(params), heads.bias(params), None, heads_out);
         split_heads(heads_out, n_actions, logits, values);
     }
+}
+
+/// Bytes of unfolded receptive fields that one chunk of inference's conv products reads: half
+/// a core's L2 cache (1 MiB on the Zen 4 cores we measure on), leaving room for the packed
+/// weights and the output rows.
+const UNFOLDING_CHUNK_BYTES: usize = 512 << 10;
+
+/// How many of `n` images one chunk of a conv layer unfolds and multiplies at a time: as many
+/// as [`UNFOLDING_CHUNK_BYTES`] hold, at least one (issue 44: unfolding all 8 Nature-DQN frames
+/// at once wrote 3.3 MB for the first layer, which the product then read back from L3, and
+/// the step cost more per frame over 8 environments than over one).
+fn unfolding_chunk(geometry: &ConvGeometry, n: usize) -> usize {
+    let image_bytes = geometry.cols_len() * std::mem::size_of::<f32>();
+    (UNFOLDING_CHUNK_BYTES / image_bytes.max(1)).clamp(1, n.max(1))
 }
 
 /// Split fused head rows `[logits…, value]` into the caller's logits and values.
@@ -496,6 +521,31 @@ mod tests {
             assert_eq!(bits(&values_u), bits(&values_f), "{spec:?}");
             assert!(logits_f.iter().any(|&l| l != logits_f[0]), "outputs that depend on the input");
         }
+    }
+
+    /// Issue 44: the conv layers run over chunks of images ([`unfolding_chunk`]); over 84×84×4
+    /// frames that is one frame per chunk in the first layer and several in the others, and
+    /// every agent's outputs are those of a batch of one.
+    #[test]
+    fn conv_chunks_give_each_agent_the_outputs_of_a_batch_of_one() {
+        let conv = crate::ConvSpec { input: crate::ConvInput::Pixels, ..crate::ConvSpec::nature(4, 84, 84) };
+        let layout = ParamLayout::new(&PolicySpec::mlp(0, 6, &[32], Activation::Relu).with_conv(conv)).unwrap();
+        let chunks: Vec<_> = layout.conv_geometries().iter().map(|g| unfolding_chunk(g, 5)).collect();
+        assert_eq!(chunks, [1, 3, 4], "chunks of one, several and all but one frame");
+        let params = layout.init_params(7);
+        let n = 5;
+        let bytes: Vec<u8> = (0..n * layout.obs_dim()).map(|i| (i * 7919 % 256) as u8).collect();
+        let mut inference = PolicyInference::new(&layout, n);
+        let (mut logits, mut values) = (vec![0.0; n * 6], vec![0.0; n]);
+        inference.forward_u8(&params, &bytes, n, &mut [], &mut logits, &mut values);
+        for (agent, frame) in bytes.chunks_exact(layout.obs_dim()).enumerate() {
+            let (mut l, mut v) = (vec![0.0; 6], vec![0.0; 1]);
+            inference.forward_u8(&params, frame, 1, &mut [], &mut l, &mut v);
+            for (a, b) in l.iter().chain(&v).zip(logits[agent * 6..(agent + 1) * 6].iter().chain(&values[agent..])) {
+                assert!((a - b).abs() <= 1e-5 * (1.0 + b.abs()), "agent {agent}: {a} vs {b}");
+            }
+        }
+        assert!(logits.chunks_exact(6).any(|row| row != &logits[..6]), "outputs that depend on the frame");
     }
 
     #[test]
