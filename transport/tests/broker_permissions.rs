@@ -24,7 +24,7 @@ use volley_core::spec::RunSpec;
 use volley_core::subjects;
 use volley_core::wire::{TrajectorySegment, Weights};
 use volley_testkit::TestNats;
-use volley_transport::nats::{NatsAuth, NatsBus, NatsConfig, NatsTls};
+use volley_transport::nats::{NatsAuth, NatsBus, NatsConfig, NatsTls, NatsWorkQueue};
 use volley_transport::{TrajectorySink, TrajectorySource, TransportError, WeightsFollower, WeightsPublisher};
 
 /// The run `broker-config/accounts.conf` has users for.
@@ -56,6 +56,17 @@ fn learner(server: &TestNats) -> NatsBus {
 }
 
 /// Actor identity `actor-0` on `run`.
+/// The learner on `server` with the run created for work items and the work queue open, so
+/// every stream and store of the run exists (the relay tests aim at all of them).
+fn learner_with_work_run(server: &TestNats) -> (NatsBus, NatsWorkQueue) {
+    let learner = learner(server);
+    let mut spec = spec();
+    spec.hyper.work = volley_core::work::WorkConfig { enabled: true, ..Default::default() };
+    learner.ensure_run(&spec).expect("the learner creates the run");
+    let queue = learner.work_queue(&spec.hyper.work).expect("the learner opens the work queue");
+    (learner, queue)
+}
+
 fn actor_on(server: &TestNats, run: &str) -> NatsBus {
     actor_as(server, run, 0)
 }
@@ -554,13 +565,8 @@ fn push_consumer(stream: &str, name: &str, filter: &str, deliver: &str) -> serde
 /// were granted (issue 12), so the relay creates of this test were answered.
 #[test]
 fn actors_may_create_no_consumer_and_read_by_gets_and_notices() {
-    use volley_core::work::WorkConfig;
     let server = repo_broker();
-    let learner = learner(&server);
-    let mut spec = spec();
-    spec.hyper.work = WorkConfig { enabled: true, ..WorkConfig::default() };
-    learner.ensure_run(&spec).expect("the learner creates the run");
-    let _queue = learner.work_queue(&spec.hyper.work).expect("the learner opens the work queue");
+    let (learner, _queue) = learner_with_work_run(&server);
     let mut publisher = learner.weights_publisher().expect("publisher");
     publisher.publish(weights(0)).expect("v0");
     let actor = actor_on(&server, RUN);
@@ -695,13 +701,8 @@ fn an_actor_without_pointer_notices_still_follows_every_version() {
 /// gets, still granted, are answered with a JSON document, which is what such a relay stores.
 #[test]
 fn an_actor_cannot_relay_bytes_it_wrote_through_a_get_answer() {
-    use volley_core::work::WorkConfig;
     let server = repo_broker();
-    let learner = learner(&server);
-    let mut spec = spec();
-    spec.hyper.work = WorkConfig { enabled: true, ..WorkConfig::default() };
-    learner.ensure_run(&spec).expect("the learner creates the run");
-    let _queue = learner.work_queue(&spec.hyper.work).expect("the learner opens the work queue");
+    let (learner, _queue) = learner_with_work_run(&server);
     let actor = actor_on(&server, RUN);
     let forged: &[u8] = b"VOLLEY-FORGED-SEGMENT-OF-ACTOR-1";
     let client = actor.client().clone();
@@ -1008,15 +1009,10 @@ fn wait_for_new_revision(bus: &NatsBus, key: &str, before: Option<u64>) {
 /// unsigned or signed, is still read as the end.
 #[test]
 fn answers_relayed_onto_the_ended_key_do_not_end_the_run() {
-    use volley_core::work::WorkConfig;
     use volley_transport::run_end::{RunEnd, RunEndReason, RunEndRefusal};
     use volley_transport::signing::WeightsSigningKey;
     let server = repo_broker();
-    let learner = learner(&server);
-    let mut spec = spec();
-    spec.hyper.work = WorkConfig { enabled: true, ..WorkConfig::default() };
-    learner.ensure_run(&spec).expect("the learner creates the run");
-    let _queue = learner.work_queue(&spec.hyper.work).expect("the learner opens the work queue");
+    let (learner, _queue) = learner_with_work_run(&server);
     let mut publisher = learner.weights_publisher().expect("publisher");
     publisher.publish(weights(0)).expect("v0");
     let actor = actor_on(&server, RUN);
