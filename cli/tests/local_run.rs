@@ -38,8 +38,24 @@ fn path_with_nats_server() -> String {
 /// Start the script with `script_flags`, data directory `data` and then `-- learner_flags`, in
 /// a process group of its own, as a shell starts a foreground job: the terminal's Ctrl-C is a
 /// SIGINT to that whole group. Its stderr goes to `stderr`.
+///
+/// The script gets SIGINT at its default disposition, as a terminal's job does, whatever this
+/// test process inherited: a test run started in the background of a non-interactive shell
+/// (`cargo test &` in a script) starts with SIGINT ignored, and bash can neither trap nor reset
+/// a signal that was ignored when it started, so the script would never see the Ctrl-C.
 fn spawn_local_run(script_flags: &[&str], data: &Path, stderr: &Path, learner_flags: &[&str]) -> Child {
-    Command::new("bash")
+    let mut command = Command::new("bash");
+    // SAFETY: the closure runs in the forked child before exec and calls only `signal`, which
+    // is async-signal-safe; it touches no memory of the parent.
+    unsafe {
+        command.pre_exec(|| {
+            if libc::signal(libc::SIGINT, libc::SIG_DFL) == libc::SIG_ERR {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    command
         .arg(script())
         .args(script_flags)
         .arg("-d")
