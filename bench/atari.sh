@@ -2,9 +2,9 @@
 # Atari through the environment service (issue 15, item 5): `volley-envs serve atari:<Game>`
 # (ALE v5, sticky actions 0.25, frame skip 4 with max-pooling, 84x84 grayscale, up to 30 no-op
 # starts; single u8 frames over NATS, protocol version 3) and `volley train` on it: 4 frames
-# stacked on the actor, the Nature-DQN network (pixels scaled by 1/255 inside the network),
-# the served-image defaults (PPO, 3 epochs of 4 minibatches over 1,024-step batches, learning rate
-# 3e-4, entropy bonus 0.01), 16 environments on one actor thread and the learner on every core.
+# stacked on the actor, and the served-image defaults: the Nature-DQN network (pixels scaled by
+# 1/255 inside the network), PPO, 3 epochs of 4 minibatches over 1,024-step batches, learning rate
+# 3e-4, entropy bonus 0.01; 16 environments on one actor thread and the learner on every core.
 # One run per seed, bounded by agent steps (1 agent step = 4 frames); it stops early at a last-100
 # mean of +18.
 #
@@ -32,7 +32,7 @@ for seed in "$@"; do
   run="$out/$service-s$seed"
   # shellcheck disable=SC2086
   "$volley" train --env "remote:$service" --nats "nats://127.0.0.1:$port" --seed "$seed" \
-    --frame-stack 4 --conv nature --torso 512 --activation relu --envs-per-actor 16 \
+    --frame-stack 4 --envs-per-actor 16 \
     --max-env-steps "$steps" --target-return 18 \
     --run-dir "$run" --progress quiet ${TRAIN_FLAGS:-} > "$run.summary.json" 2> "$run.log"
   cat "$run.summary.json"

@@ -55,12 +55,12 @@ pub struct SpecArgs {
     /// Loss [default: vtrace; pendulum, served images: ppo].
     #[arg(long, value_enum, env = "VOLLEY_LOSS")]
     pub loss: Option<LossName>,
-    /// Torso widths, comma-separated (empty for none).
-    #[arg(long, default_value = "64,64", env = "VOLLEY_TORSO")]
-    pub torso: String,
-    /// Torso activation.
-    #[arg(long, value_enum, default_value = "tanh", env = "VOLLEY_ACTIVATION")]
-    pub activation: ActivationName,
+    /// Torso widths, comma-separated (empty for none) [default: 64,64; served images: 512].
+    #[arg(long, env = "VOLLEY_TORSO")]
+    pub torso: Option<String>,
+    /// Torso activation [default: tanh; served images: relu].
+    #[arg(long, value_enum, env = "VOLLEY_ACTIVATION")]
+    pub activation: Option<ActivationName>,
     /// Recurrent core.
     #[arg(long, value_enum, default_value = "mlp", env = "VOLLEY_CORE")]
     pub core: CoreName,
@@ -74,9 +74,10 @@ pub struct SpecArgs {
     /// GRU width (with --core gru).
     #[arg(long, default_value_t = 64, env = "VOLLEY_GRU_HIDDEN")]
     pub gru_hidden: usize,
-    /// Convolutional torso preset in front of --torso (image observations, e.g. MinAtar).
-    #[arg(long, value_enum, default_value = "none", env = "VOLLEY_CONV")]
-    pub conv: ConvName,
+    /// Convolutional torso preset in front of --torso (image observations, e.g. MinAtar)
+    /// [default: none; served images: nature].
+    #[arg(long, value_enum, env = "VOLLEY_CONV")]
+    pub conv: Option<ConvName>,
     /// Frames the actors stack along the channel axis for a remote environment (e.g. 4 for
     /// Atari through `volley-envs serve atari:Pong`); servers send single frames.
     #[arg(long, default_value_t = 1, env = "VOLLEY_FRAME_STACK")]
@@ -241,6 +242,26 @@ struct EnvDefaults {
     batch_segments: usize,
     /// The entropy bonus; `None`: 0.01 for a categorical head under PPO, else 0.
     ent_coef: Option<f32>,
+    network: NetworkDefaults,
+}
+
+/// The policy network a family trains by default (`--conv`, `--torso`, `--activation`).
+#[derive(Debug, Clone, PartialEq)]
+struct NetworkDefaults {
+    conv: ConvName,
+    /// Torso widths as `--torso` spells them.
+    torso: &'static str,
+    activation: ActivationName,
+}
+
+impl NetworkDefaults {
+    /// A 64×64 tanh MLP on the observation vector (flattened planes for image observations).
+    const MLP: NetworkDefaults =
+        NetworkDefaults { conv: ConvName::None, torso: "64,64", activation: ActivationName::Tanh };
+    /// The Nature-DQN network (Mnih et al. 2015): three convolutions and 512 ReLU units, the
+    /// network of the Atari PPO baselines (CleanRL, the SB3 zoo) and of issue 44's Pong runs.
+    const NATURE: NetworkDefaults =
+        NetworkDefaults { conv: ConvName::Nature, torso: "512", activation: ActivationName::Relu };
 }
 
 impl EnvDefaults {
@@ -261,6 +282,7 @@ impl EnvDefaults {
         segment_len: 32,
         batch_segments: 32,
         ent_coef: None,
+        network: NetworkDefaults::MLP,
     };
 
     /// Issue 44, item 5 (docs/benchmarks/atari.md, "Pong on two CPU cores"): PPO with 3 epochs
@@ -270,7 +292,8 @@ impl EnvDefaults {
     /// sample (the earlier default: 256-step batches at 6e-4) left Pong's policy uniform
     /// (entropy 1.78 of 1.79 nats) and its return at -20.3 after 1M agent steps, where this
     /// PPO had left -21 by 0.75M: on pixels the learner's gradient steps, not its samples, are
-    /// what Pong needs, and PPO takes twelve per sample where V-trace took one.
+    /// what Pong needs, and PPO takes twelve per sample where V-trace took one. The network is
+    /// the Nature-DQN one, as in those baselines.
     const IMAGES: EnvDefaults = EnvDefaults {
         family: "image observations (Atari-like)",
         loss: LossName::Ppo,
@@ -282,6 +305,7 @@ impl EnvDefaults {
         segment_len: 32,
         batch_segments: 32,
         ent_coef: Some(0.01),
+        network: NetworkDefaults::NATURE,
     };
 
     /// CartPole's, for discrete actions on vector observations.
@@ -296,6 +320,7 @@ impl EnvDefaults {
         segment_len: 32,
         batch_segments: 8,
         ent_coef: None,
+        network: NetworkDefaults::MLP,
     };
 
     /// MinAtar (issue 45, item 2; docs/benchmarks/minatar.md, "The Breakout seed-11 collapse"
@@ -318,6 +343,7 @@ impl EnvDefaults {
         segment_len: 32,
         batch_segments: 8,
         ent_coef: Some(0.005),
+        network: NetworkDefaults::MLP,
     };
 
     /// The defaults for `env`. A served environment (`--env remote:<service>`) gets them from the
@@ -387,11 +413,12 @@ impl SpecArgs {
             }
         };
         let (obs_dim, n_actions) = env.spaces().context("environment config")?;
+        let preset = EnvDefaults::for_env(&env);
         let policy = PolicySpec {
             obs_dim,
             n_actions,
-            torso: parse_widths(&self.torso)?,
-            activation: match self.activation {
+            torso: parse_widths(self.torso.as_deref().unwrap_or(preset.network.torso))?,
+            activation: match self.activation.unwrap_or(preset.network.activation) {
                 ActivationName::Tanh => Activation::Tanh,
                 ActivationName::Relu => Activation::Relu,
             },
@@ -403,10 +430,9 @@ impl SpecArgs {
                 ActionHead::Gaussian { .. } => ActionHead::Gaussian { squash: self.squash_actions },
                 categorical => categorical,
             },
-            conv: self.conv_spec(&env)?,
+            conv: self.conv_or_family_default(preset.network.conv, &env)?,
             normalize_obs: self.normalize_obs,
         };
-        let preset = EnvDefaults::for_env(&env);
         if let EnvConfig::Remote(remote) = &env {
             tracing::info!(service = %remote.service, family = preset.family, loss = ?preset.loss, gamma = preset.gamma,
                            reward_scale = preset.reward_scale, learning_rate = preset.learning_rate,
@@ -478,26 +504,46 @@ impl SpecArgs {
     }
 }
 
+/// The conv torso `conv` names, shaped by the environment's image observations.
+fn conv_spec(conv: ConvName, env: &EnvConfig) -> anyhow::Result<Option<ConvSpec>> {
+    if conv == ConvName::None {
+        return Ok(None);
+    }
+    let Some([channels, height, width]) = env.image_shape() else {
+        bail!("--conv {conv:?} needs image observations; {} has vector observations", env.describe());
+    };
+    let mut spec = match conv {
+        ConvName::None => unreachable!("handled above"),
+        ConvName::Minatar => ConvSpec::minatar(channels, height, width),
+        ConvName::Nature => ConvSpec::nature(channels, height, width),
+    };
+    // Served images are 8-bit frames (protocol version 3), read as pixels; MinAtar's
+    // planes are 0/1 and read as they are.
+    if matches!(env, EnvConfig::Remote(_)) {
+        spec.input = ConvInput::Pixels;
+    }
+    Ok(Some(spec))
+}
+
 impl SpecArgs {
-    /// The conv torso `--conv` asks for, shaped by the environment's image observations.
-    fn conv_spec(&self, env: &EnvConfig) -> anyhow::Result<Option<ConvSpec>> {
-        if self.conv == ConvName::None {
-            return Ok(None);
+    /// The conv torso `--conv` names, or else the family's, which must fit the images: a served
+    /// image environment with frames too small for the Nature-DQN network is told how to train
+    /// it instead of getting a layer-shape error.
+    fn conv_or_family_default(&self, family: ConvName, env: &EnvConfig) -> anyhow::Result<Option<ConvSpec>> {
+        let spec = conv_spec(self.conv.unwrap_or(family), env)?;
+        if let (None, Some(conv)) = (self.conv, &spec) {
+            if let Err(error) = conv.geometries() {
+                bail!(
+                    "{} has {}x{} images, which the default network for its family (--conv {}) cannot read ({error}); \
+                     choose one with --conv none (an MLP on the flattened pixels) or --conv minatar",
+                    env.describe(),
+                    conv.height,
+                    conv.width,
+                    format!("{family:?}").to_lowercase()
+                );
+            }
         }
-        let Some([channels, height, width]) = env.image_shape() else {
-            bail!("--conv {:?} needs image observations; {} has vector observations", self.conv, env.describe());
-        };
-        let mut spec = match self.conv {
-            ConvName::None => unreachable!("handled above"),
-            ConvName::Minatar => ConvSpec::minatar(channels, height, width),
-            ConvName::Nature => ConvSpec::nature(channels, height, width),
-        };
-        // Served images are 8-bit frames (protocol version 3), read as pixels; MinAtar's
-        // planes are 0/1 and read as they are.
-        if matches!(env, EnvConfig::Remote(_)) {
-            spec.input = ConvInput::Pixels;
-        }
-        Ok(Some(spec))
+        Ok(spec)
     }
 
     /// The built-in environment `name` with the task flags.
@@ -636,11 +682,32 @@ mod tests {
         assert_eq!(remote.hyper, builtin.hyper);
         assert_eq!((remote.segment_len, &remote.policy), (builtin.segment_len, &builtin.policy));
         let image = RemoteEnvConfig { image: Some([1, 84, 84]), ..RemoteEnvConfig::new(service.clone(), 84 * 84, 6) };
-        let pong = spec(&["--env", "remote:pong", "--frame-stack", "4", "--conv", "nature"], Some(image));
+        let pong = spec(&["--env", "remote:pong", "--frame-stack", "4"], Some(image.clone()));
         assert_eq!((pong.hyper.loss, pong.hyper.reward_scale, pong.hyper.ent_coef), (LossKind::Ppo, 1.0, 0.01));
         assert_eq!(
             (pong.hyper.learning_rate, pong.hyper.ppo_epochs, pong.hyper.ppo_minibatches, pong.hyper.batch_segments),
             (3e-4, 3, 4, 32)
+        );
+        // Issue 45, item 1: the family's network too, the Nature-DQN one over 4 stacked frames.
+        let nature = ConvSpec { input: ConvInput::Pixels, ..ConvSpec::nature(4, 84, 84) };
+        assert_eq!(
+            (&pong.policy.conv, &pong.policy.torso, pong.policy.activation),
+            (&Some(nature), &vec![512], Activation::Relu)
+        );
+        let small =
+            spec(&["--env", "remote:pong", "--conv", "none", "--torso", "32", "--activation", "tanh"], Some(image));
+        let tiny = RemoteEnvConfig { image: Some([1, 12, 12]), ..RemoteEnvConfig::new(service.clone(), 144, 3) };
+        let cli = Cli::try_parse_from(["volley", "train", "--env", "remote:tiny"]).expect("valid flags");
+        let Command::Train(args) = cli.command else { panic!("parsed {:?}", cli.command) };
+        let refused = args.spec.to_spec_with(&|_| Ok(tiny.clone())).expect_err("12x12 frames are too small for Nature");
+        assert!(format!("{refused:#}").contains("--conv none"), "{refused:#}");
+        let cli =
+            Cli::try_parse_from(["volley", "train", "--env", "remote:tiny", "--conv", "none"]).expect("valid flags");
+        let Command::Train(args) = cli.command else { panic!("parsed {:?}", cli.command) };
+        assert_eq!(args.spec.to_spec_with(&|_| Ok(tiny.clone())).expect("an MLP on 12x12 frames").policy.conv, None);
+        assert_eq!(
+            (&small.policy.conv, &small.policy.torso, small.policy.activation),
+            (&None, &vec![32], Activation::Tanh)
         );
         let discrete = spec(&["--env", "remote:cartpole"], Some(RemoteEnvConfig::new(service, 4, 2)));
         let cartpole = spec(&[], None);
