@@ -55,10 +55,11 @@ pub struct SpecArgs {
     /// Loss [default: vtrace; pendulum, served images: ppo].
     #[arg(long, value_enum, env = "VOLLEY_LOSS")]
     pub loss: Option<LossName>,
-    /// Torso widths, comma-separated (empty for none) [default: 64,64; served images: 512].
+    /// Torso widths, comma-separated (empty for none) [default: 64,64; minatar-*: 128; served
+    /// images: 512].
     #[arg(long, env = "VOLLEY_TORSO")]
     pub torso: Option<String>,
-    /// Torso activation [default: tanh; served images: relu].
+    /// Torso activation [default: tanh; minatar-*, served images: relu].
     #[arg(long, value_enum, env = "VOLLEY_ACTIVATION")]
     pub activation: Option<ActivationName>,
     /// Recurrent core.
@@ -75,7 +76,7 @@ pub struct SpecArgs {
     #[arg(long, default_value_t = 64, env = "VOLLEY_GRU_HIDDEN")]
     pub gru_hidden: usize,
     /// Convolutional torso preset in front of --torso (image observations, e.g. MinAtar)
-    /// [default: none; served images: nature].
+    /// [default: none; minatar-*: minatar; served images: nature].
     #[arg(long, value_enum, env = "VOLLEY_CONV")]
     pub conv: Option<ConvName>,
     /// Frames the actors stack along the channel axis for a remote environment (e.g. 4 for
@@ -262,6 +263,10 @@ impl NetworkDefaults {
     /// network of the Atari PPO baselines (CleanRL, the SB3 zoo) and of issue 44's Pong runs.
     const NATURE: NetworkDefaults =
         NetworkDefaults { conv: ConvName::Nature, torso: "512", activation: ActivationName::Relu };
+    /// MinAtar's network (Young & Tian 2019, the network of their AC(λ) reference): one 3×3
+    /// convolution with 16 filters and 128 ReLU units.
+    const MINATAR: NetworkDefaults =
+        NetworkDefaults { conv: ConvName::Minatar, torso: "128", activation: ActivationName::Relu };
 }
 
 impl EnvDefaults {
@@ -343,7 +348,7 @@ impl EnvDefaults {
         segment_len: 32,
         batch_segments: 8,
         ent_coef: Some(0.005),
-        network: NetworkDefaults::MLP,
+        network: NetworkDefaults::MINATAR,
     };
 
     /// The defaults for `env`. A served environment (`--env remote:<service>`) gets them from the
@@ -740,8 +745,14 @@ mod tests {
                 (LossKind::Vtrace, 1.0, 0.005, 1.5e-3)
             );
         }
-        let tuned = spec(&["--env", "minatar-breakout", "--ent-coef", "0", "--reward-scale", "0.05"]);
+        let breakout = spec(&["--env", "minatar-breakout"]);
+        assert_eq!(
+            (&breakout.policy.conv, &breakout.policy.torso, breakout.policy.activation),
+            (&Some(ConvSpec::minatar(4, 10, 10)), &vec![128], Activation::Relu)
+        );
+        let tuned = spec(&["--env", "minatar-breakout", "--ent-coef", "0", "--reward-scale", "0.05", "--conv", "none"]);
         assert_eq!((tuned.hyper.ent_coef, tuned.hyper.reward_scale), (0.0, 0.05));
+        assert_eq!((&tuned.policy.conv, &tuned.policy.torso), (&None, &vec![128]));
         let cartpole = spec(&[]);
         assert_eq!((cartpole.hyper.ent_coef, cartpole.hyper.reward_scale), (0.0, 0.05));
     }
