@@ -58,6 +58,7 @@ pub fn remote_env_config(
                         image: spaces.image_shape().ok().flatten(),
                         frame_stack: 1,
                         snapshot: spaces.snapshot,
+                        env: Some(RemoteEnvConfig::env_label(&spaces.env)),
                     });
                 }
                 Err(err) => warn!(service = %service, instance = %instance.id, %err, "spaces request failed"),

@@ -465,7 +465,16 @@ pub struct RemoteEnvConfig {
     /// `--work`, can run on it); absent: false.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub snapshot: bool,
+    /// What its servers said they run (`"gymnasium:Walker2d-v5"`, `"pendulum"`), at most
+    /// [`REMOTE_ENV_LABEL_MAX`] bytes; informative, and it picks the family of training defaults
+    /// (a served MuJoCo task trains with MuJoCo's, not Pendulum's). Absent in older specs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub env: Option<String>,
 }
+
+/// The longest declared environment label a run spec keeps ([`RemoteEnvConfig::env`]); a longer
+/// one is cut at a character boundary.
+pub const REMOTE_ENV_LABEL_MAX: usize = 128;
 
 fn one() -> usize {
     1
@@ -499,7 +508,18 @@ impl RemoteEnvConfig {
             image: None,
             frame_stack: 1,
             snapshot: false,
+            env: None,
         }
+    }
+
+    /// `label` as a run spec keeps it in [`RemoteEnvConfig::env`]: at most
+    /// [`REMOTE_ENV_LABEL_MAX`] bytes, cut at a character boundary.
+    pub fn env_label(label: &str) -> String {
+        let mut end = label.len().min(REMOTE_ENV_LABEL_MAX);
+        while !label.is_char_boundary(end) {
+            end -= 1;
+        }
+        label[..end].to_string()
     }
 
     /// The length of the observation the policy sees: `frame_stack` frames of `obs_dim`.
@@ -838,5 +858,30 @@ pub(crate) mod testing {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod remote_tests {
+    use super::{EnvServiceName, RemoteEnvConfig, REMOTE_ENV_LABEL_MAX};
+
+    /// A server's label is kept whole when short, cut to at most `REMOTE_ENV_LABEL_MAX` bytes at
+    /// a character boundary when long, and a spec without it (written before it existed) parses.
+    #[test]
+    fn a_declared_label_is_bounded_and_optional_in_specs() {
+        assert_eq!(RemoteEnvConfig::env_label("gymnasium:Walker2d-v5"), "gymnasium:Walker2d-v5");
+        for long in ["x".repeat(10_000), "é".repeat(1_000)] {
+            let kept = RemoteEnvConfig::env_label(&long);
+            assert!(kept.len() <= REMOTE_ENV_LABEL_MAX && kept.len() >= REMOTE_ENV_LABEL_MAX - 3, "{}", kept.len());
+            assert!(long.starts_with(&kept));
+        }
+        let old = r#"{"service": "pendulum-v1", "obs_dim": 3, "n_actions": 1}"#;
+        let parsed: RemoteEnvConfig = serde_json::from_str(old).expect("an older spec parses");
+        assert_eq!(parsed.env, None);
+        let service = EnvServiceName::new("walker").expect("valid");
+        let labelled =
+            RemoteEnvConfig { env: Some("gymnasium:Walker2d-v5".into()), ..RemoteEnvConfig::new(service, 17, 6) };
+        let json = serde_json::to_string(&labelled).expect("serialises");
+        assert_eq!(serde_json::from_str::<RemoteEnvConfig>(&json).expect("round trip"), labelled);
     }
 }

@@ -3,6 +3,7 @@
 use std::time::Duration;
 
 use anyhow::{bail, Context};
+use clap::builder::BoolishValueParser;
 use clap::Args;
 use volley_core::ids::RunId;
 use volley_core::spec::{
@@ -69,9 +70,12 @@ pub struct SpecArgs {
     /// box (default: unsquashed samples, clipped by the environment).
     #[arg(long, env = "VOLLEY_SQUASH_ACTIONS")]
     pub squash_actions: bool,
-    /// Normalise observations by running statistics that travel with the weights.
-    #[arg(long, env = "VOLLEY_NORMALIZE_OBS")]
-    pub normalize_obs: bool,
+    /// Normalise observations by running statistics that travel with the weights
+    /// (`--normalize-obs false` turns the MuJoCo default off) [default: off; served MuJoCo
+    /// tasks: on].
+    #[arg(long, num_args = 0..=1, default_missing_value = "true", value_parser = BoolishValueParser::new(),
+          env = "VOLLEY_NORMALIZE_OBS")]
+    pub normalize_obs: Option<bool>,
     /// GRU width (with --core gru).
     #[arg(long, default_value_t = 64, env = "VOLLEY_GRU_HIDDEN")]
     pub gru_hidden: usize,
@@ -244,6 +248,7 @@ struct EnvDefaults {
     /// The entropy bonus; `None`: 0.01 for a categorical head under PPO, else 0.
     ent_coef: Option<f32>,
     network: NetworkDefaults,
+    normalize_obs: bool,
 }
 
 /// The policy network a family trains by default (`--conv`, `--torso`, `--activation`).
@@ -288,6 +293,7 @@ impl EnvDefaults {
         batch_segments: 32,
         ent_coef: None,
         network: NetworkDefaults::MLP,
+        normalize_obs: false,
     };
 
     /// Issue 44, item 5 (docs/benchmarks/atari.md, "Pong on two CPU cores"): PPO with 3 epochs
@@ -311,6 +317,29 @@ impl EnvDefaults {
         batch_segments: 32,
         ent_coef: Some(0.01),
         network: NetworkDefaults::NATURE,
+        normalize_obs: false,
+    };
+
+    /// Gymnasium's MuJoCo tasks served by `volley-envs serve gymnasium:<Task>` (issue 45, item
+    /// 3): CleanRL's `ppo_continuous_action` settings where Volley has the knob (2,048-step
+    /// batches, 10 epochs of 32 minibatches, learning rate 3e-4, γ 0.99, no entropy bonus,
+    /// observation normalisation), with a fixed reward scale of 0.1 instead of its running
+    /// return normaliser. Pendulum's defaults (γ 0.9, 1,024-step batches at 1.5e-3) left Walker2d-v5
+    /// near a return of 400 after 1M steps; these took HalfCheetah-v5 to 1,698 and Hopper-v5 to
+    /// 2,028 (docs/benchmarks/solve.md, "MuJoCo through the environment service").
+    const MUJOCO: EnvDefaults = EnvDefaults {
+        family: "MuJoCo (Gymnasium's locomotion and manipulation tasks)",
+        loss: LossName::Ppo,
+        gamma: 0.99,
+        reward_scale: 0.1,
+        learning_rate: 3e-4,
+        ppo_epochs: 10,
+        ppo_minibatches: 32,
+        segment_len: 64,
+        batch_segments: 32,
+        ent_coef: Some(0.0),
+        network: NetworkDefaults::MLP,
+        normalize_obs: true,
     };
 
     /// CartPole's, for discrete actions on vector observations.
@@ -326,6 +355,7 @@ impl EnvDefaults {
         batch_segments: 8,
         ent_coef: None,
         network: NetworkDefaults::MLP,
+        normalize_obs: false,
     };
 
     /// MinAtar (issue 45, item 2; docs/benchmarks/minatar.md, "The Breakout seed-11 collapse"
@@ -349,6 +379,7 @@ impl EnvDefaults {
         batch_segments: 8,
         ent_coef: Some(0.005),
         network: NetworkDefaults::MINATAR,
+        normalize_obs: false,
     };
 
     /// The defaults for `env`. A served environment (`--env remote:<service>`) gets them from the
@@ -358,11 +389,39 @@ impl EnvDefaults {
         match env {
             EnvConfig::Pendulum => Self::CONTINUOUS,
             EnvConfig::Minatar(_) => Self::MINATAR,
+            EnvConfig::Remote(remote) if remote.action_box.is_some() && is_mujoco_task(remote.env.as_deref()) => {
+                Self::MUJOCO
+            }
             EnvConfig::Remote(remote) if remote.action_box.is_some() => Self::CONTINUOUS,
             EnvConfig::Remote(remote) if remote.image.is_some() => Self::IMAGES,
             _ => Self::DISCRETE,
         }
     }
+}
+
+/// Gymnasium's MuJoCo tasks, by the name before the version (`Walker2d` of
+/// `gymnasium:Walker2d-v5`), lower case.
+const MUJOCO_TASKS: [&str; 11] = [
+    "ant",
+    "halfcheetah",
+    "hopper",
+    "humanoid",
+    "humanoidstandup",
+    "inverteddoublependulum",
+    "invertedpendulum",
+    "pusher",
+    "reacher",
+    "swimmer",
+    "walker2d",
+];
+
+/// Whether a served environment's declared label (`gymnasium:Walker2d-v5`) names one of
+/// Gymnasium's MuJoCo tasks.
+fn is_mujoco_task(label: Option<&str>) -> bool {
+    let Some(label) = label else { return false };
+    let id = label.rsplit(':').next().unwrap_or(label);
+    let name = id.split("-v").next().unwrap_or(id).to_ascii_lowercase();
+    MUJOCO_TASKS.contains(&name.as_str())
 }
 
 fn parse_widths(text: &str) -> anyhow::Result<Vec<usize>> {
@@ -436,7 +495,7 @@ impl SpecArgs {
                 categorical => categorical,
             },
             conv: self.conv_or_family_default(preset.network.conv, &env)?,
-            normalize_obs: self.normalize_obs,
+            normalize_obs: self.normalize_obs.unwrap_or(preset.normalize_obs),
         };
         if let EnvConfig::Remote(remote) = &env {
             tracing::info!(service = %remote.service, family = preset.family, loss = ?preset.loss, gamma = preset.gamma,
@@ -713,6 +772,30 @@ mod tests {
         assert_eq!(
             (&small.policy.conv, &small.policy.torso, small.policy.activation),
             (&None, &vec![32], Activation::Tanh)
+        );
+        // Issue 45, item 3: a served MuJoCo task gets MuJoCo's defaults, not Pendulum's, by the
+        // label its servers declare; Gymnasium's Pendulum keeps Pendulum's.
+        let walker = RemoteEnvConfig {
+            action_box: Some(volley_env::RemoteActionBox { low: vec![-1.0; 6], high: vec![1.0; 6] }),
+            env: Some("gymnasium:Walker2d-v5".into()),
+            ..RemoteEnvConfig::new(service.clone(), 17, 6)
+        };
+        let mujoco = spec(&["--env", "remote:walker2d-v5"], Some(walker.clone()));
+        assert_eq!((mujoco.hyper.loss, mujoco.hyper.gamma, mujoco.hyper.learning_rate), (LossKind::Ppo, 0.99, 3e-4));
+        assert_eq!(
+            (mujoco.segment_len, mujoco.hyper.batch_segments, mujoco.hyper.ppo_epochs, mujoco.hyper.ppo_minibatches),
+            (64, 32, 10, 32)
+        );
+        assert_eq!((mujoco.hyper.ent_coef, mujoco.policy.normalize_obs), (0.0, true));
+        let raw = spec(&["--env", "remote:walker2d-v5", "--normalize-obs", "false"], Some(walker.clone()));
+        assert!(!raw.policy.normalize_obs);
+        let gym_pendulum = RemoteEnvConfig { env: Some("gymnasium:Pendulum-v1".into()), ..walker.clone() };
+        let pendulum_like = spec(&["--env", "remote:pendulum-v1"], Some(gym_pendulum));
+        assert_eq!((pendulum_like.hyper.gamma, pendulum_like.policy.normalize_obs), (0.9, false));
+        assert_eq!(
+            (remote.hyper.gamma, remote.policy.normalize_obs),
+            (0.9, false),
+            "a spec written before servers declared their label"
         );
         let discrete = spec(&["--env", "remote:cartpole"], Some(RemoteEnvConfig::new(service, 4, 2)));
         let cartpole = spec(&[], None);
