@@ -30,6 +30,7 @@ use crate::losses::{LossStats, PpoLossConfig, VTraceLossConfig};
 use crate::net::Network;
 use crate::optim::AdamConfig;
 use crate::telemetry::{OffPolicyStats, OffPolicySums, NO_RATIO};
+use crate::train::ValueEstimates;
 
 fn device_or_skip(test: &str) -> Option<CudaDevice> {
     match open_cuda(0) {
@@ -673,11 +674,11 @@ fn values_for_selection_match_the_cpu_learner() {
         let mut gpu = Learner::new(spec.clone()).unwrap();
         gpu.use_cuda_device(&device).unwrap();
         let batch = random_batch(&mut rng(5), &spec, cpu.layout().recurrent_size());
-        let (mut cv, mut ca, mut gv, mut ga) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-        cpu.values_and_advantages(&batch, 0.95, &mut cv, &mut ca);
-        gpu.values_and_advantages(&batch, 0.95, &mut gv, &mut ga);
-        assert_close("selection values", &gv, &cv, 1e-4, 1e-5);
-        assert_close("selection advantages", &ga, &ca, 1e-3, 1e-5);
+        let (mut c, mut g) = (ValueEstimates::default(), ValueEstimates::default());
+        cpu.values_and_advantages(&batch, 0.95, &mut c);
+        gpu.values_and_advantages(&batch, 0.95, &mut g);
+        assert_close("selection values", &g.values, &c.values, 1e-4, 1e-5);
+        assert_close("selection advantages", &g.advantages, &c.advantages, 1e-3, 1e-5);
     }
 }
 
