@@ -11,12 +11,13 @@
 
 use rand::{Rng, SeedableRng};
 use rand_pcg::Pcg64Mcg;
-use volley_core::ids::{PolicyVersion, RunId};
-use volley_core::spec::{HyperParams, LossKind, RunSpec};
+use volley_core::ids::PolicyVersion;
+use volley_core::spec::{LossKind, RunSpec};
 use volley_core::wire::Observations;
 use volley_env::EnvConfig;
 use volley_policy::returns::{vtrace, VTraceConfig};
 use volley_policy::{ActionHead, Activation, ParamLayout, PolicySpec};
+use volley_testkit::fixtures::SpecBuilder;
 
 use super::*;
 use crate::backend::{
@@ -683,22 +684,12 @@ fn values_for_selection_match_the_cpu_learner() {
 }
 
 fn run_spec(policy: PolicySpec, loss: LossKind, t_len: usize, b_len: usize) -> RunSpec {
-    RunSpec {
-        run: RunId::new("parity").expect("valid run id"),
-        env: EnvConfig::Cartpole,
-        policy,
-        segment_len: t_len,
-        hyper: HyperParams {
-            loss,
-            batch_segments: b_len,
-            ppo_epochs: 2,
-            ppo_minibatches: 3,
-            learning_rate: 3e-4,
-            final_learning_rate: 3e-4,
-            ..HyperParams::default()
-        },
-        seed: 9,
-    }
+    SpecBuilder::new(EnvConfig::Cartpole, policy, t_len)
+        .run("parity")
+        .training(loss, b_len, 3e-4)
+        .ppo(2, 3)
+        .seed(9)
+        .build()
 }
 
 fn random_batch(r: &mut Pcg64Mcg, spec: &RunSpec, hidden: usize) -> SegmentBatch {
