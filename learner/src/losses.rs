@@ -29,7 +29,7 @@
 use volley_policy::head::{PolicyHead, RowGradient};
 use volley_policy::returns::{vtrace, VTraceConfig};
 
-/// Coefficients of [`vtrace_loss`].
+/// Coefficients of [`vtrace_loss_heads`].
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct VTraceLossConfig {
     /// The V-trace clipping thresholds and `λ`.
@@ -48,7 +48,7 @@ impl Default for VTraceLossConfig {
     }
 }
 
-/// Coefficients of [`ppo_loss`].
+/// Coefficients of [`ppo_loss_heads`].
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct PpoLossConfig {
     /// `ε`: the ratio `π_θ/π_prox` is clipped to `[1 − ε, 1 + ε]` (0.2 is usual).
