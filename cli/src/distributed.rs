@@ -816,7 +816,7 @@ mod tests {
     }
 
     /// Issue 46: a value of the `ended` key that is not the learner's marker (here bytes put
-    /// there directly; `transport/tests/broker_permissions.rs` stores the relayed answers an
+    /// there directly; `transport/tests/broker_relays.rs` stores the relayed answers an
     /// actor can cause) is counted and the watcher goes on, until the learner's marker ends
     /// the run.
     #[test]

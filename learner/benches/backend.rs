@@ -16,72 +16,35 @@
 //! The CPU backend is single-threaded; its rows are limited to updates of at most ~2·10¹⁰
 //! FLOP so the run stays short.
 
+mod common;
+use common::median;
+
 use std::io::Write;
 use std::time::Instant;
 
 use rand::{Rng, SeedableRng};
 use rand_pcg::Pcg64Mcg;
-use volley_core::ids::{PolicyVersion, RunId};
-use volley_core::spec::{HyperParams, LossKind, RunSpec};
+use volley_core::spec::{LossKind, RunSpec};
+use volley_core::wire::Observations;
 use volley_env::EnvConfig;
 use volley_learner::backend::{open_cuda, CudaDevice};
 use volley_learner::batch::SegmentBatch;
 use volley_learner::Learner;
-use volley_policy::{Activation, CoreKind, PolicySpec};
+use volley_policy::{Activation, PolicySpec};
 
 const OBS_DIM: usize = 4;
 const N_ACTIONS: usize = 2;
 
 fn spec(width: usize, loss: LossKind, t_len: usize, b_len: usize) -> RunSpec {
-    RunSpec {
-        run: RunId::new("bench").expect("valid run id"),
-        env: EnvConfig::Cartpole,
-        policy: PolicySpec {
-            obs_dim: OBS_DIM,
-            n_actions: N_ACTIONS,
-            torso: vec![width, width],
-            activation: Activation::Tanh,
-            core: CoreKind::Mlp,
-            head: volley_policy::ActionHead::Categorical,
-            conv: None,
-            normalize_obs: false,
-        },
-        segment_len: t_len,
-        hyper: HyperParams {
-            loss,
-            batch_segments: b_len,
-            ppo_epochs: 2,
-            ppo_minibatches: 4,
-            learning_rate: 1e-4,
-            final_learning_rate: 1e-4,
-            ..HyperParams::default()
-        },
-        seed: 5,
-    }
+    let policy = PolicySpec::mlp(OBS_DIM, N_ACTIONS, &[width, width], Activation::Tanh);
+    common::spec(EnvConfig::Cartpole, policy, loss, t_len, b_len)
 }
 
-fn batch(rng: &mut Pcg64Mcg, t_len: usize, b_len: usize) -> SegmentBatch {
-    let steps = t_len * b_len;
-    SegmentBatch {
-        t_len,
-        b_len,
-        obs_dim: OBS_DIM,
-        hidden_size: 0,
-        observations: volley_core::wire::Observations::F32(
-            (0..(t_len + 1) * b_len * OBS_DIM).map(|_| rng.random_range(-1.0..1.0)).collect(),
-        ),
-        episode_start: vec![0.0; (t_len + 1) * b_len],
-        initial_hidden: Vec::new(),
-        actions: (0..steps).map(|_| rng.random_range(0..N_ACTIONS as u32)).collect(),
-        action_dim: 0,
-        continuous_actions: Vec::new(),
-        behaviour_log_probs: vec![-(N_ACTIONS as f32).ln(); steps],
-        rewards: (0..steps).map(|_| rng.random_range(-1.0..1.0)).collect(),
-        discounts: vec![0.99; steps],
-        sample_weights: vec![1.0; steps],
-        policy_versions: vec![PolicyVersion(0); b_len],
-        ..SegmentBatch::default()
-    }
+/// A batch of random observations in `[−1, 1)`.
+fn batch(rng: &mut Pcg64Mcg, spec: &RunSpec) -> SegmentBatch {
+    let n_obs = (spec.segment_len + 1) * spec.hyper.batch_segments * OBS_DIM;
+    let observations = Observations::F32((0..n_obs).map(|_| rng.random_range(-1.0..1.0)).collect());
+    common::batch(rng, spec, observations)
 }
 
 /// Multiply-adds of one forward row of the bench network.
@@ -98,11 +61,6 @@ fn update_flops(width: usize, loss: LossKind, t_len: usize, b_len: usize, epochs
         LossKind::Vtrace => 3.0 * rows * per_row,
         LossKind::Ppo => rows * per_row + 3.0 * (t_len * b_len * epochs) as f64 * per_row,
     }
-}
-
-fn median(mut xs: Vec<f64>) -> f64 {
-    xs.sort_by(f64::total_cmp);
-    xs[xs.len() / 2]
 }
 
 struct Row {
@@ -129,13 +87,13 @@ fn measure(
 ) -> Row {
     let spec = spec(width, loss, t_len, b_len);
     let epochs = spec.hyper.ppo_epochs as usize;
+    let mut rng = Pcg64Mcg::seed_from_u64(1);
+    let batch = batch(&mut rng, &spec);
     let mut learner = Learner::new(spec).expect("valid spec");
     if let Some(device) = device {
         learner.use_cuda_device(device).expect("the device opened once already");
         learner.set_profiling(true).expect("events");
     }
-    let mut rng = Pcg64Mcg::seed_from_u64(1);
-    let batch = batch(&mut rng, t_len, b_len);
     for _ in 0..2 {
         learner.update(&batch); // warm-up: allocation, cuBLAS heuristics
     }

@@ -15,12 +15,14 @@
 //! multiply-add of the forward and the backward products) beside the f32 peak of the threads it
 //! ran on, measured first by an FMA loop (see [`fma_peak_gflops`]).
 
+mod common;
+use common::median;
+
 use std::time::Instant;
 
 use rand::{Rng, SeedableRng};
 use rand_pcg::Pcg64Mcg;
-use volley_core::ids::{PolicyVersion, RunId};
-use volley_core::spec::{HyperParams, LossKind, RunSpec};
+use volley_core::spec::{LossKind, RunSpec};
 use volley_core::wire::{ObsElement, Observations};
 use volley_env::{EnvConfig, EnvServiceName, MinatarConfig, MinatarGame, RemoteEnvConfig};
 use volley_learner::backend::{
@@ -49,55 +51,19 @@ fn spec(preset: &str, t_len: usize, b_len: usize) -> RunSpec {
             (env, policy)
         }
     };
-    RunSpec {
-        run: RunId::new("bench").expect("valid run id"),
-        env,
-        policy,
-        segment_len: t_len,
-        hyper: HyperParams {
-            loss: LossKind::Vtrace,
-            batch_segments: b_len,
-            learning_rate: 1e-4,
-            final_learning_rate: 1e-4,
-            ..HyperParams::default()
-        },
-        seed: 5,
-    }
+    common::spec(env, policy, LossKind::Vtrace, t_len, b_len)
 }
 
 /// A batch of byte-valued observations (MinAtar's planes; frames for the Nature network) held
 /// as `element`.
-fn batch(
-    rng: &mut Pcg64Mcg,
-    obs_dim: usize,
-    n_actions: usize,
-    t_len: usize,
-    b_len: usize,
-    element: ObsElement,
-) -> SegmentBatch {
-    let steps = t_len * b_len;
-    let bytes: Vec<u8> = (0..(t_len + 1) * b_len * obs_dim).map(|_| u8::from(rng.random_bool(0.1))).collect();
-    SegmentBatch {
-        t_len,
-        b_len,
-        obs_dim,
-        hidden_size: 0,
-        observations: match element {
-            ObsElement::U8 => Observations::U8(bytes),
-            ObsElement::F32 => Observations::F32(bytes.iter().map(|&b| f32::from(b)).collect()),
-        },
-        episode_start: vec![0.0; (t_len + 1) * b_len],
-        initial_hidden: Vec::new(),
-        actions: (0..steps).map(|_| rng.random_range(0..n_actions as u32)).collect(),
-        action_dim: 0,
-        continuous_actions: Vec::new(),
-        behaviour_log_probs: vec![-(n_actions as f32).ln(); steps],
-        rewards: (0..steps).map(|_| rng.random_range(-1.0..1.0)).collect(),
-        discounts: vec![0.99; steps],
-        sample_weights: vec![1.0; steps],
-        policy_versions: vec![PolicyVersion(0); b_len],
-        ..SegmentBatch::default()
-    }
+fn batch(rng: &mut Pcg64Mcg, spec: &RunSpec, element: ObsElement) -> SegmentBatch {
+    let n_obs = (spec.segment_len + 1) * spec.hyper.batch_segments * spec.policy.obs_dim;
+    let bytes: Vec<u8> = (0..n_obs).map(|_| u8::from(rng.random_bool(0.1))).collect();
+    let observations = match element {
+        ObsElement::U8 => Observations::U8(bytes),
+        ObsElement::F32 => Observations::F32(bytes.iter().map(|&b| f32::from(b)).collect()),
+    };
+    common::batch(rng, spec, observations)
 }
 
 /// Multiply-adds of one update per row of the batch (`(T + 1)·B` rows): the forward products,
@@ -127,28 +93,29 @@ fn fma_peak_gflops() -> Option<f64> {
         use std::arch::x86_64::*;
         const CHAINS: usize = 12;
         const ITERS: usize = 20_000_000;
+        // `CHAINS` independent chains of `ITERS` steps `chain = chain · a + b` on the vectors
+        // `$set1` makes, each step one `$fmadd`.
+        macro_rules! fma_chains {
+            ($set1:ident, $fmadd:ident) => {{
+                let (a, b) = ($set1(0.999_999), $set1(1e-7));
+                let mut acc = [$set1(1.0); CHAINS];
+                for _ in 0..ITERS {
+                    for chain in acc.iter_mut() {
+                        *chain = $fmadd(*chain, a, b);
+                    }
+                }
+                acc
+            }};
+        }
         #[target_feature(enable = "avx512f")]
         fn avx512() -> f32 {
-            let (a, b) = (_mm512_set1_ps(0.999_999), _mm512_set1_ps(1e-7));
-            let mut acc = [_mm512_set1_ps(1.0); CHAINS];
-            for _ in 0..ITERS {
-                for chain in acc.iter_mut() {
-                    *chain = _mm512_fmadd_ps(*chain, a, b);
-                }
-            }
-            acc.iter().map(|&v| _mm512_reduce_add_ps(v)).sum()
+            fma_chains!(_mm512_set1_ps, _mm512_fmadd_ps).iter().map(|&v| _mm512_reduce_add_ps(v)).sum()
         }
         #[target_feature(enable = "avx2,fma")]
         fn avx2() -> f32 {
-            let (a, b) = (_mm256_set1_ps(0.999_999), _mm256_set1_ps(1e-7));
-            let mut acc = [_mm256_set1_ps(1.0); CHAINS];
-            for _ in 0..ITERS {
-                for chain in acc.iter_mut() {
-                    *chain = _mm256_fmadd_ps(*chain, a, b);
-                }
-            }
             let mut lanes = [0.0f32; 8];
-            acc.iter()
+            fma_chains!(_mm256_set1_ps, _mm256_fmadd_ps)
+                .iter()
                 .map(|&v| {
                     // SAFETY: `lanes` holds 8 floats, what one unaligned 256-bit store writes.
                     unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), v) };
@@ -178,22 +145,15 @@ fn fma_peak_gflops() -> Option<f64> {
     None
 }
 
-fn median(mut xs: Vec<f64>) -> f64 {
-    xs.sort_by(f64::total_cmp);
-    xs[xs.len() / 2]
-}
-
 /// Median seconds per update over at least 3 updates and about a second, and the bytes of the
 /// batch's observations.
 fn seconds_per_update(device: Option<&CudaDevice>, threads: usize, spec: RunSpec, element: ObsElement) -> (f64, usize) {
-    let (obs_dim, n_actions, t_len, b_len) =
-        (spec.policy.obs_dim, spec.policy.n_actions, spec.segment_len, spec.hyper.batch_segments);
+    let batch = batch(&mut Pcg64Mcg::seed_from_u64(1), &spec, element);
     let mut learner = Learner::new(spec).expect("valid spec");
     match device {
         Some(device) => learner.use_cuda_device(device).expect("the device opened once already"),
         None => learner.set_cpu_threads(threads).expect("a thread pool"),
     }
-    let batch = batch(&mut Pcg64Mcg::seed_from_u64(1), obs_dim, n_actions, t_len, b_len, element);
     learner.update(&batch); // warm-up: allocation, cuBLAS heuristics
     let mut wall = Vec::new();
     let started = Instant::now();
@@ -242,6 +202,53 @@ struct Phase {
     macs: f64,
 }
 
+/// One layer's product as the network runs it: `rows` rows of `n_in` inputs to `n_out` outputs
+/// (a conv layer's output positions over its unfolded patches, or a dense layer's images).
+#[derive(Clone, Copy)]
+struct Product {
+    rows: usize,
+    n_in: usize,
+    n_out: usize,
+}
+
+type Cpu = CpuBackend;
+
+impl Product {
+    /// Multiply-adds of one product.
+    fn macs(self) -> f64 {
+        (self.rows * self.n_in * self.n_out) as f64
+    }
+
+    /// `y = ReLU(x Wᵀ + b)`.
+    fn forward(self, backend: &mut Cpu, x: View<'_, Cpu>, (weight, bias): &(Vec<f32>, Vec<f32>), y: &mut Vec<f32>) {
+        let (weight, bias, y) = (View::of(weight), View::of(bias), ViewMut::of(y));
+        let Product { rows, n_in, n_out } = self;
+        let op = DenseForward { x, rows, n_in, weight, bias, n_out, act: Some(Activation::Relu), y };
+        backend.dense_forward(op).expect("shapes")
+    }
+
+    /// The weight gradient `dYᵀ X` and the bias sums of `dY`.
+    fn weight_gradient(
+        self,
+        backend: &mut Cpu,
+        dy: &Vec<f32>,
+        x: View<'_, Cpu>,
+        dw: &mut Vec<f32>,
+        d_bias: &mut Vec<f32>,
+    ) {
+        let Product { rows, n_in, n_out } = self;
+        backend.matmul_dw(MatmulDw { dy: View::of(dy), x, rows, n_out, n_in, dw: ViewMut::of(dw) }).expect("shapes");
+        backend.column_sums(View::of(dy), rows, ViewMut::range(d_bias, 0..n_out)).expect("shapes");
+    }
+
+    /// The input gradient `dY W`, overwriting `dx`.
+    fn input_gradient(self, backend: &mut Cpu, dy: &Vec<f32>, weight: &Vec<f32>, dx: ViewMut<'_, Cpu>) {
+        let Product { rows, n_in, n_out } = self;
+        let op = MatmulDx { dy: View::of(dy), rows, n_out, weight: View::of(weight), n_in, dx, accumulate: false };
+        backend.matmul_dx(op).expect("shapes")
+    }
+}
+
 /// The Nature-DQN update's conv and dense phases, each timed alone on the CPU backend with the
 /// shapes and calls of the learner's network (`net.rs`) over `(T + 1)·B` images: per layer the
 /// forward `im2col` and product (with bias and ReLU), and backward the ReLU mask, the unfolding
@@ -268,8 +275,8 @@ fn phases(threads: usize, t_len: usize, b_len: usize, peak: Option<f64>) {
     let mut outputs: Vec<Vec<f32>> = Vec::new();
     let mut weights: Vec<(Vec<f32>, Vec<f32>)> = Vec::new();
     for (i, g) in geometries.iter().enumerate() {
-        let (positions, patch, oc) = (images * g.out_positions(), g.patch_len(), g.out_channels);
-        let (weight, bias) = (random(oc * patch, 0.05), random(oc, 0.05));
+        let product = Product { rows: images * g.out_positions(), n_in: g.patch_len(), n_out: g.out_channels };
+        let layer = (random(product.n_out * product.n_in, 0.05), random(product.n_out, 0.05));
         let cols_len = images * g.cols_len();
         let input = if i == 0 { &obs } else { &outputs[i - 1] };
         rows.push(Phase {
@@ -280,49 +287,23 @@ fn phases(threads: usize, t_len: usize, b_len: usize, peak: Option<f64>) {
             }),
             macs: 0.0,
         });
-        let mut y = vec![0.0f32; positions * oc];
+        let mut y = vec![0.0f32; product.rows * product.n_out];
         rows.push(Phase {
             name: format!("conv {} forward: product, bias, ReLU", i + 1),
-            ms: median_ms(reps, || {
-                backend
-                    .dense_forward(DenseForward {
-                        x: View::range(&cols, 0..cols_len),
-                        rows: positions,
-                        n_in: patch,
-                        weight: View::of(&weight),
-                        bias: View::of(&bias),
-                        n_out: oc,
-                        act: Some(Activation::Relu),
-                        y: ViewMut::of(&mut y),
-                    })
-                    .expect("shapes")
-            }),
-            macs: (positions * patch * oc) as f64,
+            ms: median_ms(reps, || product.forward(&mut backend, View::range(&cols, 0..cols_len), &layer, &mut y)),
+            macs: product.macs(),
         });
         outputs.push(y);
-        weights.push((weight, bias));
+        weights.push(layer);
     }
-    let n_in = geometries[2].output_len();
-    let n_hidden = spec.policy.torso[0];
-    let (dense_w, dense_b) = (random(n_hidden * n_in, 0.02), random(n_hidden, 0.02));
+    let (n_in, n_hidden) = (geometries[2].output_len(), spec.policy.torso[0]);
+    let dense = Product { rows: images, n_in, n_out: n_hidden };
+    let dense_layer = (random(n_hidden * n_in, 0.02), random(n_hidden, 0.02));
     let mut hidden = vec![0.0f32; images * n_hidden];
     rows.push(Phase {
         name: format!("dense {n_in}→{n_hidden} forward"),
-        ms: median_ms(reps, || {
-            backend
-                .dense_forward(DenseForward {
-                    x: View::of(&outputs[2]),
-                    rows: images,
-                    n_in,
-                    weight: View::of(&dense_w),
-                    bias: View::of(&dense_b),
-                    n_out: n_hidden,
-                    act: Some(Activation::Relu),
-                    y: ViewMut::of(&mut hidden),
-                })
-                .expect("shapes")
-        }),
-        macs: (images * n_in * n_hidden) as f64,
+        ms: median_ms(reps, || dense.forward(&mut backend, View::of(&outputs[2]), &dense_layer, &mut hidden)),
+        macs: dense.macs(),
     });
     let d_hidden = random(images * n_hidden, 0.01);
     let mut d_dense_w = vec![0.0f32; n_hidden * n_in];
@@ -330,48 +311,26 @@ fn phases(threads: usize, t_len: usize, b_len: usize, peak: Option<f64>) {
     rows.push(Phase {
         name: format!("dense {n_in}→{n_hidden} backward: weight gradient, bias sums"),
         ms: median_ms(reps, || {
-            backend
-                .matmul_dw(MatmulDw {
-                    dy: View::of(&d_hidden),
-                    x: View::of(&outputs[2]),
-                    rows: images,
-                    n_out: n_hidden,
-                    n_in,
-                    dw: ViewMut::of(&mut d_dense_w),
-                })
-                .expect("shapes");
-            backend.column_sums(View::of(&d_hidden), images, ViewMut::range(&mut d_bias, 0..n_hidden)).expect("shapes");
+            dense.weight_gradient(&mut backend, &d_hidden, View::of(&outputs[2]), &mut d_dense_w, &mut d_bias)
         }),
-        macs: (images * n_in * n_hidden) as f64,
+        macs: dense.macs(),
     });
     let mut d_y = vec![0.0f32; images * n_in];
     rows.push(Phase {
         name: format!("dense {n_in}→{n_hidden} backward: input gradient"),
-        ms: median_ms(reps, || {
-            backend
-                .matmul_dx(MatmulDx {
-                    dy: View::of(&d_hidden),
-                    rows: images,
-                    n_out: n_hidden,
-                    weight: View::of(&dense_w),
-                    n_in,
-                    dx: ViewMut::of(&mut d_y),
-                    accumulate: false,
-                })
-                .expect("shapes")
-        }),
-        macs: (images * n_in * n_hidden) as f64,
+        ms: median_ms(reps, || dense.input_gradient(&mut backend, &d_hidden, &dense_layer.0, ViewMut::of(&mut d_y))),
+        macs: dense.macs(),
     });
     // The network keeps the forward's unfoldings from the last layer towards the first while
     // they fit in `KEPT_UNFOLDINGS_BYTES`.
     let mut kept_bytes = 0;
     for (i, g) in geometries.iter().enumerate().rev() {
-        let (positions, patch, oc) = (images * g.out_positions(), g.patch_len(), g.out_channels);
+        let product = Product { rows: images * g.out_positions(), n_in: g.patch_len(), n_out: g.out_channels };
         let cols_len = images * g.cols_len();
         kept_bytes += cols_len * std::mem::size_of::<f32>();
         let kept = kept_bytes <= KEPT_UNFOLDINGS_BYTES;
         let input = if i == 0 { &obs } else { &outputs[i - 1] };
-        let mut d_pre = random(positions * oc, 0.01);
+        let mut d_pre = random(product.rows * product.n_out, 0.01);
         rows.push(Phase {
             name: format!("conv {} backward: ReLU mask", i + 1),
             ms: median_ms(reps, || {
@@ -390,41 +349,23 @@ fn phases(threads: usize, t_len: usize, b_len: usize, peak: Option<f64>) {
             let ms = median_ms(reps, unfold);
             rows.push(Phase { name: format!("conv {} backward: im2col again", i + 1), ms, macs: 0.0 });
         }
-        let mut d_w = vec![0.0f32; oc * patch];
+        let mut d_w = vec![0.0f32; product.n_out * product.n_in];
         rows.push(Phase {
             name: format!("conv {} backward: weight gradient, bias sums", i + 1),
             ms: median_ms(reps, || {
-                backend
-                    .matmul_dw(MatmulDw {
-                        dy: View::of(&d_pre),
-                        x: View::range(&cols, 0..cols_len),
-                        rows: positions,
-                        n_out: oc,
-                        n_in: patch,
-                        dw: ViewMut::of(&mut d_w),
-                    })
-                    .expect("shapes");
-                backend.column_sums(View::of(&d_pre), positions, ViewMut::range(&mut d_bias, 0..oc)).expect("shapes");
+                let x = View::range(&cols, 0..cols_len);
+                product.weight_gradient(&mut backend, &d_pre, x, &mut d_w, &mut d_bias)
             }),
-            macs: (positions * patch * oc) as f64,
+            macs: product.macs(),
         });
         if i > 0 {
             rows.push(Phase {
                 name: format!("conv {} backward: input gradient", i + 1),
                 ms: median_ms(reps, || {
-                    backend
-                        .matmul_dx(MatmulDx {
-                            dy: View::of(&d_pre),
-                            rows: positions,
-                            n_out: oc,
-                            weight: View::of(&weights[i].0),
-                            n_in: patch,
-                            dx: ViewMut::range(&mut d_cols, 0..cols_len),
-                            accumulate: false,
-                        })
-                        .expect("shapes")
+                    let dx = ViewMut::range(&mut d_cols, 0..cols_len);
+                    product.input_gradient(&mut backend, &d_pre, &weights[i].0, dx)
                 }),
-                macs: (positions * patch * oc) as f64,
+                macs: product.macs(),
             });
             let mut dx = vec![0.0f32; images * g.input_len()];
             rows.push(Phase {

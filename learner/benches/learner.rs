@@ -46,9 +46,7 @@ fn learner_update(c: &mut Criterion) {
         let hidden = learner.layout().recurrent_size();
         let mut rng = Pcg64Mcg::seed_from_u64(1);
         let segments: Vec<_> = (0..b_len).map(|_| random_segment(&mut rng, t_len, hidden)).collect();
-        let refs: Vec<_> = segments.iter().collect();
-        let mut batch = SegmentBatch::default();
-        batch.fill(&refs, 0.99, 1.0, &vec![1.0; b_len]);
+        let batch = SegmentBatch::from_segments(&segments, 0.99, 1.0, &vec![1.0; b_len]);
         group.bench_with_input(BenchmarkId::new(name, format!("T{t_len}xB{b_len}")), &batch, |b, batch| {
             b.iter(|| std::hint::black_box(learner.update(batch)))
         });
@@ -62,14 +60,12 @@ fn learner_update(c: &mut Criterion) {
             .map(|_| {
                 SegmentBuilder::for_spec(&spec)
                     .observations_from(|_| rng.random_range(-1.0..1.0))
-                    .continuous_actions((0..t_len).map(|_| rng.random_range(-2.0..2.0)).collect())
+                    .continuous_actions_from(|_| rng.random_range(-2.0..2.0))
                     .log_prob(-1.0)
                     .build()
             })
             .collect();
-        let refs: Vec<_> = segments.iter().collect();
-        let mut batch = SegmentBatch::default();
-        batch.fill(&refs, 0.99, 1.0, &vec![1.0; b_len]);
+        let batch = SegmentBatch::from_segments(&segments, 0.99, 1.0, &vec![1.0; b_len]);
         group.bench_with_input(BenchmarkId::new(name, format!("T{t_len}xB{b_len}")), &batch, |b, batch| {
             b.iter(|| std::hint::black_box(learner.update(batch)))
         });

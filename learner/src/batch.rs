@@ -74,6 +74,22 @@ pub struct SegmentBatch {
 }
 
 impl SegmentBatch {
+    /// A new batch of `segments`, laid out as [`fill`](Self::fill) lays them out.
+    ///
+    /// # Panics
+    /// As [`fill`](Self::fill).
+    pub fn from_segments(
+        segments: &[TrajectorySegment],
+        gamma: f32,
+        reward_scale: f32,
+        column_weights: &[f32],
+    ) -> Self {
+        let refs: Vec<&TrajectorySegment> = segments.iter().collect();
+        let mut batch = Self::default();
+        batch.fill(&refs, gamma, reward_scale, column_weights);
+        batch
+    }
+
     /// Lay out validated segments of equal length as columns.
     ///
     /// # Panics
@@ -442,9 +458,7 @@ mod tests {
     #[test]
     fn gather_columns_selects_whole_sequences() {
         let segments: Vec<_> = (0..3).map(|i| segment(2, 1, 10.0 * i as f32)).collect();
-        let refs: Vec<_> = segments.iter().collect();
-        let mut batch = SegmentBatch::default();
-        batch.fill(&refs, 0.99, 1.0, &[1.0; 3]);
+        let batch = SegmentBatch::from_segments(&segments, 0.99, 1.0, &[1.0; 3]);
         let mut mini = SegmentBatch::default();
         batch.gather_columns(&[2, 0], &mut mini);
         assert_eq!(mini.b_len, 2);

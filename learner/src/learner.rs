@@ -15,7 +15,7 @@ use crate::batch::SegmentBatch;
 use crate::losses::LossStats;
 use crate::optim::{AdamConfig, AdamState, LrSchedule};
 use crate::publish::checkpoint::{Checkpoint, CheckpointError};
-use crate::train::{with_trainer, AnyTrainer, HostState, Trainer};
+use crate::train::{with_trainer, AnyTrainer, HostState, Trainer, ValueEstimates};
 
 /// A published version the learner refuses to continue above (see
 /// [`Learner::advance_version_past`]).
@@ -365,19 +365,13 @@ impl Learner {
         stats
     }
 
-    /// Values (`[T+1][B]`) and GAE(γ, `gae_lambda`) advantages (`[T][B]`) of `batch` under the
-    /// current parameters, from the backend's forward pass: trajectory selection's priorities.
+    /// Values and GAE(γ, `gae_lambda`) advantages of `batch` under the current parameters, from
+    /// the backend's forward pass: trajectory selection's priorities.
     ///
     /// # Panics
     /// If the backend fails (see [`Learner::params`]).
-    pub fn values_and_advantages(
-        &mut self,
-        batch: &SegmentBatch,
-        gae_lambda: f32,
-        values: &mut Vec<f32>,
-        advantages: &mut Vec<f32>,
-    ) {
-        with_trainer!(&mut self.trainer, trainer => trainer.values_and_advantages(batch, gae_lambda, values, advantages))
+    pub fn values_and_advantages(&mut self, batch: &SegmentBatch, gae_lambda: f32, out: &mut ValueEstimates) {
+        with_trainer!(&mut self.trainer, trainer => trainer.values_and_advantages(batch, gae_lambda, out))
             .unwrap_or_else(|err| backend_failed(&err));
     }
 }

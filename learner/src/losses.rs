@@ -1,12 +1,13 @@
-//! The learner's two objectives, each returning its statistics and writing its gradients with
-//! respect to the policy head's logits and the value head's outputs into caller buffers:
+//! The learner's two objectives, written once for every [`PolicyHead`], each returning its
+//! weighted sums and writing its gradients with respect to the network's fused heads block (the
+//! head's outputs, then the value) and the head's own parameters into caller buffers:
 //!
-//! - [`vtrace_loss`]: the IMPALA actor-critic loss with V-trace targets (Espeholt et al. 2018,
-//!   sec. 4.2), on `[T+1][B]` network outputs (the last row only supplies the bootstrap value).
-//! - [`ppo_loss`]: PPO-clip (Schulman et al. 2017, eq. (7)) in the decoupled form of Hilton
-//!   et al. 2021 ("Batch size-invariance for policy optimization", eq. (2)), on `[T][B]`
-//!   network outputs (no bootstrap row), with advantages and targets ([`PpoTargets`]) computed
-//!   beforehand (for example by [`volley_policy::returns::gae()`]).
+//! - [`vtrace_loss_heads`]: the IMPALA actor-critic loss with V-trace targets (Espeholt et al.
+//!   2018, sec. 4.2), on `[T+1][B]` rows (the last row only supplies the bootstrap value).
+//! - [`ppo_loss_heads`]: PPO-clip (Schulman et al. 2017, eq. (7)) in the decoupled form of
+//!   Hilton et al. 2021 ("Batch size-invariance for policy optimization", eq. (2)), on `[T][B]`
+//!   rows (no bootstrap row), with advantages and targets ([`PpoTargets`]) computed beforehand
+//!   (for example by [`volley_policy::returns::gae()`]).
 //!
 //! Both losses are weighted sums normalised by the weight sum `W = Σ_i w_i`:
 //!
@@ -21,61 +22,14 @@
 //!
 //! Gradients are overwritten, not accumulated, and are those of the loss above with the targets
 //! (`vs`, `pg_advantages`, `advantages`, `returns`) held constant, as in IMPALA and PPO. The
-//! per-row gradient is computed in place: each row of `dlogits` first receives the row's
-//! log-probabilities and then its gradient, so the losses allocate nothing per sample.
+//! per-row gradient is computed in place: each row's gradient first receives what the head's
+//! [`PolicyHead::prepare_row`] leaves there (the categorical log-probabilities) and then the
+//! gradient, so the losses allocate nothing per sample.
 
-use volley_policy::head::{Categorical, PolicyHead};
+use volley_policy::head::{PolicyHead, RowGradient};
 use volley_policy::returns::{vtrace, VTraceConfig};
 
-/// A time-major batch (or minibatch) of `B` segments of `T` steps, as both losses consume it.
-///
-/// Every slice is `[T][B]` flattened as `t * b_len + b`. [`ppo_loss`] reads only `actions` and
-/// `sample_weights` (its rewards and discounts went into the [`PpoTargets`] beforehand).
-#[derive(Debug, Clone, Copy)]
-pub struct SequenceBatch<'a> {
-    /// `T`, the number of steps per segment.
-    pub t_len: usize,
-    /// `B`, the number of segments.
-    pub b_len: usize,
-    /// The number of discrete actions (the width of a logits row).
-    pub n_actions: usize,
-    /// The actions taken, each `< n_actions` (the segment decoder validates this).
-    pub actions: &'a [u32],
-    /// `log μ(a_t|x_t)`, the behaviour policy's log-probability of each action, recorded by the
-    /// actor.
-    pub behaviour_log_probs: &'a [f32],
-    /// `r_t`.
-    pub rewards: &'a [f32],
-    /// `γ · (1 − terminated_t)`: zero where the episode terminated at step `t`.
-    pub discounts: &'a [f32],
-    /// Per-sample weight `w ≥ 0`: `0` drops the sample's own loss terms, `< 1` down-weights a
-    /// stale one. A dropped sample's reward and value still feed the V-trace recursion of the
-    /// steps before it unless the discount before it is `0`, so padding must follow a
-    /// termination (or carry harmless rewards and values).
-    pub sample_weights: &'a [f32],
-}
-
-impl<'a> SequenceBatch<'a> {
-    /// `T · B`, the number of samples.
-    pub fn n_samples(&self) -> usize {
-        self.t_len * self.b_len
-    }
-
-    /// The same batch for the head-generic bodies, with `actions` as words.
-    fn rows(&self, actions: &'a [f32]) -> RowBatch<'a> {
-        RowBatch {
-            t_len: self.t_len,
-            b_len: self.b_len,
-            actions,
-            behaviour_log_probs: self.behaviour_log_probs,
-            rewards: self.rewards,
-            discounts: self.discounts,
-            sample_weights: self.sample_weights,
-        }
-    }
-}
-
-/// Coefficients of [`vtrace_loss`].
+/// Coefficients of [`vtrace_loss_heads`].
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct VTraceLossConfig {
     /// The V-trace clipping thresholds and `λ`.
@@ -94,7 +48,7 @@ impl Default for VTraceLossConfig {
     }
 }
 
-/// Coefficients of [`ppo_loss`].
+/// Coefficients of [`ppo_loss_heads`].
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct PpoLossConfig {
     /// `ε`: the ratio `π_θ/π_prox` is clipped to `[1 − ε, 1 + ε]` (0.2 is usual).
@@ -189,155 +143,9 @@ impl LossStats {
     }
 }
 
-/// Buffers [`vtrace_loss_with_workspace`] reuses across calls: the log-importance weights, the
-/// V-trace targets and the policy-gradient advantages of the last call, each `[T][B]`.
-#[derive(Debug, Clone, Default)]
-pub struct VTraceWorkspace {
-    log_rhos: Vec<f32>,
-    vs: Vec<f32>,
-    pg_advantages: Vec<f32>,
-}
-
-impl VTraceWorkspace {
-    /// An empty workspace; it grows to the batch size on first use and keeps its capacity.
-    pub fn new() -> Self {
-        Self::default()
-    }
-
-    /// `log π(a_t|x_t) − log μ(a_t|x_t)` from the last [`vtrace_loss_with_workspace`] call, `[T][B]`.
-    pub fn log_rhos(&self) -> &[f32] {
-        &self.log_rhos
-    }
-
-    /// The V-trace value targets `v_t` from the last [`vtrace_loss_with_workspace`] call, `[T][B]`.
-    pub fn vs(&self) -> &[f32] {
-        &self.vs
-    }
-
-    /// The policy-gradient advantages from the last [`vtrace_loss_with_workspace`] call, `[T][B]`.
-    pub fn pg_advantages(&self) -> &[f32] {
-        &self.pg_advantages
-    }
-
-    fn resize(&mut self, n_samples: usize) {
-        for buffer in [&mut self.log_rhos, &mut self.vs, &mut self.pg_advantages] {
-            buffer.clear();
-            buffer.resize(n_samples, 0.0);
-        }
-    }
-}
-
 #[track_caller]
 fn assert_len(name: &str, slice_len: usize, expected: usize) {
     assert!(slice_len == expected, "{name}: expected {expected} elements, got {slice_len}");
-}
-
-/// The actions of a categorical [`SequenceBatch`] as the words the loss bodies read (each
-/// index's bit pattern, as the backends stage them).
-fn action_words(actions: &[u32]) -> Vec<f32> {
-    actions.iter().map(|&a| f32::from_bits(a)).collect()
-}
-
-/// The IMPALA loss with V-trace targets (Espeholt et al. 2018, sec. 4.2), its statistics, and
-/// its gradients with respect to the logits and values.
-///
-/// Shapes (`T = batch.t_len`, `B = batch.b_len`, `A = batch.n_actions`):
-/// - `logits`, `dlogits`: `[T+1][B][A]`; `values`, `dvalues`: `[T+1][B]`. The learner runs the
-///   network over the `T` steps plus the state after the last one; row `T` only supplies the
-///   bootstrap value `V(x_T)`, so its logits are unused and it receives zero gradient.
-///
-/// With `log ρ_t = log π(a_t|x_t) − log μ(a_t|x_t)` from the current logits and the behaviour
-/// log-probabilities, [`vtrace()`] gives targets `vs_t` and advantages `A_t`; then
-///
-/// ```text
-/// loss = (1/W) Σ_t w_t [ −A_t log π(a_t|x_t) + value_coef · ½ (vs_t − V(x_t))² − ent_coef · H(π(·|x_t)) ]
-/// ```
-///
-/// with `A_t`, `vs_t` and the bootstrap value held constant (no gradient), as in IMPALA.
-///
-/// This allocates three `[T][B]` buffers per call for the V-trace intermediates; a caller that
-/// wants to reuse them, or to read the targets afterwards, calls
-/// [`vtrace_loss_with_workspace`].
-///
-/// # Panics
-///
-/// If a slice length disagrees with the batch shape or an action is out of range.
-pub fn vtrace_loss(
-    batch: &SequenceBatch<'_>,
-    logits: &[f32],
-    values: &[f32],
-    config: &VTraceLossConfig,
-    dlogits: &mut [f32],
-    dvalues: &mut [f32],
-) -> LossStats {
-    let mut workspace = VTraceWorkspace::new();
-    vtrace_loss_with_workspace(batch, logits, values, config, &mut workspace, dlogits, dvalues)
-}
-
-/// [`vtrace_loss`] with caller-owned intermediates: `workspace` grows to `[T][B]` once and then
-/// holds the last call's log-importance weights, V-trace targets and advantages (see
-/// [`VTraceWorkspace`]).
-///
-/// # Panics
-///
-/// If a slice length disagrees with the batch shape or an action is out of range.
-pub fn vtrace_loss_with_workspace(
-    batch: &SequenceBatch<'_>,
-    logits: &[f32],
-    values: &[f32],
-    config: &VTraceLossConfig,
-    workspace: &mut VTraceWorkspace,
-    dlogits: &mut [f32],
-    dvalues: &mut [f32],
-) -> LossStats {
-    let n_rows = batch.n_samples() + batch.b_len;
-    assert_len("logits", logits.len(), n_rows * batch.n_actions);
-    assert_len("values", values.len(), n_rows);
-    assert_len("dlogits", dlogits.len(), n_rows * batch.n_actions);
-    assert_len("dvalues", dvalues.len(), n_rows);
-    assert!(batch.n_actions > 0, "n_actions must be positive");
-    let heads = join_heads(logits, values, batch.n_actions);
-    let mut d_heads = vec![0.0; heads.len()];
-    workspace.resize(batch.n_samples());
-    let actions = action_words(batch.actions);
-    let rows = VTraceRows {
-        log_rhos: &mut workspace.log_rhos,
-        vs: &mut workspace.vs,
-        pg_advantages: &mut workspace.pg_advantages,
-        d_heads: &mut d_heads,
-        d_head_params: &mut [],
-    };
-    let (sums, weight_sum) = vtrace_loss_heads(
-        &Categorical { n_actions: batch.n_actions },
-        &batch.rows(&actions),
-        &heads,
-        values,
-        config,
-        None,
-        rows,
-    );
-    split_heads(&d_heads, batch.n_actions, dlogits, dvalues);
-    sums.stats(weight_sum, config.value_coef, config.ent_coef)
-}
-
-/// `[rows][A + 1]` rows of logits followed by the value: the layout of the network's fused heads.
-fn join_heads(logits: &[f32], values: &[f32], n_actions: usize) -> Vec<f32> {
-    let mut heads = Vec::with_capacity(values.len() * (n_actions + 1));
-    for (row, &value) in logits.chunks_exact(n_actions).zip(values) {
-        heads.extend_from_slice(row);
-        heads.push(value);
-    }
-    heads
-}
-
-/// The inverse of [`join_heads`], into caller buffers.
-fn split_heads(heads: &[f32], n_actions: usize, logits: &mut [f32], values: &mut [f32]) {
-    for ((row, logits_row), value) in
-        heads.chunks_exact(n_actions + 1).zip(logits.chunks_exact_mut(n_actions)).zip(values)
-    {
-        logits_row.copy_from_slice(&row[..n_actions]);
-        *value = row[n_actions];
-    }
 }
 
 /// The recorded side of a time-major batch as the head-generic loss bodies read it: `[T][B]`
@@ -346,19 +154,24 @@ fn split_heads(heads: &[f32], n_actions: usize, logits: &mut [f32], values: &mut
 /// `actions` and `sample_weights` and passes its minibatch as `T = 1`, `B = n`.
 #[derive(Debug, Clone, Copy)]
 pub struct RowBatch<'a> {
-    /// `T`.
+    /// `T`, the number of steps per segment.
     pub t_len: usize,
-    /// `B`.
+    /// `B`, the number of segments.
     pub b_len: usize,
-    /// The recorded actions, `[T][B][action_width]`.
+    /// The recorded actions, `[T][B][action_width]` (each valid for the head: the segment
+    /// decoder and the backends' entry check this).
     pub actions: &'a [f32],
-    /// `log μ(a|x)` (V-trace only).
+    /// `log μ(a_t|x_t)`, the behaviour policy's log-probability of each action, recorded by the
+    /// actor (V-trace only).
     pub behaviour_log_probs: &'a [f32],
-    /// Rewards (V-trace only).
+    /// `r_t` (V-trace only).
     pub rewards: &'a [f32],
-    /// `γ (1 − terminated)` (V-trace only).
+    /// `γ · (1 − terminated_t)`: zero where the episode terminated at step `t` (V-trace only).
     pub discounts: &'a [f32],
-    /// Per-sample weights.
+    /// Per-sample weight `w ≥ 0`: `0` drops the sample's own loss terms, `< 1` down-weights a
+    /// stale one. A dropped sample's reward and value still feed the V-trace recursion of the
+    /// steps before it unless the discount before it is `0`, so padding must follow a
+    /// termination (or carry harmless rewards and values).
     pub sample_weights: &'a [f32],
 }
 
@@ -379,11 +192,25 @@ pub struct VTraceRows<'a> {
     pub d_head_params: &'a mut [f32],
 }
 
-/// The IMPALA loss with V-trace targets on the network's fused heads block, for any
-/// [`PolicyHead`]: the one body the CPU backend runs for every head. `heads` is
-/// `[T+1][B][n_outputs + 1]` (the head's outputs, then the value; row `T` supplies the
-/// bootstrap value only) and `values` its value column `[T+1][B]`. Returns the weighted sums
-/// and the weight sum `W`; the gradients are zero where `W = 0`.
+/// The IMPALA loss with V-trace targets (Espeholt et al. 2018, sec. 4.2) on the network's fused
+/// heads block, for any [`PolicyHead`]: the one body the CPU backend runs for every head.
+///
+/// Shapes (`T = batch.t_len`, `B = batch.b_len`): `heads` and `out.d_heads` are
+/// `[T+1][B][n_outputs + 1]` (the head's outputs, then the value) and `values` is its value
+/// column `[T+1][B]`. The learner runs the network over the `T` steps plus the state after the
+/// last one; row `T` only supplies the bootstrap value `V(x_T)`, so its outputs are unused and it
+/// receives zero gradient.
+///
+/// With `log ρ_t = log π(a_t|x_t) − log μ(a_t|x_t)` from the current outputs and the behaviour
+/// log-probabilities, [`vtrace()`] gives targets `vs_t` and advantages `A_t` (or
+/// `advantage_override`, see [`override_pg_advantages`]); then
+///
+/// ```text
+/// loss = (1/W) Σ_t w_t [ −A_t log π(a_t|x_t) + value_coef · ½ (vs_t − V(x_t))² − ent_coef · H(π(·|x_t)) ]
+/// ```
+///
+/// with `A_t`, `vs_t` and the bootstrap value held constant (no gradient), as in IMPALA.
+/// Returns the weighted sums and the weight sum `W`; the gradients are zero where `W = 0`.
 ///
 /// # Panics
 ///
@@ -399,26 +226,18 @@ pub fn vtrace_loss_heads<H: PolicyHead>(
 ) -> (WeightedSums, f64) {
     let VTraceRows { log_rhos, vs, pg_advantages, d_heads, d_head_params } = out;
     let n_samples = batch.t_len * batch.b_len;
-    let (n_outputs, width, n_params) = (head.n_outputs(), head.action_width(), head.n_param_grads());
+    let (n_outputs, width) = check_rows(head, batch, n_samples + batch.b_len, heads, values, d_heads, d_head_params);
     let stride = n_outputs + 1;
-    let n_rows = n_samples + batch.b_len;
-    assert!(n_outputs > 0, "a head has outputs");
-    assert_len("actions", batch.actions.len(), n_samples * width);
     for (name, len) in [
         ("behaviour_log_probs", batch.behaviour_log_probs.len()),
         ("rewards", batch.rewards.len()),
         ("discounts", batch.discounts.len()),
-        ("sample_weights", batch.sample_weights.len()),
         ("log_rhos", log_rhos.len()),
         ("vs", vs.len()),
         ("pg_advantages", pg_advantages.len()),
     ] {
         assert_len(name, len, n_samples);
     }
-    assert_len("heads", heads.len(), n_rows * stride);
-    assert_len("values", values.len(), n_rows);
-    assert_len("d_heads", d_heads.len(), n_rows * stride);
-    assert_len("d_head_params", d_head_params.len(), n_samples * n_params);
 
     // The bootstrap row is a constant: no gradient reaches its outputs or its value.
     let (d_heads, d_heads_bootstrap) = d_heads.split_at_mut(n_samples * stride);
@@ -451,44 +270,102 @@ pub fn vtrace_loss_heads<H: PolicyHead>(
         override_pg_advantages(advantage_override, log_rhos, config.vtrace.clip_pg_rho_threshold, pg_advantages);
     }
 
-    let weight_sum: f64 = batch.sample_weights.iter().map(|&w| f64::from(w)).sum();
+    // Pass 3: per-sample loss terms and gradients.
     let mut sums = WeightedSums::default();
+    let weight_sum =
+        for_weighted_samples(batch.sample_weights, n_outputs, d_heads, d_head_params, |i, scale, mut grads| {
+            let (value, target, pg_advantage, log_rho) = (values[i], vs[i], pg_advantages[i], log_rhos[i]);
+            let outputs = &heads[i * stride..i * stride + n_outputs];
+            let terms = head.row_gradient(outputs, action(i), grads.row(scale * pg_advantage, scale * config.ent_coef));
+            *grads.value = -config.value_coef * scale * (target - value);
+            let w = f64::from(batch.sample_weights[i]);
+            let rho = log_rho.exp();
+            sums.policy += w * f64::from(-pg_advantage * terms.log_prob);
+            sums.value += w * 0.5 * f64::from(target - value).powi(2);
+            sums.entropy += w * f64::from(terms.entropy);
+            sums.add_ratio(w, f64::from(rho), f64::from(log_rho), rho > config.vtrace.clip_rho_threshold);
+        });
+    (sums, weight_sum)
+}
+
+/// The shape contract both loss bodies share, checked at their entry: `batch`'s `n` samples
+/// (actions and weights), `n_rows ≥ n` rows of `heads`, of their value column `values` and of
+/// their gradient `d_heads` (V-trace adds the bootstrap row), and `n` rows of head-parameter
+/// gradients. Returns the head's `n_outputs` and `action_width`.
+#[track_caller]
+fn check_rows<H: PolicyHead>(
+    head: &H,
+    batch: &RowBatch<'_>,
+    n_rows: usize,
+    heads: &[f32],
+    values: &[f32],
+    d_heads: &[f32],
+    d_head_params: &[f32],
+) -> (usize, usize) {
+    let n = batch.t_len * batch.b_len;
+    let (n_outputs, width, n_params) = (head.n_outputs(), head.action_width(), head.n_param_grads());
+    assert!(n_outputs > 0, "a head has outputs");
+    for (name, len, expected) in [
+        ("actions", batch.actions.len(), n * width),
+        ("sample_weights", batch.sample_weights.len(), n),
+        ("heads", heads.len(), n_rows * (n_outputs + 1)),
+        ("values", values.len(), n_rows),
+        ("d_heads", d_heads.len(), n_rows * (n_outputs + 1)),
+        ("d_head_params", d_head_params.len(), n * n_params),
+    ] {
+        assert_len(name, len, expected);
+    }
+    (n_outputs, width)
+}
+
+/// One sample's rows of the loss bodies' outputs: the gradient of its head outputs, of its
+/// value and of the head's parameters.
+struct SampleGrads<'a> {
+    outputs: &'a mut [f32],
+    value: &'a mut f32,
+    params: &'a mut [f32],
+}
+
+impl SampleGrads<'_> {
+    /// The head's part of the sample's gradient, for [`PolicyHead::row_gradient`] with these
+    /// scales.
+    fn row(&mut self, pg_scale: f32, ent_scale: f32) -> RowGradient<'_> {
+        RowGradient { pg_scale, ent_scale, d_outputs: &mut *self.outputs, d_params: &mut *self.params }
+    }
+}
+
+/// The weighted-sample frame of both loss bodies: with `W = Σ_i w_i` over `weights`, runs
+/// `sample(i, w_i / W, its gradient rows)` for every sample of nonzero weight in order and
+/// zeroes the rows of the others, or zeroes every row where `W = 0`; returns `W`. `d_heads` holds
+/// `[n][n_outputs + 1]` rows and `d_head_params` `n` equal rows (empty for a head without
+/// parameters).
+fn for_weighted_samples(
+    weights: &[f32],
+    n_outputs: usize,
+    d_heads: &mut [f32],
+    d_head_params: &mut [f32],
+    mut sample: impl FnMut(usize, f32, SampleGrads<'_>),
+) -> f64 {
+    let weight_sum: f64 = weights.iter().map(|&w| f64::from(w)).sum();
     if weight_sum <= 0.0 {
         d_heads.fill(0.0);
         d_head_params.fill(0.0);
-        return (sums, weight_sum);
+        return weight_sum;
     }
     let inv_weight_sum = (1.0 / weight_sum) as f32;
-
-    // Pass 3: per-sample loss terms and gradients.
-    for (i, &weight) in batch.sample_weights.iter().enumerate() {
+    let (stride, n_params) = (n_outputs + 1, d_head_params.len() / weights.len().max(1));
+    for (i, &weight) in weights.iter().enumerate() {
         let grad_row = &mut d_heads[i * stride..(i + 1) * stride];
-        let d_params = &mut d_head_params[i * n_params..(i + 1) * n_params];
+        let params = &mut d_head_params[i * n_params..(i + 1) * n_params];
         if weight == 0.0 {
             grad_row.fill(0.0);
-            d_params.fill(0.0);
+            params.fill(0.0);
             continue;
         }
-        let scale = weight * inv_weight_sum;
-        let (value, target, pg_advantage, log_rho) = (values[i], vs[i], pg_advantages[i], log_rhos[i]);
-        let (d_outputs, d_value) = grad_row.split_at_mut(n_outputs);
-        let terms = head.row_gradient(
-            &heads[i * stride..i * stride + n_outputs],
-            action(i),
-            scale * pg_advantage,
-            scale * config.ent_coef,
-            d_outputs,
-            d_params,
-        );
-        d_value[0] = -config.value_coef * scale * (target - value);
-        let w = f64::from(weight);
-        let rho = log_rho.exp();
-        sums.policy += w * f64::from(-pg_advantage * terms.log_prob);
-        sums.value += w * 0.5 * f64::from(target - value).powi(2);
-        sums.entropy += w * f64::from(terms.entropy);
-        sums.add_ratio(w, f64::from(rho), f64::from(log_rho), rho > config.vtrace.clip_rho_threshold);
+        let (outputs, value) = grad_row.split_at_mut(n_outputs);
+        sample(i, weight * inv_weight_sum, SampleGrads { outputs, value: &mut value[0], params });
     }
-    (sums, weight_sum)
+    weight_sum
 }
 
 /// Group baselines in V-trace: where `advantage_override[i]` is finite, the policy-gradient
@@ -525,7 +402,7 @@ pub fn override_advantages(advantage_override: &[f32], advantages: &mut [f32]) {
     }
 }
 
-/// What [`ppo_loss`] needs beyond the [`SequenceBatch`], all computed before the update.
+/// What [`ppo_loss_heads`] needs beyond the [`RowBatch`], all computed before the update.
 ///
 /// Every slice is `[T][B]`, laid out like the batch.
 #[derive(Debug, Clone, Copy)]
@@ -538,6 +415,17 @@ pub struct PpoTargets<'a> {
     pub prox_log_probs: &'a [f32],
     /// `min(π_prox/μ, clip)`, the behaviour importance weights from [`behaviour_is_weights`].
     pub is_weights: &'a [f32],
+}
+
+impl PpoTargets<'_> {
+    /// Every slice is `[n]`.
+    #[track_caller]
+    fn check(&self, n: usize) {
+        assert_len("advantages", self.advantages.len(), n);
+        assert_len("returns", self.returns.len(), n);
+        assert_len("prox_log_probs", self.prox_log_probs.len(), n);
+        assert_len("is_weights", self.is_weights.len(), n);
+    }
 }
 
 /// Truncated importance weights of the proximal policy over the behaviour policy,
@@ -557,14 +445,15 @@ pub fn behaviour_is_weights(prox_log_probs: &[f32], behaviour_log_probs: &[f32],
     }
 }
 
-/// The decoupled PPO-clip loss (Schulman et al. 2017, eq. (7); Hilton et al. 2021, eq. (2)),
-/// its statistics, and its gradients with respect to the logits and values.
+/// The decoupled PPO-clip loss (Schulman et al. 2017, eq. (7); Hilton et al. 2021, eq. (2)) on
+/// the network's fused heads block, for any [`PolicyHead`]: the one body the CPU backend runs for
+/// every head.
 ///
-/// Shapes (`T = batch.t_len`, `B = batch.b_len`, `A = batch.n_actions`):
-/// - `logits`, `dlogits`: `[T][B][A]`; `values`, `dvalues`: `[T][B]`. Unlike [`vtrace_loss`]
-///   there is no bootstrap row: the advantages and returns were computed before the update.
-///   The loss treats the `T·B` samples independently, so their order does not matter as long
-///   as every slice follows the same one.
+/// Shapes: `heads` and `d_heads` are `[n][n_outputs + 1]`, `values` the value column `[n]`,
+/// `d_head_params` the head parameters' per-sample gradient rows `[n][n_param_grads]`; `batch`
+/// is the minibatch as `T = 1`, `B = n`. Unlike [`vtrace_loss_heads`] there is no bootstrap row:
+/// the advantages and returns were computed before the update. The loss treats the `n` samples
+/// independently, so their order does not matter as long as every slice follows the same one.
 ///
 /// With `r = π_θ(a|x) / π_prox(a|x)` and the behaviour weight `is_w = min(π_prox/μ, clip)`,
 ///
@@ -577,41 +466,8 @@ pub fn behaviour_is_weights(prox_log_probs: &[f32], behaviour_log_probs: &[f32],
 /// `s` are the weighted mean and (population) standard deviation over the minibatch.
 /// The surrogate's gradient flows through the unclipped term whenever that term is the minimum
 /// (ties included); the clipped term is constant in `θ` outside `[1 − ε, 1 + ε]`.
-/// Samples of weight `0` are skipped entirely: their logits are not read.
-///
-/// # Panics
-///
-/// If a slice length disagrees with the batch shape or an action is out of range.
-pub fn ppo_loss(
-    batch: &SequenceBatch<'_>,
-    targets: &PpoTargets<'_>,
-    logits: &[f32],
-    values: &[f32],
-    config: &PpoLossConfig,
-    dlogits: &mut [f32],
-    dvalues: &mut [f32],
-) -> LossStats {
-    let n_samples = batch.n_samples();
-    assert_len("logits", logits.len(), n_samples * batch.n_actions);
-    assert_len("values", values.len(), n_samples);
-    assert_len("dlogits", dlogits.len(), n_samples * batch.n_actions);
-    assert_len("dvalues", dvalues.len(), n_samples);
-    assert!(batch.n_actions > 0, "n_actions must be positive");
-    let heads = join_heads(logits, values, batch.n_actions);
-    let mut d_heads = vec![0.0; heads.len()];
-    let actions = action_words(batch.actions);
-    let head = Categorical { n_actions: batch.n_actions };
-    let rows = RowBatch { t_len: 1, b_len: n_samples, ..batch.rows(&actions) };
-    let (sums, weight_sum) = ppo_loss_heads(&head, &rows, targets, &heads, values, config, &mut d_heads, &mut []);
-    split_heads(&d_heads, batch.n_actions, dlogits, dvalues);
-    sums.stats(weight_sum, config.value_coef, config.ent_coef)
-}
-
-/// The decoupled PPO-clip loss of [`ppo_loss`] on the network's fused heads block, for any
-/// [`PolicyHead`]: the one body the CPU backend runs for every head. `heads` and `d_heads`
-/// are `[n][n_outputs + 1]`, `values` the value column `[n]`, `d_head_params` the head
-/// parameters' per-sample gradient rows `[n][n_param_grads]`; `batch` is the minibatch as
-/// `T = 1`, `B = n`. Returns the weighted sums and `W`; the gradients are zero where `W = 0`.
+/// Samples of weight `0` are skipped entirely: their outputs are not read.
+/// Returns the weighted sums and `W`; the gradients are zero where `W = 0`.
 ///
 /// # Panics
 ///
@@ -628,35 +484,14 @@ pub fn ppo_loss_heads<H: PolicyHead>(
     d_head_params: &mut [f32],
 ) -> (WeightedSums, f64) {
     let n_samples = batch.t_len * batch.b_len;
-    let (n_outputs, width, n_params) = (head.n_outputs(), head.action_width(), head.n_param_grads());
+    let (n_outputs, width) = check_rows(head, batch, n_samples, heads, values, d_heads, d_head_params);
     let stride = n_outputs + 1;
-    assert!(n_outputs > 0, "a head has outputs");
-    assert_len("actions", batch.actions.len(), n_samples * width);
-    for (name, len) in [
-        ("sample_weights", batch.sample_weights.len()),
-        ("advantages", targets.advantages.len()),
-        ("returns", targets.returns.len()),
-        ("prox_log_probs", targets.prox_log_probs.len()),
-        ("is_weights", targets.is_weights.len()),
-        ("values", values.len()),
-    ] {
-        assert_len(name, len, n_samples);
-    }
-    assert_len("heads", heads.len(), n_samples * stride);
-    assert_len("d_heads", d_heads.len(), n_samples * stride);
-    assert_len("d_head_params", d_head_params.len(), n_samples * n_params);
+    targets.check(n_samples);
 
+    // Weighted advantage moments over the kept samples, in f64 so large minibatches stay exact
+    // (unused where no sample carries weight).
     let weight_sum: f64 = batch.sample_weights.iter().map(|&w| f64::from(w)).sum();
-    let mut sums = WeightedSums::default();
-    if weight_sum <= 0.0 {
-        d_heads.fill(0.0);
-        d_head_params.fill(0.0);
-        return (sums, weight_sum);
-    }
-    let inv_weight_sum = (1.0 / weight_sum) as f32;
-
-    // Weighted advantage moments over the kept samples, in f64 so large minibatches stay exact.
-    let (adv_shift, adv_scale) = if config.normalize_advantages {
+    let (adv_shift, adv_scale) = if config.normalize_advantages && weight_sum > 0.0 {
         let weighted = || {
             batch
                 .sample_weights
@@ -673,43 +508,31 @@ pub fn ppo_loss_heads<H: PolicyHead>(
     };
 
     let (clip_low, clip_high) = (1.0 - config.clip_coef, 1.0 + config.clip_coef);
-    for (i, &weight) in batch.sample_weights.iter().enumerate() {
-        let grad_row = &mut d_heads[i * stride..(i + 1) * stride];
-        let d_params = &mut d_head_params[i * n_params..(i + 1) * n_params];
-        if weight == 0.0 {
-            grad_row.fill(0.0);
-            d_params.fill(0.0);
-            continue;
-        }
-        let scale = weight * inv_weight_sum;
-        let outputs = &heads[i * stride..i * stride + n_outputs];
-        let action = &batch.actions[i * width..(i + 1) * width];
-        let (d_outputs, d_value) = grad_row.split_at_mut(n_outputs);
-        let log_ratio = head.prepare_row(outputs, action, d_outputs) - targets.prox_log_probs[i];
-        let ratio = log_ratio.exp();
-        let advantage = (targets.advantages[i] - adv_shift) * adv_scale;
+    let mut sums = WeightedSums::default();
+    let weight_sum =
+        for_weighted_samples(batch.sample_weights, n_outputs, d_heads, d_head_params, |i, scale, mut grads| {
+            let outputs = &heads[i * stride..i * stride + n_outputs];
+            let action = &batch.actions[i * width..(i + 1) * width];
+            let log_ratio = head.prepare_row(outputs, action, grads.outputs) - targets.prox_log_probs[i];
+            let ratio = log_ratio.exp();
+            let advantage = (targets.advantages[i] - adv_shift) * adv_scale;
 
-        // PPO-clip surrogate (Schulman et al. 2017, eq. (7)); d(r Â)/d log π = r Â.
-        let unclipped = ratio * advantage;
-        let clipped = ratio.clamp(clip_low, clip_high) * advantage;
-        let (surrogate, surrogate_grad) = if unclipped <= clipped { (unclipped, unclipped) } else { (clipped, 0.0) };
-        let is_weight = targets.is_weights[i];
-        let terms = head.row_gradient(
-            outputs,
-            action,
-            scale * is_weight * surrogate_grad,
-            scale * config.ent_coef,
-            d_outputs,
-            d_params,
-        );
-        let (value, ret) = (values[i], targets.returns[i]);
-        d_value[0] = -config.value_coef * scale * (ret - value);
-        let w = f64::from(weight);
-        sums.policy -= w * f64::from(is_weight * surrogate);
-        sums.value += w * 0.5 * f64::from(ret - value).powi(2);
-        sums.entropy += w * f64::from(terms.entropy);
-        sums.add_ratio(w, f64::from(ratio), f64::from(log_ratio), (ratio - 1.0).abs() > config.clip_coef);
-    }
+            // PPO-clip surrogate (Schulman et al. 2017, eq. (7)); d(r Â)/d log π = r Â.
+            let unclipped = ratio * advantage;
+            let clipped = ratio.clamp(clip_low, clip_high) * advantage;
+            let (surrogate, surrogate_grad) =
+                if unclipped <= clipped { (unclipped, unclipped) } else { (clipped, 0.0) };
+            let is_weight = targets.is_weights[i];
+            let pg_scale = scale * is_weight * surrogate_grad;
+            let terms = head.row_gradient(outputs, action, grads.row(pg_scale, scale * config.ent_coef));
+            let (value, ret) = (values[i], targets.returns[i]);
+            *grads.value = -config.value_coef * scale * (ret - value);
+            let w = f64::from(batch.sample_weights[i]);
+            sums.policy -= w * f64::from(is_weight * surrogate);
+            sums.value += w * 0.5 * f64::from(ret - value).powi(2);
+            sums.entropy += w * f64::from(terms.entropy);
+            sums.add_ratio(w, f64::from(ratio), f64::from(log_ratio), (ratio - 1.0).abs() > config.clip_coef);
+        });
     (sums, weight_sum)
 }
 

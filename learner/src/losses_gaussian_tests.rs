@@ -7,9 +7,7 @@ use volley_policy::gaussian;
 use volley_policy::head::{DiagGaussian, PolicyHead};
 use volley_policy::returns::VTraceConfig;
 
-use super::{
-    ppo_loss_heads, vtrace_loss_heads, PpoLossConfig, PpoTargets, RowBatch, VTraceLossConfig, VTraceRows, WeightedSums,
-};
+use super::{ppo_loss_heads, vtrace_loss_heads, PpoLossConfig, PpoTargets, RowBatch, VTraceLossConfig, VTraceRows};
 
 /// A random Gaussian batch: `[T+1][B]` heads rows, actions drawn from the head (so the
 /// behaviour log-probabilities are those of a nearby policy).
@@ -112,24 +110,71 @@ fn gaussian_log_prob_f64(mean: &[f32], log_std: &[f32], action: &[f32], squash: 
     total
 }
 
+/// Central differences of `loss(heads, log_std)` against the analytic gradient of the first
+/// `d_heads.len()` entries of `heads` and of every log-std (the rows of `d_log_std_rows` summed).
+/// With `kinks`, a coordinate whose two sides straddle a kink of the clipped surrogate is
+/// skipped, and more than half must be smooth.
+fn assert_gradients_match(
+    fixture: &Fixture,
+    heads: &[f32],
+    (d_heads, d_log_std_rows): (&[f32], &[f32]),
+    tolerance: f64,
+    kinks: bool,
+    loss: impl Fn(&[f32], &[f32]) -> f64,
+) {
+    let eps = 1e-3f32;
+    let log_std = &fixture.log_std;
+    let centre = loss(heads, log_std);
+    let perturbed = |x: &[f32], k: usize| {
+        let (mut plus, mut minus) = (x.to_vec(), x.to_vec());
+        plus[k] += eps;
+        minus[k] -= eps;
+        (plus, minus)
+    };
+    let mut checked = 0;
+    for (k, &analytic) in d_heads.iter().enumerate() {
+        let (plus, minus) = perturbed(heads, k);
+        let (at_plus, at_minus) = (loss(&plus, log_std), loss(&minus, log_std));
+        if kinks && ((at_plus - centre) - (centre - at_minus)).abs() > 1e-4 {
+            continue;
+        }
+        checked += 1;
+        let fd = (at_plus - at_minus) / (2.0 * f64::from(eps));
+        assert!(
+            (f64::from(analytic) - fd).abs() < tolerance,
+            "squash {}, heads[{k}]: {analytic} vs {fd}",
+            fixture.squash
+        );
+    }
+    assert!(checked > d_heads.len() / 2, "only {checked} coordinates were smooth");
+    for j in 0..fixture.a {
+        let analytic: f32 = d_log_std_rows.chunks_exact(fixture.a).map(|row| row[j]).sum();
+        let (plus, minus) = perturbed(log_std, j);
+        let fd = (loss(heads, &plus) - loss(heads, &minus)) / (2.0 * f64::from(eps));
+        assert!(
+            (f64::from(analytic) - fd).abs() < tolerance,
+            "squash {}, log_std[{j}]: {analytic} vs {fd}",
+            fixture.squash
+        );
+    }
+}
+
 /// Finite differences of the V-trace loss (targets frozen, as the gradient defines them)
 /// against the analytic gradient, for every mean, value and log-std parameter.
 #[test]
 fn vtrace_gradients_match_finite_differences() {
-    for squash in [false, true] {
-        let fixture = Fixture::new(squash, 5);
+    let config = VTraceLossConfig {
+        vtrace: VTraceConfig {
+            clip_rho_threshold: 1.0,
+            clip_pg_rho_threshold: 1.0,
+            clip_c_threshold: 1.0,
+            lambda_: 0.95,
+        },
+        value_coef: 0.5,
+        ent_coef: 0.01,
+    };
+    for fixture in [false, true].map(|squash| Fixture::new(squash, 5)) {
         let n = fixture.t_len * fixture.b_len;
-        let stride = fixture.a + 1;
-        let config = VTraceLossConfig {
-            vtrace: VTraceConfig {
-                clip_rho_threshold: 1.0,
-                clip_pg_rho_threshold: 1.0,
-                clip_c_threshold: 1.0,
-                lambda_: 0.95,
-            },
-            value_coef: 0.5,
-            ent_coef: 0.01,
-        };
         let values = fixture.values(&fixture.heads);
         let (mut log_rhos, mut vs, mut pg) = (vec![0.0; n], vec![0.0; n], vec![0.0; n]);
         let mut d_heads = vec![0.0; fixture.heads.len()];
@@ -143,28 +188,17 @@ fn vtrace_gradients_match_finite_differences() {
         };
         let head = fixture.head(&fixture.log_std);
         vtrace_loss_heads(&head, &fixture.batch(), &fixture.heads, &values, &config, None, rows);
-        let frozen = (vs.clone(), pg.clone());
-        let eps = 1e-3f32;
-        for k in 0..n * stride {
-            let (mut plus, mut minus) = (fixture.heads.clone(), fixture.heads.clone());
-            plus[k] += eps;
-            minus[k] -= eps;
-            let fd = (fixture.vtrace_total(&plus, &fixture.log_std, &config, &frozen)
-                - fixture.vtrace_total(&minus, &fixture.log_std, &config, &frozen))
-                / (2.0 * f64::from(eps));
-            assert!((f64::from(d_heads[k]) - fd).abs() < 2e-3, "squash {squash}, heads[{k}]: {} vs {fd}", d_heads[k]);
-        }
-        assert!(d_heads[n * stride..].iter().all(|&g| g == 0.0), "the bootstrap row gets no gradient");
-        for j in 0..fixture.a {
-            let analytic: f32 = d_log_std_rows.chunks_exact(fixture.a).map(|row| row[j]).sum();
-            let (mut plus, mut minus) = (fixture.log_std.clone(), fixture.log_std.clone());
-            plus[j] += eps;
-            minus[j] -= eps;
-            let fd = (fixture.vtrace_total(&fixture.heads, &plus, &config, &frozen)
-                - fixture.vtrace_total(&fixture.heads, &minus, &config, &frozen))
-                / (2.0 * f64::from(eps));
-            assert!((f64::from(analytic) - fd).abs() < 2e-3, "squash {squash}, log_std[{j}]: {analytic} vs {fd}");
-        }
+        let frozen = (vs, pg);
+        let (d_samples, d_bootstrap) = d_heads.split_at(n * (fixture.a + 1));
+        assert!(d_bootstrap.iter().all(|&g| g == 0.0), "the bootstrap row gets no gradient");
+        assert_gradients_match(
+            &fixture,
+            &fixture.heads,
+            (d_samples, &d_log_std_rows),
+            2e-3,
+            false,
+            |heads, log_std| fixture.vtrace_total(heads, log_std, &config, &frozen),
+        );
     }
 }
 
@@ -172,63 +206,37 @@ fn vtrace_gradients_match_finite_differences() {
 /// log-stds, with clipping active on some samples.
 #[test]
 fn ppo_gradients_match_finite_differences() {
-    for squash in [false, true] {
-        let fixture = Fixture::new(squash, 9);
+    let config = PpoLossConfig { clip_coef: 0.2, value_coef: 0.5, ent_coef: 0.01, normalize_advantages: true };
+    for fixture in [false, true].map(|squash| Fixture::new(squash, 9)) {
         let n = fixture.t_len * fixture.b_len;
-        let stride = fixture.a + 1;
-        let heads = &fixture.heads[..n * stride];
-        let values = fixture.values(heads);
+        let heads = &fixture.heads[..n * (fixture.a + 1)];
         let mut rng = SmallRng::seed_from_u64(1);
         let advantages: Vec<f32> = (0..n).map(|_| rng.random_range(-1.0..1.0)).collect();
         let returns: Vec<f32> = (0..n).map(|_| rng.random_range(-1.0..1.0)).collect();
         // The proximal policy is the behaviour one, so ratios differ from 1 and some clip.
-        let prox = fixture.behaviour.clone();
         let is_weights: Vec<f32> = (0..n).map(|i| 0.5 + 0.05 * i as f32).collect();
-        let targets =
-            PpoTargets { advantages: &advantages, returns: &returns, prox_log_probs: &prox, is_weights: &is_weights };
-        let config = PpoLossConfig { clip_coef: 0.2, value_coef: 0.5, ent_coef: 0.01, normalize_advantages: true };
+        let targets = PpoTargets {
+            advantages: &advantages,
+            returns: &returns,
+            prox_log_probs: &fixture.behaviour,
+            is_weights: &is_weights,
+        };
         let batch =
             RowBatch { t_len: 1, b_len: n, behaviour_log_probs: &[], rewards: &[], discounts: &[], ..fixture.batch() };
-        let loss = |heads: &[f32], log_std: &[f32]| {
+        let run = |heads: &[f32], log_std: &[f32], d_heads: &mut [f32], d_log_std_rows: &mut [f32]| {
             let head = fixture.head(log_std);
-            let mut d = vec![0.0; heads.len()];
-            let mut ds = vec![0.0; n * fixture.a];
-            let (sums, w): (WeightedSums, f64) =
-                ppo_loss_heads(&head, &batch, &targets, heads, &fixture.values(heads), &config, &mut d, &mut ds);
-            sums.stats(w, config.value_coef, config.ent_coef).total as f64
+            let values = fixture.values(heads);
+            let (sums, w) = ppo_loss_heads(&head, &batch, &targets, heads, &values, &config, d_heads, d_log_std_rows);
+            sums.stats(w, config.value_coef, config.ent_coef)
         };
         let mut d_heads = vec![0.0; heads.len()];
         let mut d_log_std_rows = vec![0.0; n * fixture.a];
-        let head = fixture.head(&fixture.log_std);
-        let (sums, w) =
-            ppo_loss_heads(&head, &batch, &targets, heads, &values, &config, &mut d_heads, &mut d_log_std_rows);
-        let stats = sums.stats(w, config.value_coef, config.ent_coef);
+        let stats = run(heads, &fixture.log_std, &mut d_heads, &mut d_log_std_rows);
         assert!(stats.clip_fraction > 0.0 && stats.clip_fraction < 1.0, "{stats:?}");
-        let eps = 1e-3f32;
-        let mut checked = 0;
-        for k in 0..n * stride {
-            let (mut plus, mut minus) = (heads.to_vec(), heads.to_vec());
-            plus[k] += eps;
-            minus[k] -= eps;
-            let (lp, lm) = (loss(&plus, &fixture.log_std), loss(&minus, &fixture.log_std));
-            let fd = (lp - lm) / (2.0 * f64::from(eps));
-            // The clipped surrogate has kinks; skip coordinates where the two sides straddle one.
-            let centre = loss(heads, &fixture.log_std);
-            if ((lp - centre) - (centre - lm)).abs() > 1e-4 {
-                continue;
-            }
-            checked += 1;
-            assert!((f64::from(d_heads[k]) - fd).abs() < 3e-3, "squash {squash}, heads[{k}]: {} vs {fd}", d_heads[k]);
-        }
-        assert!(checked > n * stride / 2, "only {checked} coordinates were smooth");
-        for j in 0..fixture.a {
-            let analytic: f32 = d_log_std_rows.chunks_exact(fixture.a).map(|row| row[j]).sum();
-            let (mut plus, mut minus) = (fixture.log_std.clone(), fixture.log_std.clone());
-            plus[j] += eps;
-            minus[j] -= eps;
-            let fd = (loss(heads, &plus) - loss(heads, &minus)) / (2.0 * f64::from(eps));
-            assert!((f64::from(analytic) - fd).abs() < 3e-3, "squash {squash}, log_std[{j}]: {analytic} vs {fd}");
-        }
+        assert_gradients_match(&fixture, heads, (&d_heads, &d_log_std_rows), 3e-3, true, |heads, log_std| {
+            let (mut d, mut ds) = (vec![0.0; heads.len()], vec![0.0; n * fixture.a]);
+            f64::from(run(heads, log_std, &mut d, &mut ds).total)
+        });
     }
 }
 

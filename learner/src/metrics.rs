@@ -4,12 +4,67 @@
 
 use std::time::Duration;
 
+use prometheus::core::{Collector, MetricVec, MetricVecBuilder};
 use prometheus::{Counter, Gauge, GaugeVec, Histogram, HistogramOpts, IntCounter, IntCounterVec, Opts, Registry};
 
+use crate::ingest::admission::Rejection;
 use crate::learner::{Learner, UpdateStats};
 use crate::report::LearnerReport;
 use crate::scheduler::{Scheduler, SchedulerObserver};
+use crate::select::selection::DropReason;
+use crate::select::windows::WindowOutcome;
+use volley_core::wire::DecodeError;
 use volley_transport::work::LeaseCounts;
+
+/// Makes metrics and registers each as it is made, so that one expression names, documents and
+/// registers a metric.
+struct Registrar<'a>(&'a Registry);
+
+impl Registrar<'_> {
+    fn add<M: Collector + Clone + 'static>(&self, metric: prometheus::Result<M>) -> prometheus::Result<M> {
+        let metric = metric?;
+        self.0.register(Box::new(metric.clone()))?;
+        Ok(metric)
+    }
+
+    fn int(&self, name: &str, help: &str) -> prometheus::Result<IntCounter> {
+        self.add(IntCounter::with_opts(Opts::new(name, help)))
+    }
+
+    fn counter(&self, name: &str, help: &str) -> prometheus::Result<Counter> {
+        self.add(Counter::with_opts(Opts::new(name, help)))
+    }
+
+    fn gauge(&self, name: &str, help: &str) -> prometheus::Result<Gauge> {
+        self.add(Gauge::with_opts(Opts::new(name, help)))
+    }
+
+    fn histogram(&self, name: &str, help: &str, buckets: Vec<f64>) -> prometheus::Result<Histogram> {
+        self.add(Histogram::with_opts(HistogramOpts::new(name, help).buckets(buckets)))
+    }
+
+    /// Counters by `label`, each of `values` created at 0 (so that it reads 0, not no data).
+    fn ints(&self, name: &str, help: &str, label: &str, values: &[&str]) -> prometheus::Result<IntCounterVec> {
+        self.labelled(IntCounterVec::new(Opts::new(name, help), &[label]), values)
+    }
+
+    /// Gauges by `label`, each of `values` created at 0.
+    fn gauges(&self, name: &str, help: &str, label: &str, values: &[&str]) -> prometheus::Result<GaugeVec> {
+        self.labelled(GaugeVec::new(Opts::new(name, help), &[label]), values)
+    }
+
+    fn labelled<T: MetricVecBuilder + 'static>(
+        &self,
+        metrics: prometheus::Result<MetricVec<T>>,
+        values: &[&str],
+    ) -> prometheus::Result<MetricVec<T>> {
+        let metrics = self.add(metrics)?;
+        for value in values {
+            metrics.with_label_values(&[value]);
+        }
+        Ok(metrics)
+    }
+}
 
 /// Handles to every learner metric.
 pub struct LearnerMetrics {
@@ -58,212 +113,141 @@ pub struct LearnerMetrics {
 impl LearnerMetrics {
     /// Register the learner's metrics.
     pub fn register(registry: &Registry) -> prometheus::Result<Self> {
-        let int = |name: &str, help: &str| IntCounter::with_opts(Opts::new(name, help));
-        let gauge = |name: &str, help: &str| Gauge::with_opts(Opts::new(name, help));
-        let metrics = LearnerMetrics {
-            segments: IntCounterVec::new(
-                Opts::new(
-                    "volley_learner_segments_total",
-                    "Valid segments received, by outcome (used, duplicate, or dropped by selection: stale, non_finite, out_of_range, zero_variance).",
-                ),
-                &["outcome"],
+        let r = Registrar(registry);
+        // Every label value from the start, so rates and "no rejections" read 0, not "no data".
+        let segment_outcomes: Vec<&str> =
+            ["used", "duplicate"].into_iter().chain(DropReason::ALL.map(DropReason::as_str)).collect();
+        let rejections: Vec<&str> = DecodeError::REASONS.iter().chain(Rejection::REASONS).copied().collect();
+        Ok(LearnerMetrics {
+            segments: r.ints(
+                "volley_learner_segments_total",
+                "Valid segments received, by outcome (used, duplicate, or dropped by selection: stale, non_finite, out_of_range, zero_variance).",
+                "outcome",
+                &segment_outcomes,
             )?,
-            windows: IntCounterVec::new(
-                Opts::new(
-                    "volley_learner_windows_total",
-                    "Stitched BPTT windows formed (hyper.bptt), by outcome: full (K consecutive segments; every segment without stitching), or shorter because the stream broke: gap, evicted, timeout, lag.",
-                ),
-                &["outcome"],
+            windows: r.ints(
+                "volley_learner_windows_total",
+                "Stitched BPTT windows formed (hyper.bptt), by outcome: full (K consecutive segments; every segment without stitching), or shorter because the stream broke: gap, evicted, timeout, lag.",
+                "outcome",
+                &WindowOutcome::ALL.map(WindowOutcome::as_str),
             )?,
-            window_held: gauge(
+            window_held: r.gauge(
                 "volley_learner_window_held_segments",
                 "Segments held (unacknowledged) for incomplete stitched BPTT windows.",
             )?,
-            rejected: IntCounterVec::new(
-                Opts::new(
-                    "volley_learner_segments_rejected_total",
-                    "Malformed or foreign segments dropped, by reason.",
-                ),
-                &["reason"],
+            rejected: r.ints(
+                "volley_learner_segments_rejected_total",
+                "Malformed or foreign segments dropped, by reason.",
+                "reason",
+                &rejections,
             )?,
-            samples: int("volley_learner_samples_total", "Samples (steps) used in gradient updates.")?,
-            env_steps: int("volley_learner_env_steps_total", "Environment steps received in valid segments.")?,
-            episodes: int("volley_learner_episodes_total", "Episodes reported finished inside segments.")?,
-            updates: int("volley_learner_updates_total", "Learner updates applied.")?,
-            weights_published: int("volley_learner_weights_published_total", "Policy versions published.")?,
-            run_spec_restored: int(
+            samples: r.int("volley_learner_samples_total", "Samples (steps) used in gradient updates.")?,
+            env_steps: r.int("volley_learner_env_steps_total", "Environment steps received in valid segments.")?,
+            episodes: r.int("volley_learner_episodes_total", "Episodes reported finished inside segments.")?,
+            updates: r.int("volley_learner_updates_total", "Learner updates applied.")?,
+            weights_published: r.int("volley_learner_weights_published_total", "Policy versions published.")?,
+            run_spec_restored: r.int(
                 "volley_learner_run_spec_restored_total",
                 "Times the run bucket's spec key held something other than this learner's spec (e.g. an answer an actor had stored there) and the spec was written again.",
             )?,
-            update_duration: Histogram::with_opts(
-                HistogramOpts::new(
-                    "volley_learner_update_duration_seconds",
-                    "Wall time of one update (batch to publish).",
-                )
-                .buckets(prometheus::exponential_buckets(1e-4, 2.0, 16)?),
+            update_duration: r.histogram(
+                "volley_learner_update_duration_seconds",
+                "Wall time of one update (batch to publish).",
+                prometheus::exponential_buckets(1e-4, 2.0, 16)?,
             )?,
-            policy_lag: Histogram::with_opts(
-                HistogramOpts::new("volley_learner_policy_lag", "Lag of received segments in policy versions.")
-                    .buckets(vec![0.0, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0]),
+            policy_lag: r.histogram(
+                "volley_learner_policy_lag",
+                "Lag of received segments in policy versions.",
+                vec![0.0, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0],
             )?,
-            wait_seconds: Counter::with_opts(Opts::new(
+            wait_seconds: r.counter(
                 "volley_learner_wait_seconds_total",
                 "Time spent waiting for segments (starvation).",
-            ))?,
-            compute_seconds: Counter::with_opts(Opts::new(
-                "volley_learner_compute_seconds_total",
-                "Time spent computing updates.",
-            ))?,
-            loss: GaugeVec::new(
-                Opts::new("volley_learner_loss", "Loss of the last update, by term (total, policy, value)."),
-                &["term"],
             )?,
-            entropy: gauge("volley_learner_entropy", "Mean policy entropy in the last update (nats).")?,
-            grad_norm: gauge("volley_learner_grad_norm", "Global gradient norm before clipping, last update.")?,
-            learning_rate: gauge("volley_learner_learning_rate", "Learning rate of the last update.")?,
-            policy_version: gauge("volley_learner_policy_version", "The learner's current policy version.")?,
-            mean_return: gauge("volley_learner_episode_return_mean", "Mean return of the last 100 episodes.")?,
-            backlog: gauge("volley_learner_backlog_segments", "Segments stored but not yet delivered to the learner.")?,
-            pool: gauge(
+            compute_seconds: r.counter("volley_learner_compute_seconds_total", "Time spent computing updates.")?,
+            loss: r.gauges(
+                "volley_learner_loss",
+                "Loss of the last update, by term (total, policy, value).",
+                "term",
+                &["total", "policy", "value"],
+            )?,
+            entropy: r.gauge("volley_learner_entropy", "Mean policy entropy in the last update (nats).")?,
+            grad_norm: r.gauge("volley_learner_grad_norm", "Global gradient norm before clipping, last update.")?,
+            learning_rate: r.gauge("volley_learner_learning_rate", "Learning rate of the last update.")?,
+            policy_version: r.gauge("volley_learner_policy_version", "The learner's current policy version.")?,
+            mean_return: r.gauge("volley_learner_episode_return_mean", "Mean return of the last 100 episodes.")?,
+            backlog: r.gauge(
+                "volley_learner_backlog_segments",
+                "Segments stored but not yet delivered to the learner.",
+            )?,
+            pool: r.gauge(
                 "volley_learner_selection_pool_segments",
                 "Segments received and waiting in the selection pool (not yet used or dropped).",
             )?,
-            checkpoint_age: gauge(
+            checkpoint_age: r.gauge(
                 "volley_learner_checkpoint_age_seconds",
                 "Time since the last checkpoint was written.",
             )?,
-            since_progress: gauge(
+            since_progress: r.gauge(
                 "volley_learner_seconds_since_progress",
                 "Time since the learner loop last made progress: an update, or a pass that found no new data (so it grows only while data arrives and no update follows: a stall).",
             )?,
-            max_policy_lag: gauge(
+            max_policy_lag: r.gauge(
                 "volley_learner_max_policy_lag",
                 "The run's lag bound: segments more versions behind than this are dropped as stale.",
             )?,
-            rho_clipped: gauge(
+            rho_clipped: r.gauge(
                 "volley_learner_rho_clipped_fraction",
                 "Share of the last update's sample weight whose importance ratio pi/mu exceeded rho-bar (V-trace; PPO: the behaviour IS clip).",
             )?,
-            c_clipped: gauge(
+            c_clipped: r.gauge(
                 "volley_learner_c_clipped_fraction",
                 "Share of the last update's sample weight whose importance ratio exceeded c-bar, cutting the V-trace traces (PPO: the behaviour IS clip).",
             )?,
-            behaviour_kl: gauge(
+            behaviour_kl: r.gauge(
                 "volley_learner_behaviour_kl",
                 "Estimated KL(behaviour || learner) over the last update's batch, nats (k3 estimator on the behaviour's samples).",
             )?,
-            effective_samples: gauge(
+            effective_samples: r.gauge(
                 "volley_learner_effective_sample_fraction",
                 "Kish effective sample size of the last update's importance ratios over its sample count: 1 on-policy, near 0 when few samples dominate.",
             )?,
-            explained_variance: gauge(
+            explained_variance: r.gauge(
                 "volley_learner_value_explained_variance",
                 "1 - Var(target - V)/Var(target) of the value head on the last update's value targets.",
             )?,
-            importance_ratio: Histogram::with_opts(
-                HistogramOpts::new(
-                    "volley_learner_importance_ratio",
-                    "Importance ratios pi/mu (learner over behaviour) of the samples of every update.",
-                )
-                .buckets(vec![0.1, 0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.11, 1.25, 1.5, 2.0, 4.0, 10.0]),
+            importance_ratio: r.histogram(
+                "volley_learner_importance_ratio",
+                "Importance ratios pi/mu (learner over behaviour) of the samples of every update.",
+                vec![0.1, 0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.11, 1.25, 1.5, 2.0, 4.0, 10.0],
             )?,
-            group_segments: IntCounterVec::new(
-                Opts::new(
-                    "volley_learner_group_segments_total",
-                    "Group rollouts: segments that left the group hold, by outcome (grouped: their groups complete; critic_lag, critic_capacity, critic_lost: released without group advantages at the lag bound, over the hold's bounds, or with a forgotten or broken group).",
-                ),
-                &["outcome"],
+            group_segments: r.ints(
+                "volley_learner_group_segments_total",
+                "Group rollouts: segments that left the group hold, by outcome (grouped: their groups complete; critic_lag, critic_capacity, critic_lost: released without group advantages at the lag bound, over the hold's bounds, or with a forgotten or broken group).",
+                "outcome",
+                &GROUP_SEGMENT_OUTCOMES,
             )?,
-            groups: IntCounterVec::new(
-                Opts::new(
-                    "volley_learner_groups_total",
-                    "Group rollouts: groups of continuations by outcome (completed, evicted before completing, broken: members reported different starts).",
-                ),
-                &["outcome"],
+            groups: r.ints(
+                "volley_learner_groups_total",
+                "Group rollouts: groups of continuations by outcome (completed, evicted before completing, broken: members reported different starts).",
+                "outcome",
+                &GROUP_OUTCOMES,
             )?,
-            group_duplicates: int(
+            group_duplicates: r.int(
                 "volley_learner_group_members_duplicate_total",
                 "Group rollouts: member returns reported again (a redelivered member replaying its tail); the first counts.",
             )?,
-            group_held_segments: gauge(
+            group_held_segments: r.gauge(
                 "volley_learner_group_held_segments",
                 "Group rollouts: segments waiting in the group hold for their groups to complete.",
             )?,
-            group_held_bytes: gauge(
+            group_held_bytes: r.gauge(
                 "volley_learner_group_held_bytes",
                 "Group rollouts: approximate bytes of the segments in the group hold.",
             )?,
             previous: LearnerReport::default(),
             compute_at_update: Duration::ZERO,
-        };
-        for outcome in GROUP_SEGMENT_OUTCOMES {
-            metrics.group_segments.with_label_values(&[outcome]);
-        }
-        for outcome in GROUP_OUTCOMES {
-            metrics.groups.with_label_values(&[outcome]);
-        }
-        registry.register(Box::new(metrics.group_segments.clone()))?;
-        registry.register(Box::new(metrics.groups.clone()))?;
-        registry.register(Box::new(metrics.group_duplicates.clone()))?;
-        registry.register(Box::new(metrics.group_held_segments.clone()))?;
-        registry.register(Box::new(metrics.group_held_bytes.clone()))?;
-        // Every label value from the start, so rates and "no rejections" read 0, not "no data".
-        for outcome in
-            ["used", "duplicate"].into_iter().chain(crate::select::selection::DropReason::ALL.map(|r| r.as_str()))
-        {
-            metrics.segments.with_label_values(&[outcome]);
-        }
-        for &reason in
-            volley_core::wire::DecodeError::REASONS.iter().chain(crate::ingest::admission::Rejection::REASONS)
-        {
-            metrics.rejected.with_label_values(&[reason]);
-        }
-        for term in ["total", "policy", "value"] {
-            metrics.loss.with_label_values(&[term]);
-        }
-        for outcome in crate::select::windows::WindowOutcome::ALL {
-            metrics.windows.with_label_values(&[outcome.as_str()]);
-        }
-        registry.register(Box::new(metrics.segments.clone()))?;
-        registry.register(Box::new(metrics.windows.clone()))?;
-        registry.register(Box::new(metrics.rejected.clone()))?;
-        for counter in [
-            &metrics.samples,
-            &metrics.env_steps,
-            &metrics.episodes,
-            &metrics.updates,
-            &metrics.weights_published,
-            &metrics.run_spec_restored,
-        ] {
-            registry.register(Box::new(counter.clone()))?;
-        }
-        registry.register(Box::new(metrics.update_duration.clone()))?;
-        registry.register(Box::new(metrics.policy_lag.clone()))?;
-        registry.register(Box::new(metrics.importance_ratio.clone()))?;
-        registry.register(Box::new(metrics.wait_seconds.clone()))?;
-        registry.register(Box::new(metrics.compute_seconds.clone()))?;
-        registry.register(Box::new(metrics.loss.clone()))?;
-        for gauge in [
-            &metrics.entropy,
-            &metrics.grad_norm,
-            &metrics.learning_rate,
-            &metrics.policy_version,
-            &metrics.mean_return,
-            &metrics.backlog,
-            &metrics.pool,
-            &metrics.window_held,
-            &metrics.checkpoint_age,
-            &metrics.since_progress,
-            &metrics.max_policy_lag,
-            &metrics.rho_clipped,
-            &metrics.c_clipped,
-            &metrics.behaviour_kl,
-            &metrics.effective_samples,
-            &metrics.explained_variance,
-        ] {
-            registry.register(Box::new(gauge.clone()))?;
-        }
-        Ok(metrics)
+        })
     }
 
     /// The counter of writes of the run spec over a value that was not it
@@ -416,14 +400,12 @@ impl ActorLag {
 
     /// Register on `registry`.
     pub fn register(registry: &Registry) -> prometheus::Result<Self> {
-        let gauge = GaugeVec::new(
-            Opts::new(
-                "volley_learner_actor_policy_lag",
-                "Lag in versions of each actor's segments as the learner receives them (moving average; at most 256 actors, least recently heard-from dropped first).",
-            ),
-            &["actor"],
+        let gauge = Registrar(registry).gauges(
+            "volley_learner_actor_policy_lag",
+            "Lag in versions of each actor's segments as the learner receives them (moving average; at most 256 actors, least recently heard-from dropped first).",
+            "actor",
+            &[],
         )?;
-        registry.register(Box::new(gauge.clone()))?;
         Ok(ActorLag { gauge, actors: std::collections::HashMap::new(), seen: 0 })
     }
 
@@ -486,77 +468,59 @@ pub struct WorkMetrics {
 impl WorkMetrics {
     /// Register on `registry`.
     pub fn register(registry: &Registry) -> prometheus::Result<Self> {
-        let metrics = WorkMetrics {
-            share: GaugeVec::new(
-                Opts::new("volley_learner_task_budget_share", "Share of work items issued for each task so far."),
-                &["task"],
+        let r = Registrar(registry);
+        let lease_outcomes = LeaseCounts::default().outcomes().map(|(outcome, _)| outcome);
+        Ok(WorkMetrics {
+            share: r.gauges(
+                "volley_learner_task_budget_share",
+                "Share of work items issued for each task so far.",
+                "task",
+                &[],
             )?,
-            success: GaugeVec::new(
-                Opts::new(
-                    "volley_learner_task_success_rate",
-                    "Recent success rate of each task's episodes, any start (Beta(1,1)-smoothed window).",
-                ),
-                &["task"],
+            success: r.gauges(
+                "volley_learner_task_success_rate",
+                "Recent success rate of each task's episodes, any start (Beta(1,1)-smoothed window).",
+                "task",
+                &[],
             )?,
-            fresh_success: GaugeVec::new(
-                Opts::new(
-                    "volley_learner_task_fresh_success_rate",
-                    "Recent success rate of each task's episodes that started fresh (no save-load help).",
-                ),
-                &["task"],
+            fresh_success: r.gauges(
+                "volley_learner_task_fresh_success_rate",
+                "Recent success rate of each task's episodes that started fresh (no save-load help).",
+                "task",
+                &[],
             )?,
-            frontier: GaugeVec::new(
-                Opts::new(
-                    "volley_learner_task_restart_frontier",
-                    "Furthest progress (Env::progress) among each task's saved states; -1 with none saved.",
-                ),
-                &["task"],
+            frontier: r.gauges(
+                "volley_learner_task_restart_frontier",
+                "Furthest progress (Env::progress) among each task's saved states; -1 with none saved.",
+                "task",
+                &[],
             )?,
-            items: IntCounterVec::new(
-                Opts::new("volley_learner_work_items_total", "Work items issued, by start: fresh or resume."),
-                &["start"],
+            items: r.ints(
+                "volley_learner_work_items_total",
+                "Work items issued, by start: fresh or resume.",
+                "start",
+                &["fresh", "resume"],
             )?,
-            groups: IntCounter::with_opts(Opts::new(
+            groups: r.int(
                 "volley_learner_work_groups_total",
                 "Groups of continuations issued (group rollouts); each is work.group_size items.",
-            ))?,
-            snapshots: Gauge::with_opts(Opts::new(
-                "volley_learner_snapshots_known",
-                "Saved states the scheduler can restart from.",
-            ))?,
-            leases: IntCounterVec::new(
-                Opts::new(
-                    "volley_learner_work_leases_total",
-                    "Work dispatcher (NATS runs): actors' takes and leases by outcome: leased, refused_limit (the actor held work.max_items_per_actor), refused_cooling (an item of the actor was taken back), confirmed (its episodes arrived), reclaimed (no progress for work.ack_wait_secs), unconfirmed (reported done, no episodes within work.confirm_wait_secs).",
-                ),
-                &["outcome"],
             )?,
-            leases_in_flight: Gauge::with_opts(Opts::new(
+            snapshots: r.gauge("volley_learner_snapshots_known", "Saved states the scheduler can restart from.")?,
+            leases: r.ints(
+                "volley_learner_work_leases_total",
+                "Work dispatcher (NATS runs): actors' takes and leases by outcome: leased, refused_limit (the actor held work.max_items_per_actor), refused_cooling (an item of the actor was taken back), confirmed (its episodes arrived), reclaimed (no progress for work.ack_wait_secs), unconfirmed (reported done, no episodes within work.confirm_wait_secs).",
+                "outcome",
+                &lease_outcomes,
+            )?,
+            leases_in_flight: r.gauge(
                 "volley_learner_work_leases_in_flight",
                 "Work items leased to actors now (NATS runs).",
-            ))?,
-            leases_most_held: Gauge::with_opts(Opts::new(
+            )?,
+            leases_most_held: r.gauge(
                 "volley_learner_work_leases_most_held",
                 "The most work items one actor identity holds now (at most work.max_items_per_actor; NATS runs).",
-            ))?,
-        };
-        registry.register(Box::new(metrics.share.clone()))?;
-        registry.register(Box::new(metrics.success.clone()))?;
-        registry.register(Box::new(metrics.fresh_success.clone()))?;
-        registry.register(Box::new(metrics.frontier.clone()))?;
-        for start in ["fresh", "resume"] {
-            metrics.items.with_label_values(&[start]);
-        }
-        registry.register(Box::new(metrics.items.clone()))?;
-        registry.register(Box::new(metrics.snapshots.clone()))?;
-        registry.register(Box::new(metrics.groups.clone()))?;
-        for (outcome, _) in LeaseCounts::default().outcomes() {
-            metrics.leases.with_label_values(&[outcome]);
-        }
-        registry.register(Box::new(metrics.leases.clone()))?;
-        registry.register(Box::new(metrics.leases_in_flight.clone()))?;
-        registry.register(Box::new(metrics.leases_most_held.clone()))?;
-        Ok(metrics)
+            )?,
+        })
     }
 
     /// Copy the work dispatcher's counts.

@@ -4,11 +4,12 @@
 
 use rand::{Rng, SeedableRng};
 use rand_pcg::{Pcg64, Pcg64Mcg};
-use volley_core::ids::{PolicyVersion, RunId};
-use volley_core::spec::{HyperParams, LossKind, RunSpec};
+use volley_core::ids::PolicyVersion;
+use volley_core::spec::{LossKind, RunSpec};
 use volley_core::wire::Observations;
 use volley_env::{EnvConfig, EnvServiceName, RemoteEnvConfig};
 use volley_policy::{Activation, ConvInput, ConvLayerSpec, ConvSpec, ParamLayout, PolicySpec};
+use volley_testkit::fixtures::SpecBuilder;
 
 use super::test_data::random_params;
 use super::*;
@@ -115,22 +116,7 @@ fn first_layer_over_bytes_has_the_gradients_of_finite_differences() {
 fn run_spec(policy: PolicySpec, loss: LossKind, t_len: usize, b_len: usize) -> RunSpec {
     let service = EnvServiceName::new("frames").expect("valid service name");
     let env = EnvConfig::Remote(RemoteEnvConfig::new(service, policy.obs_dim, policy.n_actions));
-    RunSpec {
-        run: RunId::new("bytes").expect("valid run id"),
-        env,
-        policy,
-        segment_len: t_len,
-        hyper: HyperParams {
-            loss,
-            batch_segments: b_len,
-            ppo_epochs: 2,
-            ppo_minibatches: 2,
-            learning_rate: 1e-3,
-            final_learning_rate: 1e-3,
-            ..HyperParams::default()
-        },
-        seed: 3,
-    }
+    SpecBuilder::new(env, policy, t_len).run("bytes").training(loss, b_len, 1e-3).ppo(2, 2).seed(3).build()
 }
 
 /// A batch of `bytes` observations (`[T + 1][B][obs_dim]`) held as `observations`.

@@ -842,25 +842,34 @@ impl<B: Backend> Trainer<B> {
         Ok(())
     }
 
-    /// Values `[T+1][B]` and GAE(γ, `gae_lambda`) advantages `[T][B]` of `batch` under the current
-    /// parameters, from the backend's forward pass (trajectory selection's priorities; no
-    /// weights leave the device).
+    /// Values and GAE(γ, `gae_lambda`) advantages of `batch` under the current parameters, from
+    /// the backend's forward pass (trajectory selection's priorities; no weights leave the
+    /// device).
     pub fn values_and_advantages(
         &mut self,
         batch: &SegmentBatch,
         gae_lambda: f32,
-        values: &mut Vec<f32>,
-        advantages: &mut Vec<f32>,
+        out: &mut ValueEstimates,
     ) -> Result<(), BackendError> {
         let (t_len, b_len) = (batch.t_len, batch.b_len);
         let n = t_len * b_len;
         self.stage(batch)?;
         self.value_pass(t_len, b_len, gae_lambda)?;
-        values.resize(n + b_len, 0.0);
-        advantages.resize(n, 0.0);
-        self.backend.download(self.net.values(), values)?;
-        self.backend.download(View::range(&self.loss.advantages, 0..n), advantages)
+        out.values.resize(n + b_len, 0.0);
+        out.advantages.resize(n, 0.0);
+        self.backend.download(self.net.values(), &mut out.values)?;
+        self.backend.download(View::range(&self.loss.advantages, 0..n), &mut out.advantages)
     }
+}
+
+/// Values `[T+1][B]` and GAE advantages `[T][B]` of a batch under the learner's current
+/// parameters ([`Trainer::values_and_advantages`]), in buffers kept across calls.
+#[derive(Debug, Clone, Default)]
+pub struct ValueEstimates {
+    /// `V(x_t)` for the `T` steps and the state after the last, `[T+1][B]`.
+    pub values: Vec<f32>,
+    /// The GAE advantages, `[T][B]`.
+    pub advantages: Vec<f32>,
 }
 
 /// The trainer on whichever backend the learner runs: the one place the backend is matched.

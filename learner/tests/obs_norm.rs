@@ -30,14 +30,12 @@ fn statistics_follow_the_batches_and_travel_in_the_parameters() {
                         .observations_from(|i| {
                             [0.5, -0.3, 4.0][i % 3] + rng.random_range(-1.0..1.0) * [0.2, 0.2, 4.0][i % 3]
                         })
-                        .continuous_actions((0..T).map(|_| rng.random_range(-2.0..2.0)).collect())
+                        .continuous_actions_from(|_| rng.random_range(-2.0..2.0))
                         .log_prob(-1.0)
                         .build()
                 })
                 .collect();
-            let refs: Vec<_> = segments.iter().collect();
-            let mut batch = SegmentBatch::default();
-            batch.fill(&refs, 0.9, 0.1, &[1.0; B]);
+            let batch = SegmentBatch::from_segments(&segments, 0.9, 0.1, &[1.0; B]);
             let stats = learner.update(&batch);
             assert!(stats.loss.total.is_finite() && stats.grad_norm.is_finite(), "update {update}: {stats:?}");
             obs_norm::update(&mut expected, &batch.observations.to_f32_vec());

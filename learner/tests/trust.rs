@@ -191,9 +191,7 @@ fn an_update_on_unvalidated_states_of_3e38_skips_the_step_instead_of_panicking()
         segments[0].initial_hidden = vec![3e38; hidden];
         segments[1].observations.as_f32_mut().expect("f32 observations").fill(3e38);
         segments[2].rewards[1] = 3e38;
-        let refs: Vec<&TrajectorySegment> = segments.iter().collect();
-        let mut batch = volley_learner::batch::SegmentBatch::default();
-        batch.fill(&refs, 0.99, 1.0, &[1.0; B]);
+        let batch = volley_learner::batch::SegmentBatch::from_segments(&segments, 0.99, 1.0, &[1.0; B]);
         let _stats = learner.update(&batch);
         assert!(learner.params().iter().all(|p| p.is_finite()), "{core:?}: parameters stayed finite");
     }

@@ -35,6 +35,21 @@ pub struct RowTerms {
     pub entropy: f32,
 }
 
+/// What [`PolicyHead::row_gradient`] differentiates, `−pg_scale · log π(action) − ent_scale ·
+/// H(π)`, and where it writes the gradient.
+#[derive(Debug)]
+pub struct RowGradient<'a> {
+    /// The weight of `−log π(action)`.
+    pub pg_scale: f32,
+    /// The weight of `−H(π)`.
+    pub ent_scale: f32,
+    /// With respect to the row's outputs, `n_outputs` long; on entry what
+    /// [`prepare_row`](PolicyHead::prepare_row) left for the same outputs and action.
+    pub d_outputs: &'a mut [f32],
+    /// With respect to the head's parameters, `n_param_grads` long.
+    pub d_params: &'a mut [f32],
+}
+
 /// One drawn action's log-probability, and whether the row had no distribution so the head's
 /// fallback (uniform, or the standard normal) drew it instead.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -80,20 +95,9 @@ pub trait PolicyHead {
     }
 
     /// The gradient of `−pg_scale · log π(action) − ent_scale · H(π)` with respect to the row's
-    /// outputs (into `d_outputs`, `n_outputs` long, which must hold what
-    /// [`prepare_row`](Self::prepare_row) left for the same `outputs` and `action`) and the
-    /// head's parameters (into `d_params`, `n_param_grads` long): the one piece of calculus
-    /// every policy loss needs.
-    #[allow(clippy::too_many_arguments)]
-    fn row_gradient(
-        &self,
-        outputs: &[f32],
-        action: &[f32],
-        pg_scale: f32,
-        ent_scale: f32,
-        d_outputs: &mut [f32],
-        d_params: &mut [f32],
-    ) -> RowTerms;
+    /// outputs and the head's parameters (see [`RowGradient`]): the one piece of calculus every
+    /// policy loss needs.
+    fn row_gradient(&self, outputs: &[f32], action: &[f32], grad: RowGradient<'_>) -> RowTerms;
 
     /// Draw an action into `action` (`action_width` long) and return its log-probability,
     /// which is [`log_prob`](Self::log_prob) of the written action. A row that is not a
@@ -168,15 +172,8 @@ impl PolicyHead for Categorical {
     /// `∂ log p_a / ∂z_j = 1[j = a] − p_j` and `∂H/∂z_j = −p_j (log p_j + H)`, from the
     /// log-probabilities [`prepare_row`](PolicyHead::prepare_row) left in `d_outputs`, turned
     /// into the gradient in place, so nothing is allocated.
-    fn row_gradient(
-        &self,
-        _outputs: &[f32],
-        action: &[f32],
-        pg_scale: f32,
-        ent_scale: f32,
-        d_outputs: &mut [f32],
-        _d_params: &mut [f32],
-    ) -> RowTerms {
+    fn row_gradient(&self, _outputs: &[f32], action: &[f32], grad: RowGradient<'_>) -> RowTerms {
+        let RowGradient { pg_scale, ent_scale, d_outputs, .. } = grad;
         let index = self.index(action);
         let entropy = entropy_from_log_probs(d_outputs);
         let log_prob = d_outputs[index];
@@ -241,25 +238,11 @@ impl PolicyHead for DiagGaussian<'_> {
         gaussian::entropy(self.log_std)
     }
 
-    fn row_gradient(
-        &self,
-        outputs: &[f32],
-        action: &[f32],
-        pg_scale: f32,
-        ent_scale: f32,
-        d_outputs: &mut [f32],
-        d_params: &mut [f32],
-    ) -> RowTerms {
-        let log_prob = gaussian::row_gradient(
-            outputs,
-            self.log_std,
-            action,
-            self.squash,
-            pg_scale,
-            ent_scale,
-            d_outputs,
-            d_params,
-        );
+    fn row_gradient(&self, outputs: &[f32], action: &[f32], grad: RowGradient<'_>) -> RowTerms {
+        let RowGradient { pg_scale, ent_scale, d_outputs, d_params } = grad;
+        let (log_std, squash) = (self.log_std, self.squash);
+        let log_prob =
+            gaussian::row_gradient(outputs, log_std, action, squash, pg_scale, ent_scale, d_outputs, d_params);
         RowTerms { log_prob, entropy: gaussian::entropy(self.log_std) }
     }
 
@@ -342,16 +325,8 @@ impl PolicyHead for AnyHead<'_> {
     }
 
     #[inline]
-    fn row_gradient(
-        &self,
-        outputs: &[f32],
-        action: &[f32],
-        pg_scale: f32,
-        ent_scale: f32,
-        d_outputs: &mut [f32],
-        d_params: &mut [f32],
-    ) -> RowTerms {
-        dispatch!(self, head => head.row_gradient(outputs, action, pg_scale, ent_scale, d_outputs, d_params))
+    fn row_gradient(&self, outputs: &[f32], action: &[f32], grad: RowGradient<'_>) -> RowTerms {
+        dispatch!(self, head => head.row_gradient(outputs, action, grad))
     }
 
     #[inline]
@@ -394,7 +369,9 @@ mod tests {
                 let (mut d_outputs, mut d_params) = (vec![0.0; head.n_outputs()], vec![0.0; head.n_param_grads()]);
                 let log_prob = head.prepare_row(&outputs, &action, &mut d_outputs);
                 assert_eq!(log_prob, head.log_prob(&outputs, &action), "{head:?}");
-                let terms = head.row_gradient(&outputs, &action, 0.7, 0.1, &mut d_outputs, &mut d_params);
+                let grad =
+                    RowGradient { pg_scale: 0.7, ent_scale: 0.1, d_outputs: &mut d_outputs, d_params: &mut d_params };
+                let terms = head.row_gradient(&outputs, &action, grad);
                 assert!((terms.log_prob - sampled.log_prob).abs() < 1e-5, "{head:?}");
                 assert!((terms.entropy - head.entropy(&outputs)).abs() < 1e-6, "{head:?}");
             }
@@ -417,7 +394,8 @@ mod tests {
             };
             let (mut d_outputs, mut d_params) = (vec![0.0; head.n_outputs()], vec![0.0; head.n_param_grads()]);
             head.prepare_row(&outputs, &action, &mut d_outputs);
-            head.row_gradient(&outputs, &action, pg, ent, &mut d_outputs, &mut d_params);
+            let grad = RowGradient { pg_scale: pg, ent_scale: ent, d_outputs: &mut d_outputs, d_params: &mut d_params };
+            head.row_gradient(&outputs, &action, grad);
             let eps = 1e-2f32;
             for j in 0..outputs.len() {
                 let (mut plus, mut minus) = (outputs, outputs);

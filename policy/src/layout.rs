@@ -564,7 +564,7 @@ impl Fnv1a {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::super::Activation;
     use super::*;
     use proptest::prelude::*;
@@ -737,9 +737,19 @@ mod tests {
         assert_eq!(decoded, spec);
     }
 
-    fn arb_spec() -> impl Strategy<Value = PolicySpec> {
-        (1usize..20, 1usize..8, prop::collection::vec(1usize..20, 0..4), prop::bool::ANY, prop::option::of(1usize..16))
-            .prop_map(|(obs_dim, n_actions, torso, relu, hidden)| PolicySpec {
+    /// Random MLP and GRU specs with categorical heads: fewer than `max_obs` observations and
+    /// `max_actions` actions, fewer than `max_layers` torso layers of fewer than `max_width`
+    /// units, tanh or ReLU, and a GRU core of fewer than `max_hidden` units or none.
+    pub(crate) fn arb_spec(
+        max_obs: usize,
+        max_actions: usize,
+        max_width: usize,
+        max_layers: usize,
+        max_hidden: usize,
+    ) -> impl Strategy<Value = PolicySpec> {
+        let torso = prop::collection::vec(1..max_width, 0..max_layers);
+        (1..max_obs, 1..max_actions, torso, prop::bool::ANY, prop::option::of(1..max_hidden)).prop_map(
+            |(obs_dim, n_actions, torso, relu, hidden)| PolicySpec {
                 obs_dim,
                 n_actions,
                 torso,
@@ -748,14 +758,15 @@ mod tests {
                 head: super::super::ActionHead::Categorical,
                 conv: None,
                 normalize_obs: false,
-            })
+            },
+        )
     }
 
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(64))]
 
         #[test]
-        fn entries_tile_the_buffer_without_gaps_or_overlap(spec in arb_spec()) {
+        fn entries_tile_the_buffer_without_gaps_or_overlap(spec in arb_spec(20, 8, 20, 4, 16)) {
             let layout = ParamLayout::new(&spec).unwrap();
             let mut next = 0;
             for entry in layout.entries() {
@@ -774,7 +785,7 @@ mod tests {
         }
 
         #[test]
-        fn layout_is_a_pure_function_of_the_spec(spec in arb_spec()) {
+        fn layout_is_a_pure_function_of_the_spec(spec in arb_spec(20, 8, 20, 4, 16)) {
             let a = ParamLayout::new(&spec).unwrap();
             let b = ParamLayout::new(&spec.clone()).unwrap();
             prop_assert_eq!(a.hash(), b.hash());

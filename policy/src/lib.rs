@@ -65,8 +65,7 @@ pub mod ops {
     pub use super::gru::{cell_backward as gru_cell_backward, cell_forward as gru_cell_forward};
     pub use super::linalg::{
         act_backward_in_place, bias_act_rows, bias_rows, column_sums, dense_forward, fast_sigmoid, fast_tanh, gemm,
-        small_chain_fits, small_dense_chain_forward, small_dense_forward, Mat, SmallLayer, SMALL_BATCH_MAX_IN,
-        SMALL_BATCH_ROWS,
+        small_chain_fits, small_dense_chain_forward, Mat, SmallLayer, SMALL_BATCH_MAX_IN, SMALL_BATCH_ROWS,
     };
 }
 

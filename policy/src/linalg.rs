@@ -104,7 +104,7 @@ pub fn gemm(alpha: f32, a: Mat<'_>, b: Mat<'_>, beta: f32, c: &mut [f32]) {
 /// (only the first `n_rows * n_out` elements are written).
 ///
 /// Batches of at most [`SMALL_BATCH_ROWS`] rows and at most [`SMALL_BATCH_MAX_IN`] inputs (an
-/// actor's step over its environments) take a kernel without packing ([`small_dense_forward`]),
+/// actor's step over its environments) take a kernel without packing ([`small_dense_chain_forward`]),
 /// whose results are bit-identical to the GEMM path's; larger ones take one GEMM for the whole
 /// batch, then one fused pass for bias and activation.
 pub fn dense_forward(x: &[f32], n_rows: usize, weight: &[f32], bias: &[f32], act: Option<Activation>, y: &mut [f32]) {
@@ -112,7 +112,7 @@ pub fn dense_forward(x: &[f32], n_rows: usize, weight: &[f32], bias: &[f32], act
     let n_in = weight.len() / n_out;
     let y = &mut y[..n_rows * n_out];
     if n_rows <= SMALL_BATCH_ROWS && n_in <= SMALL_BATCH_MAX_IN {
-        small_dense_forward(x, n_rows, weight, bias, act, y);
+        small_dense_chain_forward(x, n_rows, &[SmallLayer { weight, bias, act }], y);
     } else {
         gemm_dense_forward(x, n_rows, weight, bias, act, y);
     }
@@ -201,47 +201,19 @@ pub const LARGE_PRODUCT_MACS: usize = 1 << 20;
 /// 1024→128 (131 K), which measured slower there over 8 environments.
 pub const LARGE_WEIGHTS: usize = 1 << 20;
 
-/// Largest batch [`dense_forward`] computes with [`small_dense_forward`].
+/// Largest batch [`dense_forward`] computes with [`small_dense_chain_forward`].
 pub const SMALL_BATCH_ROWS: usize = 16;
 
-/// Largest input width [`dense_forward`] computes with [`small_dense_forward`]:
+/// Largest input width [`dense_forward`] computes with [`small_dense_chain_forward`]:
 /// `matrixmultiply` sums the inner dimension in blocks of 256 (its `KC`), each block its own
 /// chain of multiply-adds added to the last, so only up to one block can the two agree exactly.
 pub const SMALL_BATCH_MAX_IN: usize = 256;
 
-/// Rows computed together by [`small_dense_forward`]: one 8-lane vector per output.
+/// Rows computed together by [`small_dense_chain_forward`]: one 8-lane vector per output.
 const SMALL_LANES: usize = 8;
 
-/// Outputs computed together by [`small_dense_forward`]: one accumulator vector each.
+/// Outputs computed together by [`small_dense_chain_forward`]: one accumulator vector each.
 const SMALL_OUTPUTS: usize = 8;
-
-/// One linear layer over a small batch, `y = act(x Wᵀ + b)`, without GEMM packing (issue 16).
-///
-/// `matrixmultiply` copies ("packs") both operands before every product; for an actor's batch
-/// of 8 rows through a 64×64 layer that copy of the weights costs about as much as the product
-/// (CartPole's forward pass for 8 environments: 4.0 µs with GEMM, 2.7 µs with this). Here the
-/// inputs are transposed into 8-row lanes (the weights are read in place), and each output
-/// element is one chain of multiply-adds over the inputs in order, starting from zero: exactly
-/// what `matrixmultiply`'s kernels compute, fused where they fuse (FMA on x86-64 with AVX2 and
-/// FMA, and on aarch64), separate where they do not, so the two paths agree bit for bit and an
-/// actor's behaviour log-probabilities equal the learner's at the same weights (tested against
-/// [`gemm()`]).
-///
-/// `x: [n_rows][n_in]` with `n_rows ≤` [`SMALL_BATCH_ROWS`] and `n_in ≤` [`SMALL_BATCH_MAX_IN`],
-/// `weight: [n_out][n_in]`, `bias: [n_out]`, `y: [n_rows][n_out]`.
-///
-/// # Panics
-/// If the sizes exceed those bounds or the slices are too short.
-pub fn small_dense_forward(
-    x: &[f32],
-    n_rows: usize,
-    weight: &[f32],
-    bias: &[f32],
-    act: Option<Activation>,
-    y: &mut [f32],
-) {
-    small_dense_chain_forward(x, n_rows, &[SmallLayer { weight, bias, act }], y);
-}
 
 /// One layer of [`small_dense_chain_forward`]: `weight: [n_out][n_in]`, `bias: [n_out]`, and
 /// the activation after the bias (`None`: none).
@@ -270,15 +242,26 @@ pub fn small_chain_fits(n_rows: usize, layers: &[SmallLayer<'_>]) -> bool {
         && layers.iter().all(|layer| !layer.bias.is_empty() && layer.n_in() <= SMALL_BATCH_MAX_IN)
 }
 
-/// Layers one after another over a small batch (each layer's output the next one's input),
-/// each computed as [`small_dense_forward`] computes it, so the results are bit-identical to
-/// calling it (or the GEMM path) layer by layer; between layers the activations stay in the
-/// kernel's 8-row lanes instead of being written out row by row and transposed back in
-/// (issue 16: for CartPole's 4→64→64→3 network over 8 environments, chaining took 28 % off
-/// the forward pass).
+/// Linear layers over a small batch, `y = act(x Wᵀ + b)` one after another (each layer's output
+/// the next one's input), without GEMM packing (issue 16).
 ///
-/// `x: [n_rows][n_in of the first layer]`, `y: [n_rows][n_out of the last layer]`; each layer's
-/// `n_in` must equal the previous layer's `n_out`.
+/// `matrixmultiply` copies ("packs") both operands before every product; for an actor's batch
+/// of 8 rows through a 64×64 layer that copy of the weights costs about as much as the product
+/// (CartPole's forward pass for 8 environments: 4.0 µs with GEMM, 2.7 µs with this). Here the
+/// inputs are transposed into 8-row lanes (the weights are read in place), and each output
+/// element is one chain of multiply-adds over the inputs in order, starting from zero: exactly
+/// what `matrixmultiply`'s kernels compute, fused where they fuse (FMA on x86-64 with AVX2 and
+/// FMA, and on aarch64), separate where they do not, so the two paths agree bit for bit and an
+/// actor's behaviour log-probabilities equal the learner's at the same weights (tested against
+/// [`gemm()`]).
+/// Between layers the activations stay in the kernel's 8-row lanes instead of being written out
+/// row by row and transposed back in (issue 16: for CartPole's 4→64→64→3 network over 8
+/// environments, chaining took 28 % off the forward pass); the results are bit-identical to the
+/// GEMM path layer by layer.
+///
+/// `x: [n_rows][n_in of the first layer]` with `n_rows ≤` [`SMALL_BATCH_ROWS`],
+/// `y: [n_rows][n_out of the last layer]`; each layer has at most [`SMALL_BATCH_MAX_IN`] inputs,
+/// and its `n_in` equals the previous layer's `n_out`.
 ///
 /// # Panics
 /// If [`small_chain_fits`] does not hold, the layers do not chain, or a slice is too short.
@@ -286,14 +269,17 @@ pub fn small_dense_chain_forward(x: &[f32], n_rows: usize, layers: &[SmallLayer<
     if n_rows == 0 || layers.is_empty() {
         return;
     }
-    assert!(n_rows <= SMALL_BATCH_ROWS, "small_dense_forward takes at most {SMALL_BATCH_ROWS} rows, got {n_rows}");
+    assert!(
+        n_rows <= SMALL_BATCH_ROWS,
+        "small_dense_chain_forward takes at most {SMALL_BATCH_ROWS} rows, got {n_rows}"
+    );
     let mut widest = 0;
     for (i, layer) in layers.iter().enumerate() {
         let (n_in, n_out) = (layer.n_in(), layer.bias.len());
         assert!(n_out > 0, "layer {i} has no outputs");
         assert!(
             n_in <= SMALL_BATCH_MAX_IN,
-            "small_dense_forward takes at most {SMALL_BATCH_MAX_IN} inputs, got {n_in}"
+            "small_dense_chain_forward takes at most {SMALL_BATCH_MAX_IN} inputs, got {n_in}"
         );
         assert_eq!(layer.weight.len(), n_in * n_out, "layer {i}: weight is not n_out × n_in");
         if i > 0 {
@@ -675,7 +661,7 @@ mod tests {
             let mut expected = vec![f32::NAN; n_rows * n_out];
             gemm_dense_forward(&x, n_rows, &weight, &bias, act, &mut expected);
             let mut y = vec![f32::NAN; n_rows * n_out + 3];
-            small_dense_forward(&x, n_rows, &weight, &bias, act, &mut y);
+            small_dense_chain_forward(&x, n_rows, &[SmallLayer { weight: &weight, bias: &bias, act }], &mut y);
             for (i, (got, want)) in y.iter().zip(&expected).enumerate() {
                 proptest::prop_assert_eq!(got.to_bits(), want.to_bits(), "element {} ({} vs {})", i, got, want);
             }

@@ -480,6 +480,7 @@ fn shape_error(field: &'static str, expected: usize, got: usize) -> PolicyError 
 mod tests {
     use super::super::{Activation, PolicyInference, PolicySpec};
     use super::*;
+    use crate::layout::tests::arb_spec;
     use proptest::prelude::*;
     use rand::{Rng, SeedableRng};
     use rand_pcg::Pcg64;
@@ -881,26 +882,12 @@ mod tests {
         PolicyTape::new(&layout).forward(&params, &[0.0; 18], &[0.0; 6], &[], 2, 3);
     }
 
-    fn arb_spec() -> impl Strategy<Value = PolicySpec> {
-        (1usize..6, 1usize..5, prop::collection::vec(1usize..9, 0..3), prop::bool::ANY, prop::option::of(1usize..7))
-            .prop_map(|(obs_dim, n_actions, torso, relu, hidden)| PolicySpec {
-                obs_dim,
-                n_actions,
-                torso,
-                activation: if relu { Activation::Relu } else { Activation::Tanh },
-                core: hidden.map_or(super::super::CoreKind::Mlp, |hidden| super::super::CoreKind::Gru { hidden }),
-                head: super::super::ActionHead::Categorical,
-                conv: None,
-                normalize_obs: false,
-            })
-    }
-
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(48))]
 
         #[test]
         fn inference_matches_tape_for_any_small_spec(
-            spec in arb_spec(),
+            spec in arb_spec(6, 5, 9, 3, 7),
             t_len in 1usize..6,
             b_len in 1usize..5,
             seed in any::<u64>(),

@@ -12,7 +12,7 @@
 //! ```
 
 use volley_core::ids::{ActorId, PolicyVersion, RunId};
-use volley_core::spec::{HyperParams, RunSpec};
+use volley_core::spec::{HyperParams, LossKind, RunSpec};
 use volley_core::wire::{EpisodeSummary, Observations, TrajectorySegment};
 use volley_core::work::SnapshotInfo;
 use volley_env::EnvConfig;
@@ -25,28 +25,17 @@ pub struct SpecBuilder {
 }
 
 impl SpecBuilder {
+    /// `policy` on `env`, `segment_len` steps per segment, default hyper-parameters, seed 0, run
+    /// `test`.
+    pub fn new(env: EnvConfig, policy: PolicySpec, segment_len: usize) -> Self {
+        let run = RunId::new("test").expect("a valid run id");
+        SpecBuilder { spec: RunSpec { run, env, policy, segment_len, hyper: HyperParams::default(), seed: 0 } }
+    }
+
     /// CartPole (4 observations, 2 actions) with an 8-unit tanh MLP, `segment_len` steps per
     /// segment, default hyper-parameters, seed 0, run `test`.
     pub fn cartpole(segment_len: usize) -> Self {
-        SpecBuilder {
-            spec: RunSpec {
-                run: RunId::new("test").expect("a valid run id"),
-                env: EnvConfig::Cartpole,
-                policy: PolicySpec {
-                    obs_dim: 4,
-                    n_actions: 2,
-                    torso: vec![8],
-                    activation: Activation::Tanh,
-                    core: CoreKind::Mlp,
-                    head: ActionHead::Categorical,
-                    conv: None,
-                    normalize_obs: false,
-                },
-                segment_len,
-                hyper: HyperParams::default(),
-                seed: 0,
-            },
-        }
+        Self::new(EnvConfig::Cartpole, PolicySpec::mlp(4, 2, &[8], Activation::Tanh), segment_len)
     }
 
     /// Pendulum (3 observations, one continuous action) with an unsquashed Gaussian head on an
@@ -99,6 +88,21 @@ impl SpecBuilder {
     /// The torso's activation.
     pub fn activation(mut self, activation: Activation) -> Self {
         self.spec.policy.activation = activation;
+        self
+    }
+
+    /// Training with `loss` on batches of `batch_segments` segments at the constant learning
+    /// rate `learning_rate`; the other hyper-parameters stay.
+    pub fn training(mut self, loss: LossKind, batch_segments: usize, learning_rate: f32) -> Self {
+        let hyper = &mut self.spec.hyper;
+        (hyper.loss, hyper.batch_segments) = (loss, batch_segments);
+        (hyper.learning_rate, hyper.final_learning_rate) = (learning_rate, learning_rate);
+        self
+    }
+
+    /// PPO's passes over each batch and minibatches per pass.
+    pub fn ppo(mut self, epochs: u32, minibatches: u32) -> Self {
+        (self.spec.hyper.ppo_epochs, self.spec.hyper.ppo_minibatches) = (epochs, minibatches);
         self
     }
 
@@ -285,6 +289,18 @@ impl SegmentBuilder {
         );
         self.segment.actions.clear();
         self.segment.continuous_actions = values;
+        self
+    }
+
+    /// Continuous actions `[T][action_dim]` of a segment that has them (from
+    /// [`SegmentBuilder::for_spec`] with a continuous head), element `i` from `value(i)`.
+    ///
+    /// # Panics
+    /// If the segment has no continuous actions.
+    pub fn continuous_actions_from(mut self, value: impl FnMut(usize) -> f32) -> Self {
+        let n = self.segment.continuous_actions.len();
+        assert!(n > 0, "continuous_actions_from: the segment has no continuous actions");
+        self.segment.continuous_actions = (0..n).map(value).collect();
         self
     }
 

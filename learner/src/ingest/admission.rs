@@ -404,36 +404,29 @@ mod tests {
     /// fake episodes in one segment set the mean return.
     #[test]
     fn episode_summaries_the_segment_cannot_back_are_rejected() {
-        let mut s = segment();
-        s.finished_episodes[0].episode_return = 1e30;
-        assert_eq!(check(&s), Err("episode_summary"));
+        type Forgery = fn(&mut [EpisodeSummary]);
+        let forgeries: [(&str, Forgery); 6] = [
+            ("a return of 1e30", |e| e[0].episode_return = 1e30),
+            ("beyond CartPole's time limit", |e| (e[0].episode_len, e[0].episode_return) = (501, 501.0)),
+            ("a fresh episode's return is its rewards' sum", |e| e[1].episode_return = 4.0),
+            ("a fresh episode's length is its steps here", |e| (e[1].episode_len, e[1].episode_return) = (30, 30.0)),
+            ("shorter than its steps in the segment", |e| (e[0].episode_len, e[0].episode_return) = (2, 2.0)),
+            ("an episode of no steps", |e| e[0].episode_len = 0),
+        ];
+        for (what, forge) in forgeries {
+            let mut s = segment();
+            forge(&mut s.finished_episodes);
+            assert_eq!(check(&s), Err("episode_summary"), "{what}");
+        }
         let mut s = segment();
         s.finished_episodes =
             vec![EpisodeSummary { episode_return: 1.0, episode_len: 1, ..Default::default() }; 20_000];
         assert_eq!(check(&s), Err("episode_summary"), "more episodes than episode ends");
         let mut s = segment();
-        s.finished_episodes[0].episode_len = 501;
-        s.finished_episodes[0].episode_return = 501.0;
-        assert_eq!(check(&s), Err("episode_summary"), "beyond CartPole's time limit");
-        let mut s = segment();
-        s.finished_episodes[1].episode_return = 4.0;
-        assert_eq!(check(&s), Err("episode_summary"), "a fresh episode's return is its rewards' sum");
-        let mut s = segment();
-        s.finished_episodes[1].episode_len = 30;
-        s.finished_episodes[1].episode_return = 30.0;
-        assert_eq!(check(&s), Err("episode_summary"), "a fresh episode's length is its steps here");
-        let mut s = segment();
-        s.finished_episodes[0].episode_len = 2;
-        s.finished_episodes[0].episode_return = 2.0;
-        assert_eq!(check(&s), Err("episode_summary"), "shorter than its steps in the segment");
-        let mut s = segment();
         s.rewards[0] = 0.0;
         assert_eq!(check(&s), Err("episode_summary"), "13 claimed: 2 earned here, at most 10 before");
         s.finished_episodes[0].episode_return = 12.0;
         assert_eq!(check(&s), Ok(()), "2 earned here and 10 before");
-        let mut s = segment();
-        s.finished_episodes[0].episode_len = 0;
-        assert_eq!(check(&s), Err("episode_summary"));
     }
 
     /// Multi-task runs whose tasks have other time limits than the run's env (e.g. memory with

@@ -50,6 +50,7 @@ use crate::batch::SegmentBatch;
 use crate::select::groups::{GroupCounters, GroupState, GroupTable, MAX_TRACKED_GROUPS};
 use crate::select::priority::{importance_weights, sample_with_replacement, sampling_probabilities};
 use crate::select::windows::{Window, WindowAssembler, WindowOutcome};
+use crate::train::ValueEstimates;
 
 /// Why selection dropped a segment for good (the `outcome` label of
 /// `volley_learner_segments_total`).
@@ -100,26 +101,14 @@ pub struct Dropped {
 /// Where priority sampling gets its values: the learner's forward pass on its own backend
 /// ([`crate::Learner::values_and_advantages`]), so no weights leave the device for it.
 pub trait ValueSource {
-    /// Values `[T+1][B]` and GAE(γ, `gae_lambda`) advantages `[T][B]` of `batch` under the
-    /// current parameters, into `values` and `advantages` (resized).
-    fn values_and_advantages(
-        &mut self,
-        batch: &SegmentBatch,
-        gae_lambda: f32,
-        values: &mut Vec<f32>,
-        advantages: &mut Vec<f32>,
-    );
+    /// Values and GAE(γ, `gae_lambda`) advantages of `batch` under the current parameters, into
+    /// `out` (resized).
+    fn values_and_advantages(&mut self, batch: &SegmentBatch, gae_lambda: f32, out: &mut ValueEstimates);
 }
 
 impl ValueSource for crate::Learner {
-    fn values_and_advantages(
-        &mut self,
-        batch: &SegmentBatch,
-        gae_lambda: f32,
-        values: &mut Vec<f32>,
-        advantages: &mut Vec<f32>,
-    ) {
-        crate::Learner::values_and_advantages(self, batch, gae_lambda, values, advantages);
+    fn values_and_advantages(&mut self, batch: &SegmentBatch, gae_lambda: f32, out: &mut ValueEstimates) {
+        crate::Learner::values_and_advantages(self, batch, gae_lambda, out);
     }
 }
 
@@ -295,8 +284,7 @@ pub struct Selector {
     // Scratch, reused across steps.
     scratch: SegmentBatch,
     ones: Vec<f32>,
-    values: Vec<f32>,
-    advantages: Vec<f32>,
+    estimates: ValueEstimates,
     unscored: Vec<usize>,
     priorities: Vec<f32>,
     probs: Vec<f64>,
@@ -353,8 +341,7 @@ impl Selector {
             rng: Pcg64Mcg::seed_from_u64(spec.seed ^ 0x5e1e_c7ed),
             scratch: SegmentBatch::default(),
             ones: Vec::new(),
-            values: Vec::new(),
-            advantages: Vec::new(),
+            estimates: ValueEstimates::default(),
             unscored: Vec::new(),
             priorities: Vec::new(),
             probs: Vec::new(),
@@ -659,14 +646,14 @@ impl Selector {
         self.scratch.fill_windows(&windows, self.window_segments, self.gamma, self.reward_scale, &self.ones);
         let batch = &self.scratch;
         let (t_len, b_len) = (batch.t_len, batch.b_len);
-        source.values_and_advantages(batch, self.gae_lambda, &mut self.values, &mut self.advantages);
-        let values = &self.values;
+        source.values_and_advantages(batch, self.gae_lambda, &mut self.estimates);
+        let (values, advantages) = (&self.estimates.values, &self.estimates.advantages);
         for (col, &pool_idx) in self.unscored.iter().enumerate() {
             // Over the window's data, not its padding.
             let first = t_len - self.pool[pool_idx].window.segments.len() * (t_len / self.window_segments);
             let values_finite = (first..=t_len).all(|t| values[t * b_len + col].is_finite());
-            let mean_abs = (first..t_len).map(|t| self.advantages[t * b_len + col].abs()).sum::<f32>()
-                / (t_len - first).max(1) as f32;
+            let mean_abs =
+                (first..t_len).map(|t| advantages[t * b_len + col].abs()).sum::<f32>() / (t_len - first).max(1) as f32;
             let score = if values_finite && mean_abs.is_finite() { mean_abs + priority.epsilon } else { f32::NAN };
             self.pool[pool_idx].priority = Some(score);
         }

@@ -61,6 +61,12 @@ fn with_return(mut segment: TrajectorySegment, task_id: u32, start: Option<&str>
 }
 
 /// A spec with group rollouts of `K = 4` and `baseline`.
+/// A selector and a learner for [`group_spec`].
+fn group_run(batch_segments: usize, baseline: Baseline, selection: SelectionConfig) -> (Selector, crate::Learner) {
+    let spec = group_spec(batch_segments, baseline, selection);
+    (selector(&spec), learner_for(&spec))
+}
+
 fn group_spec(batch_segments: usize, baseline: Baseline, selection: SelectionConfig) -> RunSpec {
     let mut spec = spec(batch_segments, selection);
     spec.hyper.baseline = baseline;
@@ -469,9 +475,7 @@ proptest! {
 /// the group is complete.
 #[test]
 fn group_advantages_are_each_members_return_minus_the_group_mean() {
-    let spec = group_spec(9, Baseline::Group, SelectionConfig::default());
-    let mut selector = selector(&spec);
-    let mut learner = learner_for(&spec);
+    let (mut selector, mut learner) = group_run(9, Baseline::Group, SelectionConfig::default());
     let mut dropped = Vec::new();
     let returns = [1.0, 0.0, 0.0, 3.0];
     // Each member's episode spans two segments; the first ones arrive before any return.
@@ -520,9 +524,7 @@ fn zero_variance_groups_of_continuations_are_dropped_when_complete() {
         zero_variance: Some(ZeroVarianceConfig { min_group: 2, tolerance: 0.0 }),
         ..SelectionConfig::default()
     };
-    let spec = group_spec(4, Baseline::Critic, zero);
-    let mut selector = selector(&spec);
-    let mut learner = learner_for(&spec);
+    let (mut selector, mut learner) = group_run(4, Baseline::Critic, zero);
     let mut dropped = Vec::new();
     for member in 0..4u32 {
         let flat = member_segment(u64::from(member), 0, 1, member, Some(0.0));
@@ -542,9 +544,7 @@ fn zero_variance_groups_of_continuations_are_dropped_when_complete() {
 /// oldest go to the critic (counted), and a segment at the lag bound goes too.
 #[test]
 fn a_flood_of_forged_group_ids_stays_bounded_and_falls_back_to_the_critic() {
-    let spec = group_spec(4, Baseline::Group, SelectionConfig::default());
-    let mut selector = selector(&spec);
-    let mut learner = learner_for(&spec);
+    let (mut selector, mut learner) = group_run(4, Baseline::Group, SelectionConfig::default());
     let mut dropped = Vec::new();
     for idx in 0..1000u64 {
         let forged = member_segment(idx, 0, 1_000_000 + idx, (idx % 4) as u32, None);

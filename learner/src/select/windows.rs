@@ -268,15 +268,19 @@ mod tests {
         BpttConfig { segments, max_held_segments, stream_timeout_secs: 10.0 }
     }
 
+    /// An assembler of `segments`-segment windows holding at most `max_held_segments`, over
+    /// streams lagging at most `max_lag` versions; the instant it starts at; and its output.
+    fn assembler(segments: usize, max_held_segments: usize, max_lag: u64) -> (WindowAssembler, Instant, Vec<Window>) {
+        (WindowAssembler::new(&config(segments, max_held_segments), max_lag), Instant::now(), Vec::new())
+    }
+
     fn indices(window: &Window) -> Vec<u64> {
         window.segments.iter().map(|s| s.segment_idx).collect()
     }
 
     #[test]
     fn consecutive_segments_of_a_stream_form_a_full_window() {
-        let mut assembler = WindowAssembler::new(&config(3, 64), 32);
-        let now = Instant::now();
-        let mut out = Vec::new();
+        let (mut assembler, now, mut out) = assembler(3, 64, 32);
         for idx in 0..7 {
             assembler.offer(segment(0, idx, 0), token(idx), now, &mut out);
         }
@@ -288,9 +292,7 @@ mod tests {
 
     #[test]
     fn a_gap_flushes_the_held_segments_as_a_short_window() {
-        let mut assembler = WindowAssembler::new(&config(4, 64), 32);
-        let now = Instant::now();
-        let mut out = Vec::new();
+        let (mut assembler, now, mut out) = assembler(4, 64, 32);
         assembler.offer(segment(0, 0, 0), token(0), now, &mut out);
         assembler.offer(segment(0, 1, 0), token(1), now, &mut out);
         // Segment 2 never arrives (dropped, say).
@@ -318,8 +320,7 @@ mod tests {
         jumped.observations.as_f32_mut().expect("f32 observations")[0] = -1.0;
         assert!(!continues(&last, &jumped));
         // Another incarnation is another stream: both wait apart.
-        let mut assembler = WindowAssembler::new(&config(2, 64), 32);
-        let mut out = Vec::new();
+        let (mut assembler, _, mut out) = assembler(2, 64, 32);
         assembler.offer(segment(0, 0, 0), token(0), Instant::now(), &mut out);
         assembler.offer(segment(1, 1, 0), token(1), Instant::now(), &mut out);
         assert!(out.is_empty());
@@ -328,9 +329,7 @@ mod tests {
 
     #[test]
     fn held_segments_are_bounded_by_evicting_the_longest_waiting_stream() {
-        let mut assembler = WindowAssembler::new(&config(4, 3), 32);
-        let start = Instant::now();
-        let mut out = Vec::new();
+        let (mut assembler, start, mut out) = assembler(4, 3, 32);
         for env in 0..5u32 {
             let mut s = segment(0, 0, 0);
             s.env_idx = env;
@@ -345,9 +344,7 @@ mod tests {
 
     #[test]
     fn timeouts_and_the_lag_bound_flush_held_streams() {
-        let mut assembler = WindowAssembler::new(&config(4, 64), 8);
-        let start = Instant::now();
-        let mut out = Vec::new();
+        let (mut assembler, start, mut out) = assembler(4, 64, 8);
         assembler.offer(segment(0, 0, 5), token(0), start, &mut out);
         let mut other = segment(0, 0, 10);
         other.env_idx = 1;
@@ -368,8 +365,7 @@ mod tests {
 
     #[test]
     fn one_segment_windows_pass_straight_through() {
-        let mut assembler = WindowAssembler::new(&config(1, 64), 32);
-        let mut out = Vec::new();
+        let (mut assembler, _, mut out) = assembler(1, 64, 32);
         assembler.offer(segment(0, 0, 0), token(0), Instant::now(), &mut out);
         assert_eq!(out.len(), 1);
         assert_eq!(assembler.held_segments(), 0);
@@ -385,9 +381,7 @@ mod tests {
             k in 1usize..5,
             bound in 1usize..10,
         ) {
-            let mut assembler = WindowAssembler::new(&config(k, bound), 1000);
-            let start = Instant::now();
-            let mut out = Vec::new();
+            let (mut assembler, start, mut out) = assembler(k, bound, 1000);
             for (i, &(env, idx)) in arrivals.iter().enumerate() {
                 let mut s = segment(0, idx, 0);
                 s.env_idx = env;

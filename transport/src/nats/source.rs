@@ -14,9 +14,10 @@ use tracing::{debug, info, warn};
 use volley_core::subjects;
 use volley_core::wire::{self, TrajectorySegment};
 
+use super::run::learner_consumer_config;
 use super::{
-    call, failed, learner_consumer_config, Backoff, NatsBus, Shared, ABANDON_ACK_DEADLINE, BACKLOG_CACHE,
-    BACKLOG_DEADLINE, REPLAY_INACTIVE_THRESHOLD,
+    call, failed, Backoff, NatsBus, Shared, ABANDON_ACK_DEADLINE, BACKLOG_CACHE, BACKLOG_DEADLINE,
+    REPLAY_INACTIVE_THRESHOLD,
 };
 use crate::{Delivery, DeliveryToken, TrajectorySource, TransportError};
 

@@ -12,10 +12,8 @@ use tracing::{debug, warn};
 use volley_core::ids::ActorId;
 use volley_core::subjects;
 
-use super::{
-    call, denial_since, denied, failed, gets, is_denied, open_kv, open_objects, retry_for, unless_reconnected, NatsBus,
-    Shared,
-};
+use super::run::{open_kv, open_objects};
+use super::{call, denial_since, denied, failed, gets, is_denied, retry_for, unless_reconnected, NatsBus, Shared};
 use crate::TransportError;
 
 /// Create (or update) the work-queue stream, the actors' shared consumer, the snapshot object

@@ -15,6 +15,8 @@ use volley_transport::nats::identity::{actor_nkey_variable, ActorIdentity};
 use volley_transport::nats::{NatsBus, NatsConfig, NatsTls, NatsWeightsFollower};
 use volley_transport::WeightsFollower;
 
+pub mod roles;
+
 /// A small CartPole run spec for `run`, with small store bounds: JetStream reserves every
 /// stream's `max_bytes` when it is created, and a test broker may use at most 75 % of the free
 /// disk, which the defaults (about 7 GB in all with work items) can exceed on a full machine.

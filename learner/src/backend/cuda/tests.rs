@@ -11,12 +11,13 @@
 
 use rand::{Rng, SeedableRng};
 use rand_pcg::Pcg64Mcg;
-use volley_core::ids::{PolicyVersion, RunId};
-use volley_core::spec::{HyperParams, LossKind, RunSpec};
+use volley_core::ids::PolicyVersion;
+use volley_core::spec::{LossKind, RunSpec};
 use volley_core::wire::Observations;
 use volley_env::EnvConfig;
 use volley_policy::returns::{vtrace, VTraceConfig};
 use volley_policy::{ActionHead, Activation, ParamLayout, PolicySpec};
+use volley_testkit::fixtures::SpecBuilder;
 
 use super::*;
 use crate::backend::{
@@ -30,6 +31,7 @@ use crate::losses::{LossStats, PpoLossConfig, VTraceLossConfig};
 use crate::net::Network;
 use crate::optim::AdamConfig;
 use crate::telemetry::{OffPolicyStats, OffPolicySums, NO_RATIO};
+use crate::train::ValueEstimates;
 
 fn device_or_skip(test: &str) -> Option<CudaDevice> {
     match open_cuda(0) {
@@ -673,31 +675,21 @@ fn values_for_selection_match_the_cpu_learner() {
         let mut gpu = Learner::new(spec.clone()).unwrap();
         gpu.use_cuda_device(&device).unwrap();
         let batch = random_batch(&mut rng(5), &spec, cpu.layout().recurrent_size());
-        let (mut cv, mut ca, mut gv, mut ga) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-        cpu.values_and_advantages(&batch, 0.95, &mut cv, &mut ca);
-        gpu.values_and_advantages(&batch, 0.95, &mut gv, &mut ga);
-        assert_close("selection values", &gv, &cv, 1e-4, 1e-5);
-        assert_close("selection advantages", &ga, &ca, 1e-3, 1e-5);
+        let (mut c, mut g) = (ValueEstimates::default(), ValueEstimates::default());
+        cpu.values_and_advantages(&batch, 0.95, &mut c);
+        gpu.values_and_advantages(&batch, 0.95, &mut g);
+        assert_close("selection values", &g.values, &c.values, 1e-4, 1e-5);
+        assert_close("selection advantages", &g.advantages, &c.advantages, 1e-3, 1e-5);
     }
 }
 
 fn run_spec(policy: PolicySpec, loss: LossKind, t_len: usize, b_len: usize) -> RunSpec {
-    RunSpec {
-        run: RunId::new("parity").expect("valid run id"),
-        env: EnvConfig::Cartpole,
-        policy,
-        segment_len: t_len,
-        hyper: HyperParams {
-            loss,
-            batch_segments: b_len,
-            ppo_epochs: 2,
-            ppo_minibatches: 3,
-            learning_rate: 3e-4,
-            final_learning_rate: 3e-4,
-            ..HyperParams::default()
-        },
-        seed: 9,
-    }
+    SpecBuilder::new(EnvConfig::Cartpole, policy, t_len)
+        .run("parity")
+        .training(loss, b_len, 3e-4)
+        .ppo(2, 3)
+        .seed(9)
+        .build()
 }
 
 fn random_batch(r: &mut Pcg64Mcg, spec: &RunSpec, hidden: usize) -> SegmentBatch {

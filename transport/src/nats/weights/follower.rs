@@ -18,7 +18,8 @@ use super::pointer::{
     follow_pointer, full_frame_bytes, live_lead, max_version_jump, PointerSlot, WeightsPointer, FETCH_RETRY_FIRST,
     FETCH_RETRY_MAX, REWIND_AFTER_WRITES,
 };
-use crate::nats::{call, failed, gets, open_objects, NatsBus, Shared};
+use crate::nats::run::open_objects;
+use crate::nats::{call, failed, gets, NatsBus, Shared};
 use crate::rejection_log::RejectionLog;
 use crate::signing::{SignatureError, SignedVersion, WeightsPublicKeys, SIGNATURE_BYTES};
 use crate::{TransportError, WeightsFollower};

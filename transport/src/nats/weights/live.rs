@@ -11,7 +11,8 @@ use volley_core::subjects;
 use volley_core::wire;
 
 use super::pointer::full_frame_bytes;
-use crate::nats::{call, open_kv, Shared};
+use crate::nats::run::open_kv;
+use crate::nats::{call, Shared};
 
 /// Subscribe to the run's live weights subject and start reassembling its chunks in the
 /// background; `None` (logged) when the subscription fails, e.g. a broker whose permissions

@@ -14,7 +14,8 @@ use volley_core::ids::PolicyVersion;
 use volley_core::subjects;
 use volley_core::wire;
 
-use crate::nats::{call, open_kv, Backoff};
+use crate::nats::run::open_kv;
+use crate::nats::{call, Backoff};
 use crate::rejection_log::RejectionLog;
 use crate::TransportError;
 

@@ -17,7 +17,8 @@ use volley_core::subjects;
 use volley_core::wire::{self, Weights};
 
 use super::pointer::{full_frame_bytes, is_weights_object, pointer_interval, read_pointer, WeightsPointer};
-use crate::nats::{call, failed, open_kv, open_objects, retry_for, timed, unless_reconnected, NatsBus, Shared};
+use crate::nats::run::{open_kv, open_objects};
+use crate::nats::{call, failed, retry_for, timed, unless_reconnected, NatsBus, Shared};
 use crate::signing::{SignedVersion, WeightsSigningKey, SIGNATURE_BYTES};
 use crate::{LiveWeightsSender, TransportError, WeightsPublisher};
 
