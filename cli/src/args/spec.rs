@@ -325,8 +325,9 @@ impl EnvDefaults {
     /// batches, 10 epochs of 32 minibatches, learning rate 3e-4, γ 0.99, no entropy bonus,
     /// observation normalisation), with a fixed reward scale of 0.1 instead of its running
     /// return normaliser. Pendulum's defaults (γ 0.9, 1,024-step batches at 1.5e-3) left Walker2d-v5
-    /// near a return of 400 after 1M steps; these took HalfCheetah-v5 to 1,698 and Hopper-v5 to
-    /// 2,028 (docs/benchmarks/solve.md, "MuJoCo through the environment service").
+    /// at 425 after 1M steps (3 seeds); these took it to 1,821 (2,283, 1,601, 1,579) and, as
+    /// `bench/mujoco.sh`'s flags, HalfCheetah-v5 to 1,698 and Hopper-v5 to 2,028; Ant-v5 moved
+    /// little (845 against 716; docs/benchmarks/solve.md, "The MuJoCo family").
     const MUJOCO: EnvDefaults = EnvDefaults {
         family: "MuJoCo (Gymnasium's locomotion and manipulation tasks)",
         loss: LossName::Ppo,
