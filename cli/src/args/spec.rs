@@ -34,10 +34,10 @@ pub struct SpecArgs {
     /// Base seed of the run.
     #[arg(long, default_value_t = 1, env = "VOLLEY_SEED")]
     pub seed: u64,
-    /// Steps per segment (T) [default: 32].
+    /// Steps per segment (T) [default: 32; served MuJoCo tasks: 64].
     #[arg(long, env = "VOLLEY_SEGMENT_LEN")]
     pub segment_len: Option<usize>,
-    /// Segments per learner batch (B) [default: 8; pendulum, served images: 32].
+    /// Segments per learner batch (B) [default: 8; pendulum, served images, served MuJoCo tasks: 32].
     #[arg(long, env = "VOLLEY_BATCH_SEGMENTS")]
     pub batch_segments: Option<usize>,
     /// Credit across segments: train on windows of K consecutive segments of one environment
@@ -53,7 +53,7 @@ pub struct SpecArgs {
     /// Stop after this many environment steps.
     #[arg(long, default_value_t = 300_000, env = "VOLLEY_MAX_ENV_STEPS")]
     pub max_env_steps: u64,
-    /// Loss [default: vtrace; pendulum, served images: ppo].
+    /// Loss [default: vtrace; pendulum, served images, served MuJoCo tasks: ppo].
     #[arg(long, value_enum, env = "VOLLEY_LOSS")]
     pub loss: Option<LossName>,
     /// Torso widths, comma-separated (empty for none) [default: 64,64; minatar-*: 128; served
@@ -88,7 +88,7 @@ pub struct SpecArgs {
     #[arg(long, default_value_t = 1, env = "VOLLEY_FRAME_STACK")]
     pub frame_stack: usize,
     /// Adam learning rate at the start (decays linearly to --final-learning-rate over
-    /// --max-env-steps) [default: 2e-3; pendulum, minatar-*: 1.5e-3; served images: 3e-4].
+    /// --max-env-steps) [default: 2e-3; pendulum, minatar-*: 1.5e-3; served images, MuJoCo: 3e-4].
     #[arg(long, env = "VOLLEY_LEARNING_RATE")]
     pub learning_rate: Option<f32>,
     /// Learning rate reached at the end of the step budget (linear decay).
@@ -104,7 +104,8 @@ pub struct SpecArgs {
     /// Discount γ [default: 0.99; pendulum: 0.9].
     #[arg(long, env = "VOLLEY_GAMMA")]
     pub gamma: Option<f32>,
-    /// Multiply rewards by this before computing returns [default: 0.05; pendulum: 0.1; minatar-*: 1].
+    /// Multiply rewards by this before computing returns [default: 0.05; pendulum, served MuJoCo
+    /// tasks: 0.1; minatar-*: 1].
     #[arg(long, env = "VOLLEY_REWARD_SCALE")]
     pub reward_scale: Option<f32>,
     /// Entropy bonus coefficient [default: 0.01 with PPO on discrete actions; minatar-*: 0.005;
@@ -118,7 +119,8 @@ pub struct SpecArgs {
     /// PPO epochs per batch [default: 10; served images: 3].
     #[arg(long, env = "VOLLEY_PPO_EPOCHS")]
     pub ppo_epochs: Option<u32>,
-    /// PPO minibatches per epoch [default: 1; pendulum: 8; served images: 4].
+    /// PPO minibatches per epoch [default: 1; pendulum: 8; served images: 4; served MuJoCo tasks:
+    /// 32].
     #[arg(long, env = "VOLLEY_PPO_MINIBATCHES")]
     pub ppo_minibatches: Option<u32>,
     /// GAE λ.
