@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use clap::builder::BoolishValueParser;
-use clap::Args;
+use clap::{Args, ValueEnum};
 use volley_core::ids::RunId;
 use volley_core::spec::{
     Baseline, BpttConfig, HyperParams, LossKind, PriorityConfig, RunSpec, SelectionConfig, TrustConfig,
@@ -610,7 +610,7 @@ impl SpecArgs {
                     env.describe(),
                     conv.height,
                     conv.width,
-                    format!("{family:?}").to_lowercase()
+                    family.to_possible_value().map(|value| value.get_name().to_owned()).unwrap_or_default()
                 );
             }
         }
@@ -683,6 +683,13 @@ mod tests {
     use crate::args::tests::learner_config;
     use crate::args::{Cli, Command};
 
+    /// The run spec `volley train <flags>` describes, a remote environment resolving to `served`.
+    fn train_spec(flags: &[&str], served: Option<&RemoteEnvConfig>) -> anyhow::Result<RunSpec> {
+        let cli = Cli::try_parse_from(["volley", "train"].iter().chain(flags)).expect("valid flags");
+        let Command::Train(args) = cli.command else { panic!("parsed {:?}", cli.command) };
+        args.spec.to_spec_with(&|_| served.cloned().ok_or_else(|| anyhow::anyhow!("not served")))
+    }
+
     #[test]
     fn several_tasks_fit_in_one_value_separated_by_semicolons() {
         let cli = Cli::try_parse_from([
@@ -706,11 +713,7 @@ mod tests {
     /// theirs; the policy head is Gaussian.
     #[test]
     fn pendulum_gets_its_own_defaults_and_flags_still_win() {
-        let spec = |flags: &[&str]| {
-            let cli = Cli::try_parse_from(["volley", "train"].iter().chain(flags)).expect("valid flags");
-            let Command::Train(args) = cli.command else { panic!("parsed {:?}", cli.command) };
-            args.spec.to_spec().expect("a valid spec")
-        };
+        let spec = |flags: &[&str]| train_spec(flags, None).expect("a valid spec");
         let pendulum = spec(&["--env", "pendulum"]);
         assert_eq!(pendulum.hyper.loss, LossKind::Ppo);
         assert_eq!((pendulum.hyper.gamma, pendulum.hyper.reward_scale), (0.9, 0.1));
@@ -731,13 +734,8 @@ mod tests {
     /// Atari-like ones, and a served discrete vector environment keeps CartPole's.
     #[test]
     fn a_served_environment_gets_the_defaults_of_its_declared_family() {
-        let spec = |flags: &[&str], served: Option<RemoteEnvConfig>| {
-            let cli = Cli::try_parse_from(["volley", "train"].iter().chain(flags)).expect("valid flags");
-            let Command::Train(args) = cli.command else { panic!("parsed {:?}", cli.command) };
-            args.spec
-                .to_spec_with(&|_| served.clone().ok_or_else(|| anyhow::anyhow!("not served")))
-                .expect("a valid spec")
-        };
+        let spec =
+            |flags: &[&str], served: Option<RemoteEnvConfig>| train_spec(flags, served.as_ref()).expect("a valid spec");
         let builtin = spec(&["--env", "pendulum"], None);
         // What env-serve's servers declare for the built-in pendulum.
         let pendulum = EnvConfig::Pendulum.build().expect("builds");
@@ -767,19 +765,17 @@ mod tests {
         );
         let small =
             spec(&["--env", "remote:pong", "--conv", "none", "--torso", "32", "--activation", "tanh"], Some(image));
-        let tiny = RemoteEnvConfig { image: Some([1, 12, 12]), ..RemoteEnvConfig::new(service.clone(), 144, 3) };
-        let cli = Cli::try_parse_from(["volley", "train", "--env", "remote:tiny"]).expect("valid flags");
-        let Command::Train(args) = cli.command else { panic!("parsed {:?}", cli.command) };
-        let refused = args.spec.to_spec_with(&|_| Ok(tiny.clone())).expect_err("12x12 frames are too small for Nature");
-        assert!(format!("{refused:#}").contains("--conv none"), "{refused:#}");
-        let cli =
-            Cli::try_parse_from(["volley", "train", "--env", "remote:tiny", "--conv", "none"]).expect("valid flags");
-        let Command::Train(args) = cli.command else { panic!("parsed {:?}", cli.command) };
-        assert_eq!(args.spec.to_spec_with(&|_| Ok(tiny.clone())).expect("an MLP on 12x12 frames").policy.conv, None);
         assert_eq!(
             (&small.policy.conv, &small.policy.torso, small.policy.activation),
             (&None, &vec![32], Activation::Tanh)
         );
+        let tiny = RemoteEnvConfig { image: Some([1, 12, 12]), ..RemoteEnvConfig::new(service.clone(), 144, 3) };
+        let refused =
+            train_spec(&["--env", "remote:tiny"], Some(&tiny)).expect_err("12x12 frames are too small for Nature");
+        assert!(format!("{refused:#}").contains("(--conv nature)"), "{refused:#}");
+        assert!(format!("{refused:#}").contains("--conv none"), "{refused:#}");
+        let mlp = train_spec(&["--env", "remote:tiny", "--conv", "none"], Some(&tiny)).expect("an MLP on 12x12 frames");
+        assert_eq!(mlp.policy.conv, None);
         // Issue 45, item 3: a served MuJoCo task gets MuJoCo's defaults, not Pendulum's, by the
         // label its servers declare; Gymnasium's Pendulum keeps Pendulum's.
         let walker = RemoteEnvConfig {
@@ -821,11 +817,7 @@ mod tests {
     /// it Breakout seed 11 collapsed to a deterministic policy that scored 0), and flags still win.
     #[test]
     fn minatar_gets_an_entropy_bonus_on_unscaled_rewards() {
-        let spec = |flags: &[&str]| {
-            let cli = Cli::try_parse_from(["volley", "train"].iter().chain(flags)).expect("valid flags");
-            let Command::Train(args) = cli.command else { panic!("parsed {:?}", cli.command) };
-            args.spec.to_spec().expect("a valid spec")
-        };
+        let spec = |flags: &[&str]| train_spec(flags, None).expect("a valid spec");
         for game in
             ["minatar-breakout", "minatar-asterix", "minatar-freeway", "minatar-seaquest", "minatar-space-invaders"]
         {
@@ -852,11 +844,7 @@ mod tests {
     /// head keep 0, and the flag still wins.
     #[test]
     fn ppo_on_discrete_actions_defaults_to_an_entropy_bonus() {
-        let ent_coef = |flags: &[&str]| {
-            let cli = Cli::try_parse_from(["volley", "train"].iter().chain(flags)).expect("valid flags");
-            let Command::Train(args) = cli.command else { panic!("parsed {:?}", cli.command) };
-            args.spec.to_spec().expect("a valid spec").hyper.ent_coef
-        };
+        let ent_coef = |flags: &[&str]| train_spec(flags, None).expect("a valid spec").hyper.ent_coef;
         assert_eq!(ent_coef(&["--loss", "ppo"]), 0.01);
         assert_eq!(ent_coef(&[]), 0.0);
         assert_eq!(ent_coef(&["--env", "pendulum"]), 0.0);
