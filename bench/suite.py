@@ -19,6 +19,12 @@ The only flags each run gets besides `--env` are the budget and the bookkeeping:
 `volley-envs serve gymnasium:<Env>` processes this script starts beside a fresh nats-server).
 Everything else is the command's per-environment default.
 
+A reference published at a smaller budget than the runs' (AC(λ) at 5M beside 10M-frame runs) is
+also read off each run's curve at that budget, and the gap to the primary reference and the
+normalised scores are taken there. The table also gives the mean episode length over the last
+fifth of each run: MinAtar Seaquest's ends at its 200-frame oxygen limit while the policy never
+surfaces, a MuJoCo walker's when it falls.
+
 Stability checks (issue 45, item 2), per seed: the final last-100 mean return is at least
 80 % of the best last-100 mean the run reached, and the policy entropy never falls below
 0.01 nats while the last-100 return is under the reference. `--check` makes the exit status
@@ -336,6 +342,31 @@ def stability(run: dict, reference: float | None, low: float, check_entropy: boo
     }
 
 
+def return_at(run: dict, frames: int) -> float | None:
+    """The last-100 mean at the last update that ended at or before `frames` env steps: a run
+    longer than a reference's budget is compared with it at that budget (the 10M-frame MinAtar
+    runs against AC(λ) at 5M)."""
+    value = None
+    for r in run["rows"]:
+        if r["env_steps"] > frames:
+            break
+        if r.get("mean_return_100") is not None:
+            value = r["mean_return_100"]
+    return value
+
+
+def episode_length(run: dict) -> float | None:
+    """The mean episode length over the last fifth of the updates (env steps per finished
+    episode): whether episodes end early, e.g. MinAtar Seaquest's at the 200-frame oxygen limit
+    when the policy never surfaces, or a MuJoCo walker's at a fall."""
+    rows = [r for r in run["rows"] if r.get("episodes") is not None]
+    if len(rows) < 2:
+        return None
+    first, last = rows[len(rows) * 4 // 5 if len(rows) >= 5 else 0], rows[-1]
+    episodes = last["episodes"] - first["episodes"]
+    return (last["env_steps"] - first["env_steps"]) / episodes if episodes > 0 else None
+
+
 def mean_ci(values: list[float]) -> tuple[float, float]:
     """Mean and the half-width of its 95 % Student-t confidence interval."""
     import numpy as np
@@ -366,15 +397,20 @@ def report(args, family: Family) -> bool:
         print("no finished runs to report", flush=True)
         return False
     ref = family.primary
+    # References published at a smaller budget than these runs' are also compared at their own
+    # budget, read off each run's curve.
+    earlier = sorted({r.budget for r in [ref, *family.others] if 0 < r.budget < args.frames})
     lines = [
         f"Suite `{args.family}`, {args.frames:,} frames per run, seeds {','.join(map(str, args.seeds))}; "
         f"command per run: `volley train --env <env> --seed <seed> --max-env-steps {args.frames}` "
         "(the rest is bookkeeping: `--max-secs`, `--progress`, `--run-dir`).",
         "",
-        f"| env | seeds | last-100 return, mean ± 95 % CI | each seed | {ref.label} | gap | "
+        f"| env | seeds | last-100 return, mean ± 95 % CI | each seed | {ref.label} | "
+        + (f"gap at {ref.budget:,} | " if ref.budget in earlier else "gap | ")
         + " | ".join(o.label for o in family.others) + (" | " if family.others else "")
-        + "stability (final ≥ 80 % of best; entropy > 0 below the reference) | env steps/s |",
-        "|---|---|---|---|---|---|" + "---|" * len(family.others) + "---|---|",
+        + "".join(f"last-100 at {b:,}, mean | " for b in earlier)
+        + "stability (final ≥ 80 % of best; entropy > 0 below the reference) | episode length, last fifth | env steps/s |",
+        "|---|---|---|---|---|---|" + "---|" * (len(family.others) + len(earlier)) + "---|---|---|",
     ]
     results = {"family": args.family, "frames": args.frames, "envs": {}}
     all_ok = True
@@ -393,21 +429,31 @@ def report(args, family: Family) -> bool:
                   for seed, c in checks.items() if not c["ok"]]
         all_ok &= not failed
         speeds = [r["summary"]["env_steps"] / max(r["summary"]["wall_secs"], 1e-9) for r in env_runs.values()]
-        gap = None if reference is None else mean - reference
-        if reference is not None and reference != low:
-            normalised[env] = [(f - low) / (reference - low) for f in finals]
+        at_budget = {b: [return_at(r, b) for r in env_runs.values()] for b in earlier}
+        at_budget = {b: float(np.mean(v)) if v and None not in v else None for b, v in at_budget.items()}
+        # The gap and the normalised score are taken at the primary reference's budget.
+        compared = finals if ref.budget not in earlier else [return_at(r, ref.budget) for r in env_runs.values()]
+        compared_mean = float(np.mean(compared)) if None not in compared else None
+        gap = None if reference is None or compared_mean is None else compared_mean - reference
+        if reference is not None and reference != low and None not in compared:
+            normalised[env] = [(f - low) / (reference - low) for f in compared]
+        lengths = [episode_length(r) for r in env_runs.values()]
+        length = float(np.mean(lengths)) if lengths and None not in lengths else None
         lines.append(
             f"| {env} | {len(finals)} | {fmt(mean)} ± {fmt(half)} | {', '.join(fmt(f) for f in finals)} | "
             f"{fmt(reference, 1)} | {fmt(gap)} | "
             + "".join(f"{fmt(o.scores.get(env), 1)} | " for o in family.others)
-            + ("ok" if not failed else "FAIL " + "; ".join(failed)) + f" | {fmt(float(np.median(speeds)), 0)} |"
+            + "".join(f"{fmt(at_budget[b])} | " for b in earlier)
+            + ("ok" if not failed else "FAIL " + "; ".join(failed))
+            + f" | {fmt(length, 0)} | {fmt(float(np.median(speeds)), 0)} |"
         )
         results["envs"][env] = {
             "finals": finals, "mean": mean, "ci95": half, "reference": reference, "gap": gap,
+            "at_budget": {str(b): v for b, v in at_budget.items()}, "episode_length": lengths,
             "stability": {str(s): c for s, c in checks.items()}, "env_steps_per_sec": speeds,
         }
     lines.append("")
-    iqm_line = iqm(normalised, ref)
+    iqm_line = iqm(normalised, ref, ref.budget if ref.budget in earlier else None)
     if iqm_line:
         lines += [iqm_line, ""]
         results["iqm"] = iqm_line
@@ -422,7 +468,7 @@ def report(args, family: Family) -> bool:
     return all_ok
 
 
-def iqm(normalised: dict[str, list[float]], ref: Reference) -> str | None:
+def iqm(normalised: dict[str, list[float]], ref: Reference, at: int | None = None) -> str | None:
     """The interquartile mean over environments of reference-normalised scores, with 95 %
     stratified-bootstrap confidence intervals (Agarwal et al. 2021, the `rliable` package)."""
     if len(normalised) < 1:
@@ -441,7 +487,8 @@ def iqm(normalised: dict[str, list[float]], ref: Reference) -> str | None:
     )
     (iqm_point, mean_point), ci = point["volley"], interval["volley"]
     return (
-        f"Normalised score per run = (return − random) / (reference − random), the reference being {ref.label}: "
+        f"Normalised score per run = (return{f' at {at:,} frames' if at else ''} − random) / (reference − random), "
+        f"the reference being {ref.label}: "
         f"interquartile mean over {scores.shape[1]} environments × {n} seeds **{iqm_point:.3f}** "
         f"(95 % stratified-bootstrap CI {ci[0][0]:.3f}–{ci[1][0]:.3f}), mean {mean_point:.3f} "
         f"({ci[0][1]:.3f}–{ci[1][1]:.3f}); 1.0 is the reference."
