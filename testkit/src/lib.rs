@@ -108,7 +108,7 @@ impl TestNats {
         let pki = TestPki::generate(&dir.path().join("tls"));
         let mut server =
             TestNats { binary, port: free_port(), options, extra_config: None, env: Vec::new(), dir, pki, child: None };
-        server.spawn_and_wait();
+        server.spawn_on_a_free_port();
         server
     }
 
@@ -131,7 +131,7 @@ impl TestNats {
             pki,
             child: None,
         };
-        server.spawn_and_wait();
+        server.spawn_on_a_free_port();
         server
     }
 
@@ -214,6 +214,27 @@ impl TestNats {
     }
 
     fn spawn_and_wait(&mut self) {
+        if let Err(problem) = self.try_spawn_and_wait() {
+            panic!("{problem}");
+        }
+    }
+
+    /// A first start: [`free_port`] only finds a port that was free a moment ago, and another
+    /// process on the machine (a parallel test, another engineer's run) can bind it before the
+    /// server does. The server then exits with "address already in use"; start it again on a
+    /// fresh port, up to [`START_ATTEMPTS`] times. A restart keeps its port and does not retry.
+    fn spawn_on_a_free_port(&mut self) {
+        for _ in 1..START_ATTEMPTS {
+            match self.try_spawn_and_wait() {
+                Ok(()) => return,
+                Err(Startup::PortTaken(_)) => self.port = free_port(),
+                Err(problem) => panic!("{problem}"),
+            }
+        }
+        self.spawn_and_wait();
+    }
+
+    fn try_spawn_and_wait(&mut self) -> Result<(), Startup> {
         let mut command = Command::new(&self.binary);
         command
             .arg("-js")
@@ -257,21 +278,30 @@ impl TestNats {
         command.stdin(Stdio::null()).stdout(log.try_clone().expect("clone the log handle")).stderr(log);
         let child = command.spawn().unwrap_or_else(|err| panic!("cannot run {}: {err}", self.binary.display()));
         self.child = Some(child);
-        self.wait_ready();
+        self.wait_ready()
     }
 
     /// Poll until the server sends an `INFO` line announcing JetStream. The server only accepts
     /// clients after JetStream has recovered its store, so this also covers a restart.
-    fn wait_ready(&mut self) {
+    fn wait_ready(&mut self) -> Result<(), Startup> {
         let started = Instant::now();
         let address = SocketAddr::from((Ipv4Addr::LOCALHOST, self.port));
         let mut last_problem = String::from("no attempt yet");
         while started.elapsed() < READY_TIMEOUT {
             if !self.is_running() {
-                panic!("nats-server exited during startup on port {}\n{}", self.port, self.log_tail());
+                self.kill(); // reap it
+                let tail = self.log_tail();
+                let message = format!("nats-server exited during startup on port {}\n{tail}", self.port);
+                // The log of this start only: a restart appends to the first run's log.
+                let this_start = tail.rsplit("Starting nats-server").next().unwrap_or(&tail);
+                return Err(if this_start.contains("address already in use") {
+                    Startup::PortTaken(message)
+                } else {
+                    Startup::Failed(message)
+                });
             }
             match probe_info(&address) {
-                Ok(info) if info.contains("\"jetstream\":true") => return,
+                Ok(info) if info.contains("\"jetstream\":true") => return Ok(()),
                 Ok(info) => last_problem = format!("server up without jetstream: {info}"),
                 Err(err) => last_problem = err.to_string(),
             }
@@ -279,7 +309,10 @@ impl TestNats {
         }
         let tail = self.log_tail();
         self.kill();
-        panic!("nats-server on port {} not ready after {READY_TIMEOUT:?} ({last_problem})\n{tail}", self.port);
+        Err(Startup::Failed(format!(
+            "nats-server on port {} not ready after {READY_TIMEOUT:?} ({last_problem})\n{tail}",
+            self.port
+        )))
     }
 
     /// The server's log so far (both runs after a [`TestNats::restart`]), e.g. to show the
@@ -315,6 +348,27 @@ fn probe_info(address: &SocketAddr) -> std::io::Result<String> {
         Ok(line)
     } else {
         Err(std::io::Error::other(format!("unexpected greeting {line:?}")))
+    }
+}
+
+/// How many ports a first start tries when the one it picked was taken before the server bound
+/// it ([`TestNats`]'s start on a free port).
+const START_ATTEMPTS: usize = 5;
+
+/// Why a server did not come up.
+#[derive(Debug)]
+enum Startup {
+    /// It exited because another process holds its port.
+    PortTaken(String),
+    /// Anything else (with the server log).
+    Failed(String),
+}
+
+impl std::fmt::Display for Startup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Startup::PortTaken(message) | Startup::Failed(message) => f.write_str(message),
+        }
     }
 }
 
@@ -523,6 +577,33 @@ mod tests {
         assert!(server.is_running());
         drop(server);
         assert!(probe_info(&SocketAddr::from((Ipv4Addr::LOCALHOST, port))).is_err(), "dropped server still answers");
+    }
+
+    #[test]
+    fn a_first_start_moves_to_a_fresh_port_when_its_port_is_taken() {
+        // Another process holds the port the start picked (the race `free_port` leaves open).
+        let holder = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).expect("bind a loopback port");
+        let taken = holder.local_addr().expect("its address").port();
+        let dir = tempfile::Builder::new().prefix("volley-nats-").tempdir().expect("a temporary directory");
+        let pki = TestPki::generate(&dir.path().join("tls"));
+        let options = TestNatsOptions { max_file_store_bytes: Some(DEFAULT_MAX_FILE_STORE), ..Default::default() };
+        let mut server = TestNats {
+            binary: find_nats_server(),
+            port: taken,
+            options,
+            extra_config: None,
+            env: Vec::new(),
+            dir,
+            pki,
+            child: None,
+        };
+        server.spawn_on_a_free_port();
+        assert_ne!(server.port(), taken, "the server moved off the taken port");
+        assert!(server.is_running());
+        let info = probe_info(&SocketAddr::from((Ipv4Addr::LOCALHOST, server.port()))).expect("the server answers");
+        assert!(info.contains("\"jetstream\":true"), "{info}");
+        assert!(server.log_tail().contains("address already in use"), "the first attempt hit the taken port");
+        drop(holder);
     }
 
     #[test]
