@@ -557,7 +557,10 @@ fn training_survives_a_nats_server_restart() {
             &nats,
             "restart",
             dir.path(),
-            &["--max-env-steps", "400000", "--target-return", "1e9", "--metrics-addr", &addr],
+            // The budget counts the actors' env steps, and the actors keep stepping while the
+            // learner reconnects: with 400K steps a quiet CI machine once ended the run 38
+            // updates after the restart (84 before it), under the 100 asserted below.
+            &["--max-env-steps", "1200000", "--target-return", "1e9", "--metrics-addr", &addr],
         ),
         PATIENCE,
     );
