@@ -103,11 +103,7 @@ impl TestNats {
     /// Start a server with `options`; see [`TestNats::start`].
     pub fn start_with(mut options: TestNatsOptions) -> Self {
         options.max_file_store_bytes.get_or_insert(DEFAULT_MAX_FILE_STORE);
-        let binary = find_nats_server();
-        let dir = tempfile::Builder::new().prefix("volley-nats-").tempdir().expect("create a temporary directory");
-        let pki = TestPki::generate(&dir.path().join("tls"));
-        let mut server =
-            TestNats { binary, port: free_port(), options, extra_config: None, env: Vec::new(), dir, pki, child: None };
+        let mut server = Self::unstarted(options, None, Vec::new());
         server.spawn_on_a_free_port();
         server
     }
@@ -118,21 +114,18 @@ impl TestNats {
     /// overrides the file, so `config` should not set them; nor `tls`, which the test kit adds
     /// (required, as for [`TestNats::start`]). Otherwise as [`TestNats::start`].
     pub fn start_with_config(config: &str, env: &[(&str, &str)]) -> Self {
+        let env = env.iter().map(|(name, value)| (name.to_string(), value.to_string())).collect();
+        let mut server = Self::unstarted(TestNatsOptions::default(), Some(config.to_string()), env);
+        server.spawn_on_a_free_port();
+        server
+    }
+
+    /// A server not started yet: its binary, a free port, a temporary store directory and PKI.
+    fn unstarted(options: TestNatsOptions, extra_config: Option<String>, env: Vec<(String, String)>) -> Self {
         let binary = find_nats_server();
         let dir = tempfile::Builder::new().prefix("volley-nats-").tempdir().expect("create a temporary directory");
         let pki = TestPki::generate(&dir.path().join("tls"));
-        let mut server = TestNats {
-            binary,
-            port: free_port(),
-            options: TestNatsOptions::default(),
-            extra_config: Some(config.to_string()),
-            env: env.iter().map(|(name, value)| (name.to_string(), value.to_string())).collect(),
-            dir,
-            pki,
-            child: None,
-        };
-        server.spawn_on_a_free_port();
-        server
+        TestNats { binary, port: free_port(), options, extra_config, env, dir, pki, child: None }
     }
 
     /// The client URL, `nats://127.0.0.1:<port>`. The server asks every client to switch to
@@ -584,19 +577,9 @@ mod tests {
         // Another process holds the port the start picked (the race `free_port` leaves open).
         let holder = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).expect("bind a loopback port");
         let taken = holder.local_addr().expect("its address").port();
-        let dir = tempfile::Builder::new().prefix("volley-nats-").tempdir().expect("a temporary directory");
-        let pki = TestPki::generate(&dir.path().join("tls"));
         let options = TestNatsOptions { max_file_store_bytes: Some(DEFAULT_MAX_FILE_STORE), ..Default::default() };
-        let mut server = TestNats {
-            binary: find_nats_server(),
-            port: taken,
-            options,
-            extra_config: None,
-            env: Vec::new(),
-            dir,
-            pki,
-            child: None,
-        };
+        let mut server = TestNats::unstarted(options, None, Vec::new());
+        server.port = taken;
         server.spawn_on_a_free_port();
         assert_ne!(server.port(), taken, "the server moved off the taken port");
         assert!(server.is_running());
