@@ -429,10 +429,10 @@ def report(args, family: Family) -> bool:
                   for seed, c in checks.items() if not c["ok"]]
         all_ok &= not failed
         speeds = [r["summary"]["env_steps"] / max(r["summary"]["wall_secs"], 1e-9) for r in env_runs.values()]
-        at_budget = {b: [return_at(r, b) for r in env_runs.values()] for b in earlier}
-        at_budget = {b: float(np.mean(v)) if v and None not in v else None for b, v in at_budget.items()}
+        returns_at = {b: [return_at(r, b) for r in env_runs.values()] for b in earlier}
+        at_budget = {b: float(np.mean(v)) if v and None not in v else None for b, v in returns_at.items()}
         # The gap and the normalised score are taken at the primary reference's budget.
-        compared = finals if ref.budget not in earlier else [return_at(r, ref.budget) for r in env_runs.values()]
+        compared = returns_at.get(ref.budget, finals)
         compared_mean = float(np.mean(compared)) if None not in compared else None
         gap = None if reference is None or compared_mean is None else compared_mean - reference
         if reference is not None and reference != low and None not in compared:
