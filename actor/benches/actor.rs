@@ -24,6 +24,7 @@ fn cartpole_spec(segment_len: usize) -> RunSpec {
             head: volley_policy::ActionHead::Categorical,
             conv: None,
             normalize_obs: false,
+            critic: Vec::new(),
         },
         segment_len,
         hyper: HyperParams::default(),

@@ -155,6 +155,7 @@ mod tests {
                 head: volley_policy::ActionHead::Categorical,
                 conv: None,
                 normalize_obs: false,
+                critic: Vec::new(),
             },
             segment_len: 4,
             hyper: HyperParams::default(),

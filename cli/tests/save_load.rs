@@ -47,6 +47,7 @@ fn spec() -> RunSpec {
             head: volley_policy::ActionHead::Categorical,
             conv: None,
             normalize_obs: false,
+            critic: Vec::new(),
         },
         segment_len: SEGMENT_LEN,
         hyper: HyperParams {

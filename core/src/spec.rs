@@ -118,8 +118,13 @@ pub struct HyperParams {
     pub adam_eps: f32,
     /// Global gradient-norm clip.
     pub max_grad_norm: f32,
-    /// Entropy bonus coefficient.
+    /// Entropy bonus coefficient at the first update.
     pub ent_coef: f32,
+    /// The entropy bonus at `lr_decay_updates`, reached by linear decay from `ent_coef` over the
+    /// same updates as the learning rate's (`None`: constant). Absent in specs written before it
+    /// existed.
+    #[serde(default)]
+    pub final_ent_coef: Option<f32>,
     /// Value-loss coefficient.
     pub value_coef: f32,
     /// V-trace ρ̄ for value targets.
@@ -467,6 +472,7 @@ impl Default for HyperParams {
             adam_eps: 1e-8,
             max_grad_norm: 0.5,
             ent_coef: 0.0,
+            final_ent_coef: None,
             value_coef: 0.5,
             clip_rho_threshold: 1.0,
             clip_pg_rho_threshold: 1.0,
@@ -723,7 +729,7 @@ impl RunSpec {
             });
         }
         let h = &self.hyper;
-        let checks: [(&'static str, f64, bool, &'static str); 13] = [
+        let checks: [(&'static str, f64, bool, &'static str); 14] = [
             ("segment_len", self.segment_len as f64, (1..=4096).contains(&self.segment_len), "1..=4096"),
             ("gamma", h.gamma as f64, (0.0..=1.0).contains(&h.gamma), "in [0, 1]"),
             ("learning_rate", h.learning_rate as f64, h.learning_rate > 0.0 && h.learning_rate < 1.0, "in (0, 1)"),
@@ -735,6 +741,7 @@ impl RunSpec {
             ),
             ("max_grad_norm", h.max_grad_norm as f64, h.max_grad_norm > 0.0, "> 0"),
             ("ent_coef", h.ent_coef as f64, h.ent_coef >= 0.0, ">= 0"),
+            ("final_ent_coef", h.final_ent_coef.unwrap_or(0.0) as f64, h.final_ent_coef.unwrap_or(0.0) >= 0.0, ">= 0"),
             ("value_coef", h.value_coef as f64, h.value_coef >= 0.0, ">= 0"),
             ("gae_lambda", h.gae_lambda as f64, (0.0..=1.0).contains(&h.gae_lambda), "in [0, 1]"),
             ("vtrace_lambda", h.vtrace_lambda as f64, (0.0..=1.0).contains(&h.vtrace_lambda), "in [0, 1]"),
@@ -846,6 +853,7 @@ mod tests {
                 head: volley_policy::ActionHead::Categorical,
                 conv: None,
                 normalize_obs: false,
+                critic: Vec::new(),
             },
             segment_len: 8,
             hyper: HyperParams::default(),

@@ -27,6 +27,16 @@ extern "C" __global__ void take_column(const float* src, float* dst, int rows, i
     }
 }
 
+// dst[r][dst_col + k] = src[r][src_col + k] for k < cols, over n = rows * cols elements: a block
+// of columns between two row-major blocks (a separate value network's heads into one block).
+extern "C" __global__ void copy_columns(const float* src, float* dst, long long n, int src_width, int src_col, int dst_width, int dst_col, int cols) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        const long long r = i / cols;
+        const int k = (int)(i % cols);
+        dst[r * dst_width + dst_col + k] = src[r * src_width + src_col + k];
+    }
+}
+
 // Whole columns (sequences) of a time-major [rows][b_len][width] block, as 32-bit words (floats
 // and action indices alike): dst[t][j][k] = src[t][cols[j]][k] for j < mb_len.
 extern "C" __global__ void gather_columns(const u32* src, u32* dst, int rows, int b_len, int width, const int* cols, int mb_len) {

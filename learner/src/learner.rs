@@ -5,7 +5,7 @@ use std::sync::Arc;
 use rand::SeedableRng;
 use rand_pcg::Pcg64Mcg;
 use volley_core::ids::PolicyVersion;
-use volley_core::spec::{RunSpec, SpecError};
+use volley_core::spec::{HyperParams, RunSpec, SpecError};
 use volley_core::wire::Weights;
 use volley_policy::ParamLayout;
 
@@ -80,6 +80,8 @@ pub struct Learner {
     spec: RunSpec,
     layout: ParamLayout,
     schedule: LrSchedule,
+    /// The entropy bonus per update (`HyperParams::final_ent_coef`), on the learning rate's ramp.
+    ent_schedule: LrSchedule,
     version: PolicyVersion,
     updates: u64,
     rng: Pcg64Mcg,
@@ -134,6 +136,12 @@ impl Learner {
         } else {
             LrSchedule::Linear { start: h.learning_rate, end: h.final_learning_rate, total_updates: h.lr_decay_updates }
         };
+        let ent_schedule = match h.final_ent_coef {
+            Some(end) if end != h.ent_coef => {
+                LrSchedule::Linear { start: h.ent_coef, end, total_updates: h.lr_decay_updates }
+            }
+            _ => LrSchedule::Constant(h.ent_coef),
+        };
         let trainer = AnyTrainer::Cpu(Trainer::new(CpuBackend::new(), &layout, &state, adam_config(&spec))?);
         Ok(Learner {
             host_params: state.params,
@@ -142,6 +150,7 @@ impl Learner {
             trainer,
             rng,
             schedule,
+            ent_schedule,
             layout,
             spec,
             version,
@@ -342,7 +351,15 @@ impl Learner {
     /// If the backend fails (see [`Learner::params`]).
     pub fn update(&mut self, batch: &SegmentBatch) -> UpdateStats {
         let learning_rate = self.schedule.lr_at(self.updates);
-        let (hyper, rng) = (&self.spec.hyper, &mut self.rng);
+        let ent_coef = self.ent_schedule.lr_at(self.updates);
+        let scheduled;
+        let hyper = if ent_coef == self.spec.hyper.ent_coef {
+            &self.spec.hyper
+        } else {
+            scheduled = HyperParams { ent_coef, ..self.spec.hyper.clone() };
+            &scheduled
+        };
+        let rng = &mut self.rng;
         let outcome = with_trainer!(&mut self.trainer, trainer => trainer.train_step(batch, hyper, learning_rate, rng))
             .unwrap_or_else(|err| backend_failed(&err));
         self.host_params_stale = true;

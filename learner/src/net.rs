@@ -5,6 +5,14 @@
 //! obs ─► [conv: (im2col ─► dense ─► ReLU) × n] ─► torso: (dense ─► activation) × n ─► [GRU over time] ─► heads: dense ─► [logits | value]
 //! ```
 //!
+//! With a separate value network (`PolicySpec::critic`) the value column comes from its own
+//! stack instead, and the two heads' outputs are joined into the same `[logits | value]` block:
+//!
+//! ```text
+//! obs ─► torso: (dense ─► activation) × n ─► policy head: dense ─► logits ─┐
+//! obs ─► critic: (dense ─► activation) × m ─► value head: dense ─► value ──┴─► [logits | value]
+//! ```
+//!
 //! A conv layer is an `im2col` unfolding followed by the dense product over all `T·B·OH·OW`
 //! output positions (`volley_policy`'s `conv.rs` has the layouts); its backward is the two dense
 //! gradient products over the same unfolding and `col2im`. The forward's unfoldings are kept
@@ -30,8 +38,8 @@ use std::ops::Range;
 use volley_policy::{Activation, ConvGeometry, CoreKind, ParamLayout};
 
 use crate::backend::{
-    Backend, BackendError, Col2im, DenseForward, GruCarryGrad, GruCellBackward, GruCellForward, GruResetCopy, Im2col,
-    Im2colU8, MatmulDw, MatmulDx, TakeColumn, View, ViewMut, WidenU8,
+    Backend, BackendError, Col2im, CopyColumns, DenseForward, GruCarryGrad, GruCellBackward, GruCellForward,
+    GruResetCopy, Im2col, Im2colU8, MatmulDw, MatmulDx, TakeColumn, View, ViewMut, WidenU8,
 };
 pub use crate::batch::StateRestore;
 
@@ -120,8 +128,13 @@ struct Shape {
     conv: Vec<ConvLayer>,
     torso: Vec<Dense>,
     gru: Option<GruLayer>,
-    /// Policy and value heads fused: `[A + 1][F']`, bias `[A + 1]`.
+    /// Policy and value heads fused: `[A + 1][F']`, bias `[A + 1]`; with a separate value
+    /// network, the policy head alone: `[A][F']`.
     heads: Dense,
+    /// The separate value network's layers (empty without one).
+    critic: Vec<Dense>,
+    /// The value head over the separate value network, `[1][C]` (`None`: fused into `heads`).
+    value: Option<Dense>,
     activation: Activation,
 }
 
@@ -166,23 +179,52 @@ impl Shape {
             }),
         };
         let features = gru.as_ref().map_or(n_in, |g| g.hidden);
-        let n_out = spec.n_actions + 1;
-        // The layout keeps the value head's rows right after the policy head's (its fused-head
-        // invariant), so the two form one `[A + 1][F']` matrix and one `[A + 1]` bias.
-        let weight = entry("policy.weight");
-        let bias = entry("policy.bias");
-        let heads = Dense {
-            weight: weight.start..weight.start + n_out * features,
-            bias: bias.start..bias.start + n_out,
-            n_in: features,
-            n_out,
+        let mut critic_in = spec.obs_dim;
+        let critic: Vec<Dense> = spec
+            .critic
+            .iter()
+            .enumerate()
+            .map(|(i, &n_out)| {
+                let layer = dense(&format!("critic.{i}.weight"), &format!("critic.{i}.bias"), critic_in, n_out);
+                critic_in = n_out;
+                layer
+            })
+            .collect();
+        let (heads, value) = if critic.is_empty() {
+            let n_out = spec.n_actions + 1;
+            // The layout keeps the value head's rows right after the policy head's (its
+            // fused-head invariant), so the two form one `[A + 1][F']` matrix and one `[A + 1]`
+            // bias.
+            let weight = entry("policy.weight");
+            let bias = entry("policy.bias");
+            let heads = Dense {
+                weight: weight.start..weight.start + n_out * features,
+                bias: bias.start..bias.start + n_out,
+                n_in: features,
+                n_out,
+            };
+            (heads, None)
+        } else {
+            let heads = dense("policy.weight", "policy.bias", features, spec.n_actions);
+            (heads, Some(dense("value.weight", "value.bias", critic_in, 1)))
         };
-        Shape { obs_dim: spec.obs_dim, n_actions: spec.n_actions, conv, torso, gru, heads, activation: spec.activation }
+        Shape {
+            obs_dim: spec.obs_dim,
+            n_actions: spec.n_actions,
+            conv,
+            torso,
+            gru,
+            heads,
+            critic,
+            value,
+            activation: spec.activation,
+        }
     }
 
     fn widest(&self) -> usize {
         let conv = self.conv.iter().map(|layer| layer.geometry.output_len()).max().unwrap_or(0);
-        self.torso.iter().map(|d| d.n_out).max().unwrap_or(0).max(self.heads.n_in).max(self.obs_dim).max(conv)
+        let dense = self.torso.iter().chain(&self.critic).map(|d| d.n_out).max().unwrap_or(0);
+        dense.max(self.heads.n_in).max(self.obs_dim).max(conv)
     }
 
     /// The width the dense torso reads: the last conv layer's `OH·OW·OC`, else `obs_dim`.
@@ -288,6 +330,12 @@ pub struct Network<B: Backend> {
     /// The fused heads `[T·B][A + 1]` and their value column `[T·B]`.
     heads_out: B::Floats,
     values: B::Floats,
+    /// With a separate value network: its layers' post-activation outputs, `[T·B][critic[i]]`;
+    /// the policy head's own output `[T·B][A]` (forward) and its gradient (backward); and the
+    /// value column's gradient `[T·B]`.
+    critic_out: Vec<B::Floats>,
+    policy_head: B::Floats,
+    d_values: B::Floats,
     /// Backward scratch: `∂L/∂(layer output)` for two layers in turn, and the GRU's gradients.
     d_features: [B::Floats; 2],
     d_gru_input_proj: B::Floats,
@@ -316,6 +364,9 @@ impl<B: Backend> Network<B> {
             gru_h_out: empty()?,
             heads_out: empty()?,
             values: empty()?,
+            critic_out: shape.critic.iter().map(|_| empty()).collect::<Result<_, _>>()?,
+            policy_head: empty()?,
+            d_values: empty()?,
             d_features: [empty()?, empty()?],
             d_gru_input_proj: empty()?,
             d_gru_hidden_proj: empty()?,
@@ -438,20 +489,7 @@ impl<B: Backend> Network<B> {
             None => obs,
         };
 
-        for (i, layer) in shape.torso.iter().enumerate() {
-            let (before, rest) = self.torso_out.split_at_mut(i);
-            let y = &mut rest[0];
-            ensure(backend, y, rows * layer.n_out)?;
-            let x = if i == 0 { conv_features } else { View::range(&before[i - 1], 0..rows * layer.n_in) };
-            layer.forward(
-                backend,
-                params,
-                rows,
-                x,
-                Some(shape.activation),
-                ViewMut::range(y, 0..rows * layer.n_out),
-            )?;
-        }
+        dense_stack_forward(backend, params, &shape.torso, conv_features, rows, shape.activation, &mut self.torso_out)?;
         let torso_width = shape.torso.last().map_or(shape.conv_width(), |d| d.n_out);
         let torso_features = match self.torso_out.last() {
             Some(out) => View::range(out, 0..rows * torso_width),
@@ -502,27 +540,43 @@ impl<B: Backend> Network<B> {
         }
 
         let heads = &shape.heads;
-        ensure(backend, &mut self.heads_out, rows * heads.n_out)?;
+        let n_actions = shape.n_actions;
+        let width = n_actions + 1;
+        ensure(backend, &mut self.heads_out, rows * width)?;
         ensure(backend, &mut self.values, rows)?;
         let features = match &shape.gru {
             Some(gru) => View::range(&self.gru_h_out, 0..rows * gru.hidden),
             None => torso_features,
         };
-        heads.forward(
-            backend,
-            params,
-            rows,
-            features,
-            None,
-            ViewMut::range(&mut self.heads_out, 0..rows * heads.n_out),
-        )?;
-        backend.take_column(TakeColumn {
-            src: View::range(&self.heads_out, 0..rows * heads.n_out),
-            rows,
-            width: heads.n_out,
-            column: shape.n_actions,
-            dst: ViewMut::range(&mut self.values, 0..rows),
-        })
+        let Some(value) = &shape.value else {
+            heads.forward(
+                backend,
+                params,
+                rows,
+                features,
+                None,
+                ViewMut::range(&mut self.heads_out, 0..rows * width),
+            )?;
+            return backend.take_column(TakeColumn {
+                src: View::range(&self.heads_out, 0..rows * width),
+                rows,
+                width,
+                column: n_actions,
+                dst: ViewMut::range(&mut self.values, 0..rows),
+            });
+        };
+        // The separate value network reads the observations (no conv torso with one).
+        dense_stack_forward(backend, params, &shape.critic, obs, rows, shape.activation, &mut self.critic_out)?;
+        let critic_width = value.n_in;
+        let critic_features =
+            View::range(self.critic_out.last().expect("a value network has layers"), 0..rows * critic_width);
+        value.forward(backend, params, rows, critic_features, None, ViewMut::range(&mut self.values, 0..rows))?;
+        ensure(backend, &mut self.policy_head, rows * n_actions)?;
+        let policy_head = ViewMut::range(&mut self.policy_head, 0..rows * n_actions);
+        heads.forward(backend, params, rows, features, None, policy_head)?;
+        let heads_out = ViewMut::range(&mut self.heads_out, 0..rows * width);
+        let logits = View::range(&self.policy_head, 0..rows * n_actions);
+        join_columns(backend, rows, [(logits, n_actions), (View::range(&self.values, 0..rows), 1)], heads_out)
     }
 
     /// [`forward`](Self::forward) over float observations, with the restores apart.
@@ -577,18 +631,58 @@ impl<B: Backend> Network<B> {
         };
 
         let heads = &shape.heads;
-        heads.param_grads(backend, d_heads, features, rows, grads)?;
-        // ∂L/∂features is only needed if something upstream has parameters.
-        if shape.conv.is_empty() && shape.torso.is_empty() && shape.gru.is_none() {
-            return Ok(());
-        }
         let widest = shape.widest();
         let [d_a, d_b] = &mut self.d_features;
         ensure(backend, d_a, rows * widest)?;
         ensure(backend, d_b, rows * widest)?;
         // `d_cur` always holds ∂L/∂(output of the layer being processed).
         let (mut d_cur, mut d_next) = (d_a, d_b);
-        heads.input_grad(backend, params, d_heads, rows, ViewMut::range(d_cur, 0..rows * heads.n_in), false)?;
+        let d_policy_head = match &shape.value {
+            None => d_heads,
+            Some(value) => {
+                // Split ∂L/∂[logits | value] into the two heads' gradients, then take the value
+                // network's back to the observations.
+                let n_actions = shape.n_actions;
+                ensure(backend, &mut self.policy_head, rows * n_actions)?;
+                ensure(backend, &mut self.d_values, rows)?;
+                let split = [
+                    (ViewMut::range(&mut self.policy_head, 0..rows * n_actions), n_actions),
+                    (ViewMut::range(&mut self.d_values, 0..rows), 1),
+                ];
+                split_columns(backend, rows, d_heads, split)?;
+                let d_values = View::range(&self.d_values, 0..rows);
+                let critic_features =
+                    View::range(self.critic_out.last().expect("a value network has layers"), 0..rows * value.n_in);
+                value.param_grads(backend, d_values, critic_features, rows, grads)?;
+                value.input_grad(
+                    backend,
+                    params,
+                    d_values,
+                    rows,
+                    ViewMut::range(d_cur, 0..rows * value.n_in),
+                    false,
+                )?;
+                let stack = (&shape.critic[..], &self.critic_out[..]);
+                dense_stack_backward(
+                    backend,
+                    params,
+                    stack,
+                    obs,
+                    rows,
+                    shape.activation,
+                    false,
+                    [&mut d_cur, &mut d_next],
+                    grads,
+                )?;
+                View::range(&self.policy_head, 0..rows * n_actions)
+            }
+        };
+        heads.param_grads(backend, d_policy_head, features, rows, grads)?;
+        // ∂L/∂features is only needed if something upstream has parameters.
+        if shape.conv.is_empty() && shape.torso.is_empty() && shape.gru.is_none() {
+            return Ok(());
+        }
+        heads.input_grad(backend, params, d_policy_head, rows, ViewMut::range(d_cur, 0..rows * heads.n_in), false)?;
 
         if let Some(gru) = &shape.gru {
             let hidden = gru.hidden;
@@ -639,21 +733,9 @@ impl<B: Backend> Network<B> {
             }
         }
 
-        for (i, layer) in shape.torso.iter().enumerate().rev() {
-            let n = rows * layer.n_out;
-            backend.act_backward(
-                ViewMut::range(d_cur, 0..n),
-                View::range(&self.torso_out[i], 0..n),
-                shape.activation,
-            )?;
-            let x = if i == 0 { conv_features } else { View::range(&self.torso_out[i - 1], 0..rows * layer.n_in) };
-            let d_pre = View::range(d_cur, 0..n);
-            layer.param_grads(backend, d_pre, x, rows, grads)?;
-            if i > 0 || !shape.conv.is_empty() {
-                layer.input_grad(backend, params, d_pre, rows, ViewMut::range(d_next, 0..rows * layer.n_in), false)?;
-                std::mem::swap(&mut d_cur, &mut d_next);
-            }
-        }
+        let (stack, into_conv) = ((&shape.torso[..], &self.torso_out[..]), !shape.conv.is_empty());
+        let d = [&mut d_cur, &mut d_next];
+        dense_stack_backward(backend, params, stack, conv_features, rows, shape.activation, into_conv, d, grads)?;
 
         let first_kept = shape.first_kept_unfolding(rows, self.kept_unfoldings_bytes);
         for (i, layer) in shape.conv.iter().enumerate().rev() {
@@ -692,6 +774,109 @@ impl<B: Backend> Network<B> {
         }
         Ok(())
     }
+}
+
+/// Run a stack of dense layers with `act` over `rows` rows of `input`, writing each layer's
+/// output (grown as needed) into `outs` for the backward.
+fn dense_stack_forward<B: Backend>(
+    backend: &mut B,
+    params: &B::Floats,
+    layers: &[Dense],
+    input: View<'_, B>,
+    rows: usize,
+    act: Activation,
+    outs: &mut [B::Floats],
+) -> Result<(), BackendError> {
+    for (i, layer) in layers.iter().enumerate() {
+        let (before, rest) = outs.split_at_mut(i);
+        let y = &mut rest[0];
+        ensure(backend, y, rows * layer.n_out)?;
+        let x = if i == 0 { input } else { View::range(&before[i - 1], 0..rows * layer.n_in) };
+        layer.forward(backend, params, rows, x, Some(act), ViewMut::range(y, 0..rows * layer.n_out))?;
+    }
+    Ok(())
+}
+
+/// Backprop through a stack of dense layers (`layers` and the outputs their forward kept) from
+/// `d_cur` = ∂L/∂(last layer's output), writing each layer's weight and bias gradients. The
+/// stack's input gets its gradient in `d_cur` only when `input_grad` (a conv torso below);
+/// `[d_cur, d_next]` are scratch as wide as the widest layer, and may swap.
+#[allow(clippy::too_many_arguments)]
+fn dense_stack_backward<B: Backend>(
+    backend: &mut B,
+    params: &B::Floats,
+    (layers, outs): (&[Dense], &[B::Floats]),
+    input: View<'_, B>,
+    rows: usize,
+    act: Activation,
+    input_grad: bool,
+    [d_cur, d_next]: [&mut &mut B::Floats; 2],
+    grads: &mut B::Floats,
+) -> Result<(), BackendError> {
+    for (i, layer) in layers.iter().enumerate().rev() {
+        let n = rows * layer.n_out;
+        backend.act_backward(ViewMut::range(&mut **d_cur, 0..n), View::range(&outs[i], 0..n), act)?;
+        let x = if i == 0 { input } else { View::range(&outs[i - 1], 0..rows * layer.n_in) };
+        let d_pre = View::range(&**d_cur, 0..n);
+        layer.param_grads(backend, d_pre, x, rows, grads)?;
+        if i > 0 || input_grad {
+            let d_input = ViewMut::range(&mut **d_next, 0..rows * layer.n_in);
+            layer.input_grad(backend, params, d_pre, rows, d_input, false)?;
+            std::mem::swap(d_cur, d_next);
+        }
+    }
+    Ok(())
+}
+
+/// `out[r] = [parts[0][r] | parts[1][r] | …]`: row-major blocks of the given widths side by side.
+fn join_columns<B: Backend, const N: usize>(
+    backend: &mut B,
+    rows: usize,
+    parts: [(View<'_, B>, usize); N],
+    mut out: ViewMut<'_, B>,
+) -> Result<(), BackendError> {
+    let dst_width = parts.iter().map(|&(_, width)| width).sum();
+    let mut dst_column = 0;
+    for (src, width) in parts {
+        let dst = out.reborrow();
+        backend.copy_columns(CopyColumns {
+            src,
+            src_width: width,
+            src_column: 0,
+            dst,
+            dst_width,
+            dst_column,
+            columns: width,
+            rows,
+        })?;
+        dst_column += width;
+    }
+    Ok(())
+}
+
+/// The inverse of [`join_columns`]: `parts[i][r]` = the `i`-th block of columns of `src[r]`.
+fn split_columns<B: Backend, const N: usize>(
+    backend: &mut B,
+    rows: usize,
+    src: View<'_, B>,
+    parts: [(ViewMut<'_, B>, usize); N],
+) -> Result<(), BackendError> {
+    let src_width = parts.iter().map(|(_, width)| width).sum();
+    let mut src_column = 0;
+    for (dst, width) in parts {
+        backend.copy_columns(CopyColumns {
+            src,
+            src_width,
+            src_column,
+            dst,
+            dst_width: width,
+            dst_column: 0,
+            columns: width,
+            rows,
+        })?;
+        src_column += width;
+    }
+    Ok(())
 }
 
 /// Unfold `n` images of `x` for a conv layer into `cols`: floats, or packed bytes read with
@@ -769,6 +954,9 @@ mod tests {
             PolicySpec::mlp(5, 3, &[], Activation::Relu),
             PolicySpec::gru(5, 3, &[16], Activation::Relu, 8),
             PolicySpec::gru(5, 3, &[], Activation::Tanh, 6),
+            // A separate value network: the heads' outputs are joined and their gradients split.
+            PolicySpec::mlp(5, 3, &[16, 8], Activation::Tanh).with_critic(&[12, 20]),
+            PolicySpec::mlp(5, 3, &[], Activation::Relu).with_critic(&[7]),
         ];
         for spec in specs {
             let layout = ParamLayout::new(&spec).expect("valid spec");

@@ -136,6 +136,43 @@ fn a_redelivered_segment_is_learned_from_once() {
     assert_eq!(report.episodes, B as u64, "duplicates do not count episodes twice");
 }
 
+/// `final_ent_coef` decays the entropy bonus linearly on the learning rate's ramp: each update's
+/// total loss is `policy + value_coef · value − ent_coef · entropy` with that update's
+/// coefficient (0.4, 0.3, 0.2, 0.1, then 0 from the fourth update on).
+#[test]
+fn the_entropy_bonus_decays_on_the_learning_rate_ramp() {
+    let hyper = HyperParams {
+        loss: LossKind::Vtrace,
+        batch_segments: B,
+        ent_coef: 0.4,
+        final_ent_coef: Some(0.0),
+        learning_rate: 1e-3,
+        final_learning_rate: 0.0,
+        lr_decay_updates: 4,
+        ..HyperParams::default()
+    };
+    let spec = SpecBuilder::cartpole(T).run("entropy").torso(vec![16]).hyper(hyper).seed(3).build();
+    let mut learner = Learner::new(spec).expect("valid spec");
+    let mut rng = Pcg64Mcg::seed_from_u64(2);
+    let segments: Vec<_> = (0..6 * B as u64).map(|i| valid_segment(&learner, &mut rng, 0, i)).collect();
+    let (mut sink, mut source) = trajectory_channel(segments.len());
+    sink.publish(segments).expect("room for every segment");
+    drop(sink);
+    let (mut publisher, _follower) = weights_channel();
+    let limits = RunLimits { max_updates: Some(6), publish_every: 1, ..RunLimits::default() };
+    let mut coefficients = Vec::new();
+    let record = &mut |_: &mut Learner, _: &LearnerReport, stats: &UpdateStats| {
+        let loss = &stats.loss;
+        coefficients.push((loss.policy + 0.5 * loss.value - loss.total) / loss.entropy);
+    };
+    common::run_to_end(&mut learner, &mut source, &mut publisher, &limits, record);
+    let expected = [0.4, 0.3, 0.2, 0.1, 0.0, 0.0];
+    assert_eq!(coefficients.len(), expected.len());
+    for (update, (got, want)) in coefficients.iter().zip(expected).enumerate() {
+        assert!((got - want).abs() < 1e-3, "update {update}: entropy coefficient {got}, expected {want}");
+    }
+}
+
 /// The in-process source, recording every token delivered, acknowledged and rejected, so the
 /// acknowledgement invariant can be checked at the loop level.
 struct RecordingSource {

@@ -86,7 +86,7 @@ impl ObsRows<'_> {
 impl PolicyInference {
     /// A workspace for batches of up to `max_batch` agents.
     pub fn new(layout: &ParamLayout, max_batch: usize) -> Self {
-        let width = layout.max_torso_width();
+        let width = layout.max_torso_width().max(layout.critic().iter().map(|layer| layer.n_out).max().unwrap_or(0));
         let gates = 3 * layout.recurrent_size();
         let geometries = layout.conv_geometries();
         let widest_cols = geometries.iter().map(|g| unfolding_chunk(g, max_batch) * g.cols_len()).max().unwrap_or(0);
@@ -318,9 +318,13 @@ impl PolicyInference {
             n_layers if n_layers % 2 == 1 => &self.conv_a[..n * layout.torso_input_dim()],
             _ => &self.conv_b[..n * layout.torso_input_dim()],
         };
+        if layout.value_head().is_some() {
+            // The separate value network reads the (normalised) observations; its values are
+            // done before the torso reuses the scratch.
+            critic_values(layout, params, conv_features, n, [&mut self.act_a, &mut self.act_b], values);
+        }
         let torso = layout.torso();
         let heads = layout.heads();
-        let n_actions = layout.n_actions();
         // A small batch through the dense layers (an actor's step over its environments): one
         // chain whose activations stay in the kernel's lanes from layer to layer, through the
         // heads too when no recurrent core stands between; bit-identical to layer by layer.
@@ -340,7 +344,7 @@ impl PolicyInference {
                 if fused_heads {
                     let heads_out = &mut self.heads_out[..n * heads.n_out];
                     small_dense_chain_forward(conv_features, n, chain, heads_out);
-                    split_heads(heads_out, n_actions, logits, values);
+                    emit_heads(layout, heads_out, logits, values);
                     return;
                 }
                 // Where the layer-by-layer loop below leaves the torso's features.
@@ -383,8 +387,53 @@ impl PolicyInference {
         };
         let heads_out = &mut self.heads_out[..n * heads.n_out];
         dense_forward(features, n, heads.weight(params), heads.bias(params), None, heads_out);
-        split_heads(heads_out, n_actions, logits, values);
+        emit_heads(layout, heads_out, logits, values);
     }
+}
+
+/// The head rows of a forward into the caller's logits and values: split `[logits…, value]`
+/// rows, or, with a separate value network (whose values are already written), copy the logits.
+fn emit_heads(layout: &ParamLayout, heads_out: &[f32], logits: &mut [f32], values: &mut [f32]) {
+    if layout.value_head().is_some() {
+        logits.copy_from_slice(heads_out);
+    } else {
+        split_heads(heads_out, layout.n_actions(), logits, values);
+    }
+}
+
+/// The separate value network over `n` rows of observations, written to `values` (`[n]`): one
+/// chain through its layers and the value head when it fits the small-batch kernel, else layer
+/// by layer through the two scratch buffers.
+fn critic_values(
+    layout: &ParamLayout,
+    params: &[f32],
+    obs: &[f32],
+    n: usize,
+    scratch: [&mut Vec<f32>; 2],
+    values: &mut [f32],
+) {
+    let (critic, activation) = (layout.critic(), layout.spec().activation);
+    let value = layout.value_head().expect("a separate value network has a value head");
+    if critic.len() < SMALL_CHAIN_MAX {
+        let mut chain = [SmallLayer { weight: &[], bias: &[], act: None }; SMALL_CHAIN_MAX];
+        for (link, layer) in chain.iter_mut().zip(critic) {
+            *link = SmallLayer { weight: layer.weight(params), bias: layer.bias(params), act: Some(activation) };
+        }
+        chain[critic.len()] = SmallLayer { weight: value.weight(params), bias: value.bias(params), act: None };
+        let chain = &chain[..critic.len() + 1];
+        if small_chain_fits(n, chain) {
+            small_dense_chain_forward(obs, n, chain, values);
+            return;
+        }
+    }
+    let [a, b] = scratch;
+    for (layer_idx, layer) in critic.iter().enumerate() {
+        let (input, output) = if layer_idx % 2 == 0 { (&*b, &mut *a) } else { (&*a, &mut *b) };
+        let x = if layer_idx == 0 { obs } else { &input[..n * layer.n_in] };
+        dense_forward(x, n, layer.weight(params), layer.bias(params), Some(activation), &mut output[..n * layer.n_out]);
+    }
+    let features = if critic.len() % 2 == 1 { &a[..] } else { &b[..] };
+    dense_forward(&features[..n * value.n_in], n, value.weight(params), value.bias(params), None, values);
 }
 
 /// Bytes of unfolded receptive fields that one chunk of inference's conv products reads: half

@@ -111,8 +111,10 @@ pub(crate) enum InitRule {
 /// | `gru.weight_hh`    | `3H × H` (gates r, z, n) | orthogonal per gate block, gain 1    |
 /// | `gru.bias_ih`      | `1 × 3H`                 | 0                                    |
 /// | `gru.bias_hh`      | `1 × 3H`                 | 0                                    |
+/// | `critic.{i}.weight`| `critic[i] × in_i`       | orthogonal, gain √2                  |
+/// | `critic.{i}.bias`  | `1 × critic[i]`          | 0                                    |
 /// | `policy.weight`    | `A × F'`                 | orthogonal, gain 0.01                |
-/// | `value.weight`     | `1 × F'`                 | orthogonal, gain 1                   |
+/// | `value.weight`     | `1 × V`                  | orthogonal, gain 1                   |
 /// | `policy.bias`      | `1 × A`                  | 0                                    |
 /// | `value.bias`       | `1 × 1`                  | 0                                    |
 /// | `policy.log_std`   | `1 × A`                  | 0 (σ = 1)                            |
@@ -125,14 +127,17 @@ pub(crate) enum InitRule {
 /// layer's `OH·OW·OC` outputs in channel-last order (see `conv.rs`).
 /// The `gru.*` entries exist only for [`CoreKind::Gru`], and `policy.log_std` only for an
 /// [`ActionHead::Gaussian`] head, whose policy head outputs the `A` means; it comes last, so
-/// every other offset is the same as for a categorical head of the same width. The `obs_norm.*`
+/// every other offset is the same as for a categorical head of the same width. The `critic.*`
+/// entries exist only with a separate value network ([`PolicySpec::critic`]): its first layer
+/// reads the observations (`in_0 = obs_dim`), and the value head then reads its last layer
+/// (`V = critic[last]`; without one `V = F'`). The `obs_norm.*`
 /// entries exist only with [`PolicySpec::normalize_obs`]: running statistics the learner
 /// updates (not trained by gradient) and every forward reads ([`crate::obs_norm`]).
 ///
 /// Weights are row-major `[out][in]` (PyTorch's `nn.Linear`/`nn.GRU` convention), so a layer computes `Y = X Wᵀ + b` on a batch
 /// `X: [n][in]`. The value head is stored right after the policy head (weights, then biases),
-/// so the two heads form one contiguous `(A + 1) × F'` matrix and one `A + 1` bias that a single
-/// GEMM evaluates; output column `A` is the value.
+/// so without a separate value network the two heads form one contiguous `(A + 1) × F'` matrix
+/// and one `A + 1` bias that a single GEMM evaluates; output column `A` is the value.
 ///
 /// The GRU follows PyTorch's gate convention (Cho et al. 2014, eq. 5–8, with the reset gate
 /// applied after the hidden matmul):
@@ -155,6 +160,11 @@ pub struct ParamLayout {
     torso: Vec<DenseOffsets>,
     gru: Option<GruOffsets>,
     heads: DenseOffsets,
+    /// The separate value network's layers ([`PolicySpec::critic`]; empty without one).
+    critic: Vec<DenseOffsets>,
+    /// The value head when it reads the separate value network (`1 × C`); `None` when it is
+    /// fused into [`heads`](Self::heads) as its last row.
+    value: Option<DenseOffsets>,
     /// Offset of `policy.log_std` (Gaussian heads only).
     log_std: Option<usize>,
     /// Offset of the `obs_norm.*` statistics (with `normalize_obs` only).
@@ -232,12 +242,29 @@ impl ParamLayout {
                 Some(offsets)
             }
         };
+        let mut critic = Vec::with_capacity(spec.critic.len());
+        let mut value_in = n_in;
+        if !spec.critic.is_empty() {
+            value_in = spec.obs_dim;
+            for (layer_idx, &n_out) in spec.critic.iter().enumerate() {
+                let weight = builder.push(
+                    format!("critic.{layer_idx}.weight"),
+                    n_out,
+                    value_in,
+                    InitRule::Orthogonal { gain: sqrt2, blocks: 1 },
+                );
+                let bias = builder.push(format!("critic.{layer_idx}.bias"), 1, n_out, InitRule::Zeros);
+                critic.push(DenseOffsets { weight, bias, n_in: value_in, n_out });
+                value_in = n_out;
+            }
+        }
         let n_actions = spec.n_actions;
         let policy_weight =
             builder.push("policy.weight".into(), n_actions, n_in, InitRule::Orthogonal { gain: 0.01, blocks: 1 });
-        builder.push("value.weight".into(), 1, n_in, InitRule::Orthogonal { gain: 1.0, blocks: 1 });
+        let value_weight =
+            builder.push("value.weight".into(), 1, value_in, InitRule::Orthogonal { gain: 1.0, blocks: 1 });
         let policy_bias = builder.push("policy.bias".into(), 1, n_actions, InitRule::Zeros);
-        builder.push("value.bias".into(), 1, 1, InitRule::Zeros);
+        let value_bias = builder.push("value.bias".into(), 1, 1, InitRule::Zeros);
         let log_std = match spec.head {
             ActionHead::Categorical => None,
             ActionHead::Gaussian { .. } => Some(builder.push("policy.log_std".into(), 1, n_actions, InitRule::Zeros)),
@@ -248,7 +275,14 @@ impl ParamLayout {
             builder.push("obs_norm.count".into(), 1, 1, InitRule::Zeros);
             mean
         });
-        let heads = DenseOffsets { weight: policy_weight, bias: policy_bias, n_in, n_out: n_actions + 1 };
+        // Without a separate value network the value head's row follows the policy head's, so
+        // the two are one `(A + 1) × F'` product; with one, each head is its own product.
+        let (heads, value) = if critic.is_empty() {
+            (DenseOffsets { weight: policy_weight, bias: policy_bias, n_in, n_out: n_actions + 1 }, None)
+        } else {
+            let value = DenseOffsets { weight: value_weight, bias: value_bias, n_in: value_in, n_out: 1 };
+            (DenseOffsets { weight: policy_weight, bias: policy_bias, n_in, n_out: n_actions }, Some(value))
+        };
         let Builder { entries, init_rules, n_params } = builder;
         let mut layout = ParamLayout {
             spec: spec.clone(),
@@ -261,6 +295,8 @@ impl ParamLayout {
             torso,
             gru,
             heads,
+            critic,
+            value,
             log_std,
             obs_norm,
         };
@@ -362,9 +398,21 @@ impl ParamLayout {
         self.gru
     }
 
-    /// The fused policy + value head, `n_out = n_actions + 1`.
+    /// The policy head with the value head fused in as its last row (`n_out = n_actions + 1`),
+    /// or, with a separate value network, the policy head alone (`n_out = n_actions`).
     pub(crate) fn heads(&self) -> DenseOffsets {
         self.heads
+    }
+
+    /// The separate value network's layers (empty without one).
+    pub(crate) fn critic(&self) -> &[DenseOffsets] {
+        &self.critic
+    }
+
+    /// The value head over the separate value network's features, or `None` when the value
+    /// head is fused into [`heads`](Self::heads).
+    pub(crate) fn value_head(&self) -> Option<DenseOffsets> {
+        self.value
     }
 
     pub(crate) fn n_actions(&self) -> usize {
@@ -416,6 +464,13 @@ impl ParamLayout {
         }
         if self.spec.normalize_obs {
             hasher.write_str("obs-norm");
+        }
+        if !self.spec.critic.is_empty() {
+            hasher.write_str("critic");
+            hasher.write_u64(self.spec.critic.len() as u64);
+            for &width in &self.spec.critic {
+                hasher.write_u64(width as u64);
+            }
         }
         hasher.write_u64(self.entries.len() as u64);
         for entry in &self.entries {
@@ -487,6 +542,24 @@ fn validate(spec: &PolicySpec) -> Result<(), PolicyError> {
     if let CoreKind::Gru { hidden } = spec.core {
         check_width("core.hidden", hidden)?;
     }
+    if spec.critic.len() > MAX_TORSO_LAYERS {
+        return Err(PolicyError::InvalidSpec {
+            field: "critic.len()".into(),
+            value: spec.critic.len(),
+            rule: "at most 64",
+        });
+    }
+    for (layer_idx, &width) in spec.critic.iter().enumerate() {
+        check_width(format!("critic[{layer_idx}]"), width)?;
+    }
+    if !spec.critic.is_empty() && (spec.conv.is_some() || spec.core != CoreKind::Mlp) {
+        return Err(PolicyError::InvalidSpec {
+            field: "critic.len()".into(),
+            value: spec.critic.len(),
+            rule: "0 with a conv torso or a recurrent core (a separate value network reads vector \
+                   observations and has no memory)",
+        });
+    }
     // Widths are at most 2¹⁶ and there are at most 64 layers, so every product below fits in
     // u64; saturate anyway so the check cannot be defeated by a future limit change.
     let mut n_params: u64 = 0;
@@ -517,7 +590,17 @@ fn validate(spec: &PolicySpec) -> Result<(), PolicyError> {
         add_dense(hidden, 3 * hidden);
         n_in = hidden;
     }
-    add_dense(n_in, spec.n_actions as u64 + 1);
+    if spec.critic.is_empty() {
+        add_dense(n_in, spec.n_actions as u64 + 1);
+    } else {
+        add_dense(n_in, spec.n_actions as u64);
+        let mut value_in = spec.obs_dim as u64;
+        for &width in &spec.critic {
+            add_dense(value_in, width as u64);
+            value_in = width as u64;
+        }
+        add_dense(value_in, 1);
+    }
     if spec.head.is_continuous() {
         n_params = n_params.saturating_add(spec.n_actions as u64);
     }
@@ -618,6 +701,9 @@ pub(crate) mod tests {
         push(&|s| s.head = ActionHead::Gaussian { squash: false });
         push(&|s| s.head = ActionHead::Gaussian { squash: true });
         push(&|s| s.normalize_obs = true);
+        push(&|s| s.critic = vec![64, 64]);
+        push(&|s| s.critic = vec![64]);
+        push(&|s| s.critic = vec![32, 64]);
         push(&|s| {
             s.torso = vec![];
             s.core = CoreKind::Gru { hidden: 64 };
@@ -652,6 +738,38 @@ pub(crate) mod tests {
         assert_eq!(layout.n_params(), 4675);
         assert_eq!(layout.recurrent_size(), 0);
         assert_eq!(layout.feature_dim(), 64);
+    }
+
+    #[test]
+    fn a_separate_value_network_gets_its_own_layers_and_a_value_head_on_them() {
+        let layout = ParamLayout::new(&cartpole_mlp().with_critic(&[32, 16])).unwrap();
+        let summary: Vec<(&str, usize, usize, usize)> =
+            layout.entries().iter().map(|e| (e.name.as_str(), e.offset, e.rows, e.cols)).collect();
+        assert_eq!(
+            summary,
+            [
+                ("torso.0.weight", 0, 64, 4),
+                ("torso.0.bias", 256, 1, 64),
+                ("torso.1.weight", 320, 64, 64),
+                ("torso.1.bias", 4416, 1, 64),
+                ("critic.0.weight", 4480, 32, 4),
+                ("critic.0.bias", 4608, 1, 32),
+                ("critic.1.weight", 4640, 16, 32),
+                ("critic.1.bias", 5152, 1, 16),
+                ("policy.weight", 5168, 2, 64),
+                ("value.weight", 5296, 1, 16),
+                ("policy.bias", 5312, 1, 2),
+                ("value.bias", 5314, 1, 1),
+            ]
+        );
+        assert_eq!(layout.n_params(), 5315);
+        assert_eq!(layout.feature_dim(), 64);
+        assert_eq!(layout.heads().n_out, 2, "the policy head alone");
+        let value = layout.value_head().unwrap();
+        assert_eq!((value.weight, value.bias, value.n_in, value.n_out), (5296, 5314, 16, 1));
+        // Without one, the value head stays fused into the policy head's product.
+        let shared = ParamLayout::new(&cartpole_mlp()).unwrap();
+        assert_eq!((shared.heads().n_out, shared.value_head(), shared.critic().len()), (3, None, 0));
     }
 
     #[test]
@@ -722,6 +840,22 @@ pub(crate) mod tests {
         assert!(ParamLayout::new(&huge_hidden).is_err());
         let too_deep = PolicySpec::mlp(4, 2, &[2; MAX_TORSO_LAYERS + 1], Activation::Tanh);
         assert!(ParamLayout::new(&too_deep).is_err());
+        let zero_critic = PolicySpec::mlp(4, 2, &[8], Activation::Tanh).with_critic(&[8, 0]);
+        assert!(matches!(
+            ParamLayout::new(&zero_critic),
+            Err(PolicyError::InvalidSpec { ref field, .. }) if field == "critic[1]"
+        ));
+        let deep_critic = PolicySpec::mlp(4, 2, &[8], Activation::Tanh).with_critic(&[2; MAX_TORSO_LAYERS + 1]);
+        assert!(ParamLayout::new(&deep_critic).is_err());
+        let recurrent_critic = PolicySpec::gru(4, 2, &[8], Activation::Tanh, 4).with_critic(&[8]);
+        let err = ParamLayout::new(&recurrent_critic).unwrap_err().to_string();
+        assert!(err.contains("critic") && err.contains("recurrent core"), "{err}");
+        let conv_critic = PolicySpec::mlp(0, 6, &[128], Activation::Relu)
+            .with_conv(crate::ConvSpec::minatar(4, 10, 10))
+            .with_critic(&[8]);
+        assert!(ParamLayout::new(&conv_critic).is_err());
+        let huge_critic = PolicySpec::mlp(4, 2, &[8], Activation::Tanh).with_critic(&[MAX_LAYER_WIDTH; 4]);
+        assert!(matches!(ParamLayout::new(&huge_critic), Err(PolicyError::TooManyParams { .. })));
         let too_many = PolicySpec::mlp(4, 2, &[MAX_LAYER_WIDTH; 4], Activation::Tanh);
         let err = ParamLayout::new(&too_many).unwrap_err();
         assert!(matches!(err, PolicyError::TooManyParams { .. }));
@@ -739,7 +873,8 @@ pub(crate) mod tests {
 
     /// Random MLP and GRU specs with categorical heads: fewer than `max_obs` observations and
     /// `max_actions` actions, fewer than `max_layers` torso layers of fewer than `max_width`
-    /// units, tanh or ReLU, and a GRU core of fewer than `max_hidden` units or none.
+    /// units, tanh or ReLU, and a GRU core of fewer than `max_hidden` units or none; without a
+    /// GRU, a separate value network of up to `max_layers − 1` such layers or none.
     pub(crate) fn arb_spec(
         max_obs: usize,
         max_actions: usize,
@@ -748,8 +883,9 @@ pub(crate) mod tests {
         max_hidden: usize,
     ) -> impl Strategy<Value = PolicySpec> {
         let torso = prop::collection::vec(1..max_width, 0..max_layers);
-        (1..max_obs, 1..max_actions, torso, prop::bool::ANY, prop::option::of(1..max_hidden)).prop_map(
-            |(obs_dim, n_actions, torso, relu, hidden)| PolicySpec {
+        let critic = prop::collection::vec(1..max_width, 0..max_layers);
+        (1..max_obs, 1..max_actions, torso, prop::bool::ANY, prop::option::of(1..max_hidden), critic).prop_map(
+            |(obs_dim, n_actions, torso, relu, hidden, critic)| PolicySpec {
                 obs_dim,
                 n_actions,
                 torso,
@@ -758,6 +894,7 @@ pub(crate) mod tests {
                 head: super::super::ActionHead::Categorical,
                 conv: None,
                 normalize_obs: false,
+                critic: if hidden.is_some() { Vec::new() } else { critic },
             },
         )
     }

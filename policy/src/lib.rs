@@ -189,6 +189,13 @@ pub struct PolicySpec {
     /// with. Off in specs written before it existed.
     #[serde(default)]
     pub normalize_obs: bool,
+    /// Hidden widths of a separate value network (CleanRL's and SB3's MuJoCo critic): a dense
+    /// stack with the torso's activation that reads the observations (normalised with
+    /// `normalize_obs`) and feeds the value head, so the value loss no longer shapes the
+    /// policy's features. Empty (the default, and specs written before it existed): the value
+    /// head reads the policy torso's features. Needs the MLP core and no conv torso.
+    #[serde(default)]
+    pub critic: Vec<usize>,
 }
 
 impl PolicySpec {
@@ -203,12 +210,20 @@ impl PolicySpec {
             head: ActionHead::Categorical,
             conv: None,
             normalize_obs: false,
+            critic: Vec::new(),
         }
     }
 
     /// This spec with action head `head`.
     pub fn with_head(mut self, head: ActionHead) -> Self {
         self.head = head;
+        self
+    }
+
+    /// This spec with a separate value network of these hidden widths (empty: the value head
+    /// shares the torso).
+    pub fn with_critic(mut self, widths: &[usize]) -> Self {
+        self.critic = widths.to_vec();
         self
     }
 
@@ -229,6 +244,7 @@ impl PolicySpec {
             head: ActionHead::Categorical,
             conv: None,
             normalize_obs: false,
+            critic: Vec::new(),
         }
     }
 

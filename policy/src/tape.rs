@@ -1,9 +1,9 @@
 //! Sequence forward and backward-through-time for the learner.
 
 use super::inference::split_heads;
-use super::layout::ParamLayout;
+use super::layout::{DenseOffsets, ParamLayout};
 use super::linalg::{act_backward_in_place, column_sums, dense_forward, gemm, Mat};
-use super::{gru, PolicyError};
+use super::{gru, Activation, PolicyError};
 
 /// Forward over a time-major `[T][B]` sequence that records every activation, and the matching
 /// backward pass (backprop through time) into a flat gradient buffer.
@@ -58,7 +58,10 @@ pub struct PolicyTape {
     /// GRU state entering each step (after resets) and leaving it, `[T·B][H]`.
     h_prev: Vec<f32>,
     h_out: Vec<f32>,
-    /// Fused head output `[T·B][A + 1]`, and its split into logits `[T·B][A]` and values `[T·B]`.
+    /// Post-activation output of each layer of the separate value network, `[T·B][critic[i]]`.
+    critic_out: Vec<Vec<f32>>,
+    /// Head output, `[T·B][A + 1]` fused (`[T·B][A]` with a separate value network), and its
+    /// split into logits `[T·B][A]` and values `[T·B]`.
     heads_out: Vec<f32>,
     logits: Vec<f32>,
     values: Vec<f32>,
@@ -95,6 +98,7 @@ impl PolicyTape {
             obs: Vec::new(),
             episode_start: Vec::new(),
             torso_out: vec![Vec::new(); layout.torso().len()],
+            critic_out: vec![Vec::new(); layout.critic().len()],
             gi: Vec::new(),
             gh: Vec::new(),
             gates: Vec::new(),
@@ -257,15 +261,11 @@ impl PolicyTape {
         ensure_len(&mut self.episode_start, rows);
         self.episode_start[..rows].copy_from_slice(episode_start);
 
-        // Torso: the torso has no recurrence, so each layer is one GEMM over all T·B rows.
+        // Torso (and the separate value network): no recurrence, so each layer is one GEMM over
+        // all T·B rows.
         let activation = layout.spec().activation;
-        for (layer_idx, layer) in layout.torso().iter().enumerate() {
-            let (before, rest) = self.torso_out.split_at_mut(layer_idx);
-            let x: &[f32] = if layer_idx == 0 { &self.obs } else { &before[layer_idx - 1] };
-            let y = &mut rest[0];
-            ensure_len(y, rows * layer.n_out);
-            dense_forward(x, rows, layer.weight(params), layer.bias(params), Some(activation), y);
-        }
+        dense_stack_forward(layout.torso(), params, &self.obs, rows, activation, &mut self.torso_out);
+        dense_stack_forward(layout.critic(), params, &self.obs, rows, activation, &mut self.critic_out);
         let torso_features: &[f32] = self.torso_out.last().unwrap_or(&self.obs);
 
         let features: &[f32] = match layout.gru() {
@@ -317,7 +317,14 @@ impl PolicyTape {
         ensure_len(&mut self.values, rows);
         let heads_out = &mut self.heads_out[..rows * heads.n_out];
         dense_forward(features, rows, heads.weight(params), heads.bias(params), None, heads_out);
-        split_heads(heads_out, n_actions, &mut self.logits[..rows * n_actions], &mut self.values[..rows]);
+        match (layout.value_head(), self.critic_out.last()) {
+            (Some(value), Some(critic_features)) => {
+                self.logits[..rows * n_actions].copy_from_slice(heads_out);
+                let values = &mut self.values[..rows];
+                dense_forward(critic_features, rows, value.weight(params), value.bias(params), None, values);
+            }
+            _ => split_heads(heads_out, n_actions, &mut self.logits[..rows * n_actions], &mut self.values[..rows]),
+        }
     }
 
     fn run_backward(&mut self, params: &[f32], dlogits: &[f32], dvalues: &[f32], grads: &mut [f32]) {
@@ -337,16 +344,40 @@ impl PolicyTape {
             None => torso_features,
         };
 
-        // Heads: assemble ∂L/∂[logits, value] and take both heads' gradients at once.
-        ensure_len(&mut self.d_heads, rows * heads.n_out);
-        let d_heads = &mut self.d_heads[..rows * heads.n_out];
-        for ((d_row, dlogits), &dvalue) in
-            d_heads.chunks_exact_mut(heads.n_out).zip(dlogits.chunks_exact(n_actions)).zip(dvalues)
-        {
-            d_row[..n_actions].copy_from_slice(dlogits);
-            d_row[n_actions] = dvalue;
-        }
-        let d_heads = &*d_heads;
+        let activation = layout.spec().activation;
+        let mut d_cur = std::mem::take(&mut self.d_a);
+        let mut d_next = std::mem::take(&mut self.d_b);
+        let d_heads: &[f32] = match (layout.value_head(), layout.critic().last()) {
+            (Some(value), Some(last)) => {
+                // The separate value network: its head, then its layers back to the observations.
+                let critic_features = &self.critic_out[layout.critic().len() - 1][..rows * last.n_out];
+                let d_values = Mat::row_major(dvalues, rows, 1);
+                let weight_grad = &mut grads[value.weight..value.weight + value.n_in];
+                gemm(1.0, d_values.t(), Mat::row_major(critic_features, rows, value.n_in), 0.0, weight_grad);
+                column_sums(dvalues, &mut grads[value.bias..value.bias + 1]);
+                let widest = layout.critic().iter().map(|layer| layer.n_out).max().unwrap_or(0);
+                ensure_len(&mut d_cur, rows * widest);
+                ensure_len(&mut d_next, rows * widest);
+                let weight = Mat::row_major(value.weight(params), 1, value.n_in);
+                gemm(1.0, d_values, weight, 0.0, &mut d_cur[..rows * value.n_in]);
+                let critic = (layout.critic(), self.critic_out.as_slice());
+                dense_stack_backward(critic, obs, params, rows, activation, &mut d_cur, &mut d_next, grads);
+                // The policy head alone.
+                dlogits
+            }
+            _ => {
+                // Heads: assemble ∂L/∂[logits, value] and take both heads' gradients at once.
+                ensure_len(&mut self.d_heads, rows * heads.n_out);
+                let d_heads = &mut self.d_heads[..rows * heads.n_out];
+                for ((d_row, dlogits), &dvalue) in
+                    d_heads.chunks_exact_mut(heads.n_out).zip(dlogits.chunks_exact(n_actions)).zip(dvalues)
+                {
+                    d_row[..n_actions].copy_from_slice(dlogits);
+                    d_row[n_actions] = dvalue;
+                }
+                &*d_heads
+            }
+        };
         gemm(
             1.0,
             Mat::row_major(d_heads, rows, heads.n_out).t(),
@@ -358,11 +389,11 @@ impl PolicyTape {
 
         // ∂L/∂features is only needed if something upstream has parameters.
         if torso.is_empty() && layout.gru().is_none() {
+            self.d_a = d_cur;
+            self.d_b = d_next;
             return;
         }
         // `d_cur` always holds ∂L/∂(output of the layer being processed).
-        let mut d_cur = std::mem::take(&mut self.d_a);
-        let mut d_next = std::mem::take(&mut self.d_b);
         let widest = layout.max_torso_width().max(heads.n_in);
         ensure_len(&mut d_cur, rows * widest);
         ensure_len(&mut d_next, rows * widest);
@@ -441,33 +472,70 @@ impl PolicyTape {
             }
         }
 
-        let activation = layout.spec().activation;
-        for (layer_idx, layer) in torso.iter().enumerate().rev() {
-            let y = &self.torso_out[layer_idx][..rows * layer.n_out];
-            let d_pre = &mut d_cur[..rows * layer.n_out];
-            act_backward_in_place(d_pre, y, activation);
-            let x: &[f32] = if layer_idx == 0 { obs } else { &self.torso_out[layer_idx - 1][..rows * layer.n_in] };
-            gemm(
-                1.0,
-                Mat::row_major(d_pre, rows, layer.n_out).t(),
-                Mat::row_major(x, rows, layer.n_in),
-                0.0,
-                &mut grads[layer.weight..layer.weight + layer.n_out * layer.n_in],
-            );
-            column_sums(d_pre, &mut grads[layer.bias..layer.bias + layer.n_out]);
-            if layer_idx > 0 {
-                gemm(
-                    1.0,
-                    Mat::row_major(d_pre, rows, layer.n_out),
-                    Mat::row_major(layer.weight(params), layer.n_out, layer.n_in),
-                    0.0,
-                    &mut d_next[..rows * layer.n_in],
-                );
-                std::mem::swap(&mut d_cur, &mut d_next);
-            }
-        }
+        let torso = (torso, self.torso_out.as_slice());
+        dense_stack_backward(torso, obs, params, rows, activation, &mut d_cur, &mut d_next, grads);
         self.d_a = d_cur;
         self.d_b = d_next;
+    }
+}
+
+/// Run a stack of dense layers with `activation` over `rows` rows of `input`, keeping each
+/// layer's output in `outs` for the backward.
+fn dense_stack_forward(
+    layers: &[DenseOffsets],
+    params: &[f32],
+    input: &[f32],
+    rows: usize,
+    activation: Activation,
+    outs: &mut [Vec<f32>],
+) {
+    for (layer_idx, layer) in layers.iter().enumerate() {
+        let (before, rest) = outs.split_at_mut(layer_idx);
+        let x: &[f32] = if layer_idx == 0 { input } else { &before[layer_idx - 1] };
+        let y = &mut rest[0];
+        ensure_len(y, rows * layer.n_out);
+        dense_forward(x, rows, layer.weight(params), layer.bias(params), Some(activation), y);
+    }
+}
+
+/// Backprop through a stack of dense layers (`layers` and the outputs their forward kept) from
+/// `d_cur` = ∂L/∂(last layer's output), writing each layer's weight and bias gradients. The
+/// stack's input (`input`, the observations) gets no gradient. `d_cur` and `d_next` are
+/// scratch at least as wide as the widest layer; they may swap.
+#[allow(clippy::too_many_arguments)]
+fn dense_stack_backward(
+    (layers, outs): (&[DenseOffsets], &[Vec<f32>]),
+    input: &[f32],
+    params: &[f32],
+    rows: usize,
+    activation: Activation,
+    d_cur: &mut Vec<f32>,
+    d_next: &mut Vec<f32>,
+    grads: &mut [f32],
+) {
+    for (layer_idx, layer) in layers.iter().enumerate().rev() {
+        let y = &outs[layer_idx][..rows * layer.n_out];
+        let d_pre = &mut d_cur[..rows * layer.n_out];
+        act_backward_in_place(d_pre, y, activation);
+        let x: &[f32] = if layer_idx == 0 { input } else { &outs[layer_idx - 1][..rows * layer.n_in] };
+        gemm(
+            1.0,
+            Mat::row_major(d_pre, rows, layer.n_out).t(),
+            Mat::row_major(x, rows, layer.n_in),
+            0.0,
+            &mut grads[layer.weight..layer.weight + layer.n_out * layer.n_in],
+        );
+        column_sums(d_pre, &mut grads[layer.bias..layer.bias + layer.n_out]);
+        if layer_idx > 0 {
+            gemm(
+                1.0,
+                Mat::row_major(d_pre, rows, layer.n_out),
+                Mat::row_major(layer.weight(params), layer.n_out, layer.n_in),
+                0.0,
+                &mut d_next[..rows * layer.n_in],
+            );
+            std::mem::swap(d_cur, d_next);
+        }
     }
 }
 
@@ -658,6 +726,31 @@ mod tests {
     }
 
     #[test]
+    fn gradients_match_finite_differences_with_a_separate_value_network() {
+        assert_gradients_match(PolicySpec::mlp(5, 3, &[7, 6], Activation::Tanh).with_critic(&[6, 5]), 4, 3, &[]);
+        assert_gradients_match(PolicySpec::mlp(5, 3, &[7], Activation::Relu).with_critic(&[8]), 4, 3, &[]);
+        // A linear policy beside a value network.
+        assert_gradients_match(PolicySpec::mlp(4, 2, &[], Activation::Tanh).with_critic(&[5]), 3, 2, &[]);
+    }
+
+    #[test]
+    fn a_separate_value_network_keeps_the_value_loss_out_of_the_policy_torso() {
+        let layout = ParamLayout::new(&PolicySpec::mlp(5, 3, &[7, 6], Activation::Tanh).with_critic(&[6])).unwrap();
+        let mut rng = Pcg64::seed_from_u64(7);
+        let params = random_params(&layout, &mut rng);
+        let mut seq = sequence(&layout, 4, 3, &[], &mut rng);
+        // A loss on the values alone moves only the value network; one on the logits alone
+        // only the policy's.
+        seq.c_logits.fill(0.0);
+        let value_grads = analytic_grads(&mut PolicyTape::new(&layout), &params, &seq);
+        for entry in layout.entries() {
+            let moved = value_grads[entry.range()].iter().any(|&g| g != 0.0);
+            let critic = entry.name.starts_with("critic.") || entry.name.starts_with("value.");
+            assert_eq!(moved, critic, "{}", entry.name);
+        }
+    }
+
+    #[test]
     fn gradients_match_finite_differences_for_tanh_mlp_gru_with_resets() {
         let resets = [(0, 1), (2, 0), (3, 2), (4, 0)];
         assert_gradients_match(PolicySpec::gru(4, 3, &[6], Activation::Tanh, 5), 6, 3, &resets);
@@ -769,6 +862,15 @@ mod tests {
     fn inference_steps_match_tape_forward_for_mlp() {
         let spec = PolicySpec::mlp(4, 2, &[64, 64], Activation::Tanh);
         assert_inference_matches_tape(&spec, 5, 8, &[(2, 3)], 1);
+    }
+
+    #[test]
+    fn inference_steps_match_tape_forward_with_a_separate_value_network() {
+        let spec = PolicySpec::mlp(4, 2, &[64, 64], Activation::Tanh).with_critic(&[64, 64]);
+        assert_inference_matches_tape(&spec, 5, 8, &[(2, 3)], 1);
+        // Wide enough that inference goes layer by layer instead of one small chain.
+        let wide = PolicySpec::mlp(4, 2, &[64], Activation::Relu).with_critic(&[300, 20, 300]);
+        assert_inference_matches_tape(&wide, 3, 40, &[], 2);
     }
 
     #[test]

@@ -60,6 +60,11 @@ pub struct SpecArgs {
     /// images: 512].
     #[arg(long, env = "VOLLEY_TORSO")]
     pub torso: Option<String>,
+    /// A separate value network's hidden widths, comma-separated, with the torso's activation
+    /// (empty: the value head shares the policy's torso) [default: empty; served MuJoCo tasks:
+    /// 64,64]. Needs the MLP core and no conv torso.
+    #[arg(long, env = "VOLLEY_CRITIC")]
+    pub critic: Option<String>,
     /// Torso activation [default: tanh; minatar-*, served images: relu].
     #[arg(long, value_enum, env = "VOLLEY_ACTIVATION")]
     pub activation: Option<ActivationName>,
@@ -116,6 +121,10 @@ pub struct SpecArgs {
     /// (docs/benchmarks/long-runs.md, issue 11).
     #[arg(long, env = "VOLLEY_ENT_COEF")]
     pub ent_coef: Option<f32>,
+    /// The entropy bonus at the end of the step budget, reached by linear decay from
+    /// --ent-coef on the learning rate's ramp [default: none (constant)].
+    #[arg(long, env = "VOLLEY_FINAL_ENT_COEF")]
+    pub final_ent_coef: Option<f32>,
     /// PPO epochs per batch [default: 10; served images: 3].
     #[arg(long, env = "VOLLEY_PPO_EPOCHS")]
     pub ppo_epochs: Option<u32>,
@@ -260,20 +269,22 @@ struct NetworkDefaults {
     /// Torso widths as `--torso` spells them.
     torso: &'static str,
     activation: ActivationName,
+    /// A separate value network's widths as `--critic` spells them (empty: none).
+    critic: &'static str,
 }
 
 impl NetworkDefaults {
     /// A 64×64 tanh MLP on the observation vector (flattened planes for image observations).
     const MLP: NetworkDefaults =
-        NetworkDefaults { conv: ConvName::None, torso: "64,64", activation: ActivationName::Tanh };
+        NetworkDefaults { conv: ConvName::None, torso: "64,64", activation: ActivationName::Tanh, critic: "" };
     /// The Nature-DQN network (Mnih et al. 2015): three convolutions and 512 ReLU units, the
     /// network of the Atari PPO baselines (CleanRL, the SB3 zoo) and of issue 44's Pong runs.
     const NATURE: NetworkDefaults =
-        NetworkDefaults { conv: ConvName::Nature, torso: "512", activation: ActivationName::Relu };
+        NetworkDefaults { conv: ConvName::Nature, torso: "512", activation: ActivationName::Relu, critic: "" };
     /// MinAtar's network (Young & Tian 2019, the network of their AC(λ) reference): one 3×3
     /// convolution with 16 filters and 128 ReLU units.
     const MINATAR: NetworkDefaults =
-        NetworkDefaults { conv: ConvName::Minatar, torso: "128", activation: ActivationName::Relu };
+        NetworkDefaults { conv: ConvName::Minatar, torso: "128", activation: ActivationName::Relu, critic: "" };
 }
 
 impl EnvDefaults {
@@ -431,16 +442,16 @@ fn is_mujoco_task(label: Option<&str>) -> bool {
     MUJOCO_TASKS.contains(&name.as_str())
 }
 
-fn parse_widths(text: &str) -> anyhow::Result<Vec<usize>> {
+fn parse_widths(flag: &str, text: &str) -> anyhow::Result<Vec<usize>> {
     let text = text.trim();
     if text.is_empty() {
         return Ok(Vec::new());
     }
     text.split(',')
         .map(|w| {
-            let width: usize = w.trim().parse().with_context(|| format!("--torso: {w:?} is not a width"))?;
+            let width: usize = w.trim().parse().with_context(|| format!("{flag}: {w:?} is not a width"))?;
             if width == 0 || width > 4096 {
-                bail!("--torso: width {width} out of range 1..=4096");
+                bail!("{flag}: width {width} out of range 1..=4096");
             }
             Ok(width)
         })
@@ -488,7 +499,7 @@ impl SpecArgs {
         let policy = PolicySpec {
             obs_dim,
             n_actions,
-            torso: parse_widths(self.torso.as_deref().unwrap_or(preset.network.torso))?,
+            torso: parse_widths("--torso", self.torso.as_deref().unwrap_or(preset.network.torso))?,
             activation: match self.activation.unwrap_or(preset.network.activation) {
                 ActivationName::Tanh => Activation::Tanh,
                 ActivationName::Relu => Activation::Relu,
@@ -503,6 +514,7 @@ impl SpecArgs {
             },
             conv: self.conv_or_family_default(preset.network.conv, &env)?,
             normalize_obs: self.normalize_obs.unwrap_or(preset.normalize_obs),
+            critic: parse_widths("--critic", self.critic.as_deref().unwrap_or(preset.network.critic))?,
         };
         if let EnvConfig::Remote(remote) = &env {
             tracing::info!(service = %remote.service, family = preset.family, loss = ?preset.loss, gamma = preset.gamma,
@@ -529,6 +541,7 @@ impl SpecArgs {
                     _ => 0.0,
                 },
             ),
+            final_ent_coef: self.final_ent_coef,
             adam_eps: self.adam_eps.unwrap_or_else(|| volley_core::spec::default_adam_eps(&env)),
             ppo_epochs: self.ppo_epochs.unwrap_or(preset.ppo_epochs),
             ppo_minibatches: self.ppo_minibatches.unwrap_or(preset.ppo_minibatches),
@@ -837,6 +850,25 @@ mod tests {
         assert_eq!((&tuned.policy.conv, &tuned.policy.torso), (&None, &vec![128]));
         let cartpole = spec(&[]);
         assert_eq!((cartpole.hyper.ent_coef, cartpole.hyper.reward_scale), (0.0, 0.05));
+    }
+
+    /// `--critic` gives the value head its own network; it is refused, with the flag named, where
+    /// a separate value network cannot read the observations (a conv torso, a recurrent core).
+    #[test]
+    fn the_critic_flag_builds_a_separate_value_network_where_one_fits() {
+        let spec = |flags: &[&str]| train_spec(flags, None);
+        assert_eq!(spec(&[]).expect("valid").policy.critic, Vec::<usize>::new());
+        let separate = spec(&["--critic", "32, 16"]).expect("valid");
+        assert_eq!(separate.policy.critic, [32, 16]);
+        assert_eq!(spec(&["--env", "pendulum", "--critic", "64,64"]).expect("valid").policy.critic, [64, 64]);
+        let bad_width = spec(&["--critic", "64,0"]).expect_err("a zero width");
+        assert!(format!("{bad_width:#}").contains("--critic: width 0"), "{bad_width:#}");
+        let not_a_width = spec(&["--critic", "wide"]).expect_err("not a number");
+        assert!(format!("{not_a_width:#}").contains("--critic: \"wide\""), "{not_a_width:#}");
+        for flags in [&["--core", "gru", "--critic", "16"][..], &["--env", "minatar-breakout", "--critic", "16"]] {
+            let refused = spec(flags).expect_err("no separate value network there");
+            assert!(format!("{refused:#}").contains("critic"), "{flags:?}: {refused:#}");
+        }
     }
 
     /// Issue 11: PPO on discrete actions gets an entropy bonus of 0.01 by default (without it,

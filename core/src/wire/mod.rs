@@ -583,6 +583,7 @@ mod tests {
                 head: volley_policy::ActionHead::Categorical,
                 conv: None,
                 normalize_obs: false,
+                critic: Vec::new(),
             },
             segment_len: T,
             hyper: HyperParams::default(),

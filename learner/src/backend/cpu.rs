@@ -27,7 +27,7 @@ use volley_policy::returns::gae;
 use volley_policy::{Activation, ConvGeometry};
 
 use super::ops::{
-    BehaviourWeights, ClipAdamStep, Col2im, ConvMap, DenseForward, GaeScan, GatherColumns, GruCarryGrad,
+    BehaviourWeights, ClipAdamStep, Col2im, ConvMap, CopyColumns, DenseForward, GaeScan, GatherColumns, GruCarryGrad,
     GruCellBackward, GruCellForward, GruResetCopy, Im2col, Im2colU8, LogProbs, MatmulDw, MatmulDx, TakeColumn, WidenU8,
 };
 use super::{
@@ -536,6 +536,15 @@ impl Backend for CpuBackend {
     fn take_column_unchecked(&mut self, op: TakeColumn<'_, Self>) -> Result<(), BackendError> {
         for (out, row) in slice_mut(op.dst).iter_mut().zip(slice(op.src).chunks_exact(op.width)) {
             *out = row[op.column];
+        }
+        Ok(())
+    }
+
+    fn copy_columns_unchecked(&mut self, op: CopyColumns<'_, Self>) -> Result<(), BackendError> {
+        let (from, to, n) = (op.src_column, op.dst_column, op.columns);
+        let rows = slice_mut(op.dst).chunks_exact_mut(op.dst_width).zip(slice(op.src).chunks_exact(op.src_width));
+        for (dst, src) in rows.take(op.rows) {
+            dst[to..to + n].copy_from_slice(&src[from..from + n]);
         }
         Ok(())
     }

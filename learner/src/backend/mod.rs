@@ -79,8 +79,8 @@ pub use byte_rows::{pack_byte_rows, packed_words};
 pub use cpu::CpuBackend;
 pub use cuda::{open_cuda, CudaBackend, CudaDevice};
 pub use ops::{
-    BehaviourWeights, ClipAdamStep, Col2im, DenseForward, GaeScan, GatherColumns, GruCarryGrad, GruCellBackward,
-    GruCellForward, GruResetCopy, Im2col, Im2colU8, LogProbs, MatmulDw, MatmulDx, TakeColumn, WidenU8,
+    BehaviourWeights, ClipAdamStep, Col2im, CopyColumns, DenseForward, GaeScan, GatherColumns, GruCarryGrad,
+    GruCellBackward, GruCellForward, GruResetCopy, Im2col, Im2colU8, LogProbs, MatmulDw, MatmulDx, TakeColumn, WidenU8,
 };
 
 /// Which backend the user asked for (`--backend`).
@@ -614,6 +614,11 @@ macro_rules! backend_operations {
                 fn take_column(&mut self, op: TakeColumn<'_, Self>) -> Result<(), BackendError>
                     => take_column_unchecked after op.check();
 
+                /// `dst[r][dst_column + k] = src[r][src_column + k]` for `r < rows`, `k < columns`
+                /// (the two heads of a separate value network into one heads block, and back).
+                fn copy_columns(&mut self, op: CopyColumns<'_, Self>) -> Result<(), BackendError>
+                    => copy_columns_unchecked after op.check();
+
                 /// The GRU state entering a step: `dst[b] = 0` where `starts[b] ≠ 0`, else `src[b]`;
                 /// `src`, `dst: [B][hidden]`, `starts: [B]`.
                 fn gru_reset_copy(&mut self, op: GruResetCopy<'_, Self>) -> Result<(), BackendError>
@@ -965,6 +970,53 @@ mod tests {
         for (result, expected) in results.into_iter().zip(expected) {
             assert_eq!(result.expect_err(expected).to_string(), expected);
         }
+    }
+
+    #[test]
+    fn copy_columns_moves_a_block_of_columns_between_row_widths() {
+        let mut cpu = CpuBackend::new();
+        // Two rows of [a, b] into columns 1..3 of rows of width 4, and column 2 of those back.
+        let src = vec![1.0f32, 2.0, 3.0, 4.0];
+        let mut wide = vec![0.0f32; 8];
+        let op = CopyColumns {
+            src: View::of(&src),
+            src_width: 2,
+            src_column: 0,
+            dst: ViewMut::of(&mut wide),
+            dst_width: 4,
+            dst_column: 1,
+            columns: 2,
+            rows: 2,
+        };
+        cpu.copy_columns(op).unwrap();
+        assert_eq!(wide, [0.0, 1.0, 2.0, 0.0, 0.0, 3.0, 4.0, 0.0]);
+        let mut narrow = vec![0.0f32; 2];
+        let op = CopyColumns {
+            src: View::of(&wide),
+            src_width: 4,
+            src_column: 2,
+            dst: ViewMut::of(&mut narrow),
+            dst_width: 1,
+            dst_column: 0,
+            columns: 1,
+            rows: 2,
+        };
+        cpu.copy_columns(op).unwrap();
+        assert_eq!(narrow, [2.0, 4.0]);
+        // A block that runs past a row is refused, and nothing is written.
+        let op = CopyColumns {
+            src: View::of(&src),
+            src_width: 2,
+            src_column: 1,
+            dst: ViewMut::of(&mut wide),
+            dst_width: 4,
+            dst_column: 0,
+            columns: 2,
+            rows: 2,
+        };
+        let err = cpu.copy_columns(op).unwrap_err().to_string();
+        assert_eq!(err, "copy_columns: last src column 2 is not below 2");
+        assert_eq!(wide, [0.0, 1.0, 2.0, 0.0, 0.0, 3.0, 4.0, 0.0]);
     }
 
     #[test]

@@ -241,6 +241,51 @@ impl<B: Backend + ?Sized> TakeColumn<'_, B> {
     }
 }
 
+/// The operands of [`Backend::copy_columns`]: `dst[r][dst_column + k] = src[r][src_column + k]`
+/// for `r < rows`, `k < columns`, between two row-major blocks.
+pub struct CopyColumns<'a, B: Backend + ?Sized> {
+    /// `[rows][src_width]`.
+    pub src: View<'a, B>,
+    /// Its row width.
+    pub src_width: usize,
+    /// The first column copied from.
+    pub src_column: usize,
+    /// `[rows][dst_width]`; columns outside the copied ones are left as they are.
+    pub dst: ViewMut<'a, B>,
+    /// Its row width.
+    pub dst_width: usize,
+    /// The first column copied to.
+    pub dst_column: usize,
+    /// How many columns.
+    pub columns: usize,
+    /// Rows of both.
+    pub rows: usize,
+}
+
+impl<B: Backend + ?Sized> CopyColumns<'_, B> {
+    pub(super) fn check(&self) -> Result<(), BackendError> {
+        check_all(
+            "copy_columns",
+            &[("src", self.rows * self.src_width, self.src.len()), ("dst", self.rows * self.dst_width, self.dst.len())],
+        )?;
+        let ends = [
+            ("last src column", self.src_column + self.columns, self.src_width),
+            ("last dst column", self.dst_column + self.columns, self.dst_width),
+        ];
+        for (operand, end, width) in ends {
+            if end > width {
+                return Err(BackendError::IndexOutOfRange {
+                    op: "copy_columns",
+                    operand,
+                    index: end - 1,
+                    bound: width,
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
 /// The operands of [`Backend::gru_reset_copy`]: `dst[b] = 0` where `starts[b] ≠ 0`, else `src[b]`.
 pub struct GruResetCopy<'a, B: Backend + ?Sized> {
     /// The state leaving the previous step, `[B][hidden]`.

@@ -50,7 +50,7 @@ pub const FILES: &[KernelFile] = &[
     KernelFile {
         name: "dense.cu",
         source: include_str!("../../../kernels/dense.cu"),
-        kernels: &["bias_act_fwd", "act_bwd", "take_column", "gather_columns", "fill"],
+        kernels: &["bias_act_fwd", "act_bwd", "take_column", "copy_columns", "gather_columns", "fill"],
     },
     KernelFile {
         name: "gru.cu",
@@ -220,6 +220,7 @@ pub(crate) struct Kernels {
     bias_act_fwd: CudaFunction,
     act_bwd: CudaFunction,
     take_column: CudaFunction,
+    copy_columns: CudaFunction,
     gather_columns: CudaFunction,
     fill: CudaFunction,
     gru_reset_copy: CudaFunction,
@@ -421,6 +422,7 @@ impl Kernels {
             bias_act_fwd: f("bias_act_fwd")?,
             act_bwd: f("act_bwd")?,
             take_column: f("take_column")?,
+            copy_columns: f("copy_columns")?,
             gather_columns: f("gather_columns")?,
             fill: f("fill")?,
             gru_reset_copy: f("gru_reset_copy")?,
@@ -530,6 +532,40 @@ impl Kernels {
         unsafe {
             self.launch(&self.take_column, grid(rows), |l| {
                 l.arg(src).arg(dst).arg(&rows_i).arg(&stride_i).arg(&column_i)
+            })
+        }
+    }
+
+    /// `dst[r][dst_column + k] = src[r][src_column + k]` for `r < rows`, `k < columns`, with
+    /// `widths = (src_width, dst_width)` and `(src_column, dst_column)` = `from_to`.
+    pub(crate) fn copy_columns(
+        &self,
+        src: &CudaView<'_, f32>,
+        (src_width, dst_width): (usize, usize),
+        (src_column, dst_column): (usize, usize),
+        columns: usize,
+        rows: usize,
+        dst: &mut CudaViewMut<'_, f32>,
+    ) -> Result<(), BackendError> {
+        check_len("copy_columns", "src", rows * src_width, src.len())?;
+        check_len("copy_columns", "dst", rows * dst_width, dst.len())?;
+        for (operand, end, width) in
+            [("src columns", src_column + columns, src_width), ("dst columns", dst_column + columns, dst_width)]
+        {
+            if end > width {
+                return Err(BackendError::Shape { op: "copy_columns", operand, expected: width, got: end });
+            }
+        }
+        let n = long("n", rows * columns)?;
+        let ints = [int("src_width", src_width)?, int("src_column", src_column)?, int("dst_width", dst_width)?];
+        let (dst_column_i, columns_i) = (int("dst_column", dst_column)?, int("columns", columns)?);
+        // SAFETY: (src, dst, n, src_width, src_column, dst_width, dst_column, columns) is the
+        // parameter list; element i = r·columns + k reads src[r·src_width + src_column + k] and
+        // writes dst[r·dst_width + dst_column + k], inside both views for r < rows and
+        // src_column + k < src_width, dst_column + k < dst_width (checked).
+        unsafe {
+            self.launch(&self.copy_columns, grid(rows * columns), |l| {
+                l.arg(src).arg(dst).arg(&n).arg(&ints[0]).arg(&ints[1]).arg(&ints[2]).arg(&dst_column_i).arg(&columns_i)
             })
         }
     }

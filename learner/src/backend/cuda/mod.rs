@@ -35,7 +35,7 @@ use self::kernels::{
 use self::profile::{Mark, Profile};
 pub use self::timing::{DeviceTiming, KernelTiming};
 use super::ops::{
-    BehaviourWeights, ClipAdamStep, Col2im, ConvMap, DenseForward, GaeScan, GatherColumns, GruCarryGrad,
+    BehaviourWeights, ClipAdamStep, Col2im, ConvMap, CopyColumns, DenseForward, GaeScan, GatherColumns, GruCarryGrad,
     GruCellBackward, GruCellForward, GruResetCopy, Im2col, Im2colU8, LogProbs, MatmulDw, MatmulDx, TakeColumn, WidenU8,
 };
 use super::{Backend, BackendError, Evaluation, Head, OffPolicyViews, PpoLoss, VTraceLoss, View, ViewMut};
@@ -403,6 +403,12 @@ impl Backend for CudaBackend {
 
     fn take_column_unchecked(&mut self, op: TakeColumn<'_, Self>) -> Result<(), BackendError> {
         self.gpu.kernels.take_column(&view(op.src), op.width, op.column, &mut view_mut(op.dst))
+    }
+
+    fn copy_columns_unchecked(&mut self, op: CopyColumns<'_, Self>) -> Result<(), BackendError> {
+        let (src, widths) = (view(op.src), (op.src_width, op.dst_width));
+        let (columns, at) = ((op.src_column, op.dst_column), op.columns);
+        self.gpu.kernels.copy_columns(&src, widths, columns, at, op.rows, &mut view_mut(op.dst))
     }
 
     fn gru_reset_copy_unchecked(&mut self, op: GruResetCopy<'_, Self>) -> Result<(), BackendError> {

@@ -116,6 +116,8 @@ fn specs() -> Vec<PolicySpec> {
         PolicySpec::mlp(4, 2, &[24], Activation::Relu),
         PolicySpec::gru(6, 4, &[16], Activation::Tanh, 12),
         PolicySpec::gru(3, 2, &[], Activation::Tanh, 8),
+        // A separate value network: `copy_columns` joins and splits the two heads.
+        PolicySpec::mlp(5, 3, &[32, 16], Activation::Tanh).with_critic(&[24, 8]),
         // Conv torsos (issue 15): im2col and col2im with stride, padding and both layouts.
         PolicySpec::mlp(0, 3, &[16], Activation::Relu).with_conv(crate::backend::cuda::conv_tests::two_layer_conv()),
         PolicySpec::gru(0, 4, &[], Activation::Tanh, 6).with_conv(volley_policy::ConvSpec::minatar(3, 10, 10)),
@@ -803,13 +805,16 @@ fn assert_update_matches(name: &str, gpu: &mut Learner, cpu: &mut Learner, batch
     [g, c]
 }
 
-/// Pendulum-shaped policies with the Gaussian head (issue 14): unsquashed and squashed.
+/// Pendulum-shaped policies with the Gaussian head (issue 14): unsquashed and squashed, and
+/// the MuJoCo family's shape: a separate value network over normalised observations.
 fn pendulum_specs(loss: LossKind) -> Vec<RunSpec> {
-    [false, true]
+    [(false, &[][..]), (true, &[]), (false, &[16, 16])]
         .into_iter()
-        .map(|squash| {
+        .map(|(squash, critic)| {
             let policy = PolicySpec::mlp(3, 1, &[32, 16], Activation::Tanh)
-                .with_head(volley_policy::ActionHead::Gaussian { squash });
+                .with_head(volley_policy::ActionHead::Gaussian { squash })
+                .with_critic(critic)
+                .with_obs_normalization(!critic.is_empty());
             RunSpec { env: EnvConfig::Pendulum, ..run_spec(policy, loss, 12, 9) }
         })
         .collect()

@@ -12,8 +12,8 @@ mod timing;
 pub use timing::{DeviceTiming, KernelTiming};
 
 use super::ops::{
-    BehaviourWeights, ClipAdamStep, Col2im, DenseForward, GaeScan, GatherColumns, GruCarryGrad, GruCellBackward,
-    GruCellForward, GruResetCopy, Im2col, Im2colU8, LogProbs, MatmulDw, MatmulDx, TakeColumn, WidenU8,
+    BehaviourWeights, ClipAdamStep, Col2im, CopyColumns, DenseForward, GaeScan, GatherColumns, GruCarryGrad,
+    GruCellBackward, GruCellForward, GruResetCopy, Im2col, Im2colU8, LogProbs, MatmulDw, MatmulDx, TakeColumn, WidenU8,
 };
 use super::{
     backend_operations, Backend, BackendError, Evaluation, OffPolicyViews, PpoLoss, VTraceLoss, View, ViewMut,
