@@ -717,13 +717,16 @@ pub(crate) mod tests {
         assert_eq!(hashes.len(), variants.len(), "two specs share a layout hash");
     }
 
+    /// Each entry's `(name, offset, rows, cols)`, in buffer order.
+    fn summary(layout: &ParamLayout) -> Vec<(&str, usize, usize, usize)> {
+        layout.entries().iter().map(|e| (e.name.as_str(), e.offset, e.rows, e.cols)).collect()
+    }
+
     #[test]
     fn cartpole_mlp_entries_have_documented_names_shapes_and_offsets() {
         let layout = ParamLayout::new(&cartpole_mlp()).unwrap();
-        let summary: Vec<(&str, usize, usize, usize)> =
-            layout.entries().iter().map(|e| (e.name.as_str(), e.offset, e.rows, e.cols)).collect();
         assert_eq!(
-            summary,
+            summary(&layout),
             [
                 ("torso.0.weight", 0, 64, 4),
                 ("torso.0.bias", 256, 1, 64),
@@ -743,10 +746,8 @@ pub(crate) mod tests {
     #[test]
     fn a_separate_value_network_gets_its_own_layers_and_a_value_head_on_them() {
         let layout = ParamLayout::new(&cartpole_mlp().with_critic(&[32, 16])).unwrap();
-        let summary: Vec<(&str, usize, usize, usize)> =
-            layout.entries().iter().map(|e| (e.name.as_str(), e.offset, e.rows, e.cols)).collect();
         assert_eq!(
-            summary,
+            summary(&layout),
             [
                 ("torso.0.weight", 0, 64, 4),
                 ("torso.0.bias", 256, 1, 64),
@@ -794,11 +795,9 @@ pub(crate) mod tests {
         let spec = PolicySpec::mlp(0, 6, &[128], Activation::Relu).with_conv(crate::ConvSpec::minatar(4, 10, 10));
         assert_eq!(spec.obs_dim, 400);
         let layout = ParamLayout::new(&spec).unwrap();
-        let summary: Vec<(&str, usize, usize, usize)> =
-            layout.entries().iter().take(4).map(|e| (e.name.as_str(), e.offset, e.rows, e.cols)).collect();
         // 16 filters of 4·3·3, then the dense layer over the 8·8·16 = 1024 conv outputs.
         assert_eq!(
-            summary,
+            summary(&layout)[..4],
             [
                 ("conv.0.weight", 0, 16, 36),
                 ("conv.0.bias", 576, 1, 16),

@@ -351,10 +351,8 @@ impl PolicyTape {
             (Some(value), Some(last)) => {
                 // The separate value network: its head, then its layers back to the observations.
                 let critic_features = &self.critic_out[layout.critic().len() - 1][..rows * last.n_out];
+                dense_param_grads(&value, dvalues, critic_features, rows, grads);
                 let d_values = Mat::row_major(dvalues, rows, 1);
-                let weight_grad = &mut grads[value.weight..value.weight + value.n_in];
-                gemm(1.0, d_values.t(), Mat::row_major(critic_features, rows, value.n_in), 0.0, weight_grad);
-                column_sums(dvalues, &mut grads[value.bias..value.bias + 1]);
                 let widest = layout.critic().iter().map(|layer| layer.n_out).max().unwrap_or(0);
                 ensure_len(&mut d_cur, rows * widest);
                 ensure_len(&mut d_next, rows * widest);
@@ -378,14 +376,7 @@ impl PolicyTape {
                 &*d_heads
             }
         };
-        gemm(
-            1.0,
-            Mat::row_major(d_heads, rows, heads.n_out).t(),
-            Mat::row_major(features, rows, heads.n_in),
-            0.0,
-            &mut grads[heads.weight..heads.weight + heads.n_out * heads.n_in],
-        );
-        column_sums(d_heads, &mut grads[heads.bias..heads.bias + heads.n_out]);
+        dense_param_grads(&heads, d_heads, features, rows, grads);
 
         // ∂L/∂features is only needed if something upstream has parameters.
         if torso.is_empty() && layout.gru().is_none() {
@@ -479,6 +470,14 @@ impl PolicyTape {
     }
 }
 
+/// A dense layer's weight and bias gradients from `rows` rows of `dy` (∂L/∂ its pre-activation
+/// output) and of its input `x`, written into their ranges of `grads`.
+fn dense_param_grads(layer: &DenseOffsets, dy: &[f32], x: &[f32], rows: usize, grads: &mut [f32]) {
+    let (weight, bias) = (layer.weight..layer.weight + layer.n_out * layer.n_in, layer.bias..layer.bias + layer.n_out);
+    gemm(1.0, Mat::row_major(dy, rows, layer.n_out).t(), Mat::row_major(x, rows, layer.n_in), 0.0, &mut grads[weight]);
+    column_sums(dy, &mut grads[bias]);
+}
+
 /// Run a stack of dense layers with `activation` over `rows` rows of `input`, keeping each
 /// layer's output in `outs` for the backward.
 fn dense_stack_forward(
@@ -518,14 +517,7 @@ fn dense_stack_backward(
         let d_pre = &mut d_cur[..rows * layer.n_out];
         act_backward_in_place(d_pre, y, activation);
         let x: &[f32] = if layer_idx == 0 { input } else { &outs[layer_idx - 1][..rows * layer.n_in] };
-        gemm(
-            1.0,
-            Mat::row_major(d_pre, rows, layer.n_out).t(),
-            Mat::row_major(x, rows, layer.n_in),
-            0.0,
-            &mut grads[layer.weight..layer.weight + layer.n_out * layer.n_in],
-        );
-        column_sums(d_pre, &mut grads[layer.bias..layer.bias + layer.n_out]);
+        dense_param_grads(layer, d_pre, x, rows, grads);
         if layer_idx > 0 {
             gemm(
                 1.0,

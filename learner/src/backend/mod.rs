@@ -975,46 +975,24 @@ mod tests {
     #[test]
     fn copy_columns_moves_a_block_of_columns_between_row_widths() {
         let mut cpu = CpuBackend::new();
-        // Two rows of [a, b] into columns 1..3 of rows of width 4, and column 2 of those back.
+        // Two rows: `columns` columns from `src_column` of `src` (rows of `src_width`) to
+        // `dst_column` of `dst` (rows of `dst_width`).
+        let mut copy =
+            |src: &Vec<f32>, (src_width, src_column), dst: &mut Vec<f32>, (dst_width, dst_column), columns| {
+                let (src, dst) = (View::of(src), ViewMut::of(dst));
+                let op = CopyColumns { src, src_width, src_column, dst, dst_width, dst_column, columns, rows: 2 };
+                cpu.copy_columns(op)
+            };
+        // Rows of [a, b] into columns 1..3 of rows of width 4, and column 2 of those back.
         let src = vec![1.0f32, 2.0, 3.0, 4.0];
         let mut wide = vec![0.0f32; 8];
-        let op = CopyColumns {
-            src: View::of(&src),
-            src_width: 2,
-            src_column: 0,
-            dst: ViewMut::of(&mut wide),
-            dst_width: 4,
-            dst_column: 1,
-            columns: 2,
-            rows: 2,
-        };
-        cpu.copy_columns(op).unwrap();
+        copy(&src, (2, 0), &mut wide, (4, 1), 2).unwrap();
         assert_eq!(wide, [0.0, 1.0, 2.0, 0.0, 0.0, 3.0, 4.0, 0.0]);
         let mut narrow = vec![0.0f32; 2];
-        let op = CopyColumns {
-            src: View::of(&wide),
-            src_width: 4,
-            src_column: 2,
-            dst: ViewMut::of(&mut narrow),
-            dst_width: 1,
-            dst_column: 0,
-            columns: 1,
-            rows: 2,
-        };
-        cpu.copy_columns(op).unwrap();
+        copy(&wide, (4, 2), &mut narrow, (1, 0), 1).unwrap();
         assert_eq!(narrow, [2.0, 4.0]);
         // A block that runs past a row is refused, and nothing is written.
-        let op = CopyColumns {
-            src: View::of(&src),
-            src_width: 2,
-            src_column: 1,
-            dst: ViewMut::of(&mut wide),
-            dst_width: 4,
-            dst_column: 0,
-            columns: 2,
-            rows: 2,
-        };
-        let err = cpu.copy_columns(op).unwrap_err().to_string();
+        let err = copy(&src, (2, 1), &mut wide, (4, 0), 2).unwrap_err().to_string();
         assert_eq!(err, "copy_columns: last src column 2 is not below 2");
         assert_eq!(wide, [0.0, 1.0, 2.0, 0.0, 0.0, 3.0, 4.0, 0.0]);
     }
