@@ -29,7 +29,7 @@ const SMALL_CPU_RUN: [&str; 8] =
 const PATIENCE: Duration = Duration::from_secs(180);
 
 /// Every tag the learner writes on the CPU backend with actors that finish episodes.
-const TAGS: [&str; 14] = [
+const TAGS: [&str; 15] = [
     "episode/return_mean_100",
     "episode/return_mean_20",
     "episode/length_mean_100",
@@ -41,6 +41,7 @@ const TAGS: [&str; 14] = [
     "policy/behaviour_kl",
     "optim/learning_rate",
     "optim/grad_norm",
+    "optim/ent_coef",
     "throughput/env_steps_per_sec",
     "lag/mean",
     "lag/max",
@@ -109,7 +110,9 @@ fn train_writes_scalars_tensorboard_reads_back() {
     let run_dir = dir.path().join("run");
     let tb_dir = dir.path().join("tb");
     let tb = tb_dir.display().to_string();
-    train_in(&run_dir, &[&["--max-env-steps", "8192", "--tensorboard", &tb][..], &SMALL_CPU_RUN].concat());
+    // An entropy bonus that decays, so `optim/ent_coef` changes from update to update.
+    let flags = ["--max-env-steps", "8192", "--tensorboard", &tb, "--ent-coef", "0.01", "--final-ent-coef", "0"];
+    train_in(&run_dir, &[&flags[..], &SMALL_CPU_RUN].concat());
     let rows: Vec<serde_json::Value> = std::fs::read_to_string(run_dir.join("metrics.jsonl"))
         .expect("metrics.jsonl")
         .lines()
@@ -120,8 +123,13 @@ fn train_writes_scalars_tensorboard_reads_back() {
     check_every_tag(&scalars, rows.len());
     // One point per update for the terms every update has, at the update's env steps, with the
     // value metrics.jsonl recorded (f32 both ways, so equal up to the JSON round trip).
-    for (tag, column) in [("loss/total", "loss_total"), ("policy/entropy", "entropy"), ("optim/grad_norm", "grad_norm")]
-    {
+    let columns = [
+        ("loss/total", "loss_total"),
+        ("policy/entropy", "entropy"),
+        ("optim/grad_norm", "grad_norm"),
+        ("optim/ent_coef", "ent_coef"),
+    ];
+    for (tag, column) in columns {
         let series = points(&scalars, tag);
         assert_eq!(series.len(), rows.len(), "{tag}");
         for ((step, value), row) in series.iter().zip(&rows) {

@@ -64,6 +64,8 @@ pub struct UpdateStats {
     pub skipped_steps: u32,
     /// Learning rate used.
     pub learning_rate: f32,
+    /// Entropy bonus coefficient used (`HyperParams::final_ent_coef` decays it).
+    pub ent_coef: f32,
     /// Samples (steps × segments) in the batch.
     pub samples: usize,
     /// Largest lag among the batch's segments, in versions.
@@ -371,6 +373,7 @@ impl Learner {
             grad_norm: outcome.grad_norm,
             skipped_steps: outcome.skipped_steps,
             learning_rate,
+            ent_coef,
             samples: batch.data_samples(),
             lag_max,
             lag_mean: if n_columns == 0 { 0.0 } else { lag_sum as f32 / n_columns as f32 },

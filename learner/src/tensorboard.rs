@@ -200,6 +200,7 @@ impl EventWriter {
 ///   the updated one (cleanrl's `approx_kl`).
 /// - `policy/behaviour_kl`: `KL(μ ‖ π)` of the batch against its behaviour policies (CPU backend).
 /// - `optim/learning_rate`, `optim/grad_norm`: learning rate used, gradient norm before clipping.
+/// - `optim/ent_coef`: the entropy bonus coefficient used.
 /// - `throughput/env_steps_per_sec`: env steps per second of wall time since the previous update.
 /// - `lag/mean`, `lag/max`: policy lag of the batch in versions.
 #[derive(Debug)]
@@ -272,6 +273,7 @@ impl TensorBoardLog {
             ("policy/behaviour_kl", stats.off_policy.as_ref().map_or(f32::NAN, |o| o.behaviour_kl)),
             ("optim/learning_rate", stats.learning_rate),
             ("optim/grad_norm", stats.grad_norm),
+            ("optim/ent_coef", stats.ent_coef),
             ("throughput/env_steps_per_sec", steps_per_sec),
             ("lag/mean", stats.lag_mean),
             ("lag/max", stats.lag_max as f32),
