@@ -188,7 +188,6 @@ impl ParamLayout {
         validate(spec)?;
         let mut builder = Builder::default();
         let mut n_in = spec.obs_dim;
-        let mut torso = Vec::with_capacity(spec.torso.len());
         let sqrt2 = std::f32::consts::SQRT_2;
         let conv_geometries = match &spec.conv {
             Some(conv) => conv.geometries()?,
@@ -207,17 +206,8 @@ impl ParamLayout {
             conv.push(DenseOffsets { weight, bias, n_in: patch, n_out });
             n_in = geometry.output_len();
         }
-        for (layer_idx, &n_out) in spec.torso.iter().enumerate() {
-            let weight = builder.push(
-                format!("torso.{layer_idx}.weight"),
-                n_out,
-                n_in,
-                InitRule::Orthogonal { gain: sqrt2, blocks: 1 },
-            );
-            let bias = builder.push(format!("torso.{layer_idx}.bias"), 1, n_out, InitRule::Zeros);
-            torso.push(DenseOffsets { weight, bias, n_in, n_out });
-            n_in = n_out;
-        }
+        let torso = builder.push_dense_stack("torso", &spec.torso, n_in);
+        n_in = torso.last().map_or(n_in, |layer| layer.n_out);
         let gru = match spec.core {
             CoreKind::Mlp => None,
             CoreKind::Gru { hidden } => {
@@ -242,22 +232,10 @@ impl ParamLayout {
                 Some(offsets)
             }
         };
-        let mut critic = Vec::with_capacity(spec.critic.len());
-        let mut value_in = n_in;
-        if !spec.critic.is_empty() {
-            value_in = spec.obs_dim;
-            for (layer_idx, &n_out) in spec.critic.iter().enumerate() {
-                let weight = builder.push(
-                    format!("critic.{layer_idx}.weight"),
-                    n_out,
-                    value_in,
-                    InitRule::Orthogonal { gain: sqrt2, blocks: 1 },
-                );
-                let bias = builder.push(format!("critic.{layer_idx}.bias"), 1, n_out, InitRule::Zeros);
-                critic.push(DenseOffsets { weight, bias, n_in: value_in, n_out });
-                value_in = n_out;
-            }
-        }
+        // A separate value network reads the observations; without one the value head reads
+        // the policy's features.
+        let critic = builder.push_dense_stack("critic", &spec.critic, spec.obs_dim);
+        let value_in = critic.last().map_or(n_in, |layer| layer.n_out);
         let n_actions = spec.n_actions;
         let policy_weight =
             builder.push("policy.weight".into(), n_actions, n_in, InitRule::Orthogonal { gain: 0.01, blocks: 1 });
@@ -491,6 +469,21 @@ struct Builder {
 }
 
 impl Builder {
+    /// Append a stack of dense layers named `{name}.{i}.weight` / `{name}.{i}.bias` of the given
+    /// widths over `n_in` inputs (orthogonal weights with ReLU/tanh gain √2, zero biases).
+    fn push_dense_stack(&mut self, name: &str, widths: &[usize], mut n_in: usize) -> Vec<DenseOffsets> {
+        let gain = std::f32::consts::SQRT_2;
+        let mut layers = Vec::with_capacity(widths.len());
+        for (layer_idx, &n_out) in widths.iter().enumerate() {
+            let weight =
+                self.push(format!("{name}.{layer_idx}.weight"), n_out, n_in, InitRule::Orthogonal { gain, blocks: 1 });
+            let bias = self.push(format!("{name}.{layer_idx}.bias"), 1, n_out, InitRule::Zeros);
+            layers.push(DenseOffsets { weight, bias, n_in, n_out });
+            n_in = n_out;
+        }
+        layers
+    }
+
     /// Append a `rows × cols` block and return its offset.
     fn push(&mut self, name: String, rows: usize, cols: usize, init: InitRule) -> usize {
         let offset = self.n_params;
@@ -529,28 +522,20 @@ fn validate(spec: &PolicySpec) -> Result<(), PolicyError> {
             rule: "off for a conv torso that scales pixels (conv.input = pixels)",
         });
     }
-    if spec.torso.len() > MAX_TORSO_LAYERS {
-        return Err(PolicyError::InvalidSpec {
-            field: "torso.len()".into(),
-            value: spec.torso.len(),
-            rule: "at most 64",
-        });
-    }
-    for (layer_idx, &width) in spec.torso.iter().enumerate() {
-        check_width(format!("torso[{layer_idx}]"), width)?;
+    for (name, widths) in [("torso", &spec.torso), ("critic", &spec.critic)] {
+        if widths.len() > MAX_TORSO_LAYERS {
+            return Err(PolicyError::InvalidSpec {
+                field: format!("{name}.len()"),
+                value: widths.len(),
+                rule: "at most 64",
+            });
+        }
+        for (layer_idx, &width) in widths.iter().enumerate() {
+            check_width(format!("{name}[{layer_idx}]"), width)?;
+        }
     }
     if let CoreKind::Gru { hidden } = spec.core {
         check_width("core.hidden", hidden)?;
-    }
-    if spec.critic.len() > MAX_TORSO_LAYERS {
-        return Err(PolicyError::InvalidSpec {
-            field: "critic.len()".into(),
-            value: spec.critic.len(),
-            rule: "at most 64",
-        });
-    }
-    for (layer_idx, &width) in spec.critic.iter().enumerate() {
-        check_width(format!("critic[{layer_idx}]"), width)?;
     }
     if !spec.critic.is_empty() && (spec.conv.is_some() || spec.core != CoreKind::Mlp) {
         return Err(PolicyError::InvalidSpec {
