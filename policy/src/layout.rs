@@ -731,13 +731,12 @@ pub(crate) mod tests {
     #[test]
     fn a_separate_value_network_gets_its_own_layers_and_a_value_head_on_them() {
         let layout = ParamLayout::new(&cartpole_mlp().with_critic(&[32, 16])).unwrap();
+        let shared = ParamLayout::new(&cartpole_mlp()).unwrap();
+        // The torso is laid out as without a value network, and the value network follows it.
+        assert_eq!(summary(&layout)[..4], summary(&shared)[..4]);
         assert_eq!(
-            summary(&layout),
+            summary(&layout)[4..],
             [
-                ("torso.0.weight", 0, 64, 4),
-                ("torso.0.bias", 256, 1, 64),
-                ("torso.1.weight", 320, 64, 64),
-                ("torso.1.bias", 4416, 1, 64),
                 ("critic.0.weight", 4480, 32, 4),
                 ("critic.0.bias", 4608, 1, 32),
                 ("critic.1.weight", 4640, 16, 32),
@@ -754,7 +753,6 @@ pub(crate) mod tests {
         let value = layout.value_head().unwrap();
         assert_eq!((value.weight, value.bias, value.n_in, value.n_out), (5296, 5314, 16, 1));
         // Without one, the value head stays fused into the policy head's product.
-        let shared = ParamLayout::new(&cartpole_mlp()).unwrap();
         assert_eq!((shared.heads().n_out, shared.value_head(), shared.critic().len()), (3, None, 0));
     }
 
