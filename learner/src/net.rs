@@ -159,17 +159,18 @@ impl Shape {
                 geometry,
             })
             .collect();
-        let mut n_in = conv.last().map_or(spec.obs_dim, |layer| layer.geometry.output_len());
-        let torso = spec
-            .torso
-            .iter()
-            .enumerate()
-            .map(|(i, &n_out)| {
-                let layer = dense(&format!("torso.{i}.weight"), &format!("torso.{i}.bias"), n_in, n_out);
+        // The layers `{name}.{i}.*` of a dense stack of `widths` over `n_in` inputs.
+        let stack = |name: &str, widths: &[usize], mut n_in: usize| -> Vec<Dense> {
+            let layer = |(i, &n_out): (usize, &usize)| {
+                let layer = dense(&format!("{name}.{i}.weight"), &format!("{name}.{i}.bias"), n_in, n_out);
                 n_in = n_out;
                 layer
-            })
-            .collect();
+            };
+            widths.iter().enumerate().map(layer).collect()
+        };
+        let torso_in = conv.last().map_or(spec.obs_dim, |layer| layer.geometry.output_len());
+        let torso = stack("torso", &spec.torso, torso_in);
+        let n_in = torso.last().map_or(torso_in, |d| d.n_out);
         let gru = match spec.core {
             CoreKind::Mlp => None,
             CoreKind::Gru { hidden } => Some(GruLayer {
@@ -179,17 +180,8 @@ impl Shape {
             }),
         };
         let features = gru.as_ref().map_or(n_in, |g| g.hidden);
-        let mut critic_in = spec.obs_dim;
-        let critic: Vec<Dense> = spec
-            .critic
-            .iter()
-            .enumerate()
-            .map(|(i, &n_out)| {
-                let layer = dense(&format!("critic.{i}.weight"), &format!("critic.{i}.bias"), critic_in, n_out);
-                critic_in = n_out;
-                layer
-            })
-            .collect();
+        let critic = stack("critic", &spec.critic, spec.obs_dim);
+        let critic_in = critic.last().map_or(spec.obs_dim, |d| d.n_out);
         let (heads, value) = if critic.is_empty() {
             let n_out = spec.n_actions + 1;
             // The layout keeps the value head's rows right after the policy head's (its

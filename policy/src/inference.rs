@@ -1,7 +1,7 @@
 //! Batched one-step inference for actors.
 
 use super::conv::{byte_table, im2col, im2col_u8_scaled, ConvGeometry};
-use super::layout::ParamLayout;
+use super::layout::{DenseOffsets, ParamLayout};
 use super::linalg::{
     dense_forward, large_dense_forward, small_chain_fits, small_dense_chain_forward, SmallLayer, LARGE_PRODUCT_MACS,
     LARGE_WEIGHTS,
@@ -329,17 +329,10 @@ impl PolicyInference {
         // chain whose activations stay in the kernel's lanes from layer to layer, through the
         // heads too when no recurrent core stands between; bit-identical to layer by layer.
         let fused_heads = layout.gru().is_none();
-        let chain_len = torso.len() + usize::from(fused_heads);
         let mut torso_done = false;
-        if !torso.is_empty() && chain_len <= SMALL_CHAIN_MAX {
-            let mut chain = [SmallLayer { weight: &[], bias: &[], act: None }; SMALL_CHAIN_MAX];
-            for (link, layer) in chain.iter_mut().zip(torso) {
-                *link = SmallLayer { weight: layer.weight(params), bias: layer.bias(params), act: Some(activation) };
-            }
-            if fused_heads {
-                chain[torso.len()] = SmallLayer { weight: heads.weight(params), bias: heads.bias(params), act: None };
-            }
-            let chain = &chain[..chain_len];
+        let links = small_chain(params, torso, activation, fused_heads.then_some(heads)).filter(|_| !torso.is_empty());
+        if let Some((links, chain_len)) = links {
+            let chain = &links[..chain_len];
             if small_chain_fits(n, chain) {
                 if fused_heads {
                     let heads_out = &mut self.heads_out[..n * heads.n_out];
@@ -353,20 +346,8 @@ impl PolicyInference {
                 torso_done = true;
             }
         }
-        // Layer i reads the buffer layer i−1 wrote (the conv features for i = 0) and writes the
-        // other one.
         if !torso_done {
-            for (layer_idx, layer) in torso.iter().enumerate() {
-                let (input, output) =
-                    if layer_idx % 2 == 0 { (&self.act_b, &mut self.act_a) } else { (&self.act_a, &mut self.act_b) };
-                let x = if layer_idx == 0 { conv_features } else { &input[..] };
-                let (weight, bias) = (layer.weight(params), layer.bias(params));
-                if weight.len() >= LARGE_WEIGHTS {
-                    large_dense_forward(x, n, weight, bias, Some(activation), output);
-                } else {
-                    dense_forward(x, n, weight, bias, Some(activation), output);
-                }
-            }
+            dense_stack_forward(params, torso, activation, conv_features, n, [&mut self.act_a, &mut self.act_b]);
         }
         let torso_features: &[f32] = match torso.len() {
             0 => conv_features,
@@ -409,31 +390,68 @@ fn critic_values(
     params: &[f32],
     obs: &[f32],
     n: usize,
-    scratch: [&mut Vec<f32>; 2],
+    [a, b]: [&mut Vec<f32>; 2],
     values: &mut [f32],
 ) {
     let (critic, activation) = (layout.critic(), layout.spec().activation);
     let value = layout.value_head().expect("a separate value network has a value head");
-    if critic.len() < SMALL_CHAIN_MAX {
-        let mut chain = [SmallLayer { weight: &[], bias: &[], act: None }; SMALL_CHAIN_MAX];
-        for (link, layer) in chain.iter_mut().zip(critic) {
-            *link = SmallLayer { weight: layer.weight(params), bias: layer.bias(params), act: Some(activation) };
-        }
-        chain[critic.len()] = SmallLayer { weight: value.weight(params), bias: value.bias(params), act: None };
-        let chain = &chain[..critic.len() + 1];
+    if let Some((links, chain_len)) = small_chain(params, critic, activation, Some(value)) {
+        let chain = &links[..chain_len];
         if small_chain_fits(n, chain) {
             small_dense_chain_forward(obs, n, chain, values);
             return;
         }
     }
-    let [a, b] = scratch;
-    for (layer_idx, layer) in critic.iter().enumerate() {
-        let (input, output) = if layer_idx % 2 == 0 { (&*b, &mut *a) } else { (&*a, &mut *b) };
-        let x = if layer_idx == 0 { obs } else { &input[..n * layer.n_in] };
-        dense_forward(x, n, layer.weight(params), layer.bias(params), Some(activation), &mut output[..n * layer.n_out]);
-    }
+    dense_stack_forward(params, critic, activation, obs, n, [&mut *a, &mut *b]);
     let features = if critic.len() % 2 == 1 { &a[..] } else { &b[..] };
     dense_forward(&features[..n * value.n_in], n, value.weight(params), value.bias(params), None, values);
+}
+
+/// The dense layers `layers` (with `activation`), then `tail` (without one), as the links of
+/// one small-batch chain: the first `len` of the array; `None` when they are more than
+/// [`SMALL_CHAIN_MAX`].
+fn small_chain<'p>(
+    params: &'p [f32],
+    layers: &[DenseOffsets],
+    activation: Activation,
+    tail: Option<DenseOffsets>,
+) -> Option<([SmallLayer<'p>; SMALL_CHAIN_MAX], usize)> {
+    let len = layers.len() + usize::from(tail.is_some());
+    if len > SMALL_CHAIN_MAX {
+        return None;
+    }
+    let mut links = [SmallLayer { weight: &[], bias: &[], act: None }; SMALL_CHAIN_MAX];
+    for (link, layer) in links.iter_mut().zip(layers) {
+        *link = SmallLayer { weight: layer.weight(params), bias: layer.bias(params), act: Some(activation) };
+    }
+    if let Some(tail) = tail {
+        links[layers.len()] = SmallLayer { weight: tail.weight(params), bias: tail.bias(params), act: None };
+    }
+    Some((links, len))
+}
+
+/// `layers` with `activation` over `n` rows of `input`, layer by layer: layer `i` reads what
+/// layer `i − 1` wrote (`input` for `i = 0`) and writes the other scratch buffer, `a` for even
+/// `i`, so the last layer's output is in `a` for an odd number of layers, else in `b`. Large
+/// weights go through the `gemm` crate's product.
+fn dense_stack_forward(
+    params: &[f32],
+    layers: &[DenseOffsets],
+    activation: Activation,
+    input: &[f32],
+    n: usize,
+    [a, b]: [&mut Vec<f32>; 2],
+) {
+    for (layer_idx, layer) in layers.iter().enumerate() {
+        let (prev, output) = if layer_idx % 2 == 0 { (&*b, &mut *a) } else { (&*a, &mut *b) };
+        let x = if layer_idx == 0 { input } else { &prev[..] };
+        let (weight, bias) = (layer.weight(params), layer.bias(params));
+        if weight.len() >= LARGE_WEIGHTS {
+            large_dense_forward(x, n, weight, bias, Some(activation), output);
+        } else {
+            dense_forward(x, n, weight, bias, Some(activation), output);
+        }
+    }
 }
 
 /// Bytes of unfolded receptive fields that one chunk of inference's conv products reads: half
