@@ -453,6 +453,9 @@ def report(args, family: Family) -> bool:
             "stability": {str(s): c for s, c in checks.items()}, "env_steps_per_sec": speeds,
         }
     lines.append("")
+    if ref.budget == 0:
+        solve_lines, results["time_to_threshold"] = time_to_threshold(family, runs)
+        lines += solve_lines
     iqm_line = iqm(normalised, ref, ref.budget if ref.budget in earlier else None)
     if iqm_line:
         lines += [iqm_line, ""]
@@ -466,6 +469,44 @@ def report(args, family: Family) -> bool:
     (args.out / "results.json").write_text(json.dumps(results, indent=1, default=str))
     print("\n".join(lines), flush=True)
     return all_ok
+
+
+def time_to_threshold(family: Family, runs: dict[str, dict[int, dict]]) -> tuple[list[str], dict]:
+    """For a family whose reference is a solved threshold (classic control): the env steps and
+    the learner-loop seconds until the last-20 mean first reached it (volley's
+    `steps_to_target_20`, `secs_to_target_20`; the learner loop excludes process start-up),
+    the median over the seeds with each seed's, and the same for the last-100 mean, at which a
+    run stops. A seed that never reached it counts as not solved and is left out of the medians."""
+    import numpy as np
+
+    lines = [
+        f"Time to the {family.primary.label}, medians over the seeds that reached it (each seed in brackets):",
+        "",
+        "| env | threshold | solved (last-20) | env steps to last-20 ≥ threshold | learner-loop s to it "
+        "| env steps to last-100 ≥ threshold | learner-loop s to it |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    results = {}
+    for env in family.envs:
+        env_runs = runs.get(env, {})
+        if not env_runs:
+            continue
+        summaries = [r["summary"] for r in env_runs.values()]
+        cells = {}
+        for key in ["steps_to_target_20", "secs_to_target_20", "steps_to_target_100", "secs_to_target_100"]:
+            values = [s.get(key) for s in summaries]
+            reached = [v for v in values if v is not None]
+            digits = 2 if key.startswith("secs") else 0
+            median = fmt(float(np.median(reached)), digits) if reached else "–"
+            cells[key] = f"{median} ({', '.join(fmt(v, digits) for v in values)})"
+            results.setdefault(env, {})[key] = values
+        solved = sum(s.get("steps_to_target_20") is not None for s in summaries)
+        lines.append(
+            f"| {env} | {fmt(family.primary.scores.get(env), 1)} | {solved}/{len(summaries)} | "
+            f"{cells['steps_to_target_20']} | {cells['secs_to_target_20']} | "
+            f"{cells['steps_to_target_100']} | {cells['secs_to_target_100']} |"
+        )
+    return lines + [""], results
 
 
 def iqm(normalised: dict[str, list[float]], ref: Reference, at: int | None = None) -> str | None:
