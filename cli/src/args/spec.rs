@@ -113,8 +113,8 @@ pub struct SpecArgs {
     /// tasks: 0.1; minatar-*: 1].
     #[arg(long, env = "VOLLEY_REWARD_SCALE")]
     pub reward_scale: Option<f32>,
-    /// Entropy bonus coefficient [default: 0.01 with PPO on discrete actions; minatar-*: 0.005;
-    /// 0 otherwise].
+    /// Entropy bonus coefficient [default: 0.01 with PPO on discrete actions; minatar-*: 0.02,
+    /// decaying to 0; 0 otherwise].
     /// PPO runs ten epochs on each batch; with actors several versions behind, those steps
     /// pushed a policy that was still improving to a deterministic wrong one (CartPole stuck at
     /// a return of ~9) in 2 of 32 runs with 4 and 6 actor processes, and in 1 of 64 with 0.01
@@ -122,7 +122,8 @@ pub struct SpecArgs {
     #[arg(long, env = "VOLLEY_ENT_COEF")]
     pub ent_coef: Option<f32>,
     /// The entropy bonus at the end of the step budget, reached by linear decay from
-    /// --ent-coef on the learning rate's ramp [default: none (constant)].
+    /// --ent-coef on the learning rate's ramp [default: none (constant); minatar-*: 0, unless
+    /// --ent-coef is given].
     #[arg(long, env = "VOLLEY_FINAL_ENT_COEF")]
     pub final_ent_coef: Option<f32>,
     /// PPO epochs per batch [default: 10; served images: 3].
@@ -258,6 +259,10 @@ struct EnvDefaults {
     batch_segments: usize,
     /// The entropy bonus; `None`: 0.01 for a categorical head under PPO, else 0.
     ent_coef: Option<f32>,
+    /// The entropy bonus at the end of the step budget (linear decay from `ent_coef`); `None`:
+    /// constant. It applies only with the family's own `ent_coef`: an `--ent-coef` given without
+    /// `--final-ent-coef` stays constant.
+    final_ent_coef: Option<f32>,
     network: NetworkDefaults,
     normalize_obs: bool,
 }
@@ -305,6 +310,7 @@ impl EnvDefaults {
         segment_len: 32,
         batch_segments: 32,
         ent_coef: None,
+        final_ent_coef: None,
         network: NetworkDefaults::MLP,
         normalize_obs: false,
     };
@@ -329,6 +335,7 @@ impl EnvDefaults {
         segment_len: 32,
         batch_segments: 32,
         ent_coef: Some(0.01),
+        final_ent_coef: None,
         network: NetworkDefaults::NATURE,
         normalize_obs: false,
     };
@@ -352,6 +359,7 @@ impl EnvDefaults {
         segment_len: 64,
         batch_segments: 32,
         ent_coef: Some(0.0),
+        final_ent_coef: None,
         network: NetworkDefaults::MLP,
         normalize_obs: true,
     };
@@ -368,6 +376,7 @@ impl EnvDefaults {
         segment_len: 32,
         batch_segments: 8,
         ent_coef: None,
+        final_ent_coef: None,
         network: NetworkDefaults::MLP,
         normalize_obs: false,
     };
@@ -385,6 +394,12 @@ impl EnvDefaults {
     /// 64×64 tanh MLP: over 5 seeds at 5M frames it took Breakout from 6.6 to 12.0, Asterix from
     /// 2.7 to 29.8, Freeway from 52.7 to 63.4 and Space Invaders from 90 to about 125
     /// (docs/benchmarks/minatar.md, "MinAtar's conv network as the default").
+    /// The bonus starts at 0.02 and decays linearly to 0 over the step budget: with 0.005 held
+    /// constant, Breakout's policy was near deterministic by 0.5M frames (0.1-0.3 nats) and
+    /// seeds sat for millions of frames, or for good, in a rally of a few bricks at a return of
+    /// 5-6; starting at 0.02 every seed of a 4-seed screen left it by 1-2M frames (17.2 against
+    /// 10.0 at 5M), where 0.01 did not (9.8) (docs/benchmarks/minatar.md, "An entropy bonus
+    /// that decays").
     const MINATAR: EnvDefaults = EnvDefaults {
         family: "MinAtar",
         loss: LossName::Vtrace,
@@ -395,7 +410,8 @@ impl EnvDefaults {
         ppo_minibatches: 1,
         segment_len: 32,
         batch_segments: 8,
-        ent_coef: Some(0.005),
+        ent_coef: Some(0.02),
+        final_ent_coef: Some(0.0),
         network: NetworkDefaults::MINATAR,
         normalize_obs: false,
     };
@@ -541,7 +557,7 @@ impl SpecArgs {
                     _ => 0.0,
                 },
             ),
-            final_ent_coef: self.final_ent_coef,
+            final_ent_coef: self.final_ent_coef.or(if self.ent_coef.is_none() { preset.final_ent_coef } else { None }),
             adam_eps: self.adam_eps.unwrap_or_else(|| volley_core::spec::default_adam_eps(&env)),
             ppo_epochs: self.ppo_epochs.unwrap_or(preset.ppo_epochs),
             ppo_minibatches: self.ppo_minibatches.unwrap_or(preset.ppo_minibatches),
@@ -837,8 +853,9 @@ mod tests {
             let minatar = spec(&["--env", game]);
             assert_eq!(
                 (minatar.hyper.loss, minatar.hyper.reward_scale, minatar.hyper.ent_coef, minatar.hyper.learning_rate),
-                (LossKind::Vtrace, 1.0, 0.005, 1.5e-3)
+                (LossKind::Vtrace, 1.0, 0.02, 1.5e-3)
             );
+            assert_eq!(minatar.hyper.final_ent_coef, Some(0.0), "{game}: the bonus decays to 0");
         }
         let breakout = spec(&["--env", "minatar-breakout"]);
         assert_eq!(
@@ -847,6 +864,12 @@ mod tests {
         );
         let tuned = spec(&["--env", "minatar-breakout", "--ent-coef", "0", "--reward-scale", "0.05", "--conv", "none"]);
         assert_eq!((tuned.hyper.ent_coef, tuned.hyper.reward_scale), (0.0, 0.05));
+        // A bonus given on the command line is constant unless its end is given too.
+        assert_eq!(tuned.hyper.final_ent_coef, None);
+        let decaying = spec(&["--env", "minatar-breakout", "--ent-coef", "0.03", "--final-ent-coef", "0.001"]);
+        assert_eq!((decaying.hyper.ent_coef, decaying.hyper.final_ent_coef), (0.03, Some(0.001)));
+        let end_only = spec(&["--env", "minatar-breakout", "--final-ent-coef", "0.004"]);
+        assert_eq!((end_only.hyper.ent_coef, end_only.hyper.final_ent_coef), (0.02, Some(0.004)));
         assert_eq!((&tuned.policy.conv, &tuned.policy.torso), (&None, &vec![128]));
         let cartpole = spec(&[]);
         assert_eq!((cartpole.hyper.ent_coef, cartpole.hyper.reward_scale), (0.0, 0.05));
